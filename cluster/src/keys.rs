@@ -1,0 +1,199 @@
+//! The etcd key layout. Only this module knows it; everything else asks it for keys.
+//!
+//! ```text
+//! {prefix}/nodes/{node}                        NodeRecord, under the agent's lease
+//! {prefix}/drain/{node}                        DrainRequest (operator asked, `dctl drain`)
+//! {prefix}/jobs/{job}/spec                     JobSpec (desired size updated by `dctl scale`)
+//! {prefix}/jobs/{job}/status                   JobStatus, written by the leader
+//! {prefix}/jobs/{job}/generation               Generation, the current one (the fence)
+//! {prefix}/jobs/{job}/history/{gen:020}        Generation, every one ever published
+//! {prefix}/jobs/{job}/slots/{node}/{slot}      SlotHealth: a slot whose worker failed
+//! {prefix}/jobs/{job}/workers/{node}/{slot}    WorkerRecord, under the agent's lease
+//! {prefix}/jobs/{job}/joined/{gen:020}/{rank}  JoinRecord, a worker joined a generation
+//! {prefix}/jobs/{job}/progress                 Progress, from rank 0 (throttled)
+//! {prefix}/jobs/{job}/restarts                 restart counter (u32 as JSON)
+//! {prefix}/jobs/{job}/rdv/{gen:020}/...        per-generation rendezvous data (comm)
+//! {prefix}/election                            daemon leader election
+//! ```
+
+/// The default prefix under which ductile keeps all its keys.
+pub const DEFAULT_PREFIX: &str = "/ductile/v1";
+
+/// Builds keys under one prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Default for Keys {
+    fn default() -> Self {
+        Keys::new(DEFAULT_PREFIX)
+    }
+}
+
+/// Which record a key under the prefix names (parsing the other way).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyKind {
+    Node { node: String },
+    Drain { node: String },
+    JobSpec { job: String },
+    JobStatus { job: String },
+    Generation { job: String },
+    History { job: String, generation: u64 },
+    Slot { job: String, node: String, slot: u32 },
+    Worker { job: String, node: String, slot: u32 },
+    Joined { job: String, generation: u64, rank: u32 },
+    Progress { job: String },
+    Other,
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Self {
+        Keys { prefix: prefix.trim_end_matches('/').to_string() }
+    }
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    pub fn nodes(&self) -> String {
+        format!("{}/nodes/", self.prefix)
+    }
+    pub fn node(&self, node: &str) -> String {
+        format!("{}/nodes/{node}", self.prefix)
+    }
+    pub fn drains(&self) -> String {
+        format!("{}/drain/", self.prefix)
+    }
+    pub fn drain(&self, node: &str) -> String {
+        format!("{}/drain/{node}", self.prefix)
+    }
+    pub fn jobs(&self) -> String {
+        format!("{}/jobs/", self.prefix)
+    }
+    pub fn job(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/", self.prefix)
+    }
+    pub fn spec(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/spec", self.prefix)
+    }
+    pub fn status(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/status", self.prefix)
+    }
+    pub fn generation(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/generation", self.prefix)
+    }
+    pub fn history(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/history/", self.prefix)
+    }
+    pub fn history_entry(&self, job: &str, generation: u64) -> String {
+        format!("{}/jobs/{job}/history/{generation:020}", self.prefix)
+    }
+    pub fn slots(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/slots/", self.prefix)
+    }
+    pub fn slot(&self, job: &str, node: &str, slot: u32) -> String {
+        format!("{}/jobs/{job}/slots/{node}/{slot}", self.prefix)
+    }
+    pub fn worker(&self, job: &str, node: &str, slot: u32) -> String {
+        format!("{}/jobs/{job}/workers/{node}/{slot}", self.prefix)
+    }
+    pub fn joined(&self, job: &str, generation: u64) -> String {
+        format!("{}/jobs/{job}/joined/{generation:020}/", self.prefix)
+    }
+    pub fn joined_rank(&self, job: &str, generation: u64, rank: u32) -> String {
+        format!("{}/jobs/{job}/joined/{generation:020}/{rank}", self.prefix)
+    }
+    pub fn progress(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/progress", self.prefix)
+    }
+    pub fn restarts(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/restarts", self.prefix)
+    }
+    /// Rendezvous space of one generation, for the communicator exchange.
+    pub fn rendezvous(&self, job: &str, generation: u64) -> String {
+        format!("{}/jobs/{job}/rdv/{generation:020}/", self.prefix)
+    }
+    pub fn election(&self) -> String {
+        format!("{}/election", self.prefix)
+    }
+
+    /// Parse a key under this prefix back into what it names.
+    pub fn parse(&self, key: &str) -> KeyKind {
+        let Some(rest) = key.strip_prefix(&self.prefix).and_then(|r| r.strip_prefix('/')) else {
+            return KeyKind::Other;
+        };
+        let parts: Vec<&str> = rest.split('/').collect();
+        let s = |x: &str| x.to_string();
+        match parts.as_slice() {
+            ["nodes", node] => KeyKind::Node { node: s(node) },
+            ["drain", node] => KeyKind::Drain { node: s(node) },
+            ["jobs", job, "spec"] => KeyKind::JobSpec { job: s(job) },
+            ["jobs", job, "status"] => KeyKind::JobStatus { job: s(job) },
+            ["jobs", job, "generation"] => KeyKind::Generation { job: s(job) },
+            ["jobs", job, "progress"] => KeyKind::Progress { job: s(job) },
+            ["jobs", job, "history", g] => match g.parse() {
+                Ok(generation) => KeyKind::History { job: s(job), generation },
+                Err(_) => KeyKind::Other,
+            },
+            ["jobs", job, "slots", node, slot] => match slot.parse() {
+                Ok(slot) => KeyKind::Slot { job: s(job), node: s(node), slot },
+                Err(_) => KeyKind::Other,
+            },
+            ["jobs", job, "workers", node, slot] => match slot.parse() {
+                Ok(slot) => KeyKind::Worker { job: s(job), node: s(node), slot },
+                Err(_) => KeyKind::Other,
+            },
+            ["jobs", job, "joined", g, r] => match (g.parse(), r.parse()) {
+                (Ok(generation), Ok(rank)) => KeyKind::Joined { job: s(job), generation, rank },
+                _ => KeyKind::Other,
+            },
+            _ => KeyKind::Other,
+        }
+    }
+}
+
+/// Names of nodes and jobs become key segments: keep them to a safe alphabet.
+pub fn validate_name(field: &str, name: &str) -> crate::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && !name.starts_with('.');
+    if ok {
+        Ok(())
+    } else {
+        Err(crate::ClusterError::invalid(
+            field,
+            format!("{name:?} must be 1-63 characters of [A-Za-z0-9._-], not starting with '.'"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_through_parse() {
+        let k = Keys::new("/x/v1/");
+        assert_eq!(k.parse(&k.node("n1")), KeyKind::Node { node: "n1".into() });
+        assert_eq!(
+            k.parse(&k.worker("j", "n1", 3)),
+            KeyKind::Worker { job: "j".into(), node: "n1".into(), slot: 3 }
+        );
+        assert_eq!(
+            k.parse(&k.joined_rank("j", 12, 2)),
+            KeyKind::Joined { job: "j".into(), generation: 12, rank: 2 }
+        );
+        assert_eq!(k.parse(&k.history_entry("j", 7)), KeyKind::History { job: "j".into(), generation: 7 });
+        assert_eq!(k.parse("/other/nodes/n1"), KeyKind::Other);
+        // history keys sort numerically because they are zero-padded
+        assert!(k.history_entry("j", 9) < k.history_entry("j", 10));
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(validate_name("name", "tiny-gpt_2.a").is_ok());
+        for bad in ["", "a/b", ".x", "has space", &"x".repeat(64)] {
+            assert!(validate_name("name", bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! ductile's cluster layer: typed records, the etcd key layout, and the store over etcd.
+//!
+//! Invariant: only this crate knows the etcd key layout ([`keys`]) and talks to etcd
+//! ([`etcd`]); everything above goes through [`store::Store`] and [`kv::KvBackend`].
+
+pub mod conformance;
+pub mod error;
+pub mod etcd;
+pub mod keys;
+pub mod kv;
+pub mod lease;
+pub mod memory;
+pub mod records;
+pub mod store;
+pub mod watch;
+
+pub use error::{ClusterError, Result};
+pub use keys::Keys;
+pub use kv::{KvBackend, LeaderKey};
+pub use store::Store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Connect to etcd at comma-separated `endpoints` (`http://` optional), waiting up to `wait`
+/// for a first answer.
+pub async fn connect_etcd(endpoints: &str, wait: Duration) -> Result<Arc<dyn KvBackend>> {
+    let eps: Vec<String> = endpoints.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect();
+    if eps.is_empty() {
+        return Err(ClusterError::invalid("etcd", "no endpoints given"));
+    }
+    Ok(Arc::new(etcd::EtcdBackend::connect_checked(&eps, wait).await?))
+}

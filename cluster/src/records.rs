@@ -1,0 +1,520 @@
+//! Typed records stored as JSON under the key layout of [`crate::keys`]. No I/O here.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+use crate::keys::validate_name;
+use crate::{ClusterError, Result};
+
+/// Milliseconds since the Unix epoch, the time unit of every record.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    Gpu,
+    Cpu,
+}
+
+/// One schedulable device of a node: a GPU, or a CPU slot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Device {
+    pub kind: DeviceKind,
+    pub index: u32,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+}
+
+/// A live node, written by its agent under the agent's lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub name: String,
+    pub hostname: String,
+    pub devices: Vec<Device>,
+    pub agent_pid: u32,
+    pub registered_at_ms: u64,
+    /// The agent is leaving (SIGTERM, spot notice, `dctl drain`): schedule nothing new on it.
+    #[serde(default)]
+    pub draining: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_reason: Option<String>,
+    /// How many times this agent had to register again after losing its lease.
+    #[serde(default)]
+    pub reregistrations: u32,
+}
+
+impl NodeRecord {
+    pub fn slots(&self) -> u32 {
+        self.devices.len() as u32
+    }
+}
+
+/// An operator's request that a node drain (`dctl drain NODE`). Not leased: it stays until
+/// the operator clears it (`dctl uncordon NODE`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainRequest {
+    pub reason: String,
+    pub requested_at_ms: u64,
+}
+
+fn default_command() -> Vec<String> {
+    vec!["ductile-worker".to_string()]
+}
+fn default_restart_budget() -> u32 {
+    10
+}
+
+/// A job as submitted (TOML file, or JSON over the API). Unknown fields are refused.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub name: String,
+    /// The worker program and its arguments; `ductile-worker` when omitted.
+    #[serde(default = "default_command")]
+    pub command: Vec<String>,
+    pub min: u32,
+    pub max: u32,
+    pub desired: u32,
+    /// How many worker restarts the whole job may use before failed slots stay out.
+    #[serde(default = "default_restart_budget")]
+    pub restart_budget: u32,
+    /// Extra environment for the workers.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training: Option<TrainingSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointSpec>,
+}
+
+/// The `[training]` section: what the worker trains. Validated here; used by the worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingSpec {
+    #[serde(default = "TrainingSpec::default_strategy")]
+    pub strategy: String,
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_config: Option<serde_json::Value>,
+    pub dataset: String,
+    pub global_batch: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_steps: Option<u64>,
+    #[serde(default = "TrainingSpec::default_optimizer")]
+    pub optimizer: String,
+    #[serde(default = "TrainingSpec::default_lr")]
+    pub lr: f64,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub deterministic: bool,
+}
+
+impl TrainingSpec {
+    fn default_strategy() -> String {
+        "data-parallel".into()
+    }
+    fn default_optimizer() -> String {
+        "adamw".into()
+    }
+    fn default_lr() -> f64 {
+        3e-4
+    }
+}
+
+/// The `[checkpoint]` section.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSpec {
+    pub url: String,
+    #[serde(default = "CheckpointSpec::default_interval")]
+    pub interval: u64,
+    #[serde(default = "CheckpointSpec::default_keep")]
+    pub keep: u32,
+}
+
+impl CheckpointSpec {
+    fn default_interval() -> u64 {
+        100
+    }
+    fn default_keep() -> u32 {
+        3
+    }
+}
+
+impl JobSpec {
+    /// Parse a TOML job spec; the error names the field (and line) at fault.
+    pub fn from_toml(text: &str) -> Result<JobSpec> {
+        let spec: JobSpec = toml::from_str(text).map_err(|e| {
+            let msg = e.message().to_string();
+            let field = e
+                .span()
+                .map(|s| {
+                    let line = text[..s.start.min(text.len())].lines().count().max(1);
+                    format!("job spec (line {line})")
+                })
+                .unwrap_or_else(|| "job spec".to_string());
+            ClusterError::invalid(field, msg)
+        })?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Parse a JSON job spec (the API's form).
+    pub fn from_json(text: &[u8]) -> Result<JobSpec> {
+        let spec: JobSpec = serde_json::from_slice(text)
+            .map_err(|e| ClusterError::invalid("job spec", e.to_string()))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Checks every value; the error names the field and the reason.
+    pub fn validate(&self) -> Result<()> {
+        validate_name("name", &self.name)?;
+        if self.command.is_empty() || self.command[0].trim().is_empty() {
+            return Err(ClusterError::invalid("command", "must name a program"));
+        }
+        if self.min == 0 {
+            return Err(ClusterError::invalid("min", "must be at least 1"));
+        }
+        if self.max < self.min {
+            return Err(ClusterError::invalid("max", format!("{} is below min {}", self.max, self.min)));
+        }
+        self.check_size(self.desired).map_err(|reason| ClusterError::invalid("desired", reason))?;
+        for k in self.env.keys() {
+            if k.is_empty() || k.contains('=') || k.starts_with("DUCTILE_") {
+                return Err(ClusterError::invalid(
+                    format!("env.{k}"),
+                    "names must be non-empty, without '=', and not start with DUCTILE_ (reserved)",
+                ));
+            }
+        }
+        if let Some(t) = &self.training {
+            t.validate(self.max)?;
+        }
+        if let Some(c) = &self.checkpoint {
+            if !(c.url.starts_with("s3://") || c.url.starts_with("file://")) {
+                return Err(ClusterError::invalid("checkpoint.url", format!("{:?} must be s3://... or file://...", c.url)));
+            }
+            if c.interval == 0 {
+                return Err(ClusterError::invalid("checkpoint.interval", "must be at least 1 step"));
+            }
+            if c.keep == 0 {
+                return Err(ClusterError::invalid("checkpoint.keep", "must keep at least 1 checkpoint"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `n` is an acceptable size for this job (`dctl scale`).
+    pub fn check_size(&self, n: u32) -> std::result::Result<(), String> {
+        if n < self.min || n > self.max {
+            Err(format!("{n} is outside [min, max] = [{}, {}]", self.min, self.max))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl TrainingSpec {
+    fn validate(&self, max: u32) -> Result<()> {
+        if self.strategy != "data-parallel" {
+            return Err(ClusterError::invalid(
+                "training.strategy",
+                format!("{:?} is not supported (supported: \"data-parallel\")", self.strategy),
+            ));
+        }
+        if !matches!(self.model.as_str(), "gpt" | "mlp") {
+            return Err(ClusterError::invalid("training.model", format!("{:?} is unknown (known: \"gpt\", \"mlp\")", self.model)));
+        }
+        if !(self.dataset.starts_with("file://") || self.dataset.starts_with("s3://")) {
+            return Err(ClusterError::invalid("training.dataset", format!("{:?} must be a file:// or s3:// URL", self.dataset)));
+        }
+        if self.global_batch == 0 {
+            return Err(ClusterError::invalid("training.global_batch", "must be at least 1"));
+        }
+        if self.global_batch < max {
+            return Err(ClusterError::invalid(
+                "training.global_batch",
+                format!("{} cannot be split over max = {max} ranks (each rank needs at least one sample)", self.global_batch),
+            ));
+        }
+        if !matches!(self.optimizer.as_str(), "adamw" | "sgd") {
+            return Err(ClusterError::invalid("training.optimizer", format!("{:?} is unknown (known: \"adamw\", \"sgd\")", self.optimizer)));
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(ClusterError::invalid("training.lr", "must be a positive finite number"));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobState {
+    /// Submitted, no generation yet.
+    Pending,
+    /// A generation is current and at or above `min`.
+    Running,
+    /// Fewer live slots than `min`: no generation is published; state is kept.
+    Waiting,
+    /// Stopped by the operator.
+    Stopped,
+    /// Every worker of the last generation exited successfully.
+    Succeeded,
+    /// The job cannot go on (for example its workers keep failing past the restart budget below min).
+    Failed,
+}
+
+impl JobState {
+    pub fn is_terminal(self) -> bool {
+        matches!(self, JobState::Stopped | JobState::Succeeded | JobState::Failed)
+    }
+}
+
+/// Why a generation was published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reason {
+    /// The first generation of a job.
+    Start,
+    /// Slots joined (a node came, a failed worker was restarted).
+    Join,
+    /// A node was lost or a worker died.
+    Failure,
+    /// The operator asked for a new size.
+    Scale,
+    /// A node is leaving in an orderly way (SIGTERM, spot notice, `dctl drain`).
+    Drain,
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            Reason::Start => "start",
+            Reason::Join => "join",
+            Reason::Failure => "failure",
+            Reason::Scale => "scale",
+            Reason::Drain => "drain",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Where the members of a generation get their training state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StateSource {
+    /// Nobody holds state yet: start from the seed.
+    Seed,
+    /// Survivors hold it in memory; newcomers receive it from them.
+    Peers,
+    /// No survivor: read the latest checkpoint.
+    Checkpoint,
+}
+
+/// One (node, slot) of a generation and its rank.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Member {
+    pub node: String,
+    pub slot: u32,
+    pub rank: u32,
+}
+
+/// The parallel layout of a generation: dp × pp × tp = world size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    pub data_parallel: u32,
+    #[serde(default = "one")]
+    pub pipeline_parallel: u32,
+    #[serde(default = "one")]
+    pub tensor_parallel: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Layout {
+    pub fn data_parallel(n: u32) -> Layout {
+        Layout { data_parallel: n, pipeline_parallel: 1, tensor_parallel: 1 }
+    }
+}
+
+/// A generation: who is in the world, at which rank, and where state comes from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Generation {
+    pub job: String,
+    pub number: u64,
+    pub members: Vec<Member>,
+    pub world_size: u32,
+    pub layout: Layout,
+    /// The last step known committed when this generation was published (a floor: survivors
+    /// that completed more win in the rendezvous).
+    pub resume_step: u64,
+    pub state_source: StateSource,
+    pub reason: Reason,
+    /// What happened, in words (`node n2 lost its lease`).
+    pub detail: String,
+    /// When the event that caused this generation was observed.
+    pub triggered_at_ms: u64,
+    pub published_at_ms: u64,
+}
+
+impl Generation {
+    pub fn member(&self, node: &str, slot: u32) -> Option<&Member> {
+        self.members.iter().find(|m| m.node == node && m.slot == slot)
+    }
+}
+
+/// How the last re-formation went.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Reformation {
+    pub generation: u64,
+    pub reason: Reason,
+    pub detail: String,
+    /// From the triggering event to the last member joining the new generation.
+    pub seconds: f64,
+}
+
+/// A job's status, written by the leader.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobStatus {
+    pub job: String,
+    pub state: JobState,
+    pub generation: u64,
+    pub world_size: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_reformation: Option<Reformation>,
+    #[serde(default)]
+    pub message: String,
+    pub updated_at_ms: u64,
+}
+
+/// A slot whose worker failed; the daemon leaves it out until the agent clears it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotHealth {
+    pub failed_at_ms: u64,
+    pub generation: u64,
+    pub exit: String,
+    /// The agent will restart it after its backoff (within the job's restart budget).
+    pub will_restart: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerState {
+    Running,
+    Exited,
+}
+
+/// A worker process on a node, written by its agent under the agent's lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    pub pid: u32,
+    /// The generation the agent started it for.
+    pub generation: u64,
+    pub state: WorkerState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<String>,
+    pub started_at_ms: u64,
+}
+
+/// A worker joined a generation (it is at the rendezvous and ready).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JoinRecord {
+    pub node: String,
+    pub slot: u32,
+    pub rank: u32,
+    pub pid: u32,
+    pub joined_at_ms: u64,
+    /// The last step this worker completed (0 if it holds no state).
+    pub step: u64,
+}
+
+/// Training progress, reported by rank 0 at most once a second.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    pub generation: u64,
+    pub step: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_per_sec: Option<f64>,
+    pub updated_at_ms: u64,
+    #[serde(default)]
+    pub done: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_weights_sha256: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = r#"
+name = "tiny-gpt"
+command = ["ductile-worker", "--verbose"]
+min = 1
+max = 4
+desired = 4
+[training]
+strategy = "data-parallel"
+model = "gpt"
+dataset = "file:///var/lib/ductile/data/tokens.bin"
+global_batch = 32
+max_steps = 200
+optimizer = "adamw"
+lr = 3e-4
+seed = 7
+deterministic = false
+[checkpoint]
+url = "s3://bucket/jobs/tiny-gpt"
+interval = 50
+keep = 3
+"#;
+
+    #[test]
+    fn the_readme_spec_parses() {
+        let s = JobSpec::from_toml(SPEC).unwrap();
+        assert_eq!(s.name, "tiny-gpt");
+        assert_eq!((s.min, s.max, s.desired), (1, 4, 4));
+        assert_eq!(s.training.as_ref().unwrap().global_batch, 32);
+        assert_eq!(s.checkpoint.as_ref().unwrap().keep, 3);
+        // JSON round trip (the API's form)
+        let j = serde_json::to_vec(&s).unwrap();
+        assert_eq!(JobSpec::from_json(&j).unwrap(), s);
+    }
+
+    #[test]
+    fn command_defaults_to_the_worker() {
+        let s = JobSpec::from_toml("name = \"a\"\nmin = 1\nmax = 2\ndesired = 2\n").unwrap();
+        assert_eq!(s.command, vec!["ductile-worker".to_string()]);
+    }
+
+    fn err(text: &str) -> String {
+        JobSpec::from_toml(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn bad_specs_name_the_field() {
+        let base = "name = \"a\"\nmin = 1\nmax = 2\ndesired = 2\n";
+        assert!(err(&format!("{base}colour = 3\n")).contains("unknown field `colour`"));
+        assert!(err("name = \"a\"\nmin = 2\nmax = 1\ndesired = 1\n").contains("invalid max"));
+        assert!(err("name = \"a\"\nmin = 1\nmax = 2\ndesired = 5\n").contains("invalid desired"));
+        assert!(err("name = \"a b\"\nmin = 1\nmax = 2\ndesired = 2\n").contains("invalid name"));
+        assert!(err("name = \"a\"\nmin = 1\nmax = 2\n").contains("missing field `desired`"));
+        assert!(err("name = \"a\"\nmin = 1\nmax = 2\ndesired = \"two\"\n").contains("line 4"));
+        let t = |extra: &str| format!("{base}[training]\nmodel = \"gpt\"\ndataset = \"file:///d\"\nglobal_batch = 8\n{extra}");
+        assert!(JobSpec::from_toml(&t("")).is_ok());
+        assert!(err(&t("").replace("gpt", "resnet")).contains("training.model"));
+        assert!(err(&t("").replace("global_batch = 8", "global_batch = 1")).contains("training.global_batch"));
+        assert!(err(&t("").replace("file:///d", "/d")).contains("training.dataset"));
+        assert!(err(&format!("{base}[checkpoint]\nurl = \"http://x\"\n")).contains("checkpoint.url"));
+    }
+}

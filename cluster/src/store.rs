@@ -1,0 +1,174 @@
+//! The typed store: records in, records out, over any [`KvBackend`].
+
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::keys::Keys;
+use crate::kv::*;
+use crate::records::*;
+use crate::{ClusterError, Result};
+
+/// Decode a JSON record, naming the key when it is not valid.
+pub fn decode<T: DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Result<T> {
+    serde_json::from_slice(&kv.value).map_err(|source| ClusterError::Decode { key: kv.key.clone(), what, source })
+}
+
+pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("records always serialize")
+}
+
+/// Typed access to ductile's records. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    pub backend: Arc<dyn KvBackend>,
+    pub keys: Keys,
+}
+
+impl Store {
+    pub fn new(backend: Arc<dyn KvBackend>, keys: Keys) -> Self {
+        Store { backend, keys }
+    }
+
+    pub async fn get_json<T: DeserializeOwned>(&self, key: &str, what: &'static str) -> Result<Option<(T, KeyValue)>> {
+        match self.backend.get(key).await? {
+            Some(kv) => Ok(Some((decode(&kv, what)?, kv))),
+            None => Ok(None),
+        }
+    }
+
+    pub async fn put_json<T: Serialize>(&self, key: &str, v: &T, lease: Option<LeaseId>) -> Result<Revision> {
+        self.backend.put(key, encode(v), lease).await
+    }
+
+    /// Every record under a prefix. A record that does not decode is skipped with a warning
+    /// (one bad record must not blind the control plane to the rest).
+    pub async fn list_json<T: DeserializeOwned>(&self, prefix: &str, what: &'static str) -> Result<Vec<(T, KeyValue)>> {
+        let (kvs, _) = self.backend.list(prefix).await?;
+        Ok(kvs
+            .into_iter()
+            .filter_map(|kv| match decode(&kv, what) {
+                Ok(v) => Some((v, kv)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "skipping undecodable record");
+                    None
+                }
+            })
+            .collect())
+    }
+
+    pub async fn nodes(&self) -> Result<Vec<NodeRecord>> {
+        Ok(self.list_json(&self.keys.nodes(), "node record").await?.into_iter().map(|(n, _)| n).collect())
+    }
+
+    pub async fn spec(&self, job: &str) -> Result<Option<(JobSpec, KeyValue)>> {
+        self.get_json(&self.keys.spec(job), "job spec").await
+    }
+
+    pub async fn specs(&self) -> Result<Vec<JobSpec>> {
+        let (kvs, _) = self.backend.list(&self.keys.jobs()).await?;
+        let mut out = Vec::new();
+        for kv in kvs {
+            if matches!(self.keys.parse(&kv.key), crate::keys::KeyKind::JobSpec { .. }) {
+                out.push(decode(&kv, "job spec")?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Create a job. Refused if a job of that name exists and is not finished; a finished one
+    /// (stopped, succeeded, failed) is replaced, and its old keys are cleared in the same
+    /// transaction.
+    pub async fn submit(&self, spec: &JobSpec) -> Result<()> {
+        spec.validate()?;
+        let key = self.keys.spec(&spec.name);
+        let mut compares = vec![Compare::Absent(key.clone())];
+        let mut ops = Vec::new();
+        if let Some((_, kv)) = self.spec(&spec.name).await? {
+            let status = self.status(&spec.name).await?;
+            match status {
+                Some((st, skv)) if st.state.is_terminal() => {
+                    compares = vec![Compare::ModRevision(key.clone(), kv.mod_revision), Compare::ModRevision(skv.key.clone(), skv.mod_revision)];
+                    // keep the generation and its history: numbers never repeat for a name
+                    for sub in ["status", "progress", "slots/", "joined/", "rdv/", "restarts"] {
+                        ops.push(Op::DeletePrefix { prefix: format!("{}{sub}", self.keys.job(&spec.name)) });
+                    }
+                }
+                _ => {
+                    return Err(ClusterError::Conflict { key, reason: format!("job {:?} already exists and has not finished", spec.name) });
+                }
+            }
+        }
+        ops.push(Op::put(key.clone(), encode(spec)));
+        let out = self.backend.txn(Txn { compares, ops }).await?;
+        if !out.succeeded {
+            return Err(ClusterError::Conflict { key, reason: "the job changed while it was being submitted; try again".into() });
+        }
+        Ok(())
+    }
+
+    /// Change a job's desired size; checked against [min, max] and compare-and-swapped.
+    pub async fn scale(&self, job: &str, desired: u32) -> Result<JobSpec> {
+        loop {
+            let Some((mut spec, kv)) = self.spec(job).await? else {
+                return Err(ClusterError::invalid("job", format!("no job named {job:?}")));
+            };
+            spec.check_size(desired).map_err(|r| ClusterError::invalid("size", r))?;
+            spec.desired = desired;
+            let out = self
+                .backend
+                .txn(Txn { compares: vec![Compare::ModRevision(kv.key.clone(), kv.mod_revision)], ops: vec![Op::put(kv.key.clone(), encode(&spec))] })
+                .await?;
+            if out.succeeded {
+                return Ok(spec);
+            }
+        }
+    }
+
+    pub async fn status(&self, job: &str) -> Result<Option<(JobStatus, KeyValue)>> {
+        self.get_json(&self.keys.status(job), "job status").await
+    }
+
+    pub async fn generation(&self, job: &str) -> Result<Option<(Generation, KeyValue)>> {
+        self.get_json(&self.keys.generation(job), "generation").await
+    }
+
+    pub async fn history(&self, job: &str) -> Result<Vec<Generation>> {
+        Ok(self.list_json(&self.keys.history(job), "generation").await?.into_iter().map(|(g, _)| g).collect())
+    }
+
+    pub async fn progress(&self, job: &str) -> Result<Option<Progress>> {
+        Ok(self.get_json(&self.keys.progress(job), "progress").await?.map(|(p, _)| p))
+    }
+
+    /// Publish a generation in one transaction that compares the previous generation's
+    /// revision (`prev_mod_revision`, 0 = none yet) and, when given, the leader's key: a deposed
+    /// leader, or one that read a stale generation, cannot publish. Returns false if fenced.
+    pub async fn publish_generation(
+        &self,
+        generation: &Generation,
+        prev_mod_revision: Revision,
+        leader: Option<&LeaderKey>,
+        status: &JobStatus,
+    ) -> Result<bool> {
+        let gkey = self.keys.generation(&generation.job);
+        let mut compares = vec![if prev_mod_revision == 0 { Compare::Absent(gkey.clone()) } else { Compare::ModRevision(gkey.clone(), prev_mod_revision) }];
+        if let Some(l) = leader {
+            compares.push(Compare::CreateRevision(l.key.clone(), l.create_revision));
+        }
+        let ops = vec![
+            Op::put(gkey, encode(generation)),
+            Op::put(self.keys.history_entry(&generation.job, generation.number), encode(generation)),
+            Op::put(self.keys.status(&generation.job), encode(status)),
+        ];
+        Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)
+    }
+
+    /// Write a job status, fenced on leadership when a leader key is given.
+    pub async fn put_status(&self, status: &JobStatus, leader: Option<&LeaderKey>) -> Result<bool> {
+        let compares = leader.map(|l| vec![Compare::CreateRevision(l.key.clone(), l.create_revision)]).unwrap_or_default();
+        let ops = vec![Op::put(self.keys.status(&status.job), encode(status))];
+        Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)
+    }
+}
