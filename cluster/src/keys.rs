@@ -12,6 +12,7 @@
 //! {prefix}/jobs/{job}/joined/{gen:020}/{rank}  JoinRecord, a worker joined a generation
 //! {prefix}/jobs/{job}/progress                 Progress, from rank 0 (throttled)
 //! {prefix}/jobs/{job}/restarts                 restart counter (u32 as JSON)
+//! {prefix}/jobs/{job}/stop                     the operator asked the job to stop
 //! {prefix}/jobs/{job}/rdv/{gen:020}/...        per-generation rendezvous data (comm)
 //! {prefix}/election                            daemon leader election
 //! ```
@@ -44,6 +45,8 @@ pub enum KeyKind {
     Worker { job: String, node: String, slot: u32 },
     Joined { job: String, generation: u64, rank: u32 },
     Progress { job: String },
+    Stop { job: String },
+    Restarts { job: String },
     Other,
 }
 
@@ -105,6 +108,10 @@ impl Keys {
     pub fn progress(&self, job: &str) -> String {
         format!("{}/jobs/{job}/progress", self.prefix)
     }
+    /// The operator asked the job to stop (`dctl stop`).
+    pub fn stop(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/stop", self.prefix)
+    }
     pub fn restarts(&self, job: &str) -> String {
         format!("{}/jobs/{job}/restarts", self.prefix)
     }
@@ -130,6 +137,8 @@ impl Keys {
             ["jobs", job, "status"] => KeyKind::JobStatus { job: s(job) },
             ["jobs", job, "generation"] => KeyKind::Generation { job: s(job) },
             ["jobs", job, "progress"] => KeyKind::Progress { job: s(job) },
+            ["jobs", job, "stop"] => KeyKind::Stop { job: s(job) },
+            ["jobs", job, "restarts"] => KeyKind::Restarts { job: s(job) },
             ["jobs", job, "history", g] => match g.parse() {
                 Ok(generation) => KeyKind::History { job: s(job), generation },
                 Err(_) => KeyKind::Other,

@@ -3,6 +3,7 @@
 //! Invariant: only this crate knows the etcd key layout ([`keys`]) and talks to etcd
 //! ([`etcd`]); everything above goes through [`store::Store`] and [`kv::KvBackend`].
 
+pub mod api;
 pub mod conformance;
 pub mod error;
 pub mod etcd;
@@ -11,6 +12,7 @@ pub mod kv;
 pub mod lease;
 pub mod memory;
 pub mod records;
+pub mod service;
 pub mod store;
 pub mod watch;
 

@@ -358,6 +358,8 @@ pub struct Generation {
     /// that completed more win in the rendezvous).
     pub resume_step: u64,
     pub state_source: StateSource,
+    /// The job's desired size when this generation was published.
+    pub desired: u32,
     pub reason: Reason,
     /// What happened, in words (`node n2 lost its lease`).
     pub detail: String,
@@ -420,8 +422,12 @@ pub struct WorkerRecord {
     /// The generation the agent started it for.
     pub generation: u64,
     pub state: WorkerState,
+    /// How it ended, in words (`exit code 1`, `killed by signal 9`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit: Option<String>,
+    /// Its exit code, when it exited by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<i32>,
     pub started_at_ms: u64,
 }
 

@@ -91,7 +91,7 @@ impl Store {
                 Some((st, skv)) if st.state.is_terminal() => {
                     compares = vec![Compare::ModRevision(key.clone(), kv.mod_revision), Compare::ModRevision(skv.key.clone(), skv.mod_revision)];
                     // keep the generation and its history: numbers never repeat for a name
-                    for sub in ["status", "progress", "slots/", "joined/", "rdv/", "restarts"] {
+                    for sub in ["status", "progress", "slots/", "joined/", "rdv/", "restarts", "stop"] {
                         ops.push(Op::DeletePrefix { prefix: format!("{}{sub}", self.keys.job(&spec.name)) });
                     }
                 }

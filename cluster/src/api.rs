@@ -1,0 +1,85 @@
+//! Wire types of the daemon's HTTP API (`/v1/...`), shared by `ductiled` and `dctl`. These are
+//! the `--json` output of `dctl`: add fields freely, never rename or remove one.
+
+use serde::{Deserialize, Serialize};
+
+use crate::records::{Device, JobState, Reason};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemberView {
+    pub node: String,
+    pub slot: u32,
+    pub rank: u32,
+    /// The worker's process id on its node, once its agent reported it.
+    pub pid: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReformationView {
+    pub generation: u64,
+    pub reason: Reason,
+    pub detail: String,
+    pub seconds: f64,
+}
+
+/// `dctl status JOB --json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobView {
+    pub job: String,
+    pub state: JobState,
+    pub generation: u64,
+    pub world_size: u32,
+    pub members: Vec<MemberView>,
+    pub step: u64,
+    pub loss: Option<f64>,
+    pub samples_per_sec: Option<f64>,
+    pub last_reformation: Option<ReformationView>,
+    pub min: u32,
+    pub max: u32,
+    pub desired: u32,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_weights_sha256: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeWorkerView {
+    pub job: String,
+    pub slot: u32,
+    pub rank: u32,
+}
+
+/// `dctl nodes --json` (one per node).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeView {
+    pub name: String,
+    pub hostname: String,
+    pub slots: u32,
+    pub devices: Vec<Device>,
+    pub draining: bool,
+    pub drain_reason: Option<String>,
+    pub agent_pid: u32,
+    pub reregistrations: u32,
+    pub workers: Vec<NodeWorkerView>,
+}
+
+/// Body of `POST /v1/jobs/{job}/scale`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ScaleRequest {
+    pub size: u32,
+}
+
+/// Body of `POST /v1/nodes/{node}/drain`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DrainBody {
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// Every error the API returns.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ApiErrorBody {
+    pub error: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}

@@ -1,0 +1,100 @@
+//! Process plumbing shared by the daemon, the agent and the worker: logging, systemd
+//! notification, and shutdown on signals.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+/// Log format of a service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Plain,
+    Json,
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "plain" => Ok(LogFormat::Plain),
+            "json" => Ok(LogFormat::Json),
+            other => Err(format!("log format {other:?} is not plain or json")),
+        }
+    }
+}
+
+/// Logs to stderr; the level comes from `RUST_LOG` (default `info`).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
+    let _ = match format {
+        LogFormat::Plain => b.with_ansi(false).try_init(),
+        LogFormat::Json => b.json().flatten_event(true).try_init(),
+    };
+}
+
+/// Sends a state line to systemd (`READY=1`, `WATCHDOG=1`, `STATUS=...`, `STOPPING=1`) when
+/// started by it (`NOTIFY_SOCKET` set); does nothing otherwise.
+pub fn sd_notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else { return };
+    let p = path.to_string_lossy();
+    let res = if let Some(name) = p.strip_prefix('@') {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).and_then(|addr| sock.send_to_addr(state.as_bytes(), &addr))
+    } else {
+        sock.send_to(state.as_bytes(), &*p)
+    };
+    if let Err(e) = res {
+        tracing::debug!(error = %e, "sd_notify failed");
+    }
+}
+
+/// The watchdog interval systemd asked for (half of `WATCHDOG_USEC`), if any.
+pub fn watchdog_interval() -> Option<Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    Some(Duration::from_micros(usec / 2))
+}
+
+/// A token cancelled on the first SIGTERM or SIGINT (drain); a second one exits at once with
+/// status 130.
+pub fn shutdown_on_signals() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            tracing::error!("cannot install signal handlers");
+            return;
+        };
+        let mut count = 0;
+        loop {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            count += 1;
+            if count == 1 {
+                tracing::info!("signal received: shutting down (send again to force)");
+                t.cancel();
+            } else {
+                tracing::warn!("second signal: exiting now");
+                std::process::exit(130);
+            }
+        }
+    });
+    token
+}
+
+/// Print an error and its whole source chain.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

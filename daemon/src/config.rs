@@ -1,0 +1,145 @@
+//! ductiled's configuration: flags (and `DUCTILE_*` environment) over a TOML file over
+//! defaults, validated after merging.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use ductile_cluster::service::LogFormat;
+use serde::Deserialize;
+
+/// A secret that does not print.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    /// Constant-time comparison.
+    pub fn matches(&self, other: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), other.as_bytes());
+        if a.len() != b.len() {
+            return false;
+        }
+        a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(name = "ductiled", version, about = "ductile control-plane daemon: leader election, reconcile, API")]
+pub struct Cli {
+    /// etcd endpoints, comma-separated.
+    #[arg(long, env = "DUCTILE_ETCD")]
+    pub etcd: Option<String>,
+    /// Address the API listens on.
+    #[arg(long, env = "DUCTILE_LISTEN")]
+    pub listen: Option<String>,
+    /// File holding the API bearer token (or set DUCTILE_TOKEN).
+    #[arg(long, env = "DUCTILE_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// TOML config file; flags override it.
+    #[arg(long, env = "DUCTILE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// etcd key prefix.
+    #[arg(long, env = "DUCTILE_PREFIX")]
+    pub prefix: Option<String>,
+    /// TTL in seconds of the election lease (a standby takes over within it).
+    #[arg(long, env = "DUCTILE_ELECTION_TTL")]
+    pub election_ttl: Option<i64>,
+    /// Debounce window for joins, in milliseconds.
+    #[arg(long, env = "DUCTILE_DEBOUNCE_MS")]
+    pub debounce_ms: Option<u64>,
+    /// This replica's name in the election.
+    #[arg(long, env = "DUCTILE_ID")]
+    pub id: Option<String>,
+    /// plain or json.
+    #[arg(long, env = "DUCTILE_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+    /// How long to wait for etcd at start-up, in seconds.
+    #[arg(long, env = "DUCTILE_ETCD_WAIT")]
+    pub etcd_wait: Option<u64>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub etcd: Option<String>,
+    pub listen: Option<String>,
+    pub token_file: Option<PathBuf>,
+    pub prefix: Option<String>,
+    pub election_ttl: Option<i64>,
+    pub debounce_ms: Option<u64>,
+    pub id: Option<String>,
+    pub log_format: Option<LogFormat>,
+    pub etcd_wait: Option<u64>,
+}
+
+#[derive(Debug)]
+pub struct Config {
+    pub etcd: String,
+    pub listen: String,
+    pub token: Secret,
+    pub prefix: String,
+    pub election_ttl: i64,
+    pub debounce: Duration,
+    pub id: String,
+    pub log_format: LogFormat,
+    pub etcd_wait: Duration,
+}
+
+impl Config {
+    pub fn load(cli: Cli) -> anyhow::Result<Config> {
+        let file: FileConfig = match &cli.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
+                toml::from_str(&text).map_err(|e| anyhow::anyhow!("config {}: {}", p.display(), e.message()))?
+            }
+            None => FileConfig::default(),
+        };
+        let token = match cli.token_file.or(file.token_file) {
+            Some(p) => {
+                let t = std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("cannot read token file {}: {e}", p.display()))?;
+                t.trim().to_string()
+            }
+            None => std::env::var("DUCTILE_TOKEN").map_err(|_| anyhow::anyhow!("no API token: pass --token-file FILE or set DUCTILE_TOKEN"))?,
+        };
+        let id = cli.id.or(file.id).unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "host".into());
+            format!("{}-{}", host.trim(), std::process::id())
+        });
+        let cfg = Config {
+            etcd: cli.etcd.or(file.etcd).unwrap_or_else(|| "http://127.0.0.1:2379".into()),
+            listen: cli.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:7420".into()),
+            token: Secret::new(token),
+            prefix: cli.prefix.or(file.prefix).unwrap_or_else(|| ductile_cluster::keys::DEFAULT_PREFIX.into()),
+            election_ttl: cli.election_ttl.or(file.election_ttl).unwrap_or(5),
+            debounce: Duration::from_millis(cli.debounce_ms.or(file.debounce_ms).unwrap_or(500)),
+            id,
+            log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Plain),
+            etcd_wait: Duration::from_secs(cli.etcd_wait.or(file.etcd_wait).unwrap_or(30)),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.token.0.len() < 8 {
+            anyhow::bail!("invalid token: must be at least 8 characters");
+        }
+        if self.election_ttl < 1 {
+            anyhow::bail!("invalid election_ttl: {} must be at least 1 second", self.election_ttl);
+        }
+        if !self.prefix.starts_with('/') {
+            anyhow::bail!("invalid prefix: {:?} must start with '/'", self.prefix);
+        }
+        self.listen.parse::<std::net::SocketAddr>().map_err(|e| anyhow::anyhow!("invalid listen address {:?}: {e}", self.listen))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,283 @@
+//! Leadership and the leader-only reconcile loop.
+//!
+//! Every replica campaigns in etcd's election under a lease of its own. The winner runs
+//! [`lead`] until its lease is lost (expired, or unrefreshed for a whole TTL), then campaigns
+//! again; every generation it publishes is fenced on its leader key, so a deposed leader can
+//! never publish.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ductile_cluster::keys::KeyKind;
+use ductile_cluster::kv::{KeyValue, LeaderKey};
+use ductile_cluster::lease::{LeaseKeeper, LeaseState};
+use ductile_cluster::records::*;
+use ductile_cluster::store::decode;
+use ductile_cluster::watch::{synced, watch_prefix, Snapshot};
+use ductile_cluster::Store;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::reconcile::{plan, Decision, Fleet, JobObs};
+
+/// What the leader loop needs to know.
+#[derive(Clone, Debug)]
+pub struct LeaderConfig {
+    pub id: String,
+    pub election_ttl: i64,
+    pub debounce: Duration,
+}
+
+/// Campaign, lead while elected, campaign again; until `cancel`.
+pub async fn run_replica(store: Store, cfg: LeaderConfig, is_leader: Arc<AtomicBool>, cancel: CancellationToken) {
+    let mut backoff = Duration::from_millis(200);
+    while !cancel.is_cancelled() {
+        let lease_cancel = cancel.child_token();
+        let keeper = match LeaseKeeper::start(store.backend.clone(), cfg.election_ttl, lease_cancel.clone()).await {
+            Ok(k) => k,
+            Err(_) => return, // cancelled
+        };
+        let lease = keeper.current();
+        let election = store.keys.election();
+        let campaign = store.backend.campaign(&election, cfg.id.clone().into_bytes(), lease.id);
+        let leader_key = tokio::select! {
+            r = campaign => r,
+            _ = lease_lost(keeper.subscribe(), cfg.election_ttl) => {
+                tracing::warn!("election lease lost while campaigning; starting over");
+                lease_cancel.cancel();
+                keeper.join().await;
+                continue;
+            }
+            _ = cancel.cancelled() => {
+                lease_cancel.cancel();
+                keeper.join().await;
+                return;
+            }
+        };
+        let leader_key = match leader_key {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!(error = %e, "campaign failed; retrying");
+                lease_cancel.cancel();
+                keeper.join().await;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(200);
+        tracing::info!(id = %cfg.id, key = %leader_key.key, "became leader");
+        ductile_cluster::service::sd_notify("STATUS=leader");
+        is_leader.store(true, Ordering::SeqCst);
+        let lead_cancel = lease_cancel.child_token();
+        tokio::select! {
+            r = lead(store.clone(), leader_key.clone(), cfg.clone(), lead_cancel.clone()) => {
+                if let Err(e) = r {
+                    tracing::error!(error = %ductile_cluster::service::error_chain(&e), "leader loop failed");
+                }
+            }
+            _ = lease_lost(keeper.subscribe(), cfg.election_ttl) => {
+                tracing::warn!("leadership lost (election lease expired or unrefreshed for a TTL)");
+            }
+            _ = cancel.cancelled() => {
+                let _ = tokio::time::timeout(Duration::from_secs(1), store.backend.resign(&leader_key)).await;
+                tracing::info!("resigned leadership");
+            }
+        }
+        is_leader.store(false, Ordering::SeqCst);
+        ductile_cluster::service::sd_notify("STATUS=standby");
+        lead_cancel.cancel();
+        lease_cancel.cancel();
+        keeper.join().await;
+    }
+}
+
+/// Resolves when the lease expired (a new one had to be granted) or was not refreshed for a
+/// whole TTL (another replica may lead by now).
+async fn lease_lost(mut rx: watch::Receiver<LeaseState>, ttl: i64) {
+    let start_epoch = rx.borrow().epoch;
+    loop {
+        let st = *rx.borrow_and_update();
+        if st.epoch != start_epoch {
+            return;
+        }
+        if st.healthy {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        } else {
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep(Duration::from_secs(ttl as u64)) => return,
+            }
+        }
+    }
+}
+
+struct Pending {
+    members: Vec<Member>,
+    first: Instant,
+    last: Instant,
+}
+
+/// The leader's loop: watch nodes, drains and jobs; reconcile each job; publish.
+pub async fn lead(store: Store, leader: LeaderKey, cfg: LeaderConfig, cancel: CancellationToken) -> ductile_cluster::Result<()> {
+    let k = &store.keys;
+    let mut nodes_rx = watch_prefix(store.backend.clone(), k.nodes(), cancel.clone());
+    let mut drains_rx = watch_prefix(store.backend.clone(), k.drains(), cancel.clone());
+    let mut jobs_rx = watch_prefix(store.backend.clone(), k.jobs(), cancel.clone());
+    synced(&mut nodes_rx).await;
+    synced(&mut drains_rx).await;
+    synced(&mut jobs_rx).await;
+    let mut pending: HashMap<String, Pending> = HashMap::new();
+    loop {
+        if cancel.is_cancelled() {
+            return Ok(());
+        }
+        let fleet = fleet_from(&store, &nodes_rx.borrow_and_update(), &drains_rx.borrow_and_update());
+        let jobs = jobs_from(&store, &jobs_rx.borrow_and_update());
+        let now = Instant::now();
+        let mut wake: Option<Instant> = None;
+        for (name, obs) in &jobs {
+            let decision = plan(obs, &fleet, now_ms());
+            match decision {
+                Decision::Nothing => {
+                    pending.remove(name);
+                }
+                Decision::Status(st) => {
+                    pending.remove(name);
+                    match store.put_status(&st, Some(&leader)).await {
+                        Ok(true) => {
+                            if let Some(r) = &st.last_reformation {
+                                if obs.status.as_ref().and_then(|s| s.last_reformation.as_ref()).map(|x| x.generation) != Some(r.generation) {
+                                    tracing::info!(job = %name, generation = r.generation, reason = %r.reason, seconds = r.seconds, "re-formation complete");
+                                    if r.generation > 1 {
+                                        let _ = store.backend.delete_prefix(&k.joined(name, r.generation - 1)).await;
+                                        let _ = store.backend.delete_prefix(&k.rendezvous(name, r.generation - 1)).await;
+                                    }
+                                }
+                            }
+                        }
+                        Ok(false) => return Err(fenced(&leader)),
+                        Err(e) => tracing::warn!(job = %name, error = %e, "status write failed"),
+                    }
+                }
+                Decision::Publish { generation, status, debounce } => {
+                    if debounce {
+                        let p = pending.entry(name.clone()).or_insert_with(|| Pending { members: generation.members.clone(), first: now, last: now });
+                        if p.members != generation.members {
+                            p.members = generation.members.clone();
+                            p.last = now;
+                        }
+                        let ready_at = (p.last + cfg.debounce).min(p.first + cfg.debounce * 4);
+                        if now < ready_at {
+                            wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
+                            continue;
+                        }
+                    }
+                    pending.remove(name);
+                    let prev = obs.generation.as_ref().map(|(_, r)| *r).unwrap_or(0);
+                    match store.publish_generation(&generation, prev, Some(&leader), &status).await {
+                        Ok(true) => tracing::info!(
+                            job = %name, generation = generation.number, world_size = generation.world_size,
+                            reason = %generation.reason, detail = %generation.detail, "published generation"
+                        ),
+                        Ok(false) => {
+                            // Either the generation moved (our view is stale: the watch will
+                            // catch up) or we are no longer leader.
+                            match store.backend.get(&leader.key).await {
+                                Ok(Some(kv)) if kv.create_revision == leader.create_revision => {
+                                    tracing::debug!(job = %name, "generation moved under us; re-reading");
+                                }
+                                _ => return Err(fenced(&leader)),
+                            }
+                        }
+                        Err(e) => tracing::warn!(job = %name, error = %e, "publish failed; will retry"),
+                    }
+                }
+            }
+        }
+        let sleep_until = wake.unwrap_or(now + Duration::from_secs(1));
+        tokio::select! {
+            _ = nodes_rx.changed() => {}
+            _ = drains_rx.changed() => {}
+            _ = jobs_rx.changed() => {}
+            _ = tokio::time::sleep_until(sleep_until) => {}
+            _ = cancel.cancelled() => return Ok(()),
+        }
+    }
+}
+
+fn fenced(leader: &LeaderKey) -> ductile_cluster::ClusterError {
+    ductile_cluster::ClusterError::Conflict { key: leader.key.clone(), reason: "no longer the leader".into() }
+}
+
+fn decoded<T: serde::de::DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Option<T> {
+    match decode(kv, what) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::warn!(error = %e, "ignoring undecodable record");
+            None
+        }
+    }
+}
+
+/// Build the fleet view from the node and drain snapshots.
+pub fn fleet_from(store: &Store, nodes: &Snapshot, drains: &Snapshot) -> Fleet {
+    let mut f = Fleet::default();
+    for kv in nodes.kvs.values() {
+        if let KeyKind::Node { node } = store.keys.parse(&kv.key) {
+            if let Some(rec) = decoded::<NodeRecord>(kv, "node record") {
+                f.nodes.insert(node, rec);
+            }
+        }
+    }
+    for kv in drains.kvs.values() {
+        if let KeyKind::Drain { node } = store.keys.parse(&kv.key) {
+            f.drain_requests.insert(node);
+        }
+    }
+    f
+}
+
+/// Build each job's observed state from the jobs snapshot.
+pub fn jobs_from(store: &Store, snap: &Snapshot) -> BTreeMap<String, JobObs> {
+    let mut jobs: BTreeMap<String, JobObs> = BTreeMap::new();
+    let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
+    for kv in snap.kvs.values() {
+        match store.keys.parse(&kv.key) {
+            KeyKind::JobSpec { job } => jobs.entry(job).or_default().spec = decoded(kv, "job spec"),
+            KeyKind::JobStatus { job } => jobs.entry(job).or_default().status = decoded(kv, "job status"),
+            KeyKind::Generation { job } => jobs.entry(job).or_default().generation = decoded(kv, "generation").map(|g| (g, kv.mod_revision)),
+            KeyKind::Slot { job, node, slot } => {
+                if let Some(h) = decoded(kv, "slot health") {
+                    jobs.entry(job).or_default().failed.insert((node, slot), h);
+                }
+            }
+            KeyKind::Worker { job, node, slot } => {
+                if let Some(w) = decoded(kv, "worker record") {
+                    jobs.entry(job).or_default().workers.insert((node, slot), w);
+                }
+            }
+            KeyKind::Joined { job, generation, rank } => {
+                if let Some(j) = decoded(kv, "join record") {
+                    joined.entry((job, generation)).or_default().insert(rank, j);
+                }
+            }
+            KeyKind::Progress { job } => jobs.entry(job).or_default().progress = decoded(kv, "progress"),
+            KeyKind::Stop { job } => jobs.entry(job).or_default().stop_requested = true,
+            _ => {}
+        }
+    }
+    for (name, obs) in jobs.iter_mut() {
+        if let Some((g, _)) = &obs.generation {
+            if let Some(j) = joined.remove(&(name.clone(), g.number)) {
+                obs.joined = j;
+            }
+        }
+    }
+    jobs
+}

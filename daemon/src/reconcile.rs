@@ -1,0 +1,333 @@
+//! The reconciler's decision, as a pure function of desired state (the job spec) and observed
+//! state (live nodes, drains, failed slots, the current generation). It is idempotent: given
+//! the state it produced, it asks for nothing more, so a new leader continues where the old one
+//! stopped.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ductile_cluster::records::*;
+use ductile_cluster::kv::Revision;
+
+/// Everything observed about one job.
+#[derive(Clone, Debug, Default)]
+pub struct JobObs {
+    pub spec: Option<JobSpec>,
+    pub status: Option<JobStatus>,
+    pub generation: Option<(Generation, Revision)>,
+    /// Slots whose worker failed, with the record the agent wrote.
+    pub failed: BTreeMap<(String, u32), SlotHealth>,
+    pub workers: BTreeMap<(String, u32), WorkerRecord>,
+    /// Joins of the current generation, by rank.
+    pub joined: BTreeMap<u32, JoinRecord>,
+    pub progress: Option<Progress>,
+    pub stop_requested: bool,
+}
+
+/// Live membership: nodes with their records, and the nodes asked to drain.
+#[derive(Clone, Debug, Default)]
+pub struct Fleet {
+    pub nodes: BTreeMap<String, NodeRecord>,
+    pub drain_requests: BTreeSet<String>,
+}
+
+impl Fleet {
+    pub fn is_draining(&self, node: &str) -> bool {
+        self.drain_requests.contains(node) || self.nodes.get(node).is_some_and(|n| n.draining)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    Nothing,
+    /// Publish a new generation (fenced on the current one). `debounce`: wait for the burst
+    /// of joins to settle before publishing.
+    Publish { generation: Generation, status: JobStatus, debounce: bool },
+    /// Update the status only.
+    Status(JobStatus),
+}
+
+/// Whether two statuses differ in anything but their timestamp.
+pub fn status_differs(a: &JobStatus, b: &JobStatus) -> bool {
+    let mut b2 = b.clone();
+    b2.updated_at_ms = a.updated_at_ms;
+    *a != b2
+}
+
+fn status(job: &str, state: JobState, g: Option<&Generation>, prev: Option<&JobStatus>, message: String, now: u64) -> JobStatus {
+    JobStatus {
+        job: job.to_string(),
+        state,
+        generation: g.map(|g| g.number).unwrap_or(0),
+        world_size: g.map(|g| g.world_size).unwrap_or(0),
+        last_reformation: prev.and_then(|p| p.last_reformation.clone()),
+        message,
+        updated_at_ms: now,
+    }
+}
+
+/// Decide what one job needs now.
+pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
+    let Some(spec) = &obs.spec else { return Decision::Nothing };
+    let cur = obs.generation.as_ref().map(|(g, _)| g);
+    let prev_status = obs.status.as_ref();
+    if prev_status.is_some_and(|s| s.state.is_terminal()) {
+        return Decision::Nothing;
+    }
+    let want = |st: JobStatus| match prev_status {
+        Some(p) if !status_differs(p, &st) => Decision::Nothing,
+        _ => Decision::Status(st),
+    };
+    if obs.stop_requested {
+        return want(status(&spec.name, JobState::Stopped, cur, prev_status, "stopped by the operator".into(), now));
+    }
+    // Every member of the current generation exited 0: the job is done.
+    if let Some(g) = cur {
+        let done = !g.members.is_empty()
+            && g.members.iter().all(|m| {
+                obs.workers.get(&(m.node.clone(), m.slot)).is_some_and(|w| w.state == WorkerState::Exited && w.code == Some(0))
+            });
+        if done {
+            return want(status(&spec.name, JobState::Succeeded, cur, prev_status, "all workers finished".into(), now));
+        }
+    }
+
+    // Live slots, in a stable order.
+    let mut candidates: Vec<(String, u32)> = Vec::new();
+    for (name, node) in &fleet.nodes {
+        if fleet.is_draining(name) {
+            continue;
+        }
+        for slot in 0..node.slots() {
+            if !obs.failed.contains_key(&(name.clone(), slot)) {
+                candidates.push((name.clone(), slot));
+            }
+        }
+    }
+    let target = spec.desired.clamp(spec.min, spec.max) as usize;
+    if candidates.len() < spec.min as usize {
+        let msg = format!("waiting: {} live slot(s), the job needs at least {}", candidates.len(), spec.min);
+        return want(status(&spec.name, JobState::Waiting, cur, prev_status, msg, now));
+    }
+    // Keep current members (in rank order), then newcomers in (node, slot) order.
+    let cand_set: BTreeSet<&(String, u32)> = candidates.iter().collect();
+    let mut chosen: Vec<(String, u32)> = Vec::new();
+    if let Some(g) = cur {
+        let mut ms = g.members.clone();
+        ms.sort_by_key(|m| m.rank);
+        for m in ms {
+            let k = (m.node.clone(), m.slot);
+            if cand_set.contains(&k) && chosen.len() < target {
+                chosen.push(k);
+            }
+        }
+    }
+    for c in &candidates {
+        if chosen.len() >= target {
+            break;
+        }
+        if !chosen.contains(c) {
+            chosen.push(c.clone());
+        }
+    }
+
+    let old: BTreeSet<(String, u32)> = cur.map(|g| g.members.iter().map(|m| (m.node.clone(), m.slot)).collect()).unwrap_or_default();
+    let new: BTreeSet<(String, u32)> = chosen.iter().cloned().collect();
+    if cur.is_some() && old == new {
+        let g = cur.unwrap();
+        // Same world: record how the last re-formation went once everyone joined.
+        let mut st = status(&spec.name, JobState::Running, cur, prev_status, prev_status.map(|p| p.message.clone()).unwrap_or_default(), now);
+        if prev_status.map(|p| p.state) == Some(JobState::Waiting) || prev_status.is_none() {
+            st.message = g.detail.clone();
+        }
+        let all_joined = (0..g.world_size).all(|r| obs.joined.contains_key(&r));
+        if all_joined && st.last_reformation.as_ref().map(|r| r.generation) != Some(g.number) {
+            let last_join = obs.joined.values().map(|j| j.joined_at_ms).max().unwrap_or(now);
+            st.last_reformation = Some(Reformation {
+                generation: g.number,
+                reason: g.reason,
+                detail: g.detail.clone(),
+                seconds: last_join.saturating_sub(g.triggered_at_ms) as f64 / 1000.0,
+            });
+        }
+        return want(st);
+    }
+
+    // A new generation.
+    let removed: Vec<&(String, u32)> = old.difference(&new).collect();
+    let added: Vec<&(String, u32)> = new.difference(&old).collect();
+    let mut triggered_at = now;
+    let (reason, detail) = if cur.is_none() {
+        (Reason::Start, format!("job started with {} worker(s)", chosen.len()))
+    } else if let Some((n, s)) = removed.iter().find(|(n, s)| !fleet.nodes.contains_key(n) || obs.failed.contains_key(&(n.clone(), *s))) {
+        if !fleet.nodes.contains_key(n) {
+            (Reason::Failure, format!("node {n} was lost"))
+        } else {
+            let h = &obs.failed[&(n.clone(), *s)];
+            triggered_at = triggered_at.min(h.failed_at_ms);
+            (Reason::Failure, format!("worker {n}/{s} failed ({})", h.exit))
+        }
+    } else if let Some((n, _)) = removed.iter().find(|(n, _)| fleet.is_draining(n)) {
+        (Reason::Drain, format!("node {n} is draining"))
+    } else if !removed.is_empty() || cur.is_some_and(|g| g.desired != spec.desired) {
+        (Reason::Scale, format!("scaled to {} (desired {})", chosen.len(), spec.desired))
+    } else {
+        let nodes: BTreeSet<&str> = added.iter().map(|(n, _)| n.as_str()).collect();
+        (Reason::Join, format!("{} slot(s) joined from {}", added.len(), nodes.into_iter().collect::<Vec<_>>().join(", ")))
+    };
+    let survivors = old.intersection(&new).count();
+    let state_source = match (cur, survivors) {
+        (None, _) => StateSource::Seed,
+        (Some(_), s) if s > 0 => StateSource::Peers,
+        _ if spec.checkpoint.is_some() => StateSource::Checkpoint,
+        _ => StateSource::Seed,
+    };
+    let members: Vec<Member> = chosen.iter().enumerate().map(|(r, (n, s))| Member { node: n.clone(), slot: *s, rank: r as u32 }).collect();
+    let number = cur.map(|g| g.number + 1).unwrap_or_else(|| prev_status.map(|s| s.generation + 1).unwrap_or(1));
+    let generation = Generation {
+        job: spec.name.clone(),
+        number,
+        world_size: members.len() as u32,
+        layout: Layout::data_parallel(members.len() as u32),
+        members,
+        resume_step: obs.progress.as_ref().map(|p| p.step).unwrap_or(0),
+        state_source,
+        desired: spec.desired,
+        reason,
+        detail: detail.clone(),
+        triggered_at_ms: triggered_at,
+        published_at_ms: now,
+    };
+    let st = status(&spec.name, JobState::Running, Some(&generation), prev_status, detail, now);
+    Decision::Publish { generation, status: st, debounce: matches!(reason, Reason::Start | Reason::Join) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, slots: u32) -> NodeRecord {
+        NodeRecord {
+            name: name.into(),
+            hostname: "h".into(),
+            devices: (0..slots).map(|i| Device { kind: DeviceKind::Cpu, index: i, name: format!("cpu{i}"), memory_mb: None }).collect(),
+            agent_pid: 1,
+            registered_at_ms: 0,
+            draining: false,
+            drain_reason: None,
+            reregistrations: 0,
+        }
+    }
+    fn fleet(nodes: &[(&str, u32)]) -> Fleet {
+        Fleet { nodes: nodes.iter().map(|(n, s)| (n.to_string(), node(n, *s))).collect(), drain_requests: Default::default() }
+    }
+    fn spec(min: u32, max: u32, desired: u32) -> JobSpec {
+        JobSpec::from_toml(&format!("name = \"j\"\nmin = {min}\nmax = {max}\ndesired = {desired}\n")).unwrap()
+    }
+    /// Apply a decision the way the leader does.
+    fn apply(obs: &mut JobObs, d: Decision) -> Option<Generation> {
+        match d {
+            Decision::Publish { generation, status, .. } => {
+                let rev = obs.generation.as_ref().map(|g| g.1 + 1).unwrap_or(1);
+                obs.generation = Some((generation.clone(), rev));
+                obs.status = Some(status);
+                obs.joined.clear();
+                Some(generation)
+            }
+            Decision::Status(s) => {
+                obs.status = Some(s);
+                None
+            }
+            Decision::Nothing => None,
+        }
+    }
+    fn slots(g: &Generation) -> Vec<(String, u32, u32)> {
+        g.members.iter().map(|m| (m.node.clone(), m.slot, m.rank)).collect()
+    }
+
+    #[test]
+    fn start_takes_all_slots_up_to_desired_and_is_idempotent() {
+        let mut obs = JobObs { spec: Some(spec(1, 4, 4)), ..Default::default() };
+        let f = fleet(&[("a", 2), ("b", 1), ("c", 2)]);
+        let d = plan(&obs, &f, 10);
+        assert!(matches!(&d, Decision::Publish { debounce: true, generation, .. } if generation.reason == Reason::Start && generation.number == 1));
+        let g = apply(&mut obs, d).unwrap();
+        assert_eq!(slots(&g), vec![("a".into(), 0, 0), ("a".into(), 1, 1), ("b".into(), 0, 2), ("c".into(), 0, 3)]);
+        assert_eq!(g.state_source, StateSource::Seed);
+        // nothing changed: nothing to do (statuses already match)
+        assert_eq!(plan(&obs, &f, 20), Decision::Nothing);
+    }
+
+    #[test]
+    fn a_lost_node_makes_a_failure_generation_and_survivors_keep_rank_order() {
+        let mut obs = JobObs { spec: Some(spec(1, 4, 4)), ..Default::default() };
+        apply(&mut obs, plan(&obs, &fleet(&[("a", 2), ("b", 2)]), 0));
+        let d = plan(&obs, &fleet(&[("b", 2)]), 5);
+        let Decision::Publish { generation: g, debounce, .. } = d else { panic!("{d:?}") };
+        assert!(!debounce, "failures are not debounced");
+        assert_eq!((g.number, g.reason, g.state_source), (2, Reason::Failure, StateSource::Peers));
+        assert_eq!(slots(&g), vec![("b".into(), 0, 0), ("b".into(), 1, 1)]);
+        assert!(g.detail.contains("node a was lost"));
+    }
+
+    #[test]
+    fn failed_slot_scale_drain_join_and_waiting() {
+        let mut obs = JobObs { spec: Some(spec(2, 4, 3)), ..Default::default() };
+        let mut f = fleet(&[("a", 2), ("b", 2)]);
+        let g = apply(&mut obs, plan(&obs, &f, 0)).unwrap();
+        assert_eq!(g.world_size, 3);
+        // a worker fails: its slot leaves, and the spare slot fills in
+        obs.failed.insert(("a".into(), 1), SlotHealth { failed_at_ms: 3, generation: 1, exit: "killed by signal 9".into(), will_restart: true });
+        let g = apply(&mut obs, plan(&obs, &f, 7)).unwrap();
+        assert_eq!((g.reason, g.triggered_at_ms), (Reason::Failure, 3));
+        assert_eq!(slots(&g), vec![("a".into(), 0, 0), ("b".into(), 0, 1), ("b".into(), 1, 2)]);
+        // restarted: the slot is back but the world is already at desired
+        obs.failed.clear();
+        assert!(matches!(plan(&obs, &f, 8), Decision::Status(_) | Decision::Nothing));
+        // scale up
+        obs.spec.as_mut().unwrap().desired = 4;
+        let g = apply(&mut obs, plan(&obs, &f, 9)).unwrap();
+        assert_eq!((g.reason, g.world_size), (Reason::Scale, 4));
+        // drain b
+        f.drain_requests.insert("b".into());
+        let g = apply(&mut obs, plan(&obs, &f, 10)).unwrap();
+        assert_eq!((g.reason, g.world_size), (Reason::Drain, 2));
+        // below min: waiting, no generation
+        obs.failed.insert(("a".into(), 0), SlotHealth { failed_at_ms: 11, generation: 4, exit: "exit code 1".into(), will_restart: false });
+        let d = plan(&obs, &f, 12);
+        assert!(matches!(&d, Decision::Status(s) if s.state == JobState::Waiting), "{d:?}");
+        apply(&mut obs, d);
+        // b comes back: join (debounced)
+        f.drain_requests.clear();
+        obs.failed.clear();
+        let d = plan(&obs, &f, 13);
+        assert!(matches!(&d, Decision::Publish { debounce: true, generation, .. } if generation.reason == Reason::Join && generation.world_size == 4));
+    }
+
+    #[test]
+    fn reformation_is_recorded_once_everyone_joined() {
+        let mut obs = JobObs { spec: Some(spec(1, 2, 2)), ..Default::default() };
+        let f = fleet(&[("a", 2)]);
+        let g = apply(&mut obs, plan(&obs, &f, 1000)).unwrap();
+        for m in &g.members {
+            obs.joined.insert(m.rank, JoinRecord { node: m.node.clone(), slot: m.slot, rank: m.rank, pid: 1, joined_at_ms: 1000 + 250 * (m.rank as u64 + 1), step: 0 });
+        }
+        let Decision::Status(st) = plan(&obs, &f, 2000) else { panic!() };
+        let r = st.last_reformation.clone().unwrap();
+        assert_eq!((r.generation, r.reason, r.seconds), (1, Reason::Start, 0.5));
+        apply(&mut obs, Decision::Status(st));
+        assert_eq!(plan(&obs, &f, 3000), Decision::Nothing);
+    }
+
+    #[test]
+    fn stop_and_success_are_terminal() {
+        let mut obs = JobObs { spec: Some(spec(1, 1, 1)), ..Default::default() };
+        let f = fleet(&[("a", 1)]);
+        apply(&mut obs, plan(&obs, &f, 0));
+        obs.workers.insert(("a".into(), 0), WorkerRecord { pid: 1, generation: 1, state: WorkerState::Exited, exit: Some("exit code 0".into()), code: Some(0), started_at_ms: 0 });
+        let d = plan(&obs, &f, 1);
+        assert!(matches!(&d, Decision::Status(s) if s.state == JobState::Succeeded));
+        apply(&mut obs, d);
+        obs.stop_requested = true;
+        assert_eq!(plan(&obs, &f, 2), Decision::Nothing, "terminal states stay");
+    }
+}
