@@ -240,6 +240,10 @@ mod tests {
             Decision::Nothing => None,
         }
     }
+    fn step(obs: &mut JobObs, f: &Fleet, now: u64) -> Option<Generation> {
+        let d = plan(obs, f, now);
+        apply(obs, d)
+    }
     fn slots(g: &Generation) -> Vec<(String, u32, u32)> {
         g.members.iter().map(|m| (m.node.clone(), m.slot, m.rank)).collect()
     }
@@ -260,7 +264,7 @@ mod tests {
     #[test]
     fn a_lost_node_makes_a_failure_generation_and_survivors_keep_rank_order() {
         let mut obs = JobObs { spec: Some(spec(1, 4, 4)), ..Default::default() };
-        apply(&mut obs, plan(&obs, &fleet(&[("a", 2), ("b", 2)]), 0));
+        step(&mut obs, &fleet(&[("a", 2), ("b", 2)]), 0);
         let d = plan(&obs, &fleet(&[("b", 2)]), 5);
         let Decision::Publish { generation: g, debounce, .. } = d else { panic!("{d:?}") };
         assert!(!debounce, "failures are not debounced");
@@ -273,11 +277,11 @@ mod tests {
     fn failed_slot_scale_drain_join_and_waiting() {
         let mut obs = JobObs { spec: Some(spec(2, 4, 3)), ..Default::default() };
         let mut f = fleet(&[("a", 2), ("b", 2)]);
-        let g = apply(&mut obs, plan(&obs, &f, 0)).unwrap();
+        let g = step(&mut obs, &f, 0).unwrap();
         assert_eq!(g.world_size, 3);
         // a worker fails: its slot leaves, and the spare slot fills in
         obs.failed.insert(("a".into(), 1), SlotHealth { failed_at_ms: 3, generation: 1, exit: "killed by signal 9".into(), will_restart: true });
-        let g = apply(&mut obs, plan(&obs, &f, 7)).unwrap();
+        let g = step(&mut obs, &f, 7).unwrap();
         assert_eq!((g.reason, g.triggered_at_ms), (Reason::Failure, 3));
         assert_eq!(slots(&g), vec![("a".into(), 0, 0), ("b".into(), 0, 1), ("b".into(), 1, 2)]);
         // restarted: the slot is back but the world is already at desired
@@ -285,11 +289,11 @@ mod tests {
         assert!(matches!(plan(&obs, &f, 8), Decision::Status(_) | Decision::Nothing));
         // scale up
         obs.spec.as_mut().unwrap().desired = 4;
-        let g = apply(&mut obs, plan(&obs, &f, 9)).unwrap();
+        let g = step(&mut obs, &f, 9).unwrap();
         assert_eq!((g.reason, g.world_size), (Reason::Scale, 4));
         // drain b
         f.drain_requests.insert("b".into());
-        let g = apply(&mut obs, plan(&obs, &f, 10)).unwrap();
+        let g = step(&mut obs, &f, 10).unwrap();
         assert_eq!((g.reason, g.world_size), (Reason::Drain, 2));
         // below min: waiting, no generation
         obs.failed.insert(("a".into(), 0), SlotHealth { failed_at_ms: 11, generation: 4, exit: "exit code 1".into(), will_restart: false });
@@ -307,7 +311,7 @@ mod tests {
     fn reformation_is_recorded_once_everyone_joined() {
         let mut obs = JobObs { spec: Some(spec(1, 2, 2)), ..Default::default() };
         let f = fleet(&[("a", 2)]);
-        let g = apply(&mut obs, plan(&obs, &f, 1000)).unwrap();
+        let g = step(&mut obs, &f, 1000).unwrap();
         for m in &g.members {
             obs.joined.insert(m.rank, JoinRecord { node: m.node.clone(), slot: m.slot, rank: m.rank, pid: 1, joined_at_ms: 1000 + 250 * (m.rank as u64 + 1), step: 0 });
         }
@@ -322,7 +326,7 @@ mod tests {
     fn stop_and_success_are_terminal() {
         let mut obs = JobObs { spec: Some(spec(1, 1, 1)), ..Default::default() };
         let f = fleet(&[("a", 1)]);
-        apply(&mut obs, plan(&obs, &f, 0));
+        step(&mut obs, &f, 0);
         obs.workers.insert(("a".into(), 0), WorkerRecord { pid: 1, generation: 1, state: WorkerState::Exited, exit: Some("exit code 0".into()), code: Some(0), started_at_ms: 0 });
         let d = plan(&obs, &f, 1);
         assert!(matches!(&d, Decision::Status(s) if s.state == JobState::Succeeded));

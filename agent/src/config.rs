@@ -1,0 +1,149 @@
+//! ductile-agent's configuration: flags (and `DUCTILE_*` environment) over a TOML file over
+//! defaults, validated after merging.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use ductile_cluster::service::LogFormat;
+use serde::Deserialize;
+
+/// The AWS path of the spot interruption notice (enable with `--spot-notice-url aws`).
+pub const AWS_SPOT_URL: &str = "http://169.254.169.254/latest/meta-data/spot/instance-action";
+
+#[derive(Parser, Debug)]
+#[command(name = "ductile-agent", version, about = "ductile node agent: registers the node, runs and supervises workers")]
+pub struct Cli {
+    /// etcd endpoints, comma-separated.
+    #[arg(long, env = "DUCTILE_ETCD")]
+    pub etcd: Option<String>,
+    /// This node's name (default: the hostname).
+    #[arg(long, env = "DUCTILE_NODE")]
+    pub node: Option<String>,
+    /// CPU slots to offer when the node has no GPU (or with --gpus off).
+    #[arg(long, env = "DUCTILE_CPU_SLOTS")]
+    pub cpu_slots: Option<u32>,
+    /// TTL in seconds of the node's lease; keep-alive every TTL/3.
+    #[arg(long, env = "DUCTILE_LEASE_TTL")]
+    pub lease_ttl: Option<i64>,
+    /// TOML config file; flags override it.
+    #[arg(long, env = "DUCTILE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// etcd key prefix.
+    #[arg(long, env = "DUCTILE_PREFIX")]
+    pub prefix: Option<String>,
+    /// auto (use NVIDIA GPUs when present) or off.
+    #[arg(long, env = "DUCTILE_GPUS")]
+    pub gpus: Option<String>,
+    /// URL polled for a spot interruption notice (`aws` for the AWS metadata path); off if unset.
+    #[arg(long, env = "DUCTILE_SPOT_NOTICE_URL")]
+    pub spot_notice_url: Option<String>,
+    /// Poll interval of the spot notice, in milliseconds.
+    #[arg(long, env = "DUCTILE_SPOT_POLL_MS")]
+    pub spot_poll_ms: Option<u64>,
+    /// Longest wait, in seconds, for the job to re-form without this node when draining.
+    #[arg(long, env = "DUCTILE_DRAIN_TIMEOUT")]
+    pub drain_timeout: Option<u64>,
+    /// Wait before restarting a failed worker, in milliseconds.
+    #[arg(long, env = "DUCTILE_RESTART_BACKOFF_MS")]
+    pub restart_backoff_ms: Option<u64>,
+    /// Grace between SIGTERM and SIGKILL when stopping a worker, in milliseconds.
+    #[arg(long, env = "DUCTILE_STOP_GRACE_MS")]
+    pub stop_grace_ms: Option<u64>,
+    /// plain or json.
+    #[arg(long, env = "DUCTILE_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+    /// How long to wait for etcd at start-up, in seconds.
+    #[arg(long, env = "DUCTILE_ETCD_WAIT")]
+    pub etcd_wait: Option<u64>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub etcd: Option<String>,
+    pub node: Option<String>,
+    pub cpu_slots: Option<u32>,
+    pub lease_ttl: Option<i64>,
+    pub prefix: Option<String>,
+    pub gpus: Option<String>,
+    pub spot_notice_url: Option<String>,
+    pub spot_poll_ms: Option<u64>,
+    pub drain_timeout: Option<u64>,
+    pub restart_backoff_ms: Option<u64>,
+    pub stop_grace_ms: Option<u64>,
+    pub log_format: Option<LogFormat>,
+    pub etcd_wait: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub etcd: String,
+    pub node: String,
+    pub cpu_slots: u32,
+    pub lease_ttl: i64,
+    pub prefix: String,
+    pub gpus: bool,
+    pub spot_notice_url: Option<String>,
+    pub spot_poll: Duration,
+    pub drain_timeout: Duration,
+    pub restart_backoff: Duration,
+    pub stop_grace: Duration,
+    pub log_format: LogFormat,
+    pub etcd_wait: Duration,
+}
+
+impl Config {
+    pub fn load(cli: Cli) -> anyhow::Result<Config> {
+        let file: FileConfig = match &cli.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
+                toml::from_str(&text).map_err(|e| anyhow::anyhow!("config {}: {}", p.display(), e.message()))?
+            }
+            None => FileConfig::default(),
+        };
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "node".into()).trim().to_string();
+        let gpus = cli.gpus.or(file.gpus).unwrap_or_else(|| "auto".into());
+        let spot = cli.spot_notice_url.or(file.spot_notice_url).filter(|s| !s.is_empty() && s != "off").map(|s| if s == "aws" { AWS_SPOT_URL.to_string() } else { s });
+        let cfg = Config {
+            etcd: cli.etcd.or(file.etcd).unwrap_or_else(|| "http://127.0.0.1:2379".into()),
+            node: cli.node.or(file.node).unwrap_or(hostname),
+            cpu_slots: cli.cpu_slots.or(file.cpu_slots).unwrap_or(1),
+            lease_ttl: cli.lease_ttl.or(file.lease_ttl).unwrap_or(5),
+            prefix: cli.prefix.or(file.prefix).unwrap_or_else(|| ductile_cluster::keys::DEFAULT_PREFIX.into()),
+            gpus: match gpus.as_str() {
+                "auto" => true,
+                "off" => false,
+                other => anyhow::bail!("invalid gpus: {other:?} is not auto or off"),
+            },
+            spot_notice_url: spot,
+            spot_poll: Duration::from_millis(cli.spot_poll_ms.or(file.spot_poll_ms).unwrap_or(2000)),
+            drain_timeout: Duration::from_secs(cli.drain_timeout.or(file.drain_timeout).unwrap_or(30)),
+            restart_backoff: Duration::from_millis(cli.restart_backoff_ms.or(file.restart_backoff_ms).unwrap_or(2000)),
+            stop_grace: Duration::from_millis(cli.stop_grace_ms.or(file.stop_grace_ms).unwrap_or(5000)),
+            log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Plain),
+            etcd_wait: Duration::from_secs(cli.etcd_wait.or(file.etcd_wait).unwrap_or(30)),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        ductile_cluster::keys::validate_name("node", &self.node)?;
+        if self.lease_ttl < 1 {
+            anyhow::bail!("invalid lease_ttl: {} must be at least 1 second", self.lease_ttl);
+        }
+        if self.cpu_slots == 0 || self.cpu_slots > 1024 {
+            anyhow::bail!("invalid cpu_slots: {} must be in 1..=1024", self.cpu_slots);
+        }
+        if self.spot_poll < Duration::from_millis(50) {
+            anyhow::bail!("invalid spot_poll_ms: must be at least 50");
+        }
+        if let Some(u) = &self.spot_notice_url {
+            if !u.starts_with("http://") && !u.starts_with("https://") {
+                anyhow::bail!("invalid spot_notice_url: {u:?} is not an http(s) URL");
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,568 @@
+//! ductile-agent: one per node. Registers the node under a lease, runs a worker for each slot
+//! of this node in each job's current generation, reports worker exits at once, restarts failed
+//! workers within the job's budget, fences workers of superseded generations, and drains.
+//!
+//! The agent is one actor: a single loop owns all state and handles one event at a time.
+
+pub mod config;
+pub mod devices;
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ductile_cluster::keys::KeyKind;
+use ductile_cluster::kv::{Compare, KvBackend, Op, Txn};
+use ductile_cluster::lease::{LeaseKeeper, LeaseState};
+use ductile_cluster::records::*;
+use ductile_cluster::store::{decode, encode};
+use ductile_cluster::watch::{synced, watch_prefix, Snapshot};
+use ductile_cluster::{Keys, Store};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use config::Config;
+
+type SlotKey = (String, u32);
+
+struct Child {
+    pid: u32,
+    /// The newest generation this worker is known to be a member of.
+    generation: u64,
+    stop: Option<oneshot::Sender<()>>,
+    stopping: bool,
+}
+
+struct Exit {
+    key: SlotKey,
+    pid: u32,
+    code: Option<i32>,
+    signal: Option<i32>,
+}
+
+/// One job as the agent sees it.
+#[derive(Default)]
+struct JobView {
+    spec: Option<JobSpec>,
+    status: Option<JobStatus>,
+    generation: Option<Generation>,
+    history: BTreeMap<u64, Generation>,
+    stop: bool,
+    restarts: (u32, i64),
+}
+
+impl JobView {
+    fn active(&self) -> bool {
+        self.spec.is_some() && !self.stop && !self.status.as_ref().is_some_and(|s| s.state.is_terminal())
+    }
+}
+
+pub struct Agent {
+    cfg: Config,
+    store: Store,
+    node: NodeRecord,
+    lease: LeaseState,
+    children: HashMap<SlotKey, Child>,
+    /// Slots whose worker failed, as reported.
+    failed: HashMap<SlotKey, SlotHealth>,
+    restarts_due: BTreeMap<Instant, SlotKey>,
+    /// Writes that failed (etcd unreachable) and are retried each tick: key → (value, leased).
+    unsent: BTreeMap<String, (Vec<u8>, bool)>,
+    draining: Option<(String, Instant)>,
+    exits_tx: mpsc::Sender<Exit>,
+    jobs: BTreeMap<String, JobView>,
+}
+
+fn describe_exit(code: Option<i32>, signal: Option<i32>) -> String {
+    match (code, signal) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        _ => "exited".into(),
+    }
+}
+
+impl Agent {
+    /// Runs the agent until drained (first signal) or forced.
+    pub async fn run(cfg: Config, backend: Arc<dyn KvBackend>, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let store = Store::new(backend.clone(), Keys::new(&cfg.prefix));
+        let lease_cancel = CancellationToken::new();
+        let keeper = LeaseKeeper::start(backend.clone(), cfg.lease_ttl, lease_cancel.clone()).await?;
+        let devices = devices::devices(cfg.gpus, cfg.cpu_slots);
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
+        let node = NodeRecord {
+            name: cfg.node.clone(),
+            hostname,
+            devices,
+            agent_pid: std::process::id(),
+            registered_at_ms: now_ms(),
+            draining: false,
+            drain_reason: None,
+            reregistrations: 0,
+        };
+        let (exits_tx, mut exits_rx) = mpsc::channel(256);
+        let mut agent = Agent {
+            cfg: cfg.clone(),
+            store: store.clone(),
+            node,
+            lease: keeper.current(),
+            children: HashMap::new(),
+            failed: HashMap::new(),
+            restarts_due: BTreeMap::new(),
+            unsent: BTreeMap::new(),
+            draining: None,
+            exits_tx,
+            jobs: BTreeMap::new(),
+        };
+        agent.register().await;
+        tracing::info!(node = %agent.node.name, slots = agent.node.slots(), lease = format!("{:x}", agent.lease.id), "node registered");
+
+        let watch_cancel = CancellationToken::new();
+        let mut jobs_rx = watch_prefix(backend.clone(), store.keys.jobs(), watch_cancel.clone());
+        let mut drains_rx = watch_prefix(backend.clone(), store.keys.drains(), watch_cancel.clone());
+        let mut lease_rx = keeper.subscribe();
+        let (spot_tx, mut spot_rx) = mpsc::channel::<String>(1);
+        if let Some(url) = cfg.spot_notice_url.clone() {
+            tokio::spawn(poll_spot_notice(url, cfg.spot_poll, spot_tx, watch_cancel.clone()));
+        }
+        synced(&mut jobs_rx).await;
+        ductile_cluster::service::sd_notify("READY=1");
+        let tick_every = ductile_cluster::service::watchdog_interval().map(|w| w.min(Duration::from_secs(1))).unwrap_or(Duration::from_secs(1));
+        let mut tick = tokio::time::interval(tick_every);
+        let mut shutdown_seen = false;
+        loop {
+            let next_restart = agent.restarts_due.keys().next().copied();
+            tokio::select! {
+                r = jobs_rx.changed() => if r.is_ok() {
+                    let snap = jobs_rx.borrow_and_update().clone();
+                    agent.on_jobs(&snap);
+                },
+                r = drains_rx.changed() => if r.is_ok() {
+                    let snap = drains_rx.borrow_and_update().clone();
+                    agent.on_drains(&snap).await;
+                },
+                Some(exit) = exits_rx.recv() => agent.on_exit(exit).await,
+                r = lease_rx.changed() => if r.is_ok() {
+                    let st = *lease_rx.borrow_and_update();
+                    agent.on_lease(st).await;
+                },
+                _ = async { tokio::time::sleep_until(next_restart.unwrap()).await }, if next_restart.is_some() => {
+                    let key = agent.restarts_due.pop_first().map(|(_, k)| k).unwrap();
+                    agent.on_restart_due(key).await;
+                }
+                Some(notice) = spot_rx.recv() => {
+                    tracing::warn!(notice = %notice, "spot interruption notice: draining");
+                    agent.start_drain(format!("spot interruption notice: {notice}")).await;
+                }
+                _ = shutdown.cancelled(), if !shutdown_seen => {
+                    shutdown_seen = true;
+                    ductile_cluster::service::sd_notify("STOPPING=1");
+                    agent.start_drain("agent stopping (SIGTERM)".into()).await;
+                }
+                _ = tick.tick() => {
+                    ductile_cluster::service::sd_notify("WATCHDOG=1");
+                    agent.flush_unsent().await;
+                }
+            }
+            agent.reconcile();
+            if !agent.unsent.is_empty() && agent.lease.healthy {
+                agent.flush_unsent().await;
+            }
+            if agent.drain_done() {
+                break;
+            }
+        }
+        tracing::info!(node = %agent.node.name, "drained; leaving");
+        watch_cancel.cancel();
+        lease_cancel.cancel();
+        keeper.join().await;
+        Ok(())
+    }
+
+    async fn write(&mut self, key: String, value: Vec<u8>, leased: bool) {
+        let lease = leased.then_some(self.lease.id);
+        match self.store.backend.put(&key, value.clone(), lease).await {
+            Ok(_) => {
+                self.unsent.remove(&key);
+            }
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "write failed; will retry");
+                self.unsent.insert(key, (value, leased));
+            }
+        }
+    }
+
+    async fn flush_unsent(&mut self) {
+        let pending: Vec<_> = std::mem::take(&mut self.unsent).into_iter().collect();
+        for (k, (v, leased)) in pending {
+            self.write(k, v, leased).await;
+        }
+    }
+
+    async fn register(&mut self) {
+        let key = self.store.keys.node(&self.node.name);
+        let rec = encode(&self.node);
+        self.write(key, rec, true).await;
+    }
+
+    async fn on_lease(&mut self, st: LeaseState) {
+        let old = self.lease;
+        self.lease = st;
+        if st.epoch != old.epoch {
+            // Our lease expired while we could not refresh it: the cluster has treated this
+            // node as lost. Register again; workers of generations that left us out are fenced
+            // by `reconcile`.
+            self.node.reregistrations += 1;
+            tracing::warn!(node = %self.node.name, lease = format!("{:x}", st.id), "lease was lost; registering again as a rejoining node");
+            self.register().await;
+            let keys: Vec<SlotKey> = self.children.keys().cloned().collect();
+            for k in keys {
+                let c = &self.children[&k];
+                let rec = WorkerRecord { pid: c.pid, generation: c.generation, state: WorkerState::Running, exit: None, code: None, started_at_ms: now_ms() };
+                self.write(self.store.keys.worker(&k.0, &self.node.name, k.1), encode(&rec), true).await;
+            }
+            let failed: Vec<(SlotKey, SlotHealth)> = self.failed.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            for (k, h) in failed {
+                self.write(self.store.keys.slot(&k.0, &self.node.name, k.1), encode(&h), true).await;
+            }
+        } else if !st.healthy && old.healthy {
+            tracing::warn!("etcd unreachable: keeping workers running");
+        }
+    }
+
+    fn on_jobs(&mut self, snap: &Snapshot) {
+        let mut jobs: BTreeMap<String, JobView> = BTreeMap::new();
+        for kv in snap.kvs.values() {
+            let parsed = self.store.keys.parse(&kv.key);
+            let ok = |r: Result<(), ductile_cluster::ClusterError>| {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "ignoring undecodable record");
+                }
+            };
+            match parsed {
+                KeyKind::JobSpec { job } => ok(decode(kv, "job spec").map(|v| jobs.entry(job).or_default().spec = Some(v))),
+                KeyKind::JobStatus { job } => ok(decode(kv, "job status").map(|v| jobs.entry(job).or_default().status = Some(v))),
+                KeyKind::Generation { job } => ok(decode(kv, "generation").map(|v| jobs.entry(job).or_default().generation = Some(v))),
+                KeyKind::History { job, generation } => ok(decode(kv, "generation").map(|v| {
+                    jobs.entry(job).or_default().history.insert(generation, v);
+                })),
+                KeyKind::Stop { job } => jobs.entry(job).or_default().stop = true,
+                KeyKind::Restarts { job } => ok(decode::<u32>(kv, "restart count").map(|n| jobs.entry(job).or_default().restarts = (n, kv.mod_revision))),
+                _ => {}
+            }
+        }
+        self.jobs = jobs;
+    }
+
+    async fn on_drains(&mut self, snap: &Snapshot) {
+        let mine = snap.kvs.values().find(|kv| matches!(self.store.keys.parse(&kv.key), KeyKind::Drain { node } if node == self.node.name));
+        let reason = mine.map(|kv| decode::<DrainRequest>(kv, "drain request").map(|d| d.reason).unwrap_or_else(|_| "drained by the operator".into()));
+        if self.draining.is_some() {
+            return; // leaving anyway
+        }
+        if reason != self.node.drain_reason {
+            self.node.draining = reason.is_some();
+            self.node.drain_reason = reason.clone();
+            match &reason {
+                Some(r) => tracing::info!(reason = %r, "cordoned: no work will be placed here"),
+                None => tracing::info!("uncordoned"),
+            }
+            self.register().await;
+        }
+    }
+
+    async fn start_drain(&mut self, reason: String) {
+        if self.draining.is_some() {
+            return;
+        }
+        self.draining = Some((reason.clone(), Instant::now() + self.cfg.drain_timeout));
+        self.node.draining = true;
+        self.node.drain_reason = Some(reason);
+        self.register().await;
+    }
+
+    /// Draining is done when no active job's generation includes this node and every worker
+    /// has exited; past the drain timeout, remaining workers are stopped.
+    fn drain_done(&mut self) -> bool {
+        let Some((_, deadline)) = &self.draining else { return false };
+        let included = self.jobs.values().any(|j| j.active() && j.generation.as_ref().is_some_and(|g| g.members.iter().any(|m| m.node == self.node.name)));
+        if !included || Instant::now() >= *deadline {
+            if included {
+                tracing::warn!("drain timeout: stopping workers before the job re-formed without this node");
+            }
+            for c in self.children.values_mut() {
+                if let Some(tx) = c.stop.take() {
+                    c.stopping = true;
+                    let _ = tx.send(());
+                }
+            }
+        }
+        self.children.is_empty() && (!included || Instant::now() >= *deadline)
+    }
+
+    /// Whether `slot` of this node has been a member of every generation of `job` from
+    /// `from` (exclusive) to `to` (inclusive): a worker that missed one must not act in a later one.
+    fn member_throughout(&self, job: &JobView, slot: u32, from: u64, to: u64) -> bool {
+        (from + 1..=to).all(|n| match job.history.get(&n) {
+            Some(g) => g.member(&self.node.name, slot).is_some(),
+            None => to == n && job.generation.as_ref().is_some_and(|g| g.number == n && g.member(&self.node.name, slot).is_some()),
+        })
+    }
+
+    /// Make the running workers match the current generations.
+    fn reconcile(&mut self) {
+        let me = self.node.name.clone();
+        // Fence: stop workers whose job ended or whose slot left (even for one generation).
+        let mut to_stop = Vec::new();
+        for (key, child) in self.children.iter_mut() {
+            if child.stopping {
+                continue;
+            }
+            let job = self.jobs.get(&key.0);
+            let keep = match job {
+                Some(j) if j.active() => match &j.generation {
+                    Some(g) if g.number == child.generation => g.member(&me, key.1).is_some(),
+                    Some(g) if g.number > child.generation => {
+                        let ok = (child.generation + 1..=g.number).all(|n| match j.history.get(&n) {
+                            Some(h) => h.member(&me, key.1).is_some(),
+                            None => n == g.number && g.member(&me, key.1).is_some(),
+                        });
+                        if ok {
+                            child.generation = g.number;
+                        }
+                        ok
+                    }
+                    Some(_) => true,
+                    None => false,
+                },
+                _ => false,
+            };
+            if !keep {
+                to_stop.push(key.clone());
+            }
+        }
+        for key in to_stop {
+            if let Some(c) = self.children.get_mut(&key) {
+                tracing::info!(job = %key.0, slot = key.1, pid = c.pid, "stopping worker: its slot is not in the current generation (fenced) or the job ended");
+                c.stopping = true;
+                if let Some(tx) = c.stop.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+        if self.draining.is_some() || self.node.draining {
+            return;
+        }
+        // Start workers for slots of this node in current generations.
+        let mut to_start = Vec::new();
+        for (name, j) in &self.jobs {
+            if !j.active() {
+                continue;
+            }
+            let (Some(g), Some(spec)) = (&j.generation, &j.spec) else { continue };
+            for m in g.members.iter().filter(|m| m.node == me) {
+                let key = (name.clone(), m.slot);
+                if !self.children.contains_key(&key) && !self.failed.contains_key(&key) && m.slot < self.node.slots() {
+                    to_start.push((key, spec.clone(), g.clone(), m.rank));
+                }
+            }
+        }
+        for (key, spec, g, rank) in to_start {
+            self.spawn(key, &spec, &g, rank);
+        }
+    }
+
+    fn spawn(&mut self, key: SlotKey, spec: &JobSpec, g: &Generation, rank: u32) {
+        let dev = &self.node.devices[key.1 as usize];
+        let mut cmd = tokio::process::Command::new(&spec.command[0]);
+        cmd.args(&spec.command[1..]);
+        cmd.envs(&spec.env);
+        // `ductile-worker` resolves next to the agent first.
+        if let Some(dir) = std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.to_path_buf())) {
+            let path = std::env::var("PATH").unwrap_or_default();
+            cmd.env("PATH", format!("{}:{path}", dir.display()));
+        }
+        let device = match dev.kind {
+            DeviceKind::Gpu => {
+                cmd.env("CUDA_VISIBLE_DEVICES", dev.index.to_string());
+                "cuda:0".to_string()
+            }
+            DeviceKind::Cpu => "cpu".to_string(),
+        };
+        cmd.env("DUCTILE_JOB", &key.0)
+            .env("DUCTILE_NODE", &self.node.name)
+            .env("DUCTILE_SLOT", key.1.to_string())
+            .env("DUCTILE_GENERATION", g.number.to_string())
+            .env("DUCTILE_RANK", rank.to_string())
+            .env("DUCTILE_WORLD_SIZE", g.world_size.to_string())
+            .env("DUCTILE_ETCD", &self.cfg.etcd)
+            .env("DUCTILE_PREFIX", &self.cfg.prefix)
+            .env("DUCTILE_DEVICE", device)
+            .env("DUCTILE_DEVICE_INDEX", dev.index.to_string());
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // The worker dies with its agent (a lost node takes its workers with it) and gets a
+        // process group of its own, so stopping it reaches its children too.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                libc::setpgid(0, 0);
+                Ok(())
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(job = %key.0, slot = key.1, command = ?spec.command, error = %e, "cannot start worker");
+                let h = SlotHealth { failed_at_ms: now_ms(), generation: g.number, exit: format!("cannot start {:?}: {e}", spec.command[0]), will_restart: false };
+                self.failed.insert(key.clone(), h.clone());
+                self.unsent.insert(self.store.keys.slot(&key.0, &self.node.name, key.1), (encode(&h), true));
+                return;
+            }
+        };
+        let pid = child.id().unwrap_or(0);
+        tracing::info!(job = %key.0, slot = key.1, pid, generation = g.number, rank, "worker started");
+        for (stream, name) in [(child.stdout.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>), "stdout"), (child.stderr.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>), "stderr")] {
+            if let Some(s) = stream {
+                let (job, slot) = key.clone();
+                tokio::spawn(async move {
+                    let mut lines = BufReader::new(s).lines();
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        tracing::info!(target: "worker", job = %job, slot, pid, stream = name, "{line}");
+                    }
+                });
+            }
+        }
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let exits = self.exits_tx.clone();
+        let grace = self.cfg.stop_grace;
+        let k2 = key.clone();
+        tokio::spawn(async move {
+            let status = tokio::select! {
+                s = child.wait() => s,
+                _ = stop_rx => {
+                    unsafe { libc::kill(-(pid as i32), libc::SIGTERM) };
+                    match tokio::time::timeout(grace, child.wait()).await {
+                        Ok(s) => s,
+                        Err(_) => {
+                            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+                            let _ = child.kill().await;
+                            child.wait().await
+                        }
+                    }
+                }
+            };
+            use std::os::unix::process::ExitStatusExt;
+            let (code, signal) = match status {
+                Ok(s) => (s.code(), s.signal()),
+                Err(_) => (None, None),
+            };
+            let _ = exits.send(Exit { key: k2, pid, code, signal }).await;
+        });
+        self.children.insert(key.clone(), Child { pid, generation: g.number, stop: Some(stop_tx), stopping: false });
+        let rec = WorkerRecord { pid, generation: g.number, state: WorkerState::Running, exit: None, code: None, started_at_ms: now_ms() };
+        // written by the flush that follows every reconcile
+        self.unsent.insert(self.store.keys.worker(&key.0, &self.node.name, key.1), (encode(&rec), true));
+    }
+
+    async fn on_exit(&mut self, exit: Exit) {
+        let Some(child) = self.children.remove(&exit.key) else { return };
+        let (job, slot) = exit.key.clone();
+        let how = describe_exit(exit.code, exit.signal);
+        let jv = self.jobs.get(&job);
+        let still_member = jv.is_some_and(|j| j.active() && j.generation.as_ref().is_some_and(|g| g.member(&self.node.name, slot).is_some() && self.member_throughout(j, slot, child.generation, g.number)));
+        let (used, budget) = (jv.map(|j| j.restarts.0).unwrap_or(0), jv.and_then(|j| j.spec.as_ref()).map(|s| s.restart_budget).unwrap_or(0));
+        let expected = child.stopping || !still_member;
+        let rec = WorkerRecord { pid: exit.pid, generation: child.generation, state: WorkerState::Exited, exit: Some(how.clone()), code: exit.code, started_at_ms: 0 };
+        self.unsent.remove(&self.store.keys.worker(&job, &self.node.name, slot));
+        self.write(self.store.keys.worker(&job, &self.node.name, slot), encode(&rec), true).await;
+        if expected || exit.code == Some(0) {
+            tracing::info!(job = %job, slot, pid = exit.pid, how = %how, "worker exited");
+            return;
+        }
+        // A failure: report it at once so the daemon re-forms without this slot.
+        let will_restart = used < budget;
+        tracing::warn!(job = %job, slot, pid = exit.pid, how = %how, restarts_used = used, budget, will_restart, "worker failed");
+        let h = SlotHealth { failed_at_ms: now_ms(), generation: child.generation, exit: how, will_restart };
+        self.failed.insert(exit.key.clone(), h.clone());
+        self.write(self.store.keys.slot(&job, &self.node.name, slot), encode(&h), true).await;
+        if will_restart {
+            let mut at = Instant::now() + self.cfg.restart_backoff;
+            while self.restarts_due.contains_key(&at) {
+                at += Duration::from_millis(1);
+            }
+            self.restarts_due.insert(at, exit.key);
+        }
+    }
+
+    /// Take one restart from the job's budget (compare-and-swap), then clear the slot's failure
+    /// so the daemon lets it rejoin.
+    async fn on_restart_due(&mut self, key: SlotKey) {
+        let (job, slot) = key.clone();
+        let ckey = self.store.keys.restarts(&job);
+        for _ in 0..10 {
+            let budget = self.jobs.get(&job).and_then(|j| j.spec.as_ref()).map(|s| s.restart_budget).unwrap_or(0);
+            let cur = match self.store.backend.get(&ckey).await {
+                Ok(kv) => kv,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the restart budget; retrying later");
+                    self.restarts_due.insert(Instant::now() + self.cfg.restart_backoff, key);
+                    return;
+                }
+            };
+            let used: u32 = cur.as_ref().and_then(|kv| serde_json::from_slice(&kv.value).ok()).unwrap_or(0);
+            if used >= budget {
+                tracing::warn!(job = %job, slot, used, budget, "restart budget exhausted: the slot stays out");
+                if let Some(h) = self.failed.get_mut(&key) {
+                    h.will_restart = false;
+                    let v = encode(h);
+                    self.write(self.store.keys.slot(&job, &self.node.name, slot), v, true).await;
+                }
+                return;
+            }
+            let cmp = match &cur {
+                Some(kv) => Compare::ModRevision(ckey.clone(), kv.mod_revision),
+                None => Compare::Absent(ckey.clone()),
+            };
+            let txn = Txn { compares: vec![cmp], ops: vec![Op::put(&ckey, encode(&(used + 1))), Op::Delete { key: self.store.keys.slot(&job, &self.node.name, slot) }] };
+            match self.store.backend.txn(txn).await {
+                Ok(o) if o.succeeded => {
+                    tracing::info!(job = %job, slot, restart = used + 1, budget, "restarting failed worker: the slot rejoins");
+                    self.failed.remove(&key);
+                    return;
+                }
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "restart bookkeeping failed; retrying later");
+                    self.restarts_due.insert(Instant::now() + self.cfg.restart_backoff, key);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Poll the spot-interruption URL: a 200 answer is a notice.
+async fn poll_spot_notice(url: String, every: Duration, tx: mpsc::Sender<String>, cancel: CancellationToken) {
+    let client = match reqwest::Client::builder().timeout(Duration::from_secs(2)).build() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the HTTP client for spot notices");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = cancel.cancelled() => return,
+        }
+        if let Ok(resp) = client.get(&url).send().await {
+            if resp.status().is_success() {
+                let body = resp.text().await.unwrap_or_default();
+                let _ = tx.send(body.trim().chars().take(200).collect()).await;
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! The worker runtime: started by the agent with the environment below, it follows its job's
+//! generations. For each generation that includes it, it joins the rendezvous (writes its join
+//! record with the last step it completed); when a generation leaves it out it exits (fenced).
+//! The training loop of the job's strategy runs between re-formations (see the training issue;
+//! until then the worker holds no model state and reports step 0).
+//!
+//! Environment (set by the agent): `DUCTILE_JOB`, `DUCTILE_NODE`, `DUCTILE_SLOT`,
+//! `DUCTILE_GENERATION`, `DUCTILE_RANK`, `DUCTILE_WORLD_SIZE`, `DUCTILE_ETCD`,
+//! `DUCTILE_PREFIX`, `DUCTILE_DEVICE` (`cpu` or `cuda:0`), `DUCTILE_DEVICE_INDEX`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ductile_cluster::records::*;
+use ductile_cluster::watch::{synced, watch_prefix};
+use ductile_cluster::{Keys, KvBackend, Store};
+use tokio_util::sync::CancellationToken;
+
+/// Exit status of a worker that left because a generation no longer includes it.
+pub const EXIT_FENCED: i32 = 0;
+
+/// The worker's identity, from the agent's environment.
+#[derive(Clone, Debug)]
+pub struct WorkerEnv {
+    pub job: String,
+    pub node: String,
+    pub slot: u32,
+    pub generation: u64,
+    pub etcd: String,
+    pub prefix: String,
+    pub device: String,
+}
+
+impl WorkerEnv {
+    pub fn from_env() -> anyhow::Result<WorkerEnv> {
+        fn var(name: &str) -> anyhow::Result<String> {
+            std::env::var(name).map_err(|_| anyhow::anyhow!("{name} is not set: ductile-worker is started by ductile-agent, which sets it"))
+        }
+        fn num<T: std::str::FromStr>(name: &str) -> anyhow::Result<T> {
+            let v = var(name)?;
+            v.parse().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a number"))
+        }
+        Ok(WorkerEnv {
+            job: var("DUCTILE_JOB")?,
+            node: var("DUCTILE_NODE")?,
+            slot: num("DUCTILE_SLOT")?,
+            generation: num("DUCTILE_GENERATION")?,
+            etcd: var("DUCTILE_ETCD")?,
+            prefix: std::env::var("DUCTILE_PREFIX").unwrap_or_else(|_| ductile_cluster::keys::DEFAULT_PREFIX.into()),
+            device: std::env::var("DUCTILE_DEVICE").unwrap_or_else(|_| "cpu".into()),
+        })
+    }
+}
+
+/// Follow generations until fenced out (returns) or `cancel`.
+pub async fn follow_generations(env: WorkerEnv, backend: Arc<dyn KvBackend>, cancel: CancellationToken) -> anyhow::Result<()> {
+    let store = Store::new(backend.clone(), Keys::new(&env.prefix));
+    let gkey = store.keys.generation(&env.job);
+    let mut rx = watch_prefix(backend, gkey.clone(), cancel.clone());
+    synced(&mut rx).await;
+    let mut joined: u64 = 0;
+    let step: u64 = 0;
+    loop {
+        let g: Option<Generation> = rx.borrow_and_update().kvs.get(&gkey).and_then(|kv| serde_json::from_slice(&kv.value).ok());
+        if let Some(g) = g {
+            if g.number >= env.generation && g.number != joined {
+                match g.member(&env.node, env.slot) {
+                    Some(m) => {
+                        let rec = JoinRecord { node: env.node.clone(), slot: env.slot, rank: m.rank, pid: std::process::id(), joined_at_ms: now_ms(), step };
+                        let key = store.keys.joined_rank(&env.job, g.number, m.rank);
+                        let mut delay = Duration::from_millis(50);
+                        loop {
+                            match store.put_json(&key, &rec, None).await {
+                                Ok(_) => break,
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "cannot write join record; retrying");
+                                    tokio::time::sleep(delay).await;
+                                    delay = (delay * 2).min(Duration::from_secs(1));
+                                }
+                            }
+                        }
+                        joined = g.number;
+                        println!("joined generation {} as rank {} of {} ({}; {}) on {}", g.number, m.rank, g.world_size, g.reason, g.detail, env.device);
+                    }
+                    None => {
+                        println!("generation {} does not include {}/{}: leaving", g.number, env.node, env.slot);
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            r = rx.changed() => if r.is_err() { return Ok(()) },
+            _ = cancel.cancelled() => return Ok(()),
+        }
+    }
+}
