@@ -12,7 +12,11 @@ use serde::Deserialize;
 pub const AWS_SPOT_URL: &str = "http://169.254.169.254/latest/meta-data/spot/instance-action";
 
 #[derive(Parser, Debug)]
-#[command(name = "ductile-agent", version, about = "ductile node agent: registers the node, runs and supervises workers")]
+#[command(
+    name = "ductile-agent",
+    version,
+    about = "ductile node agent: registers the node, runs and supervises workers"
+)]
 pub struct Cli {
     /// etcd endpoints, comma-separated.
     #[arg(long, env = "DUCTILE_ETCD")]
@@ -97,31 +101,65 @@ impl Config {
     pub fn load(cli: Cli) -> anyhow::Result<Config> {
         let file: FileConfig = match &cli.config {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
-                toml::from_str(&text).map_err(|e| anyhow::anyhow!("config {}: {}", p.display(), e.message()))?
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
+                toml::from_str(&text)
+                    .map_err(|e| anyhow::anyhow!("config {}: {}", p.display(), e.message()))?
             }
             None => FileConfig::default(),
         };
-        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "node".into()).trim().to_string();
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap_or_else(|_| "node".into())
+            .trim()
+            .to_string();
         let gpus = cli.gpus.or(file.gpus).unwrap_or_else(|| "auto".into());
-        let spot = cli.spot_notice_url.or(file.spot_notice_url).filter(|s| !s.is_empty() && s != "off").map(|s| if s == "aws" { AWS_SPOT_URL.to_string() } else { s });
+        let spot = cli
+            .spot_notice_url
+            .or(file.spot_notice_url)
+            .filter(|s| !s.is_empty() && s != "off")
+            .map(|s| {
+                if s == "aws" {
+                    AWS_SPOT_URL.to_string()
+                } else {
+                    s
+                }
+            });
         let cfg = Config {
-            etcd: cli.etcd.or(file.etcd).unwrap_or_else(|| "http://127.0.0.1:2379".into()),
+            etcd: cli
+                .etcd
+                .or(file.etcd)
+                .unwrap_or_else(|| "http://127.0.0.1:2379".into()),
             node: cli.node.or(file.node).unwrap_or(hostname),
             cpu_slots: cli.cpu_slots.or(file.cpu_slots).unwrap_or(1),
             lease_ttl: cli.lease_ttl.or(file.lease_ttl).unwrap_or(5),
-            prefix: cli.prefix.or(file.prefix).unwrap_or_else(|| ductile_cluster::keys::DEFAULT_PREFIX.into()),
+            prefix: cli
+                .prefix
+                .or(file.prefix)
+                .unwrap_or_else(|| ductile_cluster::keys::DEFAULT_PREFIX.into()),
             gpus: match gpus.as_str() {
                 "auto" => true,
                 "off" => false,
                 other => anyhow::bail!("invalid gpus: {other:?} is not auto or off"),
             },
             spot_notice_url: spot,
-            spot_poll: Duration::from_millis(cli.spot_poll_ms.or(file.spot_poll_ms).unwrap_or(2000)),
-            drain_timeout: Duration::from_secs(cli.drain_timeout.or(file.drain_timeout).unwrap_or(30)),
-            restart_backoff: Duration::from_millis(cli.restart_backoff_ms.or(file.restart_backoff_ms).unwrap_or(2000)),
-            stop_grace: Duration::from_millis(cli.stop_grace_ms.or(file.stop_grace_ms).unwrap_or(5000)),
-            log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Plain),
+            spot_poll: Duration::from_millis(
+                cli.spot_poll_ms.or(file.spot_poll_ms).unwrap_or(2000),
+            ),
+            drain_timeout: Duration::from_secs(
+                cli.drain_timeout.or(file.drain_timeout).unwrap_or(30),
+            ),
+            restart_backoff: Duration::from_millis(
+                cli.restart_backoff_ms
+                    .or(file.restart_backoff_ms)
+                    .unwrap_or(2000),
+            ),
+            stop_grace: Duration::from_millis(
+                cli.stop_grace_ms.or(file.stop_grace_ms).unwrap_or(5000),
+            ),
+            log_format: cli
+                .log_format
+                .or(file.log_format)
+                .unwrap_or(LogFormat::Plain),
             etcd_wait: Duration::from_secs(cli.etcd_wait.or(file.etcd_wait).unwrap_or(30)),
         };
         cfg.validate()?;
@@ -131,7 +169,10 @@ impl Config {
     pub fn validate(&self) -> anyhow::Result<()> {
         ductile_cluster::keys::validate_name("node", &self.node)?;
         if self.lease_ttl < 1 {
-            anyhow::bail!("invalid lease_ttl: {} must be at least 1 second", self.lease_ttl);
+            anyhow::bail!(
+                "invalid lease_ttl: {} must be at least 1 second",
+                self.lease_ttl
+            );
         }
         if self.cpu_slots == 0 || self.cpu_slots > 1024 {
             anyhow::bail!("invalid cpu_slots: {} must be in 1..=1024", self.cpu_slots);

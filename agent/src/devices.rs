@@ -5,7 +5,10 @@ use ductile_cluster::records::{Device, DeviceKind};
 /// GPUs as `nvidia-smi` reports them; empty when it is absent or finds none.
 pub fn detect_gpus() -> Vec<Device> {
     let out = std::process::Command::new("nvidia-smi")
-        .args(["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"])
+        .args([
+            "--query-gpu=index,name,memory.total",
+            "--format=csv,noheader,nounits",
+        ])
         .stderr(std::process::Stdio::null())
         .output();
     match out {
@@ -21,13 +24,25 @@ pub fn parse_nvidia_smi(text: &str) -> Vec<Device> {
             if f.len() < 3 {
                 return None;
             }
-            Some(Device { kind: DeviceKind::Gpu, index: f[0].parse().ok()?, name: f[1].to_string(), memory_mb: f[2].parse().ok() })
+            Some(Device {
+                kind: DeviceKind::Gpu,
+                index: f[0].parse().ok()?,
+                name: f[1].to_string(),
+                memory_mb: f[2].parse().ok(),
+            })
         })
         .collect()
 }
 
 pub fn cpu_slots(n: u32) -> Vec<Device> {
-    (0..n).map(|i| Device { kind: DeviceKind::Cpu, index: i, name: format!("cpu-slot-{i}"), memory_mb: None }).collect()
+    (0..n)
+        .map(|i| Device {
+            kind: DeviceKind::Cpu,
+            index: i,
+            name: format!("cpu-slot-{i}"),
+            memory_mb: None,
+        })
+        .collect()
 }
 
 /// The devices this node offers.
@@ -45,7 +60,9 @@ pub fn devices(use_gpus: bool, cpu: u32) -> Vec<Device> {
 mod tests {
     #[test]
     fn parses_nvidia_smi_csv() {
-        let d = super::parse_nvidia_smi("0, NVIDIA H100 80GB HBM3, 81559\n1, NVIDIA H100 80GB HBM3, 81559\n");
+        let d = super::parse_nvidia_smi(
+            "0, NVIDIA H100 80GB HBM3, 81559\n1, NVIDIA H100 80GB HBM3, 81559\n",
+        );
         assert_eq!(d.len(), 2);
         assert_eq!((d[1].index, d[1].memory_mb), (1, Some(81559)));
         assert!(super::parse_nvidia_smi("garbage").is_empty());

@@ -56,7 +56,9 @@ struct JobView {
 
 impl JobView {
     fn active(&self) -> bool {
-        self.spec.is_some() && !self.stop && !self.status.as_ref().is_some_and(|s| s.state.is_terminal())
+        self.spec.is_some()
+            && !self.stop
+            && !self.status.as_ref().is_some_and(|s| s.state.is_terminal())
     }
 }
 
@@ -86,12 +88,20 @@ fn describe_exit(code: Option<i32>, signal: Option<i32>) -> String {
 
 impl Agent {
     /// Runs the agent until drained (first signal) or forced.
-    pub async fn run(cfg: Config, backend: Arc<dyn KvBackend>, shutdown: CancellationToken) -> anyhow::Result<()> {
+    pub async fn run(
+        cfg: Config,
+        backend: Arc<dyn KvBackend>,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
         let store = Store::new(backend.clone(), Keys::new(&cfg.prefix));
         let lease_cancel = CancellationToken::new();
-        let keeper = LeaseKeeper::start(backend.clone(), cfg.lease_ttl, lease_cancel.clone()).await?;
+        let keeper =
+            LeaseKeeper::start(backend.clone(), cfg.lease_ttl, lease_cancel.clone()).await?;
         let devices = devices::devices(cfg.gpus, cfg.cpu_slots);
-        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         let node = NodeRecord {
             name: cfg.node.clone(),
             hostname,
@@ -121,15 +131,23 @@ impl Agent {
 
         let watch_cancel = CancellationToken::new();
         let mut jobs_rx = watch_prefix(backend.clone(), store.keys.jobs(), watch_cancel.clone());
-        let mut drains_rx = watch_prefix(backend.clone(), store.keys.drains(), watch_cancel.clone());
+        let mut drains_rx =
+            watch_prefix(backend.clone(), store.keys.drains(), watch_cancel.clone());
         let mut lease_rx = keeper.subscribe();
         let (spot_tx, mut spot_rx) = mpsc::channel::<String>(1);
         if let Some(url) = cfg.spot_notice_url.clone() {
-            tokio::spawn(poll_spot_notice(url, cfg.spot_poll, spot_tx, watch_cancel.clone()));
+            tokio::spawn(poll_spot_notice(
+                url,
+                cfg.spot_poll,
+                spot_tx,
+                watch_cancel.clone(),
+            ));
         }
         synced(&mut jobs_rx).await;
         ductile_cluster::service::sd_notify("READY=1");
-        let tick_every = ductile_cluster::service::watchdog_interval().map(|w| w.min(Duration::from_secs(1))).unwrap_or(Duration::from_secs(1));
+        let tick_every = ductile_cluster::service::watchdog_interval()
+            .map(|w| w.min(Duration::from_secs(1)))
+            .unwrap_or(Duration::from_secs(1));
         let mut tick = tokio::time::interval(tick_every);
         let mut shutdown_seen = false;
         loop {
@@ -220,12 +238,33 @@ impl Agent {
             let keys: Vec<SlotKey> = self.children.keys().cloned().collect();
             for k in keys {
                 let c = &self.children[&k];
-                let rec = WorkerRecord { pid: c.pid, generation: c.generation, state: WorkerState::Running, exit: None, code: None, started_at_ms: now_ms() };
-                self.write(self.store.keys.worker(&k.0, &self.node.name, k.1), encode(&rec), true).await;
+                let rec = WorkerRecord {
+                    pid: c.pid,
+                    generation: c.generation,
+                    state: WorkerState::Running,
+                    exit: None,
+                    code: None,
+                    started_at_ms: now_ms(),
+                };
+                self.write(
+                    self.store.keys.worker(&k.0, &self.node.name, k.1),
+                    encode(&rec),
+                    true,
+                )
+                .await;
             }
-            let failed: Vec<(SlotKey, SlotHealth)> = self.failed.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let failed: Vec<(SlotKey, SlotHealth)> = self
+                .failed
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
             for (k, h) in failed {
-                self.write(self.store.keys.slot(&k.0, &self.node.name, k.1), encode(&h), true).await;
+                self.write(
+                    self.store.keys.slot(&k.0, &self.node.name, k.1),
+                    encode(&h),
+                    true,
+                )
+                .await;
             }
         } else if !st.healthy && old.healthy {
             tracing::warn!("etcd unreachable: keeping workers running");
@@ -242,14 +281,21 @@ impl Agent {
                 }
             };
             match parsed {
-                KeyKind::JobSpec { job } => ok(decode(kv, "job spec").map(|v| jobs.entry(job).or_default().spec = Some(v))),
-                KeyKind::JobStatus { job } => ok(decode(kv, "job status").map(|v| jobs.entry(job).or_default().status = Some(v))),
-                KeyKind::Generation { job } => ok(decode(kv, "generation").map(|v| jobs.entry(job).or_default().generation = Some(v))),
+                KeyKind::JobSpec { job } => {
+                    ok(decode(kv, "job spec").map(|v| jobs.entry(job).or_default().spec = Some(v)))
+                }
+                KeyKind::JobStatus { job } => {
+                    ok(decode(kv, "job status")
+                        .map(|v| jobs.entry(job).or_default().status = Some(v)))
+                }
+                KeyKind::Generation { job } => ok(decode(kv, "generation")
+                    .map(|v| jobs.entry(job).or_default().generation = Some(v))),
                 KeyKind::History { job, generation } => ok(decode(kv, "generation").map(|v| {
                     jobs.entry(job).or_default().history.insert(generation, v);
                 })),
                 KeyKind::Stop { job } => jobs.entry(job).or_default().stop = true,
-                KeyKind::Restarts { job } => ok(decode::<u32>(kv, "restart count").map(|n| jobs.entry(job).or_default().restarts = (n, kv.mod_revision))),
+                KeyKind::Restarts { job } => ok(decode::<u32>(kv, "restart count")
+                    .map(|n| jobs.entry(job).or_default().restarts = (n, kv.mod_revision))),
                 _ => {}
             }
         }
@@ -258,7 +304,11 @@ impl Agent {
 
     async fn on_drains(&mut self, snap: &Snapshot) {
         let mine = snap.kvs.values().find(|kv| matches!(self.store.keys.parse(&kv.key), KeyKind::Drain { node } if node == self.node.name));
-        let reason = mine.map(|kv| decode::<DrainRequest>(kv, "drain request").map(|d| d.reason).unwrap_or_else(|_| "drained by the operator".into()));
+        let reason = mine.map(|kv| {
+            decode::<DrainRequest>(kv, "drain request")
+                .map(|d| d.reason)
+                .unwrap_or_else(|_| "drained by the operator".into())
+        });
         if self.draining.is_some() {
             return; // leaving anyway
         }
@@ -286,11 +336,20 @@ impl Agent {
     /// Draining is done when no active job's generation includes this node and every worker
     /// has exited; past the drain timeout, remaining workers are stopped.
     fn drain_done(&mut self) -> bool {
-        let Some((_, deadline)) = &self.draining else { return false };
-        let included = self.jobs.values().any(|j| j.active() && j.generation.as_ref().is_some_and(|g| g.members.iter().any(|m| m.node == self.node.name)));
+        let Some((_, deadline)) = &self.draining else {
+            return false;
+        };
+        let included = self.jobs.values().any(|j| {
+            j.active()
+                && j.generation
+                    .as_ref()
+                    .is_some_and(|g| g.members.iter().any(|m| m.node == self.node.name))
+        });
         if !included || Instant::now() >= *deadline {
             if included {
-                tracing::warn!("drain timeout: stopping workers before the job re-formed without this node");
+                tracing::warn!(
+                    "drain timeout: stopping workers before the job re-formed without this node"
+                );
             }
             for c in self.children.values_mut() {
                 if let Some(tx) = c.stop.take() {
@@ -307,7 +366,13 @@ impl Agent {
     fn member_throughout(&self, job: &JobView, slot: u32, from: u64, to: u64) -> bool {
         (from + 1..=to).all(|n| match job.history.get(&n) {
             Some(g) => g.member(&self.node.name, slot).is_some(),
-            None => to == n && job.generation.as_ref().is_some_and(|g| g.number == n && g.member(&self.node.name, slot).is_some()),
+            None => {
+                to == n
+                    && job
+                        .generation
+                        .as_ref()
+                        .is_some_and(|g| g.number == n && g.member(&self.node.name, slot).is_some())
+            }
         })
     }
 
@@ -325,10 +390,11 @@ impl Agent {
                 Some(j) if j.active() => match &j.generation {
                     Some(g) if g.number == child.generation => g.member(&me, key.1).is_some(),
                     Some(g) if g.number > child.generation => {
-                        let ok = (child.generation + 1..=g.number).all(|n| match j.history.get(&n) {
-                            Some(h) => h.member(&me, key.1).is_some(),
-                            None => n == g.number && g.member(&me, key.1).is_some(),
-                        });
+                        let ok =
+                            (child.generation + 1..=g.number).all(|n| match j.history.get(&n) {
+                                Some(h) => h.member(&me, key.1).is_some(),
+                                None => n == g.number && g.member(&me, key.1).is_some(),
+                            });
                         if ok {
                             child.generation = g.number;
                         }
@@ -361,10 +427,15 @@ impl Agent {
             if !j.active() {
                 continue;
             }
-            let (Some(g), Some(spec)) = (&j.generation, &j.spec) else { continue };
+            let (Some(g), Some(spec)) = (&j.generation, &j.spec) else {
+                continue;
+            };
             for m in g.members.iter().filter(|m| m.node == me) {
                 let key = (name.clone(), m.slot);
-                if !self.children.contains_key(&key) && !self.failed.contains_key(&key) && m.slot < self.node.slots() {
+                if !self.children.contains_key(&key)
+                    && !self.failed.contains_key(&key)
+                    && m.slot < self.node.slots()
+                {
                     to_start.push((key, spec.clone(), g.clone(), m.rank));
                 }
             }
@@ -380,7 +451,10 @@ impl Agent {
         cmd.args(&spec.command[1..]);
         cmd.envs(&spec.env);
         // `ductile-worker` resolves next to the agent first.
-        if let Some(dir) = std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.to_path_buf())) {
+        if let Some(dir) = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.to_path_buf()))
+        {
             let path = std::env::var("PATH").unwrap_or_default();
             cmd.env("PATH", format!("{}:{path}", dir.display()));
         }
@@ -401,7 +475,9 @@ impl Agent {
             .env("DUCTILE_PREFIX", &self.cfg.prefix)
             .env("DUCTILE_DEVICE", device)
             .env("DUCTILE_DEVICE_INDEX", dev.index.to_string());
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         // The worker dies with its agent (a lost node takes its workers with it) and gets a
         // process group of its own, so stopping it reaches its children too.
         unsafe {
@@ -415,15 +491,38 @@ impl Agent {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(job = %key.0, slot = key.1, command = ?spec.command, error = %e, "cannot start worker");
-                let h = SlotHealth { failed_at_ms: now_ms(), generation: g.number, exit: format!("cannot start {:?}: {e}", spec.command[0]), will_restart: false };
+                let h = SlotHealth {
+                    failed_at_ms: now_ms(),
+                    generation: g.number,
+                    exit: format!("cannot start {:?}: {e}", spec.command[0]),
+                    will_restart: false,
+                };
                 self.failed.insert(key.clone(), h.clone());
-                self.unsent.insert(self.store.keys.slot(&key.0, &self.node.name, key.1), (encode(&h), true));
+                self.unsent.insert(
+                    self.store.keys.slot(&key.0, &self.node.name, key.1),
+                    (encode(&h), true),
+                );
                 return;
             }
         };
         let pid = child.id().unwrap_or(0);
         tracing::info!(job = %key.0, slot = key.1, pid, generation = g.number, rank, "worker started");
-        for (stream, name) in [(child.stdout.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>), "stdout"), (child.stderr.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>), "stderr")] {
+        for (stream, name) in [
+            (
+                child
+                    .stdout
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+                "stdout",
+            ),
+            (
+                child
+                    .stderr
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+                "stderr",
+            ),
+        ] {
             if let Some(s) = stream {
                 let (job, slot) = key.clone();
                 tokio::spawn(async move {
@@ -458,25 +557,76 @@ impl Agent {
                 Ok(s) => (s.code(), s.signal()),
                 Err(_) => (None, None),
             };
-            let _ = exits.send(Exit { key: k2, pid, code, signal }).await;
+            let _ = exits
+                .send(Exit {
+                    key: k2,
+                    pid,
+                    code,
+                    signal,
+                })
+                .await;
         });
-        self.children.insert(key.clone(), Child { pid, generation: g.number, stop: Some(stop_tx), stopping: false });
-        let rec = WorkerRecord { pid, generation: g.number, state: WorkerState::Running, exit: None, code: None, started_at_ms: now_ms() };
+        self.children.insert(
+            key.clone(),
+            Child {
+                pid,
+                generation: g.number,
+                stop: Some(stop_tx),
+                stopping: false,
+            },
+        );
+        let rec = WorkerRecord {
+            pid,
+            generation: g.number,
+            state: WorkerState::Running,
+            exit: None,
+            code: None,
+            started_at_ms: now_ms(),
+        };
         // written by the flush that follows every reconcile
-        self.unsent.insert(self.store.keys.worker(&key.0, &self.node.name, key.1), (encode(&rec), true));
+        self.unsent.insert(
+            self.store.keys.worker(&key.0, &self.node.name, key.1),
+            (encode(&rec), true),
+        );
     }
 
     async fn on_exit(&mut self, exit: Exit) {
-        let Some(child) = self.children.remove(&exit.key) else { return };
+        let Some(child) = self.children.remove(&exit.key) else {
+            return;
+        };
         let (job, slot) = exit.key.clone();
         let how = describe_exit(exit.code, exit.signal);
         let jv = self.jobs.get(&job);
-        let still_member = jv.is_some_and(|j| j.active() && j.generation.as_ref().is_some_and(|g| g.member(&self.node.name, slot).is_some() && self.member_throughout(j, slot, child.generation, g.number)));
-        let (used, budget) = (jv.map(|j| j.restarts.0).unwrap_or(0), jv.and_then(|j| j.spec.as_ref()).map(|s| s.restart_budget).unwrap_or(0));
+        let still_member = jv.is_some_and(|j| {
+            j.active()
+                && j.generation.as_ref().is_some_and(|g| {
+                    g.member(&self.node.name, slot).is_some()
+                        && self.member_throughout(j, slot, child.generation, g.number)
+                })
+        });
+        let (used, budget) = (
+            jv.map(|j| j.restarts.0).unwrap_or(0),
+            jv.and_then(|j| j.spec.as_ref())
+                .map(|s| s.restart_budget)
+                .unwrap_or(0),
+        );
         let expected = child.stopping || !still_member;
-        let rec = WorkerRecord { pid: exit.pid, generation: child.generation, state: WorkerState::Exited, exit: Some(how.clone()), code: exit.code, started_at_ms: 0 };
-        self.unsent.remove(&self.store.keys.worker(&job, &self.node.name, slot));
-        self.write(self.store.keys.worker(&job, &self.node.name, slot), encode(&rec), true).await;
+        let rec = WorkerRecord {
+            pid: exit.pid,
+            generation: child.generation,
+            state: WorkerState::Exited,
+            exit: Some(how.clone()),
+            code: exit.code,
+            started_at_ms: 0,
+        };
+        self.unsent
+            .remove(&self.store.keys.worker(&job, &self.node.name, slot));
+        self.write(
+            self.store.keys.worker(&job, &self.node.name, slot),
+            encode(&rec),
+            true,
+        )
+        .await;
         if expected || exit.code == Some(0) {
             tracing::info!(job = %job, slot, pid = exit.pid, how = %how, "worker exited");
             return;
@@ -484,9 +634,19 @@ impl Agent {
         // A failure: report it at once so the daemon re-forms without this slot.
         let will_restart = used < budget;
         tracing::warn!(job = %job, slot, pid = exit.pid, how = %how, restarts_used = used, budget, will_restart, "worker failed");
-        let h = SlotHealth { failed_at_ms: now_ms(), generation: child.generation, exit: how, will_restart };
+        let h = SlotHealth {
+            failed_at_ms: now_ms(),
+            generation: child.generation,
+            exit: how,
+            will_restart,
+        };
         self.failed.insert(exit.key.clone(), h.clone());
-        self.write(self.store.keys.slot(&job, &self.node.name, slot), encode(&h), true).await;
+        self.write(
+            self.store.keys.slot(&job, &self.node.name, slot),
+            encode(&h),
+            true,
+        )
+        .await;
         if will_restart {
             let mut at = Instant::now() + self.cfg.restart_backoff;
             while self.restarts_due.contains_key(&at) {
@@ -502,22 +662,32 @@ impl Agent {
         let (job, slot) = key.clone();
         let ckey = self.store.keys.restarts(&job);
         for _ in 0..10 {
-            let budget = self.jobs.get(&job).and_then(|j| j.spec.as_ref()).map(|s| s.restart_budget).unwrap_or(0);
+            let budget = self
+                .jobs
+                .get(&job)
+                .and_then(|j| j.spec.as_ref())
+                .map(|s| s.restart_budget)
+                .unwrap_or(0);
             let cur = match self.store.backend.get(&ckey).await {
                 Ok(kv) => kv,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the restart budget; retrying later");
-                    self.restarts_due.insert(Instant::now() + self.cfg.restart_backoff, key);
+                    self.restarts_due
+                        .insert(Instant::now() + self.cfg.restart_backoff, key);
                     return;
                 }
             };
-            let used: u32 = cur.as_ref().and_then(|kv| serde_json::from_slice(&kv.value).ok()).unwrap_or(0);
+            let used: u32 = cur
+                .as_ref()
+                .and_then(|kv| serde_json::from_slice(&kv.value).ok())
+                .unwrap_or(0);
             if used >= budget {
                 tracing::warn!(job = %job, slot, used, budget, "restart budget exhausted: the slot stays out");
                 if let Some(h) = self.failed.get_mut(&key) {
                     h.will_restart = false;
                     let v = encode(h);
-                    self.write(self.store.keys.slot(&job, &self.node.name, slot), v, true).await;
+                    self.write(self.store.keys.slot(&job, &self.node.name, slot), v, true)
+                        .await;
                 }
                 return;
             }
@@ -525,7 +695,15 @@ impl Agent {
                 Some(kv) => Compare::ModRevision(ckey.clone(), kv.mod_revision),
                 None => Compare::Absent(ckey.clone()),
             };
-            let txn = Txn { compares: vec![cmp], ops: vec![Op::put(&ckey, encode(&(used + 1))), Op::Delete { key: self.store.keys.slot(&job, &self.node.name, slot) }] };
+            let txn = Txn {
+                compares: vec![cmp],
+                ops: vec![
+                    Op::put(&ckey, encode(&(used + 1))),
+                    Op::Delete {
+                        key: self.store.keys.slot(&job, &self.node.name, slot),
+                    },
+                ],
+            };
             match self.store.backend.txn(txn).await {
                 Ok(o) if o.succeeded => {
                     tracing::info!(job = %job, slot, restart = used + 1, budget, "restarting failed worker: the slot rejoins");
@@ -535,7 +713,8 @@ impl Agent {
                 Ok(_) => continue,
                 Err(e) => {
                     tracing::warn!(error = %e, "restart bookkeeping failed; retrying later");
-                    self.restarts_due.insert(Instant::now() + self.cfg.restart_backoff, key);
+                    self.restarts_due
+                        .insert(Instant::now() + self.cfg.restart_backoff, key);
                     return;
                 }
             }
@@ -544,8 +723,16 @@ impl Agent {
 }
 
 /// Poll the spot-interruption URL: a 200 answer is a notice.
-async fn poll_spot_notice(url: String, every: Duration, tx: mpsc::Sender<String>, cancel: CancellationToken) {
-    let client = match reqwest::Client::builder().timeout(Duration::from_secs(2)).build() {
+async fn poll_spot_notice(
+    url: String,
+    every: Duration,
+    tx: mpsc::Sender<String>,
+    cancel: CancellationToken,
+) {
+    let client = match reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+    {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "cannot build the HTTP client for spot notices");

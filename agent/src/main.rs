@@ -15,7 +15,11 @@ async fn main() {
     let backend = match ductile_cluster::connect_etcd(&cfg.etcd, cfg.etcd_wait).await {
         Ok(b) => b,
         Err(e) => {
-            eprintln!("ductile-agent: cannot reach etcd at {}: {}", cfg.etcd, ductile_cluster::service::error_chain(&e));
+            eprintln!(
+                "ductile-agent: cannot reach etcd at {}: {}",
+                cfg.etcd,
+                ductile_cluster::service::error_chain(&e)
+            );
             std::process::exit(1);
         }
     };

@@ -28,7 +28,11 @@ pub enum ClusterError {
     LeaseNotFound { lease: i64 },
     /// A watch start revision has been compacted; the watcher must re-list.
     #[error("watch on {prefix} from revision {from} hit compaction at {compacted}")]
-    Compacted { prefix: String, from: i64, compacted: i64 },
+    Compacted {
+        prefix: String,
+        from: i64,
+        compacted: i64,
+    },
     /// A stored record could not be decoded.
     #[error("record at {key} is not valid {what}: {source}")]
     Decode {
@@ -64,7 +68,10 @@ impl ClusterError {
     }
 
     pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        ClusterError::Invalid { field: field.into(), reason: reason.into() }
+        ClusterError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 }
 

@@ -29,7 +29,10 @@ impl EtcdBackend {
         let client = ec::Client::connect(endpoints, Some(opts))
             .await
             .map_err(|e| map_err(&joined, "connect", e))?;
-        Ok(EtcdBackend { client, endpoints: joined })
+        Ok(EtcdBackend {
+            client,
+            endpoints: joined,
+        })
     }
 
     /// Connects and makes one read, retrying for up to `wait`; the error says which endpoints
@@ -57,19 +60,54 @@ fn map_err(endpoints: &str, op: &'static str, e: ec::Error) -> ClusterError {
     use tonic::Code;
     match e {
         ec::Error::GRpcStatus(s) => match s.code() {
-            Code::NotFound if s.message().contains("lease") => ClusterError::LeaseNotFound { lease: 0 },
-            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::Aborted | Code::ResourceExhausted | Code::Internal => {
-                ClusterError::Unavailable { endpoints: endpoints.into(), op, source: Box::new(s) }
+            Code::NotFound if s.message().contains("lease") => {
+                ClusterError::LeaseNotFound { lease: 0 }
             }
-            Code::OutOfRange if s.message().contains("compacted") => ClusterError::Compacted { prefix: String::new(), from: 0, compacted: 0 },
-            _ => ClusterError::Rejected { op, message: format!("{:?}: {}", s.code(), s.message()) },
+            Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::Cancelled
+            | Code::Unknown
+            | Code::Aborted
+            | Code::ResourceExhausted
+            | Code::Internal => ClusterError::Unavailable {
+                endpoints: endpoints.into(),
+                op,
+                source: Box::new(s),
+            },
+            Code::OutOfRange if s.message().contains("compacted") => ClusterError::Compacted {
+                prefix: String::new(),
+                from: 0,
+                compacted: 0,
+            },
+            _ => ClusterError::Rejected {
+                op,
+                message: format!("{:?}: {}", s.code(), s.message()),
+            },
         },
-        ec::Error::TransportError(t) => ClusterError::Unavailable { endpoints: endpoints.into(), op, source: Box::new(t) },
-        ec::Error::IoError(t) => ClusterError::Unavailable { endpoints: endpoints.into(), op, source: Box::new(t) },
-        ec::Error::WatchError(m) | ec::Error::LeaseKeepAliveError(m) | ec::Error::ElectError(m) => {
-            ClusterError::Unavailable { endpoints: endpoints.into(), op, source: m.into() }
+        ec::Error::TransportError(t) => ClusterError::Unavailable {
+            endpoints: endpoints.into(),
+            op,
+            source: Box::new(t),
+        },
+        ec::Error::IoError(t) => ClusterError::Unavailable {
+            endpoints: endpoints.into(),
+            op,
+            source: Box::new(t),
+        },
+        ec::Error::LeaseKeepAliveError(m) if m.contains("not found") => {
+            ClusterError::LeaseNotFound { lease: 0 }
         }
-        other => ClusterError::Rejected { op, message: other.to_string() },
+        ec::Error::WatchError(m) | ec::Error::LeaseKeepAliveError(m) | ec::Error::ElectError(m) => {
+            ClusterError::Unavailable {
+                endpoints: endpoints.into(),
+                op,
+                source: m.into(),
+            }
+        }
+        other => ClusterError::Rejected {
+            op,
+            message: other.to_string(),
+        },
     }
 }
 
@@ -86,11 +124,15 @@ fn to_kv(kv: &ec::KeyValue) -> KeyValue {
 fn to_op(op: Op) -> ec::TxnOp {
     match op {
         Op::Put { key, value, lease } => {
-            let opts = lease.filter(|l| *l != 0).map(|l| ec::PutOptions::new().with_lease(l));
+            let opts = lease
+                .filter(|l| *l != 0)
+                .map(|l| ec::PutOptions::new().with_lease(l));
             ec::TxnOp::put(key, value, opts)
         }
         Op::Delete { key } => ec::TxnOp::delete(key, None),
-        Op::DeletePrefix { prefix } => ec::TxnOp::delete(prefix, Some(ec::DeleteOptions::new().with_prefix())),
+        Op::DeletePrefix { prefix } => {
+            ec::TxnOp::delete(prefix, Some(ec::DeleteOptions::new().with_prefix()))
+        }
     }
 }
 
@@ -118,7 +160,11 @@ impl KvBackend for EtcdBackend {
     }
 
     async fn get(&self, key: &str) -> Result<Option<KeyValue>> {
-        let resp = self.c().get(key, None).await.map_err(|e| map_err(&self.endpoints, "get", e))?;
+        let resp = self
+            .c()
+            .get(key, None)
+            .await
+            .map_err(|e| map_err(&self.endpoints, "get", e))?;
         Ok(resp.kvs().first().map(to_kv))
     }
 
@@ -133,7 +179,9 @@ impl KvBackend for EtcdBackend {
     }
 
     async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> Result<Revision> {
-        let opts = lease.filter(|l| *l != 0).map(|l| ec::PutOptions::new().with_lease(l));
+        let opts = lease
+            .filter(|l| *l != 0)
+            .map(|l| ec::PutOptions::new().with_lease(l));
         let resp = self
             .c()
             .put(key, value, opts)
@@ -143,7 +191,11 @@ impl KvBackend for EtcdBackend {
     }
 
     async fn delete(&self, key: &str) -> Result<bool> {
-        let resp = self.c().delete(key, None).await.map_err(|e| map_err(&self.endpoints, "delete", e))?;
+        let resp = self
+            .c()
+            .delete(key, None)
+            .await
+            .map_err(|e| map_err(&self.endpoints, "delete", e))?;
         Ok(resp.deleted() > 0)
     }
 
@@ -169,11 +221,18 @@ impl KvBackend for EtcdBackend {
             .txn(t)
             .await
             .map_err(|e| lease_err(map_err(&self.endpoints, "txn", e), lease.unwrap_or(0)))?;
-        Ok(TxnOutcome { succeeded: resp.succeeded(), revision: resp.header().map(|h| h.revision()).unwrap_or(0) })
+        Ok(TxnOutcome {
+            succeeded: resp.succeeded(),
+            revision: resp.header().map(|h| h.revision()).unwrap_or(0),
+        })
     }
 
     async fn grant(&self, ttl_secs: i64) -> Result<LeaseId> {
-        let resp = self.c().lease_grant(ttl_secs, None).await.map_err(|e| map_err(&self.endpoints, "lease grant", e))?;
+        let resp = self
+            .c()
+            .lease_grant(ttl_secs, None)
+            .await
+            .map_err(|e| map_err(&self.endpoints, "lease grant", e))?;
         Ok(resp.id())
     }
 
@@ -183,19 +242,35 @@ impl KvBackend for EtcdBackend {
             .lease_keep_alive(lease)
             .await
             .map_err(|e| lease_err(map_err(&self.endpoints, "lease keep-alive", e), lease))?;
-        keeper.keep_alive().await.map_err(|e| map_err(&self.endpoints, "lease keep-alive", e))?;
+        keeper
+            .keep_alive()
+            .await
+            .map_err(|e| map_err(&self.endpoints, "lease keep-alive", e))?;
         let fut = stream.message();
         match tokio::time::timeout(Duration::from_secs(5), fut).await {
-            Err(_) => Err(ClusterError::Timeout { op: "lease keep-alive", after: Duration::from_secs(5) }),
-            Ok(Err(e)) => Err(lease_err(map_err(&self.endpoints, "lease keep-alive", e), lease)),
-            Ok(Ok(None)) => Err(ClusterError::Unavailable { endpoints: self.endpoints.clone(), op: "lease keep-alive", source: "stream closed".into() }),
+            Err(_) => Err(ClusterError::Timeout {
+                op: "lease keep-alive",
+                after: Duration::from_secs(5),
+            }),
+            Ok(Err(e)) => Err(lease_err(
+                map_err(&self.endpoints, "lease keep-alive", e),
+                lease,
+            )),
+            Ok(Ok(None)) => Err(ClusterError::Unavailable {
+                endpoints: self.endpoints.clone(),
+                op: "lease keep-alive",
+                source: "stream closed".into(),
+            }),
             Ok(Ok(Some(r))) if r.ttl() <= 0 => Err(ClusterError::LeaseNotFound { lease }),
             Ok(Ok(Some(r))) => Ok(r.ttl()),
         }
     }
 
     async fn revoke(&self, lease: LeaseId) -> Result<()> {
-        self.c().lease_revoke(lease).await.map_err(|e| lease_err(map_err(&self.endpoints, "lease revoke", e), lease))?;
+        self.c()
+            .lease_revoke(lease)
+            .await
+            .map_err(|e| lease_err(map_err(&self.endpoints, "lease revoke", e), lease))?;
         Ok(())
     }
 
@@ -204,7 +279,11 @@ impl KvBackend for EtcdBackend {
         if from > 0 {
             opts = opts.with_start_revision(from);
         }
-        let mut stream = self.c().watch(prefix, Some(opts)).await.map_err(|e| map_err(&self.endpoints, "watch", e))?;
+        let mut stream = self
+            .c()
+            .watch(prefix, Some(opts))
+            .await
+            .map_err(|e| map_err(&self.endpoints, "watch", e))?;
         let (tx, rx) = mpsc::channel(1024);
         let endpoints = self.endpoints.clone();
         let prefix = prefix.to_string();
@@ -216,10 +295,16 @@ impl KvBackend for EtcdBackend {
                 };
                 let item = match msg {
                     Err(e) => Err(map_err(&endpoints, "watch", e)),
-                    Ok(None) => Err(ClusterError::Unavailable { endpoints: endpoints.clone(), op: "watch", source: "watch stream ended".into() }),
-                    Ok(Some(resp)) if resp.compact_revision() > 0 => {
-                        Err(ClusterError::Compacted { prefix: prefix.clone(), from, compacted: resp.compact_revision() })
-                    }
+                    Ok(None) => Err(ClusterError::Unavailable {
+                        endpoints: endpoints.clone(),
+                        op: "watch",
+                        source: "watch stream ended".into(),
+                    }),
+                    Ok(Some(resp)) if resp.compact_revision() > 0 => Err(ClusterError::Compacted {
+                        prefix: prefix.clone(),
+                        from,
+                        compacted: resp.compact_revision(),
+                    }),
                     Ok(Some(resp)) if resp.canceled() => Err(ClusterError::Unavailable {
                         endpoints: endpoints.clone(),
                         op: "watch",
@@ -261,7 +346,10 @@ impl KvBackend for EtcdBackend {
             .campaign(name, value, lease)
             .await
             .map_err(|e| lease_err(map_err(&self.endpoints, "campaign", e), lease))?;
-        let lk = resp.take_leader().ok_or_else(|| ClusterError::Rejected { op: "campaign", message: "no leader key in response".into() })?;
+        let lk = resp.take_leader().ok_or_else(|| ClusterError::Rejected {
+            op: "campaign",
+            message: "no leader key in response".into(),
+        })?;
         Ok(LeaderKey {
             name: name.to_string(),
             key: String::from_utf8_lossy(lk.key()).into_owned(),
@@ -292,7 +380,10 @@ impl KvBackend for EtcdBackend {
     }
 
     async fn compact(&self, revision: Revision) -> Result<()> {
-        self.c().compact(revision, None).await.map_err(|e| map_err(&self.endpoints, "compact", e))?;
+        self.c()
+            .compact(revision, None)
+            .await
+            .map_err(|e| map_err(&self.endpoints, "compact", e))?;
         Ok(())
     }
 }

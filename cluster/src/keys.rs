@@ -35,24 +35,57 @@ impl Default for Keys {
 /// Which record a key under the prefix names (parsing the other way).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyKind {
-    Node { node: String },
-    Drain { node: String },
-    JobSpec { job: String },
-    JobStatus { job: String },
-    Generation { job: String },
-    History { job: String, generation: u64 },
-    Slot { job: String, node: String, slot: u32 },
-    Worker { job: String, node: String, slot: u32 },
-    Joined { job: String, generation: u64, rank: u32 },
-    Progress { job: String },
-    Stop { job: String },
-    Restarts { job: String },
+    Node {
+        node: String,
+    },
+    Drain {
+        node: String,
+    },
+    JobSpec {
+        job: String,
+    },
+    JobStatus {
+        job: String,
+    },
+    Generation {
+        job: String,
+    },
+    History {
+        job: String,
+        generation: u64,
+    },
+    Slot {
+        job: String,
+        node: String,
+        slot: u32,
+    },
+    Worker {
+        job: String,
+        node: String,
+        slot: u32,
+    },
+    Joined {
+        job: String,
+        generation: u64,
+        rank: u32,
+    },
+    Progress {
+        job: String,
+    },
+    Stop {
+        job: String,
+    },
+    Restarts {
+        job: String,
+    },
     Other,
 }
 
 impl Keys {
     pub fn new(prefix: &str) -> Self {
-        Keys { prefix: prefix.trim_end_matches('/').to_string() }
+        Keys {
+            prefix: prefix.trim_end_matches('/').to_string(),
+        }
     }
     pub fn prefix(&self) -> &str {
         &self.prefix
@@ -125,7 +158,10 @@ impl Keys {
 
     /// Parse a key under this prefix back into what it names.
     pub fn parse(&self, key: &str) -> KeyKind {
-        let Some(rest) = key.strip_prefix(&self.prefix).and_then(|r| r.strip_prefix('/')) else {
+        let Some(rest) = key
+            .strip_prefix(&self.prefix)
+            .and_then(|r| r.strip_prefix('/'))
+        else {
             return KeyKind::Other;
         };
         let parts: Vec<&str> = rest.split('/').collect();
@@ -140,19 +176,34 @@ impl Keys {
             ["jobs", job, "stop"] => KeyKind::Stop { job: s(job) },
             ["jobs", job, "restarts"] => KeyKind::Restarts { job: s(job) },
             ["jobs", job, "history", g] => match g.parse() {
-                Ok(generation) => KeyKind::History { job: s(job), generation },
+                Ok(generation) => KeyKind::History {
+                    job: s(job),
+                    generation,
+                },
                 Err(_) => KeyKind::Other,
             },
             ["jobs", job, "slots", node, slot] => match slot.parse() {
-                Ok(slot) => KeyKind::Slot { job: s(job), node: s(node), slot },
+                Ok(slot) => KeyKind::Slot {
+                    job: s(job),
+                    node: s(node),
+                    slot,
+                },
                 Err(_) => KeyKind::Other,
             },
             ["jobs", job, "workers", node, slot] => match slot.parse() {
-                Ok(slot) => KeyKind::Worker { job: s(job), node: s(node), slot },
+                Ok(slot) => KeyKind::Worker {
+                    job: s(job),
+                    node: s(node),
+                    slot,
+                },
                 Err(_) => KeyKind::Other,
             },
             ["jobs", job, "joined", g, r] => match (g.parse(), r.parse()) {
-                (Ok(generation), Ok(rank)) => KeyKind::Joined { job: s(job), generation, rank },
+                (Ok(generation), Ok(rank)) => KeyKind::Joined {
+                    job: s(job),
+                    generation,
+                    rank,
+                },
                 _ => KeyKind::Other,
             },
             _ => KeyKind::Other,
@@ -164,7 +215,9 @@ impl Keys {
 pub fn validate_name(field: &str, name: &str) -> crate::Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 63
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
         && !name.starts_with('.');
     if ok {
         Ok(())
@@ -186,13 +239,27 @@ mod tests {
         assert_eq!(k.parse(&k.node("n1")), KeyKind::Node { node: "n1".into() });
         assert_eq!(
             k.parse(&k.worker("j", "n1", 3)),
-            KeyKind::Worker { job: "j".into(), node: "n1".into(), slot: 3 }
+            KeyKind::Worker {
+                job: "j".into(),
+                node: "n1".into(),
+                slot: 3
+            }
         );
         assert_eq!(
             k.parse(&k.joined_rank("j", 12, 2)),
-            KeyKind::Joined { job: "j".into(), generation: 12, rank: 2 }
+            KeyKind::Joined {
+                job: "j".into(),
+                generation: 12,
+                rank: 2
+            }
         );
-        assert_eq!(k.parse(&k.history_entry("j", 7)), KeyKind::History { job: "j".into(), generation: 7 });
+        assert_eq!(
+            k.parse(&k.history_entry("j", 7)),
+            KeyKind::History {
+                job: "j".into(),
+                generation: 7
+            }
+        );
         assert_eq!(k.parse("/other/nodes/n1"), KeyKind::Other);
         // history keys sort numerically because they are zero-padded
         assert!(k.history_entry("j", 9) < k.history_entry("j", 10));

@@ -36,14 +36,26 @@ pub enum Compare {
 /// A write inside a transaction.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
-    Put { key: String, value: Vec<u8>, lease: Option<LeaseId> },
-    Delete { key: String },
-    DeletePrefix { prefix: String },
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: Option<LeaseId>,
+    },
+    Delete {
+        key: String,
+    },
+    DeletePrefix {
+        prefix: String,
+    },
 }
 
 impl Op {
     pub fn put(key: impl Into<String>, value: Vec<u8>) -> Op {
-        Op::Put { key: key.into(), value, lease: None }
+        Op::Put {
+            key: key.into(),
+            value,
+            lease: None,
+        }
     }
 }
 

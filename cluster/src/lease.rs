@@ -30,9 +30,17 @@ pub struct LeaseKeeper {
 impl LeaseKeeper {
     /// Grants a lease (retrying until etcd answers or `cancel` fires) and keeps it alive until
     /// `cancel`, then revokes it so the keys under it disappear at once.
-    pub async fn start(backend: Arc<dyn KvBackend>, ttl_secs: i64, cancel: CancellationToken) -> Result<LeaseKeeper, ClusterError> {
+    pub async fn start(
+        backend: Arc<dyn KvBackend>,
+        ttl_secs: i64,
+        cancel: CancellationToken,
+    ) -> Result<LeaseKeeper, ClusterError> {
         let id = grant_retrying(&*backend, ttl_secs, &cancel).await?;
-        let (tx, rx) = watch::channel(LeaseState { id, epoch: 0, healthy: true });
+        let (tx, rx) = watch::channel(LeaseState {
+            id,
+            epoch: 0,
+            healthy: true,
+        });
         let task = tokio::spawn(keep(backend, ttl_secs, cancel, tx));
         Ok(LeaseKeeper { state: rx, task })
     }
@@ -51,7 +59,11 @@ impl LeaseKeeper {
     }
 }
 
-async fn grant_retrying(backend: &dyn KvBackend, ttl: i64, cancel: &CancellationToken) -> Result<LeaseId, ClusterError> {
+async fn grant_retrying(
+    backend: &dyn KvBackend,
+    ttl: i64,
+    cancel: &CancellationToken,
+) -> Result<LeaseId, ClusterError> {
     let mut delay = Duration::from_millis(100);
     loop {
         match backend.grant(ttl).await {
@@ -69,7 +81,12 @@ async fn grant_retrying(backend: &dyn KvBackend, ttl: i64, cancel: &Cancellation
     }
 }
 
-async fn keep(backend: Arc<dyn KvBackend>, ttl: i64, cancel: CancellationToken, tx: watch::Sender<LeaseState>) {
+async fn keep(
+    backend: Arc<dyn KvBackend>,
+    ttl: i64,
+    cancel: CancellationToken,
+    tx: watch::Sender<LeaseState>,
+) {
     let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(100));
     let mut delay = period;
     loop {
@@ -87,15 +104,25 @@ async fn keep(backend: Arc<dyn KvBackend>, ttl: i64, cancel: CancellationToken, 
                 delay = period;
                 if !st.healthy {
                     tracing::info!(lease = format!("{:x}", st.id), "lease keep-alive recovered");
-                    tx.send_replace(LeaseState { healthy: true, ..st });
+                    tx.send_replace(LeaseState {
+                        healthy: true,
+                        ..st
+                    });
                 }
             }
             Err(ClusterError::LeaseNotFound { .. }) => {
-                tracing::warn!(lease = format!("{:x}", st.id), "lease expired; granting a new one");
+                tracing::warn!(
+                    lease = format!("{:x}", st.id),
+                    "lease expired; granting a new one"
+                );
                 match grant_retrying(&*backend, ttl, &cancel).await {
                     Ok(id) => {
                         delay = period;
-                        tx.send_replace(LeaseState { id, epoch: st.epoch + 1, healthy: true });
+                        tx.send_replace(LeaseState {
+                            id,
+                            epoch: st.epoch + 1,
+                            healthy: true,
+                        });
                     }
                     Err(_) => return,
                 }
@@ -103,7 +130,10 @@ async fn keep(backend: Arc<dyn KvBackend>, ttl: i64, cancel: CancellationToken, 
             Err(e) => {
                 if st.healthy {
                     tracing::warn!(lease = format!("{:x}", st.id), error = %e, "lease keep-alive failed; retrying");
-                    tx.send_replace(LeaseState { healthy: false, ..st });
+                    tx.send_replace(LeaseState {
+                        healthy: false,
+                        ..st
+                    });
                 }
                 delay = Duration::from_millis(250).min(period);
             }

@@ -27,9 +27,15 @@ use std::time::Duration;
 /// Connect to etcd at comma-separated `endpoints` (`http://` optional), waiting up to `wait`
 /// for a first answer.
 pub async fn connect_etcd(endpoints: &str, wait: Duration) -> Result<Arc<dyn KvBackend>> {
-    let eps: Vec<String> = endpoints.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect();
+    let eps: Vec<String> = endpoints
+        .split(',')
+        .map(|e| e.trim().to_string())
+        .filter(|e| !e.is_empty())
+        .collect();
     if eps.is_empty() {
         return Err(ClusterError::invalid("etcd", "no endpoints given"));
     }
-    Ok(Arc::new(etcd::EtcdBackend::connect_checked(&eps, wait).await?))
+    Ok(Arc::new(
+        etcd::EtcdBackend::connect_checked(&eps, wait).await?,
+    ))
 }

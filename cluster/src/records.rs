@@ -184,9 +184,13 @@ impl JobSpec {
             return Err(ClusterError::invalid("min", "must be at least 1"));
         }
         if self.max < self.min {
-            return Err(ClusterError::invalid("max", format!("{} is below min {}", self.max, self.min)));
+            return Err(ClusterError::invalid(
+                "max",
+                format!("{} is below min {}", self.max, self.min),
+            ));
         }
-        self.check_size(self.desired).map_err(|reason| ClusterError::invalid("desired", reason))?;
+        self.check_size(self.desired)
+            .map_err(|reason| ClusterError::invalid("desired", reason))?;
         for k in self.env.keys() {
             if k.is_empty() || k.contains('=') || k.starts_with("DUCTILE_") {
                 return Err(ClusterError::invalid(
@@ -200,13 +204,22 @@ impl JobSpec {
         }
         if let Some(c) = &self.checkpoint {
             if !(c.url.starts_with("s3://") || c.url.starts_with("file://")) {
-                return Err(ClusterError::invalid("checkpoint.url", format!("{:?} must be s3://... or file://...", c.url)));
+                return Err(ClusterError::invalid(
+                    "checkpoint.url",
+                    format!("{:?} must be s3://... or file://...", c.url),
+                ));
             }
             if c.interval == 0 {
-                return Err(ClusterError::invalid("checkpoint.interval", "must be at least 1 step"));
+                return Err(ClusterError::invalid(
+                    "checkpoint.interval",
+                    "must be at least 1 step",
+                ));
             }
             if c.keep == 0 {
-                return Err(ClusterError::invalid("checkpoint.keep", "must keep at least 1 checkpoint"));
+                return Err(ClusterError::invalid(
+                    "checkpoint.keep",
+                    "must keep at least 1 checkpoint",
+                ));
             }
         }
         Ok(())
@@ -215,7 +228,10 @@ impl JobSpec {
     /// Whether `n` is an acceptable size for this job (`dctl scale`).
     pub fn check_size(&self, n: u32) -> std::result::Result<(), String> {
         if n < self.min || n > self.max {
-            Err(format!("{n} is outside [min, max] = [{}, {}]", self.min, self.max))
+            Err(format!(
+                "{n} is outside [min, max] = [{}, {}]",
+                self.min, self.max
+            ))
         } else {
             Ok(())
         }
@@ -227,17 +243,29 @@ impl TrainingSpec {
         if self.strategy != "data-parallel" {
             return Err(ClusterError::invalid(
                 "training.strategy",
-                format!("{:?} is not supported (supported: \"data-parallel\")", self.strategy),
+                format!(
+                    "{:?} is not supported (supported: \"data-parallel\")",
+                    self.strategy
+                ),
             ));
         }
         if !matches!(self.model.as_str(), "gpt" | "mlp") {
-            return Err(ClusterError::invalid("training.model", format!("{:?} is unknown (known: \"gpt\", \"mlp\")", self.model)));
+            return Err(ClusterError::invalid(
+                "training.model",
+                format!("{:?} is unknown (known: \"gpt\", \"mlp\")", self.model),
+            ));
         }
         if !(self.dataset.starts_with("file://") || self.dataset.starts_with("s3://")) {
-            return Err(ClusterError::invalid("training.dataset", format!("{:?} must be a file:// or s3:// URL", self.dataset)));
+            return Err(ClusterError::invalid(
+                "training.dataset",
+                format!("{:?} must be a file:// or s3:// URL", self.dataset),
+            ));
         }
         if self.global_batch == 0 {
-            return Err(ClusterError::invalid("training.global_batch", "must be at least 1"));
+            return Err(ClusterError::invalid(
+                "training.global_batch",
+                "must be at least 1",
+            ));
         }
         if self.global_batch < max {
             return Err(ClusterError::invalid(
@@ -246,10 +274,19 @@ impl TrainingSpec {
             ));
         }
         if !matches!(self.optimizer.as_str(), "adamw" | "sgd") {
-            return Err(ClusterError::invalid("training.optimizer", format!("{:?} is unknown (known: \"adamw\", \"sgd\")", self.optimizer)));
+            return Err(ClusterError::invalid(
+                "training.optimizer",
+                format!(
+                    "{:?} is unknown (known: \"adamw\", \"sgd\")",
+                    self.optimizer
+                ),
+            ));
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return Err(ClusterError::invalid("training.lr", "must be a positive finite number"));
+            return Err(ClusterError::invalid(
+                "training.lr",
+                "must be a positive finite number",
+            ));
         }
         Ok(())
     }
@@ -273,7 +310,10 @@ pub enum JobState {
 
 impl JobState {
     pub fn is_terminal(self) -> bool {
-        matches!(self, JobState::Stopped | JobState::Succeeded | JobState::Failed)
+        matches!(
+            self,
+            JobState::Stopped | JobState::Succeeded | JobState::Failed
+        )
     }
 }
 
@@ -342,7 +382,11 @@ fn one() -> u32 {
 
 impl Layout {
     pub fn data_parallel(n: u32) -> Layout {
-        Layout { data_parallel: n, pipeline_parallel: 1, tensor_parallel: 1 }
+        Layout {
+            data_parallel: n,
+            pipeline_parallel: 1,
+            tensor_parallel: 1,
+        }
     }
 }
 
@@ -370,7 +414,9 @@ pub struct Generation {
 
 impl Generation {
     pub fn member(&self, node: &str, slot: u32) -> Option<&Member> {
-        self.members.iter().find(|m| m.node == node && m.slot == slot)
+        self.members
+            .iter()
+            .find(|m| m.node == node && m.slot == slot)
     }
 }
 
@@ -516,11 +562,16 @@ keep = 3
         assert!(err("name = \"a b\"\nmin = 1\nmax = 2\ndesired = 2\n").contains("invalid name"));
         assert!(err("name = \"a\"\nmin = 1\nmax = 2\n").contains("missing field `desired`"));
         assert!(err("name = \"a\"\nmin = 1\nmax = 2\ndesired = \"two\"\n").contains("line 4"));
-        let t = |extra: &str| format!("{base}[training]\nmodel = \"gpt\"\ndataset = \"file:///d\"\nglobal_batch = 8\n{extra}");
+        let t = |extra: &str| {
+            format!("{base}[training]\nmodel = \"gpt\"\ndataset = \"file:///d\"\nglobal_batch = 8\n{extra}")
+        };
         assert!(JobSpec::from_toml(&t("")).is_ok());
         assert!(err(&t("").replace("gpt", "resnet")).contains("training.model"));
-        assert!(err(&t("").replace("global_batch = 8", "global_batch = 1")).contains("training.global_batch"));
+        assert!(err(&t("").replace("global_batch = 8", "global_batch = 1"))
+            .contains("training.global_batch"));
         assert!(err(&t("").replace("file:///d", "/d")).contains("training.dataset"));
-        assert!(err(&format!("{base}[checkpoint]\nurl = \"http://x\"\n")).contains("checkpoint.url"));
+        assert!(
+            err(&format!("{base}[checkpoint]\nurl = \"http://x\"\n")).contains("checkpoint.url")
+        );
     }
 }

@@ -26,8 +26,12 @@ impl std::str::FromStr for LogFormat {
 
 /// Logs to stderr; the level comes from `RUST_LOG` (default `info`).
 pub fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false);
     let _ = match format {
         LogFormat::Plain => b.with_ansi(false).try_init(),
         LogFormat::Json => b.json().flatten_event(true).try_init(),
@@ -37,12 +41,17 @@ pub fn init_logging(format: LogFormat) {
 /// Sends a state line to systemd (`READY=1`, `WATCHDOG=1`, `STATUS=...`, `STOPPING=1`) when
 /// started by it (`NOTIFY_SOCKET` set); does nothing otherwise.
 pub fn sd_notify(state: &str) {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
-    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else { return };
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else {
+        return;
+    };
     let p = path.to_string_lossy();
     let res = if let Some(name) = p.strip_prefix('@') {
         use std::os::linux::net::SocketAddrExt;
-        std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).and_then(|addr| sock.send_to_addr(state.as_bytes(), &addr))
+        std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+            .and_then(|addr| sock.send_to_addr(state.as_bytes(), &addr))
     } else {
         sock.send_to(state.as_bytes(), &*p)
     };
@@ -64,7 +73,10 @@ pub fn shutdown_on_signals() -> CancellationToken {
     let t = token.clone();
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
             tracing::error!("cannot install signal handlers");
             return;
         };

@@ -12,7 +12,11 @@ use crate::{ClusterError, Result};
 
 /// Decode a JSON record, naming the key when it is not valid.
 pub fn decode<T: DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Result<T> {
-    serde_json::from_slice(&kv.value).map_err(|source| ClusterError::Decode { key: kv.key.clone(), what, source })
+    serde_json::from_slice(&kv.value).map_err(|source| ClusterError::Decode {
+        key: kv.key.clone(),
+        what,
+        source,
+    })
 }
 
 pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
@@ -31,20 +35,33 @@ impl Store {
         Store { backend, keys }
     }
 
-    pub async fn get_json<T: DeserializeOwned>(&self, key: &str, what: &'static str) -> Result<Option<(T, KeyValue)>> {
+    pub async fn get_json<T: DeserializeOwned>(
+        &self,
+        key: &str,
+        what: &'static str,
+    ) -> Result<Option<(T, KeyValue)>> {
         match self.backend.get(key).await? {
             Some(kv) => Ok(Some((decode(&kv, what)?, kv))),
             None => Ok(None),
         }
     }
 
-    pub async fn put_json<T: Serialize>(&self, key: &str, v: &T, lease: Option<LeaseId>) -> Result<Revision> {
+    pub async fn put_json<T: Serialize>(
+        &self,
+        key: &str,
+        v: &T,
+        lease: Option<LeaseId>,
+    ) -> Result<Revision> {
         self.backend.put(key, encode(v), lease).await
     }
 
     /// Every record under a prefix. A record that does not decode is skipped with a warning
     /// (one bad record must not blind the control plane to the rest).
-    pub async fn list_json<T: DeserializeOwned>(&self, prefix: &str, what: &'static str) -> Result<Vec<(T, KeyValue)>> {
+    pub async fn list_json<T: DeserializeOwned>(
+        &self,
+        prefix: &str,
+        what: &'static str,
+    ) -> Result<Vec<(T, KeyValue)>> {
         let (kvs, _) = self.backend.list(prefix).await?;
         Ok(kvs
             .into_iter()
@@ -59,7 +76,12 @@ impl Store {
     }
 
     pub async fn nodes(&self) -> Result<Vec<NodeRecord>> {
-        Ok(self.list_json(&self.keys.nodes(), "node record").await?.into_iter().map(|(n, _)| n).collect())
+        Ok(self
+            .list_json(&self.keys.nodes(), "node record")
+            .await?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect())
     }
 
     pub async fn spec(&self, job: &str) -> Result<Option<(JobSpec, KeyValue)>> {
@@ -70,7 +92,10 @@ impl Store {
         let (kvs, _) = self.backend.list(&self.keys.jobs()).await?;
         let mut out = Vec::new();
         for kv in kvs {
-            if matches!(self.keys.parse(&kv.key), crate::keys::KeyKind::JobSpec { .. }) {
+            if matches!(
+                self.keys.parse(&kv.key),
+                crate::keys::KeyKind::JobSpec { .. }
+            ) {
                 out.push(decode(&kv, "job spec")?);
             }
         }
@@ -89,21 +114,42 @@ impl Store {
             let status = self.status(&spec.name).await?;
             match status {
                 Some((st, skv)) if st.state.is_terminal() => {
-                    compares = vec![Compare::ModRevision(key.clone(), kv.mod_revision), Compare::ModRevision(skv.key.clone(), skv.mod_revision)];
-                    // keep the generation and its history: numbers never repeat for a name
-                    for sub in ["status", "progress", "slots/", "joined/", "rdv/", "restarts", "stop"] {
-                        ops.push(Op::DeletePrefix { prefix: format!("{}{sub}", self.keys.job(&spec.name)) });
+                    compares = vec![
+                        Compare::ModRevision(key.clone(), kv.mod_revision),
+                        Compare::ModRevision(skv.key.clone(), skv.mod_revision),
+                    ];
+                    // keep the history: generation numbers never repeat for a name
+                    for sub in [
+                        "status",
+                        "generation",
+                        "progress",
+                        "slots/",
+                        "workers/",
+                        "joined/",
+                        "rdv/",
+                        "restarts",
+                        "stop",
+                    ] {
+                        ops.push(Op::DeletePrefix {
+                            prefix: format!("{}{sub}", self.keys.job(&spec.name)),
+                        });
                     }
                 }
                 _ => {
-                    return Err(ClusterError::Conflict { key, reason: format!("job {:?} already exists and has not finished", spec.name) });
+                    return Err(ClusterError::Conflict {
+                        key,
+                        reason: format!("job {:?} already exists and has not finished", spec.name),
+                    });
                 }
             }
         }
         ops.push(Op::put(key.clone(), encode(spec)));
         let out = self.backend.txn(Txn { compares, ops }).await?;
         if !out.succeeded {
-            return Err(ClusterError::Conflict { key, reason: "the job changed while it was being submitted; try again".into() });
+            return Err(ClusterError::Conflict {
+                key,
+                reason: "the job changed while it was being submitted; try again".into(),
+            });
         }
         Ok(())
     }
@@ -112,13 +158,20 @@ impl Store {
     pub async fn scale(&self, job: &str, desired: u32) -> Result<JobSpec> {
         loop {
             let Some((mut spec, kv)) = self.spec(job).await? else {
-                return Err(ClusterError::invalid("job", format!("no job named {job:?}")));
+                return Err(ClusterError::invalid(
+                    "job",
+                    format!("no job named {job:?}"),
+                ));
             };
-            spec.check_size(desired).map_err(|r| ClusterError::invalid("size", r))?;
+            spec.check_size(desired)
+                .map_err(|r| ClusterError::invalid("size", r))?;
             spec.desired = desired;
             let out = self
                 .backend
-                .txn(Txn { compares: vec![Compare::ModRevision(kv.key.clone(), kv.mod_revision)], ops: vec![Op::put(kv.key.clone(), encode(&spec))] })
+                .txn(Txn {
+                    compares: vec![Compare::ModRevision(kv.key.clone(), kv.mod_revision)],
+                    ops: vec![Op::put(kv.key.clone(), encode(&spec))],
+                })
                 .await?;
             if out.succeeded {
                 return Ok(spec);
@@ -131,44 +184,88 @@ impl Store {
     }
 
     pub async fn generation(&self, job: &str) -> Result<Option<(Generation, KeyValue)>> {
-        self.get_json(&self.keys.generation(job), "generation").await
+        self.get_json(&self.keys.generation(job), "generation")
+            .await
     }
 
     pub async fn history(&self, job: &str) -> Result<Vec<Generation>> {
-        Ok(self.list_json(&self.keys.history(job), "generation").await?.into_iter().map(|(g, _)| g).collect())
+        Ok(self
+            .list_json(&self.keys.history(job), "generation")
+            .await?
+            .into_iter()
+            .map(|(g, _)| g)
+            .collect())
     }
 
     pub async fn progress(&self, job: &str) -> Result<Option<Progress>> {
-        Ok(self.get_json(&self.keys.progress(job), "progress").await?.map(|(p, _)| p))
+        Ok(self
+            .get_json(&self.keys.progress(job), "progress")
+            .await?
+            .map(|(p, _)| p))
     }
 
     /// Publish a generation in one transaction that compares the previous generation's
     /// revision (`prev_mod_revision`, 0 = none yet) and, when given, the leader's key: a deposed
     /// leader, or one that read a stale generation, cannot publish. Returns false if fenced.
+    /// `fence` holds the leader key and the spec revision the decision was made against.
     pub async fn publish_generation(
         &self,
         generation: &Generation,
         prev_mod_revision: Revision,
-        leader: Option<&LeaderKey>,
+        fence: &Fence<'_>,
         status: &JobStatus,
     ) -> Result<bool> {
         let gkey = self.keys.generation(&generation.job);
-        let mut compares = vec![if prev_mod_revision == 0 { Compare::Absent(gkey.clone()) } else { Compare::ModRevision(gkey.clone(), prev_mod_revision) }];
-        if let Some(l) = leader {
-            compares.push(Compare::CreateRevision(l.key.clone(), l.create_revision));
-        }
+        let mut compares = vec![if prev_mod_revision == 0 {
+            Compare::Absent(gkey.clone())
+        } else {
+            Compare::ModRevision(gkey.clone(), prev_mod_revision)
+        }];
+        compares.extend(fence.compares(&self.keys, &generation.job));
         let ops = vec![
             Op::put(gkey, encode(generation)),
-            Op::put(self.keys.history_entry(&generation.job, generation.number), encode(generation)),
+            Op::put(
+                self.keys.history_entry(&generation.job, generation.number),
+                encode(generation),
+            ),
             Op::put(self.keys.status(&generation.job), encode(status)),
         ];
         Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)
     }
 
-    /// Write a job status, fenced on leadership when a leader key is given.
-    pub async fn put_status(&self, status: &JobStatus, leader: Option<&LeaderKey>) -> Result<bool> {
-        let compares = leader.map(|l| vec![Compare::CreateRevision(l.key.clone(), l.create_revision)]).unwrap_or_default();
-        let ops = vec![Op::put(self.keys.status(&status.job), encode(status))];
+    /// Write a job status, fenced like a publish, and on the status the decision read
+    /// (`prev_status_revision`, 0 = none).
+    pub async fn put_status(
+        &self,
+        status: &JobStatus,
+        prev_status_revision: Revision,
+        fence: &Fence<'_>,
+    ) -> Result<bool> {
+        let skey = self.keys.status(&status.job);
+        let mut compares = vec![if prev_status_revision == 0 {
+            Compare::Absent(skey.clone())
+        } else {
+            Compare::ModRevision(skey.clone(), prev_status_revision)
+        }];
+        compares.extend(fence.compares(&self.keys, &status.job));
+        let ops = vec![Op::put(skey, encode(status))];
         Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)
+    }
+}
+
+/// What a leader's write is conditional on: it still leads, and the job's spec is the one its
+/// decision read (a job stopped and resubmitted meanwhile is a different job).
+pub struct Fence<'a> {
+    pub leader: Option<&'a LeaderKey>,
+    pub spec_revision: Revision,
+}
+
+impl Fence<'_> {
+    fn compares(&self, keys: &Keys, job: &str) -> Vec<Compare> {
+        let mut c = vec![Compare::ModRevision(keys.spec(job), self.spec_revision)];
+        if let Some(l) = self.leader {
+            c.push(Compare::CreateRevision(l.key.clone(), l.create_revision));
+        }
+        c
     }
 }

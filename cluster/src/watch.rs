@@ -23,7 +23,11 @@ pub struct Snapshot {
 }
 
 /// Starts the watcher task; it runs until `cancel`.
-pub fn watch_prefix(backend: Arc<dyn KvBackend>, prefix: String, cancel: CancellationToken) -> watch::Receiver<Arc<Snapshot>> {
+pub fn watch_prefix(
+    backend: Arc<dyn KvBackend>,
+    prefix: String,
+    cancel: CancellationToken,
+) -> watch::Receiver<Arc<Snapshot>> {
     let (tx, rx) = watch::channel(Arc::new(Snapshot::default()));
     tokio::spawn(async move {
         let mut relists = 0u64;
@@ -45,7 +49,11 @@ pub fn watch_prefix(backend: Arc<dyn KvBackend>, prefix: String, cancel: Cancell
                     continue;
                 }
             };
-            let mut snap = Snapshot { revision: rev, kvs: kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect(), relists };
+            let mut snap = Snapshot {
+                revision: rev,
+                kvs: kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect(),
+                relists,
+            };
             relists += 1;
             tx.send_replace(Arc::new(snap.clone()));
             // Watch from the next revision.

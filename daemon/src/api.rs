@@ -33,7 +33,13 @@ pub struct ApiError(StatusCode, ApiErrorBody);
 
 impl ApiError {
     fn new(code: StatusCode, msg: impl Into<String>) -> Self {
-        ApiError(code, ApiErrorBody { error: msg.into(), field: None })
+        ApiError(
+            code,
+            ApiErrorBody {
+                error: msg.into(),
+                field: None,
+            },
+        )
     }
     fn not_found(job: &str) -> Self {
         ApiError::new(StatusCode::NOT_FOUND, format!("no job named {job:?}"))
@@ -45,14 +51,22 @@ impl From<ClusterError> for ApiError {
         let code = match &e {
             ClusterError::Invalid { .. } | ClusterError::Decode { .. } => StatusCode::BAD_REQUEST,
             ClusterError::Conflict { .. } => StatusCode::CONFLICT,
-            ClusterError::Unavailable { .. } | ClusterError::Timeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ClusterError::Unavailable { .. } | ClusterError::Timeout { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let field = match &e {
             ClusterError::Invalid { field, .. } => Some(field.clone()),
             _ => None,
         };
-        ApiError(code, ApiErrorBody { error: ductile_cluster::service::error_chain(&e), field })
+        ApiError(
+            code,
+            ApiErrorBody {
+                error: ductile_cluster::service::error_chain(&e),
+                field,
+            },
+        )
     }
 }
 
@@ -75,30 +89,59 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/nodes/{node}/drain", post(drain).delete(undrain))
         .route("/v1/leader", get(leader))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth));
-    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/metrics", get(metrics)).merge(authed).with_state(state)
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics))
+        .merge(authed)
+        .with_state(state)
 }
 
 /// Bearer-token check, in constant time.
-async fn auth(State(st): State<AppState>, headers: HeaderMap, req: Request, next: Next) -> Response {
-    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+async fn auth(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    req: Request,
+    next: Next,
+) -> Response {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
     match given {
-        None => ApiError::new(StatusCode::UNAUTHORIZED, "missing bearer token (Authorization: Bearer ...)").into_response(),
-        Some(t) if !st.token.matches(t) => ApiError::new(StatusCode::UNAUTHORIZED, "invalid token").into_response(),
+        None => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing bearer token (Authorization: Bearer ...)",
+        )
+        .into_response(),
+        Some(t) if !st.token.matches(t) => {
+            ApiError::new(StatusCode::UNAUTHORIZED, "invalid token").into_response()
+        }
         Some(_) => next.run(req).await,
     }
 }
 
-async fn submit(State(st): State<AppState>, headers: HeaderMap, body: axum::body::Bytes) -> ApiResult<(StatusCode, Json<JobView>)> {
-    let is_toml = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|c| c.contains("toml"));
+async fn submit(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> ApiResult<(StatusCode, Json<JobView>)> {
+    let is_toml = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|c| c.contains("toml"));
     let spec = if is_toml {
-        let text = std::str::from_utf8(&body).map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "job spec is not UTF-8"))?;
+        let text = std::str::from_utf8(&body)
+            .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "job spec is not UTF-8"))?;
         JobSpec::from_toml(text)?
     } else {
         JobSpec::from_json(&body)?
     };
     st.store.submit(&spec).await?;
     tracing::info!(job = %spec.name, min = spec.min, max = spec.max, desired = spec.desired, "job submitted");
-    Ok((StatusCode::CREATED, Json(view(&st.store, &spec.name).await?)))
+    Ok((
+        StatusCode::CREATED,
+        Json(view(&st.store, &spec.name).await?),
+    ))
 }
 
 async fn list_jobs(State(st): State<AppState>) -> ApiResult<Json<Vec<JobView>>> {
@@ -109,12 +152,20 @@ async fn list_jobs(State(st): State<AppState>) -> ApiResult<Json<Vec<JobView>>> 
     Ok(Json(out))
 }
 
-async fn job_status(State(st): State<AppState>, Path(job): Path<String>) -> ApiResult<Json<JobView>> {
+async fn job_status(
+    State(st): State<AppState>,
+    Path(job): Path<String>,
+) -> ApiResult<Json<JobView>> {
     Ok(Json(view(&st.store, &job).await?))
 }
 
-async fn scale(State(st): State<AppState>, Path(job): Path<String>, body: axum::body::Bytes) -> ApiResult<Json<JobView>> {
-    let req: ScaleRequest = serde_json::from_slice(&body).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("scale request: {e}")))?;
+async fn scale(
+    State(st): State<AppState>,
+    Path(job): Path<String>,
+    body: axum::body::Bytes,
+) -> ApiResult<Json<JobView>> {
+    let req: ScaleRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("scale request: {e}")))?;
     if st.store.spec(&job).await?.is_none() {
         return Err(ApiError::not_found(&job));
     }
@@ -127,7 +178,10 @@ async fn stop(State(st): State<AppState>, Path(job): Path<String>) -> ApiResult<
     if st.store.spec(&job).await?.is_none() {
         return Err(ApiError::not_found(&job));
     }
-    st.store.backend.put(&st.store.keys.stop(&job), encode_now(), None).await?;
+    st.store
+        .backend
+        .put(&st.store.keys.stop(&job), encode_now(), None)
+        .await?;
     tracing::info!(job = %job, "stop requested");
     Ok(Json(view(&st.store, &job).await?))
 }
@@ -142,11 +196,22 @@ struct EventsQuery {
     after: u64,
 }
 
-async fn events(State(st): State<AppState>, Path(job): Path<String>, Query(q): Query<EventsQuery>) -> ApiResult<Json<Vec<Generation>>> {
+async fn events(
+    State(st): State<AppState>,
+    Path(job): Path<String>,
+    Query(q): Query<EventsQuery>,
+) -> ApiResult<Json<Vec<Generation>>> {
     if st.store.spec(&job).await?.is_none() {
         return Err(ApiError::not_found(&job));
     }
-    Ok(Json(st.store.history(&job).await?.into_iter().filter(|g| g.number > q.after).collect()))
+    Ok(Json(
+        st.store
+            .history(&job)
+            .await?
+            .into_iter()
+            .filter(|g| g.number > q.after)
+            .collect(),
+    ))
 }
 
 async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
@@ -155,19 +220,35 @@ async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
     let drained: BTreeMap<String, String> = drains
         .iter()
         .filter_map(|kv| match st.store.keys.parse(&kv.key) {
-            KeyKind::Drain { node } => Some((node, decode::<DrainRequest>(kv, "drain request").map(|d| d.reason).unwrap_or_default())),
+            KeyKind::Drain { node } => Some((
+                node,
+                decode::<DrainRequest>(kv, "drain request")
+                    .map(|d| d.reason)
+                    .unwrap_or_default(),
+            )),
             _ => None,
         })
         .collect();
     let mut placed: BTreeMap<String, Vec<NodeWorkerView>> = BTreeMap::new();
     for spec in st.store.specs().await? {
-        let terminal = st.store.status(&spec.name).await?.is_some_and(|(s, _)| s.state.is_terminal());
+        let terminal = st
+            .store
+            .status(&spec.name)
+            .await?
+            .is_some_and(|(s, _)| s.state.is_terminal());
         if terminal {
             continue;
         }
         if let Some((g, _)) = st.store.generation(&spec.name).await? {
             for m in g.members {
-                placed.entry(m.node.clone()).or_default().push(NodeWorkerView { job: spec.name.clone(), slot: m.slot, rank: m.rank });
+                placed
+                    .entry(m.node.clone())
+                    .or_default()
+                    .push(NodeWorkerView {
+                        job: spec.name.clone(),
+                        slot: m.slot,
+                        rank: m.rank,
+                    });
             }
         }
     }
@@ -177,7 +258,10 @@ async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
             .map(|n| NodeView {
                 slots: n.slots(),
                 draining: n.draining || drained.contains_key(&n.name),
-                drain_reason: n.drain_reason.clone().or_else(|| drained.get(&n.name).cloned()),
+                drain_reason: n
+                    .drain_reason
+                    .clone()
+                    .or_else(|| drained.get(&n.name).cloned()),
                 workers: placed.remove(&n.name).unwrap_or_default(),
                 name: n.name,
                 hostname: n.hostname,
@@ -189,14 +273,37 @@ async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
     ))
 }
 
-async fn drain(State(st): State<AppState>, Path(node): Path<String>, body: axum::body::Bytes) -> ApiResult<StatusCode> {
+async fn drain(
+    State(st): State<AppState>,
+    Path(node): Path<String>,
+    body: axum::body::Bytes,
+) -> ApiResult<StatusCode> {
     ductile_cluster::keys::validate_name("node", &node)?;
-    let b: DrainBody = if body.is_empty() { DrainBody::default() } else { serde_json::from_slice(&body).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("drain request: {e}")))? };
-    if st.store.backend.get(&st.store.keys.node(&node)).await?.is_none() {
-        return Err(ApiError::new(StatusCode::NOT_FOUND, format!("no live node named {node:?}")));
+    let b: DrainBody = if body.is_empty() {
+        DrainBody::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("drain request: {e}")))?
+    };
+    if st
+        .store
+        .backend
+        .get(&st.store.keys.node(&node))
+        .await?
+        .is_none()
+    {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no live node named {node:?}"),
+        ));
     }
-    let req = DrainRequest { reason: b.reason.unwrap_or_else(|| "drained by the operator".into()), requested_at_ms: now_ms() };
-    st.store.put_json(&st.store.keys.drain(&node), &req, None).await?;
+    let req = DrainRequest {
+        reason: b.reason.unwrap_or_else(|| "drained by the operator".into()),
+        requested_at_ms: now_ms(),
+    };
+    st.store
+        .put_json(&st.store.keys.drain(&node), &req, None)
+        .await?;
     tracing::info!(node = %node, "drain requested");
     Ok(StatusCode::ACCEPTED)
 }
@@ -208,17 +315,29 @@ async fn undrain(State(st): State<AppState>, Path(node): Path<String>) -> ApiRes
 }
 
 async fn leader(State(st): State<AppState>) -> ApiResult<Json<serde_json::Value>> {
-    let leader = st.store.backend.leader(&st.store.keys.election()).await?.map(|v| String::from_utf8_lossy(&v).into_owned());
-    Ok(Json(serde_json::json!({ "leader": leader, "this_replica": st.id, "this_replica_leads": st.is_leader.load(Ordering::SeqCst) })))
+    let leader = st
+        .store
+        .backend
+        .leader(&st.store.keys.election())
+        .await?
+        .map(|v| String::from_utf8_lossy(&v).into_owned());
+    Ok(Json(
+        serde_json::json!({ "leader": leader, "this_replica": st.id, "this_replica_leads": st.is_leader.load(Ordering::SeqCst) }),
+    ))
 }
 
 /// The status view of one job, assembled from its records.
 pub async fn view(store: &Store, job: &str) -> ApiResult<JobView> {
-    let Some((spec, _)) = store.spec(job).await? else { return Err(ApiError::not_found(job)) };
+    let Some((spec, _)) = store.spec(job).await? else {
+        return Err(ApiError::not_found(job));
+    };
     let status = store.status(job).await?.map(|(s, _)| s);
     let gen = store.generation(job).await?.map(|(g, _)| g);
     let progress = store.progress(job).await?;
-    let (kvs, _) = store.backend.list(&format!("{}workers/", store.keys.job(job))).await?;
+    let (kvs, _) = store
+        .backend
+        .list(&format!("{}workers/", store.keys.job(job)))
+        .await?;
     let mut pids = BTreeMap::new();
     for kv in &kvs {
         if let KeyKind::Worker { node, slot, .. } = store.keys.parse(&kv.key) {
@@ -231,28 +350,50 @@ pub async fn view(store: &Store, job: &str) -> ApiResult<JobView> {
     }
     let terminal = status.as_ref().is_some_and(|s| s.state.is_terminal());
     let members = match (&gen, terminal) {
-        (Some(g), false) => g.members.iter().map(|m| MemberView { node: m.node.clone(), slot: m.slot, rank: m.rank, pid: pids.get(&(m.node.clone(), m.slot)).copied() }).collect(),
+        (Some(g), false) => g
+            .members
+            .iter()
+            .map(|m| MemberView {
+                node: m.node.clone(),
+                slot: m.slot,
+                rank: m.rank,
+                pid: pids.get(&(m.node.clone(), m.slot)).copied(),
+            })
+            .collect(),
         _ => Vec::new(),
     };
     Ok(JobView {
         job: job.to_string(),
-        state: status.as_ref().map(|s| s.state).unwrap_or(JobState::Pending),
+        state: status
+            .as_ref()
+            .map(|s| s.state)
+            .unwrap_or(JobState::Pending),
         generation: gen.as_ref().map(|g| g.number).unwrap_or(0),
-        world_size: if terminal { 0 } else { gen.as_ref().map(|g| g.world_size).unwrap_or(0) },
+        world_size: if terminal {
+            0
+        } else {
+            gen.as_ref().map(|g| g.world_size).unwrap_or(0)
+        },
         members,
         step: progress.as_ref().map(|p| p.step).unwrap_or(0),
         loss: progress.as_ref().and_then(|p| p.loss),
         samples_per_sec: progress.as_ref().and_then(|p| p.samples_per_sec),
-        last_reformation: status.as_ref().and_then(|s| s.last_reformation.as_ref()).map(|r| ReformationView {
-            generation: r.generation,
-            reason: r.reason,
-            detail: r.detail.clone(),
-            seconds: r.seconds,
-        }),
+        last_reformation: status
+            .as_ref()
+            .and_then(|s| s.last_reformation.as_ref())
+            .map(|r| ReformationView {
+                generation: r.generation,
+                reason: r.reason,
+                detail: r.detail.clone(),
+                seconds: r.seconds,
+            }),
         min: spec.min,
         max: spec.max,
         desired: spec.desired,
-        message: status.as_ref().map(|s| s.message.clone()).unwrap_or_else(|| "waiting for the leader to schedule it".into()),
+        message: status
+            .as_ref()
+            .map(|s| s.message.clone())
+            .unwrap_or_else(|| "waiting for the leader to schedule it".into()),
         final_weights_sha256: progress.and_then(|p| p.final_weights_sha256),
     })
 }
@@ -263,8 +404,16 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
     let specs = st.store.specs().await?;
     let nodes = st.store.nodes().await?;
     let _ = writeln!(out, "# HELP ductile_daemon_is_leader 1 if this replica leads.\n# TYPE ductile_daemon_is_leader gauge");
-    let _ = writeln!(out, "ductile_daemon_is_leader {}", st.is_leader.load(Ordering::SeqCst) as u8);
-    let _ = writeln!(out, "# HELP ductile_nodes Live nodes.\n# TYPE ductile_nodes gauge\nductile_nodes {}", nodes.len());
+    let _ = writeln!(
+        out,
+        "ductile_daemon_is_leader {}",
+        st.is_leader.load(Ordering::SeqCst) as u8
+    );
+    let _ = writeln!(
+        out,
+        "# HELP ductile_nodes Live nodes.\n# TYPE ductile_nodes gauge\nductile_nodes {}",
+        nodes.len()
+    );
     let _ = writeln!(out, "# HELP ductile_slots Live slots (GPUs or CPU slots).\n# TYPE ductile_slots gauge\nductile_slots {}", nodes.iter().map(|n| n.slots()).sum::<u32>());
     let mut by_state: BTreeMap<String, u32> = BTreeMap::new();
     let mut per_job = String::new();
@@ -275,20 +424,39 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
     for spec in &specs {
         let v = view(&st.store, &spec.name).await?;
         *by_state.entry(format!("{:?}", v.state)).or_default() += 1;
-        let _ = writeln!(per_job, "ductile_job_world_size{{job=\"{}\"}} {}", v.job, v.world_size);
-        let _ = writeln!(gens, "ductile_job_generation{{job=\"{}\"}} {}", v.job, v.generation);
+        let _ = writeln!(
+            per_job,
+            "ductile_job_world_size{{job=\"{}\"}} {}",
+            v.job, v.world_size
+        );
+        let _ = writeln!(
+            gens,
+            "ductile_job_generation{{job=\"{}\"}} {}",
+            v.job, v.generation
+        );
         if let Some(r) = &v.last_reformation {
-            let _ = writeln!(reform, "ductile_job_last_reformation_seconds{{job=\"{}\",reason=\"{}\"}} {}", v.job, r.reason, r.seconds);
+            let _ = writeln!(
+                reform,
+                "ductile_job_last_reformation_seconds{{job=\"{}\",reason=\"{}\"}} {}",
+                v.job, r.reason, r.seconds
+            );
         }
         let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
         for g in st.store.history(&spec.name).await? {
             *reasons.entry(g.reason.to_string()).or_default() += 1;
         }
         for (r, n) in reasons {
-            let _ = writeln!(count, "ductile_reformations_total{{job=\"{}\",reason=\"{r}\"}} {n}", v.job);
+            let _ = writeln!(
+                count,
+                "ductile_reformations_total{{job=\"{}\",reason=\"{r}\"}} {n}",
+                v.job
+            );
         }
     }
-    let _ = writeln!(out, "# HELP ductile_jobs Jobs by state.\n# TYPE ductile_jobs gauge");
+    let _ = writeln!(
+        out,
+        "# HELP ductile_jobs Jobs by state.\n# TYPE ductile_jobs gauge"
+    );
     for (s, n) in by_state {
         let _ = writeln!(out, "ductile_jobs{{state=\"{s}\"}} {n}");
     }

@@ -33,7 +33,11 @@ impl std::fmt::Debug for Secret {
 }
 
 #[derive(Parser, Debug)]
-#[command(name = "ductiled", version, about = "ductile control-plane daemon: leader election, reconcile, API")]
+#[command(
+    name = "ductiled",
+    version,
+    about = "ductile control-plane daemon: leader election, reconcile, API"
+)]
 pub struct Cli {
     /// etcd endpoints, comma-separated.
     #[arg(long, env = "DUCTILE_ETCD")]
@@ -98,31 +102,49 @@ impl Config {
     pub fn load(cli: Cli) -> anyhow::Result<Config> {
         let file: FileConfig = match &cli.config {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
-                toml::from_str(&text).map_err(|e| anyhow::anyhow!("config {}: {}", p.display(), e.message()))?
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
+                toml::from_str(&text)
+                    .map_err(|e| anyhow::anyhow!("config {}: {}", p.display(), e.message()))?
             }
             None => FileConfig::default(),
         };
         let token = match cli.token_file.or(file.token_file) {
             Some(p) => {
-                let t = std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("cannot read token file {}: {e}", p.display()))?;
+                let t = std::fs::read_to_string(&p)
+                    .map_err(|e| anyhow::anyhow!("cannot read token file {}: {e}", p.display()))?;
                 t.trim().to_string()
             }
-            None => std::env::var("DUCTILE_TOKEN").map_err(|_| anyhow::anyhow!("no API token: pass --token-file FILE or set DUCTILE_TOKEN"))?,
+            None => std::env::var("DUCTILE_TOKEN").map_err(|_| {
+                anyhow::anyhow!("no API token: pass --token-file FILE or set DUCTILE_TOKEN")
+            })?,
         };
         let id = cli.id.or(file.id).unwrap_or_else(|| {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "host".into());
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .unwrap_or_else(|_| "host".into());
             format!("{}-{}", host.trim(), std::process::id())
         });
         let cfg = Config {
-            etcd: cli.etcd.or(file.etcd).unwrap_or_else(|| "http://127.0.0.1:2379".into()),
-            listen: cli.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:7420".into()),
+            etcd: cli
+                .etcd
+                .or(file.etcd)
+                .unwrap_or_else(|| "http://127.0.0.1:2379".into()),
+            listen: cli
+                .listen
+                .or(file.listen)
+                .unwrap_or_else(|| "127.0.0.1:7420".into()),
             token: Secret::new(token),
-            prefix: cli.prefix.or(file.prefix).unwrap_or_else(|| ductile_cluster::keys::DEFAULT_PREFIX.into()),
+            prefix: cli
+                .prefix
+                .or(file.prefix)
+                .unwrap_or_else(|| ductile_cluster::keys::DEFAULT_PREFIX.into()),
             election_ttl: cli.election_ttl.or(file.election_ttl).unwrap_or(5),
             debounce: Duration::from_millis(cli.debounce_ms.or(file.debounce_ms).unwrap_or(500)),
             id,
-            log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Plain),
+            log_format: cli
+                .log_format
+                .or(file.log_format)
+                .unwrap_or(LogFormat::Plain),
             etcd_wait: Duration::from_secs(cli.etcd_wait.or(file.etcd_wait).unwrap_or(30)),
         };
         cfg.validate()?;
@@ -134,12 +156,17 @@ impl Config {
             anyhow::bail!("invalid token: must be at least 8 characters");
         }
         if self.election_ttl < 1 {
-            anyhow::bail!("invalid election_ttl: {} must be at least 1 second", self.election_ttl);
+            anyhow::bail!(
+                "invalid election_ttl: {} must be at least 1 second",
+                self.election_ttl
+            );
         }
         if !self.prefix.starts_with('/') {
             anyhow::bail!("invalid prefix: {:?} must start with '/'", self.prefix);
         }
-        self.listen.parse::<std::net::SocketAddr>().map_err(|e| anyhow::anyhow!("invalid listen address {:?}: {e}", self.listen))?;
+        self.listen
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| anyhow::anyhow!("invalid listen address {:?}: {e}", self.listen))?;
         Ok(())
     }
 }

@@ -15,6 +15,7 @@ use ductile_cluster::kv::{KeyValue, LeaderKey};
 use ductile_cluster::lease::{LeaseKeeper, LeaseState};
 use ductile_cluster::records::*;
 use ductile_cluster::store::decode;
+use ductile_cluster::store::Fence;
 use ductile_cluster::watch::{synced, watch_prefix, Snapshot};
 use ductile_cluster::Store;
 use tokio::sync::watch;
@@ -32,17 +33,30 @@ pub struct LeaderConfig {
 }
 
 /// Campaign, lead while elected, campaign again; until `cancel`.
-pub async fn run_replica(store: Store, cfg: LeaderConfig, is_leader: Arc<AtomicBool>, cancel: CancellationToken) {
+pub async fn run_replica(
+    store: Store,
+    cfg: LeaderConfig,
+    is_leader: Arc<AtomicBool>,
+    cancel: CancellationToken,
+) {
     let mut backoff = Duration::from_millis(200);
     while !cancel.is_cancelled() {
         let lease_cancel = cancel.child_token();
-        let keeper = match LeaseKeeper::start(store.backend.clone(), cfg.election_ttl, lease_cancel.clone()).await {
+        let keeper = match LeaseKeeper::start(
+            store.backend.clone(),
+            cfg.election_ttl,
+            lease_cancel.clone(),
+        )
+        .await
+        {
             Ok(k) => k,
             Err(_) => return, // cancelled
         };
         let lease = keeper.current();
         let election = store.keys.election();
-        let campaign = store.backend.campaign(&election, cfg.id.clone().into_bytes(), lease.id);
+        let campaign = store
+            .backend
+            .campaign(&election, cfg.id.clone().into_bytes(), lease.id);
         let leader_key = tokio::select! {
             r = campaign => r,
             _ = lease_lost(keeper.subscribe(), cfg.election_ttl) => {
@@ -124,7 +138,12 @@ struct Pending {
 }
 
 /// The leader's loop: watch nodes, drains and jobs; reconcile each job; publish.
-pub async fn lead(store: Store, leader: LeaderKey, cfg: LeaderConfig, cancel: CancellationToken) -> ductile_cluster::Result<()> {
+pub async fn lead(
+    store: Store,
+    leader: LeaderKey,
+    cfg: LeaderConfig,
+    cancel: CancellationToken,
+) -> ductile_cluster::Result<()> {
     let k = &store.keys;
     let mut nodes_rx = watch_prefix(store.backend.clone(), k.nodes(), cancel.clone());
     let mut drains_rx = watch_prefix(store.backend.clone(), k.drains(), cancel.clone());
@@ -137,37 +156,70 @@ pub async fn lead(store: Store, leader: LeaderKey, cfg: LeaderConfig, cancel: Ca
         if cancel.is_cancelled() {
             return Ok(());
         }
-        let fleet = fleet_from(&store, &nodes_rx.borrow_and_update(), &drains_rx.borrow_and_update());
+        let fleet = fleet_from(
+            &store,
+            &nodes_rx.borrow_and_update(),
+            &drains_rx.borrow_and_update(),
+        );
         let jobs = jobs_from(&store, &jobs_rx.borrow_and_update());
         let now = Instant::now();
         let mut wake: Option<Instant> = None;
         for (name, obs) in &jobs {
             let decision = plan(obs, &fleet, now_ms());
+            let fence = Fence {
+                leader: Some(&leader),
+                spec_revision: obs.spec_revision,
+            };
             match decision {
                 Decision::Nothing => {
                     pending.remove(name);
                 }
                 Decision::Status(st) => {
                     pending.remove(name);
-                    match store.put_status(&st, Some(&leader)).await {
+                    match store.put_status(&st, obs.status_revision, &fence).await {
                         Ok(true) => {
                             if let Some(r) = &st.last_reformation {
-                                if obs.status.as_ref().and_then(|s| s.last_reformation.as_ref()).map(|x| x.generation) != Some(r.generation) {
+                                if obs
+                                    .status
+                                    .as_ref()
+                                    .and_then(|s| s.last_reformation.as_ref())
+                                    .map(|x| x.generation)
+                                    != Some(r.generation)
+                                {
                                     tracing::info!(job = %name, generation = r.generation, reason = %r.reason, seconds = r.seconds, "re-formation complete");
                                     if r.generation > 1 {
-                                        let _ = store.backend.delete_prefix(&k.joined(name, r.generation - 1)).await;
-                                        let _ = store.backend.delete_prefix(&k.rendezvous(name, r.generation - 1)).await;
+                                        let _ = store
+                                            .backend
+                                            .delete_prefix(&k.joined(name, r.generation - 1))
+                                            .await;
+                                        let _ = store
+                                            .backend
+                                            .delete_prefix(&k.rendezvous(name, r.generation - 1))
+                                            .await;
                                     }
                                 }
                             }
                         }
-                        Ok(false) => return Err(fenced(&leader)),
+                        Ok(false) => {
+                            if !still_leader(&store, &leader).await {
+                                return Err(fenced(&leader));
+                            }
+                            tracing::debug!(job = %name, "job changed under us; re-reading");
+                        }
                         Err(e) => tracing::warn!(job = %name, error = %e, "status write failed"),
                     }
                 }
-                Decision::Publish { generation, status, debounce } => {
+                Decision::Publish {
+                    generation,
+                    status,
+                    debounce,
+                } => {
                     if debounce {
-                        let p = pending.entry(name.clone()).or_insert_with(|| Pending { members: generation.members.clone(), first: now, last: now });
+                        let p = pending.entry(name.clone()).or_insert_with(|| Pending {
+                            members: generation.members.clone(),
+                            first: now,
+                            last: now,
+                        });
                         if p.members != generation.members {
                             p.members = generation.members.clone();
                             p.last = now;
@@ -180,7 +232,10 @@ pub async fn lead(store: Store, leader: LeaderKey, cfg: LeaderConfig, cancel: Ca
                     }
                     pending.remove(name);
                     let prev = obs.generation.as_ref().map(|(_, r)| *r).unwrap_or(0);
-                    match store.publish_generation(&generation, prev, Some(&leader), &status).await {
+                    match store
+                        .publish_generation(&generation, prev, &fence, &status)
+                        .await
+                    {
                         Ok(true) => tracing::info!(
                             job = %name, generation = generation.number, world_size = generation.world_size,
                             reason = %generation.reason, detail = %generation.detail, "published generation"
@@ -188,14 +243,14 @@ pub async fn lead(store: Store, leader: LeaderKey, cfg: LeaderConfig, cancel: Ca
                         Ok(false) => {
                             // Either the generation moved (our view is stale: the watch will
                             // catch up) or we are no longer leader.
-                            match store.backend.get(&leader.key).await {
-                                Ok(Some(kv)) if kv.create_revision == leader.create_revision => {
-                                    tracing::debug!(job = %name, "generation moved under us; re-reading");
-                                }
-                                _ => return Err(fenced(&leader)),
+                            if !still_leader(&store, &leader).await {
+                                return Err(fenced(&leader));
                             }
+                            tracing::debug!(job = %name, "job or generation changed under us; re-reading");
                         }
-                        Err(e) => tracing::warn!(job = %name, error = %e, "publish failed; will retry"),
+                        Err(e) => {
+                            tracing::warn!(job = %name, error = %e, "publish failed; will retry")
+                        }
                     }
                 }
             }
@@ -211,8 +266,19 @@ pub async fn lead(store: Store, leader: LeaderKey, cfg: LeaderConfig, cancel: Ca
     }
 }
 
+async fn still_leader(store: &Store, leader: &LeaderKey) -> bool {
+    match store.backend.get(&leader.key).await {
+        Ok(Some(kv)) => kv.create_revision == leader.create_revision,
+        Ok(None) => false,
+        Err(_) => true, // unknown: the lease watcher decides
+    }
+}
+
 fn fenced(leader: &LeaderKey) -> ductile_cluster::ClusterError {
-    ductile_cluster::ClusterError::Conflict { key: leader.key.clone(), reason: "no longer the leader".into() }
+    ductile_cluster::ClusterError::Conflict {
+        key: leader.key.clone(),
+        reason: "no longer the leader".into(),
+    }
 }
 
 fn decoded<T: serde::de::DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Option<T> {
@@ -249,9 +315,24 @@ pub fn jobs_from(store: &Store, snap: &Snapshot) -> BTreeMap<String, JobObs> {
     let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
     for kv in snap.kvs.values() {
         match store.keys.parse(&kv.key) {
-            KeyKind::JobSpec { job } => jobs.entry(job).or_default().spec = decoded(kv, "job spec"),
-            KeyKind::JobStatus { job } => jobs.entry(job).or_default().status = decoded(kv, "job status"),
-            KeyKind::Generation { job } => jobs.entry(job).or_default().generation = decoded(kv, "generation").map(|g| (g, kv.mod_revision)),
+            KeyKind::JobSpec { job } => {
+                let o = jobs.entry(job).or_default();
+                o.spec = decoded(kv, "job spec");
+                o.spec_revision = kv.mod_revision;
+            }
+            KeyKind::JobStatus { job } => {
+                let o = jobs.entry(job).or_default();
+                o.status = decoded(kv, "job status");
+                o.status_revision = kv.mod_revision;
+            }
+            KeyKind::History { job, generation } => {
+                let o = jobs.entry(job).or_default();
+                o.last_number = o.last_number.max(generation);
+            }
+            KeyKind::Generation { job } => {
+                jobs.entry(job).or_default().generation =
+                    decoded(kv, "generation").map(|g| (g, kv.mod_revision))
+            }
             KeyKind::Slot { job, node, slot } => {
                 if let Some(h) = decoded(kv, "slot health") {
                     jobs.entry(job).or_default().failed.insert((node, slot), h);
@@ -262,12 +343,18 @@ pub fn jobs_from(store: &Store, snap: &Snapshot) -> BTreeMap<String, JobObs> {
                     jobs.entry(job).or_default().workers.insert((node, slot), w);
                 }
             }
-            KeyKind::Joined { job, generation, rank } => {
+            KeyKind::Joined {
+                job,
+                generation,
+                rank,
+            } => {
                 if let Some(j) = decoded(kv, "join record") {
                     joined.entry((job, generation)).or_default().insert(rank, j);
                 }
             }
-            KeyKind::Progress { job } => jobs.entry(job).or_default().progress = decoded(kv, "progress"),
+            KeyKind::Progress { job } => {
+                jobs.entry(job).or_default().progress = decoded(kv, "progress")
+            }
             KeyKind::Stop { job } => jobs.entry(job).or_default().stop_requested = true,
             _ => {}
         }

@@ -13,15 +13,34 @@ use ductile_cluster::{Keys, KvBackend, Store};
 use tokio_util::sync::CancellationToken;
 
 /// Runs one replica (API + election + leader loop) until `cancel`.
-pub async fn run(cfg: config::Config, backend: Arc<dyn KvBackend>, cancel: CancellationToken) -> anyhow::Result<()> {
+pub async fn run(
+    cfg: config::Config,
+    backend: Arc<dyn KvBackend>,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
     let store = Store::new(backend, Keys::new(&cfg.prefix));
     let is_leader = Arc::new(AtomicBool::new(false));
-    let listener = tokio::net::TcpListener::bind(&cfg.listen).await.map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.listen))?;
+    let listener = tokio::net::TcpListener::bind(&cfg.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.listen))?;
     tracing::info!(listen = %listener.local_addr()?, id = %cfg.id, "API listening");
-    let app = api::router(api::AppState { store: store.clone(), token: cfg.token.clone(), is_leader: is_leader.clone(), id: cfg.id.clone() });
+    let app = api::router(api::AppState {
+        store: store.clone(),
+        token: cfg.token.clone(),
+        is_leader: is_leader.clone(),
+        id: cfg.id.clone(),
+    });
     let c = cancel.clone();
-    let server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(async move { c.cancelled().await }).await });
-    let lcfg = leader::LeaderConfig { id: cfg.id.clone(), election_ttl: cfg.election_ttl, debounce: cfg.debounce };
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { c.cancelled().await })
+            .await
+    });
+    let lcfg = leader::LeaderConfig {
+        id: cfg.id.clone(),
+        election_ttl: cfg.election_ttl,
+        debounce: cfg.debounce,
+    };
     let replica = tokio::spawn(leader::run_replica(store, lcfg, is_leader, cancel.clone()));
     ductile_cluster::service::sd_notify("READY=1\nSTATUS=standby");
     if let Some(every) = ductile_cluster::service::watchdog_interval() {

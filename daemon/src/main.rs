@@ -16,8 +16,15 @@ async fn main() {
     let backend = match ductile_cluster::connect_etcd(&cfg.etcd, cfg.etcd_wait).await {
         Ok(b) => b,
         Err(e) => {
-            tracing::error!("cannot start: {}", ductile_cluster::service::error_chain(&e));
-            eprintln!("ductiled: cannot reach etcd at {}: {}", cfg.etcd, ductile_cluster::service::error_chain(&e));
+            tracing::error!(
+                "cannot start: {}",
+                ductile_cluster::service::error_chain(&e)
+            );
+            eprintln!(
+                "ductiled: cannot reach etcd at {}: {}",
+                cfg.etcd,
+                ductile_cluster::service::error_chain(&e)
+            );
             std::process::exit(1);
         }
     };

@@ -5,14 +5,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use ductile_cluster::records::*;
 use ductile_cluster::kv::Revision;
+use ductile_cluster::records::*;
 
 /// Everything observed about one job.
 #[derive(Clone, Debug, Default)]
 pub struct JobObs {
     pub spec: Option<JobSpec>,
+    pub spec_revision: Revision,
     pub status: Option<JobStatus>,
+    pub status_revision: Revision,
+    /// The highest generation number ever published for this job name.
+    pub last_number: u64,
     pub generation: Option<(Generation, Revision)>,
     /// Slots whose worker failed, with the record the agent wrote.
     pub failed: BTreeMap<(String, u32), SlotHealth>,
@@ -41,7 +45,11 @@ pub enum Decision {
     Nothing,
     /// Publish a new generation (fenced on the current one). `debounce`: wait for the burst
     /// of joins to settle before publishing.
-    Publish { generation: Generation, status: JobStatus, debounce: bool },
+    Publish {
+        generation: Generation,
+        status: JobStatus,
+        debounce: bool,
+    },
     /// Update the status only.
     Status(JobStatus),
 }
@@ -53,7 +61,14 @@ pub fn status_differs(a: &JobStatus, b: &JobStatus) -> bool {
     *a != b2
 }
 
-fn status(job: &str, state: JobState, g: Option<&Generation>, prev: Option<&JobStatus>, message: String, now: u64) -> JobStatus {
+fn status(
+    job: &str,
+    state: JobState,
+    g: Option<&Generation>,
+    prev: Option<&JobStatus>,
+    message: String,
+    now: u64,
+) -> JobStatus {
     JobStatus {
         job: job.to_string(),
         state,
@@ -67,7 +82,9 @@ fn status(job: &str, state: JobState, g: Option<&Generation>, prev: Option<&JobS
 
 /// Decide what one job needs now.
 pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
-    let Some(spec) = &obs.spec else { return Decision::Nothing };
+    let Some(spec) = &obs.spec else {
+        return Decision::Nothing;
+    };
     let cur = obs.generation.as_ref().map(|(g, _)| g);
     let prev_status = obs.status.as_ref();
     if prev_status.is_some_and(|s| s.state.is_terminal()) {
@@ -78,16 +95,33 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         _ => Decision::Status(st),
     };
     if obs.stop_requested {
-        return want(status(&spec.name, JobState::Stopped, cur, prev_status, "stopped by the operator".into(), now));
+        return want(status(
+            &spec.name,
+            JobState::Stopped,
+            cur,
+            prev_status,
+            "stopped by the operator".into(),
+            now,
+        ));
     }
     // Every member of the current generation exited 0: the job is done.
     if let Some(g) = cur {
         let done = !g.members.is_empty()
             && g.members.iter().all(|m| {
-                obs.workers.get(&(m.node.clone(), m.slot)).is_some_and(|w| w.state == WorkerState::Exited && w.code == Some(0))
+                // the record must be of this generation: an earlier run's exit does not count
+                obs.workers.get(&(m.node.clone(), m.slot)).is_some_and(|w| {
+                    w.state == WorkerState::Exited && w.code == Some(0) && w.generation == g.number
+                })
             });
         if done {
-            return want(status(&spec.name, JobState::Succeeded, cur, prev_status, "all workers finished".into(), now));
+            return want(status(
+                &spec.name,
+                JobState::Succeeded,
+                cur,
+                prev_status,
+                "all workers finished".into(),
+                now,
+            ));
         }
     }
 
@@ -105,8 +139,19 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     }
     let target = spec.desired.clamp(spec.min, spec.max) as usize;
     if candidates.len() < spec.min as usize {
-        let msg = format!("waiting: {} live slot(s), the job needs at least {}", candidates.len(), spec.min);
-        return want(status(&spec.name, JobState::Waiting, cur, prev_status, msg, now));
+        let msg = format!(
+            "waiting: {} live slot(s), the job needs at least {}",
+            candidates.len(),
+            spec.min
+        );
+        return want(status(
+            &spec.name,
+            JobState::Waiting,
+            cur,
+            prev_status,
+            msg,
+            now,
+        ));
     }
     // Keep current members (in rank order), then newcomers in (node, slot) order.
     let cand_set: BTreeSet<&(String, u32)> = candidates.iter().collect();
@@ -130,18 +175,32 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         }
     }
 
-    let old: BTreeSet<(String, u32)> = cur.map(|g| g.members.iter().map(|m| (m.node.clone(), m.slot)).collect()).unwrap_or_default();
+    let old: BTreeSet<(String, u32)> = cur
+        .map(|g| g.members.iter().map(|m| (m.node.clone(), m.slot)).collect())
+        .unwrap_or_default();
     let new: BTreeSet<(String, u32)> = chosen.iter().cloned().collect();
     if cur.is_some() && old == new {
         let g = cur.unwrap();
         // Same world: record how the last re-formation went once everyone joined.
-        let mut st = status(&spec.name, JobState::Running, cur, prev_status, prev_status.map(|p| p.message.clone()).unwrap_or_default(), now);
+        let mut st = status(
+            &spec.name,
+            JobState::Running,
+            cur,
+            prev_status,
+            prev_status.map(|p| p.message.clone()).unwrap_or_default(),
+            now,
+        );
         if prev_status.map(|p| p.state) == Some(JobState::Waiting) || prev_status.is_none() {
             st.message = g.detail.clone();
         }
         let all_joined = (0..g.world_size).all(|r| obs.joined.contains_key(&r));
         if all_joined && st.last_reformation.as_ref().map(|r| r.generation) != Some(g.number) {
-            let last_join = obs.joined.values().map(|j| j.joined_at_ms).max().unwrap_or(now);
+            let last_join = obs
+                .joined
+                .values()
+                .map(|j| j.joined_at_ms)
+                .max()
+                .unwrap_or(now);
             st.last_reformation = Some(Reformation {
                 generation: g.number,
                 reason: g.reason,
@@ -157,22 +216,41 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     let added: Vec<&(String, u32)> = new.difference(&old).collect();
     let mut triggered_at = now;
     let (reason, detail) = if cur.is_none() {
-        (Reason::Start, format!("job started with {} worker(s)", chosen.len()))
-    } else if let Some((n, s)) = removed.iter().find(|(n, s)| !fleet.nodes.contains_key(n) || obs.failed.contains_key(&(n.clone(), *s))) {
+        (
+            Reason::Start,
+            format!("job started with {} worker(s)", chosen.len()),
+        )
+    } else if let Some((n, s)) = removed
+        .iter()
+        .find(|(n, s)| !fleet.nodes.contains_key(n) || obs.failed.contains_key(&(n.clone(), *s)))
+    {
         if !fleet.nodes.contains_key(n) {
             (Reason::Failure, format!("node {n} was lost"))
         } else {
             let h = &obs.failed[&(n.clone(), *s)];
             triggered_at = triggered_at.min(h.failed_at_ms);
-            (Reason::Failure, format!("worker {n}/{s} failed ({})", h.exit))
+            (
+                Reason::Failure,
+                format!("worker {n}/{s} failed ({})", h.exit),
+            )
         }
     } else if let Some((n, _)) = removed.iter().find(|(n, _)| fleet.is_draining(n)) {
         (Reason::Drain, format!("node {n} is draining"))
     } else if !removed.is_empty() || cur.is_some_and(|g| g.desired != spec.desired) {
-        (Reason::Scale, format!("scaled to {} (desired {})", chosen.len(), spec.desired))
+        (
+            Reason::Scale,
+            format!("scaled to {} (desired {})", chosen.len(), spec.desired),
+        )
     } else {
         let nodes: BTreeSet<&str> = added.iter().map(|(n, _)| n.as_str()).collect();
-        (Reason::Join, format!("{} slot(s) joined from {}", added.len(), nodes.into_iter().collect::<Vec<_>>().join(", ")))
+        (
+            Reason::Join,
+            format!(
+                "{} slot(s) joined from {}",
+                added.len(),
+                nodes.into_iter().collect::<Vec<_>>().join(", ")
+            ),
+        )
     };
     let survivors = old.intersection(&new).count();
     let state_source = match (cur, survivors) {
@@ -181,8 +259,16 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         _ if spec.checkpoint.is_some() => StateSource::Checkpoint,
         _ => StateSource::Seed,
     };
-    let members: Vec<Member> = chosen.iter().enumerate().map(|(r, (n, s))| Member { node: n.clone(), slot: *s, rank: r as u32 }).collect();
-    let number = cur.map(|g| g.number + 1).unwrap_or_else(|| prev_status.map(|s| s.generation + 1).unwrap_or(1));
+    let members: Vec<Member> = chosen
+        .iter()
+        .enumerate()
+        .map(|(r, (n, s))| Member {
+            node: n.clone(),
+            slot: *s,
+            rank: r as u32,
+        })
+        .collect();
+    let number = cur.map(|g| g.number).unwrap_or(0).max(obs.last_number) + 1;
     let generation = Generation {
         job: spec.name.clone(),
         number,
@@ -197,8 +283,19 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         triggered_at_ms: triggered_at,
         published_at_ms: now,
     };
-    let st = status(&spec.name, JobState::Running, Some(&generation), prev_status, detail, now);
-    Decision::Publish { generation, status: st, debounce: matches!(reason, Reason::Start | Reason::Join) }
+    let st = status(
+        &spec.name,
+        JobState::Running,
+        Some(&generation),
+        prev_status,
+        detail,
+        now,
+    );
+    Decision::Publish {
+        generation,
+        status: st,
+        debounce: matches!(reason, Reason::Start | Reason::Join),
+    }
 }
 
 #[cfg(test)]
@@ -209,7 +306,14 @@ mod tests {
         NodeRecord {
             name: name.into(),
             hostname: "h".into(),
-            devices: (0..slots).map(|i| Device { kind: DeviceKind::Cpu, index: i, name: format!("cpu{i}"), memory_mb: None }).collect(),
+            devices: (0..slots)
+                .map(|i| Device {
+                    kind: DeviceKind::Cpu,
+                    index: i,
+                    name: format!("cpu{i}"),
+                    memory_mb: None,
+                })
+                .collect(),
             agent_pid: 1,
             registered_at_ms: 0,
             draining: false,
@@ -218,17 +322,29 @@ mod tests {
         }
     }
     fn fleet(nodes: &[(&str, u32)]) -> Fleet {
-        Fleet { nodes: nodes.iter().map(|(n, s)| (n.to_string(), node(n, *s))).collect(), drain_requests: Default::default() }
+        Fleet {
+            nodes: nodes
+                .iter()
+                .map(|(n, s)| (n.to_string(), node(n, *s)))
+                .collect(),
+            drain_requests: Default::default(),
+        }
     }
     fn spec(min: u32, max: u32, desired: u32) -> JobSpec {
-        JobSpec::from_toml(&format!("name = \"j\"\nmin = {min}\nmax = {max}\ndesired = {desired}\n")).unwrap()
+        JobSpec::from_toml(&format!(
+            "name = \"j\"\nmin = {min}\nmax = {max}\ndesired = {desired}\n"
+        ))
+        .unwrap()
     }
     /// Apply a decision the way the leader does.
     fn apply(obs: &mut JobObs, d: Decision) -> Option<Generation> {
         match d {
-            Decision::Publish { generation, status, .. } => {
+            Decision::Publish {
+                generation, status, ..
+            } => {
                 let rev = obs.generation.as_ref().map(|g| g.1 + 1).unwrap_or(1);
                 obs.generation = Some((generation.clone(), rev));
+                obs.last_number = generation.number;
                 obs.status = Some(status);
                 obs.joined.clear();
                 Some(generation)
@@ -245,17 +361,33 @@ mod tests {
         apply(obs, d)
     }
     fn slots(g: &Generation) -> Vec<(String, u32, u32)> {
-        g.members.iter().map(|m| (m.node.clone(), m.slot, m.rank)).collect()
+        g.members
+            .iter()
+            .map(|m| (m.node.clone(), m.slot, m.rank))
+            .collect()
     }
 
     #[test]
     fn start_takes_all_slots_up_to_desired_and_is_idempotent() {
-        let mut obs = JobObs { spec: Some(spec(1, 4, 4)), ..Default::default() };
+        let mut obs = JobObs {
+            spec: Some(spec(1, 4, 4)),
+            ..Default::default()
+        };
         let f = fleet(&[("a", 2), ("b", 1), ("c", 2)]);
         let d = plan(&obs, &f, 10);
-        assert!(matches!(&d, Decision::Publish { debounce: true, generation, .. } if generation.reason == Reason::Start && generation.number == 1));
+        assert!(
+            matches!(&d, Decision::Publish { debounce: true, generation, .. } if generation.reason == Reason::Start && generation.number == 1)
+        );
         let g = apply(&mut obs, d).unwrap();
-        assert_eq!(slots(&g), vec![("a".into(), 0, 0), ("a".into(), 1, 1), ("b".into(), 0, 2), ("c".into(), 0, 3)]);
+        assert_eq!(
+            slots(&g),
+            vec![
+                ("a".into(), 0, 0),
+                ("a".into(), 1, 1),
+                ("b".into(), 0, 2),
+                ("c".into(), 0, 3)
+            ]
+        );
         assert_eq!(g.state_source, StateSource::Seed);
         // nothing changed: nothing to do (statuses already match)
         assert_eq!(plan(&obs, &f, 20), Decision::Nothing);
@@ -263,30 +395,60 @@ mod tests {
 
     #[test]
     fn a_lost_node_makes_a_failure_generation_and_survivors_keep_rank_order() {
-        let mut obs = JobObs { spec: Some(spec(1, 4, 4)), ..Default::default() };
+        let mut obs = JobObs {
+            spec: Some(spec(1, 4, 4)),
+            ..Default::default()
+        };
         step(&mut obs, &fleet(&[("a", 2), ("b", 2)]), 0);
         let d = plan(&obs, &fleet(&[("b", 2)]), 5);
-        let Decision::Publish { generation: g, debounce, .. } = d else { panic!("{d:?}") };
+        let Decision::Publish {
+            generation: g,
+            debounce,
+            ..
+        } = d
+        else {
+            panic!("{d:?}")
+        };
         assert!(!debounce, "failures are not debounced");
-        assert_eq!((g.number, g.reason, g.state_source), (2, Reason::Failure, StateSource::Peers));
+        assert_eq!(
+            (g.number, g.reason, g.state_source),
+            (2, Reason::Failure, StateSource::Peers)
+        );
         assert_eq!(slots(&g), vec![("b".into(), 0, 0), ("b".into(), 1, 1)]);
         assert!(g.detail.contains("node a was lost"));
     }
 
     #[test]
     fn failed_slot_scale_drain_join_and_waiting() {
-        let mut obs = JobObs { spec: Some(spec(2, 4, 3)), ..Default::default() };
+        let mut obs = JobObs {
+            spec: Some(spec(2, 4, 3)),
+            ..Default::default()
+        };
         let mut f = fleet(&[("a", 2), ("b", 2)]);
         let g = step(&mut obs, &f, 0).unwrap();
         assert_eq!(g.world_size, 3);
         // a worker fails: its slot leaves, and the spare slot fills in
-        obs.failed.insert(("a".into(), 1), SlotHealth { failed_at_ms: 3, generation: 1, exit: "killed by signal 9".into(), will_restart: true });
+        obs.failed.insert(
+            ("a".into(), 1),
+            SlotHealth {
+                failed_at_ms: 3,
+                generation: 1,
+                exit: "killed by signal 9".into(),
+                will_restart: true,
+            },
+        );
         let g = step(&mut obs, &f, 7).unwrap();
         assert_eq!((g.reason, g.triggered_at_ms), (Reason::Failure, 3));
-        assert_eq!(slots(&g), vec![("a".into(), 0, 0), ("b".into(), 0, 1), ("b".into(), 1, 2)]);
+        assert_eq!(
+            slots(&g),
+            vec![("a".into(), 0, 0), ("b".into(), 0, 1), ("b".into(), 1, 2)]
+        );
         // restarted: the slot is back but the world is already at desired
         obs.failed.clear();
-        assert!(matches!(plan(&obs, &f, 8), Decision::Status(_) | Decision::Nothing));
+        assert!(matches!(
+            plan(&obs, &f, 8),
+            Decision::Status(_) | Decision::Nothing
+        ));
         // scale up
         obs.spec.as_mut().unwrap().desired = 4;
         let g = step(&mut obs, &f, 9).unwrap();
@@ -296,26 +458,54 @@ mod tests {
         let g = step(&mut obs, &f, 10).unwrap();
         assert_eq!((g.reason, g.world_size), (Reason::Drain, 2));
         // below min: waiting, no generation
-        obs.failed.insert(("a".into(), 0), SlotHealth { failed_at_ms: 11, generation: 4, exit: "exit code 1".into(), will_restart: false });
+        obs.failed.insert(
+            ("a".into(), 0),
+            SlotHealth {
+                failed_at_ms: 11,
+                generation: 4,
+                exit: "exit code 1".into(),
+                will_restart: false,
+            },
+        );
         let d = plan(&obs, &f, 12);
-        assert!(matches!(&d, Decision::Status(s) if s.state == JobState::Waiting), "{d:?}");
+        assert!(
+            matches!(&d, Decision::Status(s) if s.state == JobState::Waiting),
+            "{d:?}"
+        );
         apply(&mut obs, d);
         // b comes back: join (debounced)
         f.drain_requests.clear();
         obs.failed.clear();
         let d = plan(&obs, &f, 13);
-        assert!(matches!(&d, Decision::Publish { debounce: true, generation, .. } if generation.reason == Reason::Join && generation.world_size == 4));
+        assert!(
+            matches!(&d, Decision::Publish { debounce: true, generation, .. } if generation.reason == Reason::Join && generation.world_size == 4)
+        );
     }
 
     #[test]
     fn reformation_is_recorded_once_everyone_joined() {
-        let mut obs = JobObs { spec: Some(spec(1, 2, 2)), ..Default::default() };
+        let mut obs = JobObs {
+            spec: Some(spec(1, 2, 2)),
+            ..Default::default()
+        };
         let f = fleet(&[("a", 2)]);
         let g = step(&mut obs, &f, 1000).unwrap();
         for m in &g.members {
-            obs.joined.insert(m.rank, JoinRecord { node: m.node.clone(), slot: m.slot, rank: m.rank, pid: 1, joined_at_ms: 1000 + 250 * (m.rank as u64 + 1), step: 0 });
+            obs.joined.insert(
+                m.rank,
+                JoinRecord {
+                    node: m.node.clone(),
+                    slot: m.slot,
+                    rank: m.rank,
+                    pid: 1,
+                    joined_at_ms: 1000 + 250 * (m.rank as u64 + 1),
+                    step: 0,
+                },
+            );
         }
-        let Decision::Status(st) = plan(&obs, &f, 2000) else { panic!() };
+        let Decision::Status(st) = plan(&obs, &f, 2000) else {
+            panic!()
+        };
         let r = st.last_reformation.clone().unwrap();
         assert_eq!((r.generation, r.reason, r.seconds), (1, Reason::Start, 0.5));
         apply(&mut obs, Decision::Status(st));
@@ -324,10 +514,23 @@ mod tests {
 
     #[test]
     fn stop_and_success_are_terminal() {
-        let mut obs = JobObs { spec: Some(spec(1, 1, 1)), ..Default::default() };
+        let mut obs = JobObs {
+            spec: Some(spec(1, 1, 1)),
+            ..Default::default()
+        };
         let f = fleet(&[("a", 1)]);
         step(&mut obs, &f, 0);
-        obs.workers.insert(("a".into(), 0), WorkerRecord { pid: 1, generation: 1, state: WorkerState::Exited, exit: Some("exit code 0".into()), code: Some(0), started_at_ms: 0 });
+        obs.workers.insert(
+            ("a".into(), 0),
+            WorkerRecord {
+                pid: 1,
+                generation: 1,
+                state: WorkerState::Exited,
+                exit: Some("exit code 0".into()),
+                code: Some(0),
+                started_at_ms: 0,
+            },
+        );
         let d = plan(&obs, &f, 1);
         assert!(matches!(&d, Decision::Status(s) if s.state == JobState::Succeeded));
         apply(&mut obs, d);

@@ -69,7 +69,12 @@ struct Client {
 }
 
 impl Client {
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> anyhow::Result<serde_json::Value> {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> anyhow::Result<serde_json::Value> {
         let url = format!("{}{}", self.endpoint.trim_end_matches('/'), path);
         let mut req = self.http.request(method, &url).bearer_auth(&self.token);
         if let Some(b) = body {
@@ -87,10 +92,17 @@ impl Client {
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
         if status.is_success() {
-            return Ok(if text.is_empty() { serde_json::Value::Null } else { serde_json::from_str(&text)? });
+            return Ok(if text.is_empty() {
+                serde_json::Value::Null
+            } else {
+                serde_json::from_str(&text)?
+            });
         }
         let err: Option<ApiErrorBody> = serde_json::from_str(&text).ok();
-        let msg = err.as_ref().map(|e| e.error.clone()).unwrap_or_else(|| text.clone());
+        let msg = err
+            .as_ref()
+            .map(|e| e.error.clone())
+            .unwrap_or_else(|| text.clone());
         match status.as_u16() {
             401 => anyhow::bail!("the daemon refused the token: {msg}"),
             _ => anyhow::bail!("{msg}"),
@@ -102,12 +114,24 @@ fn print_job(v: &JobView) {
     println!("job         {}", v.job);
     println!("state       {:?}", v.state);
     println!("generation  {}", v.generation);
-    println!("world size  {} (desired {}, min {}, max {})", v.world_size, v.desired, v.min, v.max);
-    let loss = v.loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into());
-    let sps = v.samples_per_sec.map(|s| format!("{s:.1}")).unwrap_or_else(|| "-".into());
+    println!(
+        "world size  {} (desired {}, min {}, max {})",
+        v.world_size, v.desired, v.min, v.max
+    );
+    let loss = v
+        .loss
+        .map(|l| format!("{l:.4}"))
+        .unwrap_or_else(|| "-".into());
+    let sps = v
+        .samples_per_sec
+        .map(|s| format!("{s:.1}"))
+        .unwrap_or_else(|| "-".into());
     println!("step        {}   loss {}   samples/s {}", v.step, loss, sps);
     if let Some(r) = &v.last_reformation {
-        println!("last change generation {}: {} ({}) in {:.3} s", r.generation, r.reason, r.detail, r.seconds);
+        println!(
+            "last change generation {}: {} ({}) in {:.3} s",
+            r.generation, r.reason, r.detail, r.seconds
+        );
     }
     if !v.message.is_empty() {
         println!("message     {}", v.message);
@@ -118,46 +142,90 @@ fn print_job(v: &JobView) {
     if !v.members.is_empty() {
         println!("\n{:<6} {:<20} {:<6} {:<8}", "RANK", "NODE", "SLOT", "PID");
         for m in &v.members {
-            println!("{:<6} {:<20} {:<6} {:<8}", m.rank, m.node, m.slot, m.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()));
+            println!(
+                "{:<6} {:<20} {:<6} {:<8}",
+                m.rank,
+                m.node,
+                m.slot,
+                m.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into())
+            );
         }
     }
 }
 
 fn print_generation(g: &Generation) {
     let secs = g.published_at_ms as f64 / 1000.0;
-    let members: Vec<String> = g.members.iter().map(|m| format!("{}/{}", m.node, m.slot)).collect();
-    println!("gen {:<4} {:<8} world {:<3} source {:<10} at {:.3}  {}  [{}]", g.number, g.reason.to_string(), g.world_size, format!("{:?}", g.state_source).to_lowercase(), secs, g.detail, members.join(" "));
+    let members: Vec<String> = g
+        .members
+        .iter()
+        .map(|m| format!("{}/{}", m.node, m.slot))
+        .collect();
+    println!(
+        "gen {:<4} {:<8} world {:<3} source {:<10} at {:.3}  {}  [{}]",
+        g.number,
+        g.reason.to_string(),
+        g.world_size,
+        format!("{:?}", g.state_source).to_lowercase(),
+        secs,
+        g.detail,
+        members.join(" ")
+    );
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let file: FileConfig = match std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config/ductile/dctl.toml")) {
+    let file: FileConfig = match std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".config/ductile/dctl.toml"))
+    {
         Some(p) if p.exists() => {
             let text = std::fs::read_to_string(&p)?;
-            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", p.display(), e.message()))?
+            toml::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {}", p.display(), e.message()))?
         }
         _ => FileConfig::default(),
     };
-    let endpoint = cli.endpoint.or(file.endpoint).unwrap_or_else(|| "http://127.0.0.1:7420".into());
+    let endpoint = cli
+        .endpoint
+        .or(file.endpoint)
+        .unwrap_or_else(|| "http://127.0.0.1:7420".into());
     let token = cli.token.or(file.token).ok_or_else(|| anyhow::anyhow!("no token: pass --token, set DCTL_TOKEN, or put token = \"...\" in ~/.config/ductile/dctl.toml"))?;
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(15)).build()?;
-    let c = Client { http, endpoint, token };
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(15))
+        .build()?;
+    let c = Client {
+        http,
+        endpoint,
+        token,
+    };
     use reqwest::Method;
     let json = cli.json;
     let out = |v: &serde_json::Value| println!("{}", serde_json::to_string_pretty(v).unwrap());
     match cli.cmd {
         Cmd::Submit { file } => {
-            let text = std::fs::read_to_string(&file).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
+            let text = std::fs::read_to_string(&file)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
             // Validate here first, so errors name the line; the daemon validates again.
-            let spec = JobSpec::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-            let v = c.call(Method::POST, "/v1/jobs", Some(serde_json::to_value(&spec)?)).await?;
+            let spec = JobSpec::from_toml(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            let v = c
+                .call(Method::POST, "/v1/jobs", Some(serde_json::to_value(&spec)?))
+                .await?;
             if json {
                 out(&v);
             } else {
-                println!("submitted job {} (min {}, max {}, desired {})", spec.name, spec.min, spec.max, spec.desired);
+                println!(
+                    "submitted job {} (min {}, max {}, desired {})",
+                    spec.name, spec.min, spec.max, spec.desired
+                );
             }
         }
         Cmd::Scale { job, size } => {
-            let v = c.call(Method::POST, &format!("/v1/jobs/{job}/scale"), Some(serde_json::to_value(ScaleRequest { size })?)).await?;
+            let v = c
+                .call(
+                    Method::POST,
+                    &format!("/v1/jobs/{job}/scale"),
+                    Some(serde_json::to_value(ScaleRequest { size })?),
+                )
+                .await?;
             if json {
                 out(&v);
             } else {
@@ -165,7 +233,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Status { job: Some(job) } => {
-            let v = c.call(Method::GET, &format!("/v1/jobs/{job}"), None).await?;
+            let v = c
+                .call(Method::GET, &format!("/v1/jobs/{job}"), None)
+                .await?;
             if json {
                 out(&v);
             } else {
@@ -178,9 +248,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 out(&v);
             } else {
                 let jobs: Vec<JobView> = serde_json::from_value(v)?;
-                println!("{:<24} {:<10} {:<5} {:<6} {:<8} {:<10}", "JOB", "STATE", "GEN", "WORLD", "STEP", "LOSS");
+                println!(
+                    "{:<24} {:<10} {:<5} {:<6} {:<8} {:<10}",
+                    "JOB", "STATE", "GEN", "WORLD", "STEP", "LOSS"
+                );
                 for j in jobs {
-                    println!("{:<24} {:<10} {:<5} {:<6} {:<8} {:<10}", j.job, format!("{:?}", j.state), j.generation, j.world_size, j.step, j.loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()));
+                    println!(
+                        "{:<24} {:<10} {:<5} {:<6} {:<8} {:<10}",
+                        j.job,
+                        format!("{:?}", j.state),
+                        j.generation,
+                        j.world_size,
+                        j.step,
+                        j.loss
+                            .map(|l| format!("{l:.4}"))
+                            .unwrap_or_else(|| "-".into())
+                    );
                 }
             }
         }
@@ -190,26 +273,52 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 out(&v);
             } else {
                 let nodes: Vec<NodeView> = serde_json::from_value(v)?;
-                println!("{:<20} {:<6} {:<9} {:<10} {}", "NODE", "SLOTS", "DEVICES", "STATE", "WORKERS");
+                println!(
+                    "{:<20} {:<6} {:<9} {:<10} {}",
+                    "NODE", "SLOTS", "DEVICES", "STATE", "WORKERS"
+                );
                 for n in nodes {
-                    let kind = n.devices.first().map(|d| format!("{:?}", d.kind).to_lowercase()).unwrap_or_default();
+                    let kind = n
+                        .devices
+                        .first()
+                        .map(|d| format!("{:?}", d.kind).to_lowercase())
+                        .unwrap_or_default();
                     let state = if n.draining { "draining" } else { "ready" };
-                    let w: Vec<String> = n.workers.iter().map(|w| format!("{}#{}", w.job, w.rank)).collect();
-                    println!("{:<20} {:<6} {:<9} {:<10} {}", n.name, n.slots, kind, state, w.join(" "));
+                    let w: Vec<String> = n
+                        .workers
+                        .iter()
+                        .map(|w| format!("{}#{}", w.job, w.rank))
+                        .collect();
+                    println!(
+                        "{:<20} {:<6} {:<9} {:<10} {}",
+                        n.name,
+                        n.slots,
+                        kind,
+                        state,
+                        w.join(" ")
+                    );
                 }
             }
         }
         Cmd::Drain { node, undo, reason } => {
             if undo {
-                c.call(Method::DELETE, &format!("/v1/nodes/{node}/drain"), None).await?;
+                c.call(Method::DELETE, &format!("/v1/nodes/{node}/drain"), None)
+                    .await?;
                 println!("node {node}: drain cleared");
             } else {
-                c.call(Method::POST, &format!("/v1/nodes/{node}/drain"), Some(serde_json::to_value(DrainBody { reason })?)).await?;
+                c.call(
+                    Method::POST,
+                    &format!("/v1/nodes/{node}/drain"),
+                    Some(serde_json::to_value(DrainBody { reason })?),
+                )
+                .await?;
                 println!("node {node}: draining");
             }
         }
         Cmd::Stop { job } => {
-            let v = c.call(Method::POST, &format!("/v1/jobs/{job}/stop"), None).await?;
+            let v = c
+                .call(Method::POST, &format!("/v1/jobs/{job}/stop"), None)
+                .await?;
             if json {
                 out(&v);
             } else {
@@ -219,7 +328,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Events { job, follow } => {
             let mut after = 0;
             loop {
-                let v = c.call(Method::GET, &format!("/v1/jobs/{job}/events?after={after}"), None).await?;
+                let v = c
+                    .call(
+                        Method::GET,
+                        &format!("/v1/jobs/{job}/events?after={after}"),
+                        None,
+                    )
+                    .await?;
                 let gens: Vec<Generation> = serde_json::from_value(v)?;
                 for g in &gens {
                     if json {
@@ -238,20 +353,30 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Watch { job } => {
             let mut last_gen = 0;
             loop {
-                let v: JobView = serde_json::from_value(c.call(Method::GET, &format!("/v1/jobs/{job}"), None).await?)?;
+                let v: JobView = serde_json::from_value(
+                    c.call(Method::GET, &format!("/v1/jobs/{job}"), None)
+                        .await?,
+                )?;
                 if json {
                     println!("{}", serde_json::to_string(&v)?);
                 } else {
                     if v.generation != last_gen {
-                        println!("-- generation {} world {} {}", v.generation, v.world_size, v.message);
+                        println!(
+                            "-- generation {} world {} {}",
+                            v.generation, v.world_size, v.message
+                        );
                         last_gen = v.generation;
                     }
                     println!(
                         "{:?} step {} loss {} samples/s {}",
                         v.state,
                         v.step,
-                        v.loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
-                        v.samples_per_sec.map(|s| format!("{s:.1}")).unwrap_or_else(|| "-".into())
+                        v.loss
+                            .map(|l| format!("{l:.4}"))
+                            .unwrap_or_else(|| "-".into()),
+                        v.samples_per_sec
+                            .map(|s| format!("{s:.1}"))
+                            .unwrap_or_else(|| "-".into())
                     );
                 }
                 if v.state.is_terminal() {

@@ -34,11 +34,16 @@ pub struct WorkerEnv {
 impl WorkerEnv {
     pub fn from_env() -> anyhow::Result<WorkerEnv> {
         fn var(name: &str) -> anyhow::Result<String> {
-            std::env::var(name).map_err(|_| anyhow::anyhow!("{name} is not set: ductile-worker is started by ductile-agent, which sets it"))
+            std::env::var(name).map_err(|_| {
+                anyhow::anyhow!(
+                    "{name} is not set: ductile-worker is started by ductile-agent, which sets it"
+                )
+            })
         }
         fn num<T: std::str::FromStr>(name: &str) -> anyhow::Result<T> {
             let v = var(name)?;
-            v.parse().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a number"))
+            v.parse()
+                .map_err(|_| anyhow::anyhow!("{name}={v:?} is not a number"))
         }
         Ok(WorkerEnv {
             job: var("DUCTILE_JOB")?,
@@ -46,14 +51,19 @@ impl WorkerEnv {
             slot: num("DUCTILE_SLOT")?,
             generation: num("DUCTILE_GENERATION")?,
             etcd: var("DUCTILE_ETCD")?,
-            prefix: std::env::var("DUCTILE_PREFIX").unwrap_or_else(|_| ductile_cluster::keys::DEFAULT_PREFIX.into()),
+            prefix: std::env::var("DUCTILE_PREFIX")
+                .unwrap_or_else(|_| ductile_cluster::keys::DEFAULT_PREFIX.into()),
             device: std::env::var("DUCTILE_DEVICE").unwrap_or_else(|_| "cpu".into()),
         })
     }
 }
 
 /// Follow generations until fenced out (returns) or `cancel`.
-pub async fn follow_generations(env: WorkerEnv, backend: Arc<dyn KvBackend>, cancel: CancellationToken) -> anyhow::Result<()> {
+pub async fn follow_generations(
+    env: WorkerEnv,
+    backend: Arc<dyn KvBackend>,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
     let store = Store::new(backend.clone(), Keys::new(&env.prefix));
     let gkey = store.keys.generation(&env.job);
     let mut rx = watch_prefix(backend, gkey.clone(), cancel.clone());
@@ -61,12 +71,23 @@ pub async fn follow_generations(env: WorkerEnv, backend: Arc<dyn KvBackend>, can
     let mut joined: u64 = 0;
     let step: u64 = 0;
     loop {
-        let g: Option<Generation> = rx.borrow_and_update().kvs.get(&gkey).and_then(|kv| serde_json::from_slice(&kv.value).ok());
+        let g: Option<Generation> = rx
+            .borrow_and_update()
+            .kvs
+            .get(&gkey)
+            .and_then(|kv| serde_json::from_slice(&kv.value).ok());
         if let Some(g) = g {
             if g.number >= env.generation && g.number != joined {
                 match g.member(&env.node, env.slot) {
                     Some(m) => {
-                        let rec = JoinRecord { node: env.node.clone(), slot: env.slot, rank: m.rank, pid: std::process::id(), joined_at_ms: now_ms(), step };
+                        let rec = JoinRecord {
+                            node: env.node.clone(),
+                            slot: env.slot,
+                            rank: m.rank,
+                            pid: std::process::id(),
+                            joined_at_ms: now_ms(),
+                            step,
+                        };
                         let key = store.keys.joined_rank(&env.job, g.number, m.rank);
                         let mut delay = Duration::from_millis(50);
                         loop {
@@ -80,10 +101,16 @@ pub async fn follow_generations(env: WorkerEnv, backend: Arc<dyn KvBackend>, can
                             }
                         }
                         joined = g.number;
-                        println!("joined generation {} as rank {} of {} ({}; {}) on {}", g.number, m.rank, g.world_size, g.reason, g.detail, env.device);
+                        println!(
+                            "joined generation {} as rank {} of {} ({}; {}) on {}",
+                            g.number, m.rank, g.world_size, g.reason, g.detail, env.device
+                        );
                     }
                     None => {
-                        println!("generation {} does not include {}/{}: leaving", g.number, env.node, env.slot);
+                        println!(
+                            "generation {} does not include {}/{}: leaving",
+                            g.number, env.node, env.slot
+                        );
                         return Ok(());
                     }
                 }

@@ -14,7 +14,11 @@ async fn main() {
     let backend = match ductile_cluster::connect_etcd(&env.etcd, Duration::from_secs(30)).await {
         Ok(b) => b,
         Err(e) => {
-            eprintln!("ductile-worker: cannot reach etcd at {}: {}", env.etcd, ductile_cluster::service::error_chain(&e));
+            eprintln!(
+                "ductile-worker: cannot reach etcd at {}: {}",
+                env.etcd,
+                ductile_cluster::service::error_chain(&e)
+            );
             std::process::exit(1);
         }
     };

@@ -1,0 +1,767 @@
+//! The integration-test harness. Each test builds its own [`Cluster`]: a real etcd, optionally
+//! a real S3-compatible server, one or more `ductiled` and N `ductile-agent`s, all on free
+//! loopback ports with their own temporary directories. Any process can be killed (SIGKILL),
+//! stopped (SIGSTOP/SIGCONT) and restarted. Everything is torn down when the cluster is dropped,
+//! also on panic; a failing test prints the tail of every process's log.
+//!
+//! Tools come from the environment `scripts/setup.sh` prepares: `etcd` on PATH (or
+//! `DUCTILE_ETCD_BIN`), `moto_server` from `DUCTILE_MOTO_SERVER` (or PATH). Set
+//! `DUCTILE_TEST_S3_ENDPOINT` (+ `_BUCKET`, `_ACCESS_KEY`, `_SECRET_KEY`, `_REGION`) to run the
+//! same tests against another S3-compatible server instead.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ductile_cluster::api::JobView;
+use ductile_cluster::{Keys, Store};
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The API token every test cluster uses.
+pub const TOKEN: &str = "test-token-0123456789";
+
+/// A temporary directory removed on drop (kept if `DUCTILE_KEEP_TEST_DIRS` is set).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        let p =
+            std::env::temp_dir().join(format!("ductile-{tag}-{}-{n}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::env::var_os("DUCTILE_KEEP_TEST_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Where the workspace's binaries are (`DUCTILE_BIN_DIR`, or next to the test executable).
+pub fn bin(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("DUCTILE_BIN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let exe = std::env::current_exe().unwrap();
+            let deps = exe.parent().unwrap();
+            if deps.ends_with("deps") {
+                deps.parent().unwrap().to_path_buf()
+            } else {
+                deps.to_path_buf()
+            }
+        }
+    };
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins)",
+        p.display()
+    );
+    p
+}
+
+fn tool(env: &str, name: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(env) {
+        return PathBuf::from(p);
+    }
+    for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+        let p = dir.join(name);
+        if p.exists() {
+            return p;
+        }
+    }
+    panic!(
+        "{name} not found: run scripts/setup.sh and source the env file it prints (or set {env})"
+    );
+}
+
+/// A process the harness started. Killed (SIGKILL) and reaped on drop.
+pub struct Proc {
+    pub name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    pub log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Proc {
+    pub fn start(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        log: PathBuf,
+    ) -> Proc {
+        let mut p = Proc {
+            name: name.into(),
+            program: program.into(),
+            args: args.to_vec(),
+            env: env.to_vec(),
+            log,
+            child: None,
+        };
+        p.spawn();
+        p
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args)
+            .envs(self.env.iter().cloned())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        cmd.env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        );
+        let child = cmd.spawn().unwrap_or_else(|e| {
+            panic!(
+                "cannot start {} ({}): {e}",
+                self.name,
+                self.program.display()
+            )
+        });
+        self.child = Some(child);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child
+            .as_ref()
+            .map(|c| c.id())
+            .expect("process not running")
+    }
+
+    fn signal(&self, sig: i32) {
+        if let Some(c) = &self.child {
+            unsafe { libc::kill(c.id() as i32, sig) };
+        }
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    pub fn cont(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    pub fn terminate(&self) {
+        self.signal(libc::SIGTERM);
+    }
+
+    /// Start again with the same arguments (after `kill`, or kill first).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Exit status if it has exited.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let t0 = Instant::now();
+        while t0.elapsed() < limit {
+            if let Some(s) = self.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.cont();
+        self.kill();
+    }
+}
+
+/// Whether a process id is alive (and not a zombie).
+pub fn pid_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+/// A real etcd on free ports.
+pub struct Etcd {
+    pub proc: Proc,
+    pub endpoint: String,
+}
+
+impl Etcd {
+    pub fn start(dir: &Path) -> Etcd {
+        let (client, peer) = (free_port(), free_port());
+        let c = format!("http://127.0.0.1:{client}");
+        let p = format!("http://127.0.0.1:{peer}");
+        let args: Vec<String> = [
+            "--name",
+            "t",
+            "--data-dir",
+            &dir.join("etcd-data").display().to_string(),
+            "--listen-client-urls",
+            &c,
+            "--advertise-client-urls",
+            &c,
+            "--listen-peer-urls",
+            &p,
+            "--initial-advertise-peer-urls",
+            &p,
+            "--initial-cluster",
+            &format!("t={p}"),
+            "--heartbeat-interval",
+            "10",
+            "--election-timeout",
+            "100",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let proc = Proc::start(
+            "etcd",
+            &tool("DUCTILE_ETCD_BIN", "etcd"),
+            &args,
+            &[],
+            dir.join("etcd.log"),
+        );
+        let e = Etcd { proc, endpoint: c };
+        e.wait_ready();
+        e
+    }
+
+    fn wait_ready(&self) {
+        let t0 = Instant::now();
+        let port: u16 = self.endpoint.rsplit(':').next().unwrap().parse().unwrap();
+        loop {
+            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                // a real request: the health endpoint answers once the server serves
+                if let Ok(body) = http("GET", &format!("{}/health", self.endpoint), &[], b"") {
+                    if body.0 == 200 && body.1.contains("true") {
+                        return;
+                    }
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "etcd did not become ready:\n{}",
+                self.proc.log_tail(20)
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// SIGKILL etcd and start it again on the same ports and data.
+    pub fn restart(&mut self) {
+        self.proc.restart();
+        self.wait_ready();
+    }
+}
+
+/// An S3-compatible server: moto's, started here, or an external one from the environment.
+pub struct S3 {
+    pub proc: Option<Proc>,
+    pub endpoint: String,
+    pub bucket: String,
+    pub access_key: String,
+    pub secret_key: String,
+    pub region: String,
+}
+
+impl S3 {
+    pub fn start(dir: &Path) -> S3 {
+        if let Ok(endpoint) = std::env::var("DUCTILE_TEST_S3_ENDPOINT") {
+            let v = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
+            return S3 {
+                proc: None,
+                endpoint,
+                bucket: v("DUCTILE_TEST_S3_BUCKET", "ductile-test"),
+                access_key: v("DUCTILE_TEST_S3_ACCESS_KEY", "test"),
+                secret_key: v("DUCTILE_TEST_S3_SECRET_KEY", "test"),
+                region: v("DUCTILE_TEST_S3_REGION", "us-east-1"),
+            };
+        }
+        let port = free_port();
+        let args = vec![
+            "-H".to_string(),
+            "127.0.0.1".to_string(),
+            "-p".to_string(),
+            port.to_string(),
+        ];
+        let proc = Proc::start(
+            "moto_server",
+            &tool("DUCTILE_MOTO_SERVER", "moto_server"),
+            &args,
+            &[],
+            dir.join("s3.log"),
+        );
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let t0 = Instant::now();
+        loop {
+            if let Ok((code, _)) = http("GET", &format!("{endpoint}/"), &[], b"") {
+                if code == 200 {
+                    break;
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "moto_server did not become ready:\n{}",
+                proc.log_tail(20)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let bucket = format!("ductile-{}", COUNTER.fetch_add(1, Ordering::SeqCst));
+        let (code, body) = http("PUT", &format!("{endpoint}/{bucket}"), &[], b"").unwrap();
+        assert!(code == 200, "cannot create bucket {bucket}: {code} {body}");
+        S3 {
+            proc: Some(proc),
+            endpoint,
+            bucket,
+            access_key: "test".into(),
+            secret_key: "test".into(),
+            region: "us-east-1".into(),
+        }
+    }
+}
+
+/// A minimal blocking HTTP/1.1 client for the harness (status, body).
+pub fn http(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| std::io::Error::other("only http:// URLs"))?;
+    let (host, path) = rest
+        .split_once('/')
+        .map(|(h, p)| (h, format!("/{p}")))
+        .unwrap_or((rest, "/".into()));
+    let mut s = TcpStream::connect(host)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes())?;
+    s.write_all(body)?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf)?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    // de-chunk if needed
+    let body = if text
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(&body)
+    } else {
+        body
+    };
+    Ok((code, body))
+}
+
+fn dechunk(s: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some((len, after)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
+        if n == 0 || after.len() < n {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = &after[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// A local stand-in for the cloud's spot-interruption metadata URL: 404 until `notice()`.
+pub struct SpotServer {
+    pub url: String,
+    notice: Arc<Mutex<Option<String>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl SpotServer {
+    pub fn start() -> SpotServer {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let url = format!(
+            "http://{}/latest/meta-data/spot/instance-action",
+            l.local_addr().unwrap()
+        );
+        let notice: Arc<Mutex<Option<String>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (n, st) = (notice.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !st.load(Ordering::SeqCst) {
+                match l.accept() {
+                    Ok((mut s, _)) => {
+                        let _ = s.set_nonblocking(false);
+                        let mut buf = [0u8; 4096];
+                        let _ = s.read(&mut buf);
+                        let resp = match &*n.lock().unwrap() {
+                            Some(body) => format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()),
+                            None => "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string(),
+                        };
+                        let _ = s.write_all(resp.as_bytes());
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        SpotServer { url, notice, stop }
+    }
+
+    pub fn notice(&self, action: &str) {
+        *self.notice.lock().unwrap() = Some(format!(
+            "{{\"action\": \"{action}\", \"time\": \"2026-11-21T12:00:00Z\"}}"
+        ));
+    }
+}
+
+impl Drop for SpotServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// How to build a test cluster.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub daemons: usize,
+    pub agents: Vec<(String, u32)>,
+    pub lease_ttl: i64,
+    pub election_ttl: i64,
+    pub debounce_ms: u64,
+    pub restart_backoff_ms: u64,
+    pub s3: bool,
+}
+
+impl Default for Spec {
+    fn default() -> Self {
+        Spec {
+            daemons: 1,
+            agents: vec![],
+            lease_ttl: 2,
+            election_ttl: 2,
+            debounce_ms: 300,
+            restart_backoff_ms: 1000,
+            s3: false,
+        }
+    }
+}
+
+impl Spec {
+    pub fn agents(mut self, n: usize, slots: u32) -> Self {
+        self.agents = (1..=n).map(|i| (format!("node{i}"), slots)).collect();
+        self
+    }
+}
+
+/// A running test cluster. Dropping it tears everything down.
+pub struct Cluster {
+    pub spec: Spec,
+    pub daemons: Vec<Proc>,
+    pub daemon_ports: Vec<u16>,
+    pub agents: BTreeMap<String, Proc>,
+    pub s3: Option<S3>,
+    pub etcd: Etcd,
+    pub dir: TempDir,
+    pub prefix: String,
+}
+
+impl Cluster {
+    pub fn start(spec: Spec) -> Cluster {
+        let dir = TempDir::new("cluster");
+        let etcd = Etcd::start(dir.path());
+        let s3 = spec.s3.then(|| S3::start(dir.path()));
+        std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+        let mut c = Cluster {
+            spec: spec.clone(),
+            daemons: vec![],
+            daemon_ports: vec![],
+            agents: BTreeMap::new(),
+            s3,
+            etcd,
+            dir,
+            prefix: "/ductile/v1".into(),
+        };
+        for i in 0..spec.daemons {
+            c.start_daemon(i);
+        }
+        for (name, slots) in spec.agents.clone() {
+            c.start_agent(&name, slots, &[]);
+        }
+        c
+    }
+
+    pub fn start_daemon(&mut self, i: usize) {
+        let port = free_port();
+        let args: Vec<String> = vec![
+            "--etcd".into(),
+            self.etcd.endpoint.clone(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--token-file".into(),
+            self.dir.path().join("token").display().to_string(),
+            "--election-ttl".into(),
+            self.spec.election_ttl.to_string(),
+            "--debounce-ms".into(),
+            self.spec.debounce_ms.to_string(),
+            "--id".into(),
+            format!("daemon{i}"),
+        ];
+        let p = Proc::start(
+            &format!("daemon{i}"),
+            &bin("ductiled"),
+            &args,
+            &[],
+            self.dir.path().join(format!("daemon{i}.log")),
+        );
+        self.daemons.push(p);
+        self.daemon_ports.push(port);
+        self.wait_daemon(i);
+    }
+
+    /// SIGKILL daemon `i` and start it again on the same port.
+    pub fn restart_daemon(&mut self, i: usize) {
+        self.daemons[i].restart();
+        self.wait_daemon(i);
+    }
+
+    fn wait_daemon(&self, i: usize) {
+        let port = self.daemon_ports[i];
+        let t0 = Instant::now();
+        while http("GET", &format!("http://127.0.0.1:{port}/healthz"), &[], b"")
+            .map(|r| r.0)
+            .ok()
+            != Some(200)
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "daemon{i} did not serve:\n{}",
+                self.daemons[i].log_tail(30)
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// Start an agent; `extra` flags are appended (e.g. `--spot-notice-url URL`).
+    pub fn start_agent(&mut self, name: &str, slots: u32, extra: &[&str]) {
+        let mut args: Vec<String> = vec![
+            "--etcd".into(),
+            self.etcd.endpoint.clone(),
+            "--node".into(),
+            name.into(),
+            "--cpu-slots".into(),
+            slots.to_string(),
+            "--lease-ttl".into(),
+            self.spec.lease_ttl.to_string(),
+            "--gpus".into(),
+            "off".into(),
+            "--restart-backoff-ms".into(),
+            self.spec.restart_backoff_ms.to_string(),
+            "--stop-grace-ms".into(),
+            "2000".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let p = Proc::start(
+            name,
+            &bin("ductile-agent"),
+            &args,
+            &[],
+            self.dir.path().join(format!("{name}.log")),
+        );
+        self.agents.insert(name.into(), p);
+    }
+
+    pub fn endpoint(&self) -> String {
+        let live = self
+            .daemons
+            .iter()
+            .position(|d| d.child.is_some())
+            .unwrap_or(0);
+        format!("http://127.0.0.1:{}", self.daemon_ports[live])
+    }
+
+    /// Run dctl against this cluster: (exit success, stdout, stderr).
+    pub fn dctl(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(bin("dctl"))
+            .args(["--endpoint", &self.endpoint(), "--token", TOKEN])
+            .args(args)
+            .env_remove("DCTL_ENDPOINT")
+            .env_remove("DCTL_TOKEN")
+            .env("HOME", self.dir.path())
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// dctl that must succeed.
+    pub fn dctl_ok(&self, args: &[&str]) -> String {
+        let (ok, out, err) = self.dctl(args);
+        assert!(ok, "dctl {args:?} failed: {err}");
+        out
+    }
+
+    pub fn submit(&self, toml: &str) {
+        let p = self.dir.path().join(format!(
+            "job-{}.toml",
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::write(&p, toml).unwrap();
+        self.dctl_ok(&["submit", p.to_str().unwrap()]);
+    }
+
+    pub fn status(&self, job: &str) -> JobView {
+        serde_json::from_str(&self.dctl_ok(&["status", job, "--json"])).unwrap()
+    }
+
+    /// Poll `f` until it returns Some, or panic after `limit` saying what was awaited.
+    pub fn wait_for<T>(&self, limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+        let t0 = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            assert!(
+                t0.elapsed() < limit,
+                "timed out after {limit:?} waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Wait until the job's current generation has `world` members, all with a worker pid.
+    pub fn wait_world(&self, job: &str, world: u32, limit: Duration) -> JobView {
+        self.wait_for(
+            limit,
+            &format!("job {job} at world size {world} with every worker running"),
+            || {
+                let v = self.status(job);
+                (v.world_size == world
+                    && v.members.len() == world as usize
+                    && v.members.iter().all(|m| m.pid.is_some()))
+                .then_some(v)
+            },
+        )
+    }
+
+    /// A typed store over this cluster's etcd.
+    pub async fn store(&self) -> Store {
+        let b = ductile_cluster::connect_etcd(&self.etcd.endpoint, Duration::from_secs(10))
+            .await
+            .unwrap();
+        Store::new(b, Keys::new(&self.prefix))
+    }
+
+    pub fn logs(&self) -> String {
+        let mut s = String::new();
+        let procs = self
+            .daemons
+            .iter()
+            .chain(self.agents.values())
+            .chain(std::iter::once(&self.etcd.proc));
+        for p in procs {
+            s.push_str(&format!(
+                "\n===== {} ({}) =====\n{}\n",
+                p.name,
+                p.log.display(),
+                p.log_tail(60)
+            ));
+        }
+        s
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("{}", self.logs());
+        }
+        // agents first (their workers die with them), then daemons, then etcd
+        self.agents.clear();
+        self.daemons.clear();
+    }
+}
+
+/// A job spec in TOML.
+pub fn job_toml(name: &str, min: u32, max: u32, desired: u32) -> String {
+    format!("name = \"{name}\"\nmin = {min}\nmax = {max}\ndesired = {desired}\n")
+}

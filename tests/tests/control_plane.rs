@@ -1,0 +1,595 @@
+//! The control plane against a real etcd and real processes: agents, daemons, workers, dctl.
+
+use std::time::{Duration, Instant};
+
+use ductile_cluster::records::{now_ms, Generation, JobState, Reason};
+use ductile_tests::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn history(c: &Cluster, job: &str) -> Vec<Generation> {
+    c.dctl_ok(&["events", job, "--json"])
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn assert_contiguous(h: &[Generation]) {
+    let nums: Vec<u64> = h.iter().map(|g| g.number).collect();
+    let want: Vec<u64> = (1..=h.len() as u64).collect();
+    assert_eq!(
+        nums, want,
+        "generation numbers must be strictly increasing with no gap or duplicate"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_backend_conforms() {
+    let dir = TempDir::new("conf");
+    let etcd = Etcd::start(dir.path());
+    let b = ductile_cluster::connect_etcd(&etcd.endpoint, S(10))
+        .await
+        .unwrap();
+    ductile_cluster::conformance::run_all(b, "/conf").await;
+}
+
+#[test]
+fn three_agents_joining_make_one_generation_with_all_their_slots() {
+    let mut c = Cluster::start(Spec {
+        debounce_ms: 1000,
+        ..Spec::default()
+    });
+    c.submit(&job_toml("j1", 1, 6, 6));
+    let v = c.wait_for(S(10), "the job waiting for slots", || {
+        Some(c.status("j1")).filter(|v| v.state == JobState::Waiting)
+    });
+    assert!(v.message.contains("0 live slot(s)"), "{}", v.message);
+    for i in 1..=3 {
+        c.start_agent(&format!("node{i}"), 2, &[]);
+    }
+    let v = c.wait_world("j1", 6, S(20));
+    assert_eq!(v.state, JobState::Running);
+    assert_eq!(v.generation, 1, "a burst of joins must make one generation");
+    let mut slots: Vec<(String, u32)> =
+        v.members.iter().map(|m| (m.node.clone(), m.slot)).collect();
+    slots.sort();
+    let want: Vec<(String, u32)> = (1..=3)
+        .flat_map(|i| (0..2).map(move |s| (format!("node{i}"), s)))
+        .collect();
+    assert_eq!(slots, want);
+    let mut ranks: Vec<u32> = v.members.iter().map(|m| m.rank).collect();
+    ranks.sort();
+    assert_eq!(ranks, (0..6).collect::<Vec<_>>());
+    // every worker joined: the re-formation is recorded with its duration
+    let v = c.wait_for(S(10), "re-formation recorded", || {
+        c.status("j1")
+            .last_reformation
+            .filter(|r| r.generation == 1)
+            .map(|_| c.status("j1"))
+    });
+    assert_eq!(v.last_reformation.unwrap().reason, Reason::Start);
+    assert_eq!(history(&c, "j1").len(), 1);
+}
+
+#[test]
+fn sigkill_an_agent_reforms_without_it_within_ttl_plus_one_second() {
+    let mut c = Cluster::start(Spec::default().agents(3, 1));
+    c.submit(&job_toml("j2", 1, 3, 3));
+    c.wait_world("j2", 3, S(20));
+    let killed_at = now_ms();
+    c.agents.get_mut("node2").unwrap().kill();
+    let g = c.wait_for(S(10), "a generation without node2", || {
+        history(&c, "j2").into_iter().find(|g| g.number == 2)
+    });
+    assert_eq!(g.reason, Reason::Failure);
+    assert!(g.members.iter().all(|m| m.node != "node2"));
+    assert_eq!(g.world_size, 2);
+    let took = g.published_at_ms.saturating_sub(killed_at);
+    assert!(
+        took <= (c.spec.lease_ttl as u64) * 1000 + 1000,
+        "re-formed {took} ms after the kill; TTL is {} s",
+        c.spec.lease_ttl
+    );
+    // the workers of the dead node died with it
+    let v = c.wait_world("j2", 2, S(10));
+    assert!(v.members.iter().all(|m| m.node != "node2"));
+}
+
+#[test]
+fn sigkill_a_worker_reforms_within_one_second_then_it_rejoins() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 1500,
+        ..Spec::default().agents(2, 2)
+    });
+    c.submit(&job_toml("j3", 1, 4, 4));
+    let v = c.wait_world("j3", 4, S(20));
+    let victim = v.members.iter().find(|m| m.rank == 1).unwrap().clone();
+    let killed_at = now_ms();
+    unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
+    let g = c.wait_for(S(5), "a generation without the killed worker", || {
+        history(&c, "j3").into_iter().find(|g| g.number == 2)
+    });
+    let took = g.published_at_ms.saturating_sub(killed_at);
+    assert!(
+        took <= 1000,
+        "re-formed {took} ms after the worker was killed"
+    );
+    assert_eq!(g.reason, Reason::Failure);
+    assert!(g.detail.contains("killed by signal 9"), "{}", g.detail);
+    assert!(g.member(&victim.node, victim.slot).is_none());
+    assert_eq!(g.world_size, 3);
+    // survivors were not restarted
+    let survivors: Vec<u32> = v
+        .members
+        .iter()
+        .filter(|m| m.rank != 1)
+        .map(|m| m.pid.unwrap())
+        .collect();
+    // after the backoff the slot rejoins with a fresh worker (a join generation)
+    let v2 = c.wait_world("j3", 4, S(15));
+    let h = history(&c, "j3");
+    assert_eq!(h.last().unwrap().reason, Reason::Join);
+    let new_pid = v2
+        .members
+        .iter()
+        .find(|m| m.node == victim.node && m.slot == victim.slot)
+        .unwrap()
+        .pid
+        .unwrap();
+    assert_ne!(new_pid, victim.pid.unwrap());
+    for pid in survivors {
+        assert!(
+            v2.members.iter().any(|m| m.pid == Some(pid)),
+            "survivor {pid} was restarted"
+        );
+        assert!(pid_alive(pid));
+    }
+    assert_contiguous(&h);
+}
+
+#[test]
+fn dctl_scale_down_and_up_and_refuses_sizes_outside_min_max() {
+    let c = Cluster::start(Spec::default().agents(2, 2));
+    c.submit(&job_toml("j4", 2, 4, 4));
+    c.wait_world("j4", 4, S(20));
+    c.dctl_ok(&["scale", "j4", "2"]);
+    let v = c.wait_world("j4", 2, S(10));
+    assert_eq!(v.desired, 2);
+    c.dctl_ok(&["scale", "j4", "3"]);
+    c.wait_world("j4", 3, S(10));
+    c.dctl_ok(&["scale", "j4", "4"]);
+    let v = c.wait_world("j4", 4, S(10));
+    let h = history(&c, "j4");
+    let sizes: Vec<(u32, Reason)> = h.iter().map(|g| (g.world_size, g.reason)).collect();
+    assert_eq!(
+        sizes,
+        vec![
+            (4, Reason::Start),
+            (2, Reason::Scale),
+            (3, Reason::Scale),
+            (4, Reason::Scale)
+        ]
+    );
+    for bad in ["1", "5", "0"] {
+        let (ok, _, err) = c.dctl(&["scale", "j4", bad]);
+        assert!(!ok);
+        assert!(
+            err.contains(&format!("{bad} is outside [min, max] = [2, 4]")),
+            "{err}"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    assert_eq!(
+        c.status("j4").generation,
+        v.generation,
+        "a refused scale changes nothing"
+    );
+    assert_eq!(c.status("j4").desired, 4);
+}
+
+#[test]
+fn sigkill_the_leader_and_the_standby_leads_with_generations_in_order() {
+    let mut c = Cluster::start(Spec {
+        daemons: 2,
+        election_ttl: 2,
+        ..Spec::default().agents(3, 1)
+    });
+    c.submit(&job_toml("j5", 1, 3, 3));
+    c.wait_world("j5", 3, S(20));
+    let leader_of = |c: &Cluster| -> Option<String> {
+        let (ok, _, _) = c.dctl(&["status"]);
+        if !ok {
+            return None;
+        }
+        let port = c.endpoint();
+        let (code, body) = http(
+            "GET",
+            &format!("{port}/v1/leader"),
+            &[("Authorization", &format!("Bearer {TOKEN}"))],
+            b"",
+        )
+        .ok()?;
+        (code == 200)
+            .then(|| {
+                serde_json::from_str::<serde_json::Value>(&body).ok()?["leader"]
+                    .as_str()
+                    .map(String::from)
+            })
+            .flatten()
+    };
+    let first = c.wait_for(S(10), "a leader", || leader_of(&c));
+    let idx: usize = first.trim_start_matches("daemon").parse().unwrap();
+    let killed_at = Instant::now();
+    c.daemons[idx].kill();
+    let second = c.wait_for(S(10), "the standby to lead", || {
+        leader_of(&c).filter(|l| *l != first)
+    });
+    let took = killed_at.elapsed();
+    // etcd sweeps expired leases every 500 ms: a TTL, plus up to that sweep
+    assert!(
+        took <= Duration::from_millis(c.spec.election_ttl as u64 * 1000 + 1000),
+        "standby led after {took:?}"
+    );
+    assert_ne!(second, first);
+    // the new leader reconciles: lose a node, scale, and the generations stay in order
+    c.agents.get_mut("node3").unwrap().kill();
+    c.wait_world("j5", 2, S(10));
+    c.dctl_ok(&["scale", "j5", "1"]);
+    c.wait_world("j5", 1, S(10));
+    // the old leader comes back as a standby: no duplicate generation
+    c.restart_daemon(idx);
+    c.dctl_ok(&["scale", "j5", "2"]);
+    c.wait_world("j5", 2, S(10));
+    let h = history(&c, "j5");
+    assert!(h.len() >= 4, "{h:?}");
+    assert_contiguous(&h);
+}
+
+#[test]
+fn restarting_etcd_leaves_workers_running_and_the_control_plane_recovers() {
+    let mut c = Cluster::start(Spec {
+        lease_ttl: 5,
+        election_ttl: 5,
+        ..Spec::default().agents(2, 2)
+    });
+    c.submit(&job_toml("j6", 1, 4, 4));
+    let v = c.wait_world("j6", 4, S(20));
+    let pids: Vec<u32> = v.members.iter().map(|m| m.pid.unwrap()).collect();
+    c.etcd.proc.kill();
+    std::thread::sleep(Duration::from_millis(1500));
+    for p in &pids {
+        assert!(pid_alive(*p), "worker {p} died during the etcd outage");
+    }
+    c.etcd.restart();
+    // same world, same processes
+    let v2 = c.wait_world("j6", 4, S(15));
+    assert_eq!(v2.generation, v.generation);
+    let pids2: Vec<u32> = v2.members.iter().map(|m| m.pid.unwrap()).collect();
+    assert_eq!(pids, pids2);
+    // and it still reacts: a worker dies → a new generation
+    unsafe { libc::kill(pids[3] as i32, libc::SIGKILL) };
+    c.wait_for(S(10), "a failure generation after the etcd restart", || {
+        history(&c, "j6")
+            .into_iter()
+            .find(|g| g.reason == Reason::Failure)
+    });
+    c.dctl_ok(&["scale", "j6", "2"]);
+    c.wait_world("j6", 2, S(10));
+    for a in c.agents.values_mut() {
+        assert!(a.try_wait().is_none(), "agent {} exited", a.name);
+    }
+}
+
+#[test]
+fn a_stopped_agent_past_its_ttl_is_removed_fences_its_workers_and_rejoins() {
+    // `sleep` workers do not follow generations themselves: only the agent can fence them
+    let c = Cluster::start(Spec {
+        lease_ttl: 1,
+        ..Spec::default().agents(2, 1)
+    });
+    c.submit(&format!(
+        "{}command = [\"sleep\", \"600\"]\n",
+        job_toml("j7", 1, 2, 2)
+    ));
+    let v = c.wait_world("j7", 2, S(20));
+    let old = v
+        .members
+        .iter()
+        .find(|m| m.node == "node2")
+        .unwrap()
+        .pid
+        .unwrap();
+    let agent = &c.agents["node2"];
+    agent.stop();
+    let g = c.wait_for(S(10), "node2 removed", || {
+        history(&c, "j7")
+            .into_iter()
+            .find(|g| g.member("node2", 0).is_none())
+    });
+    assert_eq!(g.reason, Reason::Failure);
+    assert!(
+        pid_alive(old),
+        "the stopped agent's worker still runs until the agent wakes"
+    );
+    agent.cont();
+    // the agent learns its lease is gone, kills the fenced worker, registers again
+    c.wait_for(S(10), "the old-generation worker stopped", || {
+        (!pid_alive(old)).then_some(())
+    });
+    let v = c.wait_world("j7", 2, S(15));
+    let new = v
+        .members
+        .iter()
+        .find(|m| m.node == "node2")
+        .unwrap()
+        .pid
+        .unwrap();
+    assert_ne!(new, old);
+    let nodes: serde_json::Value = serde_json::from_str(&c.dctl_ok(&["nodes", "--json"])).unwrap();
+    let n2 = nodes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"] == "node2")
+        .unwrap();
+    assert_eq!(n2["reregistrations"], 1);
+    let h = history(&c, "j7");
+    assert_eq!(h.last().unwrap().reason, Reason::Join);
+    assert_contiguous(&h);
+}
+
+#[test]
+fn a_spot_notice_drains_the_node_without_a_failure() {
+    let spot = SpotServer::start();
+    let mut c = Cluster::start(Spec::default().agents(1, 2));
+    c.start_agent(
+        "spot1",
+        2,
+        &["--spot-notice-url", &spot.url, "--spot-poll-ms", "100"],
+    );
+    c.submit(&job_toml("j8", 1, 4, 4));
+    c.wait_world("j8", 4, S(20));
+    spot.notice("terminate");
+    let status = c
+        .agents
+        .get_mut("spot1")
+        .unwrap()
+        .wait_exit(S(20))
+        .expect("the agent drains and exits");
+    assert!(status.success(), "drained agent exit status {status:?}");
+    let h = history(&c, "j8");
+    let last = h.last().unwrap();
+    assert_eq!(last.reason, Reason::Drain, "{h:?}");
+    assert!(last.detail.contains("spot1"));
+    assert!(
+        h.iter().all(|g| g.reason != Reason::Failure),
+        "a drain must not be a failure: {h:?}"
+    );
+    let v = c.wait_world("j8", 2, S(10));
+    assert!(v.members.iter().all(|m| m.node == "node1"));
+    c.wait_for(S(5), "spot1 gone from the node list", || {
+        (!c.dctl_ok(&["nodes"]).contains("spot1")).then_some(())
+    });
+    // dctl drain cordons a node the same way, and --undo lets it back
+    c.start_agent("node2", 2, &[]);
+    c.wait_world("j8", 4, S(15));
+    c.dctl_ok(&["drain", "node2"]);
+    c.wait_world("j8", 2, S(10));
+    assert_eq!(history(&c, "j8").last().unwrap().reason, Reason::Drain);
+    c.dctl_ok(&["drain", "node2", "--undo"]);
+    c.wait_world("j8", 4, S(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_clear_errors_and_change_nothing() {
+    let c = Cluster::start(Spec::default());
+    c.submit(&job_toml("ok", 1, 2, 2));
+    c.wait_for(S(10), "the job waiting for slots", || {
+        (c.status("ok").state == JobState::Waiting).then_some(())
+    });
+    let store = c.store().await;
+    let keys = |kvs: Vec<ductile_cluster::kv::KeyValue>| {
+        kvs.into_iter()
+            .map(|kv| (kv.key, kv.mod_revision))
+            .collect::<Vec<_>>()
+    };
+    let before = keys(store.backend.list("/ductile/").await.unwrap().0);
+    let dir = c.dir.path();
+    let bad = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        c.dctl(&["submit", p.to_str().unwrap()])
+    };
+    let cases = [
+        (
+            "unknown.toml",
+            format!("{}colour = \"red\"\n", job_toml("x", 1, 2, 2)),
+            "unknown field `colour`",
+        ),
+        (
+            "sizes.toml",
+            job_toml("x", 3, 2, 2),
+            "invalid max: 2 is below min 3",
+        ),
+        (
+            "desired.toml",
+            job_toml("x", 1, 2, 9),
+            "invalid desired: 9 is outside [min, max] = [1, 2]",
+        ),
+        (
+            "syntax.toml",
+            "name = \"x\"\nmin = 1\nmax = [\n".to_string(),
+            "job spec",
+        ),
+        (
+            "model.toml",
+            format!(
+                "{}[training]\nmodel = \"resnet\"\ndataset = \"file:///d\"\nglobal_batch = 8\n",
+                job_toml("x", 1, 2, 2)
+            ),
+            "invalid training.model",
+        ),
+    ];
+    for (file, text, want) in &cases {
+        let (ok, _, err) = bad(file, text);
+        assert!(!ok, "{file} accepted");
+        assert!(err.contains(want), "{file}: {err}");
+    }
+    // the daemon validates too (a client that skips dctl)
+    let auth = format!("Bearer {TOKEN}");
+    let (code, body) = http(
+        "POST",
+        &format!("{}/v1/jobs", c.endpoint()),
+        &[
+            ("Authorization", &auth),
+            ("Content-Type", "application/json"),
+        ],
+        br#"{"name":"x","min":1,"max":2,"desired":2,"colour":1}"#,
+    )
+    .unwrap();
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("unknown field `colour`"), "{body}");
+    let (code, body) = http(
+        "POST",
+        &format!("{}/v1/jobs", c.endpoint()),
+        &[
+            ("Authorization", &auth),
+            ("Content-Type", "application/toml"),
+        ],
+        b"name = \"x\"\nmin = 0\nmax = 2\ndesired = 1\n",
+    )
+    .unwrap();
+    assert_eq!(code, 400);
+    assert!(body.contains("\"field\":\"min\""), "{body}");
+    // a duplicate submit is refused
+    let (ok, _, err) = bad("dup.toml", &job_toml("ok", 1, 2, 2));
+    assert!(!ok && err.contains("already exists"), "{err}");
+    // unknown job
+    for args in [
+        vec!["status", "nope"],
+        vec!["scale", "nope", "1"],
+        vec!["stop", "nope"],
+        vec!["events", "nope"],
+    ] {
+        let (ok, _, err) = c.dctl(&args);
+        assert!(!ok);
+        assert!(err.contains("no job named \"nope\""), "{args:?}: {err}");
+    }
+    // missing and wrong tokens
+    let (code, body) = http("GET", &format!("{}/v1/jobs", c.endpoint()), &[], b"").unwrap();
+    assert_eq!(code, 401);
+    assert!(body.contains("missing bearer token"), "{body}");
+    let out = std::process::Command::new(bin("dctl"))
+        .args([
+            "--endpoint",
+            &c.endpoint(),
+            "--token",
+            "wrong-token",
+            "status",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("the daemon refused the token: invalid token"));
+    // daemon unreachable
+    let out = std::process::Command::new(bin("dctl"))
+        .args([
+            "--endpoint",
+            &format!("http://127.0.0.1:{}", free_port()),
+            "--token",
+            TOKEN,
+            "status",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot reach ductiled at http://127.0.0.1:"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // nothing changed in etcd: same keys, same revisions
+    let after = keys(store.backend.list("/ductile/").await.unwrap().0);
+    assert_eq!(before, after, "bad requests changed the stored state");
+    // a daemon with no token refuses to start
+    let out = std::process::Command::new(bin("ductiled"))
+        .args(["--etcd", &c.etcd.endpoint, "--listen", "127.0.0.1:0"])
+        .env_remove("DUCTILE_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no API token"));
+    // an unreachable etcd is a clear error at start-up
+    let out = std::process::Command::new(bin("ductile-agent"))
+        .args([
+            "--etcd",
+            &format!("http://127.0.0.1:{}", free_port()),
+            "--node",
+            "n",
+            "--etcd-wait",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot reach etcd at"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn stop_ends_the_job_and_its_workers() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    c.submit(&job_toml("j10", 1, 2, 2));
+    let v = c.wait_world("j10", 2, S(20));
+    c.dctl_ok(&["stop", "j10"]);
+    c.wait_for(S(10), "job stopped", || {
+        (c.status("j10").state == JobState::Stopped).then_some(())
+    });
+    for m in &v.members {
+        let pid = m.pid.unwrap();
+        c.wait_for(S(10), "worker stopped", || (!pid_alive(pid)).then_some(()));
+    }
+    // a stopped job can be submitted again; generation numbers continue
+    c.submit(&job_toml("j10", 1, 2, 2));
+    let v2 = c.wait_world("j10", 2, S(20));
+    assert!(v2.generation > v.generation);
+}
+
+#[test]
+fn the_harness_s3_server_stores_objects() {
+    let dir = TempDir::new("s3");
+    let s3 = S3::start(dir.path());
+    let url = format!("{}/{}/probe/object", s3.endpoint, s3.bucket);
+    // moto checks that requests are signed, not the signature (see the harness docs)
+    let auth = [("Authorization", "AWS4-HMAC-SHA256 Credential=test/20261121/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00")];
+    let (code, _) = http("PUT", &url, &auth, b"hello ductile").unwrap();
+    assert_eq!(code, 200);
+    let (code, body) = http("GET", &url, &auth, b"").unwrap();
+    assert_eq!((code, body.as_str()), (200, "hello ductile"));
+}
+
+#[test]
+fn metrics_report_jobs_world_size_and_reformations() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    c.submit(&job_toml("jm", 1, 2, 2));
+    c.wait_world("jm", 2, S(20));
+    c.wait_for(S(10), "re-formation recorded", || {
+        c.status("jm").last_reformation
+    });
+    let (code, body) = http("GET", &format!("{}/metrics", c.endpoint()), &[], b"").unwrap();
+    assert_eq!(code, 200);
+    for want in [
+        "ductile_job_world_size{job=\"jm\"} 2",
+        "ductile_jobs{state=\"Running\"} 1",
+        "ductile_reformations_total{job=\"jm\",reason=\"start\"} 1",
+        "ductile_job_last_reformation_seconds{job=\"jm\",reason=\"start\"}",
+        "ductile_daemon_is_leader 1",
+        "ductile_nodes 1",
+    ] {
+        assert!(body.contains(want), "metrics lack {want}:\n{body}");
+    }
+}
