@@ -236,7 +236,13 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         }
     } else if let Some((n, _)) = removed.iter().find(|(n, _)| fleet.is_draining(n)) {
         (Reason::Drain, format!("node {n} is draining"))
-    } else if !removed.is_empty() || cur.is_some_and(|g| g.desired != spec.desired) || obs.generation.as_ref().is_some_and(|(_, rev)| obs.spec_revision > *rev) {
+    } else if !removed.is_empty()
+        || cur.is_some_and(|g| g.desired != spec.desired)
+        || obs
+            .generation
+            .as_ref()
+            .is_some_and(|(_, rev)| obs.spec_revision > *rev)
+    {
         // the operator changed the spec since the current generation (`dctl scale`)
         (
             Reason::Scale,
