@@ -593,3 +593,23 @@ fn metrics_report_jobs_world_size_and_reformations() {
         assert!(body.contains(want), "metrics lack {want}:\n{body}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendezvous_over_real_etcd_gathers_every_rank() {
+    let dir = TempDir::new("rdv");
+    let etcd = Etcd::start(dir.path());
+    let b = ductile_cluster::connect_etcd(&etcd.endpoint, S(10)).await.unwrap();
+    let store = ductile_cluster::Store::new(b, ductile_cluster::Keys::default());
+    let mut tasks = Vec::new();
+    for rank in 0..3u32 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = ductile_comm::Rendezvous::new(store, "j", 3, 3, rank).unwrap();
+            r.publish("addr", &[rank as u8]).await.unwrap();
+            r.gather("addr", S(10)).await.unwrap()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), vec![vec![0u8], vec![1], vec![2]]);
+    }
+}
