@@ -18,11 +18,16 @@ pub enum Location {
 
 impl Location {
     pub fn parse(url: &str) -> Result<Location, UrlError> {
-        let bad = |reason| UrlError::Invalid { url: url.to_string(), reason };
+        let bad = |reason| UrlError::Invalid {
+            url: url.to_string(),
+            reason,
+        };
         if let Some(rest) = url.strip_prefix("s3://") {
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
             let ok = (3..=63).contains(&bucket.len())
-                && bucket.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+                && bucket
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
                 && !bucket.starts_with(['-', '.'])
                 && !bucket.ends_with(['-', '.']);
             if !ok {
@@ -31,13 +36,18 @@ impl Location {
             if prefix.split('/').any(|seg| seg == "." || seg == "..") {
                 return Err(bad("the prefix must not contain . or .. segments"));
             }
-            return Ok(Location::S3 { bucket: bucket.into(), prefix: prefix.trim_matches('/').into() });
+            return Ok(Location::S3 {
+                bucket: bucket.into(),
+                prefix: prefix.trim_matches('/').into(),
+            });
         }
         if let Some(path) = url.strip_prefix("file://") {
             if !path.starts_with('/') {
                 return Err(bad("a file URL needs an absolute path (file:///...)"));
             }
-            return Ok(Location::File { path: PathBuf::from(path) });
+            return Ok(Location::File {
+                path: PathBuf::from(path),
+            });
         }
         Err(bad("must start with s3:// or file://"))
     }
@@ -49,10 +59,34 @@ mod tests {
 
     #[test]
     fn parses_s3_and_file_urls_and_refuses_the_rest() {
-        assert_eq!(Location::parse("s3://bucket/jobs/tiny-gpt/").unwrap(), Location::S3 { bucket: "bucket".into(), prefix: "jobs/tiny-gpt".into() });
-        assert_eq!(Location::parse("s3://my.bucket").unwrap(), Location::S3 { bucket: "my.bucket".into(), prefix: "".into() });
-        assert_eq!(Location::parse("file:///var/lib/ductile/ckpt").unwrap(), Location::File { path: "/var/lib/ductile/ckpt".into() });
-        for bad in ["http://x/y", "s3://B/x", "s3://ab", "s3://bucket/../x", "file://relative/x", ""] {
+        assert_eq!(
+            Location::parse("s3://bucket/jobs/tiny-gpt/").unwrap(),
+            Location::S3 {
+                bucket: "bucket".into(),
+                prefix: "jobs/tiny-gpt".into()
+            }
+        );
+        assert_eq!(
+            Location::parse("s3://my.bucket").unwrap(),
+            Location::S3 {
+                bucket: "my.bucket".into(),
+                prefix: "".into()
+            }
+        );
+        assert_eq!(
+            Location::parse("file:///var/lib/ductile/ckpt").unwrap(),
+            Location::File {
+                path: "/var/lib/ductile/ckpt".into()
+            }
+        );
+        for bad in [
+            "http://x/y",
+            "s3://B/x",
+            "s3://ab",
+            "s3://bucket/../x",
+            "file://relative/x",
+            "",
+        ] {
             assert!(Location::parse(bad).is_err(), "{bad} accepted");
         }
     }

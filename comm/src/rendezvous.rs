@@ -11,9 +11,17 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     #[error("generation {generation}: rendezvous timed out after {after:?}; ranks {missing:?} never published")]
-    RendezvousTimeout { generation: u64, after: Duration, missing: Vec<u32> },
+    RendezvousTimeout {
+        generation: u64,
+        after: Duration,
+        missing: Vec<u32>,
+    },
     #[error("generation {generation}: rank {rank} is outside world size {world}")]
-    BadRank { generation: u64, rank: u32, world: u32 },
+    BadRank {
+        generation: u64,
+        rank: u32,
+        world: u32,
+    },
     #[error("generation {generation}: rendezvous store error: {source}")]
     Store {
         generation: u64,
@@ -32,21 +40,47 @@ pub struct Rendezvous {
 }
 
 impl Rendezvous {
-    pub fn new(store: Store, job: &str, generation: u64, world: u32, rank: u32) -> Result<Self, CommError> {
+    pub fn new(
+        store: Store,
+        job: &str,
+        generation: u64,
+        world: u32,
+        rank: u32,
+    ) -> Result<Self, CommError> {
         if rank >= world {
-            return Err(CommError::BadRank { generation, rank, world });
+            return Err(CommError::BadRank {
+                generation,
+                rank,
+                world,
+            });
         }
-        Ok(Rendezvous { store, job: job.to_string(), generation, world, rank })
+        Ok(Rendezvous {
+            store,
+            job: job.to_string(),
+            generation,
+            world,
+            rank,
+        })
     }
 
     fn prefix(&self, topic: &str) -> String {
-        format!("{}{topic}/", Keys::rendezvous(&self.store.keys, &self.job, self.generation))
+        format!(
+            "{}{topic}/",
+            Keys::rendezvous(&self.store.keys, &self.job, self.generation)
+        )
     }
 
     /// Publish this rank's value under `topic`.
     pub async fn publish(&self, topic: &str, value: &[u8]) -> Result<(), CommError> {
         let key = format!("{}{}", self.prefix(topic), self.rank);
-        self.store.backend.put(&key, value.to_vec(), None).await.map_err(|source| CommError::Store { generation: self.generation, source })?;
+        self.store
+            .backend
+            .put(&key, value.to_vec(), None)
+            .await
+            .map_err(|source| CommError::Store {
+                generation: self.generation,
+                source,
+            })?;
         Ok(())
     }
 
@@ -65,7 +99,13 @@ impl Rendezvous {
                 have = snap
                     .kvs
                     .iter()
-                    .filter_map(|(k, kv)| k.strip_prefix(&prefix)?.parse::<u32>().ok().filter(|r| *r < self.world).map(|r| (r, kv.value.clone())))
+                    .filter_map(|(k, kv)| {
+                        k.strip_prefix(&prefix)?
+                            .parse::<u32>()
+                            .ok()
+                            .filter(|r| *r < self.world)
+                            .map(|r| (r, kv.value.clone()))
+                    })
                     .collect();
             }
             if have.len() == self.world as usize {
@@ -75,7 +115,11 @@ impl Rendezvous {
                 Ok(Ok(())) => {}
                 _ => {
                     let missing = (0..self.world).filter(|r| !have.contains_key(r)).collect();
-                    return Err(CommError::RendezvousTimeout { generation: self.generation, after: timeout, missing });
+                    return Err(CommError::RendezvousTimeout {
+                        generation: self.generation,
+                        after: timeout,
+                        missing,
+                    });
                 }
             }
         }
@@ -89,28 +133,51 @@ mod tests {
 
     #[tokio::test]
     async fn every_rank_sees_every_value_in_rank_order_and_missing_ranks_are_named() {
-        let store = Store::new(Arc::new(ductile_cluster::memory::MemoryBackend::new()), Keys::default());
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        );
         let mut tasks = Vec::new();
         for rank in 0..4u32 {
             let store = store.clone();
             tasks.push(tokio::spawn(async move {
                 let r = Rendezvous::new(store, "j", 7, 4, rank).unwrap();
-                r.publish("addr", format!("127.0.0.1:{}", 1000 + rank).as_bytes()).await.unwrap();
+                r.publish("addr", format!("127.0.0.1:{}", 1000 + rank).as_bytes())
+                    .await
+                    .unwrap();
                 r.gather("addr", Duration::from_secs(5)).await.unwrap()
             }));
         }
         for t in tasks {
             let v = t.await.unwrap();
-            let got: Vec<String> = v.into_iter().map(|b| String::from_utf8(b).unwrap()).collect();
-            assert_eq!(got, vec!["127.0.0.1:1000", "127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:1003"]);
+            let got: Vec<String> = v
+                .into_iter()
+                .map(|b| String::from_utf8(b).unwrap())
+                .collect();
+            assert_eq!(
+                got,
+                vec![
+                    "127.0.0.1:1000",
+                    "127.0.0.1:1001",
+                    "127.0.0.1:1002",
+                    "127.0.0.1:1003"
+                ]
+            );
         }
         // another generation is a different space; a missing rank is named
         let r = Rendezvous::new(store.clone(), "j", 8, 3, 0).unwrap();
         r.publish("addr", b"x").await.unwrap();
         match r.gather("addr", Duration::from_millis(200)).await {
-            Err(CommError::RendezvousTimeout { generation: 8, missing, .. }) => assert_eq!(missing, vec![1, 2]),
+            Err(CommError::RendezvousTimeout {
+                generation: 8,
+                missing,
+                ..
+            }) => assert_eq!(missing, vec![1, 2]),
             other => panic!("{other:?}"),
         }
-        assert!(matches!(Rendezvous::new(store, "j", 8, 3, 3), Err(CommError::BadRank { .. })));
+        assert!(matches!(
+            Rendezvous::new(store, "j", 8, 3, 3),
+            Err(CommError::BadRank { .. })
+        ));
     }
 }

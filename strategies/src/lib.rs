@@ -64,7 +64,10 @@ mod tests {
                     next += s.len;
                 }
                 assert_eq!(next, batch, "batch {batch} world {world}");
-                let (min, max) = (shares.iter().map(|s| s.len).min().unwrap(), shares.iter().map(|s| s.len).max().unwrap());
+                let (min, max) = (
+                    shares.iter().map(|s| s.len).min().unwrap(),
+                    shares.iter().map(|s| s.len).max().unwrap(),
+                );
                 assert!(max - min <= 1, "balanced");
             }
         }
@@ -72,9 +75,23 @@ mod tests {
 
     #[test]
     fn micro_batches_tile_a_share() {
-        let s = Share { rank: 1, start: 10, len: 7 };
+        let s = Share {
+            rank: 1,
+            start: 10,
+            len: 7,
+        };
         assert_eq!(micro_batches(s, 3), vec![(10, 3), (13, 3), (16, 1)]);
-        assert_eq!(micro_batches(Share { rank: 0, start: 0, len: 0 }, 4), vec![]);
+        assert_eq!(
+            micro_batches(
+                Share {
+                    rank: 0,
+                    start: 0,
+                    len: 0
+                },
+                4
+            ),
+            vec![]
+        );
         assert_eq!(data_parallel_layout(5).data_parallel, 5);
     }
 }

@@ -598,7 +598,9 @@ fn metrics_report_jobs_world_size_and_reformations() {
 async fn rendezvous_over_real_etcd_gathers_every_rank() {
     let dir = TempDir::new("rdv");
     let etcd = Etcd::start(dir.path());
-    let b = ductile_cluster::connect_etcd(&etcd.endpoint, S(10)).await.unwrap();
+    let b = ductile_cluster::connect_etcd(&etcd.endpoint, S(10))
+        .await
+        .unwrap();
     let store = ductile_cluster::Store::new(b, ductile_cluster::Keys::default());
     let mut tasks = Vec::new();
     for rank in 0..3u32 {
