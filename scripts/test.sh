@@ -8,4 +8,9 @@ bash scripts/setup.sh
 # shellcheck disable=SC1091
 source "${DUCTILE_CACHE:-$HOME/.cache/ductile}/env.sh"
 cargo build --workspace --bins --locked
-cargo test --workspace --locked -- --test-threads="${DUCTILE_TEST_THREADS:-3}"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set -o pipefail
+cargo test --workspace --locked -- --test-threads="${DUCTILE_TEST_THREADS:-3}" 2>&1 | tee "$log"
+# one closing line for the whole run (cargo's last line is a crate's doc-tests)
+awk '/^test result:/ {p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}' "$log"

@@ -110,3 +110,16 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     }
     s
 }
+
+/// Read a service's TOML config file (the defaults when `path` is None); the error names the
+/// file and, for an unknown or bad key, the key.
+pub fn read_toml_config<T: serde::de::DeserializeOwned + Default>(
+    path: Option<&std::path::Path>,
+) -> Result<T, String> {
+    let Some(p) = path else {
+        return Ok(T::default());
+    };
+    let text = std::fs::read_to_string(p)
+        .map_err(|e| format!("cannot read config {}: {e}", p.display()))?;
+    toml::from_str(&text).map_err(|e| format!("config {}: {}", p.display(), e.message()))
+}

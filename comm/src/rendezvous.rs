@@ -92,12 +92,10 @@ impl Rendezvous {
         let _stop = cancel.clone().drop_guard();
         let mut rx = watch_prefix(self.store.backend.clone(), prefix.clone(), cancel);
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut have: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
         loop {
-            {
+            let have: BTreeMap<u32, Vec<u8>> = {
                 let snap = rx.borrow_and_update();
-                have = snap
-                    .kvs
+                snap.kvs
                     .iter()
                     .filter_map(|(k, kv)| {
                         k.strip_prefix(&prefix)?
@@ -106,8 +104,8 @@ impl Rendezvous {
                             .filter(|r| *r < self.world)
                             .map(|r| (r, kv.value.clone()))
                     })
-                    .collect();
-            }
+                    .collect()
+            };
             if have.len() == self.world as usize {
                 return Ok(have.into_values().collect());
             }

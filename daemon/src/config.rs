@@ -100,15 +100,8 @@ pub struct Config {
 
 impl Config {
     pub fn load(cli: Cli) -> anyhow::Result<Config> {
-        let file: FileConfig = match &cli.config {
-            Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", p.display()))?;
-                toml::from_str(&text)
-                    .map_err(|e| anyhow::anyhow!("config {}: {}", p.display(), e.message()))?
-            }
-            None => FileConfig::default(),
-        };
+        let file: FileConfig = ductile_cluster::service::read_toml_config(cli.config.as_deref())
+            .map_err(|e| anyhow::anyhow!(e))?;
         let token = match cli.token_file.or(file.token_file) {
             Some(p) => {
                 let t = std::fs::read_to_string(&p)

@@ -378,6 +378,21 @@ fn a_spot_notice_drains_the_node_without_a_failure() {
     assert_eq!(history(&c, "j8").last().unwrap().reason, Reason::Drain);
     c.dctl_ok(&["drain", "node2", "--undo"]);
     c.wait_world("j8", 4, S(10));
+    // SIGTERM (systemd stop) drains too: the job re-forms without the node, then the agent exits 0
+    let before = history(&c, "j8").len();
+    c.agents["node2"].terminate();
+    let status = c
+        .agents
+        .get_mut("node2")
+        .unwrap()
+        .wait_exit(S(20))
+        .expect("the agent drains and exits on SIGTERM");
+    assert!(status.success(), "{status:?}");
+    let h = history(&c, "j8");
+    assert_eq!(h.len(), before + 1, "{h:?}");
+    assert_eq!(h.last().unwrap().reason, Reason::Drain);
+    assert!(h.last().unwrap().detail.contains("node2"));
+    c.wait_world("j8", 2, S(10));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
