@@ -12,5 +12,7 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set -o pipefail
 cargo test --workspace --locked -- --test-threads="${DUCTILE_TEST_THREADS:-3}" 2>&1 | tee "$log"
+# the GPU path (NCCL through cudarc, loaded at run time) must build here and fail clearly without a GPU
+cargo test -p ductile-comm --features cuda --locked --lib 2>&1 | tee -a "$log"
 # one closing line for the whole run (cargo's last line is a crate's doc-tests)
 awk '/^test result:/ {p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}' "$log"

@@ -1,10 +1,166 @@
 //! Communicators between the workers of one generation. Invariant: only this crate moves bytes
 //! between workers (sockets, NCCL).
 //!
-//! Forming a communicator starts with the per-generation rendezvous in [`rendezvous`]: each
-//! rank publishes what its peers need (a listen address, an NCCL unique id) under the
-//! generation's prefix in etcd, and waits, bounded, for the rest.
+//! Every communicator belongs to one generation. Forming one starts with the per-generation
+//! rendezvous ([`rendezvous`]): each rank publishes what its peers need under the generation's
+//! prefix in etcd and waits, bounded, for the rest. `abort()` from any thread makes every pending
+//! and future call fail with [`CommError::Aborted`]; each call also has a timeout. Frames of
+//! another generation are refused.
+//!
+//! Backends: [`tcp::TcpComm`] for CPU tensors; NCCL for CUDA tensors behind the `cuda` feature
+//! ([`nccl`]).
 
+pub mod buffer;
+pub mod error;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod rendezvous;
+pub mod selftest;
+pub mod tcp;
 
-pub use rendezvous::{CommError, Rendezvous};
+pub use error::{CommError, Result};
+pub use rendezvous::Rendezvous;
+pub use tcp::{AbortHandle, TcpComm, TcpConfig};
+
+use buffer::{bytes_mut, check_cpu};
+use tch::Tensor;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum, then divide by the world size.
+    Avg,
+}
+
+/// Collectives over tch tensors (contiguous; CPU for TCP, CUDA for NCCL) and byte buffers.
+pub trait Communicator: Send + Sync {
+    fn rank(&self) -> u32;
+    fn world(&self) -> u32;
+    fn generation(&self) -> u64;
+    fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()>;
+    fn broadcast(&self, t: &mut Tensor, root: u32) -> Result<()>;
+    /// Every rank's `t` stacked along a new first dimension, in rank order.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor>;
+    /// `t` holds world equal slices along dim 0; returns the sum of slice `rank` over all ranks.
+    fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor>;
+    fn send(&self, t: &Tensor, peer: u32) -> Result<()>;
+    fn recv(&self, t: &mut Tensor, peer: u32) -> Result<()>;
+    fn barrier(&self) -> Result<()>;
+    /// Deterministic all-reduce over logical shards (see [`TcpComm::ordered_all_reduce_bytes`]).
+    fn ordered_all_reduce(&self, shards: &[(u64, Tensor)], total: u64) -> Result<Tensor>;
+    /// A byte buffer of any length from `root` to every rank.
+    fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()>;
+    fn abort(&self);
+}
+
+impl Communicator for TcpComm {
+    fn rank(&self) -> u32 {
+        TcpComm::rank(self)
+    }
+    fn world(&self) -> u32 {
+        TcpComm::world(self)
+    }
+    fn generation(&self) -> u64 {
+        TcpComm::generation(self)
+    }
+
+    fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let dtype = check_cpu(t, "all_reduce")?;
+        self.all_reduce_bytes(unsafe { bytes_mut(t) }, dtype)?;
+        if op == ReduceOp::Avg {
+            let _ = t
+                .f_div_scalar_(self.world() as f64)
+                .map_err(|e| CommError::Invalid {
+                    op: "all_reduce",
+                    reason: e.to_string(),
+                })?;
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, t: &mut Tensor, root: u32) -> Result<()> {
+        check_cpu(t, "broadcast")?;
+        self.broadcast_bytes(unsafe { bytes_mut(t) }, root)
+    }
+
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        check_cpu(t, "all_gather")?;
+        let mut shape = vec![self.world() as i64];
+        shape.extend(t.size());
+        let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
+        self.all_gather_bytes(unsafe { bytes_mut(t) }, unsafe { bytes_mut(&out) })?;
+        Ok(out)
+    }
+
+    fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
+        check_cpu(t, "reduce_scatter")?;
+        let dtype = check_cpu(t, "reduce_scatter")?;
+        let size = t.size();
+        let w = self.world() as i64;
+        if size.is_empty() || size[0] % w != 0 {
+            return Err(CommError::Invalid {
+                op: "reduce_scatter",
+                reason: format!("first dimension of {size:?} must split into {w} slices"),
+            });
+        }
+        let mut out_shape = size.clone();
+        out_shape[0] /= w;
+        let work = t.copy();
+        let out = Tensor::empty(out_shape.as_slice(), (t.kind(), t.device()));
+        self.reduce_scatter_bytes(
+            unsafe { bytes_mut(&work) },
+            unsafe { bytes_mut(&out) },
+            dtype,
+        )?;
+        Ok(out)
+    }
+
+    fn send(&self, t: &Tensor, peer: u32) -> Result<()> {
+        check_cpu(t, "send")?;
+        self.send_bytes(unsafe { bytes_mut(t) }, peer)
+    }
+
+    fn recv(&self, t: &mut Tensor, peer: u32) -> Result<()> {
+        check_cpu(t, "recv")?;
+        self.recv_bytes(unsafe { bytes_mut(t) }, peer)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        TcpComm::barrier(self)
+    }
+
+    fn ordered_all_reduce(&self, shards: &[(u64, Tensor)], total: u64) -> Result<Tensor> {
+        let op = "ordered_all_reduce";
+        let Some((_, first)) = shards.first() else {
+            return Err(CommError::Invalid {
+                op,
+                reason: "every rank needs at least one shard".into(),
+            });
+        };
+        let dtype = check_cpu(first, op)?;
+        for (_, s) in shards {
+            check_cpu(s, op)?;
+            if s.size() != first.size() || s.kind() != first.kind() {
+                return Err(CommError::Invalid {
+                    op,
+                    reason: "shards differ in shape or dtype".into(),
+                });
+            }
+        }
+        let out = Tensor::empty(first.size().as_slice(), (first.kind(), first.device()));
+        let views: Vec<(u64, &[u8])> = shards
+            .iter()
+            .map(|(i, t)| (*i, &*unsafe { bytes_mut(t) }))
+            .collect();
+        self.ordered_all_reduce_bytes(&views, total, unsafe { bytes_mut(&out) }, dtype)?;
+        Ok(out)
+    }
+
+    fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()> {
+        TcpComm::broadcast_vec(self, buf, root)
+    }
+
+    fn abort(&self) {
+        TcpComm::abort(self)
+    }
+}

@@ -5,30 +5,10 @@ use std::time::Duration;
 
 use ductile_cluster::keys::Keys;
 use ductile_cluster::watch::watch_prefix;
-use ductile_cluster::{ClusterError, Store};
+use ductile_cluster::Store;
 use tokio_util::sync::CancellationToken;
 
-#[derive(Debug, thiserror::Error)]
-pub enum CommError {
-    #[error("generation {generation}: rendezvous timed out after {after:?}; ranks {missing:?} never published")]
-    RendezvousTimeout {
-        generation: u64,
-        after: Duration,
-        missing: Vec<u32>,
-    },
-    #[error("generation {generation}: rank {rank} is outside world size {world}")]
-    BadRank {
-        generation: u64,
-        rank: u32,
-        world: u32,
-    },
-    #[error("generation {generation}: rendezvous store error: {source}")]
-    Store {
-        generation: u64,
-        #[source]
-        source: ClusterError,
-    },
-}
+pub use crate::error::CommError;
 
 /// One rank's view of its generation's rendezvous.
 pub struct Rendezvous {

@@ -1,0 +1,72 @@
+//! Errors of communicators: each says which op, which generation and, where known, which peer.
+
+use std::time::Duration;
+
+use ductile_cluster::ClusterError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error("generation {generation}: {op} aborted (a new generation is forming)")]
+    Aborted { generation: u64, op: &'static str },
+    #[error("generation {generation}: {op} timed out after {after:?} waiting for rank {peer}")]
+    Timeout {
+        generation: u64,
+        op: &'static str,
+        peer: u32,
+        after: Duration,
+    },
+    #[error("generation {generation}: rank {peer} went away during {op}: {source}")]
+    PeerLost {
+        generation: u64,
+        op: &'static str,
+        peer: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("generation {generation}: rank {peer} sent a frame of generation {got} during {op}; refused")]
+    WrongGeneration {
+        generation: u64,
+        op: &'static str,
+        peer: u32,
+        got: u64,
+    },
+    #[error("generation {generation}: rank {peer} sent a malformed frame during {op}: {reason}")]
+    Protocol {
+        generation: u64,
+        op: &'static str,
+        peer: u32,
+        reason: String,
+    },
+    #[error("generation {generation}: rendezvous timed out after {after:?}; ranks {missing:?} never published")]
+    RendezvousTimeout {
+        generation: u64,
+        after: Duration,
+        missing: Vec<u32>,
+    },
+    #[error("generation {generation}: rank {rank} is outside world size {world}")]
+    BadRank {
+        generation: u64,
+        rank: u32,
+        world: u32,
+    },
+    #[error("generation {generation}: rendezvous store error: {source}")]
+    Store {
+        generation: u64,
+        #[source]
+        source: ClusterError,
+    },
+    #[error("generation {generation}: cannot connect to rank {peer} at {addr}: {source}")]
+    Connect {
+        generation: u64,
+        peer: u32,
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{op}: {reason}")]
+    Invalid { op: &'static str, reason: String },
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+pub type Result<T, E = CommError> = std::result::Result<T, E>;

@@ -1,0 +1,608 @@
+//! The NCCL backend for CUDA tensors (feature `cuda`), through cudarc with dynamic loading: it
+//! compiles and links without CUDA, and every entry point first checks that the CUDA driver and
+//! libnccl are present, turning their absence into [`CommError::Unavailable`] (cudarc panics when
+//! it calls into a library that is not there).
+//!
+//! Communicators are created non-blocking (`blocking = 0`), so initialisation and collectives are
+//! polled and `abort()` from another thread ends them with `ncclCommAbort` instead of a hang.
+//! Where the NCCL found at run time has `ncclCommShrink` (2.27+), [`NcclComm::shrink`] is the fast
+//! path for a failure-only shrink.
+//!
+//! The `nvidia-nccl-cu13` wheel ships only `libnccl.so.2`, a name cudarc does not try: the
+//! launcher must make `libnccl.so` resolvable (a symlink in a directory on the library path).
+
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys as cu;
+use cudarc::nccl::sys as nc;
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{CommError, Result};
+use crate::rendezvous::Rendezvous;
+use crate::{Communicator, ReduceOp};
+
+/// Whether NCCL can be used here; the error names what is missing.
+pub fn available() -> Result<()> {
+    unsafe {
+        if !cu::is_culib_present() {
+            return Err(CommError::Unavailable("NCCL backend: the CUDA driver (libcuda.so) is not present: this machine has no usable GPU; use the TCP backend".into()));
+        }
+        if !nc::is_culib_present() {
+            return Err(CommError::Unavailable(
+                "NCCL backend: libnccl.so was not found on the library path (the nvidia-nccl-cu13 wheel ships libnccl.so.2 only: link libnccl.so to it in a directory on LD_LIBRARY_PATH)".into(),
+            ));
+        }
+        if cu::cuInit(0) != cu::CUresult::CUDA_SUCCESS {
+            return Err(CommError::Unavailable(
+                "NCCL backend: cuInit failed: no usable GPU".into(),
+            ));
+        }
+        let mut n = 0;
+        if cu::cuDeviceGetCount(&mut n) != cu::CUresult::CUDA_SUCCESS || n == 0 {
+            return Err(CommError::Unavailable(
+                "NCCL backend: no CUDA device".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn nccl_err(generation: u64, op: &'static str, r: nc::ncclResult_t) -> CommError {
+    let msg = unsafe { CStr::from_ptr(nc::ncclGetErrorString(r)) }
+        .to_string_lossy()
+        .into_owned();
+    CommError::Unavailable(format!(
+        "generation {generation}: NCCL {op} failed: {msg} ({r:?})"
+    ))
+}
+
+fn config() -> nc::ncclConfig_t {
+    const UNDEF: i32 = i32::MIN;
+    nc::ncclConfig_t {
+        size: std::mem::size_of::<nc::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 22800,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+    }
+}
+
+struct State {
+    comm: nc::ncclComm_t,
+    in_op: bool,
+}
+
+unsafe impl Send for State {}
+
+/// A communicator of one generation over NCCL.
+pub struct NcclComm {
+    generation: u64,
+    rank: u32,
+    world: u32,
+    device: i32,
+    state: Mutex<State>,
+    aborted: Arc<AtomicBool>,
+    op_timeout: Duration,
+}
+
+unsafe impl Sync for NcclComm {}
+unsafe impl Send for NcclComm {}
+
+fn set_device(device: i32) -> Result<()> {
+    unsafe {
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        if cu::cuDeviceGet(&mut dev, device) != cu::CUresult::CUDA_SUCCESS
+            || cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) != cu::CUresult::CUDA_SUCCESS
+            || cu::cuCtxSetCurrent(ctx) != cu::CUresult::CUDA_SUCCESS
+        {
+            return Err(CommError::Unavailable(format!(
+                "cannot make CUDA device {device} current"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl NcclComm {
+    /// Form the communicator of `rdv`'s generation on CUDA device `device`: rank 0 makes the
+    /// unique id and publishes it through etcd; every rank initialises (non-blocking, bounded).
+    pub async fn form(rdv: &Rendezvous, device: i32, timeout: Duration) -> Result<NcclComm> {
+        available()?;
+        let generation = rdv.generation;
+        let id = if rdv.rank == 0 {
+            cudarc::nccl::result::get_uniqueid().map_err(|e| {
+                CommError::Unavailable(format!("generation {generation}: ncclGetUniqueId: {e:?}"))
+            })?
+        } else {
+            nc::ncclUniqueId { internal: [0; 128] }
+        };
+        let bytes: Vec<u8> = id.internal.iter().map(|c| *c as u8).collect();
+        rdv.publish("nccl", if rdv.rank == 0 { &bytes } else { b"-" })
+            .await?;
+        let all = rdv.gather("nccl", timeout).await?;
+        let mut id = nc::ncclUniqueId { internal: [0; 128] };
+        if all[0].len() != 128 {
+            return Err(CommError::Protocol {
+                generation,
+                op: "nccl init",
+                peer: 0,
+                reason: "unique id is not 128 bytes".into(),
+            });
+        }
+        for (d, s) in id.internal.iter_mut().zip(&all[0]) {
+            *d = *s as _;
+        }
+        let (rank, world) = (rdv.rank, rdv.world);
+        tokio::task::spawn_blocking(move || {
+            Self::init(id, generation, rank, world, device, timeout)
+        })
+        .await
+        .map_err(|e| CommError::Unavailable(format!("nccl init task failed: {e}")))?
+    }
+
+    fn init(
+        mut id: nc::ncclUniqueId,
+        generation: u64,
+        rank: u32,
+        world: u32,
+        device: i32,
+        timeout: Duration,
+    ) -> Result<NcclComm> {
+        set_device(device)?;
+        let mut comm: nc::ncclComm_t = std::ptr::null_mut();
+        let mut cfg = config();
+        let r = unsafe {
+            nc::ncclCommInitRankConfig(&mut comm, world as i32, id, rank as i32, &mut cfg)
+        };
+        let _ = &mut id;
+        if r != nc::ncclResult_t::ncclSuccess && r != nc::ncclResult_t::ncclInProgress {
+            return Err(nccl_err(generation, "init", r));
+        }
+        let c = NcclComm {
+            generation,
+            rank,
+            world,
+            device,
+            state: Mutex::new(State { comm, in_op: false }),
+            aborted: Arc::new(AtomicBool::new(false)),
+            op_timeout: timeout,
+        };
+        c.wait_ready("init", timeout)?;
+        Ok(c)
+    }
+
+    /// Poll the communicator until its pending work is done, aborting on request or timeout.
+    fn wait_ready(&self, op: &'static str, timeout: Duration) -> Result<()> {
+        let t0 = Instant::now();
+        loop {
+            let comm = self.state.lock().unwrap().comm;
+            if comm.is_null() || self.aborted.load(Ordering::SeqCst) {
+                return Err(CommError::Aborted {
+                    generation: self.generation,
+                    op,
+                });
+            }
+            let mut st = nc::ncclResult_t::ncclSuccess;
+            let r = unsafe { nc::ncclCommGetAsyncError(comm, &mut st) };
+            if r != nc::ncclResult_t::ncclSuccess {
+                return Err(nccl_err(self.generation, op, r));
+            }
+            match st {
+                nc::ncclResult_t::ncclSuccess => return Ok(()),
+                nc::ncclResult_t::ncclInProgress => {}
+                other => return Err(nccl_err(self.generation, op, other)),
+            }
+            if t0.elapsed() > timeout {
+                return Err(CommError::Timeout {
+                    generation: self.generation,
+                    op,
+                    peer: u32::MAX,
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Run one NCCL call on the default stream and wait for it (polling the stream, so an abort
+    /// from another thread ends the wait at once).
+    fn call(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(nc::ncclComm_t) -> nc::ncclResult_t,
+    ) -> Result<()> {
+        let comm = {
+            let mut st = self.state.lock().unwrap();
+            if st.comm.is_null() || self.aborted.load(Ordering::SeqCst) {
+                return Err(CommError::Aborted {
+                    generation: self.generation,
+                    op,
+                });
+            }
+            st.in_op = true;
+            st.comm
+        };
+        let out = (|| {
+            let r = f(comm);
+            if r != nc::ncclResult_t::ncclSuccess && r != nc::ncclResult_t::ncclInProgress {
+                return Err(nccl_err(self.generation, op, r));
+            }
+            self.wait_ready(op, self.op_timeout)?;
+            let t0 = Instant::now();
+            loop {
+                if self.aborted.load(Ordering::SeqCst) {
+                    return Err(CommError::Aborted {
+                        generation: self.generation,
+                        op,
+                    });
+                }
+                match unsafe { cu::cuStreamQuery(std::ptr::null_mut()) } {
+                    cu::CUresult::CUDA_SUCCESS => return Ok(()),
+                    cu::CUresult::CUDA_ERROR_NOT_READY => {}
+                    e => {
+                        return Err(CommError::Unavailable(format!(
+                            "generation {}: CUDA error during {op}: {e:?}",
+                            self.generation
+                        )))
+                    }
+                }
+                if t0.elapsed() > self.op_timeout {
+                    return Err(CommError::Timeout {
+                        generation: self.generation,
+                        op,
+                        peer: u32::MAX,
+                        after: self.op_timeout,
+                    });
+                }
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        })();
+        let mut st = self.state.lock().unwrap();
+        st.in_op = false;
+        if out.is_err() || self.aborted.load(Ordering::SeqCst) {
+            if !st.comm.is_null() {
+                unsafe { nc::ncclCommAbort(st.comm) };
+                st.comm = std::ptr::null_mut();
+            }
+            self.aborted.store(true, Ordering::SeqCst);
+        }
+        out
+    }
+
+    /// A new communicator without `exclude` (ranks that failed), for a failure-only shrink,
+    /// through `ncclCommShrink` when the NCCL here has it.
+    pub fn shrink(&self, exclude: &[u32], generation: u64) -> Result<NcclComm> {
+        let st = self.state.lock().unwrap();
+        if st.comm.is_null() {
+            return Err(CommError::Aborted {
+                generation: self.generation,
+                op: "shrink",
+            });
+        }
+        let version = cudarc::nccl::result::get_nccl_version().unwrap_or(0);
+        if version < 22700 {
+            return Err(CommError::Unavailable(format!(
+                "ncclCommShrink needs NCCL 2.27+, found {version}"
+            )));
+        }
+        let mut ex: Vec<i32> = exclude.iter().map(|r| *r as i32).collect();
+        let mut new: nc::ncclComm_t = std::ptr::null_mut();
+        let mut cfg = config();
+        // NCCL_SHRINK_ABORT (1): the excluded ranks failed; abort their pending work
+        let r = unsafe {
+            nc::ncclCommShrink(
+                st.comm,
+                ex.as_mut_ptr(),
+                ex.len() as i32,
+                &mut new,
+                &mut cfg,
+                1,
+            )
+        };
+        if r != nc::ncclResult_t::ncclSuccess && r != nc::ncclResult_t::ncclInProgress {
+            return Err(nccl_err(generation, "shrink", r));
+        }
+        let rank = self.rank - exclude.iter().filter(|e| **e < self.rank).count() as u32;
+        let c = NcclComm {
+            generation,
+            rank,
+            world: self.world - exclude.len() as u32,
+            device: self.device,
+            state: Mutex::new(State {
+                comm: new,
+                in_op: false,
+            }),
+            aborted: Arc::new(AtomicBool::new(false)),
+            op_timeout: self.op_timeout,
+        };
+        drop(st);
+        c.wait_ready("shrink", self.op_timeout)?;
+        Ok(c)
+    }
+
+    fn dtype(t: &Tensor, op: &'static str) -> Result<nc::ncclDataType_t> {
+        if !matches!(t.device(), Device::Cuda(_)) {
+            return Err(CommError::Invalid {
+                op,
+                reason: format!("the NCCL backend needs CUDA tensors, got {:?}", t.device()),
+            });
+        }
+        if !t.is_contiguous() {
+            return Err(CommError::Invalid {
+                op,
+                reason: "tensor must be contiguous".into(),
+            });
+        }
+        Ok(match t.kind() {
+            Kind::Float => nc::ncclDataType_t::ncclFloat32,
+            Kind::Double => nc::ncclDataType_t::ncclFloat64,
+            Kind::Half => nc::ncclDataType_t::ncclFloat16,
+            Kind::BFloat16 => nc::ncclDataType_t::ncclBfloat16,
+            other => {
+                return Err(CommError::Invalid {
+                    op,
+                    reason: format!("unsupported dtype {other:?}"),
+                })
+            }
+        })
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap();
+        if !st.comm.is_null() {
+            unsafe { nc::ncclCommDestroy(st.comm) };
+        }
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+    fn world(&self) -> u32 {
+        self.world
+    }
+    fn generation(&self) -> u64 {
+        self.generation
+    }
+    fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let dt = Self::dtype(t, "all_reduce")?;
+        let (p, n) = (t.data_ptr(), t.numel());
+        self.call("all_reduce", |c| unsafe {
+            nc::ncclAllReduce(
+                p,
+                p,
+                n,
+                dt,
+                nc::ncclRedOp_t::ncclSum,
+                c,
+                std::ptr::null_mut(),
+            )
+        })?;
+        if op == ReduceOp::Avg {
+            let _ = t
+                .f_div_scalar_(self.world as f64)
+                .map_err(|e| CommError::Invalid {
+                    op: "all_reduce",
+                    reason: e.to_string(),
+                })?;
+        }
+        Ok(())
+    }
+    fn broadcast(&self, t: &mut Tensor, root: u32) -> Result<()> {
+        let dt = Self::dtype(t, "broadcast")?;
+        let (p, n) = (t.data_ptr(), t.numel());
+        self.call("broadcast", |c| unsafe {
+            nc::ncclBroadcast(p, p, n, dt, root as i32, c, std::ptr::null_mut())
+        })
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        let dt = Self::dtype(t, "all_gather")?;
+        let mut shape = vec![self.world as i64];
+        shape.extend(t.size());
+        let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
+        let (src, dst, n) = (t.data_ptr(), out.data_ptr(), t.numel());
+        self.call("all_gather", |c| unsafe {
+            nc::ncclAllGather(src, dst, n, dt, c, std::ptr::null_mut())
+        })?;
+        Ok(out)
+    }
+    fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
+        let dt = Self::dtype(t, "reduce_scatter")?;
+        let mut shape = t.size();
+        if shape.is_empty() || shape[0] % self.world as i64 != 0 {
+            return Err(CommError::Invalid {
+                op: "reduce_scatter",
+                reason: format!(
+                    "first dimension of {shape:?} must split into {} slices",
+                    self.world
+                ),
+            });
+        }
+        shape[0] /= self.world as i64;
+        let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
+        let (src, dst, n) = (t.data_ptr(), out.data_ptr(), out.numel());
+        self.call("reduce_scatter", |c| unsafe {
+            nc::ncclReduceScatter(
+                src,
+                dst,
+                n,
+                dt,
+                nc::ncclRedOp_t::ncclSum,
+                c,
+                std::ptr::null_mut(),
+            )
+        })?;
+        Ok(out)
+    }
+    fn send(&self, t: &Tensor, peer: u32) -> Result<()> {
+        let dt = Self::dtype(t, "send")?;
+        let (p, n) = (t.data_ptr(), t.numel());
+        self.call("send", |c| unsafe {
+            nc::ncclSend(p, n, dt, peer as i32, c, std::ptr::null_mut())
+        })
+    }
+    fn recv(&self, t: &mut Tensor, peer: u32) -> Result<()> {
+        let dt = Self::dtype(t, "recv")?;
+        let (p, n) = (t.data_ptr(), t.numel());
+        self.call("recv", |c| unsafe {
+            nc::ncclRecv(p, n, dt, peer as i32, c, std::ptr::null_mut())
+        })
+    }
+    fn barrier(&self) -> Result<()> {
+        let mut t = Tensor::zeros([1], (Kind::Float, Device::Cuda(self.device as usize)));
+        self.all_reduce(&mut t, ReduceOp::Sum)
+    }
+    fn ordered_all_reduce(&self, shards: &[(u64, Tensor)], total: u64) -> Result<Tensor> {
+        // Fixed order on GPUs: gather every rank's shards to every rank, then fold in index
+        // order locally (the same fold, so the same bits, at every world size).
+        let op = "ordered_all_reduce";
+        let Some((_, first)) = shards.first() else {
+            return Err(CommError::Invalid {
+                op,
+                reason: "every rank needs at least one shard".into(),
+            });
+        };
+        let local = Tensor::stack(
+            &shards
+                .iter()
+                .map(|(_, t)| t.shallow_clone())
+                .collect::<Vec<_>>(),
+            0,
+        );
+        let counts = Tensor::from_slice(&[shards.len() as i64]).to_device(first.device());
+        let all_counts = self.all_gather(&counts)?.to_device(Device::Cpu);
+        let counts: Vec<i64> =
+            Vec::<i64>::try_from(all_counts.flatten(0, -1)).map_err(|e| CommError::Invalid {
+                op,
+                reason: e.to_string(),
+            })?;
+        if counts.iter().sum::<i64>() as u64 != total {
+            return Err(CommError::Invalid {
+                op,
+                reason: format!(
+                    "the ranks hold {} shards, expected {total}",
+                    counts.iter().sum::<i64>()
+                ),
+            });
+        }
+        let max = *counts.iter().max().unwrap();
+        let padded = if (shards.len() as i64) < max {
+            Tensor::cat(
+                &[
+                    local.shallow_clone(),
+                    local.narrow(0, 0, 1).repeat([max - shards.len() as i64]),
+                ],
+                0,
+            )
+        } else {
+            local
+        };
+        let gathered = self.all_gather(&padded.contiguous())?;
+        let mut acc: Option<Tensor> = None;
+        for (r, n) in counts.iter().enumerate() {
+            for k in 0..*n {
+                let s = gathered.get(r as i64).get(k);
+                acc = Some(match acc {
+                    None => s.copy(),
+                    Some(a) => a + s,
+                });
+            }
+        }
+        acc.ok_or_else(|| CommError::Invalid {
+            op,
+            reason: "no shards".into(),
+        })
+    }
+    fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()> {
+        let dev = Device::Cuda(self.device as usize);
+        let mut len = Tensor::from_slice(&[buf.len() as i64]).to_device(dev);
+        self.broadcast(&mut len, root)?;
+        let n = i64::try_from(len.to_device(Device::Cpu)).map_err(|e| CommError::Invalid {
+            op: "broadcast_vec",
+            reason: e.to_string(),
+        })?;
+        let mut t = if self.rank == root {
+            Tensor::from_slice(buf.as_slice()).to_device(dev)
+        } else {
+            Tensor::zeros([n], (Kind::Uint8, dev))
+        };
+        // bytes travel as u8 through NCCL's int8 path
+        let (p, cnt) = (t.data_ptr(), t.numel());
+        self.call("broadcast_vec", |c| unsafe {
+            nc::ncclBroadcast(
+                p,
+                p,
+                cnt,
+                nc::ncclDataType_t::ncclUint8,
+                root as i32,
+                c,
+                std::ptr::null_mut(),
+            )
+        })?;
+        t = t.to_device(Device::Cpu);
+        buf.resize(n as usize, 0);
+        t.copy_data_u8(buf, n as usize);
+        Ok(())
+    }
+    fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        let mut st = self.state.lock().unwrap();
+        if !st.in_op && !st.comm.is_null() {
+            unsafe { nc::ncclCommAbort(st.comm) };
+            st.comm = std::ptr::null_mut();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_cluster::{Keys, Store};
+
+    /// On a machine without a GPU (CI's), NCCL is refused with an error that names what is
+    /// missing, instead of cudarc's panic; the TCP backend is unaffected.
+    #[tokio::test]
+    async fn without_a_gpu_forming_fails_with_a_clear_error() {
+        if available().is_ok() {
+            eprintln!("a GPU and NCCL are present: nothing to check here");
+            return;
+        }
+        let msg = available().unwrap_err().to_string();
+        assert!(
+            msg.contains("libcuda.so")
+                || msg.contains("libnccl.so")
+                || msg.contains("GPU")
+                || msg.contains("CUDA device"),
+            "{msg}"
+        );
+        let store = Store::new(
+            std::sync::Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        );
+        let rdv = Rendezvous::new(store, "j", 1, 1, 0).unwrap();
+        match NcclComm::form(&rdv, 0, Duration::from_secs(1)).await {
+            Err(CommError::Unavailable(m)) => assert_eq!(m, msg),
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("formed an NCCL communicator without a GPU"),
+        }
+    }
+}

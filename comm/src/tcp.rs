@@ -1,0 +1,1079 @@
+//! The TCP backend for CPU workers: a full mesh of sockets per generation, generation-stamped
+//! frames, a chunked and pipelined ring all-reduce (a sender thread writes to the next rank while
+//! the caller's thread reads from the previous one and reduces), a latency path for small
+//! buffers, and the ordered chain of the deterministic mode. `abort()` from any thread shuts every
+//! socket down, which unblocks any pending read or write at once.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::buffer::{add_into, DType, Scratch};
+use crate::error::{CommError, Result};
+use crate::rendezvous::Rendezvous;
+
+const MAGIC: u32 = 0x4443_544C; // "DCTL"
+const HEADER: usize = 32;
+
+/// Tunables of the TCP backend.
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Longest wait of one call for a peer.
+    pub op_timeout: Duration,
+    /// Longest wait for every rank at the rendezvous and for the mesh to connect.
+    pub form_timeout: Duration,
+    /// Pipelining unit of the ring.
+    pub chunk_bytes: usize,
+    /// All-reduces up to this size take the latency path (everyone to everyone).
+    pub small_bytes: usize,
+    /// Address peers use to reach this rank.
+    pub advertise_host: String,
+    /// Address to listen on.
+    pub bind_host: String,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            op_timeout: Duration::from_secs(300),
+            form_timeout: Duration::from_secs(60),
+            chunk_bytes: 1 << 20,
+            small_bytes: 64 << 10,
+            advertise_host: "127.0.0.1".into(),
+            bind_host: "0.0.0.0".into(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+enum Kind {
+    Hello = 1,
+    AllReduce = 2,
+    Broadcast = 3,
+    AllGather = 4,
+    ReduceScatter = 5,
+    P2P = 6,
+    Barrier = 7,
+    Ordered = 8,
+}
+
+struct Peer {
+    read: Mutex<TcpStream>,
+    write: Mutex<TcpStream>,
+}
+
+/// Aborts a communicator from any thread.
+#[derive(Clone)]
+pub struct AbortHandle {
+    aborted: Arc<AtomicBool>,
+    streams: Arc<Vec<TcpStream>>,
+}
+
+impl AbortHandle {
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        for s in self.streams.iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+}
+
+/// A communicator of one generation over TCP.
+pub struct TcpComm {
+    generation: u64,
+    rank: u32,
+    world: u32,
+    peers: Vec<Option<Peer>>,
+    abort: AbortHandle,
+    seq: AtomicU64,
+    op_lock: Mutex<Scratch>,
+    cfg: TcpConfig,
+}
+
+struct SendPtr(*const u8, usize);
+unsafe impl Send for SendPtr {}
+
+fn header(kind: Kind, generation: u64, seq: u64, len: u64) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4..8].copy_from_slice(&(kind as u32).to_le_bytes());
+    h[8..16].copy_from_slice(&generation.to_le_bytes());
+    h[16..24].copy_from_slice(&seq.to_le_bytes());
+    h[24..32].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+impl TcpComm {
+    /// Form the communicator of `rdv`'s generation: listen, publish the address, gather every
+    /// rank's, and connect the mesh (lower ranks are dialled, higher ranks accepted).
+    pub async fn form(rdv: &Rendezvous, cfg: TcpConfig) -> Result<TcpComm> {
+        let generation = rdv.generation;
+        let listener = TcpListener::bind((cfg.bind_host.as_str(), 0)).map_err(|e| {
+            CommError::Unavailable(format!(
+                "generation {generation}: cannot listen on {}: {e}",
+                cfg.bind_host
+            ))
+        })?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| CommError::Unavailable(e.to_string()))?
+            .port();
+        rdv.publish("tcp", format!("{}:{port}", cfg.advertise_host).as_bytes())
+            .await?;
+        let addrs: Vec<String> = rdv
+            .gather("tcp", cfg.form_timeout)
+            .await?
+            .into_iter()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .collect();
+        let (rank, world) = (rdv.rank, rdv.world);
+        tokio::task::spawn_blocking(move || {
+            Self::connect(listener, addrs, generation, rank, world, cfg)
+        })
+        .await
+        .map_err(|e| CommError::Unavailable(format!("mesh task failed: {e}")))?
+    }
+
+    fn connect(
+        listener: TcpListener,
+        addrs: Vec<String>,
+        generation: u64,
+        rank: u32,
+        world: u32,
+        cfg: TcpConfig,
+    ) -> Result<TcpComm> {
+        let deadline = Instant::now() + cfg.form_timeout;
+        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        for peer in 0..rank {
+            let addr = &addrs[peer as usize];
+            let s = loop {
+                match TcpStream::connect(addr) {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(CommError::Connect {
+                            generation,
+                            peer,
+                            addr: addr.clone(),
+                            source: e,
+                        })
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            };
+            let mut s = s;
+            let mut hello = header(Kind::Hello, generation, rank as u64, world as u64).to_vec();
+            hello.truncate(HEADER);
+            s.write_all(&hello).map_err(|e| CommError::Connect {
+                generation,
+                peer,
+                addr: addr.clone(),
+                source: e,
+            })?;
+            streams[peer as usize] = Some(s);
+        }
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CommError::Unavailable(e.to_string()))?;
+        let mut pending = world - rank - 1;
+        while pending > 0 {
+            match listener.accept() {
+                Ok((mut s, from)) => {
+                    s.set_nonblocking(false).ok();
+                    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+                    let mut h = [0u8; HEADER];
+                    if s.read_exact(&mut h).is_err() {
+                        continue;
+                    }
+                    let magic = u32::from_le_bytes(h[0..4].try_into().unwrap());
+                    let g = u64::from_le_bytes(h[8..16].try_into().unwrap());
+                    let peer = u64::from_le_bytes(h[16..24].try_into().unwrap()) as u32;
+                    if magic != MAGIC
+                        || g != generation
+                        || peer <= rank
+                        || peer >= world
+                        || streams[peer as usize].is_some()
+                    {
+                        tracing::warn!(%from, generation, got_generation = g, peer, "refused a connection that is not from this generation's mesh");
+                        continue;
+                    }
+                    streams[peer as usize] = Some(s);
+                    pending -= 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let missing: Vec<u32> = (rank + 1..world)
+                            .filter(|p| streams[*p as usize].is_none())
+                            .collect();
+                        return Err(CommError::RendezvousTimeout {
+                            generation,
+                            after: cfg.form_timeout,
+                            missing,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => {
+                    return Err(CommError::Unavailable(format!(
+                        "generation {generation}: accept failed: {e}"
+                    )))
+                }
+            }
+        }
+        let mut raw = Vec::new();
+        let mut peers = Vec::new();
+        for s in streams {
+            match s {
+                Some(s) => {
+                    s.set_nodelay(true).ok();
+                    s.set_read_timeout(Some(cfg.op_timeout)).ok();
+                    s.set_write_timeout(Some(cfg.op_timeout)).ok();
+                    let clone = |s: &TcpStream| {
+                        s.try_clone()
+                            .map_err(|e| CommError::Unavailable(e.to_string()))
+                    };
+                    raw.push(clone(&s)?);
+                    peers.push(Some(Peer {
+                        write: Mutex::new(clone(&s)?),
+                        read: Mutex::new(s),
+                    }));
+                }
+                None => peers.push(None),
+            }
+        }
+        Ok(TcpComm {
+            generation,
+            rank,
+            world,
+            peers,
+            abort: AbortHandle {
+                aborted: Arc::new(AtomicBool::new(false)),
+                streams: Arc::new(raw),
+            },
+            seq: AtomicU64::new(0),
+            op_lock: Mutex::new(Scratch::new()),
+            cfg,
+        })
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+    pub fn abort_handle(&self) -> AbortHandle {
+        self.abort.clone()
+    }
+    pub fn abort(&self) {
+        self.abort.abort()
+    }
+
+    fn io_err(&self, op: &'static str, peer: u32, e: std::io::Error) -> CommError {
+        if self.abort.is_aborted() {
+            return CommError::Aborted {
+                generation: self.generation,
+                op,
+            };
+        }
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => CommError::Timeout {
+                generation: self.generation,
+                op,
+                peer,
+                after: self.cfg.op_timeout,
+            },
+            _ => CommError::PeerLost {
+                generation: self.generation,
+                op,
+                peer,
+                source: e,
+            },
+        }
+    }
+
+    fn peer(&self, r: u32) -> &Peer {
+        self.peers[r as usize]
+            .as_ref()
+            .expect("a peer of this mesh")
+    }
+
+    fn send(&self, op: &'static str, kind: Kind, seq: u64, to: u32, data: &[u8]) -> Result<()> {
+        let mut w = self.peer(to).write.lock().unwrap();
+        let h = header(kind, self.generation, seq, data.len() as u64);
+        w.write_all(&h)
+            .and_then(|_| w.write_all(data))
+            .map_err(|e| self.io_err(op, to, e))
+    }
+
+    /// Read one frame's header from `from`, check it, and read its payload into `dst` (whose
+    /// length must match).
+    fn recv_into(
+        &self,
+        op: &'static str,
+        kind: Kind,
+        seq: u64,
+        from: u32,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let mut r = self.peer(from).read.lock().unwrap();
+        let len = self.read_header(&mut r, op, kind, seq, from)?;
+        if len != dst.len() as u64 {
+            return Err(CommError::Protocol {
+                generation: self.generation,
+                op,
+                peer: from,
+                reason: format!("frame of {len} bytes, expected {}", dst.len()),
+            });
+        }
+        r.read_exact(dst).map_err(|e| self.io_err(op, from, e))
+    }
+
+    fn recv_frame(&self, op: &'static str, kind: Kind, seq: u64, from: u32) -> Result<Vec<u8>> {
+        let mut r = self.peer(from).read.lock().unwrap();
+        let len = self.read_header(&mut r, op, kind, seq, from)?;
+        let mut v = vec![0u8; len as usize];
+        r.read_exact(&mut v).map_err(|e| self.io_err(op, from, e))?;
+        Ok(v)
+    }
+
+    fn read_header(
+        &self,
+        r: &mut TcpStream,
+        op: &'static str,
+        kind: Kind,
+        seq: u64,
+        from: u32,
+    ) -> Result<u64> {
+        let mut h = [0u8; HEADER];
+        r.read_exact(&mut h).map_err(|e| self.io_err(op, from, e))?;
+        let magic = u32::from_le_bytes(h[0..4].try_into().unwrap());
+        let k = u32::from_le_bytes(h[4..8].try_into().unwrap());
+        let g = u64::from_le_bytes(h[8..16].try_into().unwrap());
+        let s = u64::from_le_bytes(h[16..24].try_into().unwrap());
+        if magic != MAGIC {
+            return Err(CommError::Protocol {
+                generation: self.generation,
+                op,
+                peer: from,
+                reason: "bad magic".into(),
+            });
+        }
+        if g != self.generation {
+            return Err(CommError::WrongGeneration {
+                generation: self.generation,
+                op,
+                peer: from,
+                got: g,
+            });
+        }
+        if k != kind as u32 || s != seq {
+            return Err(CommError::Protocol {
+                generation: self.generation,
+                op,
+                peer: from,
+                reason: format!(
+                    "frame of op {k} #{s}, expected op {} #{seq} (calls out of step)",
+                    kind as u32
+                ),
+            });
+        }
+        Ok(u64::from_le_bytes(h[24..32].try_into().unwrap()))
+    }
+
+    /// Start an op: fail fast if aborted; on failure, abort the whole communicator so that every
+    /// peer's pending call fails at once too (no one waits for a timeout).
+    fn run<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&mut Scratch, u64) -> Result<T>,
+    ) -> Result<T> {
+        if self.abort.is_aborted() {
+            return Err(CommError::Aborted {
+                generation: self.generation,
+                op,
+            });
+        }
+        let mut scratch = self.op_lock.lock().unwrap();
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let out = f(&mut scratch, seq);
+        if let Err(e) = &out {
+            if !matches!(e, CommError::Invalid { .. }) {
+                if !self.abort.is_aborted() {
+                    tracing::warn!(generation = self.generation, rank = self.rank, error = %e, "collective failed; aborting the communicator");
+                }
+                self.abort.abort();
+            }
+        }
+        out
+    }
+
+    /// Runs `main` on this thread while a sender thread writes the frames `main` queues to `to`.
+    fn with_sender<T>(
+        &self,
+        op: &'static str,
+        kind: Kind,
+        seq: u64,
+        to: u32,
+        main: impl FnOnce(&mpsc::Sender<SendPtr>) -> Result<T>,
+    ) -> Result<T> {
+        std::thread::scope(|scope| {
+            let (tx, rx) = mpsc::channel::<SendPtr>();
+            let sender = scope.spawn(move || -> Result<()> {
+                for SendPtr(p, n) in rx {
+                    // SAFETY: `main` queues regions it no longer writes (see the ring's comments)
+                    // and joins this thread before returning.
+                    let data = unsafe { std::slice::from_raw_parts(p, n) };
+                    self.send(op, kind, seq, to, data)?;
+                }
+                Ok(())
+            });
+            let out = main(&tx);
+            drop(tx);
+            if out.is_err() {
+                self.abort.abort();
+            }
+            let sent = sender
+                .join()
+                .unwrap_or_else(|_| Err(CommError::Unavailable("sender thread panicked".into())));
+            let out = out?;
+            sent?;
+            Ok(out)
+        })
+    }
+
+    fn chunks(&self, start: usize, end: usize, esize: usize) -> Vec<(usize, usize)> {
+        let step = (self.cfg.chunk_bytes / esize).max(1) * esize;
+        let mut v = Vec::new();
+        let mut at = start;
+        while at < end {
+            let n = step.min(end - at);
+            v.push((at, n));
+            at += n;
+        }
+        v
+    }
+
+    /// Byte range of segment `k` of `n` over `len` bytes of `esize`-byte elements.
+    fn segment(len: usize, esize: usize, n: u32, k: u32) -> (usize, usize) {
+        let elems = len / esize;
+        let a = elems * k as usize / n as usize;
+        let b = elems * (k as usize + 1) / n as usize;
+        (a * esize, b * esize)
+    }
+
+    /// Sum over all ranks, in place; every rank ends with the same bits.
+    pub fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType) -> Result<()> {
+        let op = "all_reduce";
+        if buf.len() % dtype.size() != 0 {
+            return Err(CommError::Invalid {
+                op,
+                reason: "buffer is not whole elements".into(),
+            });
+        }
+        if self.world == 1 {
+            return self.run(op, |_, _| Ok(()));
+        }
+        self.run(op, |scratch, seq| {
+            if buf.len() <= self.cfg.small_bytes {
+                self.all_reduce_small(buf, dtype, seq, scratch)
+            } else {
+                self.ring_reduce_scatter(buf, dtype, seq, 0, scratch, true)
+            }
+        })
+    }
+
+    /// Latency path: everyone sends its whole buffer to everyone; each rank folds the buffers in
+    /// rank order (so every rank holds the same bits).
+    fn all_reduce_small(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        seq: u64,
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        let op = "all_reduce";
+        let (n, r, len) = (self.world as usize, self.rank as usize, buf.len());
+        let all = scratch.get(len * n);
+        all[r * len..(r + 1) * len].copy_from_slice(buf);
+        std::thread::scope(|scope| -> Result<()> {
+            let mine = SendPtr(buf.as_ptr(), len);
+            let sender = scope.spawn(move || -> Result<()> {
+                let mine = mine;
+                let data = unsafe { std::slice::from_raw_parts(mine.0, mine.1) };
+                for p in 0..self.world {
+                    if p != self.rank {
+                        self.send(op, Kind::AllReduce, seq, p, data)?;
+                    }
+                }
+                Ok(())
+            });
+            let mut out = Ok(());
+            for p in 0..self.world {
+                if p != self.rank {
+                    if let Err(e) = self.recv_into(
+                        op,
+                        Kind::AllReduce,
+                        seq,
+                        p,
+                        &mut all[p as usize * len..(p as usize + 1) * len],
+                    ) {
+                        self.abort.abort();
+                        out = Err(e);
+                        break;
+                    }
+                }
+            }
+            let sent = sender
+                .join()
+                .unwrap_or_else(|_| Err(CommError::Unavailable("sender thread panicked".into())));
+            out?;
+            sent
+        })?;
+        let (first, rest) = all.split_at_mut(len);
+        for k in 1..n {
+            add_into(dtype, first, &rest[(k - 1) * len..k * len]);
+        }
+        buf.copy_from_slice(first);
+        Ok(())
+    }
+
+    /// The ring: reduce-scatter (n-1 steps) and, for an all-reduce, all-gather (n-1 steps), each
+    /// segment cut into chunks that are forwarded as soon as they are ready. With `shift` s,
+    /// rank r ends the reduce-scatter owning segment (r + 1 + s) mod n.
+    fn ring_reduce_scatter(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        seq: u64,
+        shift: i64,
+        scratch: &mut Scratch,
+        all_gather: bool,
+    ) -> Result<()> {
+        let op = if all_gather {
+            "all_reduce"
+        } else {
+            "reduce_scatter"
+        };
+        let kind = if all_gather {
+            Kind::AllReduce
+        } else {
+            Kind::ReduceScatter
+        };
+        let (n, r) = (self.world as i64, self.rank as i64);
+        let (next, prev) = (((r + 1) % n) as u32, ((r - 1 + n) % n) as u32);
+        let len = buf.len();
+        let seg = |k: i64| Self::segment(len, dtype.size(), self.world, k.rem_euclid(n) as u32);
+        let base = buf.as_mut_ptr();
+        let tmp = scratch.get(self.cfg.chunk_bytes.max(dtype.size()));
+        self.with_sender(op, kind, seq, next, |tx| {
+            let q = |at: usize, n: usize| {
+                let _ = tx.send(SendPtr(unsafe { base.add(at) }, n));
+            };
+            // step 0 of the reduce-scatter: our own segment
+            let (a, b) = seg(r + shift);
+            for (at, n) in self.chunks(a, b, dtype.size()) {
+                q(at, n);
+            }
+            for s in 0..n - 1 {
+                let (a, b) = seg(r - s - 1 + shift);
+                for (at, cn) in self.chunks(a, b, dtype.size()) {
+                    let t = &mut tmp[..cn];
+                    self.recv_into(op, kind, seq, prev, t)?;
+                    // SAFETY: this chunk is not queued for sending until it is reduced here
+                    let dst = unsafe { std::slice::from_raw_parts_mut(base.add(at), cn) };
+                    add_into(dtype, dst, t);
+                    // forward: the next reduce-scatter step, or (last step) the first all-gather step
+                    if s + 1 < n - 1 || all_gather {
+                        q(at, cn);
+                    }
+                }
+            }
+            if all_gather {
+                // rank r owns segment r + 1 (+ shift); receive the others, forwarding each chunk
+                for s in 0..n - 1 {
+                    let (a, b) = seg(r - s + shift);
+                    for (at, cn) in self.chunks(a, b, dtype.size()) {
+                        // SAFETY: a segment arrives here only after our reduce-scatter send of it
+                        // was consumed downstream (its reduction passed through us), so the
+                        // sender no longer reads it
+                        let dst = unsafe { std::slice::from_raw_parts_mut(base.add(at), cn) };
+                        self.recv_into(op, kind, seq, prev, dst)?;
+                        if s + 1 < n - 1 {
+                            q(at, cn);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// `input` holds world × k elements; each rank gets the sum of slot `rank` over all ranks in
+    /// `out` (k elements).
+    pub fn reduce_scatter_bytes(
+        &self,
+        input: &mut [u8],
+        out: &mut [u8],
+        dtype: DType,
+    ) -> Result<()> {
+        let op = "reduce_scatter";
+        if input.len() != out.len() * self.world as usize || out.len() % dtype.size() != 0 {
+            return Err(CommError::Invalid {
+                op,
+                reason: format!(
+                    "input of {} bytes is not world ({}) × output ({} bytes)",
+                    input.len(),
+                    self.world,
+                    out.len()
+                ),
+            });
+        }
+        if self.world > 1 {
+            self.run(op, |scratch, seq| {
+                self.ring_reduce_scatter(input, dtype, seq, -1, scratch, false)
+            })?;
+        }
+        let (a, b) = Self::segment(input.len(), dtype.size(), self.world, self.rank);
+        out.copy_from_slice(&input[a..b]);
+        Ok(())
+    }
+
+    /// Every rank's `input` concatenated in rank order into `out` (world × input bytes).
+    pub fn all_gather_bytes(&self, input: &[u8], out: &mut [u8]) -> Result<()> {
+        let op = "all_gather";
+        let len = input.len();
+        if out.len() != len * self.world as usize {
+            return Err(CommError::Invalid {
+                op,
+                reason: format!(
+                    "output of {} bytes is not world ({}) × input ({len} bytes)",
+                    out.len(),
+                    self.world
+                ),
+            });
+        }
+        let (n, r) = (self.world as i64, self.rank as i64);
+        out[r as usize * len..(r as usize + 1) * len].copy_from_slice(input);
+        if n == 1 {
+            return Ok(());
+        }
+        let (next, prev) = (((r + 1) % n) as u32, ((r - 1 + n) % n) as u32);
+        let base = out.as_mut_ptr();
+        self.run(op, |_, seq| {
+            self.with_sender(op, Kind::AllGather, seq, next, |tx| {
+                let _ = tx.send(SendPtr(unsafe { base.add(r as usize * len) }, len));
+                for s in 0..n - 1 {
+                    let slot = (r - s - 1).rem_euclid(n) as usize;
+                    let dst = unsafe { std::slice::from_raw_parts_mut(base.add(slot * len), len) };
+                    self.recv_into(op, Kind::AllGather, seq, prev, dst)?;
+                    if s + 1 < n - 1 {
+                        let _ = tx.send(SendPtr(dst.as_ptr(), len));
+                    }
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// `root`'s `buf` to every rank, pipelined along the ring from the root.
+    pub fn broadcast_bytes(&self, buf: &mut [u8], root: u32) -> Result<()> {
+        let op = "broadcast";
+        if root >= self.world {
+            return Err(CommError::Invalid {
+                op,
+                reason: format!("root {root} outside world {}", self.world),
+            });
+        }
+        if self.world == 1 {
+            return Ok(());
+        }
+        self.run(op, |_, seq| {
+            self.chain_broadcast(op, Kind::Broadcast, seq, buf, root)
+        })
+    }
+
+    fn chain_broadcast(
+        &self,
+        op: &'static str,
+        kind: Kind,
+        seq: u64,
+        buf: &mut [u8],
+        root: u32,
+    ) -> Result<()> {
+        let n = self.world;
+        let (next, prev) = ((self.rank + 1) % n, (self.rank + n - 1) % n);
+        let forward = next != root;
+        let chunks = self.chunks(0, buf.len(), 1);
+        let base = buf.as_mut_ptr();
+        if self.rank == root {
+            return self.with_sender(op, kind, seq, next, |tx| {
+                for (at, cn) in &chunks {
+                    let _ = tx.send(SendPtr(unsafe { base.add(*at) }, *cn));
+                }
+                Ok(())
+            });
+        }
+        let recv_all = |tx: Option<&mpsc::Sender<SendPtr>>| -> Result<()> {
+            for (at, cn) in &chunks {
+                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(*at), *cn) };
+                self.recv_into(op, kind, seq, prev, dst)?;
+                if let Some(tx) = tx {
+                    let _ = tx.send(SendPtr(dst.as_ptr(), *cn));
+                }
+            }
+            Ok(())
+        };
+        if forward {
+            self.with_sender(op, kind, seq, next, |tx| recv_all(Some(tx)))
+        } else {
+            recv_all(None)
+        }
+    }
+
+    /// A byte buffer of any length from `root` (state transfer): the length goes first.
+    pub fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()> {
+        let mut len = (buf.len() as u64).to_le_bytes();
+        self.broadcast_bytes(&mut len, root)?;
+        buf.resize(u64::from_le_bytes(len) as usize, 0);
+        self.broadcast_bytes(buf, root)
+    }
+
+    /// Point to point: send to `peer` (which must call `recv_*` from us, in the same order).
+    pub fn send_bytes(&self, data: &[u8], peer: u32) -> Result<()> {
+        self.check_peer("send", peer)?;
+        self.run("send", |_, _| self.send("send", Kind::P2P, 0, peer, data))
+    }
+
+    /// Receive into `dst` exactly what `peer` sent.
+    pub fn recv_bytes(&self, dst: &mut [u8], peer: u32) -> Result<()> {
+        self.check_peer("recv", peer)?;
+        self.run("recv", |_, _| {
+            self.recv_into("recv", Kind::P2P, 0, peer, dst)
+        })
+    }
+
+    /// Receive a message of any length from `peer`.
+    pub fn recv_vec(&self, peer: u32) -> Result<Vec<u8>> {
+        self.check_peer("recv", peer)?;
+        self.run("recv", |_, _| self.recv_frame("recv", Kind::P2P, 0, peer))
+    }
+
+    fn check_peer(&self, op: &'static str, peer: u32) -> Result<()> {
+        if peer >= self.world || peer == self.rank {
+            return Err(CommError::Invalid {
+                op,
+                reason: format!("peer {peer} is not another rank of world {}", self.world),
+            });
+        }
+        Ok(())
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<()> {
+        let op = "barrier";
+        if self.world == 1 {
+            return Ok(());
+        }
+        self.run(op, |_, seq| {
+            for p in 0..self.world {
+                if p != self.rank {
+                    self.send(op, Kind::Barrier, seq, p, &[])?;
+                }
+            }
+            for p in 0..self.world {
+                if p != self.rank {
+                    self.recv_into(op, Kind::Barrier, seq, p, &mut [])?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Deterministic all-reduce: `shards` are this rank's logical shards (global index and
+    /// bytes, indices contiguous and increasing; rank r's come after rank r-1's); `out` gets, on
+    /// every rank, the left fold c0 + c1 + … + c(total-1) in global index order, so the bits do
+    /// not depend on the world size or on which rank holds which shard. A chain through the ranks
+    /// in rank order (pipelined by chunks), then a broadcast from the last rank.
+    pub fn ordered_all_reduce_bytes(
+        &self,
+        shards: &[(u64, &[u8])],
+        total: u64,
+        out: &mut [u8],
+        dtype: DType,
+    ) -> Result<()> {
+        let op = "ordered_all_reduce";
+        let len = out.len();
+        for (i, (idx, s)) in shards.iter().enumerate() {
+            if s.len() != len {
+                return Err(CommError::Invalid {
+                    op,
+                    reason: format!("shard {idx} has {} bytes, the output {len}", s.len()),
+                });
+            }
+            if i > 0 && *idx != shards[i - 1].0 + 1 {
+                return Err(CommError::Invalid {
+                    op,
+                    reason: format!(
+                        "shard indices must be contiguous: {} after {}",
+                        idx,
+                        shards[i - 1].0
+                    ),
+                });
+            }
+        }
+        let n = self.world;
+        self.run(op, |_, seq| {
+            // 1. how far the fold has come: each rank learns the next index from its predecessor
+            let mut next_index = 0u64;
+            if self.rank > 0 {
+                let v = self.recv_frame(op, Kind::Ordered, seq, self.rank - 1)?;
+                next_index = u64::from_le_bytes(v[..8].try_into().map_err(|_| CommError::Protocol { generation: self.generation, op, peer: self.rank - 1, reason: "short index frame".into() })?);
+            }
+            if let Some((first, _)) = shards.first() {
+                if *first != next_index {
+                    return Err(CommError::Invalid { op, reason: format!("rank {} holds shards from {first}, but the fold reached {next_index}: shards must be in rank order", self.rank) });
+                }
+            }
+            let after = next_index + shards.len() as u64;
+            let has_partial = next_index > 0;
+            if self.rank + 1 < n {
+                self.send(op, Kind::Ordered, seq, self.rank + 1, &after.to_le_bytes())?;
+            } else if after != total {
+                return Err(CommError::Invalid { op, reason: format!("the ranks hold {after} shards in all, expected {total}") });
+            }
+            // 2. the chain, chunk by chunk: receive the partial fold, add our shards in order,
+            //    pass it on
+            let chunks = self.chunks(0, len, dtype.size());
+            let base = out.as_mut_ptr();
+            let fold = |at: usize, cn: usize| {
+                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(at), cn) };
+                let mut rest = shards;
+                if !has_partial {
+                    dst.copy_from_slice(&shards[0].1[at..at + cn]);
+                    rest = &shards[1..];
+                }
+                for (_, s) in rest {
+                    add_into(dtype, dst, &s[at..at + cn]);
+                }
+            };
+            let pass_on = self.rank + 1 < n;
+            let chain = |tx: Option<&mpsc::Sender<SendPtr>>| -> Result<()> {
+                for (at, cn) in &chunks {
+                    if has_partial {
+                        let dst = unsafe { std::slice::from_raw_parts_mut(base.add(*at), *cn) };
+                        self.recv_into(op, Kind::Ordered, seq, self.rank - 1, dst)?;
+                    }
+                    if has_partial || !shards.is_empty() {
+                        fold(*at, *cn);
+                    }
+                    if let Some(tx) = tx {
+                        let _ = tx.send(SendPtr(unsafe { base.add(*at) }, *cn));
+                    }
+                }
+                Ok(())
+            };
+            let sends_partial = pass_on && after > 0;
+            if sends_partial {
+                self.with_sender(op, Kind::Ordered, seq, self.rank + 1, |tx| chain(Some(tx)))?;
+            } else if has_partial || !shards.is_empty() {
+                chain(None)?;
+            }
+            // 3. the last rank holds the result: broadcast it
+            if n > 1 {
+                self.chain_broadcast(op, Kind::Broadcast, seq, out, n - 1)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Drop for TcpComm {
+    fn drop(&mut self) {
+        for s in self.abort.streams.iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Communicator;
+    use ductile_cluster::{Keys, Store};
+    use std::sync::Arc;
+
+    fn store() -> Store {
+        Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        )
+    }
+
+    async fn world(store: &Store, generation: u64, n: u32, cfg: TcpConfig) -> Vec<TcpComm> {
+        let tasks: Vec<_> = (0..n)
+            .map(|r| {
+                let (store, cfg) = (store.clone(), cfg.clone());
+                tokio::spawn(async move {
+                    let rdv = Rendezvous::new(store, "j", generation, n, r).unwrap();
+                    TcpComm::form(&rdv, cfg).await.unwrap()
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    }
+
+    fn on_threads<T: Send>(comms: &[TcpComm], f: impl Fn(&TcpComm) -> T + Sync) -> Vec<T> {
+        std::thread::scope(|s| {
+            comms
+                .iter()
+                .map(|c| s.spawn(|| f(c)))
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect()
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn collectives_match_references_for_worlds_1_to_4() {
+        let s = store();
+        for n in 1..=4 {
+            // a small chunk size so the pipelined ring runs many chunks
+            let cfg = TcpConfig {
+                chunk_bytes: 8 << 10,
+                small_bytes: 4 << 10,
+                ..TcpConfig::default()
+            };
+            let comms = world(&s, 10 + n as u64, n, cfg).await;
+            for r in on_threads(&comms, |c| crate::selftest::collectives(c)) {
+                r.unwrap_or_else(|e| panic!("world {n}: {e}"));
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ordered_all_reduce_is_bitwise_equal_for_worlds_1_to_4() {
+        let s = store();
+        let mut results = Vec::new();
+        for n in 1..=4u32 {
+            let cfg = TcpConfig {
+                chunk_bytes: 4 << 10,
+                ..TcpConfig::default()
+            };
+            let comms = world(&s, 20 + n as u64, n, cfg).await;
+            let outs = on_threads(&comms, |c| crate::selftest::ordered(c, 8, 5003).unwrap());
+            assert!(
+                outs.windows(2).all(|w| w[0] == w[1]),
+                "ranks of world {n} disagree"
+            );
+            results.push(outs[0].clone());
+        }
+        assert!(
+            results.windows(2).all(|w| w[0] == w[1]),
+            "the result depends on the world size"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn abort_unblocks_a_pending_all_reduce_at_once_and_fails_later_calls() {
+        let comms = world(&store(), 30, 2, TcpConfig::default()).await;
+        let handle = comms[0].abort_handle();
+        let t0 = std::time::Instant::now();
+        let aborted_at = std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let mut buf = vec![0u8; 4 << 20];
+                let r = comms[0].all_reduce_bytes(&mut buf, DType::F32);
+                (r, std::time::Instant::now())
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            let at = std::time::Instant::now();
+            handle.abort();
+            let (r, done) = waiter.join().unwrap();
+            assert!(
+                matches!(r, Err(CommError::Aborted { generation: 30, .. })),
+                "{r:?}"
+            );
+            assert!(
+                done - at < Duration::from_millis(100),
+                "took {:?} to return after abort",
+                done - at
+            );
+            at
+        });
+        assert!(
+            aborted_at - t0 >= Duration::from_millis(200),
+            "it was blocked until the abort"
+        );
+        let mut b = vec![0u8; 16];
+        assert!(matches!(
+            comms[0].all_reduce_bytes(&mut b, DType::F32),
+            Err(CommError::Aborted { .. })
+        ));
+        // the peer's next call fails too (its socket to rank 0 is shut), instead of waiting
+        let t1 = std::time::Instant::now();
+        let r = comms[1].all_reduce_bytes(&mut vec![0u8; 1 << 20], DType::F32);
+        assert!(
+            matches!(
+                r,
+                Err(CommError::PeerLost { peer: 0, .. }) | Err(CommError::Protocol { peer: 0, .. })
+            ),
+            "{r:?}"
+        );
+        assert!(t1.elapsed() < Duration::from_secs(1));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_frame_from_another_generation_is_refused() {
+        let comms = world(&store(), 41, 2, TcpConfig::default()).await;
+        // rank 1 writes a frame stamped with generation 40 to rank 0
+        {
+            let mut w = comms[1].peer(0).write.lock().unwrap();
+            w.write_all(&header(Kind::P2P, 40, 0, 4)).unwrap();
+            w.write_all(&[1, 2, 3, 4]).unwrap();
+        }
+        let mut dst = [0u8; 4];
+        match comms[0].recv_bytes(&mut dst, 1) {
+            Err(CommError::WrongGeneration {
+                generation: 41,
+                got: 40,
+                peer: 1,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(Communicator::generation(&comms[0]), 41);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timeout_names_the_peer() {
+        let cfg = TcpConfig {
+            op_timeout: Duration::from_millis(300),
+            ..TcpConfig::default()
+        };
+        let comms = world(&store(), 50, 2, cfg).await;
+        let mut b = vec![0u8; 1024];
+        let t0 = std::time::Instant::now();
+        match comms[0].recv_bytes(&mut b, 1) {
+            Err(CommError::Timeout {
+                peer: 1,
+                generation: 50,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(3));
+    }
+}
