@@ -45,6 +45,31 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// All-reduce bus bandwidth of the TCP backend (ring and ordered modes), one process per rank,
+    /// with the machine's loopback-TCP and memcpy ceilings.
+    Allreduce {
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        worlds: Vec<u32>,
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+        sizes_mib: Vec<u64>,
+        /// Timed iterations per cell (after one warm-up).
+        #[arg(long, default_value_t = 7)]
+        iters: usize,
+        /// One JSON object per cell instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// (internal) one rank of `allreduce`.
+    #[command(hide = true)]
+    AllreduceRank {
+        etcd: String,
+        world: u32,
+        rank: u32,
+        #[arg(long, value_delimiter = ',')]
+        sizes_mib: Vec<u64>,
+        #[arg(long)]
+        iters: usize,
+    },
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -253,6 +278,8 @@ async fn control_plane(
     Ok(())
 }
 
+mod allreduce;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     ductile_cluster::service::init_logging(ductile_cluster::service::LogFormat::Plain);
@@ -264,5 +291,18 @@ async fn main() -> anyhow::Result<()> {
             etcd,
             json,
         } => control_plane(agents, ttl, rounds, etcd, json).await,
+        Cmd::Allreduce {
+            worlds,
+            sizes_mib,
+            iters,
+            json,
+        } => allreduce::run(&worlds, &sizes_mib, iters, json).await,
+        Cmd::AllreduceRank {
+            etcd,
+            world,
+            rank,
+            sizes_mib,
+            iters,
+        } => allreduce::rank(&etcd, world, rank, &sizes_mib, iters).await,
     }
 }

@@ -47,6 +47,29 @@ impl Default for TcpConfig {
     }
 }
 
+impl TcpConfig {
+    /// The defaults, with `DUCTILE_COMM_CHUNK_BYTES`, `DUCTILE_COMM_SMALL_BYTES`,
+    /// `DUCTILE_COMM_TIMEOUT_SECS` and `DUCTILE_COMM_HOST` (the address peers reach this rank
+    /// at) applied when set.
+    pub fn from_env() -> TcpConfig {
+        let mut c = TcpConfig::default();
+        let num = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+        if let Some(v) = num("DUCTILE_COMM_CHUNK_BYTES") {
+            c.chunk_bytes = (v as usize).max(4096);
+        }
+        if let Some(v) = num("DUCTILE_COMM_SMALL_BYTES") {
+            c.small_bytes = v as usize;
+        }
+        if let Some(v) = num("DUCTILE_COMM_TIMEOUT_SECS") {
+            c.op_timeout = Duration::from_secs(v.max(1));
+        }
+        if let Ok(h) = std::env::var("DUCTILE_COMM_HOST") {
+            c.advertise_host = h;
+        }
+        c
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 enum Kind {
@@ -96,7 +119,7 @@ pub struct TcpComm {
     cfg: TcpConfig,
 }
 
-struct SendPtr(*const u8, usize);
+struct SendPtr(*const u8, usize, Kind);
 unsafe impl Send for SendPtr {}
 
 fn header(kind: Kind, generation: u64, seq: u64, len: u64) -> [u8; HEADER] {
@@ -420,7 +443,6 @@ impl TcpComm {
     fn with_sender<T>(
         &self,
         op: &'static str,
-        kind: Kind,
         seq: u64,
         to: u32,
         main: impl FnOnce(&mpsc::Sender<SendPtr>) -> Result<T>,
@@ -428,11 +450,11 @@ impl TcpComm {
         std::thread::scope(|scope| {
             let (tx, rx) = mpsc::channel::<SendPtr>();
             let sender = scope.spawn(move || -> Result<()> {
-                for SendPtr(p, n) in rx {
+                for SendPtr(p, n, k) in rx {
                     // SAFETY: `main` queues regions it no longer writes (see the ring's comments)
                     // and joins this thread before returning.
                     let data = unsafe { std::slice::from_raw_parts(p, n) };
-                    self.send(op, kind, seq, to, data)?;
+                    self.send(op, k, seq, to, data)?;
                 }
                 Ok(())
             });
@@ -505,7 +527,7 @@ impl TcpComm {
         let all = scratch.get(len * n);
         all[r * len..(r + 1) * len].copy_from_slice(buf);
         std::thread::scope(|scope| -> Result<()> {
-            let mine = SendPtr(buf.as_ptr(), len);
+            let mine = SendPtr(buf.as_ptr(), len, Kind::AllReduce);
             let sender = scope.spawn(move || -> Result<()> {
                 let mine = mine;
                 let data = unsafe { std::slice::from_raw_parts(mine.0, mine.1) };
@@ -574,9 +596,9 @@ impl TcpComm {
         let seg = |k: i64| Self::segment(len, dtype.size(), self.world, k.rem_euclid(n) as u32);
         let base = buf.as_mut_ptr();
         let tmp = scratch.get(self.cfg.chunk_bytes.max(dtype.size()));
-        self.with_sender(op, kind, seq, next, |tx| {
+        self.with_sender(op, seq, next, |tx| {
             let q = |at: usize, n: usize| {
-                let _ = tx.send(SendPtr(unsafe { base.add(at) }, n));
+                let _ = tx.send(SendPtr(unsafe { base.add(at) }, n, kind));
             };
             // step 0 of the reduce-scatter: our own segment
             let (a, b) = seg(r + shift);
@@ -669,14 +691,18 @@ impl TcpComm {
         let (next, prev) = (((r + 1) % n) as u32, ((r - 1 + n) % n) as u32);
         let base = out.as_mut_ptr();
         self.run(op, |_, seq| {
-            self.with_sender(op, Kind::AllGather, seq, next, |tx| {
-                let _ = tx.send(SendPtr(unsafe { base.add(r as usize * len) }, len));
+            self.with_sender(op, seq, next, |tx| {
+                let _ = tx.send(SendPtr(
+                    unsafe { base.add(r as usize * len) },
+                    len,
+                    Kind::AllGather,
+                ));
                 for s in 0..n - 1 {
                     let slot = (r - s - 1).rem_euclid(n) as usize;
                     let dst = unsafe { std::slice::from_raw_parts_mut(base.add(slot * len), len) };
                     self.recv_into(op, Kind::AllGather, seq, prev, dst)?;
                     if s + 1 < n - 1 {
-                        let _ = tx.send(SendPtr(dst.as_ptr(), len));
+                        let _ = tx.send(SendPtr(dst.as_ptr(), len, Kind::AllGather));
                     }
                 }
                 Ok(())
@@ -715,9 +741,9 @@ impl TcpComm {
         let chunks = self.chunks(0, buf.len(), 1);
         let base = buf.as_mut_ptr();
         if self.rank == root {
-            return self.with_sender(op, kind, seq, next, |tx| {
+            return self.with_sender(op, seq, next, |tx| {
                 for (at, cn) in &chunks {
-                    let _ = tx.send(SendPtr(unsafe { base.add(*at) }, *cn));
+                    let _ = tx.send(SendPtr(unsafe { base.add(*at) }, *cn, kind));
                 }
                 Ok(())
             });
@@ -727,13 +753,13 @@ impl TcpComm {
                 let dst = unsafe { std::slice::from_raw_parts_mut(base.add(*at), *cn) };
                 self.recv_into(op, kind, seq, prev, dst)?;
                 if let Some(tx) = tx {
-                    let _ = tx.send(SendPtr(dst.as_ptr(), *cn));
+                    let _ = tx.send(SendPtr(dst.as_ptr(), *cn, kind));
                 }
             }
             Ok(())
         };
         if forward {
-            self.with_sender(op, kind, seq, next, |tx| recv_all(Some(tx)))
+            self.with_sender(op, seq, next, |tx| recv_all(Some(tx)))
         } else {
             recv_all(None)
         }
@@ -851,7 +877,8 @@ impl TcpComm {
                 return Err(CommError::Invalid { op, reason: format!("the ranks hold {after} shards in all, expected {total}") });
             }
             // 2. the chain, chunk by chunk: receive the partial fold, add our shards in order,
-            //    pass it on
+            //    pass it on; the last rank sends each finished chunk straight on to rank 0, so
+            //    3. the broadcast of the result (last → 0 → 1 → … → n-2) overlaps the chain.
             let chunks = self.chunks(0, len, dtype.size());
             let base = out.as_mut_ptr();
             let fold = |at: usize, cn: usize| {
@@ -865,33 +892,52 @@ impl TcpComm {
                     add_into(dtype, dst, &s[at..at + cn]);
                 }
             };
-            let pass_on = self.rank + 1 < n;
-            let chain = |tx: Option<&mpsc::Sender<SendPtr>>| -> Result<()> {
+            if n == 1 {
                 for (at, cn) in &chunks {
-                    if has_partial {
-                        let dst = unsafe { std::slice::from_raw_parts_mut(base.add(*at), *cn) };
-                        self.recv_into(op, Kind::Ordered, seq, self.rank - 1, dst)?;
+                    fold(*at, *cn);
+                }
+                return Ok(());
+            }
+            let (r, last) = (self.rank, n - 1);
+            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+            let in_chain = has_partial || !shards.is_empty();
+            self.with_sender(op, seq, next, |tx| {
+                let q = |at: usize, cn: usize, k: Kind| {
+                    let _ = tx.send(SendPtr(unsafe { base.add(at) }, cn, k));
+                };
+                if in_chain && !has_partial && shards.len() == 1 && r != last {
+                    // a chain head with one shard: its partial fold is the shard itself; send it
+                    // as it is (the result arrives with the broadcast)
+                    for (at, cn) in &chunks {
+                        let _ = tx.send(SendPtr(unsafe { shards[0].1.as_ptr().add(*at) }, *cn, Kind::Ordered));
                     }
-                    if has_partial || !shards.is_empty() {
+                } else if in_chain {
+                    for (at, cn) in &chunks {
+                        if has_partial {
+                            let dst = unsafe { std::slice::from_raw_parts_mut(base.add(*at), *cn) };
+                            self.recv_into(op, Kind::Ordered, seq, r - 1, dst)?;
+                        }
                         fold(*at, *cn);
+                        // SAFETY: the chunk is final here; nothing writes it again until the
+                        // broadcast brings it back, which needs this send to have gone through
+                        if r < last {
+                            q(*at, *cn, Kind::Ordered);
+                        } else {
+                            q(*at, *cn, Kind::Broadcast);
+                        }
                     }
-                    if let Some(tx) = tx {
-                        let _ = tx.send(SendPtr(unsafe { base.add(*at) }, *cn));
+                }
+                if r != last {
+                    for (at, cn) in &chunks {
+                        let dst = unsafe { std::slice::from_raw_parts_mut(base.add(*at), *cn) };
+                        self.recv_into(op, Kind::Broadcast, seq, prev, dst)?;
+                        if next != last {
+                            q(*at, *cn, Kind::Broadcast);
+                        }
                     }
                 }
                 Ok(())
-            };
-            let sends_partial = pass_on && after > 0;
-            if sends_partial {
-                self.with_sender(op, Kind::Ordered, seq, self.rank + 1, |tx| chain(Some(tx)))?;
-            } else if has_partial || !shards.is_empty() {
-                chain(None)?;
-            }
-            // 3. the last rank holds the result: broadcast it
-            if n > 1 {
-                self.chain_broadcast(op, Kind::Broadcast, seq, out, n - 1)?;
-            }
-            Ok(())
+            })
         })
     }
 }
@@ -1055,6 +1101,51 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(Communicator::generation(&comms[0]), 41);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_from_another_generation_is_refused_and_the_mesh_still_forms() {
+        let s = store();
+        let cfg = TcpConfig::default();
+        let (s0, c0) = (s.clone(), cfg.clone());
+        let rank0 = tokio::spawn(async move {
+            TcpComm::form(&Rendezvous::new(s0, "j", 61, 2, 0).unwrap(), c0).await
+        });
+        // a worker of generation 60 dials rank 0 of generation 61
+        let addr = loop {
+            if let Some(kv) = s
+                .backend
+                .get(&format!("{}tcp/0", s.keys.rendezvous("j", 61)))
+                .await
+                .unwrap()
+            {
+                break String::from_utf8(kv.value).unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let mut rogue = TcpStream::connect(&addr).unwrap();
+        rogue.write_all(&header(Kind::Hello, 60, 1, 2)).unwrap();
+        // the real rank 1 joins (rank 0 accepts once everyone published): the stale connection
+        // is closed, and the mesh forms and works
+        let rank1 = TcpComm::form(&Rendezvous::new(s.clone(), "j", 61, 2, 1).unwrap(), cfg)
+            .await
+            .unwrap();
+        let rank0 = rank0.await.unwrap().unwrap();
+        rogue
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 1];
+        assert_eq!(
+            rogue.read(&mut b).unwrap(),
+            0,
+            "the stale connection must be closed"
+        );
+        let outs = on_threads(&[rank0, rank1], |c| {
+            let mut v = 1.5f32.to_le_bytes().to_vec();
+            c.all_reduce_bytes(&mut v, DType::F32).unwrap();
+            f32::from_le_bytes(v.try_into().unwrap())
+        });
+        assert_eq!(outs, vec![3.0, 3.0]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

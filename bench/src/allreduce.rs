@@ -1,0 +1,181 @@
+//! `ductile-bench allreduce`: median time and bus bandwidth, 2(n-1)/n · bytes / time, of the TCP
+//! backend's all-reduce in both modes (ring; ordered, one logical shard per rank), one process
+//! per rank on this machine, and the loopback-TCP and memcpy ceilings.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ductile_cluster::{Keys, Store};
+use ductile_comm::buffer::DType;
+use ductile_comm::{Rendezvous, TcpComm, TcpConfig};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn busbw(world: u32, bytes: u64, secs: f64) -> f64 {
+    2.0 * (world as f64 - 1.0) / world as f64 * bytes as f64 / secs / 1e9
+}
+
+pub async fn run(
+    worlds: &[u32],
+    sizes_mib: &[u64],
+    iters: usize,
+    json: bool,
+) -> anyhow::Result<()> {
+    let dir = ductile_tests::TempDir::new("allreduce");
+    let etcd = ductile_tests::Etcd::start(dir.path());
+    let sizes = sizes_mib
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let (tcp, mem) = ceilings();
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"ceiling": "loopback_tcp", "gbps": tcp})
+        );
+        println!("{}", serde_json::json!({"ceiling": "memcpy", "gbps": mem}));
+    } else {
+        println!("ceilings on this machine: loopback TCP {tcp:.2} GB/s (one stream), memcpy {mem:.2} GB/s");
+        println!(
+            "{:<6} {:<8} {:<6} {:>9} {:>12} {:>12}",
+            "backend", "mode", "world", "MiB", "median_s", "busbw_GB/s"
+        );
+    }
+    let exe = std::env::current_exe()?;
+    for &world in worlds {
+        let children: Vec<_> = (0..world)
+            .map(|r| {
+                Command::new(&exe)
+                    .args([
+                        "allreduce-rank",
+                        &etcd.endpoint,
+                        &world.to_string(),
+                        &r.to_string(),
+                        "--sizes-mib",
+                        &sizes,
+                        "--iters",
+                        &iters.to_string(),
+                    ])
+                    .stdout(Stdio::piped())
+                    .spawn()
+            })
+            .collect::<Result<_, _>>()?;
+        for (r, mut c) in children.into_iter().enumerate() {
+            let out = BufReader::new(c.stdout.take().unwrap());
+            for line in out.lines() {
+                let line = line?;
+                if r == 0 {
+                    let v: serde_json::Value = serde_json::from_str(&line)?;
+                    if json {
+                        println!("{line}");
+                    } else {
+                        println!(
+                            "{:<6} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
+                            v["backend"].as_str().unwrap(),
+                            v["mode"].as_str().unwrap(),
+                            v["world"],
+                            v["bytes"].as_u64().unwrap() >> 20,
+                            v["median_s"].as_f64().unwrap(),
+                            v["busbw_gbps"].as_f64().unwrap()
+                        );
+                    }
+                }
+            }
+            let st = c.wait()?;
+            anyhow::ensure!(st.success(), "rank {r} of world {world} failed: {st}");
+        }
+    }
+    Ok(())
+}
+
+pub async fn rank(
+    etcd: &str,
+    world: u32,
+    rank: u32,
+    sizes_mib: &[u64],
+    iters: usize,
+) -> anyhow::Result<()> {
+    let backend = ductile_cluster::connect_etcd(etcd, Duration::from_secs(10)).await?;
+    let store = Store::new(backend, Keys::new("/bench-allreduce"));
+    let rdv = Rendezvous::new(store, "bench", world as u64, world, rank)?;
+    let comm = TcpComm::form(
+        &rdv,
+        TcpConfig {
+            bind_host: "127.0.0.1".into(),
+            ..TcpConfig::from_env()
+        },
+    )
+    .await?;
+    let sizes = sizes_mib.to_vec();
+    tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        for mib in sizes {
+            let bytes = mib << 20;
+            let mut buf = vec![0f32; (bytes / 4) as usize];
+            for (i, x) in buf.iter_mut().enumerate() {
+                *x = (i % 13) as f32;
+            }
+            let raw = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, bytes as usize) };
+            let shard = raw.to_vec();
+            let mut out = vec![0u8; bytes as usize];
+            for mode in ["ring", "ordered"] {
+                let mut times = Vec::new();
+                for it in 0..=iters {
+                    comm.barrier()?;
+                    let t0 = Instant::now();
+                    match mode {
+                        "ring" => comm.all_reduce_bytes(raw, DType::F32)?,
+                        _ => comm.ordered_all_reduce_bytes(&[(rank as u64, &shard)], world as u64, &mut out, DType::F32)?,
+                    }
+                    if it > 0 {
+                        times.push(t0.elapsed().as_secs_f64());
+                    }
+                }
+                let m = median(times);
+                println!("{}", serde_json::json!({"backend": "tcp", "mode": mode, "world": world, "bytes": bytes, "median_s": m, "busbw_gbps": busbw(world, bytes, m)}));
+            }
+        }
+        Ok(())
+    })
+    .await??;
+    Ok(())
+}
+
+/// One loopback TCP stream's throughput, and memcpy's, in GB/s.
+fn ceilings() -> (f64, f64) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let total: usize = 2 << 30;
+    let reader = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = vec![0u8; 4 << 20];
+        let mut n = 0;
+        while n < total {
+            n += s.read(&mut buf).unwrap();
+        }
+    });
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let buf = vec![7u8; 4 << 20];
+    let t0 = Instant::now();
+    let mut n = 0;
+    while n < total {
+        s.write_all(&buf).unwrap();
+        n += buf.len();
+    }
+    reader.join().unwrap();
+    let tcp = total as f64 / t0.elapsed().as_secs_f64() / 1e9;
+    let src = vec![1u8; 256 << 20];
+    let mut dst = vec![0u8; 256 << 20];
+    let mut t = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    (tcp, (256u64 << 20) as f64 / median(t) / 1e9)
+}
