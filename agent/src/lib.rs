@@ -74,6 +74,8 @@ pub struct Agent {
     /// Writes that failed (etcd unreachable) and are retried each tick: key → (value, leased).
     unsent: BTreeMap<String, (Vec<u8>, bool)>,
     draining: Option<(String, Instant)>,
+    /// Slots whose worker finished (exit 0) in the given generation: not started again in it.
+    finished: HashMap<SlotKey, u64>,
     exits_tx: mpsc::Sender<Exit>,
     jobs: BTreeMap<String, JobView>,
 }
@@ -123,6 +125,7 @@ impl Agent {
             restarts_due: BTreeMap::new(),
             unsent: BTreeMap::new(),
             draining: None,
+            finished: HashMap::new(),
             exits_tx,
             jobs: BTreeMap::new(),
         };
@@ -432,8 +435,10 @@ impl Agent {
             };
             for m in g.members.iter().filter(|m| m.node == me) {
                 let key = (name.clone(), m.slot);
+                let finished = self.finished.get(&key).is_some_and(|gen| *gen >= g.number);
                 if !self.children.contains_key(&key)
                     && !self.failed.contains_key(&key)
+                    && !finished
                     && m.slot < self.node.slots()
                 {
                     to_start.push((key, spec.clone(), g.clone(), m.rank));
@@ -629,6 +634,10 @@ impl Agent {
         .await;
         if expected || exit.code == Some(0) {
             tracing::info!(job = %job, slot, pid = exit.pid, how = %how, "worker exited");
+            if exit.code == Some(0) && still_member {
+                // it finished its work: leave the slot alone until a new generation
+                self.finished.insert(exit.key.clone(), child.generation);
+            }
             return;
         }
         // A failure: report it at once so the daemon re-forms without this slot.

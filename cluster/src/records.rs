@@ -114,6 +114,13 @@ pub struct TrainingSpec {
     pub seed: u64,
     #[serde(default)]
     pub deterministic: bool,
+    /// Samples per micro-batch (gradient accumulation); default: a rank's whole share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch: Option<u32>,
+    /// Deterministic mode: the global batch is cut into this many logical shards (at least the
+    /// job's max size); default: max.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logical_shards: Option<u32>,
 }
 
 impl TrainingSpec {
@@ -272,6 +279,23 @@ impl TrainingSpec {
                 "training.global_batch",
                 format!("{} cannot be split over max = {max} ranks (each rank needs at least one sample)", self.global_batch),
             ));
+        }
+        if self.micro_batch == Some(0) {
+            return Err(ClusterError::invalid(
+                "training.micro_batch",
+                "must be at least 1",
+            ));
+        }
+        if let Some(v) = self.logical_shards {
+            if v < max {
+                return Err(ClusterError::invalid(
+                    "training.logical_shards",
+                    format!("{v} is below max = {max}: every rank needs at least one shard"),
+                ));
+            }
+            if v > self.global_batch {
+                return Err(ClusterError::invalid("training.logical_shards", format!("{v} shards cannot split global_batch = {} (each needs at least one sample)", self.global_batch)));
+            }
         }
         if !matches!(self.optimizer.as_str(), "adamw" | "sgd") {
             return Err(ClusterError::invalid(

@@ -104,6 +104,18 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
             now,
         ));
     }
+    // Rank 0 committed the last step and reported the final weights: the job is done (workers
+    // still running are stopped by their agents).
+    if let Some(p) = obs.progress.as_ref().filter(|p| p.done) {
+        return want(status(
+            &spec.name,
+            JobState::Succeeded,
+            cur,
+            prev_status,
+            format!("training finished at step {}", p.step),
+            now,
+        ));
+    }
     // Every member of the current generation exited 0: the job is done.
     if let Some(g) = cur {
         let done = !g.members.is_empty()

@@ -34,6 +34,12 @@ pub fn split_batch(global_batch: u64, world: u32) -> Vec<Share> {
         .collect()
 }
 
+/// The contiguous range of `total` items (logical shards) that rank `rank` of `world` holds;
+/// uneven when `world` does not divide `total`, in rank order.
+pub fn split_range(total: u64, world: u32, rank: u32) -> std::ops::Range<u64> {
+    (total * rank as u64 / world as u64)..(total * (rank as u64 + 1) / world as u64)
+}
+
 /// Cut a share into micro-batches of at most `micro` samples (gradient accumulation).
 pub fn micro_batches(share: Share, micro: u64) -> Vec<(u64, u64)> {
     assert!(micro > 0);

@@ -507,6 +507,8 @@ pub struct Spec {
     pub debounce_ms: u64,
     pub restart_backoff_ms: u64,
     pub s3: bool,
+    /// Extra environment of every agent (its workers inherit it).
+    pub agent_env: Vec<(String, String)>,
 }
 
 impl Default for Spec {
@@ -519,6 +521,7 @@ impl Default for Spec {
             debounce_ms: 300,
             restart_backoff_ms: 1000,
             s3: false,
+            agent_env: vec![],
         }
     }
 }
@@ -641,7 +644,7 @@ impl Cluster {
             name,
             &bin("ductile-agent"),
             &args,
-            &[],
+            &self.spec.agent_env,
             self.dir.path().join(format!("{name}.log")),
         );
         self.agents.insert(name.into(), p);
@@ -764,4 +767,44 @@ impl Drop for Cluster {
 /// A job spec in TOML.
 pub fn job_toml(name: &str, min: u32, max: u32, desired: u32) -> String {
     format!("name = \"{name}\"\nmin = {min}\nmax = {max}\ndesired = {desired}\n")
+}
+
+/// Write a synthetic dataset with `ductile-worker synth-data`; returns its file:// URL.
+pub fn synth(dir: &Path, kind: &str, size: u64) -> String {
+    let url = format!("file://{}/{kind}-{size}.bin", dir.display());
+    let out = Command::new(bin("ductile-worker"))
+        .args([
+            "synth-data",
+            "--kind",
+            kind,
+            "--out",
+            &url,
+            "--seed",
+            "7",
+            "--size",
+            &size.to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "synth-data failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    url
+}
+
+/// A training job spec in TOML.
+pub fn training_toml(
+    name: &str,
+    min: u32,
+    max: u32,
+    desired: u32,
+    model: &str,
+    dataset: &str,
+    extra: &str,
+) -> String {
+    format!(
+        "name = \"{name}\"\nmin = {min}\nmax = {max}\ndesired = {desired}\n{extra}\n[training]\nmodel = \"{model}\"\ndataset = \"{dataset}\"\nglobal_batch = 32\nlr = 3e-3\nseed = 7\n"
+    )
 }

@@ -1,12 +1,18 @@
 //! The worker runtime: started by the agent with the environment below, it follows its job's
 //! generations. For each generation that includes it, it joins the rendezvous (writes its join
 //! record with the last step it completed); when a generation leaves it out it exits (fenced).
-//! The training loop of the job's strategy runs between re-formations (see the training issue;
-//! until then the worker holds no model state and reports step 0).
+//! Jobs with a `[training]` section run the elastic data-parallel loop of [`train`] between
+//! re-formations; jobs without one only follow their generations ([`follow_generations`]).
 //!
 //! Environment (set by the agent): `DUCTILE_JOB`, `DUCTILE_NODE`, `DUCTILE_SLOT`,
 //! `DUCTILE_GENERATION`, `DUCTILE_RANK`, `DUCTILE_WORLD_SIZE`, `DUCTILE_ETCD`,
 //! `DUCTILE_PREFIX`, `DUCTILE_DEVICE` (`cpu` or `cuda:0`), `DUCTILE_DEVICE_INDEX`.
+
+pub mod data;
+pub mod model;
+pub mod optim;
+pub mod synth;
+pub mod train;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,4 +127,31 @@ pub async fn follow_generations(
             _ = cancel.cancelled() => return Ok(()),
         }
     }
+}
+
+/// Feed every new generation of the job into `cell` (which aborts an older communicator).
+pub fn watch_generations(
+    store: Store,
+    job: String,
+    cell: Arc<train::GenCell>,
+    cancel: CancellationToken,
+) {
+    let gkey = store.keys.generation(&job);
+    let mut rx = watch_prefix(store.backend.clone(), gkey.clone(), cancel.clone());
+    tokio::spawn(async move {
+        loop {
+            let g: Option<Generation> = rx
+                .borrow_and_update()
+                .kvs
+                .get(&gkey)
+                .and_then(|kv| serde_json::from_slice(&kv.value).ok());
+            if let Some(g) = g {
+                cell.publish(g);
+            }
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                _ = cancel.cancelled() => return,
+            }
+        }
+    });
 }

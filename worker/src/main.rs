@@ -1,8 +1,70 @@
+use std::sync::Arc;
 use std::time::Duration;
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() {
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "ductile-worker",
+    version,
+    about = "ductile worker: started by ductile-agent; also makes synthetic datasets"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run as a worker (the default; the agent sets the DUCTILE_* environment).
+    Run,
+    /// Write a small synthetic dataset with a learnable structure.
+    SynthData {
+        /// tokens (u16 stream from a seeded Markov source) or regression (safetensors x, y from a teacher network)
+        #[arg(long)]
+        kind: String,
+        /// file:///path
+        #[arg(long)]
+        out: String,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Tokens (tokens) or samples (regression).
+        #[arg(long, default_value_t = 200_000)]
+        size: u64,
+        /// Vocabulary size (tokens).
+        #[arg(long, default_value_t = 64)]
+        vocab: u16,
+    },
+}
+
+fn main() {
     ductile_cluster::service::init_logging(ductile_cluster::service::LogFormat::Plain);
+    match Cli::parse().cmd {
+        Some(Cmd::SynthData {
+            kind,
+            out,
+            seed,
+            size,
+            vocab,
+        }) => {
+            let r = match kind.as_str() {
+                "tokens" => ductile_worker::synth::tokens(&out, seed, size as usize, vocab),
+                "regression" => ductile_worker::synth::regression(&out, seed, size as i64, 16, 4),
+                other => Err(anyhow::anyhow!(
+                    "unknown kind {other:?} (tokens, regression)"
+                )),
+            };
+            if let Err(e) = r {
+                eprintln!("ductile-worker synth-data: {e:#}");
+                std::process::exit(1);
+            }
+            println!("wrote {kind} dataset to {out}");
+        }
+        None | Some(Cmd::Run) => run(),
+    }
+}
+
+fn run() {
     let env = match ductile_worker::WorkerEnv::from_env() {
         Ok(e) => e,
         Err(e) => {
@@ -10,23 +72,72 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    let cancel = ductile_cluster::service::shutdown_on_signals();
-    let backend = match ductile_cluster::connect_etcd(&env.etcd, Duration::from_secs(30)).await {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!(
-                "ductile-worker: cannot reach etcd at {}: {}",
-                env.etcd,
-                ductile_cluster::service::error_chain(&e)
-            );
-            std::process::exit(1);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let code = rt.block_on(async move {
+        let cancel = ductile_cluster::service::shutdown_on_signals();
+        let backend = match ductile_cluster::connect_etcd(&env.etcd, Duration::from_secs(30)).await
+        {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!(
+                    "ductile-worker: cannot reach etcd at {}: {}",
+                    env.etcd,
+                    ductile_cluster::service::error_chain(&e)
+                );
+                return 1;
+            }
+        };
+        let store =
+            ductile_cluster::Store::new(backend.clone(), ductile_cluster::Keys::new(&env.prefix));
+        let spec = match store.spec(&env.job).await {
+            Ok(Some((s, _))) => s,
+            Ok(None) => {
+                eprintln!("ductile-worker: job {:?} has no spec", env.job);
+                return 2;
+            }
+            Err(e) => {
+                eprintln!("ductile-worker: cannot read the job spec: {e}");
+                return 1;
+            }
+        };
+        let Some(training) = spec.training.clone() else {
+            return match ductile_worker::follow_generations(env, backend, cancel).await {
+                Ok(()) => ductile_worker::EXIT_FENCED,
+                Err(e) => {
+                    eprintln!("ductile-worker: {e:#}");
+                    1
+                }
+            };
+        };
+        let cell = Arc::new(ductile_worker::train::GenCell::default());
+        ductile_worker::watch_generations(
+            store.clone(),
+            env.job.clone(),
+            cell.clone(),
+            cancel.clone(),
+        );
+        let handle = tokio::runtime::Handle::current();
+        let trainer = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+            ductile_worker::train::Trainer::new(env, training, spec.max, store, handle, cell)?.run()
+        });
+        tokio::select! {
+            r = trainer => match r {
+                Ok(Ok(())) => 0,
+                Ok(Err(e)) => {
+                    eprintln!("ductile-worker: {e:#}");
+                    1
+                }
+                Err(e) => {
+                    eprintln!("ductile-worker: training thread failed: {e}");
+                    1
+                }
+            },
+            _ = cancel.cancelled() => 0,
         }
-    };
-    match ductile_worker::follow_generations(env, backend, cancel).await {
-        Ok(()) => std::process::exit(ductile_worker::EXIT_FENCED),
-        Err(e) => {
-            eprintln!("ductile-worker: {e:#}");
-            std::process::exit(1);
-        }
-    }
+    });
+    std::process::exit(code);
 }

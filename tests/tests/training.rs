@@ -1,0 +1,340 @@
+//! Elastic data-parallel training: real etcd, daemon, agents and tch workers.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use ductile_cluster::api::JobView;
+use ductile_cluster::records::{JobState, Reason, StateSource};
+use ductile_tests::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn history(c: &Cluster, job: &str) -> Vec<ductile_cluster::records::Generation> {
+    c.dctl_ok(&["events", job, "--json"])
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn wait_step(c: &Cluster, job: &str, step: u64, limit: Duration) -> JobView {
+    c.wait_for(limit, &format!("job {job} past step {step}"), || {
+        Some(c.status(job)).filter(|v| v.step >= step)
+    })
+}
+
+fn wait_done(c: &Cluster, job: &str, limit: Duration) -> JobView {
+    c.wait_for(limit, &format!("job {job} succeeded"), || {
+        Some(c.status(job)).filter(|v| v.state == JobState::Succeeded)
+    })
+}
+
+/// Every rank's "step:sha256" for generation `g`, as the workers published them.
+async fn weights(c: &Cluster, job: &str, g: u64, world: u32) -> Vec<String> {
+    let store = c.store().await;
+    for _ in 0..200 {
+        let (kvs, _) = store
+            .backend
+            .list(&format!("{}weights/", store.keys.rendezvous(job, g)))
+            .await
+            .unwrap();
+        if kvs.len() == world as usize {
+            return kvs
+                .into_iter()
+                .map(|kv| String::from_utf8(kv.value).unwrap())
+                .collect();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("generation {g} did not report {world} weights");
+}
+
+#[test]
+fn training_a_killed_worker_leaves_survivors_training_in_place_and_the_loss_keeps_falling() {
+    let c = Cluster::start(Spec::default().agents(2, 2));
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    c.submit(&format!(
+        "{}max_steps = 100000\n",
+        training_toml("t1", 1, 4, 4, "gpt", &data, "restart_budget = 0")
+    ));
+    let v = c.wait_world("t1", 4, S(30));
+    let early = wait_step(&c, "t1", 30, S(60));
+    let victim = v.members.iter().find(|m| m.rank == 2).unwrap().clone();
+    unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
+    let v3 = c.wait_world("t1", 3, S(15));
+    let g = history(&c, "t1").into_iter().last().unwrap();
+    assert_eq!(
+        (g.reason, g.state_source),
+        (Reason::Failure, StateSource::Peers),
+        "no checkpoint: state comes from survivors"
+    );
+    let before: BTreeSet<u32> = v
+        .members
+        .iter()
+        .filter(|m| m.rank != 2)
+        .map(|m| m.pid.unwrap())
+        .collect();
+    let after: BTreeSet<u32> = v3.members.iter().map(|m| m.pid.unwrap()).collect();
+    assert_eq!(before, after, "survivors keep their processes");
+    let at_kill = c.status("t1").step;
+    let later = wait_step(&c, "t1", at_kill + 150, S(60));
+    assert_eq!(later.generation, v3.generation, "it trains on at world 3");
+    assert!(
+        later.loss.unwrap() < early.loss.unwrap() - 0.3,
+        "loss {} → {}",
+        early.loss.unwrap(),
+        later.loss.unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn training_newcomers_receive_state_and_every_rank_holds_the_same_weights() {
+    let c = Cluster::start(Spec::default().agents(2, 2));
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    c.submit(&format!(
+        "{}max_steps = 100000\n",
+        training_toml("t2", 1, 4, 3, "gpt", &data, "")
+    ));
+    c.wait_world("t2", 3, S(30));
+    wait_step(&c, "t2", 20, S(60));
+    c.dctl_ok(&["scale", "t2", "2"]);
+    let v2 = c.wait_world("t2", 2, S(15));
+    let s2 = wait_step(&c, "t2", c.status("t2").step + 20, S(60));
+    c.dctl_ok(&["scale", "t2", "4"]);
+    let v4 = c.wait_world("t2", 4, S(20));
+    let w = weights(&c, "t2", v4.generation, 4).await;
+    assert!(
+        w.windows(2).all(|x| x[0] == x[1]),
+        "ranks disagree after the scale-up: {w:?}"
+    );
+    let step: u64 = w[0].split(':').next().unwrap().parse().unwrap();
+    assert!(
+        step >= s2.step,
+        "newcomers resumed at {step}, not from scratch"
+    );
+    // two newcomers: slots that were not in the world before
+    let old: BTreeSet<(String, u32)> = v2
+        .members
+        .iter()
+        .map(|m| (m.node.clone(), m.slot))
+        .collect();
+    assert_eq!(
+        v4.members
+            .iter()
+            .filter(|m| !old.contains(&(m.node.clone(), m.slot)))
+            .count(),
+        2
+    );
+    wait_step(&c, "t2", step + 20, S(60));
+}
+
+#[test]
+fn training_repeated_kills_during_all_reduces_never_hang() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    c.submit(&format!(
+        "{}max_steps = 100000\n",
+        training_toml("t3", 1, 4, 4, "gpt", &data, "restart_budget = 50")
+    ));
+    c.wait_world("t3", 4, S(30));
+    let mut last = wait_step(&c, "t3", 10, S(60)).step;
+    for round in 0..6u32 {
+        let v = c.wait_world("t3", 4, S(30));
+        let victim = v.members[(round % 4) as usize].pid.unwrap();
+        unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+        // training goes on, past where it was
+        let now = wait_step(&c, "t3", last + 10, S(30)).step;
+        assert!(now > last, "round {round}: stuck at {last}");
+        last = now;
+    }
+    let v = c.wait_world("t3", 4, S(30));
+    let g = v.generation;
+    let w = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(weights(&c, "t3", g, 4));
+    assert!(w.windows(2).all(|x| x[0] == x[1]), "{w:?}");
+}
+
+#[test]
+fn training_every_sample_is_used_exactly_once_per_epoch_across_kills_and_resizes() {
+    let ledger = TempDir::new("ledger");
+    let spec = Spec {
+        restart_backoff_ms: 300,
+        agent_env: vec![(
+            "DUCTILE_LEDGER_DIR".into(),
+            ledger.path().display().to_string(),
+        )],
+        ..Spec::default().agents(2, 2)
+    };
+    let c = Cluster::start(spec);
+    // 20,000 tokens / ctx 32 → 624 samples; 32 per step → about 19.5 steps an epoch
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let steps = 1200u64;
+    c.submit(&format!(
+        "{}max_steps = {steps}\nmodel_config = {{ d_model = 32, n_layer = 1, n_head = 2 }}\n",
+        training_toml("t4", 1, 4, 4, "gpt", &data, "restart_budget = 50")
+    ));
+    c.wait_world("t4", 4, S(30));
+    wait_step(&c, "t4", 100, S(60));
+    let v = c.status("t4");
+    unsafe { libc::kill(v.members[1].pid.unwrap() as i32, libc::SIGKILL) };
+    wait_step(&c, "t4", 300, S(60));
+    c.dctl_ok(&["scale", "t4", "3"]);
+    wait_step(&c, "t4", 500, S(60));
+    let v = c.status("t4");
+    unsafe { libc::kill(v.members[0].pid.unwrap() as i32, libc::SIGKILL) };
+    wait_step(&c, "t4", 700, S(60));
+    c.dctl_ok(&["scale", "t4", "4"]);
+    wait_done(&c, "t4", S(120));
+    assert!(
+        history(&c, "t4").len() >= 5,
+        "the run was interrupted several times"
+    );
+
+    // read every rank's ledger
+    let mut idx: BTreeMap<(u64, u64), Vec<u64>> = BTreeMap::new(); // (generation, step) → indices
+    let mut applied: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new(); // step → generations
+    for f in std::fs::read_dir(ledger.path()).unwrap() {
+        for line in std::fs::read_to_string(f.unwrap().path()).unwrap().lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let (g, s) = (v["g"].as_u64().unwrap(), v["s"].as_u64().unwrap());
+            if v["applied"] == true {
+                applied.entry(s).or_default().insert(g);
+            } else {
+                idx.entry((g, s)).or_default().extend(
+                    v["idx"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_u64().unwrap()),
+                );
+            }
+        }
+    }
+    let missing: Vec<u64> = (0..steps).filter(|s| !applied.contains_key(s)).collect();
+    assert!(
+        missing.is_empty(),
+        "steps never committed: {missing:?}; beyond the end: {:?}",
+        applied.keys().filter(|s| **s >= steps).collect::<Vec<_>>()
+    );
+    let n = 624u64;
+    let mut count: BTreeMap<u64, u64> = BTreeMap::new();
+    for (s, gens) in &applied {
+        assert_eq!(
+            gens.len(),
+            1,
+            "step {s} committed in several generations: {gens:?}"
+        );
+        let g = *gens.iter().next().unwrap();
+        let used = &idx[&(g, *s)];
+        assert_eq!(
+            used.len(),
+            32,
+            "step {s}: {} samples, not the global batch",
+            used.len()
+        );
+        for i in used {
+            assert!(*i < n);
+            *count.entry(*i).or_default() += 1;
+        }
+    }
+    // 1200 steps × 32 = 38400 positions = 61 epochs of 624 + 336: each sample 61 or 62 times
+    let (full, rest) = (steps * 32 / n, steps * 32 % n);
+    assert_eq!(count.len() as u64, n, "some sample never used");
+    assert!(
+        count.values().all(|c| *c == full || *c == full + 1),
+        "a sample used too often or too rarely"
+    );
+    assert_eq!(
+        count.values().filter(|c| **c == full + 1).count() as u64,
+        rest
+    );
+}
+
+#[test]
+fn training_deterministic_mode_gives_bitwise_equal_weights_despite_kills_and_resizes() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let train = |name: &str, desired: u32| {
+        format!(
+            "{}max_steps = 2500\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\n",
+            training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50")
+        )
+    };
+    // an uninterrupted run at a fixed size
+    c.submit(&train("fixed", 2));
+    let reference = wait_done(&c, "fixed", S(120))
+        .final_weights_sha256
+        .expect("a final hash");
+    // the same job, killed and resized on the way
+    c.submit(&train("elastic", 4));
+    c.wait_world("elastic", 4, S(30));
+    wait_step(&c, "elastic", 200, S(60));
+    let v = c.status("elastic");
+    unsafe { libc::kill(v.members[3].pid.unwrap() as i32, libc::SIGKILL) };
+    wait_step(&c, "elastic", 800, S(60));
+    c.dctl_ok(&["scale", "elastic", "1"]);
+    wait_step(&c, "elastic", 1300, S(60));
+    c.dctl_ok(&["scale", "elastic", "3"]);
+    let done = wait_done(&c, "elastic", S(180));
+    let h = history(&c, "elastic");
+    assert!(h.len() >= 4, "{h:?}");
+    assert!(
+        h.iter().any(|g| g.reason == Reason::Failure) && h.iter().any(|g| g.world_size == 1),
+        "{h:?}"
+    );
+    assert_eq!(
+        done.final_weights_sha256.unwrap(),
+        reference,
+        "final weights differ from the uninterrupted run"
+    );
+    assert_eq!(done.step, 2500);
+}
+
+#[test]
+fn training_bad_training_specs_are_refused_before_any_worker_starts() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let dir = c.dir.path();
+    let cases = [
+        (
+            training_toml("b1", 1, 2, 2, "resnet", "file:///d", ""),
+            "invalid training.model: \"resnet\" is unknown",
+        ),
+        (
+            training_toml("b2", 1, 4, 2, "gpt", "file:///d", "")
+                .replace("global_batch = 32", "global_batch = 3"),
+            "invalid training.global_batch: 3 cannot be split over max = 4",
+        ),
+        (
+            format!(
+                "{}deterministic = true\nlogical_shards = 2\n",
+                training_toml("b3", 1, 4, 2, "gpt", "file:///d", "")
+            ),
+            "invalid training.logical_shards: 2 is below max = 4",
+        ),
+        (
+            training_toml("b4", 1, 2, 2, "gpt", "file:///d", "")
+                .replace("dataset = \"file:///d\"\n", ""),
+            "missing field `dataset`",
+        ),
+        (
+            training_toml("b5", 1, 2, 2, "gpt", "https://x/d", ""),
+            "invalid training.dataset",
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let p = dir.join(format!("bad{i}.toml"));
+        std::fs::write(&p, text).unwrap();
+        let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
+        assert!(!ok, "case {i} accepted");
+        assert!(err.contains(want), "case {i}: {err}");
+    }
+    let jobs: Vec<JobView> = serde_json::from_str(&c.dctl_ok(&["status", "--json"])).unwrap();
+    assert!(jobs.is_empty(), "nothing was stored");
+    assert!(!c.logs().contains("worker started"));
+}

@@ -1,0 +1,1 @@
+include!("../scripts/libtorch_link.rs");

@@ -1,0 +1,165 @@
+//! Datasets addressed by URL, and the exactly-once order of samples.
+//!
+//! A token dataset is a stream of little-endian u16 tokens; sample k is the window
+//! `tokens[k·ctx .. k·ctx + ctx + 1]` (inputs and next-token targets). A regression dataset is a
+//! safetensors file with tensors `x` [N, d_in] and `y` [N, d_out]. Global position p of the
+//! training run is sample `perm(epoch)[p mod N]` with `epoch = p / N`, a seeded permutation per
+//! epoch: step s consumes positions [s·B, (s+1)·B), so each sample is used once per epoch by
+//! the committed steps, whatever the world size.
+
+use tch::{Kind, Tensor};
+
+pub enum Dataset {
+    Tokens {
+        tokens: Vec<u16>,
+        ctx: usize,
+        vocab: usize,
+    },
+    Regression {
+        x: Tensor,
+        y: Tensor,
+    },
+}
+
+pub fn path_of(url: &str) -> anyhow::Result<&str> {
+    url.strip_prefix("file://").ok_or_else(|| {
+        anyhow::anyhow!("dataset {url:?}: only file:// datasets are read by this worker build")
+    })
+}
+
+impl Dataset {
+    pub fn open(url: &str, model: &str, ctx: usize) -> anyhow::Result<Dataset> {
+        let path = path_of(url)?;
+        match model {
+            "gpt" => {
+                let bytes =
+                    std::fs::read(path).map_err(|e| anyhow::anyhow!("dataset {url}: {e}"))?;
+                anyhow::ensure!(
+                    bytes.len() % 2 == 0 && bytes.len() >= 2 * (ctx + 2),
+                    "dataset {url}: not a u16 token stream of at least {} tokens",
+                    ctx + 2
+                );
+                let tokens: Vec<u16> = bytes
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect();
+                let vocab = *tokens.iter().max().unwrap() as usize + 1;
+                Ok(Dataset::Tokens { tokens, ctx, vocab })
+            }
+            _ => {
+                let named = Tensor::read_safetensors(path)
+                    .map_err(|e| anyhow::anyhow!("dataset {url}: {e}"))?;
+                let get = |n: &str| {
+                    named
+                        .iter()
+                        .find(|(k, _)| k == n)
+                        .map(|(_, t)| t.to_kind(Kind::Float))
+                        .ok_or_else(|| anyhow::anyhow!("dataset {url}: no tensor {n:?}"))
+                };
+                let (x, y) = (get("x")?, get("y")?);
+                anyhow::ensure!(
+                    x.size()[0] == y.size()[0],
+                    "dataset {url}: x and y differ in length"
+                );
+                Ok(Dataset::Regression { x, y })
+            }
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        match self {
+            Dataset::Tokens { tokens, ctx, .. } => ((tokens.len() - 1) / ctx) as u64,
+            Dataset::Regression { x, .. } => x.size()[0] as u64,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The batch of these sample indices: (inputs, targets).
+    pub fn batch(&self, idx: &[u64]) -> (Tensor, Tensor) {
+        match self {
+            Dataset::Tokens { tokens, ctx, .. } => {
+                let mut x = Vec::with_capacity(idx.len() * ctx);
+                let mut y = Vec::with_capacity(idx.len() * ctx);
+                for &k in idx {
+                    let a = k as usize * ctx;
+                    x.extend(tokens[a..a + ctx].iter().map(|t| *t as i64));
+                    y.extend(tokens[a + 1..a + ctx + 1].iter().map(|t| *t as i64));
+                }
+                let n = idx.len() as i64;
+                (
+                    Tensor::from_slice(&x).view([n, *ctx as i64]),
+                    Tensor::from_slice(&y).view([n, *ctx as i64]),
+                )
+            }
+            Dataset::Regression { x, y } => {
+                let i = Tensor::from_slice(&idx.iter().map(|v| *v as i64).collect::<Vec<_>>());
+                (x.index_select(0, &i), y.index_select(0, &i))
+            }
+        }
+    }
+}
+
+/// splitmix64: a small, fixed, seedable generator (the order must never change between builds).
+pub fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The seeded permutation of `n` samples for `epoch` (Fisher–Yates).
+pub fn permutation(n: u64, seed: u64, epoch: u64) -> Vec<u64> {
+    let mut p: Vec<u64> = (0..n).collect();
+    let mut state = mix(seed ^ mix(epoch.wrapping_add(0x5eed)));
+    for i in (1..n as usize).rev() {
+        state = mix(state);
+        let j = (state % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+/// Maps global positions to sample indices, caching the current epoch's permutation.
+pub struct Order {
+    n: u64,
+    seed: u64,
+    cached: Option<(u64, Vec<u64>)>,
+}
+
+impl Order {
+    pub fn new(n: u64, seed: u64) -> Self {
+        Order {
+            n,
+            seed,
+            cached: None,
+        }
+    }
+    pub fn sample(&mut self, position: u64) -> u64 {
+        let epoch = position / self.n;
+        if self.cached.as_ref().map(|c| c.0) != Some(epoch) {
+            self.cached = Some((epoch, permutation(self.n, self.seed, epoch)));
+        }
+        self.cached.as_ref().unwrap().1[(position % self.n) as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_epoch_is_a_permutation_and_epochs_differ() {
+        let a = permutation(1000, 7, 0);
+        let mut s = a.clone();
+        s.sort();
+        assert_eq!(s, (0..1000).collect::<Vec<_>>());
+        assert_ne!(a, permutation(1000, 7, 1));
+        assert_eq!(a, permutation(1000, 7, 0), "seeded");
+        let mut o = Order::new(10, 3);
+        let first: Vec<u64> = (0..10).map(|p| o.sample(p)).collect();
+        assert_eq!(first, permutation(10, 3, 0));
+    }
+}

@@ -1,0 +1,193 @@
+//! Models, defined with tch: an MLP (regression) and a small decoder-only transformer (GPT-style:
+//! token and position embeddings, causal self-attention, MLP, layer norm). Initialised from the
+//! job's seed, so every rank builds the same weights.
+
+use ductile_cluster::records::TrainingSpec;
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+use crate::data::Dataset;
+
+fn cfg(spec: &TrainingSpec, key: &str, default: i64) -> i64 {
+    spec.model_config
+        .as_ref()
+        .and_then(|c| c.get(key))
+        .and_then(|v| v.as_i64())
+        .unwrap_or(default)
+}
+
+/// The context length of a GPT job (`model_config.ctx`, default 32).
+pub fn ctx(spec: &TrainingSpec) -> usize {
+    cfg(spec, "ctx", 32) as usize
+}
+
+struct Block {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc: nn::Linear,
+    fc2: nn::Linear,
+    heads: i64,
+}
+
+impl Block {
+    fn new(p: nn::Path, c: i64, heads: i64) -> Block {
+        Block {
+            ln1: nn::layer_norm(&p / "ln1", vec![c], Default::default()),
+            qkv: nn::linear(&p / "qkv", c, 3 * c, Default::default()),
+            proj: nn::linear(&p / "proj", c, c, Default::default()),
+            ln2: nn::layer_norm(&p / "ln2", vec![c], Default::default()),
+            fc: nn::linear(&p / "fc", c, 4 * c, Default::default()),
+            fc2: nn::linear(&p / "fc2", 4 * c, c, Default::default()),
+            heads,
+        }
+    }
+
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Tensor {
+        let (b, t, c) = x.size3().unwrap();
+        let hd = c / self.heads;
+        let qkv = x.apply(&self.ln1).apply(&self.qkv);
+        let split = qkv.split(c, 2);
+        let heads = |t_: &Tensor| t_.view([b, t, self.heads, hd]).transpose(1, 2);
+        let (q, k, v) = (heads(&split[0]), heads(&split[1]), heads(&split[2]));
+        let att = (q.matmul(&k.transpose(-2, -1)) / (hd as f64).sqrt())
+            .masked_fill(mask, f64::NEG_INFINITY)
+            .softmax(-1, Kind::Float);
+        let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, c]);
+        let x = x + y.apply(&self.proj);
+        let h = x
+            .apply(&self.ln2)
+            .apply(&self.fc)
+            .gelu("none")
+            .apply(&self.fc2);
+        x + h
+    }
+}
+
+enum Net {
+    Gpt {
+        tok: nn::Embedding,
+        pos: nn::Embedding,
+        blocks: Vec<Block>,
+        ln_f: nn::LayerNorm,
+        head: nn::Linear,
+        ctx: i64,
+        vocab: i64,
+    },
+    Mlp(nn::Sequential),
+}
+
+pub struct Model {
+    pub vs: nn::VarStore,
+    net: Net,
+}
+
+impl Model {
+    pub fn new(spec: &TrainingSpec, data: &Dataset) -> anyhow::Result<Model> {
+        tch::manual_seed(spec.seed as i64);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let root = vs.root();
+        let net = match (spec.model.as_str(), data) {
+            ("gpt", Dataset::Tokens { vocab, ctx, .. }) => {
+                let (c, layers, heads) = (
+                    cfg(spec, "d_model", 64),
+                    cfg(spec, "n_layer", 2),
+                    cfg(spec, "n_head", 4),
+                );
+                anyhow::ensure!(
+                    c % heads == 0,
+                    "model_config: d_model {c} must divide into n_head {heads}"
+                );
+                let vocab = (*vocab as i64).max(cfg(spec, "vocab", 0));
+                Net::Gpt {
+                    tok: nn::embedding(&root / "tok", vocab, c, Default::default()),
+                    pos: nn::embedding(&root / "pos", *ctx as i64, c, Default::default()),
+                    blocks: (0..layers)
+                        .map(|i| Block::new(&root / format!("h{i}"), c, heads))
+                        .collect(),
+                    ln_f: nn::layer_norm(&root / "ln_f", vec![c], Default::default()),
+                    head: nn::linear(
+                        &root / "head",
+                        c,
+                        vocab,
+                        nn::LinearConfig {
+                            bias: false,
+                            ..Default::default()
+                        },
+                    ),
+                    ctx: *ctx as i64,
+                    vocab,
+                }
+            }
+            ("mlp", Dataset::Regression { x, y }) => {
+                let (d_in, d_out) = (x.size()[1], y.size()[1]);
+                let (hidden, layers) = (cfg(spec, "hidden", 64), cfg(spec, "layers", 2));
+                let mut s = nn::seq();
+                let mut d = d_in;
+                for i in 0..layers {
+                    s = s
+                        .add(nn::linear(
+                            &root / format!("l{i}"),
+                            d,
+                            hidden,
+                            Default::default(),
+                        ))
+                        .add_fn(|t| t.tanh());
+                    d = hidden;
+                }
+                Net::Mlp(s.add(nn::linear(&root / "out", d, d_out, Default::default())))
+            }
+            (m, _) => anyhow::bail!(
+                "model {m:?} does not fit its dataset (gpt needs tokens, mlp a regression set)"
+            ),
+        };
+        Ok(Model { vs, net })
+    }
+
+    /// Parameters in name order (the order of state transfer and of the weights hash).
+    pub fn params(&self) -> Vec<(String, Tensor)> {
+        let mut v: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// Sum over the batch of each sample's loss (so / global batch gives the exact mean).
+    pub fn loss_sum(&self, x: &Tensor, y: &Tensor) -> Tensor {
+        match &self.net {
+            Net::Gpt {
+                tok,
+                pos,
+                blocks,
+                ln_f,
+                head,
+                ctx,
+                vocab,
+            } => {
+                let (b, t) = x.size2().unwrap();
+                debug_assert!(t <= *ctx);
+                let positions = Tensor::arange(t, (Kind::Int64, tch::Device::Cpu));
+                let mut h = tok.forward(x) + pos.forward(&positions);
+                let mask = Tensor::ones([t, t], (Kind::Bool, tch::Device::Cpu))
+                    .tril(0)
+                    .logical_not();
+                for blk in blocks {
+                    h = blk.forward(&h, &mask);
+                }
+                let logits = h.apply(ln_f).apply(head);
+                // mean over positions of each sample, summed over samples
+                logits.view([b * t, *vocab]).cross_entropy_loss::<Tensor>(
+                    &y.view([b * t]),
+                    None,
+                    tch::Reduction::Sum,
+                    -100,
+                    0.0,
+                ) / t as f64
+            }
+            Net::Mlp(s) => {
+                let d = y.size()[1];
+                (s.forward(x) - y).square().sum(Kind::Float) / d as f64
+            }
+        }
+    }
+}

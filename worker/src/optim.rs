@@ -1,0 +1,99 @@
+//! SGD with momentum and AdamW on plain tensors, with a learning-rate schedule by step. Written
+//! out here (not tch's C++ optimizers) so that their state is ordinary tensors that can be sent
+//! to a newcomer and hashed, and so the arithmetic order is fixed.
+
+use tch::Tensor;
+
+pub enum Kind {
+    Sgd {
+        momentum: f64,
+    },
+    AdamW {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+}
+
+pub struct Optimizer {
+    pub kind: Kind,
+    /// Per parameter: the momentum buffer (SGD) or the first and second moments (AdamW).
+    pub state: Vec<Tensor>,
+}
+
+impl Optimizer {
+    pub fn new(name: &str, params: &[Tensor]) -> Optimizer {
+        let zeros = |n: usize| {
+            params
+                .iter()
+                .flat_map(|p| (0..n).map(|_| p.zeros_like()).collect::<Vec<_>>())
+                .collect()
+        };
+        match name {
+            "sgd" => Optimizer {
+                kind: Kind::Sgd { momentum: 0.9 },
+                state: zeros(1),
+            },
+            _ => Optimizer {
+                kind: Kind::AdamW {
+                    beta1: 0.9,
+                    beta2: 0.95,
+                    eps: 1e-8,
+                    weight_decay: 0.01,
+                },
+                state: zeros(2),
+            },
+        }
+    }
+
+    /// Apply one update. `step` is the 0-based index of the step being applied.
+    pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64, step: u64) {
+        tch::no_grad(|| match self.kind {
+            Kind::Sgd { momentum } => {
+                for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+                    let buf = &mut self.state[i];
+                    let _ = buf.g_mul_scalar_(momentum).g_add_(g);
+                    let mut p = p.shallow_clone();
+                    let _ = p.g_sub_(&(&*buf * lr));
+                }
+            }
+            Kind::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                let t = step as i32 + 1;
+                let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+                for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+                    let mut p = p.shallow_clone();
+                    let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+                    let m = &mut self.state[2 * i];
+                    let _ = m.g_mul_scalar_(beta1).g_add_(&(g * (1.0 - beta1)));
+                    let m_hat = &*m / c1;
+                    let v = &mut self.state[2 * i + 1];
+                    let _ = v.g_mul_scalar_(beta2).g_add_(&(g.square() * (1.0 - beta2)));
+                    let v_hat = &*v / c2;
+                    let _ = p.g_sub_(&(m_hat / (v_hat.sqrt() + eps) * lr));
+                }
+            }
+        })
+    }
+}
+
+/// Linear warm-up over the first 10 steps (or 10% of max_steps), then cosine decay to 10% of
+/// `lr` at `max_steps` (constant after warm-up when there is no max_steps).
+pub fn lr_at(lr: f64, step: u64, max_steps: Option<u64>) -> f64 {
+    let warm = max_steps.map(|m| (m / 10).clamp(1, 10)).unwrap_or(10);
+    if step < warm {
+        return lr * (step + 1) as f64 / warm as f64;
+    }
+    match max_steps {
+        Some(m) if m > warm => {
+            let f = ((step - warm) as f64 / (m - warm) as f64).min(1.0);
+            lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * f).cos()))
+        }
+        _ => lr,
+    }
+}

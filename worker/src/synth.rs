@@ -1,0 +1,67 @@
+//! `ductile-worker synth-data`: small synthetic datasets with a learnable structure, generated
+//! locally (nothing is downloaded).
+
+use tch::{Kind, Tensor};
+
+use crate::data::{mix, path_of};
+
+/// A seeded Markov source over `vocab` tokens: each token has four likely successors, so a
+/// model's loss falls well below log(vocab).
+pub fn tokens(url: &str, seed: u64, n: usize, vocab: u16) -> anyhow::Result<()> {
+    let path = path_of(url)?;
+    let mut state = mix(seed);
+    let mut next = |m: u64| {
+        state = mix(state);
+        state % m
+    };
+    let succ: Vec<[u16; 4]> = (0..vocab)
+        .map(|_| [0; 4].map(|_| next(vocab as u64) as u16))
+        .collect();
+    let mut t = next(vocab as u64) as u16;
+    let mut out = Vec::with_capacity(n * 2);
+    for _ in 0..n {
+        out.extend_from_slice(&t.to_le_bytes());
+        // 90%: one of the four successors (weighted 4:3:2:1), else any token
+        t = if next(10) < 9 {
+            let r = next(10);
+            succ[t as usize][if r < 4 {
+                0
+            } else if r < 7 {
+                1
+            } else if r < 9 {
+                2
+            } else {
+                3
+            }]
+        } else {
+            next(vocab as u64) as u16
+        };
+    }
+    write(path, &out)
+}
+
+/// A regression task from a seeded teacher network: y = tanh(x·W1)·W2 + noise.
+pub fn regression(url: &str, seed: u64, n: i64, d_in: i64, d_out: i64) -> anyhow::Result<()> {
+    let path = path_of(url)?;
+    tch::manual_seed(seed as i64);
+    let x = Tensor::randn([n, d_in], (Kind::Float, tch::Device::Cpu));
+    let w1 = Tensor::randn([d_in, 32], (Kind::Float, tch::Device::Cpu)) / (d_in as f64).sqrt();
+    let w2 = Tensor::randn([32, d_out], (Kind::Float, tch::Device::Cpu)) / 32f64.sqrt();
+    let y = x.matmul(&w1).tanh().matmul(&w2)
+        + Tensor::randn([n, d_out], (Kind::Float, tch::Device::Cpu)) * 0.01;
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    Tensor::write_safetensors(&[("x", &x), ("y", &y)], path)
+        .map_err(|e| anyhow::anyhow!("{path}: {e}"))
+}
+
+fn write(path: &str, bytes: &[u8]) -> anyhow::Result<()> {
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = format!("{path}.tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}

@@ -1,0 +1,543 @@
+//! The elastic data-parallel training loop.
+//!
+//! For each generation that includes this worker: form the communicator (TCP), agree on the
+//! state (the highest completed step among the members wins; its lowest rank sends parameters,
+//! optimizer state and step to everyone in 1 MiB chunks with a checksum), write the join record,
+//! then train. A new generation aborts the communicator (a pending all-reduce returns at once),
+//! the unfinished step is dropped, and the loop joins the new generation in the same process.
+//!
+//! Step s consumes global positions [s·B, (s+1)·B) of the seeded per-epoch permutation; each
+//! rank takes its share (uneven allowed) in micro-batches and the applied gradient is the exact
+//! mean over the B samples. In deterministic mode B is cut into V logical shards whose gradients
+//! are folded in global shard order by the ordered all-reduce, so the bits do not depend on the
+//! world size.
+
+use std::io::Write as _;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use ductile_cluster::records::*;
+use ductile_cluster::Store;
+use ductile_comm::{
+    AbortHandle, CommError, Communicator, ReduceOp, Rendezvous, TcpComm, TcpConfig,
+};
+use ductile_strategies::{micro_batches, split_batch, split_range, Share};
+use sha2::{Digest, Sha256};
+use tch::{Kind, Tensor};
+
+use crate::data::{Dataset, Order};
+use crate::model::Model;
+use crate::optim::{lr_at, Optimizer};
+use crate::WorkerEnv;
+
+/// The newest generation seen, shared between the async watcher and the training thread.
+#[derive(Default)]
+pub struct GenCell {
+    latest: Mutex<Option<Generation>>,
+    cv: Condvar,
+    abort: Mutex<Option<(u64, AbortHandle)>>,
+}
+
+impl GenCell {
+    /// A newer generation: remember it and abort the communicator of any older one.
+    pub fn publish(&self, g: Generation) {
+        let mut l = self.latest.lock().unwrap();
+        if l.as_ref().is_some_and(|o| o.number >= g.number) {
+            return;
+        }
+        let n = g.number;
+        *l = Some(g);
+        drop(l);
+        self.cv.notify_all();
+        if let Some((gen, h)) = &*self.abort.lock().unwrap() {
+            if *gen < n {
+                tracing::info!(
+                    generation = gen,
+                    newer = n,
+                    "new generation: aborting the communicator"
+                );
+                h.abort();
+            }
+        }
+    }
+    fn newest(&self) -> u64 {
+        self.latest
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|g| g.number)
+            .unwrap_or(0)
+    }
+    fn wait_newer(&self, than: u64) -> Generation {
+        let mut l = self.latest.lock().unwrap();
+        loop {
+            if let Some(g) = l.as_ref().filter(|g| g.number > than) {
+                return g.clone();
+            }
+            l = self.cv.wait(l).unwrap();
+        }
+    }
+    fn install(&self, generation: u64, h: AbortHandle) {
+        *self.abort.lock().unwrap() = Some((generation, h.clone()));
+        if self.newest() > generation {
+            h.abort();
+        }
+    }
+}
+
+pub struct Trainer {
+    pub env: WorkerEnv,
+    pub spec: TrainingSpec,
+    pub max_size: u32,
+    pub store: Store,
+    pub rt: tokio::runtime::Handle,
+    pub cell: Arc<GenCell>,
+    data: Dataset,
+    order: Order,
+    model: Model,
+    params: Vec<Tensor>,
+    opt: Optimizer,
+    step: u64,
+    ledger: Option<std::fs::File>,
+}
+
+fn sha256_params(params: &[Tensor]) -> String {
+    let mut h = Sha256::new();
+    for p in params {
+        let n = p.numel();
+        let mut buf = vec![0u8; n * p.kind().elt_size_in_bytes()];
+        p.copy_data_u8(&mut buf, n);
+        h.update(&buf);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+enum Outcome {
+    /// The communicator failed or was aborted: join the next generation.
+    Reform(CommError),
+    Done,
+}
+
+impl Trainer {
+    pub fn new(
+        env: WorkerEnv,
+        spec: TrainingSpec,
+        max_size: u32,
+        store: Store,
+        rt: tokio::runtime::Handle,
+        cell: Arc<GenCell>,
+    ) -> anyhow::Result<Trainer> {
+        tch::set_num_threads(1);
+        let data = Dataset::open(&spec.dataset, &spec.model, crate::model::ctx(&spec))?;
+        anyhow::ensure!(!data.is_empty(), "dataset {} holds no sample", spec.dataset);
+        let model = Model::new(&spec, &data)?;
+        let params: Vec<Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
+        let opt = Optimizer::new(&spec.optimizer, &params);
+        let ledger = match std::env::var("DUCTILE_LEDGER_DIR") {
+            Ok(dir) => {
+                std::fs::create_dir_all(&dir)?;
+                Some(std::fs::File::create(format!(
+                    "{dir}/{}-{}-{}.jsonl",
+                    env.node,
+                    env.slot,
+                    std::process::id()
+                ))?)
+            }
+            Err(_) => None,
+        };
+        let order = Order::new(data.len(), spec.seed);
+        Ok(Trainer {
+            env,
+            spec,
+            max_size,
+            store,
+            rt,
+            cell,
+            data,
+            order,
+            model,
+            params,
+            opt,
+            step: 0,
+            ledger,
+        })
+    }
+
+    /// Train until `max_steps` (returns) or until this worker leaves the world (returns).
+    pub fn run(mut self) -> anyhow::Result<()> {
+        let mut current = 0u64;
+        loop {
+            let g = self.cell.wait_newer(current);
+            current = g.number;
+            let Some(me) = g.member(&self.env.node, self.env.slot).cloned() else {
+                println!(
+                    "generation {} does not include {}/{}: leaving",
+                    g.number, self.env.node, self.env.slot
+                );
+                return Ok(());
+            };
+            let comm = match self.form(&g, me.rank) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(generation = g.number, error = %e, "could not form the communicator; waiting for the next generation");
+                    // a member that is gone makes the daemon publish a new generation
+                    current = current.min(self.cell.newest());
+                    if self.cell.newest() == g.number {
+                        std::thread::sleep(Duration::from_millis(500));
+                        current = g.number - 1; // retry this generation
+                    }
+                    continue;
+                }
+            };
+            self.cell.install(g.number, comm.abort_handle());
+            match self.generation(&g, &comm, me.rank) {
+                Ok(Outcome::Done) => return Ok(()),
+                Ok(Outcome::Reform(e)) => {
+                    tracing::info!(generation = g.number, step = self.step, reason = %e, "leaving generation")
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn form(&self, g: &Generation, rank: u32) -> Result<TcpComm, CommError> {
+        let rdv = Rendezvous::new(
+            self.store.clone(),
+            &self.env.job,
+            g.number,
+            g.world_size,
+            rank,
+        )?;
+        let cfg = TcpConfig {
+            form_timeout: Duration::from_secs(30),
+            ..TcpConfig::from_env()
+        };
+        let cell = self.cell.clone();
+        let n = g.number;
+        self.rt.block_on(async move {
+            let newer = async {
+                loop {
+                    if cell.newest() > n {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            };
+            tokio::select! {
+                r = TcpComm::form(&rdv, cfg) => r,
+                _ = newer => Err(CommError::Aborted { generation: n, op: "form" }),
+            }
+        })
+    }
+
+    fn generation(&mut self, g: &Generation, comm: &TcpComm, rank: u32) -> anyhow::Result<Outcome> {
+        let t0 = Instant::now();
+        if let Err(e) = self.sync_state(comm) {
+            return Ok(Outcome::Reform(e));
+        }
+        let hash = sha256_params(&self.params);
+        println!(
+            "joined generation {} as rank {} of {} at step {} ({}; {}) weights {}",
+            g.number,
+            rank,
+            g.world_size,
+            self.step,
+            g.reason,
+            g.detail,
+            &hash[..16]
+        );
+        let (store, job, gnum) = (self.store.clone(), self.env.job.clone(), g.number);
+        let join = JoinRecord {
+            node: self.env.node.clone(),
+            slot: self.env.slot,
+            rank,
+            pid: std::process::id(),
+            joined_at_ms: now_ms(),
+            step: self.step,
+        };
+        let weights = format!("{}:{}", self.step, hash);
+        self.rt.spawn(async move {
+            let _ = store
+                .put_json(&store.keys.joined_rank(&job, gnum, rank), &join, None)
+                .await;
+            let _ = store
+                .backend
+                .put(
+                    &format!("{}weights/{rank}", store.keys.rendezvous(&job, gnum)),
+                    weights.into_bytes(),
+                    None,
+                )
+                .await;
+        });
+        tracing::info!(
+            generation = g.number,
+            rank,
+            step = self.step,
+            sync_ms = t0.elapsed().as_millis() as u64,
+            "training"
+        );
+        let mut last_report = Instant::now() - Duration::from_secs(2);
+        let mut samples_since = 0u64;
+        let mut since = Instant::now();
+        loop {
+            if self.spec.max_steps.is_some_and(|m| self.step >= m) {
+                if rank == 0 {
+                    let sha = sha256_params(&self.params);
+                    let p = Progress {
+                        generation: g.number,
+                        step: self.step,
+                        loss: None,
+                        samples_per_sec: None,
+                        updated_at_ms: now_ms(),
+                        done: true,
+                        final_weights_sha256: Some(sha.clone()),
+                    };
+                    let store = self.store.clone();
+                    let job = self.env.job.clone();
+                    // keep the last loss reported
+                    let prev = self.rt.block_on(store.progress(&job)).ok().flatten();
+                    let p = Progress {
+                        loss: prev.as_ref().and_then(|x| x.loss),
+                        samples_per_sec: prev.and_then(|x| x.samples_per_sec),
+                        ..p
+                    };
+                    self.rt
+                        .block_on(store.put_json(&store.keys.progress(&job), &p, None))?;
+                    println!("finished at step {}: final weights sha256 {sha}", self.step);
+                }
+                return Ok(Outcome::Done);
+            }
+            let loss = match self.train_step(comm, g, rank) {
+                Ok(l) => l,
+                Err(e) => return Ok(Outcome::Reform(e)),
+            };
+            samples_since += self.spec.global_batch as u64;
+            if rank == 0 && last_report.elapsed() >= Duration::from_secs(1) {
+                let sps = samples_since as f64 / since.elapsed().as_secs_f64();
+                let p = Progress {
+                    generation: g.number,
+                    step: self.step,
+                    loss: Some(loss),
+                    samples_per_sec: Some(sps),
+                    updated_at_ms: now_ms(),
+                    done: false,
+                    final_weights_sha256: None,
+                };
+                let store = self.store.clone();
+                let job = self.env.job.clone();
+                self.rt.spawn(async move {
+                    let _ = store.put_json(&store.keys.progress(&job), &p, None).await;
+                });
+                println!(
+                    "step {} loss {loss:.4} samples/s {sps:.1} world {}",
+                    self.step, g.world_size
+                );
+                last_report = Instant::now();
+                samples_since = 0;
+                since = Instant::now();
+            }
+        }
+    }
+
+    /// Agree on the state: the highest step wins; its lowest rank sends its state to all.
+    fn sync_state(&mut self, comm: &TcpComm) -> Result<(), CommError> {
+        let mine = Tensor::from_slice(&[self.step as f64]);
+        let all = Communicator::all_gather(comm, &mine)?;
+        let steps: Vec<f64> = Vec::<f64>::try_from(all.flatten(0, -1)).unwrap_or_default();
+        let max = steps.iter().cloned().fold(0.0, f64::max);
+        if steps.iter().all(|s| *s == max) {
+            return Ok(());
+        }
+        let source = steps.iter().position(|s| *s == max).unwrap() as u32;
+        let mut blob = if comm.rank() == source {
+            self.state_blob()
+        } else {
+            Vec::new()
+        };
+        comm.broadcast_vec(&mut blob, source)?;
+        if (self.step as f64) < max {
+            self.load_blob(&blob).map_err(|e| CommError::Protocol {
+                generation: comm.generation(),
+                op: "state transfer",
+                peer: source,
+                reason: e,
+            })?;
+            tracing::info!(
+                step = self.step,
+                from = source,
+                bytes = blob.len(),
+                "received state"
+            );
+        }
+        Ok(())
+    }
+
+    fn tensors(&self) -> Vec<&Tensor> {
+        self.params.iter().chain(self.opt.state.iter()).collect()
+    }
+
+    fn state_blob(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"DCTS1\0\0\0");
+        b.extend_from_slice(&self.step.to_le_bytes());
+        let ts = self.tensors();
+        b.extend_from_slice(&(ts.len() as u64).to_le_bytes());
+        for t in ts {
+            let n = t.numel();
+            b.extend_from_slice(&(n as u64).to_le_bytes());
+            let at = b.len();
+            b.resize(at + n * 4, 0);
+            t.copy_data_u8(&mut b[at..], n);
+        }
+        let sum = fnv(&b);
+        b.extend_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    fn load_blob(&mut self, b: &[u8]) -> Result<(), String> {
+        if b.len() < 32 || &b[..8] != b"DCTS1\0\0\0" {
+            return Err("not a state blob".into());
+        }
+        let (body, sum) = b.split_at(b.len() - 8);
+        if fnv(body) != u64::from_le_bytes(sum.try_into().unwrap()) {
+            return Err("state checksum mismatch".into());
+        }
+        let rd = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().unwrap());
+        let step = rd(8);
+        let count = rd(16) as usize;
+        let mut at = 24;
+        let targets: Vec<Tensor> = self
+            .tensors()
+            .into_iter()
+            .map(|t| t.shallow_clone())
+            .collect();
+        if count != targets.len() {
+            return Err(format!(
+                "state holds {count} tensors, this model {}",
+                targets.len()
+            ));
+        }
+        tch::no_grad(|| -> Result<(), String> {
+            for t in targets {
+                let n = rd(at) as usize;
+                at += 8;
+                if n != t.numel() || at + n * 4 > body.len() {
+                    return Err("state tensor sizes differ".into());
+                }
+                let src = Tensor::from_data_size(&body[at..at + n * 4], &t.size(), Kind::Float);
+                let mut t = t;
+                t.copy_(&src);
+                at += n * 4;
+            }
+            Ok(())
+        })?;
+        self.step = step;
+        Ok(())
+    }
+
+    fn zero_grads(&self) {
+        for p in &self.params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+    }
+
+    fn flat_grads(&self, loss: f64) -> Tensor {
+        let mut parts: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                if g.defined() {
+                    g.reshape([-1])
+                } else {
+                    p.zeros_like().reshape([-1])
+                }
+            })
+            .collect();
+        parts.push(Tensor::from_slice(&[loss as f32]));
+        Tensor::cat(&parts, 0).contiguous()
+    }
+
+    /// Forward and backward over `share` of step `self.step`; returns the summed loss / B.
+    fn accumulate(&mut self, share: Share, g: &Generation, rank: u32) -> f64 {
+        let b = self.spec.global_batch as u64;
+        let base = self.step * b;
+        let micro = self
+            .spec
+            .micro_batch
+            .map(|m| m as u64)
+            .unwrap_or(share.len.max(1));
+        let mut acc = 0.0;
+        let mut used = Vec::with_capacity(share.len as usize);
+        for (start, len) in micro_batches(share, micro) {
+            let idx: Vec<u64> = (start..start + len)
+                .map(|p| self.order.sample(base + p))
+                .collect();
+            used.extend_from_slice(&idx);
+            let (x, y) = self.data.batch(&idx);
+            let loss = self.model.loss_sum(&x, &y) / b as f64;
+            loss.backward();
+            acc += loss.double_value(&[]);
+        }
+        if let Some(f) = &mut self.ledger {
+            let _ = writeln!(
+                f,
+                "{}",
+                serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used})
+            );
+        }
+        acc
+    }
+
+    fn train_step(&mut self, comm: &TcpComm, g: &Generation, rank: u32) -> Result<f64, CommError> {
+        let b = self.spec.global_batch as u64;
+        let world = comm.world();
+        let flat = if self.spec.deterministic {
+            let v = self.spec.logical_shards.unwrap_or(self.max_size).max(1) as u64;
+            let shards = split_batch(b, v as u32);
+            let mut mine = Vec::new();
+            for k in split_range(v, world, rank) {
+                self.zero_grads();
+                let l = self.accumulate(shards[k as usize], g, rank);
+                mine.push((k, self.flat_grads(l)));
+            }
+            comm.ordered_all_reduce(&mine, v)?
+        } else {
+            self.zero_grads();
+            let share = split_batch(b, world)[rank as usize];
+            let l = self.accumulate(share, g, rank);
+            let mut flat = self.flat_grads(l);
+            comm.all_reduce(&mut flat, ReduceOp::Sum)?;
+            flat
+        };
+        let n = flat.size()[0];
+        let loss = flat.double_value(&[n - 1]);
+        let mut grads = Vec::with_capacity(self.params.len());
+        let mut at = 0;
+        for p in &self.params {
+            let k = p.numel() as i64;
+            grads.push(flat.narrow(0, at, k).view(p.size().as_slice()));
+            at += k;
+        }
+        let lr = lr_at(self.spec.lr, self.step, self.spec.max_steps);
+        self.opt.step(&self.params, &grads, lr, self.step);
+        if let Some(f) = &mut self.ledger {
+            let _ = writeln!(
+                f,
+                "{}",
+                serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true})
+            );
+        }
+        self.step += 1;
+        Ok(loss)
+    }
+}
