@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Quickstart: a local ductile cluster (etcd, one daemon, two agents with 2 CPU slots each) runs a
-# 4-worker job, loses an agent (SIGKILL), re-forms without it, gets the agent back, and grows
-# again on `dctl scale`. Every generation is printed as it is published. Everything it starts
-# is stopped when it ends; its files are in a temporary directory it prints.
+# Quickstart: a local ductile cluster (etcd, one daemon, two agents with 2 CPU slots each) trains
+# a small GPT on 4 CPU workers, loses an agent (SIGKILL) and keeps training at 2, gets the agent
+# back and grows to 4 again on `dctl scale`. Step, loss, throughput and each generation are shown
+# live; a summary follows. Everything it starts is stopped when it ends; its files are in a
+# temporary directory it prints.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -50,15 +51,45 @@ start_agent node-b
 sleep 0.5
 "$bin/dctl" nodes
 
-cat >"$work/demo.toml" <<'JOB'
+say "generating a synthetic token dataset (a seeded Markov source)"
+"$bin/ductile-worker" synth-data --kind tokens --out "file://$work/tokens.bin" --seed 7 --size 200000
+cat >"$work/demo.toml" <<JOB
 name = "demo"
 min = 1
 max = 4
 desired = 4
+[training]
+strategy = "data-parallel"
+model = "gpt"
+model_config = { d_model = 64, n_layer = 2, n_head = 4, ctx = 32 }
+dataset = "file://$work/tokens.bin"
+global_batch = 32
+max_steps = 2500
+optimizer = "adamw"
+lr = 3e-3
+seed = 7
 JOB
-say "submitting job demo (min 1, max 4, desired 4); generations appear below as they are published"
+say "submitting job demo: a GPT on 4 CPU workers (min 1, max 4, desired 4)"
 "$bin/dctl" submit "$work/demo.toml"
-"$bin/dctl" events demo --follow &
+# a live line: step, loss, throughput, world; each new generation on a line of its own
+cat >"$work/show.py" <<'PY'
+import json, sys
+v = json.load(sys.stdin)
+last = int(sys.argv[1])
+if v["generation"] != last and v["generation"] > 0:
+    print("\r\033[K-- generation %d: world %d (%s)" % (v["generation"], v["world_size"], v["message"]), flush=True)
+loss = "-" if v["loss"] is None else "%.3f" % v["loss"]
+sps = "-" if v["samples_per_sec"] is None else "%.0f" % v["samples_per_sec"]
+print("\r\033[K   %-9s step %5d  loss %6s  samples/s %6s  world %d" % (v["state"], v["step"], loss, sps, v["world_size"]), end="", flush=True)
+sys.exit(v["generation"] % 256)
+PY
+(
+  last=0
+  while sleep 0.5; do
+    "$bin/dctl" status demo --json 2>/dev/null | python3 "$work/show.py" "$last"
+    last=$?
+  done
+) &
 follower=$!
 pids+=($follower)
 
@@ -69,15 +100,23 @@ wait_world() {
   done
   echo "job did not reach world size $1" >&2; return 1
 }
+wait_step() {
+  for _ in $(seq 1 600); do
+    if "$bin/dctl" status demo --json | python3 -c "import json,sys; v=json.load(sys.stdin); sys.exit(0 if v['step']>=$1 else 1)"; then return 0; fi
+    sleep 0.1
+  done
+  echo "job did not reach step $1" >&2; return 1
+}
 wait_world 4
-sleep 0.5
-"$bin/dctl" status demo
+wait_step 400
+echo
 
-say "SIGKILL node-a's agent (its workers die with it): the job re-forms without it"
+say "SIGKILL node-a's agent (its workers die with it): the survivors keep training at 2"
 kill -9 "${agent_pid[node-a]}"
 wait_world 2
-sleep 0.5
-"$bin/dctl" status demo
+s=$("$bin/dctl" status demo --json | python3 -c "import json,sys; print(json.load(sys.stdin)['step'])")
+wait_step $((s + 300))
+echo
 
 say "the operator shrinks the desired size to what is alive: dctl scale demo 2"
 "$bin/dctl" scale demo 2
@@ -85,16 +124,22 @@ say "node-a comes back"
 start_agent node-a
 sleep 1
 "$bin/dctl" nodes
-say "and the job grows again: dctl scale demo 4"
+say "and the job grows again: dctl scale demo 4 (the newcomers receive the state from a survivor)"
 "$bin/dctl" scale demo 4
 wait_world 4
-sleep 0.5
+for _ in $(seq 1 600); do
+  st=$("$bin/dctl" status demo --json | python3 -c "import json,sys; print(json.load(sys.stdin)['state'])")
+  [ "$st" = Succeeded ] && break
+  sleep 0.2
+done
+sleep 0.6
 kill "$follower" 2>/dev/null || true
+echo
 
 say "summary"
 "$bin/dctl" status demo
 echo
 "$bin/dctl" events demo
 echo
-"$bin/dctl" status demo --json | python3 -c "import json,sys; v=json.load(sys.stdin); r=v['last_reformation']; print(f\"last re-formation: generation {r['generation']} ({r['reason']}) took {r['seconds']:.3f} s from trigger to every worker joined\")"
+"$bin/dctl" status demo --json | python3 -c "import json,sys; v=json.load(sys.stdin); r=v['last_reformation']; print(f\"last re-formation: generation {r['generation']} ({r['reason']}) took {r['seconds']:.3f} s from trigger to every worker joined\"); print(f\"final: step {v['step']}, loss {v['loss']:.3f}, weights sha256 {v.get('final_weights_sha256')}\")"
 say "done; logs in $work"

@@ -3,6 +3,8 @@ use ductile_agent::config::{Cli, Config};
 
 #[tokio::main]
 async fn main() {
+    // reqwest is built without a default TLS provider (ring builds fast): install ring's
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cfg = match Config::load(Cli::parse()) {
         Ok(c) => c,
         Err(e) => {

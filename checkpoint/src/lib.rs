@@ -1,6 +1,8 @@
 //! Checkpoints: where they live. A checkpoint URL is `s3://bucket/prefix` or `file:///path`;
 //! the sharded format, the streaming save and the resharding restore build on it.
 
+pub mod store;
+
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

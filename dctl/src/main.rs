@@ -391,6 +391,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
+    // reqwest is built without a default TLS provider (ring builds fast): install ring's
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     if let Err(e) = run(cli).await {
         eprintln!("dctl: {e:#}");

@@ -382,6 +382,18 @@ impl S3 {
     }
 }
 
+impl S3 {
+    /// The environment object_store reads (endpoint, region, keys).
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("AWS_ENDPOINT".into(), self.endpoint.clone()),
+            ("AWS_REGION".into(), self.region.clone()),
+            ("AWS_ACCESS_KEY_ID".into(), self.access_key.clone()),
+            ("AWS_SECRET_ACCESS_KEY".into(), self.secret_key.clone()),
+        ]
+    }
+}
+
 /// A minimal blocking HTTP/1.1 client for the harness (status, body).
 pub fn http(
     method: &str,
@@ -550,6 +562,10 @@ impl Cluster {
         let dir = TempDir::new("cluster");
         let etcd = Etcd::start(dir.path());
         let s3 = spec.s3.then(|| S3::start(dir.path()));
+        let mut spec = spec;
+        if let Some(s3) = &s3 {
+            spec.agent_env.extend(s3.env());
+        }
         std::fs::write(dir.path().join("token"), TOKEN).unwrap();
         let mut c = Cluster {
             spec: spec.clone(),
@@ -771,19 +787,29 @@ pub fn job_toml(name: &str, min: u32, max: u32, desired: u32) -> String {
 
 /// Write a synthetic dataset with `ductile-worker synth-data`; returns its file:// URL.
 pub fn synth(dir: &Path, kind: &str, size: u64) -> String {
-    let url = format!("file://{}/{kind}-{size}.bin", dir.display());
+    synth_to(
+        &format!("file://{}/{kind}-{size}.bin", dir.display()),
+        kind,
+        size,
+        &[],
+    )
+}
+
+/// Write a synthetic dataset to `url` (file:// or s3://, with `env` for the store).
+pub fn synth_to(url: &str, kind: &str, size: u64, env: &[(String, String)]) -> String {
     let out = Command::new(bin("ductile-worker"))
         .args([
             "synth-data",
             "--kind",
             kind,
             "--out",
-            &url,
+            url,
             "--seed",
             "7",
             "--size",
             &size.to_string(),
         ])
+        .envs(env.iter().cloned())
         .output()
         .unwrap();
     assert!(
@@ -791,7 +817,7 @@ pub fn synth(dir: &Path, kind: &str, size: u64) -> String {
         "synth-data failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    url
+    url.to_string()
 }
 
 /// A training job spec in TOML.

@@ -338,3 +338,41 @@ fn training_bad_training_specs_are_refused_before_any_worker_starts() {
     assert!(jobs.is_empty(), "nothing was stored");
     assert!(!c.logs().contains("worker started"));
 }
+
+#[test]
+fn training_reads_its_dataset_from_s3() {
+    let c = Cluster::start(Spec {
+        s3: true,
+        ..Spec::default().agents(1, 2)
+    });
+    let s3 = c.s3.as_ref().unwrap();
+    let url = synth_to(
+        &format!("s3://{}/datasets/tokens.bin", s3.bucket),
+        "tokens",
+        30_000,
+        &s3.env(),
+    );
+    c.submit(&format!(
+        "{}max_steps = 150\n",
+        training_toml("s3data", 1, 2, 2, "gpt", &url, "")
+    ));
+    let v = wait_done(&c, "s3data", S(120));
+    assert_eq!(v.step, 150);
+    assert!(v.loss.unwrap() < 3.5, "loss {:?}", v.loss);
+    // a missing object is a clear error, and the worker names it
+    c.submit(&format!(
+        "{}max_steps = 10\n",
+        training_toml(
+            "s3missing",
+            1,
+            1,
+            1,
+            "gpt",
+            &format!("s3://{}/datasets/nope.bin", s3.bucket),
+            "restart_budget = 0"
+        )
+    ));
+    c.wait_for(S(30), "the missing dataset reported", || {
+        c.logs().contains("datasets/nope.bin").then_some(())
+    });
+}

@@ -22,18 +22,76 @@ pub enum Dataset {
 }
 
 pub fn path_of(url: &str) -> anyhow::Result<&str> {
-    url.strip_prefix("file://").ok_or_else(|| {
-        anyhow::anyhow!("dataset {url:?}: only file:// datasets are read by this worker build")
-    })
+    url.strip_prefix("file://")
+        .ok_or_else(|| anyhow::anyhow!("{url:?} is not a file:// URL"))
+}
+
+/// The tensors of a safetensors file (f32 only), parsed from its bytes.
+pub fn parse_safetensors(bytes: &[u8]) -> anyhow::Result<Vec<(String, Tensor)>> {
+    anyhow::ensure!(bytes.len() >= 8, "not a safetensors file (too short)");
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    anyhow::ensure!(
+        bytes.len() >= 8 + n,
+        "not a safetensors file (header past the end)"
+    );
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n])?;
+    let data = &bytes[8 + n..];
+    let mut out = Vec::new();
+    for (name, v) in header {
+        if name == "__metadata__" {
+            continue;
+        }
+        anyhow::ensure!(
+            v["dtype"] == "F32",
+            "tensor {name}: dtype {} (only F32 datasets)",
+            v["dtype"]
+        );
+        let shape: Vec<i64> = v["shape"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|d| d.as_i64()).collect())
+            .unwrap_or_default();
+        let off: Vec<usize> = v["data_offsets"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|d| d.as_u64().map(|x| x as usize))
+                    .collect()
+            })
+            .unwrap_or_default();
+        anyhow::ensure!(
+            off.len() == 2 && off[0] <= off[1] && off[1] <= data.len(),
+            "tensor {name}: bad data_offsets"
+        );
+        anyhow::ensure!(
+            shape.iter().product::<i64>() as usize * 4 == off[1] - off[0],
+            "tensor {name}: shape and size differ"
+        );
+        out.push((
+            name,
+            Tensor::from_data_size(&data[off[0]..off[1]], &shape, Kind::Float),
+        ));
+    }
+    Ok(out)
 }
 
 impl Dataset {
-    pub fn open(url: &str, model: &str, ctx: usize) -> anyhow::Result<Dataset> {
-        let path = path_of(url)?;
+    /// Read a dataset by URL (file:// or s3://, through object_store with ranged reads).
+    pub fn open(
+        url: &str,
+        model: &str,
+        ctx: usize,
+        rt: &tokio::runtime::Handle,
+    ) -> anyhow::Result<Dataset> {
+        let bytes = rt
+            .block_on(ductile_checkpoint::store::read_ranged(url, 8 << 20))
+            .map_err(|e| anyhow::anyhow!("dataset: {e}"))?;
+        Self::from_bytes(url, &bytes, model, ctx)
+    }
+
+    pub fn from_bytes(url: &str, bytes: &[u8], model: &str, ctx: usize) -> anyhow::Result<Dataset> {
         match model {
             "gpt" => {
-                let bytes =
-                    std::fs::read(path).map_err(|e| anyhow::anyhow!("dataset {url}: {e}"))?;
                 anyhow::ensure!(
                     bytes.len() % 2 == 0 && bytes.len() >= 2 * (ctx + 2),
                     "dataset {url}: not a u16 token stream of at least {} tokens",
@@ -47,13 +105,13 @@ impl Dataset {
                 Ok(Dataset::Tokens { tokens, ctx, vocab })
             }
             _ => {
-                let named = Tensor::read_safetensors(path)
-                    .map_err(|e| anyhow::anyhow!("dataset {url}: {e}"))?;
+                let named =
+                    parse_safetensors(bytes).map_err(|e| anyhow::anyhow!("dataset {url}: {e}"))?;
                 let get = |n: &str| {
                     named
                         .iter()
                         .find(|(k, _)| k == n)
-                        .map(|(_, t)| t.to_kind(Kind::Float))
+                        .map(|(_, t)| t.shallow_clone())
                         .ok_or_else(|| anyhow::anyhow!("dataset {url}: no tensor {n:?}"))
                 };
                 let (x, y) = (get("x")?, get("y")?);

@@ -3,12 +3,11 @@
 
 use tch::{Kind, Tensor};
 
-use crate::data::{mix, path_of};
+use crate::data::mix;
 
 /// A seeded Markov source over `vocab` tokens: each token has four likely successors, so a
 /// model's loss falls well below log(vocab).
 pub fn tokens(url: &str, seed: u64, n: usize, vocab: u16) -> anyhow::Result<()> {
-    let path = path_of(url)?;
     let mut state = mix(seed);
     let mut next = |m: u64| {
         state = mix(state);
@@ -37,31 +36,31 @@ pub fn tokens(url: &str, seed: u64, n: usize, vocab: u16) -> anyhow::Result<()> 
             next(vocab as u64) as u16
         };
     }
-    write(path, &out)
+    write(url, out)
 }
 
 /// A regression task from a seeded teacher network: y = tanh(x·W1)·W2 + noise.
 pub fn regression(url: &str, seed: u64, n: i64, d_in: i64, d_out: i64) -> anyhow::Result<()> {
-    let path = path_of(url)?;
     tch::manual_seed(seed as i64);
     let x = Tensor::randn([n, d_in], (Kind::Float, tch::Device::Cpu));
     let w1 = Tensor::randn([d_in, 32], (Kind::Float, tch::Device::Cpu)) / (d_in as f64).sqrt();
     let w2 = Tensor::randn([32, d_out], (Kind::Float, tch::Device::Cpu)) / 32f64.sqrt();
     let y = x.matmul(&w1).tanh().matmul(&w2)
         + Tensor::randn([n, d_out], (Kind::Float, tch::Device::Cpu)) * 0.01;
-    if let Some(dir) = std::path::Path::new(path).parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], path)
-        .map_err(|e| anyhow::anyhow!("{path}: {e}"))
+    let tmp =
+        std::env::temp_dir().join(format!("ductile-synth-{}.safetensors", std::process::id()));
+    Tensor::write_safetensors(&[("x", &x), ("y", &y)], &tmp)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", tmp.display()))?;
+    let bytes = std::fs::read(&tmp)?;
+    let _ = std::fs::remove_file(&tmp);
+    write(url, bytes)
 }
 
-fn write(path: &str, bytes: &[u8]) -> anyhow::Result<()> {
-    if let Some(dir) = std::path::Path::new(path).parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = format!("{path}.tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)?;
-    Ok(())
+/// Write through object_store: file:// or s3:// alike.
+fn write(url: &str, bytes: Vec<u8>) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(ductile_checkpoint::store::write(url, bytes))
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }

@@ -134,7 +134,7 @@ impl Trainer {
         cell: Arc<GenCell>,
     ) -> anyhow::Result<Trainer> {
         tch::set_num_threads(1);
-        let data = Dataset::open(&spec.dataset, &spec.model, crate::model::ctx(&spec))?;
+        let data = Dataset::open(&spec.dataset, &spec.model, crate::model::ctx(&spec), &rt)?;
         anyhow::ensure!(!data.is_empty(), "dataset {} holds no sample", spec.dataset);
         let model = Model::new(&spec, &data)?;
         let params: Vec<Tensor> = model.params().into_iter().map(|(_, t)| t).collect();

@@ -1,0 +1,128 @@
+//! Object storage by URL, through object_store: `s3://bucket/prefix` (endpoint, region and keys
+//! from the environment: `AWS_ENDPOINT`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`,
+//! `AWS_SECRET_ACCESS_KEY`, …) and `file:///path`, by the same code path.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+use crate::{Location, UrlError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Url(#[from] UrlError),
+    #[error("{url}: {op} failed: {source}")]
+    Object {
+        url: String,
+        op: &'static str,
+        #[source]
+        source: object_store::Error,
+    },
+}
+
+/// rustls needs one crypto provider per process; ring builds fast and is what we link.
+fn install_crypto() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// An object store and the key of `url` in it.
+pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
+    let err = |op, source| StoreError::Object {
+        url: url.to_string(),
+        op,
+        source,
+    };
+    match Location::parse(url)? {
+        Location::S3 { bucket, prefix } => {
+            install_crypto();
+            let mut b = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+            let endpoint = std::env::var("AWS_ENDPOINT")
+                .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
+                .ok();
+            if let Some(e) = endpoint {
+                // loopback or in-cluster servers speak plain HTTP
+                b = b
+                    .with_endpoint(&e)
+                    .with_allow_http(e.starts_with("http://"));
+            }
+            let s3 = b.build().map_err(|e| err("configure S3", e))?;
+            Ok((Arc::new(s3), Path::from(prefix)))
+        }
+        Location::File { path } => {
+            let fs = object_store::local::LocalFileSystem::new();
+            let p = Path::from_absolute_path(&path).map_err(|e| StoreError::Object {
+                url: url.to_string(),
+                op: "parse path",
+                source: e.into(),
+            })?;
+            Ok((Arc::new(fs), p))
+        }
+    }
+}
+
+/// Read a whole object with concurrent ranged GETs of `chunk` bytes.
+pub async fn read_ranged(url: &str, chunk: u64) -> Result<Bytes, StoreError> {
+    let (store, path) = open(url)?;
+    let err = |op, source| StoreError::Object {
+        url: url.to_string(),
+        op,
+        source,
+    };
+    let size = store.head(&path).await.map_err(|e| err("head", e))?.size;
+    let ranges: Vec<std::ops::Range<u64>> = (0..size.div_ceil(chunk.max(1)))
+        .map(|i| i * chunk..((i + 1) * chunk).min(size))
+        .collect();
+    let parts = store
+        .get_ranges(&path, &ranges)
+        .await
+        .map_err(|e| err("ranged get", e))?;
+    let mut out = Vec::with_capacity(size as usize);
+    for p in parts {
+        out.extend_from_slice(&p);
+    }
+    Ok(Bytes::from(out))
+}
+
+/// Write a whole object (a new dataset, a small file), creating parent directories for files.
+pub async fn write(url: &str, bytes: Vec<u8>) -> Result<(), StoreError> {
+    let (store, path) = open(url)?;
+    store
+        .put(&path, PutPayload::from(bytes))
+        .await
+        .map_err(|e| StoreError::Object {
+            url: url.to_string(),
+            op: "put",
+            source: e,
+        })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test]
+    async fn a_file_url_round_trips_through_ranged_reads() {
+        let dir = std::env::temp_dir().join(format!("ductile-store-{}", std::process::id()));
+        let url = format!("file://{}/a/b.bin", dir.display());
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        super::write(&url, data.clone()).await.unwrap();
+        assert_eq!(
+            &super::read_ranged(&url, 4096).await.unwrap()[..],
+            &data[..]
+        );
+        let missing = super::read_ranged(&format!("file://{}/nope", dir.display()), 4096)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            missing.contains("nope") && missing.contains("head failed"),
+            "{missing}"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
