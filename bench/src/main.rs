@@ -59,6 +59,26 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Recovery time of elastic training: worker kills and node losses, 4 CPU workers.
+    Recovery {
+        #[arg(long, default_value_t = 10)]
+        rounds: usize,
+        #[arg(long, default_value_t = 4)]
+        node_rounds: usize,
+    },
+    /// Step time of the elastic loop against a bare tch loop with the same all-reduce.
+    DpStep {
+        #[arg(long, default_value_t = 300)]
+        steps: u64,
+    },
+    /// (internal) one rank of `dp-step`'s bare loop.
+    #[command(hide = true)]
+    DpBareRank {
+        etcd: String,
+        data: String,
+        rank: u32,
+        steps: u64,
+    },
     /// (internal) one rank of `allreduce`.
     #[command(hide = true)]
     AllreduceRank {
@@ -279,6 +299,7 @@ async fn control_plane(
 }
 
 mod allreduce;
+mod training;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -297,6 +318,17 @@ async fn main() -> anyhow::Result<()> {
             iters,
             json,
         } => allreduce::run(&worlds, &sizes_mib, iters, json).await,
+        Cmd::Recovery {
+            rounds,
+            node_rounds,
+        } => training::recovery(rounds, node_rounds).await,
+        Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::DpBareRank {
+            etcd,
+            data,
+            rank,
+            steps,
+        } => training::dp_bare_rank(&etcd, &data, rank, steps).await,
         Cmd::AllreduceRank {
             etcd,
             world,

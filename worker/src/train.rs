@@ -285,6 +285,7 @@ impl Trainer {
         let mut last_report = Instant::now() - Duration::from_secs(2);
         let mut samples_since = 0u64;
         let mut since = Instant::now();
+        let mut first_done = false;
         loop {
             if self.spec.max_steps.is_some_and(|m| self.step >= m) {
                 if rank == 0 {
@@ -317,6 +318,22 @@ impl Trainer {
                 Ok(l) => l,
                 Err(e) => return Ok(Outcome::Reform(e)),
             };
+            if !first_done && rank == 0 {
+                first_done = true;
+                // when the new world completed its first step (recovery benchmarks read it)
+                let (store, job, gnum, at) =
+                    (self.store.clone(), self.env.job.clone(), g.number, now_ms());
+                self.rt.spawn(async move {
+                    let _ = store
+                        .backend
+                        .put(
+                            &format!("{}first_step", store.keys.rendezvous(&job, gnum)),
+                            at.to_string().into_bytes(),
+                            None,
+                        )
+                        .await;
+                });
+            }
             samples_since += self.spec.global_batch as u64;
             if rank == 0 && last_report.elapsed() >= Duration::from_secs(1) {
                 let sps = samples_since as f64 / since.elapsed().as_secs_f64();
