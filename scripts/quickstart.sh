@@ -86,8 +86,8 @@ PY
 (
   last=0
   while sleep 0.5; do
-    "$bin/dctl" status demo --json 2>/dev/null | python3 "$work/show.py" "$last"
-    last=$?
+    # the helper's exit status carries the generation it showed (inside `if`, set -e allows it)
+    if "$bin/dctl" status demo --json 2>/dev/null | python3 "$work/show.py" "$last"; then last=0; else last=$?; fi
   done
 ) &
 follower=$!
