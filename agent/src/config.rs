@@ -60,6 +60,10 @@ pub struct Cli {
     /// How long to wait for etcd at start-up, in seconds.
     #[arg(long, env = "DUCTILE_ETCD_WAIT")]
     pub etcd_wait: Option<u64>,
+    /// Address other nodes' workers reach this node's workers at (default: this host's first
+    /// non-loopback IPv4 address, else 127.0.0.1).
+    #[arg(long, env = "DUCTILE_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -78,6 +82,7 @@ pub struct FileConfig {
     pub stop_grace_ms: Option<u64>,
     pub log_format: Option<LogFormat>,
     pub etcd_wait: Option<u64>,
+    pub advertise_host: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -95,6 +100,18 @@ pub struct Config {
     pub stop_grace: Duration,
     pub log_format: LogFormat,
     pub etcd_wait: Duration,
+    pub advertise_host: String,
+}
+
+/// This host's first non-loopback IPv4 address, from its hostname; else 127.0.0.1.
+fn default_advertise_host(hostname: &str) -> String {
+    use std::net::ToSocketAddrs;
+    (hostname, 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.find(|s| s.is_ipv4() && !s.ip().is_loopback()))
+        .map(|s| s.ip().to_string())
+        .unwrap_or_else(|| "127.0.0.1".into())
 }
 
 impl Config {
@@ -122,7 +139,7 @@ impl Config {
                 .etcd
                 .or(file.etcd)
                 .unwrap_or_else(|| "http://127.0.0.1:2379".into()),
-            node: cli.node.or(file.node).unwrap_or(hostname),
+            node: cli.node.or(file.node).unwrap_or_else(|| hostname.clone()),
             cpu_slots: cli.cpu_slots.or(file.cpu_slots).unwrap_or(1),
             lease_ttl: cli.lease_ttl.or(file.lease_ttl).unwrap_or(5),
             prefix: cli
@@ -154,6 +171,10 @@ impl Config {
                 .or(file.log_format)
                 .unwrap_or(LogFormat::Plain),
             etcd_wait: Duration::from_secs(cli.etcd_wait.or(file.etcd_wait).unwrap_or(30)),
+            advertise_host: cli
+                .advertise_host
+                .or(file.advertise_host)
+                .unwrap_or_else(|| default_advertise_host(&hostname)),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -479,6 +479,11 @@ impl Agent {
             .env("DUCTILE_ETCD", &self.cfg.etcd)
             .env("DUCTILE_PREFIX", &self.cfg.prefix)
             .env("DUCTILE_DEVICE", device)
+            .env(
+                "DUCTILE_COMM_HOST",
+                std::env::var("DUCTILE_COMM_HOST")
+                    .unwrap_or_else(|_| self.cfg.advertise_host.clone()),
+            )
             .env("DUCTILE_DEVICE_INDEX", dev.index.to_string());
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -652,6 +652,8 @@ impl Cluster {
             "off".into(),
             "--restart-backoff-ms".into(),
             self.spec.restart_backoff_ms.to_string(),
+            "--advertise-host".into(),
+            "127.0.0.1".into(),
             "--stop-grace-ms".into(),
             "2000".into(),
         ];
