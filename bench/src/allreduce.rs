@@ -100,17 +100,7 @@ pub async fn rank(
     sizes_mib: &[u64],
     iters: usize,
 ) -> anyhow::Result<()> {
-    let backend = ductile_cluster::connect_etcd(etcd, Duration::from_secs(10)).await?;
-    let store = Store::new(backend, Keys::new("/bench-allreduce"));
-    let rdv = Rendezvous::new(store, "bench", world as u64, world, rank)?;
-    let comm = TcpComm::form(
-        &rdv,
-        TcpConfig {
-            bind_host: "127.0.0.1".into(),
-            ..TcpConfig::from_env()
-        },
-    )
-    .await?;
+    let comm = form_loopback(etcd, "/bench-allreduce", world as u64, world, rank).await?;
     let sizes = sizes_mib.to_vec();
     tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
         for mib in sizes {
@@ -178,4 +168,28 @@ fn ceilings() -> (f64, f64) {
         t.push(t0.elapsed().as_secs_f64());
     }
     (tcp, (256u64 << 20) as f64 / median(t) / 1e9)
+}
+
+/// A TCP communicator on loopback, formed through the etcd at `etcd` under `prefix`.
+pub async fn form_loopback(
+    etcd: &str,
+    prefix: &str,
+    generation: u64,
+    world: u32,
+    rank: u32,
+) -> anyhow::Result<TcpComm> {
+    let store = Store::new(
+        ductile_cluster::connect_etcd(etcd, Duration::from_secs(10)).await?,
+        Keys::new(prefix),
+    );
+    let rdv = Rendezvous::new(store, "bench", generation, world, rank)?;
+    Ok(TcpComm::form(
+        &rdv,
+        TcpConfig {
+            bind_host: "127.0.0.1".into(),
+            advertise_host: "127.0.0.1".into(),
+            ..TcpConfig::from_env()
+        },
+    )
+    .await?)
 }

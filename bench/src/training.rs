@@ -9,8 +9,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ductile_cluster::records::{now_ms, TrainingSpec};
-use ductile_cluster::{Keys, Store};
-use ductile_comm::{Communicator, ReduceOp, Rendezvous, TcpComm, TcpConfig};
+
+use ductile_comm::{Communicator, ReduceOp};
 use ductile_tests::*;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -138,19 +138,7 @@ pub async fn dp_step(steps: u64) -> anyhow::Result<()> {
 
 /// One rank of the bare loop: prints its mean ms per step (after 20 warm-up steps).
 pub async fn dp_bare_rank(etcd: &str, data: &str, rank: u32, steps: u64) -> anyhow::Result<()> {
-    let store = Store::new(
-        ductile_cluster::connect_etcd(etcd, Duration::from_secs(10)).await?,
-        Keys::new("/bench-dp"),
-    );
-    let rdv = Rendezvous::new(store, "bare", 1, 4, rank)?;
-    let comm = TcpComm::form(
-        &rdv,
-        TcpConfig {
-            bind_host: "127.0.0.1".into(),
-            ..TcpConfig::from_env()
-        },
-    )
-    .await?;
+    let comm = crate::allreduce::form_loopback(etcd, "/bench-dp", 1, 4, rank).await?;
     let spec: TrainingSpec = serde_json::from_value(
         serde_json::json!({"model": "gpt", "dataset": data, "global_batch": 32, "lr": 3e-3, "seed": 7}),
     )?;

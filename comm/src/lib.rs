@@ -32,6 +32,19 @@ pub enum ReduceOp {
     Avg,
 }
 
+/// After a summing all-reduce: divide by the world size for `ReduceOp::Avg`.
+pub(crate) fn finish_avg(t: &mut Tensor, op: ReduceOp, world: u32) -> Result<()> {
+    if op == ReduceOp::Avg {
+        let _ = t
+            .f_div_scalar_(world as f64)
+            .map_err(|e| CommError::Invalid {
+                op: "all_reduce",
+                reason: e.to_string(),
+            })?;
+    }
+    Ok(())
+}
+
 /// Collectives over tch tensors (contiguous; CPU for TCP, CUDA for NCCL) and byte buffers.
 pub trait Communicator: Send + Sync {
     fn rank(&self) -> u32;
@@ -67,14 +80,7 @@ impl Communicator for TcpComm {
     fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
         let dtype = check_cpu(t, "all_reduce")?;
         self.all_reduce_bytes(unsafe { bytes_mut(t) }, dtype)?;
-        if op == ReduceOp::Avg {
-            let _ = t
-                .f_div_scalar_(self.world() as f64)
-                .map_err(|e| CommError::Invalid {
-                    op: "all_reduce",
-                    reason: e.to_string(),
-                })?;
-        }
+        finish_avg(t, op, self.world())?;
         Ok(())
     }
 

@@ -397,15 +397,7 @@ impl Communicator for NcclComm {
                 std::ptr::null_mut(),
             )
         })?;
-        if op == ReduceOp::Avg {
-            let _ = t
-                .f_div_scalar_(self.world as f64)
-                .map_err(|e| CommError::Invalid {
-                    op: "all_reduce",
-                    reason: e.to_string(),
-                })?;
-        }
-        Ok(())
+        crate::finish_avg(t, op, self.world)
     }
     fn broadcast(&self, t: &mut Tensor, root: u32) -> Result<()> {
         let dt = Self::dtype(t, "broadcast")?;

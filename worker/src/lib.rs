@@ -64,6 +64,13 @@ impl WorkerEnv {
     }
 }
 
+/// The generation stored at `key` in a watch snapshot, if any (undecodable records are skipped).
+fn current_generation(snap: &ductile_cluster::watch::Snapshot, key: &str) -> Option<Generation> {
+    snap.kvs
+        .get(key)
+        .and_then(|kv| serde_json::from_slice(&kv.value).ok())
+}
+
 /// Follow generations until fenced out (returns) or `cancel`.
 pub async fn follow_generations(
     env: WorkerEnv,
@@ -77,11 +84,7 @@ pub async fn follow_generations(
     let mut joined: u64 = 0;
     let step: u64 = 0;
     loop {
-        let g: Option<Generation> = rx
-            .borrow_and_update()
-            .kvs
-            .get(&gkey)
-            .and_then(|kv| serde_json::from_slice(&kv.value).ok());
+        let g = current_generation(&rx.borrow_and_update(), &gkey);
         if let Some(g) = g {
             if g.number >= env.generation && g.number != joined {
                 match g.member(&env.node, env.slot) {
@@ -140,11 +143,7 @@ pub fn watch_generations(
     let mut rx = watch_prefix(store.backend.clone(), gkey.clone(), cancel.clone());
     tokio::spawn(async move {
         loop {
-            let g: Option<Generation> = rx
-                .borrow_and_update()
-                .kvs
-                .get(&gkey)
-                .and_then(|kv| serde_json::from_slice(&kv.value).ok());
+            let g = current_generation(&rx.borrow_and_update(), &gkey);
             if let Some(g) = g {
                 cell.publish(g);
             }
