@@ -33,13 +33,7 @@ pub async fn run(
         .collect::<Vec<_>>()
         .join(",");
     let (tcp, mem) = ceilings();
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({"ceiling": "loopback_tcp", "gbps": tcp})
-        );
-        println!("{}", serde_json::json!({"ceiling": "memcpy", "gbps": mem}));
-    } else {
+    if !json {
         println!("ceilings on this machine: loopback TCP {tcp:.2} GB/s (one stream), memcpy {mem:.2} GB/s");
         println!(
             "{:<6} {:<8} {:<6} {:>9} {:>12} {:>12}",
@@ -72,7 +66,11 @@ pub async fn run(
                 if r == 0 {
                     let v: serde_json::Value = serde_json::from_str(&line)?;
                     if json {
-                        println!("{line}");
+                        // one object per cell; the machine's ceilings ride along in each
+                        let mut v = v.clone();
+                        v["loopback_tcp_gbps"] = serde_json::json!(tcp);
+                        v["memcpy_gbps"] = serde_json::json!(mem);
+                        println!("{v}");
                     } else {
                         println!(
                             "{:<6} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
