@@ -55,6 +55,20 @@ struct JobView {
 }
 
 impl JobView {
+    /// Whether (`node`, `slot`) is in the current generation and in every generation published
+    /// since `from` (a worker that missed one must not act in a later one).
+    fn member_since(&self, node: &str, slot: u32, from: u64) -> bool {
+        let Some(cur) = &self.generation else {
+            return false;
+        };
+        cur.member(node, slot).is_some()
+            && (from + 1..cur.number).all(|n| {
+                self.history
+                    .get(&n)
+                    .is_some_and(|h| h.member(node, slot).is_some())
+            })
+    }
+
     fn active(&self) -> bool {
         self.spec.is_some()
             && !self.stop
@@ -364,21 +378,6 @@ impl Agent {
         self.children.is_empty() && (!included || Instant::now() >= *deadline)
     }
 
-    /// Whether `slot` of this node has been a member of every generation of `job` from
-    /// `from` (exclusive) to `to` (inclusive): a worker that missed one must not act in a later one.
-    fn member_throughout(&self, job: &JobView, slot: u32, from: u64, to: u64) -> bool {
-        (from + 1..=to).all(|n| match job.history.get(&n) {
-            Some(g) => g.member(&self.node.name, slot).is_some(),
-            None => {
-                to == n
-                    && job
-                        .generation
-                        .as_ref()
-                        .is_some_and(|g| g.number == n && g.member(&self.node.name, slot).is_some())
-            }
-        })
-    }
-
     /// Make the running workers match the current generations.
     fn reconcile(&mut self) {
         let me = self.node.name.clone();
@@ -388,24 +387,23 @@ impl Agent {
             if child.stopping {
                 continue;
             }
-            let job = self.jobs.get(&key.0);
-            let keep = match job {
-                Some(j) if j.active() => match &j.generation {
-                    Some(g) if g.number == child.generation => g.member(&me, key.1).is_some(),
-                    Some(g) if g.number > child.generation => {
-                        let ok =
-                            (child.generation + 1..=g.number).all(|n| match j.history.get(&n) {
-                                Some(h) => h.member(&me, key.1).is_some(),
-                                None => n == g.number && g.member(&me, key.1).is_some(),
-                            });
-                        if ok {
-                            child.generation = g.number;
-                        }
-                        ok
+            let keep = match self.jobs.get(&key.0) {
+                // a snapshot older than what the worker already saw: leave it be
+                Some(j)
+                    if j.active()
+                        && j.generation
+                            .as_ref()
+                            .is_some_and(|g| g.number < child.generation) =>
+                {
+                    true
+                }
+                Some(j) if j.active() => {
+                    let ok = j.member_since(&me, key.1, child.generation);
+                    if let (true, Some(g)) = (ok, &j.generation) {
+                        child.generation = g.number;
                     }
-                    Some(_) => true,
-                    None => false,
-                },
+                    ok
+                }
                 _ => false,
             };
             if !keep {
@@ -607,13 +605,8 @@ impl Agent {
         let (job, slot) = exit.key.clone();
         let how = describe_exit(exit.code, exit.signal);
         let jv = self.jobs.get(&job);
-        let still_member = jv.is_some_and(|j| {
-            j.active()
-                && j.generation.as_ref().is_some_and(|g| {
-                    g.member(&self.node.name, slot).is_some()
-                        && self.member_throughout(j, slot, child.generation, g.number)
-                })
-        });
+        let still_member = jv
+            .is_some_and(|j| j.active() && j.member_since(&self.node.name, slot, child.generation));
         let (used, budget) = (
             jv.map(|j| j.restarts.0).unwrap_or(0),
             jv.and_then(|j| j.spec.as_ref())
