@@ -93,20 +93,16 @@ PY
 follower=$!
 pids+=($follower)
 
-wait_world() {
-  for _ in $(seq 1 200); do
-    if "$bin/dctl" status demo --json | python3 -c "import json,sys; v=json.load(sys.stdin); sys.exit(0 if v['world_size']==$1 and all(m['pid'] for m in v['members']) else 1)"; then return 0; fi
+# wait_until EXPR WHAT: poll `dctl status demo --json` (as v) until the Python expression holds
+wait_until() {
+  for _ in $(seq 1 1200); do
+    if "$bin/dctl" status demo --json | python3 -c "import json,sys; v=json.load(sys.stdin); sys.exit(0 if ($1) else 1)"; then return 0; fi
     sleep 0.1
   done
-  echo "job did not reach world size $1" >&2; return 1
+  echo "job demo: $2 did not happen" >&2; return 1
 }
-wait_step() {
-  for _ in $(seq 1 600); do
-    if "$bin/dctl" status demo --json | python3 -c "import json,sys; v=json.load(sys.stdin); sys.exit(0 if v['step']>=$1 else 1)"; then return 0; fi
-    sleep 0.1
-  done
-  echo "job did not reach step $1" >&2; return 1
-}
+wait_world() { wait_until "v['world_size']==$1 and all(m['pid'] for m in v['members'])" "world size $1"; }
+wait_step() { wait_until "v['step']>=$1" "step $1"; }
 wait_world 4
 wait_step 400
 echo
@@ -127,11 +123,7 @@ sleep 1
 say "and the job grows again: dctl scale demo 4 (the newcomers receive the state from a survivor)"
 "$bin/dctl" scale demo 4
 wait_world 4
-for _ in $(seq 1 600); do
-  st=$("$bin/dctl" status demo --json | python3 -c "import json,sys; print(json.load(sys.stdin)['state'])")
-  [ "$st" = Succeeded ] && break
-  sleep 0.2
-done
+wait_until "v['state']=='Succeeded'" "success"
 sleep 0.6
 kill "$follower" 2>/dev/null || true
 echo

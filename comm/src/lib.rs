@@ -32,6 +32,19 @@ pub enum ReduceOp {
     Avg,
 }
 
+/// The output shape of a reduce-scatter of `t` over `world` ranks (dim 0 split in `world`).
+pub(crate) fn scatter_shape(t: &Tensor, world: u32) -> Result<Vec<i64>> {
+    let mut shape = t.size();
+    if shape.is_empty() || shape[0] % world as i64 != 0 {
+        return Err(CommError::Invalid {
+            op: "reduce_scatter",
+            reason: format!("first dimension of {shape:?} must split into {world} slices"),
+        });
+    }
+    shape[0] /= world as i64;
+    Ok(shape)
+}
+
 /// After a summing all-reduce: divide by the world size for `ReduceOp::Avg`.
 pub(crate) fn finish_avg(t: &mut Tensor, op: ReduceOp, world: u32) -> Result<()> {
     if op == ReduceOp::Avg {
@@ -99,18 +112,8 @@ impl Communicator for TcpComm {
     }
 
     fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
-        check_cpu(t, "reduce_scatter")?;
         let dtype = check_cpu(t, "reduce_scatter")?;
-        let size = t.size();
-        let w = self.world() as i64;
-        if size.is_empty() || size[0] % w != 0 {
-            return Err(CommError::Invalid {
-                op: "reduce_scatter",
-                reason: format!("first dimension of {size:?} must split into {w} slices"),
-            });
-        }
-        let mut out_shape = size.clone();
-        out_shape[0] /= w;
+        let out_shape = scatter_shape(t, self.world())?;
         let work = t.copy();
         let out = Tensor::empty(out_shape.as_slice(), (t.kind(), t.device()));
         self.reduce_scatter_bytes(

@@ -419,17 +419,7 @@ impl Communicator for NcclComm {
     }
     fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
         let dt = Self::dtype(t, "reduce_scatter")?;
-        let mut shape = t.size();
-        if shape.is_empty() || shape[0] % self.world as i64 != 0 {
-            return Err(CommError::Invalid {
-                op: "reduce_scatter",
-                reason: format!(
-                    "first dimension of {shape:?} must split into {} slices",
-                    self.world
-                ),
-            });
-        }
-        shape[0] /= self.world as i64;
+        let shape = crate::scatter_shape(t, self.world)?;
         let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
         let (src, dst, n) = (t.data_ptr(), out.data_ptr(), out.numel());
         self.call("reduce_scatter", |c| unsafe {

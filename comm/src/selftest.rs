@@ -117,15 +117,10 @@ pub fn shard(index: u64, len: i64) -> Tensor {
         .contiguous()
 }
 
-/// The contiguous range of logical shards rank `r` of `w` holds (uneven when `w` ∤ `total`).
-pub fn shard_range(total: u64, w: u32, r: u32) -> std::ops::Range<u64> {
-    (total * r as u64 / w as u64)..(total * (r as u64 + 1) / w as u64)
-}
-
 /// Runs the ordered all-reduce over `total` shards of `len` floats; returns the result's bytes
 /// after checking them against the left fold computed locally.
 pub fn ordered(c: &dyn Communicator, total: u64, len: i64) -> Result<Vec<u8>, String> {
-    let shards: Vec<(u64, Tensor)> = shard_range(total, c.world(), c.rank())
+    let shards: Vec<(u64, Tensor)> = ductile_strategies::split_range(total, c.world(), c.rank())
         .map(|i| (i, shard(i, len)))
         .collect();
     let out = c

@@ -21,11 +21,6 @@ pub enum Dataset {
     },
 }
 
-pub fn path_of(url: &str) -> anyhow::Result<&str> {
-    url.strip_prefix("file://")
-        .ok_or_else(|| anyhow::anyhow!("{url:?} is not a file:// URL"))
-}
-
 /// The tensors of a safetensors file (f32 only), parsed from its bytes.
 pub fn parse_safetensors(bytes: &[u8]) -> anyhow::Result<Vec<(String, Tensor)>> {
     anyhow::ensure!(bytes.len() >= 8, "not a safetensors file (too short)");

@@ -82,7 +82,6 @@ pub async fn follow_generations(
     let mut rx = watch_prefix(backend, gkey.clone(), cancel.clone());
     synced(&mut rx).await;
     let mut joined: u64 = 0;
-    let step: u64 = 0;
     loop {
         let g = current_generation(&rx.borrow_and_update(), &gkey);
         if let Some(g) = g {
@@ -95,7 +94,8 @@ pub async fn follow_generations(
                             rank: m.rank,
                             pid: std::process::id(),
                             joined_at_ms: now_ms(),
-                            step,
+                            // this mode holds no training state
+                            step: 0,
                         };
                         let key = store.keys.joined_rank(&env.job, g.number, m.rank);
                         let mut delay = Duration::from_millis(50);

@@ -186,11 +186,11 @@ impl Trainer {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(generation = g.number, error = %e, "could not form the communicator; waiting for the next generation");
-                    // a member that is gone makes the daemon publish a new generation
-                    current = current.min(self.cell.newest());
+                    // a member that is gone makes the daemon publish a new generation; if none
+                    // comes, retry this one
                     if self.cell.newest() == g.number {
                         std::thread::sleep(Duration::from_millis(500));
-                        current = g.number - 1; // retry this generation
+                        current = g.number - 1;
                     }
                     continue;
                 }
