@@ -39,6 +39,11 @@ if [ ! -x "$moto" ] || ! "$cache/moto-venv/bin/python" -c 'import moto, flask, f
   python3 -m venv "$cache/moto-venv"
   "$cache/moto-venv/bin/pip" install -q --disable-pip-version-check 'moto[s3]==5.*' flask flask-cors
 fi
+# Python's safetensors and numpy, for the test that reads ductile's shards from Python
+if ! "$cache/moto-venv/bin/python" -c 'import safetensors.numpy, numpy' 2>/dev/null; then
+  log "installing safetensors and numpy into $cache/moto-venv"
+  "$cache/moto-venv/bin/pip" install -q --disable-pip-version-check 'safetensors==0.*' 'numpy<3'
+fi
 
 bash "$here/install-libtorch.sh"
 
@@ -46,6 +51,7 @@ cat > "$cache/env.sh" <<ENV
 # written by scripts/setup.sh
 export DUCTILE_CACHE="$cache"
 export DUCTILE_MOTO_SERVER="$moto"
+export DUCTILE_PYTHON="$cache/moto-venv/bin/python"
 export DUCTILE_ETCD_BIN="$(command -v etcd)"
 export LIBTORCH="$cache/libtorch-2.11.0"
 ENV

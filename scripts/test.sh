@@ -14,7 +14,7 @@ set -o pipefail
 cargo test --workspace --locked -- --test-threads="${DUCTILE_TEST_THREADS:-3}" --skip training_ 2>&1 | tee "$log"
 # the training tests each run several tch workers: one at a time, so the 2-core machine is not
 # oversubscribed under the control-plane tests' liveness bounds
-cargo test -p ductile-tests --test training --locked -- --test-threads=1 2>&1 | tee -a "$log"
+cargo test -p ductile-tests --test training --test checkpoints --locked -- --test-threads=1 2>&1 | tee -a "$log"
 # the GPU path (NCCL through cudarc, loaded at run time) must build here and fail clearly without a GPU
 cargo test -p ductile-comm --features cuda --locked --lib 2>&1 | tee -a "$log"
 # one closing line for the whole run (cargo's last line is a crate's doc-tests)

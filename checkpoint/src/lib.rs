@@ -1,7 +1,25 @@
-//! Checkpoints: where they live. A checkpoint URL is `s3://bucket/prefix` or `file:///path`;
-//! the sharded format, the streaming save and the resharding restore build on it.
+//! Sharded checkpoints by URL (`s3://bucket/prefix` or `file:///path`, one code path).
+//!
+//! - [`format`]: safetensors shards, the JSON manifest, the commit record, CRC32C.
+//! - [`plan`]: which rank writes which rows (balanced by bytes), which rank reads which chunks.
+//! - [`bucket`]: objects by URL; multipart uploads with bounded concurrency and retries.
+//! - [`save`]: write a shard, gather the reports, commit through a fenced etcd transaction.
+//! - [`restore`]: find commits, read a manifest, fetch and verify chunks.
+//! - [`retention`]: list a URL's checkpoints; keep the last K, delete the rest and stale attempts.
+//!
+//! This crate does not link libtorch: tensors cross it as bytes, the worker copies them.
 
+pub mod bucket;
+pub mod format;
+pub mod plan;
+pub mod restore;
+pub mod retention;
+#[cfg(test)]
+mod roundtrip_tests;
+pub mod save;
 pub mod store;
+
+pub use bucket::{Bucket, BucketError, UploadOptions};
 
 use std::path::PathBuf;
 

@@ -31,6 +31,69 @@ fn install_crypto() {
     });
 }
 
+/// How S3 requests are retried inside object_store (each request: transport errors and 5xx,
+/// with backoff). The checkpoint writer adds its own per-part retries on top.
+pub fn retry_config() -> object_store::RetryConfig {
+    object_store::RetryConfig {
+        backoff: object_store::BackoffConfig {
+            init_backoff: std::time::Duration::from_millis(100),
+            max_backoff: std::time::Duration::from_secs(2),
+            base: 2.0,
+        },
+        max_retries: 2,
+        retry_timeout: std::time::Duration::from_secs(10),
+    }
+}
+
+/// An object store, the key of `url` in it, and its multipart API where it has one (S3).
+pub fn open_multipart(
+    url: &str,
+) -> Result<
+    (
+        Arc<dyn ObjectStore>,
+        Path,
+        Option<Arc<dyn object_store::multipart::MultipartStore>>,
+    ),
+    StoreError,
+> {
+    let err = |op, source| StoreError::Object {
+        url: url.to_string(),
+        op,
+        source,
+    };
+    match Location::parse(url)? {
+        Location::S3 { bucket, prefix } => {
+            install_crypto();
+            let mut b = object_store::aws::AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .with_retry(retry_config());
+            let endpoint = std::env::var("AWS_ENDPOINT")
+                .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
+                .ok();
+            if let Some(e) = endpoint {
+                // loopback or in-cluster servers speak plain HTTP
+                b = b
+                    .with_endpoint(&e)
+                    .with_allow_http(e.starts_with("http://"));
+            }
+            let s3 = Arc::new(b.build().map_err(|e| err("configure S3", e))?);
+            Ok((s3.clone(), Path::from(prefix), Some(s3)))
+        }
+        Location::File { path } => {
+            std::fs::create_dir_all(&path).map_err(|e| StoreError::Object {
+                url: url.to_string(),
+                op: "create directory",
+                source: object_store::Error::Generic {
+                    store: "LocalFileSystem",
+                    source: Box::new(e),
+                },
+            })?;
+            let (s, p) = open(url)?;
+            Ok((s, p, None))
+        }
+    }
+}
+
 /// An object store and the key of `url` in it.
 pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
     let err = |op, source| StoreError::Object {

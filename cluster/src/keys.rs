@@ -148,6 +148,30 @@ impl Keys {
     pub fn restarts(&self, job: &str) -> String {
         format!("{}/jobs/{job}/restarts", self.prefix)
     }
+    /// The job's latest committed checkpoint ([`crate::records::CheckpointRecord`]); moved
+    /// forward only by a transaction that compares the job's generation.
+    pub fn checkpoint(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/checkpoint", self.prefix)
+    }
+    /// Shard reports of one checkpoint attempt (step, generation), one per writing rank.
+    pub fn checkpoint_shards(&self, job: &str, step: u64, generation: u64) -> String {
+        format!(
+            "{}/jobs/{job}/ckpt/{step:020}-{generation:020}/",
+            self.prefix
+        )
+    }
+    /// Every checkpoint attempt's shard reports.
+    pub fn checkpoint_attempts(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/ckpt/", self.prefix)
+    }
+    /// A request for a checkpoint at the next step boundary (a planned drain).
+    pub fn checkpoint_request(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/checkpoint_request", self.prefix)
+    }
+    /// The workers' checkpoint figures ([`crate::records::CheckpointStats`]).
+    pub fn checkpoint_stats(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/checkpoint_stats", self.prefix)
+    }
     /// Rendezvous space of one generation, for the communicator exchange.
     pub fn rendezvous(&self, job: &str, generation: u64) -> String {
         format!("{}/jobs/{job}/rdv/{generation:020}/", self.prefix)

@@ -144,6 +144,15 @@ pub struct CheckpointSpec {
     pub interval: u64,
     #[serde(default = "CheckpointSpec::default_keep")]
     pub keep: u32,
+    /// Multipart part size, MiB.
+    #[serde(default = "CheckpointSpec::default_part_mib")]
+    pub part_size_mib: u64,
+    /// Parts in flight per writer.
+    #[serde(default = "CheckpointSpec::default_concurrency")]
+    pub upload_concurrency: u32,
+    /// Uncommitted attempts older than this are deleted by retention, seconds.
+    #[serde(default = "CheckpointSpec::default_attempt_ttl")]
+    pub attempt_ttl_s: u64,
 }
 
 impl CheckpointSpec {
@@ -152,6 +161,15 @@ impl CheckpointSpec {
     }
     fn default_keep() -> u32 {
         3
+    }
+    fn default_part_mib() -> u64 {
+        64
+    }
+    fn default_concurrency() -> u32 {
+        4
+    }
+    fn default_attempt_ttl() -> u64 {
+        3600
     }
 }
 
@@ -226,6 +244,19 @@ impl JobSpec {
                 return Err(ClusterError::invalid(
                     "checkpoint.keep",
                     "must keep at least 1 checkpoint",
+                ));
+            }
+            // S3 parts are 5 MiB to 5 GiB (the last may be smaller)
+            if !(5..=5120).contains(&c.part_size_mib) {
+                return Err(ClusterError::invalid(
+                    "checkpoint.part_size_mib",
+                    "must be 5 to 5120 (S3's part size limits)",
+                ));
+            }
+            if c.upload_concurrency == 0 {
+                return Err(ClusterError::invalid(
+                    "checkpoint.upload_concurrency",
+                    "must be at least 1",
                 ));
             }
         }
@@ -378,7 +409,8 @@ pub enum StateSource {
     Seed,
     /// Survivors hold it in memory; newcomers receive it from them.
     Peers,
-    /// No survivor: read the latest checkpoint.
+    /// No survivor: read the latest committed checkpoint of the job's checkpoint URL, if it
+    /// holds one (a first start with an empty URL starts from the seed).
     Checkpoint,
 }
 
@@ -511,6 +543,54 @@ pub struct JoinRecord {
     pub joined_at_ms: u64,
     /// The last step this worker completed (0 if it holds no state).
     pub step: u64,
+}
+
+/// The latest committed checkpoint of a job: the commit point is the etcd transaction that
+/// writes this record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    pub step: u64,
+    /// The generation whose workers wrote it.
+    pub generation: u64,
+    /// The manifest's key, relative to the job's checkpoint URL.
+    pub manifest: String,
+    pub manifest_crc32c: u32,
+    /// Bytes of all shards.
+    pub bytes: u64,
+    pub world_size: u32,
+    pub layout: Layout,
+    pub committed_at_ms: u64,
+    /// Set when the checkpoint answered a [`CheckpointRequest`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<String>,
+}
+
+/// Ask the workers for a checkpoint at their next step boundary (before a planned drain).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRequest {
+    pub id: String,
+    pub reason: String,
+    pub requested_at_ms: u64,
+}
+
+/// What the workers measured of their last checkpoints (read by `/metrics`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    /// Training stall of the last save (copy into host buffers), milliseconds.
+    pub last_stall_ms: f64,
+    /// Upload time of the last committed checkpoint, seconds (snapshot to commit).
+    pub last_upload_seconds: f64,
+    pub last_bytes: u64,
+    pub last_step: u64,
+    pub committed_total: u64,
+    /// Saves that were due while one was still in flight.
+    pub skipped_total: u64,
+    pub failed_total: u64,
+    /// The last restore from a checkpoint (cold start), seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_restore_seconds: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_restore_step: Option<u64>,
 }
 
 /// Training progress, reported by rank 0 at most once a second.

@@ -85,6 +85,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{job}/scale", post(scale))
         .route("/v1/jobs/{job}/stop", post(stop))
         .route("/v1/jobs/{job}/events", get(events))
+        .route("/v1/jobs/{job}/checkpoints", get(checkpoints))
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}/drain", post(drain).delete(undrain))
         .route("/v1/leader", get(leader))
@@ -184,6 +185,46 @@ async fn stop(State(st): State<AppState>, Path(job): Path<String>) -> ApiResult<
         .await?;
     tracing::info!(job = %job, "stop requested");
     Ok(Json(view(&st.store, &job).await?))
+}
+
+/// What the job's checkpoint URL holds (committed checkpoints and attempts), newest first.
+/// The daemon reads the store with its own credentials (the AWS_* environment).
+async fn checkpoints(
+    State(st): State<AppState>,
+    Path(job): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let Some((spec, _)) = st.store.spec(&job).await? else {
+        return Err(ApiError::not_found(&job));
+    };
+    let Some(ck) = spec.checkpoint else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("job {job:?} has no [checkpoint] section"),
+        ));
+    };
+    let latest: Option<CheckpointRecord> = st
+        .store
+        .get_json(&st.store.keys.checkpoint(&job), "checkpoint")
+        .await?
+        .map(|(r, _)| r);
+    let unavailable = |e: String| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("checkpoint store {}: {e}", ck.url),
+        )
+    };
+    let bucket =
+        ductile_checkpoint::Bucket::open(&ck.url).map_err(|e| unavailable(e.to_string()))?;
+    let list = ductile_checkpoint::retention::list(&bucket, latest.as_ref())
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    Ok(Json(serde_json::json!({
+        "job": job,
+        "url": ck.url,
+        "keep": ck.keep,
+        "latest": latest,
+        "checkpoints": list,
+    })))
 }
 
 fn encode_now() -> Vec<u8> {
@@ -421,6 +462,16 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
     let mut gens = String::from("# HELP ductile_job_generation Current generation number.\n# TYPE ductile_job_generation gauge\n");
     let mut reform = String::from("# HELP ductile_job_last_reformation_seconds Seconds from the triggering event to the last member joining.\n# TYPE ductile_job_last_reformation_seconds gauge\n");
     let mut count = String::from("# HELP ductile_reformations_total Generations published, by reason.\n# TYPE ductile_reformations_total counter\n");
+    let mut ckpt = String::from(concat!(
+        "# HELP ductile_checkpoint_stall_ms Training stall of the last checkpoint (copy into host memory).\n# TYPE ductile_checkpoint_stall_ms gauge\n",
+    ));
+    let mut ckpt_more = String::from(concat!(
+        "# HELP ductile_checkpoint_upload_seconds Snapshot-to-commit time of the last committed checkpoint.\n# TYPE ductile_checkpoint_upload_seconds gauge\n",
+    ));
+    let mut ckpt_bytes = String::from("# HELP ductile_checkpoint_bytes Bytes of the last committed checkpoint.\n# TYPE ductile_checkpoint_bytes gauge\n");
+    let mut ckpt_step = String::from("# HELP ductile_checkpoint_last_step Step of the last committed checkpoint.\n# TYPE ductile_checkpoint_last_step gauge\n");
+    let mut ckpt_counts = String::from("# HELP ductile_checkpoints_total Checkpoints by outcome (committed, skipped while one was in flight, failed).\n# TYPE ductile_checkpoints_total counter\n");
+    let mut ckpt_restore = String::from("# HELP ductile_checkpoint_restore_seconds Time of the last restore from a checkpoint.\n# TYPE ductile_checkpoint_restore_seconds gauge\n");
     for spec in &specs {
         let v = view(&st.store, &spec.name).await?;
         *by_state.entry(format!("{:?}", v.state)).or_default() += 1;
@@ -440,6 +491,52 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
                 "ductile_job_last_reformation_seconds{{job=\"{}\",reason=\"{}\"}} {}",
                 v.job, r.reason, r.seconds
             );
+        }
+        if let Some((c, _)) = st
+            .store
+            .get_json::<CheckpointStats>(
+                &st.store.keys.checkpoint_stats(&spec.name),
+                "checkpoint stats",
+            )
+            .await?
+        {
+            let j = &v.job;
+            let _ = writeln!(
+                ckpt,
+                "ductile_checkpoint_stall_ms{{job=\"{j}\"}} {}",
+                c.last_stall_ms
+            );
+            let _ = writeln!(
+                ckpt_more,
+                "ductile_checkpoint_upload_seconds{{job=\"{j}\"}} {}",
+                c.last_upload_seconds
+            );
+            let _ = writeln!(
+                ckpt_bytes,
+                "ductile_checkpoint_bytes{{job=\"{j}\"}} {}",
+                c.last_bytes
+            );
+            let _ = writeln!(
+                ckpt_step,
+                "ductile_checkpoint_last_step{{job=\"{j}\"}} {}",
+                c.last_step
+            );
+            for (k, n) in [
+                ("committed", c.committed_total),
+                ("skipped", c.skipped_total),
+                ("failed", c.failed_total),
+            ] {
+                let _ = writeln!(
+                    ckpt_counts,
+                    "ductile_checkpoints_total{{job=\"{j}\",outcome=\"{k}\"}} {n}"
+                );
+            }
+            if let Some(r) = c.last_restore_seconds {
+                let _ = writeln!(
+                    ckpt_restore,
+                    "ductile_checkpoint_restore_seconds{{job=\"{j}\"}} {r}"
+                );
+            }
         }
         let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
         for g in st.store.history(&spec.name).await? {
@@ -464,5 +561,15 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
     out.push_str(&gens);
     out.push_str(&reform);
     out.push_str(&count);
+    for s in [
+        ckpt,
+        ckpt_more,
+        ckpt_bytes,
+        ckpt_step,
+        ckpt_counts,
+        ckpt_restore,
+    ] {
+        out.push_str(&s);
+    }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response())
 }

@@ -273,7 +273,6 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     };
     let survivors = old.intersection(&new).count();
     let state_source = match (cur, survivors) {
-        (None, _) => StateSource::Seed,
         (Some(_), s) if s > 0 => StateSource::Peers,
         _ if spec.checkpoint.is_some() => StateSource::Checkpoint,
         _ => StateSource::Seed,

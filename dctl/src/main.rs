@@ -53,6 +53,8 @@ enum Cmd {
     },
     /// Follow a job's step, loss, throughput and generation until it ends (Ctrl-C to leave).
     Watch { job: String },
+    /// List a job's checkpoints: step, time, size, world size and layout, state.
+    Checkpoints { job: String },
 }
 
 #[derive(Deserialize, Default)]
@@ -325,6 +327,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("job {job}: stop requested");
             }
         }
+        Cmd::Checkpoints { job } => {
+            let v = c
+                .call(Method::GET, &format!("/v1/jobs/{job}/checkpoints"), None)
+                .await?;
+            if json {
+                out(&v);
+            } else {
+                print_checkpoints(&v);
+            }
+        }
         Cmd::Events { job, follow } => {
             let mut after = 0;
             loop {
@@ -397,5 +409,85 @@ async fn main() {
     if let Err(e) = run(cli).await {
         eprintln!("dctl: {e:#}");
         std::process::exit(1);
+    }
+}
+
+fn print_checkpoints(v: &serde_json::Value) {
+    println!(
+        "{} (keep {})",
+        v["url"].as_str().unwrap_or("?"),
+        v["keep"].as_u64().unwrap_or(0)
+    );
+    println!(
+        "{:>10}  {:>6}  {:<10}  {:<24}  {:>12}  {:>5}  layout",
+        "step", "gen", "state", "time (UTC)", "size", "world"
+    );
+    for c in v["checkpoints"].as_array().into_iter().flatten() {
+        let layout = &c["layout"];
+        let layout = if layout.is_null() {
+            "-".to_string()
+        } else {
+            format!(
+                "dp{}×pp{}×tp{}",
+                layout["data_parallel"], layout["pipeline_parallel"], layout["tensor_parallel"]
+            )
+        };
+        println!(
+            "{:>10}  {:>6}  {:<10}  {:<24}  {:>12}  {:>5}  {layout}",
+            c["step"],
+            c["generation"],
+            c["state"].as_str().unwrap_or("?"),
+            utc(c["time_ms"].as_u64().unwrap_or(0)),
+            human_bytes(c["bytes"].as_u64().unwrap_or(0)),
+            c["world_size"],
+        );
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = b as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < units.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{x:.1} {}", units[u])
+    }
+}
+
+/// `YYYY-MM-DD HH:MM:SS` (UTC) of milliseconds since the epoch.
+fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // civil-from-days (Howard Hinnant)
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod checkpoint_tests {
+    #[test]
+    fn times_and_sizes_read_like_a_person_writes_them() {
+        assert_eq!(super::utc(0), "1970-01-01 00:00:00");
+        assert_eq!(super::utc(1_795_000_000_000), "2026-11-18 11:06:40");
+        assert_eq!(super::human_bytes(512), "512 B");
+        assert_eq!(super::human_bytes(3 << 20), "3.0 MiB");
     }
 }

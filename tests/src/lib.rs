@@ -328,7 +328,17 @@ pub struct S3 {
 
 impl S3 {
     pub fn start(dir: &Path) -> S3 {
-        if let Ok(endpoint) = std::env::var("DUCTILE_TEST_S3_ENDPOINT") {
+        S3::start_kind(dir, false)
+    }
+
+    /// moto behind a filter that drops `If-None-Match`: a store that accepts conditional
+    /// creates and does not enforce them.
+    pub fn start_lax(dir: &Path) -> S3 {
+        S3::start_kind(dir, true)
+    }
+
+    fn start_kind(dir: &Path, lax: bool) -> S3 {
+        if let (false, Ok(endpoint)) = (lax, std::env::var("DUCTILE_TEST_S3_ENDPOINT")) {
             let v = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
             return S3 {
                 proc: None,
@@ -346,13 +356,29 @@ impl S3 {
             "-p".to_string(),
             port.to_string(),
         ];
-        let proc = Proc::start(
-            "moto_server",
-            &tool("DUCTILE_MOTO_SERVER", "moto_server"),
-            &args,
-            &[],
-            dir.join("s3.log"),
-        );
+        let proc = if lax {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("lax_s3.py");
+            let args = vec![
+                script.display().to_string(),
+                "127.0.0.1".to_string(),
+                port.to_string(),
+            ];
+            Proc::start(
+                "lax_s3",
+                &tool("DUCTILE_PYTHON", "python3"),
+                &args,
+                &[],
+                dir.join("s3-lax.log"),
+            )
+        } else {
+            Proc::start(
+                "moto_server",
+                &tool("DUCTILE_MOTO_SERVER", "moto_server"),
+                &args,
+                &[],
+                dir.join("s3.log"),
+            )
+        };
         let endpoint = format!("http://127.0.0.1:{port}");
         let t0 = Instant::now();
         loop {
@@ -391,6 +417,112 @@ impl S3 {
             ("AWS_ACCESS_KEY_ID".into(), self.access_key.clone()),
             ("AWS_SECRET_ACCESS_KEY".into(), self.secret_key.clone()),
         ]
+    }
+}
+
+/// A TCP proxy in front of a server: `stop` cuts every connection and refuses new ones (the
+/// server is gone, its data is not), `start` serves again on the same port, and `throttle`
+/// limits the client-to-server rate (to catch an upload in the middle).
+pub struct Proxy {
+    pub port: u16,
+    upstream: u16,
+    up: Arc<std::sync::atomic::AtomicBool>,
+    rate: Arc<std::sync::atomic::AtomicU64>,
+    conns: Arc<Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Proxy {
+    pub fn start(upstream: u16) -> Proxy {
+        let p = Proxy {
+            port: free_port(),
+            upstream,
+            up: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            rate: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            conns: Arc::new(Mutex::new(Vec::new())),
+        };
+        p.serve();
+        p
+    }
+
+    /// Bytes per second from clients to the server (0: unlimited).
+    pub fn throttle(&self, bytes_per_sec: u64) {
+        self.rate.store(bytes_per_sec, Ordering::SeqCst);
+    }
+
+    pub fn serve(&self) {
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        self.up.store(true, Ordering::SeqCst);
+        let listener = TcpListener::bind(("127.0.0.1", self.port)).expect("proxy port");
+        listener.set_nonblocking(true).unwrap();
+        let (up, rate, conns, upstream) = (
+            self.up.clone(),
+            self.rate.clone(),
+            self.conns.clone(),
+            self.upstream,
+        );
+        std::thread::spawn(move || {
+            while up.load(Ordering::SeqCst) {
+                let Ok((client, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                client.set_nonblocking(false).unwrap();
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                {
+                    let mut c = conns.lock().unwrap();
+                    c.push(client.try_clone().unwrap());
+                    c.push(server.try_clone().unwrap());
+                }
+                for (mut from, mut to, limited) in [
+                    (
+                        client.try_clone().unwrap(),
+                        server.try_clone().unwrap(),
+                        true,
+                    ),
+                    (server, client, false),
+                ] {
+                    let rate = rate.clone();
+                    std::thread::spawn(move || {
+                        use std::io::{Read, Write};
+                        let mut buf = vec![0u8; 64 << 10];
+                        loop {
+                            let n = match from.read(&mut buf) {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            let r = rate.load(Ordering::SeqCst);
+                            if limited && r > 0 {
+                                std::thread::sleep(Duration::from_secs_f64(n as f64 / r as f64));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Write);
+                    });
+                }
+            }
+        });
+    }
+
+    /// Cut every connection and stop accepting.
+    pub fn stop(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 
@@ -519,6 +651,8 @@ pub struct Spec {
     pub debounce_ms: u64,
     pub restart_backoff_ms: u64,
     pub s3: bool,
+    /// Put a [`Proxy`] between the cluster and the S3 server (`Cluster::s3_proxy`).
+    pub s3_proxy: bool,
     /// Extra environment of every agent (its workers inherit it).
     pub agent_env: Vec<(String, String)>,
 }
@@ -533,6 +667,7 @@ impl Default for Spec {
             debounce_ms: 300,
             restart_backoff_ms: 1000,
             s3: false,
+            s3_proxy: false,
             agent_env: vec![],
         }
     }
@@ -552,6 +687,7 @@ pub struct Cluster {
     pub daemon_ports: Vec<u16>,
     pub agents: BTreeMap<String, Proc>,
     pub s3: Option<S3>,
+    pub s3_proxy: Option<Proxy>,
     pub etcd: Etcd,
     pub dir: TempDir,
     pub prefix: String,
@@ -561,10 +697,18 @@ impl Cluster {
     pub fn start(spec: Spec) -> Cluster {
         let dir = TempDir::new("cluster");
         let etcd = Etcd::start(dir.path());
-        let s3 = spec.s3.then(|| S3::start(dir.path()));
+        let s3 = (spec.s3 || spec.s3_proxy).then(|| S3::start(dir.path()));
         let mut spec = spec;
+        let mut s3_proxy = None;
         if let Some(s3) = &s3 {
-            spec.agent_env.extend(s3.env());
+            let mut env = s3.env();
+            if spec.s3_proxy {
+                let upstream: u16 = s3.endpoint.rsplit(':').next().unwrap().parse().unwrap();
+                let p = Proxy::start(upstream);
+                env[0].1 = format!("http://127.0.0.1:{}", p.port);
+                s3_proxy = Some(p);
+            }
+            spec.agent_env.extend(env);
         }
         std::fs::write(dir.path().join("token"), TOKEN).unwrap();
         let mut c = Cluster {
@@ -573,6 +717,7 @@ impl Cluster {
             daemon_ports: vec![],
             agents: BTreeMap::new(),
             s3,
+            s3_proxy,
             etcd,
             dir,
             prefix: "/ductile/v1".into(),
@@ -602,11 +747,19 @@ impl Cluster {
             "--id".into(),
             format!("daemon{i}"),
         ];
+        // the daemon reads checkpoint stores (dctl checkpoints) with the cluster's S3 settings
+        let env: Vec<(String, String)> = self
+            .spec
+            .agent_env
+            .iter()
+            .filter(|(k, _)| k.starts_with("AWS_"))
+            .cloned()
+            .collect();
         let p = Proc::start(
             &format!("daemon{i}"),
             &bin("ductiled"),
             &args,
-            &[],
+            &env,
             self.dir.path().join(format!("daemon{i}.log")),
         );
         self.daemons.push(p);

@@ -154,3 +154,30 @@ pub fn watch_generations(
         }
     });
 }
+
+/// Keep `latest` set to the job's newest checkpoint request id (a planned drain asks for one).
+pub fn watch_checkpoint_requests(
+    store: Store,
+    job: String,
+    latest: Arc<std::sync::Mutex<Option<String>>>,
+    rt: &tokio::runtime::Handle,
+) {
+    let key = store.keys.checkpoint_request(&job);
+    let cancel = CancellationToken::new();
+    let mut rx = watch_prefix(store.backend.clone(), key.clone(), cancel);
+    rt.spawn(async move {
+        loop {
+            let req = rx
+                .borrow_and_update()
+                .kvs
+                .get(&key)
+                .and_then(|kv| serde_json::from_slice::<CheckpointRequest>(&kv.value).ok());
+            if let Some(r) = req {
+                *latest.lock().unwrap() = Some(r.id);
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+}

@@ -122,7 +122,16 @@ fn run() {
         );
         let handle = tokio::runtime::Handle::current();
         let trainer = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
-            ductile_worker::train::Trainer::new(env, training, spec.max, store, handle, cell)?.run()
+            ductile_worker::train::Trainer::new(
+                env,
+                training,
+                spec.checkpoint.clone(),
+                spec.max,
+                store,
+                handle,
+                cell,
+            )?
+            .run()
         });
         tokio::select! {
             r = trainer => match r {

@@ -30,6 +30,8 @@ use crate::model::Model;
 use crate::optim::{lr_at, Optimizer};
 use crate::WorkerEnv;
 
+mod ckpt;
+
 /// The newest generation seen, shared between the async watcher and the training thread.
 #[derive(Default)]
 pub struct GenCell {
@@ -99,6 +101,9 @@ pub struct Trainer {
     opt: Optimizer,
     step: u64,
     ledger: Option<std::fs::File>,
+    ckpt: Option<ckpt::Ckpt>,
+    /// The collective checkpoint flags of the last step: (request pending, save in flight).
+    flags: (bool, bool),
 }
 
 fn sha256_params(params: &[Tensor]) -> String {
@@ -128,6 +133,7 @@ impl Trainer {
     pub fn new(
         env: WorkerEnv,
         spec: TrainingSpec,
+        checkpoint: Option<CheckpointSpec>,
         max_size: u32,
         store: Store,
         rt: tokio::runtime::Handle,
@@ -152,6 +158,20 @@ impl Trainer {
             Err(_) => None,
         };
         let order = Order::new(data.len(), spec.seed);
+        let ckpt = match checkpoint {
+            Some(c) => {
+                let names: Vec<String> = model.params().into_iter().map(|(n, _)| n).collect();
+                let ck = ckpt::Ckpt::new(c, &names, &opt, &params)?;
+                crate::watch_checkpoint_requests(
+                    store.clone(),
+                    env.job.clone(),
+                    ck.request.clone(),
+                    &rt,
+                );
+                Some(ck)
+            }
+            None => None,
+        };
         Ok(Trainer {
             env,
             spec,
@@ -166,6 +186,8 @@ impl Trainer {
             opt,
             step: 0,
             ledger,
+            ckpt,
+            flags: (false, false),
         })
     }
 
@@ -238,7 +260,7 @@ impl Trainer {
 
     fn generation(&mut self, g: &Generation, comm: &TcpComm, rank: u32) -> anyhow::Result<Outcome> {
         let t0 = Instant::now();
-        if let Err(e) = self.sync_state(comm) {
+        if let Err(e) = self.sync_state(comm)? {
             return Ok(Outcome::Reform(e));
         }
         let hash = sha256_params(&self.params);
@@ -288,6 +310,10 @@ impl Trainer {
         let mut first_done = false;
         loop {
             if self.spec.max_steps.is_some_and(|m| self.step >= m) {
+                // a save in flight completes (and rank 0 commits it) before the job ends
+                if let Some(ck) = &mut self.ckpt {
+                    ck.finish(&self.rt);
+                }
                 if rank == 0 {
                     let sha = sha256_params(&self.params);
                     let p = Progress {
@@ -318,6 +344,8 @@ impl Trainer {
                 Ok(l) => l,
                 Err(e) => return Ok(Outcome::Reform(e)),
             };
+            let (pending, busy) = self.flags;
+            self.maybe_save(g, rank, g.world_size, pending, busy);
             if !first_done && rank == 0 {
                 first_done = true;
                 // when the new world completed its first step (recovery benchmarks read it)
@@ -363,11 +391,23 @@ impl Trainer {
     }
 
     /// Agree on the state: the highest step wins; its lowest rank sends its state to all.
-    fn sync_state(&mut self, comm: &TcpComm) -> Result<(), CommError> {
+    /// When every member is at step 0 (a cold start) and the job has checkpoints, restore the
+    /// latest one instead.
+    fn sync_state(&mut self, comm: &TcpComm) -> anyhow::Result<Result<(), CommError>> {
         let mine = Tensor::from_slice(&[self.step as f64]);
-        let all = Communicator::all_gather(comm, &mine)?;
+        let all = match Communicator::all_gather(comm, &mine) {
+            Ok(a) => a,
+            Err(e) => return Ok(Err(e)),
+        };
         let steps: Vec<f64> = Vec::<f64>::try_from(all.flatten(0, -1)).unwrap_or_default();
         let max = steps.iter().cloned().fold(0.0, f64::max);
+        if max == 0.0 && self.ckpt.is_some() {
+            return self.restore(comm);
+        }
+        Ok(self.transfer_state(comm, &steps, max))
+    }
+
+    fn transfer_state(&mut self, comm: &TcpComm, steps: &[f64], max: f64) -> Result<(), CommError> {
         if steps.iter().all(|s| *s == max) {
             return Ok(());
         }
@@ -480,7 +520,9 @@ impl Trainer {
                 }
             })
             .collect();
-        parts.push(Tensor::from_slice(&[loss as f32]));
+        // the loss and the checkpoint flags ride along: every rank sees the same sums
+        let (pending, busy) = self.ckpt.as_ref().map(|c| c.flags()).unwrap_or((0.0, 0.0));
+        parts.push(Tensor::from_slice(&[loss as f32, pending, busy]));
         Tensor::cat(&parts, 0).contiguous()
     }
 
@@ -537,7 +579,11 @@ impl Trainer {
             flat
         };
         let n = flat.size()[0];
-        let loss = flat.double_value(&[n - 1]);
+        let loss = flat.double_value(&[n - 3]);
+        self.flags = (
+            flat.double_value(&[n - 2]) > 0.0,
+            flat.double_value(&[n - 1]) > 0.0,
+        );
         let mut grads = Vec::with_capacity(self.params.len());
         let mut at = 0;
         for p in &self.params {

@@ -1,0 +1,309 @@
+//! The on-store format: safetensors shards, the JSON manifest, the commit record, CRC32C.
+//!
+//! One checkpoint attempt is a directory `step-{step:012}/g{generation}/` under the job's URL:
+//!
+//! ```text
+//! shard-00000-of-00004.safetensors   one per writing rank; a valid safetensors file whose keys
+//!                                     are full tensor names; __metadata__ holds, per key, the
+//!                                     global shape and this chunk's offsets (JSON strings)
+//! manifest.json                      per tensor: dtype, global shape, kind, chunks (object,
+//!                                     absolute byte range, offsets, shape, CRC32C); extra state
+//! COMMIT                             the commit record (JSON), written after the etcd commit
+//! uploads/{rank}.json                an in-flight multipart upload id (deleted on completion)
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+pub const FORMAT: &str = "ductile-checkpoint/1";
+pub const MANIFEST: &str = "manifest.json";
+pub const COMMIT: &str = "COMMIT";
+
+/// Element types, by their safetensors names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Dtype {
+    F64,
+    F32,
+    F16,
+    BF16,
+    I64,
+    I32,
+    U8,
+}
+
+impl Dtype {
+    pub fn size(self) -> u64 {
+        match self {
+            Dtype::F64 | Dtype::I64 => 8,
+            Dtype::F32 | Dtype::I32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::U8 => 1,
+        }
+    }
+}
+
+/// What a tensor is, for readers of the manifest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorKind {
+    Parameter,
+    OptimizerState,
+    Buffer,
+}
+
+/// A tensor of the state being saved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorMeta {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub kind: TensorKind,
+}
+
+impl TensorMeta {
+    /// Bytes of one slice along dimension 0 (the whole tensor for a scalar).
+    pub fn row_bytes(&self) -> u64 {
+        self.dtype.size() * self.shape.iter().skip(1).product::<u64>()
+    }
+    pub fn rows(&self) -> u64 {
+        self.shape.first().copied().unwrap_or(1)
+    }
+    pub fn bytes(&self) -> u64 {
+        self.row_bytes() * self.rows()
+    }
+}
+
+/// One piece of a tensor in a shard: rows [row, row + rows) of dimension 0.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkEntry {
+    /// The shard's key, relative to the attempt directory.
+    pub object: String,
+    /// Absolute byte range of the data in the object.
+    pub byte_range: [u64; 2],
+    /// Where the chunk starts in the global tensor, per dimension.
+    pub offsets: Vec<u64>,
+    pub shape: Vec<u64>,
+    pub crc32c: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorEntry {
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub kind: TensorKind,
+    pub chunks: Vec<ChunkEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectEntry {
+    pub object: String,
+    pub size: u64,
+}
+
+/// The manifest of one checkpoint attempt (plain JSON).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub job: String,
+    pub step: u64,
+    pub generation: u64,
+    pub created_at_ms: u64,
+    pub world_size: u32,
+    pub layout: ductile_cluster::records::Layout,
+    /// Tensor names in save order (the JSON map below is sorted by name).
+    pub order: Vec<String>,
+    pub tensors: std::collections::BTreeMap<String, TensorEntry>,
+    pub objects: Vec<ObjectEntry>,
+    /// What resumes the run exactly: step, data cursor, RNG, optimizer hyper-parameters.
+    pub extra: serde_json::Value,
+}
+
+impl Manifest {
+    pub fn bytes(&self) -> u64 {
+        self.objects.iter().map(|o| o.size).sum()
+    }
+    /// The tensors in save order.
+    pub fn ordered(&self) -> impl Iterator<Item = (&String, &TensorEntry)> {
+        self.order
+            .iter()
+            .filter_map(|n| self.tensors.get_key_value(n))
+    }
+}
+
+pub fn crc32c(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+}
+
+pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc, bytes)
+}
+
+/// The attempt directory of (step, generation), relative to the job's URL.
+pub fn attempt_dir(step: u64, generation: u64) -> String {
+    format!("step-{step:012}/g{generation}")
+}
+
+/// (step, generation) of an attempt directory name `step-…/g…`.
+pub fn parse_attempt_dir(dir: &str) -> Option<(u64, u64)> {
+    let (s, g) = dir.split_once('/')?;
+    Some((
+        s.strip_prefix("step-")?.parse().ok()?,
+        g.strip_prefix('g')?.parse().ok()?,
+    ))
+}
+
+pub fn shard_name(rank: u32, world: u32) -> String {
+    format!("shard-{rank:05}-of-{world:05}.safetensors")
+}
+
+/// One chunk placed in a shard being written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// Index into the tensor list.
+    pub tensor: usize,
+    pub row: u64,
+    pub rows: u64,
+    /// Byte range in the shard object.
+    pub start: u64,
+    pub end: u64,
+}
+
+/// A safetensors header for `chunks` of `tensors`; returns the header bytes (length prefix
+/// included, padded to 8) and where each chunk's data goes in the object.
+pub fn safetensors_header(
+    tensors: &[TensorMeta],
+    chunks: &[(usize, u64, u64)],
+) -> (Vec<u8>, Vec<Placed>) {
+    let mut head = serde_json::Map::new();
+    let mut meta = serde_json::Map::new();
+    meta.insert("format".into(), FORMAT.into());
+    let mut at = 0u64;
+    let mut rel = Vec::with_capacity(chunks.len());
+    for &(ti, row, rows) in chunks {
+        let t = &tensors[ti];
+        let n = rows * t.row_bytes();
+        let mut shape = t.shape.clone();
+        let mut offsets = vec![0u64; t.shape.len()];
+        if let Some(first) = shape.first_mut() {
+            *first = rows;
+            offsets[0] = row;
+        }
+        head.insert(
+            t.name.clone(),
+            serde_json::json!({"dtype": t.dtype, "shape": shape, "data_offsets": [at, at + n]}),
+        );
+        meta.insert(
+            t.name.clone(),
+            serde_json::json!({"global_shape": t.shape, "offsets": offsets, "kind": t.kind})
+                .to_string()
+                .into(),
+        );
+        rel.push((ti, row, rows, at, at + n));
+        at += n;
+    }
+    head.insert("__metadata__".into(), serde_json::Value::Object(meta));
+    let mut json = serde_json::to_vec(&head).expect("a JSON map");
+    while (json.len() + 8) % 8 != 0 {
+        json.push(b' ');
+    }
+    let base = 8 + json.len() as u64;
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    let placed = rel
+        .into_iter()
+        .map(|(tensor, row, rows, s, e)| Placed {
+            tensor,
+            row,
+            rows,
+            start: base + s,
+            end: base + e,
+        })
+        .collect();
+    (out, placed)
+}
+
+/// A parsed safetensors header: per tensor (name, dtype, shape, absolute byte range).
+pub type SafetensorsEntry = (String, String, Vec<u64>, std::ops::Range<u64>);
+
+/// Parse the header of a safetensors file (`bytes` holds at least the header).
+pub fn parse_safetensors_header(
+    bytes: &[u8],
+) -> Result<
+    (
+        Vec<SafetensorsEntry>,
+        serde_json::Map<String, serde_json::Value>,
+    ),
+    String,
+> {
+    if bytes.len() < 8 {
+        return Err("not a safetensors file (too short)".into());
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    if n > 100 << 20 || bytes.len() < 8 + n as usize {
+        return Err("not a safetensors file (header past the end)".into());
+    }
+    let head: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n as usize])
+            .map_err(|e| format!("not a safetensors file (header: {e})"))?;
+    let base = 8 + n;
+    let mut out = Vec::new();
+    let mut meta = serde_json::Map::new();
+    for (name, v) in head {
+        if name == "__metadata__" {
+            if let serde_json::Value::Object(m) = v {
+                meta = m;
+            }
+            continue;
+        }
+        let dtype = v["dtype"].as_str().unwrap_or("?").to_string();
+        let shape: Vec<u64> = v["shape"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|d| d.as_u64()).collect())
+            .unwrap_or_default();
+        let off: Vec<u64> = v["data_offsets"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|d| d.as_u64()).collect())
+            .unwrap_or_default();
+        if off.len() != 2 || off[0] > off[1] {
+            return Err(format!("tensor {name}: bad data_offsets"));
+        }
+        out.push((name, dtype, shape, base + off[0]..base + off[1]));
+    }
+    out.sort_by_key(|e| e.3.start);
+    Ok((out, meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_header_places_chunks_back_to_back_after_an_aligned_header() {
+        let t = vec![
+            TensorMeta {
+                name: "w".into(),
+                dtype: Dtype::F32,
+                shape: vec![4, 3],
+                kind: TensorKind::Parameter,
+            },
+            TensorMeta {
+                name: "b".into(),
+                dtype: Dtype::F32,
+                shape: vec![3],
+                kind: TensorKind::Parameter,
+            },
+        ];
+        let (h, placed) = safetensors_header(&t, &[(0, 1, 3), (1, 0, 3)]);
+        assert_eq!(h.len() % 8, 0);
+        assert_eq!(placed[0].start, h.len() as u64);
+        assert_eq!(placed[0].end - placed[0].start, 36);
+        assert_eq!(placed[1].start, placed[0].end);
+        let (entries, meta) = parse_safetensors_header(&h).unwrap();
+        assert_eq!(entries[0].0, "w");
+        assert_eq!(entries[0].2, vec![3, 3]);
+        assert_eq!(entries[0].3, placed[0].start..placed[0].end);
+        let m: serde_json::Value = serde_json::from_str(meta["w"].as_str().unwrap()).unwrap();
+        assert_eq!(m["offsets"], serde_json::json!([1, 0]));
+        assert_eq!(m["global_shape"], serde_json::json!([4, 3]));
+        assert_eq!(parse_attempt_dir(&attempt_dir(120, 7)), Some((120, 7)));
+    }
+}

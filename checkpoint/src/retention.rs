@@ -1,0 +1,196 @@
+//! What a checkpoint URL holds (`dctl checkpoints`), and retention: keep the last K commits,
+//! delete older ones, uncommitted attempts older than a TTL, and the multipart uploads that
+//! crashed writers left open.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ductile_cluster::records::{now_ms, CheckpointRecord, Layout};
+use object_store::ObjectMeta;
+use serde::{Deserialize, Serialize};
+
+use crate::bucket::{Bucket, BucketError};
+use crate::format::*;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointState {
+    Committed,
+    Attempt,
+}
+
+/// One (step, generation) directory of a checkpoint URL.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    pub step: u64,
+    pub generation: u64,
+    pub state: CheckpointState,
+    /// Commit time, or the newest object's time for an attempt (ms since the epoch).
+    pub time_ms: u64,
+    /// Bytes of its shards.
+    pub bytes: u64,
+    pub world_size: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<Layout>,
+    pub objects: usize,
+}
+
+struct Dir {
+    objects: Vec<(String, ObjectMeta)>,
+}
+
+async fn dirs(bucket: &Bucket) -> Result<BTreeMap<(u64, u64), Dir>, BucketError> {
+    let mut out: BTreeMap<(u64, u64), Dir> = BTreeMap::new();
+    for (key, meta) in bucket.list("").await? {
+        let mut parts = key.splitn(3, '/');
+        let (Some(a), Some(b)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        if let Some(sg) = parse_attempt_dir(&format!("{a}/{b}")) {
+            out.entry(sg)
+                .or_insert_with(|| Dir { objects: vec![] })
+                .objects
+                .push((key, meta));
+        }
+    }
+    Ok(out)
+}
+
+/// Every checkpoint directory, newest step first. `latest` (etcd's record) counts as committed
+/// even before its commit record reaches the store.
+pub async fn list(
+    bucket: &Bucket,
+    latest: Option<&CheckpointRecord>,
+) -> Result<Vec<CheckpointInfo>, BucketError> {
+    let mut out = Vec::new();
+    for ((step, generation), d) in dirs(bucket).await? {
+        let commit_key = format!("{}/{COMMIT}", attempt_dir(step, generation));
+        let mut rec = None;
+        if d.objects.iter().any(|(k, _)| *k == commit_key) {
+            if let Ok(b) = bucket.get(&commit_key).await {
+                rec = serde_json::from_slice::<CheckpointRecord>(&b).ok();
+            }
+        }
+        if rec.is_none() {
+            rec = latest
+                .filter(|l| l.step == step && l.generation == generation)
+                .cloned();
+        }
+        let shards: Vec<&(String, ObjectMeta)> = d
+            .objects
+            .iter()
+            .filter(|(k, _)| k.ends_with(".safetensors"))
+            .collect();
+        let world_from_names = shards
+            .first()
+            .and_then(|(k, _)| k.rsplit("-of-").next())
+            .and_then(|s| s.trim_end_matches(".safetensors").parse().ok())
+            .unwrap_or(0);
+        let newest = d
+            .objects
+            .iter()
+            .map(|(_, m)| m.last_modified.timestamp_millis().max(0) as u64)
+            .max()
+            .unwrap_or(0);
+        out.push(match rec {
+            Some(r) => CheckpointInfo {
+                step,
+                generation,
+                state: CheckpointState::Committed,
+                time_ms: r.committed_at_ms,
+                bytes: r.bytes,
+                world_size: r.world_size,
+                layout: Some(r.layout),
+                objects: d.objects.len(),
+            },
+            None => CheckpointInfo {
+                step,
+                generation,
+                state: CheckpointState::Attempt,
+                time_ms: newest,
+                bytes: shards.iter().map(|(_, m)| m.size).sum(),
+                world_size: world_from_names,
+                layout: None,
+                objects: d.objects.len(),
+            },
+        });
+    }
+    out.reverse();
+    Ok(out)
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Retained {
+    pub kept: Vec<u64>,
+    pub deleted_commits: Vec<u64>,
+    pub deleted_attempts: Vec<(u64, u64)>,
+    pub aborted_uploads: usize,
+    /// Commit records written for etcd commits whose record had not reached the store.
+    pub repaired: usize,
+}
+
+/// Keep the `keep` newest commits; delete older commits, and uncommitted attempts whose newest
+/// object is older than `attempt_ttl` (aborting their open multipart uploads first).
+pub async fn retain(
+    bucket: &Bucket,
+    keep: usize,
+    attempt_ttl: Duration,
+    latest: Option<&CheckpointRecord>,
+) -> Result<Retained, BucketError> {
+    let mut r = Retained::default();
+    // an etcd commit whose record is missing from the store gets it now
+    if let Some(l) = latest {
+        let key = format!("{}/{COMMIT}", attempt_dir(l.step, l.generation));
+        if let Err(e) = bucket.get(&key).await {
+            if e.is_not_found() {
+                bucket
+                    .put(&key, Bytes::from(serde_json::to_vec_pretty(l).unwrap()))
+                    .await?;
+                r.repaired += 1;
+            }
+        }
+    }
+    let infos = list(bucket, latest).await?;
+    let all = dirs(bucket).await?;
+    let now = now_ms();
+    let mut commits_seen = 0usize;
+    for info in infos {
+        let dir = attempt_dir(info.step, info.generation);
+        let objects = &all[&(info.step, info.generation)].objects;
+        let drop = match info.state {
+            CheckpointState::Committed => {
+                commits_seen += 1;
+                if commits_seen <= keep {
+                    r.kept.push(info.step);
+                    false
+                } else {
+                    r.deleted_commits.push(info.step);
+                    true
+                }
+            }
+            CheckpointState::Attempt => {
+                let old = now.saturating_sub(info.time_ms) > attempt_ttl.as_millis() as u64;
+                if old {
+                    r.deleted_attempts.push((info.step, info.generation));
+                }
+                old
+            }
+        };
+        if !drop {
+            continue;
+        }
+        for (key, _) in objects.iter().filter(|(k, _)| k.contains("/uploads/")) {
+            bucket.abort_recorded(key).await?;
+            r.aborted_uploads += 1;
+        }
+        // the commit record goes first, so a half-deleted commit is never read as complete
+        let commit = format!("{dir}/{COMMIT}");
+        bucket.delete(&commit).await?;
+        for (key, _) in objects.iter().filter(|(k, _)| *k != commit) {
+            bucket.delete(key).await?;
+        }
+        bucket.remove_local_dir(&dir);
+    }
+    Ok(r)
+}

@@ -1,0 +1,267 @@
+//! Save → commit → restore through the same code as the workers, against an in-memory object
+//! store and the in-memory etcd. (The integration tests run it against moto, files and etcd.)
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ductile_cluster::memory::MemoryBackend;
+use ductile_cluster::records::*;
+use ductile_cluster::{Keys, KvBackend, Store};
+
+use crate::format::*;
+use crate::restore::{chunk_offset_bytes, committed, fetch, load_manifest, RestoreError};
+use crate::save::*;
+use crate::{plan, Bucket, UploadOptions};
+
+fn tensors() -> Vec<TensorMeta> {
+    let t = |name: &str, shape: &[u64], kind| TensorMeta {
+        name: name.into(),
+        dtype: Dtype::F32,
+        shape: shape.to_vec(),
+        kind,
+    };
+    vec![
+        t("emb.weight", &[97, 16], TensorKind::Parameter),
+        t("head.bias", &[33], TensorKind::Parameter),
+        t("scale", &[], TensorKind::Buffer),
+        t(
+            "optimizer.emb.weight.exp_avg",
+            &[97, 16],
+            TensorKind::OptimizerState,
+        ),
+        t(
+            "optimizer.head.bias.exp_avg",
+            &[33],
+            TensorKind::OptimizerState,
+        ),
+    ]
+}
+
+/// Deterministic contents of every tensor, by name.
+fn contents(ts: &[TensorMeta]) -> Vec<Vec<u8>> {
+    ts.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            (0..t.bytes())
+                .map(|b| ((b * 31 + i as u64 * 7) % 251) as u8)
+                .collect()
+        })
+        .collect()
+}
+
+async fn set_generation(store: &Store, job: &str, number: u64) {
+    let g = Generation {
+        job: job.into(),
+        number,
+        members: vec![],
+        world_size: 4,
+        layout: Layout::data_parallel(4),
+        resume_step: 0,
+        state_source: StateSource::Peers,
+        desired: 4,
+        reason: Reason::Start,
+        detail: String::new(),
+        triggered_at_ms: 0,
+        published_at_ms: 0,
+    };
+    store
+        .put_json(&store.keys.generation(job), &g, None)
+        .await
+        .unwrap();
+}
+
+/// Every rank of a `world` writes its shard; the committer commits.
+async fn save(
+    store: &Store,
+    bucket: &Bucket,
+    step: u64,
+    generation: u64,
+    world: u32,
+) -> Result<CheckpointRecord, SaveError> {
+    let ts = tensors();
+    let data = contents(&ts);
+    for rank in 0..world {
+        let layout = ShardLayout::new(&ts, world, rank);
+        let mut buf = Vec::new();
+        layout.prepare(&mut buf);
+        for p in &layout.placed {
+            let rb = ts[p.tensor].row_bytes();
+            let src = &data[p.tensor][(p.row * rb) as usize..((p.row + p.rows) * rb) as usize];
+            buf[p.start as usize..p.end as usize].copy_from_slice(src);
+        }
+        write_shard(
+            store,
+            bucket,
+            "j",
+            step,
+            generation,
+            &ts,
+            &layout,
+            Bytes::from(buf),
+            UploadOptions::default(),
+        )
+        .await?;
+    }
+    gather_and_commit(
+        store,
+        bucket,
+        CommitInput {
+            job: "j",
+            step,
+            generation,
+            world,
+            layout: Layout::data_parallel(world),
+            tensors: &ts,
+            extra: serde_json::json!({"step": step}),
+            conditional_create: true,
+            request: None,
+            wait: Duration::from_secs(5),
+        },
+    )
+    .await
+}
+
+/// Restore with `world` readers; every tensor's bytes.
+async fn restore(
+    bucket: &Bucket,
+    rec: &CheckpointRecord,
+    world: u32,
+) -> Result<Vec<Vec<u8>>, RestoreError> {
+    let m = load_manifest(bucket, rec).await?;
+    let mut out: Vec<Vec<u8>> = m
+        .ordered()
+        .map(|(_, t)| vec![0u8; (t.dtype.size() * t.shape.iter().product::<u64>()) as usize])
+        .collect();
+    let names: Vec<String> = m.order.clone();
+    for share in plan::readers(&m, world) {
+        let got = fetch(bucket, &m, &share, 4).await?;
+        for ((name, k), bytes) in share.iter().zip(got) {
+            let t = &m.tensors[name];
+            let at = chunk_offset_bytes(t, &t.chunks[*k]) as usize;
+            let i = names.iter().position(|n| n == name).unwrap();
+            out[i][at..at + bytes.len()].copy_from_slice(&bytes);
+        }
+    }
+    Ok(out)
+}
+
+fn setup() -> (Store, Bucket) {
+    let kv: Arc<dyn KvBackend> = Arc::new(MemoryBackend::new());
+    let store = Store::new(kv, Keys::new("/t"));
+    let bucket = Bucket::from_store(
+        "memory://ckpt",
+        Arc::new(object_store::memory::InMemory::new()),
+    );
+    (store, bucket)
+}
+
+#[tokio::test]
+async fn saved_at_four_restores_bitwise_at_one_two_three_and_six() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 3).await;
+    let rec = save(&store, &bucket, 40, 3, 4).await.unwrap();
+    assert_eq!(rec.world_size, 4);
+    let want = contents(&tensors());
+    for world in [1, 2, 3, 4, 6] {
+        assert_eq!(
+            restore(&bucket, &rec, world).await.unwrap(),
+            want,
+            "world {world}"
+        );
+    }
+    // the bucket alone tells what is committed
+    let found = committed(&bucket, None).await.unwrap();
+    assert_eq!(found, vec![rec.clone()]);
+    // every shard is a safetensors file whose keys are the full tensor names
+    let m = load_manifest(&bucket, &rec).await.unwrap();
+    assert_eq!(m.objects.len(), 4);
+    let shard = bucket
+        .get(&format!("{}/{}", attempt_dir(40, 3), m.objects[0].object))
+        .await
+        .unwrap();
+    let (entries, meta) = parse_safetensors_header(&shard).unwrap();
+    assert_eq!(entries[0].0, "emb.weight");
+    assert!(meta.contains_key("emb.weight"));
+    let latest: CheckpointRecord = store
+        .get_json(&store.keys.checkpoint("j"), "checkpoint")
+        .await
+        .unwrap()
+        .unwrap()
+        .0;
+    assert_eq!(latest, rec);
+}
+
+#[tokio::test]
+async fn a_stale_generation_or_an_older_step_cannot_commit() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 5).await;
+    let rec = save(&store, &bucket, 10, 5, 2).await.unwrap();
+    // a writer of generation 4 finishes its upload late
+    let e = save(&store, &bucket, 20, 4, 2).await.unwrap_err();
+    assert!(matches!(e, SaveError::Stale { current: 5, .. }), "{e}");
+    assert!(e.to_string().contains("generation 5"), "{e}");
+    // an older step never replaces a newer commit
+    let e = save(&store, &bucket, 5, 5, 2).await.unwrap_err();
+    assert!(matches!(e, SaveError::NotNewer { latest: 10, .. }), "{e}");
+    assert_eq!(committed(&bucket, None).await.unwrap(), vec![rec]);
+}
+
+#[tokio::test]
+async fn a_flipped_byte_fails_the_chunk_naming_object_and_tensor() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 1).await;
+    let rec = save(&store, &bucket, 10, 1, 2).await.unwrap();
+    let m = load_manifest(&bucket, &rec).await.unwrap();
+    let c = &m.tensors["head.bias"].chunks[0];
+    let key = format!("{}/{}", attempt_dir(10, 1), c.object);
+    let mut b = bucket.get(&key).await.unwrap().to_vec();
+    b[c.byte_range[0] as usize + 3] ^= 0x10;
+    bucket.put(&key, Bytes::from(b)).await.unwrap();
+    let e = restore(&bucket, &rec, 3).await.unwrap_err().to_string();
+    assert!(
+        e.contains("head.bias") && e.contains(&c.object) && e.contains("CRC32C"),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn retention_keeps_the_last_commits_and_drops_stale_attempts() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 2).await;
+    for step in [10, 20, 30, 40] {
+        save(&store, &bucket, step, 2, 3).await.unwrap();
+    }
+    // an attempt that never committed (its writer died)
+    bucket
+        .put(
+            &format!("{}/{}", attempt_dir(50, 2), shard_name(0, 3)),
+            Bytes::from_static(b"x"),
+        )
+        .await
+        .unwrap();
+    let listed = crate::retention::list(&bucket, None).await.unwrap();
+    assert_eq!(
+        listed.iter().map(|i| i.step).collect::<Vec<_>>(),
+        vec![50, 40, 30, 20, 10]
+    );
+    assert_eq!(listed[0].state, crate::retention::CheckpointState::Attempt);
+    // a fresh attempt survives (it may be in flight)
+    let r = crate::retention::retain(&bucket, 2, Duration::from_secs(3600), None)
+        .await
+        .unwrap();
+    assert_eq!(r.kept, vec![40, 30]);
+    assert_eq!(r.deleted_commits, vec![20, 10]);
+    assert!(r.deleted_attempts.is_empty());
+    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, None)
+        .await
+        .unwrap();
+    assert_eq!(r.deleted_attempts, vec![(50, 2)]);
+    let steps: Vec<u64> = crate::retention::list(&bucket, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|i| i.step)
+        .collect();
+    assert_eq!(steps, vec![40, 30]);
+}

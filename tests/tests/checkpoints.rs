@@ -1,0 +1,524 @@
+//! Sharded checkpoints: real etcd, daemon, agents and tch workers; moto (S3) and local files.
+//! (Named `training_…` so the test command runs them one at a time with the training tests.)
+
+use std::time::Duration;
+
+use ductile_checkpoint::format::attempt_dir;
+use ductile_checkpoint::restore::{committed, fetch, load_manifest};
+use ductile_checkpoint::save::{
+    commit_fenced, gather_and_commit, write_shard, CommitInput, SaveError, ShardLayout,
+};
+use ductile_checkpoint::{plan, Bucket, UploadOptions};
+use ductile_cluster::api::JobView;
+use ductile_cluster::records::{CheckpointRecord, CheckpointStats, JobState};
+use ductile_tests::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn wait_done(c: &Cluster, job: &str, limit: Duration) -> JobView {
+    c.wait_for(limit, &format!("job {job} succeeded"), || {
+        Some(c.status(job)).filter(|v| v.state == JobState::Succeeded)
+    })
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn latest(c: &Cluster, job: &str) -> Option<CheckpointRecord> {
+    rt().block_on(async {
+        let store = c.store().await;
+        store
+            .get_json::<CheckpointRecord>(&store.keys.checkpoint(job), "checkpoint")
+            .await
+            .unwrap()
+            .map(|(r, _)| r)
+    })
+}
+
+fn stats(c: &Cluster, job: &str) -> CheckpointStats {
+    rt().block_on(async {
+        let store = c.store().await;
+        store
+            .get_json::<CheckpointStats>(&store.keys.checkpoint_stats(job), "stats")
+            .await
+            .unwrap()
+            .map(|(r, _)| r)
+            .unwrap_or_default()
+    })
+}
+
+/// Every rank's "step:sha256" when it joined the job's first generation at or after `from`.
+fn joined_weights(c: &Cluster, job: &str, from: u64) -> (u64, Vec<String>) {
+    c.wait_for(S(60), "the first generation's weights", || {
+        rt().block_on(async {
+            let store = c.store().await;
+            let (g, _) = store.generation(job).await.unwrap()?;
+            if g.number < from {
+                return None;
+            }
+            let (kvs, _) = store
+                .backend
+                .list(&format!("{}weights/", store.keys.rendezvous(job, g.number)))
+                .await
+                .unwrap();
+            (kvs.len() == g.world_size as usize).then(|| {
+                (
+                    g.number,
+                    kvs.into_iter()
+                        .map(|kv| String::from_utf8(kv.value).unwrap())
+                        .collect(),
+                )
+            })
+        })
+    })
+}
+
+fn agent_logs(c: &Cluster) -> String {
+    c.agents
+        .values()
+        .map(|p| std::fs::read_to_string(&p.log).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn set_s3_env(env: &[(String, String)]) {
+    for (k, v) in env {
+        std::env::set_var(k, v);
+    }
+}
+
+fn mlp_job(
+    name: &str,
+    desired: u32,
+    data: &str,
+    url: &str,
+    max_steps: u64,
+    interval: u64,
+    extra: &str,
+) -> String {
+    format!(
+        "{}max_steps = {max_steps}\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 12\n{extra}\n[checkpoint]\nurl = \"{url}\"\ninterval = {interval}\nkeep = 5\n",
+        training_toml(name, 1, 6, desired, "mlp", data, "restart_budget = 20")
+    )
+}
+
+/// 1. Saved at world 4 (S3), restored at 1, 2, 3 and 6: every rank holds the same bits, and
+/// the run continues from the same step and data cursor (deterministic mode: the final weights
+/// equal the uninterrupted run's).
+#[test]
+fn training_checkpoint_saved_at_four_restores_bitwise_at_one_two_three_and_six() {
+    let c = Cluster::start(Spec {
+        s3: true,
+        ..Spec::default().agents(3, 2)
+    });
+    let s3 = c.s3.as_ref().unwrap();
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let url = format!("s3://{}/jobs/c1", s3.bucket);
+    // commits at step 40 only (interval 40, 60 steps); the reference finishes uninterrupted
+    c.submit(&mlp_job("c1", 4, &data, &url, 60, 40, ""));
+    let reference = wait_done(&c, "c1", S(120)).final_weights_sha256.unwrap();
+    let rec = latest(&c, "c1").expect("a committed checkpoint");
+    assert_eq!((rec.step, rec.world_size), (40, 4));
+    let mut at_restore = Vec::new();
+    for world in [1u32, 2, 3, 6] {
+        let before = c.status("c1").generation;
+        c.submit(&mlp_job("c1", world, &data, &url, 60, 40, ""));
+        let (_, w) = joined_weights(&c, "c1", before + 1);
+        assert_eq!(w.len(), world as usize);
+        assert!(
+            w.iter().all(|x| *x == w[0]),
+            "world {world}: ranks differ after the restore: {w:?}"
+        );
+        assert!(w[0].starts_with("40:"), "world {world} resumed at {}", w[0]);
+        at_restore.push(w[0].clone());
+        let done = wait_done(&c, "c1", S(120));
+        assert_eq!(done.step, 60);
+        assert_eq!(
+            done.final_weights_sha256.unwrap(),
+            reference,
+            "world {world}: the resumed run's final weights differ from the uninterrupted run"
+        );
+    }
+    assert!(
+        at_restore.iter().all(|x| *x == at_restore[0]),
+        "{at_restore:?}"
+    );
+    let logs = agent_logs(&c);
+    assert!(
+        logs.contains("restored checkpoint step 40 (generation"),
+        "no restore line"
+    );
+    // the CLI lists it
+    let out = c.dctl_ok(&["checkpoints", "c1"]);
+    assert!(
+        out.contains("committed") && out.contains("dp4×pp1×tp1"),
+        "{out}"
+    );
+    let metrics = http("GET", &format!("{}/metrics", c.endpoint()), &[], b"")
+        .unwrap()
+        .1;
+    assert!(
+        metrics.contains("ductile_checkpoint_restore_seconds{job=\"c1\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ductile_checkpoint_stall_ms{job=\"c1\"}"),
+        "{metrics}"
+    );
+}
+
+/// 2. The S3 server dies in the middle of an upload: no commit appears, the previous commit
+/// still restores, and once the server is back the next checkpoint commits.
+#[test]
+fn training_checkpoint_survives_the_s3_server_dying_mid_upload() {
+    let c = Cluster::start(Spec {
+        s3_proxy: true,
+        ..Spec::default().agents(1, 2)
+    });
+    let s3 = c.s3.as_ref().unwrap();
+    let proxy = c.s3_proxy.as_ref().unwrap();
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let url = format!("s3://{}/jobs/c2", s3.bucket);
+    c.submit(&mlp_job("c2", 2, &data, &url, 10_000_000, 50, ""));
+    let first = c.wait_for(S(60), "a first commit", || latest(&c, "c2"));
+    // slow uploads down to a crawl, let one start, then take the server away
+    proxy.throttle(2_000);
+    std::thread::sleep(S(3));
+    let failed_before = stats(&c, "c2").failed_total;
+    proxy.stop();
+    c.wait_for(S(60), "the upload to fail", || {
+        (stats(&c, "c2").failed_total > failed_before).then_some(())
+    });
+    let during = latest(&c, "c2").unwrap();
+    std::thread::sleep(S(2));
+    assert_eq!(
+        latest(&c, "c2").unwrap(),
+        during,
+        "a commit appeared while the server was gone"
+    );
+    assert!(
+        agent_logs(&c).contains("shard upload failed, no commit"),
+        "the failure was not reported"
+    );
+    // the previous commit still restores, read straight from the server
+    set_s3_env(&s3.env());
+    rt().block_on(async {
+        let bucket = Bucket::open(&url).unwrap();
+        let list = committed(&bucket, None).await.unwrap();
+        assert!(list.iter().any(|r| r.step == during.step), "{list:?}");
+        let m = load_manifest(&bucket, &during).await.unwrap();
+        let all = plan::readers(&m, 1).remove(0);
+        fetch(&bucket, &m, &all, 4)
+            .await
+            .expect("the previous commit verifies");
+    });
+    proxy.throttle(0);
+    proxy.serve();
+    let after = c.wait_for(S(90), "a commit after the server returned", || {
+        latest(&c, "c2").filter(|r| r.step > during.step)
+    });
+    assert!(after.step > first.step);
+}
+
+/// 3. A worker is SIGKILLed while its checkpoint uploads: that attempt never commits. A stale
+/// writer from the old generation then tries to commit and is refused, also against a store
+/// that ignores conditional writes.
+#[test]
+fn training_a_stale_writer_cannot_commit_even_where_conditional_writes_are_ignored() {
+    let c = Cluster::start(Spec {
+        s3_proxy: true,
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(3, 1)
+    });
+    let s3 = c.s3.as_ref().unwrap();
+    let proxy = c.s3_proxy.as_ref().unwrap();
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let url = format!("s3://{}/jobs/c3", s3.bucket);
+    c.submit(&mlp_job("c3", 3, &data, &url, 10_000_000, 50, ""));
+    c.wait_world("c3", 3, S(30));
+    c.wait_for(S(60), "a first commit", || latest(&c, "c3"));
+    proxy.throttle(2_000);
+    std::thread::sleep(S(3));
+    let v = c.status("c3");
+    let old_gen = v.generation;
+    let victim = v.members.iter().find(|m| m.rank == 1).unwrap();
+    unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_for(S(30), "a new generation", || {
+        (c.status("c3").generation > old_gen).then_some(())
+    });
+    proxy.throttle(0);
+    let later = c.wait_for(S(90), "a commit of a newer generation", || {
+        latest(&c, "c3").filter(|r| r.generation > old_gen)
+    });
+    assert!(
+        agent_logs(&c).contains("a stale writer cannot commit"),
+        "the old generation's attempt was not refused"
+    );
+    set_s3_env(&s3.env());
+    let rt = rt();
+    let (store, bucket) = rt.block_on(async { (c.store().await, Bucket::open(&url).unwrap()) });
+    rt.block_on(async {
+        // no commit of the old generation beyond what it committed before the kill
+        for r in committed(&bucket, None).await.unwrap() {
+            assert!(r.generation > old_gen || r.step < later.step, "{r:?}");
+        }
+        // the stale writer: its generation is gone
+        let stale = CheckpointRecord {
+            step: later.step + 1_000,
+            generation: old_gen,
+            ..later.clone()
+        };
+        let e = commit_fenced(&store, "c3", &stale).await.unwrap_err();
+        assert!(matches!(e, SaveError::Stale { .. }), "{e}");
+        let now: CheckpointRecord = store
+            .get_json(&store.keys.checkpoint("c3"), "checkpoint")
+            .await
+            .unwrap()
+            .unwrap()
+            .0;
+        assert!(now.generation > old_gen && now.step < stale.step, "{now:?}");
+    });
+    // the same stale writer against a store that ignores If-None-Match
+    let lax = S3::start_lax(c.dir.path());
+    set_s3_env(&lax.env());
+    let lax_url = format!("s3://{}/jobs/c3", lax.bucket);
+    rt.block_on(async {
+        let bucket = Bucket::open(&lax_url).unwrap();
+        assert!(
+            !bucket.probe_conditional_create().await.unwrap(),
+            "the lax store enforced a conditional create"
+        );
+        let ts = vec![ductile_checkpoint::format::TensorMeta {
+            name: "w".into(),
+            dtype: ductile_checkpoint::format::Dtype::F32,
+            shape: vec![8],
+            kind: ductile_checkpoint::format::TensorKind::Parameter,
+        }];
+        let current = c.status("c3").generation;
+        let step = later.step + 2_000;
+        for generation in [old_gen, current] {
+            let layout = ShardLayout::new(&ts, 1, 0);
+            let mut buf = Vec::new();
+            layout.prepare(&mut buf);
+            write_shard(
+                &store,
+                &bucket,
+                "c3",
+                step,
+                generation,
+                &ts,
+                &layout,
+                buf.into(),
+                UploadOptions::default(),
+            )
+            .await
+            .unwrap();
+            let r = gather_and_commit(
+                &store,
+                &bucket,
+                CommitInput {
+                    job: "c3",
+                    step,
+                    generation,
+                    world: 1,
+                    layout: ductile_cluster::records::Layout::data_parallel(1),
+                    tensors: &ts,
+                    extra: serde_json::json!({}),
+                    conditional_create: false,
+                    request: None,
+                    wait: S(5),
+                },
+            )
+            .await;
+            let commit = bucket
+                .get(&format!("{}/COMMIT", attempt_dir(step, generation)))
+                .await;
+            if generation == old_gen {
+                assert!(matches!(r, Err(SaveError::Stale { .. })), "{r:?}");
+                assert!(
+                    commit.unwrap_err().is_not_found(),
+                    "a stale commit record was written"
+                );
+            } else {
+                r.unwrap();
+                commit.expect("the live generation's commit record");
+            }
+        }
+    });
+}
+
+/// 4. A flipped byte in a shard fails that checkpoint with the object and tensor named; the
+/// restore falls back to the previous commit. (Local files.)
+#[test]
+fn training_a_flipped_byte_fails_the_checkpoint_and_restore_falls_back() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let dir = c.dir.path().join("ckpt-c4");
+    let url = format!("file://{}", dir.display());
+    c.submit(&mlp_job("c4", 2, &data, &url, 40, 20, ""));
+    wait_done(&c, "c4", S(120));
+    let rec = latest(&c, "c4").unwrap();
+    assert_eq!(rec.step, 40);
+    let m = rt().block_on(async {
+        load_manifest(&Bucket::open(&url).unwrap(), &rec)
+            .await
+            .unwrap()
+    });
+    let (name, t) = m.ordered().next().unwrap();
+    let chunk = &t.chunks[0];
+    let path = dir
+        .join(attempt_dir(40, rec.generation))
+        .join(&chunk.object);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = ((chunk.byte_range[0] + chunk.byte_range[1]) / 2) as usize;
+    bytes[at] ^= 0x01;
+    std::fs::write(&path, bytes).unwrap();
+    let before = c.status("c4").generation;
+    c.submit(&mlp_job("c4", 3, &data, &url, 60, 20, ""));
+    let (_, w) = joined_weights(&c, "c4", before + 1);
+    assert!(
+        w[0].starts_with("20:"),
+        "resumed at {} instead of falling back to step 20",
+        w[0]
+    );
+    let logs = agent_logs(&c);
+    assert!(
+        logs.contains("CRC32C mismatch")
+            && logs.contains(&chunk.object)
+            && logs.contains(&format!("tensor {name}")),
+        "the CRC failure does not name the object and tensor:\n{logs}"
+    );
+    assert!(logs.contains("FALLING BACK"), "the fallback is not loud");
+    assert_eq!(wait_done(&c, "c4", S(120)).step, 60);
+}
+
+/// 5. The whole job is lost mid-run (every agent killed); the job is resubmitted at another
+/// size on a new cluster with a fresh etcd. The bucket's commit records suffice: the cold start
+/// resumes from the latest commit, and the final weights equal an uninterrupted run's.
+#[test]
+fn training_a_full_restart_at_another_size_on_a_fresh_etcd_resumes_from_the_latest_commit() {
+    let scratch = TempDir::new("c5");
+    let data = synth(scratch.path(), "regression", 4_000);
+    let url = format!("file://{}/ckpt", scratch.path().display());
+    let reference = {
+        let c = Cluster::start(Spec::default().agents(1, 2));
+        let ref_url = format!("file://{}/ckpt-ref", scratch.path().display());
+        c.submit(&mlp_job("c5", 2, &data, &ref_url, 3000, 500, ""));
+        wait_done(&c, "c5", S(120)).final_weights_sha256.unwrap()
+    };
+    let committed_step = {
+        let mut c = Cluster::start(Spec::default().agents(2, 2));
+        c.submit(&mlp_job("c5", 4, &data, &url, 3000, 500, ""));
+        let r = c.wait_for(S(120), "a commit", || latest(&c, "c5"));
+        assert!(
+            c.status("c5").state != JobState::Succeeded,
+            "the job ended before the loss"
+        );
+        for a in c.agents.values_mut() {
+            a.kill();
+        }
+        r.step
+    };
+    let c = Cluster::start(Spec::default().agents(2, 2));
+    c.submit(&mlp_job("c5", 3, &data, &url, 3000, 500, ""));
+    let (_, w) = joined_weights(&c, "c5", 1);
+    let resumed: u64 = w[0].split(':').next().unwrap().parse().unwrap();
+    assert!(
+        resumed >= committed_step && resumed > 0,
+        "resumed at {resumed}, committed {committed_step}"
+    );
+    let done = wait_done(&c, "c5", S(180));
+    assert_eq!(
+        done.final_weights_sha256.unwrap(),
+        reference,
+        "final weights differ from the uninterrupted run"
+    );
+}
+
+/// 6. Python's safetensors opens ductile's shards and reads the same values; the manifest is
+/// plain JSON.
+#[test]
+fn training_python_safetensors_reads_the_shards_ductile_wrote() {
+    let c = Cluster::start(Spec::default().agents(1, 3));
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let dir = c.dir.path().join("ckpt-c6");
+    let url = format!("file://{}", dir.display());
+    c.submit(&mlp_job("c6", 3, &data, &url, 20, 20, ""));
+    wait_done(&c, "c6", S(120));
+    let rec = latest(&c, "c6").unwrap();
+    let attempt = dir.join(attempt_dir(rec.step, rec.generation));
+    let script = r#"
+import hashlib, json, sys
+import numpy as np
+from safetensors import safe_open
+d = sys.argv[1]
+m = json.load(open(d + "/manifest.json"))
+for o in m["objects"]:
+    with safe_open(d + "/" + o["object"], framework="numpy") as f:
+        meta = f.metadata()
+        for k in f.keys():
+            t = f.get_tensor(k)
+            info = json.loads(meta[k])
+            print(o["object"], k, str(t.dtype), list(t.shape), info["offsets"], hashlib.sha256(np.ascontiguousarray(t).tobytes()).hexdigest())
+"#;
+    let py = std::env::var("DUCTILE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(py)
+        .args(["-c", script, attempt.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "python failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let py_lines: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect();
+    let m = rt().block_on(async {
+        load_manifest(&Bucket::open(&url).unwrap(), &rec)
+            .await
+            .unwrap()
+    });
+    let mut want = std::collections::BTreeSet::new();
+    for (name, t) in m.ordered() {
+        assert_eq!(t.dtype, ductile_checkpoint::format::Dtype::F32);
+        for ch in &t.chunks {
+            let bytes = std::fs::read(attempt.join(&ch.object)).unwrap();
+            let b = &bytes[ch.byte_range[0] as usize..ch.byte_range[1] as usize];
+            let mut h = sha256(b);
+            h.truncate(64);
+            want.insert(format!(
+                "{} {name} float32 {:?} {:?} {h}",
+                ch.object, ch.shape, ch.offsets
+            ));
+        }
+    }
+    let norm = |s: &str| s.replace(", ", ",");
+    let py_lines: std::collections::BTreeSet<String> = py_lines.iter().map(|s| norm(s)).collect();
+    let want: std::collections::BTreeSet<String> = want.iter().map(|s| norm(s)).collect();
+    assert_eq!(py_lines, want);
+    assert_eq!(m.objects.len(), 3);
+}
+
+fn sha256(b: &[u8]) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(b)?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}

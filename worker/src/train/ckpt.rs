@@ -1,0 +1,493 @@
+//! Checkpoints of the elastic loop: save at step boundaries (copy into a host buffer, upload in
+//! the background, rank 0 commits), and restore on a cold start (every member at step 0), with
+//! the reads split across ranks and shared over the communicator.
+//!
+//! Whether a step saves is decided collectively: two flags ride on each step's all-reduce (a
+//! pending checkpoint request, a save still in flight), so every rank takes the same decision.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ductile_checkpoint::format::{Dtype, Manifest, TensorKind, TensorMeta};
+use ductile_checkpoint::restore::{chunk_offset_bytes, committed, fetch, load_manifest};
+use ductile_checkpoint::save::{gather_and_commit, write_shard, CommitInput, ShardLayout};
+use ductile_checkpoint::{plan, Bucket, UploadOptions};
+use ductile_cluster::records::*;
+use ductile_cluster::Store;
+use ductile_comm::{CommError, Communicator, TcpComm};
+use tch::{Kind, Tensor};
+
+use super::Trainer;
+
+pub struct Ckpt {
+    pub spec: CheckpointSpec,
+    pub bucket: Bucket,
+    metas: Vec<TensorMeta>,
+    conditional: Arc<tokio::sync::OnceCell<bool>>,
+    in_flight: Option<tokio::task::JoinHandle<()>>,
+    pool: Arc<Mutex<Option<Vec<u8>>>>,
+    /// The newest checkpoint request seen in etcd (a planned drain).
+    pub request: Arc<Mutex<Option<String>>>,
+    answered: Option<String>,
+}
+
+impl Ckpt {
+    pub fn new(
+        spec: CheckpointSpec,
+        names: &[String],
+        opt: &crate::optim::Optimizer,
+        params: &[Tensor],
+    ) -> anyhow::Result<Ckpt> {
+        let bucket = Bucket::open(&spec.url)?;
+        let meta = |name: String, t: &Tensor, kind| TensorMeta {
+            name,
+            dtype: Dtype::F32,
+            shape: t.size().iter().map(|d| *d as u64).collect(),
+            kind,
+        };
+        let mut metas: Vec<TensorMeta> = names
+            .iter()
+            .zip(params)
+            .map(|(n, t)| meta(n.clone(), t, TensorKind::Parameter))
+            .collect();
+        let per = opt.state.len() / params.len().max(1);
+        let suffix: &[&str] = match opt.kind {
+            crate::optim::Kind::Sgd { .. } => &["momentum_buffer"],
+            crate::optim::Kind::AdamW { .. } => &["exp_avg", "exp_avg_sq"],
+        };
+        for (i, t) in opt.state.iter().enumerate() {
+            let name = format!("optimizer.{}.{}", names[i / per], suffix[i % per]);
+            metas.push(meta(name, t, TensorKind::OptimizerState));
+        }
+        Ok(Ckpt {
+            spec,
+            bucket,
+            metas,
+            conditional: Arc::new(tokio::sync::OnceCell::new()),
+            in_flight: None,
+            pool: Arc::new(Mutex::new(None)),
+            request: Arc::new(Mutex::new(None)),
+            answered: None,
+        })
+    }
+
+    /// This rank's flags for the step's all-reduce: (request pending, save in flight).
+    pub fn flags(&self) -> (f32, f32) {
+        let req = self.request.lock().unwrap().clone();
+        let pending = req.is_some() && req != self.answered;
+        let busy = self.in_flight.as_ref().is_some_and(|h| !h.is_finished());
+        (pending as u8 as f32, busy as u8 as f32)
+    }
+
+    /// Wait for a save in flight (before the worker exits).
+    pub fn finish(&mut self, rt: &tokio::runtime::Handle) {
+        if let Some(h) = self.in_flight.take() {
+            let _ = rt.block_on(h);
+        }
+    }
+}
+
+async fn bump_stats(store: &Store, job: &str, f: impl FnOnce(&mut CheckpointStats)) {
+    let key = store.keys.checkpoint_stats(job);
+    let mut s: CheckpointStats = store
+        .get_json(&key, "checkpoint stats")
+        .await
+        .ok()
+        .flatten()
+        .map(|(s, _)| s)
+        .unwrap_or_default();
+    f(&mut s);
+    let _ = store.put_json(&key, &s, None).await;
+}
+
+fn kind_of(d: Dtype) -> Kind {
+    match d {
+        Dtype::F64 => Kind::Double,
+        Dtype::F32 => Kind::Float,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::I64 => Kind::Int64,
+        Dtype::I32 => Kind::Int,
+        Dtype::U8 => Kind::Uint8,
+    }
+}
+
+impl Trainer {
+    fn state_tensors(&self) -> Vec<Tensor> {
+        self.tensors()
+            .into_iter()
+            .map(|t| t.shallow_clone())
+            .collect()
+    }
+
+    /// What resumes the run exactly, besides the tensors.
+    fn extra_state(&self, g: &Generation) -> serde_json::Value {
+        let b = self.spec.global_batch as u64;
+        let n = self.data.len() as u64;
+        let pos = self.step * b;
+        serde_json::json!({
+            "step": self.step,
+            "data_cursor": {
+                "next_position": pos,
+                "epoch": pos / n.max(1),
+                "position_in_epoch": pos % n.max(1),
+                "global_batch": b,
+                "dataset": self.spec.dataset,
+                "dataset_samples": n,
+                "order": "sample(p) = permutation(seed, p / dataset_samples)[p % dataset_samples]",
+            },
+            "rng": {
+                "seed": self.spec.seed,
+                "note": "the models have no stochastic layers; the data order derives from (seed, epoch)",
+            },
+            "optimizer": {
+                "name": self.spec.optimizer,
+                "lr": self.spec.lr,
+                "schedule": "linear warm-up then cosine to 10% at max_steps",
+                "max_steps": self.spec.max_steps,
+                "hyper_parameters": match self.opt.kind {
+                    crate::optim::Kind::Sgd { momentum } => serde_json::json!({"momentum": momentum}),
+                    crate::optim::Kind::AdamW { beta1, beta2, eps, weight_decay } =>
+                        serde_json::json!({"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}),
+                },
+            },
+            "model": self.spec.model,
+            "model_config": self.spec.model_config,
+            "deterministic": self.spec.deterministic,
+            "logical_shards": self.spec.logical_shards,
+            "world_size": g.world_size,
+            "layout": g.layout,
+        })
+    }
+
+    /// After step `self.step` completed: save if the collective flags say so.
+    pub(super) fn maybe_save(
+        &mut self,
+        g: &Generation,
+        rank: u32,
+        world: u32,
+        pending: bool,
+        busy: bool,
+    ) {
+        let Some(ck) = &self.ckpt else { return };
+        let due = self.step % ck.spec.interval == 0;
+        if !(due || pending) {
+            return;
+        }
+        if busy {
+            if due && rank == 0 {
+                println!(
+                    "checkpoint at step {} skipped: the previous one is still uploading",
+                    self.step
+                );
+                let (store, job) = (self.store.clone(), self.env.job.clone());
+                self.rt
+                    .spawn(async move { bump_stats(&store, &job, |s| s.skipped_total += 1).await });
+            }
+            return;
+        }
+        let t0 = Instant::now();
+        let ck = self.ckpt.as_mut().unwrap();
+        // a rank that contributed no flag (no logical shard this step) may still be uploading
+        if let Some(h) = ck.in_flight.take() {
+            let _ = self.rt.block_on(h);
+        }
+        let layout = ShardLayout::new(&ck.metas, world, rank);
+        let mut buf = ck.pool.lock().unwrap().take().unwrap_or_default();
+        layout.prepare(&mut buf);
+        let tensors = self.state_tensors();
+        for p in &layout.placed {
+            let t = &tensors[p.tensor];
+            let part = if t.dim() == 0 {
+                t.shallow_clone()
+            } else {
+                t.narrow(0, p.row as i64, p.rows as i64)
+            };
+            let n = part.numel();
+            part.copy_data_u8(&mut buf[p.start as usize..p.end as usize], n);
+        }
+        let stall_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let extra = self.extra_state(g);
+        let ck = self.ckpt.as_mut().unwrap();
+        let request = if pending {
+            ck.request.lock().unwrap().clone()
+        } else {
+            None
+        };
+        if pending {
+            ck.answered = request.clone();
+        }
+        let (store, bucket, job) = (self.store.clone(), ck.bucket.clone(), self.env.job.clone());
+        let (metas, spec, conditional, pool) = (
+            ck.metas.clone(),
+            ck.spec.clone(),
+            ck.conditional.clone(),
+            ck.pool.clone(),
+        );
+        let (step, gnum, glayout) = (self.step, g.number, g.layout);
+        let opts = UploadOptions {
+            part_size: (spec.part_size_mib << 20) as usize,
+            concurrency: spec.upload_concurrency as usize,
+            ..UploadOptions::default()
+        };
+        tracing::info!(
+            step,
+            rank,
+            bytes = layout.size,
+            stall_ms,
+            "checkpoint: state copied, uploading"
+        );
+        ck.in_flight = Some(self.rt.spawn(async move {
+            let t0 = Instant::now();
+            let data = Bytes::from(buf);
+            let r = write_shard(&store, &bucket, &job, step, gnum, &metas, &layout, data.clone(), opts).await;
+            if let Ok(b) = data.try_into_mut() {
+                *pool.lock().unwrap() = Some(b.into());
+            }
+            if let Err(e) = r {
+                eprintln!("checkpoint step {step}: rank {rank}: shard upload failed, no commit: {e}");
+                bump_stats(&store, &job, |s| s.failed_total += 1).await;
+                return;
+            }
+            if rank != 0 {
+                return;
+            }
+            let cond = match conditional.get_or_try_init(|| bucket.probe_conditional_create()).await {
+                Ok(c) => {
+                    if !*c {
+                        tracing::warn!(url = %bucket.url, "this store does not enforce conditional creates: commit records are plain puts (the etcd transaction is the fence)");
+                    }
+                    *c
+                }
+                Err(_) => false,
+            };
+            let input = CommitInput {
+                job: &job,
+                step,
+                generation: gnum,
+                world,
+                layout: glayout,
+                tensors: &metas,
+                extra,
+                conditional_create: cond,
+                request,
+                wait: Duration::from_secs(600),
+            };
+            match gather_and_commit(&store, &bucket, input).await {
+                Ok(rec) => {
+                    let secs = t0.elapsed().as_secs_f64();
+                    println!(
+                        "checkpoint step {step} committed: {} bytes from {world} writers, upload {secs:.2} s, stall {stall_ms:.1} ms",
+                        rec.bytes
+                    );
+                    bump_stats(&store, &job, |s| {
+                        s.last_stall_ms = stall_ms;
+                        s.last_upload_seconds = secs;
+                        s.last_bytes = rec.bytes;
+                        s.last_step = step;
+                        s.committed_total += 1;
+                    })
+                    .await;
+                    let ttl = Duration::from_secs(spec.attempt_ttl_s);
+                    match ductile_checkpoint::retention::retain(&bucket, spec.keep as usize, ttl, Some(&rec)).await {
+                        Ok(r) if !r.deleted_commits.is_empty() || !r.deleted_attempts.is_empty() => {
+                            tracing::info!(deleted = ?r.deleted_commits, attempts = ?r.deleted_attempts, aborted_uploads = r.aborted_uploads, "checkpoint retention")
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(error = %e, "checkpoint retention failed; will retry after the next commit"),
+                    }
+                }
+                Err(e) => {
+                    eprintln!("checkpoint step {step}: not committed: {e}");
+                    bump_stats(&store, &job, |s| s.failed_total += 1).await;
+                }
+            }
+        }));
+    }
+
+    /// Cold start: every member is at step 0. Restore the newest committed checkpoint that
+    /// verifies, falling back to older ones loudly; none → start from the seed.
+    pub(super) fn restore(&mut self, comm: &TcpComm) -> anyhow::Result<Result<(), CommError>> {
+        let t0 = Instant::now();
+        let rank = comm.rank();
+        let world = comm.world();
+        let ck = self.ckpt.as_ref().unwrap();
+        let bucket = ck.bucket.clone();
+        // rank 0 lists the commits; everyone then walks the same list
+        let mut list = Vec::new();
+        if rank == 0 {
+            let latest = self
+                .rt
+                .block_on(self.store.get_json::<CheckpointRecord>(
+                    &self.store.keys.checkpoint(&self.env.job),
+                    "checkpoint",
+                ))
+                .ok()
+                .flatten()
+                .map(|(r, _)| r);
+            match self.rt.block_on(committed(&bucket, latest.as_ref())) {
+                Ok(c) => list = serde_json::to_vec(&c)?,
+                Err(e) => eprintln!(
+                    "checkpoint: cannot list {}: {e}; starting from the seed",
+                    bucket.url
+                ),
+            }
+        }
+        if let Err(e) = comm.broadcast_vec(&mut list, 0) {
+            return Ok(Err(e));
+        }
+        let candidates: Vec<CheckpointRecord> = serde_json::from_slice(&list).unwrap_or_default();
+        if candidates.is_empty() {
+            if rank == 0 {
+                println!(
+                    "no committed checkpoint at {}: starting from the seed",
+                    bucket.url
+                );
+            }
+            return Ok(Ok(()));
+        }
+        for rec in &candidates {
+            // every rank reads the manifest (small); a bad one fails this candidate everywhere
+            let m = self.rt.block_on(load_manifest(&bucket, rec));
+            let share = m
+                .as_ref()
+                .ok()
+                .map(|m| plan::readers(m, world)[rank as usize].clone());
+            let got = match (&m, &share) {
+                (Ok(m), Some(share)) => self
+                    .rt
+                    .block_on(fetch(&bucket, m, share, 8))
+                    .map_err(|e| e.to_string()),
+                (Err(e), _) => Err(e.to_string()),
+                _ => unreachable!(),
+            };
+            if let Err(e) = &got {
+                eprintln!("CHECKPOINT STEP {} FAILED on rank {rank}: {e}", rec.step);
+            }
+            let ok = Tensor::from_slice(&[got.is_ok() as u8 as f32]);
+            let oks = match Communicator::all_gather(comm, &ok) {
+                Ok(t) => Vec::<f32>::try_from(t.flatten(0, -1)).unwrap_or_default(),
+                Err(e) => return Ok(Err(e)),
+            };
+            if oks.iter().any(|f| *f == 0.0) {
+                let bad: Vec<usize> = oks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, f)| **f == 0.0)
+                    .map(|(i, _)| i)
+                    .collect();
+                eprintln!(
+                    "checkpoint step {} (generation {}) is unusable (ranks {bad:?} failed to verify their chunks): FALLING BACK to the previous committed checkpoint",
+                    rec.step, rec.generation
+                );
+                continue;
+            }
+            let m = m.unwrap();
+            self.check_compatible(&m)?;
+            let got = got.unwrap();
+            // share: each rank broadcasts what it read
+            let targets = self.state_tensors();
+            let index: std::collections::HashMap<&str, usize> = m
+                .order
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.as_str(), i))
+                .collect();
+            let shares = plan::readers(&m, world);
+            for (r, share) in shares.iter().enumerate() {
+                let mut blob = if r as u32 == rank {
+                    let mut v = Vec::with_capacity(got.iter().map(|b| b.len()).sum());
+                    for b in &got {
+                        v.extend_from_slice(b);
+                    }
+                    v
+                } else {
+                    Vec::new()
+                };
+                if let Err(e) = comm.broadcast_vec(&mut blob, r as u32) {
+                    return Ok(Err(e));
+                }
+                let mut at = 0usize;
+                for (name, k) in share {
+                    let t = &m.tensors[name];
+                    let c = &t.chunks[*k];
+                    let n = (c.byte_range[1] - c.byte_range[0]) as usize;
+                    let bytes = &blob[at..at + n];
+                    at += n;
+                    let dst = &targets[index[name.as_str()]];
+                    let shape: Vec<i64> = c.shape.iter().map(|d| *d as i64).collect();
+                    let src = Tensor::from_data_size(bytes, &shape, kind_of(t.dtype));
+                    tch::no_grad(|| {
+                        let mut part = if dst.dim() == 0 {
+                            dst.shallow_clone()
+                        } else {
+                            let row = chunk_offset_bytes(t, c)
+                                / (t.dtype.size() * t.shape.iter().skip(1).product::<u64>()).max(1);
+                            dst.narrow(0, row as i64, c.shape.first().copied().unwrap_or(1) as i64)
+                        };
+                        part.copy_(&src);
+                    });
+                }
+            }
+            self.step = m.step;
+            let secs = t0.elapsed().as_secs_f64();
+            if rank == 0 {
+                println!(
+                    "restored checkpoint step {} (generation {}, saved at world {}) at world {world} in {secs:.2} s ({} bytes)",
+                    m.step,
+                    m.generation,
+                    m.world_size,
+                    m.bytes()
+                );
+                let (store, job, step) = (self.store.clone(), self.env.job.clone(), m.step);
+                self.rt.block_on(bump_stats(&store, &job, |s| {
+                    s.last_restore_seconds = Some(secs);
+                    s.last_restore_step = Some(step);
+                }));
+            }
+            return Ok(Ok(()));
+        }
+        anyhow::bail!(
+            "every committed checkpoint at {} failed to restore (see the errors above); refusing to start from the seed over them",
+            bucket.url
+        )
+    }
+
+    /// The checkpoint holds this model's tensors, with the same shapes, and the same optimizer.
+    fn check_compatible(&self, m: &Manifest) -> anyhow::Result<()> {
+        let ck = self.ckpt.as_ref().unwrap();
+        let want: Vec<(&str, &Vec<u64>)> = ck
+            .metas
+            .iter()
+            .map(|t| (t.name.as_str(), &t.shape))
+            .collect();
+        let have: Vec<(&str, &Vec<u64>)> =
+            m.ordered().map(|(n, t)| (n.as_str(), &t.shape)).collect();
+        if want != have {
+            let diff = want
+                .iter()
+                .zip(&have)
+                .find(|(a, b)| a != b)
+                .map(|(a, b)| {
+                    format!(
+                        "this job has {} {:?}, the checkpoint {} {:?}",
+                        a.0, a.1, b.0, b.1
+                    )
+                })
+                .unwrap_or_else(|| {
+                    format!(
+                        "this job has {} tensors, the checkpoint {}",
+                        want.len(),
+                        have.len()
+                    )
+                });
+            anyhow::bail!(
+                "checkpoint step {} at {} does not fit this job's model/optimizer ({diff}); change checkpoint.url or the [training] section",
+                m.step,
+                ck.bucket.url
+            );
+        }
+        Ok(())
+    }
+}
