@@ -79,6 +79,16 @@ enum Cmd {
         rank: u32,
         steps: u64,
     },
+    /// Checkpoint save stall, upload and restore throughput against plain object_store calls.
+    Checkpoint {
+        /// State size, MiB (f32 tensors of 4096 × 4096).
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, value_delimiter = ',', default_value = "s3,file")]
+        stores: Vec<String>,
+        #[arg(long, default_value_t = 3)]
+        iters: usize,
+    },
     /// (internal) one rank of `allreduce`.
     #[command(hide = true)]
     AllreduceRank {
@@ -299,6 +309,7 @@ async fn control_plane(
 }
 
 mod allreduce;
+mod checkpoint;
 mod training;
 
 #[tokio::main]
@@ -323,6 +334,7 @@ async fn main() -> anyhow::Result<()> {
             node_rounds,
         } => training::recovery(rounds, node_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::Checkpoint { mib, stores, iters } => checkpoint::run(mib, &stores, iters).await,
         Cmd::DpBareRank {
             etcd,
             data,

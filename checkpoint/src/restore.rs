@@ -87,7 +87,9 @@ pub async fn load_manifest(
     serde_json::from_slice(&body).map_err(|e| corrupt(format!("not a manifest: {e}")))
 }
 
-/// Fetch `chunks` of `m` (ranged GETs, objects in parallel) and verify each CRC32C. The bytes
+/// Fetch `chunks` of `m` and verify each CRC32C off the async threads. Per object, one
+/// `get_ranges` of all its chunks (object_store coalesces adjacent ranges into few large GETs
+/// and hands back slices without copying); objects are read `concurrency` at a time. The bytes
 /// come back in the order of `chunks`.
 pub async fn fetch(
     bucket: &Bucket,
@@ -96,94 +98,57 @@ pub async fn fetch(
     concurrency: usize,
 ) -> Result<Vec<Bytes>, RestoreError> {
     let dir = attempt_dir(m.step, m.generation);
-    // per object: (index into chunks, range)
-    let mut by_object: BTreeMap<&str, Vec<(usize, std::ops::Range<u64>)>> = BTreeMap::new();
+    let step = m.step;
+    let mut by_object: BTreeMap<String, Vec<(usize, String, ChunkEntry)>> = BTreeMap::new();
     for (i, (name, k)) in chunks.iter().enumerate() {
-        let c = &m.tensors[name].chunks[*k];
+        let c = m.tensors[name].chunks[*k].clone();
         by_object
-            .entry(c.object.as_str())
+            .entry(format!("{dir}/{}", c.object))
             .or_default()
-            .push((i, c.byte_range[0]..c.byte_range[1]));
+            .push((i, name.clone(), c));
     }
-    // big chunks are read as several concurrent ranges
-    const PIECE: u64 = 16 << 20;
-    let jobs: Vec<(String, Vec<usize>, Vec<std::ops::Range<u64>>)> = by_object
-        .into_iter()
-        .map(|(o, v)| {
-            let mut idx = Vec::new();
-            let mut ranges = Vec::new();
-            for (i, r) in v {
-                let mut s = r.start;
-                loop {
-                    let e = (s + PIECE).min(r.end);
-                    idx.push(i);
-                    ranges.push(s..e);
-                    s = e;
-                    if s >= r.end {
-                        break;
+    let verified: Vec<Vec<(usize, Bytes)>> =
+        stream::iter(by_object.into_iter().map(|(object, list)| async move {
+            let ranges: Vec<std::ops::Range<u64>> = list
+                .iter()
+                .map(|(_, _, c)| c.byte_range[0]..c.byte_range[1])
+                .collect();
+            let got = bucket.get_ranges(&object, &ranges).await?;
+            let url = bucket.url.clone();
+            tokio::task::spawn_blocking(move || {
+                let mut out = Vec::with_capacity(list.len());
+                for ((i, name, c), bytes) in list.into_iter().zip(got) {
+                    let corrupt = |reason: String| RestoreError::Corrupt {
+                        step,
+                        url: url.clone(),
+                        object: object.clone(),
+                        tensor: name.clone(),
+                        reason,
+                    };
+                    let want = (c.byte_range[1] - c.byte_range[0]) as usize;
+                    if bytes.len() != want {
+                        return Err(corrupt(format!("{} bytes, expected {want}", bytes.len())));
                     }
+                    let crc = crc32c(&bytes);
+                    if crc != c.crc32c {
+                        return Err(corrupt(format!(
+                            "CRC32C mismatch in bytes {}..{}: {crc:08x}, the manifest says {:08x}",
+                            c.byte_range[0], c.byte_range[1], c.crc32c
+                        )));
+                    }
+                    out.push((i, bytes));
                 }
-            }
-            (o.to_string(), idx, ranges)
-        })
-        .collect();
-    let parts: Vec<(Vec<usize>, Vec<Bytes>)> = stream::iter(jobs)
-        .map(|(o, idx, ranges)| {
-            let key = format!("{dir}/{o}");
-            async move {
-                let got = bucket.get_ranges(&key, &ranges).await?;
-                Ok::<_, RestoreError>((idx, got))
-            }
-        })
+                Ok(out)
+            })
+            .await
+            .expect("the CRC check does not panic")
+        }))
         .buffer_unordered(concurrency.max(1))
         .try_collect()
         .await?;
-    let mut pieces: Vec<Vec<Bytes>> = vec![Vec::new(); chunks.len()];
-    for (idx, got) in parts {
-        for (i, b) in idx.into_iter().zip(got) {
-            pieces[i].push(b);
-        }
+    let mut out = vec![Bytes::new(); chunks.len()];
+    for (i, b) in verified.into_iter().flatten() {
+        out[i] = b;
     }
-    let (step, generation) = (m.step, m.generation);
-    let url = bucket.url.clone();
-    let checks: Vec<(String, ChunkEntry)> = chunks
-        .iter()
-        .map(|(n, k)| (n.clone(), m.tensors[n].chunks[*k].clone()))
-        .collect();
-    tokio::task::spawn_blocking(move || {
-        let mut out = Vec::with_capacity(pieces.len());
-        for ((name, c), ps) in checks.into_iter().zip(pieces) {
-            let want = (c.byte_range[1] - c.byte_range[0]) as usize;
-            let bytes = if ps.len() == 1 {
-                ps.into_iter().next().unwrap()
-            } else {
-                let mut v = Vec::with_capacity(want);
-                for p in ps {
-                    v.extend_from_slice(&p);
-                }
-                Bytes::from(v)
-            };
-            let corrupt = |reason: String| RestoreError::Corrupt {
-                step,
-                url: url.clone(),
-                object: format!("{}/{}", attempt_dir(step, generation), c.object),
-                tensor: name.clone(),
-                reason,
-            };
-            if bytes.len() != want {
-                return Err(corrupt(format!("{} bytes, expected {want}", bytes.len())));
-            }
-            let crc = crc32c(&bytes);
-            if crc != c.crc32c {
-                return Err(corrupt(format!(
-                    "CRC32C mismatch in bytes {}..{}: {crc:08x}, the manifest says {:08x}",
-                    c.byte_range[0], c.byte_range[1], c.crc32c
-                )));
-            }
-            out.push(bytes);
-        }
-        Ok(out)
-    })
-    .await
-    .expect("the CRC check does not panic")
+    Ok(out)
 }

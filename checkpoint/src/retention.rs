@@ -170,7 +170,7 @@ pub async fn retain(
                 }
             }
             CheckpointState::Attempt => {
-                let old = now.saturating_sub(info.time_ms) > attempt_ttl.as_millis() as u64;
+                let old = now.saturating_sub(info.time_ms) >= attempt_ttl.as_millis() as u64;
                 if old {
                     r.deleted_attempts.push((info.step, info.generation));
                 }
