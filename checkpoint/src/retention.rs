@@ -63,8 +63,17 @@ pub async fn list(
     bucket: &Bucket,
     latest: Option<&CheckpointRecord>,
 ) -> Result<Vec<CheckpointInfo>, BucketError> {
+    Ok(list_dirs(bucket, latest).await?.0)
+}
+
+/// [`list`], and the objects of each directory (one listing of the bucket).
+async fn list_dirs(
+    bucket: &Bucket,
+    latest: Option<&CheckpointRecord>,
+) -> Result<(Vec<CheckpointInfo>, BTreeMap<(u64, u64), Dir>), BucketError> {
+    let all = dirs(bucket).await?;
     let mut out = Vec::new();
-    for ((step, generation), d) in dirs(bucket).await? {
+    for (&(step, generation), d) in &all {
         let commit_key = format!("{}/{COMMIT}", attempt_dir(step, generation));
         let mut rec = None;
         if d.objects.iter().any(|(k, _)| *k == commit_key) {
@@ -117,7 +126,7 @@ pub async fn list(
         });
     }
     out.reverse();
-    Ok(out)
+    Ok((out, all))
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -151,8 +160,7 @@ pub async fn retain(
             }
         }
     }
-    let infos = list(bucket, latest).await?;
-    let all = dirs(bucket).await?;
+    let (infos, all) = list_dirs(bucket, latest).await?;
     let now = now_ms();
     let mut commits_seen = 0usize;
     for info in infos {

@@ -63,19 +63,7 @@ pub fn open_multipart(
     };
     match Location::parse(url)? {
         Location::S3 { bucket, prefix } => {
-            install_crypto();
-            let mut b = object_store::aws::AmazonS3Builder::from_env()
-                .with_bucket_name(bucket)
-                .with_retry(retry_config());
-            let endpoint = std::env::var("AWS_ENDPOINT")
-                .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
-                .ok();
-            if let Some(e) = endpoint {
-                // loopback or in-cluster servers speak plain HTTP
-                b = b
-                    .with_endpoint(&e)
-                    .with_allow_http(e.starts_with("http://"));
-            }
+            let b = s3_builder(bucket).with_retry(retry_config());
             let s3 = Arc::new(b.build().map_err(|e| err("configure S3", e))?);
             Ok((s3.clone(), Path::from(prefix), Some(s3)))
         }
@@ -94,6 +82,18 @@ pub fn open_multipart(
     }
 }
 
+/// S3 for `bucket`: region and keys from the environment, and `AWS_ENDPOINT` (or
+/// `AWS_ENDPOINT_URL`) for S3-compatible servers.
+fn s3_builder(bucket: String) -> object_store::aws::AmazonS3Builder {
+    install_crypto();
+    let b = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+    match std::env::var("AWS_ENDPOINT").or_else(|_| std::env::var("AWS_ENDPOINT_URL")) {
+        // loopback or in-cluster servers speak plain HTTP
+        Ok(e) => b.with_allow_http(e.starts_with("http://")).with_endpoint(e),
+        Err(_) => b,
+    }
+}
+
 /// An object store and the key of `url` in it.
 pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
     let err = |op, source| StoreError::Object {
@@ -103,18 +103,9 @@ pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
     };
     match Location::parse(url)? {
         Location::S3 { bucket, prefix } => {
-            install_crypto();
-            let mut b = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
-            let endpoint = std::env::var("AWS_ENDPOINT")
-                .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
-                .ok();
-            if let Some(e) = endpoint {
-                // loopback or in-cluster servers speak plain HTTP
-                b = b
-                    .with_endpoint(&e)
-                    .with_allow_http(e.starts_with("http://"));
-            }
-            let s3 = b.build().map_err(|e| err("configure S3", e))?;
+            let s3 = s3_builder(bucket)
+                .build()
+                .map_err(|e| err("configure S3", e))?;
             Ok((Arc::new(s3), Path::from(prefix)))
         }
         Location::File { path } => {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ductile_checkpoint::format::{Dtype, Manifest, TensorKind, TensorMeta};
-use ductile_checkpoint::restore::{chunk_offset_bytes, committed, fetch, load_manifest};
+use ductile_checkpoint::restore::{committed, fetch, load_manifest};
 use ductile_checkpoint::save::{gather_and_commit, write_shard, CommitInput, ShardLayout};
 use ductile_checkpoint::{plan, Bucket, UploadOptions};
 use ductile_cluster::records::*;
@@ -422,9 +422,8 @@ impl Trainer {
                         let mut part = if dst.dim() == 0 {
                             dst.shallow_clone()
                         } else {
-                            let row = chunk_offset_bytes(t, c)
-                                / (t.dtype.size() * t.shape.iter().skip(1).product::<u64>()).max(1);
-                            dst.narrow(0, row as i64, c.shape.first().copied().unwrap_or(1) as i64)
+                            let row = c.offsets.first().copied().unwrap_or(0) as i64;
+                            dst.narrow(0, row, c.shape.first().copied().unwrap_or(1) as i64)
                         };
                         part.copy_(&src);
                     });
