@@ -126,6 +126,7 @@ impl Agent {
             registered_at_ms: now_ms(),
             draining: false,
             drain_reason: None,
+            drain_deadline_ms: None,
             reregistrations: 0,
         };
         let (exits_tx, mut exits_rx) = mpsc::channel(256);
@@ -347,6 +348,8 @@ impl Agent {
         self.draining = Some((reason.clone(), Instant::now() + self.cfg.drain_timeout));
         self.node.draining = true;
         self.node.drain_reason = Some(reason);
+        // the daemon fits a drain-time checkpoint before this (see `drain_done`)
+        self.node.drain_deadline_ms = Some(now_ms() + self.cfg.drain_timeout.as_millis() as u64);
         self.register().await;
     }
 

@@ -151,6 +151,7 @@ async fn control_plane(
             registered_at_ms: now_ms(),
             draining: false,
             drain_reason: None,
+            drain_deadline_ms: None,
             reregistrations: 0,
         };
         raw.put(&keys.node(&node.name), encode(&node), Some(lease))

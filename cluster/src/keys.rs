@@ -78,6 +78,15 @@ pub enum KeyKind {
     Restarts {
         job: String,
     },
+    Checkpoint {
+        job: String,
+    },
+    CheckpointRequest {
+        job: String,
+    },
+    CheckpointStats {
+        job: String,
+    },
     Other,
 }
 
@@ -199,6 +208,9 @@ impl Keys {
             ["jobs", job, "progress"] => KeyKind::Progress { job: s(job) },
             ["jobs", job, "stop"] => KeyKind::Stop { job: s(job) },
             ["jobs", job, "restarts"] => KeyKind::Restarts { job: s(job) },
+            ["jobs", job, "checkpoint"] => KeyKind::Checkpoint { job: s(job) },
+            ["jobs", job, "checkpoint_request"] => KeyKind::CheckpointRequest { job: s(job) },
+            ["jobs", job, "checkpoint_stats"] => KeyKind::CheckpointStats { job: s(job) },
             ["jobs", job, "history", g] => match g.parse() {
                 Ok(generation) => KeyKind::History {
                     job: s(job),
@@ -283,6 +295,19 @@ mod tests {
                 job: "j".into(),
                 generation: 7
             }
+        );
+        let j = || "j".to_string();
+        assert_eq!(
+            k.parse(&k.checkpoint("j")),
+            KeyKind::Checkpoint { job: j() }
+        );
+        assert_eq!(
+            k.parse(&k.checkpoint_request("j")),
+            KeyKind::CheckpointRequest { job: j() }
+        );
+        assert_eq!(
+            k.parse(&k.checkpoint_stats("j")),
+            KeyKind::CheckpointStats { job: j() }
         );
         assert_eq!(k.parse("/other/nodes/n1"), KeyKind::Other);
         // history keys sort numerically because they are zero-padded

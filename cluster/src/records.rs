@@ -44,6 +44,10 @@ pub struct NodeRecord {
     pub draining: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain_reason: Option<String>,
+    /// When a leaving agent stops its workers whether or not the job re-formed (unix ms): the
+    /// daemon's last moment for a drain-time checkpoint. None for a cordon (`dctl drain`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_deadline_ms: Option<u64>,
     /// How many times this agent had to register again after losing its lease.
     #[serde(default)]
     pub reregistrations: u32,
@@ -153,6 +157,10 @@ pub struct CheckpointSpec {
     /// Uncommitted attempts older than this are deleted by retention, seconds.
     #[serde(default = "CheckpointSpec::default_attempt_ttl")]
     pub attempt_ttl_s: u64,
+    /// On a planned drain, the daemon asks for a checkpoint and holds the re-formation up to
+    /// this long (and never past the leaving node's deadline) for it to commit; 0: do not ask.
+    #[serde(default = "CheckpointSpec::default_drain_wait")]
+    pub drain_wait_s: u64,
 }
 
 impl CheckpointSpec {
@@ -170,6 +178,9 @@ impl CheckpointSpec {
     }
     fn default_attempt_ttl() -> u64 {
         3600
+    }
+    fn default_drain_wait() -> u64 {
+        60
     }
 }
 
@@ -257,6 +268,12 @@ impl JobSpec {
                 return Err(ClusterError::invalid(
                     "checkpoint.upload_concurrency",
                     "must be at least 1",
+                ));
+            }
+            if c.drain_wait_s > 3600 {
+                return Err(ClusterError::invalid(
+                    "checkpoint.drain_wait_s",
+                    "must be at most 3600 seconds (0 turns drain-time checkpoints off)",
                 ));
             }
         }
@@ -571,6 +588,12 @@ pub struct CheckpointRequest {
     pub id: String,
     pub reason: String,
     pub requested_at_ms: u64,
+    /// The generation whose re-formation waits for it.
+    #[serde(default)]
+    pub generation: u64,
+    /// The daemon publishes the next generation at this time (unix ms) even without it.
+    #[serde(default)]
+    pub deadline_ms: u64,
 }
 
 /// What the workers measured of their last checkpoints (read by `/metrics`).

@@ -5,7 +5,7 @@
 //! again; every generation it publishes is fenced on its leader key, so a deposed leader can
 //! never publish.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::reconcile::{plan, Decision, Fleet, JobObs};
+use crate::reconcile::{drain_checkpoint, plan, Decision, DrainCheckpoint, Fleet, JobObs};
 
 /// What the leader loop needs to know.
 #[derive(Clone, Debug)]
@@ -152,6 +152,10 @@ pub async fn lead(
     synced(&mut drains_rx).await;
     synced(&mut jobs_rx).await;
     let mut pending: HashMap<String, Pending> = HashMap::new();
+    // drain-time checkpoints whose outcome was logged (request ids)
+    let mut told: HashSet<String> = HashSet::new();
+    // requests put but maybe not seen by the watch yet: id -> deadline
+    let mut asked: HashMap<String, u64> = HashMap::new();
     loop {
         if cancel.is_cancelled() {
             return Ok(());
@@ -165,7 +169,46 @@ pub async fn lead(
         let now = Instant::now();
         let mut wake: Option<Instant> = None;
         for (name, obs) in &jobs {
-            let decision = plan(obs, &fleet, now_ms());
+            let (ms, decision) = (now_ms(), plan(obs, &fleet, now_ms()));
+            // A planned drain first asks for a checkpoint, and its re-formation waits for the
+            // commit while there is time (a failure's does not: the communicator is gone).
+            let mut note = None;
+            let hold_until_ms = match drain_checkpoint(obs, &fleet, ms) {
+                DrainCheckpoint::Ask(req) if asked.contains_key(&req.id) => {
+                    asked.get(&req.id).copied()
+                }
+                DrainCheckpoint::Ask(req) => {
+                    let key = k.checkpoint_request(name);
+                    match store.put_json(&key, &req, None).await {
+                        Ok(_) => {
+                            tracing::info!(job = %name, id = %req.id, reason = %req.reason,
+                                wait_s = req.deadline_ms.saturating_sub(ms) as f64 / 1000.0,
+                                "planned drain: asked the workers for a checkpoint before re-forming");
+                            asked.insert(req.id.clone(), req.deadline_ms);
+                        }
+                        Err(e) => {
+                            tracing::warn!(job = %name, error = %e, "cannot ask for a drain-time checkpoint; will retry")
+                        }
+                    }
+                    Some(req.deadline_ms)
+                }
+                DrainCheckpoint::Wait { until_ms, .. } => Some(until_ms),
+                DrainCheckpoint::Committed { id, step } => {
+                    if told.insert(id.clone()) {
+                        tracing::info!(job = %name, id = %id, step, "drain-time checkpoint committed; re-forming");
+                    }
+                    note = Some(format!("; checkpoint at step {step} committed first"));
+                    None
+                }
+                DrainCheckpoint::NoTime { id, detail } => {
+                    if told.insert(id.clone()) {
+                        tracing::warn!(job = %name, id = %id, "{detail}; re-forming without it");
+                    }
+                    note = Some(format!("; {detail}"));
+                    None
+                }
+                DrainCheckpoint::NotNeeded => None,
+            };
             let fence = Fence {
                 leader: Some(&leader),
                 spec_revision: obs.spec_revision,
@@ -210,10 +253,21 @@ pub async fn lead(
                     }
                 }
                 Decision::Publish {
-                    generation,
-                    status,
+                    mut generation,
+                    mut status,
                     debounce,
                 } => {
+                    if let Some(n) = note.filter(|_| generation.reason == Reason::Drain) {
+                        generation.detail.push_str(&n);
+                        status.message.push_str(&n);
+                    }
+                    if let Some(until) =
+                        hold_until_ms.filter(|_| generation.reason == Reason::Drain)
+                    {
+                        let at = now + Duration::from_millis(until.saturating_sub(ms));
+                        wake = Some(wake.map_or(at, |w| w.min(at)));
+                        continue;
+                    }
                     if debounce {
                         let p = pending.entry(name.clone()).or_insert_with(|| Pending {
                             members: generation.members.clone(),
@@ -356,6 +410,15 @@ pub fn jobs_from(store: &Store, snap: &Snapshot) -> BTreeMap<String, JobObs> {
                 jobs.entry(job).or_default().progress = decoded(kv, "progress")
             }
             KeyKind::Stop { job } => jobs.entry(job).or_default().stop_requested = true,
+            KeyKind::Checkpoint { job } => {
+                jobs.entry(job).or_default().checkpoint = decoded(kv, "checkpoint record")
+            }
+            KeyKind::CheckpointRequest { job } => {
+                jobs.entry(job).or_default().checkpoint_request = decoded(kv, "checkpoint request")
+            }
+            KeyKind::CheckpointStats { job } => {
+                jobs.entry(job).or_default().checkpoint_stats = decoded(kv, "checkpoint stats")
+            }
             _ => {}
         }
     }

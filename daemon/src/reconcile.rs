@@ -25,6 +25,10 @@ pub struct JobObs {
     pub joined: BTreeMap<u32, JoinRecord>,
     pub progress: Option<Progress>,
     pub stop_requested: bool,
+    /// The latest committed checkpoint, the last checkpoint request and the workers' figures.
+    pub checkpoint: Option<CheckpointRecord>,
+    pub checkpoint_request: Option<CheckpointRequest>,
+    pub checkpoint_stats: Option<CheckpointStats>,
 }
 
 /// Live membership: nodes with their records, and the nodes asked to drain.
@@ -78,6 +82,111 @@ fn status(
         message,
         updated_at_ms: now,
     }
+}
+
+/// What a planned drain needs from the checkpointer before the job re-forms without the node.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DrainCheckpoint {
+    /// No member of the current generation is on a draining node, or the job keeps no
+    /// checkpoints (or turned drain-time ones off), or it has not trained yet.
+    NotNeeded,
+    /// Ask the workers for a checkpoint now; hold the drain's re-formation until it commits or
+    /// the request's deadline passes.
+    Ask(CheckpointRequest),
+    /// Asked and not committed yet: hold the drain's re-formation until this time (unix ms).
+    Wait { id: String, until_ms: u64 },
+    /// The requested checkpoint committed, at this step.
+    Committed { id: String, step: u64 },
+    /// No checkpoint this time (the detail says why): re-form without one.
+    NoTime { id: String, detail: String },
+}
+
+/// The re-formation is published this long before a leaving agent's deadline, so that its
+/// workers leave through a re-formation rather than being stopped.
+pub const DRAIN_MARGIN_MS: u64 = 3_000;
+
+/// Whether a planned drain should wait for a checkpoint: a pure function of what is observed,
+/// so a new leader continues an earlier leader's wait (the request, with its deadline, is in
+/// etcd). The request id names the generation it is for: one request per generation, covering
+/// every node draining from it.
+pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoint {
+    use DrainCheckpoint::*;
+    let (Some(spec), Some((g, _))) = (&obs.spec, &obs.generation) else {
+        return NotNeeded;
+    };
+    let Some(ck) = spec.checkpoint.as_ref().filter(|c| c.drain_wait_s > 0) else {
+        return NotNeeded;
+    };
+    if obs.stop_requested || obs.status.as_ref().is_some_and(|s| s.state.is_terminal()) {
+        return NotNeeded;
+    }
+    // members on nodes that are leaving but still here (a lost node has nothing to save)
+    let leaving: BTreeSet<&str> = g
+        .members
+        .iter()
+        .map(|m| m.node.as_str())
+        .filter(|n| fleet.nodes.contains_key(*n) && fleet.is_draining(n))
+        .collect();
+    if leaving.is_empty() || !obs.progress.as_ref().is_some_and(|p| p.step > 0) {
+        return NotNeeded;
+    }
+    let id = format!("drain-g{}", g.number);
+    if let Some(r) = obs.checkpoint_request.as_ref().filter(|r| r.id == id) {
+        return match obs.checkpoint.as_ref() {
+            Some(c) if c.request.as_deref() == Some(id.as_str()) => Committed { id, step: c.step },
+            _ if now < r.deadline_ms => Wait {
+                id,
+                until_ms: r.deadline_ms,
+            },
+            _ => NoTime {
+                detail: format!(
+                    "the checkpoint asked for at the drain did not commit within {:.1} s",
+                    r.deadline_ms.saturating_sub(r.requested_at_ms) as f64 / 1000.0
+                ),
+                id,
+            },
+        };
+    }
+    let mut deadline = now + ck.drain_wait_s * 1000;
+    for n in &leaving {
+        if let Some(d) = fleet.nodes[*n].drain_deadline_ms {
+            deadline = deadline.min(d.saturating_sub(DRAIN_MARGIN_MS));
+        }
+    }
+    // the last checkpoint's stall and upload tell how long one takes
+    let estimate = obs
+        .checkpoint_stats
+        .as_ref()
+        .filter(|s| s.committed_total > 0)
+        .map(|s| (s.last_stall_ms + s.last_upload_seconds * 1000.0) as u64)
+        .unwrap_or(0);
+    if deadline <= now + estimate {
+        return NoTime {
+            detail: format!(
+                "no time for a checkpoint before the node leaves: {:.1} s left, the last one took {:.1} s",
+                deadline.saturating_sub(now) as f64 / 1000.0,
+                estimate as f64 / 1000.0
+            ),
+            id,
+        };
+    }
+    let why: Vec<String> = leaving
+        .iter()
+        .map(|n| {
+            let r = fleet.nodes[*n].drain_reason.clone();
+            format!(
+                "{n} ({})",
+                r.unwrap_or_else(|| "drained by the operator".into())
+            )
+        })
+        .collect();
+    Ask(CheckpointRequest {
+        id,
+        reason: format!("planned drain of {}", why.join(", ")),
+        requested_at_ms: now,
+        generation: g.number,
+        deadline_ms: deadline,
+    })
 }
 
 /// Decide what one job needs now.
@@ -336,6 +445,7 @@ mod tests {
             registered_at_ms: 0,
             draining: false,
             drain_reason: None,
+            drain_deadline_ms: None,
             reregistrations: 0,
         }
     }
@@ -528,6 +638,109 @@ mod tests {
         assert_eq!((r.generation, r.reason, r.seconds), (1, Reason::Start, 0.5));
         apply(&mut obs, Decision::Status(st));
         assert_eq!(plan(&obs, &f, 3000), Decision::Nothing);
+    }
+
+    #[test]
+    fn a_planned_drain_asks_for_a_checkpoint_and_holds_until_it_commits_or_time_runs_out() {
+        use DrainCheckpoint::*;
+        let sp = JobSpec::from_toml(
+            "name = \"j\"\nmin = 1\nmax = 2\ndesired = 2\n[checkpoint]\nurl = \"file:///tmp/c\"\ndrain_wait_s = 20\n",
+        )
+        .unwrap();
+        let mut obs = JobObs {
+            spec: Some(sp),
+            ..Default::default()
+        };
+        let mut f = fleet(&[("a", 1), ("b", 1)]);
+        let g = step(&mut obs, &f, 0).unwrap();
+        assert_eq!(drain_checkpoint(&obs, &f, 1), NotNeeded, "no drain");
+        f.nodes.get_mut("b").unwrap().draining = true;
+        f.nodes.get_mut("b").unwrap().drain_reason = Some("spot interruption notice".into());
+        assert_eq!(
+            drain_checkpoint(&obs, &f, 1),
+            NotNeeded,
+            "nothing trained yet"
+        );
+        obs.progress = Some(Progress {
+            generation: g.number,
+            step: 7,
+            loss: None,
+            samples_per_sec: None,
+            updated_at_ms: 0,
+            done: false,
+            final_weights_sha256: None,
+        });
+        // the job's wait, capped by the agent's deadline less the margin
+        f.nodes.get_mut("b").unwrap().drain_deadline_ms = Some(1_000 + 10_000);
+        let Ask(req) = drain_checkpoint(&obs, &f, 1_000) else {
+            panic!("a planned drain asks")
+        };
+        assert_eq!(req.id, "drain-g1");
+        assert_eq!(req.generation, 1);
+        assert_eq!(req.deadline_ms, 11_000 - DRAIN_MARGIN_MS);
+        assert!(
+            req.reason.contains("b (spot interruption notice)"),
+            "{}",
+            req.reason
+        );
+        // the re-formation the drain causes is held while the request is open
+        let d = plan(&obs, &f, 1_000);
+        assert!(
+            matches!(&d, Decision::Publish { generation, .. } if generation.reason == Reason::Drain)
+        );
+        obs.checkpoint_request = Some(req.clone());
+        assert_eq!(
+            drain_checkpoint(&obs, &f, 2_000),
+            Wait {
+                id: "drain-g1".into(),
+                until_ms: 8_000
+            }
+        );
+        // an interval checkpoint is not the one asked for
+        let rec = |request: Option<&str>| CheckpointRecord {
+            step: 9,
+            generation: 1,
+            manifest: "m".into(),
+            manifest_crc32c: 0,
+            bytes: 1,
+            world_size: 2,
+            layout: Layout::data_parallel(2),
+            committed_at_ms: 2_500,
+            request: request.map(String::from),
+        };
+        obs.checkpoint = Some(rec(None));
+        assert!(matches!(drain_checkpoint(&obs, &f, 3_000), Wait { .. }));
+        obs.checkpoint = Some(rec(Some("drain-g1")));
+        assert_eq!(
+            drain_checkpoint(&obs, &f, 3_000),
+            Committed {
+                id: "drain-g1".into(),
+                step: 9
+            }
+        );
+        obs.checkpoint = None;
+        assert!(matches!(drain_checkpoint(&obs, &f, 8_000), NoTime { .. }));
+        // no time: the last checkpoint took longer than what is left before the node leaves
+        obs.checkpoint_request = None;
+        obs.checkpoint_stats = Some(CheckpointStats {
+            last_stall_ms: 100.0,
+            last_upload_seconds: 9.0,
+            committed_total: 1,
+            ..Default::default()
+        });
+        let NoTime { detail, .. } = drain_checkpoint(&obs, &f, 1_000) else {
+            panic!("there is no time")
+        };
+        assert!(detail.contains("the last one took 9.1 s"), "{detail}");
+        // turned off by the job
+        obs.spec
+            .as_mut()
+            .unwrap()
+            .checkpoint
+            .as_mut()
+            .unwrap()
+            .drain_wait_s = 0;
+        assert_eq!(drain_checkpoint(&obs, &f, 1_000), NotNeeded);
     }
 
     #[test]

@@ -439,6 +439,99 @@ fn training_a_full_restart_at_another_size_on_a_fresh_etcd_resumes_from_the_late
     );
 }
 
+/// A planned drain (a spot notice) of the node that holds the whole job: the daemon asks for
+/// a checkpoint, holds the re-formation until it commits, then moves the job to the spare node,
+/// which restores from it. Nothing trained before the drain is lost: in deterministic mode the
+/// final weights equal an uninterrupted run's.
+#[test]
+fn training_a_spot_notice_takes_a_checkpoint_before_the_node_leaves() {
+    let spot = SpotServer::start();
+    let mut c = Cluster::start(Spec::default().agents(0, 1));
+    c.start_agent(
+        "spot1",
+        2,
+        &["--spot-notice-url", &spot.url, "--spot-poll-ms", "100"],
+    );
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let ref_url = format!("file://{}/ckpt-ref", c.dir.path().display());
+    let url = format!("file://{}/ckpt", c.dir.path().display());
+    // no interval checkpoint falls within the run: only the drain can make one
+    let job = |u: &str| mlp_job("c7", 2, &data, u, 3000, 100_000, "");
+    c.submit(&job(&ref_url));
+    let reference = wait_done(&c, "c7", S(180)).final_weights_sha256.unwrap();
+    assert!(
+        latest(&c, "c7").is_none(),
+        "an interval checkpoint was taken"
+    );
+    let before = c.status("c7").generation;
+    c.submit(&job(&url));
+    c.wait_for(S(60), "the job trains on spot1", || {
+        let v = c.status("c7");
+        (v.generation > before && v.state == JobState::Running && v.step >= 50).then_some(())
+    });
+    c.start_agent("node2", 2, &[]);
+    c.wait_for(S(20), "node2 registered", || {
+        c.dctl_ok(&["nodes"]).contains("node2").then_some(())
+    });
+    spot.notice("terminate");
+    let status = c
+        .agents
+        .get_mut("spot1")
+        .unwrap()
+        .wait_exit(S(40))
+        .expect("the agent drains and exits");
+    assert!(status.success(), "drained agent exit status {status:?}");
+    let rec = latest(&c, "c7").expect("a checkpoint committed before the node left");
+    let asked = rec
+        .request
+        .clone()
+        .expect("the commit answers the drain's request");
+    assert!(asked.starts_with("drain-g"), "{asked}");
+    assert!(
+        rec.step > 50 && rec.step < 3000,
+        "drain checkpoint at {}",
+        rec.step
+    );
+    let (g, w) = joined_weights(&c, "c7", before + 2);
+    assert!(
+        w.iter().all(|x| x.starts_with(&format!("{}:", rec.step))),
+        "generation {g} did not restore the drain checkpoint at step {}: {w:?}",
+        rec.step
+    );
+    let v = c.wait_for(S(20), "the re-formation recorded", || {
+        Some(c.status("c7")).filter(|v| {
+            v.last_reformation
+                .as_ref()
+                .is_some_and(|r| r.generation == g)
+        })
+    });
+    assert!(v.members.iter().all(|m| m.node == "node2"), "{v:?}");
+    let r = v.last_reformation.clone().unwrap();
+    assert!(
+        r.detail.contains("spot1 is draining")
+            && r.detail
+                .contains(&format!("checkpoint at step {} committed first", rec.step)),
+        "{r:?}"
+    );
+    let done = wait_done(&c, "c7", S(180));
+    assert_eq!(
+        done.final_weights_sha256.unwrap(),
+        reference,
+        "final weights differ from the uninterrupted run"
+    );
+    // the newcomers did not answer the old generation's request a second time
+    assert_eq!(latest(&c, "c7").unwrap().step, rec.step);
+    let daemon_log: String = c
+        .daemons
+        .iter()
+        .map(|d| std::fs::read_to_string(&d.log).unwrap_or_default())
+        .collect();
+    assert!(
+        daemon_log.contains("asked the workers for a checkpoint"),
+        "the daemon did not say it asked:\n{daemon_log}"
+    );
+}
+
 /// 6. Python's safetensors opens ductile's shards and reads the same values; the manifest is
 /// plain JSON.
 #[test]

@@ -159,7 +159,7 @@ pub fn watch_generations(
 pub fn watch_checkpoint_requests(
     store: Store,
     job: String,
-    latest: Arc<std::sync::Mutex<Option<String>>>,
+    latest: Arc<std::sync::Mutex<Option<CheckpointRequest>>>,
     rt: &tokio::runtime::Handle,
 ) {
     let key = store.keys.checkpoint_request(&job);
@@ -173,7 +173,7 @@ pub fn watch_checkpoint_requests(
                 .get(&key)
                 .and_then(|kv| serde_json::from_slice::<CheckpointRequest>(&kv.value).ok());
             if let Some(r) = req {
-                *latest.lock().unwrap() = Some(r.id);
+                *latest.lock().unwrap() = Some(r);
             }
             if rx.changed().await.is_err() {
                 return;

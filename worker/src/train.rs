@@ -507,7 +507,7 @@ impl Trainer {
         }
     }
 
-    fn flat_grads(&self, loss: f64) -> Tensor {
+    fn flat_grads(&self, loss: f64, generation: u64) -> Tensor {
         let mut parts: Vec<Tensor> = self
             .params
             .iter()
@@ -521,7 +521,11 @@ impl Trainer {
             })
             .collect();
         // the loss and the checkpoint flags ride along: every rank sees the same sums
-        let (pending, busy) = self.ckpt.as_ref().map(|c| c.flags()).unwrap_or((0.0, 0.0));
+        let (pending, busy) = self
+            .ckpt
+            .as_ref()
+            .map(|c| c.flags(generation))
+            .unwrap_or((0.0, 0.0));
         parts.push(Tensor::from_slice(&[loss as f32, pending, busy]));
         Tensor::cat(&parts, 0).contiguous()
     }
@@ -567,14 +571,14 @@ impl Trainer {
             for k in split_range(v, world, rank) {
                 self.zero_grads();
                 let l = self.accumulate(shards[k as usize], g, rank);
-                mine.push((k, self.flat_grads(l)));
+                mine.push((k, self.flat_grads(l, g.number)));
             }
             comm.ordered_all_reduce(&mine, v)?
         } else {
             self.zero_grads();
             let share = split_batch(b, world)[rank as usize];
             let l = self.accumulate(share, g, rank);
-            let mut flat = self.flat_grads(l);
+            let mut flat = self.flat_grads(l, g.number);
             comm.all_reduce(&mut flat, ReduceOp::Sum)?;
             flat
         };

@@ -28,7 +28,7 @@ pub struct Ckpt {
     in_flight: Option<tokio::task::JoinHandle<()>>,
     pool: Arc<Mutex<Option<Vec<u8>>>>,
     /// The newest checkpoint request seen in etcd (a planned drain).
-    pub request: Arc<Mutex<Option<String>>>,
+    pub request: Arc<Mutex<Option<CheckpointRequest>>>,
     answered: Option<String>,
 }
 
@@ -72,10 +72,17 @@ impl Ckpt {
         })
     }
 
+    /// The request generation `generation` should answer, if it has not yet. A request names
+    /// the generation whose re-formation waits for it: a later generation (newcomers included)
+    /// does not answer an old one.
+    fn open_request(&self, generation: u64) -> Option<CheckpointRequest> {
+        let req = self.request.lock().unwrap().clone()?;
+        (req.generation == generation && Some(&req.id) != self.answered.as_ref()).then_some(req)
+    }
+
     /// This rank's flags for the step's all-reduce: (request pending, save in flight).
-    pub fn flags(&self) -> (f32, f32) {
-        let req = self.request.lock().unwrap().clone();
-        let pending = req.is_some() && req != self.answered;
+    pub fn flags(&self, generation: u64) -> (f32, f32) {
+        let pending = self.open_request(generation).is_some();
         let busy = self.in_flight.as_ref().is_some_and(|h| !h.is_finished());
         (pending as u8 as f32, busy as u8 as f32)
     }
@@ -210,11 +217,25 @@ impl Trainer {
         let stall_ms = t0.elapsed().as_secs_f64() * 1e3;
         let extra = self.extra_state(g);
         let ck = self.ckpt.as_mut().unwrap();
-        let request = if pending {
-            ck.request.lock().unwrap().clone()
+        let mut request = if pending {
+            ck.open_request(g.number).map(|r| r.id)
         } else {
             None
         };
+        if pending && request.is_none() {
+            // another rank saw the request first: read it, so that rank 0 records it in the
+            // commit and this rank does not answer it a second time
+            let key = self.store.keys.checkpoint_request(&self.env.job);
+            let got = self.rt.block_on(
+                self.store
+                    .get_json::<CheckpointRequest>(&key, "checkpoint request"),
+            );
+            request = got
+                .ok()
+                .flatten()
+                .filter(|(r, _)| r.generation == g.number)
+                .map(|(r, _)| r.id);
+        }
         if pending {
             ck.answered = request.clone();
         }
