@@ -94,6 +94,11 @@ impl Bucket {
         }
     }
 
+    /// A local directory (`file://`): reads are copies from the page cache, not requests.
+    pub fn is_local(&self) -> bool {
+        self.local_root.is_some()
+    }
+
     pub fn path(&self, key: &str) -> Path {
         let mut p = self.root.clone();
         for part in key.split('/').filter(|s| !s.is_empty()) {

@@ -129,12 +129,21 @@ impl Manifest {
     }
 }
 
+/// CRC-32C (Castagnoli, "CRC-32/ISCSI"), as S3 and safetensors users compute it. crc-fast picks
+/// the widest instructions present at run time (VPCLMULQDQ with AVX-512 where there is one:
+/// about 23 GB/s on one core of this machine, against 14.6 for the crc32c crate's SSE4.2 path).
 pub fn crc32c(bytes: &[u8]) -> u32 {
-    crc32c::crc32c(bytes)
+    crc_fast::crc32_iscsi(bytes)
 }
 
+/// Continue `crc` (a finished CRC-32C) over `bytes`.
 pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc, bytes)
+    let mut d = crc_fast::Digest::new_with_init_state(
+        crc_fast::CrcAlgorithm::Crc32Iscsi,
+        (crc ^ 0xffff_ffff) as u64,
+    );
+    d.update(bytes);
+    d.finalize() as u32
 }
 
 /// The attempt directory of (step, generation), relative to the job's URL.
@@ -275,6 +284,27 @@ pub fn parse_safetensors_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn crc32c_matches_the_standard_check_value_and_appends() {
+        // the catalogue's check value of CRC-32/ISCSI, and RFC 3720's 32 zero bytes
+        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
+        assert_eq!(crc32c(&[0u8; 32]), 0x8a91_36aa);
+        assert_eq!(crc32c(b""), 0);
+        let data: Vec<u8> = (0..100_003u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
+            .collect();
+        let whole = crc32c(&data);
+        for cut in [0, 1, 7, 4096, 65_537, data.len()] {
+            let (a, b) = data.split_at(cut);
+            assert_eq!(crc32c_append(crc32c(a), b), whole, "cut at {cut}");
+        }
+        let mut acc = 0;
+        for piece in data.chunks(1000) {
+            acc = crc32c_append(acc, piece);
+        }
+        assert_eq!(acc, whole);
+    }
 
     #[test]
     fn a_header_places_chunks_back_to_back_after_an_aligned_header() {

@@ -87,10 +87,33 @@ pub async fn load_manifest(
     serde_json::from_slice(&body).map_err(|e| corrupt(format!("not a manifest: {e}")))
 }
 
-/// Fetch `chunks` of `m` and verify each CRC32C off the async threads. Per object, one
-/// `get_ranges` of all its chunks (object_store coalesces adjacent ranges into few large GETs
-/// and hands back slices without copying); objects are read `concurrency` at a time. The bytes
-/// come back in the order of `chunks`.
+/// Below this, a local object is not split for parallel reads.
+const MIN_LOCAL_PIECE: u64 = 8 << 20;
+
+/// Cut an object's chunks (in byte order) into at most `parts` runs of about equal bytes, none
+/// under `min` bytes unless it is the whole object.
+fn pieces<T>(list: Vec<(T, u64)>, parts: usize, min: u64) -> Vec<Vec<T>> {
+    let total: u64 = list.iter().map(|(_, n)| n).sum();
+    let target = (total / parts.max(1) as u64).max(min).max(1);
+    let mut out: Vec<Vec<T>> = vec![Vec::new()];
+    let mut acc = 0u64;
+    for (x, n) in list {
+        if acc >= target {
+            out.push(Vec::new());
+            acc = 0;
+        }
+        acc += n;
+        out.last_mut().unwrap().push(x);
+    }
+    out
+}
+
+/// Fetch `chunks` of `m` and verify each CRC32C off the async threads; `concurrency` reads in
+/// flight. From S3, one `get_ranges` per object: object_store coalesces adjacent ranges into
+/// few large GETs and hands back slices without copying, and fewer, larger requests are what
+/// a server wants. From a local directory, each object is cut into up to `concurrency` runs of
+/// chunks read (and checked) in parallel, since a read there is a copy that one core bounds.
+/// The bytes come back in the order of `chunks`.
 pub async fn fetch(
     bucket: &Bucket,
     m: &Manifest,
@@ -107,48 +130,90 @@ pub async fn fetch(
             .or_default()
             .push((i, name.clone(), c));
     }
-    let verified: Vec<Vec<(usize, Bytes)>> =
-        stream::iter(by_object.into_iter().map(|(object, list)| async move {
-            let ranges: Vec<std::ops::Range<u64>> = list
-                .iter()
-                .map(|(_, _, c)| c.byte_range[0]..c.byte_range[1])
-                .collect();
-            let got = bucket.get_ranges(&object, &ranges).await?;
-            let url = bucket.url.clone();
-            tokio::task::spawn_blocking(move || {
-                let mut out = Vec::with_capacity(list.len());
-                for ((i, name, c), bytes) in list.into_iter().zip(got) {
-                    let corrupt = |reason: String| RestoreError::Corrupt {
-                        step,
-                        url: url.clone(),
-                        object: object.clone(),
-                        tensor: name.clone(),
-                        reason,
-                    };
-                    let want = (c.byte_range[1] - c.byte_range[0]) as usize;
-                    if bytes.len() != want {
-                        return Err(corrupt(format!("{} bytes, expected {want}", bytes.len())));
-                    }
-                    let crc = crc32c(&bytes);
-                    if crc != c.crc32c {
-                        return Err(corrupt(format!(
-                            "CRC32C mismatch in bytes {}..{}: {crc:08x}, the manifest says {:08x}",
-                            c.byte_range[0], c.byte_range[1], c.crc32c
-                        )));
-                    }
-                    out.push((i, bytes));
-                }
-                Ok(out)
+    let parts = if bucket.is_local() {
+        4 * concurrency
+    } else {
+        1
+    };
+    let work = by_object.into_iter().flat_map(|(object, mut list)| {
+        list.sort_by_key(|(_, _, c)| c.byte_range[0]);
+        let sized = list
+            .into_iter()
+            .map(|x| {
+                let n = x.2.byte_range[1] - x.2.byte_range[0];
+                (x, n)
             })
-            .await
-            .expect("the CRC check does not panic")
-        }))
-        .buffer_unordered(concurrency.max(1))
-        .try_collect()
-        .await?;
+            .collect();
+        pieces(sized, parts, MIN_LOCAL_PIECE)
+            .into_iter()
+            .map(move |p| (object.clone(), p))
+    });
+    let verified: Vec<Vec<(usize, Bytes)>> = stream::iter(work.map(|(object, list)| async move {
+        let ranges: Vec<std::ops::Range<u64>> = list
+            .iter()
+            .map(|(_, _, c)| c.byte_range[0]..c.byte_range[1])
+            .collect();
+        let got = bucket.get_ranges(&object, &ranges).await?;
+        let url = bucket.url.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut out = Vec::with_capacity(list.len());
+            for ((i, name, c), bytes) in list.into_iter().zip(got) {
+                let corrupt = |reason: String| RestoreError::Corrupt {
+                    step,
+                    url: url.clone(),
+                    object: object.clone(),
+                    tensor: name.clone(),
+                    reason,
+                };
+                let want = (c.byte_range[1] - c.byte_range[0]) as usize;
+                if bytes.len() != want {
+                    return Err(corrupt(format!("{} bytes, expected {want}", bytes.len())));
+                }
+                let crc = crc32c(&bytes);
+                if crc != c.crc32c {
+                    return Err(corrupt(format!(
+                        "CRC32C mismatch in bytes {}..{}: {crc:08x}, the manifest says {:08x}",
+                        c.byte_range[0], c.byte_range[1], c.crc32c
+                    )));
+                }
+                out.push((i, bytes));
+            }
+            Ok(out)
+        })
+        .await
+        .expect("the CRC check does not panic")
+    }))
+    .buffer_unordered(concurrency.max(1))
+    .try_collect()
+    .await?;
     let mut out = vec![Bytes::new(); chunks.len()];
     for (i, b) in verified.into_iter().flatten() {
         out[i] = b;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pieces;
+
+    #[test]
+    fn pieces_keep_order_cover_everything_and_respect_the_minimum() {
+        let list: Vec<(u32, u64)> = (0..16).map(|i| (i, 64)).collect();
+        let p = pieces(list.clone(), 4, 1);
+        assert_eq!(p.len(), 4);
+        assert_eq!(p.concat(), (0..16).collect::<Vec<_>>());
+        assert!(p.iter().all(|x| x.len() == 4), "{p:?}");
+        // small objects stay whole
+        assert_eq!(
+            pieces(list.clone(), 8, 10_000),
+            vec![(0..16).collect::<Vec<_>>()]
+        );
+        // one part: the whole object
+        assert_eq!(pieces(list, 1, 1).len(), 1);
+        // uneven chunks: no run is empty
+        let p = pieces(vec![(0, 1000), (1, 1), (2, 1), (3, 1000)], 3, 1);
+        assert!(p.iter().all(|x| !x.is_empty()));
+        assert_eq!(p.concat(), vec![0, 1, 2, 3]);
+    }
 }
