@@ -58,6 +58,9 @@ pub fn check_cpu(t: &Tensor, op: &'static str) -> Result<DType> {
 ///
 /// # Safety
 /// The tensor must be contiguous, on the CPU, and not accessed otherwise while the slice lives.
+// tch tensors are handles with interior mutability: `&Tensor` is how tch itself hands out
+// in-place access (`f_add_`, `copy_`), so the exclusive use is this function's contract.
+#[allow(clippy::mut_from_ref)]
 pub unsafe fn bytes_mut(t: &Tensor) -> &mut [u8] {
     let n = t.numel() * t.kind().elt_size_in_bytes();
     if n == 0 {

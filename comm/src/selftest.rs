@@ -113,7 +113,8 @@ pub fn collectives(c: &dyn Communicator) -> Result<(), String> {
 /// Logical shard `index` of the ordered all-reduce test: non-integer values.
 pub fn shard(index: u64, len: i64) -> Tensor {
     let g = Tensor::arange(len, (Kind::Float, tch::Device::Cpu));
-    ((&g * 0.618_034 + index as f64 * 1.414_213_5).sin() * 1000.0 / (index as f64 + 3.0))
+    ((&g * 0.618_034 + index as f64 * std::f64::consts::SQRT_2).sin() * 1000.0
+        / (index as f64 + 3.0))
         .contiguous()
 }
 
