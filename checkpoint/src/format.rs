@@ -9,6 +9,9 @@
 //! manifest.json                      per tensor: dtype, global shape, kind, chunks (object,
 //!                                     absolute byte range, offsets, shape, CRC32C); extra state
 //! COMMIT                             the commit record (JSON), written after the etcd commit
+//! SUPERSEDED                         replaces COMMIT when a job resumed from an earlier chosen
+//!                                     step (`restore_step`): the record, why and when; its data
+//!                                     is kept but never restored automatically
 //! uploads/{rank}.json                an in-flight multipart upload id (deleted on completion)
 //! ```
 
@@ -17,6 +20,7 @@ use serde::{Deserialize, Serialize};
 pub const FORMAT: &str = "ductile-checkpoint/1";
 pub const MANIFEST: &str = "manifest.json";
 pub const COMMIT: &str = "COMMIT";
+pub const SUPERSEDED: &str = "SUPERSEDED";
 
 /// Element types, by their safetensors names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -40,11 +40,19 @@ pub async fn committed(
     latest: Option<&CheckpointRecord>,
 ) -> Result<Vec<CheckpointRecord>, BucketError> {
     let mut out: BTreeMap<(u64, u64), CheckpointRecord> = BTreeMap::new();
-    for (key, _) in bucket.list("").await? {
-        if !key.ends_with(&format!("/{COMMIT}")) {
+    let keys: Vec<String> = bucket.list("").await?.into_iter().map(|(k, _)| k).collect();
+    let superseded: std::collections::BTreeSet<&str> = keys
+        .iter()
+        .filter_map(|k| k.strip_suffix(&format!("/{SUPERSEDED}")))
+        .collect();
+    for key in &keys {
+        let Some(dir) = key.strip_suffix(&format!("/{COMMIT}")) else {
+            continue;
+        };
+        if superseded.contains(dir) {
             continue;
         }
-        match bucket.get(&key).await {
+        match bucket.get(key).await {
             Ok(b) => match serde_json::from_slice::<CheckpointRecord>(&b) {
                 Ok(r) => {
                     out.insert((r.step, r.generation), r);

@@ -18,6 +18,16 @@ use crate::format::*;
 pub enum CheckpointState {
     Committed,
     Attempt,
+    /// Committed once, then left behind by a job that resumed from an earlier chosen step.
+    Superseded,
+}
+
+/// What replaces a `COMMIT` when its checkpoint is superseded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SupersededRecord {
+    pub record: CheckpointRecord,
+    pub reason: String,
+    pub superseded_at_ms: u64,
 }
 
 /// One (step, generation) directory of a checkpoint URL.
@@ -75,8 +85,17 @@ async fn list_dirs(
     let mut out = Vec::new();
     for (&(step, generation), d) in &all {
         let commit_key = format!("{}/{COMMIT}", attempt_dir(step, generation));
+        let superseded_key = format!("{}/{SUPERSEDED}", attempt_dir(step, generation));
         let mut rec = None;
-        if d.objects.iter().any(|(k, _)| *k == commit_key) {
+        let mut state = CheckpointState::Committed;
+        if d.objects.iter().any(|(k, _)| *k == superseded_key) {
+            if let Ok(b) = bucket.get(&superseded_key).await {
+                if let Ok(s) = serde_json::from_slice::<SupersededRecord>(&b) {
+                    rec = Some(s.record);
+                    state = CheckpointState::Superseded;
+                }
+            }
+        } else if d.objects.iter().any(|(k, _)| *k == commit_key) {
             if let Ok(b) = bucket.get(&commit_key).await {
                 rec = serde_json::from_slice::<CheckpointRecord>(&b).ok();
             }
@@ -106,7 +125,7 @@ async fn list_dirs(
             Some(r) => CheckpointInfo {
                 step,
                 generation,
-                state: CheckpointState::Committed,
+                state,
                 time_ms: r.committed_at_ms,
                 bytes: r.bytes,
                 world_size: r.world_size,
@@ -177,6 +196,8 @@ pub async fn retain(
                     true
                 }
             }
+            // the operator's to delete: it was a commit, and may be wanted again
+            CheckpointState::Superseded => false,
             CheckpointState::Attempt => {
                 let old = now.saturating_sub(info.time_ms) >= attempt_ttl.as_millis() as u64;
                 if old {
@@ -201,4 +222,45 @@ pub async fn retain(
         bucket.remove_local_dir(&dir);
     }
     Ok(r)
+}
+
+/// Supersede every commit after `step`: a job resumed from that earlier chosen step
+/// (`restore_step`), so they belong to the history it left. Their data stays: a `SUPERSEDED`
+/// record (the commit record, `reason`, the time) is written, then the `COMMIT` deleted, so no
+/// restore picks them and retention keeps them for the operator. Returns (step, generation)s.
+pub async fn supersede_after(
+    bucket: &Bucket,
+    step: u64,
+    reason: &str,
+) -> Result<Vec<(u64, u64)>, BucketError> {
+    let mut done = Vec::new();
+    for info in list(bucket, None).await? {
+        if info.step <= step || info.state != CheckpointState::Committed {
+            continue;
+        }
+        let dir = attempt_dir(info.step, info.generation);
+        let commit = format!("{dir}/{COMMIT}");
+        let record: CheckpointRecord = match bucket.get(&commit).await {
+            Ok(b) => match serde_json::from_slice(&b) {
+                Ok(r) => r,
+                Err(_) => continue,
+            },
+            Err(e) if e.is_not_found() => continue,
+            Err(e) => return Err(e),
+        };
+        let s = SupersededRecord {
+            record,
+            reason: reason.to_string(),
+            superseded_at_ms: now_ms(),
+        };
+        bucket
+            .put(
+                &format!("{dir}/{SUPERSEDED}"),
+                Bytes::from(serde_json::to_vec_pretty(&s).unwrap()),
+            )
+            .await?;
+        bucket.delete(&commit).await?;
+        done.push((info.step, info.generation));
+    }
+    Ok(done)
 }

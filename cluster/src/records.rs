@@ -161,6 +161,12 @@ pub struct CheckpointSpec {
     /// this long (and never past the leaving node's deadline) for it to commit; 0: do not ask.
     #[serde(default = "CheckpointSpec::default_drain_wait")]
     pub drain_wait_s: u64,
+    /// Resume from the commit at this step rather than the latest: the first cold start after
+    /// the job is submitted with it reads exactly that step (no fallback to another), and the
+    /// commits after it are superseded (kept, never restored automatically). What the job
+    /// commits from then on is its history; later cold starts read the latest as usual.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_step: Option<u64>,
 }
 
 impl CheckpointSpec {
@@ -268,6 +274,12 @@ impl JobSpec {
                 return Err(ClusterError::invalid(
                     "checkpoint.upload_concurrency",
                     "must be at least 1",
+                ));
+            }
+            if c.restore_step == Some(0) {
+                return Err(ClusterError::invalid(
+                    "checkpoint.restore_step",
+                    "must be a committed step (at least 1); leave it out for the latest",
                 ));
             }
             if c.drain_wait_s > 3600 {

@@ -143,6 +143,17 @@ impl Store {
                 }
             }
         }
+        if spec
+            .checkpoint
+            .as_ref()
+            .is_some_and(|c| c.restore_step.is_some())
+        {
+            // resuming from a chosen (earlier) step: the latest-commit record of the history
+            // being left must not hold this job's commits above it
+            ops.push(Op::Delete {
+                key: self.keys.checkpoint(&spec.name),
+            });
+        }
         ops.push(Op::put(key.clone(), encode(spec)));
         let out = self.backend.txn(Txn { compares, ops }).await?;
         if !out.succeeded {

@@ -137,11 +137,44 @@ async fn submit(
     } else {
         JobSpec::from_json(&body)?
     };
+    if let Some(ck) = &spec.checkpoint {
+        if let Some(n) = ck.restore_step {
+            check_restore_step(&ck.url, n).await?;
+        }
+    }
     st.store.submit(&spec).await?;
     tracing::info!(job = %spec.name, min = spec.min, max = spec.max, desired = spec.desired, "job submitted");
     Ok((
         StatusCode::CREATED,
         Json(view(&st.store, &spec.name).await?),
+    ))
+}
+
+/// A job submitted with `checkpoint.restore_step` must name a step its URL holds committed.
+async fn check_restore_step(url: &str, n: u64) -> ApiResult<()> {
+    let unavailable = |e: String| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("checkpoint.restore_step: cannot read the checkpoint store {url}: {e}"),
+        )
+    };
+    let bucket = ductile_checkpoint::Bucket::open(url).map_err(|e| unavailable(e.to_string()))?;
+    let list = ductile_checkpoint::retention::list(&bucket, None)
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    let committed: Vec<u64> = list
+        .iter()
+        .filter(|c| c.state == ductile_checkpoint::retention::CheckpointState::Committed)
+        .map(|c| c.step)
+        .collect();
+    if committed.contains(&n) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::BAD_REQUEST,
+        format!(
+            "invalid checkpoint.restore_step: {url} holds no committed checkpoint at step {n} (committed steps: {committed:?}); nothing was submitted"
+        ),
     ))
 }
 

@@ -532,6 +532,85 @@ fn training_a_spot_notice_takes_a_checkpoint_before_the_node_leaves() {
     );
 }
 
+/// A job resubmitted with `restore_step` resumes from that earlier commit, exactly (the final
+/// weights equal the uninterrupted run's); the commits after it are superseded, kept but never
+/// restored; a step the URL does not hold is refused at submission.
+#[test]
+fn training_restore_step_resumes_from_a_chosen_earlier_commit() {
+    let c = Cluster::start(Spec::default().agents(1, 3));
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let url = format!("file://{}/ckpt-c8", c.dir.path().display());
+    c.submit(&mlp_job("c8", 2, &data, &url, 60, 20, ""));
+    let reference = wait_done(&c, "c8", S(120)).final_weights_sha256.unwrap();
+    let first = latest(&c, "c8").unwrap();
+    assert_eq!(first.step, 60);
+    let pinned = |n: u64, world: u32| {
+        mlp_job("c8", world, &data, &url, 60, 20, "")
+            .replace("keep = 5\n", &format!("keep = 5\nrestore_step = {n}\n"))
+    };
+    // a step that was never committed: refused, naming what there is; nothing changes
+    let p = c.dir.path().join("c8-bad.toml");
+    std::fs::write(&p, pinned(30, 3)).unwrap();
+    let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
+    assert!(!ok, "restore_step 30 accepted");
+    assert!(
+        err.contains("restore_step") && err.contains("step 30") && err.contains("[60, 40, 20]"),
+        "{err}"
+    );
+    assert_eq!(c.status("c8").state, JobState::Succeeded);
+    assert_eq!(latest(&c, "c8").unwrap(), first);
+    // step 40, at world 3
+    let before = c.status("c8").generation;
+    c.submit(&pinned(40, 3));
+    let (g, w) = joined_weights(&c, "c8", before + 1);
+    assert_eq!(w.len(), 3);
+    assert!(w.iter().all(|x| x.starts_with("40:")), "{w:?}");
+    let done = wait_done(&c, "c8", S(120));
+    assert_eq!(
+        done.final_weights_sha256.unwrap(),
+        reference,
+        "resuming from step 40 did not reproduce the run"
+    );
+    let now = latest(&c, "c8").unwrap();
+    assert_eq!(now.step, 60);
+    assert!(now.generation >= g, "{now:?}");
+    let v: serde_json::Value =
+        serde_json::from_str(&c.dctl_ok(&["checkpoints", "c8", "--json"])).unwrap();
+    let states: Vec<(u64, u64, String)> = v["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["step"].as_u64().unwrap(),
+                x["generation"].as_u64().unwrap(),
+                x["state"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let of = |step: u64, gen: u64| {
+        states
+            .iter()
+            .find(|(s, g, _)| *s == step && *g == gen)
+            .map(|x| x.2.as_str())
+    };
+    assert_eq!(of(60, first.generation), Some("superseded"), "{states:?}");
+    assert_eq!(of(60, now.generation), Some("committed"), "{states:?}");
+    assert_eq!(
+        of(40, 1).or(of(40, first.generation)),
+        Some("committed"),
+        "{states:?}"
+    );
+    // the superseded commit's data is still there
+    let dir = c
+        .dir
+        .path()
+        .join("ckpt-c8")
+        .join(attempt_dir(60, first.generation));
+    assert!(dir.join("SUPERSEDED").exists() && !dir.join("COMMIT").exists());
+    assert!(dir.join("manifest.json").exists());
+}
+
 /// 6. Python's safetensors opens ductile's shards and reads the same values; the manifest is
 /// plain JSON.
 #[test]

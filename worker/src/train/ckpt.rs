@@ -335,7 +335,8 @@ impl Trainer {
         let world = comm.world();
         let ck = self.ckpt.as_ref().unwrap();
         let bucket = ck.bucket.clone();
-        // rank 0 lists the commits; everyone then walks the same list
+        // rank 0 lists the commits (and whether a chosen step pins the restore); everyone then
+        // walks the same list
         let mut list = Vec::new();
         if rank == 0 {
             let latest = self
@@ -347,8 +348,11 @@ impl Trainer {
                 .ok()
                 .flatten()
                 .map(|(r, _)| r);
+            // a chosen step applies until this submission commits (submitting it clears the
+            // latest-commit record)
+            let pinned = ck.spec.restore_step.filter(|_| latest.is_none());
             match self.rt.block_on(committed(&bucket, latest.as_ref())) {
-                Ok(c) => list = serde_json::to_vec(&c)?,
+                Ok(c) => list = serde_json::to_vec(&(pinned, c))?,
                 Err(e) => eprintln!(
                     "checkpoint: cannot list {}: {e}; starting from the seed",
                     bucket.url
@@ -358,7 +362,21 @@ impl Trainer {
         if let Err(e) = comm.broadcast_vec(&mut list, 0) {
             return Ok(Err(e));
         }
-        let candidates: Vec<CheckpointRecord> = serde_json::from_slice(&list).unwrap_or_default();
+        let (pinned, mut candidates): (Option<u64>, Vec<CheckpointRecord>) =
+            serde_json::from_slice(&list).unwrap_or_default();
+        if let Some(n) = pinned {
+            let steps: Vec<u64> = candidates.iter().map(|c| c.step).collect();
+            candidates.retain(|c| c.step == n);
+            if candidates.is_empty() {
+                anyhow::bail!(
+                    "checkpoint.restore_step = {n}: {} holds no committed checkpoint at step {n} (committed steps: {steps:?})",
+                    bucket.url
+                );
+            }
+            if rank == 0 {
+                println!("restoring the chosen step {n} (checkpoint.restore_step)");
+            }
+        }
         if candidates.is_empty() {
             if rank == 0 {
                 println!(
@@ -465,8 +483,31 @@ impl Trainer {
                     s.last_restore_seconds = Some(secs);
                     s.last_restore_step = Some(step);
                 }));
+                if pinned.is_some() {
+                    let why = format!(
+                        "job {job} resumed from the chosen step {step} (checkpoint.restore_step)"
+                    );
+                    match self.rt.block_on(ductile_checkpoint::retention::supersede_after(
+                        &bucket, step, &why,
+                    )) {
+                        Ok(v) if v.is_empty() => {}
+                        Ok(v) => println!(
+                            "superseded the commits after step {step} (kept, not restored automatically): {v:?}"
+                        ),
+                        // harmless for this run: the latest-commit record now decides
+                        Err(e) => eprintln!(
+                            "could not mark the commits after step {step} superseded: {e}; a cold start on a fresh etcd could pick them"
+                        ),
+                    }
+                }
             }
             return Ok(Ok(()));
+        }
+        if let Some(n) = pinned {
+            anyhow::bail!(
+                "the chosen checkpoint step {n} (checkpoint.restore_step) at {} failed to restore (see the errors above); not falling back to another step",
+                bucket.url
+            )
         }
         anyhow::bail!(
             "every committed checkpoint at {} failed to restore (see the errors above); refusing to start from the seed over them",
