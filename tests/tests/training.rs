@@ -195,13 +195,20 @@ fn training_every_sample_is_used_exactly_once_per_epoch_across_kills_and_resizes
 
     // read every rank's ledger
     let mut idx: BTreeMap<(u64, u64), Vec<u64>> = BTreeMap::new(); // (generation, step) → indices
-    let mut applied: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new(); // step → generations
+                                                                   // step → generation → ranks that applied it
+    let mut applied: BTreeMap<u64, BTreeMap<u64, BTreeSet<u64>>> = BTreeMap::new();
     for f in std::fs::read_dir(ledger.path()).unwrap() {
         for line in std::fs::read_to_string(f.unwrap().path()).unwrap().lines() {
             let v: serde_json::Value = serde_json::from_str(line).unwrap();
             let (g, s) = (v["g"].as_u64().unwrap(), v["s"].as_u64().unwrap());
             if v["applied"] == true {
-                applied.entry(s).or_default().insert(g);
+                let r = v["r"].as_u64().unwrap();
+                applied
+                    .entry(s)
+                    .or_default()
+                    .entry(g)
+                    .or_default()
+                    .insert(r);
             } else {
                 idx.entry((g, s)).or_default().extend(
                     v["idx"]
@@ -219,15 +226,37 @@ fn training_every_sample_is_used_exactly_once_per_epoch_across_kills_and_resizes
         "steps never committed: {missing:?}; beyond the end: {:?}",
         applied.keys().filter(|s| **s >= steps).collect::<Vec<_>>()
     );
+    // A step counts once. It may show in two generations only when every rank that applied it
+    // in the earlier one left the world at the next (a removed or killed rank that finished the
+    // all-reduce before the abort reached it): its state left with it, so the survivors ran the
+    // step again over the same samples. The last generation's is the one the job kept.
+    let hist: BTreeMap<u64, ductile_cluster::records::Generation> = history(&c, "t4")
+        .into_iter()
+        .map(|g| (g.number, g))
+        .collect();
+    let slot_of = |g: u64, r: u64| {
+        hist[&g]
+            .members
+            .iter()
+            .find(|m| m.rank as u64 == r)
+            .map(|m| (m.node.clone(), m.slot))
+            .unwrap()
+    };
     let n = 624u64;
     let mut count: BTreeMap<u64, u64> = BTreeMap::new();
     for (s, gens) in &applied {
-        assert_eq!(
-            gens.len(),
-            1,
-            "step {s} committed in several generations: {gens:?}"
-        );
-        let g = *gens.iter().next().unwrap();
+        let (&g, _) = gens.iter().next_back().unwrap();
+        for (&earlier, ranks) in gens.range(..g) {
+            let next: BTreeSet<(String, u32)> = hist[&(earlier + 1)]
+                .members
+                .iter()
+                .map(|m| (m.node.clone(), m.slot))
+                .collect();
+            assert!(
+                ranks.iter().all(|r| !next.contains(&slot_of(earlier, *r))),
+                "step {s} committed in generation {earlier} by ranks {ranks:?} that stayed, and again in {g}"
+            );
+        }
         let used = &idx[&(g, *s)];
         assert_eq!(
             used.len(),
