@@ -169,7 +169,8 @@ pub async fn lead(
         let now = Instant::now();
         let mut wake: Option<Instant> = None;
         for (name, obs) in &jobs {
-            let (ms, decision) = (now_ms(), plan(obs, &fleet, now_ms()));
+            let ms = now_ms();
+            let decision = plan(obs, &fleet, ms);
             // A planned drain first asks for a checkpoint, and its re-formation waits for the
             // commit while there is time (a failure's does not: the communicator is gone).
             let mut note = None;
