@@ -224,32 +224,20 @@ pub async fn retain(
     Ok(r)
 }
 
-/// Supersede every commit after `step`: a job resumed from that earlier chosen step
-/// (`restore_step`), so they belong to the history it left. Their data stays: a `SUPERSEDED`
-/// record (the commit record, `reason`, the time) is written, then the `COMMIT` deleted, so no
-/// restore picks them and retention keeps them for the operator. Returns (step, generation)s.
-pub async fn supersede_after(
+/// Supersede `records` (commits after the step a job resumed from with `restore_step`: they
+/// belong to the history it left). Their data stays: a `SUPERSEDED` record (the commit record,
+/// `reason`, the time) is written, then the `COMMIT` deleted, so no restore picks them and
+/// retention keeps them for the operator. Returns the (step, generation)s superseded.
+pub async fn supersede(
     bucket: &Bucket,
-    step: u64,
+    records: &[CheckpointRecord],
     reason: &str,
 ) -> Result<Vec<(u64, u64)>, BucketError> {
     let mut done = Vec::new();
-    for info in list(bucket, None).await? {
-        if info.step <= step || info.state != CheckpointState::Committed {
-            continue;
-        }
-        let dir = attempt_dir(info.step, info.generation);
-        let commit = format!("{dir}/{COMMIT}");
-        let record: CheckpointRecord = match bucket.get(&commit).await {
-            Ok(b) => match serde_json::from_slice(&b) {
-                Ok(r) => r,
-                Err(_) => continue,
-            },
-            Err(e) if e.is_not_found() => continue,
-            Err(e) => return Err(e),
-        };
+    for record in records {
+        let dir = attempt_dir(record.step, record.generation);
         let s = SupersededRecord {
-            record,
+            record: record.clone(),
             reason: reason.to_string(),
             superseded_at_ms: now_ms(),
         };
@@ -259,8 +247,8 @@ pub async fn supersede_after(
                 Bytes::from(serde_json::to_vec_pretty(&s).unwrap()),
             )
             .await?;
-        bucket.delete(&commit).await?;
-        done.push((info.step, info.generation));
+        bucket.delete(&format!("{dir}/{COMMIT}")).await?;
+        done.push((record.step, record.generation));
     }
     Ok(done)
 }

@@ -45,6 +45,15 @@ pub fn retry_config() -> object_store::RetryConfig {
     }
 }
 
+/// What failed (`op`) on the store at `url`.
+fn object_err(url: &str) -> impl Fn(&'static str, object_store::Error) -> StoreError + '_ {
+    move |op, source| StoreError::Object {
+        url: url.to_string(),
+        op,
+        source,
+    }
+}
+
 /// An object store, the key of `url` in it, and its multipart API where it has one (S3).
 pub fn open_multipart(
     url: &str,
@@ -56,11 +65,7 @@ pub fn open_multipart(
     ),
     StoreError,
 > {
-    let err = |op, source| StoreError::Object {
-        url: url.to_string(),
-        op,
-        source,
-    };
+    let err = object_err(url);
     match Location::parse(url)? {
         Location::S3 { bucket, prefix } => {
             let b = s3_builder(bucket).with_retry(retry_config());
@@ -68,13 +73,12 @@ pub fn open_multipart(
             Ok((s3.clone(), Path::from(prefix), Some(s3)))
         }
         Location::File { path } => {
-            std::fs::create_dir_all(&path).map_err(|e| StoreError::Object {
-                url: url.to_string(),
-                op: "create directory",
-                source: object_store::Error::Generic {
+            std::fs::create_dir_all(&path).map_err(|e| {
+                let source = object_store::Error::Generic {
                     store: "LocalFileSystem",
                     source: Box::new(e),
-                },
+                };
+                err("create directory", source)
             })?;
             let (s, p) = open(url)?;
             Ok((s, p, None))
@@ -96,11 +100,7 @@ fn s3_builder(bucket: String) -> object_store::aws::AmazonS3Builder {
 
 /// An object store and the key of `url` in it.
 pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
-    let err = |op, source| StoreError::Object {
-        url: url.to_string(),
-        op,
-        source,
-    };
+    let err = object_err(url);
     match Location::parse(url)? {
         Location::S3 { bucket, prefix } => {
             let s3 = s3_builder(bucket)
@@ -110,11 +110,7 @@ pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
         }
         Location::File { path } => {
             let fs = object_store::local::LocalFileSystem::new();
-            let p = Path::from_absolute_path(&path).map_err(|e| StoreError::Object {
-                url: url.to_string(),
-                op: "parse path",
-                source: e.into(),
-            })?;
+            let p = Path::from_absolute_path(&path).map_err(|e| err("parse path", e.into()))?;
             Ok((Arc::new(fs), p))
         }
     }
@@ -123,11 +119,7 @@ pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
 /// Read a whole object with concurrent ranged GETs of `chunk` bytes.
 pub async fn read_ranged(url: &str, chunk: u64) -> Result<Bytes, StoreError> {
     let (store, path) = open(url)?;
-    let err = |op, source| StoreError::Object {
-        url: url.to_string(),
-        op,
-        source,
-    };
+    let err = object_err(url);
     let size = store.head(&path).await.map_err(|e| err("head", e))?.size;
     let ranges: Vec<std::ops::Range<u64>> = (0..size.div_ceil(chunk.max(1)))
         .map(|i| i * chunk..((i + 1) * chunk).min(size))
@@ -149,11 +141,7 @@ pub async fn write(url: &str, bytes: Vec<u8>) -> Result<(), StoreError> {
     store
         .put(&path, PutPayload::from(bytes))
         .await
-        .map_err(|e| StoreError::Object {
-            url: url.to_string(),
-            op: "put",
-            source: e,
-        })?;
+        .map_err(|e| object_err(url)("put", e))?;
     Ok(())
 }
 

@@ -150,21 +150,22 @@ async fn submit(
     ))
 }
 
+/// The checkpoint store at `url`; what fails there is a 502 that names it.
+fn store_unavailable(url: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        format!("checkpoint store {url}: {e}"),
+    )
+}
+
 /// A job submitted with `checkpoint.restore_step` must name a step its URL holds committed.
 async fn check_restore_step(url: &str, n: u64) -> ApiResult<()> {
-    let unavailable = |e: String| {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            format!("checkpoint.restore_step: cannot read the checkpoint store {url}: {e}"),
-        )
-    };
+    let unavailable = |e: String| store_unavailable(url, format!("checking restore_step: {e}"));
     let bucket = ductile_checkpoint::Bucket::open(url).map_err(|e| unavailable(e.to_string()))?;
-    let list = ductile_checkpoint::retention::list(&bucket, None)
+    let committed: Vec<u64> = ductile_checkpoint::restore::committed(&bucket, None)
         .await
-        .map_err(|e| unavailable(e.to_string()))?;
-    let committed: Vec<u64> = list
+        .map_err(|e| unavailable(e.to_string()))?
         .iter()
-        .filter(|c| c.state == ductile_checkpoint::retention::CheckpointState::Committed)
         .map(|c| c.step)
         .collect();
     if committed.contains(&n) {
@@ -240,17 +241,11 @@ async fn checkpoints(
         .get_json(&st.store.keys.checkpoint(&job), "checkpoint")
         .await?
         .map(|(r, _)| r);
-    let unavailable = |e: String| {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            format!("checkpoint store {}: {e}", ck.url),
-        )
-    };
     let bucket =
-        ductile_checkpoint::Bucket::open(&ck.url).map_err(|e| unavailable(e.to_string()))?;
+        ductile_checkpoint::Bucket::open(&ck.url).map_err(|e| store_unavailable(&ck.url, e))?;
     let list = ductile_checkpoint::retention::list(&bucket, latest.as_ref())
         .await
-        .map_err(|e| unavailable(e.to_string()))?;
+        .map_err(|e| store_unavailable(&ck.url, e))?;
     Ok(Json(serde_json::json!({
         "job": job,
         "url": ck.url,

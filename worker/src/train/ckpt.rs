@@ -364,8 +364,11 @@ impl Trainer {
         }
         let (pinned, mut candidates): (Option<u64>, Vec<CheckpointRecord>) =
             serde_json::from_slice(&list).unwrap_or_default();
+        // the commits a pinned restore leaves behind (superseded once it succeeds)
+        let mut after = Vec::new();
         if let Some(n) = pinned {
             let steps: Vec<u64> = candidates.iter().map(|c| c.step).collect();
+            after = candidates.iter().filter(|c| c.step > n).cloned().collect();
             candidates.retain(|c| c.step == n);
             if candidates.is_empty() {
                 anyhow::bail!(
@@ -487,8 +490,8 @@ impl Trainer {
                     let why = format!(
                         "job {job} resumed from the chosen step {step} (checkpoint.restore_step)"
                     );
-                    match self.rt.block_on(ductile_checkpoint::retention::supersede_after(
-                        &bucket, step, &why,
+                    match self.rt.block_on(ductile_checkpoint::retention::supersede(
+                        &bucket, &after, &why,
                     )) {
                         Ok(v) if v.is_empty() => {}
                         Ok(v) => println!(
