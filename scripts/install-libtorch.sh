@@ -13,11 +13,11 @@ log() { printf '[libtorch] %s\n' "$*" >&2; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 log "downloading torch==2.11.0, nvidia-cuda-runtime==13.0.96, nvidia-cuda-cupti==13.0.85"
-python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$tmp" \
+"${DUCTILE_PY:-python3}" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$tmp" \
   torch==2.11.0 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85
 rm -rf "$dest.partial"
 mkdir -p "$dest.partial/lib"
-python3 - "$tmp" "$dest.partial" <<'PY'
+"${DUCTILE_PY:-python3}" - "$tmp" "$dest.partial" <<'PY'
 import glob, os, sys, zipfile
 tmp, dest = sys.argv[1], sys.argv[2]
 torch = glob.glob(os.path.join(tmp, "torch-2.11.0-*.whl"))[0]

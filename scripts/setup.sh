@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what ductile's build, tests and quickstart need, idempotently, into a cache outside
 # the clone (DUCTILE_CACHE, default ~/.cache/ductile):
-#   - Debian packages: etcd-server (3.4), protobuf-compiler (etcd-client's build needs protoc),
-#     systemd (systemd-analyze, for checking the units), python3 venv/pip, build tools;
+#   - Debian packages, each decided by a file it provides (see `required` below): etcd-server,
+#     protobuf-compiler and libprotobuf-dev (etcd-client's build: protoc and its includes),
+#     systemd (systemd-analyze), python3 with pip and venv, gcc/g++/make, curl, ca-certificates;
 #   - an S3-compatible server for tests: moto's server in a venv;
 #   - libtorch 2.11.0 (CPU libraries and headers of the PyPI torch wheel).
 # Then writes $DUCTILE_CACHE/env.sh, which the other scripts source.
@@ -15,28 +16,56 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 sudo=""
 if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
 
+# What is missing is decided by the files the build, the tests and the quickstart use, never by
+# whether a command exists (protoc can be there without the google/protobuf/*.proto includes it
+# needs: that broke a fresh machine once). Each entry: a file, then the Debian package holding it.
+required=(
+  /usr/bin/etcd                                  etcd-server       # tests and quickstart start a real etcd
+  /usr/bin/protoc                                protobuf-compiler # etcd-client's build
+  /usr/include/google/protobuf/descriptor.proto  libprotobuf-dev   # the includes protoc reads
+  /usr/include/google/protobuf/timestamp.proto   libprotobuf-dev
+  /usr/bin/systemd-analyze                       systemd           # the unit files' check
+  /usr/bin/cc                                    gcc               # -sys crates, libtorch.so shim
+  /usr/bin/c++                                   g++               # torch-sys builds its C++ wrapper
+  /usr/include/stdio.h                           libc6-dev
+  /usr/bin/make                                  make
+  /usr/bin/curl                                  curl              # quickstart talks to the daemon
+  /usr/bin/python3                               python3           # quickstart, pip downloads
+  /usr/lib/python3/dist-packages/pip/__init__.py python3-pip       # libtorch from the PyPI wheel
+  /etc/ssl/certs/ca-certificates.crt             ca-certificates   # HTTPS to the registries
+)
 need_apt=()
-command -v etcd >/dev/null || need_apt+=(etcd-server)
-command -v protoc >/dev/null || need_apt+=(protobuf-compiler)
-command -v systemd-analyze >/dev/null || need_apt+=(systemd)
-command -v cc >/dev/null || need_apt+=(build-essential)
-command -v curl >/dev/null || need_apt+=(curl)
-python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
-python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+for ((i = 0; i < ${#required[@]}; i += 2)); do
+  [ -e "${required[$i]}" ] && continue
+  pkg=${required[$((i + 1))]}
+  [[ " ${need_apt[*]} " == *" $pkg "* ]] || need_apt+=("$pkg")
+done
+# python3-venv: the venv module's ensurepip needs the versioned package (python3.11-venv)
+if [ -x /usr/bin/python3 ]; then
+  pyver=$(/usr/bin/python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+  [ -e "/usr/lib/python$pyver/ensurepip/__init__.py" ] || need_apt+=(python3-venv)
+else
+  need_apt+=(python3-venv)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
   $sudo apt-get update -qq
   $sudo apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
-command -v etcd >/dev/null || { log "etcd is still missing after apt-get"; exit 1; }
+for ((i = 0; i < ${#required[@]}; i += 2)); do
+  [ -e "${required[$i]}" ] || { log "${required[$i]} is still missing after apt-get install ${required[$((i + 1))]}"; exit 1; }
+done
+# Debian's python3 from here on: the venvs and pip downloads must not depend on another Python
+# that happens to be first on PATH
+py=/usr/bin/python3
 
 # moto's S3 server in a venv
 moto="$cache/moto-venv/bin/moto_server"
 if [ ! -x "$moto" ] || ! "$cache/moto-venv/bin/python" -c 'import moto, flask, flask_cors' 2>/dev/null; then
   log "installing moto[s3] into $cache/moto-venv"
   rm -rf "$cache/moto-venv"
-  python3 -m venv "$cache/moto-venv"
+  "$py" -m venv "$cache/moto-venv"
   "$cache/moto-venv/bin/pip" install -q --disable-pip-version-check 'moto[s3]==5.*' flask flask-cors
 fi
 # Python's safetensors and numpy, for the test that reads ductile's shards from Python
@@ -45,14 +74,14 @@ if ! "$cache/moto-venv/bin/python" -c 'import safetensors.numpy, numpy' 2>/dev/n
   "$cache/moto-venv/bin/pip" install -q --disable-pip-version-check 'safetensors==0.*' 'numpy<3'
 fi
 
-bash "$here/install-libtorch.sh"
+DUCTILE_PY="$py" bash "$here/install-libtorch.sh"
 
 cat > "$cache/env.sh" <<ENV
 # written by scripts/setup.sh
 export DUCTILE_CACHE="$cache"
 export DUCTILE_MOTO_SERVER="$moto"
 export DUCTILE_PYTHON="$cache/moto-venv/bin/python"
-export DUCTILE_ETCD_BIN="$(command -v etcd)"
+export DUCTILE_ETCD_BIN=/usr/bin/etcd
 export LIBTORCH="$cache/libtorch-2.11.0"
 ENV
 log "ready: source $cache/env.sh"
