@@ -15,7 +15,10 @@ cargo test --workspace --locked -- --test-threads="${DUCTILE_TEST_THREADS:-3}" -
 # the training tests each run several tch workers: one at a time, so the 2-core machine is not
 # oversubscribed under the control-plane tests' liveness bounds
 cargo test -p ductile-tests --test training --test checkpoints --locked -- --test-threads=1 2>&1 | tee -a "$log"
-# the GPU path (NCCL through cudarc, loaded at run time) must build here and fail clearly without a GPU
-cargo test -p ductile-comm --features cuda --locked --lib 2>&1 | tee -a "$log"
+# the GPU path (cargo feature cuda: NCCL loaded at run time, CUDA workers, GPU benchmarks) must
+# build here and fail clearly without a GPU; scripts/gpu-check.sh runs it on a GPU machine
+cargo test -p ductile-comm -p ductile-worker --features ductile-comm/cuda,ductile-worker/cuda --locked --lib 2>&1 | tee -a "$log"
+cargo build -p ductile-bench --features cuda --locked --bins
+bash -n scripts/gpu-check.sh
 # one closing line for the whole run (cargo's last line is a crate's doc-tests)
 awk '/^test result:/ {p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}' "$log"

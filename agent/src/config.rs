@@ -36,9 +36,15 @@ pub struct Cli {
     /// etcd key prefix.
     #[arg(long, env = "DUCTILE_PREFIX")]
     pub prefix: Option<String>,
-    /// auto (use NVIDIA GPUs when present) or off.
+    /// auto (use NVIDIA GPUs when present), off, or a comma-separated list of GPU indices to
+    /// offer (offered as given, even where nvidia-smi does not list them: their workers then
+    /// fail at start, saying what is missing).
     #[arg(long, env = "DUCTILE_GPUS")]
     pub gpus: Option<String>,
+    /// Slots offered per GPU (workers sharing a GPU communicate over TCP: NCCL refuses two
+    /// ranks on one GPU).
+    #[arg(long, env = "DUCTILE_GPU_SLOTS_PER_DEVICE")]
+    pub gpu_slots_per_device: Option<u32>,
     /// URL polled for a spot interruption notice (`aws` for the AWS metadata path); off if unset.
     #[arg(long, env = "DUCTILE_SPOT_NOTICE_URL")]
     pub spot_notice_url: Option<String>,
@@ -75,6 +81,7 @@ pub struct FileConfig {
     pub lease_ttl: Option<i64>,
     pub prefix: Option<String>,
     pub gpus: Option<String>,
+    pub gpu_slots_per_device: Option<u32>,
     pub spot_notice_url: Option<String>,
     pub spot_poll_ms: Option<u64>,
     pub drain_timeout: Option<u64>,
@@ -85,6 +92,41 @@ pub struct FileConfig {
     pub advertise_host: Option<String>,
 }
 
+/// Which GPUs a node offers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gpus {
+    /// Those nvidia-smi lists; CPU slots when it lists none.
+    Auto,
+    /// None: CPU slots only.
+    Off,
+    /// These indices, as given.
+    List(Vec<u32>),
+}
+
+impl Gpus {
+    pub fn parse(s: &str) -> anyhow::Result<Gpus> {
+        match s.trim() {
+            "auto" => Ok(Gpus::Auto),
+            "off" => Ok(Gpus::Off),
+            list => {
+                let mut v = Vec::new();
+                for part in list.split(',') {
+                    let i: u32 = part.trim().parse().map_err(|_| {
+                        anyhow::anyhow!(
+                            "invalid gpus: {s:?} is not auto, off or a list of GPU indices like 0,1"
+                        )
+                    })?;
+                    if v.contains(&i) {
+                        anyhow::bail!("invalid gpus: GPU {i} is listed twice in {s:?}");
+                    }
+                    v.push(i);
+                }
+                Ok(Gpus::List(v))
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub etcd: String,
@@ -92,7 +134,8 @@ pub struct Config {
     pub cpu_slots: u32,
     pub lease_ttl: i64,
     pub prefix: String,
-    pub gpus: bool,
+    pub gpus: Gpus,
+    pub gpu_slots_per_device: u32,
     pub spot_notice_url: Option<String>,
     pub spot_poll: Duration,
     pub drain_timeout: Duration,
@@ -146,11 +189,11 @@ impl Config {
                 .prefix
                 .or(file.prefix)
                 .unwrap_or_else(|| ductile_cluster::keys::DEFAULT_PREFIX.into()),
-            gpus: match gpus.as_str() {
-                "auto" => true,
-                "off" => false,
-                other => anyhow::bail!("invalid gpus: {other:?} is not auto or off"),
-            },
+            gpus: Gpus::parse(&gpus)?,
+            gpu_slots_per_device: cli
+                .gpu_slots_per_device
+                .or(file.gpu_slots_per_device)
+                .unwrap_or(1),
             spot_notice_url: spot,
             spot_poll: Duration::from_millis(
                 cli.spot_poll_ms.or(file.spot_poll_ms).unwrap_or(2000),
@@ -190,6 +233,12 @@ impl Config {
         }
         if self.cpu_slots == 0 || self.cpu_slots > 1024 {
             anyhow::bail!("invalid cpu_slots: {} must be in 1..=1024", self.cpu_slots);
+        }
+        if self.gpu_slots_per_device == 0 || self.gpu_slots_per_device > 64 {
+            anyhow::bail!(
+                "invalid gpu_slots_per_device: {} must be in 1..=64",
+                self.gpu_slots_per_device
+            );
         }
         if self.spot_poll < Duration::from_millis(50) {
             anyhow::bail!("invalid spot_poll_ms: must be at least 50");

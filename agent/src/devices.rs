@@ -2,6 +2,8 @@
 
 use ductile_cluster::records::{Device, DeviceKind};
 
+use crate::config::Gpus;
+
 /// GPUs as `nvidia-smi` reports them; empty when it is absent or finds none.
 pub fn detect_gpus() -> Vec<Device> {
     let out = std::process::Command::new("nvidia-smi")
@@ -45,15 +47,44 @@ pub fn cpu_slots(n: u32) -> Vec<Device> {
         .collect()
 }
 
-/// The devices this node offers.
-pub fn devices(use_gpus: bool, cpu: u32) -> Vec<Device> {
-    if use_gpus {
-        let g = detect_gpus();
-        if !g.is_empty() {
-            return g;
+/// The devices this node offers: one slot per GPU times `per_gpu`, else `cpu` CPU slots.
+pub fn devices(gpus: &Gpus, per_gpu: u32, cpu: u32) -> Vec<Device> {
+    let g = match gpus {
+        Gpus::Off => Vec::new(),
+        Gpus::Auto => detect_gpus(),
+        Gpus::List(want) => {
+            let found = detect_gpus();
+            want.iter()
+                .map(|i| {
+                    found.iter().find(|d| d.index == *i).cloned().unwrap_or(Device {
+                        kind: DeviceKind::Gpu,
+                        index: *i,
+                        name: format!("gpu-{i} (not listed by nvidia-smi)"),
+                        memory_mb: None,
+                    })
+                })
+                .collect()
         }
+    };
+    if g.is_empty() {
+        return cpu_slots(cpu);
     }
-    cpu_slots(cpu)
+    share(g, per_gpu)
+}
+
+/// Each GPU offered `per_gpu` times (slots that share it).
+pub fn share(gpus: Vec<Device>, per_gpu: u32) -> Vec<Device> {
+    if per_gpu <= 1 {
+        return gpus;
+    }
+    gpus.into_iter()
+        .flat_map(|d| {
+            (0..per_gpu).map(move |k| Device {
+                name: format!("{} (shared {}/{per_gpu})", d.name, k + 1),
+                ..d.clone()
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -66,5 +97,19 @@ mod tests {
         assert_eq!(d.len(), 2);
         assert_eq!((d[1].index, d[1].memory_mb), (1, Some(81559)));
         assert!(super::parse_nvidia_smi("garbage").is_empty());
+    }
+
+    #[test]
+    fn listed_gpus_are_offered_and_shared() {
+        use super::*;
+        // indices nvidia-smi does not list are offered as given (their workers fail clearly)
+        let d = devices(&Gpus::List(vec![7]), 3, 2);
+        assert_eq!(d.len(), 3);
+        assert!(d.iter().all(|x| x.kind == DeviceKind::Gpu && x.index == 7));
+        assert!(d[2].name.contains("shared 3/3"), "{}", d[2].name);
+        assert_eq!(devices(&Gpus::Off, 3, 2).len(), 2);
+        assert!(devices(&Gpus::Off, 3, 2).iter().all(|x| x.kind == DeviceKind::Cpu));
+        assert!(Gpus::parse("0,x").is_err() && Gpus::parse("1,1").is_err());
+        assert_eq!(Gpus::parse(" 0, 2").unwrap(), Gpus::List(vec![0, 2]));
     }
 }

@@ -41,6 +41,8 @@ struct Exit {
     pid: u32,
     code: Option<i32>,
     signal: Option<i32>,
+    /// The worker's last `ductile-worker: ...` line on stderr (why it gave up), if any.
+    last_words: Option<String>,
 }
 
 /// One job as the agent sees it.
@@ -76,6 +78,10 @@ impl JobView {
     }
 }
 
+/// Exit status of a worker that cannot run on its slot (a GPU or an NCCL that is not there):
+/// the agent does not restart it. Shared with `ductile-worker`.
+pub const EXIT_UNUSABLE: i32 = 78;
+
 pub struct Agent {
     cfg: Config,
     store: Store,
@@ -94,11 +100,19 @@ pub struct Agent {
     jobs: BTreeMap<String, JobView>,
 }
 
-fn describe_exit(code: Option<i32>, signal: Option<i32>) -> String {
-    match (code, signal) {
+fn describe_exit(code: Option<i32>, signal: Option<i32>, last_words: Option<&str>) -> String {
+    let how = match (code, signal) {
         (Some(c), _) => format!("exit code {c}"),
         (None, Some(s)) => format!("killed by signal {s}"),
         _ => "exited".into(),
+    };
+    match last_words {
+        Some(w) if code != Some(0) => {
+            // one line, bounded: it travels in etcd records and generation details
+            let w: String = w.chars().take(400).collect();
+            format!("{how}: {w}")
+        }
+        _ => how,
     }
 }
 
@@ -113,7 +127,7 @@ impl Agent {
         let lease_cancel = CancellationToken::new();
         let keeper =
             LeaseKeeper::start(backend.clone(), cfg.lease_ttl, lease_cancel.clone()).await?;
-        let devices = devices::devices(cfg.gpus, cfg.cpu_slots);
+        let devices = devices::devices(&cfg.gpus, cfg.gpu_slots_per_device, cfg.cpu_slots);
         let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .unwrap_or_default()
             .trim()
@@ -518,6 +532,8 @@ impl Agent {
         };
         let pid = child.id().unwrap_or(0);
         tracing::info!(job = %key.0, slot = key.1, pid, generation = g.number, rank, "worker started");
+        let last_words = Arc::new(std::sync::Mutex::new(None::<String>));
+        let mut stderr_done = None;
         for (stream, name) in [
             (
                 child
@@ -536,12 +552,22 @@ impl Agent {
         ] {
             if let Some(s) = stream {
                 let (job, slot) = key.clone();
-                tokio::spawn(async move {
+                let last = (name == "stderr").then(|| last_words.clone());
+                let h = tokio::spawn(async move {
                     let mut lines = BufReader::new(s).lines();
                     while let Ok(Some(line)) = lines.next_line().await {
                         tracing::info!(target: "worker", job = %job, slot, pid, stream = name, "{line}");
+                        // the worker's own last words: its fatal errors start with its name
+                        if let Some(l) = &last {
+                            if line.starts_with("ductile-worker:") {
+                                *l.lock().unwrap() = Some(line.trim().to_string());
+                            }
+                        }
                     }
                 });
+                if name == "stderr" {
+                    stderr_done = Some(h);
+                }
             }
         }
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -568,12 +594,19 @@ impl Agent {
                 Ok(s) => (s.code(), s.signal()),
                 Err(_) => (None, None),
             };
+            // the worker's last lines are still in the pipe: read them, bounded (a child of
+            // the worker may hold the pipe open)
+            if let Some(h) = stderr_done {
+                let _ = tokio::time::timeout(Duration::from_secs(1), h).await;
+            }
+            let last_words = last_words.lock().unwrap().take();
             let _ = exits
                 .send(Exit {
                     key: k2,
                     pid,
                     code,
                     signal,
+                    last_words,
                 })
                 .await;
         });
@@ -606,7 +639,7 @@ impl Agent {
             return;
         };
         let (job, slot) = exit.key.clone();
-        let how = describe_exit(exit.code, exit.signal);
+        let how = describe_exit(exit.code, exit.signal, exit.last_words.as_deref());
         let jv = self.jobs.get(&job);
         let still_member = jv
             .is_some_and(|j| j.active() && j.member_since(&self.node.name, slot, child.generation));
@@ -641,8 +674,11 @@ impl Agent {
             }
             return;
         }
-        // A failure: report it at once so the daemon re-forms without this slot.
-        let will_restart = used < budget;
+        // A failure: report it at once so the daemon re-forms without this slot. A worker that
+        // cannot run on this slot (its device or backend is missing) is not restarted: it
+        // would fail the same way.
+        let unusable = exit.code == Some(EXIT_UNUSABLE);
+        let will_restart = used < budget && !unusable;
         tracing::warn!(job = %job, slot, pid = exit.pid, how = %how, restarts_used = used, budget, will_restart, "worker failed");
         let h = SlotHealth {
             failed_at_ms: now_ms(),

@@ -263,6 +263,7 @@ async fn put_generation(store: &Store, job: &str, number: u64) -> anyhow::Result
         detail: String::new(),
         triggered_at_ms: 0,
         published_at_ms: 0,
+        backend: Default::default(),
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

@@ -89,6 +89,21 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         iters: usize,
     },
+    /// NCCL on this machine's GPU: first init, re-init, abort, abort + re-init (ductile's
+    /// re-formation), all-reduce time and bus bandwidth; self-tests every collective on CUDA
+    /// tensors (NCCL and the TCP backend's pinned staging). Says what it skipped without a GPU.
+    Nccl {
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+        sizes_mib: Vec<u64>,
+    },
+    /// CUDA step time of the elastic loop against a bare tch CUDA loop, and the checkpoint
+    /// stall and staging bandwidth against one pinned device→host copy.
+    GpuStep {
+        #[arg(long, default_value_t = 200)]
+        steps: u64,
+    },
     /// (internal) one rank of `allreduce`.
     #[command(hide = true)]
     AllreduceRank {
@@ -311,6 +326,7 @@ async fn control_plane(
 
 mod allreduce;
 mod checkpoint;
+mod gpu;
 mod training;
 
 #[tokio::main]
@@ -335,6 +351,8 @@ async fn main() -> anyhow::Result<()> {
             node_rounds,
         } => training::recovery(rounds, node_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::Nccl { iters, sizes_mib } => gpu::nccl(iters, &sizes_mib).await,
+        Cmd::GpuStep { steps } => training::gpu_step(steps).await,
         Cmd::Checkpoint { mib, stores, iters } => checkpoint::run(mib, &stores, iters).await,
         Cmd::DpBareRank {
             etcd,

@@ -25,6 +25,23 @@ fn job(name: &str, data: &str, extra: &str) -> String {
     )
 }
 
+/// Samples/s of job "bench" from `n` distinct progress reports past step `after` (fewer when
+/// `limit` passes first).
+async fn throughput(c: &Cluster, after: u64, n: usize, limit: Duration) -> Vec<f64> {
+    let (mut sps, mut last, t0) = (Vec::new(), 0, Instant::now());
+    while sps.len() < n && t0.elapsed() < limit {
+        let v = c.status("bench");
+        if let Some(s) = v.samples_per_sec {
+            if v.step != last && v.step > after {
+                sps.push(s);
+                last = v.step;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    sps
+}
+
 async fn first_step(c: &Cluster, g: u64) -> u64 {
     let store = c.store().await;
     loop {
@@ -90,18 +107,8 @@ pub async fn dp_step(steps: u64) -> anyhow::Result<()> {
     let data = synth(dir.path(), "tokens", 200_000);
     c.submit(&job("bench", &data, ""));
     c.wait_world("bench", 4, Duration::from_secs(60));
-    let mut sps = Vec::new();
-    let mut last = 0;
-    while sps.len() < 12 {
-        let v = c.status("bench");
-        if let Some(s) = v.samples_per_sec {
-            if v.step != last && v.step > 40 {
-                sps.push(s);
-                last = v.step;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let sps = throughput(&c, 40, 12, Duration::from_secs(600)).await;
+    anyhow::ensure!(!sps.is_empty(), "the job reported no throughput:\n{}", c.logs());
     let elastic_ms = 32.0 / median(sps) * 1000.0;
     drop(c);
     // the bare loop: same model, data and all-reduce, no control plane
@@ -147,7 +154,7 @@ pub async fn dp_bare_rank(etcd: &str, data: &str, rank: u32, steps: u64) -> anyh
         use ductile_worker::{data::*, model::*, optim::*};
         tch::set_num_threads(1);
         let data = Dataset::open(&spec.dataset, "gpt", ctx(&spec), &rt)?;
-        let model = Model::new(&spec, &data)?;
+        let model = Model::new(&spec, &data, tch::Device::Cpu)?;
         let params: Vec<tch::Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
         let mut opt = Optimizer::new("adamw", &params);
         let mut order = Order::new(data.len(), 7);
@@ -190,4 +197,204 @@ pub async fn dp_bare_rank(etcd: &str, data: &str, rank: u32, steps: u64) -> anyh
     .await??;
     println!("{ms:.3}");
     Ok(())
+}
+
+/// `gpu-step`: the elastic loop on `cuda:0` (the real worker under the control plane, NCCL,
+/// world 1) against a bare tch CUDA loop doing the same forward, backward, all-reduce and
+/// update; then the checkpoint stall the worker reported against one pinned device→host copy
+/// of the same bytes. Without a GPU it says what it skipped.
+pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
+    if let Some(why) = crate::gpu::gpu_missing() {
+        println!("gpu-step: skipped: {why}");
+        return Ok(());
+    }
+    if !cfg!(feature = "cuda") {
+        println!("gpu-step: skipped: this ductile-bench was built without the cuda feature");
+        return Ok(());
+    }
+    let model = "[training.model_config]\nd_model = 512\nn_layer = 6\nn_head = 8\nctx = 128\n";
+    let gb = 32u64;
+    let dir = TempDir::new("gpustep");
+    let mut c = Cluster::start(Spec {
+        s3: false,
+        ..Spec::default()
+    });
+    c.start_agent("gpu0", 1, &["--gpus", "0"]);
+    let data = synth(dir.path(), "tokens", 2_000_000);
+    let ckdir = dir.path().join("ckpt");
+    let spec = format!(
+        "name = \"bench\"\nmin = 1\nmax = 1\ndesired = 1\nrestart_budget = 10\n[training]\nmodel = \"gpt\"\ndataset = \"{data}\"\nglobal_batch = {gb}\nlr = 3e-4\nseed = 7\nmax_steps = 1000000\ncomm = \"nccl\"\n{model}[checkpoint]\nurl = \"file://{}\"\ninterval = 100\nkeep = 2\n",
+        ckdir.display()
+    );
+    c.submit(&spec);
+    c.wait_world("bench", 1, Duration::from_secs(120));
+    let sps = throughput(&c, 30, 10, Duration::from_secs(300)).await;
+    anyhow::ensure!(!sps.is_empty(), "the GPU job reported no throughput:\n{}", c.logs());
+    let elastic_ms = gb as f64 / median(sps) * 1000.0;
+    // the worker's own checkpoint figures
+    let store = c.store().await;
+    let stats: Option<ductile_cluster::records::CheckpointStats> = store
+        .get_json(&store.keys.checkpoint_stats("bench"), "stats")
+        .await
+        .ok()
+        .flatten()
+        .map(|(s, _)| s);
+    drop(c);
+    let state_bytes: i64;
+    // the bare loop, in this process: the same model and data, NCCL world 1
+    let spec: TrainingSpec = serde_json::from_value(serde_json::json!({
+        "model": "gpt", "dataset": data, "global_batch": gb, "lr": 3e-4, "seed": 7,
+        "model_config": {"d_model": 512, "n_layer": 6, "n_head": 8, "ctx": 128}
+    }))?;
+    let rt = tokio::runtime::Handle::current();
+    let comm = bare_nccl().await?;
+    let (bare_ms, bytes) = tokio::task::spawn_blocking(move || -> anyhow::Result<(f64, i64)> {
+        use ductile_worker::{data::*, model::*, optim::*};
+        let dev = tch::Device::Cuda(0);
+        let data = Dataset::open(&spec.dataset, "gpt", ctx(&spec), &rt)?;
+        let model = Model::new(&spec, &data, dev)?;
+        let params: Vec<tch::Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
+        let mut opt = Optimizer::new("adamw", &params);
+        let bytes: i64 = params
+            .iter()
+            .chain(opt.state.iter())
+            .map(|t| t.numel() as i64 * 4)
+            .sum();
+        let mut order = Order::new(data.len(), 7);
+        let mut times = Vec::new();
+        for step in 0..steps {
+            let t0 = Instant::now();
+            for p in &params {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+            let idx: Vec<u64> = (0..gb).map(|p| order.sample(step * gb + p)).collect();
+            let (x, y) = data.batch(&idx);
+            let loss = model.loss_sum(&x.to_device(dev), &y.to_device(dev)) / gb as f64;
+            loss.backward();
+            let mut parts: Vec<tch::Tensor> =
+                params.iter().map(|p| p.grad().reshape([-1])).collect();
+            parts.push(loss.detach().reshape([1]).to_kind(tch::Kind::Float));
+            let mut flat = tch::Tensor::cat(&parts, 0).contiguous();
+            comm.all_reduce(&mut flat, ReduceOp::Sum)?;
+            let _ = flat.double_value(&[flat.size()[0] - 1]);
+            let mut grads = Vec::new();
+            let mut at = 0;
+            for p in &params {
+                let k = p.numel() as i64;
+                grads.push(flat.narrow(0, at, k).view(p.size().as_slice()));
+                at += k;
+            }
+            opt.step(&params, &grads, lr_at(3e-4, step, None), step);
+            tch::Cuda::synchronize(0);
+            if step >= 20 {
+                times.push(t0.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        staging_breakdown(&params, &opt.state);
+        Ok((times.iter().sum::<f64>() / times.len() as f64, bytes))
+    })
+    .await??;
+    state_bytes = bytes;
+    println!("gpu-step, GPT (d_model 512, 6 layers, ctx 128), global batch {gb}, 1 worker on cuda:0 (NCCL): elastic loop {elastic_ms:.2} ms/step, bare tch CUDA loop {bare_ms:.2} ms/step, ratio {:.3} (goal <= 1.03)", elastic_ms / bare_ms);
+    let (pinned_s, pageable_s) =
+        tokio::task::spawn_blocking(move || crate::gpu::d2h_copies(state_bytes, 5)).await?;
+    let mib = state_bytes as f64 / (1 << 20) as f64;
+    println!(
+        "gpu-step: state {mib:.1} MiB: one pinned device->host copy {:.2} ms ({:.1} GB/s), pageable {:.2} ms ({:.1} GB/s)",
+        pinned_s * 1e3,
+        state_bytes as f64 / pinned_s / 1e9,
+        pageable_s * 1e3,
+        state_bytes as f64 / pageable_s / 1e9
+    );
+    match stats {
+        Some(s) if s.last_stall_ms > 0.0 => println!(
+            "gpu-step: checkpoint stall {:.2} ms = {:.2}x the pinned copy (goal <= 1.5); staging bandwidth {:.1} GB/s = {:.2}x pinned (goal >= 0.8)",
+            s.last_stall_ms,
+            s.last_stall_ms / (pinned_s * 1e3),
+            state_bytes as f64 / (s.last_stall_ms / 1e3) / 1e9,
+            pinned_s * 1e3 / s.last_stall_ms
+        ),
+        _ => println!("gpu-step: no checkpoint committed during the run (stall not measured)"),
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+async fn bare_nccl() -> anyhow::Result<ductile_comm::nccl::NcclComm> {
+    use ductile_cluster::{memory::MemoryBackend, Keys, Store};
+    let store = Store::new(std::sync::Arc::new(MemoryBackend::new()), Keys::default());
+    let rdv = ductile_comm::Rendezvous::new(store, "bare", 1, 1, 0)?;
+    Ok(ductile_comm::nccl::NcclComm::form(&rdv, 0, Duration::from_secs(60)).await?)
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn bare_nccl() -> anyhow::Result<ductile_comm::TcpComm> {
+    anyhow::bail!("built without the cuda feature")
+}
+
+/// The worker's checkpoint staging on this state, by chunk size, against its parts: what a
+/// save's stall is made of.
+fn staging_breakdown(params: &[tch::Tensor], state: &[tch::Tensor]) {
+    use ductile_checkpoint::format::{Dtype, TensorKind, TensorMeta};
+    use ductile_checkpoint::save::ShardLayout;
+    use ductile_worker::train::ckpt::{pinned_stage, StagePlan, STAGE_CHUNK};
+    let tensors: Vec<tch::Tensor> = params.iter().chain(state).map(|t| t.shallow_clone()).collect();
+    let metas: Vec<TensorMeta> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| TensorMeta {
+            name: format!("t{i:04}"),
+            dtype: Dtype::F32,
+            shape: t.size().iter().map(|d| *d as u64).collect(),
+            kind: TensorKind::Parameter,
+        })
+        .collect();
+    let layout = ShardLayout::new(&metas, 1, 0);
+    let ms = |f: &mut dyn FnMut()| {
+        let mut v = Vec::new();
+        for _ in 0..7 {
+            tch::Cuda::synchronize(0);
+            let t0 = Instant::now();
+            f();
+            tch::Cuda::synchronize(0);
+            v.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        median(v)
+    };
+    let mut slot = None;
+    let plan = StagePlan::new(layout.clone(), &tensors, false, STAGE_CHUNK);
+    let full = ms(&mut || {
+        let _ = pinned_stage(&mut slot, &plan, 0);
+    });
+    let stage = slot.unwrap();
+    let mut by_chunk = Vec::new();
+    for mib in [16u64, 64, 256, 1024] {
+        let plan = StagePlan::new(layout.clone(), &tensors, false, mib << 20);
+        by_chunk.push((mib, ms(&mut || plan.write(&stage))));
+    }
+    let views: Vec<tch::Tensor> = tensors
+        .iter()
+        .map(|t| t.contiguous().view([-1]).view_dtype(tch::Kind::Uint8))
+        .collect();
+    let cat = ms(&mut || {
+        let _ = tch::Tensor::cat(&views, 0);
+    });
+    let all = tch::Tensor::cat(&views, 0);
+    let mut dst = stage.narrow(0, 0, all.numel() as i64);
+    let copy = ms(&mut || {
+        dst.copy_(&all);
+    });
+    println!(
+        "gpu-step: staging {} tensors, {:.1} MiB: pinned_stage (plan reused) {full:.2} ms; by chunk {}; parts: one device cat {cat:.2} ms, one pinned copy of it {copy:.2} ms",
+        tensors.len(),
+        layout.size as f64 / (1 << 20) as f64,
+        by_chunk
+            .iter()
+            .map(|(m, t)| format!("{m} MiB {t:.2} ms"))
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
 }

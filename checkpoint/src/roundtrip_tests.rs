@@ -64,6 +64,7 @@ async fn set_generation(store: &Store, job: &str, number: u64) {
         detail: String::new(),
         triggered_at_ms: 0,
         published_at_ms: 0,
+        backend: Default::default(),
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

@@ -125,9 +125,16 @@ pub struct TrainingSpec {
     /// job's max size); default: max.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logical_shards: Option<u32>,
+    /// Communicator backend: `auto` (NCCL when every member has a GPU of its own, else TCP),
+    /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
+    #[serde(default = "TrainingSpec::default_comm")]
+    pub comm: String,
 }
 
 impl TrainingSpec {
+    fn default_comm() -> String {
+        "auto".into()
+    }
     fn default_strategy() -> String {
         "data-parallel".into()
     }
@@ -357,6 +364,15 @@ impl TrainingSpec {
                 return Err(ClusterError::invalid("training.logical_shards", format!("{v} shards cannot split global_batch = {} (each needs at least one sample)", self.global_batch)));
             }
         }
+        if !matches!(self.comm.as_str(), "auto" | "nccl" | "tcp") {
+            return Err(ClusterError::invalid(
+                "training.comm",
+                format!(
+                    "{:?} is unknown (known: \"auto\", \"nccl\", \"tcp\")",
+                    self.comm
+                ),
+            ));
+        }
         if !matches!(self.optimizer.as_str(), "adamw" | "sgd") {
             return Err(ClusterError::invalid(
                 "training.optimizer",
@@ -495,6 +511,45 @@ pub struct Generation {
     /// When the event that caused this generation was observed.
     pub triggered_at_ms: u64,
     pub published_at_ms: u64,
+    /// The communicator backend every member forms (resolved from the job's `comm` by the
+    /// leader, so that all ranks agree).
+    #[serde(default)]
+    pub backend: Backend,
+}
+
+/// A generation's communicator backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    Tcp,
+    Nccl,
+}
+
+impl Backend {
+    /// `comm` of a job (`auto`, `nccl`, `tcp`) for members on `devices` (one per member): auto
+    /// picks NCCL when every member has a GPU and no two members share one (NCCL refuses two
+    /// ranks on one GPU), TCP otherwise.
+    pub fn resolve(comm: &str, devices: &[(String, Option<&Device>)]) -> Backend {
+        match comm {
+            "nccl" => Backend::Nccl,
+            "tcp" => Backend::Tcp,
+            _ => {
+                let mut seen = std::collections::BTreeSet::new();
+                let all_own_gpu = !devices.is_empty()
+                    && devices.iter().all(|(node, d)| {
+                        d.is_some_and(|d| {
+                            d.kind == DeviceKind::Gpu && seen.insert((node.clone(), d.index))
+                        })
+                    });
+                if all_own_gpu {
+                    Backend::Nccl
+                } else {
+                    Backend::Tcp
+                }
+            }
+        }
+    }
 }
 
 impl Generation {
@@ -647,6 +702,34 @@ pub struct Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_picks_nccl_only_when_every_member_has_a_gpu_of_its_own() {
+        let gpu = |i| Device {
+            kind: DeviceKind::Gpu,
+            index: i,
+            name: "g".into(),
+            memory_mb: None,
+        };
+        let cpu = Device {
+            kind: DeviceKind::Cpu,
+            index: 0,
+            name: "c".into(),
+            memory_mb: None,
+        };
+        let (g0, g1) = (gpu(0), gpu(1));
+        let n = |s: &str| s.to_string();
+        let own = [(n("a"), Some(&g0)), (n("a"), Some(&g1)), (n("b"), Some(&g0))];
+        assert_eq!(Backend::resolve("auto", &own), Backend::Nccl);
+        // two slots sharing GPU 0 of node a: NCCL would refuse them
+        let shared = [(n("a"), Some(&g0)), (n("a"), Some(&g0))];
+        assert_eq!(Backend::resolve("auto", &shared), Backend::Tcp);
+        let mixed = [(n("a"), Some(&g0)), (n("b"), Some(&cpu))];
+        assert_eq!(Backend::resolve("auto", &mixed), Backend::Tcp);
+        assert_eq!(Backend::resolve("auto", &[(n("a"), None)]), Backend::Tcp);
+        assert_eq!(Backend::resolve("nccl", &shared), Backend::Nccl);
+        assert_eq!(Backend::resolve("tcp", &own), Backend::Tcp);
+    }
 
     const SPEC: &str = r#"
 name = "tiny-gpt"

@@ -7,8 +7,8 @@
 //! and future call fail with [`CommError::Aborted`]; each call also has a timeout. Frames of
 //! another generation are refused.
 //!
-//! Backends: [`tcp::TcpComm`] for CPU tensors; NCCL for CUDA tensors behind the `cuda` feature
-//! ([`nccl`]).
+//! Backends: [`tcp::TcpComm`] for host tensors (CUDA tensors are staged through pinned host
+//! buffers, [`staging`]); NCCL for CUDA tensors behind the `cuda` feature ([`nccl`]).
 
 pub mod buffer;
 pub mod error;
@@ -16,6 +16,7 @@ pub mod error;
 pub mod nccl;
 pub mod rendezvous;
 pub mod selftest;
+pub mod staging;
 pub mod tcp;
 
 pub use error::{CommError, Result};
@@ -23,7 +24,13 @@ pub use rendezvous::Rendezvous;
 pub use tcp::{AbortHandle, TcpComm, TcpConfig};
 
 use buffer::{bytes_mut, check_cpu};
-use tch::Tensor;
+use staging::HostStaged;
+use tch::{Device, Tensor};
+
+/// Whether a tensor must go through host staging on the TCP backend.
+fn off_host(t: &Tensor) -> bool {
+    t.device() != Device::Cpu
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
@@ -91,6 +98,9 @@ impl Communicator for TcpComm {
     }
 
     fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        if off_host(t) {
+            return HostStaged(self).all_reduce(t, op);
+        }
         let dtype = check_cpu(t, "all_reduce")?;
         self.all_reduce_bytes(unsafe { bytes_mut(t) }, dtype)?;
         finish_avg(t, op, self.world())?;
@@ -98,11 +108,17 @@ impl Communicator for TcpComm {
     }
 
     fn broadcast(&self, t: &mut Tensor, root: u32) -> Result<()> {
+        if off_host(t) {
+            return HostStaged(self).broadcast(t, root);
+        }
         check_cpu(t, "broadcast")?;
         self.broadcast_bytes(unsafe { bytes_mut(t) }, root)
     }
 
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        if off_host(t) {
+            return HostStaged(self).all_gather(t);
+        }
         check_cpu(t, "all_gather")?;
         let mut shape = vec![self.world() as i64];
         shape.extend(t.size());
@@ -112,6 +128,9 @@ impl Communicator for TcpComm {
     }
 
     fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
+        if off_host(t) {
+            return HostStaged(self).reduce_scatter(t);
+        }
         let dtype = check_cpu(t, "reduce_scatter")?;
         let out_shape = scatter_shape(t, self.world())?;
         let work = t.copy();
@@ -125,11 +144,17 @@ impl Communicator for TcpComm {
     }
 
     fn send(&self, t: &Tensor, peer: u32) -> Result<()> {
+        if off_host(t) {
+            return HostStaged(self).send(t, peer);
+        }
         check_cpu(t, "send")?;
         self.send_bytes(unsafe { bytes_mut(t) }, peer)
     }
 
     fn recv(&self, t: &mut Tensor, peer: u32) -> Result<()> {
+        if off_host(t) {
+            return HostStaged(self).recv(t, peer);
+        }
         check_cpu(t, "recv")?;
         self.recv_bytes(unsafe { bytes_mut(t) }, peer)
     }
@@ -146,6 +171,9 @@ impl Communicator for TcpComm {
                 reason: "every rank needs at least one shard".into(),
             });
         };
+        if shards.iter().any(|(_, s)| off_host(s)) {
+            return HostStaged(self).ordered_all_reduce(shards, total);
+        }
         let dtype = check_cpu(first, op)?;
         for (_, s) in shards {
             check_cpu(s, op)?;

@@ -3,14 +3,46 @@
 //! integer-valued so sums are exact whatever the order; the ordered all-reduce uses non-integer
 //! values and is checked against the left fold, bit for bit.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::{Communicator, ReduceOp};
+
+thread_local! {
+    /// The device the self-test's tensors live on (CPU unless [`collectives_on`] says).
+    static DEVICE: std::cell::Cell<Device> = const { std::cell::Cell::new(Device::Cpu) };
+}
+
+fn dev() -> Device {
+    DEVICE.with(|d| d.get())
+}
 
 fn input(rank: u32, n: i64, kind: Kind) -> Tensor {
     // (rank + 1) + (i mod 7): exact in every dtype for small worlds
     (Tensor::arange(n, (Kind::Int64, tch::Device::Cpu)).remainder(7) + (rank as i64 + 1))
         .to_kind(kind)
+        .to_device(dev())
+}
+
+/// [`collectives`] with every tensor on `device` (CUDA tensors for NCCL, or for the TCP
+/// backend's host staging).
+pub fn collectives_on(c: &dyn Communicator, device: Device) -> Result<(), String> {
+    let prev = DEVICE.with(|d| d.replace(device));
+    let r = collectives(c);
+    DEVICE.with(|d| d.set(prev));
+    r
+}
+
+/// [`ordered`] with the shards on `device`.
+pub fn ordered_on(
+    c: &dyn Communicator,
+    total: u64,
+    len: i64,
+    device: Device,
+) -> Result<Vec<u8>, String> {
+    let prev = DEVICE.with(|d| d.replace(device));
+    let r = ordered(c, total, len);
+    DEVICE.with(|d| d.set(prev));
+    r
 }
 
 fn same(a: &Tensor, b: &Tensor) -> bool {
@@ -53,7 +85,7 @@ pub fn collectives(c: &dyn Communicator) -> Result<(), String> {
         let mut t = if r == root {
             input(root, 50_001, Kind::Float)
         } else {
-            Tensor::zeros([50_001], (Kind::Float, tch::Device::Cpu))
+            Tensor::zeros([50_001], (Kind::Float, dev()))
         };
         c.broadcast(&mut t, root).map_err(e("broadcast"))?;
         if !same(&t, &input(root, 50_001, Kind::Float)) {
@@ -85,7 +117,7 @@ pub fn collectives(c: &dyn Communicator) -> Result<(), String> {
         // a ring of point-to-point messages (pipeline stages)
         let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
         let out = input(r, 777, Kind::Float);
-        let mut inn = Tensor::zeros([777], (Kind::Float, tch::Device::Cpu));
+        let mut inn = Tensor::zeros([777], (Kind::Float, dev()));
         if r % 2 == 0 {
             c.send(&out, next).map_err(e("send"))?;
             c.recv(&mut inn, prev).map_err(e("recv"))?;
@@ -116,6 +148,7 @@ pub fn shard(index: u64, len: i64) -> Tensor {
     ((&g * 0.618_034 + index as f64 * std::f64::consts::SQRT_2).sin() * 1000.0
         / (index as f64 + 3.0))
         .contiguous()
+        .to_device(dev())
 }
 
 /// Runs the ordered all-reduce over `total` shards of `len` floats; returns the result's bytes
@@ -134,6 +167,7 @@ pub fn ordered(c: &dyn Communicator, total: u64, len: i64) -> Result<Vec<u8>, St
     if !same(&out, &fold) {
         return Err("ordered_all_reduce: result differs from the left fold".into());
     }
+    let out = out.to_device(Device::Cpu);
     let mut bytes = vec![0u8; (len * 4) as usize];
     out.copy_data_u8(&mut bytes, len as usize);
     Ok(bytes)

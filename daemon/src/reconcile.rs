@@ -409,6 +409,18 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         detail: detail.clone(),
         triggered_at_ms: triggered_at,
         published_at_ms: now,
+        backend: Backend::resolve(
+            spec.training.as_ref().map(|t| t.comm.as_str()).unwrap_or("tcp"),
+            &chosen
+                .iter()
+                .map(|(n, s)| {
+                    (
+                        n.clone(),
+                        fleet.nodes.get(n).and_then(|r| r.devices.get(*s as usize)),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        ),
     };
     let st = status(
         &spec.name,

@@ -801,8 +801,6 @@ impl Cluster {
             slots.to_string(),
             "--lease-ttl".into(),
             self.spec.lease_ttl.to_string(),
-            "--gpus".into(),
-            "off".into(),
             "--restart-backoff-ms".into(),
             self.spec.restart_backoff_ms.to_string(),
             "--advertise-host".into(),
@@ -810,6 +808,10 @@ impl Cluster {
             "--stop-grace-ms".into(),
             "2000".into(),
         ];
+        // CPU slots unless the caller names GPUs
+        if !extra.contains(&"--gpus") {
+            args.extend(["--gpus".to_string(), "off".to_string()]);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let p = Proc::start(
             name,

@@ -405,3 +405,53 @@ fn training_reads_its_dataset_from_s3() {
         c.logs().contains("datasets/nope.bin").then_some(())
     });
 }
+
+/// A slot that offers a GPU the machine does not have (CI's machine has none): its worker
+/// fails at start with a message naming what is missing, is not restarted, the job shows the
+/// message in its generation history and status, and trains on without it. No worker hangs.
+#[test]
+fn training_a_gpu_slot_without_a_gpu_fails_at_start_with_a_clear_error_and_the_job_goes_on() {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        eprintln!("this machine has an NVIDIA GPU: scripts/gpu-check.sh covers it");
+        return;
+    }
+    let mut c = Cluster::start(Spec::default().agents(1, 2));
+    c.start_agent("gpunode", 1, &["--gpus", "0"]);
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    c.submit(&format!(
+        "{}max_steps = 100000\n",
+        training_toml("g1", 1, 3, 3, "gpt", &data, "restart_budget = 5")
+    ));
+    // the GPU worker leaves at once; the job re-forms with the two CPU slots and trains
+    let failed = c.wait_for(S(90), "a generation that names the missing GPU", || {
+        history(&c, "g1")
+            .into_iter()
+            .find(|g| g.reason == Reason::Failure && g.detail.contains("gpunode/0"))
+    });
+    assert!(
+        failed.detail.contains("exit code 78")
+            && failed.detail.contains("cuda:0")
+            && failed.detail.contains("CUDA is not usable"),
+        "{}",
+        failed.detail
+    );
+    assert_eq!(failed.world_size, 2);
+    let v = wait_step(&c, "g1", failed.resume_step + 20, S(120));
+    assert_eq!(v.world_size, 2);
+    assert!(v.members.iter().all(|m| m.node == "node1"));
+    // not restarted: the restart budget is untouched and the slot stays out
+    let nodes = c.dctl_ok(&["nodes", "--json"]);
+    assert!(nodes.contains("gpunode"), "{nodes}");
+    std::thread::sleep(S(3));
+    let later = history(&c, "g1");
+    assert!(
+        later
+            .iter()
+            .filter(|g| g.members.iter().any(|m| m.node == "gpunode"))
+            .count()
+            <= 1,
+        "the GPU slot was tried again: {later:?}"
+    );
+    // the agent's log holds the worker's own words
+    assert!(c.logs().contains("cannot run on gpunode/0"), "{}", c.logs());
+}

@@ -7,9 +7,15 @@
 //! Environment (set by the agent): `DUCTILE_JOB`, `DUCTILE_NODE`, `DUCTILE_SLOT`,
 //! `DUCTILE_GENERATION`, `DUCTILE_RANK`, `DUCTILE_WORLD_SIZE`, `DUCTILE_ETCD`,
 //! `DUCTILE_PREFIX`, `DUCTILE_DEVICE` (`cpu` or `cuda:0`), `DUCTILE_DEVICE_INDEX`.
+//!
+//! A worker that cannot run on its slot (its GPU is not there, NCCL cannot load) exits with
+//! [`device::EXIT_UNUSABLE`] and one line on stderr saying what is missing; the agent reports
+//! that line with the exit and does not restart it.
 
 pub mod data;
+pub mod device;
 pub mod model;
+pub mod nccl;
 pub mod optim;
 pub mod synth;
 pub mod train;

@@ -72,6 +72,13 @@ fn run() {
             std::process::exit(2);
         }
     };
+    // a slot whose device is not there fails now, saying what is missing, before any etcd work
+    if let Err(e) = ductile_worker::device::parse(&env.device)
+        .and_then(ductile_worker::device::check)
+    {
+        eprintln!("ductile-worker: cannot run on {}/{}: {e}", env.node, env.slot);
+        std::process::exit(ductile_worker::device::EXIT_UNUSABLE);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -113,6 +120,7 @@ fn run() {
                 }
             };
         };
+        ductile_worker::device::prepare_env(&env.device, training.deterministic);
         let cell = Arc::new(ductile_worker::train::GenCell::default());
         ductile_worker::watch_generations(
             store.clone(),
@@ -136,6 +144,10 @@ fn run() {
         tokio::select! {
             r = trainer => match r {
                 Ok(Ok(())) => 0,
+                Ok(Err(e)) if e.downcast_ref::<ductile_worker::device::Unusable>().is_some() => {
+                    eprintln!("ductile-worker: cannot run on this slot: {e:#}");
+                    ductile_worker::device::EXIT_UNUSABLE
+                }
                 Ok(Err(e)) => {
                     eprintln!("ductile-worker: {e:#}");
                     1

@@ -84,9 +84,11 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn new(spec: &TrainingSpec, data: &Dataset) -> anyhow::Result<Model> {
+    /// Built on the CPU from the seed (so every device kind starts from the same bits), then
+    /// moved to `device`.
+    pub fn new(spec: &TrainingSpec, data: &Dataset, device: tch::Device) -> anyhow::Result<Model> {
         tch::manual_seed(spec.seed as i64);
-        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let mut vs = nn::VarStore::new(tch::Device::Cpu);
         let root = vs.root();
         let net = match (spec.model.as_str(), data) {
             ("gpt", Dataset::Tokens { vocab, ctx, .. }) => {
@@ -142,6 +144,9 @@ impl Model {
                 "model {m:?} does not fit its dataset (gpt needs tokens, mlp a regression set)"
             ),
         };
+        if device != tch::Device::Cpu {
+            vs.set_device(device);
+        }
         Ok(Model { vs, net })
     }
 
@@ -166,9 +171,9 @@ impl Model {
             } => {
                 let (b, t) = x.size2().unwrap();
                 debug_assert!(t <= *ctx);
-                let positions = Tensor::arange(t, (Kind::Int64, tch::Device::Cpu));
+                let positions = Tensor::arange(t, (Kind::Int64, x.device()));
                 let mut h = tok.forward(x) + pos.forward(&positions);
-                let mask = Tensor::ones([t, t], (Kind::Bool, tch::Device::Cpu))
+                let mask = Tensor::ones([t, t], (Kind::Bool, x.device()))
                     .tril(0)
                     .logical_not();
                 for blk in blocks {

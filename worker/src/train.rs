@@ -18,26 +18,24 @@ use std::time::{Duration, Instant};
 
 use ductile_cluster::records::*;
 use ductile_cluster::Store;
-use ductile_comm::{
-    AbortHandle, CommError, Communicator, ReduceOp, Rendezvous, TcpComm, TcpConfig,
-};
+use ductile_comm::{CommError, Communicator, ReduceOp, Rendezvous, TcpComm, TcpConfig};
 use ductile_strategies::{micro_batches, split_batch, split_range, Share};
 use sha2::{Digest, Sha256};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::data::{Dataset, Order};
 use crate::model::Model;
 use crate::optim::{lr_at, Optimizer};
 use crate::WorkerEnv;
 
-mod ckpt;
+pub mod ckpt;
 
 /// The newest generation seen, shared between the async watcher and the training thread.
 #[derive(Default)]
 pub struct GenCell {
     latest: Mutex<Option<Generation>>,
     cv: Condvar,
-    abort: Mutex<Option<(u64, AbortHandle)>>,
+    abort: Mutex<Option<(u64, Arc<dyn Communicator>)>>,
 }
 
 impl GenCell {
@@ -79,10 +77,10 @@ impl GenCell {
             l = self.cv.wait(l).unwrap();
         }
     }
-    fn install(&self, generation: u64, h: AbortHandle) {
-        *self.abort.lock().unwrap() = Some((generation, h.clone()));
+    fn install(&self, generation: u64, comm: Arc<dyn Communicator>) {
+        *self.abort.lock().unwrap() = Some((generation, comm.clone()));
         if self.newest() > generation {
-            h.abort();
+            comm.abort();
         }
     }
 }
@@ -94,6 +92,8 @@ pub struct Trainer {
     pub store: Store,
     pub rt: tokio::runtime::Handle,
     pub cell: Arc<GenCell>,
+    /// Where the model, the optimizer state and the batches live.
+    dev: Device,
     data: Dataset,
     order: Order,
     model: Model,
@@ -139,10 +139,17 @@ impl Trainer {
         rt: tokio::runtime::Handle,
         cell: Arc<GenCell>,
     ) -> anyhow::Result<Trainer> {
-        tch::set_num_threads(1);
+        let dev = crate::device::parse(&env.device)?;
+        crate::device::check(dev)?;
+        if dev == Device::Cpu {
+            // a CPU slot is one core's worth of work; GPU slots keep torch's default threads
+            tch::set_num_threads(1);
+        } else if spec.deterministic {
+            crate::device::set_deterministic(true);
+        }
         let data = Dataset::open(&spec.dataset, &spec.model, crate::model::ctx(&spec), &rt)?;
         anyhow::ensure!(!data.is_empty(), "dataset {} holds no sample", spec.dataset);
-        let model = Model::new(&spec, &data)?;
+        let model = Model::new(&spec, &data, dev)?;
         let params: Vec<Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
         let opt = Optimizer::new(&spec.optimizer, &params);
         let ledger = match std::env::var("DUCTILE_LEDGER_DIR") {
@@ -179,6 +186,7 @@ impl Trainer {
             store,
             rt,
             cell,
+            dev,
             data,
             order,
             model,
@@ -204,7 +212,7 @@ impl Trainer {
                 );
                 return Ok(());
             };
-            let comm = match self.form(&g, me.rank) {
+            let comm = match self.form(&g, me.rank)? {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(generation = g.number, error = %e, "could not form the communicator; waiting for the next generation");
@@ -217,8 +225,8 @@ impl Trainer {
                     continue;
                 }
             };
-            self.cell.install(g.number, comm.abort_handle());
-            match self.generation(&g, &comm, me.rank) {
+            self.cell.install(g.number, comm.clone());
+            match self.generation(&g, comm.as_ref(), me.rank) {
                 Ok(Outcome::Done) => return Ok(()),
                 Ok(Outcome::Reform(e)) => {
                     tracing::info!(generation = g.number, step = self.step, reason = %e, "leaving generation")
@@ -228,37 +236,65 @@ impl Trainer {
         }
     }
 
-    fn form(&self, g: &Generation, rank: u32) -> Result<TcpComm, CommError> {
-        let rdv = Rendezvous::new(
+    /// Form the generation's communicator on its backend. The outer error is one that no
+    /// retry fixes here (NCCL asked for where it cannot load): the worker exits with it.
+    fn form(
+        &self,
+        g: &Generation,
+        rank: u32,
+    ) -> anyhow::Result<Result<Arc<dyn Communicator>, CommError>> {
+        let rdv = match Rendezvous::new(
             self.store.clone(),
             &self.env.job,
             g.number,
             g.world_size,
             rank,
-        )?;
-        let cfg = TcpConfig {
-            form_timeout: Duration::from_secs(30),
-            ..TcpConfig::from_env()
+        ) {
+            Ok(r) => r,
+            Err(e) => return Ok(Err(e)),
         };
+        let timeout = Duration::from_secs(30);
         let cell = self.cell.clone();
         let n = g.number;
-        self.rt.block_on(async move {
-            let newer = async {
+        let newer = move || {
+            let cell = cell.clone();
+            async move {
                 loop {
                     if cell.newest() > n {
                         return;
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-            };
-            tokio::select! {
-                r = TcpComm::form(&rdv, cfg) => r,
-                _ = newer => Err(CommError::Aborted { generation: n, op: "form" }),
             }
-        })
+        };
+        if g.backend == Backend::Nccl {
+            let Device::Cuda(index) = self.dev else {
+                return Err(crate::device::Unusable(format!(
+                    "generation {n} uses NCCL (comm = {:?}), but this slot is a CPU slot",
+                    self.spec.comm
+                ))
+                .into());
+            };
+            return crate::nccl::form(&self.rt, &rdv, index, timeout, newer());
+        }
+        let cfg = TcpConfig {
+            form_timeout: timeout,
+            ..TcpConfig::from_env()
+        };
+        Ok(self.rt.block_on(async move {
+            tokio::select! {
+                r = TcpComm::form(&rdv, cfg) => r.map(|c| Arc::new(c) as Arc<dyn Communicator>),
+                _ = newer() => Err(CommError::Aborted { generation: n, op: "form" }),
+            }
+        }))
     }
 
-    fn generation(&mut self, g: &Generation, comm: &TcpComm, rank: u32) -> anyhow::Result<Outcome> {
+    fn generation(
+        &mut self,
+        g: &Generation,
+        comm: &dyn Communicator,
+        rank: u32,
+    ) -> anyhow::Result<Outcome> {
         let t0 = Instant::now();
         if let Err(e) = self.sync_state(comm)? {
             return Ok(Outcome::Reform(e));
@@ -393,13 +429,14 @@ impl Trainer {
     /// Agree on the state: the highest step wins; its lowest rank sends its state to all.
     /// When every member is at step 0 (a cold start) and the job has checkpoints, restore the
     /// latest one instead.
-    fn sync_state(&mut self, comm: &TcpComm) -> anyhow::Result<Result<(), CommError>> {
-        let mine = Tensor::from_slice(&[self.step as f64]);
-        let all = match Communicator::all_gather(comm, &mine) {
+    fn sync_state(&mut self, comm: &dyn Communicator) -> anyhow::Result<Result<(), CommError>> {
+        let mine = Tensor::from_slice(&[self.step as f64]).to_device(self.dev);
+        let all = match comm.all_gather(&mine) {
             Ok(a) => a,
             Err(e) => return Ok(Err(e)),
         };
-        let steps: Vec<f64> = Vec::<f64>::try_from(all.flatten(0, -1)).unwrap_or_default();
+        let steps: Vec<f64> =
+            Vec::<f64>::try_from(all.flatten(0, -1).to_device(Device::Cpu)).unwrap_or_default();
         let max = steps.iter().cloned().fold(0.0, f64::max);
         if max == 0.0 && self.ckpt.is_some() {
             return self.restore(comm);
@@ -407,7 +444,12 @@ impl Trainer {
         Ok(self.transfer_state(comm, &steps, max))
     }
 
-    fn transfer_state(&mut self, comm: &TcpComm, steps: &[f64], max: f64) -> Result<(), CommError> {
+    fn transfer_state(
+        &mut self,
+        comm: &dyn Communicator,
+        steps: &[f64],
+        max: f64,
+    ) -> Result<(), CommError> {
         if steps.iter().all(|s| *s == max) {
             return Ok(());
         }
@@ -507,7 +549,9 @@ impl Trainer {
         }
     }
 
-    fn flat_grads(&self, loss: f64, generation: u64) -> Tensor {
+    /// The flat gradient with the loss (a [1] tensor on the device) and the checkpoint flags
+    /// appended.
+    fn flat_grads(&self, loss: Tensor, generation: u64) -> Tensor {
         let mut parts: Vec<Tensor> = self
             .params
             .iter()
@@ -526,12 +570,23 @@ impl Trainer {
             .as_ref()
             .map(|c| c.flags(generation))
             .unwrap_or((0.0, 0.0));
-        parts.push(Tensor::from_slice(&[loss as f32, pending, busy]));
+        parts.push(loss);
+        parts.push(if self.dev == Device::Cpu {
+            Tensor::from_slice(&[pending, busy])
+        } else {
+            // written by kernels: a host→device copy here would wait for the whole backward
+            let t = Tensor::zeros([2], (Kind::Float, self.dev));
+            let _ = t.get(0).fill_(pending as f64);
+            let _ = t.get(1).fill_(busy as f64);
+            t
+        });
         Tensor::cat(&parts, 0).contiguous()
     }
 
-    /// Forward and backward over `share` of step `self.step`; returns the summed loss / B.
-    fn accumulate(&mut self, share: Share, g: &Generation, rank: u32) -> f64 {
+    /// Forward and backward over `share` of step `self.step`; returns the summed loss / B as a
+    /// [1] f32 tensor on the device (summed in f64; read on the host only with the step's
+    /// all-reduced result, so a CUDA step synchronises once).
+    fn accumulate(&mut self, share: Share, g: &Generation, rank: u32) -> Tensor {
         let b = self.spec.global_batch as u64;
         let base = self.step * b;
         let micro = self
@@ -539,7 +594,7 @@ impl Trainer {
             .micro_batch
             .map(|m| m as u64)
             .unwrap_or(share.len.max(1));
-        let mut acc = 0.0;
+        let mut acc = Tensor::zeros([1], (Kind::Double, self.dev));
         let mut used = Vec::with_capacity(share.len as usize);
         for (start, len) in micro_batches(share, micro) {
             let idx: Vec<u64> = (start..start + len)
@@ -547,9 +602,10 @@ impl Trainer {
                 .collect();
             used.extend_from_slice(&idx);
             let (x, y) = self.data.batch(&idx);
+            let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
             let loss = self.model.loss_sum(&x, &y) / b as f64;
             loss.backward();
-            acc += loss.double_value(&[]);
+            acc = acc + loss.detach().to_kind(Kind::Double).reshape([1]);
         }
         if let Some(f) = &mut self.ledger {
             let _ = writeln!(
@@ -558,10 +614,15 @@ impl Trainer {
                 serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used})
             );
         }
-        acc
+        acc.to_kind(Kind::Float)
     }
 
-    fn train_step(&mut self, comm: &TcpComm, g: &Generation, rank: u32) -> Result<f64, CommError> {
+    fn train_step(
+        &mut self,
+        comm: &dyn Communicator,
+        g: &Generation,
+        rank: u32,
+    ) -> Result<f64, CommError> {
         let b = self.spec.global_batch as u64;
         let world = comm.world();
         let flat = if self.spec.deterministic {
@@ -583,11 +644,11 @@ impl Trainer {
             flat
         };
         let n = flat.size()[0];
-        let loss = flat.double_value(&[n - 3]);
-        self.flags = (
-            flat.double_value(&[n - 2]) > 0.0,
-            flat.double_value(&[n - 1]) > 0.0,
-        );
+        // one device→host read of the three scalars riding along
+        let tail = Vec::<f32>::try_from(flat.narrow(0, n - 3, 3).to_device(Device::Cpu))
+            .unwrap_or_else(|_| vec![f32::NAN, 0.0, 0.0]);
+        let loss = tail[0] as f64;
+        self.flags = (tail[1] > 0.0, tail[2] > 0.0);
         let mut grads = Vec::with_capacity(self.params.len());
         let mut at = 0;
         for p in &self.params {

@@ -8,12 +8,19 @@
 //! Where the NCCL found at run time has `ncclCommShrink` (2.27+), [`NcclComm::shrink`] is the fast
 //! path for a failure-only shrink.
 //!
-//! The `nvidia-nccl-cu13` wheel ships only `libnccl.so.2`, a name cudarc does not try: the
-//! launcher must make `libnccl.so` resolvable (a symlink in a directory on the library path).
+//! NCCL itself is the copy libtorch loaded ([`lib`]): never one found by name.
+//!
+//! Re-formation: NCCL spends a fixed time inside `ncclCommAbort` (about 1 s on an H100) and
+//! `ncclCommDestroy` (0.5 s). `abort()` and `Drop` therefore hand the old communicator to a
+//! background thread that tears it down, and the next generation's communicator is formed at
+//! once; its first collective on the stream waits only if an aborted kernel is still there.
 
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+
+pub mod lib;
+pub use lib::{mapped_copies, nccl, Nccl};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
@@ -30,11 +37,6 @@ pub fn available() -> Result<()> {
         if !cu::is_culib_present() {
             return Err(CommError::Unavailable("NCCL backend: the CUDA driver (libcuda.so) is not present: this machine has no usable GPU; use the TCP backend".into()));
         }
-        if !nc::is_culib_present() {
-            return Err(CommError::Unavailable(
-                "NCCL backend: libnccl.so was not found on the library path (the nvidia-nccl-cu13 wheel ships libnccl.so.2 only: link libnccl.so to it in a directory on LD_LIBRARY_PATH)".into(),
-            ));
-        }
         if cu::cuInit(0) != cu::CUresult::CUDA_SUCCESS {
             return Err(CommError::Unavailable(
                 "NCCL backend: cuInit failed: no usable GPU".into(),
@@ -47,11 +49,34 @@ pub fn available() -> Result<()> {
             ));
         }
     }
+    nccl().map_err(|e| CommError::Unavailable(format!("NCCL backend: {e}")))?;
     Ok(())
 }
 
+/// The loaded NCCL (after [`available`] succeeded).
+fn api() -> &'static Nccl {
+    nccl().expect("NCCL was checked by available()")
+}
+
+/// Tear `comm` down off the caller's thread: `ncclCommAbort` blocks for about a second.
+fn abort_in_background(comm: nc::ncclComm_t) {
+    struct Ptr(nc::ncclComm_t);
+    unsafe impl Send for Ptr {}
+    let p = Ptr(comm);
+    let spawned = std::thread::Builder::new()
+        .name("nccl-abort".into())
+        .spawn(move || {
+            let p = p;
+            unsafe { (api().comm_abort)(p.0) };
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no thread for the NCCL abort: aborting inline");
+        unsafe { (api().comm_abort)(comm) };
+    }
+}
+
 fn nccl_err(generation: u64, op: &'static str, r: nc::ncclResult_t) -> CommError {
-    let msg = unsafe { CStr::from_ptr(nc::ncclGetErrorString(r)) }
+    let msg = unsafe { CStr::from_ptr((api().get_error_string)(r)) }
         .to_string_lossy()
         .into_owned();
     CommError::Unavailable(format!(
@@ -119,6 +144,16 @@ fn set_device(device: i32) -> Result<()> {
     Ok(())
 }
 
+/// Make `device`'s primary context current on this thread unless one already is (torch's
+/// kernels on this thread made it current already; a fresh thread has none).
+fn ensure_context(device: i32) -> Result<()> {
+    let mut cur = std::ptr::null_mut();
+    if unsafe { cu::cuCtxGetCurrent(&mut cur) } == cu::CUresult::CUDA_SUCCESS && !cur.is_null() {
+        return Ok(());
+    }
+    set_device(device)
+}
+
 impl NcclComm {
     /// Form the communicator of `rdv`'s generation on CUDA device `device`: rank 0 makes the
     /// unique id and publishes it through etcd; every rank initialises (non-blocking, bounded).
@@ -126,9 +161,12 @@ impl NcclComm {
         available()?;
         let generation = rdv.generation;
         let id = if rdv.rank == 0 {
-            cudarc::nccl::result::get_uniqueid().map_err(|e| {
-                CommError::Unavailable(format!("generation {generation}: ncclGetUniqueId: {e:?}"))
-            })?
+            let mut id = nc::ncclUniqueId { internal: [0; 128] };
+            let r = unsafe { (api().get_unique_id)(&mut id) };
+            if r != nc::ncclResult_t::ncclSuccess {
+                return Err(nccl_err(generation, "get unique id", r));
+            }
+            id
         } else {
             nc::ncclUniqueId { internal: [0; 128] }
         };
@@ -168,7 +206,7 @@ impl NcclComm {
         let mut comm: nc::ncclComm_t = std::ptr::null_mut();
         let mut cfg = config();
         let r = unsafe {
-            nc::ncclCommInitRankConfig(&mut comm, world as i32, id, rank as i32, &mut cfg)
+            (api().comm_init_rank_config)(&mut comm, world as i32, id, rank as i32, &mut cfg)
         };
         let _ = &mut id;
         if r != nc::ncclResult_t::ncclSuccess && r != nc::ncclResult_t::ncclInProgress {
@@ -199,7 +237,7 @@ impl NcclComm {
                 });
             }
             let mut st = nc::ncclResult_t::ncclSuccess;
-            let r = unsafe { nc::ncclCommGetAsyncError(comm, &mut st) };
+            let r = unsafe { (api().comm_get_async_error)(comm, &mut st) };
             if r != nc::ncclResult_t::ncclSuccess {
                 return Err(nccl_err(self.generation, op, r));
             }
@@ -227,6 +265,7 @@ impl NcclComm {
         op: &'static str,
         f: impl FnOnce(nc::ncclComm_t) -> nc::ncclResult_t,
     ) -> Result<()> {
+        ensure_context(self.device)?;
         let comm = {
             let mut st = self.state.lock().unwrap();
             if st.comm.is_null() || self.aborted.load(Ordering::SeqCst) {
@@ -277,12 +316,23 @@ impl NcclComm {
         st.in_op = false;
         if out.is_err() || self.aborted.load(Ordering::SeqCst) {
             if !st.comm.is_null() {
-                unsafe { nc::ncclCommAbort(st.comm) };
+                abort_in_background(st.comm);
                 st.comm = std::ptr::null_mut();
             }
             self.aborted.store(true, Ordering::SeqCst);
         }
         out
+    }
+
+    /// Abort on this thread and wait for NCCL to finish tearing down (the benchmark's measure
+    /// of NCCL's own cost; `abort()` does this in the background).
+    pub fn abort_blocking(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        let mut st = self.state.lock().unwrap();
+        if !st.comm.is_null() {
+            unsafe { (api().comm_abort)(st.comm) };
+            st.comm = std::ptr::null_mut();
+        }
     }
 
     /// A new communicator without `exclude` (ranks that failed), for a failure-only shrink,
@@ -295,18 +345,19 @@ impl NcclComm {
                 op: "shrink",
             });
         }
-        let version = cudarc::nccl::result::get_nccl_version().unwrap_or(0);
-        if version < 22700 {
+        let Some(shrink) = api().comm_shrink else {
             return Err(CommError::Unavailable(format!(
-                "ncclCommShrink needs NCCL 2.27+, found {version}"
+                "ncclCommShrink needs NCCL 2.27+, found {} at {}",
+                api().version,
+                api().path
             )));
-        }
+        };
         let mut ex: Vec<i32> = exclude.iter().map(|r| *r as i32).collect();
         let mut new: nc::ncclComm_t = std::ptr::null_mut();
         let mut cfg = config();
         // NCCL_SHRINK_ABORT (1): the excluded ranks failed; abort their pending work
         let r = unsafe {
-            nc::ncclCommShrink(
+            shrink(
                 st.comm,
                 ex.as_mut_ptr(),
                 ex.len() as i32,
@@ -354,6 +405,11 @@ impl NcclComm {
             Kind::Double => nc::ncclDataType_t::ncclFloat64,
             Kind::Half => nc::ncclDataType_t::ncclFloat16,
             Kind::BFloat16 => nc::ncclDataType_t::ncclBfloat16,
+            // integers move as they are (lengths, counts, bytes)
+            Kind::Int64 => nc::ncclDataType_t::ncclInt64,
+            Kind::Int => nc::ncclDataType_t::ncclInt32,
+            Kind::Uint8 => nc::ncclDataType_t::ncclUint8,
+            Kind::Int8 => nc::ncclDataType_t::ncclInt8,
             other => {
                 return Err(CommError::Invalid {
                     op,
@@ -368,7 +424,9 @@ impl Drop for NcclComm {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap();
         if !st.comm.is_null() {
-            unsafe { nc::ncclCommDestroy(st.comm) };
+            // a destroy costs about 0.5 s inside NCCL; the abort path ends it just as well
+            abort_in_background(st.comm);
+            st.comm = std::ptr::null_mut();
         }
     }
 }
@@ -387,7 +445,7 @@ impl Communicator for NcclComm {
         let dt = Self::dtype(t, "all_reduce")?;
         let (p, n) = (t.data_ptr(), t.numel());
         self.call("all_reduce", |c| unsafe {
-            nc::ncclAllReduce(
+            (api().all_reduce)(
                 p,
                 p,
                 n,
@@ -403,7 +461,7 @@ impl Communicator for NcclComm {
         let dt = Self::dtype(t, "broadcast")?;
         let (p, n) = (t.data_ptr(), t.numel());
         self.call("broadcast", |c| unsafe {
-            nc::ncclBroadcast(p, p, n, dt, root as i32, c, std::ptr::null_mut())
+            (api().broadcast)(p, p, n, dt, root as i32, c, std::ptr::null_mut())
         })
     }
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
@@ -413,7 +471,7 @@ impl Communicator for NcclComm {
         let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
         let (src, dst, n) = (t.data_ptr(), out.data_ptr(), t.numel());
         self.call("all_gather", |c| unsafe {
-            nc::ncclAllGather(src, dst, n, dt, c, std::ptr::null_mut())
+            (api().all_gather)(src, dst, n, dt, c, std::ptr::null_mut())
         })?;
         Ok(out)
     }
@@ -423,7 +481,7 @@ impl Communicator for NcclComm {
         let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
         let (src, dst, n) = (t.data_ptr(), out.data_ptr(), out.numel());
         self.call("reduce_scatter", |c| unsafe {
-            nc::ncclReduceScatter(
+            (api().reduce_scatter)(
                 src,
                 dst,
                 n,
@@ -439,14 +497,14 @@ impl Communicator for NcclComm {
         let dt = Self::dtype(t, "send")?;
         let (p, n) = (t.data_ptr(), t.numel());
         self.call("send", |c| unsafe {
-            nc::ncclSend(p, n, dt, peer as i32, c, std::ptr::null_mut())
+            (api().send)(p, n, dt, peer as i32, c, std::ptr::null_mut())
         })
     }
     fn recv(&self, t: &mut Tensor, peer: u32) -> Result<()> {
         let dt = Self::dtype(t, "recv")?;
         let (p, n) = (t.data_ptr(), t.numel());
         self.call("recv", |c| unsafe {
-            nc::ncclRecv(p, n, dt, peer as i32, c, std::ptr::null_mut())
+            (api().recv)(p, n, dt, peer as i32, c, std::ptr::null_mut())
         })
     }
     fn barrier(&self) -> Result<()> {
@@ -530,7 +588,7 @@ impl Communicator for NcclComm {
         // bytes travel as u8 through NCCL's int8 path
         let (p, cnt) = (t.data_ptr(), t.numel());
         self.call("broadcast_vec", |c| unsafe {
-            nc::ncclBroadcast(
+            (api().broadcast)(
                 p,
                 p,
                 cnt,
@@ -549,7 +607,7 @@ impl Communicator for NcclComm {
         self.aborted.store(true, Ordering::SeqCst);
         let mut st = self.state.lock().unwrap();
         if !st.in_op && !st.comm.is_null() {
-            unsafe { nc::ncclCommAbort(st.comm) };
+            abort_in_background(st.comm);
             st.comm = std::ptr::null_mut();
         }
     }

@@ -15,7 +15,7 @@ use ductile_checkpoint::save::{gather_and_commit, write_shard, CommitInput, Shar
 use ductile_checkpoint::{plan, Bucket, UploadOptions};
 use ductile_cluster::records::*;
 use ductile_cluster::Store;
-use ductile_comm::{CommError, Communicator, TcpComm};
+use ductile_comm::{CommError, Communicator};
 use tch::{Kind, Tensor};
 
 use super::Trainer;
@@ -27,6 +27,11 @@ pub struct Ckpt {
     conditional: Arc<tokio::sync::OnceCell<bool>>,
     in_flight: Option<tokio::task::JoinHandle<()>>,
     pool: Arc<Mutex<Option<Vec<u8>>>>,
+    /// CUDA jobs: the page-locked host buffer the state is staged into (pinned once, reused;
+    /// the upload reads it in place, and the next save waits for that upload first).
+    pinned: Option<Tensor>,
+    /// CUDA jobs: how this rank's shard is staged, for the current (world, rank).
+    plan: Option<StagePlan>,
     /// The newest checkpoint request seen in etcd (a planned drain).
     pub request: Arc<Mutex<Option<CheckpointRequest>>>,
     answered: Option<String>,
@@ -67,6 +72,8 @@ impl Ckpt {
             conditional: Arc::new(tokio::sync::OnceCell::new()),
             in_flight: None,
             pool: Arc::new(Mutex::new(None)),
+            pinned: None,
+            plan: None,
             request: Arc::new(Mutex::new(None)),
             answered: None,
         })
@@ -93,6 +100,124 @@ impl Ckpt {
             let _ = rt.block_on(h);
         }
     }
+}
+
+/// The rows of `t` that placement `p` puts in this shard.
+fn part_of(t: &Tensor, p: &ductile_checkpoint::format::Placed) -> Tensor {
+    if t.dim() == 0 {
+        t.shallow_clone()
+    } else {
+        t.narrow(0, p.row as i64, p.rows as i64)
+    }
+}
+
+/// A pinned host buffer's bytes, kept alive by the upload that reads them.
+struct PinnedBytes {
+    t: Tensor,
+    len: usize,
+}
+
+impl AsRef<[u8]> for PinnedBytes {
+    fn as_ref(&self) -> &[u8] {
+        unsafe { std::slice::from_raw_parts(self.t.data_ptr() as *const u8, self.len) }
+    }
+}
+
+/// Bytes gathered on the device per device→host copy when staging a CUDA shard.
+pub const STAGE_CHUNK: u64 = 64 << 20;
+
+/// How one rank's shard is staged: built once per (world, rank) and reused by every save, since
+/// the state tensors keep their storage (every update is in place), so their byte views stay
+/// valid. Parts that follow each other in the shard are gathered on the device (their byte views
+/// concatenated, at most `chunk` bytes a run) and copied down in one go: a handful of
+/// device→host copies instead of one per tensor.
+pub struct StagePlan {
+    pub layout: ShardLayout,
+    /// (first byte, end byte, the byte views to concatenate) per run of device parts.
+    runs: Vec<(u64, u64, Vec<Tensor>)>,
+    /// Host parts, copied directly: (first byte, end byte, part).
+    host: Vec<(u64, u64, Tensor)>,
+    /// Every device part was a view of its tensor (contiguous): the plan sees later updates
+    /// and can be reused; otherwise it holds copies and is built anew for each save.
+    pub reusable: bool,
+}
+
+impl StagePlan {
+    /// `gather_all` gathers host parts too (the tests check the device path that way on
+    /// machines without a GPU).
+    pub fn new(layout: ShardLayout, tensors: &[Tensor], gather_all: bool, chunk: u64) -> StagePlan {
+        let (mut runs, mut host) = (Vec::new(), Vec::new());
+        let mut reusable = true;
+        let mut cur: Option<(u64, u64, Vec<Tensor>)> = None;
+        for p in &layout.placed {
+            let part = part_of(&tensors[p.tensor], p);
+            if part.device() == tch::Device::Cpu && !gather_all {
+                host.push((p.start, p.end, part));
+                continue;
+            }
+            let fits = cur
+                .as_ref()
+                .is_some_and(|(from, to, _)| p.start == *to && to - from + (p.end - p.start) <= chunk);
+            if !fits {
+                runs.extend(cur.take());
+                cur = Some((p.start, p.start, Vec::new()));
+            }
+            let run = cur.as_mut().unwrap();
+            run.1 = p.end;
+            reusable &= part.is_contiguous();
+            run.2.push(part.contiguous().view([-1]).view_dtype(Kind::Uint8));
+        }
+        runs.extend(cur);
+        StagePlan {
+            layout,
+            runs,
+            host,
+            reusable,
+        }
+    }
+
+    /// Write the shard (header and parts) into `stage`, a host u8 tensor of at least the
+    /// shard's size.
+    pub fn write(&self, stage: &Tensor) {
+        let base = stage.data_ptr() as *mut u8;
+        let header = &self.layout.header;
+        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), base, header.len()) };
+        for (from, to, part) in &self.host {
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(base.add(*from as usize), (to - from) as usize)
+            };
+            part.copy_data_u8(dst, part.numel());
+        }
+        for (from, to, views) in &self.runs {
+            let src = Tensor::cat(views.as_slice(), 0);
+            let mut dst = stage.narrow(0, *from as i64, (to - from) as i64);
+            dst.copy_(&src);
+        }
+    }
+}
+
+/// Stage the shard of a CUDA job into one pinned buffer (pinned once and reused) and hand the
+/// upload its bytes in place. The stall is one gather on the device and one device→host copy
+/// per run.
+pub fn pinned_stage(slot: &mut Option<Tensor>, plan: &StagePlan, index: usize) -> Bytes {
+    let size = plan.layout.size as i64;
+    let stage = match slot {
+        Some(t) if t.numel() as i64 >= size => t.shallow_clone(),
+        _ => {
+            let host = Tensor::empty([size.max(1)], (Kind::Uint8, tch::Device::Cpu));
+            let t = host
+                .f_pin_memory(tch::Device::Cuda(index))
+                .unwrap_or(host);
+            *slot = Some(t.shallow_clone());
+            t
+        }
+    };
+    plan.write(&stage);
+    tch::Cuda::synchronize(index as i64);
+    Bytes::from_owner(PinnedBytes {
+        t: stage,
+        len: size as usize,
+    })
 }
 
 async fn bump_stats(store: &Store, job: &str, f: impl FnOnce(&mut CheckpointStats)) {
@@ -194,26 +319,38 @@ impl Trainer {
             }
             return;
         }
+        if let tch::Device::Cuda(index) = self.dev {
+            // the step's kernels (the optimizer's) are still queued: the next step waits for
+            // them anyway, so the stall counts from when they are done
+            tch::Cuda::synchronize(index as i64);
+        }
         let t0 = Instant::now();
         let ck = self.ckpt.as_mut().unwrap();
         // a rank that contributed no flag (no logical shard this step) may still be uploading
         if let Some(h) = ck.in_flight.take() {
             let _ = self.rt.block_on(h);
         }
-        let layout = ShardLayout::new(&ck.metas, world, rank);
-        let mut buf = ck.pool.lock().unwrap().take().unwrap_or_default();
-        layout.prepare(&mut buf);
         let tensors = self.state_tensors();
-        for p in &layout.placed {
-            let t = &tensors[p.tensor];
-            let part = if t.dim() == 0 {
-                t.shallow_clone()
-            } else {
-                t.narrow(0, p.row as i64, p.rows as i64)
-            };
-            let n = part.numel();
-            part.copy_data_u8(&mut buf[p.start as usize..p.end as usize], n);
-        }
+        let ck = self.ckpt.as_mut().unwrap();
+        let (layout, data) = if let tch::Device::Cuda(index) = self.dev {
+            let same = |p: &StagePlan| p.reusable && (p.layout.world, p.layout.rank) == (world, rank);
+            if !ck.plan.as_ref().is_some_and(same) {
+                let layout = ShardLayout::new(&ck.metas, world, rank);
+                ck.plan = Some(StagePlan::new(layout, &tensors, false, STAGE_CHUNK));
+            }
+            let plan = ck.plan.as_ref().unwrap();
+            (plan.layout.clone(), pinned_stage(&mut ck.pinned, plan, index))
+        } else {
+            let layout = ShardLayout::new(&ck.metas, world, rank);
+            let mut buf = ck.pool.lock().unwrap().take().unwrap_or_default();
+            layout.prepare(&mut buf);
+            for p in &layout.placed {
+                let part = part_of(&tensors[p.tensor], p);
+                let n = part.numel();
+                part.copy_data_u8(&mut buf[p.start as usize..p.end as usize], n);
+            }
+            (layout, Bytes::from(buf))
+        };
         let stall_ms = t0.elapsed().as_secs_f64() * 1e3;
         let extra = self.extra_state(g);
         let ck = self.ckpt.as_mut().unwrap();
@@ -261,7 +398,6 @@ impl Trainer {
         );
         ck.in_flight = Some(self.rt.spawn(async move {
             let t0 = Instant::now();
-            let data = Bytes::from(buf);
             let r = write_shard(&store, &bucket, &job, step, gnum, &metas, &layout, data.clone(), opts).await;
             if let Ok(b) = data.try_into_mut() {
                 *pool.lock().unwrap() = Some(b.into());
@@ -329,7 +465,10 @@ impl Trainer {
 
     /// Cold start: every member is at step 0. Restore the newest committed checkpoint that
     /// verifies, falling back to older ones loudly; none → start from the seed.
-    pub(super) fn restore(&mut self, comm: &TcpComm) -> anyhow::Result<Result<(), CommError>> {
+    pub(super) fn restore(
+        &mut self,
+        comm: &dyn Communicator,
+    ) -> anyhow::Result<Result<(), CommError>> {
         let t0 = Instant::now();
         let rank = comm.rank();
         let world = comm.world();
@@ -407,9 +546,10 @@ impl Trainer {
             if let Err(e) = &got {
                 eprintln!("CHECKPOINT STEP {} FAILED on rank {rank}: {e}", rec.step);
             }
-            let ok = Tensor::from_slice(&[got.is_ok() as u8 as f32]);
-            let oks = match Communicator::all_gather(comm, &ok) {
-                Ok(t) => Vec::<f32>::try_from(t.flatten(0, -1)).unwrap_or_default(),
+            let ok = Tensor::from_slice(&[got.is_ok() as u8 as f32]).to_device(self.dev);
+            let oks = match comm.all_gather(&ok) {
+                Ok(t) => Vec::<f32>::try_from(t.flatten(0, -1).to_device(tch::Device::Cpu))
+                    .unwrap_or_default(),
                 Err(e) => return Ok(Err(e)),
             };
             if oks.iter().any(|f| *f == 0.0) {
@@ -553,5 +693,47 @@ impl Trainer {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gathered staging path (what CUDA saves take) lays out exactly the bytes of the plain
+    /// host path, for several writers of a shard.
+    #[test]
+    fn gathered_staging_matches_the_plain_shard_bytes() {
+        tch::manual_seed(3);
+        let tensors: Vec<Tensor> = [&[37i64, 5][..], &[11], &[], &[300, 4, 2], &[1]]
+            .iter()
+            .map(|s| Tensor::randn(*s, (Kind::Float, tch::Device::Cpu)))
+            .collect();
+        let metas: Vec<TensorMeta> = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| TensorMeta {
+                name: format!("t{i}"),
+                dtype: Dtype::F32,
+                shape: t.size().iter().map(|d| *d as u64).collect(),
+                kind: TensorKind::Parameter,
+            })
+            .collect();
+        for world in [1u32, 3] {
+            for rank in 0..world {
+                let layout = ShardLayout::new(&metas, world, rank);
+                let mut plain = Vec::new();
+                layout.prepare(&mut plain);
+                for p in &layout.placed {
+                    let part = part_of(&tensors[p.tensor], p);
+                    part.copy_data_u8(&mut plain[p.start as usize..p.end as usize], part.numel());
+                }
+                let stage = Tensor::zeros([layout.size as i64 + 16], (Kind::Uint8, tch::Device::Cpu));
+                StagePlan::new(layout.clone(), &tensors, true, 1 << 10).write(&stage);
+                let mut got = vec![0u8; layout.size as usize];
+                stage.narrow(0, 0, layout.size as i64).copy_data_u8(&mut got, layout.size as usize);
+                assert_eq!(got, plain, "world {world} rank {rank}");
+            }
+        }
     }
 }

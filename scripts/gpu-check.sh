@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# The GPU check: one command for a machine with an NVIDIA GPU and a CUDA PyTorch (for its
+# libtorch), running ductile's binaries built on a CPU machine with the GPU features.
+#
+#   bash scripts/gpu-check.sh pack     # on the CPU machine: build with --features cuda, strip,
+#                                      # and pack the binaries and etcd into gpu-bin/ductile-gpu.tar.gz
+#   bash scripts/gpu-check.sh          # on the GPU machine (unpacks gpu-bin/ if needed), runs:
+#     1. ductile-bench nccl: the NCCL self-test on CUDA tensors (every collective against its
+#        reference, every dtype; NCCL and the TCP backend's pinned staging) and NCCL's figures;
+#     2. a GPT job on cuda:0 with NCCL (world 1) whose worker is SIGKILLed: it recovers (a new
+#        process re-initialises NCCL and restores the last checkpoint) and finishes;
+#     3. three workers sharing the GPU over TCP (deterministic): one is killed, the job shrinks,
+#        grows back, checkpoints, and ends bitwise equal to an uninterrupted run;
+#     4. ductile-bench gpu-step: the elastic CUDA step against a bare tch loop, checkpoint stall.
+#   It exits non-zero on any failure.
+#
+# Environment: TORCH_LIB (default: the torch/lib of `python3 -c 'import torch'`), DUCTILE_BIN_DIR
+# (default gpu-bin/), ETCD (default: etcd next to the binaries, else on PATH), DUCTILE_PROFILE
+# for pack (default release).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+log() { printf '\n[gpu-check] %s\n' "$*"; }
+fail() { printf '\n[gpu-check] FAILED: %s\n' "$*" >&2; exit 1; }
+
+if [ "${1:-}" = pack ]; then
+  bash scripts/setup.sh
+  # shellcheck disable=SC1091
+  source "${DUCTILE_CACHE:-$HOME/.cache/ductile}/env.sh"
+  profile=${DUCTILE_PROFILE:-release}
+  target=${CARGO_TARGET_DIR:-$root/target}
+  cargo build --profile "$profile" --locked --bins -p ductile-daemon -p ductile-agent -p ductile-dctl \
+    -p ductile-worker -p ductile-bench \
+    --features ductile-worker/cuda,ductile-bench/cuda,ductile-comm/cuda
+  dir=$target/$([ "$profile" = dev ] && echo debug || echo "$profile")
+  rm -rf gpu-bin && mkdir -p gpu-bin/stage
+  for b in ductiled ductile-agent dctl ductile-worker ductile-bench; do
+    strip -o "gpu-bin/stage/$b" "$dir/$b"
+  done
+  cp "$(command -v etcd)" gpu-bin/stage/etcd
+  tar czf gpu-bin/ductile-gpu.tar.gz -C gpu-bin/stage .
+  rm -rf gpu-bin/stage
+  ls -la gpu-bin
+  exit 0
+fi
+
+bin=${DUCTILE_BIN_DIR:-$root/gpu-bin}
+if [ ! -x "$bin/ductile-worker" ] && [ -f "$bin/ductile-gpu.tar.gz" ]; then
+  tar xzf "$bin/ductile-gpu.tar.gz" -C "$bin"
+fi
+[ -x "$bin/ductile-worker" ] || fail "no binaries in $bin: run 'bash scripts/gpu-check.sh pack' on the build machine"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader \
+  || fail "nvidia-smi is not here: this is not a GPU machine"
+torch_lib=${TORCH_LIB:-$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')}
+[ -f "$torch_lib/libtorch_cuda.so" ] || fail "no libtorch_cuda.so in $torch_lib (set TORCH_LIB)"
+export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="$bin:$PATH"
+etcd_bin=${ETCD:-$( [ -x "$bin/etcd" ] && echo "$bin/etcd" || command -v etcd )}
+[ -x "$etcd_bin" ] || fail "no etcd binary (carry one in gpu-bin/ or set ETCD)"
+export DUCTILE_BIN_DIR="$bin" DUCTILE_ETCD_BIN="$etcd_bin"
+
+work=$(mktemp -d /tmp/ductile-gpu-check.XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  pkill -9 -f "$bin/ductile-worker" 2>/dev/null || true
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT
+echo "work dir: $work"
+py() { python3 -c "$@"; }
+free_port() { py 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# wait_for SECONDS WHAT PYTHON-EXPR-ON-v: polls `dctl status JOB --json` (in $job) until true
+wait_for() {
+  local limit=$1 what=$2 expr=$3 t0=$SECONDS
+  while [ $((SECONDS - t0)) -lt "$limit" ]; do
+    if dctl status "$job" --json 2>/dev/null | py "import json,sys; v=json.load(sys.stdin); sys.exit(0 if ($expr) else 1)"; then
+      return 0
+    fi
+    sleep 0.5
+  done
+  dctl status "$job" 2>&1 | tail -20 || true
+  tail -30 "$work"/agent-*.log || true
+  fail "$what: not within ${limit}s"
+}
+field() { dctl status "$job" --json | py "import json,sys; v=json.load(sys.stdin); print($1)"; }
+
+log "1. NCCL: self-test on CUDA tensors and figures (ductile-bench nccl)"
+ductile-bench nccl | tee "$work/nccl.txt"
+grep -q "self-test on CUDA tensors (f32" "$work/nccl.txt" || fail "the NCCL self-test did not pass"
+grep -q "pinned host staging), self-test: ok" "$work/nccl.txt" || fail "the TCP staging self-test did not pass"
+
+etcd_port=$(free_port); peer_port=$(free_port); api_port=$(free_port)
+etcd_url="http://127.0.0.1:$etcd_port"
+"$etcd_bin" --name gc --data-dir "$work/etcd" --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
+  --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
+  --initial-cluster "gc=http://127.0.0.1:$peer_port" >"$work/etcd.log" 2>&1 &
+pids+=($!)
+head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token"
+export DCTL_ENDPOINT="http://127.0.0.1:$api_port" DCTL_TOKEN="$(cat "$work/token")"
+sleep 1
+ductiled --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --election-ttl 3 >"$work/daemon.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do dctl nodes >/dev/null 2>&1 && break; sleep 0.2; done
+declare -A agent_pid
+start_agent() { # NAME EXTRA...
+  local name=$1; shift
+  ductile-agent --etcd "$etcd_url" --node "$name" --lease-ttl 3 --advertise-host 127.0.0.1 \
+    --restart-backoff-ms 2000 "$@" >>"$work/agent-$name.log" 2>&1 &
+  pids+=($!)
+  agent_pid[$name]=$!
+}
+ductile-worker synth-data --kind tokens --out "file://$work/tokens.bin" --seed 7 --size 400000 >/dev/null
+
+log "2. a GPT on cuda:0 with NCCL (world 1): SIGKILL its worker, recover, finish"
+start_agent gpu-a --gpus 0
+sleep 1
+dctl nodes
+job=nccl1
+cat >"$work/$job.toml" <<JOB
+name = "$job"
+min = 1
+max = 1
+desired = 1
+restart_budget = 3
+[training]
+model = "gpt"
+model_config = { d_model = 256, n_layer = 4, n_head = 8, ctx = 64 }
+dataset = "file://$work/tokens.bin"
+global_batch = 32
+max_steps = 300
+lr = 1e-3
+seed = 7
+comm = "nccl"
+[checkpoint]
+url = "file://$work/ckpt-$job"
+interval = 25
+keep = 2
+JOB
+dctl submit "$work/$job.toml"
+wait_for 180 "job $job past step 60 on the GPU" "v['step'] >= 60 and v['state'] == 'Running'"
+grep -q "NCCL" "$work/agent-gpu-a.log" || true
+g_before=$(field "v['generation']")
+victim=$(field "v['members'][0]['pid']")
+loss_before=$(field "v.get('loss')")
+echo "step $(field "v['step']"), loss $loss_before, generation $g_before: SIGKILL worker $victim"
+t_kill=$(date +%s.%N)
+kill -9 "$victim"
+# world 1 at min 1: no smaller world exists, so the agent restarts the worker in the same
+# generation (restart_budget) and the new process re-initialises NCCL and restores the checkpoint
+wait_for 180 "job $job training again with a new worker" "v['state'] in ('Running', 'Succeeded') and v['members'] and v['members'][0].get('pid') not in (None, $victim)"
+t_back=$(date +%s.%N)
+newpid=$(field "v['members'][0]['pid'] if v['members'] else 0")
+wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
+dctl events "$job" | tail -5
+grep -E "joined generation|worker started|restarting failed worker|worker failed" "$work/agent-gpu-a.log" | tail -4
+echo "nccl1: back in $(py "print(round($t_back - $t_kill, 2))") s (kill to a new worker reported; restart backoff 2 s included), final loss $(field "v.get('loss')"), final sha256 $(field "v.get('final_weights_sha256')")"
+rejoin=$(grep "pid=$newpid " "$work/agent-gpu-a.log" | grep "joined generation" | head -1)
+echo "restarted worker: $rejoin"
+case "$rejoin" in *"at step 0 ("*|"") fail "the restarted worker did not resume from the checkpoint";; esac
+kill -TERM "${agent_pid[gpu-a]}"; sleep 3
+
+log "3. three workers sharing the GPU over TCP (deterministic): kill, shrink, grow back, checkpoint; bitwise equal to an uninterrupted run"
+start_agent gpu-b --gpus 0 --gpu-slots-per-device 3
+sleep 1
+dctl nodes
+# a deterministic GPT job: NAME MIN MAX STEPS CHECKPOINT-DIR INTERVAL KEEP
+det_job() {
+  cat >"$work/$1.toml" <<JOB
+name = "$1"
+min = $2
+max = $3
+desired = $3
+restart_budget = 5
+[training]
+model = "gpt"
+model_config = { d_model = 128, n_layer = 2, n_head = 4, ctx = 32 }
+dataset = "file://$work/tokens.bin"
+global_batch = 24
+max_steps = $4
+lr = 1e-3
+seed = 11
+deterministic = true
+logical_shards = 6
+[checkpoint]
+url = "file://$work/$5"
+interval = $6
+keep = $7
+JOB
+  dctl submit "$work/$1.toml"
+}
+job=ref
+det_job ref 1 3 200 ckpt-ref 40 2
+wait_for 300 "reference job succeeded" "v['state'] == 'Succeeded'"
+ref_sha=$(field "v.get('final_weights_sha256')")
+echo "uninterrupted deterministic run: final weights sha256 $ref_sha"
+job=elastic
+det_job elastic 1 3 200 ckpt-elastic 40 2
+wait_for 120 "elastic job at world 3 past step 30" "v['world_size'] == 3 and v['step'] >= 30"
+backend=$(dctl events elastic --json | tail -1 | py "import json,sys; print(json.loads(sys.stdin.read()).get('backend'))")
+echo "backend chosen for 3 slots sharing one GPU: $backend"
+[ "$backend" = tcp ] || fail "auto chose $backend for slots sharing a GPU"
+victim=$(field "v['members'][1]['pid']")
+echo "SIGKILL worker $victim (rank 1) at step $(field "v['step']")"
+kill -9 "$victim"
+wait_for 60 "elastic job shrank to 2" "v['world_size'] == 2"
+wait_for 120 "elastic job grew back to 3" "v['world_size'] == 3 and v['step'] > 0"
+wait_for 400 "elastic job succeeded" "v['state'] == 'Succeeded'"
+el_sha=$(field "v.get('final_weights_sha256')")
+dctl events elastic | tail -6
+dctl checkpoints elastic | tail -3
+echo "elastic run (killed, shrank, grew back): final weights sha256 $el_sha"
+[ -n "$ref_sha" ] && [ "$ref_sha" = "$el_sha" ] || fail "weights differ: $ref_sha vs $el_sha"
+echo "bitwise equal: yes"
+kill -TERM "${agent_pid[gpu-b]}"; sleep 3
+
+log "4. figures: ductile-bench gpu-step"
+ductile-bench gpu-step | tee "$work/gpu-step.txt"
+
+log "5. another device kind and size: the GPU job's checkpoint restores on 2 CPU workers, and theirs back on the GPU"
+start_agent cpu-c --gpus off --cpu-slots 2
+start_agent gpu-d --gpus 0
+sleep 1
+# gpu-d offers one GPU slot and cpu-c two CPU slots: a job of 2 lands on the CPUs, of 1 anywhere
+dctl drain gpu-d >/dev/null
+job=oncpu
+det_job oncpu 2 2 220 ckpt-elastic 20 5
+wait_for 240 "the CPU job restored the GPU checkpoint and finished" "v['state'] == 'Succeeded'"
+grep -E "restored|from checkpoint|checkpoint step 200" "$work/agent-cpu-c.log" | grep -v "^$" | head -3
+grep -q "at step 200 " "$work/agent-cpu-c.log" || fail "the CPU workers did not start from the GPU job's step 200"
+dctl drain gpu-d --undo >/dev/null
+dctl drain cpu-c >/dev/null
+job=ongpu
+det_job ongpu 1 1 240 ckpt-elastic 20 5
+wait_for 240 "the GPU job restored the CPU checkpoint and finished" "v['state'] == 'Succeeded'"
+grep -q "at step 220 " "$work/agent-gpu-d.log" || fail "the GPU worker did not start from the CPU job's step 220"
+echo "cross-device restore: GPU step 200 -> 2 CPU workers -> step 220 -> 1 GPU worker -> step 240: ok"
+log "all GPU checks passed"
