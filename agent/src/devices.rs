@@ -56,12 +56,16 @@ pub fn devices(gpus: &Gpus, per_gpu: u32, cpu: u32) -> Vec<Device> {
             let found = detect_gpus();
             want.iter()
                 .map(|i| {
-                    found.iter().find(|d| d.index == *i).cloned().unwrap_or(Device {
-                        kind: DeviceKind::Gpu,
-                        index: *i,
-                        name: format!("gpu-{i} (not listed by nvidia-smi)"),
-                        memory_mb: None,
-                    })
+                    found
+                        .iter()
+                        .find(|d| d.index == *i)
+                        .cloned()
+                        .unwrap_or(Device {
+                            kind: DeviceKind::Gpu,
+                            index: *i,
+                            name: format!("gpu-{i} (not listed by nvidia-smi)"),
+                            memory_mb: None,
+                        })
                 })
                 .collect()
         }
@@ -108,7 +112,9 @@ mod tests {
         assert!(d.iter().all(|x| x.kind == DeviceKind::Gpu && x.index == 7));
         assert!(d[2].name.contains("shared 3/3"), "{}", d[2].name);
         assert_eq!(devices(&Gpus::Off, 3, 2).len(), 2);
-        assert!(devices(&Gpus::Off, 3, 2).iter().all(|x| x.kind == DeviceKind::Cpu));
+        assert!(devices(&Gpus::Off, 3, 2)
+            .iter()
+            .all(|x| x.kind == DeviceKind::Cpu));
         assert!(Gpus::parse("0,x").is_err() && Gpus::parse("1,1").is_err());
         assert_eq!(Gpus::parse(" 0, 2").unwrap(), Gpus::List(vec![0, 2]));
     }

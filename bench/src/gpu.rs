@@ -16,7 +16,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Why CUDA cannot be benchmarked here, if it cannot.
 pub fn gpu_missing() -> Option<String> {
     if !tch::Cuda::is_available() {
-        return Some("no CUDA device is usable by libtorch here (no GPU, or a CPU libtorch)".into());
+        return Some(
+            "no CUDA device is usable by libtorch here (no GPU, or a CPU libtorch)".into(),
+        );
     }
     None
 }
@@ -166,7 +168,9 @@ pub async fn nccl(iters: usize, sizes: &[u64]) -> anyhow::Result<()> {
         .await?
     };
     match &r2 {
-        Ok(()) => println!("nccl: TCP backend on CUDA tensors (pinned host staging), self-test: ok"),
+        Ok(()) => {
+            println!("nccl: TCP backend on CUDA tensors (pinned host staging), self-test: ok")
+        }
         Err(e) => println!("nccl: TCP backend on CUDA tensors self-test FAILED: {e}"),
     }
     if r.is_err() || r2.is_err() {

@@ -108,7 +108,11 @@ pub async fn dp_step(steps: u64) -> anyhow::Result<()> {
     c.submit(&job("bench", &data, ""));
     c.wait_world("bench", 4, Duration::from_secs(60));
     let sps = throughput(&c, 40, 12, Duration::from_secs(600)).await;
-    anyhow::ensure!(!sps.is_empty(), "the job reported no throughput:\n{}", c.logs());
+    anyhow::ensure!(
+        !sps.is_empty(),
+        "the job reported no throughput:\n{}",
+        c.logs()
+    );
     let elastic_ms = 32.0 / median(sps) * 1000.0;
     drop(c);
     // the bare loop: same model, data and all-reduce, no control plane
@@ -229,7 +233,11 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
     c.submit(&spec);
     c.wait_world("bench", 1, Duration::from_secs(120));
     let sps = throughput(&c, 30, 10, Duration::from_secs(300)).await;
-    anyhow::ensure!(!sps.is_empty(), "the GPU job reported no throughput:\n{}", c.logs());
+    anyhow::ensure!(
+        !sps.is_empty(),
+        "the GPU job reported no throughput:\n{}",
+        c.logs()
+    );
     let elastic_ms = gb as f64 / median(sps) * 1000.0;
     // the worker's own checkpoint figures
     let store = c.store().await;
@@ -341,7 +349,11 @@ fn staging_breakdown(params: &[tch::Tensor], state: &[tch::Tensor]) {
     use ductile_checkpoint::format::{Dtype, TensorKind, TensorMeta};
     use ductile_checkpoint::save::ShardLayout;
     use ductile_worker::train::ckpt::{pinned_stage, StagePlan, STAGE_CHUNK};
-    let tensors: Vec<tch::Tensor> = params.iter().chain(state).map(|t| t.shallow_clone()).collect();
+    let tensors: Vec<tch::Tensor> = params
+        .iter()
+        .chain(state)
+        .map(|t| t.shallow_clone())
+        .collect();
     let metas: Vec<TensorMeta> = tensors
         .iter()
         .enumerate()

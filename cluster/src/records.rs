@@ -719,7 +719,11 @@ mod tests {
         };
         let (g0, g1) = (gpu(0), gpu(1));
         let n = |s: &str| s.to_string();
-        let own = [(n("a"), Some(&g0)), (n("a"), Some(&g1)), (n("b"), Some(&g0))];
+        let own = [
+            (n("a"), Some(&g0)),
+            (n("a"), Some(&g1)),
+            (n("b"), Some(&g0)),
+        ];
         assert_eq!(Backend::resolve("auto", &own), Backend::Nccl);
         // two slots sharing GPU 0 of node a: NCCL would refuse them
         let shared = [(n("a"), Some(&g0)), (n("a"), Some(&g0))];

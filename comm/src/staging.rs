@@ -38,7 +38,10 @@ fn to_host(t: &Tensor, slot: u8) -> Tensor {
             return b.shallow_clone();
         }
         let b = pinned_empty(n, kind, dev);
-        let held: i64 = p.iter().map(|((k, n, _), _)| n * k.elt_size_in_bytes() as i64).sum();
+        let held: i64 = p
+            .iter()
+            .map(|((k, n, _), _)| n * k.elt_size_in_bytes() as i64)
+            .sum();
         if held + n * kind.elt_size_in_bytes() as i64 <= POOL_BYTES {
             p.insert(key, b.shallow_clone());
         }

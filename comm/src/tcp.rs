@@ -1004,7 +1004,9 @@ mod tests {
             r.unwrap();
         }
         let comms = world(&s, 41, 2, TcpConfig::default()).await;
-        let outs = on_threads(&comms, |c| crate::selftest::ordered(&HostStaged(c), 5, 4099));
+        let outs = on_threads(&comms, |c| {
+            crate::selftest::ordered(&HostStaged(c), 5, 4099)
+        });
         let outs: Vec<Vec<u8>> = outs.into_iter().map(|o| o.unwrap()).collect();
         assert_eq!(outs[0], outs[1]);
         // and the direct path gives the same bits

@@ -410,7 +410,10 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         triggered_at_ms: triggered_at,
         published_at_ms: now,
         backend: Backend::resolve(
-            spec.training.as_ref().map(|t| t.comm.as_str()).unwrap_or("tcp"),
+            spec.training
+                .as_ref()
+                .map(|t| t.comm.as_str())
+                .unwrap_or("tcp"),
             &chosen
                 .iter()
                 .map(|(n, s)| {

@@ -28,11 +28,7 @@ pub fn parse(s: &str) -> Result<Device, Unusable> {
             .strip_prefix("cuda:")
             .and_then(|i| i.parse::<usize>().ok())
             .map(Device::Cuda)
-            .ok_or_else(|| {
-                Unusable(format!(
-                    "DUCTILE_DEVICE={other:?} is not cpu or cuda:N"
-                ))
-            }),
+            .ok_or_else(|| Unusable(format!("DUCTILE_DEVICE={other:?} is not cpu or cuda:N"))),
     }
 }
 

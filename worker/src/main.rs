@@ -73,10 +73,13 @@ fn run() {
         }
     };
     // a slot whose device is not there fails now, saying what is missing, before any etcd work
-    if let Err(e) = ductile_worker::device::parse(&env.device)
-        .and_then(ductile_worker::device::check)
+    if let Err(e) =
+        ductile_worker::device::parse(&env.device).and_then(ductile_worker::device::check)
     {
-        eprintln!("ductile-worker: cannot run on {}/{}: {e}", env.node, env.slot);
+        eprintln!(
+            "ductile-worker: cannot run on {}/{}: {e}",
+            env.node, env.slot
+        );
         std::process::exit(ductile_worker::device::EXIT_UNUSABLE);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -18,8 +18,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
 
 use cudarc::nccl::sys::{
-    cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
-    ncclUniqueId,
+    cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
 };
 
 /// The NCCL entry points ductile uses, resolved from one library.
@@ -258,7 +257,10 @@ mod tests {
         // naming the same copy (through a symlink) is fine; naming another is refused
         assert_eq!(choose(&mapped, Some(l)).unwrap(), l);
         let e = choose(&mapped, Some(s)).unwrap_err();
-        assert!(e.contains(s) && e.contains(t) && e.contains("two NCCL copies"), "{e}");
+        assert!(
+            e.contains(s) && e.contains(t) && e.contains("two NCCL copies"),
+            "{e}"
+        );
         // nothing mapped: a named file is used, a missing one or none is a clear error
         assert_eq!(choose(&[], Some(s)).unwrap(), s);
         let missing = dir.join("nope.so");

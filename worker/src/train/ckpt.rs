@@ -155,9 +155,9 @@ impl StagePlan {
                 host.push((p.start, p.end, part));
                 continue;
             }
-            let fits = cur
-                .as_ref()
-                .is_some_and(|(from, to, _)| p.start == *to && to - from + (p.end - p.start) <= chunk);
+            let fits = cur.as_ref().is_some_and(|(from, to, _)| {
+                p.start == *to && to - from + (p.end - p.start) <= chunk
+            });
             if !fits {
                 runs.extend(cur.take());
                 cur = Some((p.start, p.start, Vec::new()));
@@ -165,7 +165,8 @@ impl StagePlan {
             let run = cur.as_mut().unwrap();
             run.1 = p.end;
             reusable &= part.is_contiguous();
-            run.2.push(part.contiguous().view([-1]).view_dtype(Kind::Uint8));
+            run.2
+                .push(part.contiguous().view([-1]).view_dtype(Kind::Uint8));
         }
         runs.extend(cur);
         StagePlan {
@@ -205,9 +206,7 @@ pub fn pinned_stage(slot: &mut Option<Tensor>, plan: &StagePlan, index: usize) -
         Some(t) if t.numel() as i64 >= size => t.shallow_clone(),
         _ => {
             let host = Tensor::empty([size.max(1)], (Kind::Uint8, tch::Device::Cpu));
-            let t = host
-                .f_pin_memory(tch::Device::Cuda(index))
-                .unwrap_or(host);
+            let t = host.f_pin_memory(tch::Device::Cuda(index)).unwrap_or(host);
             *slot = Some(t.shallow_clone());
             t
         }
@@ -333,13 +332,17 @@ impl Trainer {
         let tensors = self.state_tensors();
         let ck = self.ckpt.as_mut().unwrap();
         let (layout, data) = if let tch::Device::Cuda(index) = self.dev {
-            let same = |p: &StagePlan| p.reusable && (p.layout.world, p.layout.rank) == (world, rank);
+            let same =
+                |p: &StagePlan| p.reusable && (p.layout.world, p.layout.rank) == (world, rank);
             if !ck.plan.as_ref().is_some_and(same) {
                 let layout = ShardLayout::new(&ck.metas, world, rank);
                 ck.plan = Some(StagePlan::new(layout, &tensors, false, STAGE_CHUNK));
             }
             let plan = ck.plan.as_ref().unwrap();
-            (plan.layout.clone(), pinned_stage(&mut ck.pinned, plan, index))
+            (
+                plan.layout.clone(),
+                pinned_stage(&mut ck.pinned, plan, index),
+            )
         } else {
             let layout = ShardLayout::new(&ck.metas, world, rank);
             let mut buf = ck.pool.lock().unwrap().take().unwrap_or_default();
@@ -728,10 +731,13 @@ mod tests {
                     let part = part_of(&tensors[p.tensor], p);
                     part.copy_data_u8(&mut plain[p.start as usize..p.end as usize], part.numel());
                 }
-                let stage = Tensor::zeros([layout.size as i64 + 16], (Kind::Uint8, tch::Device::Cpu));
+                let stage =
+                    Tensor::zeros([layout.size as i64 + 16], (Kind::Uint8, tch::Device::Cpu));
                 StagePlan::new(layout.clone(), &tensors, true, 1 << 10).write(&stage);
                 let mut got = vec![0u8; layout.size as usize];
-                stage.narrow(0, 0, layout.size as i64).copy_data_u8(&mut got, layout.size as usize);
+                stage
+                    .narrow(0, 0, layout.size as i64)
+                    .copy_data_u8(&mut got, layout.size as usize);
                 assert_eq!(got, plain, "world {world} rank {rank}");
             }
         }
