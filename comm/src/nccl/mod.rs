@@ -1,7 +1,7 @@
-//! The NCCL backend for CUDA tensors (feature `cuda`), through cudarc with dynamic loading: it
-//! compiles and links without CUDA, and every entry point first checks that the CUDA driver and
-//! libnccl are present, turning their absence into [`CommError::Unavailable`] (cudarc panics when
-//! it calls into a library that is not there).
+//! The NCCL backend for CUDA tensors (feature `cuda`). It compiles and links without CUDA (the
+//! CUDA driver through cudarc's dynamic loading, NCCL through [`lib`]), and forming a
+//! communicator first checks that the driver, a device and NCCL are there, turning their absence
+//! into [`CommError::Unavailable`] (cudarc panics when it calls into a library that is not there).
 //!
 //! Communicators are created non-blocking (`blocking = 0`), so initialisation and collectives are
 //! polled and `abort()` from another thread ends them with `ncclCommAbort` instead of a hang.
@@ -18,9 +18,6 @@
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-
-pub mod lib;
-pub use lib::{mapped_copies, nccl, Nccl};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
@@ -30,6 +27,9 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{CommError, Result};
 use crate::rendezvous::Rendezvous;
 use crate::{Communicator, ReduceOp};
+
+pub mod lib;
+pub use lib::{mapped_copies, nccl, Nccl};
 
 /// Whether NCCL can be used here; the error names what is missing.
 pub fn available() -> Result<()> {
