@@ -131,7 +131,122 @@ pub struct TrainingSpec {
     pub comm: String,
 }
 
+/// `[training.model_config]` of a GPT, with its defaults.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GptConfig {
+    pub d_model: i64,
+    pub n_layer: i64,
+    pub n_head: i64,
+    /// Context length: each sample is `ctx + 1` tokens.
+    pub ctx: i64,
+    /// At least the dataset's vocabulary (tokens are u16: at most 65,536).
+    pub vocab: i64,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        GptConfig {
+            d_model: 64,
+            n_layer: 2,
+            n_head: 4,
+            ctx: 32,
+            vocab: 0,
+        }
+    }
+}
+
+/// `[training.model_config]` of an MLP, with its defaults.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MlpConfig {
+    pub hidden: i64,
+    /// Hidden layers (0: a linear model).
+    pub layers: i64,
+}
+
+impl Default for MlpConfig {
+    fn default() -> Self {
+        MlpConfig {
+            hidden: 64,
+            layers: 2,
+        }
+    }
+}
+
+/// Parameters past which a job is refused at submission (a typo like `d_model = 655360` would
+/// otherwise exhaust every worker's memory).
+pub const MAX_MODEL_PARAMS: i64 = 20_000_000_000;
+
 impl TrainingSpec {
+    fn model_config_of<T: serde::de::DeserializeOwned + Default>(&self) -> Result<T> {
+        match &self.model_config {
+            None => Ok(T::default()),
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
+                ClusterError::invalid(
+                    "training.model_config",
+                    format!("{e} (model {:?})", self.model),
+                )
+            }),
+        }
+    }
+
+    /// The GPT's sizes, checked: every field in range, `d_model` divisible by `n_head`.
+    pub fn gpt_config(&self) -> Result<GptConfig> {
+        let c: GptConfig = self.model_config_of()?;
+        let range = |field: &str, v: i64, lo: i64, hi: i64| {
+            if v < lo || v > hi {
+                Err(ClusterError::invalid(
+                    &format!("training.model_config.{field}"),
+                    format!("{v} is outside {lo}..={hi}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        range("d_model", c.d_model, 1, 1 << 16)?;
+        range("n_layer", c.n_layer, 1, 1 << 10)?;
+        range("n_head", c.n_head, 1, 1 << 10)?;
+        range("ctx", c.ctx, 1, 1 << 16)?;
+        range("vocab", c.vocab, 0, 1 << 16)?;
+        if c.d_model % c.n_head != 0 {
+            return Err(ClusterError::invalid(
+                "training.model_config.n_head",
+                format!(
+                    "d_model {} does not divide into {} heads",
+                    c.d_model, c.n_head
+                ),
+            ));
+        }
+        let params =
+            12 * c.n_layer * c.d_model * c.d_model + (c.vocab.max(1) * 2 + c.ctx) * c.d_model;
+        if params > MAX_MODEL_PARAMS {
+            return Err(ClusterError::invalid(
+                "training.model_config",
+                format!("about {params} parameters, more than {MAX_MODEL_PARAMS}"),
+            ));
+        }
+        Ok(c)
+    }
+
+    /// The MLP's sizes, checked.
+    pub fn mlp_config(&self) -> Result<MlpConfig> {
+        let c: MlpConfig = self.model_config_of()?;
+        if !(1..=1 << 16).contains(&c.hidden) {
+            return Err(ClusterError::invalid(
+                "training.model_config.hidden",
+                format!("{} is outside 1..=65536", c.hidden),
+            ));
+        }
+        if !(0..=1 << 10).contains(&c.layers) {
+            return Err(ClusterError::invalid(
+                "training.model_config.layers",
+                format!("{} is outside 0..=1024", c.layers),
+            ));
+        }
+        Ok(c)
+    }
+
     fn default_comm() -> String {
         "auto".into()
     }
@@ -328,6 +443,10 @@ impl TrainingSpec {
                 "training.model",
                 format!("{:?} is unknown (known: \"gpt\", \"mlp\")", self.model),
             ));
+        }
+        match self.model.as_str() {
+            "gpt" => self.gpt_config().map(|_| ())?,
+            _ => self.mlp_config().map(|_| ())?,
         }
         if !(self.dataset.starts_with("file://") || self.dataset.starts_with("s3://")) {
             return Err(ClusterError::invalid(
@@ -796,6 +915,20 @@ keep = 3
         assert!(err(&t("").replace("global_batch = 8", "global_batch = 1"))
             .contains("training.global_batch"));
         assert!(err(&t("").replace("file:///d", "/d")).contains("training.dataset"));
+        // model_config is typed per model: unknown keys, zero heads, a d_model that does not
+        // split into heads and absurd sizes are refused, naming the field
+        let mc = |m: &str| t(&format!("[training.model_config]\n{m}\n"));
+        assert!(JobSpec::from_toml(&mc("d_model = 128\nn_head = 8\nctx = 64")).is_ok());
+        assert!(err(&mc("n_heads = 4")).contains("unknown field `n_heads`"));
+        assert!(err(&mc("n_head = 0")).contains("training.model_config.n_head"));
+        assert!(err(&mc("d_model = 100\nn_head = 3")).contains("does not divide"));
+        assert!(err(&mc("d_model = 65536\nn_layer = 1024")).contains("parameters"));
+        assert!(err(&mc("ctx = -1")).contains("training.model_config.ctx"));
+        assert!(err(&mc("hidden = 3")).contains("unknown field `hidden`"));
+        let mlp = |m: &str| mc(m).replace("model = \"gpt\"", "model = \"mlp\"");
+        assert!(JobSpec::from_toml(&mlp("hidden = 32\nlayers = 0")).is_ok());
+        assert!(err(&mlp("hidden = 0")).contains("training.model_config.hidden"));
+        assert!(err(&mlp("n_head = 2")).contains("unknown field `n_head`"));
         assert!(
             err(&format!("{base}[checkpoint]\nurl = \"http://x\"\n")).contains("checkpoint.url")
         );

@@ -355,6 +355,20 @@ fn training_bad_training_specs_are_refused_before_any_worker_starts() {
             training_toml("b5", 1, 2, 2, "gpt", "https://x/d", ""),
             "invalid training.dataset",
         ),
+        (
+            format!(
+                "{}[training.model_config]\nd_model = 64\nn_head = 0\n",
+                training_toml("b6", 1, 2, 2, "gpt", "file:///d", "")
+            ),
+            "invalid training.model_config.n_head: 0 is outside",
+        ),
+        (
+            format!(
+                "{}[training.model_config]\nn_layers = 4\n",
+                training_toml("b7", 1, 2, 2, "gpt", "file:///d", "")
+            ),
+            "unknown field `n_layers`",
+        ),
     ];
     for (i, (text, want)) in cases.iter().enumerate() {
         let p = dir.join(format!("bad{i}.toml"));

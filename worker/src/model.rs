@@ -8,17 +8,10 @@ use tch::{Kind, Tensor};
 
 use crate::data::Dataset;
 
-fn cfg(spec: &TrainingSpec, key: &str, default: i64) -> i64 {
-    spec.model_config
-        .as_ref()
-        .and_then(|c| c.get(key))
-        .and_then(|v| v.as_i64())
-        .unwrap_or(default)
-}
-
-/// The context length of a GPT job (`model_config.ctx`, default 32).
+/// The context length of a GPT job (`model_config.ctx`, default 32; the spec was checked at
+/// submission).
 pub fn ctx(spec: &TrainingSpec) -> usize {
-    cfg(spec, "ctx", 32) as usize
+    spec.gpt_config().map(|c| c.ctx).unwrap_or(32) as usize
 }
 
 struct Block {
@@ -92,16 +85,9 @@ impl Model {
         let root = vs.root();
         let net = match (spec.model.as_str(), data) {
             ("gpt", Dataset::Tokens { vocab, ctx, .. }) => {
-                let (c, layers, heads) = (
-                    cfg(spec, "d_model", 64),
-                    cfg(spec, "n_layer", 2),
-                    cfg(spec, "n_head", 4),
-                );
-                anyhow::ensure!(
-                    c % heads == 0,
-                    "model_config: d_model {c} must divide into n_head {heads}"
-                );
-                let vocab = (*vocab as i64).max(cfg(spec, "vocab", 0));
+                let g = spec.gpt_config()?;
+                let (c, layers, heads) = (g.d_model, g.n_layer, g.n_head);
+                let vocab = (*vocab as i64).max(g.vocab);
                 Net::Gpt {
                     tok: nn::embedding(&root / "tok", vocab, c, Default::default()),
                     pos: nn::embedding(&root / "pos", *ctx as i64, c, Default::default()),
@@ -124,7 +110,8 @@ impl Model {
             }
             ("mlp", Dataset::Regression { x, y }) => {
                 let (d_in, d_out) = (x.size()[1], y.size()[1]);
-                let (hidden, layers) = (cfg(spec, "hidden", 64), cfg(spec, "layers", 2));
+                let m = spec.mlp_config()?;
+                let (hidden, layers) = (m.hidden, m.layers);
                 let mut s = nn::seq();
                 let mut d = d_in;
                 for i in 0..layers {
