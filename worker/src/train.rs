@@ -123,6 +123,76 @@ fn fnv(bytes: &[u8]) -> u64 {
     })
 }
 
+/// A state blob: magic, step, tensor count, then per tensor its element count and f32 bytes,
+/// then a checksum of all of it.
+fn encode_state(step: u64, tensors: &[&Tensor]) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(b"DCTS1\0\0\0");
+    b.extend_from_slice(&step.to_le_bytes());
+    b.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    for t in tensors {
+        let n = t.numel();
+        b.extend_from_slice(&(n as u64).to_le_bytes());
+        let at = b.len();
+        b.resize(at + n * 4, 0);
+        t.copy_data_u8(&mut b[at..], n);
+    }
+    let sum = fnv(&b);
+    b.extend_from_slice(&sum.to_le_bytes());
+    b
+}
+
+/// Copy a state blob into `targets` and return its step. Every header, count and size is
+/// checked before the first tensor is written, so a bad blob leaves `targets` untouched (a
+/// half-overwritten rank could later be chosen as the source of state).
+fn load_state(b: &[u8], targets: &[Tensor]) -> Result<u64, String> {
+    if b.len() < 32 || &b[..8] != b"DCTS1\0\0\0" {
+        return Err("not a state blob".into());
+    }
+    let (body, sum) = b.split_at(b.len() - 8);
+    if fnv(body) != u64::from_le_bytes(sum.try_into().unwrap()) {
+        return Err("state checksum mismatch".into());
+    }
+    let rd = |at: usize| {
+        body.get(at..at + 8)
+            .map(|x| u64::from_le_bytes(x.try_into().unwrap()))
+            .ok_or_else(|| "state blob truncated".to_string())
+    };
+    let step = rd(8)?;
+    let count = rd(16)? as usize;
+    if count != targets.len() {
+        return Err(format!(
+            "state holds {count} tensors, this model {}",
+            targets.len()
+        ));
+    }
+    let mut parts = Vec::with_capacity(count);
+    let mut at = 24;
+    for (i, t) in targets.iter().enumerate() {
+        let n = rd(at)? as usize;
+        at += 8;
+        if n != t.numel() || at + n * 4 > body.len() {
+            return Err(format!(
+                "state tensor {i} holds {n} values, this model's {}",
+                t.numel()
+            ));
+        }
+        parts.push(&body[at..at + n * 4]);
+        at += n * 4;
+    }
+    if at != body.len() {
+        return Err("state blob has trailing bytes".into());
+    }
+    tch::no_grad(|| {
+        for (t, bytes) in targets.iter().zip(parts) {
+            let src = Tensor::from_data_size(bytes, &t.size(), Kind::Float);
+            let mut t = t.shallow_clone();
+            t.copy_(&src);
+        }
+    });
+    Ok(step)
+}
+
 enum Outcome {
     /// The communicator failed or was aborted: join the next generation.
     Reform(CommError),
@@ -482,61 +552,16 @@ impl Trainer {
     }
 
     fn state_blob(&self) -> Vec<u8> {
-        let mut b = Vec::new();
-        b.extend_from_slice(b"DCTS1\0\0\0");
-        b.extend_from_slice(&self.step.to_le_bytes());
-        let ts = self.tensors();
-        b.extend_from_slice(&(ts.len() as u64).to_le_bytes());
-        for t in ts {
-            let n = t.numel();
-            b.extend_from_slice(&(n as u64).to_le_bytes());
-            let at = b.len();
-            b.resize(at + n * 4, 0);
-            t.copy_data_u8(&mut b[at..], n);
-        }
-        let sum = fnv(&b);
-        b.extend_from_slice(&sum.to_le_bytes());
-        b
+        encode_state(self.step, &self.tensors())
     }
 
     fn load_blob(&mut self, b: &[u8]) -> Result<(), String> {
-        if b.len() < 32 || &b[..8] != b"DCTS1\0\0\0" {
-            return Err("not a state blob".into());
-        }
-        let (body, sum) = b.split_at(b.len() - 8);
-        if fnv(body) != u64::from_le_bytes(sum.try_into().unwrap()) {
-            return Err("state checksum mismatch".into());
-        }
-        let rd = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().unwrap());
-        let step = rd(8);
-        let count = rd(16) as usize;
-        let mut at = 24;
         let targets: Vec<Tensor> = self
             .tensors()
             .into_iter()
             .map(|t| t.shallow_clone())
             .collect();
-        if count != targets.len() {
-            return Err(format!(
-                "state holds {count} tensors, this model {}",
-                targets.len()
-            ));
-        }
-        tch::no_grad(|| -> Result<(), String> {
-            for t in targets {
-                let n = rd(at) as usize;
-                at += 8;
-                if n != t.numel() || at + n * 4 > body.len() {
-                    return Err("state tensor sizes differ".into());
-                }
-                let src = Tensor::from_data_size(&body[at..at + n * 4], &t.size(), Kind::Float);
-                let mut t = t;
-                t.copy_(&src);
-                at += n * 4;
-            }
-            Ok(())
-        })?;
-        self.step = step;
+        self.step = load_state(b, &targets)?;
         Ok(())
     }
 
@@ -667,5 +692,45 @@ impl Trainer {
         }
         self.step += 1;
         Ok(loss)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_state_blob_leaves_every_tensor_untouched() {
+        let a = Tensor::from_slice(&[1f32, 2., 3.]);
+        let b = Tensor::from_slice(&[4f32, 5.]);
+        let good = encode_state(7, &[&a, &b]);
+        // a blob whose second tensor has another size (checksum intact): the first must not
+        // be overwritten before the mismatch is found
+        let other = encode_state(
+            9,
+            &[
+                &Tensor::from_slice(&[10f32, 20., 30.]),
+                &Tensor::from_slice(&[1f32]),
+            ],
+        );
+        let targets = [a.copy(), b.copy()];
+        let e = load_state(&other, &targets).unwrap_err();
+        assert!(e.contains("tensor 1"), "{e}");
+        assert!(
+            targets[0].equal(&a) && targets[1].equal(&b),
+            "a target was overwritten"
+        );
+        let mut flipped = good.clone();
+        flipped[30] ^= 1;
+        assert!(load_state(&flipped, &targets)
+            .unwrap_err()
+            .contains("checksum"));
+        // the good blob loads
+        let fresh = [
+            Tensor::zeros([3], (Kind::Float, Device::Cpu)),
+            Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+        ];
+        assert_eq!(load_state(&good, &fresh).unwrap(), 7);
+        assert!(fresh[0].equal(&a) && fresh[1].equal(&b));
     }
 }
