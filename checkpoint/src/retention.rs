@@ -86,24 +86,37 @@ async fn list_dirs(
     for (&(step, generation), d) in &all {
         let commit_key = format!("{}/{COMMIT}", attempt_dir(step, generation));
         let superseded_key = format!("{}/{SUPERSEDED}", attempt_dir(step, generation));
+        // A read error fails the listing (and so retention) with that error: a commit is never
+        // taken for an attempt because it could not be read. A record that reads but does not
+        // parse keeps its class (committed or superseded) with what the objects tell.
         let mut rec = None;
-        let mut state = CheckpointState::Committed;
+        let mut state = CheckpointState::Attempt;
         if d.objects.iter().any(|(k, _)| *k == superseded_key) {
-            if let Ok(b) = bucket.get(&superseded_key).await {
-                if let Ok(s) = serde_json::from_slice::<SupersededRecord>(&b) {
-                    rec = Some(s.record);
-                    state = CheckpointState::Superseded;
+            state = CheckpointState::Superseded;
+            let b = bucket.get(&superseded_key).await?;
+            match serde_json::from_slice::<SupersededRecord>(&b) {
+                Ok(s) => rec = Some(s.record),
+                Err(e) => {
+                    tracing::warn!(object = %superseded_key, error = %e, "unparsable superseded record: kept as superseded")
                 }
             }
         } else if d.objects.iter().any(|(k, _)| *k == commit_key) {
-            if let Ok(b) = bucket.get(&commit_key).await {
-                rec = serde_json::from_slice::<CheckpointRecord>(&b).ok();
+            state = CheckpointState::Committed;
+            let b = bucket.get(&commit_key).await?;
+            match serde_json::from_slice::<CheckpointRecord>(&b) {
+                Ok(r) => rec = Some(r),
+                Err(e) => {
+                    tracing::warn!(object = %commit_key, error = %e, "unparsable commit record: kept as a commit")
+                }
             }
         }
         if rec.is_none() {
             rec = latest
                 .filter(|l| l.step == step && l.generation == generation)
                 .cloned();
+            if rec.is_some() && state == CheckpointState::Attempt {
+                state = CheckpointState::Committed;
+            }
         }
         let shards: Vec<&(String, ObjectMeta)> = d
             .objects
@@ -135,7 +148,7 @@ async fn list_dirs(
             None => CheckpointInfo {
                 step,
                 generation,
-                state: CheckpointState::Attempt,
+                state,
                 time_ms: newest,
                 bytes: shards.iter().map(|(_, m)| m.size).sum(),
                 world_size: world_from_names,

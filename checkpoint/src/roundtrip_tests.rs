@@ -266,3 +266,34 @@ async fn retention_keeps_the_last_commits_and_drops_stale_attempts() {
         .collect();
     assert_eq!(steps, vec![40, 30]);
 }
+
+/// A commit whose `COMMIT` record reads but does not parse is still a commit: retention does
+/// not take it for an abandoned attempt (and delete it at `attempt_ttl`).
+#[tokio::test]
+async fn retention_never_takes_an_unparsable_commit_for_an_attempt() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 2).await;
+    for step in [10, 20] {
+        save(&store, &bucket, step, 2, 3).await.unwrap();
+    }
+    let commit = format!("{}/{COMMIT}", attempt_dir(20, 2));
+    bucket
+        .put(&commit, Bytes::from_static(b"{ torn"))
+        .await
+        .unwrap();
+    let listed = crate::retention::list(&bucket, None).await.unwrap();
+    assert_eq!(listed[0].step, 20);
+    assert_eq!(
+        listed[0].state,
+        crate::retention::CheckpointState::Committed
+    );
+    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, None)
+        .await
+        .unwrap();
+    assert!(r.deleted_attempts.is_empty(), "{:?}", r.deleted_attempts);
+    assert_eq!(r.kept, vec![20, 10]);
+    assert!(
+        bucket.get(&commit).await.is_ok(),
+        "the commit record was deleted"
+    );
+}
