@@ -694,3 +694,50 @@ fn sha256(b: &[u8]) -> String {
         .unwrap()
         .to_string()
 }
+
+/// A cold start that cannot list the store does not take that for "no checkpoint": the workers
+/// say why, never train from the seed, and restore the latest commit once the store is back.
+#[test]
+fn training_a_cold_start_that_cannot_list_the_store_does_not_start_from_the_seed() {
+    let c = Cluster::start(Spec {
+        s3_proxy: true,
+        ..Spec::default().agents(1, 2)
+    });
+    let s3 = c.s3.as_ref().unwrap();
+    let proxy = c.s3_proxy.as_ref().unwrap();
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let url = format!("s3://{}/jobs/c9", s3.bucket);
+    c.submit(&mlp_job("c9a", 2, &data, &url, 30, 10, ""));
+    wait_done(&c, "c9a", S(120));
+    assert_eq!(latest(&c, "c9a").unwrap().step, 30);
+    // the store goes away; a new job on the same URL cold-starts
+    proxy.stop();
+    c.submit(&mlp_job("c9b", 2, &data, &url, 40, 10, ""));
+    let c9b = |c: &Cluster| -> Vec<String> {
+        agent_logs(c)
+            .lines()
+            .filter(|l| l.contains("job=c9b"))
+            .map(str::to_string)
+            .collect()
+    };
+    c.wait_for(S(120), "the failed listing reported", || {
+        c9b(&c)
+            .iter()
+            .any(|l| l.contains("cannot tell which checkpoints"))
+            .then_some(())
+    });
+    assert!(
+        !c9b(&c).iter().any(|l| l.contains("starting from the seed")),
+        "{:#?}",
+        c9b(&c)
+    );
+    proxy.serve();
+    wait_done(&c, "c9b", S(180));
+    let logs = c9b(&c);
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("joined generation") && l.contains("at step 30 ")),
+        "c9b did not resume from step 30: {logs:#?}"
+    );
+    assert!(!logs.iter().any(|l| l.contains("starting from the seed")));
+}

@@ -468,6 +468,45 @@ impl Trainer {
 
     /// Cold start: every member is at step 0. Restore the newest committed checkpoint that
     /// verifies, falling back to older ones loudly; none → start from the seed.
+    /// The job's latest-commit record (etcd) and the bucket's commits, with the step a chosen
+    /// `restore_step` pins; each read retried with backoff (about 8 s in all) before its error
+    /// is the answer.
+    fn list_commits(
+        &self,
+        bucket: &ductile_checkpoint::Bucket,
+    ) -> Result<(Option<u64>, Vec<CheckpointRecord>), String> {
+        let ck = self.ckpt.as_ref().unwrap();
+        let key = self.store.keys.checkpoint(&self.env.job);
+        let mut delay = Duration::from_millis(250);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let got = self.rt.block_on(async {
+                let latest = self
+                    .store
+                    .get_json::<CheckpointRecord>(&key, "checkpoint")
+                    .await
+                    .map_err(|e| format!("reading {key} from etcd: {e}"))?
+                    .map(|(r, _)| r);
+                let c = committed(bucket, latest.as_ref())
+                    .await
+                    .map_err(|e| format!("listing {}: {e}", bucket.url))?;
+                // a chosen step applies until this submission commits (submitting it clears
+                // the latest-commit record)
+                Ok::<_, String>((ck.spec.restore_step.filter(|_| latest.is_none()), c))
+            });
+            match got {
+                Ok(v) => return Ok(v),
+                Err(e) if tries >= 6 => return Err(format!("{e} (after {tries} tries)")),
+                Err(e) => {
+                    eprintln!("checkpoint: {e}; retrying in {delay:?}");
+                    std::thread::sleep(delay);
+                    delay *= 2;
+                }
+            }
+        }
+    }
+
     pub(super) fn restore(
         &mut self,
         comm: &dyn Communicator,
@@ -478,34 +517,25 @@ impl Trainer {
         let ck = self.ckpt.as_ref().unwrap();
         let bucket = ck.bucket.clone();
         // rank 0 lists the commits (and whether a chosen step pins the restore); everyone then
-        // walks the same list
+        // walks the same list. "No checkpoint" is only ever an answer, never an error: a failed
+        // read of etcd or of the store is retried (bounded), then fails this attempt on every
+        // rank with the error (the worker exits; its agent restarts it within the job's budget)
         let mut list = Vec::new();
         if rank == 0 {
-            let latest = self
-                .rt
-                .block_on(self.store.get_json::<CheckpointRecord>(
-                    &self.store.keys.checkpoint(&self.env.job),
-                    "checkpoint",
-                ))
-                .ok()
-                .flatten()
-                .map(|(r, _)| r);
-            // a chosen step applies until this submission commits (submitting it clears the
-            // latest-commit record)
-            let pinned = ck.spec.restore_step.filter(|_| latest.is_none());
-            match self.rt.block_on(committed(&bucket, latest.as_ref())) {
-                Ok(c) => list = serde_json::to_vec(&(pinned, c))?,
-                Err(e) => eprintln!(
-                    "checkpoint: cannot list {}: {e}; starting from the seed",
-                    bucket.url
-                ),
-            }
+            list = serde_json::to_vec(&self.list_commits(&bucket))?;
         }
         if let Err(e) = comm.broadcast_vec(&mut list, 0) {
             return Ok(Err(e));
         }
-        let (pinned, mut candidates): (Option<u64>, Vec<CheckpointRecord>) =
-            serde_json::from_slice(&list).unwrap_or_default();
+        let listed: Result<(Option<u64>, Vec<CheckpointRecord>), String> =
+            serde_json::from_slice(&list)
+                .map_err(|e| anyhow::anyhow!("undecodable commit list from rank 0: {e}"))?;
+        let (pinned, mut candidates) = listed.map_err(|e| {
+            anyhow::anyhow!(
+                "checkpoint: cannot tell which checkpoints {} holds: {e}; it does not fall back to the seed",
+                bucket.url
+            )
+        })?;
         // the commits a pinned restore leaves behind (superseded once it succeeds)
         let mut after = Vec::new();
         if let Some(n) = pinned {
