@@ -34,7 +34,8 @@ pub fn chunk_offset_bytes(t: &TensorEntry, c: &ChunkEntry) -> u64 {
 }
 
 /// Every committed checkpoint, newest first: the store's commit records, plus `latest` (etcd's
-/// record) whose commit record may not have reached the store yet.
+/// record) whose commit record may not have reached the store yet. When `latest` is given it
+/// is the newest candidate: commits after it are left out.
 pub async fn committed(
     bucket: &Bucket,
     latest: Option<&CheckpointRecord>,
@@ -66,6 +67,9 @@ pub async fn committed(
         }
     }
     if let Some(l) = latest {
+        // etcd's record decides the lineage: a later commit in the store is one the job left
+        // (a rollback whose supersede did not finish), never a candidate
+        out.retain(|k, _| *k <= (l.step, l.generation));
         out.entry((l.step, l.generation))
             .or_insert_with(|| l.clone());
     }

@@ -80,6 +80,18 @@ async fn save(
     generation: u64,
     world: u32,
 ) -> Result<CheckpointRecord, SaveError> {
+    save_with(store, bucket, step, generation, world, |_| async {}).await
+}
+
+/// [`save`], with `between` run after the shards are written and before the commit.
+async fn save_with<F: std::future::Future<Output = ()>>(
+    store: &Store,
+    bucket: &Bucket,
+    step: u64,
+    generation: u64,
+    world: u32,
+    between: impl FnOnce(Store) -> F,
+) -> Result<CheckpointRecord, SaveError> {
     let ts = tensors();
     let data = contents(&ts);
     for rank in 0..world {
@@ -104,6 +116,7 @@ async fn save(
         )
         .await?;
     }
+    between(store.clone()).await;
     gather_and_commit(
         store,
         bucket,
@@ -296,4 +309,54 @@ async fn retention_never_takes_an_unparsable_commit_for_an_attempt() {
         bucket.get(&commit).await.is_ok(),
         "the commit record was deleted"
     );
+}
+
+/// When etcd holds the job's latest commit, commits after it in the store (left behind by a
+/// rollback whose supersede did not finish) are not restore candidates.
+#[tokio::test]
+async fn etcd_s_record_decides_the_lineage_over_later_commits_in_the_store() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 2).await;
+    let mut recs = Vec::new();
+    for step in [10, 20, 30] {
+        recs.push(save(&store, &bucket, step, 2, 2).await.unwrap());
+    }
+    assert_eq!(committed(&bucket, None).await.unwrap()[0].step, 30);
+    // etcd says the job's lineage is at step 20 (it resumed from there)
+    let steps: Vec<u64> = committed(&bucket, Some(&recs[1]))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.step)
+        .collect();
+    assert_eq!(steps, vec![20, 10]);
+}
+
+/// A shard report that cannot be read leaves rows of some tensors without a chunk: the
+/// manifest is refused, naming the tensor, and nothing commits.
+#[tokio::test]
+async fn a_manifest_that_misses_rows_is_never_committed() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 2).await;
+    let prefix = store.keys.checkpoint_shards("j", 10, 2);
+    let e = save_with(&store, &bucket, 10, 2, 2, |store| async move {
+        // rank 1's report is torn (its key holds no report any more)
+        let (kvs, _) = store.backend.list(&prefix).await.unwrap();
+        let last = kvs.last().unwrap().key.clone();
+        store
+            .backend
+            .put(&last, b"{ torn".to_vec(), None)
+            .await
+            .unwrap();
+    })
+    .await
+    .unwrap_err();
+    assert!(matches!(e, SaveError::Uncovered { .. }), "{e}");
+    assert!(e.to_string().contains("tensor"), "{e}");
+    assert!(committed(&bucket, None).await.unwrap().is_empty());
+    assert!(store
+        .get_json::<CheckpointRecord>(&store.keys.checkpoint("j"), "checkpoint")
+        .await
+        .unwrap()
+        .is_none());
 }

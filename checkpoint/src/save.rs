@@ -84,6 +84,12 @@ pub enum SaveError {
     },
     #[error("checkpoint step {step} refused: step {latest} is already committed")]
     NotNewer { step: u64, latest: u64 },
+    #[error("checkpoint step {step} not committed: tensor {tensor}: {reason}")]
+    Uncovered {
+        step: u64,
+        tensor: String,
+        reason: String,
+    },
     #[error("checkpoint step {step} of generation {generation}: {reports} of {world} shard reports after {waited:?}")]
     Incomplete {
         step: u64,
@@ -193,6 +199,42 @@ pub struct CommitInput<'a> {
 }
 
 /// Gather every shard report of (step, generation), write the manifest and commit.
+/// That `t`'s chunks (sorted by first row) cover its rows exactly once, each with the tensor's
+/// other dimensions: a manifest that misses a row is never committed.
+pub fn covered(t: &TensorEntry) -> Result<(), String> {
+    if t.chunks.is_empty() {
+        return Err("no chunk holds it (a shard report is missing or unreadable)".into());
+    }
+    let Some((&rows, rest)) = t.shape.split_first() else {
+        // a scalar: one chunk of no dimensions
+        return if t.chunks.len() == 1 && t.chunks[0].shape.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("a scalar in {} chunks", t.chunks.len()))
+        };
+    };
+    let mut next = 0u64;
+    for ch in &t.chunks {
+        let (first, n) = (ch.offsets.first().copied(), ch.shape.first().copied());
+        if first != Some(next) {
+            return Err(format!(
+                "rows from {next} are missing (a chunk starts at {first:?})"
+            ));
+        }
+        if ch.shape.get(1..) != Some(rest) {
+            return Err(format!(
+                "a chunk of shape {:?} in a tensor of shape {:?}",
+                ch.shape, t.shape
+            ));
+        }
+        next += n.unwrap_or(0);
+    }
+    if next != rows {
+        return Err(format!("chunks cover {next} of {rows} rows"));
+    }
+    Ok(())
+}
+
 pub async fn gather_and_commit(
     store: &Store,
     bucket: &Bucket,
@@ -264,6 +306,13 @@ pub async fn gather_and_commit(
     for t in tensors.values_mut() {
         t.chunks
             .sort_by_key(|ch| ch.offsets.first().copied().unwrap_or(0));
+    }
+    for (name, t) in &tensors {
+        covered(t).map_err(|reason| SaveError::Uncovered {
+            step,
+            tensor: name.clone(),
+            reason,
+        })?;
     }
     let manifest = Manifest {
         format: FORMAT.into(),

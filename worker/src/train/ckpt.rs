@@ -725,6 +725,29 @@ impl Trainer {
                 ck.bucket.url
             );
         }
+        // the data cursor means something only for the same data, batch and order
+        let x = &m.extra;
+        for (field, have, want) in [
+            (
+                "dataset",
+                &x["data_cursor"]["dataset"],
+                serde_json::json!(self.spec.dataset),
+            ),
+            (
+                "global_batch",
+                &x["data_cursor"]["global_batch"],
+                serde_json::json!(self.spec.global_batch),
+            ),
+            ("seed", &x["rng"]["seed"], serde_json::json!(self.spec.seed)),
+        ] {
+            if !have.is_null() && *have != want {
+                anyhow::bail!(
+                    "checkpoint step {} at {} was saved with training.{field} = {have}, this job has {want}: its data position would not resume this run; change checkpoint.url or training.{field}",
+                    m.step,
+                    ck.bucket.url
+                );
+            }
+        }
         Ok(())
     }
 }
