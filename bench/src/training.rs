@@ -147,6 +147,53 @@ pub async fn dp_step(steps: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One step of a bare loop (no control plane): forward and backward on `idx` (on the
+/// parameters' device), the flat gradient and the loss all-reduced, the loss read once, the
+/// update applied.
+#[allow(clippy::too_many_arguments)]
+fn bare_step(
+    model: &ductile_worker::model::Model,
+    params: &[tch::Tensor],
+    opt: &mut ductile_worker::optim::Optimizer,
+    data: &ductile_worker::data::Dataset,
+    idx: &[u64],
+    gb: u64,
+    comm: &dyn Communicator,
+    lr: f64,
+    step: u64,
+) -> anyhow::Result<()> {
+    let dev = params[0].device();
+    for p in params {
+        let mut g = p.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+    let (x, y) = data.batch(idx);
+    let loss = model.loss_sum(&x.to_device(dev), &y.to_device(dev)) / gb as f64;
+    loss.backward();
+    let mut parts: Vec<tch::Tensor> = params.iter().map(|p| p.grad().reshape([-1])).collect();
+    parts.push(loss.detach().reshape([1]).to_kind(tch::Kind::Float));
+    let mut flat = tch::Tensor::cat(&parts, 0).contiguous();
+    comm.all_reduce(&mut flat, ReduceOp::Sum)?;
+    let _ = flat.double_value(&[flat.size()[0] - 1]);
+    let mut grads = Vec::new();
+    let mut at = 0;
+    for p in params {
+        let k = p.numel() as i64;
+        grads.push(flat.narrow(0, at, k).view(p.size().as_slice()));
+        at += k;
+    }
+    ductile_worker::optim::Optimizer::step(
+        opt,
+        params,
+        &grads,
+        ductile_worker::optim::lr_at(lr, step, None),
+        step,
+    );
+    Ok(())
+}
+
 /// One rank of the bare loop: prints its mean ms per step (after 20 warm-up steps).
 pub async fn dp_bare_rank(etcd: &str, data: &str, rank: u32, steps: u64) -> anyhow::Result<()> {
     let comm = crate::allreduce::form_loopback(etcd, "/bench-dp", 1, 4, rank).await?;
@@ -166,31 +213,12 @@ pub async fn dp_bare_rank(etcd: &str, data: &str, rank: u32, steps: u64) -> anyh
         let mut times = Vec::new();
         for step in 0..steps {
             let t0 = Instant::now();
-            for p in &params {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = g.zero_();
-                }
-            }
             let idx: Vec<u64> = (share.start..share.start + share.len)
                 .map(|p| order.sample(step * 32 + p))
                 .collect();
-            let (x, y) = data.batch(&idx);
-            let loss = model.loss_sum(&x, &y) / 32.0;
-            loss.backward();
-            let mut parts: Vec<tch::Tensor> =
-                params.iter().map(|p| p.grad().reshape([-1])).collect();
-            parts.push(tch::Tensor::from_slice(&[loss.double_value(&[]) as f32]));
-            let mut flat = tch::Tensor::cat(&parts, 0).contiguous();
-            comm.all_reduce(&mut flat, ReduceOp::Sum)?;
-            let mut grads = Vec::new();
-            let mut at = 0;
-            for p in &params {
-                let k = p.numel() as i64;
-                grads.push(flat.narrow(0, at, k).view(p.size().as_slice()));
-                at += k;
-            }
-            opt.step(&params, &grads, lr_at(3e-3, step, None), step);
+            bare_step(
+                &model, &params, &mut opt, &data, &idx, 32, &comm, 3e-3, step,
+            )?;
             if step >= 20 {
                 times.push(t0.elapsed().as_secs_f64() * 1000.0);
             }
@@ -272,30 +300,10 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
         let mut times = Vec::new();
         for step in 0..steps {
             let t0 = Instant::now();
-            for p in &params {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = g.zero_();
-                }
-            }
             let idx: Vec<u64> = (0..gb).map(|p| order.sample(step * gb + p)).collect();
-            let (x, y) = data.batch(&idx);
-            let loss = model.loss_sum(&x.to_device(dev), &y.to_device(dev)) / gb as f64;
-            loss.backward();
-            let mut parts: Vec<tch::Tensor> =
-                params.iter().map(|p| p.grad().reshape([-1])).collect();
-            parts.push(loss.detach().reshape([1]).to_kind(tch::Kind::Float));
-            let mut flat = tch::Tensor::cat(&parts, 0).contiguous();
-            comm.all_reduce(&mut flat, ReduceOp::Sum)?;
-            let _ = flat.double_value(&[flat.size()[0] - 1]);
-            let mut grads = Vec::new();
-            let mut at = 0;
-            for p in &params {
-                let k = p.numel() as i64;
-                grads.push(flat.narrow(0, at, k).view(p.size().as_slice()));
-                at += k;
-            }
-            opt.step(&params, &grads, lr_at(3e-4, step, None), step);
+            bare_step(
+                &model, &params, &mut opt, &data, &idx, gb, &comm, 3e-4, step,
+            )?;
             tch::Cuda::synchronize(0);
             if step >= 20 {
                 times.push(t0.elapsed().as_secs_f64() * 1000.0);
