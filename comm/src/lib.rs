@@ -52,6 +52,17 @@ pub(crate) fn scatter_shape(t: &Tensor, world: u32) -> Result<Vec<i64>> {
     Ok(shape)
 }
 
+/// The first of a rank's shards for the ordered all-reduce; every rank needs at least one.
+pub(crate) fn first_shard(shards: &[(u64, Tensor)]) -> Result<&Tensor> {
+    shards
+        .first()
+        .map(|(_, t)| t)
+        .ok_or_else(|| CommError::Invalid {
+            op: "ordered_all_reduce",
+            reason: "every rank needs at least one shard".into(),
+        })
+}
+
 /// After a summing all-reduce: divide by the world size for `ReduceOp::Avg`.
 pub(crate) fn finish_avg(t: &mut Tensor, op: ReduceOp, world: u32) -> Result<()> {
     if op == ReduceOp::Avg {
@@ -165,12 +176,7 @@ impl Communicator for TcpComm {
 
     fn ordered_all_reduce(&self, shards: &[(u64, Tensor)], total: u64) -> Result<Tensor> {
         let op = "ordered_all_reduce";
-        let Some((_, first)) = shards.first() else {
-            return Err(CommError::Invalid {
-                op,
-                reason: "every rank needs at least one shard".into(),
-            });
-        };
+        let first = first_shard(shards)?;
         if shards.iter().any(|(_, s)| off_host(s)) {
             return HostStaged(self).ordered_all_reduce(shards, total);
         }

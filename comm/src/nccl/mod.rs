@@ -515,12 +515,7 @@ impl Communicator for NcclComm {
         // Fixed order on GPUs: gather every rank's shards to every rank, then fold in index
         // order locally (the same fold, so the same bits, at every world size).
         let op = "ordered_all_reduce";
-        let Some((_, first)) = shards.first() else {
-            return Err(CommError::Invalid {
-                op,
-                reason: "every rank needs at least one shard".into(),
-            });
-        };
+        let first = crate::first_shard(shards)?;
         let local = Tensor::stack(
             &shards
                 .iter()
