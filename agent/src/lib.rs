@@ -78,10 +78,6 @@ impl JobView {
     }
 }
 
-/// Exit status of a worker that cannot run on its slot (a GPU or an NCCL that is not there):
-/// the agent does not restart it. Shared with `ductile-worker`.
-pub const EXIT_UNUSABLE: i32 = 78;
-
 pub struct Agent {
     cfg: Config,
     store: Store,

@@ -703,6 +703,11 @@ pub struct JobStatus {
     pub updated_at_ms: u64,
 }
 
+/// Exit status of a worker that cannot run on its slot (its GPU is not there, NCCL cannot
+/// load): it says why in one `ductile-worker: ...` line on stderr, and its agent does not
+/// restart it.
+pub const EXIT_UNUSABLE: i32 = 78;
+
 /// A slot whose worker failed; the daemon leaves it out until the agent clears it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlotHealth {

@@ -26,8 +26,13 @@ fn input(rank: u32, n: i64, kind: Kind) -> Tensor {
 /// [`collectives`] with every tensor on `device` (CUDA tensors for NCCL, or for the TCP
 /// backend's host staging).
 pub fn collectives_on(c: &dyn Communicator, device: Device) -> Result<(), String> {
+    on(device, || collectives(c))
+}
+
+/// Run `f` with the self-test's tensors on `device`.
+fn on<R>(device: Device, f: impl FnOnce() -> R) -> R {
     let prev = DEVICE.with(|d| d.replace(device));
-    let r = collectives(c);
+    let r = f();
     DEVICE.with(|d| d.set(prev));
     r
 }
@@ -39,10 +44,7 @@ pub fn ordered_on(
     len: i64,
     device: Device,
 ) -> Result<Vec<u8>, String> {
-    let prev = DEVICE.with(|d| d.replace(device));
-    let r = ordered(c, total, len);
-    DEVICE.with(|d| d.set(prev));
-    r
+    on(device, || ordered(c, total, len))
 }
 
 fn same(a: &Tensor, b: &Tensor) -> bool {

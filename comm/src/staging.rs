@@ -20,7 +20,9 @@ thread_local! {
 /// allocated per call and dropped).
 const POOL_BYTES: i64 = 4 << 30;
 
-fn pinned_empty(n: i64, kind: Kind, like: Device) -> Tensor {
+/// An uninitialised host tensor of `n` elements, page-locked for `like`'s GPU when `like` is a
+/// CUDA device (and pinning works), else plain host memory.
+pub fn pinned_empty(n: i64, kind: Kind, like: Device) -> Tensor {
     let host = Tensor::empty([n], (kind, Device::Cpu));
     match like {
         Device::Cuda(_) => host.f_pin_memory(like).unwrap_or(host),

@@ -4,8 +4,7 @@
 
 use tch::Device;
 
-/// Exit status of a worker that cannot run on its slot (the agent does not restart it).
-pub const EXIT_UNUSABLE: i32 = 78;
+pub use ductile_cluster::records::EXIT_UNUSABLE;
 
 /// A failure that restarting this worker on this slot would not fix (no GPU, no NCCL).
 #[derive(Debug)]

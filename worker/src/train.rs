@@ -209,8 +209,8 @@ impl Trainer {
         rt: tokio::runtime::Handle,
         cell: Arc<GenCell>,
     ) -> anyhow::Result<Trainer> {
+        // main() checked at start that the device is usable
         let dev = crate::device::parse(&env.device)?;
-        crate::device::check(dev)?;
         if dev == Device::Cpu {
             // a CPU slot is one core's worth of work; GPU slots keep torch's default threads
             tch::set_num_threads(1);

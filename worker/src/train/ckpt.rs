@@ -177,18 +177,20 @@ impl StagePlan {
         }
     }
 
+    /// Copy the host parts into `buf` (the shard's bytes; the header is the caller's).
+    pub fn write_host(&self, buf: &mut [u8]) {
+        for (from, to, part) in &self.host {
+            part.copy_data_u8(&mut buf[*from as usize..*to as usize], part.numel());
+        }
+    }
+
     /// Write the shard (header and parts) into `stage`, a host u8 tensor of at least the
     /// shard's size.
     pub fn write(&self, stage: &Tensor) {
-        let base = stage.data_ptr() as *mut u8;
-        let header = &self.layout.header;
-        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), base, header.len()) };
-        for (from, to, part) in &self.host {
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(base.add(*from as usize), (to - from) as usize)
-            };
-            part.copy_data_u8(dst, part.numel());
-        }
+        let size = self.layout.size as usize;
+        let buf = unsafe { std::slice::from_raw_parts_mut(stage.data_ptr() as *mut u8, size) };
+        buf[..self.layout.header.len()].copy_from_slice(&self.layout.header);
+        self.write_host(buf);
         for (from, to, views) in &self.runs {
             let src = Tensor::cat(views.as_slice(), 0);
             let mut dst = stage.narrow(0, *from as i64, (to - from) as i64);
@@ -205,8 +207,11 @@ pub fn pinned_stage(slot: &mut Option<Tensor>, plan: &StagePlan, index: usize) -
     let stage = match slot {
         Some(t) if t.numel() as i64 >= size => t.shallow_clone(),
         _ => {
-            let host = Tensor::empty([size.max(1)], (Kind::Uint8, tch::Device::Cpu));
-            let t = host.f_pin_memory(tch::Device::Cuda(index)).unwrap_or(host);
+            let t = ductile_comm::staging::pinned_empty(
+                size.max(1),
+                Kind::Uint8,
+                tch::Device::Cuda(index),
+            );
             *slot = Some(t.shallow_clone());
             t
         }
@@ -331,29 +336,22 @@ impl Trainer {
         }
         let tensors = self.state_tensors();
         let ck = self.ckpt.as_mut().unwrap();
-        let (layout, data) = if let tch::Device::Cuda(index) = self.dev {
-            let same =
-                |p: &StagePlan| p.reusable && (p.layout.world, p.layout.rank) == (world, rank);
-            if !ck.plan.as_ref().is_some_and(same) {
-                let layout = ShardLayout::new(&ck.metas, world, rank);
-                ck.plan = Some(StagePlan::new(layout, &tensors, false, STAGE_CHUNK));
-            }
-            let plan = ck.plan.as_ref().unwrap();
-            (
-                plan.layout.clone(),
-                pinned_stage(&mut ck.pinned, plan, index),
-            )
-        } else {
+        // the plan is kept while the world and rank stay (the state is updated in place)
+        let same = |p: &StagePlan| p.reusable && (p.layout.world, p.layout.rank) == (world, rank);
+        if !ck.plan.as_ref().is_some_and(same) {
             let layout = ShardLayout::new(&ck.metas, world, rank);
+            ck.plan = Some(StagePlan::new(layout, &tensors, false, STAGE_CHUNK));
+        }
+        let plan = ck.plan.as_ref().unwrap();
+        let data = if let tch::Device::Cuda(index) = self.dev {
+            pinned_stage(&mut ck.pinned, plan, index)
+        } else {
             let mut buf = ck.pool.lock().unwrap().take().unwrap_or_default();
-            layout.prepare(&mut buf);
-            for p in &layout.placed {
-                let part = part_of(&tensors[p.tensor], p);
-                let n = part.numel();
-                part.copy_data_u8(&mut buf[p.start as usize..p.end as usize], n);
-            }
-            (layout, Bytes::from(buf))
+            plan.layout.prepare(&mut buf);
+            plan.write_host(&mut buf);
+            Bytes::from(buf)
         };
+        let layout = plan.layout.clone();
         let stall_ms = t0.elapsed().as_secs_f64() * 1e3;
         let extra = self.extra_state(g);
         let ck = self.ckpt.as_mut().unwrap();
