@@ -2,10 +2,14 @@
 //! of this node in each job's current generation, reports worker exits at once, restarts failed
 //! workers within the job's budget, fences workers of superseded generations, and drains.
 //!
-//! The agent is one actor: a single loop owns all state and handles one event at a time.
+//! The agent is one actor: a single loop owns all state and handles one event at a time, and
+//! never waits on etcd: writes go through [`writer::Writer`], the restart budget's
+//! compare-and-swap runs in a task that reports back. Its systemd watchdog ping comes from
+//! that loop, so it vouches for the actor itself.
 
 pub mod config;
 pub mod devices;
+pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::Stdio;
@@ -87,8 +91,9 @@ pub struct Agent {
     /// Slots whose worker failed, as reported.
     failed: HashMap<SlotKey, SlotHealth>,
     restarts_due: BTreeMap<Instant, SlotKey>,
-    /// Writes that failed (etcd unreachable) and are retried each tick: key → (value, leased).
-    unsent: BTreeMap<String, (Vec<u8>, bool)>,
+    /// Writes to etcd, queued and retried off the actor's path.
+    writer: writer::Writer,
+    restarts_tx: mpsc::Sender<(SlotKey, RestartOutcome)>,
     draining: Option<(String, Instant)>,
     /// Slots whose worker finished (exit 0) in the given generation: not started again in it.
     finished: HashMap<SlotKey, u64>,
@@ -140,6 +145,10 @@ impl Agent {
             reregistrations: 0,
         };
         let (exits_tx, mut exits_rx) = mpsc::channel(256);
+        let (restarts_tx, mut restarts_rx) = mpsc::channel(256);
+        let writer_cancel = CancellationToken::new();
+        let writer =
+            writer::Writer::start(store.clone(), keeper.subscribe(), writer_cancel.clone());
         let mut agent = Agent {
             cfg: cfg.clone(),
             store: store.clone(),
@@ -148,13 +157,14 @@ impl Agent {
             children: HashMap::new(),
             failed: HashMap::new(),
             restarts_due: BTreeMap::new(),
-            unsent: BTreeMap::new(),
+            writer,
+            restarts_tx,
             draining: None,
             finished: HashMap::new(),
             exits_tx,
             jobs: BTreeMap::new(),
         };
-        agent.register().await;
+        agent.register();
         tracing::info!(node = %agent.node.name, slots = agent.node.slots(), lease = format!("{:x}", agent.lease.id), "node registered");
 
         let watch_cancel = CancellationToken::new();
@@ -187,73 +197,63 @@ impl Agent {
                 },
                 r = drains_rx.changed() => if r.is_ok() {
                     let snap = drains_rx.borrow_and_update().clone();
-                    agent.on_drains(&snap).await;
+                    agent.on_drains(&snap);
                 },
-                Some(exit) = exits_rx.recv() => agent.on_exit(exit).await,
+                Some(exit) = exits_rx.recv() => agent.on_exit(exit),
                 r = lease_rx.changed() => if r.is_ok() {
                     let st = *lease_rx.borrow_and_update();
-                    agent.on_lease(st).await;
+                    agent.on_lease(st);
                 },
                 _ = async { tokio::time::sleep_until(next_restart.unwrap()).await }, if next_restart.is_some() => {
                     let key = agent.restarts_due.pop_first().map(|(_, k)| k).unwrap();
-                    agent.on_restart_due(key).await;
+                    agent.on_restart_due(key);
                 }
+                Some((key, outcome)) = restarts_rx.recv() => agent.on_restart_outcome(key, outcome),
                 Some(notice) = spot_rx.recv() => {
                     tracing::warn!(notice = %notice, "spot interruption notice: draining");
-                    agent.start_drain(format!("spot interruption notice: {notice}")).await;
+                    agent.start_drain(format!("spot interruption notice: {notice}"));
                 }
                 _ = shutdown.cancelled(), if !shutdown_seen => {
                     shutdown_seen = true;
                     ductile_cluster::service::sd_notify("STOPPING=1");
-                    agent.start_drain("agent stopping (SIGTERM)".into()).await;
+                    agent.start_drain("agent stopping (SIGTERM)".into());
                 }
                 _ = tick.tick() => {
+                    // this loop never waits on etcd: a ping says the actor is turning
                     ductile_cluster::service::sd_notify("WATCHDOG=1");
-                    agent.flush_unsent().await;
                 }
             }
             agent.reconcile();
-            if !agent.unsent.is_empty() && agent.lease.healthy {
-                agent.flush_unsent().await;
-            }
             if agent.drain_done() {
                 break;
             }
         }
         tracing::info!(node = %agent.node.name, "drained; leaving");
+        // the workers' exit records are written before the lease goes
+        if !agent.writer.flush(Duration::from_secs(5)).await {
+            tracing::warn!(
+                pending = agent.writer.pending(),
+                "leaving with writes etcd did not take"
+            );
+        }
+        writer_cancel.cancel();
         watch_cancel.cancel();
         lease_cancel.cancel();
         keeper.join().await;
         Ok(())
     }
 
-    async fn write(&mut self, key: String, value: Vec<u8>, leased: bool) {
-        let lease = leased.then_some(self.lease.id);
-        match self.store.backend.put(&key, value.clone(), lease).await {
-            Ok(_) => {
-                self.unsent.remove(&key);
-            }
-            Err(e) => {
-                tracing::warn!(%key, error = %e, "write failed; will retry");
-                self.unsent.insert(key, (value, leased));
-            }
-        }
+    fn write(&mut self, key: String, value: Vec<u8>, leased: bool) {
+        self.writer.put(key, value, leased);
     }
 
-    async fn flush_unsent(&mut self) {
-        let pending: Vec<_> = std::mem::take(&mut self.unsent).into_iter().collect();
-        for (k, (v, leased)) in pending {
-            self.write(k, v, leased).await;
-        }
-    }
-
-    async fn register(&mut self) {
+    fn register(&mut self) {
         let key = self.store.keys.node(&self.node.name);
         let rec = encode(&self.node);
-        self.write(key, rec, true).await;
+        self.write(key, rec, true);
     }
 
-    async fn on_lease(&mut self, st: LeaseState) {
+    fn on_lease(&mut self, st: LeaseState) {
         let old = self.lease;
         self.lease = st;
         if st.epoch != old.epoch {
@@ -262,7 +262,7 @@ impl Agent {
             // by `reconcile`.
             self.node.reregistrations += 1;
             tracing::warn!(node = %self.node.name, lease = format!("{:x}", st.id), "lease was lost; registering again as a rejoining node");
-            self.register().await;
+            self.register();
             let keys: Vec<SlotKey> = self.children.keys().cloned().collect();
             for k in keys {
                 let c = &self.children[&k];
@@ -278,8 +278,7 @@ impl Agent {
                     self.store.keys.worker(&k.0, &self.node.name, k.1),
                     encode(&rec),
                     true,
-                )
-                .await;
+                );
             }
             let failed: Vec<(SlotKey, SlotHealth)> = self
                 .failed
@@ -291,8 +290,7 @@ impl Agent {
                     self.store.keys.slot(&k.0, &self.node.name, k.1),
                     encode(&h),
                     true,
-                )
-                .await;
+                );
             }
         } else if !st.healthy && old.healthy {
             tracing::warn!("etcd unreachable: keeping workers running");
@@ -301,6 +299,7 @@ impl Agent {
 
     fn on_jobs(&mut self, snap: &Snapshot) {
         let mut jobs: BTreeMap<String, JobView> = BTreeMap::new();
+        let mut excluded = Vec::new();
         for kv in snap.kvs.values() {
             let parsed = self.store.keys.parse(&kv.key);
             let ok = |r: Result<(), ductile_cluster::ClusterError>| {
@@ -324,13 +323,41 @@ impl Agent {
                 KeyKind::Stop { job } => jobs.entry(job).or_default().stop = true,
                 KeyKind::Restarts { job } => ok(decode::<u32>(kv, "restart count")
                     .map(|n| jobs.entry(job).or_default().restarts = (n, kv.mod_revision))),
+                KeyKind::Slot { job, node, slot } if node == self.node.name => {
+                    match decode::<SlotHealth>(kv, "slot health") {
+                        Ok(h) if h.excluded => excluded.push(((job, slot), h)),
+                        Ok(_) => {}
+                        Err(e) => ok(Err(e)),
+                    }
+                }
                 _ => {}
             }
         }
         self.jobs = jobs;
+        // The leader excluded a worker of ours that its peers could not reach (stopped,
+        // wedged, cut off): the generation without it fences it (`reconcile` stops it, SIGKILL
+        // after the grace reaches a stopped one too), and it is restarted like a failed one.
+        for (key, h) in excluded {
+            if self.failed.contains_key(&key) {
+                continue;
+            }
+            tracing::warn!(job = %key.0, slot = key.1, detail = %h.exit, "the leader excluded this slot's worker");
+            self.failed.insert(key.clone(), h.clone());
+            if h.will_restart {
+                self.schedule_restart(key);
+            }
+        }
     }
 
-    async fn on_drains(&mut self, snap: &Snapshot) {
+    fn schedule_restart(&mut self, key: SlotKey) {
+        let mut at = Instant::now() + self.cfg.restart_backoff;
+        while self.restarts_due.contains_key(&at) {
+            at += Duration::from_millis(1);
+        }
+        self.restarts_due.insert(at, key);
+    }
+
+    fn on_drains(&mut self, snap: &Snapshot) {
         let mine = snap.kvs.values().find(|kv| matches!(self.store.keys.parse(&kv.key), KeyKind::Drain { node } if node == self.node.name));
         let reason = mine.map(|kv| {
             decode::<DrainRequest>(kv, "drain request")
@@ -347,11 +374,11 @@ impl Agent {
                 Some(r) => tracing::info!(reason = %r, "cordoned: no work will be placed here"),
                 None => tracing::info!("uncordoned"),
             }
-            self.register().await;
+            self.register();
         }
     }
 
-    async fn start_drain(&mut self, reason: String) {
+    fn start_drain(&mut self, reason: String) {
         if self.draining.is_some() {
             return;
         }
@@ -360,7 +387,7 @@ impl Agent {
         self.node.drain_reason = Some(reason);
         // the daemon fits a drain-time checkpoint before this (see `drain_done`)
         self.node.drain_deadline_ms = Some(now_ms() + self.cfg.drain_timeout.as_millis() as u64);
-        self.register().await;
+        self.register();
     }
 
     /// Draining is done when no active job's generation includes this node and every worker
@@ -517,11 +544,13 @@ impl Agent {
                     generation: g.number,
                     exit: format!("cannot start {:?}: {e}", spec.command[0]),
                     will_restart: false,
+                    excluded: false,
                 };
                 self.failed.insert(key.clone(), h.clone());
-                self.unsent.insert(
+                self.write(
                     self.store.keys.slot(&key.0, &self.node.name, key.1),
-                    (encode(&h), true),
+                    encode(&h),
+                    true,
                 );
                 return;
             }
@@ -623,14 +652,14 @@ impl Agent {
             code: None,
             started_at_ms: now_ms(),
         };
-        // written by the flush that follows every reconcile
-        self.unsent.insert(
+        self.write(
             self.store.keys.worker(&key.0, &self.node.name, key.1),
-            (encode(&rec), true),
+            encode(&rec),
+            true,
         );
     }
 
-    async fn on_exit(&mut self, exit: Exit) {
+    fn on_exit(&mut self, exit: Exit) {
         let Some(child) = self.children.remove(&exit.key) else {
             return;
         };
@@ -654,14 +683,11 @@ impl Agent {
             code: exit.code,
             started_at_ms: 0,
         };
-        self.unsent
-            .remove(&self.store.keys.worker(&job, &self.node.name, slot));
         self.write(
             self.store.keys.worker(&job, &self.node.name, slot),
             encode(&rec),
             true,
-        )
-        .await;
+        );
         if expected || exit.code == Some(0) {
             tracing::info!(job = %job, slot, pid = exit.pid, how = %how, "worker exited");
             if exit.code == Some(0) && still_member {
@@ -681,87 +707,126 @@ impl Agent {
             generation: child.generation,
             exit: how,
             will_restart,
+            excluded: false,
         };
         self.failed.insert(exit.key.clone(), h.clone());
         self.write(
             self.store.keys.slot(&job, &self.node.name, slot),
             encode(&h),
             true,
-        )
-        .await;
+        );
         if will_restart {
-            let mut at = Instant::now() + self.cfg.restart_backoff;
-            while self.restarts_due.contains_key(&at) {
-                at += Duration::from_millis(1);
-            }
-            self.restarts_due.insert(at, exit.key);
+            self.schedule_restart(exit.key);
         }
     }
 
     /// Take one restart from the job's budget (compare-and-swap), then clear the slot's failure
-    /// so the daemon lets it rejoin.
-    async fn on_restart_due(&mut self, key: SlotKey) {
+    /// so the daemon lets it rejoin. The etcd side runs in a task that reports back
+    /// ([`Agent::on_restart_outcome`]).
+    fn on_restart_due(&mut self, key: SlotKey) {
         let (job, slot) = key.clone();
-        let ckey = self.store.keys.restarts(&job);
-        for _ in 0..10 {
-            let budget = self
-                .jobs
-                .get(&job)
-                .and_then(|j| j.spec.as_ref())
-                .map(|s| s.restart_budget)
-                .unwrap_or(0);
-            let cur = match self.store.backend.get(&ckey).await {
-                Ok(kv) => kv,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the restart budget; retrying later");
-                    self.restarts_due
-                        .insert(Instant::now() + self.cfg.restart_backoff, key);
-                    return;
-                }
-            };
-            let used: u32 = cur
-                .as_ref()
-                .and_then(|kv| serde_json::from_slice(&kv.value).ok())
-                .unwrap_or(0);
-            if used >= budget {
+        let slot_key = self.store.keys.slot(&job, &self.node.name, slot);
+        if self.children.contains_key(&key) || self.writer.is_pending(&slot_key) {
+            // an excluded worker that has not exited yet, or a failure record not written yet
+            // (it must not land after the restart cleared it): later
+            self.schedule_restart(key);
+            return;
+        }
+        let budget = self
+            .jobs
+            .get(&job)
+            .and_then(|j| j.spec.as_ref())
+            .map(|s| s.restart_budget)
+            .unwrap_or(0);
+        let (store, tx) = (self.store.clone(), self.restarts_tx.clone());
+        tokio::spawn(async move {
+            let out = take_restart(&store, &job, &slot_key, budget).await;
+            let _ = tx.send((key, out)).await;
+        });
+    }
+
+    fn on_restart_outcome(&mut self, key: SlotKey, outcome: RestartOutcome) {
+        let (job, slot) = key.clone();
+        match outcome {
+            RestartOutcome::Restarted { used, budget } => {
+                tracing::info!(job = %job, slot, restart = used, budget, "restarting failed worker: the slot rejoins");
+                self.failed.remove(&key);
+            }
+            RestartOutcome::Exhausted { used, budget } => {
                 tracing::warn!(job = %job, slot, used, budget, "restart budget exhausted: the slot stays out");
                 if let Some(h) = self.failed.get_mut(&key) {
                     h.will_restart = false;
                     let v = encode(h);
-                    self.write(self.store.keys.slot(&job, &self.node.name, slot), v, true)
-                        .await;
+                    self.write(self.store.keys.slot(&job, &self.node.name, slot), v, true);
                 }
-                return;
             }
-            let cmp = match &cur {
-                Some(kv) => Compare::ModRevision(ckey.clone(), kv.mod_revision),
-                None => Compare::Absent(ckey.clone()),
-            };
-            let txn = Txn {
-                compares: vec![cmp],
-                ops: vec![
-                    Op::put(&ckey, encode(&(used + 1))),
-                    Op::Delete {
-                        key: self.store.keys.slot(&job, &self.node.name, slot),
-                    },
-                ],
-            };
-            match self.store.backend.txn(txn).await {
-                Ok(o) if o.succeeded => {
-                    tracing::info!(job = %job, slot, restart = used + 1, budget, "restarting failed worker: the slot rejoins");
-                    self.failed.remove(&key);
-                    return;
-                }
-                Ok(_) => continue,
-                Err(e) => {
-                    tracing::warn!(error = %e, "restart bookkeeping failed; retrying later");
-                    self.restarts_due
-                        .insert(Instant::now() + self.cfg.restart_backoff, key);
-                    return;
-                }
+            RestartOutcome::Retry(why) => {
+                tracing::warn!(job = %job, slot, reason = %why, "restart bookkeeping did not go through; retrying later");
+                self.schedule_restart(key);
             }
         }
     }
+}
+
+/// How a restart's bookkeeping ended.
+enum RestartOutcome {
+    Restarted {
+        used: u32,
+        budget: u32,
+    },
+    Exhausted {
+        used: u32,
+        budget: u32,
+    },
+    /// etcd failed, or the counter kept changing under us: try again after the backoff (never
+    /// dropped silently).
+    Retry(String),
+}
+
+/// Increment the job's restart counter if it is below `budget`, deleting the slot's failure
+/// record in the same transaction.
+async fn take_restart(store: &Store, job: &str, slot_key: &str, budget: u32) -> RestartOutcome {
+    let ckey = store.keys.restarts(job);
+    for _ in 0..10 {
+        let cur = match store.backend.get(&ckey).await {
+            Ok(kv) => kv,
+            Err(e) => return RestartOutcome::Retry(format!("cannot read the restart count: {e}")),
+        };
+        let used: u32 = match cur.as_ref().map(|kv| serde_json::from_slice(&kv.value)) {
+            None => 0,
+            Some(Ok(n)) => n,
+            Some(Err(e)) => {
+                return RestartOutcome::Retry(format!("the restart count is unreadable: {e}"))
+            }
+        };
+        if used >= budget {
+            return RestartOutcome::Exhausted { used, budget };
+        }
+        let cmp = match &cur {
+            Some(kv) => Compare::ModRevision(ckey.clone(), kv.mod_revision),
+            None => Compare::Absent(ckey.clone()),
+        };
+        let txn = Txn {
+            compares: vec![cmp],
+            ops: vec![
+                Op::put(&ckey, encode(&(used + 1))),
+                Op::Delete {
+                    key: slot_key.to_string(),
+                },
+            ],
+        };
+        match store.backend.txn(txn).await {
+            Ok(o) if o.succeeded => {
+                return RestartOutcome::Restarted {
+                    used: used + 1,
+                    budget,
+                }
+            }
+            Ok(_) => continue, // another agent took one meanwhile
+            Err(e) => return RestartOutcome::Retry(format!("the restart transaction failed: {e}")),
+        }
+    }
+    RestartOutcome::Retry("the restart count changed under us 10 times in a row".into())
 }
 
 /// Poll the spot-interruption URL: a 200 answer is a notice.

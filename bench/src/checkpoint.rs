@@ -264,6 +264,7 @@ async fn put_generation(store: &Store, job: &str, number: u64) -> anyhow::Result
         triggered_at_ms: 0,
         published_at_ms: 0,
         backend: Default::default(),
+        fault_retries: 0,
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

@@ -65,6 +65,9 @@ enum Cmd {
         rounds: usize,
         #[arg(long, default_value_t = 4)]
         node_rounds: usize,
+        /// Rounds that SIGSTOP a worker (alive but stuck) instead of killing it.
+        #[arg(long, default_value_t = 3)]
+        stop_rounds: usize,
     },
     /// Step time of the elastic loop against a bare tch loop with the same all-reduce.
     DpStep {
@@ -216,6 +219,7 @@ async fn control_plane(
         id: "bench".into(),
         election_ttl: 30,
         debounce: Duration::from_millis(200),
+        beat: Default::default(),
     };
     let leading = tokio::spawn(lead(daemon_store, leader, lcfg, cancel.clone()));
     tokio::spawn(async move {
@@ -349,7 +353,8 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Recovery {
             rounds,
             node_rounds,
-        } => training::recovery(rounds, node_rounds).await,
+            stop_rounds,
+        } => training::recovery(rounds, node_rounds, stop_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
         Cmd::Nccl { iters, sizes_mib } => gpu::nccl(iters, &sizes_mib).await,
         Cmd::GpuStep { steps } => training::gpu_step(steps).await,

@@ -1,14 +1,15 @@
 //! Training benchmarks.
 //!
 //! `ductile-bench recovery`: 4 CPU workers train a GPT; SIGKILL a worker (or an agent) and
-//! measure the time to the first completed step of the new generation.
+//! measure the time to the first completed step of the new generation; SIGSTOP a worker (alive
+//! but stuck) and measure when the leader excluded it and when the survivors stepped again.
 //! `ductile-bench dp-step`: step time of the elastic loop (the real worker under the control
 //! plane) against a bare tch loop doing the same forward, backward and all-reduce.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ductile_cluster::records::{now_ms, TrainingSpec};
+use ductile_cluster::records::{now_ms, Generation, TrainingSpec};
 
 use ductile_comm::{Communicator, ReduceOp};
 use ductile_tests::*;
@@ -56,7 +57,21 @@ async fn first_step(c: &Cluster, g: u64) -> u64 {
     }
 }
 
-pub async fn recovery(rounds: usize, node_rounds: usize) -> anyhow::Result<()> {
+/// When generation `g` of the bench job was published (unix ms).
+async fn published(c: &Cluster, g: u64) -> u64 {
+    let store = c.store().await;
+    loop {
+        if let Ok(Some((gen, _))) = store
+            .get_json::<Generation>(&store.keys.history_entry("bench", g), "generation")
+            .await
+        {
+            return gen.published_at_ms;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+pub async fn recovery(rounds: usize, node_rounds: usize, stop_rounds: usize) -> anyhow::Result<()> {
     let mut c = Cluster::start(Spec {
         restart_backoff_ms: 3000,
         lease_ttl: 2,
@@ -95,6 +110,37 @@ pub async fn recovery(rounds: usize, node_rounds: usize) -> anyhow::Result<()> {
         println!("agent kill {round} ({name}): first step of generation {} after {s:.3} s (lease TTL {} s)", g + 1, c.spec.lease_ttl);
         node.push(s);
         c.agents.get_mut(&name).unwrap().restart();
+    }
+    // alive but stuck: SIGSTOP a worker; its peers find it silent (no heartbeat), report it,
+    // and the leader excludes it
+    let mut stop_excluded = Vec::new();
+    let mut stop_first = Vec::new();
+    for round in 0..stop_rounds {
+        let v = c.wait_world("bench", 4, Duration::from_secs(90));
+        let g = v.generation;
+        first_step(&c, g).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let victim = v.members[(round + 1) % 4].pid.unwrap();
+        let t0 = now_ms();
+        unsafe { libc::kill(victim as i32, libc::SIGSTOP) };
+        let tp = published(&c, g + 1).await;
+        let t1 = first_step(&c, g + 1).await;
+        unsafe { libc::kill(victim as i32, libc::SIGCONT) };
+        let (e, s) = (
+            tp.saturating_sub(t0) as f64 / 1000.0,
+            (t1 - t0) as f64 / 1000.0,
+        );
+        println!(
+            "worker SIGSTOP {round}: excluded (generation {} published) after {e:.3} s, its first step after {s:.3} s",
+            g + 1
+        );
+        stop_excluded.push(e);
+        stop_first.push(s);
+    }
+    if stop_rounds > 0 {
+        println!("\nrecovery, 4 CPU workers: worker SIGSTOP → excluded median {:.3} s (max {:.3}), first step of the new generation median {:.3} s over {stop_rounds} (liveness timeout {} ms)",
+            median(stop_excluded.clone()), stop_excluded.iter().cloned().fold(0.0, f64::max), median(stop_first),
+            ductile_comm::TcpConfig::from_env().liveness_timeout.as_millis());
     }
     println!("\nrecovery, 4 CPU workers: worker SIGKILL → first step of the new generation median {:.3} s over {rounds}; lost node median {:.3} s over {node_rounds} (TTL {} s)", median(worker), median(node), c.spec.lease_ttl);
     Ok(())

@@ -65,6 +65,7 @@ async fn set_generation(store: &Store, job: &str, number: u64) {
         triggered_at_ms: 0,
         published_at_ms: 0,
         backend: Default::default(),
+        fault_retries: 0,
     };
     store
         .put_json(&store.keys.generation(job), &g, None)
@@ -340,12 +341,14 @@ async fn a_manifest_that_misses_rows_is_never_committed() {
     set_generation(&store, "j", 2).await;
     let prefix = store.keys.checkpoint_shards("j", 10, 2);
     let e = save_with(&store, &bucket, 10, 2, 2, |store| async move {
-        // rank 1's report is torn (its key holds no report any more)
+        // rank 1's report lost its last chunk (a well-formed report that misses rows)
         let (kvs, _) = store.backend.list(&prefix).await.unwrap();
-        let last = kvs.last().unwrap().key.clone();
+        let last = kvs.last().unwrap();
+        let mut r: ShardReport = serde_json::from_slice(&last.value).unwrap();
+        r.chunks.pop();
         store
             .backend
-            .put(&last, b"{ torn".to_vec(), None)
+            .put(&last.key, serde_json::to_vec(&r).unwrap(), None)
             .await
             .unwrap();
     })
@@ -354,6 +357,69 @@ async fn a_manifest_that_misses_rows_is_never_committed() {
     assert!(matches!(e, SaveError::Uncovered { .. }), "{e}");
     assert!(e.to_string().contains("tensor"), "{e}");
     assert!(committed(&bucket, None).await.unwrap().is_empty());
+    assert!(store
+        .get_json::<CheckpointRecord>(&store.keys.checkpoint("j"), "checkpoint")
+        .await
+        .unwrap()
+        .is_none());
+}
+
+#[tokio::test]
+async fn a_writer_that_fails_abandons_the_attempt_at_once_and_a_torn_report_is_named() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 3).await;
+    let ts = tensors();
+    let input = |wait| CommitInput {
+        job: "j",
+        step: 20,
+        generation: 3,
+        world: 2,
+        layout: Layout::data_parallel(2),
+        tensors: &ts,
+        extra: serde_json::json!({}),
+        conditional_create: true,
+        request: None,
+        wait,
+    };
+    // rank 1's upload failed: it says so, and the committer gives up at once although it
+    // would wait ten minutes for a missing report
+    report_failure(&store, "j", 20, 3, 1, "S3 503 on part 4").await;
+    let t0 = std::time::Instant::now();
+    let e = gather_and_commit(&store, &bucket, input(Duration::from_secs(600)))
+        .await
+        .unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert!(
+        matches!(
+            e,
+            SaveError::WriterFailed {
+                rank: 1,
+                step: 20,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("S3 503 on part 4"), "{e}");
+    // the attempt's reports are gone, so the next attempt at this step starts clean
+    let (kvs, _) = store
+        .backend
+        .list(&store.keys.checkpoint_shards("j", 20, 3))
+        .await
+        .unwrap();
+    assert!(kvs.is_empty());
+    // a report that is not a report fails the attempt, naming its key
+    let k = format!("{}0", store.keys.checkpoint_shards("j", 20, 3));
+    store
+        .backend
+        .put(&k, b"{ torn".to_vec(), None)
+        .await
+        .unwrap();
+    let e = gather_and_commit(&store, &bucket, input(Duration::from_secs(600)))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, SaveError::BadReport { .. }), "{e}");
+    assert!(e.to_string().contains(&k), "{e}");
     assert!(store
         .get_json::<CheckpointRecord>(&store.keys.checkpoint("j"), "checkpoint")
         .await

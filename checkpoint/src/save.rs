@@ -90,6 +90,19 @@ pub enum SaveError {
         tensor: String,
         reason: String,
     },
+    #[error("checkpoint step {step} of generation {generation} abandoned: rank {rank} could not write its shard: {error}")]
+    WriterFailed {
+        step: u64,
+        generation: u64,
+        rank: u32,
+        error: String,
+    },
+    #[error("checkpoint step {step}: the shard report at {key} is unreadable: {reason}")]
+    BadReport {
+        step: u64,
+        key: String,
+        reason: String,
+    },
     #[error("checkpoint step {step} of generation {generation}: {reports} of {world} shard reports after {waited:?}")]
     Incomplete {
         step: u64,
@@ -182,6 +195,51 @@ pub async fn write_shard(
     Ok(report)
 }
 
+/// A writer's report that its shard could not be written: the committer abandons the attempt
+/// at once instead of waiting for a report that will never come.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ShardFailure {
+    pub rank: u32,
+    pub failed: String,
+}
+
+/// What a shard report key holds.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ShardOutcome {
+    Failed(ShardFailure),
+    Written(ShardReport),
+}
+
+/// Tell the committer of (step, generation) that this rank's shard failed (best effort, a few
+/// tries: the committer also gives up when the generation moves or its wait ends).
+pub async fn report_failure(
+    store: &Store,
+    job: &str,
+    step: u64,
+    generation: u64,
+    rank: u32,
+    error: &str,
+) {
+    let k = format!(
+        "{}{rank}",
+        store.keys.checkpoint_shards(job, step, generation)
+    );
+    let f = ShardFailure {
+        rank,
+        failed: error.chars().take(500).collect(),
+    };
+    for i in 0..5u64 {
+        match store.put_json(&k, &f, None).await {
+            Ok(_) => return,
+            Err(e) if i == 4 => {
+                tracing::warn!(step, rank, error = %e, "cannot report the failed shard")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200 * (i + 1))).await,
+        }
+    }
+}
+
 /// What the committer knows besides the shard reports.
 pub struct CommitInput<'a> {
     pub job: &'a str,
@@ -249,11 +307,30 @@ pub async fn gather_and_commit(
             .list(&prefix)
             .await
             .map_err(|e| SaveError::Etcd(e, step))?;
-        if kvs.len() >= c.world as usize {
-            break kvs
-                .iter()
-                .filter_map(|kv| serde_json::from_slice(&kv.value).ok())
-                .collect();
+        let mut written = Vec::with_capacity(kvs.len());
+        for kv in &kvs {
+            match serde_json::from_slice::<ShardOutcome>(&kv.value) {
+                Ok(ShardOutcome::Written(r)) => written.push(r),
+                Ok(ShardOutcome::Failed(f)) => {
+                    let _ = store.backend.delete_prefix(&prefix).await;
+                    return Err(SaveError::WriterFailed {
+                        step,
+                        generation: c.generation,
+                        rank: f.rank,
+                        error: f.failed,
+                    });
+                }
+                Err(e) => {
+                    return Err(SaveError::BadReport {
+                        step,
+                        key: kv.key.clone(),
+                        reason: e.to_string(),
+                    })
+                }
+            }
+        }
+        if written.len() >= c.world as usize {
+            break written;
         }
         let current = current_generation(store, c.job, step).await?;
         if current != c.generation {

@@ -14,6 +14,7 @@
 //! {prefix}/jobs/{job}/restarts                 restart counter (u32 as JSON)
 //! {prefix}/jobs/{job}/stop                     the operator asked the job to stop
 //! {prefix}/jobs/{job}/rdv/{gen:020}/...        per-generation rendezvous data (comm)
+//! {prefix}/jobs/{job}/faults/{gen:020}/{rank}  FaultReport: a worker's communicator failed
 //! {prefix}/election                            daemon leader election
 //! ```
 
@@ -86,6 +87,16 @@ pub enum KeyKind {
     },
     CheckpointStats {
         job: String,
+    },
+    Fault {
+        job: String,
+        generation: u64,
+        rank: u32,
+    },
+    /// Any key of a generation's rendezvous space.
+    Rendezvous {
+        job: String,
+        generation: u64,
     },
     Other,
 }
@@ -185,6 +196,26 @@ impl Keys {
     pub fn rendezvous(&self, job: &str, generation: u64) -> String {
         format!("{}/jobs/{job}/rdv/{generation:020}/", self.prefix)
     }
+    /// Fault reports of one generation: workers whose communicator failed without a newer
+    /// generation to go to.
+    pub fn faults(&self, job: &str, generation: u64) -> String {
+        format!("{}/jobs/{job}/faults/{generation:020}/", self.prefix)
+    }
+    pub fn fault(&self, job: &str, generation: u64, rank: u32) -> String {
+        format!("{}/jobs/{job}/faults/{generation:020}/{rank}", self.prefix)
+    }
+    /// Every generation's fault reports.
+    pub fn all_faults(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/faults/", self.prefix)
+    }
+    /// Every generation's join records.
+    pub fn all_joined(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/joined/", self.prefix)
+    }
+    /// Every generation's rendezvous space.
+    pub fn all_rendezvous(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/rdv/", self.prefix)
+    }
     pub fn election(&self) -> String {
         format!("{}/election", self.prefix)
     }
@@ -233,6 +264,21 @@ impl Keys {
                     slot,
                 },
                 Err(_) => KeyKind::Other,
+            },
+            ["jobs", job, "rdv", g, ..] => match g.parse() {
+                Ok(generation) => KeyKind::Rendezvous {
+                    job: s(job),
+                    generation,
+                },
+                Err(_) => KeyKind::Other,
+            },
+            ["jobs", job, "faults", g, r] => match (g.parse(), r.parse()) {
+                (Ok(generation), Ok(rank)) => KeyKind::Fault {
+                    job: s(job),
+                    generation,
+                    rank,
+                },
+                _ => KeyKind::Other,
             },
             ["jobs", job, "joined", g, r] => match (g.parse(), r.parse()) {
                 (Ok(generation), Ok(rank)) => KeyKind::Joined {
@@ -308,6 +354,22 @@ mod tests {
         assert_eq!(
             k.parse(&k.checkpoint_stats("j")),
             KeyKind::CheckpointStats { job: j() }
+        );
+        assert_eq!(
+            k.parse(&k.fault("j", 5, 2)),
+            KeyKind::Fault {
+                job: j(),
+                generation: 5,
+                rank: 2
+            }
+        );
+        assert!(k.fault("j", 5, 2).starts_with(&k.faults("j", 5)));
+        assert_eq!(
+            k.parse(&format!("{}tcp/3", k.rendezvous("j", 9))),
+            KeyKind::Rendezvous {
+                job: j(),
+                generation: 9
+            }
         );
         assert_eq!(k.parse("/other/nodes/n1"), KeyKind::Other);
         // history keys sort numerically because they are zero-padded

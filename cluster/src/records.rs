@@ -73,6 +73,12 @@ fn default_command() -> Vec<String> {
 fn default_restart_budget() -> u32 {
     10
 }
+fn default_fault_retries() -> u32 {
+    3
+}
+fn default_stall_timeout_s() -> u64 {
+    300
+}
 
 /// A job as submitted (TOML file, or JSON over the API). Unknown fields are refused.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -88,6 +94,14 @@ pub struct JobSpec {
     /// How many worker restarts the whole job may use before failed slots stay out.
     #[serde(default = "default_restart_budget")]
     pub restart_budget: u32,
+    /// How many times in a row the leader re-forms the same members after a communicator
+    /// failure that names no culprit, or a stall, without a step in between; then the job fails.
+    #[serde(default = "default_fault_retries")]
+    pub fault_retries: u32,
+    /// A running job that completes no step for this long is re-formed (then failed, after
+    /// `fault_retries`); 0 turns the check off. Only jobs that report progress (`[training]`).
+    #[serde(default = "default_stall_timeout_s")]
+    pub stall_timeout_s: u64,
     /// Extra environment for the workers.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
@@ -634,6 +648,15 @@ pub struct Generation {
     /// leader, so that all ranks agree).
     #[serde(default)]
     pub backend: Backend,
+    /// How many generations in a row were re-formed with the same members after a
+    /// communicator failure or a stall without the job making a step (bounded by the job's
+    /// `fault_retries`; then the job fails).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub fault_retries: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A generation's communicator backend.
@@ -716,6 +739,28 @@ pub struct SlotHealth {
     pub exit: String,
     /// The agent will restart it after its backoff (within the job's restart budget).
     pub will_restart: bool,
+    /// Written by the leader, not the agent: the worker is alive but its peers could not reach
+    /// it (stopped, wedged, cut off). Its agent stops it and restarts it within the budget.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub excluded: bool,
+}
+
+/// A worker's report that its generation's communicator failed while no newer generation
+/// exists (a stopped, wedged or unreachable peer, a protocol error): the leader acts on it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FaultReport {
+    pub generation: u64,
+    pub rank: u32,
+    pub node: String,
+    pub slot: u32,
+    /// `silent` (the peer sent nothing, not even a heartbeat), `timeout`, `peer_lost`,
+    /// `connect`, `rendezvous`, `protocol`, `store`, `aborted`, ...
+    pub kind: String,
+    /// The ranks the failure points at.
+    #[serde(default)]
+    pub suspects: Vec<u32>,
+    pub error: String,
+    pub at_ms: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

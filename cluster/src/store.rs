@@ -244,6 +244,28 @@ impl Store {
         Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)
     }
 
+    /// Mark slots of the current generation excluded (their workers are alive but their peers
+    /// cannot reach them), fenced like a publish and on the generation the decision read.
+    /// Returns false if fenced.
+    pub async fn exclude_slots(
+        &self,
+        job: &str,
+        generation_mod_revision: Revision,
+        fence: &Fence<'_>,
+        slots: &[(String, u32, SlotHealth)],
+    ) -> Result<bool> {
+        let mut compares = vec![Compare::ModRevision(
+            self.keys.generation(job),
+            generation_mod_revision,
+        )];
+        compares.extend(fence.compares(&self.keys, job));
+        let ops = slots
+            .iter()
+            .map(|(node, slot, h)| Op::put(self.keys.slot(job, node, *slot), encode(h)))
+            .collect();
+        Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)
+    }
+
     /// Write a job status, fenced like a publish, and on the status the decision read
     /// (`prev_status_revision`, 0 = none).
     pub async fn put_status(

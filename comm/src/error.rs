@@ -15,6 +15,14 @@ pub enum CommError {
         peer: u32,
         after: Duration,
     },
+    /// The peer sent nothing at all, not even a heartbeat: stopped, frozen or cut off.
+    #[error("generation {generation}: rank {peer} sent nothing (not even a heartbeat) for {after:?} during {op}: it is stopped, frozen or cut off")]
+    Silent {
+        generation: u64,
+        op: &'static str,
+        peer: u32,
+        after: Duration,
+    },
     #[error("generation {generation}: rank {peer} went away during {op}: {source}")]
     PeerLost {
         generation: u64,
@@ -70,3 +78,24 @@ pub enum CommError {
 }
 
 pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+impl CommError {
+    /// What kind of failure this is and which ranks it points at: what a worker tells the
+    /// control plane when its generation's communicator fails (`silent`, `timeout`,
+    /// `peer_lost`, `connect`, `rendezvous` and `protocol` name ranks).
+    pub fn blame(&self) -> (&'static str, Vec<u32>) {
+        use CommError::*;
+        match self {
+            Silent { peer, .. } => ("silent", vec![*peer]),
+            Timeout { peer, .. } => ("timeout", vec![*peer]),
+            PeerLost { peer, .. } => ("peer_lost", vec![*peer]),
+            WrongGeneration { peer, .. } | Protocol { peer, .. } => ("protocol", vec![*peer]),
+            RendezvousTimeout { missing, .. } => ("rendezvous", missing.clone()),
+            Connect { peer, .. } => ("connect", vec![*peer]),
+            Aborted { .. } => ("aborted", vec![]),
+            BadRank { .. } | Invalid { .. } => ("invalid", vec![]),
+            Store { .. } => ("store", vec![]),
+            Unavailable(_) => ("unavailable", vec![]),
+        }
+    }
+}

@@ -50,18 +50,36 @@ impl Rendezvous {
         )
     }
 
-    /// Publish this rank's value under `topic`.
+    /// Publish this rank's value under `topic`, once: a value another attempt left there is
+    /// never taken for this one's (a generation is formed once; every retry is a new
+    /// generation with its own space), so a second, different value is refused.
     pub async fn publish(&self, topic: &str, value: &[u8]) -> Result<(), CommError> {
+        use ductile_cluster::kv::{Compare, Op, Txn};
         let key = format!("{}{}", self.prefix(topic), self.rank);
-        self.store
+        let store_err = |source| CommError::Store {
+            generation: self.generation,
+            source,
+        };
+        let created = self
+            .store
             .backend
-            .put(&key, value.to_vec(), None)
+            .txn(Txn {
+                compares: vec![Compare::Absent(key.clone())],
+                ops: vec![Op::put(&key, value.to_vec())],
+            })
             .await
-            .map_err(|source| CommError::Store {
-                generation: self.generation,
-                source,
-            })?;
-        Ok(())
+            .map_err(store_err)?
+            .succeeded;
+        if created {
+            return Ok(());
+        }
+        match self.store.backend.get(&key).await.map_err(store_err)? {
+            Some(kv) if kv.value == value => Ok(()),
+            _ => Err(CommError::Unavailable(format!(
+                "generation {}: rank {} already published {topic:?} in another attempt; a generation is formed once (waiting for the next)",
+                self.generation, self.rank
+            ))),
+        }
     }
 
     /// Wait until every rank published under `topic`; values in rank order. The error names the
@@ -142,6 +160,11 @@ mod tests {
                 ]
             );
         }
+        // a second attempt at the same generation cannot reuse or overwrite the first's entry
+        let again = Rendezvous::new(store.clone(), "j", 7, 4, 2).unwrap();
+        again.publish("addr", b"127.0.0.1:1002").await.unwrap(); // the same value: idempotent
+        let e = again.publish("addr", b"127.0.0.1:9999").await.unwrap_err();
+        assert!(e.to_string().contains("formed once"), "{e}");
         // another generation is a different space; a missing rank is named
         let r = Rendezvous::new(store.clone(), "j", 8, 3, 0).unwrap();
         r.publish("addr", b"x").await.unwrap();

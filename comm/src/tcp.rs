@@ -3,6 +3,13 @@
 //! the caller's thread reads from the previous one and reduces), a latency path for small
 //! buffers, and the ordered chain of the deterministic mode. `abort()` from any thread shuts every
 //! socket down, which unblocks any pending read or write at once.
+//!
+//! Liveness: a heartbeat thread writes an empty frame to every peer whose socket is idle every
+//! `liveness_timeout / 4`, and readers skip those frames. A read that gets nothing at all (not
+//! even a heartbeat) for `liveness_timeout` fails with [`CommError::Silent`] naming the peer: a
+//! stopped (SIGSTOP), frozen or cut-off process is found in seconds, while a peer that is merely
+//! busy (a long step, a checkpoint) keeps its heartbeats coming and is waited for up to
+//! `op_timeout`.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -20,8 +27,11 @@ const HEADER: usize = 32;
 /// Tunables of the TCP backend.
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
-    /// Longest wait of one call for a peer.
+    /// Longest wait of one call for a peer that is alive (its heartbeats arrive) but sends no
+    /// data: a slow or wedged step.
     pub op_timeout: Duration,
+    /// Longest silence of a peer (no data, no heartbeat) before a read fails naming it.
+    pub liveness_timeout: Duration,
     /// Longest wait for every rank at the rendezvous and for the mesh to connect.
     pub form_timeout: Duration,
     /// Pipelining unit of the ring.
@@ -38,6 +48,7 @@ impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
             op_timeout: Duration::from_secs(300),
+            liveness_timeout: Duration::from_secs(6),
             form_timeout: Duration::from_secs(60),
             chunk_bytes: 1 << 20,
             small_bytes: 64 << 10,
@@ -49,8 +60,8 @@ impl Default for TcpConfig {
 
 impl TcpConfig {
     /// The defaults, with `DUCTILE_COMM_CHUNK_BYTES`, `DUCTILE_COMM_SMALL_BYTES`,
-    /// `DUCTILE_COMM_TIMEOUT_SECS` and `DUCTILE_COMM_HOST` (the address peers reach this rank
-    /// at) applied when set.
+    /// `DUCTILE_COMM_TIMEOUT_SECS`, `DUCTILE_COMM_LIVENESS_MS` and `DUCTILE_COMM_HOST` (the
+    /// address peers reach this rank at) applied when set.
     pub fn from_env() -> TcpConfig {
         let mut c = TcpConfig::default();
         let num = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
@@ -62,6 +73,9 @@ impl TcpConfig {
         }
         if let Some(v) = num("DUCTILE_COMM_TIMEOUT_SECS") {
             c.op_timeout = Duration::from_secs(v.max(1));
+        }
+        if let Some(v) = num("DUCTILE_COMM_LIVENESS_MS") {
+            c.liveness_timeout = Duration::from_millis(v.max(200));
         }
         if let Ok(h) = std::env::var("DUCTILE_COMM_HOST") {
             c.advertise_host = h;
@@ -81,6 +95,8 @@ enum Kind {
     P2P = 6,
     Barrier = 7,
     Ordered = 8,
+    /// An empty frame that says "alive"; readers skip it.
+    Heartbeat = 9,
 }
 
 struct Peer {
@@ -112,11 +128,85 @@ pub struct TcpComm {
     generation: u64,
     rank: u32,
     world: u32,
-    peers: Vec<Option<Peer>>,
+    peers: Arc<Vec<Option<Peer>>>,
     abort: AbortHandle,
     seq: AtomicU64,
     op_lock: Mutex<Scratch>,
     cfg: TcpConfig,
+    /// When the current op gives up on a live but silent peer (ms since `epoch`).
+    op_deadline_ms: AtomicU64,
+    epoch: Instant,
+    heartbeat: Heartbeat,
+}
+
+/// The heartbeat thread of a communicator; stopped when the communicator is dropped.
+struct Heartbeat {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Heartbeat {
+    fn start(
+        peers: Arc<Vec<Option<Peer>>>,
+        aborted: Arc<AtomicBool>,
+        generation: u64,
+        every: Duration,
+    ) -> Heartbeat {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("heartbeat-g{generation}"))
+            .spawn(move || {
+                let frame = header(Kind::Heartbeat, generation, 0, 0);
+                loop {
+                    std::thread::park_timeout(every);
+                    if s.load(Ordering::SeqCst) || aborted.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    for p in peers.iter().flatten() {
+                        // a frame being written already says "alive"; never wait behind it
+                        let Ok(mut w) = p.write.try_lock() else {
+                            continue;
+                        };
+                        let _ = send_heartbeat(&mut w, &frame);
+                    }
+                }
+            })
+            .ok();
+        Heartbeat { stop, thread }
+    }
+
+    fn stop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+/// Write a heartbeat without blocking on a full socket buffer (a peer that does not read is
+/// found by its own silence, not by ours): skipped when nothing fits; a partly written frame
+/// is finished (blocking, bounded by the write timeout) so the stream stays framed.
+fn send_heartbeat(w: &mut TcpStream, frame: &[u8; HEADER]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain send(2) on an open socket from a valid buffer
+    let n = unsafe {
+        libc::send(
+            w.as_raw_fd(),
+            frame.as_ptr() as *const libc::c_void,
+            frame.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.kind() {
+            std::io::ErrorKind::WouldBlock => Ok(()),
+            _ => Err(e),
+        };
+    }
+    w.write_all(&frame[n as usize..])
 }
 
 struct SendPtr(*const u8, usize, Kind);
@@ -254,7 +344,9 @@ impl TcpComm {
             match s {
                 Some(s) => {
                     s.set_nodelay(true).ok();
-                    s.set_read_timeout(Some(cfg.op_timeout)).ok();
+                    // a read waits for a frame or a heartbeat; a write waits for a peer that is
+                    // busy before it reads (compute is uneven), up to the op timeout
+                    s.set_read_timeout(Some(cfg.liveness_timeout)).ok();
                     s.set_write_timeout(Some(cfg.op_timeout)).ok();
                     let clone = |s: &TcpStream| {
                         s.try_clone()
@@ -269,18 +361,29 @@ impl TcpComm {
                 None => peers.push(None),
             }
         }
+        let peers = Arc::new(peers);
+        let aborted = Arc::new(AtomicBool::new(false));
+        let heartbeat = Heartbeat::start(
+            peers.clone(),
+            aborted.clone(),
+            generation,
+            (cfg.liveness_timeout / 4).max(Duration::from_millis(50)),
+        );
         Ok(TcpComm {
             generation,
             rank,
             world,
             peers,
             abort: AbortHandle {
-                aborted: Arc::new(AtomicBool::new(false)),
+                aborted,
                 streams: Arc::new(raw),
             },
             seq: AtomicU64::new(0),
             op_lock: Mutex::new(Scratch::new()),
             cfg,
+            op_deadline_ms: AtomicU64::new(u64::MAX),
+            epoch: Instant::now(),
+            heartbeat,
         })
     }
 
@@ -298,6 +401,23 @@ impl TcpComm {
     }
     pub fn abort(&self) {
         self.abort.abort()
+    }
+
+    /// A failed read: a timeout means the peer sent nothing, not even a heartbeat.
+    fn read_err(&self, op: &'static str, peer: u32, e: std::io::Error) -> CommError {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                if !self.abort.is_aborted() =>
+            {
+                CommError::Silent {
+                    generation: self.generation,
+                    op,
+                    peer,
+                    after: self.cfg.liveness_timeout,
+                }
+            }
+            _ => self.io_err(op, peer, e),
+        }
     }
 
     fn io_err(&self, op: &'static str, peer: u32, e: std::io::Error) -> CommError {
@@ -357,14 +477,15 @@ impl TcpComm {
                 reason: format!("frame of {len} bytes, expected {}", dst.len()),
             });
         }
-        r.read_exact(dst).map_err(|e| self.io_err(op, from, e))
+        r.read_exact(dst).map_err(|e| self.read_err(op, from, e))
     }
 
     fn recv_frame(&self, op: &'static str, kind: Kind, seq: u64, from: u32) -> Result<Vec<u8>> {
         let mut r = self.peer(from).read.lock().unwrap();
         let len = self.read_header(&mut r, op, kind, seq, from)?;
         let mut v = vec![0u8; len as usize];
-        r.read_exact(&mut v).map_err(|e| self.io_err(op, from, e))?;
+        r.read_exact(&mut v)
+            .map_err(|e| self.read_err(op, from, e))?;
         Ok(v)
     }
 
@@ -377,7 +498,23 @@ impl TcpComm {
         from: u32,
     ) -> Result<u64> {
         let mut h = [0u8; HEADER];
-        r.read_exact(&mut h).map_err(|e| self.io_err(op, from, e))?;
+        loop {
+            r.read_exact(&mut h)
+                .map_err(|e| self.read_err(op, from, e))?;
+            if u32::from_le_bytes(h[4..8].try_into().unwrap()) != Kind::Heartbeat as u32 {
+                break;
+            }
+            // alive, but is it getting anywhere?
+            let now = self.epoch.elapsed().as_millis() as u64;
+            if now >= self.op_deadline_ms.load(Ordering::SeqCst) {
+                return Err(CommError::Timeout {
+                    generation: self.generation,
+                    op,
+                    peer: from,
+                    after: self.cfg.op_timeout,
+                });
+            }
+        }
         let magic = u32::from_le_bytes(h[0..4].try_into().unwrap());
         let k = u32::from_le_bytes(h[4..8].try_into().unwrap());
         let g = u64::from_le_bytes(h[8..16].try_into().unwrap());
@@ -427,6 +564,10 @@ impl TcpComm {
         }
         let mut scratch = self.op_lock.lock().unwrap();
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        self.op_deadline_ms.store(
+            (self.epoch.elapsed() + self.cfg.op_timeout).as_millis() as u64,
+            Ordering::SeqCst,
+        );
         let out = f(&mut scratch, seq);
         if let Err(e) = &out {
             if !matches!(e, CommError::Invalid { .. }) {
@@ -944,6 +1085,7 @@ impl TcpComm {
 
 impl Drop for TcpComm {
     fn drop(&mut self) {
+        self.heartbeat.stop();
         for s in self.abort.streams.iter() {
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -1188,5 +1330,46 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(t0.elapsed() < Duration::from_secs(3));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_silent_peer_is_named_within_the_liveness_timeout_while_a_busy_one_is_waited_for() {
+        let cfg = TcpConfig {
+            liveness_timeout: Duration::from_millis(800),
+            op_timeout: Duration::from_secs(60),
+            ..TcpConfig::default()
+        };
+        let mut comms = world(&store(), 51, 2, cfg).await;
+        // busy: rank 1 sends only after three liveness timeouts; its heartbeats keep rank 0
+        // waiting
+        std::thread::scope(|s| {
+            let c1 = &comms[1];
+            s.spawn(move || {
+                std::thread::sleep(Duration::from_millis(2500));
+                c1.send_bytes(&[7u8; 16], 0).unwrap();
+            });
+            let mut b = [0u8; 16];
+            comms[0].recv_bytes(&mut b, 1).unwrap();
+            assert_eq!(b, [7u8; 16]);
+        });
+        // silent: rank 1's heartbeats stop, as a stopped (SIGSTOP) process's do
+        comms[1].heartbeat.stop();
+        let t0 = std::time::Instant::now();
+        let mut b = [0u8; 16];
+        match comms[0].recv_bytes(&mut b, 1) {
+            Err(
+                e @ CommError::Silent {
+                    peer: 1,
+                    generation: 51,
+                    ..
+                },
+            ) => assert_eq!(e.blame(), ("silent", vec![1])),
+            other => panic!("{other:?}"),
+        }
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(700) && took < Duration::from_secs(5),
+            "{took:?}"
+        );
     }
 }

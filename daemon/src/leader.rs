@@ -6,7 +6,7 @@
 //! never publish.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +30,8 @@ pub struct LeaderConfig {
     pub id: String,
     pub election_ttl: i64,
     pub debounce: Duration,
+    /// Set (unix ms) by every pass of the leader loop: what the watchdog ping vouches for.
+    pub beat: Arc<AtomicU64>,
 }
 
 /// Campaign, lead while elected, campaign again; until `cancel`.
@@ -85,6 +87,7 @@ pub async fn run_replica(
         backoff = Duration::from_millis(200);
         tracing::info!(id = %cfg.id, key = %leader_key.key, "became leader");
         ductile_cluster::service::sd_notify("STATUS=leader");
+        cfg.beat.store(now_ms(), Ordering::SeqCst);
         is_leader.store(true, Ordering::SeqCst);
         let lead_cancel = lease_cancel.child_token();
         tokio::select! {
@@ -156,18 +159,54 @@ pub async fn lead(
     let mut told: HashSet<String> = HashSet::new();
     // requests put but maybe not seen by the watch yet: id -> deadline
     let mut asked: HashMap<String, u64> = HashMap::new();
+    // when this leader first saw each job's current (generation, step), and the first fault
+    // report of a generation: on its own clock, never compared with another host's
+    let mut steps: HashMap<String, (u64, u64, Instant)> = HashMap::new();
+    let mut faults_seen: HashMap<(String, u64), Instant> = HashMap::new();
     loop {
         if cancel.is_cancelled() {
             return Ok(());
         }
+        cfg.beat.store(now_ms(), Ordering::SeqCst);
         let fleet = fleet_from(
             &store,
             &nodes_rx.borrow_and_update(),
             &drains_rx.borrow_and_update(),
         );
-        let jobs = jobs_from(&store, &jobs_rx.borrow_and_update());
+        let snap = jobs_rx.borrow_and_update().clone();
+        let mut jobs = jobs_from(&store, &snap);
         let now = Instant::now();
         let mut wake: Option<Instant> = None;
+        steps.retain(|j, _| jobs.contains_key(j));
+        faults_seen.retain(|(j, g), _| {
+            jobs.get(j)
+                .and_then(|o| o.generation.as_ref())
+                .is_some_and(|(cur, _)| cur.number == *g)
+        });
+        for (name, obs) in jobs.iter_mut() {
+            if let Some((g, _)) = &obs.generation {
+                let step = obs
+                    .progress
+                    .as_ref()
+                    .filter(|p| p.generation == g.number)
+                    .map(|p| p.step)
+                    .unwrap_or(0);
+                let e = steps.entry(name.clone()).or_insert((g.number, step, now));
+                if (e.0, e.1) != (g.number, step) {
+                    *e = (g.number, step, now);
+                }
+                obs.stalled_ms = Some((now - e.2).as_millis() as u64);
+                if !obs.faults.is_empty() {
+                    let at = *faults_seen.entry((name.clone(), g.number)).or_insert(now);
+                    obs.faults_seen_ms = (now - at).as_millis() as u64;
+                    // decide when the grace ends even if nothing else happens
+                    let at = at + Duration::from_millis(crate::reconcile::FAULT_GRACE_MS + 10);
+                    if at > now {
+                        wake = Some(wake.map_or(at, |w| w.min(at)));
+                    }
+                }
+            }
+        }
         for (name, obs) in &jobs {
             let ms = now_ms();
             let decision = plan(obs, &fleet, ms);
@@ -218,6 +257,25 @@ pub async fn lead(
                 Decision::Nothing => {
                     pending.remove(name);
                 }
+                Decision::Exclude(slots) => {
+                    pending.remove(name);
+                    let rev = obs.generation.as_ref().map(|(_, r)| *r).unwrap_or(0);
+                    match store.exclude_slots(name, rev, &fence, &slots).await {
+                        Ok(true) => {
+                            for (node, slot, h) in &slots {
+                                tracing::warn!(job = %name, node = %node, slot, generation = h.generation, detail = %h.exit, "excluding a worker its peers cannot reach");
+                            }
+                        }
+                        Ok(false) => {
+                            if !still_leader(&store, &leader).await {
+                                return Err(fenced(&leader));
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(job = %name, error = %e, "cannot exclude; will retry")
+                        }
+                    }
+                }
                 Decision::Status(st) => {
                     pending.remove(name);
                     match store.put_status(&st, obs.status_revision, &fence).await {
@@ -231,16 +289,7 @@ pub async fn lead(
                                     != Some(r.generation)
                                 {
                                     tracing::info!(job = %name, generation = r.generation, reason = %r.reason, seconds = r.seconds, "re-formation complete");
-                                    if r.generation > 1 {
-                                        let _ = store
-                                            .backend
-                                            .delete_prefix(&k.joined(name, r.generation - 1))
-                                            .await;
-                                        let _ = store
-                                            .backend
-                                            .delete_prefix(&k.rendezvous(name, r.generation - 1))
-                                            .await;
-                                    }
+                                    forget_old_generations(&store, &snap, name, r.generation).await;
                                 }
                             }
                         }
@@ -321,6 +370,53 @@ pub async fn lead(
     }
 }
 
+/// How many generations of history a job keeps in etcd (agents read the recent ones to fence
+/// workers that missed one; older ones only grow etcd).
+pub const HISTORY_KEPT: u64 = 256;
+
+/// Once a generation is complete, the join records, rendezvous data and fault reports of
+/// every earlier generation (attempts that failed included) are of no use: delete them, and
+/// history entries older than [`HISTORY_KEPT`] generations, so etcd does not grow with a job's
+/// age.
+async fn forget_old_generations(store: &Store, snap: &Snapshot, job: &str, current: u64) {
+    let k = &store.keys;
+    let mut prefixes = std::collections::BTreeSet::new();
+    let mut old_history = Vec::new();
+    for kv in snap.kvs.values() {
+        match k.parse(&kv.key) {
+            KeyKind::Joined {
+                job: j, generation, ..
+            } if j == job && generation < current => {
+                prefixes.insert(k.joined(job, generation));
+            }
+            KeyKind::Rendezvous { job: j, generation } if j == job && generation < current => {
+                prefixes.insert(k.rendezvous(job, generation));
+            }
+            KeyKind::Fault {
+                job: j, generation, ..
+            } if j == job && generation < current => {
+                prefixes.insert(k.faults(job, generation));
+            }
+            KeyKind::History { job: j, generation }
+                if j == job && generation + HISTORY_KEPT <= current =>
+            {
+                old_history.push(kv.key.clone());
+            }
+            _ => {}
+        }
+    }
+    for p in prefixes {
+        if let Err(e) = store.backend.delete_prefix(&p).await {
+            tracing::warn!(prefix = %p, error = %e, "cannot clean up an old generation's keys; will retry at the next re-formation");
+        }
+    }
+    for key in old_history {
+        if let Err(e) = store.backend.delete(&key).await {
+            tracing::warn!(%key, error = %e, "cannot delete an old history entry");
+        }
+    }
+}
+
 async fn still_leader(store: &Store, leader: &LeaderKey) -> bool {
     match store.backend.get(&leader.key).await {
         Ok(Some(kv)) => kv.create_revision == leader.create_revision,
@@ -368,6 +464,7 @@ pub fn fleet_from(store: &Store, nodes: &Snapshot, drains: &Snapshot) -> Fleet {
 pub fn jobs_from(store: &Store, snap: &Snapshot) -> BTreeMap<String, JobObs> {
     let mut jobs: BTreeMap<String, JobObs> = BTreeMap::new();
     let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
+    let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
     for kv in snap.kvs.values() {
         match store.keys.parse(&kv.key) {
             KeyKind::JobSpec { job } => {
@@ -407,6 +504,15 @@ pub fn jobs_from(store: &Store, snap: &Snapshot) -> BTreeMap<String, JobObs> {
                     joined.entry((job, generation)).or_default().insert(rank, j);
                 }
             }
+            KeyKind::Fault {
+                job,
+                generation,
+                rank,
+            } => {
+                if let Some(f) = decoded(kv, "fault report") {
+                    faults.entry((job, generation)).or_default().insert(rank, f);
+                }
+            }
             KeyKind::Progress { job } => {
                 jobs.entry(job).or_default().progress = decoded(kv, "progress")
             }
@@ -427,6 +533,9 @@ pub fn jobs_from(store: &Store, snap: &Snapshot) -> BTreeMap<String, JobObs> {
         if let Some((g, _)) = &obs.generation {
             if let Some(j) = joined.remove(&(name.clone(), g.number)) {
                 obs.joined = j;
+            }
+            if let Some(f) = faults.remove(&(name.clone(), g.number)) {
+                obs.faults = f;
             }
         }
     }

@@ -6,8 +6,9 @@ pub mod config;
 pub mod leader;
 pub mod reconcile;
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use ductile_cluster::{Keys, KvBackend, Store};
 use tokio_util::sync::CancellationToken;
@@ -36,20 +37,39 @@ pub async fn run(
             .with_graceful_shutdown(async move { c.cancelled().await })
             .await
     });
+    let beat = Arc::new(AtomicU64::new(0));
     let lcfg = leader::LeaderConfig {
         id: cfg.id.clone(),
         election_ttl: cfg.election_ttl,
         debounce: cfg.debounce,
+        beat: beat.clone(),
     };
-    let replica = tokio::spawn(leader::run_replica(store, lcfg, is_leader, cancel.clone()));
+    let replica = tokio::spawn(leader::run_replica(
+        store,
+        lcfg,
+        is_leader.clone(),
+        cancel.clone(),
+    ));
     ductile_cluster::service::sd_notify("READY=1\nSTATUS=standby");
     if let Some(every) = ductile_cluster::service::watchdog_interval() {
         let c = cancel.clone();
         tokio::spawn(async move {
+            let mut withheld = false;
             loop {
                 tokio::select! {
-                    _ = tokio::time::sleep(every) => ductile_cluster::service::sd_notify("WATCHDOG=1"),
+                    _ = tokio::time::sleep(every.min(Duration::from_secs(1))) => {}
                     _ = c.cancelled() => return,
+                }
+                let leading = is_leader.load(Ordering::SeqCst);
+                let age = Duration::from_millis(
+                    ductile_cluster::records::now_ms().saturating_sub(beat.load(Ordering::SeqCst)),
+                );
+                if watchdog_ok(leading, age, every) {
+                    ductile_cluster::service::sd_notify("WATCHDOG=1");
+                    withheld = false;
+                } else if !withheld {
+                    withheld = true;
+                    tracing::error!(silent_s = age.as_secs_f64(), "the leader loop has not turned: withholding the watchdog ping (systemd restarts this replica; another one takes over)");
                 }
             }
         });
@@ -59,4 +79,25 @@ pub async fn run(
     let _ = replica.await;
     server.await??;
     Ok(())
+}
+
+/// Whether the watchdog may be pinged: a standby replica has nothing that can wedge but its
+/// runtime (which a ping from this task already proves turning); a leader pings only while its
+/// loop made a pass within `every` (half of `WatchdogSec`), so a leader loop stuck on anything
+/// is restarted by systemd instead of holding leadership while doing nothing.
+pub fn watchdog_ok(leading: bool, leader_loop_silent_for: Duration, every: Duration) -> bool {
+    !leading || leader_loop_silent_for < every
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_leader_pings_only_while_its_loop_turns() {
+        let every = Duration::from_secs(15);
+        assert!(watchdog_ok(false, Duration::from_secs(3600), every));
+        assert!(watchdog_ok(true, Duration::from_secs(1), every));
+        assert!(!watchdog_ok(true, Duration::from_secs(16), every));
+    }
 }

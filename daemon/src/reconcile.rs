@@ -29,6 +29,13 @@ pub struct JobObs {
     pub checkpoint: Option<CheckpointRecord>,
     pub checkpoint_request: Option<CheckpointRequest>,
     pub checkpoint_stats: Option<CheckpointStats>,
+    /// Fault reports of the current generation, by rank.
+    pub faults: BTreeMap<u32, FaultReport>,
+    /// How long ago, on the leader's clock, the first of `faults` was seen.
+    pub faults_seen_ms: u64,
+    /// How long, on the leader's clock, the current generation has gone without a new step
+    /// since the leader saw its last one (or saw the generation); None when not known.
+    pub stalled_ms: Option<u64>,
 }
 
 /// Live membership: nodes with their records, and the nodes asked to drain.
@@ -56,7 +63,14 @@ pub enum Decision {
     },
     /// Update the status only.
     Status(JobStatus),
+    /// Mark these slots excluded (alive, but their peers cannot reach them), fenced on the
+    /// current generation; the next decision re-forms without them.
+    Exclude(Vec<(String, u32, SlotHealth)>),
 }
+
+/// After the first fault report of a generation, how long the leader waits for the other
+/// members' reports before deciding who is at fault (a rank that reported is alive).
+pub const FAULT_GRACE_MS: u64 = 1_500;
 
 /// Whether two statuses differ in anything but their timestamp.
 pub fn status_differs(a: &JobStatus, b: &JobStatus) -> bool {
@@ -302,6 +316,9 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     let new: BTreeSet<(String, u32)> = chosen.iter().cloned().collect();
     if cur.is_some() && old == new {
         let g = cur.unwrap();
+        if let Some(d) = faults(spec, g, obs, fleet, now) {
+            return d;
+        }
         // Same world: record how the last re-formation went once everyone joined.
         let mut st = status(
             &spec.name,
@@ -381,6 +398,34 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         )
     };
     let survivors = old.intersection(&new).count();
+    build(
+        spec,
+        obs,
+        fleet,
+        &chosen,
+        survivors,
+        (reason, detail),
+        triggered_at,
+        now,
+        0,
+    )
+}
+
+/// A new generation of `chosen` (in rank order) and the status that goes with it.
+#[allow(clippy::too_many_arguments)]
+fn build(
+    spec: &JobSpec,
+    obs: &JobObs,
+    fleet: &Fleet,
+    chosen: &[(String, u32)],
+    survivors: usize,
+    (reason, detail): (Reason, String),
+    triggered_at: u64,
+    now: u64,
+    fault_retries: u32,
+) -> Decision {
+    let cur = obs.generation.as_ref().map(|(g, _)| g);
+    let prev_status = obs.status.as_ref();
     let state_source = match (cur, survivors) {
         (Some(_), s) if s > 0 => StateSource::Peers,
         _ if spec.checkpoint.is_some() => StateSource::Checkpoint,
@@ -424,6 +469,7 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
                 })
                 .collect::<Vec<_>>(),
         ),
+        fault_retries,
     };
     let st = status(
         &spec.name,
@@ -438,6 +484,151 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         status: st,
         debounce: matches!(reason, Reason::Start | Reason::Join),
     }
+}
+
+/// What the current generation's fault reports, or its stall, call for (None: nothing wrong).
+///
+/// A rank that reported is alive. Ranks the reports point at that did not report themselves
+/// (stopped, wedged, cut off) are excluded once every member has reported or been named, or
+/// [`FAULT_GRACE_MS`] after the first report. When every rank reported (or no one is named),
+/// the same members re-form under a new generation; when that already failed once without a
+/// step, the rank most reports name is excluded instead (a partition between live workers).
+/// After `fault_retries` re-formations in a row without a step, the job fails with the reason.
+fn faults(
+    spec: &JobSpec,
+    g: &Generation,
+    obs: &JobObs,
+    fleet: &Fleet,
+    now: u64,
+) -> Option<Decision> {
+    let world = g.world_size;
+    let reports: Vec<&FaultReport> = obs
+        .faults
+        .values()
+        .filter(|f| f.generation == g.number && f.rank < world)
+        .collect();
+    let stalled = spec.stall_timeout_s > 0
+        && spec.training.is_some()
+        && !obs.progress.as_ref().is_some_and(|p| p.done)
+        && obs
+            .stalled_ms
+            .is_some_and(|ms| ms > spec.stall_timeout_s * 1000);
+    if reports.is_empty() && !stalled {
+        return None;
+    }
+    let reporters: BTreeSet<u32> = reports.iter().map(|f| f.rank).collect();
+    let mut named: BTreeMap<u32, Vec<&FaultReport>> = BTreeMap::new();
+    for f in &reports {
+        for s in f.suspects.iter().filter(|s| **s < world && **s != f.rank) {
+            named.entry(*s).or_default().push(f);
+        }
+    }
+    let silent: Vec<u32> = named
+        .keys()
+        .copied()
+        .filter(|r| !reporters.contains(r))
+        .collect();
+    let accounted = (0..world).all(|r| reporters.contains(&r) || named.contains_key(&r));
+    if !reports.is_empty() && !accounted && obs.faults_seen_ms < FAULT_GRACE_MS {
+        // the other members' reports are on their way: decide with them
+        return Some(Decision::Nothing);
+    }
+    let member = |r: u32| g.members.iter().find(|m| m.rank == r);
+    let exclude = |ranks: &[u32]| -> Decision {
+        let slots = ranks
+            .iter()
+            .filter_map(|r| member(*r).map(|m| (*r, m)))
+            .map(|(r, m)| {
+                let by = &named[&r];
+                let who: Vec<String> = by.iter().map(|f| f.rank.to_string()).collect();
+                (
+                    m.node.clone(),
+                    m.slot,
+                    SlotHealth {
+                        failed_at_ms: now,
+                        generation: g.number,
+                        exit: format!(
+                            "excluded: rank {r} was unreachable for rank(s) {} ({})",
+                            who.join(", "),
+                            by[0].error.chars().take(300).collect::<String>()
+                        ),
+                        will_restart: true,
+                        excluded: true,
+                    },
+                )
+            })
+            .collect();
+        Decision::Exclude(slots)
+    };
+    if !silent.is_empty() {
+        return Some(exclude(&silent));
+    }
+    // everyone reported (or no one is named): re-form the same members, bounded
+    let progressed = obs
+        .progress
+        .as_ref()
+        .is_some_and(|p| p.step > g.resume_step);
+    let retries = if progressed { 1 } else { g.fault_retries + 1 };
+    if retries >= 2 && !progressed {
+        // the same members failed again without a step: a live pair that cannot talk (a
+        // partition between workers). Exclude the rank most reports name (ties: the highest).
+        if let Some((r, _)) = named
+            .iter()
+            .max_by_key(|(r, by)| (by.len(), **r))
+            .filter(|_| world > 1)
+        {
+            return Some(exclude(&[*r]));
+        }
+    }
+    let what = match reports.first() {
+        Some(f) => format!(
+            "rank {} reported: {}",
+            f.rank,
+            f.error.chars().take(300).collect::<String>()
+        ),
+        None => format!("no step for {} s", obs.stalled_ms.unwrap_or(0) / 1000),
+    };
+    if retries > spec.fault_retries {
+        return Some(Decision::Status(status(
+            &spec.name,
+            JobState::Failed,
+            Some(g),
+            obs.status.as_ref(),
+            format!(
+                "generation {} failed ({what}) after {} re-formation(s) in a row without a step: giving up",
+                g.number, g.fault_retries
+            ),
+            now,
+        )));
+    }
+    let chosen: Vec<(String, u32)> = {
+        let mut ms = g.members.clone();
+        ms.sort_by_key(|m| m.rank);
+        ms.into_iter().map(|m| (m.node, m.slot)).collect()
+    };
+    let triggered_at = reports
+        .iter()
+        .map(|f| f.at_ms)
+        .min()
+        .unwrap_or(now)
+        .min(now);
+    Some(build(
+        spec,
+        obs,
+        fleet,
+        &chosen,
+        chosen.len(),
+        (
+            Reason::Failure,
+            format!(
+                "generation {} failed ({what}); re-forming the same members (try {retries} of {})",
+                g.number, spec.fault_retries
+            ),
+        ),
+        triggered_at,
+        now,
+        retries,
+    ))
 }
 
 #[cfg(test)]
@@ -494,6 +685,12 @@ mod tests {
             }
             Decision::Status(s) => {
                 obs.status = Some(s);
+                None
+            }
+            Decision::Exclude(slots) => {
+                for (n, s, h) in slots {
+                    obs.failed.insert((n, s), h);
+                }
                 None
             }
             Decision::Nothing => None,
@@ -578,6 +775,7 @@ mod tests {
                 generation: 1,
                 exit: "killed by signal 9".into(),
                 will_restart: true,
+                excluded: false,
             },
         );
         let g = step(&mut obs, &f, 7).unwrap();
@@ -608,6 +806,7 @@ mod tests {
                 generation: 4,
                 exit: "exit code 1".into(),
                 will_restart: false,
+                excluded: false,
             },
         );
         let d = plan(&obs, &f, 12);
@@ -782,5 +981,174 @@ mod tests {
         apply(&mut obs, d);
         obs.stop_requested = true;
         assert_eq!(plan(&obs, &f, 2), Decision::Nothing, "terminal states stay");
+    }
+
+    fn report(generation: u64, rank: u32, kind: &str, suspects: &[u32]) -> FaultReport {
+        FaultReport {
+            generation,
+            rank,
+            node: "a".into(),
+            slot: rank,
+            kind: kind.into(),
+            suspects: suspects.to_vec(),
+            error: format!("{kind} from rank {rank}"),
+            at_ms: 5,
+        }
+    }
+    fn started(n: u32) -> (JobObs, Fleet) {
+        let mut obs = JobObs {
+            spec: Some(spec(1, n, n)),
+            ..Default::default()
+        };
+        let f = fleet(&[("a", n)]);
+        let g = step(&mut obs, &f, 10).unwrap();
+        assert_eq!(g.world_size, n);
+        (obs, f)
+    }
+
+    #[test]
+    fn a_silent_rank_is_excluded_once_the_others_reported_and_the_job_re_forms_without_it() {
+        let (mut obs, f) = started(3);
+        // rank 1 stopped: rank 2 (which reads from it) found it silent, rank 0 lost rank 2
+        obs.faults = [
+            (0, report(1, 0, "peer_lost", &[2])),
+            (2, report(1, 2, "silent", &[1])),
+        ]
+        .into();
+        match plan(&obs, &f, 20) {
+            Decision::Exclude(slots) => {
+                assert_eq!(slots.len(), 1);
+                let (n, s, h) = &slots[0];
+                assert_eq!((n.as_str(), *s), ("a", 1));
+                assert!(h.excluded && h.will_restart && h.generation == 1);
+                assert!(
+                    h.exit.contains("rank 1 was unreachable for rank(s) 2"),
+                    "{}",
+                    h.exit
+                );
+                obs.failed.insert((n.clone(), *s), h.clone());
+            }
+            d => panic!("{d:?}"),
+        }
+        obs.faults.clear();
+        let g = step(&mut obs, &f, 30).unwrap();
+        assert_eq!(
+            slots(&g),
+            vec![("a".into(), 0, 0), ("a".into(), 2, 1)],
+            "the survivors keep their order"
+        );
+        assert_eq!(g.reason, Reason::Failure);
+        assert_eq!(g.state_source, StateSource::Peers);
+        assert!(g.detail.contains("excluded"), "{}", g.detail);
+        assert_eq!(g.fault_retries, 0);
+    }
+
+    #[test]
+    fn the_leader_waits_a_grace_for_the_other_reports_before_naming_a_culprit() {
+        let (mut obs, f) = started(3);
+        obs.faults = [(0, report(1, 0, "silent", &[1]))].into();
+        // rank 2 has neither reported nor been named: it may be reporting right now
+        obs.faults_seen_ms = 200;
+        assert_eq!(plan(&obs, &f, 20), Decision::Nothing);
+        obs.faults_seen_ms = FAULT_GRACE_MS + 1;
+        match plan(&obs, &f, 20) {
+            Decision::Exclude(slots) => assert_eq!(slots[0].1, 1),
+            d => panic!("{d:?}"),
+        }
+        // a report of another generation is not about this one
+        obs.faults = [(0, report(7, 0, "silent", &[1]))].into();
+        assert_eq!(plan(&obs, &f, 20), Decision::Nothing);
+    }
+
+    #[test]
+    fn when_every_rank_reports_the_same_members_re_form_then_a_culprit_is_excluded() {
+        let (mut obs, f) = started(2);
+        // a partition between two live workers: each finds the other silent
+        obs.faults = [
+            (0, report(1, 0, "silent", &[1])),
+            (1, report(1, 1, "silent", &[0])),
+        ]
+        .into();
+        let g = step(&mut obs, &f, 20).expect("the same members re-form");
+        assert_eq!(g.number, 2);
+        assert_eq!(g.fault_retries, 1);
+        assert_eq!(slots(&g).len(), 2);
+        assert!(g.detail.contains("try 1 of 3"), "{}", g.detail);
+        // it fails again without a step: one of the pair goes (the highest rank on a tie)
+        obs.faults = [
+            (0, report(2, 0, "silent", &[1])),
+            (1, report(2, 1, "silent", &[0])),
+        ]
+        .into();
+        match plan(&obs, &f, 30) {
+            Decision::Exclude(slots) => assert_eq!((slots[0].0.as_str(), slots[0].1), ("a", 1)),
+            d => panic!("{d:?}"),
+        }
+    }
+
+    #[test]
+    fn re_formations_without_a_step_are_bounded_then_the_job_fails_with_the_reason() {
+        let (mut obs, f) = started(2);
+        for want in 1..=3u32 {
+            let n = obs.generation.as_ref().unwrap().0.number;
+            obs.faults = [
+                (0, report(n, 0, "store", &[])),
+                (1, report(n, 1, "store", &[])),
+            ]
+            .into();
+            let g = step(&mut obs, &f, 20 + want as u64).expect("re-formed");
+            assert_eq!(g.fault_retries, want);
+        }
+        let n = obs.generation.as_ref().unwrap().0.number;
+        obs.faults = [
+            (0, report(n, 0, "store", &[])),
+            (1, report(n, 1, "store", &[])),
+        ]
+        .into();
+        match plan(&obs, &f, 40) {
+            Decision::Status(st) => {
+                assert_eq!(st.state, JobState::Failed);
+                assert!(st.message.contains("store from rank 0"), "{}", st.message);
+                assert!(st.message.contains("giving up"), "{}", st.message);
+            }
+            d => panic!("{d:?}"),
+        }
+        // a step in between resets the count
+        obs.progress = Some(Progress {
+            generation: n,
+            step: 9,
+            loss: None,
+            samples_per_sec: None,
+            updated_at_ms: 0,
+            done: false,
+            final_weights_sha256: None,
+        });
+        let g = step(&mut obs, &f, 50).expect("re-formed");
+        assert_eq!(g.fault_retries, 1);
+    }
+
+    #[test]
+    fn a_stalled_training_job_re_forms_after_its_stall_timeout() {
+        let mut obs = JobObs {
+            spec: Some(
+                JobSpec::from_toml(
+                    "name = \"j\"\nmin = 1\nmax = 2\ndesired = 2\nstall_timeout_s = 60\n[training]\nmodel = \"mlp\"\ndataset = \"file:///x\"\nglobal_batch = 8\n",
+                )
+                .unwrap(),
+            ),
+            ..Default::default()
+        };
+        let f = fleet(&[("a", 2)]);
+        step(&mut obs, &f, 10).unwrap();
+        obs.stalled_ms = Some(59_000);
+        assert!(matches!(
+            plan(&obs, &f, 20),
+            Decision::Nothing | Decision::Status(_)
+        ));
+        obs.stalled_ms = Some(61_000);
+        let g = step(&mut obs, &f, 30).expect("re-formed");
+        assert!(g.detail.contains("no step for 61 s"), "{}", g.detail);
+        assert_eq!(g.fault_retries, 1);
+        assert_eq!(g.members.len(), 2);
     }
 }

@@ -281,6 +281,64 @@ fn restarting_etcd_leaves_workers_running_and_the_control_plane_recovers() {
 }
 
 #[test]
+fn an_agent_keeps_pinging_its_watchdog_while_etcd_hangs_and_its_writes_wait() {
+    // the agent's systemd socket, stood in for by the test
+    let dir = TempDir::new("notify");
+    let path = dir.path().join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut c = Cluster::start(Spec {
+        lease_ttl: 5,
+        election_ttl: 5,
+        agent_env: vec![
+            ("NOTIFY_SOCKET".into(), path.display().to_string()),
+            // pings every second (half of it, capped at 1 s)
+            ("WATCHDOG_USEC".into(), "2000000".into()),
+        ],
+        ..Spec::default().agents(1, 2)
+    });
+    c.submit(&format!(
+        "{}command = [\"sleep\", \"600\"]\n",
+        job_toml("j12", 1, 2, 2)
+    ));
+    let v = c.wait_world("j12", 2, S(20));
+    // etcd hangs (every request waits for its timeout) and a worker dies: the agent has an
+    // exit record and a failure record to write
+    c.etcd.proc.stop();
+    unsafe { libc::kill(v.members[0].pid.unwrap() as i32, libc::SIGKILL) };
+    let t0 = Instant::now();
+    let mut last = Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut pings = 0;
+    let mut buf = [0u8; 256];
+    while t0.elapsed() < S(12) {
+        if let Ok(n) = sock.recv(&mut buf) {
+            if String::from_utf8_lossy(&buf[..n]).contains("WATCHDOG=1") {
+                worst = worst.max(last.elapsed());
+                last = Instant::now();
+                pings += 1;
+            }
+        }
+    }
+    worst = worst.max(last.elapsed());
+    c.etcd.proc.cont();
+    assert!(pings >= 8, "{pings} pings in 12 s");
+    assert!(
+        worst < Duration::from_millis(2500),
+        "the watchdog went {worst:?} without a ping (systemd would kill the agent)"
+    );
+    // and the writes that waited go through once etcd answers: the job re-forms without the
+    // dead worker's slot
+    c.wait_for(S(30), "a failure generation after etcd came back", || {
+        history(&c, "j12")
+            .into_iter()
+            .find(|g| g.reason == Reason::Failure)
+    });
+    assert!(c.agents.values_mut().all(|a| a.try_wait().is_none()));
+}
+
+#[test]
 fn a_stopped_agent_past_its_ttl_is_removed_fences_its_workers_and_rejoins() {
     // `sleep` workers do not follow generations themselves: only the agent can fence them
     let c = Cluster::start(Spec {

@@ -86,6 +86,72 @@ fn training_a_killed_worker_leaves_survivors_training_in_place_and_the_loss_keep
     );
 }
 
+#[test]
+fn training_a_stopped_worker_is_excluded_in_seconds_and_rejoins_after_its_restart() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 500,
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    c.submit(&format!(
+        "{}max_steps = 100000
+",
+        training_toml("t8", 1, 4, 4, "gpt", &data, "restart_budget = 3")
+    ));
+    let v = c.wait_world("t8", 4, S(30));
+    wait_step(&c, "t8", 20, S(60));
+    // alive but stuck: its sockets stay open, its heartbeats stop
+    let victim = v.members.iter().find(|m| m.rank == 1).unwrap().clone();
+    let pid = victim.pid.unwrap();
+    let t0 = std::time::Instant::now();
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    let v3 = c.wait_world("t8", 3, S(40));
+    let took = t0.elapsed();
+    let g = history(&c, "t8").into_iter().last().unwrap();
+    assert_eq!(g.reason, Reason::Failure);
+    assert!(
+        g.detail.contains(&format!(
+            "worker {}/{} failed (excluded",
+            victim.node, victim.slot
+        )),
+        "{}",
+        g.detail
+    );
+    assert!(g.detail.contains("sent nothing"), "{}", g.detail);
+    assert!(
+        !v3.members.iter().any(|m| m.pid == Some(pid)),
+        "the stopped worker is out"
+    );
+    println!("a SIGSTOPped worker was excluded after {took:?}");
+    // its agent stops it (SIGKILL after the grace reaches a stopped process)
+    c.wait_for(S(30), "the stopped worker killed", || {
+        (!pid_alive(pid)).then_some(())
+    });
+    // the survivors train on, and the slot rejoins after its restart
+    let at = c.status("t8").step;
+    wait_step(&c, "t8", at + 10, S(60));
+    let v4 = c.wait_world("t8", 4, S(60));
+    assert!(v4
+        .members
+        .iter()
+        .any(|m| m.node == victim.node && m.slot == victim.slot));
+    wait_step(&c, "t8", c.status("t8").step + 10, S(60));
+    // the failed generation's keys are gone once the job re-formed
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(c.store());
+    let (faults, _) = rt
+        .block_on(store.backend.list(&store.keys.all_faults("t8")))
+        .unwrap();
+    assert!(
+        faults
+            .iter()
+            .all(|kv| !kv.key.contains(&format!("/{:020}/", v.generation))),
+        "fault reports of generation {} remain: {:?}",
+        v.generation,
+        faults.iter().map(|kv| &kv.key).collect::<Vec<_>>()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn training_newcomers_receive_state_and_every_rank_holds_the_same_weights() {
     let c = Cluster::start(Spec::default().agents(2, 2));

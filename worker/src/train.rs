@@ -77,6 +77,18 @@ impl GenCell {
             l = self.cv.wait(l).unwrap();
         }
     }
+    /// A generation newer than `than`, or None after `bound`.
+    fn wait_newer_for(&self, than: u64, bound: Duration) -> Option<Generation> {
+        let deadline = Instant::now() + bound;
+        let mut l = self.latest.lock().unwrap();
+        loop {
+            if let Some(g) = l.as_ref().filter(|g| g.number > than) {
+                return Some(g.clone());
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            l = self.cv.wait_timeout(l, left).unwrap().0;
+        }
+    }
     fn install(&self, generation: u64, comm: Arc<dyn Communicator>) {
         *self.abort.lock().unwrap() = Some((generation, comm.clone()));
         if self.newest() > generation {
@@ -193,6 +205,17 @@ fn load_state(b: &[u8], targets: &[Tensor]) -> Result<u64, String> {
     Ok(step)
 }
 
+/// How long a worker whose generation failed waits for the leader's answer
+/// (`DUCTILE_FAULT_WAIT_SECS`, default 120).
+fn fault_wait() -> Duration {
+    Duration::from_secs(
+        std::env::var("DUCTILE_FAULT_WAIT_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(120),
+    )
+}
+
 enum Outcome {
     /// The communicator failed or was aborted: join the next generation.
     Reform(CommError),
@@ -285,13 +308,8 @@ impl Trainer {
             let comm = match self.form(&g, me.rank)? {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::warn!(generation = g.number, error = %e, "could not form the communicator; waiting for the next generation");
-                    // a member that is gone makes the daemon publish a new generation; if none
-                    // comes, retry this one
-                    if self.cell.newest() == g.number {
-                        std::thread::sleep(Duration::from_millis(500));
-                        current = g.number - 1;
-                    }
+                    tracing::warn!(generation = g.number, error = %e, "could not form the communicator");
+                    self.failed_generation(&g, me.rank, &e)?;
                     continue;
                 }
             };
@@ -299,10 +317,70 @@ impl Trainer {
             match self.generation(&g, comm.as_ref(), me.rank) {
                 Ok(Outcome::Done) => return Ok(()),
                 Ok(Outcome::Reform(e)) => {
-                    tracing::info!(generation = g.number, step = self.step, reason = %e, "leaving generation")
+                    tracing::info!(generation = g.number, step = self.step, reason = %e, "leaving generation");
+                    self.failed_generation(&g, me.rank, &e)?;
                 }
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// The communicator of `g` failed. If a newer generation exists, that was the reason and
+    /// the loop goes on to it. Otherwise tell the control plane what failed and which ranks it
+    /// points at (`jobs/{job}/faults/{gen}/{rank}`), and wait, bounded, for the generation the
+    /// leader publishes in answer (without the culprit, or the same members again). A
+    /// generation is never formed twice: every attempt is a generation of its own, so no
+    /// attempt reads another's rendezvous entries.
+    fn failed_generation(&self, g: &Generation, rank: u32, e: &CommError) -> anyhow::Result<()> {
+        if self.cell.newest() > g.number {
+            return Ok(());
+        }
+        let (kind, suspects) = e.blame();
+        let report = FaultReport {
+            generation: g.number,
+            rank,
+            node: self.env.node.clone(),
+            slot: self.env.slot,
+            kind: kind.to_string(),
+            suspects,
+            error: e.to_string(),
+            at_ms: now_ms(),
+        };
+        let (store, job) = (self.store.clone(), self.env.job.clone());
+        let key = store.keys.fault(&job, g.number, rank);
+        let cell = self.cell.clone();
+        let n = g.number;
+        // etcd may be briefly unreachable: retry the report (bounded) unless a newer
+        // generation makes it moot
+        let put = self.rt.block_on(async move {
+            let mut last = None;
+            for i in 0..20u32 {
+                if cell.newest() > n {
+                    return Ok(());
+                }
+                match store.put_json(&key, &report, None).await {
+                    Ok(_) => return Ok(()),
+                    Err(err) => last = Some(err),
+                }
+                tokio::time::sleep(Duration::from_millis(250 * (i + 1).min(4) as u64)).await;
+            }
+            Err(last.unwrap())
+        });
+        match put {
+            Ok(()) => {
+                tracing::warn!(generation = n, kind, error = %e, "reported the failed generation; waiting for the next")
+            }
+            Err(err) => {
+                tracing::error!(generation = n, error = %err, "cannot report the failed generation")
+            }
+        }
+        let bound = fault_wait();
+        match self.cell.wait_newer_for(n, bound) {
+            Some(_) => Ok(()),
+            None => anyhow::bail!(
+                "generation {n} failed ({e}) and no newer generation came within {} s: giving up so the agent reports this slot",
+                bound.as_secs()
+            ),
         }
     }
 
@@ -390,10 +468,21 @@ impl Trainer {
             step: self.step,
         };
         let weights = format!("{}:{}", self.step, hash);
+        let cell = self.cell.clone();
         self.rt.spawn(async move {
-            let _ = store
-                .put_json(&store.keys.joined_rank(&job, gnum, rank), &join, None)
-                .await;
+            // the leader records the re-formation once every rank joined: retry (bounded, and
+            // only while this generation is current) rather than drop a failed write
+            let key = store.keys.joined_rank(&job, gnum, rank);
+            for i in 0..40u32 {
+                match store.put_json(&key, &join, None).await {
+                    Ok(_) => break,
+                    Err(e) if i == 39 || cell.newest() > gnum => {
+                        tracing::error!(generation = gnum, error = %e, "cannot write the join record");
+                        return;
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(250 * (i + 1).min(8) as u64)).await,
+                }
+            }
             let _ = store
                 .backend
                 .put(

@@ -405,6 +405,8 @@ impl Trainer {
             }
             if let Err(e) = r {
                 eprintln!("checkpoint step {step}: rank {rank}: shard upload failed, no commit: {e}");
+                // rank 0 abandons the attempt at once instead of waiting for this shard
+                ductile_checkpoint::save::report_failure(&store, &job, step, gnum, rank, &e.to_string()).await;
                 bump_stats(&store, &job, |s| s.failed_total += 1).await;
                 return;
             }
