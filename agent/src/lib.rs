@@ -27,8 +27,11 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::time::DelayQueue;
 
 use config::Config;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 
 type SlotKey = (String, u32);
 
@@ -90,7 +93,9 @@ pub struct Agent {
     children: HashMap<SlotKey, Child>,
     /// Slots whose worker failed, as reported.
     failed: HashMap<SlotKey, SlotHealth>,
-    restarts_due: BTreeMap<Instant, SlotKey>,
+    /// Restarts waiting out their backoff, and which slots they are for (one per slot).
+    restarts_due: DelayQueue<SlotKey>,
+    restarts_queued: std::collections::HashSet<SlotKey>,
     /// Writes to etcd, queued and retried off the actor's path.
     writer: writer::Writer,
     restarts_tx: mpsc::Sender<(SlotKey, RestartOutcome)>,
@@ -108,7 +113,7 @@ fn describe_exit(code: Option<i32>, signal: Option<i32>, last_words: Option<&str
         _ => "exited".into(),
     };
     match last_words {
-        Some(w) if code != Some(0) => {
+        Some(w) if code != Some(EXIT_DONE) => {
             // one line, bounded: it travels in etcd records and generation details
             let w: String = w.chars().take(400).collect();
             format!("{how}: {w}")
@@ -142,6 +147,7 @@ impl Agent {
             draining: false,
             drain_reason: None,
             drain_deadline_ms: None,
+            drain_timeout_ms: None,
             reregistrations: 0,
         };
         let (exits_tx, mut exits_rx) = mpsc::channel(256);
@@ -156,7 +162,8 @@ impl Agent {
             lease: keeper.current(),
             children: HashMap::new(),
             failed: HashMap::new(),
-            restarts_due: BTreeMap::new(),
+            restarts_due: DelayQueue::new(),
+            restarts_queued: Default::default(),
             writer,
             restarts_tx,
             draining: None,
@@ -164,6 +171,7 @@ impl Agent {
             exits_tx,
             jobs: BTreeMap::new(),
         };
+        claim_node(&store, &agent.node, keeper.current().id, cfg.lease_ttl).await?;
         agent.register();
         tracing::info!(node = %agent.node.name, slots = agent.node.slots(), lease = format!("{:x}", agent.lease.id), "node registered");
 
@@ -182,14 +190,13 @@ impl Agent {
             ));
         }
         synced(&mut jobs_rx).await;
-        ductile_cluster::service::sd_notify("READY=1");
+        ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Ready]);
         let tick_every = ductile_cluster::service::watchdog_interval()
             .map(|w| w.min(Duration::from_secs(1)))
             .unwrap_or(Duration::from_secs(1));
         let mut tick = tokio::time::interval(tick_every);
         let mut shutdown_seen = false;
         loop {
-            let next_restart = agent.restarts_due.keys().next().copied();
             tokio::select! {
                 r = jobs_rx.changed() => if r.is_ok() {
                     let snap = jobs_rx.borrow_and_update().clone();
@@ -204,8 +211,9 @@ impl Agent {
                     let st = *lease_rx.borrow_and_update();
                     agent.on_lease(st);
                 },
-                _ = async { tokio::time::sleep_until(next_restart.unwrap()).await }, if next_restart.is_some() => {
-                    let key = agent.restarts_due.pop_first().map(|(_, k)| k).unwrap();
+                Some(due) = std::future::poll_fn(|cx| agent.restarts_due.poll_expired(cx)), if !agent.restarts_due.is_empty() => {
+                    let key = due.into_inner();
+                    agent.restarts_queued.remove(&key);
                     agent.on_restart_due(key);
                 }
                 Some((key, outcome)) = restarts_rx.recv() => agent.on_restart_outcome(key, outcome),
@@ -215,12 +223,12 @@ impl Agent {
                 }
                 _ = shutdown.cancelled(), if !shutdown_seen => {
                     shutdown_seen = true;
-                    ductile_cluster::service::sd_notify("STOPPING=1");
+                    ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Stopping]);
                     agent.start_drain("agent stopping (SIGTERM)".into());
                 }
                 _ = tick.tick() => {
                     // this loop never waits on etcd: a ping says the actor is turning
-                    ductile_cluster::service::sd_notify("WATCHDOG=1");
+                    ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Watchdog]);
                 }
             }
             agent.reconcile();
@@ -350,11 +358,10 @@ impl Agent {
     }
 
     fn schedule_restart(&mut self, key: SlotKey) {
-        let mut at = Instant::now() + self.cfg.restart_backoff;
-        while self.restarts_due.contains_key(&at) {
-            at += Duration::from_millis(1);
+        if !self.restarts_queued.insert(key.clone()) {
+            return; // one restart per failure (an exclusion and an exit report may both ask)
         }
-        self.restarts_due.insert(at, key);
+        self.restarts_due.insert(key, self.cfg.restart_backoff);
     }
 
     fn on_drains(&mut self, snap: &Snapshot) {
@@ -387,6 +394,7 @@ impl Agent {
         self.node.drain_reason = Some(reason);
         // the daemon fits a drain-time checkpoint before this (see `drain_done`)
         self.node.drain_deadline_ms = Some(now_ms() + self.cfg.drain_timeout.as_millis() as u64);
+        self.node.drain_timeout_ms = Some(self.cfg.drain_timeout.as_millis() as u64);
         self.register();
     }
 
@@ -530,8 +538,8 @@ impl Agent {
         // process group of its own, so stopping it reaches its children too.
         unsafe {
             cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                libc::setpgid(0, 0);
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+                nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
                 Ok(())
             });
         }
@@ -603,11 +611,11 @@ impl Agent {
             let status = tokio::select! {
                 s = child.wait() => s,
                 _ = stop_rx => {
-                    unsafe { libc::kill(-(pid as i32), libc::SIGTERM) };
+                    let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGTERM);
                     match tokio::time::timeout(grace, child.wait()).await {
                         Ok(s) => s,
                         Err(_) => {
-                            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+                            let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
                             let _ = child.kill().await;
                             child.wait().await
                         }
@@ -688,9 +696,9 @@ impl Agent {
             encode(&rec),
             true,
         );
-        if expected || exit.code == Some(0) {
+        if expected || exit.code == Some(EXIT_DONE) || exit.code == Some(EXIT_FENCED) {
             tracing::info!(job = %job, slot, pid = exit.pid, how = %how, "worker exited");
-            if exit.code == Some(0) && still_member {
+            if exit.code == Some(EXIT_DONE) && still_member {
                 // it finished its work: leave the slot alone until a new generation
                 self.finished.insert(exit.key.clone(), child.generation);
             }
@@ -765,6 +773,78 @@ impl Agent {
                 self.schedule_restart(key);
             }
         }
+    }
+}
+
+/// Register `node` only if no other agent holds its name: a second agent started with the same
+/// `--node` must not take over the first one's record (and its workers' slots). A predecessor
+/// that crashed leaves its record until its lease expires, so the claim waits that long first.
+async fn claim_node(
+    store: &Store,
+    node: &NodeRecord,
+    lease: ductile_cluster::kv::LeaseId,
+    ttl: i64,
+) -> anyhow::Result<()> {
+    let key = store.keys.node(&node.name);
+    let deadline = Instant::now() + Duration::from_secs(ttl.max(1) as u64 + 2);
+    let mut told = false;
+    loop {
+        let txn = Txn {
+            compares: vec![Compare::Absent(key.clone())],
+            ops: vec![Op::Put {
+                key: key.clone(),
+                value: encode(node),
+                lease: Some(lease),
+            }],
+        };
+        match store.backend.txn(txn).await {
+            Ok(o) if o.succeeded => return Ok(()),
+            Ok(_) => {}
+            Err(e) => anyhow::bail!("cannot register node {:?}: {e}", node.name),
+        }
+        let kv = match store.backend.get(&key).await {
+            Ok(Some(kv)) => kv,
+            Ok(None) => continue, // it just expired
+            Err(e) => anyhow::bail!("cannot register node {:?}: {e}", node.name),
+        };
+        let rec = decode::<NodeRecord>(&kv, "node record");
+        // our own predecessor on this host, gone (systemd restarted us): take over at once
+        if let Ok(r) = &rec {
+            let gone = nix::sys::signal::kill(Pid::from_raw(r.agent_pid as i32), None)
+                == Err(nix::errno::Errno::ESRCH);
+            if r.hostname == node.hostname && gone {
+                let txn = Txn {
+                    compares: vec![Compare::ModRevision(key.clone(), kv.mod_revision)],
+                    ops: vec![Op::Put {
+                        key: key.clone(),
+                        value: encode(node),
+                        lease: Some(lease),
+                    }],
+                };
+                match store.backend.txn(txn).await {
+                    Ok(o) if o.succeeded => {
+                        tracing::info!(node = %node.name, old_pid = r.agent_pid, "took over the record of this host's previous agent, which is gone");
+                        return Ok(());
+                    }
+                    Ok(_) => continue,
+                    Err(e) => anyhow::bail!("cannot register node {:?}: {e}", node.name),
+                }
+            }
+        }
+        let holder = rec
+            .map(|r| format!("pid {} on host {:?}", r.agent_pid, r.hostname))
+            .unwrap_or_else(|e| format!("an unreadable record: {e}"));
+        if Instant::now() >= deadline {
+            anyhow::bail!(
+                "node name {:?} is held by another live agent ({holder}); start this one with another --node",
+                node.name
+            );
+        }
+        if !told {
+            told = true;
+            tracing::warn!(node = %node.name, holder = %holder, "the node name is registered by another agent; waiting for its lease to expire (a crashed predecessor's does)");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 

@@ -170,6 +170,7 @@ async fn control_plane(
             draining: false,
             drain_reason: None,
             drain_deadline_ms: None,
+            drain_timeout_ms: None,
             reregistrations: 0,
         };
         raw.put(&keys.node(&node.name), encode(&node), Some(lease))

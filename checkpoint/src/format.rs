@@ -234,57 +234,6 @@ pub fn safetensors_header(
     (out, placed)
 }
 
-/// A parsed safetensors header: per tensor (name, dtype, shape, absolute byte range).
-pub type SafetensorsEntry = (String, String, Vec<u64>, std::ops::Range<u64>);
-
-/// Parse the header of a safetensors file (`bytes` holds at least the header).
-pub fn parse_safetensors_header(
-    bytes: &[u8],
-) -> Result<
-    (
-        Vec<SafetensorsEntry>,
-        serde_json::Map<String, serde_json::Value>,
-    ),
-    String,
-> {
-    if bytes.len() < 8 {
-        return Err("not a safetensors file (too short)".into());
-    }
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
-    if n > 100 << 20 || bytes.len() < 8 + n as usize {
-        return Err("not a safetensors file (header past the end)".into());
-    }
-    let head: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&bytes[8..8 + n as usize])
-            .map_err(|e| format!("not a safetensors file (header: {e})"))?;
-    let base = 8 + n;
-    let mut out = Vec::new();
-    let mut meta = serde_json::Map::new();
-    for (name, v) in head {
-        if name == "__metadata__" {
-            if let serde_json::Value::Object(m) = v {
-                meta = m;
-            }
-            continue;
-        }
-        let dtype = v["dtype"].as_str().unwrap_or("?").to_string();
-        let shape: Vec<u64> = v["shape"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|d| d.as_u64()).collect())
-            .unwrap_or_default();
-        let off: Vec<u64> = v["data_offsets"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|d| d.as_u64()).collect())
-            .unwrap_or_default();
-        if off.len() != 2 || off[0] > off[1] {
-            return Err(format!("tensor {name}: bad data_offsets"));
-        }
-        out.push((name, dtype, shape, base + off[0]..base + off[1]));
-    }
-    out.sort_by_key(|e| e.3.start);
-    Ok((out, meta))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -331,13 +280,20 @@ mod tests {
         assert_eq!(placed[0].start, h.len() as u64);
         assert_eq!(placed[0].end - placed[0].start, 36);
         assert_eq!(placed[1].start, placed[0].end);
-        let (entries, meta) = parse_safetensors_header(&h).unwrap();
-        assert_eq!(entries[0].0, "w");
-        assert_eq!(entries[0].2, vec![3, 3]);
-        assert_eq!(entries[0].3, placed[0].start..placed[0].end);
-        let m: serde_json::Value = serde_json::from_str(meta["w"].as_str().unwrap()).unwrap();
+        // the safetensors crate (the reader PyTorch users' tools share) reads it back
+        let mut file = h.clone();
+        file.resize(placed[1].end as usize, 0);
+        let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+        let w = st.tensor("w").unwrap();
+        assert_eq!(w.shape(), &[3, 3]);
+        assert_eq!(w.dtype(), safetensors::Dtype::F32);
+        assert_eq!(w.data().len() as u64, placed[0].end - placed[0].start);
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&file).unwrap();
+        let meta = meta.metadata().clone().unwrap();
+        let m: serde_json::Value = serde_json::from_str(&meta["w"]).unwrap();
         assert_eq!(m["offsets"], serde_json::json!([1, 0]));
         assert_eq!(m["global_shape"], serde_json::json!([4, 3]));
+        assert_eq!(meta["format"], FORMAT);
         assert_eq!(parse_attempt_dir(&attempt_dir(120, 7)), Some((120, 7)));
     }
 }

@@ -44,10 +44,16 @@ pub struct NodeRecord {
     pub draining: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain_reason: Option<String>,
-    /// When a leaving agent stops its workers whether or not the job re-formed (unix ms): the
-    /// daemon's last moment for a drain-time checkpoint. None for a cordon (`dctl drain`).
+    /// When a leaving agent stops its workers whether or not the job re-formed (unix ms, on the
+    /// agent's clock: shown to operators, never compared with another host's clock). None for a
+    /// cordon (`dctl drain`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain_deadline_ms: Option<u64>,
+    /// How long a leaving agent gives its workers from the moment it published the drain (a
+    /// duration): the leader times it on its own clock from when it saw the drain, and that is
+    /// the deadline the drain-time checkpoint must beat.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_timeout_ms: Option<u64>,
     /// How many times this agent had to register again after losing its lease.
     #[serde(default)]
     pub reregistrations: u32,
@@ -726,9 +732,23 @@ pub struct JobStatus {
     pub updated_at_ms: u64,
 }
 
-/// Exit status of a worker that cannot run on its slot (its GPU is not there, NCCL cannot
-/// load): it says why in one `ductile-worker: ...` line on stderr, and its agent does not
-/// restart it.
+/// Exit statuses of `ductile-worker`, each with one meaning (the README lists them): its
+/// agent and the daemon read them.
+///
+/// The job's training finished (`max_steps`): the job succeeds when every member did.
+pub const EXIT_DONE: i32 = 0;
+/// A failure (the last `ductile-worker: ...` line on stderr says which): restarted within the
+/// job's budget.
+pub const EXIT_FAILED: i32 = 1;
+/// The job's spec is missing or cannot be used.
+pub const EXIT_BAD_SPEC: i32 = 2;
+/// A generation no longer includes this worker: it left, as asked (not a failure).
+pub const EXIT_FENCED: i32 = 3;
+/// Stopped by SIGTERM or SIGINT (128 + 15): expected when its agent stopped it, a failure when
+/// something else did (the slot is still in the generation).
+pub const EXIT_TERMINATED: i32 = 143;
+/// The worker cannot run on its slot (its GPU is not there, NCCL cannot load): it says why in
+/// one `ductile-worker: ...` line on stderr, and its agent does not restart it.
 pub const EXIT_UNUSABLE: i32 = 78;
 
 /// A slot whose worker failed; the daemon leaves it out until the agent clears it.

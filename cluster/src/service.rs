@@ -38,31 +38,29 @@ pub fn init_logging(format: LogFormat) {
     };
 }
 
-/// Sends a state line to systemd (`READY=1`, `WATCHDOG=1`, `STATUS=...`, `STOPPING=1`) when
-/// started by it (`NOTIFY_SOCKET` set); does nothing otherwise.
-pub fn sd_notify(state: &str) {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
-        return;
-    };
-    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else {
-        return;
-    };
-    let p = path.to_string_lossy();
-    let res = if let Some(name) = p.strip_prefix('@') {
-        use std::os::linux::net::SocketAddrExt;
-        std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
-            .and_then(|addr| sock.send_to_addr(state.as_bytes(), &addr))
-    } else {
-        sock.send_to(state.as_bytes(), &*p)
-    };
-    if let Err(e) = res {
+/// Tells systemd about this service (`Ready`, `Watchdog`, `Status(..)`, `Stopping`) when it was
+/// started by it (`NOTIFY_SOCKET` set); does nothing otherwise. Through the `sd-notify` crate
+/// (which speaks to a socket path, as systemd's units set it; not to abstract sockets).
+pub fn sd_notify(states: &[sd_notify::NotifyState]) {
+    if let Err(e) = sd_notify::notify(false, states) {
         tracing::debug!(error = %e, "sd_notify failed");
     }
 }
 
-/// The watchdog interval systemd asked for (half of `WATCHDOG_USEC`), if any.
+pub use sd_notify::NotifyState;
+
+/// The watchdog interval systemd asked for (half of `WATCHDOG_USEC`), if any. A
+/// `WATCHDOG_PID` naming another process means the watchdog is not ours.
 pub fn watchdog_interval() -> Option<Duration> {
     let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    if let Some(pid) = std::env::var("WATCHDOG_PID")
+        .ok()
+        .and_then(|p| p.parse::<u32>().ok())
+    {
+        if pid != std::process::id() {
+            return None;
+        }
+    }
     Some(Duration::from_micros(usec / 2))
 }
 

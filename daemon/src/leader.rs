@@ -86,7 +86,9 @@ pub async fn run_replica(
         };
         backoff = Duration::from_millis(200);
         tracing::info!(id = %cfg.id, key = %leader_key.key, "became leader");
-        ductile_cluster::service::sd_notify("STATUS=leader");
+        ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Status(
+            "leader",
+        )]);
         cfg.beat.store(now_ms(), Ordering::SeqCst);
         is_leader.store(true, Ordering::SeqCst);
         let lead_cancel = lease_cancel.child_token();
@@ -105,7 +107,9 @@ pub async fn run_replica(
             }
         }
         is_leader.store(false, Ordering::SeqCst);
-        ductile_cluster::service::sd_notify("STATUS=standby");
+        ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Status(
+            "standby",
+        )]);
         lead_cancel.cancel();
         lease_cancel.cancel();
         keeper.join().await;
@@ -163,16 +167,25 @@ pub async fn lead(
     // report of a generation: on its own clock, never compared with another host's
     let mut steps: HashMap<String, (u64, u64, Instant)> = HashMap::new();
     let mut faults_seen: HashMap<(String, u64), Instant> = HashMap::new();
+    let mut drain_seen: HashMap<String, u64> = HashMap::new();
     loop {
         if cancel.is_cancelled() {
             return Ok(());
         }
         cfg.beat.store(now_ms(), Ordering::SeqCst);
-        let fleet = fleet_from(
+        let mut fleet = fleet_from(
             &store,
             &nodes_rx.borrow_and_update(),
             &drains_rx.borrow_and_update(),
         );
+        // a leaving agent's deadline, timed on this leader's clock from when it saw the drain
+        drain_seen.retain(|n, _| fleet.nodes.get(n).is_some_and(|r| r.draining));
+        for (n, r) in &fleet.nodes {
+            if let (true, Some(t)) = (r.draining, r.drain_timeout_ms) {
+                let d = *drain_seen.entry(n.clone()).or_insert(now_ms() + t);
+                fleet.drain_deadlines.insert(n.clone(), d);
+            }
+        }
         let snap = jobs_rx.borrow_and_update().clone();
         let mut jobs = jobs_from(&store, &snap);
         let now = Instant::now();

@@ -50,7 +50,10 @@ pub async fn run(
         is_leader.clone(),
         cancel.clone(),
     ));
-    ductile_cluster::service::sd_notify("READY=1\nSTATUS=standby");
+    ductile_cluster::service::sd_notify(&[
+        ductile_cluster::service::NotifyState::Ready,
+        ductile_cluster::service::NotifyState::Status("standby"),
+    ]);
     if let Some(every) = ductile_cluster::service::watchdog_interval() {
         let c = cancel.clone();
         tokio::spawn(async move {
@@ -65,7 +68,9 @@ pub async fn run(
                     ductile_cluster::records::now_ms().saturating_sub(beat.load(Ordering::SeqCst)),
                 );
                 if watchdog_ok(leading, age, every) {
-                    ductile_cluster::service::sd_notify("WATCHDOG=1");
+                    ductile_cluster::service::sd_notify(&[
+                        ductile_cluster::service::NotifyState::Watchdog,
+                    ]);
                     withheld = false;
                 } else if !withheld {
                     withheld = true;
@@ -75,7 +80,7 @@ pub async fn run(
         });
     }
     cancel.cancelled().await;
-    ductile_cluster::service::sd_notify("STOPPING=1");
+    ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Stopping]);
     let _ = replica.await;
     server.await??;
     Ok(())

@@ -43,6 +43,9 @@ pub struct JobObs {
 pub struct Fleet {
     pub nodes: BTreeMap<String, NodeRecord>,
     pub drain_requests: BTreeSet<String>,
+    /// Leaving nodes' deadlines on the leader's clock (unix ms): when the leader saw the drain
+    /// plus the agent's `drain_timeout_ms`.
+    pub drain_deadlines: BTreeMap<String, u64>,
 }
 
 impl Fleet {
@@ -71,6 +74,11 @@ pub enum Decision {
 /// After the first fault report of a generation, how long the leader waits for the other
 /// members' reports before deciding who is at fault (a rank that reported is alive).
 pub const FAULT_GRACE_MS: u64 = 1_500;
+
+/// When the reports only say a member closed its connections (it died, most likely), how long
+/// the leader leaves it to the member's agent (exit report) or lease (lost node) before it
+/// excludes the member itself.
+pub const PEER_LOST_GRACE_MS: u64 = 15_000;
 
 /// Whether two statuses differ in anything but their timestamp.
 pub fn status_differs(a: &JobStatus, b: &JobStatus) -> bool {
@@ -163,7 +171,7 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
     }
     let mut deadline = now + ck.drain_wait_s * 1000;
     for n in &leaving {
-        if let Some(d) = fleet.nodes[*n].drain_deadline_ms {
+        if let Some(d) = fleet.drain_deadlines.get(*n).copied() {
             deadline = deadline.min(d.saturating_sub(DRAIN_MARGIN_MS));
         }
     }
@@ -245,7 +253,9 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
             && g.members.iter().all(|m| {
                 // the record must be of this generation: an earlier run's exit does not count
                 obs.workers.get(&(m.node.clone(), m.slot)).is_some_and(|w| {
-                    w.state == WorkerState::Exited && w.code == Some(0) && w.generation == g.number
+                    w.state == WorkerState::Exited
+                        && w.code == Some(EXIT_DONE)
+                        && w.generation == g.number
                 })
             });
         if done {
@@ -486,11 +496,48 @@ fn build(
     }
 }
 
+/// Slot records that exclude `ranks` of `g`, saying who could not reach each.
+fn exclude_ranks(
+    g: &Generation,
+    named: &BTreeMap<u32, Vec<&FaultReport>>,
+    ranks: &[u32],
+    now: u64,
+) -> Decision {
+    let slots = ranks
+        .iter()
+        .filter_map(|r| g.members.iter().find(|m| m.rank == *r).map(|m| (*r, m)))
+        .map(|(r, m)| {
+            let by = &named[&r];
+            let who: Vec<String> = by.iter().map(|f| f.rank.to_string()).collect();
+            // the most telling report: one that is not a closed connection, if any
+            let why = by.iter().find(|f| f.kind != "peer_lost").unwrap_or(&by[0]);
+            (
+                m.node.clone(),
+                m.slot,
+                SlotHealth {
+                    failed_at_ms: now,
+                    generation: g.number,
+                    exit: format!(
+                        "excluded: rank {r} was unreachable for rank(s) {} ({})",
+                        who.join(", "),
+                        why.error.chars().take(300).collect::<String>()
+                    ),
+                    will_restart: true,
+                    excluded: true,
+                },
+            )
+        })
+        .collect();
+    Decision::Exclude(slots)
+}
+
 /// What the current generation's fault reports, or its stall, call for (None: nothing wrong).
 ///
 /// A rank that reported is alive. Ranks the reports point at that did not report themselves
 /// (stopped, wedged, cut off) are excluded once every member has reported or been named, or
-/// [`FAULT_GRACE_MS`] after the first report. When every rank reported (or no one is named),
+/// [`FAULT_GRACE_MS`] after the first report — at once when a report says the rank is silent,
+/// timed out or unreachable; after [`PEER_LOST_GRACE_MS`] when the reports only say it closed
+/// its connections (a dead worker, which its agent or its lease reports first). When every rank reported (or no one is named),
 /// the same members re-form under a new generation; when that already failed once without a
 /// step, the rank most reports name is excluded instead (a partition between live workers).
 /// After `fault_retries` re-formations in a row without a step, the job fails with the reason.
@@ -523,43 +570,36 @@ fn faults(
             named.entry(*s).or_default().push(f);
         }
     }
+    // A closed connection (`peer_lost`) is what a dead process leaves: its agent's exit report
+    // or its node's lease says so, and the membership path re-forms. Only evidence that a peer
+    // is alive but unreachable (silence, a timeout, a refused connection, a rendezvous it never
+    // joined, garbage on the wire) excludes it at once.
+    let strong = |r: &u32| named[r].iter().any(|f| f.kind != "peer_lost");
     let silent: Vec<u32> = named
         .keys()
+        .filter(|r| !reporters.contains(r) && strong(r))
         .copied()
-        .filter(|r| !reporters.contains(r))
+        .collect();
+    let gone: Vec<u32> = named
+        .keys()
+        .filter(|r| !reporters.contains(r) && !strong(r))
+        .copied()
         .collect();
     let accounted = (0..world).all(|r| reporters.contains(&r) || named.contains_key(&r));
     if !reports.is_empty() && !accounted && obs.faults_seen_ms < FAULT_GRACE_MS {
         // the other members' reports are on their way: decide with them
         return Some(Decision::Nothing);
     }
-    let member = |r: u32| g.members.iter().find(|m| m.rank == r);
-    let exclude = |ranks: &[u32]| -> Decision {
-        let slots = ranks
-            .iter()
-            .filter_map(|r| member(*r).map(|m| (*r, m)))
-            .map(|(r, m)| {
-                let by = &named[&r];
-                let who: Vec<String> = by.iter().map(|f| f.rank.to_string()).collect();
-                (
-                    m.node.clone(),
-                    m.slot,
-                    SlotHealth {
-                        failed_at_ms: now,
-                        generation: g.number,
-                        exit: format!(
-                            "excluded: rank {r} was unreachable for rank(s) {} ({})",
-                            who.join(", "),
-                            by[0].error.chars().take(300).collect::<String>()
-                        ),
-                        will_restart: true,
-                        excluded: true,
-                    },
-                )
-            })
-            .collect();
-        Decision::Exclude(slots)
-    };
+    if silent.is_empty() && !gone.is_empty() {
+        if obs.faults_seen_ms < PEER_LOST_GRACE_MS {
+            // a member died: its agent or its lease reports it (handled before this)
+            return Some(Decision::Nothing);
+        }
+        // nothing reported it dead: it closed its connections but lives on; exclude it
+        let named_gone = gone;
+        return Some(exclude_ranks(g, &named, &named_gone, now));
+    }
+    let exclude = |ranks: &[u32]| exclude_ranks(g, &named, ranks, now);
     if !silent.is_empty() {
         return Some(exclude(&silent));
     }
@@ -652,6 +692,7 @@ mod tests {
             draining: false,
             drain_reason: None,
             drain_deadline_ms: None,
+            drain_timeout_ms: None,
             reregistrations: 0,
         }
     }
@@ -662,6 +703,7 @@ mod tests {
                 .map(|(n, s)| (n.to_string(), node(n, *s)))
                 .collect(),
             drain_requests: Default::default(),
+            drain_deadlines: Default::default(),
         }
     }
     fn spec(min: u32, max: u32, desired: u32) -> JobSpec {
@@ -885,7 +927,7 @@ mod tests {
             final_weights_sha256: None,
         });
         // the job's wait, capped by the agent's deadline less the margin
-        f.nodes.get_mut("b").unwrap().drain_deadline_ms = Some(1_000 + 10_000);
+        f.drain_deadlines.insert("b".into(), 1_000 + 10_000);
         let Ask(req) = drain_checkpoint(&obs, &f, 1_000) else {
             panic!("a planned drain asks")
         };
@@ -1150,5 +1192,38 @@ mod tests {
         assert!(g.detail.contains("no step for 61 s"), "{}", g.detail);
         assert_eq!(g.fault_retries, 1);
         assert_eq!(g.members.len(), 2);
+    }
+
+    #[test]
+    fn a_member_that_only_closed_its_connections_is_left_to_its_agent_first() {
+        let (mut obs, f) = started(3);
+        // rank 2 was killed: the others saw its connections close
+        obs.faults = [
+            (0, report(1, 0, "peer_lost", &[2])),
+            (1, report(1, 1, "peer_lost", &[2])),
+        ]
+        .into();
+        obs.faults_seen_ms = 100;
+        assert_eq!(plan(&obs, &f, 20), Decision::Nothing);
+        // its agent's exit report arrives: the membership path re-forms without it
+        let mut with_exit = obs.clone();
+        with_exit.failed.insert(
+            ("a".into(), 2),
+            SlotHealth {
+                failed_at_ms: 15,
+                generation: 1,
+                exit: "killed by signal 9".into(),
+                will_restart: true,
+                excluded: false,
+            },
+        );
+        let g = step(&mut with_exit, &f, 30).unwrap();
+        assert!(g.detail.contains("killed by signal 9"), "{}", g.detail);
+        // nothing ever reports it: past the grace it is excluded all the same
+        obs.faults_seen_ms = PEER_LOST_GRACE_MS + 1;
+        match plan(&obs, &f, 40) {
+            Decision::Exclude(slots) => assert_eq!(slots[0].1, 2),
+            d => panic!("{d:?}"),
+        }
     }
 }

@@ -339,6 +339,63 @@ fn an_agent_keeps_pinging_its_watchdog_while_etcd_hangs_and_its_writes_wait() {
 }
 
 #[test]
+fn a_second_agent_with_a_taken_node_name_is_refused_and_a_restarted_one_takes_over() {
+    let mut c = Cluster::start(Spec::default().agents(1, 2));
+    c.submit(&format!(
+        "{}command = [\"sleep\", \"600\"]\n",
+        job_toml("j13", 1, 2, 2)
+    ));
+    let v = c.wait_world("j13", 2, S(20));
+    // a second agent started with node1's name
+    let mut twin = Proc::start(
+        "twin",
+        &bin("ductile-agent"),
+        &[
+            "--etcd".into(),
+            c.etcd.endpoint.clone(),
+            "--node".into(),
+            "node1".into(),
+            "--cpu-slots".into(),
+            "4".into(),
+            "--lease-ttl".into(),
+            "2".into(),
+            "--gpus".into(),
+            "off".into(),
+        ],
+        &[],
+        c.dir.path().join("twin.log"),
+    );
+    let st = twin.wait_exit(S(20)).expect("the twin gives up");
+    assert!(!st.success());
+    let log = twin.log_tail(20);
+    assert!(log.contains("is held by another live agent"), "{log}");
+    // node1 keeps its record, its slots and its workers
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(c.store());
+    let nodes = rt.block_on(store.nodes()).unwrap();
+    let n1 = nodes.iter().find(|n| n.name == "node1").unwrap();
+    assert_eq!(n1.agent_pid, c.agents["node1"].pid());
+    assert_eq!(n1.slots(), 2);
+    let v2 = c.status("j13");
+    assert_eq!(v2.generation, v.generation, "no re-formation");
+    // the real node1 agent crashes and is restarted: it takes its record back at once
+    // (the old process is gone), without waiting for the old lease to expire
+    let a = c.agents.get_mut("node1").unwrap();
+    a.kill();
+    let t0 = Instant::now();
+    a.restart();
+    c.wait_for(S(20), "node1 registered again", || {
+        a_log_has(&c, "node1", "took over the record").then_some(())
+    });
+    assert!(t0.elapsed() < S(15));
+    c.wait_world("j13", 2, S(30));
+}
+
+fn a_log_has(c: &Cluster, agent: &str, text: &str) -> bool {
+    c.agents[agent].log_tail(400).contains(text)
+}
+
+#[test]
 fn a_stopped_agent_past_its_ttl_is_removed_fences_its_workers_and_rejoins() {
     // `sleep` workers do not follow generations themselves: only the agent can fence them
     let c = Cluster::start(Spec {

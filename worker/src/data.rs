@@ -21,52 +21,25 @@ pub enum Dataset {
     },
 }
 
-/// The tensors of a safetensors file (f32 only), parsed from its bytes.
+/// The tensors of a safetensors file (f32 only), parsed from its bytes by the `safetensors`
+/// crate (offsets, sizes and header checked there).
 pub fn parse_safetensors(bytes: &[u8]) -> anyhow::Result<Vec<(String, Tensor)>> {
-    anyhow::ensure!(bytes.len() >= 8, "not a safetensors file (too short)");
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    anyhow::ensure!(
-        bytes.len() >= 8 + n,
-        "not a safetensors file (header past the end)"
-    );
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&bytes[8..8 + n])?;
-    let data = &bytes[8 + n..];
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| anyhow::anyhow!("not a safetensors file: {e:?}"))?;
     let mut out = Vec::new();
-    for (name, v) in header {
-        if name == "__metadata__" {
-            continue;
-        }
+    for (name, view) in st.tensors() {
         anyhow::ensure!(
-            v["dtype"] == "F32",
-            "tensor {name}: dtype {} (only F32 datasets)",
-            v["dtype"]
+            view.dtype() == safetensors::Dtype::F32,
+            "tensor {name}: dtype {:?} (only F32 datasets)",
+            view.dtype()
         );
-        let shape: Vec<i64> = v["shape"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|d| d.as_i64()).collect())
-            .unwrap_or_default();
-        let off: Vec<usize> = v["data_offsets"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|d| d.as_u64().map(|x| x as usize))
-                    .collect()
-            })
-            .unwrap_or_default();
-        anyhow::ensure!(
-            off.len() == 2 && off[0] <= off[1] && off[1] <= data.len(),
-            "tensor {name}: bad data_offsets"
-        );
-        anyhow::ensure!(
-            shape.iter().product::<i64>() as usize * 4 == off[1] - off[0],
-            "tensor {name}: shape and size differ"
-        );
+        let shape: Vec<i64> = view.shape().iter().map(|d| *d as i64).collect();
         out.push((
             name,
-            Tensor::from_data_size(&data[off[0]..off[1]], &shape, Kind::Float),
+            Tensor::from_data_size(view.data(), &shape, Kind::Float),
         ));
     }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
 }
 

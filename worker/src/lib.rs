@@ -28,8 +28,7 @@ use ductile_cluster::watch::{synced, watch_prefix};
 use ductile_cluster::{Keys, KvBackend, Store};
 use tokio_util::sync::CancellationToken;
 
-/// Exit status of a worker that left because a generation no longer includes it.
-pub const EXIT_FENCED: i32 = 0;
+pub use ductile_cluster::records::{EXIT_DONE, EXIT_FENCED, EXIT_TERMINATED};
 
 /// The worker's identity, from the agent's environment.
 #[derive(Clone, Debug)]

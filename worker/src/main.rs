@@ -115,7 +115,8 @@ fn run() {
             }
         };
         let Some(training) = spec.training.clone() else {
-            return match ductile_worker::follow_generations(env, backend, cancel).await {
+            return match ductile_worker::follow_generations(env, backend, cancel.clone()).await {
+                Ok(()) if cancel.is_cancelled() => ductile_worker::EXIT_TERMINATED,
                 Ok(()) => ductile_worker::EXIT_FENCED,
                 Err(e) => {
                     eprintln!("ductile-worker: {e:#}");
@@ -132,21 +133,23 @@ fn run() {
             cancel.clone(),
         );
         let handle = tokio::runtime::Handle::current();
-        let trainer = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
-            ductile_worker::train::Trainer::new(
-                env,
-                training,
-                spec.checkpoint.clone(),
-                spec.max,
-                store,
-                handle,
-                cell,
-            )?
-            .run()
-        });
+        let trainer =
+            tokio::task::spawn_blocking(move || -> anyhow::Result<ductile_worker::train::Left> {
+                ductile_worker::train::Trainer::new(
+                    env,
+                    training,
+                    spec.checkpoint.clone(),
+                    spec.max,
+                    store,
+                    handle,
+                    cell,
+                )?
+                .run()
+            });
         tokio::select! {
             r = trainer => match r {
-                Ok(Ok(())) => 0,
+                Ok(Ok(ductile_worker::train::Left::Done)) => ductile_worker::EXIT_DONE,
+                Ok(Ok(ductile_worker::train::Left::Fenced)) => ductile_worker::EXIT_FENCED,
                 Ok(Err(e)) if e.downcast_ref::<ductile_worker::device::Unusable>().is_some() => {
                     eprintln!("ductile-worker: cannot run on this slot: {e:#}");
                     ductile_worker::device::EXIT_UNUSABLE
@@ -160,7 +163,7 @@ fn run() {
                     1
                 }
             },
-            _ = cancel.cancelled() => 0,
+            _ = cancel.cancelled() => ductile_worker::EXIT_TERMINATED,
         }
     });
     std::process::exit(code);

@@ -129,17 +129,13 @@ fn sha256_params(params: &[Tensor]) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
+use ductile_checkpoint::format::crc32c;
 
 /// A state blob: magic, step, tensor count, then per tensor its element count and f32 bytes,
-/// then a checksum of all of it.
+/// then the CRC32C of all of it.
 fn encode_state(step: u64, tensors: &[&Tensor]) -> Vec<u8> {
     let mut b = Vec::new();
-    b.extend_from_slice(b"DCTS1\0\0\0");
+    b.extend_from_slice(b"DCTS2\0\0\0");
     b.extend_from_slice(&step.to_le_bytes());
     b.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
     for t in tensors {
@@ -149,7 +145,7 @@ fn encode_state(step: u64, tensors: &[&Tensor]) -> Vec<u8> {
         b.resize(at + n * 4, 0);
         t.copy_data_u8(&mut b[at..], n);
     }
-    let sum = fnv(&b);
+    let sum = crc32c(&b);
     b.extend_from_slice(&sum.to_le_bytes());
     b
 }
@@ -158,11 +154,11 @@ fn encode_state(step: u64, tensors: &[&Tensor]) -> Vec<u8> {
 /// checked before the first tensor is written, so a bad blob leaves `targets` untouched (a
 /// half-overwritten rank could later be chosen as the source of state).
 fn load_state(b: &[u8], targets: &[Tensor]) -> Result<u64, String> {
-    if b.len() < 32 || &b[..8] != b"DCTS1\0\0\0" {
+    if b.len() < 28 || &b[..8] != b"DCTS2\0\0\0" {
         return Err("not a state blob".into());
     }
-    let (body, sum) = b.split_at(b.len() - 8);
-    if fnv(body) != u64::from_le_bytes(sum.try_into().unwrap()) {
+    let (body, sum) = b.split_at(b.len() - 4);
+    if crc32c(body) != u32::from_le_bytes(sum.try_into().unwrap()) {
         return Err("state checksum mismatch".into());
     }
     let rd = |at: usize| {
@@ -214,6 +210,15 @@ fn fault_wait() -> Duration {
             .and_then(|v| v.parse().ok())
             .unwrap_or(120),
     )
+}
+
+/// Why a worker's training loop ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Left {
+    /// `max_steps` reached: exit [`crate::EXIT_DONE`].
+    Done,
+    /// A generation left this worker out: exit [`crate::EXIT_FENCED`].
+    Fenced,
 }
 
 enum Outcome {
@@ -292,8 +297,9 @@ impl Trainer {
         })
     }
 
-    /// Train until `max_steps` (returns) or until this worker leaves the world (returns).
-    pub fn run(mut self) -> anyhow::Result<()> {
+    /// Train until `max_steps` ([`Left::Done`]) or until a generation leaves this worker out
+    /// ([`Left::Fenced`]).
+    pub fn run(mut self) -> anyhow::Result<Left> {
         let mut current = 0u64;
         loop {
             let g = self.cell.wait_newer(current);
@@ -303,7 +309,7 @@ impl Trainer {
                     "generation {} does not include {}/{}: leaving",
                     g.number, self.env.node, self.env.slot
                 );
-                return Ok(());
+                return Ok(Left::Fenced);
             };
             let comm = match self.form(&g, me.rank)? {
                 Ok(c) => c,
@@ -315,7 +321,7 @@ impl Trainer {
             };
             self.cell.install(g.number, comm.clone());
             match self.generation(&g, comm.as_ref(), me.rank) {
-                Ok(Outcome::Done) => return Ok(()),
+                Ok(Outcome::Done) => return Ok(Left::Done),
                 Ok(Outcome::Reform(e)) => {
                     tracing::info!(generation = g.number, step = self.step, reason = %e, "leaving generation");
                     self.failed_generation(&g, me.rank, &e)?;
