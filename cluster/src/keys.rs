@@ -9,12 +9,19 @@
 //! {prefix}/jobs/{job}/history/{gen:020}        Generation, every one ever published
 //! {prefix}/jobs/{job}/slots/{node}/{slot}      SlotHealth: a slot whose worker failed
 //! {prefix}/jobs/{job}/workers/{node}/{slot}    WorkerRecord, under the agent's lease
-//! {prefix}/jobs/{job}/joined/{gen:020}/{rank}  JoinRecord, a worker joined a generation
-//! {prefix}/jobs/{job}/progress                 Progress, from rank 0 (throttled)
 //! {prefix}/jobs/{job}/restarts                 restart counter (u32 as JSON)
 //! {prefix}/jobs/{job}/stop                     the operator asked the job to stop
-//! {prefix}/jobs/{job}/rdv/{gen:020}/...        per-generation rendezvous data (comm)
-//! {prefix}/jobs/{job}/faults/{gen:020}/{rank}  FaultReport: a worker's communicator failed
+//! {prefix}/jobs/{job}/checkpoint               CheckpointRecord, the latest commit
+//! {prefix}/jobs/{job}/checkpoint_request       CheckpointRequest (a planned drain)
+//! {prefix}/live/{job}/progress                 Progress, from rank 0 (throttled)
+//! {prefix}/live/{job}/joined/{gen:020}/{rank}  JoinRecord, a worker joined a generation
+//! {prefix}/live/{job}/rdv/{gen:020}/...        per-generation rendezvous data (comm)
+//! {prefix}/live/{job}/faults/{gen:020}/{rank}  FaultReport: a worker's communicator failed
+//! {prefix}/live/{job}/ckpt/{step}-{gen}/{rank} ShardReport of a checkpoint attempt
+//! {prefix}/live/{job}/checkpoint_stats         CheckpointStats, the workers' figures
+//!
+//! `jobs/` holds control state (what agents act on: they watch only it); `live/` what workers
+//! write as they run, at up to 1 Hz per job, which only the leader and the API read.
 //! {prefix}/election                            daemon leader election
 //! ```
 
@@ -122,6 +129,15 @@ impl Keys {
     pub fn drain(&self, node: &str) -> String {
         format!("{}/drain/{node}", self.prefix)
     }
+    /// What workers write while they run (progress, rendezvous, joins, fault reports,
+    /// checkpoint shard reports and figures), apart from the jobs' control state so that
+    /// agents, which watch only `jobs/`, never wake for it.
+    pub fn live(&self) -> String {
+        format!("{}/live/", self.prefix)
+    }
+    pub fn live_job(&self, job: &str) -> String {
+        format!("{}/live/{job}/", self.prefix)
+    }
     pub fn jobs(&self) -> String {
         format!("{}/jobs/", self.prefix)
     }
@@ -153,13 +169,13 @@ impl Keys {
         format!("{}/jobs/{job}/workers/{node}/{slot}", self.prefix)
     }
     pub fn joined(&self, job: &str, generation: u64) -> String {
-        format!("{}/jobs/{job}/joined/{generation:020}/", self.prefix)
+        format!("{}/live/{job}/joined/{generation:020}/", self.prefix)
     }
     pub fn joined_rank(&self, job: &str, generation: u64, rank: u32) -> String {
-        format!("{}/jobs/{job}/joined/{generation:020}/{rank}", self.prefix)
+        format!("{}/live/{job}/joined/{generation:020}/{rank}", self.prefix)
     }
     pub fn progress(&self, job: &str) -> String {
-        format!("{}/jobs/{job}/progress", self.prefix)
+        format!("{}/live/{job}/progress", self.prefix)
     }
     /// The operator asked the job to stop (`dctl stop`).
     pub fn stop(&self, job: &str) -> String {
@@ -176,13 +192,13 @@ impl Keys {
     /// Shard reports of one checkpoint attempt (step, generation), one per writing rank.
     pub fn checkpoint_shards(&self, job: &str, step: u64, generation: u64) -> String {
         format!(
-            "{}/jobs/{job}/ckpt/{step:020}-{generation:020}/",
+            "{}/live/{job}/ckpt/{step:020}-{generation:020}/",
             self.prefix
         )
     }
     /// Every checkpoint attempt's shard reports.
     pub fn checkpoint_attempts(&self, job: &str) -> String {
-        format!("{}/jobs/{job}/ckpt/", self.prefix)
+        format!("{}/live/{job}/ckpt/", self.prefix)
     }
     /// A request for a checkpoint at the next step boundary (a planned drain).
     pub fn checkpoint_request(&self, job: &str) -> String {
@@ -190,31 +206,31 @@ impl Keys {
     }
     /// The workers' checkpoint figures ([`crate::records::CheckpointStats`]).
     pub fn checkpoint_stats(&self, job: &str) -> String {
-        format!("{}/jobs/{job}/checkpoint_stats", self.prefix)
+        format!("{}/live/{job}/checkpoint_stats", self.prefix)
     }
     /// Rendezvous space of one generation, for the communicator exchange.
     pub fn rendezvous(&self, job: &str, generation: u64) -> String {
-        format!("{}/jobs/{job}/rdv/{generation:020}/", self.prefix)
+        format!("{}/live/{job}/rdv/{generation:020}/", self.prefix)
     }
     /// Fault reports of one generation: workers whose communicator failed without a newer
     /// generation to go to.
     pub fn faults(&self, job: &str, generation: u64) -> String {
-        format!("{}/jobs/{job}/faults/{generation:020}/", self.prefix)
+        format!("{}/live/{job}/faults/{generation:020}/", self.prefix)
     }
     pub fn fault(&self, job: &str, generation: u64, rank: u32) -> String {
-        format!("{}/jobs/{job}/faults/{generation:020}/{rank}", self.prefix)
+        format!("{}/live/{job}/faults/{generation:020}/{rank}", self.prefix)
     }
     /// Every generation's fault reports.
     pub fn all_faults(&self, job: &str) -> String {
-        format!("{}/jobs/{job}/faults/", self.prefix)
+        format!("{}/live/{job}/faults/", self.prefix)
     }
     /// Every generation's join records.
     pub fn all_joined(&self, job: &str) -> String {
-        format!("{}/jobs/{job}/joined/", self.prefix)
+        format!("{}/live/{job}/joined/", self.prefix)
     }
     /// Every generation's rendezvous space.
     pub fn all_rendezvous(&self, job: &str) -> String {
-        format!("{}/jobs/{job}/rdv/", self.prefix)
+        format!("{}/live/{job}/rdv/", self.prefix)
     }
     pub fn election(&self) -> String {
         format!("{}/election", self.prefix)
@@ -236,12 +252,12 @@ impl Keys {
             ["jobs", job, "spec"] => KeyKind::JobSpec { job: s(job) },
             ["jobs", job, "status"] => KeyKind::JobStatus { job: s(job) },
             ["jobs", job, "generation"] => KeyKind::Generation { job: s(job) },
-            ["jobs", job, "progress"] => KeyKind::Progress { job: s(job) },
+            ["live", job, "progress"] => KeyKind::Progress { job: s(job) },
             ["jobs", job, "stop"] => KeyKind::Stop { job: s(job) },
             ["jobs", job, "restarts"] => KeyKind::Restarts { job: s(job) },
             ["jobs", job, "checkpoint"] => KeyKind::Checkpoint { job: s(job) },
             ["jobs", job, "checkpoint_request"] => KeyKind::CheckpointRequest { job: s(job) },
-            ["jobs", job, "checkpoint_stats"] => KeyKind::CheckpointStats { job: s(job) },
+            ["live", job, "checkpoint_stats"] => KeyKind::CheckpointStats { job: s(job) },
             ["jobs", job, "history", g] => match g.parse() {
                 Ok(generation) => KeyKind::History {
                     job: s(job),
@@ -265,14 +281,14 @@ impl Keys {
                 },
                 Err(_) => KeyKind::Other,
             },
-            ["jobs", job, "rdv", g, ..] => match g.parse() {
+            ["live", job, "rdv", g, ..] => match g.parse() {
                 Ok(generation) => KeyKind::Rendezvous {
                     job: s(job),
                     generation,
                 },
                 Err(_) => KeyKind::Other,
             },
-            ["jobs", job, "faults", g, r] => match (g.parse(), r.parse()) {
+            ["live", job, "faults", g, r] => match (g.parse(), r.parse()) {
                 (Ok(generation), Ok(rank)) => KeyKind::Fault {
                     job: s(job),
                     generation,
@@ -280,7 +296,7 @@ impl Keys {
                 },
                 _ => KeyKind::Other,
             },
-            ["jobs", job, "joined", g, r] => match (g.parse(), r.parse()) {
+            ["live", job, "joined", g, r] => match (g.parse(), r.parse()) {
                 (Ok(generation), Ok(rank)) => KeyKind::Joined {
                     job: s(job),
                     generation,

@@ -730,6 +730,10 @@ pub struct JobStatus {
     #[serde(default)]
     pub message: String,
     pub updated_at_ms: u64,
+    /// Generations published for this job, by reason (`start`, `failure`, ...): counted at
+    /// each publish (history is bounded; these counts are not).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub reformations: BTreeMap<String, u64>,
 }
 
 /// Exit statuses of `ductile-worker`, each with one meaning (the README lists them): its

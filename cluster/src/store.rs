@@ -122,16 +122,19 @@ impl Store {
                     for sub in [
                         "status",
                         "generation",
-                        "progress",
                         "slots/",
                         "workers/",
-                        "joined/",
-                        "rdv/",
                         "restarts",
                         "stop",
                     ] {
                         ops.push(Op::DeletePrefix {
                             prefix: format!("{}{sub}", self.keys.job(&spec.name)),
+                        });
+                    }
+                    // what the last run's workers wrote (its checkpoint figures stay)
+                    for sub in ["progress", "joined/", "rdv/", "faults/", "ckpt/"] {
+                        ops.push(Op::DeletePrefix {
+                            prefix: format!("{}{sub}", self.keys.live_job(&spec.name)),
                         });
                     }
                 }

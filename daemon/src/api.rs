@@ -566,10 +566,13 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
                 );
             }
         }
-        let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
-        for g in st.store.history(&spec.name).await? {
-            *reasons.entry(g.reason.to_string()).or_default() += 1;
-        }
+        // counted at each publish: history is bounded, these counts are not
+        let reasons = st
+            .store
+            .status(&spec.name)
+            .await?
+            .map(|(s, _)| s.reformations)
+            .unwrap_or_default();
         for (r, n) in reasons {
             let _ = writeln!(
                 count,

@@ -75,6 +75,14 @@ pub async fn run_replica(
         };
         let leader_key = match leader_key {
             Ok(k) => k,
+            Err(e) if keeper.current().healthy => {
+                // etcd answers (our lease is kept alive): the campaign call only ran out of
+                // its request time while another replica leads; campaign again
+                tracing::debug!(error = %e, "still campaigning");
+                lease_cancel.cancel();
+                keeper.join().await;
+                continue;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "campaign failed; retrying");
                 lease_cancel.cancel();
@@ -155,9 +163,11 @@ pub async fn lead(
     let mut nodes_rx = watch_prefix(store.backend.clone(), k.nodes(), cancel.clone());
     let mut drains_rx = watch_prefix(store.backend.clone(), k.drains(), cancel.clone());
     let mut jobs_rx = watch_prefix(store.backend.clone(), k.jobs(), cancel.clone());
+    let mut live_rx = watch_prefix(store.backend.clone(), k.live(), cancel.clone());
     synced(&mut nodes_rx).await;
     synced(&mut drains_rx).await;
     synced(&mut jobs_rx).await;
+    synced(&mut live_rx).await;
     let mut pending: HashMap<String, Pending> = HashMap::new();
     // drain-time checkpoints whose outcome was logged (request ids)
     let mut told: HashSet<String> = HashSet::new();
@@ -187,7 +197,8 @@ pub async fn lead(
             }
         }
         let snap = jobs_rx.borrow_and_update().clone();
-        let mut jobs = jobs_from(&store, &snap);
+        let live = live_rx.borrow_and_update().clone();
+        let mut jobs = jobs_from(&store, &[&snap, &live]);
         let now = Instant::now();
         let mut wake: Option<Instant> = None;
         steps.retain(|j, _| jobs.contains_key(j));
@@ -302,7 +313,13 @@ pub async fn lead(
                                     != Some(r.generation)
                                 {
                                     tracing::info!(job = %name, generation = r.generation, reason = %r.reason, seconds = r.seconds, "re-formation complete");
-                                    forget_old_generations(&store, &snap, name, r.generation).await;
+                                    forget_old_generations(
+                                        &store,
+                                        &[&snap, &live],
+                                        name,
+                                        r.generation,
+                                    )
+                                    .await;
                                 }
                             }
                         }
@@ -377,6 +394,7 @@ pub async fn lead(
             _ = nodes_rx.changed() => {}
             _ = drains_rx.changed() => {}
             _ = jobs_rx.changed() => {}
+            _ = live_rx.changed() => {}
             _ = tokio::time::sleep_until(sleep_until) => {}
             _ = cancel.cancelled() => return Ok(()),
         }
@@ -391,11 +409,11 @@ pub const HISTORY_KEPT: u64 = 256;
 /// every earlier generation (attempts that failed included) are of no use: delete them, and
 /// history entries older than [`HISTORY_KEPT`] generations, so etcd does not grow with a job's
 /// age.
-async fn forget_old_generations(store: &Store, snap: &Snapshot, job: &str, current: u64) {
+async fn forget_old_generations(store: &Store, snaps: &[&Snapshot], job: &str, current: u64) {
     let k = &store.keys;
     let mut prefixes = std::collections::BTreeSet::new();
     let mut old_history = Vec::new();
-    for kv in snap.kvs.values() {
+    for kv in snaps.iter().flat_map(|s| s.kvs.values()) {
         match k.parse(&kv.key) {
             KeyKind::Joined {
                 job: j, generation, ..
@@ -473,12 +491,13 @@ pub fn fleet_from(store: &Store, nodes: &Snapshot, drains: &Snapshot) -> Fleet {
     f
 }
 
-/// Build each job's observed state from the jobs snapshot.
-pub fn jobs_from(store: &Store, snap: &Snapshot) -> BTreeMap<String, JobObs> {
+/// Build each job's observed state from the snapshots of `jobs/` (control state) and `live/`
+/// (what the workers write).
+pub fn jobs_from(store: &Store, snaps: &[&Snapshot]) -> BTreeMap<String, JobObs> {
     let mut jobs: BTreeMap<String, JobObs> = BTreeMap::new();
     let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
     let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
-    for kv in snap.kvs.values() {
+    for kv in snaps.iter().flat_map(|s| s.kvs.values()) {
         match store.keys.parse(&kv.key) {
             KeyKind::JobSpec { job } => {
                 let o = jobs.entry(job).or_default();

@@ -103,6 +103,7 @@ fn status(
         last_reformation: prev.and_then(|p| p.last_reformation.clone()),
         message,
         updated_at_ms: now,
+        reformations: prev.map(|p| p.reformations.clone()).unwrap_or_default(),
     }
 }
 
@@ -141,6 +142,17 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
     };
     if obs.stop_requested || obs.status.as_ref().is_some_and(|s| s.state.is_terminal()) {
         return NotNeeded;
+    }
+    // the generation's communicator failed (its workers reported it): no checkpoint can come
+    // from it, so the drain's re-formation must not wait for one
+    if obs.faults.values().any(|f| f.generation == g.number) {
+        return NoTime {
+            id: format!("drain-g{}", g.number),
+            detail: format!(
+                "no drain-time checkpoint: generation {}'s communicator failed",
+                g.number
+            ),
+        };
     }
     // members on nodes that are leaving but still here (a lost node has nothing to save)
     let leaving: BTreeSet<&str> = g
@@ -481,7 +493,7 @@ fn build(
         ),
         fault_retries,
     };
-    let st = status(
+    let mut st = status(
         &spec.name,
         JobState::Running,
         Some(&generation),
@@ -489,6 +501,7 @@ fn build(
         detail,
         now,
     );
+    *st.reformations.entry(reason.to_string()).or_default() += 1;
     Decision::Publish {
         generation,
         status: st,

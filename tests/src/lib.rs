@@ -9,6 +9,9 @@
 //! `DUCTILE_TEST_S3_ENDPOINT` (+ `_BUCKET`, `_ACCESS_KEY`, `_SECRET_KEY`, `_REGION`) to run the
 //! same tests against another S3-compatible server instead.
 
+pub mod chaos;
+pub mod ledger;
+
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -428,7 +431,9 @@ pub struct Proxy {
     upstream: u16,
     up: Arc<std::sync::atomic::AtomicBool>,
     rate: Arc<std::sync::atomic::AtomicU64>,
-    conns: Arc<Mutex<Vec<std::net::TcpStream>>>,
+    /// Open connections (client and server side), by id; removed when both directions end,
+    /// so a long run does not run out of descriptors.
+    conns: Arc<Mutex<BTreeMap<u64, Vec<std::net::TcpStream>>>>,
 }
 
 impl Proxy {
@@ -438,7 +443,7 @@ impl Proxy {
             upstream,
             up: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             rate: Arc::new(std::sync::atomic::AtomicU64::new(0)),
-            conns: Arc::new(Mutex::new(Vec::new())),
+            conns: Arc::new(Mutex::new(BTreeMap::new())),
         };
         p.serve();
         p
@@ -461,6 +466,7 @@ impl Proxy {
             self.upstream,
         );
         std::thread::spawn(move || {
+            let mut next_id = 0u64;
             while up.load(Ordering::SeqCst) {
                 let Ok((client, _)) = listener.accept() else {
                     std::thread::sleep(Duration::from_millis(5));
@@ -473,11 +479,13 @@ impl Proxy {
                 };
                 let _ = client.set_nodelay(true);
                 let _ = server.set_nodelay(true);
-                {
-                    let mut c = conns.lock().unwrap();
-                    c.push(client.try_clone().unwrap());
-                    c.push(server.try_clone().unwrap());
-                }
+                next_id += 1;
+                let id = next_id;
+                conns.lock().unwrap().insert(
+                    id,
+                    vec![client.try_clone().unwrap(), server.try_clone().unwrap()],
+                );
+                let pipes = Arc::new(AtomicU64::new(2));
                 for (mut from, mut to, limited) in [
                     (
                         client.try_clone().unwrap(),
@@ -486,7 +494,7 @@ impl Proxy {
                     ),
                     (server, client, false),
                 ] {
-                    let rate = rate.clone();
+                    let (rate, pipes, conns) = (rate.clone(), pipes.clone(), conns.clone());
                     std::thread::spawn(move || {
                         use std::io::{Read, Write};
                         let mut buf = vec![0u8; 64 << 10];
@@ -504,6 +512,9 @@ impl Proxy {
                             }
                         }
                         let _ = to.shutdown(Shutdown::Write);
+                        if pipes.fetch_sub(1, Ordering::SeqCst) == 1 {
+                            conns.lock().unwrap().remove(&id);
+                        }
                     });
                 }
             }
@@ -513,7 +524,10 @@ impl Proxy {
     /// Cut every connection and stop accepting.
     pub fn stop(&self) {
         self.up.store(false, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap().drain(..) {
+        for c in std::mem::take(&mut *self.conns.lock().unwrap())
+            .into_values()
+            .flatten()
+        {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -881,6 +895,20 @@ impl Cluster {
                 "timed out after {limit:?} waiting for {what}"
             );
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Poll `f` until it returns Some, or give up after `limit` (None).
+    pub fn wait_for_opt<T>(&self, limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return Some(v);
+            }
+            if t0.elapsed() >= limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
 

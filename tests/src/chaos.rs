@@ -1,0 +1,518 @@
+//! The chaos soak: a local cluster (etcd, 2 daemons, 4 agents, an S3-compatible server behind a
+//! proxy) trains a deterministic job with checkpoints and the exactly-once ledger while a
+//! seeded random schedule of faults hits it: SIGKILL of a worker, an agent, the leader daemon;
+//! SIGSTOP of a worker or an agent past its lease, then SIGCONT; etcd killed and restarted on
+//! its data directory; the S3 server cut off mid-upload and back; `dctl scale` and `dctl drain`
+//! in between. At the end it checks what a user relies on: the job succeeded; every sample was
+//! used exactly once per epoch; no committed step was lost (every commit etcd recorded is
+//! still restorable, or older than the `keep` newest that retention keeps, and every retained
+//! commit's CRCs hold); the final weights equal an uninterrupted run's bit for bit; no process
+//! is left behind.
+//!
+//! Used by the CI test (`tests/tests/chaos.rs`, a short profile) and by `ductile-bench chaos`
+//! (the long one). A violation names the seed that replays the schedule.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use ductile_checkpoint::restore::{committed, fetch, load_manifest};
+use ductile_checkpoint::{plan, Bucket};
+use ductile_cluster::api::JobView;
+use ductile_cluster::records::{CheckpointRecord, JobState};
+
+use crate::*;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub seed: u64,
+    /// Faults to inject.
+    pub faults: usize,
+    /// Training steps of the job (enough to outlast the faults).
+    pub steps: u64,
+}
+
+/// One injected fault and how long the job took to train past where it was.
+#[derive(Clone, Debug)]
+pub struct Fault {
+    pub kind: &'static str,
+    pub target: String,
+    pub at_step: u64,
+    /// Seconds from the fault to the first progress report past `at_step`; None if the job
+    /// did not recover within the bound (a violation).
+    pub recovery_s: Option<f64>,
+}
+
+#[derive(Debug, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub faults: Vec<Fault>,
+    pub generations: u64,
+    pub commits_seen: usize,
+    pub commits_verified: usize,
+    pub final_sha256: Option<String>,
+    pub reference_sha256: Option<String>,
+    pub violations: Vec<String>,
+    pub seconds: f64,
+}
+
+impl Report {
+    /// A few lines for a terminal or a test log.
+    pub fn summary(&self) -> String {
+        let mut by_kind: BTreeMap<&str, usize> = BTreeMap::new();
+        for f in &self.faults {
+            *by_kind.entry(f.kind).or_default() += 1;
+        }
+        let mut rec: Vec<f64> = self.faults.iter().filter_map(|f| f.recovery_s).collect();
+        rec.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let median = rec.get(rec.len() / 2).copied().unwrap_or(f64::NAN);
+        let max = rec.last().copied().unwrap_or(f64::NAN);
+        let mut s = format!(
+            "chaos seed {}: {} faults in {:.0} s ({by_kind:?}); recovery (fault → training past it) median {median:.2} s, max {max:.2} s over {}; {} generations; {} commits seen, {} retained commits verified; final weights {} (uninterrupted run {})\n",
+            self.seed,
+            self.faults.len(),
+            self.seconds,
+            rec.len(),
+            self.generations,
+            self.commits_seen,
+            self.commits_verified,
+            self.final_sha256.as_deref().map(|h| &h[..16]).unwrap_or("-"),
+            self.reference_sha256.as_deref().map(|h| &h[..16]).unwrap_or("-"),
+        );
+        if self.violations.is_empty() {
+            s.push_str("no violation\n");
+        } else {
+            for v in &self.violations {
+                s.push_str(&format!(
+                    "VIOLATION (replay with seed {}): {v}\n",
+                    self.seed
+                ));
+            }
+        }
+        s
+    }
+}
+
+/// SplitMix64: the schedule is a pure function of the seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn ms(&mut self, lo: u64, hi: u64) -> Duration {
+        Duration::from_millis(lo + self.below(hi - lo + 1))
+    }
+}
+
+const SAMPLES: u64 = 2_000;
+const BATCH: u64 = 32;
+const KEEP: usize = 3;
+
+fn job(name: &str, data: &str, steps: u64, desired: u32, ckpt: Option<&str>) -> String {
+    let mut s = format!(
+        "{}max_steps = {steps}\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 12\n",
+        training_toml(
+            name,
+            1,
+            6,
+            desired,
+            "mlp",
+            data,
+            "restart_budget = 1000\nstall_timeout_s = 120"
+        )
+    );
+    if let Some(url) = ckpt {
+        s.push_str(&format!(
+            "[checkpoint]\nurl = \"{url}\"\ninterval = 40\nkeep = {KEEP}\n"
+        ));
+    }
+    s
+}
+
+fn try_status(c: &Cluster, job: &str) -> Option<JobView> {
+    let (ok, out, _) = c.dctl(&["status", job, "--json"]);
+    ok.then(|| serde_json::from_str(&out).ok()).flatten()
+}
+
+/// Run the soak. Panics only on harness failures (a process that cannot start); what the
+/// system under test gets wrong is reported as violations.
+pub fn run(cfg: &Config) -> Report {
+    let t_start = Instant::now();
+    let mut report = Report {
+        seed: cfg.seed,
+        ..Default::default()
+    };
+    println!(
+        "chaos seed {} ({} faults, {} steps)",
+        cfg.seed, cfg.faults, cfg.steps
+    );
+
+    // the uninterrupted run, on a quiet cluster of its own
+    {
+        let c = Cluster::start(Spec::default().agents(1, 2));
+        let data = synth(c.dir.path(), "regression", SAMPLES);
+        c.submit(&job("reference", &data, cfg.steps, 2, None));
+        let done = c.wait_for(Duration::from_secs(900), "the reference run", || {
+            try_status(&c, "reference").filter(|v| v.state == JobState::Succeeded)
+        });
+        report.reference_sha256 = done.final_weights_sha256;
+    }
+
+    let ledger = TempDir::new("chaos-ledger");
+    let mut c = Cluster::start(Spec {
+        daemons: 2,
+        s3_proxy: true,
+        lease_ttl: 2,
+        election_ttl: 2,
+        restart_backoff_ms: 500,
+        agent_env: vec![
+            (
+                "DUCTILE_LEDGER_DIR".into(),
+                ledger.path().display().to_string(),
+            ),
+            ("DUCTILE_COMM_LIVENESS_MS".into(), "3000".into()),
+        ],
+        ..Spec::default().agents(4, 2)
+    });
+    let data = synth(c.dir.path(), "regression", SAMPLES);
+    let url = format!("s3://{}/jobs/chaos", c.s3.as_ref().unwrap().bucket);
+    c.submit(&job("chaos", &data, cfg.steps, 4, Some(&url)));
+    c.wait_world("chaos", 4, Duration::from_secs(60));
+
+    let mut rng = Rng(cfg.seed);
+    let mut commits: BTreeSet<(u64, u64)> = BTreeSet::new();
+    let mut pids: BTreeSet<u32> = BTreeSet::new();
+    let store = {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s = rt.block_on(c.store());
+        (rt, s)
+    };
+    let observe = |c: &Cluster, commits: &mut BTreeSet<(u64, u64)>, pids: &mut BTreeSet<u32>| {
+        if let Some(v) = try_status(c, "chaos") {
+            pids.extend(v.members.iter().filter_map(|m| m.pid));
+        }
+        let (rt, s) = &store;
+        if let Ok(Ok(Some((r, _)))) = rt.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(3),
+                s.get_json::<CheckpointRecord>(&s.keys.checkpoint("chaos"), "checkpoint"),
+            )
+            .await
+        }) {
+            commits.insert((r.step, r.generation));
+        }
+    };
+    for a in c.agents.values() {
+        pids.insert(a.pid());
+    }
+    let kinds = [
+        "kill-worker",
+        "stop-worker",
+        "kill-agent",
+        "stop-agent",
+        "kill-leader",
+        "restart-etcd",
+        "s3-outage",
+        "scale",
+        "drain",
+    ];
+    let mut order: Vec<usize> = (0..kinds.len()).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut drained: Option<String> = None;
+    while report.faults.len() < cfg.faults {
+        // training, and past the last fault's step
+        let v = match c.wait_for_opt(Duration::from_secs(120), || {
+            observe(&c, &mut commits, &mut pids);
+            try_status(&c, "chaos").filter(|v| {
+                v.state.is_terminal()
+                    || (v.state == JobState::Running
+                        && v.members.iter().all(|m| m.pid.is_some())
+                        && !v.members.is_empty())
+            })
+        }) {
+            Some(v) if v.state.is_terminal() => {
+                report.violations.push(format!(
+                    "the job ended ({:?}) at step {} before {} faults were injected: give it more steps",
+                    v.state, v.step, cfg.faults
+                ));
+                break;
+            }
+            Some(v) => v,
+            None => {
+                report
+                    .violations
+                    .push("the job was not running with every worker for 120 s".into());
+                break;
+            }
+        };
+        if v.step + 60 >= cfg.steps {
+            report.violations.push(format!(
+                "the job reached step {} before {} faults were injected: give it more steps",
+                v.step, cfg.faults
+            ));
+            break;
+        }
+        std::thread::sleep(rng.ms(500, 2500));
+        let at_step = try_status(&c, "chaos").map(|v| v.step).unwrap_or(v.step);
+        // every kind once (in a seeded order) before the rest are drawn at random
+        let kind = if report.faults.len() < kinds.len() {
+            kinds[order[report.faults.len()]]
+        } else {
+            kinds[rng.below(kinds.len() as u64) as usize]
+        };
+        let t0 = Instant::now();
+        let target = inject(&mut c, &mut rng, kind, &v, &mut drained);
+        // recovered: training past where the fault found it
+        let recovered = c.wait_for_opt(Duration::from_secs(120), || {
+            observe(&c, &mut commits, &mut pids);
+            try_status(&c, "chaos").filter(|v| v.step > at_step + 2 || v.state.is_terminal())
+        });
+        let recovery_s = recovered.as_ref().map(|_| t0.elapsed().as_secs_f64());
+        println!(
+            "fault {:>3}: {kind:<12} {target:<18} at step {at_step:>6}: {}",
+            report.faults.len() + 1,
+            recovery_s
+                .map(|s| format!("training again after {s:.2} s"))
+                .unwrap_or_else(|| "NOT RECOVERED within 120 s".into())
+        );
+        if recovered.is_none() {
+            report.violations.push(format!(
+                "after fault {} ({kind} {target} at step {at_step}) the job did not train again within 120 s",
+                report.faults.len() + 1
+            ));
+        }
+        report.faults.push(Fault {
+            kind,
+            target,
+            at_step,
+            recovery_s,
+        });
+        if recovered.is_none() {
+            break;
+        }
+        if let Some(n) = drained.take() {
+            // the drained node comes back for later faults
+            let _ = c.dctl(&["drain", &n, "--undo"]);
+        }
+    }
+    // everything back, and the job to its end
+    if let Some(n) = drained.take() {
+        let _ = c.dctl(&["drain", &n, "--undo"]);
+    }
+    let _ = c.dctl(&["scale", "chaos", "4"]);
+    let done = c.wait_for_opt(Duration::from_secs(900), || {
+        observe(&c, &mut commits, &mut pids);
+        try_status(&c, "chaos").filter(|v| v.state.is_terminal())
+    });
+    match &done {
+        Some(v) if v.state == JobState::Succeeded => {
+            report.final_sha256 = v.final_weights_sha256.clone();
+            if v.step != cfg.steps {
+                report
+                    .violations
+                    .push(format!("finished at step {}, not {}", v.step, cfg.steps));
+            }
+        }
+        Some(v) => report
+            .violations
+            .push(format!("the job ended {:?}: {}", v.state, v.message)),
+        None => report
+            .violations
+            .push("the job did not finish within 900 s after the last fault".into()),
+    }
+    if report.final_sha256.is_some() && report.final_sha256 != report.reference_sha256 {
+        report.violations.push(format!(
+            "final weights {:?} differ from the uninterrupted run's {:?}",
+            report.final_sha256, report.reference_sha256
+        ));
+    }
+    report.generations = try_status(&c, "chaos").map(|v| v.generation).unwrap_or(0);
+    report.violations.extend(crate::ledger::violations(
+        ledger.path(),
+        cfg.steps,
+        SAMPLES,
+        BATCH,
+    ));
+
+    // no committed step lost
+    report.commits_seen = commits.len();
+    let s3 = c.s3.as_ref().unwrap();
+    for (k, v) in s3.env() {
+        std::env::set_var(k, v);
+    }
+    let (rt, s) = &store;
+    let latest = rt
+        .block_on(s.get_json::<CheckpointRecord>(&s.keys.checkpoint("chaos"), "checkpoint"))
+        .ok()
+        .flatten()
+        .map(|(r, _)| r);
+    match rt.block_on(async {
+        let bucket = Bucket::open(&url).map_err(|e| e.to_string())?;
+        let list = committed(&bucket, latest.as_ref())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut verified = Vec::new();
+        for r in &list {
+            let m = load_manifest(&bucket, r)
+                .await
+                .map_err(|e| format!("step {}: {e}", r.step))?;
+            let all = plan::readers(&m, 1).remove(0);
+            fetch(&bucket, &m, &all, 4)
+                .await
+                .map_err(|e| format!("step {}: {e}", r.step))?;
+            verified.push((r.step, r.generation));
+        }
+        Ok::<_, String>(verified)
+    }) {
+        Ok(verified) => {
+            report.commits_verified = verified.len();
+            let oldest = verified.iter().min().copied();
+            for c in &commits {
+                let kept = oldest.is_some_and(|o| *c >= o);
+                if kept && !verified.contains(c) {
+                    report.violations.push(format!(
+                        "commit at step {} (generation {}) recorded by etcd is gone from the store",
+                        c.0, c.1
+                    ));
+                }
+            }
+            if let Some(l) = &latest {
+                if !verified.contains(&(l.step, l.generation)) {
+                    report.violations.push(format!(
+                        "etcd's latest commit (step {}) does not restore",
+                        l.step
+                    ));
+                }
+            }
+        }
+        Err(e) => report
+            .violations
+            .push(format!("a committed checkpoint does not verify: {e}")),
+    }
+
+    // no process left behind
+    drop(c);
+    let t = Instant::now();
+    let mut left: Vec<u32> = pids.iter().copied().filter(|p| pid_alive(*p)).collect();
+    while !left.is_empty() && t.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(200));
+        left.retain(|p| pid_alive(*p));
+    }
+    if !left.is_empty() {
+        report
+            .violations
+            .push(format!("processes left behind: {left:?}"));
+    }
+    report.seconds = t_start.elapsed().as_secs_f64();
+    report
+}
+
+/// Inject one fault of `kind`; returns what it hit.
+fn inject(
+    c: &mut Cluster,
+    rng: &mut Rng,
+    kind: &'static str,
+    v: &JobView,
+    drained: &mut Option<String>,
+) -> String {
+    let member = &v.members[rng.below(v.members.len() as u64) as usize];
+    let agent_name = |rng: &mut Rng| format!("node{}", 1 + rng.below(4));
+    match kind {
+        "kill-worker" => {
+            let pid = member.pid.unwrap();
+            signal(pid, libc::SIGKILL);
+            format!("{}/{}", member.node, member.slot)
+        }
+        "stop-worker" => {
+            let pid = member.pid.unwrap();
+            signal(pid, libc::SIGSTOP);
+            // until the leader excluded it (its agent then kills it), bounded
+            let g = v.generation;
+            let cc: &Cluster = c;
+            let _ = cc.wait_for_opt(Duration::from_secs(40), || {
+                try_status(cc, "chaos").filter(|x| x.generation > g)
+            });
+            signal(pid, libc::SIGCONT);
+            format!("{}/{}", member.node, member.slot)
+        }
+        "kill-agent" => {
+            let name = agent_name(rng);
+            let pause = rng.ms(0, 2000);
+            let a = c.agents.get_mut(&name).unwrap();
+            a.kill();
+            std::thread::sleep(pause);
+            a.restart();
+            name
+        }
+        "stop-agent" => {
+            let name = agent_name(rng);
+            let ttl = c.spec.lease_ttl;
+            let a = &c.agents[&name];
+            a.stop();
+            std::thread::sleep(Duration::from_secs(ttl as u64) + rng.ms(1000, 3000));
+            a.cont();
+            name
+        }
+        "kill-leader" => {
+            let leader = (0..c.daemons.len())
+                .find(|i| {
+                    let port = c.daemon_ports[*i];
+                    http(
+                        "GET",
+                        &format!("http://127.0.0.1:{port}/v1/leader"),
+                        &[("Authorization", &format!("Bearer {TOKEN}"))],
+                        b"",
+                    )
+                    .ok()
+                    .and_then(|(_, b)| serde_json::from_str::<serde_json::Value>(&b).ok())
+                    .is_some_and(|j| j["this_replica_leads"] == true)
+                })
+                .unwrap_or(0);
+            c.restart_daemon(leader);
+            format!("daemon{leader}")
+        }
+        "restart-etcd" => {
+            c.etcd.proc.kill();
+            std::thread::sleep(rng.ms(200, 1500));
+            c.etcd.restart();
+            "etcd".into()
+        }
+        "s3-outage" => {
+            let p = c.s3_proxy.as_ref().unwrap();
+            // slow the uploads so the outage finds one in the middle
+            p.throttle(200_000);
+            std::thread::sleep(rng.ms(500, 1500));
+            p.stop();
+            std::thread::sleep(rng.ms(1000, 4000));
+            p.throttle(0);
+            p.serve();
+            "s3".into()
+        }
+        "scale" => {
+            let to = 2 + rng.below(5);
+            let _ = c.dctl(&["scale", "chaos", &to.to_string()]);
+            format!("to {to}")
+        }
+        "drain" => {
+            let name = agent_name(rng);
+            let _ = c.dctl(&["drain", &name]);
+            *drained = Some(name.clone());
+            name
+        }
+        other => unreachable!("unknown fault {other}"),
+    }
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: a signal to a process id we started
+    unsafe { libc::kill(pid as i32, sig) };
+}

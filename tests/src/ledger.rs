@@ -1,0 +1,121 @@
+//! The exactly-once ledger: every worker (run with `DUCTILE_LEDGER_DIR`) writes, per process,
+//! one line per step with the sample indices it computed and one when it applied the step.
+//! This module reads a directory of them back and says what is wrong, if anything.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Check that steps `0..steps` were each committed once, over `samples` samples with a global
+/// batch of `batch`: every step applied, each from exactly `batch` samples, and every sample
+/// used `⌊steps·batch / samples⌋` or one more times (exactly `steps·batch mod samples` of them
+/// once more), so nothing was skipped or repeated.
+///
+/// A step may show as applied in two generations only when every process that applied it in
+/// the earlier one never went on to a later generation (a killed rank that finished the
+/// all-reduce before the abort reached it, or a cold start from a checkpoint behind it): its
+/// state left with it, so the step was computed again over the same samples. The last
+/// application is the one the job kept. Returns the violations found (empty: all is well).
+pub fn violations(dir: &Path, steps: u64, samples: u64, batch: u64) -> Vec<String> {
+    let mut out = Vec::new();
+    // (generation, step) → indices; step → generation → processes that applied it
+    let mut idx: BTreeMap<(u64, u64), Vec<u64>> = BTreeMap::new();
+    let mut applied: BTreeMap<u64, BTreeMap<u64, BTreeSet<String>>> = BTreeMap::new();
+    // process → the highest generation it wrote anything for
+    let mut last_gen: BTreeMap<String, u64> = BTreeMap::new();
+    let files = match std::fs::read_dir(dir) {
+        Ok(f) => f,
+        Err(e) => return vec![format!("ledger directory {}: {e}", dir.display())],
+    };
+    for f in files.flatten() {
+        let proc_name = f.file_name().to_string_lossy().into_owned();
+        let text = match std::fs::read_to_string(f.path()) {
+            Ok(t) => t,
+            Err(e) => {
+                out.push(format!("ledger {proc_name}: {e}"));
+                continue;
+            }
+        };
+        for line in text.lines() {
+            // a process killed mid-write leaves a torn last line: it applied nothing there
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let (Some(g), Some(s)) = (v["g"].as_u64(), v["s"].as_u64()) else {
+                continue;
+            };
+            let e = last_gen.entry(proc_name.clone()).or_insert(g);
+            *e = (*e).max(g);
+            if v["applied"] == true {
+                applied
+                    .entry(s)
+                    .or_default()
+                    .entry(g)
+                    .or_default()
+                    .insert(proc_name.clone());
+            } else if let Some(a) = v["idx"].as_array() {
+                idx.entry((g, s))
+                    .or_default()
+                    .extend(a.iter().filter_map(|x| x.as_u64()));
+            }
+        }
+    }
+    let missing: Vec<u64> = (0..steps).filter(|s| !applied.contains_key(s)).collect();
+    if !missing.is_empty() {
+        out.push(format!("steps never committed: {missing:?}"));
+    }
+    let mut count: BTreeMap<u64, u64> = BTreeMap::new();
+    for (s, gens) in applied.range(..steps) {
+        let (&g, _) = gens.iter().next_back().unwrap();
+        for (&earlier, procs) in gens.range(..g) {
+            let went_on: Vec<&String> = procs
+                .iter()
+                .filter(|p| last_gen.get(*p).is_some_and(|l| *l > earlier))
+                .collect();
+            if !went_on.is_empty() {
+                out.push(format!(
+                    "step {s} was applied in generation {earlier} by {went_on:?}, which went on to later generations, and applied again in generation {g}"
+                ));
+            }
+        }
+        let used = idx.get(&(g, *s)).map(|v| v.as_slice()).unwrap_or(&[]);
+        if used.len() as u64 != batch {
+            out.push(format!(
+                "step {s} (generation {g}): {} samples, not the global batch of {batch}",
+                used.len()
+            ));
+        }
+        for i in used {
+            if *i >= samples {
+                out.push(format!("step {s}: sample {i} is out of range"));
+            }
+            *count.entry(*i).or_default() += 1;
+        }
+    }
+    let (full, rest) = (steps * batch / samples, steps * batch % samples);
+    if (count.len() as u64) < samples.min(steps * batch) {
+        out.push(format!(
+            "{} of {samples} samples were never used",
+            samples - count.len() as u64
+        ));
+    }
+    let odd: Vec<(u64, u64)> = count
+        .iter()
+        .filter(|(_, c)| **c != full && **c != full + 1)
+        .map(|(i, c)| (*i, *c))
+        .take(10)
+        .collect();
+    if !odd.is_empty() {
+        out.push(format!(
+            "samples used neither {full} nor {} times (sample, count): {odd:?}",
+            full + 1
+        ));
+    }
+    let extra = count.values().filter(|c| **c == full + 1).count() as u64;
+    if odd.is_empty() && extra != rest {
+        out.push(format!(
+            "{extra} samples used {} times, expected {rest}",
+            full + 1
+        ));
+    }
+    out
+}
