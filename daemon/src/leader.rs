@@ -562,6 +562,12 @@ pub fn jobs_from(store: &Store, snaps: &[&Snapshot]) -> BTreeMap<String, JobObs>
         }
     }
     for (name, obs) in jobs.iter_mut() {
+        // `live/` comes through a watch of its own, so a job just resubmitted (its status
+        // deleted with its old progress, in one transaction) may still show the previous run's
+        // progress here for a moment: a job without a status has no progress of this run yet
+        if obs.status.is_none() {
+            obs.progress = None;
+        }
         if let Some((g, _)) = &obs.generation {
             if let Some(j) = joined.remove(&(name.clone(), g.number)) {
                 obs.joined = j;
