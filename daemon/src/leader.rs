@@ -579,3 +579,60 @@ pub fn jobs_from(store: &Store, snaps: &[&Snapshot]) -> BTreeMap<String, JobObs>
     }
     jobs
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_cluster::store::encode;
+    use ductile_cluster::Keys;
+
+    fn kv(key: String, value: Vec<u8>, rev: i64) -> (String, KeyValue) {
+        (
+            key.clone(),
+            KeyValue {
+                key,
+                value,
+                create_revision: rev,
+                mod_revision: rev,
+                lease: 0,
+            },
+        )
+    }
+
+    #[tokio::test]
+    async fn a_resubmitted_job_is_not_taken_for_done_by_the_previous_runs_progress() {
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        );
+        let k = &store.keys;
+        let spec = JobSpec::from_toml("name = \"j\"\nmin = 1\nmax = 2\ndesired = 2\n").unwrap();
+        let done = Progress {
+            generation: 4,
+            step: 60,
+            loss: None,
+            samples_per_sec: None,
+            updated_at_ms: 0,
+            done: true,
+            final_weights_sha256: Some("abc".into()),
+        };
+        // the control watch already shows the new spec without a status; the live watch
+        // still shows the last run's final progress
+        let jobs = Snapshot {
+            revision: 10,
+            kvs: [kv(k.spec("j"), encode(&spec), 10)].into(),
+            relists: 0,
+        };
+        let live = Snapshot {
+            revision: 9,
+            kvs: [kv(k.progress("j"), encode(&done), 8)].into(),
+            relists: 0,
+        };
+        let obs = &jobs_from(&store, &[&jobs, &live])["j"];
+        assert!(obs.progress.is_none());
+        assert!(matches!(
+            crate::reconcile::plan(obs, &Default::default(), 100),
+            Decision::Status(ref s) if s.state != JobState::Succeeded
+        ));
+    }
+}

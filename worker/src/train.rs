@@ -515,6 +515,18 @@ impl Trainer {
                 if let Some(ck) = &mut self.ckpt {
                     ck.finish(&self.rt);
                 }
+                // the last step was due and its save skipped because the previous one was
+                // still uploading (every rank saw that alike, through the step's flags): save
+                // it now, so the final state is committed
+                let final_due = self.ckpt.as_ref().is_some_and(|ck| {
+                    self.step % ck.spec.interval == 0 && ck.saved_step != Some(self.step)
+                });
+                if final_due {
+                    self.maybe_save(g, rank, g.world_size, false, false);
+                    if let Some(ck) = &mut self.ckpt {
+                        ck.finish(&self.rt);
+                    }
+                }
                 if rank == 0 {
                     let sha = sha256_params(&self.params);
                     let p = Progress {

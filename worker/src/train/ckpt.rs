@@ -35,6 +35,8 @@ pub struct Ckpt {
     /// The newest checkpoint request seen in etcd (a planned drain).
     pub request: Arc<Mutex<Option<CheckpointRequest>>>,
     answered: Option<String>,
+    /// The step of the last save this rank started.
+    pub saved_step: Option<u64>,
 }
 
 impl Ckpt {
@@ -76,6 +78,7 @@ impl Ckpt {
             plan: None,
             request: Arc::new(Mutex::new(None)),
             answered: None,
+            saved_step: None,
         })
     }
 
@@ -397,6 +400,7 @@ impl Trainer {
             stall_ms,
             "checkpoint: state copied, uploading"
         );
+        ck.saved_step = Some(step);
         ck.in_flight = Some(self.rt.spawn(async move {
             let t0 = Instant::now();
             let r = write_shard(&store, &bucket, &job, step, gnum, &metas, &layout, data.clone(), opts).await;
