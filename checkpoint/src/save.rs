@@ -301,6 +301,7 @@ pub async fn gather_and_commit(
     let step = c.step;
     let prefix = store.keys.checkpoint_shards(c.job, step, c.generation);
     let t0 = Instant::now();
+    let mut poll = Duration::from_millis(5);
     let reports: Vec<ShardReport> = loop {
         let (kvs, _) = store
             .backend
@@ -349,7 +350,9 @@ pub async fn gather_and_commit(
                 waited: c.wait,
             });
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // the reports come within milliseconds of each other: look again soon, then less often
+        tokio::time::sleep(poll).await;
+        poll = (poll * 2).min(Duration::from_millis(100));
     };
     let mut tensors: BTreeMap<String, TensorEntry> = c
         .tensors
