@@ -192,7 +192,7 @@ async fn main() -> anyhow::Result<()> {
             let cfg = ductile_tests::chaos::Config {
                 seed: seed.unwrap_or_else(now_ms),
                 faults,
-                steps: steps.unwrap_or(faults as u64 * 250 + 2_000),
+                steps: steps.unwrap_or(faults as u64 * 1_000 + 2_000),
             };
             // the soak drives its own runtime: off this one's threads
             let report = std::thread::spawn(move || ductile_tests::chaos::run(&cfg))
