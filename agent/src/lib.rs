@@ -52,39 +52,6 @@ struct Exit {
     last_words: Option<String>,
 }
 
-/// One job as the agent sees it.
-#[derive(Default)]
-struct JobView {
-    spec: Option<JobSpec>,
-    status: Option<JobStatus>,
-    generation: Option<Generation>,
-    history: BTreeMap<u64, Generation>,
-    stop: bool,
-    restarts: (u32, i64),
-}
-
-impl JobView {
-    /// Whether (`node`, `slot`) is in the current generation and in every generation published
-    /// since `from` (a worker that missed one must not act in a later one).
-    fn member_since(&self, node: &str, slot: u32, from: u64) -> bool {
-        let Some(cur) = &self.generation else {
-            return false;
-        };
-        cur.member(node, slot).is_some()
-            && (from + 1..cur.number).all(|n| {
-                self.history
-                    .get(&n)
-                    .is_some_and(|h| h.member(node, slot).is_some())
-            })
-    }
-
-    fn active(&self) -> bool {
-        self.spec.is_some()
-            && !self.stop
-            && !self.status.as_ref().is_some_and(|s| s.state.is_terminal())
-    }
-}
-
 pub struct Agent {
     cfg: Config,
     store: Store,
@@ -103,7 +70,9 @@ pub struct Agent {
     /// Slots whose worker finished (exit 0) in the given generation: not started again in it.
     finished: HashMap<SlotKey, u64>,
     exits_tx: mpsc::Sender<Exit>,
-    jobs: BTreeMap<String, JobView>,
+    /// This node's view of each active job with a slot on it, as the leader keeps it
+    /// (`assign/{node}/`): an absent job is one whose workers here must stop.
+    jobs: BTreeMap<String, NodeAssignment>,
 }
 
 fn describe_exit(code: Option<i32>, signal: Option<i32>, last_words: Option<&str>) -> String {
@@ -176,9 +145,18 @@ impl Agent {
         tracing::info!(node = %agent.node.name, slots = agent.node.slots(), lease = format!("{:x}", agent.lease.id), "node registered");
 
         let watch_cancel = CancellationToken::new();
-        let mut jobs_rx = watch_prefix(backend.clone(), store.keys.jobs(), watch_cancel.clone());
-        let mut drains_rx =
-            watch_prefix(backend.clone(), store.keys.drains(), watch_cancel.clone());
+        // only what concerns this node: its view, and its drain request (the prefix also
+        // matches longer names, which `on_drains` ignores)
+        let mut jobs_rx = watch_prefix(
+            backend.clone(),
+            store.keys.node_assignments(&cfg.node),
+            watch_cancel.clone(),
+        );
+        let mut drains_rx = watch_prefix(
+            backend.clone(),
+            store.keys.drain(&cfg.node),
+            watch_cancel.clone(),
+        );
         let mut lease_rx = keeper.subscribe();
         let (spot_tx, mut spot_rx) = mpsc::channel::<String>(1);
         if let Some(url) = cfg.spot_notice_url.clone() {
@@ -306,39 +284,30 @@ impl Agent {
     }
 
     fn on_jobs(&mut self, snap: &Snapshot) {
-        let mut jobs: BTreeMap<String, JobView> = BTreeMap::new();
+        let mut jobs: BTreeMap<String, NodeAssignment> = BTreeMap::new();
         let mut excluded = Vec::new();
         for kv in snap.kvs.values() {
-            let parsed = self.store.keys.parse(&kv.key);
-            let ok = |r: Result<(), ductile_cluster::ClusterError>| {
-                if let Err(e) = r {
-                    tracing::warn!(error = %e, "ignoring undecodable record");
-                }
+            let KeyKind::Assignment { node, job } = self.store.keys.parse(&kv.key) else {
+                continue;
             };
-            match parsed {
-                KeyKind::JobSpec { job } => {
-                    ok(decode(kv, "job spec").map(|v| jobs.entry(job).or_default().spec = Some(v)))
+            if node != self.node.name {
+                continue;
+            }
+            match decode::<NodeAssignment>(kv, "node assignment") {
+                Ok(a) => {
+                    for (slot, h) in &a.excluded {
+                        excluded.push(((job.clone(), *slot), h.clone()));
+                    }
+                    jobs.insert(job, a);
                 }
-                KeyKind::JobStatus { job } => {
-                    ok(decode(kv, "job status")
-                        .map(|v| jobs.entry(job).or_default().status = Some(v)))
-                }
-                KeyKind::Generation { job } => ok(decode(kv, "generation")
-                    .map(|v| jobs.entry(job).or_default().generation = Some(v))),
-                KeyKind::History { job, generation } => ok(decode(kv, "generation").map(|v| {
-                    jobs.entry(job).or_default().history.insert(generation, v);
-                })),
-                KeyKind::Stop { job } => jobs.entry(job).or_default().stop = true,
-                KeyKind::Restarts { job } => ok(decode::<u32>(kv, "restart count")
-                    .map(|n| jobs.entry(job).or_default().restarts = (n, kv.mod_revision))),
-                KeyKind::Slot { job, node, slot } if node == self.node.name => {
-                    match decode::<SlotHealth>(kv, "slot health") {
-                        Ok(h) if h.excluded => excluded.push(((job, slot), h)),
-                        Ok(_) => {}
-                        Err(e) => ok(Err(e)),
+                Err(e) => {
+                    // a view this agent cannot read (a newer leader's format?): keep acting
+                    // on the last one it could, rather than stopping that job's workers
+                    tracing::warn!(job = %job, error = %e, "ignoring an undecodable view; keeping the last one");
+                    if let Some(old) = self.jobs.remove(&job) {
+                        jobs.insert(job, old);
                     }
                 }
-                _ => {}
             }
         }
         self.jobs = jobs;
@@ -404,12 +373,7 @@ impl Agent {
         let Some((_, deadline)) = &self.draining else {
             return false;
         };
-        let included = self.jobs.values().any(|j| {
-            j.active()
-                && j.generation
-                    .as_ref()
-                    .is_some_and(|g| g.members.iter().any(|m| m.node == self.node.name))
-        });
+        let included = self.jobs.values().any(|j| !j.slots.is_empty());
         if !included || Instant::now() >= *deadline {
             if included {
                 tracing::warn!(
@@ -428,7 +392,6 @@ impl Agent {
 
     /// Make the running workers match the current generations.
     fn reconcile(&mut self) {
-        let me = self.node.name.clone();
         // Fence: stop workers whose job ended or whose slot left (even for one generation).
         let mut to_stop = Vec::new();
         for (key, child) in self.children.iter_mut() {
@@ -437,18 +400,11 @@ impl Agent {
             }
             let keep = match self.jobs.get(&key.0) {
                 // a snapshot older than what the worker already saw: leave it be
-                Some(j)
-                    if j.active()
-                        && j.generation
-                            .as_ref()
-                            .is_some_and(|g| g.number < child.generation) =>
-                {
-                    true
-                }
-                Some(j) if j.active() => {
-                    let ok = j.member_since(&me, key.1, child.generation);
-                    if let (true, Some(g)) = (ok, &j.generation) {
-                        child.generation = g.number;
+                Some(j) if j.generation < child.generation => true,
+                Some(j) => {
+                    let ok = j.member_since(key.1, child.generation);
+                    if ok {
+                        child.generation = j.generation;
                     }
                     ok
                 }
@@ -473,30 +429,30 @@ impl Agent {
         // Start workers for slots of this node in current generations.
         let mut to_start = Vec::new();
         for (name, j) in &self.jobs {
-            if !j.active() {
-                continue;
-            }
-            let (Some(g), Some(spec)) = (&j.generation, &j.spec) else {
-                continue;
-            };
-            for m in g.members.iter().filter(|m| m.node == me) {
+            for m in &j.slots {
                 let key = (name.clone(), m.slot);
-                let finished = self.finished.get(&key).is_some_and(|gen| *gen >= g.number);
+                let finished = self
+                    .finished
+                    .get(&key)
+                    .is_some_and(|gen| *gen >= j.generation);
                 if !self.children.contains_key(&key)
                     && !self.failed.contains_key(&key)
                     && !finished
                     && m.slot < self.node.slots()
                 {
-                    to_start.push((key, spec.clone(), g.clone(), m.rank));
+                    to_start.push((key, m.rank));
                 }
             }
         }
-        for (key, spec, g, rank) in to_start {
-            self.spawn(key, &spec, &g, rank);
+        for (key, rank) in to_start {
+            if let Some(j) = self.jobs.get(&key.0).cloned() {
+                self.spawn(key, &j, rank);
+            }
         }
     }
 
-    fn spawn(&mut self, key: SlotKey, spec: &JobSpec, g: &Generation, rank: u32) {
+    fn spawn(&mut self, key: SlotKey, j: &NodeAssignment, rank: u32) {
+        let spec = &j.spec;
         let dev = &self.node.devices[key.1 as usize];
         let mut cmd = tokio::process::Command::new(&spec.command[0]);
         cmd.args(&spec.command[1..]);
@@ -519,9 +475,9 @@ impl Agent {
         cmd.env("DUCTILE_JOB", &key.0)
             .env("DUCTILE_NODE", &self.node.name)
             .env("DUCTILE_SLOT", key.1.to_string())
-            .env("DUCTILE_GENERATION", g.number.to_string())
+            .env("DUCTILE_GENERATION", j.generation.to_string())
             .env("DUCTILE_RANK", rank.to_string())
-            .env("DUCTILE_WORLD_SIZE", g.world_size.to_string())
+            .env("DUCTILE_WORLD_SIZE", j.world_size.to_string())
             .env("DUCTILE_ETCD", &self.cfg.etcd)
             .env("DUCTILE_PREFIX", &self.cfg.prefix)
             .env("DUCTILE_DEVICE", device)
@@ -549,7 +505,7 @@ impl Agent {
                 tracing::error!(job = %key.0, slot = key.1, command = ?spec.command, error = %e, "cannot start worker");
                 let h = SlotHealth {
                     failed_at_ms: now_ms(),
-                    generation: g.number,
+                    generation: j.generation,
                     exit: format!("cannot start {:?}: {e}", spec.command[0]),
                     will_restart: false,
                     excluded: false,
@@ -564,7 +520,7 @@ impl Agent {
             }
         };
         let pid = child.id().unwrap_or(0);
-        tracing::info!(job = %key.0, slot = key.1, pid, generation = g.number, rank, "worker started");
+        tracing::info!(job = %key.0, slot = key.1, pid, generation = j.generation, rank, "worker started");
         let last_words = Arc::new(std::sync::Mutex::new(None::<String>));
         let mut stderr_done = None;
         for (stream, name) in [
@@ -647,14 +603,14 @@ impl Agent {
             key.clone(),
             Child {
                 pid,
-                generation: g.number,
+                generation: j.generation,
                 stop: Some(stop_tx),
                 stopping: false,
             },
         );
         let rec = WorkerRecord {
             pid,
-            generation: g.number,
+            generation: j.generation,
             state: WorkerState::Running,
             exit: None,
             code: None,
@@ -674,13 +630,10 @@ impl Agent {
         let (job, slot) = exit.key.clone();
         let how = describe_exit(exit.code, exit.signal, exit.last_words.as_deref());
         let jv = self.jobs.get(&job);
-        let still_member = jv
-            .is_some_and(|j| j.active() && j.member_since(&self.node.name, slot, child.generation));
+        let still_member = jv.is_some_and(|j| j.member_since(slot, child.generation));
         let (used, budget) = (
-            jv.map(|j| j.restarts.0).unwrap_or(0),
-            jv.and_then(|j| j.spec.as_ref())
-                .map(|s| s.restart_budget)
-                .unwrap_or(0),
+            jv.map(|j| j.restarts_used).unwrap_or(0),
+            jv.map(|j| j.spec.restart_budget).unwrap_or(0),
         );
         let expected = child.stopping || !still_member;
         let rec = WorkerRecord {
@@ -740,15 +693,9 @@ impl Agent {
             self.schedule_restart(key);
             return;
         }
-        let budget = self
-            .jobs
-            .get(&job)
-            .and_then(|j| j.spec.as_ref())
-            .map(|s| s.restart_budget)
-            .unwrap_or(0);
         let (store, tx) = (self.store.clone(), self.restarts_tx.clone());
         tokio::spawn(async move {
-            let out = take_restart(&store, &job, &slot_key, budget).await;
+            let out = take_restart(&store, &job, &slot_key).await;
             let _ = tx.send((key, out)).await;
         });
     }
@@ -767,6 +714,10 @@ impl Agent {
                     let v = encode(h);
                     self.write(self.store.keys.slot(&job, &self.node.name, slot), v, true);
                 }
+            }
+            RestartOutcome::JobGone => {
+                tracing::info!(job = %job, slot, "the job is gone: not restarting");
+                self.failed.remove(&key);
             }
             RestartOutcome::Retry(why) => {
                 tracing::warn!(job = %job, slot, reason = %why, "restart bookkeeping did not go through; retrying later");
@@ -858,14 +809,22 @@ enum RestartOutcome {
         used: u32,
         budget: u32,
     },
+    /// The job is gone (stopped and deleted): nothing to restart.
+    JobGone,
     /// etcd failed, or the counter kept changing under us: try again after the backoff (never
     /// dropped silently).
     Retry(String),
 }
 
-/// Increment the job's restart counter if it is below `budget`, deleting the slot's failure
-/// record in the same transaction.
-async fn take_restart(store: &Store, job: &str, slot_key: &str, budget: u32) -> RestartOutcome {
+/// Increment the job's restart counter if it is below the job's budget, deleting the slot's
+/// failure record in the same transaction. The budget is read from the spec here: a slot no
+/// generation includes any more is in this node's view only while its failure record is.
+async fn take_restart(store: &Store, job: &str, slot_key: &str) -> RestartOutcome {
+    let budget = match store.spec(job).await {
+        Ok(Some((spec, _))) => spec.restart_budget,
+        Ok(None) => return RestartOutcome::JobGone,
+        Err(e) => return RestartOutcome::Retry(format!("cannot read the job's spec: {e}")),
+    };
     let ckey = store.keys.restarts(job);
     for _ in 0..10 {
         let cur = match store.backend.get(&ckey).await {

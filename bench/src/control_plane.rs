@@ -256,18 +256,28 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             }
         });
     }
-    // what agents watch (their view), sampled; and the workers' writes they no longer see
+    // what agents watch (their own node's view), sampled over nodes spread across the fleet;
+    // and what they would see watching all of `jobs/` or `live/` as before
     let (_, rev) = raw.list(&keys.election()).await?;
     let agent_events = Arc::new(AtomicU64::new(0));
-    for _ in 0..a.watchers {
+    for w in 0..a.watchers {
+        let node = format!("sim{:04}", w * agents / a.watchers.max(1));
         count_events(
             raw.clone(),
-            keys.jobs(),
+            keys.node_assignments(&node),
             rev + 1,
             agent_events.clone(),
             cancel.clone(),
         );
     }
+    let jobs_events = Arc::new(AtomicU64::new(0));
+    count_events(
+        raw.clone(),
+        keys.jobs(),
+        rev + 1,
+        jobs_events.clone(),
+        cancel.clone(),
+    );
     let live_events = Arc::new(AtomicU64::new(0));
     count_events(
         raw.clone(),
@@ -280,6 +290,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     // steady state
     tokio::time::sleep(Duration::from_secs(2)).await;
     let window = Duration::from_secs(10);
+    let j0 = jobs_events.load(Ordering::Relaxed);
     let (c0, e0, l0, w0, cpu0) = (
         counting.snapshot(),
         agent_events.load(Ordering::Relaxed),
@@ -290,6 +301,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let ts = Instant::now();
     tokio::time::sleep(window).await;
     let secs = ts.elapsed().as_secs_f64();
+    let j1 = jobs_events.load(Ordering::Relaxed);
     let (c1, e1, l1, w1, cpu1) = (
         counting.snapshot(),
         agent_events.load(Ordering::Relaxed),
@@ -303,18 +315,21 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         .sum();
     let per_agent = (e1 - e0) as f64 / a.watchers.max(1) as f64 / secs;
     let live_rate = (l1 - l0) as f64 / secs;
+    let jobs_rate = (j1 - j0) as f64 / secs;
     let cpu = (cpu1.saturating_sub(cpu0)) as f64 / 1e6 / secs * 100.0;
     println!(
-        "steady state over {secs:.1} s: {:.0} progress writes/s; leader etcd requests {:.1}/s, leader CPU {cpu:.1}% of a core; watch events per agent {per_agent:.2}/s (with the workers' writes in the agents' view, as before: {:.2}/s)",
+        "steady state over {secs:.1} s: {:.0} progress writes/s; leader etcd requests {:.1}/s, leader CPU {cpu:.1}% of a core; watch events per agent {per_agent:.2}/s (watching all of jobs/: {jobs_rate:.2}/s; with the workers' writes too: {:.2}/s)",
         (w1 - w0) as f64 / secs,
         reqs as f64 / secs,
-        per_agent + live_rate
+        jobs_rate + live_rate
     );
 
     // re-formations under that load: one agent's lease lapses; every job with a member on it
     // re-forms (jobs place independently, so several share a node)
     let mut first_ms = Vec::new();
     let mut all_ms = Vec::new();
+    let mut views_ms = Vec::new();
+    let mut woken_n = Vec::new();
     let mut affected_n = 0;
     for round in 0..a.rounds {
         let (kvs, rev) = raw.list(&keys.jobs()).await?;
@@ -338,6 +353,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         affected_n = affected.len();
         let mut nodes_w = raw.watch(&keys.node(&victim_name), rev + 1).await?;
         let mut gen_w = raw.watch(&keys.jobs(), rev + 1).await?;
+        let mut view_w = raw.watch(&keys.assignments(), rev + 1).await?;
         lost.lock().unwrap().insert(victim);
         let expired_at = loop {
             let batch = nodes_w
@@ -371,31 +387,87 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 break Instant::now();
             }
         };
+        // the new generations in the views of the agents they concern (every surviving
+        // member's node): when the last one arrived, and how many agents woke at all
+        let mut pending_views = affected.clone();
+        let mut woken = std::collections::HashSet::new();
+        let views_at = loop {
+            let batch = tokio::time::timeout(Duration::from_secs(60), view_w.recv())
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "{} jobs' views did not change within 60 s",
+                        pending_views.len()
+                    )
+                })?
+                .ok_or_else(|| anyhow::anyhow!("watch closed"))??;
+            for e in &batch {
+                let (key, value) = match e {
+                    WatchEvent::Put(kv) => (&kv.key, Some(&kv.value)),
+                    WatchEvent::Delete { key, .. } => (key, None),
+                };
+                if let KeyKind::Assignment { node, job } = keys.parse(key) {
+                    woken.insert(node);
+                    let newer = value
+                        .and_then(|v| serde_json::from_slice::<NodeAssignment>(v).ok())
+                        .is_some_and(|v| {
+                            pending_views.get(&job).is_some_and(|b| v.generation > *b)
+                        });
+                    if newer {
+                        pending_views.remove(&job);
+                    }
+                }
+            }
+            if pending_views.is_empty() {
+                break Instant::now();
+            }
+        };
+        // stragglers of the same re-formation (other nodes' views of the same jobs)
+        let settle = Instant::now() + Duration::from_millis(500);
+        while let Ok(Some(Ok(batch))) = tokio::time::timeout_at(settle.into(), view_w.recv()).await
+        {
+            for e in &batch {
+                let key = match e {
+                    WatchEvent::Put(kv) => &kv.key,
+                    WatchEvent::Delete { key, .. } => key,
+                };
+                if let KeyKind::Assignment { node, .. } = keys.parse(key) {
+                    woken.insert(node);
+                }
+            }
+        }
         let f = (first.unwrap() - expired_at).as_secs_f64() * 1000.0;
         let l = (last - expired_at).as_secs_f64() * 1000.0;
+        let v = (views_at - expired_at).as_secs_f64() * 1000.0;
         println!(
-            "round {round}: {victim_name} lost ({} jobs had a member there); expiry event → first new generation {f:.1} ms, all {l:.1} ms",
-            affected.len()
+            "round {round}: {victim_name} lost ({} jobs had a member there); expiry event → first new generation {f:.1} ms, all {l:.1} ms, in the agents' views {v:.1} ms; {} of {agents} agents woke",
+            affected.len(),
+            woken.len()
         );
         if a.json {
             println!(
                 "{}",
-                serde_json::json!({"bench": "control-plane", "agents": agents, "jobs": jobs, "round": round, "affected_jobs": affected.len(), "expiry_to_generation_ms": f, "expiry_to_all_generations_ms": l})
+                serde_json::json!({"bench": "control-plane", "agents": agents, "jobs": jobs, "round": round, "affected_jobs": affected.len(), "expiry_to_generation_ms": f, "expiry_to_all_generations_ms": l, "expiry_to_views_ms": v, "agents_woken": woken.len()})
             );
         }
         first_ms.push(f);
         all_ms.push(l);
+        views_ms.push(v);
+        woken_n.push(woken.len() as f64);
     }
     cancel.cancel();
     println!(
-        "\nsummary ({agents} agents, {jobs} jobs, progress {} Hz): expiry event → first new generation median {:.1} ms (max {:.1} ms), all {affected_n} affected jobs re-formed median {:.1} ms (max {:.1} ms); leader in steady state {:.1} etcd requests/s, CPU {cpu:.1}% of a core; {per_agent:.2} watch events per agent per second ({:.2} with the workers' writes in view)",
+        "\nsummary ({agents} agents, {jobs} jobs, progress {} Hz): expiry event → first new generation median {:.1} ms (max {:.1} ms), all {affected_n} affected jobs re-formed median {:.1} ms (max {:.1} ms), in the agents' views median {:.1} ms (max {:.1} ms), agents woken per re-formation median {:.0} of {agents}; leader in steady state {:.1} etcd requests/s, CPU {cpu:.1}% of a core; {per_agent:.2} watch events per agent per second ({jobs_rate:.2} watching all of jobs/, {:.2} with the workers' writes too)",
         a.progress_hz,
         median(&mut first_ms.clone()),
         first_ms.iter().cloned().fold(0.0, f64::max),
         median(&mut all_ms.clone()),
         all_ms.iter().cloned().fold(0.0, f64::max),
+        median(&mut views_ms.clone()),
+        views_ms.iter().cloned().fold(0.0, f64::max),
+        median(&mut woken_n.clone()),
         reqs as f64 / secs,
-        per_agent + live_rate
+        jobs_rate + live_rate
     );
     Ok(())
 }

@@ -19,9 +19,12 @@
 //! {prefix}/live/{job}/faults/{gen:020}/{rank}  FaultReport: a worker's communicator failed
 //! {prefix}/live/{job}/ckpt/{step}-{gen}/{rank} ShardReport of a checkpoint attempt
 //! {prefix}/live/{job}/checkpoint_stats         CheckpointStats, the workers' figures
+//! {prefix}/assign/{node}/{job}                 NodeAssignment: the leader's per-node view
 //!
-//! `jobs/` holds control state (what agents act on: they watch only it); `live/` what workers
-//! write as they run, at up to 1 Hz per job, which only the leader and the API read.
+//! `jobs/` holds control state; `live/` what workers write as they run, at up to 1 Hz per job,
+//! which only the leader and the API read. Agents watch neither: each watches only its own
+//! `assign/{node}/`, which the leader derives from `jobs/` and rewrites only when what that
+//! node runs changes, so an agent wakes only for changes that concern its node.
 //! {prefix}/election                            daemon leader election
 //! ```
 
@@ -104,6 +107,10 @@ pub enum KeyKind {
     Rendezvous {
         job: String,
         generation: u64,
+    },
+    Assignment {
+        node: String,
+        job: String,
     },
     Other,
 }
@@ -232,6 +239,17 @@ impl Keys {
     pub fn all_rendezvous(&self, job: &str) -> String {
         format!("{}/live/{job}/rdv/", self.prefix)
     }
+    /// Every node's view (what the leader writes; it lists them when it takes over).
+    pub fn assignments(&self) -> String {
+        format!("{}/assign/", self.prefix)
+    }
+    /// One node's view: what its agent watches (the trailing `/` keeps `n1` from seeing `n10`).
+    pub fn node_assignments(&self, node: &str) -> String {
+        format!("{}/assign/{node}/", self.prefix)
+    }
+    pub fn assignment(&self, node: &str, job: &str) -> String {
+        format!("{}/assign/{node}/{job}", self.prefix)
+    }
     pub fn election(&self) -> String {
         format!("{}/election", self.prefix)
     }
@@ -249,6 +267,10 @@ impl Keys {
         match parts.as_slice() {
             ["nodes", node] => KeyKind::Node { node: s(node) },
             ["drain", node] => KeyKind::Drain { node: s(node) },
+            ["assign", node, job] => KeyKind::Assignment {
+                node: s(node),
+                job: s(job),
+            },
             ["jobs", job, "spec"] => KeyKind::JobSpec { job: s(job) },
             ["jobs", job, "status"] => KeyKind::JobStatus { job: s(job) },
             ["jobs", job, "generation"] => KeyKind::Generation { job: s(job) },
@@ -387,6 +409,19 @@ mod tests {
                 generation: 9
             }
         );
+        assert_eq!(
+            k.parse(&k.assignment("n1", "j")),
+            KeyKind::Assignment {
+                node: "n1".into(),
+                job: j()
+            }
+        );
+        assert!(k
+            .assignment("n1", "j")
+            .starts_with(&k.node_assignments("n1")));
+        assert!(!k
+            .assignment("n10", "j")
+            .starts_with(&k.node_assignments("n1")));
         assert_eq!(k.parse("/other/nodes/n1"), KeyKind::Other);
         // history keys sort numerically because they are zero-padded
         assert!(k.history_entry("j", 9) < k.history_entry("j", 10));

@@ -769,6 +769,50 @@ pub struct SlotHealth {
     pub excluded: bool,
 }
 
+/// One job as one node's agent needs it (`assign/{node}/{job}`). The leader derives it from
+/// the job's control state and rewrites it only when it changes for that node, so that an
+/// agent watches its own node's view and wakes only for what concerns it. Present while the
+/// job is active and has a member or a failed slot on the node (its agent restarts that from
+/// the job's budget): a job absent from the view is one whose workers on the node must stop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeAssignment {
+    pub job: String,
+    pub spec: JobSpec,
+    /// The job's current generation and its size.
+    pub generation: u64,
+    pub world_size: u32,
+    /// This node's members of that generation.
+    pub slots: Vec<AssignedSlot>,
+    /// This node's slots the leader excluded (alive workers their peers could not reach).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub excluded: BTreeMap<u32, SlotHealth>,
+    /// Restarts taken from the job's budget so far.
+    #[serde(default)]
+    pub restarts_used: u32,
+}
+
+/// A slot of a node in a generation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AssignedSlot {
+    pub slot: u32,
+    pub rank: u32,
+    /// The first generation of the slot's unbroken run of membership up to the current one
+    /// (history the leader no longer keeps breaks the run).
+    pub since: u64,
+}
+
+impl NodeAssignment {
+    pub fn slot(&self, slot: u32) -> Option<&AssignedSlot> {
+        self.slots.iter().find(|s| s.slot == slot)
+    }
+    /// Whether `slot` is a member of the current generation and was one in every generation
+    /// published after `from` (a worker that missed one must not act in a later one).
+    pub fn member_since(&self, slot: u32, from: u64) -> bool {
+        self.slot(slot)
+            .is_some_and(|s| s.since <= from.saturating_add(1))
+    }
+}
+
 /// A worker's report that its generation's communicator failed while no newer generation
 /// exists (a stopped, wedged or unreachable peer, a protocol error): the leader acts on it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -178,6 +178,9 @@ pub async fn lead(
     let mut steps: HashMap<String, (u64, u64, Instant)> = HashMap::new();
     let mut faults_seen: HashMap<(String, u64), Instant> = HashMap::new();
     let mut drain_seen: HashMap<String, u64> = HashMap::new();
+    // the nodes' views, and the `jobs/` snapshot they were last brought in line with
+    let mut assignments = crate::assign::Assignments::default();
+    let mut assigned_at: Option<(i64, u64)> = None;
     loop {
         if cancel.is_cancelled() {
             return Ok(());
@@ -228,6 +231,24 @@ pub async fn lead(
                     if at > now {
                         wake = Some(wake.map_or(at, |w| w.min(at)));
                     }
+                }
+            }
+        }
+        // The nodes' views follow the control state (`jobs/` only: progress does not move
+        // them), as observed; what this pass publishes reaches them on the next.
+        if assigned_at != Some((snap.revision, snap.relists)) {
+            let desired = crate::assign::node_assignments(&jobs);
+            match assignments.sync(&store, &leader, &desired).await {
+                Ok(true) => assigned_at = Some((snap.revision, snap.relists)),
+                Ok(false) => {
+                    if !still_leader(&store, &leader).await {
+                        return Err(fenced(&leader));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot update the nodes' views; will retry");
+                    let at = now + Duration::from_millis(200);
+                    wake = Some(wake.map_or(at, |w| w.min(at)));
                 }
             }
         }
@@ -497,6 +518,7 @@ pub fn jobs_from(store: &Store, snaps: &[&Snapshot]) -> BTreeMap<String, JobObs>
     let mut jobs: BTreeMap<String, JobObs> = BTreeMap::new();
     let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
     let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
+    let mut history: BTreeMap<String, BTreeMap<u64, &KeyValue>> = BTreeMap::new();
     for kv in snaps.iter().flat_map(|s| s.kvs.values()) {
         match store.keys.parse(&kv.key) {
             KeyKind::JobSpec { job } => {
@@ -510,8 +532,17 @@ pub fn jobs_from(store: &Store, snaps: &[&Snapshot]) -> BTreeMap<String, JobObs>
                 o.status_revision = kv.mod_revision;
             }
             KeyKind::History { job, generation } => {
+                history
+                    .entry(job.clone())
+                    .or_default()
+                    .insert(generation, kv);
                 let o = jobs.entry(job).or_default();
                 o.last_number = o.last_number.max(generation);
+            }
+            KeyKind::Restarts { job } => {
+                if let Some(n) = decoded::<u32>(kv, "restart count") {
+                    jobs.entry(job).or_default().restarts_used = n;
+                }
             }
             KeyKind::Generation { job } => {
                 jobs.entry(job).or_default().generation =
@@ -575,9 +606,42 @@ pub fn jobs_from(store: &Store, snaps: &[&Snapshot]) -> BTreeMap<String, JobObs>
             if let Some(f) = faults.remove(&(name.clone(), g.number)) {
                 obs.faults = f;
             }
+            obs.member_since = member_since(g, history.get(name));
         }
     }
     jobs
+}
+
+/// For each member of `current`, the first generation of its unbroken run of membership,
+/// walking the history back only as far as some member's run goes.
+fn member_since(
+    current: &Generation,
+    history: Option<&BTreeMap<u64, &KeyValue>>,
+) -> BTreeMap<(String, u32), u64> {
+    let mut since: BTreeMap<(String, u32), u64> = current
+        .members
+        .iter()
+        .map(|m| ((m.node.clone(), m.slot), current.number))
+        .collect();
+    let mut open: Vec<(String, u32)> = since.keys().cloned().collect();
+    let mut n = current.number;
+    while !open.is_empty() && n > 1 {
+        n -= 1;
+        let Some(g) = history
+            .and_then(|h| h.get(&n))
+            .and_then(|kv| decoded::<Generation>(kv, "generation"))
+        else {
+            break; // forgotten (or unreadable) history breaks every run
+        };
+        open.retain(|(node, slot)| {
+            let still = g.member(node, *slot).is_some();
+            if still {
+                since.insert((node.clone(), *slot), n);
+            }
+            still
+        });
+    }
+    since
 }
 
 #[cfg(test)]
@@ -634,5 +698,69 @@ mod tests {
             crate::reconcile::plan(obs, &Default::default(), 100),
             Decision::Status(ref s) if s.state != JobState::Succeeded
         ));
+    }
+
+    #[tokio::test]
+    async fn a_slots_membership_run_is_read_back_from_history_and_broken_by_a_gap() {
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        );
+        let k = &store.keys;
+        let g = |number: u64, members: &[&str]| Generation {
+            job: "j".into(),
+            number,
+            members: members
+                .iter()
+                .enumerate()
+                .map(|(r, n)| Member {
+                    node: n.to_string(),
+                    slot: 0,
+                    rank: r as u32,
+                })
+                .collect(),
+            world_size: members.len() as u32,
+            layout: Layout::data_parallel(members.len() as u32),
+            resume_step: 0,
+            state_source: StateSource::Seed,
+            desired: 3,
+            reason: Reason::Start,
+            detail: String::new(),
+            triggered_at_ms: 0,
+            published_at_ms: 0,
+            backend: Backend::Tcp,
+            fault_retries: 0,
+        };
+        let spec = JobSpec::from_toml("name = \"j\"\nmin = 1\nmax = 3\ndesired = 3\n").unwrap();
+        // a is in 1, 2, 3; c in 1 and 3 (missed 2); b joined at 3; "d" was only in 1
+        let (g1, g2, g3) = (g(1, &["a", "c", "d"]), g(2, &["a"]), g(3, &["a", "b", "c"]));
+        let jobs = Snapshot {
+            revision: 10,
+            kvs: [
+                kv(k.spec("j"), encode(&spec), 1),
+                kv(k.history_entry("j", 1), encode(&g1), 2),
+                kv(k.history_entry("j", 2), encode(&g2), 3),
+                kv(k.history_entry("j", 3), encode(&g3), 4),
+                kv(k.generation("j"), encode(&g3), 4),
+                kv(k.restarts("j"), encode(&2u32), 5),
+            ]
+            .into(),
+            relists: 0,
+        };
+        let obs = &jobs_from(&store, &[&jobs])["j"];
+        let since = |n: &str| obs.member_since[&(n.to_string(), 0)];
+        assert_eq!((since("a"), since("b"), since("c")), (1, 3, 3));
+        assert_eq!(obs.restarts_used, 2);
+        let views = crate::assign::node_assignments(&[("j".to_string(), obs.clone())].into());
+        assert_eq!(views.len(), 3, "no view for d, which left");
+        let c = &views[&("c".to_string(), "j".to_string())];
+        // a worker of c started in generation 1 missed generation 2: it must not act in 3
+        assert!(!c.member_since(0, 1) && c.member_since(0, 2));
+        // history the leader no longer keeps breaks the run too
+        let mut kvs = jobs.kvs.clone();
+        kvs.remove(&k.history_entry("j", 2));
+        let jobs = Snapshot { kvs, ..jobs };
+        let obs = &jobs_from(&store, &[&jobs])["j"];
+        assert_eq!(obs.member_since[&("a".to_string(), 0)], 3);
     }
 }

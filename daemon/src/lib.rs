@@ -2,6 +2,7 @@
 //! reconciles each job's desired size against live membership and publishes generations.
 
 pub mod api;
+pub mod assign;
 pub mod config;
 pub mod leader;
 pub mod reconcile;

@@ -36,6 +36,11 @@ pub struct JobObs {
     /// How long, on the leader's clock, the current generation has gone without a new step
     /// since the leader saw its last one (or saw the generation); None when not known.
     pub stalled_ms: Option<u64>,
+    /// Restarts taken from the job's budget so far.
+    pub restarts_used: u32,
+    /// For each (node, slot) of the current generation, the first generation of its unbroken
+    /// run of membership (from the history kept in etcd).
+    pub member_since: BTreeMap<(String, u32), u64>,
 }
 
 /// Live membership: nodes with their records, and the nodes asked to drain.

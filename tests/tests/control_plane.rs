@@ -745,3 +745,110 @@ async fn rendezvous_over_real_etcd_gathers_every_rank() {
         assert_eq!(t.await.unwrap(), vec![vec![0u8], vec![1], vec![2]]);
     }
 }
+
+#[test]
+fn each_agent_watches_only_its_own_nodes_view_and_wakes_only_for_what_concerns_it() {
+    use ductile_cluster::keys::KeyKind;
+    use ductile_cluster::kv::WatchEvent;
+    use ductile_cluster::records::{NodeAssignment, Progress};
+    use ductile_cluster::store::decode;
+    use std::sync::{Arc, Mutex};
+
+    // three one-slot nodes, a job of two: one node runs nothing
+    let c = Cluster::start(Spec::default().agents(3, 1));
+    c.submit(&job_toml("ja", 1, 2, 2));
+    let a = c.wait_world("ja", 2, S(20));
+    let idle = (1..=3)
+        .map(|i| format!("node{i}"))
+        .find(|n| a.members.iter().all(|m| m.node != *n))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(c.store());
+    let k = store.keys.clone();
+
+    // each node's view names exactly its jobs, slots and ranks
+    let view = |node: &str| -> Vec<NodeAssignment> {
+        let (kvs, _) = rt
+            .block_on(store.backend.list(&k.node_assignments(node)))
+            .unwrap();
+        kvs.iter().map(|kv| decode(kv, "view").unwrap()).collect()
+    };
+    for m in &a.members {
+        let v = c.wait_for(S(10), "ja in its nodes' views", || {
+            Some(view(&m.node)).filter(|v| v.iter().any(|x| x.generation == a.generation))
+        });
+        assert_eq!(v.len(), 1, "{} sees only ja: {v:?}", m.node);
+        assert_eq!(v[0].slots[0].rank, m.rank);
+        assert_eq!(v[0].spec.name, "ja");
+    }
+
+    // from now on: what each node's watch delivers
+    // (node, job, the view's generation; None for a delete)
+    type Seen = Vec<(String, String, Option<u64>)>;
+    let events: Arc<Mutex<Seen>> = Arc::default();
+    let (_, rev) = rt.block_on(store.backend.list(&k.election())).unwrap();
+    for i in 1..=3 {
+        let node = format!("node{i}");
+        let mut w = rt
+            .block_on(store.backend.watch(&k.node_assignments(&node), rev + 1))
+            .unwrap();
+        let (events, k) = (events.clone(), k.clone());
+        rt.spawn(async move {
+            while let Some(Ok(batch)) = w.recv().await {
+                for e in batch {
+                    let (key, gen) = match &e {
+                        WatchEvent::Put(kv) => (
+                            kv.key.clone(),
+                            decode::<NodeAssignment>(kv, "view")
+                                .ok()
+                                .map(|v| v.generation),
+                        ),
+                        WatchEvent::Delete { key, .. } => (key.clone(), None),
+                    };
+                    if let KeyKind::Assignment { node: n, job } = k.parse(&key) {
+                        assert_eq!(n, node, "a watch of one node's view saw another's");
+                        events.lock().unwrap().push((n, job, gen));
+                    }
+                }
+            }
+        });
+    }
+    // progress wakes no one; a re-formation only the nodes it concerns
+    for step in 1..=20 {
+        let p = Progress {
+            generation: a.generation,
+            step,
+            loss: Some(1.0),
+            samples_per_sec: None,
+            updated_at_ms: now_ms(),
+            done: false,
+            final_weights_sha256: None,
+        };
+        rt.block_on(store.put_json(&k.progress("ja"), &p, None))
+            .unwrap();
+    }
+    c.dctl_ok(&["scale", "ja", "1"]);
+    let a2 = c.wait_world("ja", 1, S(10));
+    let kept = a2.members[0].node.clone();
+    let dropped = a
+        .members
+        .iter()
+        .map(|m| m.node.clone())
+        .find(|n| *n != kept)
+        .unwrap();
+    c.wait_for(S(10), "the scale in the views", || {
+        let ev = events.lock().unwrap();
+        (ev.iter().any(|e| e.0 == kept && e.2 == Some(a2.generation))
+            && ev.iter().any(|e| e.0 == dropped && e.2.is_none()))
+        .then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let ev = events.lock().unwrap().clone();
+    assert!(
+        ev.iter().all(|e| e.0 != idle),
+        "{idle}, which runs nothing, woke for ja's progress or scale: {ev:?}"
+    );
+    assert!(view(&idle).is_empty());
+    assert!(view(&dropped).is_empty(), "{dropped} still has ja in view");
+    assert_eq!(view(&kept)[0].generation, a2.generation);
+}

@@ -1,0 +1,259 @@
+//! The per-node view agents watch (`assign/{node}/{job}`): what each node runs, derived by the
+//! leader from the jobs' control state and rewritten only where it changed, so that a progress
+//! write, a status update or another job's re-formation wakes no agent, and a generation wakes
+//! only the agents of the nodes it concerns.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ductile_cluster::kv::{Compare, LeaderKey, Op, Txn};
+use ductile_cluster::records::{AssignedSlot, NodeAssignment};
+use ductile_cluster::store::encode;
+use ductile_cluster::Store;
+
+use crate::reconcile::JobObs;
+
+/// Each node's view of every active job with a member or a failed slot on it, keyed by
+/// (node, job). A pure function of the observed jobs.
+pub fn node_assignments(
+    jobs: &BTreeMap<String, JobObs>,
+) -> BTreeMap<(String, String), NodeAssignment> {
+    let mut out: BTreeMap<(String, String), NodeAssignment> = BTreeMap::new();
+    for (name, obs) in jobs {
+        let (Some(spec), Some((g, _))) = (&obs.spec, &obs.generation) else {
+            continue;
+        };
+        let active =
+            !obs.stop_requested && !obs.status.as_ref().is_some_and(|s| s.state.is_terminal());
+        if !active {
+            continue;
+        }
+        let blank = NodeAssignment {
+            job: name.clone(),
+            spec: spec.clone(),
+            generation: g.number,
+            world_size: g.world_size,
+            slots: Vec::new(),
+            excluded: BTreeMap::new(),
+            restarts_used: obs.restarts_used,
+        };
+        fn entry<'a>(
+            out: &'a mut BTreeMap<(String, String), NodeAssignment>,
+            blank: &NodeAssignment,
+            node: &str,
+        ) -> &'a mut NodeAssignment {
+            out.entry((node.to_string(), blank.job.clone()))
+                .or_insert_with(|| blank.clone())
+        }
+        for m in &g.members {
+            let since = obs
+                .member_since
+                .get(&(m.node.clone(), m.slot))
+                .copied()
+                .unwrap_or(g.number);
+            entry(&mut out, &blank, &m.node).slots.push(AssignedSlot {
+                slot: m.slot,
+                rank: m.rank,
+                since,
+            });
+        }
+        // a node with a failed slot keeps the job in view even when no generation includes
+        // it any more: its agent restarts the slot from the job's budget
+        for ((node, slot), h) in &obs.failed {
+            let e = entry(&mut out, &blank, node);
+            if h.excluded {
+                e.excluded.insert(*slot, h.clone());
+            }
+        }
+    }
+    for a in out.values_mut() {
+        a.slots.sort_by_key(|s| s.slot);
+    }
+    out
+}
+
+/// What the leader last wrote under `assign/`, so that it writes only what changed. Unknown
+/// until listed once (a leader that just took over reads what its predecessor left).
+#[derive(Default)]
+pub struct Assignments {
+    written: Option<HashMap<String, Vec<u8>>>,
+}
+
+/// At most this many operations per transaction (etcd's default limit is 128).
+const OPS_PER_TXN: usize = 64;
+
+impl Assignments {
+    /// Bring `assign/` in line with `desired`, fenced on the leader key. Returns Ok(false)
+    /// when the fence failed (another leader), Err on an etcd error: what went through is
+    /// remembered and the rest is tried again on the next pass.
+    pub async fn sync(
+        &mut self,
+        store: &Store,
+        leader: &LeaderKey,
+        desired: &BTreeMap<(String, String), NodeAssignment>,
+    ) -> ductile_cluster::Result<bool> {
+        let k = &store.keys;
+        if self.written.is_none() {
+            let (kvs, _) = store.backend.list(&k.assignments()).await?;
+            self.written = Some(kvs.into_iter().map(|kv| (kv.key, kv.value)).collect());
+        }
+        let written = self.written.as_mut().expect("listed above");
+        let mut want: HashMap<String, Vec<u8>> = HashMap::with_capacity(desired.len());
+        for ((node, job), a) in desired {
+            want.insert(k.assignment(node, job), encode(a));
+        }
+        let mut changes: Vec<(String, Option<Vec<u8>>)> = Vec::new();
+        for (key, v) in &want {
+            if written.get(key) != Some(v) {
+                changes.push((key.clone(), Some(v.clone())));
+            }
+        }
+        for key in written.keys() {
+            if !want.contains_key(key) {
+                changes.push((key.clone(), None));
+            }
+        }
+        changes.sort();
+        for chunk in changes.chunks(OPS_PER_TXN) {
+            let ops = chunk
+                .iter()
+                .map(|(key, v)| match v {
+                    Some(v) => Op::put(key.clone(), v.clone()),
+                    None => Op::Delete { key: key.clone() },
+                })
+                .collect();
+            let txn = Txn {
+                compares: vec![Compare::CreateRevision(
+                    leader.key.clone(),
+                    leader.create_revision,
+                )],
+                ops,
+            };
+            if !store.backend.txn(txn).await?.succeeded {
+                return Ok(false);
+            }
+            for (key, v) in chunk {
+                match v {
+                    Some(v) => written.insert(key.clone(), v.clone()),
+                    None => written.remove(key),
+                };
+            }
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_cluster::records::*;
+
+    fn gen(number: u64, members: &[(&str, u32)]) -> Generation {
+        Generation {
+            job: "j".into(),
+            number,
+            members: members
+                .iter()
+                .enumerate()
+                .map(|(r, (n, s))| Member {
+                    node: n.to_string(),
+                    slot: *s,
+                    rank: r as u32,
+                })
+                .collect(),
+            world_size: members.len() as u32,
+            layout: Layout::data_parallel(members.len() as u32),
+            resume_step: 0,
+            state_source: StateSource::Seed,
+            desired: members.len() as u32,
+            reason: Reason::Start,
+            detail: String::new(),
+            triggered_at_ms: 0,
+            published_at_ms: 0,
+            backend: Backend::Tcp,
+            fault_retries: 0,
+        }
+    }
+
+    fn obs(g: Generation) -> JobObs {
+        let spec = JobSpec::from_toml("name = \"j\"\nmin = 1\nmax = 4\ndesired = 2\n").unwrap();
+        JobObs {
+            spec: Some(spec),
+            generation: Some((g, 1)),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn each_node_sees_only_its_own_slots_and_exclusions() {
+        let mut o = obs(gen(3, &[("a", 0), ("b", 0), ("a", 1)]));
+        o.member_since.insert(("a".into(), 0), 1);
+        o.failed.insert(
+            ("c".into(), 0),
+            SlotHealth {
+                failed_at_ms: 1,
+                generation: 2,
+                exit: "stopped".into(),
+                will_restart: true,
+                excluded: true,
+            },
+        );
+        o.failed.insert(
+            ("b".into(), 1),
+            SlotHealth {
+                failed_at_ms: 1,
+                generation: 2,
+                exit: "exit 1".into(),
+                will_restart: true,
+                excluded: false, // the agent's own report: not echoed back
+            },
+        );
+        o.restarts_used = 2;
+        let jobs = BTreeMap::from([("j".to_string(), o)]);
+        let v = node_assignments(&jobs);
+        assert_eq!(v.len(), 3, "{v:?}");
+        let a = &v[&("a".to_string(), "j".to_string())];
+        assert_eq!(
+            a.slots,
+            vec![
+                AssignedSlot {
+                    slot: 0,
+                    rank: 0,
+                    since: 1
+                },
+                AssignedSlot {
+                    slot: 1,
+                    rank: 2,
+                    since: 3
+                }
+            ]
+        );
+        assert!(a.member_since(0, 1) && a.member_since(0, 0) && !a.member_since(1, 1));
+        assert_eq!(a.restarts_used, 2);
+        let b = &v[&("b".to_string(), "j".to_string())];
+        assert!(b.excluded.is_empty());
+        assert_eq!(b.slots.len(), 1);
+        let c = &v[&("c".to_string(), "j".to_string())];
+        assert!(c.slots.is_empty() && c.excluded.contains_key(&0));
+    }
+
+    #[test]
+    fn a_stopped_or_finished_job_is_in_no_view() {
+        let mut o = obs(gen(1, &[("a", 0)]));
+        o.stop_requested = true;
+        let jobs = BTreeMap::from([("j".to_string(), o.clone())]);
+        assert!(node_assignments(&jobs).is_empty());
+        o.stop_requested = false;
+        o.status = Some(JobStatus {
+            job: "j".into(),
+            state: JobState::Succeeded,
+            generation: 1,
+            world_size: 1,
+            last_reformation: None,
+            message: String::new(),
+            updated_at_ms: 0,
+            reformations: Default::default(),
+        });
+        let jobs = BTreeMap::from([("j".to_string(), o)]);
+        assert!(node_assignments(&jobs).is_empty());
+    }
+}
