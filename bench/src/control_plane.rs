@@ -178,7 +178,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                         }
                     }
                 });
-                if let Err(e) = lead(daemon_store, leader, lcfg, cancel).await {
+                let view = ductile_daemon::view::ClusterView::start(&daemon_store, cancel.clone());
+                if let Err(e) = lead(daemon_store, leader, lcfg, view, cancel).await {
                     eprintln!("leader loop ended: {e}");
                 }
             });

@@ -2,8 +2,7 @@
 //! etcd, where the leader's reconciler picks them up.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, Request, State};
@@ -17,13 +16,24 @@ use ductile_cluster::keys::KeyKind;
 use ductile_cluster::records::*;
 use ductile_cluster::store::decode;
 use ductile_cluster::{ClusterError, Store};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use serde::Deserialize;
 
 use crate::config::Secret;
+use crate::leader::{job_kvs, jobs_from, jobs_from_kvs};
+use crate::reconcile::JobObs;
+use crate::view::{ClusterView, Snapshots};
 
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
+    /// The replica's cached view: reads are served from it (no etcd request per read).
+    pub view: ClusterView,
     pub token: Secret,
     pub is_leader: Arc<AtomicBool>,
     pub id: String,
@@ -179,19 +189,45 @@ async fn check_restore_step(url: &str, n: u64) -> ApiResult<()> {
     ))
 }
 
+/// The replica's view if it is current, else a 503 that says why.
+fn current(st: &AppState) -> ApiResult<Snapshots> {
+    st.view
+        .current()
+        .map_err(|why| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, why))
+}
+
+/// One job's observed state from the cached view; None when the view has no such job (yet:
+/// a job just submitted may not have reached this replica's watch).
+fn cached_obs(st: &AppState, snaps: &Snapshots, job: &str) -> Option<JobObs> {
+    let k = &st.store.keys;
+    let (jp, lp) = (k.job(job), k.live_job(job));
+    let mut jobs = jobs_from_kvs(
+        &st.store,
+        job_kvs(&snaps.jobs, &jp).chain(job_kvs(&snaps.live, &lp)),
+    );
+    jobs.remove(job).filter(|o| o.spec.is_some())
+}
+
 async fn list_jobs(State(st): State<AppState>) -> ApiResult<Json<Vec<JobView>>> {
-    let mut out = Vec::new();
-    for spec in st.store.specs().await? {
-        out.push(view(&st.store, &spec.name).await?);
-    }
-    Ok(Json(out))
+    let snaps = current(&st)?;
+    let jobs = jobs_from(&st.store, &[&snaps.jobs, &snaps.live]);
+    Ok(Json(
+        jobs.iter()
+            .filter_map(|(name, obs)| job_view(name, obs))
+            .collect(),
+    ))
 }
 
 async fn job_status(
     State(st): State<AppState>,
     Path(job): Path<String>,
 ) -> ApiResult<Json<JobView>> {
-    Ok(Json(view(&st.store, &job).await?))
+    let snaps = current(&st)?;
+    match cached_obs(&st, &snaps, &job).and_then(|o| job_view(&job, &o)) {
+        Some(v) => Ok(Json(v)),
+        // not in this replica's view: ask etcd (a job submitted a moment ago, or none)
+        None => Ok(Json(view(&st.store, &job).await?)),
+    }
 }
 
 async fn scale(
@@ -270,25 +306,37 @@ async fn events(
     Path(job): Path<String>,
     Query(q): Query<EventsQuery>,
 ) -> ApiResult<Json<Vec<Generation>>> {
-    if st.store.spec(&job).await?.is_none() {
-        return Err(ApiError::not_found(&job));
-    }
+    let snaps = current(&st)?;
+    let history: Vec<Generation> = if cached_obs(&st, &snaps, &job).is_some() {
+        let prefix = st.store.keys.history(&job);
+        job_kvs(&snaps.jobs, &prefix)
+            .map(|kv| decode::<Generation>(kv, "generation"))
+            .collect::<Result<_, _>>()?
+    } else {
+        if st.store.spec(&job).await?.is_none() {
+            return Err(ApiError::not_found(&job));
+        }
+        st.store.history(&job).await?
+    };
     Ok(Json(
-        st.store
-            .history(&job)
-            .await?
-            .into_iter()
-            .filter(|g| g.number > q.after)
-            .collect(),
+        history.into_iter().filter(|g| g.number > q.after).collect(),
     ))
 }
 
 async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
-    let nodes = st.store.nodes().await?;
-    let (drains, _) = st.store.backend.list(&st.store.keys.drains()).await?;
-    let drained: BTreeMap<String, String> = drains
-        .iter()
-        .filter_map(|kv| match st.store.keys.parse(&kv.key) {
+    let snaps = current(&st)?;
+    let k = &st.store.keys;
+    let mut nodes = Vec::new();
+    for kv in snaps.nodes.kvs.values() {
+        if let KeyKind::Node { .. } = k.parse(&kv.key) {
+            nodes.push(decode::<NodeRecord>(kv, "node record")?);
+        }
+    }
+    let drained: BTreeMap<String, String> = snaps
+        .drains
+        .kvs
+        .values()
+        .filter_map(|kv| match k.parse(&kv.key) {
             KeyKind::Drain { node } => Some((
                 node,
                 decode::<DrainRequest>(kv, "drain request")
@@ -299,22 +347,17 @@ async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
         })
         .collect();
     let mut placed: BTreeMap<String, Vec<NodeWorkerView>> = BTreeMap::new();
-    for spec in st.store.specs().await? {
-        let terminal = st
-            .store
-            .status(&spec.name)
-            .await?
-            .is_some_and(|(s, _)| s.state.is_terminal());
-        if terminal {
+    for (name, obs) in jobs_from(&st.store, &[&snaps.jobs]) {
+        if obs.spec.is_none() || obs.status.as_ref().is_some_and(|s| s.state.is_terminal()) {
             continue;
         }
-        if let Some((g, _)) = st.store.generation(&spec.name).await? {
+        if let Some((g, _)) = obs.generation {
             for m in g.members {
                 placed
                     .entry(m.node.clone())
                     .or_default()
                     .push(NodeWorkerView {
-                        job: spec.name.clone(),
+                        job: name.clone(),
                         slot: m.slot,
                         rank: m.rank,
                     });
@@ -395,30 +438,25 @@ async fn leader(State(st): State<AppState>) -> ApiResult<Json<serde_json::Value>
     ))
 }
 
-/// The status view of one job, assembled from its records.
+/// The status view of one job, read from etcd (two requests: its control and live keys): what
+/// a write answers with, and a read the cached view cannot answer yet.
 pub async fn view(store: &Store, job: &str) -> ApiResult<JobView> {
-    let Some((spec, _)) = store.spec(job).await? else {
-        return Err(ApiError::not_found(job));
-    };
-    let status = store.status(job).await?.map(|(s, _)| s);
-    let gen = store.generation(job).await?.map(|(g, _)| g);
-    let progress = store.progress(job).await?;
-    let (kvs, _) = store
-        .backend
-        .list(&format!("{}workers/", store.keys.job(job)))
-        .await?;
-    let mut pids = BTreeMap::new();
-    for kv in &kvs {
-        if let KeyKind::Worker { node, slot, .. } = store.keys.parse(&kv.key) {
-            if let Ok(w) = decode::<WorkerRecord>(kv, "worker record") {
-                if w.state == WorkerState::Running {
-                    pids.insert((node, slot), w.pid);
-                }
-            }
-        }
-    }
-    let terminal = status.as_ref().is_some_and(|s| s.state.is_terminal());
-    let members = match (&gen, terminal) {
+    let (control, _) = store.backend.list(&store.keys.job(job)).await?;
+    let (live, _) = store.backend.list(&store.keys.live_job(job)).await?;
+    let jobs = jobs_from_kvs(store, control.iter().chain(live.iter()));
+    jobs.get(job)
+        .and_then(|o| job_view(job, o))
+        .ok_or_else(|| ApiError::not_found(job))
+}
+
+/// The status view of one job from its observed state (None without a spec).
+pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
+    let spec = obs.spec.as_ref()?;
+    let status = obs.status.as_ref();
+    let gen = obs.generation.as_ref().map(|(g, _)| g);
+    let progress = obs.progress.as_ref();
+    let terminal = status.is_some_and(|s| s.state.is_terminal());
+    let members = match (gen, terminal) {
         (Some(g), false) => g
             .members
             .iter()
@@ -426,181 +464,238 @@ pub async fn view(store: &Store, job: &str) -> ApiResult<JobView> {
                 node: m.node.clone(),
                 slot: m.slot,
                 rank: m.rank,
-                pid: pids.get(&(m.node.clone(), m.slot)).copied(),
+                pid: obs
+                    .workers
+                    .get(&(m.node.clone(), m.slot))
+                    .filter(|w| w.state == WorkerState::Running)
+                    .map(|w| w.pid),
             })
             .collect(),
         _ => Vec::new(),
     };
-    Ok(JobView {
+    Some(JobView {
         job: job.to_string(),
-        state: status
-            .as_ref()
-            .map(|s| s.state)
-            .unwrap_or(JobState::Pending),
-        generation: gen.as_ref().map(|g| g.number).unwrap_or(0),
+        state: status.map(|s| s.state).unwrap_or(JobState::Pending),
+        generation: gen.map(|g| g.number).unwrap_or(0),
         world_size: if terminal {
             0
         } else {
-            gen.as_ref().map(|g| g.world_size).unwrap_or(0)
+            gen.map(|g| g.world_size).unwrap_or(0)
         },
         members,
-        step: progress.as_ref().map(|p| p.step).unwrap_or(0),
-        loss: progress.as_ref().and_then(|p| p.loss),
-        samples_per_sec: progress.as_ref().and_then(|p| p.samples_per_sec),
-        last_reformation: status
-            .as_ref()
-            .and_then(|s| s.last_reformation.as_ref())
-            .map(|r| ReformationView {
+        step: progress.map(|p| p.step).unwrap_or(0),
+        loss: progress.and_then(|p| p.loss),
+        samples_per_sec: progress.and_then(|p| p.samples_per_sec),
+        last_reformation: status.and_then(|s| s.last_reformation.as_ref()).map(|r| {
+            ReformationView {
                 generation: r.generation,
                 reason: r.reason,
                 detail: r.detail.clone(),
                 seconds: r.seconds,
-            }),
+            }
+        }),
         min: spec.min,
         max: spec.max,
         desired: spec.desired,
         message: status
-            .as_ref()
             .map(|s| s.message.clone())
             .unwrap_or_else(|| "waiting for the leader to schedule it".into()),
-        final_weights_sha256: progress.and_then(|p| p.final_weights_sha256),
+        final_weights_sha256: progress.and_then(|p| p.final_weights_sha256.clone()),
     })
 }
 
-/// Prometheus text format, read from etcd so any replica answers the same.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct JobLabel {
+    job: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    job: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    job: String,
+    outcome: String,
+}
+
+type FGauge = Gauge<f64, AtomicU64>;
+
+/// Prometheus metrics (OpenMetrics text) from the replica's cached view: a scrape costs etcd
+/// nothing, and any replica answers the same. `ductile_daemon_etcd_last_answer_seconds` says
+/// how current the view is.
 async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
-    let mut out = String::new();
-    let specs = st.store.specs().await?;
-    let nodes = st.store.nodes().await?;
-    let _ = writeln!(out, "# HELP ductile_daemon_is_leader 1 if this replica leads.\n# TYPE ductile_daemon_is_leader gauge");
-    let _ = writeln!(
-        out,
-        "ductile_daemon_is_leader {}",
-        st.is_leader.load(Ordering::SeqCst) as u8
+    let snaps = st.view.snapshots();
+    if snaps.jobs.revision == 0 || snaps.nodes.revision == 0 {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this replica has not read the cluster's state from etcd yet",
+        ));
+    }
+    let mut reg = Registry::default();
+    let is_leader = Gauge::<i64>::default();
+    is_leader.set(st.is_leader.load(Ordering::SeqCst) as i64);
+    reg.register(
+        "ductile_daemon_is_leader",
+        "1 if this replica leads",
+        is_leader,
     );
-    let _ = writeln!(
-        out,
-        "# HELP ductile_nodes Live nodes.\n# TYPE ductile_nodes gauge\nductile_nodes {}",
-        nodes.len()
+    let age = FGauge::default();
+    age.set(st.view.age().unwrap_or(f64::INFINITY));
+    reg.register(
+        "ductile_daemon_etcd_last_answer_seconds",
+        "Seconds since etcd last answered this replica (how current these figures are)",
+        age,
     );
-    let _ = writeln!(out, "# HELP ductile_slots Live slots (GPUs or CPU slots).\n# TYPE ductile_slots gauge\nductile_slots {}", nodes.iter().map(|n| n.slots()).sum::<u32>());
-    let mut by_state: BTreeMap<String, u32> = BTreeMap::new();
-    let mut per_job = String::new();
-    let _ = writeln!(per_job, "# HELP ductile_job_world_size World size of the job's current generation.\n# TYPE ductile_job_world_size gauge");
-    let mut gens = String::from("# HELP ductile_job_generation Current generation number.\n# TYPE ductile_job_generation gauge\n");
-    let mut reform = String::from("# HELP ductile_job_last_reformation_seconds Seconds from the triggering event to the last member joining.\n# TYPE ductile_job_last_reformation_seconds gauge\n");
-    let mut count = String::from("# HELP ductile_reformations_total Generations published, by reason.\n# TYPE ductile_reformations_total counter\n");
-    let mut ckpt = String::from(concat!(
-        "# HELP ductile_checkpoint_stall_ms Training stall of the last checkpoint (copy into host memory).\n# TYPE ductile_checkpoint_stall_ms gauge\n",
-    ));
-    let mut ckpt_more = String::from(concat!(
-        "# HELP ductile_checkpoint_upload_seconds Snapshot-to-commit time of the last committed checkpoint.\n# TYPE ductile_checkpoint_upload_seconds gauge\n",
-    ));
-    let mut ckpt_bytes = String::from("# HELP ductile_checkpoint_bytes Bytes of the last committed checkpoint.\n# TYPE ductile_checkpoint_bytes gauge\n");
-    let mut ckpt_step = String::from("# HELP ductile_checkpoint_last_step Step of the last committed checkpoint.\n# TYPE ductile_checkpoint_last_step gauge\n");
-    let mut ckpt_counts = String::from("# HELP ductile_checkpoints_total Checkpoints by outcome (committed, skipped while one was in flight, failed).\n# TYPE ductile_checkpoints_total counter\n");
-    let mut ckpt_restore = String::from("# HELP ductile_checkpoint_restore_seconds Time of the last restore from a checkpoint.\n# TYPE ductile_checkpoint_restore_seconds gauge\n");
-    for spec in &specs {
-        let v = view(&st.store, &spec.name).await?;
-        *by_state.entry(format!("{:?}", v.state)).or_default() += 1;
-        let _ = writeln!(
-            per_job,
-            "ductile_job_world_size{{job=\"{}\"}} {}",
-            v.job, v.world_size
-        );
-        let _ = writeln!(
-            gens,
-            "ductile_job_generation{{job=\"{}\"}} {}",
-            v.job, v.generation
-        );
+    let nodes: Vec<NodeRecord> = snaps
+        .nodes
+        .kvs
+        .values()
+        .filter(|kv| matches!(st.store.keys.parse(&kv.key), KeyKind::Node { .. }))
+        .filter_map(|kv| decode::<NodeRecord>(kv, "node record").ok())
+        .collect();
+    let (n_nodes, n_slots) = (Gauge::<i64>::default(), Gauge::<i64>::default());
+    n_nodes.set(nodes.len() as i64);
+    n_slots.set(nodes.iter().map(|n| n.slots() as i64).sum());
+    reg.register("ductile_nodes", "Live nodes", n_nodes);
+    reg.register("ductile_slots", "Live slots (GPUs or CPU slots)", n_slots);
+
+    let jobs_by_state = Family::<StateLabel, Gauge>::default();
+    let world = Family::<JobLabel, Gauge>::default();
+    let generation = Family::<JobLabel, Gauge>::default();
+    let step = Family::<JobLabel, Gauge>::default();
+    let last_reform = Family::<ReasonLabels, FGauge>::default();
+    let reformations = Family::<ReasonLabels, Counter>::default();
+    let stall = Family::<JobLabel, FGauge>::default();
+    let upload = Family::<JobLabel, FGauge>::default();
+    let bytes = Family::<JobLabel, Gauge>::default();
+    let ck_step = Family::<JobLabel, Gauge>::default();
+    let ck_total = Family::<OutcomeLabels, Counter>::default();
+    let restore = Family::<JobLabel, FGauge>::default();
+    for (name, obs) in jobs_from(&st.store, &[&snaps.jobs, &snaps.live]) {
+        let Some(v) = job_view(&name, &obs) else {
+            continue;
+        };
+        let job = JobLabel { job: name.clone() };
+        jobs_by_state
+            .get_or_create(&StateLabel {
+                state: format!("{:?}", v.state),
+            })
+            .inc();
+        world.get_or_create(&job).set(v.world_size as i64);
+        generation.get_or_create(&job).set(v.generation as i64);
+        step.get_or_create(&job).set(v.step as i64);
         if let Some(r) = &v.last_reformation {
-            let _ = writeln!(
-                reform,
-                "ductile_job_last_reformation_seconds{{job=\"{}\",reason=\"{}\"}} {}",
-                v.job, r.reason, r.seconds
-            );
+            last_reform
+                .get_or_create(&ReasonLabels {
+                    job: name.clone(),
+                    reason: r.reason.to_string(),
+                })
+                .set(r.seconds);
         }
-        if let Some((c, _)) = st
-            .store
-            .get_json::<CheckpointStats>(
-                &st.store.keys.checkpoint_stats(&spec.name),
-                "checkpoint stats",
-            )
-            .await?
-        {
-            let j = &v.job;
-            let _ = writeln!(
-                ckpt,
-                "ductile_checkpoint_stall_ms{{job=\"{j}\"}} {}",
-                c.last_stall_ms
-            );
-            let _ = writeln!(
-                ckpt_more,
-                "ductile_checkpoint_upload_seconds{{job=\"{j}\"}} {}",
-                c.last_upload_seconds
-            );
-            let _ = writeln!(
-                ckpt_bytes,
-                "ductile_checkpoint_bytes{{job=\"{j}\"}} {}",
-                c.last_bytes
-            );
-            let _ = writeln!(
-                ckpt_step,
-                "ductile_checkpoint_last_step{{job=\"{j}\"}} {}",
-                c.last_step
-            );
+        // counted at each publish: history is bounded, these counts are not
+        for (r, n) in obs.status.iter().flat_map(|s| s.reformations.iter()) {
+            reformations
+                .get_or_create(&ReasonLabels {
+                    job: name.clone(),
+                    reason: r.clone(),
+                })
+                .inc_by(*n);
+        }
+        if let Some(c) = &obs.checkpoint_stats {
+            stall.get_or_create(&job).set(c.last_stall_ms as f64);
+            upload.get_or_create(&job).set(c.last_upload_seconds);
+            bytes.get_or_create(&job).set(c.last_bytes as i64);
+            ck_step.get_or_create(&job).set(c.last_step as i64);
             for (k, n) in [
                 ("committed", c.committed_total),
                 ("skipped", c.skipped_total),
                 ("failed", c.failed_total),
             ] {
-                let _ = writeln!(
-                    ckpt_counts,
-                    "ductile_checkpoints_total{{job=\"{j}\",outcome=\"{k}\"}} {n}"
-                );
+                ck_total
+                    .get_or_create(&OutcomeLabels {
+                        job: name.clone(),
+                        outcome: k.into(),
+                    })
+                    .inc_by(n);
             }
             if let Some(r) = c.last_restore_seconds {
-                let _ = writeln!(
-                    ckpt_restore,
-                    "ductile_checkpoint_restore_seconds{{job=\"{j}\"}} {r}"
-                );
+                restore.get_or_create(&job).set(r);
             }
         }
-        // counted at each publish: history is bounded, these counts are not
-        let reasons = st
-            .store
-            .status(&spec.name)
-            .await?
-            .map(|(s, _)| s.reformations)
-            .unwrap_or_default();
-        for (r, n) in reasons {
-            let _ = writeln!(
-                count,
-                "ductile_reformations_total{{job=\"{}\",reason=\"{r}\"}} {n}",
-                v.job
-            );
-        }
     }
-    let _ = writeln!(
-        out,
-        "# HELP ductile_jobs Jobs by state.\n# TYPE ductile_jobs gauge"
+    reg.register("ductile_jobs", "Jobs by state", jobs_by_state);
+    reg.register(
+        "ductile_job_world_size",
+        "World size of the job's current generation",
+        world,
     );
-    for (s, n) in by_state {
-        let _ = writeln!(out, "ductile_jobs{{state=\"{s}\"}} {n}");
-    }
-    out.push_str(&per_job);
-    out.push_str(&gens);
-    out.push_str(&reform);
-    out.push_str(&count);
-    for s in [
-        ckpt,
-        ckpt_more,
-        ckpt_bytes,
-        ckpt_step,
-        ckpt_counts,
-        ckpt_restore,
-    ] {
-        out.push_str(&s);
-    }
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response())
+    reg.register(
+        "ductile_job_generation",
+        "Current generation number",
+        generation,
+    );
+    reg.register("ductile_job_step", "Last step rank 0 reported", step);
+    reg.register(
+        "ductile_job_last_reformation_seconds",
+        "Seconds from the triggering event to the last member joining",
+        last_reform,
+    );
+    reg.register(
+        "ductile_reformations",
+        "Generations published, by reason",
+        reformations,
+    );
+    reg.register(
+        "ductile_checkpoint_stall_ms",
+        "Training stall of the last checkpoint (copy into host memory)",
+        stall,
+    );
+    reg.register(
+        "ductile_checkpoint_upload_seconds",
+        "Snapshot-to-commit time of the last committed checkpoint",
+        upload,
+    );
+    reg.register(
+        "ductile_checkpoint_bytes",
+        "Bytes of the last committed checkpoint",
+        bytes,
+    );
+    reg.register(
+        "ductile_checkpoint_last_step",
+        "Step of the last committed checkpoint",
+        ck_step,
+    );
+    reg.register(
+        "ductile_checkpoints",
+        "Checkpoints by outcome (committed, skipped while one was in flight, failed)",
+        ck_total,
+    );
+    reg.register(
+        "ductile_checkpoint_restore_seconds",
+        "Time of the last restore from a checkpoint",
+        restore,
+    );
+    let mut out = String::new();
+    encode(&mut out, &reg).map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding metrics: {e}"),
+        )
+    })?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response())
 }

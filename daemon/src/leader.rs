@@ -16,13 +16,14 @@ use ductile_cluster::lease::{LeaseKeeper, LeaseState};
 use ductile_cluster::records::*;
 use ductile_cluster::store::decode;
 use ductile_cluster::store::Fence;
-use ductile_cluster::watch::{synced, watch_prefix, Snapshot};
+use ductile_cluster::watch::{synced, Snapshot};
 use ductile_cluster::Store;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::reconcile::{drain_checkpoint, plan, Decision, DrainCheckpoint, Fleet, JobObs};
+use crate::view::ClusterView;
 
 /// What the leader loop needs to know.
 #[derive(Clone, Debug)]
@@ -38,6 +39,7 @@ pub struct LeaderConfig {
 pub async fn run_replica(
     store: Store,
     cfg: LeaderConfig,
+    view: ClusterView,
     is_leader: Arc<AtomicBool>,
     cancel: CancellationToken,
 ) {
@@ -101,7 +103,7 @@ pub async fn run_replica(
         is_leader.store(true, Ordering::SeqCst);
         let lead_cancel = lease_cancel.child_token();
         tokio::select! {
-            r = lead(store.clone(), leader_key.clone(), cfg.clone(), lead_cancel.clone()) => {
+            r = lead(store.clone(), leader_key.clone(), cfg.clone(), view.clone(), lead_cancel.clone()) => {
                 if let Err(e) = r {
                     tracing::error!(error = %ductile_cluster::service::error_chain(&e), "leader loop failed");
                 }
@@ -152,18 +154,20 @@ struct Pending {
     last: Instant,
 }
 
-/// The leader's loop: watch nodes, drains and jobs; reconcile each job; publish.
+/// The leader's loop: follow nodes, drains and jobs (the replica's watches, shared with the
+/// API); reconcile each job; publish.
 pub async fn lead(
     store: Store,
     leader: LeaderKey,
     cfg: LeaderConfig,
+    view: ClusterView,
     cancel: CancellationToken,
 ) -> ductile_cluster::Result<()> {
     let k = &store.keys;
-    let mut nodes_rx = watch_prefix(store.backend.clone(), k.nodes(), cancel.clone());
-    let mut drains_rx = watch_prefix(store.backend.clone(), k.drains(), cancel.clone());
-    let mut jobs_rx = watch_prefix(store.backend.clone(), k.jobs(), cancel.clone());
-    let mut live_rx = watch_prefix(store.backend.clone(), k.live(), cancel.clone());
+    let mut nodes_rx = view.nodes;
+    let mut drains_rx = view.drains;
+    let mut jobs_rx = view.jobs;
+    let mut live_rx = view.live;
     synced(&mut nodes_rx).await;
     synced(&mut drains_rx).await;
     synced(&mut jobs_rx).await;
@@ -515,11 +519,27 @@ pub fn fleet_from(store: &Store, nodes: &Snapshot, drains: &Snapshot) -> Fleet {
 /// Build each job's observed state from the snapshots of `jobs/` (control state) and `live/`
 /// (what the workers write).
 pub fn jobs_from(store: &Store, snaps: &[&Snapshot]) -> BTreeMap<String, JobObs> {
+    jobs_from_kvs(store, snaps.iter().flat_map(|s| s.kvs.values()))
+}
+
+/// The keys of one job in a snapshot (under `jobs/{job}/` or `live/{job}/`).
+pub fn job_kvs<'a>(snap: &'a Snapshot, prefix: &'a str) -> impl Iterator<Item = &'a KeyValue> {
+    snap.kvs
+        .range(prefix.to_string()..)
+        .take_while(move |(k, _)| k.starts_with(prefix))
+        .map(|(_, kv)| kv)
+}
+
+/// [`jobs_from`] over any keys of `jobs/` and `live/`.
+pub fn jobs_from_kvs<'a>(
+    store: &Store,
+    kvs: impl Iterator<Item = &'a KeyValue>,
+) -> BTreeMap<String, JobObs> {
     let mut jobs: BTreeMap<String, JobObs> = BTreeMap::new();
     let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
     let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
     let mut history: BTreeMap<String, BTreeMap<u64, &KeyValue>> = BTreeMap::new();
-    for kv in snaps.iter().flat_map(|s| s.kvs.values()) {
+    for kv in kvs {
         match store.keys.parse(&kv.key) {
             KeyKind::JobSpec { job } => {
                 let o = jobs.entry(job).or_default();

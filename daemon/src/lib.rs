@@ -6,6 +6,7 @@ pub mod assign;
 pub mod config;
 pub mod leader;
 pub mod reconcile;
+pub mod view;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,8 +27,11 @@ pub async fn run(
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.listen))?;
     tracing::info!(listen = %listener.local_addr()?, id = %cfg.id, "API listening");
+    // one set of watches per replica, for the leader loop and the API alike
+    let view = view::ClusterView::start(&store, cancel.clone());
     let app = api::router(api::AppState {
         store: store.clone(),
+        view: view.clone(),
         token: cfg.token.clone(),
         is_leader: is_leader.clone(),
         id: cfg.id.clone(),
@@ -48,6 +52,7 @@ pub async fn run(
     let replica = tokio::spawn(leader::run_replica(
         store,
         lcfg,
+        view,
         is_leader.clone(),
         cancel.clone(),
     ));

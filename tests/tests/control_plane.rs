@@ -329,10 +329,15 @@ fn an_agent_keeps_pinging_its_watchdog_while_etcd_hangs_and_its_writes_wait() {
         "the watchdog went {worst:?} without a ping (systemd would kill the agent)"
     );
     // and the writes that waited go through once etcd answers: the job re-forms without the
-    // dead worker's slot
+    // dead worker's slot (until the daemon hears from etcd again it answers 503, saying so)
     c.wait_for(S(30), "a failure generation after etcd came back", || {
-        history(&c, "j12")
-            .into_iter()
+        let (ok, out, err) = c.dctl(&["events", "j12", "--json"]);
+        if !ok {
+            assert!(err.contains("etcd has not answered"), "{err}");
+            return None;
+        }
+        out.lines()
+            .map(|l| serde_json::from_str::<Generation>(l).unwrap())
             .find(|g| g.reason == Reason::Failure)
     });
     assert!(c.agents.values_mut().all(|a| a.try_wait().is_none()));
