@@ -610,7 +610,7 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
                 .inc_by(*n);
         }
         if let Some(c) = &obs.checkpoint_stats {
-            stall.get_or_create(&job).set(c.last_stall_ms as f64);
+            stall.get_or_create(&job).set(c.last_stall_ms);
             upload.get_or_create(&job).set(c.last_upload_seconds);
             bytes.get_or_create(&job).set(c.last_bytes as i64);
             ck_step.get_or_create(&job).set(c.last_step as i64);
