@@ -727,6 +727,32 @@ fn metrics_report_jobs_world_size_and_reformations() {
     ] {
         assert!(body.contains(want), "metrics lack {want}:\n{body}");
     }
+    // served from the replica's own view: with etcd hung, a scrape still answers at once and
+    // says how old its figures are, and `dctl status` refuses to pass an old view off as
+    // current
+    let mut c = c;
+    c.etcd.proc.stop();
+    std::thread::sleep(S(4));
+    let t = Instant::now();
+    let (code, body) = http("GET", &format!("{}/metrics", c.endpoint()), &[], b"").unwrap();
+    let took = t.elapsed();
+    let (ok, _, err) = c.dctl(&["status", "jm"]);
+    c.etcd.proc.cont();
+    assert_eq!(code, 200);
+    assert!(took < S(2), "a scrape took {took:?} with etcd hung");
+    assert!(body.contains("ductile_job_world_size{job=\"jm\"} 2"), "{body}");
+    let age: f64 = body
+        .lines()
+        .find_map(|l| l.strip_prefix("ductile_daemon_etcd_last_answer_seconds "))
+        .expect("the view's age")
+        .parse()
+        .unwrap();
+    assert!(age >= 3.0, "etcd hung 4 s ago, the view says {age} s");
+    assert!(!ok && err.contains("etcd has not answered this replica"), "{err}");
+    c.wait_for(S(20), "status again once etcd answers", || {
+        let (ok, _, _) = c.dctl(&["status", "jm"]);
+        ok.then_some(())
+    });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
