@@ -63,7 +63,7 @@ pub async fn nccl(iters: usize, sizes: &[u64]) -> anyhow::Result<()> {
         let rdv = Rendezvous::new(store.clone(), "bench", gen, 1, 0).unwrap();
         async move {
             let t0 = Instant::now();
-            let c = NcclComm::form(&rdv, 0, timeout).await?;
+            let c = NcclComm::form(&rdv, 0, timeout, None).await?;
             anyhow::Ok((c, t0.elapsed().as_secs_f64()))
         }
     };

@@ -389,7 +389,7 @@ async fn bare_nccl() -> anyhow::Result<ductile_comm::nccl::NcclComm> {
     use ductile_cluster::{memory::MemoryBackend, Keys, Store};
     let store = Store::new(std::sync::Arc::new(MemoryBackend::new()), Keys::default());
     let rdv = ductile_comm::Rendezvous::new(store, "bare", 1, 1, 0)?;
-    Ok(ductile_comm::nccl::NcclComm::form(&rdv, 0, Duration::from_secs(60)).await?)
+    Ok(ductile_comm::nccl::NcclComm::form(&rdv, 0, Duration::from_secs(60), None).await?)
 }
 
 #[cfg(not(feature = "cuda"))]

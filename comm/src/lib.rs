@@ -12,6 +12,7 @@
 
 pub mod buffer;
 pub mod error;
+pub mod liveness;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod rendezvous;

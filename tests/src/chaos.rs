@@ -141,6 +141,12 @@ fn try_status(c: &Cluster, job: &str) -> Option<JobView> {
     ok.then(|| serde_json::from_str(&out).ok()).flatten()
 }
 
+/// A liveness bound for training `steps` from the start: generous (10 steps a second, at
+/// least 15 minutes) on a 2-core machine that trains this job at 200-300 steps a second.
+fn run_bound(steps: u64) -> Duration {
+    Duration::from_secs((steps / 10).max(900))
+}
+
 /// Run the soak. Panics only on harness failures (a process that cannot start); what the
 /// system under test gets wrong is reported as violations.
 pub fn run(cfg: &Config) -> Report {
@@ -159,7 +165,7 @@ pub fn run(cfg: &Config) -> Report {
         let c = Cluster::start(Spec::default().agents(1, 2));
         let data = synth(c.dir.path(), "regression", SAMPLES);
         c.submit(&job("reference", &data, cfg.steps, 2, None));
-        let done = c.wait_for(Duration::from_secs(900), "the reference run", || {
+        let done = c.wait_for(run_bound(cfg.steps), "the reference run", || {
             try_status(&c, "reference").filter(|v| v.state == JobState::Succeeded)
         });
         report.reference_sha256 = done.final_weights_sha256;
@@ -309,7 +315,7 @@ pub fn run(cfg: &Config) -> Report {
         let _ = c.dctl(&["drain", &n, "--undo"]);
     }
     let _ = c.dctl(&["scale", "chaos", "4"]);
-    let done = c.wait_for_opt(Duration::from_secs(900), || {
+    let done = c.wait_for_opt(run_bound(cfg.steps), || {
         observe(&c, &mut commits, &mut pids);
         try_status(&c, "chaos").filter(|v| v.state.is_terminal())
     });

@@ -740,7 +740,10 @@ fn metrics_report_jobs_world_size_and_reformations() {
     c.etcd.proc.cont();
     assert_eq!(code, 200);
     assert!(took < S(2), "a scrape took {took:?} with etcd hung");
-    assert!(body.contains("ductile_job_world_size{job=\"jm\"} 2"), "{body}");
+    assert!(
+        body.contains("ductile_job_world_size{job=\"jm\"} 2"),
+        "{body}"
+    );
     let age: f64 = body
         .lines()
         .find_map(|l| l.strip_prefix("ductile_daemon_etcd_last_answer_seconds "))
@@ -748,7 +751,10 @@ fn metrics_report_jobs_world_size_and_reformations() {
         .parse()
         .unwrap();
     assert!(age >= 3.0, "etcd hung 4 s ago, the view says {age} s");
-    assert!(!ok && err.contains("etcd has not answered this replica"), "{err}");
+    assert!(
+        !ok && err.contains("etcd has not answered this replica"),
+        "{err}"
+    );
     c.wait_for(S(20), "status again once etcd answers", || {
         let (ok, _, _) = c.dctl(&["status", "jm"]);
         ok.then_some(())

@@ -24,9 +24,14 @@ pub fn form(
         return Err(Unusable(e.to_string()).into());
     }
     let n = rdv.generation;
+    // heartbeats beside NCCL, as the TCP backend has them (DUCTILE_COMM_LIVENESS_MS, 6 s)
+    let liveness = ductile_comm::tcp::TcpConfig {
+        form_timeout: timeout,
+        ..ductile_comm::tcp::TcpConfig::from_env()
+    };
     let r = rt.block_on(async {
         tokio::select! {
-            r = NcclComm::form(rdv, device as i32, timeout) => r,
+            r = NcclComm::form(rdv, device as i32, timeout, Some(liveness)) => r,
             _ = newer => Err(CommError::Aborted { generation: n, op: "form" }),
         }
     });

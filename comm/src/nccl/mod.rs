@@ -25,7 +25,9 @@ use cudarc::nccl::sys as nc;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{CommError, Result};
+use crate::liveness::Liveness;
 use crate::rendezvous::Rendezvous;
+use crate::tcp::TcpConfig;
 use crate::{Communicator, ReduceOp};
 
 pub mod lib;
@@ -123,6 +125,9 @@ pub struct NcclComm {
     state: Mutex<State>,
     aborted: Arc<AtomicBool>,
     op_timeout: Duration,
+    /// Heartbeats beside NCCL (which carries none): a stopped or killed peer aborts the
+    /// communicator within the liveness timeout and the op reports it by rank.
+    liveness: Option<Liveness>,
 }
 
 unsafe impl Sync for NcclComm {}
@@ -157,7 +162,14 @@ fn ensure_context(device: i32) -> Result<()> {
 impl NcclComm {
     /// Form the communicator of `rdv`'s generation on CUDA device `device`: rank 0 makes the
     /// unique id and publishes it through etcd; every rank initialises (non-blocking, bounded).
-    pub async fn form(rdv: &Rendezvous, device: i32, timeout: Duration) -> Result<NcclComm> {
+    /// With `liveness`, a heartbeat mesh over TCP (its `liveness_timeout`, hosts and form
+    /// timeout) watches the peers beside NCCL.
+    pub async fn form(
+        rdv: &Rendezvous,
+        device: i32,
+        timeout: Duration,
+        liveness: Option<TcpConfig>,
+    ) -> Result<NcclComm> {
         available()?;
         let generation = rdv.generation;
         let id = if rdv.rank == 0 {
@@ -187,11 +199,23 @@ impl NcclComm {
             *d = *s as _;
         }
         let (rank, world) = (rdv.rank, rdv.world);
-        tokio::task::spawn_blocking(move || {
+        let mut c = tokio::task::spawn_blocking(move || {
             Self::init(id, generation, rank, world, device, timeout)
         })
         .await
-        .map_err(|e| CommError::Unavailable(format!("nccl init task failed: {e}")))?
+        .map_err(|e| CommError::Unavailable(format!("nccl init task failed: {e}")))??;
+        if let Some(cfg) = liveness {
+            let aborted = c.aborted.clone();
+            c.liveness = Some(
+                Liveness::form(
+                    rdv,
+                    &cfg,
+                    Arc::new(move |_| aborted.store(true, Ordering::SeqCst)),
+                )
+                .await?,
+            );
+        }
+        Ok(c)
     }
 
     fn init(
@@ -220,6 +244,7 @@ impl NcclComm {
             state: Mutex::new(State { comm, in_op: false }),
             aborted: Arc::new(AtomicBool::new(false)),
             op_timeout: timeout,
+            liveness: None,
         };
         c.wait_ready("init", timeout)?;
         Ok(c)
@@ -321,7 +346,15 @@ impl NcclComm {
             }
             self.aborted.store(true, Ordering::SeqCst);
         }
-        out
+        // a peer the heartbeats found stopped or gone is what ended the op: say so, by rank
+        match out {
+            Err(CommError::Aborted { .. }) | Err(CommError::Timeout { .. }) => Err(self
+                .liveness
+                .as_ref()
+                .and_then(|l| l.error(op))
+                .unwrap_or_else(|| out.unwrap_err())),
+            other => other,
+        }
     }
 
     /// Abort on this thread and wait for NCCL to finish tearing down (the benchmark's measure
@@ -381,6 +414,8 @@ impl NcclComm {
             }),
             aborted: Arc::new(AtomicBool::new(false)),
             op_timeout: self.op_timeout,
+            // the shrunk generation forms no heartbeat mesh of its own (the op timeout bounds it)
+            liveness: None,
         };
         drop(st);
         c.wait_ready("shrink", self.op_timeout)?;
@@ -634,7 +669,7 @@ mod tests {
             Keys::default(),
         );
         let rdv = Rendezvous::new(store, "j", 1, 1, 0).unwrap();
-        match NcclComm::form(&rdv, 0, Duration::from_secs(1)).await {
+        match NcclComm::form(&rdv, 0, Duration::from_secs(1), None).await {
             Err(CommError::Unavailable(m)) => assert_eq!(m, msg),
             Err(other) => panic!("{other}"),
             Ok(_) => panic!("formed an NCCL communicator without a GPU"),

@@ -1,0 +1,461 @@
+//! Heartbeats beside a communicator whose transport cannot carry ours (NCCL). Every rank
+//! connects to every peer over TCP (addresses through the generation's rendezvous, key `hb`),
+//! sends one byte every `liveness_timeout / 4`, and reads its peers' bytes on a thread per peer.
+//! A peer from which nothing arrived for `liveness_timeout` is **silent** (stopped, frozen,
+//! cut off); one whose connection closed without saying goodbye is **lost** (killed). The first
+//! such verdict calls `on_fault` once (the NCCL communicator aborts, so its pending collective
+//! ends in milliseconds instead of at the op timeout) and is what the failed op reports: the
+//! leader then excludes the named rank as it does for the TCP backend.
+//!
+//! A rank that leaves normally (its communicator dropped: a new generation, or done) says
+//! goodbye first, so its peers never take it for lost.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{CommError, Result};
+use crate::rendezvous::Rendezvous;
+use crate::tcp::TcpConfig;
+
+const MAGIC: u32 = 0x4443_4842; // "DCHB"
+const BEAT: u8 = 1;
+const GOODBYE: u8 = 2;
+
+/// What the heartbeats found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Nothing arrived from `peer` for `after`.
+    Silent { peer: u32, after: Duration },
+    /// `peer`'s connection closed (or failed) without a goodbye.
+    Lost { peer: u32, reason: String },
+}
+
+/// The heartbeat mesh of one generation; dropping it says goodbye and stops its threads.
+pub struct Liveness {
+    generation: u64,
+    verdict: Arc<Mutex<Option<Verdict>>>,
+    stop: Arc<AtomicBool>,
+    outgoing: Arc<Mutex<Vec<Option<TcpStream>>>>,
+    incoming: Vec<TcpStream>,
+}
+
+impl Liveness {
+    /// Form the mesh of `rdv`'s generation (bounded by `cfg.form_timeout`); `on_fault` is
+    /// called once, from a heartbeat thread, with the first verdict.
+    pub async fn form(
+        rdv: &Rendezvous,
+        cfg: &TcpConfig,
+        on_fault: Arc<dyn Fn(&Verdict) + Send + Sync>,
+    ) -> Result<Liveness> {
+        let generation = rdv.generation;
+        let listener = TcpListener::bind((cfg.bind_host.as_str(), 0)).map_err(|e| {
+            CommError::Unavailable(format!(
+                "generation {generation}: heartbeats: cannot listen on {}: {e}",
+                cfg.bind_host
+            ))
+        })?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| CommError::Unavailable(e.to_string()))?
+            .port();
+        rdv.publish("hb", format!("{}:{port}", cfg.advertise_host).as_bytes())
+            .await?;
+        let addrs: Vec<String> = rdv
+            .gather("hb", cfg.form_timeout)
+            .await?
+            .into_iter()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .collect();
+        let (rank, world, cfg) = (rdv.rank, rdv.world, cfg.clone());
+        tokio::task::spawn_blocking(move || {
+            Self::connect(listener, addrs, generation, rank, world, &cfg, on_fault)
+        })
+        .await
+        .map_err(|e| CommError::Unavailable(format!("heartbeat mesh task failed: {e}")))?
+    }
+
+    fn connect(
+        listener: TcpListener,
+        addrs: Vec<String>,
+        generation: u64,
+        rank: u32,
+        world: u32,
+        cfg: &TcpConfig,
+        on_fault: Arc<dyn Fn(&Verdict) + Send + Sync>,
+    ) -> Result<Liveness> {
+        let deadline = Instant::now() + cfg.form_timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        // accept the peers' connections while connecting to theirs
+        let acceptor = std::thread::spawn(move || -> Result<Vec<(u32, TcpStream)>> {
+            listener.set_nonblocking(true).ok();
+            let mut got: Vec<(u32, TcpStream)> = Vec::new();
+            while got.len() + 1 < world as usize {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        s.set_nonblocking(false).ok();
+                        s.set_read_timeout(Some(
+                            deadline
+                                .saturating_duration_since(Instant::now())
+                                .max(Duration::from_millis(1)),
+                        ))
+                        .ok();
+                        let mut hello = [0u8; 16];
+                        // a connection that is not a peer of this generation is dropped unread
+                        if s.read_exact(&mut hello).is_err() {
+                            continue;
+                        }
+                        let magic = u32::from_le_bytes(hello[0..4].try_into().unwrap());
+                        let gen = u64::from_le_bytes(hello[4..12].try_into().unwrap());
+                        let peer = u32::from_le_bytes(hello[12..16].try_into().unwrap());
+                        if magic != MAGIC
+                            || gen != generation
+                            || peer >= world
+                            || peer == rank
+                            || got.iter().any(|(p, _)| *p == peer)
+                        {
+                            continue;
+                        }
+                        got.push((peer, s));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if Instant::now() >= deadline {
+                            let missing: Vec<u32> = (0..world)
+                                .filter(|p| *p != rank && got.iter().all(|(g, _)| g != p))
+                                .collect();
+                            return Err(CommError::RendezvousTimeout {
+                                generation,
+                                after: Duration::ZERO,
+                                missing,
+                            });
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => {
+                        return Err(CommError::Unavailable(format!(
+                            "generation {generation}: heartbeats: accept failed: {e}"
+                        )))
+                    }
+                }
+            }
+            Ok(got)
+        });
+        let mut outgoing: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        for (peer, addr) in addrs.iter().enumerate() {
+            let peer = peer as u32;
+            if peer == rank {
+                continue;
+            }
+            let conn_err = |source: std::io::Error| CommError::Connect {
+                generation,
+                peer,
+                addr: addr.clone(),
+                source,
+            };
+            let sa = addr
+                .to_socket_addrs()
+                .map_err(conn_err)?
+                .next()
+                .ok_or_else(|| conn_err(std::io::ErrorKind::NotFound.into()))?;
+            let mut s = loop {
+                match TcpStream::connect_timeout(&sa, left().max(Duration::from_millis(1))) {
+                    Ok(s) => break s,
+                    Err(e) if left().is_zero() => return Err(conn_err(e)),
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            };
+            s.set_nodelay(true).ok();
+            s.set_write_timeout(Some(cfg.liveness_timeout)).ok();
+            let mut hello = [0u8; 16];
+            hello[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+            hello[4..12].copy_from_slice(&generation.to_le_bytes());
+            hello[12..16].copy_from_slice(&rank.to_le_bytes());
+            s.write_all(&hello).map_err(conn_err)?;
+            outgoing[peer as usize] = Some(s);
+        }
+        let incoming = acceptor
+            .join()
+            .map_err(|_| CommError::Unavailable("heartbeat acceptor panicked".into()))??;
+
+        let verdict: Arc<Mutex<Option<Verdict>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let judge = {
+            let (verdict, stop) = (verdict.clone(), stop.clone());
+            Arc::new(move |v: Verdict| {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let mut slot = verdict.lock().unwrap();
+                if slot.is_none() {
+                    tracing::warn!(generation, ?v, "heartbeats: a peer failed");
+                    *slot = Some(v.clone());
+                    drop(slot);
+                    on_fault(&v);
+                }
+            })
+        };
+        let timeout = cfg.liveness_timeout;
+        let tick = (timeout / 4).max(Duration::from_millis(20));
+        let mut readers = Vec::new();
+        for (peer, s) in incoming {
+            let (stop, judge) = (stop.clone(), judge.clone());
+            let mut r = s.try_clone().map_err(|e| {
+                CommError::Unavailable(format!("heartbeats: cannot share a socket: {e}"))
+            })?;
+            r.set_read_timeout(Some(tick)).ok();
+            std::thread::Builder::new()
+                .name(format!("hb-read-{peer}"))
+                .spawn(move || {
+                    let mut last = Instant::now();
+                    let mut buf = [0u8; 64];
+                    while !stop.load(Ordering::SeqCst) {
+                        match r.read(&mut buf) {
+                            Ok(0) => {
+                                judge(Verdict::Lost {
+                                    peer,
+                                    reason: "closed its heartbeat connection".into(),
+                                });
+                                return;
+                            }
+                            Ok(n) => {
+                                if buf[..n].contains(&GOODBYE) {
+                                    return; // it left in order
+                                }
+                                last = Instant::now();
+                            }
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) => {}
+                            Err(e) => {
+                                judge(Verdict::Lost {
+                                    peer,
+                                    reason: e.to_string(),
+                                });
+                                return;
+                            }
+                        }
+                        if last.elapsed() >= timeout {
+                            judge(Verdict::Silent {
+                                peer,
+                                after: last.elapsed(),
+                            });
+                            return;
+                        }
+                    }
+                })
+                .map_err(|e| CommError::Unavailable(format!("heartbeats: no thread: {e}")))?;
+            readers.push(s);
+        }
+        let outgoing = Arc::new(Mutex::new(outgoing));
+        {
+            let (stop, outgoing) = (stop.clone(), outgoing.clone());
+            std::thread::Builder::new()
+                .name("hb-send".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::SeqCst) {
+                        {
+                            let mut out = outgoing.lock().unwrap();
+                            for s in out.iter_mut() {
+                                // a peer that takes no more is the reader side's verdict
+                                if let Some(st) = s {
+                                    if st.write_all(&[BEAT]).is_err() {
+                                        *s = None;
+                                    }
+                                }
+                            }
+                        }
+                        std::thread::sleep(tick);
+                    }
+                })
+                .map_err(|e| CommError::Unavailable(format!("heartbeats: no thread: {e}")))?;
+        }
+        Ok(Liveness {
+            generation,
+            verdict,
+            stop,
+            outgoing,
+            incoming: readers,
+        })
+    }
+
+    /// The first verdict, if any.
+    pub fn verdict(&self) -> Option<Verdict> {
+        self.verdict.lock().unwrap().clone()
+    }
+
+    /// The verdict as the error of the op it ended.
+    pub fn error(&self, op: &'static str) -> Option<CommError> {
+        self.verdict().map(|v| match v {
+            Verdict::Silent { peer, after } => CommError::Silent {
+                generation: self.generation,
+                op,
+                peer,
+                after,
+            },
+            Verdict::Lost { peer, reason } => CommError::PeerLost {
+                generation: self.generation,
+                op,
+                peer,
+                source: std::io::Error::new(std::io::ErrorKind::ConnectionAborted, reason),
+            },
+        })
+    }
+}
+
+impl Drop for Liveness {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for s in self.outgoing.lock().unwrap().iter_mut().flatten() {
+            let _ = s.write_all(&[GOODBYE]);
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        for s in &self.incoming {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_cluster::{Keys, Store};
+    use std::sync::atomic::AtomicU32;
+
+    fn cfg(ms: u64) -> TcpConfig {
+        TcpConfig {
+            liveness_timeout: Duration::from_millis(ms),
+            form_timeout: Duration::from_secs(10),
+            bind_host: "127.0.0.1".into(),
+            ..TcpConfig::default()
+        }
+    }
+
+    async fn mesh(world: u32, generation: u64, ms: u64) -> Vec<(Liveness, Arc<AtomicU32>)> {
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        );
+        let mut tasks = Vec::new();
+        for rank in 0..world {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let rdv = Rendezvous::new(store, "j", generation, world, rank).unwrap();
+                let faults = Arc::new(AtomicU32::new(0));
+                let f = faults.clone();
+                let l = Liveness::form(
+                    &rdv,
+                    &cfg(ms),
+                    Arc::new(move |_| {
+                        f.fetch_add(1, Ordering::SeqCst);
+                    }),
+                )
+                .await
+                .unwrap();
+                (l, faults)
+            }));
+        }
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn live_peers_stay_quiet_and_an_orderly_leave_is_no_fault() {
+        let mut m = mesh(3, 4, 300).await;
+        tokio::time::sleep(Duration::from_millis(1200)).await; // four liveness timeouts
+        for (l, f) in &m {
+            assert_eq!(l.verdict(), None);
+            assert_eq!(f.load(Ordering::SeqCst), 0);
+        }
+        drop(m.remove(2)); // rank 2 leaves in order
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        for (l, f) in &m {
+            assert_eq!(l.verdict(), None, "an orderly leave was taken for a fault");
+            assert_eq!(f.load(Ordering::SeqCst), 0);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_silent_peer_is_named_within_the_timeout_and_a_vanished_one_as_lost() {
+        let m = mesh(3, 5, 400).await;
+        // rank 2 freezes: its sender stops, its sockets stay open
+        m[2].0.stop.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        while m[0].0.verdict().is_none() && t0.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let took = t0.elapsed();
+        match m[0].0.error("all_reduce") {
+            Some(CommError::Silent {
+                peer: 2,
+                op: "all_reduce",
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(took < Duration::from_secs(3), "named after {took:?}");
+        assert_eq!(m[0].1.load(Ordering::SeqCst), 1, "on_fault is called once");
+        assert!(matches!(
+            m[1].0.verdict(),
+            Some(Verdict::Silent { peer: 2, .. })
+        ));
+
+        // a peer that dies without a goodbye (SIGKILL closes its sockets) is lost
+        let mut m = mesh(2, 6, 5_000).await;
+        let (gone, _) = m.remove(1);
+        gone.stop.store(true, Ordering::SeqCst);
+        for s in gone.outgoing.lock().unwrap().iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both); // closed, no goodbye
+        }
+        let t0 = Instant::now();
+        while m[0].0.verdict().is_none() && t0.elapsed() < Duration::from_secs(3) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            matches!(m[0].0.verdict(), Some(Verdict::Lost { peer: 1, .. })),
+            "{:?}",
+            m[0].0.verdict()
+        );
+        std::mem::forget(gone); // no orderly goodbye from its Drop
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_from_another_generation_is_never_taken_for_a_peer() {
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        );
+        let c = TcpConfig {
+            form_timeout: Duration::from_millis(800),
+            ..cfg(500)
+        };
+        let rdv = Rendezvous::new(store.clone(), "j", 9, 2, 0).unwrap();
+        let r0 = tokio::spawn(async move { Liveness::form(&rdv, &c, Arc::new(|_| {})).await });
+        // rank 1's address takes connections, but what calls rank 0 says generation 8
+        let rank1 = TcpListener::bind("127.0.0.1:0").unwrap();
+        let rdv1 = Rendezvous::new(store, "j", 9, 2, 1).unwrap();
+        rdv1.publish("hb", rank1.local_addr().unwrap().to_string().as_bytes())
+            .await
+            .unwrap();
+        let addr0 =
+            String::from_utf8(rdv1.gather("hb", Duration::from_secs(5)).await.unwrap()[0].clone())
+                .unwrap();
+        let mut s = TcpStream::connect(&addr0).unwrap();
+        let mut hello = [0u8; 16];
+        hello[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        hello[4..12].copy_from_slice(&8u64.to_le_bytes());
+        hello[12..16].copy_from_slice(&1u32.to_le_bytes());
+        s.write_all(&hello).unwrap();
+        match r0.await.unwrap() {
+            Err(CommError::RendezvousTimeout { missing, .. }) => assert_eq!(missing, vec![1]),
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("took a connection of generation 8 as rank 1 of generation 9"),
+        }
+    }
+}
