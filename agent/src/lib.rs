@@ -107,18 +107,7 @@ impl Agent {
             .unwrap_or_default()
             .trim()
             .to_string();
-        let node = NodeRecord {
-            name: cfg.node.clone(),
-            hostname,
-            devices,
-            agent_pid: std::process::id(),
-            registered_at_ms: now_ms(),
-            draining: false,
-            drain_reason: None,
-            drain_deadline_ms: None,
-            drain_timeout_ms: None,
-            reregistrations: 0,
-        };
+        let node = NodeRecord::new(&cfg.node, &hostname, devices, std::process::id());
         let (exits_tx, mut exits_rx) = mpsc::channel(256);
         let (restarts_tx, mut restarts_rx) = mpsc::channel(256);
         let writer_cancel = CancellationToken::new();

@@ -95,23 +95,17 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let mut leases = Vec::with_capacity(agents);
     for i in 0..agents {
         let lease = raw.grant(a.ttl).await?;
-        let node = NodeRecord {
-            name: format!("sim{i:04}"),
-            hostname: "bench".into(),
-            devices: vec![Device {
+        let node = NodeRecord::new(
+            &format!("sim{i:04}"),
+            "bench",
+            vec![Device {
                 kind: DeviceKind::Cpu,
                 index: 0,
                 name: "cpu-slot-0".into(),
                 memory_mb: None,
             }],
-            agent_pid: std::process::id(),
-            registered_at_ms: now_ms(),
-            draining: false,
-            drain_reason: None,
-            drain_deadline_ms: None,
-            drain_timeout_ms: None,
-            reregistrations: 0,
-        };
+            std::process::id(),
+        );
         raw.put(&keys.node(&node.name), encode(&node), Some(lease))
             .await?;
         leases.push(lease);

@@ -60,6 +60,21 @@ pub struct NodeRecord {
 }
 
 impl NodeRecord {
+    /// A node as its agent registers it: not draining, registered now.
+    pub fn new(name: &str, hostname: &str, devices: Vec<Device>, agent_pid: u32) -> NodeRecord {
+        NodeRecord {
+            name: name.to_string(),
+            hostname: hostname.to_string(),
+            devices,
+            agent_pid,
+            registered_at_ms: now_ms(),
+            draining: false,
+            drain_reason: None,
+            drain_deadline_ms: None,
+            drain_timeout_ms: None,
+            reregistrations: 0,
+        }
+    }
     pub fn slots(&self) -> u32 {
         self.devices.len() as u32
     }
@@ -813,6 +828,46 @@ impl NodeAssignment {
     }
 }
 
+/// What a worker's communicator failure was, as its fault report says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// The peer sent nothing, not even a heartbeat: stopped, frozen or cut off.
+    Silent,
+    /// The peer is alive (its heartbeats arrive) but sent no data within the op timeout.
+    Timeout,
+    /// The peer closed its connections: most likely it died (its agent reports that).
+    PeerLost,
+    /// The peer could not be reached to form the communicator.
+    Connect,
+    /// Ranks never published at the rendezvous.
+    Rendezvous,
+    /// A malformed frame or one of another generation.
+    Protocol,
+    /// etcd failed the rendezvous.
+    Store,
+    Aborted,
+    Invalid,
+    Unavailable,
+    /// A kind this version does not know (a newer worker's).
+    #[serde(other)]
+    Other,
+}
+
+impl FaultKind {
+    /// A closed connection alone is weak evidence: the dead member's agent or lease says more.
+    pub fn is_weak(self) -> bool {
+        self == FaultKind::PeerLost
+    }
+}
+
+impl std::fmt::Display for FaultKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = serde_json::to_value(self).ok();
+        f.write_str(s.as_ref().and_then(|v| v.as_str()).unwrap_or("other"))
+    }
+}
+
 /// A worker's report that its generation's communicator failed while no newer generation
 /// exists (a stopped, wedged or unreachable peer, a protocol error): the leader acts on it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -821,9 +876,7 @@ pub struct FaultReport {
     pub rank: u32,
     pub node: String,
     pub slot: u32,
-    /// `silent` (the peer sent nothing, not even a heartbeat), `timeout`, `peer_lost`,
-    /// `connect`, `rendezvous`, `protocol`, `store`, `aborted`, ...
-    pub kind: String,
+    pub kind: FaultKind,
     /// The ranks the failure points at.
     #[serde(default)]
     pub suspects: Vec<u32>,

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use ductile_cluster::records::FaultKind;
 use ductile_cluster::ClusterError;
 
 #[derive(Debug, thiserror::Error)]
@@ -83,19 +84,21 @@ impl CommError {
     /// What kind of failure this is and which ranks it points at: what a worker tells the
     /// control plane when its generation's communicator fails (`silent`, `timeout`,
     /// `peer_lost`, `connect`, `rendezvous` and `protocol` name ranks).
-    pub fn blame(&self) -> (&'static str, Vec<u32>) {
+    pub fn blame(&self) -> (FaultKind, Vec<u32>) {
         use CommError::*;
         match self {
-            Silent { peer, .. } => ("silent", vec![*peer]),
-            Timeout { peer, .. } => ("timeout", vec![*peer]),
-            PeerLost { peer, .. } => ("peer_lost", vec![*peer]),
-            WrongGeneration { peer, .. } | Protocol { peer, .. } => ("protocol", vec![*peer]),
-            RendezvousTimeout { missing, .. } => ("rendezvous", missing.clone()),
-            Connect { peer, .. } => ("connect", vec![*peer]),
-            Aborted { .. } => ("aborted", vec![]),
-            BadRank { .. } | Invalid { .. } => ("invalid", vec![]),
-            Store { .. } => ("store", vec![]),
-            Unavailable(_) => ("unavailable", vec![]),
+            Silent { peer, .. } => (FaultKind::Silent, vec![*peer]),
+            Timeout { peer, .. } => (FaultKind::Timeout, vec![*peer]),
+            PeerLost { peer, .. } => (FaultKind::PeerLost, vec![*peer]),
+            WrongGeneration { peer, .. } | Protocol { peer, .. } => {
+                (FaultKind::Protocol, vec![*peer])
+            }
+            RendezvousTimeout { missing, .. } => (FaultKind::Rendezvous, missing.clone()),
+            Connect { peer, .. } => (FaultKind::Connect, vec![*peer]),
+            Aborted { .. } => (FaultKind::Aborted, vec![]),
+            BadRank { .. } | Invalid { .. } => (FaultKind::Invalid, vec![]),
+            Store { .. } => (FaultKind::Store, vec![]),
+            Unavailable(_) => (FaultKind::Unavailable, vec![]),
         }
     }
 }

@@ -1363,7 +1363,10 @@ mod tests {
                     generation: 51,
                     ..
                 },
-            ) => assert_eq!(e.blame(), ("silent", vec![1])),
+            ) => assert_eq!(
+                e.blame(),
+                (ductile_cluster::records::FaultKind::Silent, vec![1])
+            ),
             other => panic!("{other:?}"),
         }
         let took = t0.elapsed();

@@ -528,7 +528,7 @@ fn exclude_ranks(
             let by = &named[&r];
             let who: Vec<String> = by.iter().map(|f| f.rank.to_string()).collect();
             // the most telling report: one that is not a closed connection, if any
-            let why = by.iter().find(|f| f.kind != "peer_lost").unwrap_or(&by[0]);
+            let why = by.iter().find(|f| !f.kind.is_weak()).unwrap_or(&by[0]);
             (
                 m.node.clone(),
                 m.slot,
@@ -592,7 +592,7 @@ fn faults(
     // or its node's lease says so, and the membership path re-forms. Only evidence that a peer
     // is alive but unreachable (silence, a timeout, a refused connection, a rendezvous it never
     // joined, garbage on the wire) excludes it at once.
-    let strong = |r: &u32| named[r].iter().any(|f| f.kind != "peer_lost");
+    let strong = |r: &u32| named[r].iter().any(|f| !f.kind.is_weak());
     let silent: Vec<u32> = named
         .keys()
         .filter(|r| !reporters.contains(r) && strong(r))
@@ -694,24 +694,17 @@ mod tests {
     use super::*;
 
     fn node(name: &str, slots: u32) -> NodeRecord {
+        let devices = (0..slots)
+            .map(|i| Device {
+                kind: DeviceKind::Cpu,
+                index: i,
+                name: format!("cpu{i}"),
+                memory_mb: None,
+            })
+            .collect();
         NodeRecord {
-            name: name.into(),
-            hostname: "h".into(),
-            devices: (0..slots)
-                .map(|i| Device {
-                    kind: DeviceKind::Cpu,
-                    index: i,
-                    name: format!("cpu{i}"),
-                    memory_mb: None,
-                })
-                .collect(),
-            agent_pid: 1,
             registered_at_ms: 0,
-            draining: false,
-            drain_reason: None,
-            drain_deadline_ms: None,
-            drain_timeout_ms: None,
-            reregistrations: 0,
+            ..NodeRecord::new(name, "h", devices, 1)
         }
     }
     fn fleet(nodes: &[(&str, u32)]) -> Fleet {
@@ -1049,7 +1042,7 @@ mod tests {
             rank,
             node: "a".into(),
             slot: rank,
-            kind: kind.into(),
+            kind: serde_json::from_value(serde_json::json!(kind)).unwrap(),
             suspects: suspects.to_vec(),
             error: format!("{kind} from rank {rank}"),
             at_ms: 5,

@@ -347,7 +347,7 @@ impl Trainer {
             rank,
             node: self.env.node.clone(),
             slot: self.env.slot,
-            kind: kind.to_string(),
+            kind,
             suspects,
             error: e.to_string(),
             at_ms: now_ms(),
@@ -374,7 +374,7 @@ impl Trainer {
         });
         match put {
             Ok(()) => {
-                tracing::warn!(generation = n, kind, error = %e, "reported the failed generation; waiting for the next")
+                tracing::warn!(generation = n, kind = %kind, error = %e, "reported the failed generation; waiting for the next")
             }
             Err(err) => {
                 tracing::error!(generation = n, error = %err, "cannot report the failed generation")
