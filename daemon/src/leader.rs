@@ -206,6 +206,18 @@ pub async fn lead(
         let snap = jobs_rx.borrow_and_update().clone();
         let live = live_rx.borrow_and_update().clone();
         let mut jobs = jobs_from(&store, &[&snap, &live]);
+        for (name, obs) in &jobs {
+            let active = obs.spec.is_some()
+                && !obs.stop_requested
+                && !obs.status.as_ref().is_some_and(|s| s.state.is_terminal());
+            if let (true, Some((g, _))) = (active, &obs.generation) {
+                fleet.hold(name, &g.members);
+            }
+            if let (true, Some(spec)) = (active, &obs.spec) {
+                let world = obs.generation.as_ref().map_or(0, |(g, _)| g.world_size);
+                fleet.want(name, world, spec.min);
+            }
+        }
         let now = Instant::now();
         let mut wake: Option<Instant> = None;
         steps.retain(|j, _| jobs.contains_key(j));
@@ -395,10 +407,15 @@ pub async fn lead(
                         .publish_generation(&generation, prev, &fence, &status)
                         .await
                     {
-                        Ok(true) => tracing::info!(
-                            job = %name, generation = generation.number, world_size = generation.world_size,
-                            reason = %generation.reason, detail = %generation.detail, "published generation"
-                        ),
+                        Ok(true) => {
+                            tracing::info!(
+                                job = %name, generation = generation.number, world_size = generation.world_size,
+                                reason = %generation.reason, detail = %generation.detail, "published generation"
+                            );
+                            // the jobs planned after this one in the same pass see its slots taken
+                            fleet.hold(name, &generation.members);
+                            fleet.want(name, generation.world_size, status_min(obs));
+                        }
                         Ok(false) => {
                             // Either the generation moved (our view is stale: the watch will
                             // catch up) or we are no longer leader.
@@ -471,6 +488,10 @@ async fn forget_old_generations(store: &Store, snaps: &[&Snapshot], job: &str, c
             tracing::warn!(%key, error = %e, "cannot delete an old history entry");
         }
     }
+}
+
+fn status_min(obs: &JobObs) -> u32 {
+    obs.spec.as_ref().map_or(0, |s| s.min)
 }
 
 async fn still_leader(store: &Store, leader: &LeaderKey) -> bool {

@@ -51,6 +51,31 @@ pub struct Fleet {
     /// Leaving nodes' deadlines on the leader's clock (unix ms): when the leader saw the drain
     /// plus the agent's `drain_timeout_ms`.
     pub drain_deadlines: BTreeMap<String, u64>,
+    /// Slots held by the current generation of an active job, and which job: a slot (a GPU,
+    /// or a CPU slot) runs one job's worker at a time.
+    pub held: BTreeMap<(String, u32), String>,
+    /// Active jobs below their `min`, and how many slots they lack: free slots are kept for
+    /// them before any other job grows past its own `min` (no job starves behind another's
+    /// growth).
+    pub wanting: BTreeMap<String, u32>,
+}
+
+impl Fleet {
+    /// Record that `job` now holds exactly `members` (after a publish).
+    pub fn hold(&mut self, job: &str, members: &[Member]) {
+        self.held.retain(|_, j| j != job);
+        for m in members {
+            self.held.insert((m.node.clone(), m.slot), job.to_string());
+        }
+    }
+    /// Record how far `job` (now at `world` members) is below its `min`.
+    pub fn want(&mut self, job: &str, world: u32, min: u32) {
+        if world < min {
+            self.wanting.insert(job.to_string(), min - world);
+        } else {
+            self.wanting.remove(job);
+        }
+    }
 }
 
 impl Fleet {
@@ -287,25 +312,32 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         }
     }
 
-    // Live slots, in a stable order.
+    // Live slots no other job holds, in a stable order.
     let mut candidates: Vec<(String, u32)> = Vec::new();
+    let mut held_elsewhere = 0;
     for (name, node) in &fleet.nodes {
         if fleet.is_draining(name) {
             continue;
         }
         for slot in 0..node.slots() {
-            if !obs.failed.contains_key(&(name.clone(), slot)) {
-                candidates.push((name.clone(), slot));
+            let key = (name.clone(), slot);
+            if fleet.held.get(&key).is_some_and(|j| *j != spec.name) {
+                held_elsewhere += 1;
+            } else if !obs.failed.contains_key(&key) {
+                candidates.push(key);
             }
         }
     }
     let target = spec.desired.clamp(spec.min, spec.max) as usize;
     if candidates.len() < spec.min as usize {
-        let msg = format!(
+        let mut msg = format!(
             "waiting: {} live slot(s), the job needs at least {}",
             candidates.len(),
             spec.min
         );
+        if held_elsewhere > 0 {
+            msg.push_str(&format!(" ({held_elsewhere} more held by other jobs)"));
+        }
         return want(status(
             &spec.name,
             JobState::Waiting,
@@ -328,13 +360,33 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
             }
         }
     }
+    // Newcomers: up to `min` from any free slot; past `min` only from slots no waiting job
+    // needs.
+    let reserve: usize = fleet
+        .wanting
+        .iter()
+        .filter(|(j, _)| **j != spec.name)
+        .map(|(_, n)| *n as usize)
+        .sum();
+    let mut spare = candidates
+        .iter()
+        .filter(|c| !chosen.contains(c))
+        .count()
+        .saturating_sub(reserve);
     for c in &candidates {
         if chosen.len() >= target {
             break;
         }
-        if !chosen.contains(c) {
-            chosen.push(c.clone());
+        if chosen.contains(c) {
+            continue;
         }
+        if chosen.len() >= spec.min as usize {
+            if spare == 0 {
+                break;
+            }
+            spare -= 1;
+        }
+        chosen.push(c.clone());
     }
 
     let old: BTreeSet<(String, u32)> = cur
@@ -715,6 +767,8 @@ mod tests {
                 .collect(),
             drain_requests: Default::default(),
             drain_deadlines: Default::default(),
+            held: Default::default(),
+            wanting: Default::default(),
         }
     }
     fn spec(min: u32, max: u32, desired: u32) -> JobSpec {
@@ -1236,5 +1290,62 @@ mod tests {
             Decision::Exclude(slots) => assert_eq!(slots[0].1, 2),
             d => panic!("{d:?}"),
         }
+    }
+
+    #[test]
+    fn a_slot_runs_one_jobs_worker_a_second_job_waits_for_free_slots() {
+        let mut f = fleet(&[("a", 1), ("b", 1), ("c", 1)]);
+        let mut first = JobObs {
+            spec: Some(spec(1, 2, 2)),
+            ..Default::default()
+        };
+        let g1 = step(&mut first, &f, 10).expect("the first job starts");
+        f.hold("j", &g1.members);
+        // another job (same helper spec, another name) sees only the free slot
+        let mut other = JobObs {
+            spec: Some(JobSpec {
+                name: "k".into(),
+                ..spec(1, 3, 3)
+            }),
+            ..Default::default()
+        };
+        let g2 = step(&mut other, &f, 20).expect("the second job starts on what is free");
+        assert_eq!(slots(&g2), vec![("c".to_string(), 0, 0)]);
+        f.hold("k", &g2.members);
+        // a third cannot start at all, and says why
+        let mut third = JobObs {
+            spec: Some(JobSpec {
+                name: "l".into(),
+                ..spec(1, 1, 1)
+            }),
+            ..Default::default()
+        };
+        match plan(&third, &f, 30) {
+            Decision::Status(s) => {
+                assert_eq!(s.state, JobState::Waiting);
+                assert!(
+                    s.message.contains("(3 more held by other jobs)"),
+                    "{}",
+                    s.message
+                );
+            }
+            d => panic!("{d:?}"),
+        }
+        // once the first job lets go, the waiting job's need is kept free of k's growth
+        f.hold("j", &[]);
+        f.want("l", 0, 1);
+        match plan(&other, &f, 35) {
+            Decision::Publish { generation, .. } => assert_eq!(generation.world_size, 2),
+            d => panic!("{d:?}"),
+        }
+        let g4 = step(&mut third, &f, 40).expect("l starts");
+        f.want("l", 1, 1);
+        f.hold("l", &g4.members);
+        let g3 = step(&mut other, &f, 50000).expect("k grows into what l left");
+        assert_eq!(g3.world_size, 2);
+        assert!(g3
+            .members
+            .iter()
+            .all(|m| g4.member(&m.node, m.slot).is_none()));
     }
 }

@@ -889,3 +889,45 @@ fn each_agent_watches_only_its_own_nodes_view_and_wakes_only_for_what_concerns_i
     assert!(view(&dropped).is_empty(), "{dropped} still has ja in view");
     assert_eq!(view(&kept)[0].generation, a2.generation);
 }
+
+#[test]
+fn two_jobs_never_share_a_slot_and_the_second_grows_into_what_the_first_leaves() {
+    let c = Cluster::start(Spec::default().agents(3, 1));
+    let sleeper = |name: &str, min, max, desired| {
+        format!(
+            "{}command = [\"sleep\", \"600\"]\n",
+            job_toml(name, min, max, desired)
+        )
+    };
+    c.submit(&sleeper("first", 1, 2, 2));
+    let a = c.wait_world("first", 2, S(20));
+    c.submit(&sleeper("second", 1, 3, 3));
+    let b = c.wait_world("second", 1, S(20));
+    assert!(
+        b.members.iter().all(|m| a
+            .members
+            .iter()
+            .all(|x| (&x.node, x.slot) != (&m.node, m.slot))),
+        "{a:?}\n{b:?}"
+    );
+    let per_node = |c: &Cluster| -> Vec<usize> {
+        let nodes: Vec<ductile_cluster::api::NodeView> =
+            serde_json::from_str(&c.dctl_ok(&["nodes", "--json"])).unwrap();
+        nodes.iter().map(|n| n.workers.len()).collect()
+    };
+    assert_eq!(per_node(&c), vec![1, 1, 1], "one worker per one-slot node");
+    // a third job has nowhere to go, and says why
+    c.submit(&sleeper("third", 1, 1, 1));
+    let v = c.wait_for(S(10), "the third job waiting", || {
+        Some(c.status("third")).filter(|v| v.state == JobState::Waiting)
+    });
+    assert!(v.message.contains("held by other jobs"), "{}", v.message);
+    // the first stops: its slots go to the others
+    c.dctl_ok(&["stop", "first"]);
+    c.wait_world("third", 1, S(20));
+    let b = c.wait_world("second", 2, S(20));
+    assert_eq!(b.world_size, 2);
+    c.wait_for(S(20), "one worker per slot again", || {
+        (per_node(&c) == vec![1, 1, 1]).then_some(())
+    });
+}
