@@ -185,16 +185,32 @@ pub async fn lead(
     // the nodes' views, and the `jobs/` snapshot they were last brought in line with
     let mut assignments = crate::assign::Assignments::default();
     let mut assigned_at: Option<(i64, u64)> = None;
+    // what is decoded only when its snapshot moved: the fleet, and the jobs' control state
+    let mut fleet_cache: Option<((i64, u64, i64, u64), Fleet)> = None;
+    let mut control_cache: Option<((i64, u64), BTreeMap<String, JobObs>)> = None;
     loop {
         if cancel.is_cancelled() {
             return Ok(());
         }
         cfg.beat.store(now_ms(), Ordering::SeqCst);
-        let mut fleet = fleet_from(
-            &store,
-            &nodes_rx.borrow_and_update(),
-            &drains_rx.borrow_and_update(),
+        let (nodes_snap, drains_snap) = (
+            nodes_rx.borrow_and_update().clone(),
+            drains_rx.borrow_and_update().clone(),
         );
+        let fkey = (
+            nodes_snap.revision,
+            nodes_snap.relists,
+            drains_snap.revision,
+            drains_snap.relists,
+        );
+        let mut fleet = match &fleet_cache {
+            Some((k, f)) if *k == fkey => f.clone(),
+            _ => {
+                let f = fleet_from(&store, &nodes_snap, &drains_snap);
+                fleet_cache = Some((fkey, f.clone()));
+                f
+            }
+        };
         // a leaving agent's deadline, timed on this leader's clock from when it saw the drain
         drain_seen.retain(|n, _| fleet.nodes.get(n).is_some_and(|r| r.draining));
         for (n, r) in &fleet.nodes {
@@ -205,7 +221,16 @@ pub async fn lead(
         }
         let snap = jobs_rx.borrow_and_update().clone();
         let live = live_rx.borrow_and_update().clone();
-        let mut jobs = jobs_from(&store, &[&snap, &live]);
+        let ckey = (snap.revision, snap.relists);
+        let mut jobs = match &control_cache {
+            Some((k, c)) if *k == ckey => c.clone(),
+            _ => {
+                let c = control_from_kvs(&store, snap.kvs.values());
+                control_cache = Some((ckey, c.clone()));
+                c
+            }
+        };
+        overlay_live(&store, &mut jobs, live.kvs.values());
         for (name, obs) in &jobs {
             let active = obs.spec.is_some()
                 && !obs.stop_requested
@@ -556,9 +581,19 @@ pub fn jobs_from_kvs<'a>(
     store: &Store,
     kvs: impl Iterator<Item = &'a KeyValue>,
 ) -> BTreeMap<String, JobObs> {
+    let kvs: Vec<&KeyValue> = kvs.collect();
+    let mut jobs = control_from_kvs(store, kvs.iter().copied());
+    overlay_live(store, &mut jobs, kvs.iter().copied());
+    jobs
+}
+
+/// Each job's control state (what `jobs/` holds), without what the workers write: the leader
+/// keeps this between passes while `jobs/` does not move.
+pub fn control_from_kvs<'a>(
+    store: &Store,
+    kvs: impl Iterator<Item = &'a KeyValue>,
+) -> BTreeMap<String, JobObs> {
     let mut jobs: BTreeMap<String, JobObs> = BTreeMap::new();
-    let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
-    let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
     let mut history: BTreeMap<String, BTreeMap<u64, &KeyValue>> = BTreeMap::new();
     for kv in kvs {
         match store.keys.parse(&kv.key) {
@@ -599,6 +634,35 @@ pub fn jobs_from_kvs<'a>(
                     jobs.entry(job).or_default().workers.insert((node, slot), w);
                 }
             }
+            KeyKind::Stop { job } => jobs.entry(job).or_default().stop_requested = true,
+            KeyKind::Checkpoint { job } => {
+                jobs.entry(job).or_default().checkpoint = decoded(kv, "checkpoint record")
+            }
+            KeyKind::CheckpointRequest { job } => {
+                jobs.entry(job).or_default().checkpoint_request = decoded(kv, "checkpoint request")
+            }
+            _ => {}
+        }
+    }
+    for (name, obs) in jobs.iter_mut() {
+        if let Some((g, _)) = &obs.generation {
+            obs.member_since = member_since(g, history.get(name));
+        }
+    }
+    jobs
+}
+
+/// Add what the workers write (`live/`: progress, joins and fault reports of the current
+/// generation, checkpoint figures) to the jobs' control state.
+pub fn overlay_live<'a>(
+    store: &Store,
+    jobs: &mut BTreeMap<String, JobObs>,
+    kvs: impl Iterator<Item = &'a KeyValue>,
+) {
+    let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
+    let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
+    for kv in kvs {
+        match store.keys.parse(&kv.key) {
             KeyKind::Joined {
                 job,
                 generation,
@@ -620,13 +684,6 @@ pub fn jobs_from_kvs<'a>(
             KeyKind::Progress { job } => {
                 jobs.entry(job).or_default().progress = decoded(kv, "progress")
             }
-            KeyKind::Stop { job } => jobs.entry(job).or_default().stop_requested = true,
-            KeyKind::Checkpoint { job } => {
-                jobs.entry(job).or_default().checkpoint = decoded(kv, "checkpoint record")
-            }
-            KeyKind::CheckpointRequest { job } => {
-                jobs.entry(job).or_default().checkpoint_request = decoded(kv, "checkpoint request")
-            }
             KeyKind::CheckpointStats { job } => {
                 jobs.entry(job).or_default().checkpoint_stats = decoded(kv, "checkpoint stats")
             }
@@ -647,10 +704,8 @@ pub fn jobs_from_kvs<'a>(
             if let Some(f) = faults.remove(&(name.clone(), g.number)) {
                 obs.faults = f;
             }
-            obs.member_since = member_since(g, history.get(name));
         }
     }
-    jobs
 }
 
 /// For each member of `current`, the first generation of its unbroken run of membership,
