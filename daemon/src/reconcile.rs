@@ -669,9 +669,8 @@ fn faults(
         let named_gone = gone;
         return Some(exclude_ranks(g, &named, &named_gone, now));
     }
-    let exclude = |ranks: &[u32]| exclude_ranks(g, &named, ranks, now);
     if !silent.is_empty() {
-        return Some(exclude(&silent));
+        return Some(exclude_ranks(g, &named, &silent, now));
     }
     // everyone reported (or no one is named): re-form the same members, bounded
     let progressed = obs
@@ -687,7 +686,7 @@ fn faults(
             .max_by_key(|(r, by)| (by.len(), **r))
             .filter(|_| world > 1)
         {
-            return Some(exclude(&[*r]));
+            return Some(exclude_ranks(g, &named, &[*r], now));
         }
     }
     let what = match reports.first() {
