@@ -156,7 +156,11 @@ impl Agent {
                 watch_cancel.clone(),
             ));
         }
-        synced(&mut jobs_rx).await;
+        // act on the view as it stands: it changes only when something changes for this node
+        // (an agent restarted in place must start its slots' workers without waiting for that)
+        let first = synced(&mut jobs_rx).await;
+        agent.on_jobs(&first);
+        agent.reconcile();
         ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Ready]);
         let tick_every = ductile_cluster::service::watchdog_interval()
             .map(|w| w.min(Duration::from_secs(1)))

@@ -931,3 +931,26 @@ fn two_jobs_never_share_a_slot_and_the_second_grows_into_what_the_first_leaves()
         (per_node(&c) == vec![1, 1, 1]).then_some(())
     });
 }
+
+#[test]
+fn an_agent_killed_and_restarted_within_its_ttl_starts_its_slots_workers_again() {
+    let mut c = Cluster::start(Spec::default().agents(2, 1));
+    c.submit(&format!(
+        "{}command = [\"sleep\", \"600\"]\n",
+        job_toml("jr", 1, 2, 2)
+    ));
+    let v = c.wait_world("jr", 2, S(20));
+    let old = v.members.iter().find(|m| m.node == "node1").unwrap().pid;
+    // back before its lease expires: it takes over its own record, so no node was lost and
+    // no generation changes; its view still names its slot
+    let a = c.agents.get_mut("node1").unwrap();
+    a.kill();
+    a.restart();
+    c.wait_for(S(10), "node1's slot running a new worker", || {
+        let v = c.status("jr");
+        let m = v.members.iter().find(|m| m.node == "node1")?;
+        m.pid
+            .filter(|p| Some(*p) != old && pid_alive(*p))
+            .map(|_| ())
+    });
+}
