@@ -70,6 +70,8 @@ pub struct Agent {
     /// Slots whose worker finished (exit 0) in the given generation: not started again in it.
     finished: HashMap<SlotKey, u64>,
     exits_tx: mpsc::Sender<Exit>,
+    /// Exclusions already acted on (slot, and the exclusion's generation and time).
+    exclusions_seen: std::collections::HashSet<(SlotKey, (u64, u64))>,
     /// This node's view of each active job with a slot on it, as the leader keeps it
     /// (`assign/{node}/`): an absent job is one whose workers here must stop.
     jobs: BTreeMap<String, NodeAssignment>,
@@ -127,6 +129,7 @@ impl Agent {
             draining: None,
             finished: HashMap::new(),
             exits_tx,
+            exclusions_seen: Default::default(),
             jobs: BTreeMap::new(),
         };
         claim_node(&store, &agent.node, keeper.current().id, cfg.lease_ttl).await?;
@@ -307,8 +310,15 @@ impl Agent {
         // The leader excluded a worker of ours that its peers could not reach (stopped,
         // wedged, cut off): the generation without it fences it (`reconcile` stops it, SIGKILL
         // after the grace reaches a stopped one too), and it is restarted like a failed one.
+        // an exclusion is acted on once: a view written before the restart cleared it must
+        // not take a second restart from the budget
+        self.exclusions_seen
+            .retain(|(k, _)| self.jobs.contains_key(&k.0));
         for (key, h) in excluded {
-            if self.failed.contains_key(&key) {
+            let first = self
+                .exclusions_seen
+                .insert((key.clone(), (h.generation, h.failed_at_ms)));
+            if !first || self.failed.contains_key(&key) {
                 continue;
             }
             tracing::warn!(job = %key.0, slot = key.1, detail = %h.exit, "the leader excluded this slot's worker");
