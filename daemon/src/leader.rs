@@ -236,7 +236,9 @@ pub async fn lead(
                 && !obs.stop_requested
                 && !obs.status.as_ref().is_some_and(|s| s.state.is_terminal());
             if let (true, Some((g, _))) = (active, &obs.generation) {
-                fleet.hold(name, &g.members);
+                for m in &g.members {
+                    fleet.held.insert((m.node.clone(), m.slot), name.clone());
+                }
             }
             if let (true, Some(spec)) = (active, &obs.spec) {
                 let world = obs.generation.as_ref().map_or(0, |(g, _)| g.world_size);
