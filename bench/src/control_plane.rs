@@ -397,12 +397,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 })?
                 .ok_or_else(|| anyhow::anyhow!("watch closed"))??;
             for e in &batch {
-                let (key, value) = match e {
-                    WatchEvent::Put(kv) => (&kv.key, Some(&kv.value)),
-                    WatchEvent::Delete { key, .. } => (key, None),
-                };
-                if let KeyKind::Assignment { node, job } = keys.parse(key) {
+                if let KeyKind::Assignment { node, job } = keys.parse(e.key()) {
                     woken.insert(node);
+                    let value = match e {
+                        WatchEvent::Put(kv) => Some(&kv.value),
+                        WatchEvent::Delete { .. } => None,
+                    };
                     let newer = value
                         .and_then(|v| serde_json::from_slice::<NodeAssignment>(v).ok())
                         .is_some_and(|v| {
@@ -422,11 +422,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         while let Ok(Some(Ok(batch))) = tokio::time::timeout_at(settle.into(), view_w.recv()).await
         {
             for e in &batch {
-                let key = match e {
-                    WatchEvent::Put(kv) => &kv.key,
-                    WatchEvent::Delete { key, .. } => key,
-                };
-                if let KeyKind::Assignment { node, .. } = keys.parse(key) {
+                if let KeyKind::Assignment { node, .. } = keys.parse(e.key()) {
                     woken.insert(node);
                 }
             }

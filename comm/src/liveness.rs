@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Result};
 use crate::rendezvous::Rendezvous;
-use crate::tcp::TcpConfig;
+use crate::tcp::{listen_and_exchange, TcpConfig};
 
 const MAGIC: u32 = 0x4443_4842; // "DCHB"
 const BEAT: u8 = 1;
@@ -51,24 +51,7 @@ impl Liveness {
         on_fault: Arc<dyn Fn(&Verdict) + Send + Sync>,
     ) -> Result<Liveness> {
         let generation = rdv.generation;
-        let listener = TcpListener::bind((cfg.bind_host.as_str(), 0)).map_err(|e| {
-            CommError::Unavailable(format!(
-                "generation {generation}: heartbeats: cannot listen on {}: {e}",
-                cfg.bind_host
-            ))
-        })?;
-        let port = listener
-            .local_addr()
-            .map_err(|e| CommError::Unavailable(e.to_string()))?
-            .port();
-        rdv.publish("hb", format!("{}:{port}", cfg.advertise_host).as_bytes())
-            .await?;
-        let addrs: Vec<String> = rdv
-            .gather("hb", cfg.form_timeout)
-            .await?
-            .into_iter()
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .collect();
+        let (listener, addrs) = listen_and_exchange(rdv, cfg, "hb").await?;
         let (rank, world, cfg) = (rdv.rank, rdv.world, cfg.clone());
         tokio::task::spawn_blocking(move || {
             Self::connect(listener, addrs, generation, rank, world, &cfg, on_fault)

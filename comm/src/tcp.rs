@@ -222,29 +222,41 @@ fn header(kind: Kind, generation: u64, seq: u64, len: u64) -> [u8; HEADER] {
     h
 }
 
+/// Listen on `cfg.bind_host` (a free port), publish this rank's address under `topic` in the
+/// generation's rendezvous, and gather every rank's address (bounded by `cfg.form_timeout`).
+pub(crate) async fn listen_and_exchange(
+    rdv: &Rendezvous,
+    cfg: &TcpConfig,
+    topic: &str,
+) -> Result<(TcpListener, Vec<String>)> {
+    let generation = rdv.generation;
+    let listener = TcpListener::bind((cfg.bind_host.as_str(), 0)).map_err(|e| {
+        CommError::Unavailable(format!(
+            "generation {generation}: {topic}: cannot listen on {}: {e}",
+            cfg.bind_host
+        ))
+    })?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| CommError::Unavailable(e.to_string()))?
+        .port();
+    rdv.publish(topic, format!("{}:{port}", cfg.advertise_host).as_bytes())
+        .await?;
+    let addrs = rdv
+        .gather(topic, cfg.form_timeout)
+        .await?
+        .into_iter()
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .collect();
+    Ok((listener, addrs))
+}
+
 impl TcpComm {
     /// Form the communicator of `rdv`'s generation: listen, publish the address, gather every
     /// rank's, and connect the mesh (lower ranks are dialled, higher ranks accepted).
     pub async fn form(rdv: &Rendezvous, cfg: TcpConfig) -> Result<TcpComm> {
         let generation = rdv.generation;
-        let listener = TcpListener::bind((cfg.bind_host.as_str(), 0)).map_err(|e| {
-            CommError::Unavailable(format!(
-                "generation {generation}: cannot listen on {}: {e}",
-                cfg.bind_host
-            ))
-        })?;
-        let port = listener
-            .local_addr()
-            .map_err(|e| CommError::Unavailable(e.to_string()))?
-            .port();
-        rdv.publish("tcp", format!("{}:{port}", cfg.advertise_host).as_bytes())
-            .await?;
-        let addrs: Vec<String> = rdv
-            .gather("tcp", cfg.form_timeout)
-            .await?
-            .into_iter()
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .collect();
+        let (listener, addrs) = listen_and_exchange(rdv, &cfg, "tcp").await?;
         let (rank, world) = (rdv.rank, rdv.world);
         tokio::task::spawn_blocking(move || {
             Self::connect(listener, addrs, generation, rank, world, cfg)

@@ -307,7 +307,7 @@ async fn events(
     Query(q): Query<EventsQuery>,
 ) -> ApiResult<Json<Vec<Generation>>> {
     let snaps = current(&st)?;
-    let history: Vec<Generation> = if cached_obs(&st, &snaps, &job).is_some() {
+    let history: Vec<Generation> = if snaps.jobs.kvs.contains_key(&st.store.keys.spec(&job)) {
         let prefix = st.store.keys.history(&job);
         job_kvs(&snaps.jobs, &prefix)
             .map(|kv| decode::<Generation>(kv, "generation"))
@@ -554,16 +554,10 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
         "Seconds since etcd last answered this replica (how current these figures are)",
         age,
     );
-    let nodes: Vec<NodeRecord> = snaps
-        .nodes
-        .kvs
-        .values()
-        .filter(|kv| matches!(st.store.keys.parse(&kv.key), KeyKind::Node { .. }))
-        .filter_map(|kv| decode::<NodeRecord>(kv, "node record").ok())
-        .collect();
+    let nodes = crate::leader::fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;
     let (n_nodes, n_slots) = (Gauge::<i64>::default(), Gauge::<i64>::default());
     n_nodes.set(nodes.len() as i64);
-    n_slots.set(nodes.iter().map(|n| n.slots() as i64).sum());
+    n_slots.set(nodes.values().map(|n| n.slots() as i64).sum());
     reg.register("ductile_nodes", "Live nodes", n_nodes);
     reg.register("ductile_slots", "Live slots (GPUs or CPU slots)", n_slots);
 

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use ductile_cluster::kv::{Compare, LeaderKey, Op, Txn};
-use ductile_cluster::records::{AssignedSlot, NodeAssignment};
+use ductile_cluster::records::{AssignedSlot, NodeAssignment, SlotHealth};
 use ductile_cluster::store::encode;
 use ductile_cluster::Store;
 
@@ -18,55 +18,46 @@ pub fn node_assignments(
     jobs: &BTreeMap<String, JobObs>,
 ) -> BTreeMap<(String, String), NodeAssignment> {
     let mut out: BTreeMap<(String, String), NodeAssignment> = BTreeMap::new();
-    for (name, obs) in jobs {
+    for (name, obs) in jobs.iter().filter(|(_, o)| o.is_active()) {
         let (Some(spec), Some((g, _))) = (&obs.spec, &obs.generation) else {
             continue;
         };
-        let active =
-            !obs.stop_requested && !obs.status.as_ref().is_some_and(|s| s.state.is_terminal());
-        if !active {
-            continue;
-        }
-        let blank = NodeAssignment {
-            job: name.clone(),
-            spec: spec.clone(),
-            generation: g.number,
-            world_size: g.world_size,
-            slots: Vec::new(),
-            excluded: BTreeMap::new(),
-            restarts_used: obs.restarts_used,
-        };
-        fn entry<'a>(
-            out: &'a mut BTreeMap<(String, String), NodeAssignment>,
-            blank: &NodeAssignment,
-            node: &str,
-        ) -> &'a mut NodeAssignment {
-            out.entry((node.to_string(), blank.job.clone()))
-                .or_insert_with(|| blank.clone())
-        }
+        // per node: its slots in the generation, and its excluded slots; a node with a failed
+        // slot keeps the job in view even when no generation includes it any more (its agent
+        // restarts the slot from the job's budget)
+        let mut per_node: BTreeMap<&str, (Vec<AssignedSlot>, BTreeMap<u32, SlotHealth>)> =
+            BTreeMap::new();
         for m in &g.members {
             let since = obs
                 .member_since
                 .get(&(m.node.clone(), m.slot))
                 .copied()
                 .unwrap_or(g.number);
-            entry(&mut out, &blank, &m.node).slots.push(AssignedSlot {
+            per_node.entry(&m.node).or_default().0.push(AssignedSlot {
                 slot: m.slot,
                 rank: m.rank,
                 since,
             });
         }
-        // a node with a failed slot keeps the job in view even when no generation includes
-        // it any more: its agent restarts the slot from the job's budget
         for ((node, slot), h) in &obs.failed {
-            let e = entry(&mut out, &blank, node);
+            let e = per_node.entry(node).or_default();
             if h.excluded {
-                e.excluded.insert(*slot, h.clone());
+                e.1.insert(*slot, h.clone());
             }
         }
-    }
-    for a in out.values_mut() {
-        a.slots.sort_by_key(|s| s.slot);
+        for (node, (mut slots, excluded)) in per_node {
+            slots.sort_by_key(|s| s.slot);
+            let view = NodeAssignment {
+                job: name.clone(),
+                spec: spec.clone(),
+                generation: g.number,
+                world_size: g.world_size,
+                slots,
+                excluded,
+                restarts_used: obs.restarts_used,
+            };
+            out.insert((node.to_string(), name.clone()), view);
+        }
     }
     out
 }
@@ -145,34 +136,8 @@ impl Assignments {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconcile::test_generation;
     use ductile_cluster::records::*;
-
-    fn gen(number: u64, members: &[(&str, u32)]) -> Generation {
-        Generation {
-            job: "j".into(),
-            number,
-            members: members
-                .iter()
-                .enumerate()
-                .map(|(r, (n, s))| Member {
-                    node: n.to_string(),
-                    slot: *s,
-                    rank: r as u32,
-                })
-                .collect(),
-            world_size: members.len() as u32,
-            layout: Layout::data_parallel(members.len() as u32),
-            resume_step: 0,
-            state_source: StateSource::Seed,
-            desired: members.len() as u32,
-            reason: Reason::Start,
-            detail: String::new(),
-            triggered_at_ms: 0,
-            published_at_ms: 0,
-            backend: Backend::Tcp,
-            fault_retries: 0,
-        }
-    }
 
     fn obs(g: Generation) -> JobObs {
         let spec = JobSpec::from_toml("name = \"j\"\nmin = 1\nmax = 4\ndesired = 2\n").unwrap();
@@ -185,7 +150,7 @@ mod tests {
 
     #[test]
     fn each_node_sees_only_its_own_slots_and_exclusions() {
-        let mut o = obs(gen(3, &[("a", 0), ("b", 0), ("a", 1)]));
+        let mut o = obs(test_generation(3, &[("a", 0), ("b", 0), ("a", 1)]));
         o.member_since.insert(("a".into(), 0), 1);
         o.failed.insert(
             ("c".into(), 0),
@@ -238,7 +203,7 @@ mod tests {
 
     #[test]
     fn a_stopped_or_finished_job_is_in_no_view() {
-        let mut o = obs(gen(1, &[("a", 0)]));
+        let mut o = obs(test_generation(1, &[("a", 0)]));
         o.stop_requested = true;
         let jobs = BTreeMap::from([("j".to_string(), o.clone())]);
         assert!(node_assignments(&jobs).is_empty());

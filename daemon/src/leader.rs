@@ -231,20 +231,7 @@ pub async fn lead(
             }
         };
         overlay_live(&store, &mut jobs, live.kvs.values());
-        for (name, obs) in &jobs {
-            let active = obs.spec.is_some()
-                && !obs.stop_requested
-                && !obs.status.as_ref().is_some_and(|s| s.state.is_terminal());
-            if let (true, Some((g, _))) = (active, &obs.generation) {
-                for m in &g.members {
-                    fleet.held.insert((m.node.clone(), m.slot), name.clone());
-                }
-            }
-            if let (true, Some(spec)) = (active, &obs.spec) {
-                let world = obs.generation.as_ref().map_or(0, |(g, _)| g.world_size);
-                fleet.want(name, world, spec.min);
-            }
-        }
+        fleet.hold_active(&jobs);
         let now = Instant::now();
         let mut wake: Option<Instant> = None;
         steps.retain(|j, _| jobs.contains_key(j));
@@ -441,7 +428,11 @@ pub async fn lead(
                             );
                             // the jobs planned after this one in the same pass see its slots taken
                             fleet.hold(name, &generation.members);
-                            fleet.want(name, generation.world_size, status_min(obs));
+                            fleet.want(
+                                name,
+                                generation.world_size,
+                                obs.spec.as_ref().map_or(0, |s| s.min),
+                            );
                         }
                         Ok(false) => {
                             // Either the generation moved (our view is stale: the watch will
@@ -515,10 +506,6 @@ async fn forget_old_generations(store: &Store, snaps: &[&Snapshot], job: &str, c
             tracing::warn!(%key, error = %e, "cannot delete an old history entry");
         }
     }
-}
-
-fn status_min(obs: &JobObs) -> u32 {
-    obs.spec.as_ref().map_or(0, |s| s.min)
 }
 
 async fn still_leader(store: &Store, leader: &LeaderKey) -> bool {
@@ -805,29 +792,9 @@ mod tests {
             Keys::default(),
         );
         let k = &store.keys;
-        let g = |number: u64, members: &[&str]| Generation {
-            job: "j".into(),
-            number,
-            members: members
-                .iter()
-                .enumerate()
-                .map(|(r, n)| Member {
-                    node: n.to_string(),
-                    slot: 0,
-                    rank: r as u32,
-                })
-                .collect(),
-            world_size: members.len() as u32,
-            layout: Layout::data_parallel(members.len() as u32),
-            resume_step: 0,
-            state_source: StateSource::Seed,
-            desired: 3,
-            reason: Reason::Start,
-            detail: String::new(),
-            triggered_at_ms: 0,
-            published_at_ms: 0,
-            backend: Backend::Tcp,
-            fault_retries: 0,
+        let g = |number: u64, nodes: &[&str]| {
+            let members: Vec<(&str, u32)> = nodes.iter().map(|n| (*n, 0)).collect();
+            crate::reconcile::test_generation(number, &members)
         };
         let spec = JobSpec::from_toml("name = \"j\"\nmin = 1\nmax = 3\ndesired = 3\n").unwrap();
         // a is in 1, 2, 3; c in 1 and 3 (missed 2); b joined at 3; "d" was only in 1

@@ -43,6 +43,15 @@ pub struct JobObs {
     pub member_since: BTreeMap<(String, u32), u64>,
 }
 
+impl JobObs {
+    /// Submitted, not asked to stop, not ended: its generation holds slots and agents run it.
+    pub fn is_active(&self) -> bool {
+        self.spec.is_some()
+            && !self.stop_requested
+            && !self.status.as_ref().is_some_and(|s| s.state.is_terminal())
+    }
+}
+
 /// Live membership: nodes with their records, and the nodes asked to drain.
 #[derive(Clone, Debug, Default)]
 pub struct Fleet {
@@ -66,6 +75,17 @@ impl Fleet {
         self.held.retain(|_, j| j != job);
         for m in members {
             self.held.insert((m.node.clone(), m.slot), job.to_string());
+        }
+    }
+    /// Record what every active job holds and lacks, as observed (the start of a pass).
+    pub fn hold_active(&mut self, jobs: &BTreeMap<String, JobObs>) {
+        for (name, obs) in jobs.iter().filter(|(_, o)| o.is_active()) {
+            let g = obs.generation.as_ref().map(|(g, _)| g);
+            for m in g.iter().flat_map(|g| &g.members) {
+                self.held.insert((m.node.clone(), m.slot), name.clone());
+            }
+            let min = obs.spec.as_ref().map_or(0, |s| s.min);
+            self.want(name, g.map_or(0, |g| g.world_size), min);
         }
     }
     /// Record how far `job` (now at `world` members) is below its `min`.
@@ -738,6 +758,35 @@ fn faults(
         now,
         retries,
     ))
+}
+
+/// A generation of job `j` with these (node, slot) members in rank order, for tests.
+#[cfg(test)]
+pub(crate) fn test_generation(number: u64, members: &[(&str, u32)]) -> Generation {
+    Generation {
+        job: "j".into(),
+        number,
+        members: members
+            .iter()
+            .enumerate()
+            .map(|(r, (n, s))| Member {
+                node: n.to_string(),
+                slot: *s,
+                rank: r as u32,
+            })
+            .collect(),
+        world_size: members.len() as u32,
+        layout: Layout::data_parallel(members.len() as u32),
+        resume_step: 0,
+        state_source: StateSource::Seed,
+        desired: members.len() as u32,
+        reason: Reason::Start,
+        detail: String::new(),
+        triggered_at_ms: 0,
+        published_at_ms: 0,
+        backend: Backend::Tcp,
+        fault_retries: 0,
+    }
 }
 
 #[cfg(test)]

@@ -833,16 +833,13 @@ fn each_agent_watches_only_its_own_nodes_view_and_wakes_only_for_what_concerns_i
         rt.spawn(async move {
             while let Some(Ok(batch)) = w.recv().await {
                 for e in batch {
-                    let (key, gen) = match &e {
-                        WatchEvent::Put(kv) => (
-                            kv.key.clone(),
-                            decode::<NodeAssignment>(kv, "view")
-                                .ok()
-                                .map(|v| v.generation),
-                        ),
-                        WatchEvent::Delete { key, .. } => (key.clone(), None),
+                    let gen = match &e {
+                        WatchEvent::Put(kv) => decode::<NodeAssignment>(kv, "view")
+                            .ok()
+                            .map(|v| v.generation),
+                        WatchEvent::Delete { .. } => None,
                     };
-                    if let KeyKind::Assignment { node: n, job } = k.parse(&key) {
+                    if let KeyKind::Assignment { node: n, job } = k.parse(e.key()) {
                         assert_eq!(n, node, "a watch of one node's view saw another's");
                         events.lock().unwrap().push((n, job, gen));
                     }
