@@ -265,6 +265,7 @@ async fn put_generation(store: &Store, job: &str, number: u64) -> anyhow::Result
         published_at_ms: 0,
         backend: Default::default(),
         fault_retries: 0,
+        stage_boundaries: Vec::new(),
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

@@ -44,6 +44,39 @@ pub fn writers(tensors: &[TensorMeta], n: u32) -> Vec<Vec<(usize, u64, u64)>> {
     out
 }
 
+/// Per writer of `world`: its chunks when each tensor is held only by some ranks (a pipeline
+/// stage's replicas): `owners[t]` lists, in order, the ranks that hold tensor t. Tensors with
+/// the same owners are split over them as [`writers`] splits everything over all; a rank that
+/// holds nothing writes an empty shard.
+pub fn writers_by_owner(
+    tensors: &[TensorMeta],
+    owners: &[Vec<u32>],
+    world: u32,
+) -> Vec<Vec<(usize, u64, u64)>> {
+    let mut out = vec![Vec::new(); world.max(1) as usize];
+    let mut groups: Vec<(&Vec<u32>, Vec<usize>)> = Vec::new();
+    for (ti, o) in owners.iter().enumerate() {
+        match groups.iter_mut().find(|(g, _)| *g == o) {
+            Some((_, ts)) => ts.push(ti),
+            None => groups.push((o, vec![ti])),
+        }
+    }
+    for (ranks, ts) in groups {
+        if ranks.is_empty() {
+            continue;
+        }
+        let sub: Vec<TensorMeta> = ts.iter().map(|t| tensors[*t].clone()).collect();
+        for (w, chunks) in writers(&sub, ranks.len() as u32).into_iter().enumerate() {
+            let r = ranks[w] as usize;
+            out[r].extend(chunks.into_iter().map(|(i, a, n)| (ts[i], a, n)));
+        }
+    }
+    for o in &mut out {
+        o.sort();
+    }
+    out
+}
+
 /// A chunk of the manifest: (tensor name, chunk index).
 pub type ChunkRef = (String, usize);
 
@@ -70,6 +103,38 @@ pub fn readers(m: &Manifest, n: u32) -> Vec<Vec<ChunkRef>> {
         at += b as u128;
     }
     out
+}
+
+#[cfg(test)]
+mod owner_tests {
+    use super::*;
+    use crate::format::{Dtype, TensorKind};
+
+    #[test]
+    fn owners_split_only_what_they_hold_and_every_byte_once() {
+        let t = |name: &str, rows| TensorMeta {
+            name: name.into(),
+            dtype: Dtype::F32,
+            shape: vec![rows, 3],
+            kind: TensorKind::Parameter,
+        };
+        let ts = vec![t("a", 10), t("b", 7), t("c", 5)];
+        // a, b on ranks 0 and 2 (stage 0 of two replicas), c on 1 and 3, rank 4 a spare
+        let owners = vec![vec![0, 2], vec![0, 2], vec![1, 3]];
+        let w = writers_by_owner(&ts, &owners, 5);
+        assert!(w[4].is_empty());
+        let mut rows = [0u64; 3];
+        for (r, chunks) in w.iter().enumerate() {
+            for (ti, _, n) in chunks {
+                assert!(
+                    owners[*ti].contains(&(r as u32)),
+                    "rank {r} wrote tensor {ti}"
+                );
+                rows[*ti] += n;
+            }
+        }
+        assert_eq!(rows, [10, 7, 5]);
+    }
 }
 
 #[cfg(test)]

@@ -35,6 +35,30 @@ impl ShardLayout {
             .into_iter()
             .nth(rank as usize)
             .unwrap_or_default();
+        ShardLayout::with_chunks(tensors, world, rank, chunks)
+    }
+
+    /// The shard of `rank` when each tensor is held only by `owners[t]`
+    /// ([`plan::writers_by_owner`]: a pipeline stage writes its own layers).
+    pub fn by_owner(
+        tensors: &[TensorMeta],
+        owners: &[Vec<u32>],
+        world: u32,
+        rank: u32,
+    ) -> ShardLayout {
+        let chunks = plan::writers_by_owner(tensors, owners, world)
+            .into_iter()
+            .nth(rank as usize)
+            .unwrap_or_default();
+        ShardLayout::with_chunks(tensors, world, rank, chunks)
+    }
+
+    fn with_chunks(
+        tensors: &[TensorMeta],
+        world: u32,
+        rank: u32,
+        chunks: Vec<(usize, u64, u64)>,
+    ) -> ShardLayout {
         let (header, placed) = safetensors_header(tensors, &chunks);
         let size = placed.last().map(|p| p.end).unwrap_or(header.len() as u64);
         ShardLayout {

@@ -12,6 +12,18 @@ pub struct MemberView {
     pub rank: u32,
     /// The worker's process id on its node, once its agent reported it.
     pub pid: Option<u32>,
+    /// Coordinates in the generation's layout.
+    #[serde(default)]
+    pub dp_rank: u32,
+    #[serde(default)]
+    pub pp_stage: u32,
+    #[serde(default)]
+    pub tp_rank: u32,
+    /// The model units its stage holds (`h0..h1`); absent for a data-parallel job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_units: Option<[u32; 2]>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub spare: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -29,6 +41,12 @@ pub struct JobView {
     pub state: JobState,
     pub generation: u64,
     pub world_size: u32,
+    /// The current generation's layout (`dp × pp × tp`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<crate::records::Layout>,
+    /// Its stage boundaries in model units (empty: one stage).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_boundaries: Vec<u32>,
     pub members: Vec<MemberView>,
     pub step: u64,
     pub loss: Option<f64>,

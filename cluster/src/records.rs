@@ -164,6 +164,19 @@ pub struct TrainingSpec {
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
     #[serde(default = "TrainingSpec::default_comm")]
     pub comm: String,
+    /// Pipeline stages: `"auto"` (the planner chooses per world size) or a number.
+    #[serde(default)]
+    pub pipeline_parallel: Degree,
+    /// Micro-batches per step per data-parallel replica (at least the stages); default four
+    /// per stage, at most the replica's samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_micro_batches: Option<u32>,
+    /// The pipeline schedule: `"1f1b"` (default) or `"gpipe"`.
+    #[serde(default = "TrainingSpec::default_schedule")]
+    pub schedule: String,
+    /// Plan as if each slot had this much memory (GiB); default: no memory bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_per_slot_gib: Option<f64>,
 }
 
 /// `[training.model_config]` of a GPT, with its defaults.
@@ -287,6 +300,13 @@ impl TrainingSpec {
     }
     fn default_strategy() -> String {
         "data-parallel".into()
+    }
+    fn default_schedule() -> String {
+        "1f1b".into()
+    }
+    /// Whether the planner may cut this job into pipeline stages.
+    pub fn pipelined(&self) -> bool {
+        matches!(self.strategy.as_str(), "pipeline" | "auto")
     }
     fn default_optimizer() -> String {
         "adamw".into()
@@ -464,14 +484,49 @@ impl JobSpec {
 
 impl TrainingSpec {
     fn validate(&self, max: u32) -> Result<()> {
-        if self.strategy != "data-parallel" {
+        match self.strategy.as_str() {
+            "data-parallel" | "pipeline" | "auto" => {}
+            "hybrid" => {
+                return Err(ClusterError::invalid(
+                    "training.strategy",
+                    "\"hybrid\" needs tensor parallelism, which is not supported yet (supported: \"data-parallel\", \"pipeline\", \"auto\")",
+                ))
+            }
+            s => {
+                return Err(ClusterError::invalid(
+                    "training.strategy",
+                    format!("{s:?} is unknown (known: \"data-parallel\", \"pipeline\", \"auto\")"),
+                ))
+            }
+        }
+        match self.schedule.as_str() {
+            "1f1b" | "gpipe" => {}
+            "interleaved-1f1b" => {
+                return Err(ClusterError::invalid(
+                    "training.schedule",
+                    "\"interleaved-1f1b\" is not supported yet (supported: \"1f1b\", \"gpipe\")",
+                ))
+            }
+            s => {
+                return Err(ClusterError::invalid(
+                    "training.schedule",
+                    format!("{s:?} is unknown (known: \"1f1b\", \"gpipe\")"),
+                ))
+            }
+        }
+        if self.pipeline_micro_batches == Some(0) {
             return Err(ClusterError::invalid(
-                "training.strategy",
-                format!(
-                    "{:?} is not supported (supported: \"data-parallel\")",
-                    self.strategy
-                ),
+                "training.pipeline_micro_batches",
+                "must be at least 1",
             ));
+        }
+        if let Some(m) = self.memory_per_slot_gib {
+            if !(m.is_finite() && m > 0.0) {
+                return Err(ClusterError::invalid(
+                    "training.memory_per_slot_gib",
+                    "must be a positive number of GiB",
+                ));
+            }
         }
         if !matches!(self.model.as_str(), "gpt" | "mlp") {
             return Err(ClusterError::invalid(
@@ -613,12 +668,66 @@ pub enum StateSource {
     Checkpoint,
 }
 
-/// One (node, slot) of a generation and its rank.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+/// One (node, slot) of a generation, its rank and its coordinates in the generation's layout
+/// (`rank = dp_rank · pipeline_parallel + pp_stage` while `tensor_parallel` is 1). A spare is
+/// a member the plan leaves idle (it holds no layer and computes nothing until a later plan
+/// gives it a stage).
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Member {
     pub node: String,
     pub slot: u32,
     pub rank: u32,
+    #[serde(default)]
+    pub dp_rank: u32,
+    #[serde(default)]
+    pub pp_stage: u32,
+    #[serde(default)]
+    pub tp_rank: u32,
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub spare: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// A parallel degree in a job spec: `"auto"` (the planner chooses per world size) or a fixed
+/// number.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Degree {
+    #[default]
+    Auto,
+    Fixed(u32),
+}
+
+impl Serialize for Degree {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Degree::Auto => s.serialize_str("auto"),
+            Degree::Fixed(n) => s.serialize_u32(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Degree {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Num(i64),
+            Word(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Word(w) if w == "auto" => Ok(Degree::Auto),
+            Raw::Num(n) if (1..=1 << 16).contains(&n) => Ok(Degree::Fixed(n as u32)),
+            Raw::Num(n) => Err(serde::de::Error::custom(format!(
+                "{n} is outside 1..=65536"
+            ))),
+            Raw::Word(w) => Err(serde::de::Error::custom(format!(
+                "{w:?} is neither \"auto\" nor a number"
+            ))),
+        }
+    }
 }
 
 /// The parallel layout of a generation: dp × pp × tp = world size.
@@ -674,6 +783,21 @@ pub struct Generation {
     /// `fault_retries`; then the job fails).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub fault_retries: u32,
+    /// The pipeline's stage boundaries in units of the model (embeddings, each block, the
+    /// head): stage s holds units `[b[s], b[s+1])`. Empty: one stage holds every unit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_boundaries: Vec<u32>,
+}
+
+impl Generation {
+    /// The units stage `stage` holds, or None for a spare; `units` is the model's count.
+    pub fn stage_units(&self, stage: u32, units: u32) -> std::ops::Range<u32> {
+        if self.stage_boundaries.len() < 2 {
+            return 0..units;
+        }
+        let s = stage as usize;
+        self.stage_boundaries[s]..self.stage_boundaries[s + 1]
+    }
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -927,23 +927,49 @@ impl TcpComm {
     }
 
     /// Point to point: send to `peer` (which must call `recv_*` from us, in the same order).
+    /// Point-to-point calls take only the peer's socket lock, not the collectives' lock, so
+    /// one thread may send while another receives (a pipeline stage sends activations on a
+    /// sender thread while it waits for gradients); frames between two ranks stay in order.
     pub fn send_bytes(&self, data: &[u8], peer: u32) -> Result<()> {
         self.check_peer("send", peer)?;
-        self.run("send", |_, _| self.send("send", Kind::P2P, 0, peer, data))
+        self.run_p2p("send", || self.send("send", Kind::P2P, 0, peer, data))
     }
 
     /// Receive into `dst` exactly what `peer` sent.
     pub fn recv_bytes(&self, dst: &mut [u8], peer: u32) -> Result<()> {
         self.check_peer("recv", peer)?;
-        self.run("recv", |_, _| {
-            self.recv_into("recv", Kind::P2P, 0, peer, dst)
-        })
+        self.run_p2p("recv", || self.recv_into("recv", Kind::P2P, 0, peer, dst))
     }
 
     /// Receive a message of any length from `peer`.
     pub fn recv_vec(&self, peer: u32) -> Result<Vec<u8>> {
         self.check_peer("recv", peer)?;
-        self.run("recv", |_, _| self.recv_frame("recv", Kind::P2P, 0, peer))
+        self.run_p2p("recv", || self.recv_frame("recv", Kind::P2P, 0, peer))
+    }
+
+    /// Like `run` for point-to-point calls: no collectives' lock, the same deadline and the
+    /// same abort on failure.
+    fn run_p2p<T>(&self, op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.abort.is_aborted() {
+            return Err(CommError::Aborted {
+                generation: self.generation,
+                op,
+            });
+        }
+        self.op_deadline_ms.store(
+            (self.epoch.elapsed() + self.cfg.op_timeout).as_millis() as u64,
+            Ordering::SeqCst,
+        );
+        let out = f();
+        if let Err(e) = &out {
+            if !matches!(e, CommError::Invalid { .. }) {
+                if !self.abort.is_aborted() {
+                    tracing::warn!(generation = self.generation, rank = self.rank, error = %e, "point-to-point call failed; aborting the communicator");
+                }
+                self.abort.abort();
+            }
+        }
+        out
     }
 
     fn check_peer(&self, op: &'static str, peer: u32) -> Result<()> {

@@ -96,6 +96,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{job}/stop", post(stop))
         .route("/v1/jobs/{job}/events", get(events))
         .route("/v1/jobs/{job}/checkpoints", get(checkpoints))
+        .route("/v1/jobs/{job}/plan", get(plan))
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}/drain", post(drain).delete(undrain))
         .route("/v1/leader", get(leader))
@@ -147,6 +148,8 @@ async fn submit(
     } else {
         JobSpec::from_json(&body)?
     };
+    ductile_strategies::pipeline::check_job(&spec)
+        .map_err(|(field, reason)| ClusterError::invalid(field, reason))?;
     if let Some(ck) = &spec.checkpoint {
         if let Some(n) = ck.restore_step {
             check_restore_step(&ck.url, n).await?;
@@ -237,8 +240,17 @@ async fn scale(
 ) -> ApiResult<Json<JobView>> {
     let req: ScaleRequest = serde_json::from_slice(&body)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("scale request: {e}")))?;
-    if st.store.spec(&job).await?.is_none() {
+    let Some(spec) = st.store.spec(&job).await? else {
         return Err(ApiError::not_found(&job));
+    };
+    if let Some(t) = &spec.0.training {
+        // a size the planner cannot lay out would leave the job waiting: refuse it here
+        ductile_strategies::pipeline::plan(t, req.size).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("cannot scale {job} to {}: {e}; nothing changed", req.size),
+            )
+        })?;
     }
     let spec = st.store.scale(&job, req.size).await?;
     tracing::info!(job = %job, desired = spec.desired, "scale requested");
@@ -255,6 +267,36 @@ async fn stop(State(st): State<AppState>, Path(job): Path<String>) -> ApiResult<
         .await?;
     tracing::info!(job = %job, "stop requested");
     Ok(Json(view(&st.store, &job).await?))
+}
+
+#[derive(serde::Deserialize)]
+struct PlanQuery {
+    world: u32,
+}
+
+/// The plan the leader would publish for `job` at `world` ranks; changes nothing.
+async fn plan(
+    State(st): State<AppState>,
+    Path(job): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<PlanQuery>,
+) -> ApiResult<Json<ductile_strategies::pipeline::Plan>> {
+    let Some(spec) = st.store.spec(&job).await? else {
+        return Err(ApiError::not_found(&job));
+    };
+    let Some(t) = &spec.0.training else {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("job {job} has no [training] section: nothing to plan"),
+        ));
+    };
+    ductile_strategies::pipeline::plan(t, q.world)
+        .map(Json)
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("job {job} at world {}: {e}", q.world),
+            )
+        })
 }
 
 /// What the job's checkpoint URL holds (committed checkpoints and attempts), newest first.
@@ -469,6 +511,15 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
                     .get(&(m.node.clone(), m.slot))
                     .filter(|w| w.state == WorkerState::Running)
                     .map(|w| w.pid),
+                dp_rank: m.dp_rank,
+                pp_stage: m.pp_stage,
+                tp_rank: m.tp_rank,
+                stage_units: (g.stage_boundaries.len() > 1 && !m.spare).then(|| {
+                    let b = &g.stage_boundaries;
+                    let s = m.pp_stage as usize;
+                    [b[s], b[s + 1]]
+                }),
+                spare: m.spare,
             })
             .collect(),
         _ => Vec::new(),
@@ -482,6 +533,11 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         } else {
             gen.map(|g| g.world_size).unwrap_or(0)
         },
+        layout: gen.filter(|_| !terminal).map(|g| g.layout),
+        stage_boundaries: gen
+            .filter(|_| !terminal)
+            .map(|g| g.stage_boundaries.clone())
+            .unwrap_or_default(),
         members,
         step: progress.map(|p| p.step).unwrap_or(0),
         loss: progress.and_then(|p| p.loss),

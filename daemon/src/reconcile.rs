@@ -530,21 +530,72 @@ fn build(
         _ if spec.checkpoint.is_some() => StateSource::Checkpoint,
         _ => StateSource::Seed,
     };
+    let world = chosen.len() as u32;
+    // the plan for this world size: layout, stage boundaries, each member's coordinates
+    let (layout, boundaries) = match spec.training.as_ref().filter(|t| t.pipelined()) {
+        Some(t) => match ductile_strategies::pipeline::plan(t, world) {
+            Ok(p) => (p.layout, p.boundaries),
+            Err(e) => {
+                return Decision::Status(status(
+                    &spec.name,
+                    JobState::Waiting,
+                    cur,
+                    prev_status,
+                    format!("{world} slot(s) cannot run this job: {e}"),
+                    now,
+                ))
+            }
+        },
+        None => (Layout::data_parallel(world), Vec::new()),
+    };
+    let mut state_source = state_source;
+    if let (Some(g), Some(t)) = (cur, spec.training.as_ref()) {
+        if let Some(lost) = lost_units(g, t, chosen).filter(|_| survivors > 0) {
+            if spec.checkpoint.is_some() {
+                state_source = StateSource::Checkpoint;
+            } else {
+                return Decision::Status(status(
+                    &spec.name,
+                    JobState::Failed,
+                    cur,
+                    prev_status,
+                    format!("{lost}: their only holders left generation {} and the job has no checkpoint; stopping rather than starting them from the seed", g.number),
+                    now,
+                ));
+            }
+        }
+    }
     let members: Vec<Member> = chosen
         .iter()
         .enumerate()
-        .map(|(r, (n, s))| Member {
-            node: n.clone(),
-            slot: *s,
-            rank: r as u32,
+        .map(|(r, (n, s))| {
+            let c = ductile_strategies::pipeline::coords(&layout, r as u32);
+            Member {
+                node: n.clone(),
+                slot: *s,
+                rank: r as u32,
+                dp_rank: c.map(|c| c.0).unwrap_or(0),
+                pp_stage: c.map(|c| c.1).unwrap_or(0),
+                tp_rank: 0,
+                spare: c.is_none(),
+            }
         })
         .collect();
+    let detail = if layout.pipeline_parallel > 1 || !boundaries.is_empty() {
+        format!(
+            "{detail}; {}",
+            ductile_strategies::pipeline::layout_str(&layout)
+        )
+    } else {
+        detail
+    };
     let number = cur.map(|g| g.number).unwrap_or(0).max(obs.last_number) + 1;
     let generation = Generation {
         job: spec.name.clone(),
         number,
         world_size: members.len() as u32,
-        layout: Layout::data_parallel(members.len() as u32),
+        layout,
+        stage_boundaries: boundaries,
         members,
         resume_step: obs.progress.as_ref().map(|p| p.step).unwrap_or(0),
         state_source,
@@ -553,21 +604,27 @@ fn build(
         detail: detail.clone(),
         triggered_at_ms: triggered_at,
         published_at_ms: now,
-        backend: Backend::resolve(
-            spec.training
-                .as_ref()
-                .map(|t| t.comm.as_str())
-                .unwrap_or("tcp"),
-            &chosen
-                .iter()
-                .map(|(n, s)| {
-                    (
-                        n.clone(),
-                        fleet.nodes.get(n).and_then(|r| r.devices.get(*s as usize)),
-                    )
-                })
-                .collect::<Vec<_>>(),
-        ),
+        // pipeline stages exchange activations point to point on TCP (staged through host
+        // memory on GPUs) until the NCCL backend groups its sends and receives
+        backend: if layout.pipeline_parallel > 1 {
+            Backend::Tcp
+        } else {
+            Backend::resolve(
+                spec.training
+                    .as_ref()
+                    .map(|t| t.comm.as_str())
+                    .unwrap_or("tcp"),
+                &chosen
+                    .iter()
+                    .map(|(n, s)| {
+                        (
+                            n.clone(),
+                            fleet.nodes.get(n).and_then(|r| r.devices.get(*s as usize)),
+                        )
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        },
         fault_retries,
     };
     let mut st = status(
@@ -584,6 +641,26 @@ fn build(
         status: st,
         debounce: matches!(reason, Reason::Start | Reason::Join),
     }
+}
+
+/// The model units of `g`'s pipeline that no member staying in `chosen` holds (in words), or
+/// None when every unit has a surviving holder (a generation without stages: every member
+/// holds every unit).
+fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Option<String> {
+    if g.stage_boundaries.len() < 2 {
+        return None;
+    }
+    let units = ductile_strategies::pipeline::units(t).ok()?;
+    let stays = |m: &Member| chosen.iter().any(|(n, s)| *n == m.node && *s == m.slot);
+    let lost: Vec<&str> = (0..units.len() as u32)
+        .filter(|u| {
+            !g.members.iter().any(|m| {
+                !m.spare && stays(m) && g.stage_units(m.pp_stage, units.len() as u32).contains(u)
+            })
+        })
+        .map(|u| units[u as usize].name.as_str())
+        .collect();
+    (!lost.is_empty()).then(|| format!("layers {}", lost.join(", ")))
 }
 
 /// Slot records that exclude `ranks` of `g`, saying who could not reach each.
@@ -773,10 +850,13 @@ pub(crate) fn test_generation(number: u64, members: &[(&str, u32)]) -> Generatio
                 node: n.to_string(),
                 slot: *s,
                 rank: r as u32,
+                dp_rank: r as u32,
+                ..Default::default()
             })
             .collect(),
         world_size: members.len() as u32,
         layout: Layout::data_parallel(members.len() as u32),
+        stage_boundaries: Vec::new(),
         resume_step: 0,
         state_source: StateSource::Seed,
         desired: members.len() as u32,

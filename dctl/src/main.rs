@@ -55,6 +55,13 @@ enum Cmd {
     Watch { job: String },
     /// List a job's checkpoints: step, time, size, world size and layout, state.
     Checkpoints { job: String },
+    /// The plan the daemon would publish for JOB at `--world N` ranks (layout, stage
+    /// boundaries, modelled memory per rank and step time, the runners-up); changes nothing.
+    Plan {
+        job: String,
+        #[arg(long)]
+        world: u32,
+    },
 }
 
 #[derive(Deserialize, Default)]
@@ -120,6 +127,14 @@ fn print_job(v: &JobView) {
         "world size  {} (desired {}, min {}, max {})",
         v.world_size, v.desired, v.min, v.max
     );
+    if let Some(l) = &v.layout {
+        let b = if v.stage_boundaries.is_empty() {
+            String::new()
+        } else {
+            format!("   stage boundaries {:?}", v.stage_boundaries)
+        };
+        println!("layout      {}{b}", layout_str(l));
+    }
     let loss = v
         .loss
         .map(|l| format!("{l:.4}"))
@@ -142,15 +157,92 @@ fn print_job(v: &JobView) {
         println!("weights     sha256 {h}");
     }
     if !v.members.is_empty() {
-        println!("\n{:<6} {:<20} {:<6} {:<8}", "RANK", "NODE", "SLOT", "PID");
+        println!(
+            "\n{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8}",
+            "RANK", "NODE", "SLOT", "PID", "DP", "STAGE", "TP", "UNITS"
+        );
         for m in &v.members {
+            let (stage, units) = if m.spare {
+                ("spare".to_string(), "-".to_string())
+            } else {
+                (
+                    m.pp_stage.to_string(),
+                    m.stage_units
+                        .map(|[a, b]| format!("{a}..{b}"))
+                        .unwrap_or_else(|| "all".into()),
+                )
+            };
             println!(
-                "{:<6} {:<20} {:<6} {:<8}",
+                "{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8}",
                 m.rank,
                 m.node,
                 m.slot,
-                m.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into())
+                m.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+                m.dp_rank,
+                stage,
+                m.tp_rank,
+                units
             );
+        }
+    }
+}
+
+fn layout_str(l: &ductile_cluster::records::Layout) -> String {
+    format!(
+        "dp{}×pp{}×tp{}",
+        l.data_parallel, l.pipeline_parallel, l.tensor_parallel
+    )
+}
+
+fn print_plan(p: &serde_json::Value) {
+    let l: ductile_cluster::records::Layout = serde_json::from_value(p["layout"].clone())
+        .unwrap_or(ductile_cluster::records::Layout::data_parallel(0));
+    let gib = |b: &serde_json::Value| b.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64;
+    println!("world       {}", p["world"]);
+    println!("layout      {}   spares {}", layout_str(&l), p["spares"]);
+    println!("why         {}", p["reason"].as_str().unwrap_or(""));
+    println!(
+        "schedule    {}   micro-batches {}   bubble {:.1}%",
+        p["schedule"].as_str().unwrap_or(""),
+        p["micro_batches"],
+        p["bubble"].as_f64().unwrap_or(0.0) * 100.0
+    );
+    println!(
+        "step time   {:.4} s (modelled)   memory per rank up to {:.3} GiB",
+        p["step_time_s"].as_f64().unwrap_or(0.0),
+        gib(&p["max_memory_bytes"])
+    );
+    println!(
+        "\n{:<6} {:<12} {:<16} {:>12} {:>12} {:>12}",
+        "STAGE", "UNITS", "LAYERS", "PARAMS", "MEMORY_GIB", "COMPUTE_S"
+    );
+    for s in p["stages"].as_array().into_iter().flatten() {
+        println!(
+            "{:<6} {:<12} {:<16} {:>12} {:>12.4} {:>12.4}",
+            s["stage"],
+            format!("{}..{}", s["first"], s["end"]),
+            s["units"].as_str().unwrap_or(""),
+            s["params"],
+            gib(&s["memory_bytes"]),
+            s["compute_s"].as_f64().unwrap_or(0.0)
+        );
+    }
+    let others = p["runners_up"].as_array().cloned().unwrap_or_default();
+    if !others.is_empty() {
+        println!("\nrunners-up:");
+        for r in others {
+            match r["refused"].as_str() {
+                Some(why) => println!(
+                    "  {:<16} refused: {why}",
+                    r["layout"].as_str().unwrap_or("")
+                ),
+                None => println!(
+                    "  {:<16} step {:.4} s   memory up to {:.3} GiB",
+                    r["layout"].as_str().unwrap_or(""),
+                    r["step_time_s"].as_f64().unwrap_or(0.0),
+                    gib(&r["max_memory_bytes"])
+                ),
+            }
         }
     }
 }
@@ -325,6 +417,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 out(&v);
             } else {
                 println!("job {job}: stop requested");
+            }
+        }
+        Cmd::Plan { job, world } => {
+            let v = c
+                .call(
+                    Method::GET,
+                    &format!("/v1/jobs/{job}/plan?world={world}"),
+                    None,
+                )
+                .await?;
+            if json {
+                out(&v);
+            } else {
+                print_plan(&v);
             }
         }
         Cmd::Checkpoints { job } => {

@@ -1,5 +1,7 @@
-//! Parallel strategies, re-planned for each world size. Data parallel today: the layout of a
-//! generation and each rank's share of a fixed global batch. No I/O.
+//! Parallel strategies, re-planned for each world size: the layout of a generation, each
+//! rank's share of a fixed global batch, and pipeline plans ([`pipeline`]). No I/O, no tch.
+
+pub mod pipeline;
 
 use ductile_cluster::records::Layout;
 

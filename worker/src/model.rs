@@ -68,7 +68,12 @@ enum Net {
         ctx: i64,
         vocab: i64,
     },
-    Mlp(nn::Sequential),
+    Mlp {
+        /// Hidden layers, each followed by tanh.
+        hidden: Vec<nn::Linear>,
+        out: nn::Linear,
+        width: i64,
+    },
 }
 
 pub struct Model {
@@ -111,21 +116,23 @@ impl Model {
             ("mlp", Dataset::Regression { x, y }) => {
                 let (d_in, d_out) = (x.size()[1], y.size()[1]);
                 let m = spec.mlp_config()?;
-                let (hidden, layers) = (m.hidden, m.layers);
-                let mut s = nn::seq();
+                let (width, layers) = (m.hidden, m.layers);
+                let mut hidden = Vec::new();
                 let mut d = d_in;
                 for i in 0..layers {
-                    s = s
-                        .add(nn::linear(
-                            &root / format!("l{i}"),
-                            d,
-                            hidden,
-                            Default::default(),
-                        ))
-                        .add_fn(|t| t.tanh());
-                    d = hidden;
+                    hidden.push(nn::linear(
+                        &root / format!("l{i}"),
+                        d,
+                        width,
+                        Default::default(),
+                    ));
+                    d = width;
                 }
-                Net::Mlp(s.add(nn::linear(&root / "out", d, d_out, Default::default())))
+                Net::Mlp {
+                    hidden,
+                    out: nn::linear(&root / "out", d, d_out, Default::default()),
+                    width,
+                }
             }
             (m, _) => anyhow::bail!(
                 "model {m:?} does not fit its dataset (gpt needs tokens, mlp a regression set)"
@@ -144,8 +151,28 @@ impl Model {
         v
     }
 
-    /// Sum over the batch of each sample's loss (so / global batch gives the exact mean).
-    pub fn loss_sum(&self, x: &Tensor, y: &Tensor) -> Tensor {
+    /// The model's units (the pipeline's indivisible blocks): the GPT's embeddings, each block
+    /// and the head; the MLP's hidden layers and its output layer
+    /// (`ductile_strategies::pipeline::units` lists the same, by name).
+    pub fn units(&self) -> usize {
+        match &self.net {
+            Net::Gpt { blocks, .. } => blocks.len() + 2,
+            Net::Mlp { hidden, .. } => hidden.len() + 1,
+        }
+    }
+
+    /// The shape of the activation entering unit `unit` (> 0) for `n` samples.
+    pub fn boundary_shape(&self, unit: usize, n: i64) -> Vec<i64> {
+        debug_assert!(unit > 0);
+        match &self.net {
+            Net::Gpt { ctx, tok, .. } => vec![n, *ctx, tok.ws.size()[1]],
+            Net::Mlp { width, .. } => vec![n, *width],
+        }
+    }
+
+    /// Run units `[a, b)` on `input`: token ids or features when `a` is 0, else the activation
+    /// unit `a − 1` produced. With `b` the last unit, the result is the network's output.
+    pub fn forward_units(&self, a: usize, b: usize, input: &Tensor) -> Tensor {
         match &self.net {
             Net::Gpt {
                 tok,
@@ -153,22 +180,50 @@ impl Model {
                 blocks,
                 ln_f,
                 head,
-                ctx,
-                vocab,
+                ..
             } => {
-                let (b, t) = x.size2().unwrap();
-                debug_assert!(t <= *ctx);
-                let positions = Tensor::arange(t, (Kind::Int64, x.device()));
-                let mut h = tok.forward(x) + pos.forward(&positions);
-                let mask = Tensor::ones([t, t], (Kind::Bool, x.device()))
-                    .tril(0)
-                    .logical_not();
-                for blk in blocks {
-                    h = blk.forward(&h, &mask);
+                let mut h = input.shallow_clone();
+                let mut mask: Option<Tensor> = None;
+                for u in a..b {
+                    if u == 0 {
+                        let t = h.size()[1];
+                        let positions = Tensor::arange(t, (Kind::Int64, h.device()));
+                        h = tok.forward(&h) + pos.forward(&positions);
+                    } else if u <= blocks.len() {
+                        let t = h.size()[1];
+                        let m = mask.get_or_insert_with(|| {
+                            Tensor::ones([t, t], (Kind::Bool, h.device()))
+                                .tril(0)
+                                .logical_not()
+                        });
+                        h = blocks[u - 1].forward(&h, m);
+                    } else {
+                        h = h.apply(ln_f).apply(head);
+                    }
                 }
-                let logits = h.apply(ln_f).apply(head);
+                h
+            }
+            Net::Mlp { hidden, out, .. } => {
+                let mut h = input.shallow_clone();
+                for u in a..b {
+                    h = if u < hidden.len() {
+                        hidden[u].forward(&h).tanh()
+                    } else {
+                        out.forward(&h)
+                    };
+                }
+                h
+            }
+        }
+    }
+
+    /// Sum over the batch of each sample's loss, from the network's output.
+    pub fn loss_of(&self, out: &Tensor, y: &Tensor) -> Tensor {
+        match &self.net {
+            Net::Gpt { vocab, .. } => {
+                let (b, t, _) = out.size3().unwrap();
                 // mean over positions of each sample, summed over samples
-                logits.view([b * t, *vocab]).cross_entropy_loss::<Tensor>(
+                out.view([b * t, *vocab]).cross_entropy_loss::<Tensor>(
                     &y.view([b * t]),
                     None,
                     tch::Reduction::Sum,
@@ -176,10 +231,18 @@ impl Model {
                     0.0,
                 ) / t as f64
             }
-            Net::Mlp(s) => {
+            Net::Mlp { .. } => {
                 let d = y.size()[1];
-                (s.forward(x) - y).square().sum(Kind::Float) / d as f64
+                (out - y).square().sum(Kind::Float) / d as f64
             }
         }
+    }
+
+    /// Sum over the batch of each sample's loss (so / global batch gives the exact mean).
+    pub fn loss_sum(&self, x: &Tensor, y: &Tensor) -> Tensor {
+        if let Net::Gpt { ctx, .. } = &self.net {
+            debug_assert!(x.size()[1] <= *ctx);
+        }
+        self.loss_of(&self.forward_units(0, self.units(), x), y)
     }
 }

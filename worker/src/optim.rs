@@ -49,14 +49,19 @@ impl Optimizer {
 
     /// Apply one update. `step` is the 0-based index of the step being applied.
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64, step: u64) {
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            self.update(i, p, g, lr, step);
+        }
+    }
+
+    /// Apply one update to parameter `i` only (a pipeline stage updates its own layers).
+    pub fn update(&mut self, i: usize, p: &Tensor, g: &Tensor, lr: f64, step: u64) {
         tch::no_grad(|| match self.kind {
             Kind::Sgd { momentum } => {
-                for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-                    let buf = &mut self.state[i];
-                    let _ = buf.g_mul_scalar_(momentum).g_add_(g);
-                    let mut p = p.shallow_clone();
-                    let _ = p.g_sub_(&(&*buf * lr));
-                }
+                let buf = &mut self.state[i];
+                let _ = buf.g_mul_scalar_(momentum).g_add_(g);
+                let mut p = p.shallow_clone();
+                let _ = p.g_sub_(&(&*buf * lr));
             }
             Kind::AdamW {
                 beta1,
@@ -66,19 +71,26 @@ impl Optimizer {
             } => {
                 let t = step as i32 + 1;
                 let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
-                for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-                    let mut p = p.shallow_clone();
-                    let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
-                    let m = &mut self.state[2 * i];
-                    let _ = m.g_mul_scalar_(beta1).g_add_(&(g * (1.0 - beta1)));
-                    let m_hat = &*m / c1;
-                    let v = &mut self.state[2 * i + 1];
-                    let _ = v.g_mul_scalar_(beta2).g_add_(&(g.square() * (1.0 - beta2)));
-                    let v_hat = &*v / c2;
-                    let _ = p.g_sub_(&(m_hat / (v_hat.sqrt() + eps) * lr));
-                }
+                let mut p = p.shallow_clone();
+                let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+                let m = &mut self.state[2 * i];
+                let _ = m.g_mul_scalar_(beta1).g_add_(&(g * (1.0 - beta1)));
+                let m_hat = &*m / c1;
+                let v = &mut self.state[2 * i + 1];
+                let _ = v.g_mul_scalar_(beta2).g_add_(&(g.square() * (1.0 - beta2)));
+                let v_hat = &*v / c2;
+                let _ = p.g_sub_(&(m_hat / (v_hat.sqrt() + eps) * lr));
             }
         })
+    }
+
+    /// The state tensors of parameter `i`.
+    pub fn state_of(&self, i: usize) -> Vec<&Tensor> {
+        let per = match self.kind {
+            Kind::Sgd { .. } => 1,
+            Kind::AdamW { .. } => 2,
+        };
+        (0..per).map(|k| &self.state[per * i + k]).collect()
     }
 }
 

@@ -29,6 +29,7 @@ use crate::optim::{lr_at, Optimizer};
 use crate::WorkerEnv;
 
 pub mod ckpt;
+pub mod pipe;
 
 /// The newest generation seen, shared between the async watcher and the training thread.
 #[derive(Default)]
@@ -116,6 +117,14 @@ pub struct Trainer {
     ckpt: Option<ckpt::Ckpt>,
     /// The collective checkpoint flags of the last step: (request pending, save in flight).
     flags: (bool, bool),
+    /// The model's units (pipeline blocks), their names, and each parameter's unit.
+    units: usize,
+    unit_names: Vec<String>,
+    param_unit: Vec<usize>,
+    /// The units whose parameters and optimizer state this rank holds at `step`.
+    held: std::ops::Range<usize>,
+    /// A pipeline step's reduced gradient waiting for its commit.
+    pending: Option<pipe::Pending>,
 }
 
 fn sha256_params(params: &[Tensor]) -> String {
@@ -263,6 +272,23 @@ impl Trainer {
             Err(_) => None,
         };
         let order = Order::new(data.len(), spec.seed);
+        let unit_list =
+            ductile_strategies::pipeline::units(&spec).map_err(|e| anyhow::anyhow!(e))?;
+        anyhow::ensure!(
+            unit_list.len() == model.units(),
+            "the planner counts {} units in this model, the worker {}",
+            unit_list.len(),
+            model.units()
+        );
+        let param_unit = model
+            .params()
+            .iter()
+            .map(|(n, _)| {
+                ductile_strategies::pipeline::unit_of(&unit_list, n)
+                    .ok_or_else(|| anyhow::anyhow!("parameter {n} belongs to no unit"))
+            })
+            .collect::<anyhow::Result<Vec<usize>>>()?;
+        let units = unit_list.len();
         let ckpt = match checkpoint {
             Some(c) => {
                 let names: Vec<String> = model.params().into_iter().map(|(n, _)| n).collect();
@@ -294,6 +320,12 @@ impl Trainer {
             ledger,
             ckpt,
             flags: (false, false),
+            units,
+            unit_names: unit_list.into_iter().map(|u| u.name).collect(),
+            param_unit,
+            // a new process holds the seed's state, at step 0
+            held: 0..units,
+            pending: None,
         })
     }
 
@@ -320,7 +352,7 @@ impl Trainer {
                 }
             };
             self.cell.install(g.number, comm.clone());
-            match self.generation(&g, comm.as_ref(), me.rank) {
+            match self.generation(&g, &comm, &me) {
                 Ok(Outcome::Done) => return Ok(Left::Done),
                 Ok(Outcome::Reform(e)) => {
                     tracing::info!(generation = g.number, step = self.step, reason = %e, "leaving generation");
@@ -446,14 +478,23 @@ impl Trainer {
     fn generation(
         &mut self,
         g: &Generation,
-        comm: &dyn Communicator,
-        rank: u32,
+        arc: &Arc<dyn Communicator>,
+        me: &Member,
     ) -> anyhow::Result<Outcome> {
+        let rank = me.rank;
         let t0 = Instant::now();
-        if let Err(e) = self.sync_state(comm)? {
+        if let Err(e) = self.agree(arc, g)? {
             return Ok(Outcome::Reform(e));
         }
-        let hash = sha256_params(&self.params);
+        self.set_owners(g);
+        let comm: &dyn Communicator = arc.as_ref();
+        let pipelined = g.layout.pipeline_parallel > 1 || me.spare;
+        let mine = self.params_in(&self.held.clone());
+        let held_params: Vec<Tensor> = mine
+            .iter()
+            .map(|i| self.params[*i].shallow_clone())
+            .collect();
+        let hash = sha256_params(&held_params);
         println!(
             "joined generation {} as rank {} of {} at step {} ({}; {}) weights {}",
             g.number,
@@ -473,7 +514,14 @@ impl Trainer {
             joined_at_ms: now_ms(),
             step: self.step,
         };
-        let weights = format!("{}:{}", self.step, hash);
+        let weights = if pipelined {
+            format!(
+                "{}:{}:{}-{}",
+                self.step, hash, self.held.start, self.held.end
+            )
+        } else {
+            format!("{}:{}", self.step, hash)
+        };
         let cell = self.cell.clone();
         self.rt.spawn(async move {
             // the leader records the re-formation once every rank joined: retry (bounded, and
@@ -527,6 +575,12 @@ impl Trainer {
                         ck.finish(&self.rt);
                     }
                 }
+                if pipelined {
+                    // rank 0 gathers the other stages' layers for the hash over all of them
+                    if let Err(e) = self.gather_to_rank0(arc, g) {
+                        return Ok(Outcome::Reform(e));
+                    }
+                }
                 if rank == 0 {
                     let sha = sha256_params(&self.params);
                     let p = Progress {
@@ -553,7 +607,12 @@ impl Trainer {
                 }
                 return Ok(Outcome::Done);
             }
-            let loss = match self.train_step(comm, g, rank) {
+            let step = if pipelined {
+                self.pipe_step(arc, g, me)
+            } else {
+                self.train_step(comm, g, rank)
+            };
+            let loss = match step {
                 Ok(l) => l,
                 Err(e) => return Ok(Outcome::Reform(e)),
             };
@@ -603,73 +662,8 @@ impl Trainer {
         }
     }
 
-    /// Agree on the state: the highest step wins; its lowest rank sends its state to all.
-    /// When every member is at step 0 (a cold start) and the job has checkpoints, restore the
-    /// latest one instead.
-    fn sync_state(&mut self, comm: &dyn Communicator) -> anyhow::Result<Result<(), CommError>> {
-        let mine = Tensor::from_slice(&[self.step as f64]).to_device(self.dev);
-        let all = match comm.all_gather(&mine) {
-            Ok(a) => a,
-            Err(e) => return Ok(Err(e)),
-        };
-        let steps: Vec<f64> =
-            Vec::<f64>::try_from(all.flatten(0, -1).to_device(Device::Cpu)).unwrap_or_default();
-        let max = steps.iter().cloned().fold(0.0, f64::max);
-        if max == 0.0 && self.ckpt.is_some() {
-            return self.restore(comm);
-        }
-        Ok(self.transfer_state(comm, &steps, max))
-    }
-
-    fn transfer_state(
-        &mut self,
-        comm: &dyn Communicator,
-        steps: &[f64],
-        max: f64,
-    ) -> Result<(), CommError> {
-        if steps.iter().all(|s| *s == max) {
-            return Ok(());
-        }
-        let source = steps.iter().position(|s| *s == max).unwrap() as u32;
-        let mut blob = if comm.rank() == source {
-            self.state_blob()
-        } else {
-            Vec::new()
-        };
-        comm.broadcast_vec(&mut blob, source)?;
-        if (self.step as f64) < max {
-            self.load_blob(&blob).map_err(|e| CommError::Protocol {
-                generation: comm.generation(),
-                op: "state transfer",
-                peer: source,
-                reason: e,
-            })?;
-            tracing::info!(
-                step = self.step,
-                from = source,
-                bytes = blob.len(),
-                "received state"
-            );
-        }
-        Ok(())
-    }
-
     fn tensors(&self) -> Vec<&Tensor> {
         self.params.iter().chain(self.opt.state.iter()).collect()
-    }
-
-    fn state_blob(&self) -> Vec<u8> {
-        encode_state(self.step, &self.tensors())
-    }
-
-    fn load_blob(&mut self, b: &[u8]) -> Result<(), String> {
-        let targets: Vec<Tensor> = self
-            .tensors()
-            .into_iter()
-            .map(|t| t.shallow_clone())
-            .collect();
-        self.step = load_state(b, &targets)?;
-        Ok(())
     }
 
     fn zero_grads(&self) {

@@ -37,6 +37,9 @@ pub struct Ckpt {
     answered: Option<String>,
     /// The step of the last save this rank started.
     pub saved_step: Option<u64>,
+    /// Pipeline generations: the ranks that hold each saved tensor (a stage writes its own
+    /// layers); None: every rank holds everything.
+    owners: Option<Vec<Vec<u32>>>,
 }
 
 impl Ckpt {
@@ -79,6 +82,7 @@ impl Ckpt {
             request: Arc::new(Mutex::new(None)),
             answered: None,
             saved_step: None,
+            owners: None,
         })
     }
 
@@ -260,6 +264,33 @@ impl Trainer {
             .collect()
     }
 
+    /// Who writes what in `g`'s checkpoints: in a pipeline generation each tensor (a parameter
+    /// or its optimizer state) is written by the replicas of the stage holding its unit.
+    pub(super) fn set_owners(&mut self, g: &Generation) {
+        let units = self.units as u32;
+        let params = self.params.len();
+        let Some(ck) = &mut self.ckpt else { return };
+        ck.plan = None;
+        if g.stage_boundaries.len() < 2 {
+            ck.owners = None;
+            return;
+        }
+        let per = ck.metas.len() / params.max(1) - 1;
+        let (p, dp) = (g.layout.pipeline_parallel, g.layout.data_parallel);
+        let of_param = |i: usize| -> Vec<u32> {
+            let u = self.param_unit[i] as u32;
+            let stage = (0..p)
+                .find(|s| g.stage_units(*s, units).contains(&u))
+                .unwrap_or(0);
+            (0..dp).map(|d| d * p + stage).collect()
+        };
+        let mut owners: Vec<Vec<u32>> = (0..params).map(of_param).collect();
+        for j in 0..params * per {
+            owners.push(of_param(j / per));
+        }
+        ck.owners = Some(owners);
+    }
+
     /// What resumes the run exactly, besides the tensors.
     fn extra_state(&self, g: &Generation) -> serde_json::Value {
         let b = self.spec.global_batch as u64;
@@ -342,7 +373,10 @@ impl Trainer {
         // the plan is kept while the world and rank stay (the state is updated in place)
         let same = |p: &StagePlan| p.reusable && (p.layout.world, p.layout.rank) == (world, rank);
         if !ck.plan.as_ref().is_some_and(same) {
-            let layout = ShardLayout::new(&ck.metas, world, rank);
+            let layout = match &ck.owners {
+                Some(o) => ShardLayout::by_owner(&ck.metas, o, world, rank),
+                None => ShardLayout::new(&ck.metas, world, rank),
+            };
             ck.plan = Some(StagePlan::new(layout, &tensors, false, STAGE_CHUNK));
         }
         let plan = ck.plan.as_ref().unwrap();

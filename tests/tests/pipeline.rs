@@ -1,0 +1,287 @@
+//! Elastic pipeline parallelism: real etcd, daemon, agents and tch workers.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use ductile_cluster::api::JobView;
+use ductile_cluster::records::{Generation, JobState, Reason, StateSource};
+use ductile_tests::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn history(c: &Cluster, job: &str) -> Vec<Generation> {
+    c.dctl_ok(&["events", job, "--json"])
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn wait_step(c: &Cluster, job: &str, step: u64, limit: Duration) -> JobView {
+    c.wait_for(limit, &format!("job {job} past step {step}"), || {
+        Some(c.status(job)).filter(|v| v.step >= step)
+    })
+}
+
+fn wait_done(c: &Cluster, job: &str, limit: Duration) -> JobView {
+    c.wait_for(limit, &format!("job {job} succeeded"), || {
+        Some(c.status(job)).filter(|v| v.state == JobState::Succeeded)
+    })
+}
+
+/// Every rank's "step:sha256:first-end" (the units it holds) for generation `g`.
+async fn weights(c: &Cluster, job: &str, g: u64, world: u32) -> Vec<String> {
+    let store = c.store().await;
+    for _ in 0..400 {
+        let (kvs, _) = store
+            .backend
+            .list(&format!("{}weights/", store.keys.rendezvous(job, g)))
+            .await
+            .unwrap();
+        if kvs.len() == world as usize {
+            return kvs
+                .into_iter()
+                .map(|kv| String::from_utf8(kv.value).unwrap())
+                .collect();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("generation {g} did not report {world} weights");
+}
+
+/// The pipeline promise end to end: a deterministic pipeline job (stages planned per world
+/// size) survives a SIGKILLed stage worker (survivors keep their processes and get the lost
+/// layers from the other replica, no checkpoint anywhere) and resizes 4 → 2 → 4 that change
+/// the number of stages; every sample is used exactly once, every replica of a layer holds the
+/// same bytes after the changes, and the final weights equal those of an uninterrupted
+/// data-parallel run of the same spec at world 2, bit for bit.
+#[test]
+fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_parallel() {
+    let ledger = TempDir::new("ledger");
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        agent_env: vec![(
+            "DUCTILE_LEDGER_DIR".into(),
+            ledger.path().display().to_string(),
+        )],
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let steps = 1500u64;
+    let train = |name: &str, desired: u32, strategy: &str| {
+        format!(
+            "{}max_steps = {steps}\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\nstrategy = \"{strategy}\"\npipeline_parallel = \"auto\"\nmodel_config = {{ hidden = 256, layers = 3 }}\n",
+            training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50")
+        )
+    };
+    // the plan is data: dctl plan shows it without changing anything
+    c.submit(&train("pp", 4, "pipeline"));
+    let plan: serde_json::Value =
+        serde_json::from_str(&c.dctl_ok(&["plan", "pp", "--world", "4", "--json"])).unwrap();
+    assert_eq!(plan["layout"]["pipeline_parallel"], 2, "{plan}");
+    assert_eq!(plan["layout"]["data_parallel"], 2, "{plan}");
+    assert_eq!(plan["boundaries"].as_array().unwrap().len(), 3, "{plan}");
+    let human = c.dctl_ok(&["plan", "pp", "--world", "3"]);
+    assert!(human.contains("layout      dp1×pp"), "{human}");
+
+    let v = c.wait_world("pp", 4, S(30));
+    let layout = v.layout.unwrap();
+    assert_eq!((layout.data_parallel, layout.pipeline_parallel), (2, 2));
+    let stages: BTreeSet<u32> = v.members.iter().map(|m| m.pp_stage).collect();
+    assert_eq!(stages, BTreeSet::from([0, 1]));
+    let table = c.dctl_ok(&["status", "pp"]);
+    assert!(table.contains("dp2×pp2×tp1"), "{table}");
+    let early = wait_step(&c, "pp", 1, S(90));
+    wait_step(&c, "pp", 100, S(90));
+
+    // SIGKILL a worker of stage 1: its layers live on in the other replica
+    let victim = v
+        .members
+        .iter()
+        .find(|m| m.pp_stage == 1 && m.dp_rank == 0)
+        .unwrap()
+        .clone();
+    unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
+    let v3 = c.wait_world("pp", 3, S(30));
+    let g3 = history(&c, "pp").into_iter().last().unwrap();
+    assert_eq!(
+        (g3.reason, g3.state_source),
+        (Reason::Failure, StateSource::Peers)
+    );
+    assert!(g3.layout.pipeline_parallel > 1, "{g3:?}");
+    let before: BTreeSet<u32> = v
+        .members
+        .iter()
+        .filter(|m| m.rank != victim.rank)
+        .map(|m| m.pid.unwrap())
+        .collect();
+    let after: BTreeSet<u32> = v3.members.iter().filter_map(|m| m.pid).collect();
+    assert!(
+        before.is_subset(&after) || before == after,
+        "survivors keep their processes: {before:?} {after:?}"
+    );
+    let at = c.status("pp").step;
+    let later = wait_step(&c, "pp", at + 100, S(90));
+    assert!(
+        later.loss.unwrap() < early.loss.unwrap(),
+        "loss {} → {}",
+        early.loss.unwrap(),
+        later.loss.unwrap()
+    );
+    // the killed slot restarts and rejoins; then 4 → 2 → 4
+    c.wait_world("pp", 4, S(60));
+    wait_step(&c, "pp", c.status("pp").step + 50, S(90));
+    c.dctl_ok(&["scale", "pp", "2"]);
+    let v2 = c.wait_world("pp", 2, S(30));
+    assert_eq!(v2.layout.unwrap().pipeline_parallel, 2);
+    wait_step(&c, "pp", c.status("pp").step + 100, S(90));
+    c.dctl_ok(&["scale", "pp", "4"]);
+    let v4 = c.wait_world("pp", 4, S(60));
+    // after the change every replica of a layer holds the same bytes
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ws = rt.block_on(weights(&c, "pp", v4.generation, 4));
+    let mut by_units: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for w in &ws {
+        let parts: Vec<&str> = w.split(':').collect();
+        assert_eq!(parts.len(), 3, "{w}");
+        by_units
+            .entry(parts[2].to_string())
+            .or_default()
+            .insert(format!("{}:{}", parts[0], parts[1]));
+    }
+    assert_eq!(by_units.len(), 2, "two stages: {ws:?}");
+    assert!(
+        by_units.values().all(|s| s.len() == 1),
+        "replicas differ: {ws:?}"
+    );
+
+    let done = wait_done(&c, "pp", S(300));
+    assert_eq!(done.step, steps);
+    let h = history(&c, "pp");
+    let pps: BTreeSet<u32> = h.iter().map(|g| g.layout.pipeline_parallel).collect();
+    assert!(pps.len() >= 2, "the number of stages changed: {h:?}");
+
+    // every step applied once, every sample used once per epoch (4,000 samples, 32 a step)
+    let v = ductile_tests::ledger::violations(ledger.path(), steps, 4_000, 32);
+    assert!(v.is_empty(), "{v:#?}");
+
+    // the same spec, data parallel at a fixed world of 2, uninterrupted
+    c.submit(&train("dp", 2, "data-parallel"));
+    let reference = wait_done(&c, "dp", S(300));
+    assert_eq!(
+        done.final_weights_sha256.unwrap(),
+        reference.final_weights_sha256.unwrap(),
+        "the pipeline's final weights differ from the data-parallel run"
+    );
+}
+
+/// A pipeline checkpoint (each stage writes its own layers) restores as data parallel at
+/// another size, and that job's checkpoint restores into a pipeline again; the restored runs
+/// end where an uninterrupted data-parallel run of the same spec ends, bit for bit.
+#[test]
+fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
+    let c = Cluster::start(Spec::default().agents(2, 2));
+    let data = synth(c.dir.path(), "regression", 2_000);
+    let ckpt = TempDir::new("pp-ckpt");
+    let job = |name: &str, url: &str, steps: u64, desired: u32, strategy: &str| {
+        format!(
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\nstrategy = \"{strategy}\"\nmodel_config = {{ hidden = 64, layers = 3 }}\n[checkpoint]\nurl = \"{url}\"\ninterval = 50\n",
+            training_toml(name, 1, 4, desired, "mlp", &data, "")
+        )
+    };
+    let url = format!("file://{}/a", ckpt.path().display());
+    let steps = 3000;
+    let stop_after = |name: &str, step: u64| {
+        wait_step(&c, name, step, S(120));
+        c.dctl_ok(&["stop", name]);
+        c.wait_for(S(30), "stopped", || {
+            Some(c.status(name)).filter(|v| v.state == JobState::Stopped)
+        });
+    };
+    // a pipeline at world 4 (dp2×pp2) commits some steps, then stops
+    c.submit(&job("p1", &url, steps, 4, "pipeline"));
+    let v = c.wait_world("p1", 4, S(30));
+    assert_eq!(v.layout.unwrap().pipeline_parallel, 2);
+    stop_after("p1", 200);
+    // restored as data parallel at world 3, on for a while
+    c.submit(&job("d1", &url, steps, 3, "data-parallel"));
+    c.wait_world("d1", 3, S(30));
+    let at = wait_step(&c, "d1", 1, S(60)).step;
+    assert!(
+        at >= 100,
+        "the data-parallel job restored the pipeline's checkpoint (step {at})"
+    );
+    assert!(
+        c.logs().contains("restored checkpoint step"),
+        "a restore, not a fresh start"
+    );
+    stop_after("d1", at + 150);
+    // and that checkpoint into a pipeline at world 2, to the end
+    c.submit(&job("p2", &url, steps, 2, "pipeline"));
+    let v = c.wait_world("p2", 2, S(30));
+    assert_eq!(v.layout.unwrap().pipeline_parallel, 2);
+    let at2 = wait_step(&c, "p2", 1, S(60)).step;
+    assert!(
+        at2 >= at + 100,
+        "the pipeline restored the data-parallel job's checkpoint (step {at2})"
+    );
+    let restored = wait_done(&c, "p2", S(180));
+    // the reference: data parallel at world 2, no interruption
+    let ref_url = format!("file://{}/ref", ckpt.path().display());
+    c.submit(&job("r", &ref_url, steps, 2, "data-parallel"));
+    let reference = wait_done(&c, "r", S(180));
+    assert_eq!(
+        restored.final_weights_sha256.unwrap(),
+        reference.final_weights_sha256.unwrap()
+    );
+}
+
+#[test]
+fn pipeline_bad_specs_are_refused_at_submit_naming_the_field() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let base = |extra: &str| {
+        format!(
+            "{}{extra}",
+            training_toml("b", 1, 4, 2, "mlp", "file:///d", "")
+        )
+    };
+    let cases = [
+        (
+            base("strategy = \"pipeline\"\npipeline_parallel = 9\nmodel_config = { layers = 3 }\n"),
+            "invalid training.pipeline_parallel: 9 stages but the model has 4 units",
+        ),
+        (
+            base("strategy = \"pipeline\"\npipeline_parallel = 3\npipeline_micro_batches = 2\nmodel_config = { layers = 3 }\n"),
+            "invalid training.pipeline_micro_batches: 2 is below pipeline_parallel = 3",
+        ),
+        (
+            base("strategy = \"pipeline\"\npipeline_parallel = 3\nmodel_config = { layers = 8 }\n")
+                .replace("max = 4", "max = 2"),
+            "no allowed world size",
+        ),
+        (
+            base("strategy = \"pipeline\"\nschedule = \"zigzag\"\n"),
+            "invalid training.schedule: \"zigzag\" is unknown",
+        ),
+        (
+            base("strategy = \"pipeline\"\npipeline_parallel = \"many\"\n"),
+            "neither \"auto\" nor a number",
+        ),
+        (
+            base("strategy = \"hybrid\"\n"),
+            "invalid training.strategy",
+        ),
+        (
+            base("strategy = \"auto\"\nmemory_per_slot_gib = 0.000001\n"),
+            "GiB",
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let p = c.dir.path().join(format!("bad{i}.toml"));
+        std::fs::write(&p, text).unwrap();
+        let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
+        assert!(!ok, "case {i} accepted");
+        assert!(err.contains(want), "case {i}: {err}");
+    }
+    let jobs: Vec<JobView> = serde_json::from_str(&c.dctl_ok(&["status", "--json"])).unwrap();
+    assert!(jobs.is_empty(), "nothing was stored");
+}
