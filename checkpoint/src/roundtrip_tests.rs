@@ -66,6 +66,7 @@ async fn set_generation(store: &Store, job: &str, number: u64) {
         published_at_ms: 0,
         backend: Default::default(),
         fault_retries: 0,
+        stage_boundaries: Vec::new(),
     };
     store
         .put_json(&store.keys.generation(job), &g, None)
