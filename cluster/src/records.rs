@@ -482,38 +482,42 @@ impl JobSpec {
     }
 }
 
+/// `value` of `field` must be one of `known`; `later` names values refused for now, and why.
+fn one_of(field: &str, value: &str, known: &[&str], later: &[(&str, &str)]) -> Result<()> {
+    if known.contains(&value) {
+        return Ok(());
+    }
+    let list = known
+        .iter()
+        .map(|k| format!("{k:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(ClusterError::invalid(
+        field,
+        match later.iter().find(|(v, _)| *v == value) {
+            Some((_, why)) => format!("{value:?} {why} (supported: {list})"),
+            None => format!("{value:?} is unknown (known: {list})"),
+        },
+    ))
+}
+
 impl TrainingSpec {
     fn validate(&self, max: u32) -> Result<()> {
-        match self.strategy.as_str() {
-            "data-parallel" | "pipeline" | "auto" => {}
-            "hybrid" => {
-                return Err(ClusterError::invalid(
-                    "training.strategy",
-                    "\"hybrid\" needs tensor parallelism, which is not supported yet (supported: \"data-parallel\", \"pipeline\", \"auto\")",
-                ))
-            }
-            s => {
-                return Err(ClusterError::invalid(
-                    "training.strategy",
-                    format!("{s:?} is unknown (known: \"data-parallel\", \"pipeline\", \"auto\")"),
-                ))
-            }
-        }
-        match self.schedule.as_str() {
-            "1f1b" | "gpipe" => {}
-            "interleaved-1f1b" => {
-                return Err(ClusterError::invalid(
-                    "training.schedule",
-                    "\"interleaved-1f1b\" is not supported yet (supported: \"1f1b\", \"gpipe\")",
-                ))
-            }
-            s => {
-                return Err(ClusterError::invalid(
-                    "training.schedule",
-                    format!("{s:?} is unknown (known: \"1f1b\", \"gpipe\")"),
-                ))
-            }
-        }
+        one_of(
+            "training.strategy",
+            &self.strategy,
+            &["data-parallel", "pipeline", "auto"],
+            &[(
+                "hybrid",
+                "needs tensor parallelism, which is not supported yet",
+            )],
+        )?;
+        one_of(
+            "training.schedule",
+            &self.schedule,
+            &["1f1b", "gpipe"],
+            &[("interleaved-1f1b", "is not supported yet")],
+        )?;
         if self.pipeline_micro_batches == Some(0) {
             return Err(ClusterError::invalid(
                 "training.pipeline_micro_batches",
@@ -744,6 +748,17 @@ fn one() -> u32 {
     1
 }
 
+/// `dp2×pp2×tp1`.
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "dp{}×pp{}×tp{}",
+            self.data_parallel, self.pipeline_parallel, self.tensor_parallel
+        )
+    }
+}
+
 impl Layout {
     pub fn data_parallel(n: u32) -> Layout {
         Layout {
@@ -790,7 +805,8 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// The units stage `stage` holds, or None for a spare; `units` is the model's count.
+    /// The units stage `stage` holds; `units` is the model's count (every unit without
+    /// stages).
     pub fn stage_units(&self, stage: u32, units: u32) -> std::ops::Range<u32> {
         if self.stage_boundaries.len() < 2 {
             return 0..units;

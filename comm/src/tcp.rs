@@ -568,23 +568,44 @@ impl TcpComm {
         op: &'static str,
         f: impl FnOnce(&mut Scratch, u64) -> Result<T>,
     ) -> Result<T> {
+        self.start_op(op)?;
+        let mut scratch = self.op_lock.lock().unwrap();
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        self.arm_deadline();
+        self.end_op(f(&mut scratch, seq))
+    }
+
+    /// Like `run` for point-to-point calls: no collectives' lock and no sequence number
+    /// (frames between two ranks stay in order), the same deadline and abort on failure.
+    fn run_p2p<T>(&self, op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.start_op(op)?;
+        self.arm_deadline();
+        self.end_op(f())
+    }
+
+    fn start_op(&self, op: &'static str) -> Result<()> {
         if self.abort.is_aborted() {
             return Err(CommError::Aborted {
                 generation: self.generation,
                 op,
             });
         }
-        let mut scratch = self.op_lock.lock().unwrap();
-        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn arm_deadline(&self) {
         self.op_deadline_ms.store(
             (self.epoch.elapsed() + self.cfg.op_timeout).as_millis() as u64,
             Ordering::SeqCst,
         );
-        let out = f(&mut scratch, seq);
+    }
+
+    /// Any failure but a caller's mistake aborts the whole communicator, so peers fail fast.
+    fn end_op<T>(&self, out: Result<T>) -> Result<T> {
         if let Err(e) = &out {
             if !matches!(e, CommError::Invalid { .. }) {
                 if !self.abort.is_aborted() {
-                    tracing::warn!(generation = self.generation, rank = self.rank, error = %e, "collective failed; aborting the communicator");
+                    tracing::warn!(generation = self.generation, rank = self.rank, error = %e, "communicator call failed; aborting the communicator");
                 }
                 self.abort.abort();
             }
@@ -945,31 +966,6 @@ impl TcpComm {
     pub fn recv_vec(&self, peer: u32) -> Result<Vec<u8>> {
         self.check_peer("recv", peer)?;
         self.run_p2p("recv", || self.recv_frame("recv", Kind::P2P, 0, peer))
-    }
-
-    /// Like `run` for point-to-point calls: no collectives' lock, the same deadline and the
-    /// same abort on failure.
-    fn run_p2p<T>(&self, op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        if self.abort.is_aborted() {
-            return Err(CommError::Aborted {
-                generation: self.generation,
-                op,
-            });
-        }
-        self.op_deadline_ms.store(
-            (self.epoch.elapsed() + self.cfg.op_timeout).as_millis() as u64,
-            Ordering::SeqCst,
-        );
-        let out = f();
-        if let Err(e) = &out {
-            if !matches!(e, CommError::Invalid { .. }) {
-                if !self.abort.is_aborted() {
-                    tracing::warn!(generation = self.generation, rank = self.rank, error = %e, "point-to-point call failed; aborting the communicator");
-                }
-                self.abort.abort();
-            }
-        }
-        out
     }
 
     fn check_peer(&self, op: &'static str, peer: u32) -> Result<()> {

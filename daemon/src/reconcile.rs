@@ -581,11 +581,8 @@ fn build(
             }
         })
         .collect();
-    let detail = if layout.pipeline_parallel > 1 || !boundaries.is_empty() {
-        format!(
-            "{detail}; {}",
-            ductile_strategies::pipeline::layout_str(&layout)
-        )
+    let detail = if layout.pipeline_parallel > 1 {
+        format!("{detail}; {layout}")
     } else {
         detail
     };

@@ -133,7 +133,7 @@ fn print_job(v: &JobView) {
         } else {
             format!("   stage boundaries {:?}", v.stage_boundaries)
         };
-        println!("layout      {}{b}", layout_str(l));
+        println!("layout      {}{b}", l);
     }
     let loss = v
         .loss
@@ -187,19 +187,12 @@ fn print_job(v: &JobView) {
     }
 }
 
-fn layout_str(l: &ductile_cluster::records::Layout) -> String {
-    format!(
-        "dp{}×pp{}×tp{}",
-        l.data_parallel, l.pipeline_parallel, l.tensor_parallel
-    )
-}
-
 fn print_plan(p: &serde_json::Value) {
     let l: ductile_cluster::records::Layout = serde_json::from_value(p["layout"].clone())
         .unwrap_or(ductile_cluster::records::Layout::data_parallel(0));
     let gib = |b: &serde_json::Value| b.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64;
     println!("world       {}", p["world"]);
-    println!("layout      {}   spares {}", layout_str(&l), p["spares"]);
+    println!("layout      {}   spares {}", l, p["spares"]);
     println!("why         {}", p["reason"].as_str().unwrap_or(""));
     println!(
         "schedule    {}   micro-batches {}   bubble {:.1}%",

@@ -161,13 +161,6 @@ pub struct RunnerUp {
     pub refused: Option<String>,
 }
 
-pub fn layout_str(l: &Layout) -> String {
-    format!(
-        "dp{}×pp{}×tp{}",
-        l.data_parallel, l.pipeline_parallel, l.tensor_parallel
-    )
-}
-
 /// Contiguous boundaries of `costs` into `parts` non-empty stages minimising the costliest
 /// stage (binary search on the bound, greedy packing that leaves a unit for every later
 /// stage; deterministic).
@@ -357,42 +350,30 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
     }
     let us = units(t)?;
     let max_pp = (us.len() as u32).min(world);
-    let mut cands: Vec<Candidate> = Vec::new();
-    let why;
-    match (t.strategy.as_str(), t.pipeline_parallel) {
-        ("data-parallel", _) => {
-            cands.push(Candidate { dp: world, pp: 1 });
-            why = "strategy data-parallel".to_string();
+    let one = |dp: u32, pp: u32| Candidate { dp, pp };
+    let (cands, why): (Vec<Candidate>, String) = match (t.strategy.as_str(), t.pipeline_parallel) {
+        ("data-parallel", _) => (vec![one(world, 1)], "strategy data-parallel".into()),
+        (_, Degree::Fixed(n)) if n > world => {
+            return Err(format!(
+                "{world} ranks cannot host pipeline_parallel = {n} stages"
+            ))
         }
-        (_, Degree::Fixed(n)) => {
-            if n > world {
-                return Err(format!(
-                    "{world} ranks cannot host pipeline_parallel = {n} stages"
-                ));
-            }
-            cands.push(Candidate {
-                dp: world / n,
-                pp: n,
-            });
-            why = format!("pipeline_parallel = {n}");
-        }
+        (_, Degree::Fixed(n)) => (vec![one(world / n, n)], format!("pipeline_parallel = {n}")),
         (s, Degree::Auto) => {
-            if s == "auto" || world == 1 {
-                cands.push(Candidate { dp: world, pp: 1 });
-            }
-            for pp in 2..=max_pp {
-                cands.push(Candidate { dp: world / pp, pp });
-            }
-            if cands.is_empty() {
-                cands.push(Candidate { dp: world, pp: 1 });
-            }
-            why = if s == "pipeline" {
-                "pipeline_parallel = auto: the fastest modelled layout with every layer held by two replicas where the world allows it".into()
+            // one stage only where it may be chosen, or where nothing else fits
+            let single = (s == "auto" || max_pp < 2).then(|| one(world, 1));
+            let cands = single
+                .into_iter()
+                .chain((2..=max_pp).map(|pp| one(world / pp, pp)))
+                .collect();
+            let why = if s == "pipeline" {
+                "pipeline_parallel = auto: the fastest modelled layout with every layer held by two replicas where the world allows it"
             } else {
-                "strategy auto: the fastest modelled layout".into()
+                "strategy auto: the fastest modelled layout"
             };
+            (cands, why.into())
         }
-    }
+    };
     let mut scored = Vec::new();
     let mut refused = Vec::new();
     for c in &cands {
@@ -404,7 +385,7 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
         match model_step(t, &us, world, c) {
             Ok(r) => scored.push((c, layout, r)),
             Err(e) => refused.push(RunnerUp {
-                layout: layout_str(&layout),
+                layout: layout.to_string(),
                 step_time_s: None,
                 max_memory_bytes: None,
                 refused: Some(e),
@@ -435,7 +416,7 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
     let (best, layout, (boundaries, stages, m, step)) = it.next().unwrap();
     let mut runners_up: Vec<RunnerUp> = it
         .map(|(_, l, r)| RunnerUp {
-            layout: layout_str(&l),
+            layout: l.to_string(),
             step_time_s: Some(r.3),
             max_memory_bytes: r.1.iter().map(|s| s.memory_bytes).max(),
             refused: None,

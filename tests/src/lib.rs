@@ -927,6 +927,50 @@ impl Cluster {
         )
     }
 
+    /// The job's generations, oldest first (`dctl events JOB --json`).
+    pub fn history(&self, job: &str) -> Vec<ductile_cluster::records::Generation> {
+        self.dctl_ok(&["events", job, "--json"])
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    /// Wait until the job reports step `step` or later.
+    pub fn wait_step(&self, job: &str, step: u64, limit: Duration) -> JobView {
+        self.wait_for(limit, &format!("job {job} past step {step}"), || {
+            Some(self.status(job)).filter(|v| v.step >= step)
+        })
+    }
+
+    /// Wait until the job succeeded.
+    pub fn wait_done(&self, job: &str, limit: Duration) -> JobView {
+        self.wait_for(limit, &format!("job {job} succeeded"), || {
+            Some(self.status(job))
+                .filter(|v| v.state == ductile_cluster::records::JobState::Succeeded)
+        })
+    }
+
+    /// Every rank's weights record for generation `g`, as the workers published them
+    /// (`step:sha256`, and `:first-end` of the units held in a pipeline generation).
+    pub async fn weights(&self, job: &str, g: u64, world: u32) -> Vec<String> {
+        let store = self.store().await;
+        for _ in 0..400 {
+            let (kvs, _) = store
+                .backend
+                .list(&format!("{}weights/", store.keys.rendezvous(job, g)))
+                .await
+                .unwrap();
+            if kvs.len() == world as usize {
+                return kvs
+                    .into_iter()
+                    .map(|kv| String::from_utf8(kv.value).unwrap())
+                    .collect();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("generation {g} did not report {world} weights");
+    }
+
     /// A typed store over this cluster's etcd.
     pub async fn store(&self) -> Store {
         let b = ductile_cluster::connect_etcd(&self.etcd.endpoint, Duration::from_secs(10))

@@ -15,12 +15,6 @@ use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
-fn wait_done(c: &Cluster, job: &str, limit: Duration) -> JobView {
-    c.wait_for(limit, &format!("job {job} succeeded"), || {
-        Some(c.status(job)).filter(|v| v.state == JobState::Succeeded)
-    })
-}
-
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -120,7 +114,7 @@ fn training_checkpoint_saved_at_four_restores_bitwise_at_one_two_three_and_six()
     let url = format!("s3://{}/jobs/c1", s3.bucket);
     // commits at step 40 only (interval 40, 60 steps); the reference finishes uninterrupted
     c.submit(&mlp_job("c1", 4, &data, &url, 60, 40, ""));
-    let reference = wait_done(&c, "c1", S(120)).final_weights_sha256.unwrap();
+    let reference = c.wait_done("c1", S(120)).final_weights_sha256.unwrap();
     let rec = latest(&c, "c1").expect("a committed checkpoint");
     assert_eq!((rec.step, rec.world_size), (40, 4));
     let mut at_restore = Vec::new();
@@ -135,7 +129,7 @@ fn training_checkpoint_saved_at_four_restores_bitwise_at_one_two_three_and_six()
         );
         assert!(w[0].starts_with("40:"), "world {world} resumed at {}", w[0]);
         at_restore.push(w[0].clone());
-        let done = wait_done(&c, "c1", S(120));
+        let done = c.wait_done("c1", S(120));
         assert_eq!(done.step, 60);
         assert_eq!(
             done.final_weights_sha256.unwrap(),
@@ -360,7 +354,7 @@ fn training_a_flipped_byte_fails_the_checkpoint_and_restore_falls_back() {
     let dir = c.dir.path().join("ckpt-c4");
     let url = format!("file://{}", dir.display());
     c.submit(&mlp_job("c4", 2, &data, &url, 40, 20, ""));
-    wait_done(&c, "c4", S(120));
+    c.wait_done("c4", S(120));
     let rec = latest(&c, "c4").unwrap();
     assert_eq!(rec.step, 40);
     let m = rt().block_on(async {
@@ -393,7 +387,7 @@ fn training_a_flipped_byte_fails_the_checkpoint_and_restore_falls_back() {
         "the CRC failure does not name the object and tensor:\n{logs}"
     );
     assert!(logs.contains("FALLING BACK"), "the fallback is not loud");
-    assert_eq!(wait_done(&c, "c4", S(120)).step, 60);
+    assert_eq!(c.wait_done("c4", S(120)).step, 60);
 }
 
 /// 5. The whole job is lost mid-run (every agent killed); the job is resubmitted at another
@@ -408,7 +402,7 @@ fn training_a_full_restart_at_another_size_on_a_fresh_etcd_resumes_from_the_late
         let c = Cluster::start(Spec::default().agents(1, 2));
         let ref_url = format!("file://{}/ckpt-ref", scratch.path().display());
         c.submit(&mlp_job("c5", 2, &data, &ref_url, 3000, 500, ""));
-        wait_done(&c, "c5", S(120)).final_weights_sha256.unwrap()
+        c.wait_done("c5", S(120)).final_weights_sha256.unwrap()
     };
     let committed_step = {
         let mut c = Cluster::start(Spec::default().agents(2, 2));
@@ -431,7 +425,7 @@ fn training_a_full_restart_at_another_size_on_a_fresh_etcd_resumes_from_the_late
         resumed >= committed_step && resumed > 0,
         "resumed at {resumed}, committed {committed_step}"
     );
-    let done = wait_done(&c, "c5", S(180));
+    let done = c.wait_done("c5", S(180));
     assert_eq!(
         done.final_weights_sha256.unwrap(),
         reference,
@@ -458,7 +452,7 @@ fn training_a_spot_notice_takes_a_checkpoint_before_the_node_leaves() {
     // no interval checkpoint falls within the run: only the drain can make one
     let job = |u: &str| mlp_job("c7", 2, &data, u, 3000, 100_000, "");
     c.submit(&job(&ref_url));
-    let reference = wait_done(&c, "c7", S(180)).final_weights_sha256.unwrap();
+    let reference = c.wait_done("c7", S(180)).final_weights_sha256.unwrap();
     assert!(
         latest(&c, "c7").is_none(),
         "an interval checkpoint was taken"
@@ -513,7 +507,7 @@ fn training_a_spot_notice_takes_a_checkpoint_before_the_node_leaves() {
                 .contains(&format!("checkpoint at step {} committed first", rec.step)),
         "{r:?}"
     );
-    let done = wait_done(&c, "c7", S(180));
+    let done = c.wait_done("c7", S(180));
     assert_eq!(
         done.final_weights_sha256.unwrap(),
         reference,
@@ -541,7 +535,7 @@ fn training_restore_step_resumes_from_a_chosen_earlier_commit() {
     let data = synth(c.dir.path(), "regression", 4_000);
     let url = format!("file://{}/ckpt-c8", c.dir.path().display());
     c.submit(&mlp_job("c8", 2, &data, &url, 60, 20, ""));
-    let reference = wait_done(&c, "c8", S(120)).final_weights_sha256.unwrap();
+    let reference = c.wait_done("c8", S(120)).final_weights_sha256.unwrap();
     let first = latest(&c, "c8").unwrap();
     assert_eq!(first.step, 60);
     // the commits before the last (a due save is skipped while the previous one still uploads,
@@ -581,7 +575,7 @@ fn training_restore_step_resumes_from_a_chosen_earlier_commit() {
     let (g, w) = joined_weights(&c, "c8", before + 1);
     assert_eq!(w.len(), 3);
     assert!(w.iter().all(|x| x.starts_with(&format!("{mid}:"))), "{w:?}");
-    let done = wait_done(&c, "c8", S(120));
+    let done = c.wait_done("c8", S(120));
     assert_eq!(
         done.final_weights_sha256.unwrap(),
         reference,
@@ -636,7 +630,7 @@ fn training_python_safetensors_reads_the_shards_ductile_wrote() {
     let dir = c.dir.path().join("ckpt-c6");
     let url = format!("file://{}", dir.display());
     c.submit(&mlp_job("c6", 3, &data, &url, 20, 20, ""));
-    wait_done(&c, "c6", S(120));
+    c.wait_done("c6", S(120));
     let rec = latest(&c, "c6").unwrap();
     let attempt = dir.join(attempt_dir(rec.step, rec.generation));
     let script = r#"
@@ -724,7 +718,7 @@ fn training_a_cold_start_that_cannot_list_the_store_does_not_start_from_the_seed
     let data = synth(c.dir.path(), "regression", 4_000);
     let url = format!("s3://{}/jobs/c9", s3.bucket);
     c.submit(&mlp_job("c9a", 2, &data, &url, 30, 10, ""));
-    wait_done(&c, "c9a", S(120));
+    c.wait_done("c9a", S(120));
     // the newest commit (saves are skipped while one uploads, so not always step 30)
     let done = latest(&c, "c9a").unwrap().step;
     assert!(done >= 10, "{done}");
@@ -750,7 +744,7 @@ fn training_a_cold_start_that_cannot_list_the_store_does_not_start_from_the_seed
         c9b(&c)
     );
     proxy.serve();
-    wait_done(&c, "c9b", S(180));
+    c.wait_done("c9b", S(180));
     let logs = c9b(&c);
     assert!(
         logs.iter()
@@ -768,7 +762,7 @@ fn training_a_checkpoint_of_another_data_order_is_refused_naming_the_field() {
     let data = synth(c.dir.path(), "regression", 4_000);
     let url = format!("file://{}/ckpt-d", c.dir.path().display());
     c.submit(&mlp_job("d1", 2, &data, &url, 20, 10, ""));
-    wait_done(&c, "d1", S(120));
+    c.wait_done("d1", S(120));
     c.submit(&mlp_job("d2", 2, &data, &url, 40, 10, "").replace("seed = 7", "seed = 8"));
     c.wait_for(S(90), "the refusal", || {
         agent_logs(&c)

@@ -7,13 +7,6 @@ use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
-fn history(c: &Cluster, job: &str) -> Vec<Generation> {
-    c.dctl_ok(&["events", job, "--json"])
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
 fn assert_contiguous(h: &[Generation]) {
     let nums: Vec<u64> = h.iter().map(|g| g.number).collect();
     let want: Vec<u64> = (1..=h.len() as u64).collect();
@@ -68,7 +61,7 @@ fn three_agents_joining_make_one_generation_with_all_their_slots() {
             .map(|_| c.status("j1"))
     });
     assert_eq!(v.last_reformation.unwrap().reason, Reason::Start);
-    assert_eq!(history(&c, "j1").len(), 1);
+    assert_eq!(c.history("j1").len(), 1);
 }
 
 #[test]
@@ -79,7 +72,7 @@ fn sigkill_an_agent_reforms_without_it_within_ttl_plus_one_second() {
     let killed_at = now_ms();
     c.agents.get_mut("node2").unwrap().kill();
     let g = c.wait_for(S(10), "a generation without node2", || {
-        history(&c, "j2").into_iter().find(|g| g.number == 2)
+        c.history("j2").into_iter().find(|g| g.number == 2)
     });
     assert_eq!(g.reason, Reason::Failure);
     assert!(g.members.iter().all(|m| m.node != "node2"));
@@ -107,7 +100,7 @@ fn sigkill_a_worker_reforms_within_one_second_then_it_rejoins() {
     let killed_at = now_ms();
     unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
     let g = c.wait_for(S(5), "a generation without the killed worker", || {
-        history(&c, "j3").into_iter().find(|g| g.number == 2)
+        c.history("j3").into_iter().find(|g| g.number == 2)
     });
     let took = g.published_at_ms.saturating_sub(killed_at);
     assert!(
@@ -127,7 +120,7 @@ fn sigkill_a_worker_reforms_within_one_second_then_it_rejoins() {
         .collect();
     // after the backoff the slot rejoins with a fresh worker (a join generation)
     let v2 = c.wait_world("j3", 4, S(15));
-    let h = history(&c, "j3");
+    let h = c.history("j3");
     assert_eq!(h.last().unwrap().reason, Reason::Join);
     let new_pid = v2
         .members
@@ -159,7 +152,7 @@ fn dctl_scale_down_and_up_and_refuses_sizes_outside_min_max() {
     c.wait_world("j4", 3, S(10));
     c.dctl_ok(&["scale", "j4", "4"]);
     let v = c.wait_world("j4", 4, S(10));
-    let h = history(&c, "j4");
+    let h = c.history("j4");
     let sizes: Vec<(u32, Reason)> = h.iter().map(|g| (g.world_size, g.reason)).collect();
     assert_eq!(
         sizes,
@@ -240,7 +233,7 @@ fn sigkill_the_leader_and_the_standby_leads_with_generations_in_order() {
     c.restart_daemon(idx);
     c.dctl_ok(&["scale", "j5", "2"]);
     c.wait_world("j5", 2, S(10));
-    let h = history(&c, "j5");
+    let h = c.history("j5");
     assert!(h.len() >= 4, "{h:?}");
     assert_contiguous(&h);
 }
@@ -269,7 +262,7 @@ fn restarting_etcd_leaves_workers_running_and_the_control_plane_recovers() {
     // and it still reacts: a worker dies → a new generation
     unsafe { libc::kill(pids[3] as i32, libc::SIGKILL) };
     c.wait_for(S(10), "a failure generation after the etcd restart", || {
-        history(&c, "j6")
+        c.history("j6")
             .into_iter()
             .find(|g| g.reason == Reason::Failure)
     });
@@ -422,7 +415,7 @@ fn a_stopped_agent_past_its_ttl_is_removed_fences_its_workers_and_rejoins() {
     let agent = &c.agents["node2"];
     agent.stop();
     let g = c.wait_for(S(10), "node2 removed", || {
-        history(&c, "j7")
+        c.history("j7")
             .into_iter()
             .find(|g| g.member("node2", 0).is_none())
     });
@@ -453,7 +446,7 @@ fn a_stopped_agent_past_its_ttl_is_removed_fences_its_workers_and_rejoins() {
         .find(|n| n["name"] == "node2")
         .unwrap();
     assert_eq!(n2["reregistrations"], 1);
-    let h = history(&c, "j7");
+    let h = c.history("j7");
     assert_eq!(h.last().unwrap().reason, Reason::Join);
     assert_contiguous(&h);
 }
@@ -477,7 +470,7 @@ fn a_spot_notice_drains_the_node_without_a_failure() {
         .wait_exit(S(20))
         .expect("the agent drains and exits");
     assert!(status.success(), "drained agent exit status {status:?}");
-    let h = history(&c, "j8");
+    let h = c.history("j8");
     let last = h.last().unwrap();
     assert_eq!(last.reason, Reason::Drain, "{h:?}");
     assert!(last.detail.contains("spot1"));
@@ -495,11 +488,11 @@ fn a_spot_notice_drains_the_node_without_a_failure() {
     c.wait_world("j8", 4, S(15));
     c.dctl_ok(&["drain", "node2"]);
     c.wait_world("j8", 2, S(10));
-    assert_eq!(history(&c, "j8").last().unwrap().reason, Reason::Drain);
+    assert_eq!(c.history("j8").last().unwrap().reason, Reason::Drain);
     c.dctl_ok(&["drain", "node2", "--undo"]);
     c.wait_world("j8", 4, S(10));
     // SIGTERM (systemd stop) drains too: the job re-forms without the node, then the agent exits 0
-    let before = history(&c, "j8").len();
+    let before = c.history("j8").len();
     c.agents["node2"].terminate();
     let status = c
         .agents
@@ -508,7 +501,7 @@ fn a_spot_notice_drains_the_node_without_a_failure() {
         .wait_exit(S(20))
         .expect("the agent drains and exits on SIGTERM");
     assert!(status.success(), "{status:?}");
-    let h = history(&c, "j8");
+    let h = c.history("j8");
     assert_eq!(h.len(), before + 1, "{h:?}");
     assert_eq!(h.last().unwrap().reason, Reason::Drain);
     assert!(h.last().unwrap().detail.contains("node2"));

@@ -4,49 +4,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use ductile_cluster::api::JobView;
-use ductile_cluster::records::{Generation, JobState, Reason, StateSource};
+use ductile_cluster::records::{JobState, Reason, StateSource};
 use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
-
-fn history(c: &Cluster, job: &str) -> Vec<Generation> {
-    c.dctl_ok(&["events", job, "--json"])
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn wait_step(c: &Cluster, job: &str, step: u64, limit: Duration) -> JobView {
-    c.wait_for(limit, &format!("job {job} past step {step}"), || {
-        Some(c.status(job)).filter(|v| v.step >= step)
-    })
-}
-
-fn wait_done(c: &Cluster, job: &str, limit: Duration) -> JobView {
-    c.wait_for(limit, &format!("job {job} succeeded"), || {
-        Some(c.status(job)).filter(|v| v.state == JobState::Succeeded)
-    })
-}
-
-/// Every rank's "step:sha256:first-end" (the units it holds) for generation `g`.
-async fn weights(c: &Cluster, job: &str, g: u64, world: u32) -> Vec<String> {
-    let store = c.store().await;
-    for _ in 0..400 {
-        let (kvs, _) = store
-            .backend
-            .list(&format!("{}weights/", store.keys.rendezvous(job, g)))
-            .await
-            .unwrap();
-        if kvs.len() == world as usize {
-            return kvs
-                .into_iter()
-                .map(|kv| String::from_utf8(kv.value).unwrap())
-                .collect();
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("generation {g} did not report {world} weights");
-}
 
 /// The pipeline promise end to end: a deterministic pipeline job (stages planned per world
 /// size) survives a SIGKILLed stage worker (survivors keep their processes and get the lost
@@ -90,8 +51,8 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
     assert_eq!(stages, BTreeSet::from([0, 1]));
     let table = c.dctl_ok(&["status", "pp"]);
     assert!(table.contains("dp2×pp2×tp1"), "{table}");
-    let early = wait_step(&c, "pp", 1, S(90));
-    wait_step(&c, "pp", 100, S(90));
+    let early = c.wait_step("pp", 1, S(90));
+    c.wait_step("pp", 100, S(90));
 
     // SIGKILL a worker of stage 1: its layers live on in the other replica
     let victim = v
@@ -102,7 +63,7 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
         .clone();
     unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
     let v3 = c.wait_world("pp", 3, S(30));
-    let g3 = history(&c, "pp").into_iter().last().unwrap();
+    let g3 = c.history("pp").into_iter().last().unwrap();
     assert_eq!(
         (g3.reason, g3.state_source),
         (Reason::Failure, StateSource::Peers)
@@ -120,7 +81,7 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
         "survivors keep their processes: {before:?} {after:?}"
     );
     let at = c.status("pp").step;
-    let later = wait_step(&c, "pp", at + 100, S(90));
+    let later = c.wait_step("pp", at + 100, S(90));
     assert!(
         later.loss.unwrap() < early.loss.unwrap(),
         "loss {} → {}",
@@ -129,16 +90,16 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
     );
     // the killed slot restarts and rejoins; then 4 → 2 → 4
     c.wait_world("pp", 4, S(60));
-    wait_step(&c, "pp", c.status("pp").step + 50, S(90));
+    c.wait_step("pp", c.status("pp").step + 50, S(90));
     c.dctl_ok(&["scale", "pp", "2"]);
     let v2 = c.wait_world("pp", 2, S(30));
     assert_eq!(v2.layout.unwrap().pipeline_parallel, 2);
-    wait_step(&c, "pp", c.status("pp").step + 100, S(90));
+    c.wait_step("pp", c.status("pp").step + 100, S(90));
     c.dctl_ok(&["scale", "pp", "4"]);
     let v4 = c.wait_world("pp", 4, S(60));
     // after the change every replica of a layer holds the same bytes
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let ws = rt.block_on(weights(&c, "pp", v4.generation, 4));
+    let ws = rt.block_on(c.weights("pp", v4.generation, 4));
     let mut by_units: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for w in &ws {
         let parts: Vec<&str> = w.split(':').collect();
@@ -154,9 +115,9 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
         "replicas differ: {ws:?}"
     );
 
-    let done = wait_done(&c, "pp", S(300));
+    let done = c.wait_done("pp", S(300));
     assert_eq!(done.step, steps);
-    let h = history(&c, "pp");
+    let h = c.history("pp");
     let pps: BTreeSet<u32> = h.iter().map(|g| g.layout.pipeline_parallel).collect();
     assert!(pps.len() >= 2, "the number of stages changed: {h:?}");
 
@@ -166,7 +127,7 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
 
     // the same spec, data parallel at a fixed world of 2, uninterrupted
     c.submit(&train("dp", 2, "data-parallel"));
-    let reference = wait_done(&c, "dp", S(300));
+    let reference = c.wait_done("dp", S(300));
     assert_eq!(
         done.final_weights_sha256.unwrap(),
         reference.final_weights_sha256.unwrap(),
@@ -191,7 +152,7 @@ fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
     let url = format!("file://{}/a", ckpt.path().display());
     let steps = 3000;
     let stop_after = |name: &str, step: u64| {
-        wait_step(&c, name, step, S(120));
+        c.wait_step(name, step, S(120));
         c.dctl_ok(&["stop", name]);
         c.wait_for(S(30), "stopped", || {
             Some(c.status(name)).filter(|v| v.state == JobState::Stopped)
@@ -205,7 +166,7 @@ fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
     // restored as data parallel at world 3, on for a while
     c.submit(&job("d1", &url, steps, 3, "data-parallel"));
     c.wait_world("d1", 3, S(30));
-    let at = wait_step(&c, "d1", 1, S(60)).step;
+    let at = c.wait_step("d1", 1, S(60)).step;
     assert!(
         at >= 100,
         "the data-parallel job restored the pipeline's checkpoint (step {at})"
@@ -219,16 +180,16 @@ fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
     c.submit(&job("p2", &url, steps, 2, "pipeline"));
     let v = c.wait_world("p2", 2, S(30));
     assert_eq!(v.layout.unwrap().pipeline_parallel, 2);
-    let at2 = wait_step(&c, "p2", 1, S(60)).step;
+    let at2 = c.wait_step("p2", 1, S(60)).step;
     assert!(
         at2 >= at + 100,
         "the pipeline restored the data-parallel job's checkpoint (step {at2})"
     );
-    let restored = wait_done(&c, "p2", S(180));
+    let restored = c.wait_done("p2", S(180));
     // the reference: data parallel at world 2, no interruption
     let ref_url = format!("file://{}/ref", ckpt.path().display());
     c.submit(&job("r", &ref_url, steps, 2, "data-parallel"));
-    let reference = wait_done(&c, "r", S(180));
+    let reference = c.wait_done("r", S(180));
     assert_eq!(
         restored.final_weights_sha256.unwrap(),
         reference.final_weights_sha256.unwrap()

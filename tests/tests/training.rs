@@ -9,45 +9,6 @@ use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
-fn history(c: &Cluster, job: &str) -> Vec<ductile_cluster::records::Generation> {
-    c.dctl_ok(&["events", job, "--json"])
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn wait_step(c: &Cluster, job: &str, step: u64, limit: Duration) -> JobView {
-    c.wait_for(limit, &format!("job {job} past step {step}"), || {
-        Some(c.status(job)).filter(|v| v.step >= step)
-    })
-}
-
-fn wait_done(c: &Cluster, job: &str, limit: Duration) -> JobView {
-    c.wait_for(limit, &format!("job {job} succeeded"), || {
-        Some(c.status(job)).filter(|v| v.state == JobState::Succeeded)
-    })
-}
-
-/// Every rank's "step:sha256" for generation `g`, as the workers published them.
-async fn weights(c: &Cluster, job: &str, g: u64, world: u32) -> Vec<String> {
-    let store = c.store().await;
-    for _ in 0..200 {
-        let (kvs, _) = store
-            .backend
-            .list(&format!("{}weights/", store.keys.rendezvous(job, g)))
-            .await
-            .unwrap();
-        if kvs.len() == world as usize {
-            return kvs
-                .into_iter()
-                .map(|kv| String::from_utf8(kv.value).unwrap())
-                .collect();
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("generation {g} did not report {world} weights");
-}
-
 #[test]
 fn training_a_killed_worker_leaves_survivors_training_in_place_and_the_loss_keeps_falling() {
     let c = Cluster::start(Spec::default().agents(2, 2));
@@ -57,11 +18,11 @@ fn training_a_killed_worker_leaves_survivors_training_in_place_and_the_loss_keep
         training_toml("t1", 1, 4, 4, "gpt", &data, "restart_budget = 0")
     ));
     let v = c.wait_world("t1", 4, S(30));
-    let early = wait_step(&c, "t1", 30, S(60));
+    let early = c.wait_step("t1", 30, S(60));
     let victim = v.members.iter().find(|m| m.rank == 2).unwrap().clone();
     unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
     let v3 = c.wait_world("t1", 3, S(15));
-    let g = history(&c, "t1").into_iter().last().unwrap();
+    let g = c.history("t1").into_iter().last().unwrap();
     assert_eq!(
         (g.reason, g.state_source),
         (Reason::Failure, StateSource::Peers),
@@ -76,7 +37,7 @@ fn training_a_killed_worker_leaves_survivors_training_in_place_and_the_loss_keep
     let after: BTreeSet<u32> = v3.members.iter().map(|m| m.pid.unwrap()).collect();
     assert_eq!(before, after, "survivors keep their processes");
     let at_kill = c.status("t1").step;
-    let later = wait_step(&c, "t1", at_kill + 150, S(60));
+    let later = c.wait_step("t1", at_kill + 150, S(60));
     assert_eq!(later.generation, v3.generation, "it trains on at world 3");
     assert!(
         later.loss.unwrap() < early.loss.unwrap() - 0.3,
@@ -99,7 +60,7 @@ fn training_a_stopped_worker_is_excluded_in_seconds_and_rejoins_after_its_restar
         training_toml("t8", 1, 4, 4, "gpt", &data, "restart_budget = 3")
     ));
     let v = c.wait_world("t8", 4, S(30));
-    wait_step(&c, "t8", 20, S(60));
+    c.wait_step("t8", 20, S(60));
     // alive but stuck: its sockets stay open, its heartbeats stop
     let victim = v.members.iter().find(|m| m.rank == 1).unwrap().clone();
     let pid = victim.pid.unwrap();
@@ -107,7 +68,7 @@ fn training_a_stopped_worker_is_excluded_in_seconds_and_rejoins_after_its_restar
     unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
     let v3 = c.wait_world("t8", 3, S(40));
     let took = t0.elapsed();
-    let g = history(&c, "t8").into_iter().last().unwrap();
+    let g = c.history("t8").into_iter().last().unwrap();
     assert_eq!(g.reason, Reason::Failure);
     assert!(
         g.detail.contains(&format!(
@@ -129,13 +90,13 @@ fn training_a_stopped_worker_is_excluded_in_seconds_and_rejoins_after_its_restar
     });
     // the survivors train on, and the slot rejoins after its restart
     let at = c.status("t8").step;
-    wait_step(&c, "t8", at + 10, S(60));
+    c.wait_step("t8", at + 10, S(60));
     let v4 = c.wait_world("t8", 4, S(60));
     assert!(v4
         .members
         .iter()
         .any(|m| m.node == victim.node && m.slot == victim.slot));
-    wait_step(&c, "t8", c.status("t8").step + 10, S(60));
+    c.wait_step("t8", c.status("t8").step + 10, S(60));
     // the failed generation's keys are gone once the job re-formed
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt.block_on(c.store());
@@ -161,13 +122,13 @@ async fn training_newcomers_receive_state_and_every_rank_holds_the_same_weights(
         training_toml("t2", 1, 4, 3, "gpt", &data, "")
     ));
     c.wait_world("t2", 3, S(30));
-    wait_step(&c, "t2", 20, S(60));
+    c.wait_step("t2", 20, S(60));
     c.dctl_ok(&["scale", "t2", "2"]);
     let v2 = c.wait_world("t2", 2, S(15));
-    let s2 = wait_step(&c, "t2", c.status("t2").step + 20, S(60));
+    let s2 = c.wait_step("t2", c.status("t2").step + 20, S(60));
     c.dctl_ok(&["scale", "t2", "4"]);
     let v4 = c.wait_world("t2", 4, S(20));
-    let w = weights(&c, "t2", v4.generation, 4).await;
+    let w = c.weights("t2", v4.generation, 4).await;
     assert!(
         w.windows(2).all(|x| x[0] == x[1]),
         "ranks disagree after the scale-up: {w:?}"
@@ -190,7 +151,7 @@ async fn training_newcomers_receive_state_and_every_rank_holds_the_same_weights(
             .count(),
         2
     );
-    wait_step(&c, "t2", step + 20, S(60));
+    c.wait_step("t2", step + 20, S(60));
 }
 
 #[test]
@@ -205,13 +166,13 @@ fn training_repeated_kills_during_all_reduces_never_hang() {
         training_toml("t3", 1, 4, 4, "gpt", &data, "restart_budget = 50")
     ));
     c.wait_world("t3", 4, S(30));
-    let mut last = wait_step(&c, "t3", 10, S(60)).step;
+    let mut last = c.wait_step("t3", 10, S(60)).step;
     for round in 0..6u32 {
         let v = c.wait_world("t3", 4, S(30));
         let victim = v.members[(round % 4) as usize].pid.unwrap();
         unsafe { libc::kill(victim as i32, libc::SIGKILL) };
         // training goes on, past where it was
-        let now = wait_step(&c, "t3", last + 10, S(30)).step;
+        let now = c.wait_step("t3", last + 10, S(30)).step;
         assert!(now > last, "round {round}: stuck at {last}");
         last = now;
     }
@@ -219,7 +180,7 @@ fn training_repeated_kills_during_all_reduces_never_hang() {
     let g = v.generation;
     let w = tokio::runtime::Runtime::new()
         .unwrap()
-        .block_on(weights(&c, "t3", g, 4));
+        .block_on(c.weights("t3", g, 4));
     assert!(w.windows(2).all(|x| x[0] == x[1]), "{w:?}");
 }
 
@@ -243,19 +204,19 @@ fn training_every_sample_is_used_exactly_once_per_epoch_across_kills_and_resizes
         training_toml("t4", 1, 4, 4, "gpt", &data, "restart_budget = 50")
     ));
     c.wait_world("t4", 4, S(30));
-    wait_step(&c, "t4", 100, S(60));
+    c.wait_step("t4", 100, S(60));
     let v = c.status("t4");
     unsafe { libc::kill(v.members[1].pid.unwrap() as i32, libc::SIGKILL) };
-    wait_step(&c, "t4", 300, S(60));
+    c.wait_step("t4", 300, S(60));
     c.dctl_ok(&["scale", "t4", "3"]);
-    wait_step(&c, "t4", 500, S(60));
+    c.wait_step("t4", 500, S(60));
     let v = c.status("t4");
     unsafe { libc::kill(v.members[0].pid.unwrap() as i32, libc::SIGKILL) };
-    wait_step(&c, "t4", 700, S(60));
+    c.wait_step("t4", 700, S(60));
     c.dctl_ok(&["scale", "t4", "4"]);
-    wait_done(&c, "t4", S(120));
+    c.wait_done("t4", S(120));
     assert!(
-        history(&c, "t4").len() >= 5,
+        c.history("t4").len() >= 5,
         "the run was interrupted several times"
     );
 
@@ -279,21 +240,22 @@ fn training_deterministic_mode_gives_bitwise_equal_weights_despite_kills_and_res
     };
     // an uninterrupted run at a fixed size
     c.submit(&train("fixed", 2));
-    let reference = wait_done(&c, "fixed", S(120))
+    let reference = c
+        .wait_done("fixed", S(120))
         .final_weights_sha256
         .expect("a final hash");
     // the same job, killed and resized on the way
     c.submit(&train("elastic", 4));
     c.wait_world("elastic", 4, S(30));
-    wait_step(&c, "elastic", 200, S(60));
+    c.wait_step("elastic", 200, S(60));
     let v = c.status("elastic");
     unsafe { libc::kill(v.members[3].pid.unwrap() as i32, libc::SIGKILL) };
-    wait_step(&c, "elastic", 800, S(60));
+    c.wait_step("elastic", 800, S(60));
     c.dctl_ok(&["scale", "elastic", "1"]);
-    wait_step(&c, "elastic", 1300, S(60));
+    c.wait_step("elastic", 1300, S(60));
     c.dctl_ok(&["scale", "elastic", "3"]);
-    let done = wait_done(&c, "elastic", S(180));
-    let h = history(&c, "elastic");
+    let done = c.wait_done("elastic", S(180));
+    let h = c.history("elastic");
     assert!(h.len() >= 4, "{h:?}");
     assert!(
         h.iter().any(|g| g.reason == Reason::Failure) && h.iter().any(|g| g.world_size == 1),
@@ -381,7 +343,7 @@ fn training_reads_its_dataset_from_s3() {
         "{}max_steps = 150\n",
         training_toml("s3data", 1, 2, 2, "gpt", &url, "")
     ));
-    let v = wait_done(&c, "s3data", S(120));
+    let v = c.wait_done("s3data", S(120));
     assert_eq!(v.step, 150);
     assert!(v.loss.unwrap() < 3.5, "loss {:?}", v.loss);
     // a missing object is a clear error, and the worker names it
@@ -420,7 +382,7 @@ fn training_a_gpu_slot_without_a_gpu_fails_at_start_with_a_clear_error_and_the_j
     ));
     // the GPU worker leaves at once; the job re-forms with the two CPU slots and trains
     let failed = c.wait_for(S(90), "a generation that names the missing GPU", || {
-        history(&c, "g1")
+        c.history("g1")
             .into_iter()
             .find(|g| g.reason == Reason::Failure && g.detail.contains("gpunode/0"))
     });
@@ -432,14 +394,14 @@ fn training_a_gpu_slot_without_a_gpu_fails_at_start_with_a_clear_error_and_the_j
         failed.detail
     );
     assert_eq!(failed.world_size, 2);
-    let v = wait_step(&c, "g1", failed.resume_step + 20, S(120));
+    let v = c.wait_step("g1", failed.resume_step + 20, S(120));
     assert_eq!(v.world_size, 2);
     assert!(v.members.iter().all(|m| m.node == "node1"));
     // not restarted: the restart budget is untouched and the slot stays out
     let nodes = c.dctl_ok(&["nodes", "--json"]);
     assert!(nodes.contains("gpunode"), "{nodes}");
     std::thread::sleep(S(3));
-    let later = history(&c, "g1");
+    let later = c.history("g1");
     assert!(
         later
             .iter()

@@ -117,8 +117,7 @@ pub struct Trainer {
     ckpt: Option<ckpt::Ckpt>,
     /// The collective checkpoint flags of the last step: (request pending, save in flight).
     flags: (bool, bool),
-    /// The model's units (pipeline blocks), their names, and each parameter's unit.
-    units: usize,
+    /// The model's units (pipeline blocks) by name, and each parameter's unit.
     unit_names: Vec<String>,
     param_unit: Vec<usize>,
     /// The units whose parameters and optimizer state this rank holds at `step`.
@@ -320,7 +319,6 @@ impl Trainer {
             ledger,
             ckpt,
             flags: (false, false),
-            units,
             unit_names: unit_list.into_iter().map(|u| u.name).collect(),
             param_unit,
             // a new process holds the seed's state, at step 0
@@ -675,13 +673,12 @@ impl Trainer {
         }
     }
 
-    /// The flat gradient with the loss (a [1] tensor on the device) and the checkpoint flags
-    /// appended.
-    fn flat_grads(&self, loss: Tensor, generation: u64) -> Tensor {
-        let mut parts: Vec<Tensor> = self
-            .params
-            .iter()
-            .map(|p| {
+    /// The gradients of parameters `which`, each flattened (zeros where none).
+    fn grad_parts(&self, which: impl IntoIterator<Item = usize>) -> Vec<Tensor> {
+        which
+            .into_iter()
+            .map(|i| {
+                let p = &self.params[i];
                 let g = p.grad();
                 if g.defined() {
                     g.reshape([-1])
@@ -689,7 +686,24 @@ impl Trainer {
                     p.zeros_like().reshape([-1])
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    /// The global batch cut into the job's logical shards (deterministic mode).
+    fn logical_shards(&self) -> Vec<Share> {
+        let v = self.spec.logical_shards.unwrap_or(self.max_size).max(1);
+        split_batch(self.spec.global_batch as u64, v)
+    }
+
+    /// The model's units (the pipeline's blocks).
+    fn units(&self) -> usize {
+        self.unit_names.len()
+    }
+
+    /// The flat gradient with the loss (a [1] tensor on the device) and the checkpoint flags
+    /// appended.
+    fn flat_grads(&self, loss: Tensor, generation: u64) -> Tensor {
+        let mut parts = self.grad_parts(0..self.params.len());
         // the loss and the checkpoint flags ride along: every rank sees the same sums
         let (pending, busy) = self
             .ckpt
@@ -752,8 +766,8 @@ impl Trainer {
         let b = self.spec.global_batch as u64;
         let world = comm.world();
         let flat = if self.spec.deterministic {
-            let v = self.spec.logical_shards.unwrap_or(self.max_size).max(1) as u64;
-            let shards = split_batch(b, v as u32);
+            let shards = self.logical_shards();
+            let v = shards.len() as u64;
             let mut mine = Vec::new();
             for k in split_range(v, world, rank) {
                 self.zero_grads();

@@ -267,7 +267,7 @@ impl Trainer {
     /// Who writes what in `g`'s checkpoints: in a pipeline generation each tensor (a parameter
     /// or its optimizer state) is written by the replicas of the stage holding its unit.
     pub(super) fn set_owners(&mut self, g: &Generation) {
-        let units = self.units as u32;
+        let units = self.units() as u32;
         let params = self.params.len();
         let Some(ck) = &mut self.ckpt else { return };
         ck.plan = None;
@@ -275,7 +275,7 @@ impl Trainer {
             ck.owners = None;
             return;
         }
-        let per = ck.metas.len() / params.max(1) - 1;
+        let per = self.opt.state.len() / params.max(1);
         let (p, dp) = (g.layout.pipeline_parallel, g.layout.data_parallel);
         let of_param = |i: usize| -> Vec<u32> {
             let u = self.param_unit[i] as u32;

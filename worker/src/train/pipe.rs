@@ -117,7 +117,7 @@ impl Trainer {
         if m.spare {
             return 0..0;
         }
-        let r = g.stage_units(m.pp_stage, self.units as u32);
+        let r = g.stage_units(m.pp_stage, self.units() as u32);
         r.start as usize..r.end as usize
     }
 
@@ -229,7 +229,7 @@ impl Trainer {
                 );
             }
         }
-        let units = self.units;
+        let units = self.units();
         if max == 0.0 {
             // a cold start: everyone holds the seed's state (or restores the latest checkpoint)
             self.held = 0..units;
@@ -334,9 +334,8 @@ impl Trainer {
         let b = self.spec.global_batch as u64;
         let mut out = Vec::new();
         if self.spec.deterministic {
-            let v = self.spec.logical_shards.unwrap_or(self.max_size).max(1);
-            let shards = split_batch(b, v);
-            for k in split_range(v as u64, dp, d) {
+            let shards = self.logical_shards();
+            for k in split_range(shards.len() as u64, dp, d) {
                 let sh = shards[k as usize];
                 let parts = micro_batches(
                     sh,
@@ -367,24 +366,12 @@ impl Trainer {
         out
     }
 
-    /// This rank's parameters' gradients, flattened (zeros where none).
+    /// The gradients of `which`, in one flat tensor (a copy: the next zeroing leaves it be).
     fn flat_of(&self, which: &[usize]) -> Tensor {
-        let parts: Vec<Tensor> = which
-            .iter()
-            .map(|i| {
-                let p = &self.params[*i];
-                let g = p.grad();
-                if g.defined() {
-                    g.reshape([-1]).copy()
-                } else {
-                    p.zeros_like().reshape([-1])
-                }
-            })
-            .collect();
-        if parts.is_empty() {
+        if which.is_empty() {
             return Tensor::zeros([0], (Kind::Float, self.dev));
         }
-        Tensor::cat(&parts, 0)
+        Tensor::cat(&self.grad_parts(which.iter().copied()), 0)
     }
 
     /// Apply a reduced gradient to `which` and log it; `step` is the step it belongs to.
@@ -452,7 +439,7 @@ impl Trainer {
                         if last {
                             let y = self.data.batch(&idx).1.to_device(self.dev);
                             let l = self.model.loss_of(&out, &y) / b as f64;
-                            acc = acc + l.detach().to_kind(Kind::Double).reshape([1]);
+                            acc += l.detach().to_kind(Kind::Double).reshape([1]);
                             outputs[i as usize] = Some(l);
                         } else {
                             outbox.send(out.detach().contiguous(), rank + 1);
