@@ -34,13 +34,15 @@ pub struct TempDir(pub PathBuf);
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
+        TempDir::new_in(&std::env::temp_dir(), tag)
+    }
+    pub fn new_in(base: &Path, tag: &str) -> TempDir {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .subsec_nanos();
-        let p =
-            std::env::temp_dir().join(format!("ductile-{tag}-{}-{n}-{nanos}", std::process::id()));
+        let p = base.join(format!("ductile-{tag}-{}-{n}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&p).unwrap();
         TempDir(p)
     }
@@ -249,6 +251,10 @@ pub fn pid_alive(pid: u32) -> bool {
 pub struct Etcd {
     pub proc: Proc,
     pub endpoint: String,
+    /// etcd's data directory: on tmpfs (`/dev/shm`) where there is one, so that a slow disk's
+    /// fsync (1.4 s seen on a CI machine) does not stall raft and delay lease expiry under the
+    /// tests' liveness bounds; the tests check ductile, not the disk.
+    _data: TempDir,
 }
 
 impl Etcd {
@@ -256,11 +262,13 @@ impl Etcd {
         let (client, peer) = (free_port(), free_port());
         let c = format!("http://127.0.0.1:{client}");
         let p = format!("http://127.0.0.1:{peer}");
+        let shm = Path::new("/dev/shm");
+        let data = TempDir::new_in(if shm.is_dir() { shm } else { dir }, "etcd-data");
         let args: Vec<String> = [
             "--name",
             "t",
             "--data-dir",
-            &dir.join("etcd-data").display().to_string(),
+            &data.path().display().to_string(),
             "--listen-client-urls",
             &c,
             "--advertise-client-urls",
@@ -286,7 +294,11 @@ impl Etcd {
             &[],
             dir.join("etcd.log"),
         );
-        let e = Etcd { proc, endpoint: c };
+        let e = Etcd {
+            proc,
+            endpoint: c,
+            _data: data,
+        };
         e.wait_ready();
         e
     }
