@@ -266,6 +266,8 @@ async fn put_generation(store: &Store, job: &str, number: u64) -> anyhow::Result
         backend: Default::default(),
         fault_retries: 0,
         stage_boundaries: Vec::new(),
+        plan_us: 0,
+        handover: false,
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

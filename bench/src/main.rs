@@ -2,6 +2,8 @@
 //!
 //! `ductile-bench control-plane`: simulated agents and jobs with progress traffic on a real
 //! etcd and the daemon's leader loop in process (see [`control_plane`]).
+//! `pipeline-recovery`, `bubble`, `pipeline-step`: the pipeline's re-plan recovery, schedule
+//! bubble and steady-state step time (see [`pipeline`]).
 
 mod control_plane;
 mod counting;
@@ -120,6 +122,46 @@ enum Cmd {
         #[arg(long)]
         steps: Option<u64>,
     },
+    /// Pipeline re-plan recovery: SIGKILL one of 4 workers of a pipeline job → first step in
+    /// the new layout, with detection, planning, communicator formation and layer movement
+    /// timed apart.
+    PipelineRecovery {
+        #[arg(long, default_value_t = 10)]
+        rounds: usize,
+        /// The GPT's width (4 blocks): 64 is the jobs' default, larger moves more bytes.
+        #[arg(long, default_value_t = 64)]
+        d_model: u32,
+    },
+    /// The pipeline schedules' measured idle fraction per stage against (p−1)/(m+p−1), with a
+    /// calibrated sleep per layer over the TCP backend's point-to-point sends.
+    Bubble {
+        #[arg(long, value_delimiter = ',', default_value = "2,3,4")]
+        stages: Vec<u32>,
+        #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+        micro_batches: Vec<u32>,
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "gpipe,1f1b,interleaved-1f1b"
+        )]
+        schedules: Vec<String>,
+        /// Layers of the sleep model (split evenly over the stages by the planner's balance).
+        #[arg(long, default_value_t = 12)]
+        layers: u32,
+        /// Timed steps per cell (after one warm-up).
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// The GPT block each layer's sleep is calibrated on.
+        #[arg(long, default_value_t = 256)]
+        d_model: i64,
+        #[arg(long, default_value_t = 64)]
+        ctx: i64,
+    },
+    /// Steady-state step time of a GPT at world 4: data parallel, 2 stages, 4 stages.
+    PipelineStep {
+        #[arg(long, default_value_t = 8)]
+        micro_batches: u32,
+    },
     /// (internal) one rank of `allreduce`.
     #[command(hide = true)]
     AllreduceRank {
@@ -144,6 +186,7 @@ fn median(v: &mut [f64]) -> f64 {
 mod allreduce;
 mod checkpoint;
 mod gpu;
+mod pipeline;
 mod training;
 
 #[tokio::main]
@@ -204,6 +247,27 @@ async fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Cmd::PipelineRecovery { rounds, d_model } => pipeline::recovery(rounds, d_model).await,
+        Cmd::Bubble {
+            stages,
+            micro_batches,
+            schedules,
+            layers,
+            steps,
+            d_model,
+            ctx,
+        } => {
+            pipeline::bubble(
+                &stages,
+                &micro_batches,
+                &schedules,
+                layers,
+                steps,
+                (d_model, ctx),
+            )
+            .await
+        }
+        Cmd::PipelineStep { micro_batches } => pipeline::step(micro_batches).await,
         Cmd::Nccl { iters, sizes_mib } => gpu::nccl(iters, &sizes_mib).await,
         Cmd::GpuStep { steps } => training::gpu_step(steps).await,
         Cmd::Checkpoint { mib, stores, iters } => checkpoint::run(mib, &stores, iters).await,

@@ -14,10 +14,7 @@ use ductile_cluster::records::{now_ms, Generation, TrainingSpec};
 use ductile_comm::{Communicator, ReduceOp};
 use ductile_tests::*;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+use crate::median;
 
 fn job(name: &str, data: &str, extra: &str) -> String {
     format!(
@@ -28,7 +25,7 @@ fn job(name: &str, data: &str, extra: &str) -> String {
 
 /// Samples/s of job "bench" from `n` distinct progress reports past step `after` (fewer when
 /// `limit` passes first).
-async fn throughput(c: &Cluster, after: u64, n: usize, limit: Duration) -> Vec<f64> {
+pub(crate) async fn throughput(c: &Cluster, after: u64, n: usize, limit: Duration) -> Vec<f64> {
     let (mut sps, mut last, t0) = (Vec::new(), 0, Instant::now());
     while sps.len() < n && t0.elapsed() < limit {
         let v = c.status("bench");
@@ -43,7 +40,7 @@ async fn throughput(c: &Cluster, after: u64, n: usize, limit: Duration) -> Vec<f
     sps
 }
 
-async fn first_step(c: &Cluster, g: u64) -> u64 {
+pub(crate) async fn first_step(c: &Cluster, g: u64) -> u64 {
     let store = c.store().await;
     loop {
         if let Ok(Some(kv)) = store
@@ -57,17 +54,22 @@ async fn first_step(c: &Cluster, g: u64) -> u64 {
     }
 }
 
-/// When generation `g` of the bench job was published (unix ms).
-async fn published(c: &Cluster, g: u64) -> u64 {
+/// Generation `n` of the bench job, from its history (waiting up to 60 s).
+pub(crate) async fn generation(c: &Cluster, n: u64) -> anyhow::Result<Generation> {
     let store = c.store().await;
+    let t0 = Instant::now();
     loop {
-        if let Ok(Some((gen, _))) = store
-            .get_json::<Generation>(&store.keys.history_entry("bench", g), "generation")
-            .await
+        if let Some((g, _)) = store
+            .get_json::<Generation>(&store.keys.history_entry("bench", n), "generation")
+            .await?
         {
-            return gen.published_at_ms;
+            return Ok(g);
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(60),
+            "generation {n} was not published within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -123,7 +125,7 @@ pub async fn recovery(rounds: usize, node_rounds: usize, stop_rounds: usize) -> 
         let victim = v.members[(round + 1) % 4].pid.unwrap();
         let t0 = now_ms();
         unsafe { libc::kill(victim as i32, libc::SIGSTOP) };
-        let tp = published(&c, g + 1).await;
+        let tp = generation(&c, g + 1).await?.published_at_ms;
         let t1 = first_step(&c, g + 1).await;
         unsafe { libc::kill(victim as i32, libc::SIGCONT) };
         let (e, s) = (
@@ -139,10 +141,10 @@ pub async fn recovery(rounds: usize, node_rounds: usize, stop_rounds: usize) -> 
     }
     if stop_rounds > 0 {
         println!("\nrecovery, 4 CPU workers: worker SIGSTOP → excluded median {:.3} s (max {:.3}), first step of the new generation median {:.3} s over {stop_rounds} (liveness timeout {} ms)",
-            median(stop_excluded.clone()), stop_excluded.iter().cloned().fold(0.0, f64::max), median(stop_first),
+            median(&mut stop_excluded.clone()), stop_excluded.iter().cloned().fold(0.0, f64::max), median(&mut stop_first),
             ductile_comm::TcpConfig::from_env().liveness_timeout.as_millis());
     }
-    println!("\nrecovery, 4 CPU workers: worker SIGKILL → first step of the new generation median {:.3} s over {rounds}; lost node median {:.3} s over {node_rounds} (TTL {} s)", median(worker), median(node), c.spec.lease_ttl);
+    println!("\nrecovery, 4 CPU workers: worker SIGKILL → first step of the new generation median {:.3} s over {rounds}; lost node median {:.3} s over {node_rounds} (TTL {} s)", median(&mut worker), median(&mut node), c.spec.lease_ttl);
     Ok(())
 }
 
@@ -159,7 +161,7 @@ pub async fn dp_step(steps: u64) -> anyhow::Result<()> {
         "the job reported no throughput:\n{}",
         c.logs()
     );
-    let elastic_ms = 32.0 / median(sps) * 1000.0;
+    let elastic_ms = 32.0 / median(&mut sps.clone()) * 1000.0;
     drop(c);
     // the bare loop: same model, data and all-reduce, no control plane
     let etcd = Etcd::start(dir.path());
@@ -312,7 +314,7 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
         "the GPU job reported no throughput:\n{}",
         c.logs()
     );
-    let elastic_ms = gb as f64 / median(sps) * 1000.0;
+    let elastic_ms = gb as f64 / median(&mut sps.clone()) * 1000.0;
     // the worker's own checkpoint figures
     let store = c.store().await;
     let stats: Option<ductile_cluster::records::CheckpointStats> = store
@@ -428,7 +430,7 @@ fn staging_breakdown(params: &[tch::Tensor], state: &[tch::Tensor]) {
             tch::Cuda::synchronize(0);
             v.push(t0.elapsed().as_secs_f64() * 1e3);
         }
-        median(v)
+        median(&mut v)
     };
     let mut slot = None;
     let plan = StagePlan::new(layout.clone(), &tensors, false, STAGE_CHUNK);

@@ -67,6 +67,8 @@ async fn set_generation(store: &Store, job: &str, number: u64) {
         backend: Default::default(),
         fault_retries: 0,
         stage_boundaries: Vec::new(),
+        plan_us: 0,
+        handover: false,
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

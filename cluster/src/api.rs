@@ -19,9 +19,14 @@ pub struct MemberView {
     pub pp_stage: u32,
     #[serde(default)]
     pub tp_rank: u32,
-    /// The model units its stage holds (`h0..h1`); absent for a data-parallel job.
+    /// The model units its stage holds, `[first, end)` (its first chunk with
+    /// `interleaved-1f1b`); absent for a data-parallel job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage_units: Option<[u32; 2]>,
+    /// Every chunk of units its stage holds, `[first, end)` each (two with
+    /// `interleaved-1f1b`); empty for a data-parallel job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_chunks: Vec<[u32; 2]>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub spare: bool,
 }

@@ -515,8 +515,8 @@ impl TrainingSpec {
         one_of(
             "training.schedule",
             &self.schedule,
-            &["1f1b", "gpipe"],
-            &[("interleaved-1f1b", "is not supported yet")],
+            &["1f1b", "gpipe", "interleaved-1f1b"],
+            &[],
         )?;
         if self.pipeline_micro_batches == Some(0) {
             return Err(ClusterError::invalid(
@@ -798,26 +798,42 @@ pub struct Generation {
     /// `fault_retries`; then the job fails).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub fault_retries: u32,
-    /// The pipeline's stage boundaries in units of the model (embeddings, each block, the
-    /// head): stage s holds units `[b[s], b[s+1])`. Empty: one stage holds every unit.
+    /// The pipeline's chunk boundaries in units of the model (embeddings, each block, the
+    /// head): chunk k holds units `[b[k], b[k+1])`, stage s the chunks s, s + p, ... (see
+    /// [`Generation::stage_chunks`]). Empty: one stage holds every unit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stage_boundaries: Vec<u32>,
+    /// Microseconds the leader spent planning this generation's layout (0 when it had
+    /// nothing to plan: data parallel).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub plan_us: u64,
+    /// A hand-over: the trailing spares are leaving (a scale-down or a drain) and hold layers
+    /// no one staying holds; they stay for this generation to hand them over, and the leader
+    /// removes them once every member joined (the layers moved).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub handover: bool,
 }
 
 impl Generation {
-    /// The units stage `stage` holds; `units` is the model's count (every unit without
-    /// stages).
-    pub fn stage_units(&self, stage: u32, units: u32) -> std::ops::Range<u32> {
+    /// The chunks of units stage `stage` holds, in order; `units` is the model's count
+    /// (every unit without stages). The boundaries cut the model into contiguous chunks and
+    /// stage s holds chunks s, s + p, s + 2p, ... (one chunk per stage, or two with
+    /// `interleaved-1f1b`).
+    pub fn stage_chunks(&self, stage: u32, units: u32) -> Vec<std::ops::Range<u32>> {
         if self.stage_boundaries.len() < 2 {
-            return 0..units;
+            return vec![0..units];
         }
-        let s = stage as usize;
-        self.stage_boundaries[s]..self.stage_boundaries[s + 1]
+        let p = self.layout.pipeline_parallel.max(1) as usize;
+        let n = self.stage_boundaries.len() - 1;
+        (stage as usize..n)
+            .step_by(p)
+            .map(|k| self.stage_boundaries[k]..self.stage_boundaries[k + 1])
+            .collect()
     }
 }
 
-fn is_zero(n: &u32) -> bool {
-    *n == 0
+fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
+    *n == T::default()
 }
 
 /// A generation's communicator backend.
@@ -1048,7 +1064,7 @@ pub struct WorkerRecord {
 }
 
 /// A worker joined a generation (it is at the rendezvous and ready).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct JoinRecord {
     pub node: String,
     pub slot: u32,
@@ -1057,6 +1073,20 @@ pub struct JoinRecord {
     pub joined_at_ms: u64,
     /// The last step this worker completed (0 if it holds no state).
     pub step: u64,
+    /// When the worker saw the generation (unix ms): re-formation's phases are
+    /// published → seen → formed (communicator) → joined (state agreed and moved).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub seen_at_ms: u64,
+    /// When its communicator was formed (unix ms).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub formed_at_ms: u64,
+    /// Bytes of state (layers, optimizer state) it received from peers before joining.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub received_bytes: u64,
+    /// Bytes of parameters and optimizer state it holds in this generation (a pipeline
+    /// stage: its own layers' only).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub state_bytes: u64,
 }
 
 /// The latest committed checkpoint of a job: the commit point is the etcd transaction that

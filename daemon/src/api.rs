@@ -514,11 +514,8 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
                 dp_rank: m.dp_rank,
                 pp_stage: m.pp_stage,
                 tp_rank: m.tp_rank,
-                stage_units: (g.stage_boundaries.len() > 1 && !m.spare).then(|| {
-                    let b = &g.stage_boundaries;
-                    let s = m.pp_stage as usize;
-                    [b[s], b[s + 1]]
-                }),
+                stage_units: chunks_of(g, m).first().copied(),
+                stage_chunks: chunks_of(g, m),
                 spare: m.spare,
             })
             .collect(),
@@ -748,4 +745,17 @@ async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
         out,
     )
         .into_response())
+}
+
+/// The chunks of units member `m` holds in `g` (none for a data-parallel generation or a
+/// spare).
+fn chunks_of(g: &Generation, m: &ductile_cluster::records::Member) -> Vec<[u32; 2]> {
+    if g.stage_boundaries.len() < 2 || m.spare {
+        return Vec::new();
+    }
+    let units = *g.stage_boundaries.last().unwrap();
+    g.stage_chunks(m.pp_stage, units)
+        .into_iter()
+        .map(|r| [r.start, r.end])
+        .collect()
 }

@@ -497,11 +497,46 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         )
     };
     let survivors = old.intersection(&new).count();
+    // A planned departure (a scale-down, a drain) of members that are still alive: nobody
+    // failed. When they alone hold some layers, they stay one generation as spares to hand
+    // them over (a hand-over generation), and leave once every member joined it.
+    let mut leavers: Vec<(String, u32)> = Vec::new();
+    if let (Some(g), Some(t)) = (cur, spec.training.as_ref().filter(|t| t.pipelined())) {
+        let alive = |(n, s): &&(String, u32)| {
+            fleet.nodes.contains_key(n) && !obs.failed.contains_key(&(n.clone(), *s))
+        };
+        if removed.iter().all(alive) {
+            if g.handover {
+                let all_joined = (0..g.world_size).all(|r| obs.joined.contains_key(&r));
+                if !all_joined && now < g.published_at_ms + HANDOVER_WAIT_MS {
+                    return want(status(
+                        &spec.name,
+                        JobState::Running,
+                        cur,
+                        prev_status,
+                        format!(
+                            "generation {}: leaving members hand their layers over",
+                            g.number
+                        ),
+                        now,
+                    ));
+                }
+            } else if lost_units(g, t, &chosen).is_some() {
+                let mut ms = g.members.clone();
+                ms.sort_by_key(|m| m.rank);
+                leavers = ms
+                    .iter()
+                    .map(|m| (m.node.clone(), m.slot))
+                    .filter(|k| !new.contains(k))
+                    .collect();
+            }
+        }
+    }
     build(
         spec,
         obs,
         fleet,
-        &chosen,
+        (&chosen, &leavers),
         survivors,
         (reason, detail),
         triggered_at,
@@ -510,13 +545,19 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     )
 }
 
-/// A new generation of `chosen` (in rank order) and the status that goes with it.
+/// How long the leader waits for a hand-over generation's members to join (its layers to
+/// move) before it removes the leaving members anyway; the workers then find the layers
+/// without a holder and restore them from the latest checkpoint, or stop and say so.
+pub const HANDOVER_WAIT_MS: u64 = 60_000;
+
+/// A new generation of `chosen` (in rank order) and the status that goes with it; `leavers`
+/// follow as spares that hand their layers over (a hand-over generation).
 #[allow(clippy::too_many_arguments)]
 fn build(
     spec: &JobSpec,
     obs: &JobObs,
     fleet: &Fleet,
-    chosen: &[(String, u32)],
+    (chosen, leavers): (&[(String, u32)], &[(String, u32)]),
     survivors: usize,
     (reason, detail): (Reason, String),
     triggered_at: u64,
@@ -532,44 +573,54 @@ fn build(
     };
     let world = chosen.len() as u32;
     // the plan for this world size: layout, stage boundaries, each member's coordinates
-    let (layout, boundaries) = match spec.training.as_ref().filter(|t| t.pipelined()) {
-        Some(t) => match ductile_strategies::pipeline::plan(t, world) {
-            Ok(p) => (p.layout, p.boundaries),
-            Err(e) => {
-                return Decision::Status(status(
-                    &spec.name,
-                    JobState::Waiting,
-                    cur,
-                    prev_status,
-                    format!("{world} slot(s) cannot run this job: {e}"),
-                    now,
-                ))
+    let (layout, boundaries, plan_us) = match spec.training.as_ref().filter(|t| t.pipelined()) {
+        Some(t) => {
+            let planning = std::time::Instant::now();
+            match ductile_strategies::pipeline::plan(t, world) {
+                Ok(p) => {
+                    let us = (planning.elapsed().as_micros() as u64).max(1);
+                    (p.layout, p.boundaries, us)
+                }
+                Err(e) => {
+                    return Decision::Status(status(
+                        &spec.name,
+                        JobState::Waiting,
+                        cur,
+                        prev_status,
+                        format!("{world} slot(s) cannot run this job: {e}"),
+                        now,
+                    ))
+                }
             }
-        },
-        None => (Layout::data_parallel(world), Vec::new()),
+        }
+        None => (Layout::data_parallel(world), Vec::new(), 0),
     };
     let mut state_source = state_source;
-    if let (Some(g), Some(t)) = (cur, spec.training.as_ref()) {
-        if let Some(lost) = lost_units(g, t, chosen).filter(|_| survivors > 0) {
-            if spec.checkpoint.is_some() {
-                state_source = StateSource::Checkpoint;
-            } else {
-                return Decision::Status(status(
-                    &spec.name,
-                    JobState::Failed,
-                    cur,
-                    prev_status,
-                    format!("{lost}: their only holders left generation {} and the job has no checkpoint; stopping rather than starting them from the seed", g.number),
-                    now,
-                ));
-            }
+    // the layers whose only holders leave (handed over when the leavers stay as spares)
+    let lost = cur
+        .zip(spec.training.as_ref())
+        .and_then(|(g, t)| lost_units(g, t, chosen));
+    if let (Some(g), Some(lost), true) = (cur, &lost, survivors > 0 && leavers.is_empty()) {
+        if spec.checkpoint.is_some() {
+            state_source = StateSource::Checkpoint;
+        } else {
+            return Decision::Status(status(
+                &spec.name,
+                JobState::Failed,
+                cur,
+                prev_status,
+                format!("{lost}: their only holders left generation {} and the job has no checkpoint; stopping rather than starting them from the seed", g.number),
+                now,
+            ));
         }
     }
     let members: Vec<Member> = chosen
         .iter()
+        .chain(leavers)
         .enumerate()
         .map(|(r, (n, s))| {
-            let c = ductile_strategies::pipeline::coords(&layout, r as u32);
+            let c = ductile_strategies::pipeline::coords(&layout, r as u32)
+                .filter(|_| r < chosen.len());
             Member {
                 node: n.clone(),
                 slot: *s,
@@ -581,11 +632,20 @@ fn build(
             }
         })
         .collect();
-    let detail = if layout.pipeline_parallel > 1 {
+    let mut detail = if layout.pipeline_parallel > 1 {
         format!("{detail}; {layout}")
     } else {
         detail
     };
+    if !leavers.is_empty() {
+        let names: Vec<String> = leavers.iter().map(|(n, s)| format!("{n}/{s}")).collect();
+        detail = format!(
+            "{detail}; hand-over: {} hand {} to the members staying, then leave",
+            names.join(", "),
+            lost.unwrap_or_default()
+        );
+    }
+    let handover = !leavers.is_empty();
     let number = cur.map(|g| g.number).unwrap_or(0).max(obs.last_number) + 1;
     let generation = Generation {
         job: spec.name.clone(),
@@ -593,6 +653,8 @@ fn build(
         world_size: members.len() as u32,
         layout,
         stage_boundaries: boundaries,
+        plan_us,
+        handover,
         members,
         resume_step: obs.progress.as_ref().map(|p| p.step).unwrap_or(0),
         state_source,
@@ -603,7 +665,7 @@ fn build(
         published_at_ms: now,
         // pipeline stages exchange activations point to point on TCP (staged through host
         // memory on GPUs) until the NCCL backend groups its sends and receives
-        backend: if layout.pipeline_parallel > 1 {
+        backend: if layout.pipeline_parallel > 1 || handover {
             Backend::Tcp
         } else {
             Backend::resolve(
@@ -652,7 +714,11 @@ fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Opt
     let lost: Vec<&str> = (0..units.len() as u32)
         .filter(|u| {
             !g.members.iter().any(|m| {
-                !m.spare && stays(m) && g.stage_units(m.pp_stage, units.len() as u32).contains(u)
+                !m.spare
+                    && stays(m)
+                    && g.stage_chunks(m.pp_stage, units.len() as u32)
+                        .iter()
+                        .any(|c| c.contains(u))
             })
         })
         .map(|u| units[u as usize].name.as_str())
@@ -819,7 +885,7 @@ fn faults(
         spec,
         obs,
         fleet,
-        &chosen,
+        (&chosen, &[]),
         chosen.len(),
         (
             Reason::Failure,
@@ -854,6 +920,8 @@ pub(crate) fn test_generation(number: u64, members: &[(&str, u32)]) -> Generatio
         world_size: members.len() as u32,
         layout: Layout::data_parallel(members.len() as u32),
         stage_boundaries: Vec::new(),
+        plan_us: 0,
+        handover: false,
         resume_step: 0,
         state_source: StateSource::Seed,
         desired: members.len() as u32,
@@ -1057,6 +1125,106 @@ mod tests {
     }
 
     #[test]
+    fn a_scale_down_that_takes_a_stage_s_only_holder_hands_its_layers_over_first() {
+        let pipeline = |desired: u32| {
+            JobSpec::from_toml(&format!(
+                "name = \"j\"\nmin = 1\nmax = 4\ndesired = {desired}\n[training]\nmodel = \"mlp\"\ndataset = \"file:///d\"\nglobal_batch = 32\nlr = 0.01\nseed = 7\nstrategy = \"pipeline\"\npipeline_parallel = \"auto\"\nmodel_config = {{ hidden = 256, layers = 3 }}\n"
+            ))
+            .unwrap()
+        };
+        let f = fleet(&[("a", 2), ("b", 2)]);
+        // a job at 3 scaled to 2 at time 100: its first generation, then the next
+        let scaled_down = || {
+            let mut obs = JobObs {
+                spec: Some(pipeline(3)),
+                ..Default::default()
+            };
+            let g1 = step(&mut obs, &f, 0).unwrap();
+            obs.spec = Some(pipeline(2));
+            obs.spec_revision += 1;
+            let h = step(&mut obs, &f, 100).unwrap();
+            (obs, g1, h)
+        };
+        let (mut obs, g1, h) = scaled_down();
+        assert_eq!((g1.world_size, g1.layout.data_parallel), (3, 1));
+        assert!(g1.layout.pipeline_parallel >= 2, "{g1:?}");
+        let t = obs.spec.as_ref().unwrap().training.clone().unwrap();
+        let two: Vec<(String, u32)> = g1.members[..2]
+            .iter()
+            .map(|m| (m.node.clone(), m.slot))
+            .collect();
+        let lost = lost_units(&g1, &t, &two).expect("rank 2 alone holds some layers");
+        // scaled to 2: rank 2 stays one generation as a spare to hand its layers over
+        assert!(h.handover, "{h:?}");
+        assert_eq!(h.world_size, 3);
+        assert_eq!(h.layout.data_parallel * h.layout.pipeline_parallel, 2);
+        assert_eq!(h.state_source, StateSource::Peers);
+        let spares: Vec<u32> = h
+            .members
+            .iter()
+            .filter(|m| m.spare)
+            .map(|m| m.rank)
+            .collect();
+        assert_eq!(spares, vec![2]);
+        assert_eq!(
+            (h.members[2].node.as_str(), h.members[2].slot),
+            (g1.members[2].node.as_str(), g1.members[2].slot)
+        );
+        assert!(
+            h.detail.contains("hand-over") && h.detail.contains(&lost),
+            "{}",
+            h.detail
+        );
+        // until every member joined (the layers moved) nobody leaves
+        assert!(step(&mut obs, &f, 200).is_none());
+        assert!(obs
+            .status
+            .as_ref()
+            .unwrap()
+            .message
+            .contains("hand their layers over"));
+        for r in 0..3 {
+            obs.joined.insert(
+                r,
+                JoinRecord {
+                    rank: r,
+                    joined_at_ms: 300,
+                    ..Default::default()
+                },
+            );
+        }
+        let g3 = step(&mut obs, &f, 400).unwrap();
+        assert_eq!(
+            (g3.world_size, g3.handover, g3.reason),
+            (2, false, Reason::Scale)
+        );
+        assert_eq!(g3.state_source, StateSource::Peers);
+        assert!(g3.members.iter().all(|m| !m.spare));
+
+        // a hand-over that does not complete: the leaver goes after HANDOVER_WAIT_MS
+        let (mut obs, _, h) = scaled_down();
+        assert!(h.handover);
+        assert!(step(&mut obs, &f, 100 + HANDOVER_WAIT_MS - 1).is_none());
+        let g = step(&mut obs, &f, 100 + HANDOVER_WAIT_MS).unwrap();
+        assert_eq!((g.world_size, g.handover), (2, false));
+
+        // a member fails during the hand-over: the failure re-forms at once
+        let (mut obs, _, h) = scaled_down();
+        obs.failed.insert(
+            (h.members[2].node.clone(), h.members[2].slot),
+            SlotHealth {
+                failed_at_ms: 150,
+                generation: h.number,
+                exit: "killed by signal 9".into(),
+                will_restart: true,
+                excluded: false,
+            },
+        );
+        let g = step(&mut obs, &f, 160).unwrap();
+        assert_eq!((g.world_size, g.reason), (2, Reason::Failure));
+    }
+
+    #[test]
     fn reformation_is_recorded_once_everyone_joined() {
         let mut obs = JobObs {
             spec: Some(spec(1, 2, 2)),
@@ -1074,6 +1242,7 @@ mod tests {
                     pid: 1,
                     joined_at_ms: 1000 + 250 * (m.rank as u64 + 1),
                     step: 0,
+                    ..Default::default()
                 },
             );
         }

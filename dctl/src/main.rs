@@ -167,9 +167,15 @@ fn print_job(v: &JobView) {
             } else {
                 (
                     m.pp_stage.to_string(),
-                    m.stage_units
-                        .map(|[a, b]| format!("{a}..{b}"))
-                        .unwrap_or_else(|| "all".into()),
+                    if m.stage_chunks.is_empty() {
+                        "all".into()
+                    } else {
+                        m.stage_chunks
+                            .iter()
+                            .map(|[a, b]| format!("{a}..{b}"))
+                            .collect::<Vec<_>>()
+                            .join("+")
+                    },
                 )
             };
             println!(

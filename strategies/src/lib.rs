@@ -2,6 +2,7 @@
 //! rank's share of a fixed global batch, and pipeline plans ([`pipeline`]). No I/O, no tch.
 
 pub mod pipeline;
+pub mod redistribute;
 
 use ductile_cluster::records::Layout;
 

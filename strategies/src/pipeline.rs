@@ -114,10 +114,12 @@ pub fn unit_of(units: &[Unit], param: &str) -> Option<usize> {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StagePlan {
     pub stage: u32,
-    /// Units `[first, end)`.
+    /// Units `[first, end)` (its first chunk with `interleaved-1f1b`).
     pub first: u32,
     pub end: u32,
-    /// `embed..h1`.
+    /// Every chunk of units it holds, `[first, end)` each.
+    pub chunks: Vec<[u32; 2]>,
+    /// `embed..h1` (chunks joined by ` + `).
     pub units: String,
     pub params: u64,
     /// Modelled memory of a rank of this stage: weights, gradients, optimizer state and the
@@ -134,7 +136,8 @@ pub struct Plan {
     pub layout: Layout,
     /// Members past `dp × pp × tp` idle as spares.
     pub spares: u32,
-    /// Stage s holds units `[boundaries[s], boundaries[s+1])`.
+    /// Chunk k holds units `[boundaries[k], boundaries[k+1])`; stage s holds chunks s, s + p,
+    /// ... (one per stage, two with `interleaved-1f1b`).
     pub boundaries: Vec<u32>,
     pub stages: Vec<StagePlan>,
     /// Micro-batches per step per replica.
@@ -206,42 +209,146 @@ pub fn balance(costs: &[u64], parts: usize) -> Vec<u32> {
     pack(lo).expect("the sum of all costs always packs")
 }
 
-/// The schedules' idle fraction per stage: `(p−1)/(m+p−1)` for GPipe and 1F1B.
-pub fn bubble_fraction(_schedule: &str, p: u32, m: u32) -> f64 {
+/// Model chunks per stage: 2 for `interleaved-1f1b` (stage s holds chunks s and s + p of
+/// the 2p contiguous chunks), else 1.
+pub fn chunks_per_stage(schedule: &str) -> u32 {
+    if schedule == "interleaved-1f1b" {
+        2
+    } else {
+        1
+    }
+}
+
+/// The schedules' idle fraction of a step per stage: `(p−1)/(m+p−1)` for GPipe and 1F1B,
+/// `(p−1)/(v·m+p−1)` for interleaved 1F1B with v chunks per stage (whose bubble, measured
+/// against the ideal step rather than the whole, is Megatron's `(p−1)/(v·m)`).
+pub fn bubble_fraction(schedule: &str, p: u32, m: u32) -> f64 {
     if p <= 1 {
         return 0.0;
     }
-    (p - 1) as f64 / (m + p - 1) as f64
+    let v = chunks_per_stage(schedule);
+    (p - 1) as f64 / (v * m + p - 1) as f64
 }
 
-/// One piece of a stage's work in a step.
+/// One piece of a stage's work in a step: (micro-batch, the stage's local chunk).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
-    /// Forward of micro-batch i.
-    Fwd(u32),
-    /// Backward of micro-batch i.
-    Bwd(u32),
+    /// Forward of micro-batch i through local chunk j.
+    Fwd(u32, u32),
+    /// Backward of micro-batch i through local chunk j.
+    Bwd(u32, u32),
 }
 
 /// The order of work of `stage` of `p` over `m` micro-batches. GPipe: every forward, then
 /// every backward. 1F1B: `p − stage − 1` warm-up forwards, then one forward and one backward
 /// in turn, then the remaining backwards. Backwards run in micro-batch order in both, so a
-/// stage's gradients accumulate in the same order whatever the schedule.
+/// stage's gradients accumulate in the same order whatever the schedule. Interleaved 1F1B
+/// (Megatron's, v = 2 chunks per stage, `m` a multiple of `p`): forwards visit groups of `p`
+/// micro-batches chunk by chunk, backwards the chunks in reverse; `2(p − stage − 1) + (v−1)p`
+/// warm-up forwards (all of them when m = p); each chunk's backwards still in micro-batch
+/// order. Where p does not divide m, every forward, then every backward.
 pub fn stage_ops(schedule: &str, p: u32, m: u32, stage: u32) -> Vec<Op> {
-    let mut ops = Vec::with_capacity(2 * m as usize);
+    let v = chunks_per_stage(schedule);
+    let mut ops = Vec::with_capacity((2 * m * v) as usize);
+    if v > 1 && m % p != 0 {
+        // groups of p micro-batches do not tile m (the planner avoids it): every forward,
+        // chunk by chunk, then every backward, chunks in reverse
+        for j in 0..v {
+            ops.extend((0..m).map(|i| Op::Fwd(i, j)));
+        }
+        for j in (0..v).rev() {
+            ops.extend((0..m).map(|i| Op::Bwd(i, j)));
+        }
+        return ops;
+    }
+    if v > 1 {
+        let total = m * v;
+        let warm = if m == p {
+            total
+        } else {
+            (2 * (p - stage - 1) + (v - 1) * p).min(total)
+        };
+        let at = |k: u32, backward: bool| {
+            let (group, inside) = (k / (p * v), k % (p * v));
+            let chunk = inside / p;
+            let mb = group * p + inside % p;
+            if backward {
+                Op::Bwd(mb, v - 1 - chunk)
+            } else {
+                Op::Fwd(mb, chunk)
+            }
+        };
+        ops.extend((0..warm).map(|k| at(k, false)));
+        for i in 0..total - warm {
+            ops.push(at(warm + i, false));
+            ops.push(at(i, true));
+        }
+        ops.extend((total - warm..total).map(|k| at(k, true)));
+        return ops;
+    }
     if schedule == "gpipe" {
-        ops.extend((0..m).map(Op::Fwd));
-        ops.extend((0..m).map(Op::Bwd));
+        ops.extend((0..m).map(|i| Op::Fwd(i, 0)));
+        ops.extend((0..m).map(|i| Op::Bwd(i, 0)));
         return ops;
     }
     let warm = (p - stage - 1).min(m);
-    ops.extend((0..warm).map(Op::Fwd));
+    ops.extend((0..warm).map(|i| Op::Fwd(i, 0)));
     for i in 0..m - warm {
-        ops.push(Op::Fwd(warm + i));
-        ops.push(Op::Bwd(i));
+        ops.push(Op::Fwd(warm + i, 0));
+        ops.push(Op::Bwd(i, 0));
     }
-    ops.extend((m - warm..m).map(Op::Bwd));
+    ops.extend((m - warm..m).map(|i| Op::Bwd(i, 0)));
     ops
+}
+
+/// A point-to-point message of a step, named by what the receiver does with it: the input
+/// activation of micro-batch `mb` into global chunk `chunk`, or the gradient of that chunk's
+/// output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Msg {
+    Act { mb: u32, chunk: u32 },
+    Grad { mb: u32, chunk: u32 },
+}
+
+/// The message `op` of `stage` sends when it completes, and to whom (`p` stages, `v` chunks
+/// each: global chunk `j·p + stage`, its successor on stage `(stage + 1) % p`).
+pub fn sends(op: Op, stage: u32, p: u32, v: u32) -> Option<(u32, Msg)> {
+    match op {
+        Op::Fwd(mb, j) => {
+            let k = j * p + stage;
+            (k + 1 < v * p).then(|| ((stage + 1) % p, Msg::Act { mb, chunk: k + 1 }))
+        }
+        Op::Bwd(mb, j) => {
+            let k = j * p + stage;
+            (k > 0).then(|| ((stage + p - 1) % p, Msg::Grad { mb, chunk: k - 1 }))
+        }
+    }
+}
+
+/// The message `op` of `stage` waits for, and from whom.
+pub fn needs(op: Op, stage: u32, p: u32, v: u32) -> Option<(u32, Msg)> {
+    match op {
+        Op::Fwd(mb, j) => {
+            let k = j * p + stage;
+            (k > 0).then(|| ((stage + p - 1) % p, Msg::Act { mb, chunk: k }))
+        }
+        Op::Bwd(mb, j) => {
+            let k = j * p + stage;
+            (k + 1 < v * p).then(|| ((stage + 1) % p, Msg::Grad { mb, chunk: k }))
+        }
+    }
+}
+
+/// Every message stage `from` sends stage `to` in a step, in the order it sends them (a
+/// receiver reading them in another order keeps the early ones aside).
+pub fn send_order(schedule: &str, p: u32, m: u32, from: u32, to: u32) -> Vec<Msg> {
+    let v = chunks_per_stage(schedule);
+    stage_ops(schedule, p, m, from)
+        .into_iter()
+        .filter_map(|op| sends(op, from, p, v))
+        .filter(|(peer, _)| *peer == to)
+        .map(|(_, msg)| msg)
+        .collect()
 }
 
 /// A member's coordinates: `(dp_rank, pp_stage)`, or None for a spare. Ranks are laid out
@@ -285,33 +392,67 @@ fn model_step(
             t.pipeline_micro_batches.unwrap()
         ));
     }
+    let v = if pp > 1 {
+        chunks_per_stage(&t.schedule)
+    } else {
+        1
+    };
+    if v > 1 && (v * pp) as usize > us.len() {
+        return Err(format!(
+            "interleaved-1f1b cuts {pp} stages into {} chunks but the model has {} units",
+            v * pp,
+            us.len()
+        ));
+    }
+    if v > 1 && m % pp != 0 {
+        return Err(format!(
+            "interleaved-1f1b needs micro-batches in multiples of the {pp} stages; {m} is not"
+        ));
+    }
     let costs: Vec<u64> = us.iter().map(|u| u.flops.max(1.0) as u64).collect();
-    let b = balance(&costs, pp as usize);
+    let b = balance(&costs, (v * pp) as usize);
     let opt_states = if t.optimizer == "sgd" { 1 } else { 2 };
     let micro = per_replica.div_ceil(m) as u64;
     let mut stages = Vec::new();
     for s in 0..pp {
-        let (a, e) = (b[s as usize] as usize, b[s as usize + 1] as usize);
-        let part = &us[a..e];
+        let chunks: Vec<[u32; 2]> = (0..v)
+            .map(|j| {
+                let k = (j * pp + s) as usize;
+                [b[k], b[k + 1]]
+            })
+            .collect();
+        let part: Vec<&Unit> = chunks
+            .iter()
+            .flat_map(|[a, e]| &us[*a as usize..*e as usize])
+            .collect();
         let params: u64 = part.iter().map(|u| u.params).sum();
         let stash: u64 = part.iter().map(|u| u.stash_bytes).sum();
-        let in_flight = if t.schedule == "gpipe" {
-            m
-        } else {
-            (pp - s).min(m)
-        } as u64;
+        // activations kept for the backward pass, in chunk-micro-batches of 1/v of the stage
+        let in_flight = match t.schedule.as_str() {
+            "gpipe" => (m * v) as u64,
+            _ if v > 1 => ((2 * (pp - s - 1) + (v - 1) * pp + 1).min(m * v)) as u64,
+            _ => (pp - s).min(m) as u64,
+        };
         let flops: f64 = part.iter().map(|u| u.flops).sum();
+        let names: Vec<String> = chunks
+            .iter()
+            .map(|[a, e]| {
+                let (a, e) = (*a as usize, *e as usize);
+                if e - a == 1 {
+                    us[a].name.clone()
+                } else {
+                    format!("{}..{}", us[a].name, us[e - 1].name)
+                }
+            })
+            .collect();
         stages.push(StagePlan {
             stage: s,
-            first: a as u32,
-            end: e as u32,
-            units: if e - a == 1 {
-                part[0].name.clone()
-            } else {
-                format!("{}..{}", part[0].name, part[e - a - 1].name)
-            },
+            first: chunks[0][0],
+            end: chunks[0][1],
+            chunks,
+            units: names.join(" + "),
             params,
-            memory_bytes: params * 4 * (2 + opt_states) + stash * micro * in_flight,
+            memory_bytes: params * 4 * (2 + opt_states) + stash * micro * in_flight / v as u64,
             compute_s: flops * per_replica as f64 / SLOT_FLOPS,
         });
     }
@@ -326,10 +467,10 @@ fn model_step(
         }
     }
     let slowest = stages.iter().map(|s| s.compute_s).fold(0.0, f64::max);
-    let pipeline = slowest * (m + pp - 1) as f64 / m as f64;
+    let pipeline = slowest * (v * m + pp - 1) as f64 / (v * m) as f64;
     let p2p = if pp > 1 {
         let act = us[b[1] as usize - 1].out_bytes * micro;
-        2.0 * (pp - 1) as f64 * (act as f64 / LINK_BYTES_PER_S + LINK_LATENCY_S)
+        2.0 * (v * pp - 1) as f64 * (act as f64 / LINK_BYTES_PER_S + LINK_LATENCY_S)
     } else {
         0.0
     };
@@ -483,6 +624,23 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
                     format!("{m} is below pipeline_parallel = {n}: every stage needs a micro-batch in flight"),
                 ));
             }
+            if chunks_per_stage(&t.schedule) > 1 && n > 1 && m % n != 0 {
+                return Err((
+                    "training.pipeline_micro_batches".into(),
+                    format!("{m} is not a multiple of pipeline_parallel = {n}, which schedule = \"interleaved-1f1b\" needs"),
+                ));
+            }
+        }
+        let v = chunks_per_stage(&t.schedule);
+        if v > 1 && n > 1 && (v * n) as usize > us.len() {
+            return Err((
+                "training.schedule".into(),
+                format!(
+                    "interleaved-1f1b cuts {n} stages into {} chunks but the model has {} units",
+                    v * n,
+                    us.len()
+                ),
+            ));
         }
     }
     if let (Some(m), Degree::Auto) = (t.pipeline_micro_batches, t.pipeline_parallel) {
@@ -526,6 +684,38 @@ mod tests {
     }
 
     #[test]
+    fn interleaving_cuts_two_chunks_per_stage_and_shrinks_the_bubble() {
+        let mut t = gpt("pipeline", Degree::Fixed(2), 4); // 6 units
+        t.schedule = "interleaved-1f1b".into();
+        let p = plan(&t, 2).unwrap();
+        assert_eq!(p.boundaries.len(), 5, "{p:?}");
+        assert_eq!(p.boundaries[4], 6);
+        for s in &p.stages {
+            let k = s.stage as usize;
+            assert_eq!(
+                s.chunks,
+                vec![
+                    [p.boundaries[k], p.boundaries[k + 1]],
+                    [p.boundaries[k + 2], p.boundaries[k + 3]]
+                ]
+            );
+        }
+        let m = p.micro_batches;
+        assert_eq!(m % 2, 0);
+        assert!((p.bubble - 1.0 / (2 * m + 1) as f64).abs() < 1e-12);
+        let mut plain = t.clone();
+        plain.schedule = "1f1b".into();
+        let q = plan(&plain, 2).unwrap();
+        assert!(p.bubble < q.bubble && p.step_time_s < q.step_time_s);
+        // four chunks need four units; micro-batches must tile by the stages
+        let mut small = gpt("pipeline", Degree::Fixed(3), 1); // 3 units
+        small.schedule = "interleaved-1f1b".into();
+        assert!(plan(&small, 3).unwrap_err().contains("6 chunks"));
+        t.pipeline_micro_batches = Some(3);
+        assert!(plan(&t, 2).unwrap_err().contains("multiples"));
+    }
+
+    #[test]
     fn balance_is_contiguous_non_empty_and_minimises_the_costliest_stage() {
         let costs = [1u64, 10, 10, 10, 10, 5];
         for parts in 1..=costs.len() {
@@ -559,34 +749,98 @@ mod tests {
         }
     }
 
+    /// Runs every stage's ops in order with buffered sends (an op starts once the message it
+    /// needs was sent): forward 1 and backward 2 time units per stage, split over its chunks.
+    /// Returns each stage's idle fraction of the step, or None on a deadlock.
+    fn simulate(sched: &str, p: u32, m: u32) -> Option<Vec<f64>> {
+        use std::collections::HashMap;
+        let v = chunks_per_stage(sched);
+        let ops: Vec<Vec<Op>> = (0..p).map(|s| stage_ops(sched, p, m, s)).collect();
+        let mut next = vec![0usize; p as usize];
+        let mut clock = vec![0f64; p as usize];
+        let mut busy = vec![0f64; p as usize];
+        let mut sent: HashMap<(u32, Msg), f64> = HashMap::new();
+        loop {
+            let mut progress = false;
+            for s in 0..p as usize {
+                while next[s] < ops[s].len() {
+                    let op = ops[s][next[s]];
+                    let ready = match needs(op, s as u32, p, v) {
+                        None => 0.0,
+                        Some((from, msg)) => match sent.get(&(from, msg)) {
+                            Some(t) => *t,
+                            None => break,
+                        },
+                    };
+                    let d = match op {
+                        Op::Fwd(..) => 1.0,
+                        Op::Bwd(..) => 2.0,
+                    } / v as f64;
+                    clock[s] = clock[s].max(ready) + d;
+                    busy[s] += d;
+                    if let Some((_, msg)) = sends(op, s as u32, p, v) {
+                        sent.insert((s as u32, msg), clock[s]);
+                    }
+                    next[s] += 1;
+                    progress = true;
+                }
+            }
+            if next.iter().zip(&ops).all(|(n, o)| *n == o.len()) {
+                break;
+            }
+            if !progress {
+                return None;
+            }
+        }
+        let span = clock.iter().cloned().fold(0.0, f64::max);
+        Some(busy.iter().map(|b| 1.0 - b / span).collect())
+    }
+
     #[test]
-    fn schedules_run_every_micro_batch_once_and_backwards_in_order() {
-        for sched in ["gpipe", "1f1b"] {
+    fn schedules_run_every_chunk_of_every_micro_batch_once_without_deadlock_at_the_formula_bubble()
+    {
+        for sched in ["gpipe", "1f1b", "interleaved-1f1b"] {
+            let v = chunks_per_stage(sched);
             for p in 1..=4 {
-                for m in [1, 2, 4, 8] {
+                for m in [1, 2, 4, 8, 12] {
                     for s in 0..p {
                         let ops = stage_ops(sched, p, m, s);
-                        let f: Vec<u32> = ops
-                            .iter()
-                            .filter_map(|o| match o {
-                                Op::Fwd(i) => Some(*i),
-                                _ => None,
-                            })
-                            .collect();
-                        let b: Vec<u32> = ops
-                            .iter()
-                            .filter_map(|o| match o {
-                                Op::Bwd(i) => Some(*i),
-                                _ => None,
-                            })
-                            .collect();
-                        assert_eq!(f, (0..m).collect::<Vec<_>>());
-                        assert_eq!(b, (0..m).collect::<Vec<_>>());
-                        // a backward never precedes its forward
-                        for i in 0..m {
-                            let fi = ops.iter().position(|o| *o == Op::Fwd(i)).unwrap();
-                            let bi = ops.iter().position(|o| *o == Op::Bwd(i)).unwrap();
-                            assert!(fi < bi);
+                        assert_eq!(ops.len() as u32, 2 * m * v);
+                        for j in 0..v {
+                            let f: Vec<u32> = ops
+                                .iter()
+                                .filter_map(|o| match o {
+                                    Op::Fwd(i, c) if *c == j => Some(*i),
+                                    _ => None,
+                                })
+                                .collect();
+                            let b: Vec<u32> = ops
+                                .iter()
+                                .filter_map(|o| match o {
+                                    Op::Bwd(i, c) if *c == j => Some(*i),
+                                    _ => None,
+                                })
+                                .collect();
+                            // each chunk's backwards in micro-batch order: its gradients
+                            // accumulate in the same order whatever the schedule
+                            assert_eq!(f, (0..m).collect::<Vec<_>>(), "{sched} p{p} m{m}");
+                            assert_eq!(b, (0..m).collect::<Vec<_>>(), "{sched} p{p} m{m}");
+                            for i in 0..m {
+                                let fi = ops.iter().position(|o| *o == Op::Fwd(i, j)).unwrap();
+                                let bi = ops.iter().position(|o| *o == Op::Bwd(i, j)).unwrap();
+                                assert!(fi < bi);
+                            }
+                        }
+                    }
+                    let idle = simulate(sched, p, m)
+                        .unwrap_or_else(|| panic!("{sched} p{p} m{m} deadlocks"));
+                    if m >= p && (v == 1 || m % p == 0) {
+                        let want = bubble_fraction(sched, p, m);
+                        for (s, x) in idle.iter().enumerate() {
+                            assert!(
+                                (x - want).abs() < 1e-9,
+                                "{sched} p{p} m{m} stage {s}: idle {x}, formula {want}"
+                            );
                         }
                     }
                 }
@@ -594,8 +848,39 @@ mod tests {
         }
         // 1F1B keeps at most p − stage micro-batches in flight
         let ops = stage_ops("1f1b", 4, 8, 0);
-        assert_eq!(&ops[..4], &[Op::Fwd(0), Op::Fwd(1), Op::Fwd(2), Op::Fwd(3)]);
-        assert_eq!(ops[4], Op::Bwd(0));
+        let f4: Vec<Op> = (0..4).map(|i| Op::Fwd(i, 0)).collect();
+        assert_eq!(&ops[..4], f4.as_slice());
+        assert_eq!(ops[4], Op::Bwd(0, 0));
+        // interleaved: stage 0 of 2 warms up with 2 + 2 forwards, chunk 0 then chunk 1
+        let ops = stage_ops("interleaved-1f1b", 2, 4, 0);
+        assert_eq!(
+            &ops[..5],
+            &[
+                Op::Fwd(0, 0),
+                Op::Fwd(1, 0),
+                Op::Fwd(0, 1),
+                Op::Fwd(1, 1),
+                Op::Fwd(2, 0)
+            ]
+        );
+        assert_eq!(ops[5], Op::Bwd(0, 1));
+        // the last stage hands chunk p − 1's output to stage 0's second chunk; at p = 2 one
+        // direction carries activations and gradients alike
+        assert_eq!(
+            sends(Op::Fwd(3, 0), 1, 2, 2),
+            Some((0, Msg::Act { mb: 3, chunk: 2 }))
+        );
+        assert_eq!(
+            send_order("interleaved-1f1b", 2, 2, 1, 0),
+            vec![
+                Msg::Act { mb: 0, chunk: 2 },
+                Msg::Act { mb: 1, chunk: 2 },
+                Msg::Grad { mb: 0, chunk: 2 },
+                Msg::Grad { mb: 1, chunk: 2 },
+                Msg::Grad { mb: 0, chunk: 0 },
+                Msg::Grad { mb: 1, chunk: 0 }
+            ]
+        );
     }
 
     #[test]

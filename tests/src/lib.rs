@@ -983,6 +983,34 @@ impl Cluster {
         panic!("generation {g} did not report {world} weights");
     }
 
+    /// The join records of generation `g` of `job` (`world` ranks, in rank order), waiting
+    /// up to 60 s for all of them.
+    pub async fn joins(
+        &self,
+        job: &str,
+        g: u64,
+        world: u32,
+    ) -> Vec<ductile_cluster::records::JoinRecord> {
+        let store = self.store().await;
+        for _ in 0..1200 {
+            let (kvs, _) = store
+                .backend
+                .list(&store.keys.joined(job, g))
+                .await
+                .unwrap();
+            if kvs.len() == world as usize {
+                let mut v: Vec<ductile_cluster::records::JoinRecord> = kvs
+                    .iter()
+                    .map(|kv| serde_json::from_slice(&kv.value).unwrap())
+                    .collect();
+                v.sort_by_key(|j| j.rank);
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("generation {g} of {job} did not record {world} joins within 60 s");
+    }
+
     /// A typed store over this cluster's etcd.
     pub async fn store(&self) -> Store {
         let b = ductile_cluster::connect_etcd(&self.etcd.endpoint, Duration::from_secs(10))

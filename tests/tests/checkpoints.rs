@@ -9,7 +9,6 @@ use ductile_checkpoint::save::{
     commit_fenced, gather_and_commit, write_shard, CommitInput, SaveError, ShardLayout,
 };
 use ductile_checkpoint::{plan, Bucket, UploadOptions};
-use ductile_cluster::api::JobView;
 use ductile_cluster::records::{CheckpointRecord, CheckpointStats, JobState};
 use ductile_tests::*;
 

@@ -726,7 +726,6 @@ fn metrics_report_jobs_world_size_and_reformations() {
     // served from the replica's own view: with etcd hung, a scrape still answers at once and
     // says how old its figures are, and `dctl status` refuses to pass an old view off as
     // current
-    let mut c = c;
     c.etcd.proc.stop();
     std::thread::sleep(S(4));
     let t = Instant::now();

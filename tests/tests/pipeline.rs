@@ -45,6 +45,7 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
     assert!(human.contains("layout      dp1×pp"), "{human}");
 
     let v = c.wait_world("pp", 4, S(30));
+    replicas_agree(&c, v.generation);
     let layout = v.layout.unwrap();
     assert_eq!((layout.data_parallel, layout.pipeline_parallel), (2, 2));
     let stages: BTreeSet<u32> = v.members.iter().map(|m| m.pp_stage).collect();
@@ -80,6 +81,14 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
         before.is_subset(&after) || before == after,
         "survivors keep their processes: {before:?} {after:?}"
     );
+    // each stage holds its own layers and their optimizer state only: at dp1×pp3 the ranks'
+    // holdings add up to one model, which the data-parallel run below holds on every rank
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let held: Vec<u64> = rt
+        .block_on(c.joins("pp", g3.number, 3))
+        .iter()
+        .map(|j| j.state_bytes)
+        .collect();
     let at = c.status("pp").step;
     let later = c.wait_step("pp", at + 100, S(90));
     assert!(
@@ -88,32 +97,43 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
         early.loss.unwrap(),
         later.loss.unwrap()
     );
-    // the killed slot restarts and rejoins; then 4 → 2 → 4
+    // the killed slot restarts and rejoins; then 4 → 3 → 2 → 4
     c.wait_world("pp", 4, S(60));
     c.wait_step("pp", c.status("pp").step + 50, S(90));
+    c.dctl_ok(&["scale", "pp", "3"]);
+    let v3 = c.wait_world("pp", 3, S(30));
+    assert_eq!(v3.layout.unwrap().pipeline_parallel, 3);
+    c.wait_step("pp", c.status("pp").step + 50, S(90));
+    // 3 → 2 takes the last stage's only holder: it stays one generation as a spare and hands
+    // its layers over (the job has no checkpoint to fall back on), then leaves
+    let staying: BTreeSet<u32> = c.status("pp").members[..2]
+        .iter()
+        .map(|m| m.pid.unwrap())
+        .collect();
     c.dctl_ok(&["scale", "pp", "2"]);
-    let v2 = c.wait_world("pp", 2, S(30));
+    let v2 = c.wait_world("pp", 2, S(90));
     assert_eq!(v2.layout.unwrap().pipeline_parallel, 2);
+    let h = c.history("pp");
+    let handover = h
+        .iter()
+        .find(|g| g.handover)
+        .unwrap_or_else(|| panic!("no hand-over generation: {h:?}"));
+    assert_eq!(handover.world_size, 3, "{handover:?}");
+    assert!(handover.members[2].spare, "{handover:?}");
+    assert!(handover.detail.contains("hand-over"), "{}", handover.detail);
+    let last = h.last().unwrap();
+    assert_eq!(
+        (last.world_size, last.state_source, last.handover),
+        (2, StateSource::Peers, false),
+        "{last:?}"
+    );
+    let now: BTreeSet<u32> = v2.members.iter().filter_map(|m| m.pid).collect();
+    assert_eq!(now, staying, "the members staying keep their processes");
     c.wait_step("pp", c.status("pp").step + 100, S(90));
     c.dctl_ok(&["scale", "pp", "4"]);
     let v4 = c.wait_world("pp", 4, S(60));
     // after the change every replica of a layer holds the same bytes
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let ws = rt.block_on(c.weights("pp", v4.generation, 4));
-    let mut by_units: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for w in &ws {
-        let parts: Vec<&str> = w.split(':').collect();
-        assert_eq!(parts.len(), 3, "{w}");
-        by_units
-            .entry(parts[2].to_string())
-            .or_default()
-            .insert(format!("{}:{}", parts[0], parts[1]));
-    }
-    assert_eq!(by_units.len(), 2, "two stages: {ws:?}");
-    assert!(
-        by_units.values().all(|s| s.len() == 1),
-        "replicas differ: {ws:?}"
-    );
+    replicas_agree(&c, v4.generation);
 
     let done = c.wait_done("pp", S(300));
     assert_eq!(done.step, steps);
@@ -128,10 +148,80 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
     // the same spec, data parallel at a fixed world of 2, uninterrupted
     c.submit(&train("dp", 2, "data-parallel"));
     let reference = c.wait_done("dp", S(300));
+    let g1 = c.history("dp")[0].clone();
+    let whole = rt.block_on(c.joins("dp", g1.number, g1.world_size))[0].state_bytes;
+    assert!(whole > 0);
+    assert_eq!(g3.layout.data_parallel, 1, "{g3:?}");
+    assert_eq!(held.iter().sum::<u64>(), whole, "{held:?} vs {whole}");
+    assert!(held.iter().all(|b| *b < whole), "{held:?} vs {whole}");
     assert_eq!(
         done.final_weights_sha256.unwrap(),
         reference.final_weights_sha256.unwrap(),
         "the pipeline's final weights differ from the data-parallel run"
+    );
+}
+
+/// `schedule = "interleaved-1f1b"` on the GPT (embeddings, 2 blocks, head: four chunks of one
+/// unit): each stage holds two chunks of the model (stage s chunks s and s + p), activations
+/// wrap from the last stage back to the first, stages that released the embeddings still
+/// size their activations, and a kill and a resize later the weights equal an uninterrupted
+/// data-parallel run's, bit for bit.
+#[test]
+fn pipeline_interleaved_holds_two_chunks_per_stage_and_stays_bitwise_equal_to_data_parallel() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "tokens", 50_000);
+    let steps = 400u64;
+    let job = |name: &str, desired: u32, strategy: &str| {
+        format!(
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\nstrategy = \"{strategy}\"\npipeline_parallel = 2\nschedule = \"interleaved-1f1b\"\nmodel_config = {{ n_layer = 2 }}\n",
+            training_toml(name, 1, 4, desired, "gpt", &data, "restart_budget = 20")
+        )
+    };
+    c.submit(&job("il", 4, "pipeline"));
+    let plan: serde_json::Value =
+        serde_json::from_str(&c.dctl_ok(&["plan", "il", "--world", "2", "--json"])).unwrap();
+    assert_eq!(plan["boundaries"].as_array().unwrap().len(), 5, "{plan}");
+    assert_eq!(
+        plan["stages"][0]["chunks"].as_array().unwrap().len(),
+        2,
+        "{plan}"
+    );
+    let v = c.wait_world("il", 4, S(30));
+    let layout = v.layout.unwrap();
+    assert_eq!((layout.data_parallel, layout.pipeline_parallel), (2, 2));
+    for m in &v.members {
+        assert_eq!(m.stage_chunks.len(), 2, "{m:?}");
+        // stage s holds chunks s and s + 2 of the four
+        assert_eq!(
+            m.stage_chunks[0][0],
+            v.members[m.pp_stage as usize].stage_chunks[0][0]
+        );
+    }
+    let table = c.dctl_ok(&["status", "il"]);
+    assert!(table.contains('+'), "two chunks per member: {table}");
+    c.wait_step("il", 100, S(90));
+    // a kill: the stage's other replica keeps its chunks; then down to 2
+    unsafe { libc::kill(v.members[1].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_world("il", 3, S(30));
+    c.wait_step("il", c.status("il").step + 50, S(90));
+    c.dctl_ok(&["scale", "il", "2"]);
+    c.wait_world("il", 2, S(60));
+    let done = c.wait_done("il", S(300));
+    assert_eq!(done.step, steps);
+    let h = c.history("il");
+    assert!(
+        h.iter().all(|g| g.stage_boundaries.len() == 5),
+        "every generation cut the model into 2 × 2 chunks: {h:?}"
+    );
+    c.submit(&job("dp", 2, "data-parallel"));
+    let reference = c.wait_done("dp", S(300));
+    assert_eq!(
+        done.final_weights_sha256.unwrap(),
+        reference.final_weights_sha256.unwrap(),
+        "the interleaved pipeline's final weights differ from the data-parallel run"
     );
 }
 
@@ -175,6 +265,17 @@ fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
         c.logs().contains("restored checkpoint step"),
         "a restore, not a fresh start"
     );
+    // the restore's plan: every chunk read once, by one rank; each rank read a share and got
+    // the rest of the model from its peers
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let g = c.history("d1")[0].number;
+    let joins = rt.block_on(c.joins("d1", g, 3));
+    assert!(
+        joins
+            .iter()
+            .all(|j| j.received_bytes > 0 && j.received_bytes < j.state_bytes),
+        "{joins:?}"
+    );
     stop_after("d1", at + 150);
     // and that checkpoint into a pipeline at world 2, to the end
     c.submit(&job("p2", &url, steps, 2, "pipeline"));
@@ -184,6 +285,16 @@ fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
     assert!(
         at2 >= at + 100,
         "the pipeline restored the data-parallel job's checkpoint (step {at2})"
+    );
+    // each stage read its own layers from the store, and only those: nothing passed between
+    // the two stages, and each holds less than the whole model
+    let g = c.history("p2")[0].number;
+    let joins = rt.block_on(c.joins("p2", g, 2));
+    assert!(
+        joins
+            .iter()
+            .all(|j| j.received_bytes == 0 && j.state_bytes > 0),
+        "{joins:?}"
     );
     let restored = c.wait_done("p2", S(180));
     // the reference: data parallel at world 2, no interruption
@@ -235,6 +346,14 @@ fn pipeline_bad_specs_are_refused_at_submit_naming_the_field() {
             base("strategy = \"auto\"\nmemory_per_slot_gib = 0.000001\n"),
             "GiB",
         ),
+        (
+            base("strategy = \"pipeline\"\npipeline_parallel = 2\npipeline_micro_batches = 3\nschedule = \"interleaved-1f1b\"\nmodel_config = { layers = 3 }\n"),
+            "invalid training.pipeline_micro_batches: 3 is not a multiple of pipeline_parallel = 2",
+        ),
+        (
+            base("strategy = \"pipeline\"\npipeline_parallel = 2\nschedule = \"interleaved-1f1b\"\nmodel_config = { layers = 2 }\n"),
+            "invalid training.schedule: interleaved-1f1b cuts 2 stages into 4 chunks but the model has 3 units",
+        ),
     ];
     for (i, (text, want)) in cases.iter().enumerate() {
         let p = c.dir.path().join(format!("bad{i}.toml"));
@@ -245,4 +364,25 @@ fn pipeline_bad_specs_are_refused_at_submit_naming_the_field() {
     }
     let jobs: Vec<JobView> = serde_json::from_str(&c.dctl_ok(&["status", "--json"])).unwrap();
     assert!(jobs.is_empty(), "nothing was stored");
+}
+
+/// The weights records of generation `g` (4 ranks, 2 stages): each rank holds one stage's
+/// units, and the replicas of a stage hold the same bytes at the same step.
+fn replicas_agree(c: &Cluster, g: u64) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ws = rt.block_on(c.weights("pp", g, 4));
+    let mut by_units: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for w in &ws {
+        let parts: Vec<&str> = w.split(':').collect();
+        assert_eq!(parts.len(), 3, "{w}");
+        by_units
+            .entry(parts[2].to_string())
+            .or_default()
+            .insert(format!("{}:{}", parts[0], parts[1]));
+    }
+    assert_eq!(by_units.len(), 2, "generation {g}, two stages: {ws:?}");
+    assert!(
+        by_units.values().all(|s| s.len() == 1),
+        "generation {g}, replicas differ: {ws:?}"
+    );
 }

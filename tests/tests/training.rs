@@ -1,10 +1,10 @@
 //! Elastic data-parallel training: real etcd, daemon, agents and tch workers.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use ductile_cluster::api::JobView;
-use ductile_cluster::records::{JobState, Reason, StateSource};
+use ductile_cluster::records::{Reason, StateSource};
 use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;

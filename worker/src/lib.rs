@@ -101,6 +101,7 @@ pub async fn follow_generations(
                             joined_at_ms: now_ms(),
                             // this mode holds no training state
                             step: 0,
+                            ..Default::default()
                         };
                         let key = store.keys.joined_rank(&env.job, g.number, m.rank);
                         let mut delay = Duration::from_millis(50);

@@ -67,6 +67,8 @@ enum Net {
         head: nn::Linear,
         ctx: i64,
         vocab: i64,
+        /// The width of every activation between units (d_model).
+        width: i64,
     },
     Mlp {
         /// Hidden layers, each followed by tanh.
@@ -111,6 +113,7 @@ impl Model {
                     ),
                     ctx: *ctx as i64,
                     vocab,
+                    width: c,
                 }
             }
             ("mlp", Dataset::Regression { x, y }) => {
@@ -165,7 +168,8 @@ impl Model {
     pub fn boundary_shape(&self, unit: usize, n: i64) -> Vec<i64> {
         debug_assert!(unit > 0);
         match &self.net {
-            Net::Gpt { ctx, tok, .. } => vec![n, *ctx, tok.ws.size()[1]],
+            // from the config, not a weight: a stage may have released the embeddings
+            Net::Gpt { ctx, width, .. } => vec![n, *ctx, *width],
             Net::Mlp { width, .. } => vec![n, *width],
         }
     }

@@ -120,10 +120,15 @@ pub struct Trainer {
     /// The model's units (pipeline blocks) by name, and each parameter's unit.
     unit_names: Vec<String>,
     param_unit: Vec<usize>,
-    /// The units whose parameters and optimizer state this rank holds at `step`.
-    held: std::ops::Range<usize>,
+    /// The chunks of units whose parameters and optimizer state this rank holds at `step`.
+    held: Vec<std::ops::Range<usize>>,
     /// A pipeline step's reduced gradient waiting for its commit.
     pending: Option<pipe::Pending>,
+    /// Bytes of state received from peers when joining the current generation.
+    received: u64,
+    /// Each parameter's shape (its optimizer state has the same): the storage of units this
+    /// rank does not hold is released and comes back, zeroed, before a unit is received.
+    shapes: Vec<Vec<i64>>,
 }
 
 fn sha256_params(params: &[Tensor]) -> String {
@@ -258,6 +263,7 @@ impl Trainer {
         let model = Model::new(&spec, &data, dev)?;
         let params: Vec<Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
         let opt = Optimizer::new(&spec.optimizer, &params);
+        let shapes = params.iter().map(|p| p.size()).collect();
         let ledger = match std::env::var("DUCTILE_LEDGER_DIR") {
             Ok(dir) => {
                 std::fs::create_dir_all(&dir)?;
@@ -322,8 +328,10 @@ impl Trainer {
             unit_names: unit_list.into_iter().map(|u| u.name).collect(),
             param_unit,
             // a new process holds the seed's state, at step 0
-            held: 0..units,
+            held: vec![0..units],
             pending: None,
+            received: 0,
+            shapes,
         })
     }
 
@@ -333,6 +341,7 @@ impl Trainer {
         let mut current = 0u64;
         loop {
             let g = self.cell.wait_newer(current);
+            let seen = now_ms();
             current = g.number;
             let Some(me) = g.member(&self.env.node, self.env.slot).cloned() else {
                 println!(
@@ -349,8 +358,9 @@ impl Trainer {
                     continue;
                 }
             };
+            let formed = now_ms();
             self.cell.install(g.number, comm.clone());
-            match self.generation(&g, &comm, &me) {
+            match self.generation(&g, &comm, &me, (seen, formed)) {
                 Ok(Outcome::Done) => return Ok(Left::Done),
                 Ok(Outcome::Reform(e)) => {
                     tracing::info!(generation = g.number, step = self.step, reason = %e, "leaving generation");
@@ -478,6 +488,7 @@ impl Trainer {
         g: &Generation,
         arc: &Arc<dyn Communicator>,
         me: &Member,
+        (seen_at_ms, formed_at_ms): (u64, u64),
     ) -> anyhow::Result<Outcome> {
         let rank = me.rank;
         let t0 = Instant::now();
@@ -486,7 +497,9 @@ impl Trainer {
         }
         self.set_owners(g);
         let comm: &dyn Communicator = arc.as_ref();
-        let pipelined = g.layout.pipeline_parallel > 1 || me.spare;
+        // spares (a layout that leaves ranks idle, or leaving members of a hand-over) take
+        // part in the pipeline step's commit
+        let pipelined = g.layout.pipeline_parallel > 1 || g.members.iter().any(|m| m.spare);
         let mine = self.params_in(&self.held.clone());
         let held_params: Vec<Tensor> = mine
             .iter()
@@ -511,12 +524,18 @@ impl Trainer {
             pid: std::process::id(),
             joined_at_ms: now_ms(),
             step: self.step,
+            seen_at_ms,
+            formed_at_ms,
+            received_bytes: self.received,
+            state_bytes: self.state_bytes(),
         };
         let weights = if pipelined {
-            format!(
-                "{}:{}:{}-{}",
-                self.step, hash, self.held.start, self.held.end
-            )
+            let chunks: Vec<String> = self
+                .held
+                .iter()
+                .map(|r| format!("{}-{}", r.start, r.end))
+                .collect();
+            format!("{}:{}:{}", self.step, hash, chunks.join("+"))
         } else {
             format!("{}:{}", self.step, hash)
         };
@@ -665,8 +684,13 @@ impl Trainer {
     }
 
     fn zero_grads(&self) {
-        for p in &self.params {
-            let mut g = p.grad();
+        self.zero_grads_of(0..self.params.len());
+    }
+
+    /// Zero the gradients of parameters `which`.
+    fn zero_grads_of(&self, which: impl IntoIterator<Item = usize>) {
+        for i in which {
+            let mut g = self.params[i].grad();
             if g.defined() {
                 let _ = g.zero_();
             }

@@ -1,6 +1,7 @@
 //! Checkpoints of the elastic loop: save at step boundaries (copy into a host buffer, upload in
-//! the background, rank 0 commits), and restore on a cold start (every member at step 0), with
-//! the reads split across ranks and shared over the communicator.
+//! the background, rank 0 commits), and restore on a cold start (every member at step 0)
+//! through the redistribution plan: each chunk read by one rank that needs it, then sent point
+//! to point to the others that need it.
 //!
 //! Whether a step saves is decided collectively: two flags ride on each step's all-reduce (a
 //! pending checkpoint request, a save still in flight), so every rank takes the same decision.
@@ -18,7 +19,40 @@ use ductile_cluster::Store;
 use ductile_comm::{CommError, Communicator};
 use tch::{Kind, Tensor};
 
+use super::pipe::region_of;
 use super::Trainer;
+use ductile_strategies::redistribute::{self, elements, intersect, relative, Chunk, Part, Region};
+
+/// The manifest's chunks as regions of the state tensors (in the manifest's order, which
+/// `check_compatible` holds equal to the job's), with their names; a chunk outside its tensor,
+/// or whose bytes do not match its shape, is an error naming it.
+fn manifest_chunks(m: &Manifest) -> Result<(Vec<Chunk>, Vec<plan::ChunkRef>), String> {
+    let mut chunks = Vec::new();
+    let mut refs = Vec::new();
+    for (ti, (name, t)) in m.ordered().enumerate() {
+        for (k, c) in t.chunks.iter().enumerate() {
+            let region: Region = c
+                .offsets
+                .iter()
+                .zip(&c.shape)
+                .map(|(o, n)| *o..o.saturating_add(*n))
+                .collect();
+            let fits = c.offsets.len() == t.shape.len()
+                && c.shape.len() == t.shape.len()
+                && region.iter().zip(&t.shape).all(|(r, d)| r.end <= *d);
+            let bytes = elements(&region).checked_mul(t.dtype.size());
+            if !fits || bytes != Some(c.byte_range[1].saturating_sub(c.byte_range[0])) {
+                return Err(format!(
+                    "tensor {name} chunk {k}: offsets {:?} shape {:?} bytes {:?} do not fit the tensor {:?}",
+                    c.offsets, c.shape, c.byte_range, t.shape
+                ));
+            }
+            chunks.push(Chunk { tensor: ti, region });
+            refs.push((name.clone(), k));
+        }
+    }
+    Ok((chunks, refs))
+}
 
 pub struct Ckpt {
     pub spec: CheckpointSpec,
@@ -257,7 +291,7 @@ fn kind_of(d: Dtype) -> Kind {
 }
 
 impl Trainer {
-    fn state_tensors(&self) -> Vec<Tensor> {
+    pub(super) fn state_tensors(&self) -> Vec<Tensor> {
         self.tensors()
             .into_iter()
             .map(|t| t.shallow_clone())
@@ -280,7 +314,7 @@ impl Trainer {
         let of_param = |i: usize| -> Vec<u32> {
             let u = self.param_unit[i] as u32;
             let stage = (0..p)
-                .find(|s| g.stage_units(*s, units).contains(&u))
+                .find(|s| g.stage_chunks(*s, units).iter().any(|c| c.contains(&u)))
                 .unwrap_or(0);
             (0..dp).map(|d| d * p + stage).collect()
         };
@@ -545,10 +579,15 @@ impl Trainer {
         }
     }
 
+    /// Restore what `need` says each rank needs (whole tensors or regions of them) through the
+    /// redistribution plan: each rank reads its chunks, then the ranks exchange what the
+    /// others need of them.
     pub(super) fn restore(
         &mut self,
-        comm: &dyn Communicator,
+        arc: &Arc<dyn Communicator>,
+        need: &[Part],
     ) -> anyhow::Result<Result<(), CommError>> {
+        let comm: &dyn Communicator = arc.as_ref();
         let t0 = Instant::now();
         let rank = comm.rank();
         let world = comm.world();
@@ -599,20 +638,35 @@ impl Trainer {
             }
             return Ok(Ok(()));
         }
+        let elem = self.elem_sizes();
         for rec in &candidates {
             // every rank reads the manifest (small); a bad one fails this candidate everywhere
             let m = self.rt.block_on(load_manifest(&bucket, rec));
-            let share = m
-                .as_ref()
-                .ok()
-                .map(|m| plan::readers(m, world)[rank as usize].clone());
-            let got = match (&m, &share) {
-                (Ok(m), Some(share)) => self
-                    .rt
-                    .block_on(fetch(&bucket, m, share, 8))
-                    .map_err(|e| e.to_string()),
-                (Err(e), _) => Err(e.to_string()),
-                _ => unreachable!(),
+            if let Ok(m) = &m {
+                // the same manifest everywhere: every rank stops alike
+                self.check_compatible(m)?;
+            }
+            // the redistribution plan from the manifest's chunks to what each rank needs:
+            // every chunk read once, by one of the ranks that need it
+            let planned = m.as_ref().map_err(|e| e.to_string()).and_then(|m| {
+                let (chunks, refs) = manifest_chunks(m)?;
+                let p = redistribute::plan(&elem, &[], &chunks, need)
+                    .map_err(|e| format!("the manifest does not cover the state: {e}"))?;
+                Ok((chunks, refs, p))
+            });
+            let got = match (&m, &planned) {
+                (Ok(m), Ok((_, refs, p))) => {
+                    let mine: Vec<plan::ChunkRef> = p
+                        .reads_of(rank)
+                        .into_iter()
+                        .map(|c| refs[c].clone())
+                        .collect();
+                    self.rt
+                        .block_on(fetch(&bucket, m, &mine, 8))
+                        .map_err(|e| e.to_string())
+                }
+                (_, Err(e)) => Err(e.clone()),
+                (Err(_), Ok(_)) => unreachable!("a plan comes from a manifest"),
             };
             if let Err(e) = &got {
                 eprintln!("CHECKPOINT STEP {} FAILED on rank {rank}: {e}", rec.step);
@@ -637,51 +691,42 @@ impl Trainer {
                 continue;
             }
             let m = m.unwrap();
-            self.check_compatible(&m)?;
-            let got = got.unwrap();
-            // share: each rank broadcasts what it read
+            let (chunks, _, p) = planned.expect("every rank's check passed");
+            // what this rank read: into its own tensors where it needs it, and kept to serve
+            // the other ranks that need it
             let targets = self.state_tensors();
-            let index: std::collections::HashMap<&str, usize> = m
-                .order
-                .iter()
-                .enumerate()
-                .map(|(i, n)| (n.as_str(), i))
-                .collect();
-            let shares = plan::readers(&m, world);
-            for (r, share) in shares.iter().enumerate() {
-                let mut blob = if r as u32 == rank {
-                    let mut v = Vec::with_capacity(got.iter().map(|b| b.len()).sum());
-                    for b in &got {
-                        v.extend_from_slice(b);
+            let mut read = std::collections::BTreeMap::new();
+            let mine: Vec<&Part> = need.iter().filter(|n| n.rank == rank).collect();
+            for (c, bytes) in p.reads_of(rank).into_iter().zip(got.unwrap()) {
+                let chunk = &chunks[c];
+                let shape: Vec<i64> = chunk
+                    .region
+                    .iter()
+                    .map(|r| (r.end - r.start) as i64)
+                    .collect();
+                let kind = kind_of(m.tensors[&m.order[chunk.tensor]].dtype);
+                let src = Tensor::from_data_size(&bytes, &shape, kind);
+                for n in mine.iter().filter(|n| n.tensor == chunk.tensor) {
+                    if let Some(x) = intersect(&n.region, &chunk.region) {
+                        tch::no_grad(|| {
+                            region_of(&targets[chunk.tensor], &x)
+                                .copy_(&region_of(&src, &relative(&x, &chunk.region)));
+                        });
                     }
-                    v
-                } else {
-                    Vec::new()
-                };
-                if let Err(e) = comm.broadcast_vec(&mut blob, r as u32) {
-                    return Ok(Err(e));
                 }
-                let mut at = 0usize;
-                for (name, k) in share {
-                    let t = &m.tensors[name];
-                    let c = &t.chunks[*k];
-                    let n = (c.byte_range[1] - c.byte_range[0]) as usize;
-                    let bytes = &blob[at..at + n];
-                    at += n;
-                    let dst = &targets[index[name.as_str()]];
-                    let shape: Vec<i64> = c.shape.iter().map(|d| *d as i64).collect();
-                    let src = Tensor::from_data_size(bytes, &shape, kind_of(t.dtype));
-                    tch::no_grad(|| {
-                        let mut part = if dst.dim() == 0 {
-                            dst.shallow_clone()
-                        } else {
-                            let row = c.offsets.first().copied().unwrap_or(0) as i64;
-                            dst.narrow(0, row, c.shape.first().copied().unwrap_or(1) as i64)
-                        };
-                        part.copy_(&src);
-                    });
-                }
+                read.insert(c, (chunk.region.clone(), src));
             }
+            let read_bytes = p.read_bytes(rank, &chunks, &elem);
+            match self.exchange(arc, &p.moves, m.step, &read) {
+                Ok(b) => self.received = b as u64,
+                Err(e) => return Ok(Err(e)),
+            }
+            tracing::info!(
+                step = m.step,
+                read_bytes,
+                received_bytes = self.received,
+                "restored this rank's share"
+            );
             self.step = m.step;
             let secs = t0.elapsed().as_secs_f64();
             if rank == 0 {

@@ -16,10 +16,13 @@
 //! The agreement ([`Trainer::agree`]): every rank says its step, its pending step and the
 //! units it holds; the resume step is the highest; each rank obtains the units of its new
 //! stage that it does not hold at that step from a holder (spread over the holders), point to
-//! point, as checksummed blobs of parameters and optimizer state. A unit nobody holds comes
-//! from the latest checkpoint (every rank restores it whole, since the survivors are ahead of
-//! it); with no checkpoint the worker stops rather than start those layers from the seed.
+//! point, as checksummed blobs of parameters and optimizer state, by the redistribution plan
+//! ([`ductile_strategies::redistribute`]). A unit nobody holds comes from the latest
+//! checkpoint, through the same plan (every rank restores its own stage from it, since the
+//! survivors are ahead of it); with no checkpoint the worker stops rather than start those
+//! layers from the seed.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::io::Write as _;
 use std::ops::Range;
 use std::sync::{mpsc, Arc};
@@ -27,12 +30,70 @@ use std::thread::JoinHandle;
 
 use ductile_cluster::records::{Generation, Member};
 use ductile_comm::{CommError, Communicator, ReduceOp};
-use ductile_strategies::pipeline::{stage_ops, Op};
+use ductile_strategies::pipeline::{send_order, stage_ops, Msg, Op};
+use ductile_strategies::redistribute::{self, relative, whole, Move, Part, Region};
 use ductile_strategies::{micro_batches, split_batch, split_range};
 use tch::{Device, Kind, Tensor};
 
 use super::{encode_state, load_state, Trainer};
 use crate::optim::lr_at;
+
+/// Receives a step's point-to-point messages: each peer's arrive in the order it sends them
+/// ([`send_order`]), and those that come before the one asked for are kept aside (with
+/// `interleaved-1f1b` at two stages, one direction carries activations and gradients alike).
+pub struct Mailbox {
+    expect: BTreeMap<u32, VecDeque<Msg>>,
+    early: BTreeMap<Msg, Tensor>,
+}
+
+impl Mailbox {
+    /// The mailbox of `stage` of the replica whose stage 0 is rank `replica`.
+    pub fn new(schedule: &str, p: u32, m: u32, stage: u32, replica: u32) -> Mailbox {
+        let mut expect = BTreeMap::new();
+        for from in [(stage + p - 1) % p, (stage + 1) % p] {
+            if from != stage {
+                expect.insert(
+                    replica + from,
+                    send_order(schedule, p, m, from, stage).into(),
+                );
+            }
+        }
+        Mailbox {
+            expect,
+            early: BTreeMap::new(),
+        }
+    }
+
+    /// Message `want` from rank `from`, each message sized by `shape`.
+    pub fn recv(
+        &mut self,
+        comm: &dyn Communicator,
+        from: u32,
+        want: Msg,
+        shape: &dyn Fn(Msg) -> Vec<i64>,
+        dev: Device,
+    ) -> Result<Tensor, CommError> {
+        if let Some(t) = self.early.remove(&want) {
+            return Ok(t);
+        }
+        loop {
+            let Some(next) = self.expect.get_mut(&from).and_then(|q| q.pop_front()) else {
+                return Err(protocol(
+                    comm,
+                    from,
+                    "pipeline",
+                    format!("{want:?} is not among what rank {from} sends this step"),
+                ));
+            };
+            let mut t = Tensor::zeros(shape(next).as_slice(), (Kind::Float, dev));
+            comm.recv(&mut t, from)?;
+            if next == want {
+                return Ok(t);
+            }
+            self.early.insert(next, t);
+        }
+    }
+}
 
 /// A reduced gradient waiting for its step's commit.
 pub struct Pending {
@@ -110,79 +171,188 @@ fn protocol(comm: &dyn Communicator, peer: u32, op: &'static str, reason: String
     }
 }
 
-impl Trainer {
-    /// The units a member holds in generation `g` (every unit without stages; none for a
-    /// spare).
-    pub(super) fn units_of(&self, g: &Generation, m: &Member) -> Range<usize> {
-        if m.spare {
-            return 0..0;
-        }
-        let r = g.stage_units(m.pp_stage, self.units() as u32);
-        r.start as usize..r.end as usize
-    }
+/// Chunks of units a rank may hold: one per stage, two with `interleaved-1f1b`.
+const HELD_SLOTS: usize = 2;
 
-    /// Parameter indices of units `r`.
-    pub(super) fn params_in(&self, r: &Range<usize>) -> Vec<usize> {
-        (0..self.params.len())
-            .filter(|i| r.contains(&self.param_unit[*i]))
+/// Whether unit `u` is in one of `chunks`.
+/// The view of `t` that `r` covers.
+pub(super) fn region_of(t: &Tensor, r: &Region) -> Tensor {
+    let mut v = t.shallow_clone();
+    for (d, x) in r.iter().enumerate() {
+        v = v.narrow(d as i64, x.start as i64, (x.end - x.start) as i64);
+    }
+    v
+}
+
+pub(super) fn holds_unit(chunks: &[Range<usize>], u: usize) -> bool {
+    chunks.iter().any(|c| c.contains(&u))
+}
+
+impl Trainer {
+    /// The chunks of units a member holds in generation `g` (every unit without stages;
+    /// none for a spare).
+    pub(super) fn units_of(&self, g: &Generation, m: &Member) -> Vec<Range<usize>> {
+        if m.spare {
+            return Vec::new();
+        }
+        g.stage_chunks(m.pp_stage, self.units() as u32)
+            .into_iter()
+            .map(|r| r.start as usize..r.end as usize)
             .collect()
     }
 
-    /// Parameters and optimizer state of unit `u`, in order.
-    fn unit_tensors(&self, u: usize) -> Vec<Tensor> {
-        let mut v = Vec::new();
-        for i in self.params_in(&(u..u + 1)) {
-            v.push(self.params[i].shallow_clone());
-            v.extend(self.opt.state_of(i).into_iter().map(|t| t.shallow_clone()));
+    /// Parameter indices of the units in `chunks`, in index order.
+    pub(super) fn params_in(&self, chunks: &[Range<usize>]) -> Vec<usize> {
+        (0..self.params.len())
+            .filter(|i| holds_unit(chunks, self.param_unit[*i]))
+            .collect()
+    }
+
+    /// Parameters (with their gradients) and optimizer state of the units in `keep` keep
+    /// their storage; every other unit's is released (an empty tensor of the same kind), so
+    /// a stage holds its own layers only.
+    pub(super) fn hold_only(&mut self, keep: &[Range<usize>]) {
+        self.resize_units(|u| !holds_unit(keep, u), false);
+    }
+
+    /// Give the units `want` their storage back (zeros) where it was released, before they
+    /// are received or restored.
+    pub(super) fn allocate(&mut self, want: &[Range<usize>]) {
+        self.resize_units(|u| holds_unit(want, u), true);
+    }
+
+    fn resize_units(&mut self, which: impl Fn(usize) -> bool, grow: bool) {
+        for i in 0..self.params.len() {
+            if !which(self.param_unit[i]) {
+                continue;
+            }
+            let p = self.params[i].shallow_clone();
+            let full = self.shapes[i].iter().product::<i64>() as usize;
+            if (p.numel() == full) == grow {
+                continue;
+            }
+            let mut ts = vec![p.shallow_clone(), p.grad()];
+            ts.extend(self.opt.state_of(i).into_iter().map(|t| t.shallow_clone()));
+            for mut t in ts.into_iter().filter(|t| t.defined()) {
+                let new = if grow {
+                    Tensor::zeros(self.shapes[i].as_slice(), (t.kind(), t.device()))
+                } else {
+                    Tensor::empty([0], (t.kind(), t.device()))
+                };
+                tch::no_grad(|| t.set_data(&new));
+            }
         }
-        v
+    }
+
+    /// Bytes of parameters and optimizer state this rank holds.
+    pub(super) fn state_bytes(&self) -> u64 {
+        self.params
+            .iter()
+            .chain(self.opt.state.iter())
+            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
     }
 
     fn blob_len(tensors: &[Tensor]) -> usize {
         24 + tensors.iter().map(|t| 8 + 4 * t.numel()).sum::<usize>() + 4
     }
 
-    /// Move units between ranks: `plan` lists (unit, from, to) in the same order on every
-    /// rank; this rank queues what it sends, then receives what it gets, in plan order.
-    fn move_units(
+    /// The state tensor `t` (a parameter, then the optimizer's states in order) belongs to.
+    fn tensor_unit(&self, t: usize) -> usize {
+        let p = self.params.len();
+        let per = (self.opt.state.len() / p.max(1)).max(1);
+        self.param_unit[if t < p { t } else { (t - p) / per }]
+    }
+
+    /// Rank `rank`'s parts of the state when it holds the units in `chunks`: whole tensors
+    /// (tensor parallelism would slice them).
+    pub(super) fn parts_of(&self, rank: u32, chunks: &[Range<usize>]) -> Vec<Part> {
+        let p = self.params.len();
+        let per = (self.opt.state.len() / p.max(1)).max(1);
+        (0..p + self.opt.state.len())
+            .filter(|t| holds_unit(chunks, self.tensor_unit(*t)))
+            .map(|t| {
+                let shape: Vec<u64> = self.shapes[if t < p { t } else { (t - p) / per }]
+                    .iter()
+                    .map(|d| *d as u64)
+                    .collect();
+                Part {
+                    rank,
+                    tensor: t,
+                    region: whole(&shape),
+                }
+            })
+            .collect()
+    }
+
+    /// Element sizes of the state tensors, for [`redistribute::plan`].
+    pub(super) fn elem_sizes(&self) -> Vec<u64> {
+        self.tensors()
+            .iter()
+            .map(|t| t.kind().elt_size_in_bytes() as u64)
+            .collect()
+    }
+
+    /// Carry out the point-to-point moves of a redistribution plan: per peer, this rank sends
+    /// the regions it serves (from its own tensors, or from a checkpoint chunk it read: `read`)
+    /// as one checksummed blob, then receives its own blob from each sender. Pairs go in the
+    /// order of their first move, the same on every rank, so no two ranks wait on each other.
+    pub(super) fn exchange(
         &mut self,
         comm: &Arc<dyn Communicator>,
-        plan: &[(usize, u32, u32)],
+        moves: &[Move],
         step: u64,
+        read: &BTreeMap<usize, (Region, Tensor)>,
     ) -> Result<usize, CommError> {
         let me = comm.rank();
+        let state: Vec<Tensor> = self
+            .tensors()
+            .into_iter()
+            .map(|t| t.shallow_clone())
+            .collect();
+        let mut pairs: Vec<(u32, u32)> = Vec::new();
+        for m in moves {
+            if !pairs.contains(&(m.from, m.to)) {
+                pairs.push((m.from, m.to));
+            }
+        }
+        let of = |pair: (u32, u32)| moves.iter().filter(move |m| (m.from, m.to) == pair);
         let outbox = Outbox::new(comm.clone());
-        for (u, _, to) in plan.iter().filter(|(_, f, _)| *f == me) {
-            let ts = self.unit_tensors(*u);
+        for &(from, to) in pairs.iter().filter(|p| p.0 == me) {
+            let ts: Vec<Tensor> = of((from, to))
+                .map(|m| match m.via {
+                    None => region_of(&state[m.tensor], &m.region).contiguous(),
+                    Some(c) => {
+                        let (at, t) = &read[&c];
+                        region_of(t, &relative(&m.region, at)).contiguous()
+                    }
+                })
+                .collect();
             let refs: Vec<&Tensor> = ts.iter().collect();
             let blob = encode_state(step, &refs);
             // a blob is a whole number of 4-byte words: it travels as f32 (every backend's type)
             let words = Tensor::from_data_size(&blob, &[(blob.len() / 4) as i64], Kind::Float);
-            outbox.send(words, *to);
+            outbox.send(words, to);
         }
         let mut bytes = 0;
-        for (u, from, _) in plan.iter().filter(|(_, _, t)| *t == me) {
-            let targets = self.unit_tensors(*u);
+        for &(from, to) in pairs.iter().filter(|p| p.1 == me) {
+            let targets: Vec<Tensor> = of((from, to))
+                .map(|m| region_of(&state[m.tensor], &m.region))
+                .collect();
             let len = Self::blob_len(&targets);
             let mut buf = Tensor::zeros([(len / 4) as i64], (Kind::Float, Device::Cpu));
-            comm.recv(&mut buf, *from)?;
+            comm.recv(&mut buf, from)?;
             let mut raw = vec![0u8; len];
             buf.copy_data_u8(&mut raw, buf.numel());
             bytes += raw.len();
-            let got = load_state(&raw, &targets).map_err(|e| {
-                protocol(
-                    comm.as_ref(),
-                    *from,
-                    "layer transfer",
-                    format!("unit {u}: {e}"),
-                )
-            })?;
+            let got = load_state(&raw, &targets)
+                .map_err(|e| protocol(comm.as_ref(), from, "state transfer", e))?;
             if got != step {
                 return Err(protocol(
                     comm.as_ref(),
-                    *from,
-                    "layer transfer",
-                    format!("unit {u} came at step {got}, expected {step}"),
+                    from,
+                    "state transfer",
+                    format!("state came at step {got}, expected {step}"),
                 ));
             }
         }
@@ -197,23 +367,34 @@ impl Trainer {
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> anyhow::Result<Result<(), CommError>> {
+        self.received = 0;
         let pend = self.pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
-        let mine = Tensor::from_slice(&[
-            self.step as f64,
-            pend,
-            self.held.start as f64,
-            self.held.end as f64,
-        ]);
-        let all = match comm.all_gather(&mine) {
+        // [step, pending step, then HELD_SLOTS (start, end) pairs of the chunks it holds]
+        let mut row = vec![self.step as f64, pend];
+        for k in 0..HELD_SLOTS {
+            let r = self.held.get(k).cloned().unwrap_or(0..0);
+            row.extend([r.start as f64, r.end as f64]);
+        }
+        assert!(
+            self.held.len() <= HELD_SLOTS,
+            "a rank holds at most {HELD_SLOTS} chunks"
+        );
+        let all = match comm.all_gather(&Tensor::from_slice(&row)) {
             Ok(a) => a,
             Err(e) => return Ok(Err(e)),
         };
         let flat = Vec::<f64>::try_from(all.flatten(0, -1).to_device(Device::Cpu))?;
-        let rows: Vec<[f64; 4]> = flat.chunks(4).map(|c| [c[0], c[1], c[2], c[3]]).collect();
+        let rows: Vec<Vec<f64>> = flat.chunks(row.len()).map(|c| c.to_vec()).collect();
+        let held_by = |r: &[f64]| -> Vec<Range<usize>> {
+            r[2..]
+                .chunks(2)
+                .map(|c| c[0] as usize..c[1] as usize)
+                .collect()
+        };
         let max = rows.iter().map(|r| r[0]).fold(0.0, f64::max);
         // a rank one step behind with that step's reduced gradient pending: the commit went
         // through elsewhere, so it applies it
-        let eff = |r: &[f64; 4]| {
+        let eff = |r: &[f64]| {
             if r[1] >= 0.0 && r[1] == r[0] && r[0] + 1.0 == max {
                 max
             } else {
@@ -230,18 +411,31 @@ impl Trainer {
             }
         }
         let units = self.units();
+        // what this rank holds once the generation trains: its stage's units (the others'
+        // copies go stale from the first step on, so they are never offered as holdings)
+        let mine = {
+            let me = g.members.iter().find(|m| m.rank == comm.rank()).unwrap();
+            self.units_of(g, me)
+        };
+        // what every member needs once the generation trains: its stage's state
+        let need: Vec<Part> = g
+            .members
+            .iter()
+            .flat_map(|m| self.parts_of(m.rank, &self.units_of(g, m)))
+            .collect();
         if max == 0.0 {
             // a cold start: everyone holds the seed's state (or restores the latest checkpoint)
-            self.held = 0..units;
-            if self.ckpt.is_some() {
-                return self.restore(comm.as_ref());
-            }
-            return Ok(Ok(()));
+            // (nobody released any unit yet: a rank releases the units it does not hold
+            // after its first step, when their copies go stale)
+            let r = match &self.ckpt {
+                Some(_) => self.restore(comm, &need)?,
+                None => Ok(()),
+            };
+            self.held = mine;
+            return Ok(r);
         }
         let step = max as u64;
-        let holds = |r: usize, u: usize| {
-            eff(&rows[r]) == max && (rows[r][2] as usize..rows[r][3] as usize).contains(&u)
-        };
+        let holds = |r: usize, u: usize| eff(&rows[r]) == max && holds_unit(&held_by(&rows[r]), u);
         let missing: Vec<usize> = (0..units)
             .filter(|u| !(0..rows.len()).any(|r| holds(r, *u)))
             .collect();
@@ -259,50 +453,47 @@ impl Trainer {
             }
             if comm.rank() == 0 {
                 println!(
-                    "layers {} have no holder at step {step}: every rank restores the latest checkpoint",
+                    "layers {} have no holder at step {step}: every rank restores its layers from the latest checkpoint",
                     names.join(", ")
                 );
             }
             self.step = 0;
             self.pending = None;
-            let r = self.restore(comm.as_ref())?;
+            self.allocate(&mine);
+            let r = self.restore(comm, &need)?;
             if r.is_ok() && self.step == 0 {
                 anyhow::bail!(
                     "layers {} have no holder and the checkpoint URL holds no commit: stopping rather than starting them from the seed",
                     names.join(", ")
                 );
             }
-            self.held = 0..units;
+            self.hold_only(&mine);
+            self.held = mine;
             return Ok(r);
         }
-        // who gets which unit from whom: spread over the holders, the same on every rank
-        let mut plan = Vec::new();
-        for m in &g.members {
-            let r = m.rank as usize;
-            for u in self.units_of(g, m) {
-                if holds(r, u) {
-                    continue;
-                }
-                let hs: Vec<u32> = (0..rows.len())
-                    .filter(|h| holds(*h, u))
-                    .map(|h| h as u32)
-                    .collect();
-                plan.push((u, hs[(r + u) % hs.len()], m.rank));
-            }
-        }
+        // who gets which tensor from whom: the redistribution plan over the up-to-date
+        // holders, the same on every rank
+        let held: Vec<Part> = (0..rows.len())
+            .filter(|r| eff(&rows[*r]) == max)
+            .flat_map(|r| self.parts_of(r as u32, &held_by(&rows[r])))
+            .collect();
+        let plan = redistribute::plan(&self.elem_sizes(), &held, &[], &need)
+            .map_err(|e| anyhow::anyhow!("state transfer plan at step {step}: {e}"))?;
         let t0 = std::time::Instant::now();
-        let bytes = match self.move_units(comm, &plan, step) {
+        self.allocate(&mine);
+        let bytes = match self.exchange(comm, &plan.moves, step, &BTreeMap::new()) {
             Ok(b) => b,
             Err(e) => return Ok(Err(e)),
         };
         self.step = step;
-        let me = g.members.iter().find(|m| m.rank == comm.rank()).unwrap();
-        self.held = self.units_of(g, me);
+        self.received = bytes as u64;
+        self.hold_only(&mine);
+        self.held = mine;
         if bytes > 0 {
             tracing::info!(
                 step,
                 bytes,
-                units = plan.iter().filter(|p| p.2 == comm.rank()).count(),
+                tensors = plan.moves.iter().filter(|m| m.to == comm.rank()).count(),
                 ms = t0.elapsed().as_millis() as u64,
                 "received layers"
             );
@@ -317,17 +508,25 @@ impl Trainer {
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> Result<(), CommError> {
-        let mut plan = Vec::new();
-        for m in g.members.iter().filter(|m| !m.spare && m.dp_rank == 0) {
-            if m.rank == 0 {
-                continue;
+        let held: Vec<Part> = g
+            .members
+            .iter()
+            .filter(|m| !m.spare && m.dp_rank == 0)
+            .flat_map(|m| self.parts_of(m.rank, &self.units_of(g, m)))
+            .collect();
+        let need = self.parts_of(0, &[0..self.units()]);
+        let plan = redistribute::plan(&self.elem_sizes(), &held, &[], &need).map_err(|e| {
+            CommError::Invalid {
+                op: "gather",
+                reason: e.to_string(),
             }
-            for u in self.units_of(g, m) {
-                plan.push((u, m.rank, 0));
-            }
-        }
+        })?;
         let step = self.step;
-        self.move_units(comm, &plan, step).map(|_| ())
+        if comm.rank() == 0 {
+            self.allocate(&[0..self.units()]);
+        }
+        self.exchange(comm, &plan.moves, step, &BTreeMap::new())
+            .map(|_| ())
     }
 
     fn micro_plan(&self, dp: u32, d: u32, p: u32) -> Vec<Micro> {
@@ -407,68 +606,111 @@ impl Trainer {
         let mut reduced = Vec::new();
         if !me.spare {
             let stage = me.pp_stage;
-            let r = self.units_of(g, me);
-            which = self.params_in(&r);
+            let units = self.units();
+            // the model's chunks: chunk k holds units [bounds[k], bounds[k+1]); this stage
+            // holds chunks stage, stage + p, ... (local chunk j is global j·p + stage)
+            let bounds: Vec<usize> = if g.stage_boundaries.len() >= 2 {
+                g.stage_boundaries.iter().map(|x| *x as usize).collect()
+            } else {
+                vec![0, units]
+            };
+            let v = ((bounds.len() - 1) as u32 / p).max(1);
+            let last_chunk = v * p - 1;
+            let mine: Vec<Range<usize>> = self.units_of(g, me);
+            let which_of: Vec<Vec<usize>> = mine
+                .iter()
+                .map(|r| self.params_in(std::slice::from_ref(r)))
+                .collect();
+            which = which_of.concat();
             let mbs = self.micro_plan(dp, me.dp_rank, p);
-            let ops = stage_ops(&self.spec.schedule, p, mbs.len() as u32, stage);
+            let m = mbs.len() as u32;
+            let ops = stage_ops(&self.spec.schedule, p, m, stage);
             let (first, last) = (stage == 0, stage + 1 == p);
+            let replica = me.dp_rank * p;
+            let (prev, next) = (replica + (stage + p - 1) % p, replica + (stage + 1) % p);
             self.zero_grads();
             let outbox = Outbox::new(comm.clone());
-            let mut inputs: Vec<Option<Tensor>> = (0..mbs.len()).map(|_| None).collect();
-            let mut outputs: Vec<Option<Tensor>> = (0..mbs.len()).map(|_| None).collect();
-            let mut shards: Vec<(u64, Tensor)> = Vec::new();
+            let mut mail = Mailbox::new(&self.spec.schedule, p, m, stage, replica);
+            let shape = |msg: Msg| match msg {
+                Msg::Act { mb, chunk } => self
+                    .model
+                    .boundary_shape(bounds[chunk as usize], mbs[mb as usize].1 as i64),
+                Msg::Grad { mb, chunk } => self
+                    .model
+                    .boundary_shape(bounds[chunk as usize + 1], mbs[mb as usize].1 as i64),
+            };
+            let key = |i: u32, j: u32| (i * v + j) as usize;
+            let mut inputs: Vec<Option<Tensor>> = (0..m * v).map(|_| None).collect();
+            let mut outputs: Vec<Option<Tensor>> = (0..m * v).map(|_| None).collect();
+            // deterministic mode: each logical shard's gradient, chunk by chunk
+            let mut captured: BTreeMap<u64, Vec<Option<Tensor>>> = BTreeMap::new();
             let mut used = Vec::new();
             let mut acc = Tensor::zeros([1], (Kind::Double, self.dev));
             for op in ops {
                 match op {
-                    Op::Fwd(i) => {
+                    Op::Fwd(i, j) => {
+                        let k = j * p + stage;
                         let (start, len, _) = mbs[i as usize];
                         let idx: Vec<u64> = (start..start + len)
                             .map(|q| self.order.sample(base + q))
                             .collect();
-                        let input = if first {
+                        let input = if k == 0 {
                             used.extend_from_slice(&idx);
                             self.data.batch(&idx).0.to_device(self.dev)
                         } else {
-                            let shape = self.model.boundary_shape(r.start, len as i64);
-                            let mut t = Tensor::zeros(shape.as_slice(), (Kind::Float, self.dev));
-                            comm.recv(&mut t, rank - 1)?;
-                            t.set_requires_grad(true)
+                            let want = Msg::Act { mb: i, chunk: k };
+                            mail.recv(comm.as_ref(), prev, want, &shape, self.dev)?
+                                .set_requires_grad(true)
                         };
+                        let r = &mine[j as usize];
                         let out = self.model.forward_units(r.start, r.end, &input);
-                        if last {
+                        if k == last_chunk {
                             let y = self.data.batch(&idx).1.to_device(self.dev);
                             let l = self.model.loss_of(&out, &y) / b as f64;
                             acc += l.detach().to_kind(Kind::Double).reshape([1]);
-                            outputs[i as usize] = Some(l);
+                            outputs[key(i, j)] = Some(l);
                         } else {
-                            outbox.send(out.detach().contiguous(), rank + 1);
-                            outputs[i as usize] = Some(out);
+                            outbox.send(out.detach().contiguous(), next);
+                            outputs[key(i, j)] = Some(out);
                         }
-                        if !first {
-                            inputs[i as usize] = Some(input);
+                        if k != 0 {
+                            inputs[key(i, j)] = Some(input);
                         }
                     }
-                    Op::Bwd(i) => {
-                        let out = outputs[i as usize].take().expect("forward before backward");
-                        if last {
+                    Op::Bwd(i, j) => {
+                        let k = j * p + stage;
+                        let out = outputs[key(i, j)].take().expect("forward before backward");
+                        if k == last_chunk {
                             out.backward();
                         } else {
-                            let mut grad = out.zeros_like();
-                            comm.recv(&mut grad, rank + 1)?;
+                            let want = Msg::Grad { mb: i, chunk: k };
+                            let grad = mail.recv(comm.as_ref(), next, want, &shape, self.dev)?;
                             // d/d(out) of sum(out · grad) is grad, bit for bit
                             (out * grad).sum(Kind::Float).backward();
                         }
-                        if let Some(input) = inputs[i as usize].take() {
-                            outbox.send(input.grad().contiguous(), rank - 1);
+                        if let Some(input) = inputs[key(i, j)].take() {
+                            outbox.send(input.grad().contiguous(), prev);
                         }
-                        if let Some(k) = mbs[i as usize].2 {
-                            shards.push((k, self.flat_of(&which)));
-                            self.zero_grads();
+                        if let Some(sh) = mbs[i as usize].2 {
+                            let parts = captured
+                                .entry(sh)
+                                .or_insert_with(|| (0..v).map(|_| None).collect());
+                            parts[j as usize] = Some(self.flat_of(&which_of[j as usize]));
+                            self.zero_grads_of(which_of[j as usize].iter().copied());
                         }
                     }
                 }
             }
+            let mut shards: Vec<(u64, Tensor)> = captured
+                .into_iter()
+                .map(|(sh, parts)| {
+                    let parts: Vec<Tensor> = parts
+                        .into_iter()
+                        .map(|t| t.expect("every chunk ran its backward"))
+                        .collect();
+                    (sh, Tensor::cat(&parts, 0))
+                })
+                .collect();
             outbox.finish()?;
             if !self.spec.deterministic {
                 shards.push((0, self.flat_of(&which)));
@@ -535,6 +777,9 @@ impl Trainer {
         self.flags = (v[1] > 0.0, v[2] > 0.0);
         let p = self.pending.take().unwrap();
         self.apply(&p.params, &p.grads, p.step, p.generation, rank);
+        // the other stages' copies are stale from this step on: release them
+        let held = self.held.clone();
+        self.hold_only(&held);
         Ok(v[0] as f64)
     }
 }

@@ -1,0 +1,703 @@
+//! One plan for moving state between any two layouts, live or from a checkpoint.
+//!
+//! State is a list of row-major tensors. What a rank holds or needs of a tensor is a *region*:
+//! a box, one range per dimension (the whole tensor for a data-parallel replica or a pipeline
+//! stage; a slice along one dimension for a tensor-parallel rank). A checkpoint's chunks are
+//! regions too: rows of a tensor stored contiguously in an object, each under its own CRC.
+//!
+//! [`plan`] takes who holds what now (`held`), what the checkpoint stores (`chunks`), and who
+//! needs what next (`need`), and says:
+//! - which chunks each rank reads from the checkpoint: only the regions no live rank holds are
+//!   read, each chunk by exactly one of the ranks that need some of it (the one that has read
+//!   the fewest bytes so far), in whole, so that its CRC is checked;
+//! - which regions go point to point from whom to whom: a live holder first (the one that has
+//!   sent the fewest bytes so far, lowest rank on ties), the rank that read the covering chunk
+//!   otherwise. A sender serves a move from its own tensors, or from the chunk it read when the
+//!   move names one.
+//!
+//! What a rank already holds itself never moves. A region that neither a live rank nor the
+//! checkpoint covers is an error naming it: the caller decides (stop, or restore everything).
+//! The plan depends only on its inputs, so every rank computes the same one.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Range;
+
+/// A box in a tensor: one range of indices per dimension (empty for a scalar).
+pub type Region = Vec<Range<u64>>;
+
+/// The whole of a tensor of `shape`.
+pub fn whole(shape: &[u64]) -> Region {
+    shape.iter().map(|d| 0..*d).collect()
+}
+
+/// Elements in a region.
+pub fn elements(r: &Region) -> u64 {
+    r.iter().map(|x| x.end.saturating_sub(x.start)).product()
+}
+
+/// The common part of two regions of one tensor, if any.
+pub fn intersect(a: &Region, b: &Region) -> Option<Region> {
+    let r: Region = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| x.start.max(y.start)..x.end.min(y.end))
+        .collect();
+    r.iter().all(|x| x.start < x.end).then_some(r)
+}
+
+/// `a` less `b`, as disjoint boxes (at most two per dimension).
+pub fn subtract(a: &Region, b: &Region) -> Vec<Region> {
+    if intersect(a, b).is_none() {
+        return if elements(a) > 0 {
+            vec![a.clone()]
+        } else {
+            Vec::new()
+        };
+    }
+    let mut out = Vec::new();
+    let mut rest = a.clone();
+    for d in 0..a.len() {
+        let (x, y) = (rest[d].clone(), &b[d]);
+        if x.start < y.start {
+            let mut lo = rest.clone();
+            lo[d] = x.start..y.start;
+            out.push(lo);
+        }
+        if y.end < x.end {
+            let mut hi = rest.clone();
+            hi[d] = y.end..x.end;
+            out.push(hi);
+        }
+        rest[d] = x.start.max(y.start)..x.end.min(y.end);
+    }
+    out
+}
+
+/// The byte ranges of `region` in a row-major tensor of `shape` with `elem`-byte elements, in
+/// order, adjacent ones merged.
+pub fn byte_runs(shape: &[u64], elem: u64, region: &Region) -> Vec<Range<u64>> {
+    if elements(region) == 0 {
+        return Vec::new();
+    }
+    let n = shape.len();
+    // strides in elements
+    let mut stride = vec![1u64; n];
+    for d in (0..n.saturating_sub(1)).rev() {
+        stride[d] = stride[d + 1] * shape[d + 1];
+    }
+    // the innermost dimensions the region covers whole form one contiguous run with the first
+    // dimension (from the inside) it covers only in part
+    let mut k = n;
+    while k > 0 && region[k - 1] == (0..shape[k - 1]) {
+        k -= 1;
+    }
+    let (k, run) = if k == 0 {
+        (0, elements(region) * elem)
+    } else {
+        let r = &region[k - 1];
+        (k - 1, (r.end - r.start) * stride[k - 1] * elem)
+    };
+    // every index of the dimensions outside the run
+    let mut out: Vec<Range<u64>> = Vec::new();
+    let mut idx: Vec<u64> = region[..k].iter().map(|r| r.start).collect();
+    loop {
+        let mut at: u64 = idx.iter().zip(&stride).map(|(i, s)| i * s).sum();
+        if k < n {
+            at += region[k].start * stride[k];
+        }
+        let (a, b) = (at * elem, at * elem + run);
+        match out.last_mut() {
+            Some(l) if l.end == a => l.end = b,
+            _ => out.push(a..b),
+        }
+        // next index, last dimension fastest
+        let mut d = k;
+        loop {
+            if d == 0 {
+                return out;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < region[d].end {
+                break;
+            }
+            idx[d] = region[d].start;
+        }
+    }
+}
+
+/// `inner`'s coordinates relative to the corner of `outer` (which contains it).
+pub fn relative(inner: &Region, outer: &Region) -> Region {
+    inner
+        .iter()
+        .zip(outer)
+        .map(|(i, o)| i.start - o.start..i.end - o.start)
+        .collect()
+}
+
+/// A region of a tensor at a rank: something it holds or needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub rank: u32,
+    pub tensor: usize,
+    pub region: Region,
+}
+
+/// A checkpoint chunk: a region of a tensor stored contiguously (row-major), under one CRC.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub tensor: usize,
+    pub region: Region,
+}
+
+/// A region sent point to point; `via` names the chunk the sender read it from (a
+/// checkpoint restore), `None` when it serves it from its own tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Move {
+    pub tensor: usize,
+    pub region: Region,
+    pub from: u32,
+    pub to: u32,
+    pub via: Option<usize>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// (rank, chunk index): what each rank reads from the checkpoint, every chunk at most once.
+    pub reads: Vec<(u32, usize)>,
+    /// What goes point to point, after the reads, in the same order on every rank.
+    pub moves: Vec<Move>,
+}
+
+impl Plan {
+    /// Bytes rank `r` reads from the checkpoint.
+    pub fn read_bytes(&self, r: u32, chunks: &[Chunk], elem: &[u64]) -> u64 {
+        self.reads
+            .iter()
+            .filter(|(x, _)| *x == r)
+            .map(|(_, c)| elements(&chunks[*c].region) * elem[chunks[*c].tensor])
+            .sum()
+    }
+
+    /// Bytes rank `r` receives point to point.
+    pub fn received_bytes(&self, r: u32, elem: &[u64]) -> u64 {
+        self.moves
+            .iter()
+            .filter(|m| m.to == r)
+            .map(|m| elements(&m.region) * elem[m.tensor])
+            .sum()
+    }
+
+    /// The chunks rank `r` reads, in plan order.
+    pub fn reads_of(&self, r: u32) -> Vec<usize> {
+        self.reads
+            .iter()
+            .filter(|(x, _)| *x == r)
+            .map(|(_, c)| *c)
+            .collect()
+    }
+}
+
+/// A region nobody holds and no chunk stores.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Uncovered {
+    pub rank: u32,
+    pub tensor: usize,
+    pub region: Region,
+}
+
+impl fmt::Display for Uncovered {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} needs {:?} of tensor {}, which no live rank holds and no checkpoint chunk stores",
+            self.rank, self.region, self.tensor
+        )
+    }
+}
+
+impl std::error::Error for Uncovered {}
+
+/// The plan (see the module's comment). `elem[t]` is tensor t's element size in bytes.
+pub fn plan(
+    elem: &[u64],
+    held: &[Part],
+    chunks: &[Chunk],
+    need: &[Part],
+) -> Result<Plan, Uncovered> {
+    let bytes = |t: usize, r: &Region| elements(r) * elem[t];
+    let mut sent: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut out = Plan::default();
+    // what is left for the checkpoint, per need
+    let mut rest: Vec<Vec<Region>> = Vec::with_capacity(need.len());
+    for n in need {
+        let mut todo = vec![n.region.clone()];
+        for h in held
+            .iter()
+            .filter(|h| h.tensor == n.tensor && h.rank == n.rank)
+        {
+            todo = todo.iter().flat_map(|r| subtract(r, &h.region)).collect();
+        }
+        let mut holders: Vec<&Part> = held
+            .iter()
+            .filter(|h| h.tensor == n.tensor && h.rank != n.rank)
+            .collect();
+        holders.sort_by_key(|h| (sent.get(&h.rank).copied().unwrap_or(0), h.rank));
+        for h in holders {
+            let mut next = Vec::new();
+            for r in &todo {
+                if let Some(x) = intersect(r, &h.region) {
+                    *sent.entry(h.rank).or_default() += bytes(n.tensor, &x);
+                    out.moves.push(Move {
+                        tensor: n.tensor,
+                        region: x,
+                        from: h.rank,
+                        to: n.rank,
+                        via: None,
+                    });
+                    next.extend(subtract(r, &h.region));
+                } else {
+                    next.push(r.clone());
+                }
+            }
+            todo = next;
+        }
+        rest.push(todo);
+    }
+    // each chunk someone still needs is read, whole, by the needer that has read least
+    let mut read: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut reader: Vec<Option<u32>> = vec![None; chunks.len()];
+    for (ci, c) in chunks.iter().enumerate() {
+        let mut wants: Vec<u32> = need
+            .iter()
+            .zip(&rest)
+            .filter(|(n, todo)| {
+                n.tensor == c.tensor && todo.iter().any(|r| intersect(r, &c.region).is_some())
+            })
+            .map(|(n, _)| n.rank)
+            .collect();
+        wants.sort_unstable();
+        wants.dedup();
+        if let Some(r) = wants
+            .into_iter()
+            .min_by_key(|r| (read.get(r).copied().unwrap_or(0), *r))
+        {
+            *read.entry(r).or_default() += bytes(c.tensor, &c.region);
+            reader[ci] = Some(r);
+            out.reads.push((r, ci));
+        }
+    }
+    for (n, todo) in need.iter().zip(rest) {
+        let mut todo = todo;
+        for (ci, c) in chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.tensor == n.tensor)
+        {
+            let mut next = Vec::new();
+            for r in &todo {
+                match intersect(r, &c.region) {
+                    Some(x) => {
+                        let from = reader[ci].expect("a chunk someone needs has a reader");
+                        if from != n.rank {
+                            out.moves.push(Move {
+                                tensor: n.tensor,
+                                region: x,
+                                from,
+                                to: n.rank,
+                                via: Some(ci),
+                            });
+                        }
+                        next.extend(subtract(r, &c.region));
+                    }
+                    None => next.push(r.clone()),
+                }
+            }
+            todo = next;
+        }
+        if let Some(r) = todo.into_iter().next() {
+            return Err(Uncovered {
+                rank: n.rank,
+                tensor: n.tensor,
+                region: r,
+            });
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every element of `r` in `shape`, as flat indices.
+    fn cells(shape: &[u64], r: &Region) -> Vec<u64> {
+        byte_runs(shape, 1, r)
+            .into_iter()
+            .flat_map(|x| x.collect::<Vec<_>>())
+            .collect()
+    }
+
+    #[test]
+    fn byte_runs_are_the_region_s_elements_in_row_major_order() {
+        let shape = [4u64, 5, 3];
+        let r: Region = vec![1..3, 2..4, 0..3];
+        let mut want = Vec::new();
+        for i in 1..3 {
+            for j in 2..4 {
+                for k in 0..3 {
+                    want.push(i * 15 + j * 3 + k);
+                }
+            }
+        }
+        assert_eq!(cells(&shape, &r), want);
+        // a column slice of a matrix: one run per row
+        assert_eq!(
+            byte_runs(&[3, 8], 4, &vec![0..3, 2..6]),
+            vec![8..24, 40..56, 72..88]
+        );
+        // rows: one run; the whole tensor: one run; a scalar: its bytes
+        assert_eq!(byte_runs(&[6, 4], 4, &vec![2..5, 0..4]), vec![32..80]);
+        assert_eq!(byte_runs(&[6, 4], 2, &whole(&[6, 4])), vec![0..48]);
+        assert_eq!(byte_runs(&[], 8, &vec![]), vec![0..8]);
+        assert!(byte_runs(&[6, 4], 4, &vec![2..2, 0..4]).is_empty());
+    }
+
+    #[test]
+    fn subtract_leaves_exactly_the_elements_outside() {
+        let shape = [6u64, 7];
+        let a: Region = vec![1..6, 0..7];
+        for b in [
+            vec![2..4, 3..5],
+            vec![0..6, 0..7],
+            vec![5..9, 0..2],
+            vec![0..1, 0..7],
+        ] {
+            let mut got: Vec<u64> = subtract(&a, &b)
+                .iter()
+                .flat_map(|r| cells(&shape, r))
+                .collect();
+            got.sort_unstable();
+            let inb = cells(
+                &shape,
+                &b.iter()
+                    .zip(&shape)
+                    .map(|(r, d)| r.start.min(*d)..r.end.min(*d))
+                    .collect(),
+            );
+            let want: Vec<u64> = cells(&shape, &a)
+                .into_iter()
+                .filter(|c| !inb.contains(c))
+                .collect();
+            assert_eq!(got, want, "{a:?} - {b:?}");
+        }
+    }
+
+    /// The regions of a tensor of `shape` that `k` ranks of a layout hold: whole (replicas),
+    /// rows (a column-parallel split) or columns (row-parallel).
+    fn split(shape: &[u64], k: u64, i: u64, dim: usize) -> Region {
+        let mut r = whole(shape);
+        let n = shape[dim];
+        r[dim] = i * n / k..(i + 1) * n / k;
+        r
+    }
+
+    /// A layout over `world` ranks: each rank's regions of each tensor.
+    #[derive(Clone, Debug)]
+    struct Layout {
+        dp: u32,
+        pp: u32,
+        tp: u32,
+    }
+
+    fn layouts(world: u32) -> Vec<Layout> {
+        let mut v = Vec::new();
+        for dp in 1..=world {
+            for pp in 1..=world {
+                for tp in 1..=world {
+                    if dp * pp * tp <= world && dp * pp * tp >= world.saturating_sub(1).max(1) {
+                        v.push(Layout { dp, pp, tp });
+                    }
+                }
+            }
+        }
+        v
+    }
+
+    /// Tensors: per stage-able unit, a column-split weight, a row-split weight and a replicated
+    /// bias; the parts rank r holds under `l` (ranks in dp-major, then pp, then tp order).
+    fn parts(shapes: &[Vec<u64>], l: &Layout) -> Vec<Part> {
+        let units = shapes.len() as u32 / 3;
+        let mut out = Vec::new();
+        for d in 0..l.dp {
+            for s in 0..l.pp {
+                for t in 0..l.tp {
+                    let rank = (d * l.pp + s) * l.tp + t;
+                    for u in (s * units / l.pp)..((s + 1) * units / l.pp) {
+                        for k in 0..3 {
+                            let ti = (u * 3 + k) as usize;
+                            let region = match k {
+                                0 => split(&shapes[ti], l.tp as u64, t as u64, 0),
+                                1 => split(&shapes[ti], l.tp as u64, t as u64, 1),
+                                _ => whole(&shapes[ti]),
+                            };
+                            out.push(Part {
+                                rank,
+                                tensor: ti,
+                                region,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn model() -> (Vec<Vec<u64>>, Vec<u64>) {
+        let mut shapes = Vec::new();
+        for u in 0..4u64 {
+            shapes.push(vec![8, 6 + u]);
+            shapes.push(vec![5, 8]);
+            shapes.push(vec![5]);
+        }
+        let elem = vec![4; shapes.len()];
+        (shapes, elem)
+    }
+
+    /// Carry out a plan on flat element values: each rank's tensors hold `value(t, index)`
+    /// where it holds them (or what it read), and must end up so wherever it needs them.
+    fn execute(
+        shapes: &[Vec<u64>],
+        held: &[Part],
+        chunks: &[Chunk],
+        need: &[Part],
+        p: &Plan,
+    ) -> BTreeMap<(u32, usize, u64), u64> {
+        let value = |t: usize, i: u64| (t as u64) << 32 | i;
+        let mut have: BTreeMap<(u32, usize, u64), u64> = BTreeMap::new();
+        for h in held {
+            for i in cells(&shapes[h.tensor], &h.region) {
+                have.insert((h.rank, h.tensor, i), value(h.tensor, i));
+            }
+        }
+        let mut read: BTreeMap<(u32, usize), Vec<u64>> = BTreeMap::new();
+        for (r, c) in &p.reads {
+            read.insert(
+                (*r, *c),
+                cells(&shapes[chunks[*c].tensor], &chunks[*c].region),
+            );
+        }
+        let holds = |r: u32, t: usize, i: u64| {
+            held.iter()
+                .any(|h| h.rank == r && h.tensor == t && cells(&shapes[t], &h.region).contains(&i))
+        };
+        let mut moved = std::collections::BTreeSet::new();
+        for m in &p.moves {
+            for i in cells(&shapes[m.tensor], &m.region) {
+                let v = match m.via {
+                    None => *have
+                        .get(&(m.from, m.tensor, i))
+                        .unwrap_or_else(|| panic!("{m:?}: the sender does not hold {i}")),
+                    Some(c) => {
+                        assert!(read[&(m.from, c)].contains(&i), "{m:?}: not in its chunk");
+                        value(m.tensor, i)
+                    }
+                };
+                assert!(
+                    !holds(m.to, m.tensor, i),
+                    "{m:?} moves what its destination holds"
+                );
+                assert!(
+                    moved.insert((m.to, m.tensor, i)),
+                    "{m:?}: element {i} arrives twice"
+                );
+                have.insert((m.to, m.tensor, i), v);
+            }
+        }
+        for (r, c) in &p.reads {
+            for i in &read[&(*r, *c)] {
+                have.entry((*r, chunks[*c].tensor, *i))
+                    .or_insert(value(chunks[*c].tensor, *i));
+            }
+        }
+        for n in need {
+            for i in cells(&shapes[n.tensor], &n.region) {
+                assert_eq!(
+                    have.get(&(n.rank, n.tensor, i)),
+                    Some(&value(n.tensor, i)),
+                    "rank {} tensor {} element {i}",
+                    n.rank,
+                    n.tensor
+                );
+            }
+        }
+        have
+    }
+
+    /// Every pair of layouts of up to four ranks, live: every needed element arrives, once,
+    /// from a holder; nothing is read from the checkpoint.
+    #[test]
+    fn every_pair_of_layouts_moves_live_state_and_reads_nothing() {
+        let (shapes, elem) = model();
+        let mut moved_some = 0;
+        for wa in 1..=4 {
+            for wb in 1..=4 {
+                for a in layouts(wa) {
+                    for b in layouts(wb) {
+                        // the ranks of the new world that are still alive hold their old parts
+                        let held: Vec<Part> = parts(&shapes, &a)
+                            .into_iter()
+                            .filter(|h| h.rank < wb)
+                            .collect();
+                        let need = parts(&shapes, &b);
+                        let chunks: Vec<Chunk> = Vec::new();
+                        match plan(&elem, &held, &chunks, &need) {
+                            Ok(p) => {
+                                assert!(p.reads.is_empty());
+                                execute(&shapes, &held, &chunks, &need, &p);
+                                for m in &p.moves {
+                                    assert_ne!(m.from, m.to);
+                                }
+                                // nothing moves exactly when every rank holds what it needs
+                                let own = need.iter().all(|n| {
+                                    let mine: Vec<u64> = held
+                                        .iter()
+                                        .filter(|h| h.rank == n.rank && h.tensor == n.tensor)
+                                        .flat_map(|h| cells(&shapes[h.tensor], &h.region))
+                                        .collect();
+                                    cells(&shapes[n.tensor], &n.region)
+                                        .iter()
+                                        .all(|c| mine.contains(c))
+                                });
+                                assert_eq!(p.moves.is_empty(), own, "{a:?} -> {b:?}");
+                                moved_some += !own as usize;
+                            }
+                            // only what no survivor holds is uncovered
+                            Err(e) => assert!(
+                                held.iter()
+                                    .filter(|h| h.tensor == e.tensor)
+                                    .all(|h| intersect(&h.region, &e.region).is_none()),
+                                "{a:?} -> {b:?}: {e}"
+                            ),
+                        }
+                    }
+                }
+            }
+        }
+        assert!(moved_some > 100, "{moved_some} pairs moved state");
+    }
+
+    /// Every pair of layouts of up to four ranks from a checkpoint written by the first: each
+    /// chunk is read once, and no rank reads more than its own share and one chunk.
+    #[test]
+    fn every_pair_of_layouts_restores_from_chunks_reading_each_once() {
+        let (shapes, elem) = model();
+        for wa in 1..=4u32 {
+            for a in layouts(wa) {
+                // the writers' chunks: each tensor's rows split over the ranks holding it
+                let mut chunks = Vec::new();
+                for (t, s) in shapes.iter().enumerate() {
+                    let w = parts(&shapes, &a)
+                        .into_iter()
+                        .filter(|p| p.tensor == t)
+                        .count() as u64;
+                    for i in 0..w {
+                        let r = split(s, w, i, 0);
+                        if elements(&r) > 0 {
+                            chunks.push(Chunk {
+                                tensor: t,
+                                region: r,
+                            });
+                        }
+                    }
+                }
+                for wb in 1..=4 {
+                    for b in layouts(wb) {
+                        let need = parts(&shapes, &b);
+                        let p = plan(&elem, &[], &chunks, &need).unwrap();
+                        execute(&shapes, &[], &chunks, &need, &p);
+                        let mut once: Vec<usize> = p.reads.iter().map(|r| r.1).collect();
+                        once.sort_unstable();
+                        let n = once.len();
+                        once.dedup();
+                        assert_eq!(n, once.len(), "a chunk read twice");
+                        assert_eq!(n, chunks.len(), "every chunk is needed by someone");
+                        let max_chunk = chunks
+                            .iter()
+                            .map(|c| elements(&c.region) * 4)
+                            .max()
+                            .unwrap();
+                        for r in 0..wb {
+                            let own: u64 = need
+                                .iter()
+                                .filter(|n| n.rank == r)
+                                .map(|n| elements(&n.region) * 4)
+                                .sum();
+                            let got = p.read_bytes(r, &chunks, &elem);
+                            assert!(
+                                got <= own + 2 * max_chunk,
+                                "{a:?} -> {b:?}: rank {r} reads {got}, holds {own}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn live_holders_come_first_the_checkpoint_fills_the_rest_and_load_spreads() {
+        let shapes = vec![vec![4u64, 4], vec![4, 4], vec![4, 4], vec![4, 4]];
+        let elem = vec![4u64; 4];
+        // ranks 0 and 1 hold everything but tensor 3; rank 2 is new
+        let mut held = Vec::new();
+        for r in 0..2 {
+            for t in 0..3 {
+                held.push(Part {
+                    rank: r,
+                    tensor: t,
+                    region: whole(&shapes[t]),
+                });
+            }
+        }
+        let chunks: Vec<Chunk> = (0..4)
+            .flat_map(|t| {
+                [0..2, 2..4].map(|rows| Chunk {
+                    tensor: t,
+                    region: vec![rows, 0..4],
+                })
+            })
+            .collect();
+        let need: Vec<Part> = (0..3)
+            .flat_map(|r| {
+                (0..4).map(move |t| Part {
+                    rank: r,
+                    tensor: t,
+                    region: vec![0..4, 0..4],
+                })
+            })
+            .collect();
+        let p = plan(&elem, &held, &chunks, &need).unwrap();
+        // only tensor 3 is read, its two chunks by two different ranks
+        let reads: Vec<usize> = p.reads.iter().map(|r| r.1).collect();
+        assert_eq!(reads, vec![6, 7]);
+        assert_ne!(p.reads[0].0, p.reads[1].0);
+        // rank 2's tensors 0..3 come from ranks 0 and 1, spread
+        let from: Vec<u32> = p
+            .moves
+            .iter()
+            .filter(|m| m.to == 2 && m.via.is_none())
+            .map(|m| m.from)
+            .collect();
+        assert_eq!(from.len(), 3);
+        assert!(from.contains(&0) && from.contains(&1));
+        execute(&shapes, &held, &chunks, &need, &p);
+        // the same inputs, the same plan
+        assert_eq!(p, plan(&elem, &held, &chunks, &need).unwrap());
+        // a region nobody has is named
+        let e = plan(&elem, &held, &[], &need).unwrap_err();
+        assert_eq!(e.tensor, 3);
+    }
+}
