@@ -60,8 +60,10 @@ pub async fn nccl(iters: usize, sizes: &[u64]) -> anyhow::Result<()> {
     let mut gen = 0u64;
     let mut form = |store: &Store| {
         gen += 1;
-        let rdv = Rendezvous::new(store.clone(), "bench", gen, 1, 0).unwrap();
+        let (store, g) = (store.clone(), gen);
         async move {
+            store.ensure_mesh_key("bench", g).await?;
+            let rdv = Rendezvous::new(store, "bench", g, 1, 0).unwrap();
             let t0 = Instant::now();
             let c = NcclComm::form(&rdv, 0, timeout, None).await?;
             anyhow::Ok((c, t0.elapsed().as_secs_f64()))
@@ -152,6 +154,7 @@ pub async fn nccl(iters: usize, sizes: &[u64]) -> anyhow::Result<()> {
     // the TCP backend on CUDA tensors: host staging through pinned buffers
     let tcp_store = store.clone();
     let r2 = {
+        tcp_store.ensure_mesh_key("bench-tcp", 1).await?;
         let rdv = Rendezvous::new(tcp_store, "bench-tcp", 1, 1, 0)?;
         let comm = ductile_comm::TcpComm::form(
             &rdv,

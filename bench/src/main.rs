@@ -61,6 +61,13 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// What the mesh's authenticated hello costs per connection, and a mesh's formation time.
+    MeshHello {
+        #[arg(long, default_value_t = 200)]
+        rounds: usize,
+        #[arg(long, default_value_t = 4)]
+        world: u32,
+    },
     /// Recovery time of elastic training: worker kills and node losses, 4 CPU workers.
     Recovery {
         #[arg(long, default_value_t = 10)]
@@ -215,6 +222,7 @@ async fn main() -> anyhow::Result<()> {
             })
             .await
         }
+        Cmd::MeshHello { rounds, world } => allreduce::hello(rounds, world).await,
         Cmd::Allreduce {
             worlds,
             sizes_mib,

@@ -390,6 +390,7 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
 async fn bare_nccl() -> anyhow::Result<ductile_comm::nccl::NcclComm> {
     use ductile_cluster::{memory::MemoryBackend, Keys, Store};
     let store = Store::new(std::sync::Arc::new(MemoryBackend::new()), Keys::default());
+    store.ensure_mesh_key("bare", 1).await?;
     let rdv = ductile_comm::Rendezvous::new(store, "bare", 1, 1, 0)?;
     Ok(ductile_comm::nccl::NcclComm::form(&rdv, 0, Duration::from_secs(60), None).await?)
 }

@@ -160,6 +160,11 @@ impl Keys {
     pub fn generation(&self, job: &str) -> String {
         format!("{}/jobs/{job}/generation", self.prefix)
     }
+    /// The mesh key of the job's current generation ([`crate::records::MeshKey`]): written with
+    /// every generation, read by its members to authenticate each other's connections.
+    pub fn mesh_key(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/mesh_key", self.prefix)
+    }
     pub fn history(&self, job: &str) -> String {
         format!("{}/jobs/{job}/history/", self.prefix)
     }

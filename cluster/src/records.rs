@@ -1109,6 +1109,55 @@ pub struct CheckpointRecord {
     pub request: Option<String>,
 }
 
+/// The secret the members of one generation prove to each other when their meshes connect
+/// (HMAC of a challenge both ways): fresh for every generation, so a key seen once opens no
+/// later mesh. Never part of a generation record, which the API serves.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshKey {
+    pub generation: u64,
+    /// 32 random bytes, hex.
+    pub key: String,
+}
+
+impl MeshKey {
+    /// A fresh key for `generation`, from the system's CSPRNG.
+    pub fn fresh(generation: u64) -> MeshKey {
+        use ring::rand::SecureRandom;
+        let mut b = [0u8; 32];
+        ring::rand::SystemRandom::new()
+            .fill(&mut b)
+            .expect("the system's random source");
+        MeshKey {
+            generation,
+            key: b.iter().map(|x| format!("{x:02x}")).collect(),
+        }
+    }
+
+    /// The key's bytes; an error for a record that is not 64 hex digits.
+    pub fn bytes(&self) -> Result<Vec<u8>, String> {
+        let k = self.key.as_bytes();
+        if k.len() != 64 || !k.iter().all(|c| c.is_ascii_hexdigit()) {
+            return Err(format!(
+                "mesh key of generation {} is not 64 hex digits",
+                self.generation
+            ));
+        }
+        Ok(k.chunks(2)
+            .map(|c| u8::from_str_radix(std::str::from_utf8(c).unwrap(), 16).unwrap())
+            .collect())
+    }
+}
+
+impl std::fmt::Debug for MeshKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "MeshKey {{ generation: {}, key: <redacted> }}",
+            self.generation
+        )
+    }
+}
+
 /// Ask the workers for a checkpoint at their next step boundary (before a planned drain).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointRequest {

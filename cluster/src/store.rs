@@ -243,8 +243,39 @@ impl Store {
                 encode(generation),
             ),
             Op::put(self.keys.status(&generation.job), encode(status)),
+            Op::put(
+                self.keys.mesh_key(&generation.job),
+                encode(&MeshKey::fresh(generation.number)),
+            ),
         ];
         Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)
+    }
+
+    /// Make sure `job` has a mesh key for `generation` (or a later one), for meshes formed
+    /// without a leader (the tools, benches and tests that form communicators themselves):
+    /// the first caller writes a fresh one, the others find it. The leader writes one with
+    /// every generation it publishes.
+    pub async fn ensure_mesh_key(&self, job: &str, generation: u64) -> Result<()> {
+        let key = self.keys.mesh_key(job);
+        loop {
+            let compare = match self.backend.get(&key).await? {
+                None => Compare::Absent(key.clone()),
+                Some(kv) => {
+                    let r: MeshKey = decode(&kv, "mesh key")?;
+                    if r.generation >= generation {
+                        return Ok(());
+                    }
+                    Compare::ModRevision(key.clone(), kv.mod_revision)
+                }
+            };
+            let txn = Txn {
+                compares: vec![compare],
+                ops: vec![Op::put(&key, encode(&MeshKey::fresh(generation)))],
+            };
+            if self.backend.txn(txn).await?.succeeded {
+                return Ok(());
+            }
+        }
     }
 
     /// Mark slots of the current generation excluded (their workers are alive but their peers

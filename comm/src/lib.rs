@@ -10,6 +10,7 @@
 //! Backends: [`tcp::TcpComm`] for host tensors (CUDA tensors are staged through pinned host
 //! buffers, [`staging`]); NCCL for CUDA tensors behind the `cuda` feature ([`nccl`]).
 
+pub mod auth;
 pub mod buffer;
 pub mod error;
 pub mod liveness;

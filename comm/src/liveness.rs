@@ -11,14 +11,15 @@
 //! goodbye first, so its peers never take it for lost.
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, MeshKey};
 use crate::error::{CommError, Result};
 use crate::rendezvous::Rendezvous;
-use crate::tcp::{listen_and_exchange, TcpConfig};
+use crate::tcp::{dial_peer, listen_and_exchange, TcpConfig};
 
 const MAGIC: u32 = 0x4443_4842; // "DCHB"
 const BEAT: u8 = 1;
@@ -51,18 +52,23 @@ impl Liveness {
         on_fault: Arc<dyn Fn(&Verdict) + Send + Sync>,
     ) -> Result<Liveness> {
         let generation = rdv.generation;
+        let key = rdv.mesh_key().await?;
         let (listener, addrs) = listen_and_exchange(rdv, cfg, "hb").await?;
         let (rank, world, cfg) = (rdv.rank, rdv.world, cfg.clone());
         tokio::task::spawn_blocking(move || {
-            Self::connect(listener, addrs, generation, rank, world, &cfg, on_fault)
+            Self::connect(
+                listener, addrs, key, generation, rank, world, &cfg, on_fault,
+            )
         })
         .await
         .map_err(|e| CommError::Unavailable(format!("heartbeat mesh task failed: {e}")))?
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn connect(
         listener: TcpListener,
         addrs: Vec<String>,
+        key: MeshKey,
         generation: u64,
         rank: u32,
         world: u32,
@@ -70,92 +76,30 @@ impl Liveness {
         on_fault: Arc<dyn Fn(&Verdict) + Send + Sync>,
     ) -> Result<Liveness> {
         let deadline = Instant::now() + cfg.form_timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
         // accept the peers' connections while connecting to theirs
-        let acceptor = std::thread::spawn(move || -> Result<Vec<(u32, TcpStream)>> {
-            listener.set_nonblocking(true).ok();
-            let mut got: Vec<(u32, TcpStream)> = Vec::new();
-            while got.len() + 1 < world as usize {
-                match listener.accept() {
-                    Ok((mut s, _)) => {
-                        s.set_nonblocking(false).ok();
-                        s.set_read_timeout(Some(
-                            deadline
-                                .saturating_duration_since(Instant::now())
-                                .max(Duration::from_millis(1)),
-                        ))
-                        .ok();
-                        let mut hello = [0u8; 16];
-                        // a connection that is not a peer of this generation is dropped unread
-                        if s.read_exact(&mut hello).is_err() {
-                            continue;
-                        }
-                        let magic = u32::from_le_bytes(hello[0..4].try_into().unwrap());
-                        let gen = u64::from_le_bytes(hello[4..12].try_into().unwrap());
-                        let peer = u32::from_le_bytes(hello[12..16].try_into().unwrap());
-                        if magic != MAGIC
-                            || gen != generation
-                            || peer >= world
-                            || peer == rank
-                            || got.iter().any(|(p, _)| *p == peer)
-                        {
-                            continue;
-                        }
-                        got.push((peer, s));
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        if Instant::now() >= deadline {
-                            let missing: Vec<u32> = (0..world)
-                                .filter(|p| *p != rank && got.iter().all(|(g, _)| g != p))
-                                .collect();
-                            return Err(CommError::RendezvousTimeout {
-                                generation,
-                                after: Duration::ZERO,
-                                missing,
-                            });
-                        }
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    Err(e) => {
-                        return Err(CommError::Unavailable(format!(
-                            "generation {generation}: heartbeats: accept failed: {e}"
-                        )))
-                    }
-                }
-            }
-            Ok(got)
-        });
+        let acceptor = {
+            let key = key.clone();
+            std::thread::spawn(move || -> Result<Vec<(u32, TcpStream)>> {
+                auth::accept_peers(
+                    &listener,
+                    &key,
+                    MAGIC,
+                    (rank, world),
+                    move |p| p != rank,
+                    world as usize - 1,
+                    deadline,
+                )
+            })
+        };
         let mut outgoing: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         for (peer, addr) in addrs.iter().enumerate() {
             let peer = peer as u32;
             if peer == rank {
                 continue;
             }
-            let conn_err = |source: std::io::Error| CommError::Connect {
-                generation,
-                peer,
-                addr: addr.clone(),
-                source,
-            };
-            let sa = addr
-                .to_socket_addrs()
-                .map_err(conn_err)?
-                .next()
-                .ok_or_else(|| conn_err(std::io::ErrorKind::NotFound.into()))?;
-            let mut s = loop {
-                match TcpStream::connect_timeout(&sa, left().max(Duration::from_millis(1))) {
-                    Ok(s) => break s,
-                    Err(e) if left().is_zero() => return Err(conn_err(e)),
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            };
+            let s = dial_peer(addr, &key, MAGIC, (rank, peer, world), deadline)?;
             s.set_nodelay(true).ok();
             s.set_write_timeout(Some(cfg.liveness_timeout)).ok();
-            let mut hello = [0u8; 16];
-            hello[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-            hello[4..12].copy_from_slice(&generation.to_le_bytes());
-            hello[12..16].copy_from_slice(&rank.to_le_bytes());
-            s.write_all(&hello).map_err(conn_err)?;
             outgoing[peer as usize] = Some(s);
         }
         let incoming = acceptor
@@ -326,6 +270,7 @@ mod tests {
         for rank in 0..world {
             let store = store.clone();
             tasks.push(tokio::spawn(async move {
+                store.ensure_mesh_key("j", generation).await.unwrap();
                 let rdv = Rendezvous::new(store, "j", generation, world, rank).unwrap();
                 let faults = Arc::new(AtomicU32::new(0));
                 let f = faults.clone();
@@ -418,6 +363,7 @@ mod tests {
             form_timeout: Duration::from_millis(800),
             ..cfg(500)
         };
+        store.ensure_mesh_key("j", 9).await.unwrap();
         let rdv = Rendezvous::new(store.clone(), "j", 9, 2, 0).unwrap();
         let r0 = tokio::spawn(async move { Liveness::form(&rdv, &c, Arc::new(|_| {})).await });
         // rank 1's address takes connections, but what calls rank 0 says generation 8
@@ -435,8 +381,11 @@ mod tests {
         hello[4..12].copy_from_slice(&8u64.to_le_bytes());
         hello[12..16].copy_from_slice(&1u32.to_le_bytes());
         s.write_all(&hello).unwrap();
+        // rank 0 finds no rank 1 it can authenticate: neither the stranger that called it nor
+        // the listener that never answers its hello
         match r0.await.unwrap() {
             Err(CommError::RendezvousTimeout { missing, .. }) => assert_eq!(missing, vec![1]),
+            Err(CommError::Unavailable(m)) => assert!(m.contains("rank 1"), "{m}"),
             Err(other) => panic!("{other}"),
             Ok(_) => panic!("took a connection of generation 8 as rank 1 of generation 9"),
         }

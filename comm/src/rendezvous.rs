@@ -1,5 +1,6 @@
 //! The per-generation exchange through etcd (via `cluster`).
 
+use crate::auth::MeshKey;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -41,6 +42,40 @@ impl Rendezvous {
             world,
             rank,
         })
+    }
+
+    /// This generation's mesh key (`jobs/{job}/mesh_key`, written with the generation). A key
+    /// of a later generation means this one is over; none, or an older one, is an error naming
+    /// the key (the leader writes it with every generation it publishes).
+    pub async fn mesh_key(&self) -> Result<MeshKey, CommError> {
+        let key = self.store.keys.mesh_key(&self.job);
+        let rec = self
+            .store
+            .get_json::<ductile_cluster::records::MeshKey>(&key, "mesh key")
+            .await
+            .map_err(|source| CommError::Store {
+                generation: self.generation,
+                source,
+            })?
+            .map(|(r, _)| r);
+        match rec {
+            Some(r) if r.generation == self.generation => r
+                .bytes()
+                .map(|b| MeshKey::new(self.generation, &b))
+                .map_err(|e| CommError::Unavailable(format!("{key}: {e}"))),
+            Some(r) if r.generation > self.generation => Err(CommError::Aborted {
+                generation: self.generation,
+                op: "form",
+            }),
+            Some(r) => Err(CommError::Unavailable(format!(
+                "{key} holds the mesh key of generation {}, not {}'s",
+                r.generation, self.generation
+            ))),
+            None => Err(CommError::Unavailable(format!(
+                "no mesh key at {key} for generation {} (the leader writes one with every generation)",
+                self.generation
+            ))),
+        }
     }
 
     fn prefix(&self, topic: &str) -> String {

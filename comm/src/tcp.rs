@@ -12,16 +12,18 @@
 //! `op_timeout`.
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, MeshKey};
 use crate::buffer::{add_into, DType, Scratch};
 use crate::error::{CommError, Result};
 use crate::rendezvous::Rendezvous;
 
-const MAGIC: u32 = 0x4443_544C; // "DCTL"
+/// The TCP backend's protocol tag (its hello and frames).
+pub const MAGIC: u32 = 0x4443_544C; // "DCTL"
 const HEADER: usize = 32;
 
 /// Tunables of the TCP backend.
@@ -40,8 +42,12 @@ pub struct TcpConfig {
     pub small_bytes: usize,
     /// Address peers use to reach this rank.
     pub advertise_host: String,
-    /// Address to listen on.
+    /// Address to listen on (default: `advertise_host`, never every interface unless asked).
     pub bind_host: String,
+    /// Largest frame or variable-length broadcast a peer may send; a longer one fails the
+    /// communicator (naming the peer) before anything is allocated for it. The worker sets it
+    /// from its job's state size.
+    pub max_frame_bytes: u64,
 }
 
 impl Default for TcpConfig {
@@ -53,15 +59,17 @@ impl Default for TcpConfig {
             chunk_bytes: 1 << 20,
             small_bytes: 64 << 10,
             advertise_host: "127.0.0.1".into(),
-            bind_host: "0.0.0.0".into(),
+            bind_host: "127.0.0.1".into(),
+            max_frame_bytes: 1 << 30,
         }
     }
 }
 
 impl TcpConfig {
     /// The defaults, with `DUCTILE_COMM_CHUNK_BYTES`, `DUCTILE_COMM_SMALL_BYTES`,
-    /// `DUCTILE_COMM_TIMEOUT_SECS`, `DUCTILE_COMM_LIVENESS_MS` and `DUCTILE_COMM_HOST` (the
-    /// address peers reach this rank at) applied when set.
+    /// `DUCTILE_COMM_TIMEOUT_SECS`, `DUCTILE_COMM_LIVENESS_MS`, `DUCTILE_COMM_HOST` (the
+    /// address peers reach this rank at, and listens on) and `DUCTILE_COMM_BIND` (listen
+    /// elsewhere, say `0.0.0.0` behind NAT) applied when set.
     pub fn from_env() -> TcpConfig {
         let mut c = TcpConfig::default();
         let num = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
@@ -78,7 +86,11 @@ impl TcpConfig {
             c.liveness_timeout = Duration::from_millis(v.max(200));
         }
         if let Ok(h) = std::env::var("DUCTILE_COMM_HOST") {
+            c.bind_host = h.clone();
             c.advertise_host = h;
+        }
+        if let Ok(h) = std::env::var("DUCTILE_COMM_BIND") {
+            c.bind_host = h;
         }
         c
     }
@@ -87,7 +99,7 @@ impl TcpConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 enum Kind {
-    Hello = 1,
+    // 1 was the unauthenticated hello (now `auth`'s handshake)
     AllReduce = 2,
     Broadcast = 3,
     AllGather = 4,
@@ -222,6 +234,47 @@ fn header(kind: Kind, generation: u64, seq: u64, len: u64) -> [u8; HEADER] {
     h
 }
 
+/// Connect to `addr` (each attempt bounded, retried until `deadline` while the peer is not
+/// listening yet) and authenticate as rank `me` to rank `peer` of `world`.
+pub(crate) fn dial_peer(
+    addr: &str,
+    key: &MeshKey,
+    magic: u32,
+    (me, peer, world): (u32, u32, u32),
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let generation = key.generation();
+    let fail = |e: std::io::Error| CommError::Connect {
+        generation,
+        peer,
+        addr: addr.to_string(),
+        source: e,
+    };
+    let to = addr
+        .to_socket_addrs()
+        .map_err(fail)?
+        .next()
+        .ok_or_else(|| fail(std::io::Error::other("no address")))?;
+    let mut s = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(
+            &to,
+            left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
+        ) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() >= deadline => return Err(fail(e)),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    let left = deadline.saturating_duration_since(Instant::now());
+    auth::dial(&mut s, key, magic, (me, peer, world), left).map_err(|reason| {
+        CommError::Unavailable(format!(
+            "generation {generation}: rank {peer} at {addr}: {reason}"
+        ))
+    })?;
+    Ok(s)
+}
+
 /// Listen on `cfg.bind_host` (a free port), publish this rank's address under `topic` in the
 /// generation's rendezvous, and gather every rank's address (bounded by `cfg.form_timeout`).
 pub(crate) async fn listen_and_exchange(
@@ -256,10 +309,11 @@ impl TcpComm {
     /// rank's, and connect the mesh (lower ranks are dialled, higher ranks accepted).
     pub async fn form(rdv: &Rendezvous, cfg: TcpConfig) -> Result<TcpComm> {
         let generation = rdv.generation;
+        let key = rdv.mesh_key().await?;
         let (listener, addrs) = listen_and_exchange(rdv, &cfg, "tcp").await?;
         let (rank, world) = (rdv.rank, rdv.world);
         tokio::task::spawn_blocking(move || {
-            Self::connect(listener, addrs, generation, rank, world, cfg)
+            Self::connect(listener, addrs, key, generation, rank, world, cfg)
         })
         .await
         .map_err(|e| CommError::Unavailable(format!("mesh task failed: {e}")))?
@@ -268,6 +322,7 @@ impl TcpComm {
     fn connect(
         listener: TcpListener,
         addrs: Vec<String>,
+        key: MeshKey,
         generation: u64,
         rank: u32,
         world: u32,
@@ -277,78 +332,31 @@ impl TcpComm {
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         for peer in 0..rank {
             let addr = &addrs[peer as usize];
-            let s = loop {
-                match TcpStream::connect(addr) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() >= deadline => {
-                        return Err(CommError::Connect {
-                            generation,
-                            peer,
-                            addr: addr.clone(),
-                            source: e,
-                        })
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                }
-            };
-            let mut s = s;
-            let mut hello = header(Kind::Hello, generation, rank as u64, world as u64).to_vec();
-            hello.truncate(HEADER);
-            s.write_all(&hello).map_err(|e| CommError::Connect {
-                generation,
-                peer,
-                addr: addr.clone(),
-                source: e,
-            })?;
-            streams[peer as usize] = Some(s);
+            streams[peer as usize] =
+                Some(dial_peer(addr, &key, MAGIC, (rank, peer, world), deadline)?);
         }
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| CommError::Unavailable(e.to_string()))?;
-        let mut pending = world - rank - 1;
-        while pending > 0 {
-            match listener.accept() {
-                Ok((mut s, from)) => {
-                    s.set_nonblocking(false).ok();
-                    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
-                    let mut h = [0u8; HEADER];
-                    if s.read_exact(&mut h).is_err() {
-                        continue;
-                    }
-                    let magic = u32::from_le_bytes(h[0..4].try_into().unwrap());
-                    let g = u64::from_le_bytes(h[8..16].try_into().unwrap());
-                    let peer = u64::from_le_bytes(h[16..24].try_into().unwrap()) as u32;
-                    if magic != MAGIC
-                        || g != generation
-                        || peer <= rank
-                        || peer >= world
-                        || streams[peer as usize].is_some()
-                    {
-                        tracing::warn!(%from, generation, got_generation = g, peer, "refused a connection that is not from this generation's mesh");
-                        continue;
-                    }
-                    streams[peer as usize] = Some(s);
-                    pending -= 1;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing: Vec<u32> = (rank + 1..world)
-                            .filter(|p| streams[*p as usize].is_none())
-                            .collect();
-                        return Err(CommError::RendezvousTimeout {
-                            generation,
-                            after: cfg.form_timeout,
-                            missing,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(e) => {
-                    return Err(CommError::Unavailable(format!(
-                        "generation {generation}: accept failed: {e}"
-                    )))
-                }
-            }
+        for (peer, s) in auth::accept_peers(
+            &listener,
+            &key,
+            MAGIC,
+            (rank, world),
+            move |p| p > rank,
+            (world - rank - 1) as usize,
+            deadline,
+        )
+        .map_err(|e| match e {
+            CommError::RendezvousTimeout {
+                generation,
+                missing,
+                ..
+            } => CommError::RendezvousTimeout {
+                generation,
+                after: cfg.form_timeout,
+                missing,
+            },
+            e => e,
+        })? {
+            streams[peer as usize] = Some(s);
         }
         let mut raw = Vec::new();
         let mut peers = Vec::new();
@@ -495,6 +503,7 @@ impl TcpComm {
     fn recv_frame(&self, op: &'static str, kind: Kind, seq: u64, from: u32) -> Result<Vec<u8>> {
         let mut r = self.peer(from).read.lock().unwrap();
         let len = self.read_header(&mut r, op, kind, seq, from)?;
+        self.check_len(op, from, len)?;
         let mut v = vec![0u8; len as usize];
         r.read_exact(&mut v)
             .map_err(|e| self.read_err(op, from, e))?;
@@ -943,8 +952,29 @@ impl TcpComm {
     pub fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()> {
         let mut len = (buf.len() as u64).to_le_bytes();
         self.broadcast_bytes(&mut len, root)?;
-        buf.resize(u64::from_le_bytes(len) as usize, 0);
+        let len = u64::from_le_bytes(len);
+        if let Err(e) = self.check_len("broadcast", root, len) {
+            self.abort();
+            return Err(e);
+        }
+        buf.resize(len as usize, 0);
         self.broadcast_bytes(buf, root)
+    }
+
+    /// A length a peer announced, against `max_frame_bytes`.
+    fn check_len(&self, op: &'static str, peer: u32, len: u64) -> Result<()> {
+        if len > self.cfg.max_frame_bytes {
+            return Err(CommError::Protocol {
+                generation: self.generation,
+                op,
+                peer,
+                reason: format!(
+                    "announced {len} bytes, over this job's cap of {} (max_frame_bytes)",
+                    self.cfg.max_frame_bytes
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Point to point: send to `peer` (which must call `recv_*` from us, in the same order).
@@ -1145,6 +1175,7 @@ mod tests {
             .map(|r| {
                 let (store, cfg) = (store.clone(), cfg.clone());
                 tokio::spawn(async move {
+                    store.ensure_mesh_key("j", generation).await.unwrap();
                     let rdv = Rendezvous::new(store, "j", generation, n, r).unwrap();
                     TcpComm::form(&rdv, cfg).await.unwrap()
                 })
@@ -1302,14 +1333,59 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_oversized_frame_or_broadcast_fails_the_communicator_unallocated() {
+        let cfg = TcpConfig {
+            max_frame_bytes: 1 << 20,
+            ..TcpConfig::default()
+        };
+        let comms = world(&store(), 43, 2, cfg).await;
+        // rank 1 announces an 8 EiB frame to rank 0
+        {
+            let mut w = comms[1].peer(0).write.lock().unwrap();
+            w.write_all(&header(Kind::P2P, 43, 0, 1 << 63)).unwrap();
+        }
+        match comms[0].recv_vec(1) {
+            Err(CommError::Protocol {
+                peer: 1, reason, ..
+            }) => {
+                assert!(reason.contains("over this job's cap"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // the communicator is done: rank 1's next call fails too
+        assert!(comms[1].barrier().is_err());
+        // a broadcast that announces more than the cap fails every rank, before allocating
+        let comms = world(
+            &store(),
+            44,
+            2,
+            TcpConfig {
+                max_frame_bytes: 1 << 20,
+                ..TcpConfig::default()
+            },
+        )
+        .await;
+        let outs = on_threads(&comms, |c| {
+            let mut v = if c.rank() == 0 {
+                vec![7u8; 2 << 20]
+            } else {
+                Vec::new()
+            };
+            c.broadcast_vec(&mut v, 0).map(|_| v.len())
+        });
+        assert!(outs.iter().all(|o| o.is_err()), "{outs:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_from_another_generation_is_refused_and_the_mesh_still_forms() {
         let s = store();
+        s.ensure_mesh_key("j", 61).await.unwrap();
         let cfg = TcpConfig::default();
         let (s0, c0) = (s.clone(), cfg.clone());
         let rank0 = tokio::spawn(async move {
             TcpComm::form(&Rendezvous::new(s0, "j", 61, 2, 0).unwrap(), c0).await
         });
-        // a worker of generation 60 dials rank 0 of generation 61
+        // a worker of generation 60 (with that generation's key) dials rank 0 of generation 61
         let addr = loop {
             if let Some(kv) = s
                 .backend
@@ -1322,21 +1398,24 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
         let mut rogue = TcpStream::connect(&addr).unwrap();
-        rogue.write_all(&header(Kind::Hello, 60, 1, 2)).unwrap();
-        // the real rank 1 joins (rank 0 accepts once everyone published): the stale connection
-        // is closed, and the mesh forms and works
+        let stale = MeshKey::new(60, &[1u8; 32]);
+        let refused = std::thread::spawn(move || {
+            auth::dial(
+                &mut rogue,
+                &stale,
+                MAGIC,
+                (1, 0, 2),
+                Duration::from_secs(10),
+            )
+        });
+        // the real rank 1 joins: the stale connection is refused, and the mesh forms and works
         let rank1 = TcpComm::form(&Rendezvous::new(s.clone(), "j", 61, 2, 1).unwrap(), cfg)
             .await
             .unwrap();
         let rank0 = rank0.await.unwrap().unwrap();
-        rogue
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        let mut b = [0u8; 1];
-        assert_eq!(
-            rogue.read(&mut b).unwrap(),
-            0,
-            "the stale connection must be closed"
+        assert!(
+            refused.join().unwrap().is_err(),
+            "the stale worker was refused"
         );
         let outs = on_threads(&[rank0, rank1], |c| {
             let mut v = 1.5f32.to_le_bytes().to_vec();

@@ -60,6 +60,61 @@ fn every_collective_is_right_across_processes_for_worlds_1_to_4() {
     }
 }
 
+/// While rank 0 waits for rank 1 at the rendezvous, strangers connect to its mesh port: one
+/// that says nothing, one that sends noise, one that claims rank 1 of this generation without
+/// the generation's key. Rank 0 takes none of them for a peer, the real rank 1 joins, and every
+/// collective is right.
+#[test]
+fn strangers_at_a_mesh_port_are_refused_and_the_mesh_forms_and_works() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let dir = TempDir::new("strangers");
+    let etcd = Etcd::start(dir.path());
+    let (job, generation) = ("strangers", 5u64);
+    let r0 = rank(&etcd, job, generation, 2, 0, &["collectives"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(async {
+        ductile_cluster::Store::new(
+            ductile_cluster::connect_etcd(&etcd.endpoint, Duration::from_secs(10))
+                .await
+                .unwrap(),
+            ductile_cluster::Keys::default(),
+        )
+    });
+    let at = format!("{}tcp/0", store.keys.rendezvous(job, generation));
+    let t0 = Instant::now();
+    let addr = loop {
+        if let Some(kv) = rt.block_on(store.backend.get(&at)).unwrap() {
+            break String::from_utf8(kv.value).unwrap();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "rank 0 never published {at}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _silent = TcpStream::connect(&addr).unwrap();
+    let mut noise = TcpStream::connect(&addr).unwrap();
+    noise.write_all(&[0xFF; 64]).unwrap();
+    let forged = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        let wrong = ductile_comm::auth::MeshKey::new(generation, &[0u8; 32]);
+        ductile_comm::auth::dial(
+            &mut s,
+            &wrong,
+            ductile_comm::tcp::MAGIC,
+            (1, 0, 2),
+            Duration::from_secs(60),
+        )
+    });
+    let r1 = rank(&etcd, job, generation, 2, 1, &["collectives"]);
+    for v in finish(vec![r0, r1], Duration::from_secs(120)) {
+        assert_eq!(v["ok"], true, "{v}");
+    }
+    let e = forged.join().unwrap().unwrap_err();
+    assert!(e.contains("mesh key"), "{e}");
+}
+
 #[test]
 fn the_ordered_all_reduce_gives_the_same_bits_at_every_world_size() {
     let dir = TempDir::new("ord");

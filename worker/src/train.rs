@@ -471,8 +471,19 @@ impl Trainer {
             };
             return crate::nccl::form(&self.rt, &rdv, index, timeout, newer());
         }
+        // no legitimate frame is longer than the whole state (a joiner's transfer) or the
+        // ring's chunks; a peer announcing more is refused before anything is allocated
+        let per = (self.opt.state.len() / self.params.len().max(1)) as u64;
+        let elements: u64 = self
+            .shapes
+            .iter()
+            .map(|s| s.iter().product::<i64>() as u64)
+            .sum();
+        // f32 parameters and optimizer state
+        let full = elements * 4 * (1 + per);
         let cfg = TcpConfig {
             form_timeout: timeout,
+            max_frame_bytes: (full + (1 << 20)).max(64 << 20),
             ..TcpConfig::from_env()
         };
         Ok(self.rt.block_on(async move {

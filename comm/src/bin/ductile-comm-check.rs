@@ -20,6 +20,7 @@ fn fnv(bytes: &[u8]) -> u64 {
 }
 
 async fn form(store: &Store, job: &str, generation: u64, world: u32, rank: u32) -> TcpComm {
+    store.ensure_mesh_key(job, generation).await.unwrap();
     let rdv = Rendezvous::new(store.clone(), job, generation, world, rank).unwrap();
     let cfg = TcpConfig {
         bind_host: "127.0.0.1".into(),

@@ -668,6 +668,7 @@ mod tests {
             std::sync::Arc::new(ductile_cluster::memory::MemoryBackend::new()),
             Keys::default(),
         );
+        store.ensure_mesh_key("j", 1).await.unwrap();
         let rdv = Rendezvous::new(store, "j", 1, 1, 0).unwrap();
         match NcclComm::form(&rdv, 0, Duration::from_secs(1), None).await {
             Err(CommError::Unavailable(m)) => assert_eq!(m, msg),
