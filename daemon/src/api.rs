@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -34,7 +34,12 @@ pub struct AppState {
     pub store: Store,
     /// The replica's cached view: reads are served from it (no etcd request per read).
     pub view: ClusterView,
+    /// The admin token: every call.
     pub token: Secret,
+    /// The read-only token: GET calls only.
+    pub read_token: Option<Secret>,
+    /// `/metrics` asks for either token.
+    pub metrics_need_token: bool,
     pub is_leader: Arc<AtomicBool>,
     pub id: String,
 }
@@ -108,27 +113,51 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Bearer-token check, in constant time.
+/// What a bearer token may do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scope {
+    Read,
+    Admin,
+}
+
+/// The scope of the request's bearer token (compared in constant time), or the 401 to answer.
+fn scope(st: &AppState, headers: &HeaderMap) -> Result<Scope, Response> {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        None => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing bearer token (Authorization: Bearer ...)",
+        )
+        .into_response()),
+        Some(t) if st.token.matches(t) => Ok(Scope::Admin),
+        Some(t) if st.read_token.as_ref().is_some_and(|r| r.matches(t)) => Ok(Scope::Read),
+        Some(_) => Err(ApiError::new(StatusCode::UNAUTHORIZED, "invalid token").into_response()),
+    }
+}
+
+/// Bearer-token check: the admin token may do everything, the read-only token only reads
+/// (GET); a change asked with it is a 403 that says so.
 async fn auth(
     State(st): State<AppState>,
     headers: HeaderMap,
     req: Request,
     next: Next,
 ) -> Response {
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match given {
-        None => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "missing bearer token (Authorization: Bearer ...)",
+    match scope(&st, &headers) {
+        Err(r) => r,
+        Ok(Scope::Read) if !matches!(*req.method(), Method::GET | Method::HEAD) => ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!(
+                "the read-only token cannot {} {}: that needs the admin token",
+                req.method(),
+                req.uri().path()
+            ),
         )
         .into_response(),
-        Some(t) if !st.token.matches(t) => {
-            ApiError::new(StatusCode::UNAUTHORIZED, "invalid token").into_response()
-        }
-        Some(_) => next.run(req).await,
+        Ok(_) => next.run(req).await,
     }
 }
 
@@ -584,7 +613,12 @@ type FGauge = Gauge<f64, AtomicU64>;
 /// Prometheus metrics (OpenMetrics text) from the replica's cached view: a scrape costs etcd
 /// nothing, and any replica answers the same. `ductile_daemon_etcd_last_answer_seconds` says
 /// how current the view is.
-async fn metrics(State(st): State<AppState>) -> ApiResult<Response> {
+async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Response> {
+    if st.metrics_need_token {
+        if let Err(r) = scope(&st, &headers) {
+            return Ok(r);
+        }
+    }
     let snaps = st.view.snapshots();
     if snaps.jobs.revision == 0 || snaps.nodes.revision == 0 {
         return Err(ApiError::new(

@@ -48,6 +48,13 @@ pub struct Cli {
     /// File holding the API bearer token (or set DUCTILE_TOKEN).
     #[arg(long, env = "DUCTILE_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// File holding the read-only API token (or set DUCTILE_READ_TOKEN): status, nodes, events,
+    /// watch, checkpoints, plans and metrics, never submit, scale, drain or stop.
+    #[arg(long, env = "DUCTILE_READ_TOKEN_FILE")]
+    pub read_token_file: Option<PathBuf>,
+    /// `/metrics` asks for a token (the read-only or the admin one).
+    #[arg(long, env = "DUCTILE_METRICS_NEED_TOKEN")]
+    pub metrics_need_token: Option<bool>,
     /// TOML config file; flags override it.
     #[arg(long, env = "DUCTILE_CONFIG")]
     pub config: Option<PathBuf>,
@@ -77,6 +84,8 @@ pub struct FileConfig {
     pub etcd: Option<String>,
     pub listen: Option<String>,
     pub token_file: Option<PathBuf>,
+    pub read_token_file: Option<PathBuf>,
+    pub metrics_need_token: Option<bool>,
     pub prefix: Option<String>,
     pub election_ttl: Option<i64>,
     pub debounce_ms: Option<u64>,
@@ -90,6 +99,9 @@ pub struct Config {
     pub etcd: String,
     pub listen: String,
     pub token: Secret,
+    /// The read-only token, if the cluster has one.
+    pub read_token: Option<Secret>,
+    pub metrics_need_token: bool,
     pub prefix: String,
     pub election_ttl: i64,
     pub debounce: Duration,
@@ -112,6 +124,17 @@ impl Config {
                 anyhow::anyhow!("no API token: pass --token-file FILE or set DUCTILE_TOKEN")
             })?,
         };
+        let read_token = match cli.read_token_file.or(file.read_token_file) {
+            Some(p) => Some(
+                std::fs::read_to_string(&p)
+                    .map_err(|e| {
+                        anyhow::anyhow!("cannot read read-only token file {}: {e}", p.display())
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            None => std::env::var("DUCTILE_READ_TOKEN").ok(),
+        };
         let id = cli.id.or(file.id).unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .unwrap_or_else(|_| "host".into());
@@ -127,6 +150,11 @@ impl Config {
                 .or(file.listen)
                 .unwrap_or_else(|| "127.0.0.1:7420".into()),
             token: Secret::new(token),
+            read_token: read_token.map(Secret::new),
+            metrics_need_token: cli
+                .metrics_need_token
+                .or(file.metrics_need_token)
+                .unwrap_or(false),
             prefix: cli
                 .prefix
                 .or(file.prefix)
@@ -147,6 +175,16 @@ impl Config {
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.token.0.len() < 8 {
             anyhow::bail!("invalid token: must be at least 8 characters");
+        }
+        if let Some(r) = &self.read_token {
+            if r.0.len() < 8 {
+                anyhow::bail!("invalid read_token: must be at least 8 characters");
+            }
+            if r.0 == self.token.0 {
+                anyhow::bail!(
+                    "invalid read_token: it is the admin token; give it a token of its own"
+                );
+            }
         }
         if self.election_ttl < 1 {
             anyhow::bail!(

@@ -33,6 +33,8 @@ pub async fn run(
         store: store.clone(),
         view: view.clone(),
         token: cfg.token.clone(),
+        read_token: cfg.read_token.clone(),
+        metrics_need_token: cfg.metrics_need_token,
         is_leader: is_leader.clone(),
         id: cfg.id.clone(),
     });

@@ -14,9 +14,13 @@ struct Cli {
     /// The daemon's API, e.g. http://127.0.0.1:7420 (or DCTL_ENDPOINT, or ~/.config/ductile/dctl.toml).
     #[arg(long, env = "DCTL_ENDPOINT", global = true)]
     endpoint: Option<String>,
-    /// The API bearer token (or DCTL_TOKEN, or ~/.config/ductile/dctl.toml).
+    /// The API bearer token. Prefer DCTL_TOKEN, --token-file or ~/.config/ductile/dctl.toml: a
+    /// token on the command line shows in the process list and shell history (dctl warns).
     #[arg(long, env = "DCTL_TOKEN", global = true, hide_env_values = true)]
     token: Option<String>,
+    /// A file holding the API token (or DCTL_TOKEN_FILE; `token_file` in dctl.toml).
+    #[arg(long, env = "DCTL_TOKEN_FILE", global = true)]
+    token_file: Option<PathBuf>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -69,6 +73,7 @@ enum Cmd {
 struct FileConfig {
     endpoint: Option<String>,
     token: Option<String>,
+    token_file: Option<PathBuf>,
 }
 
 struct Client {
@@ -114,6 +119,7 @@ impl Client {
             .unwrap_or_else(|| text.clone());
         match status.as_u16() {
             401 => anyhow::bail!("the daemon refused the token: {msg}"),
+            403 => anyhow::bail!("not allowed with this token: {msg}"),
             _ => anyhow::bail!("{msg}"),
         }
     }
@@ -280,7 +286,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         .endpoint
         .or(file.endpoint)
         .unwrap_or_else(|| "http://127.0.0.1:7420".into());
-    let token = cli.token.or(file.token).ok_or_else(|| anyhow::anyhow!("no token: pass --token, set DCTL_TOKEN, or put token = \"...\" in ~/.config/ductile/dctl.toml"))?;
+    if std::env::args().any(|a| a == "--token" || a.starts_with("--token=")) {
+        eprintln!("warning: --token puts the API token in the process list and the shell history; use DCTL_TOKEN, --token-file FILE or ~/.config/ductile/dctl.toml");
+    }
+    let read_token = |p: &PathBuf| -> anyhow::Result<String> {
+        let t = std::fs::read_to_string(p)
+            .map_err(|e| anyhow::anyhow!("cannot read the token file {}: {e}", p.display()))?;
+        Ok(t.trim().to_string())
+    };
+    let token = match (cli.token, cli.token_file, file.token, file.token_file) {
+        (Some(t), _, _, _) => t,
+        (None, Some(p), _, _) => read_token(&p)?,
+        (None, None, Some(t), _) => t,
+        (None, None, None, Some(p)) => read_token(&p)?,
+        _ => anyhow::bail!("no token: set DCTL_TOKEN, pass --token-file FILE, or put token_file = \"...\" in ~/.config/ductile/dctl.toml"),
+    };
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(15))
         .build()?;

@@ -28,6 +28,8 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// The API token every test cluster uses.
 pub const TOKEN: &str = "test-token-0123456789";
+/// The cluster's read-only API token.
+pub const READ_TOKEN: &str = "test-read-token-9876543210";
 
 /// A temporary directory removed on drop (kept if `DUCTILE_KEEP_TEST_DIRS` is set).
 pub struct TempDir(pub PathBuf);
@@ -737,6 +739,7 @@ impl Cluster {
             spec.agent_env.extend(env);
         }
         std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+        std::fs::write(dir.path().join("read-token"), READ_TOKEN).unwrap();
         let mut c = Cluster {
             spec: spec.clone(),
             daemons: vec![],
@@ -766,6 +769,8 @@ impl Cluster {
             format!("127.0.0.1:{port}"),
             "--token-file".into(),
             self.dir.path().join("token").display().to_string(),
+            "--read-token-file".into(),
+            self.dir.path().join("read-token").display().to_string(),
             "--election-ttl".into(),
             self.spec.election_ttl.to_string(),
             "--debounce-ms".into(),
@@ -858,13 +863,19 @@ impl Cluster {
         format!("http://127.0.0.1:{}", self.daemon_ports[live])
     }
 
-    /// Run dctl against this cluster: (exit success, stdout, stderr).
+    /// Run dctl against this cluster with the admin token: (exit success, stdout, stderr).
     pub fn dctl(&self, args: &[&str]) -> (bool, String, String) {
+        self.dctl_as(TOKEN, args)
+    }
+
+    /// Run dctl with `token` (through DCTL_TOKEN, as users should).
+    pub fn dctl_as(&self, token: &str, args: &[&str]) -> (bool, String, String) {
         let out = Command::new(bin("dctl"))
-            .args(["--endpoint", &self.endpoint(), "--token", TOKEN])
+            .args(["--endpoint", &self.endpoint()])
             .args(args)
             .env_remove("DCTL_ENDPOINT")
-            .env_remove("DCTL_TOKEN")
+            .env_remove("DCTL_TOKEN_FILE")
+            .env("DCTL_TOKEN", token)
             .env("HOME", self.dir.path())
             .output()
             .unwrap();

@@ -621,8 +621,62 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr)
-        .contains("the daemon refused the token: invalid token"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the daemon refused the token: invalid token"),
+        "{err}"
+    );
+    // a token in argv works but is warned about (process list, shell history)
+    assert!(
+        err.contains("warning: --token puts the API token in the process list"),
+        "{err}"
+    );
+    // the read-only token reads, and is refused every change, naming the call
+    let bearer = format!("Bearer {READ_TOKEN}");
+    let read = [("Authorization", bearer.as_str())];
+    let (code, _) = http("GET", &format!("{}/v1/jobs", c.endpoint()), &read, b"").unwrap();
+    assert_eq!(code, 200);
+    for (method, path) in [
+        ("POST", "/v1/jobs"),
+        ("POST", "/v1/jobs/nope/scale"),
+        ("POST", "/v1/jobs/nope/stop"),
+        ("POST", "/v1/nodes/nope/drain"),
+        ("DELETE", "/v1/nodes/nope/drain"),
+    ] {
+        let (code, body) = http(method, &format!("{}{path}", c.endpoint()), &read, b"{}").unwrap();
+        assert_eq!(code, 403, "{method} {path}: {body}");
+        assert!(
+            body.contains(&format!("the read-only token cannot {method} {path}")),
+            "{body}"
+        );
+    }
+    let (ok, _, err) = c.dctl_as(READ_TOKEN, &["status"]);
+    assert!(ok, "{err}");
+    assert!(
+        !err.contains("warning"),
+        "DCTL_TOKEN is not warned about: {err}"
+    );
+    let (ok, _, err) = c.dctl_as(READ_TOKEN, &["scale", "nope", "1"]);
+    assert!(!ok);
+    assert!(
+        err.contains("not allowed with this token: the read-only token cannot POST"),
+        "{err}"
+    );
+    // the token from a file
+    let tf = c.dir.path().join("dctl-token");
+    std::fs::write(&tf, format!("{TOKEN}\n")).unwrap();
+    let out = std::process::Command::new(bin("dctl"))
+        .args(["--endpoint", &c.endpoint(), "--token-file"])
+        .arg(&tf)
+        .arg("nodes")
+        .env_remove("DCTL_TOKEN")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // daemon unreachable
     let out = std::process::Command::new(bin("dctl"))
         .args([
@@ -651,6 +705,50 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no API token"));
+    // a read-only token equal to the admin one is refused; a daemon whose /metrics needs a
+    // token answers it with either token only
+    let out = std::process::Command::new(bin("ductiled"))
+        .args(["--etcd", &c.etcd.endpoint, "--listen", "127.0.0.1:0"])
+        .env("DUCTILE_TOKEN", TOKEN)
+        .env("DUCTILE_READ_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid read_token"));
+    let port = free_port();
+    let mut d = Proc::start(
+        "metrics-daemon",
+        &bin("ductiled"),
+        &[
+            "--etcd".into(),
+            c.etcd.endpoint.clone(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--id".into(),
+            "metrics-daemon".into(),
+            "--metrics-need-token".into(),
+            "true".into(),
+        ],
+        &[
+            ("DUCTILE_TOKEN".into(), TOKEN.into()),
+            ("DUCTILE_READ_TOKEN".into(), READ_TOKEN.into()),
+        ],
+        c.dir.path().join("metrics-daemon.log"),
+    );
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let got = c.wait_for(
+        S(20),
+        "the metrics daemon answers with the read token",
+        || {
+            http("GET", &url, &read, b"")
+                .ok()
+                .filter(|(code, _)| *code == 200)
+        },
+    );
+    assert!(got.1.contains("ductile_"), "{}", got.1);
+    let (code, _) = http("GET", &url, &[], b"").unwrap();
+    assert_eq!(code, 401);
+    d.kill();
     // an unreachable etcd is a clear error at start-up
     let out = std::process::Command::new(bin("ductile-agent"))
         .args([
