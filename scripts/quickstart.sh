@@ -41,7 +41,8 @@ until curl -sf "$DCTL_ENDPOINT/healthz" >/dev/null; do sleep 0.1; done
 
 declare -A agent_pid
 start_agent() {
-  "$bin/ductile-agent" --etcd "$etcd_url" --node "$1" --cpu-slots 2 --lease-ttl 2 --gpus off --advertise-host 127.0.0.1 --restart-backoff-ms 1000 >>"$work/$1.log" 2>&1 &
+  "$bin/ductile-agent" --etcd "$etcd_url" --node "$1" --cpu-slots 2 --lease-ttl 2 --gpus off --advertise-host 127.0.0.1 --restart-backoff-ms 1000 \
+    --allowed-paths "$work" >>"$work/$1.log" 2>&1 &
   pids+=($!)
   agent_pid["$1"]=$!
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use ductile_cluster::records::AgentPolicy;
 use ductile_cluster::service::LogFormat;
 use serde::Deserialize;
 
@@ -70,6 +71,14 @@ pub struct Cli {
     /// non-loopback IPv4 address, else 127.0.0.1).
     #[arg(long, env = "DUCTILE_ADVERTISE_HOST")]
     pub advertise_host: Option<String>,
+    /// Worker programs this agent runs (a job's command[0]), comma-separated; `*` for any.
+    /// Default: ductile-worker.
+    #[arg(long, env = "DUCTILE_ALLOWED_COMMANDS", value_delimiter = ',')]
+    pub allowed_commands: Option<Vec<String>>,
+    /// Roots under which a job's file:// dataset and checkpoint may be, comma-separated; `/`
+    /// for any. Default: /var/lib/ductile.
+    #[arg(long, env = "DUCTILE_ALLOWED_PATHS", value_delimiter = ',')]
+    pub allowed_paths: Option<Vec<String>>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -90,6 +99,8 @@ pub struct FileConfig {
     pub log_format: Option<LogFormat>,
     pub etcd_wait: Option<u64>,
     pub advertise_host: Option<String>,
+    pub allowed_commands: Option<Vec<String>>,
+    pub allowed_paths: Option<Vec<String>>,
 }
 
 /// Which GPUs a node offers.
@@ -144,6 +155,8 @@ pub struct Config {
     pub log_format: LogFormat,
     pub etcd_wait: Duration,
     pub advertise_host: String,
+    /// What this agent agrees to run (published in its node record).
+    pub policy: AgentPolicy,
 }
 
 /// This host's first non-loopback IPv4 address, from its hostname; else 127.0.0.1.
@@ -218,6 +231,19 @@ impl Config {
                 .advertise_host
                 .or(file.advertise_host)
                 .unwrap_or_else(|| default_advertise_host(&hostname)),
+            policy: {
+                let d = AgentPolicy::default();
+                AgentPolicy {
+                    allowed_commands: cli
+                        .allowed_commands
+                        .or(file.allowed_commands)
+                        .unwrap_or(d.allowed_commands),
+                    allowed_paths: cli
+                        .allowed_paths
+                        .or(file.allowed_paths)
+                        .unwrap_or(d.allowed_paths),
+                }
+            },
         };
         cfg.validate()?;
         Ok(cfg)

@@ -109,7 +109,10 @@ impl Agent {
             .unwrap_or_default()
             .trim()
             .to_string();
-        let node = NodeRecord::new(&cfg.node, &hostname, devices, std::process::id());
+        let node = NodeRecord {
+            policy: Some(cfg.policy.clone()),
+            ..NodeRecord::new(&cfg.node, &hostname, devices, std::process::id())
+        };
         let (exits_tx, mut exits_rx) = mpsc::channel(256);
         let (restarts_tx, mut restarts_rx) = mpsc::channel(256);
         let writer_cancel = CancellationToken::new();
@@ -456,6 +459,28 @@ impl Agent {
 
     fn spawn(&mut self, key: SlotKey, j: &NodeAssignment, rank: u32) {
         let spec = &j.spec;
+        // what this agent's policy refuses never starts (the daemon refuses it at submit too,
+        // but an agent does not take that on trust)
+        if let Err((field, reason)) = self.cfg.policy.check(spec) {
+            tracing::error!(job = %key.0, slot = key.1, %field, %reason, "refused by this agent's policy");
+            let h = SlotHealth {
+                failed_at_ms: now_ms(),
+                generation: j.generation,
+                exit: format!(
+                    "refused by agent {}'s policy: {field}: {reason}",
+                    self.node.name
+                ),
+                will_restart: false,
+                excluded: false,
+            };
+            self.failed.insert(key.clone(), h.clone());
+            self.write(
+                self.store.keys.slot(&key.0, &self.node.name, key.1),
+                encode(&h),
+                true,
+            );
+            return;
+        }
         let dev = &self.node.devices[key.1 as usize];
         let mut cmd = tokio::process::Command::new(&spec.command[0]);
         cmd.args(&spec.command[1..]);

@@ -57,6 +57,90 @@ pub struct NodeRecord {
     /// How many times this agent had to register again after losing its lease.
     #[serde(default)]
     pub reregistrations: u32,
+    /// What this agent agrees to run (None: an agent from before policies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<AgentPolicy>,
+}
+
+/// What an agent agrees to run: the worker programs (`allowed_commands`, matched against the
+/// job's `command[0]`; `"*"` allows any) and the roots under which a job's `file://` dataset and
+/// checkpoint may be (`allowed_paths`; `"/"` allows any). While commands are restricted, a job's
+/// `env` may not set the dynamic loader's variables (`LD_*`), which would run other code inside
+/// an allowed program.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentPolicy {
+    pub allowed_commands: Vec<String>,
+    pub allowed_paths: Vec<String>,
+}
+
+impl Default for AgentPolicy {
+    fn default() -> Self {
+        AgentPolicy {
+            allowed_commands: vec!["ductile-worker".into()],
+            allowed_paths: vec!["/var/lib/ductile".into()],
+        }
+    }
+}
+
+impl AgentPolicy {
+    /// Whether a job may run under this policy; the error names the spec's field and why.
+    pub fn check(&self, spec: &JobSpec) -> Result<(), (String, String)> {
+        let any_command = self.allowed_commands.iter().any(|c| c == "*");
+        let program = spec.command.first().map(String::as_str).unwrap_or("");
+        if !any_command && !self.allowed_commands.iter().any(|c| c == program) {
+            return Err((
+                "command".into(),
+                format!(
+                    "{program:?} is not in the agent's allowed_commands {:?}",
+                    self.allowed_commands
+                ),
+            ));
+        }
+        if !any_command {
+            if let Some(k) = spec.env.keys().find(|k| k.starts_with("LD_")) {
+                return Err((
+                    format!("env.{k}"),
+                    "the dynamic loader's variables would run other code inside an allowed command; they are refused while allowed_commands is restricted".into(),
+                ));
+            }
+        }
+        let mut urls = Vec::new();
+        if let Some(t) = &spec.training {
+            urls.push(("training.dataset", t.dataset.as_str()));
+        }
+        if let Some(c) = &spec.checkpoint {
+            urls.push(("checkpoint.url", c.url.as_str()));
+        }
+        for (field, url) in urls {
+            let Some(path) = url.strip_prefix("file://") else {
+                continue;
+            };
+            let p = std::path::Path::new(path);
+            let plain = p.is_absolute()
+                && p.components().all(|c| {
+                    !matches!(
+                        c,
+                        std::path::Component::ParentDir | std::path::Component::CurDir
+                    )
+                });
+            if !plain {
+                return Err((
+                    field.into(),
+                    format!("{url}: a file:// path must be absolute, without . or .."),
+                ));
+            }
+            if !self.allowed_paths.iter().any(|root| p.starts_with(root)) {
+                return Err((
+                    field.into(),
+                    format!(
+                        "{url} is outside the agent's allowed_paths {:?}",
+                        self.allowed_paths
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl NodeRecord {
@@ -73,6 +157,7 @@ impl NodeRecord {
             drain_deadline_ms: None,
             drain_timeout_ms: None,
             reregistrations: 0,
+            policy: None,
         }
     }
     pub fn slots(&self) -> u32 {
@@ -1322,5 +1407,59 @@ keep = 3
         assert!(
             err(&format!("{base}[checkpoint]\nurl = \"http://x\"\n")).contains("checkpoint.url")
         );
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+
+    fn spec(extra: &str) -> JobSpec {
+        JobSpec::from_toml(&format!(
+            "name = \"p\"\nmin = 1\nmax = 1\ndesired = 1\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_default_policy_runs_the_worker_under_its_root_and_nothing_else() {
+        let p = AgentPolicy::default();
+        let train = |url: &str| {
+            spec(&format!(
+                "[training]\nmodel = \"mlp\"\ndataset = \"{url}\"\nglobal_batch = 8\n"
+            ))
+        };
+        assert_eq!(p.check(&spec("")), Ok(()));
+        assert_eq!(
+            p.check(&train("file:///var/lib/ductile/data/x.bin")),
+            Ok(())
+        );
+        assert_eq!(p.check(&train("s3://bucket/x.bin")), Ok(()));
+        // a sibling that merely shares the prefix is outside
+        let (field, why) = p
+            .check(&train("file:///var/lib/ductile2/x.bin"))
+            .unwrap_err();
+        assert_eq!(field, "training.dataset");
+        assert!(why.contains("outside the agent's allowed_paths"), "{why}");
+        let (_, why) = p
+            .check(&train("file:///var/lib/ductile/../../etc/shadow"))
+            .unwrap_err();
+        assert!(why.contains("without . or .."), "{why}");
+        let (field, _) = p.check(&spec("command = [\"sh\"]\n")).unwrap_err();
+        assert_eq!(field, "command");
+        let (field, _) = p
+            .check(&spec("env = { LD_LIBRARY_PATH = \"/tmp\" }\n"))
+            .unwrap_err();
+        assert_eq!(field, "env.LD_LIBRARY_PATH");
+        // "*" and "/" open it up; env is then the job's own business
+        let open = AgentPolicy {
+            allowed_commands: vec!["*".into()],
+            allowed_paths: vec!["/".into()],
+        };
+        assert_eq!(
+            open.check(&spec("command = [\"sh\"]\nenv = { LD_PRELOAD = \"x\" }\n")),
+            Ok(())
+        );
+        assert_eq!(open.check(&train("file:///etc/x")), Ok(()));
     }
 }

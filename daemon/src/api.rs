@@ -179,6 +179,7 @@ async fn submit(
     };
     ductile_strategies::pipeline::check_job(&spec)
         .map_err(|(field, reason)| ClusterError::invalid(field, reason))?;
+    check_policies(&st, &spec)?;
     if let Some(ck) = &spec.checkpoint {
         if let Some(n) = ck.restore_step {
             check_restore_step(&ck.url, n).await?;
@@ -190,6 +191,34 @@ async fn submit(
         StatusCode::CREATED,
         Json(view(&st.store, &spec.name).await?),
     ))
+}
+
+/// A job no live agent's policy allows is refused, naming the field and an agent's reason
+/// (agents from before policies, and a cluster with no agents yet, do not refuse: the agents
+/// check again before starting a worker).
+fn check_policies(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
+    let snaps = current(st)?;
+    let mut refusal = None;
+    for kv in snaps.nodes.kvs.values() {
+        if !matches!(st.store.keys.parse(&kv.key), KeyKind::Node { .. }) {
+            continue;
+        }
+        let node = decode::<NodeRecord>(kv, "node record")?;
+        match node.policy.as_ref().map(|p| p.check(spec)) {
+            None | Some(Ok(())) => return Ok(()),
+            Some(Err((field, reason))) => {
+                refusal.get_or_insert((field, format!("agent {}: {reason}", node.name)));
+            }
+        }
+    }
+    match refusal {
+        Some((field, reason)) => Err(ClusterError::invalid(
+            field,
+            format!("no agent's policy allows it ({reason})"),
+        )
+        .into()),
+        None => Ok(()),
+    }
 }
 
 /// The checkpoint store at `url`; what fails there is a 502 that names it.

@@ -839,6 +839,17 @@ impl Cluster {
             "--stop-grace-ms".into(),
             "2000".into(),
         ];
+        // the tests' workers and stand-ins, and their temporary directories, unless the caller
+        // sets a policy of its own
+        if !extra.contains(&"--allowed-commands") {
+            args.extend(["--allowed-commands".into(), "ductile-worker,sleep".into()]);
+        }
+        if !extra.contains(&"--allowed-paths") {
+            args.extend([
+                "--allowed-paths".into(),
+                std::env::temp_dir().display().to_string(),
+            ]);
+        }
         // CPU slots unless the caller names GPUs
         if !extra.contains(&"--gpus") {
             args.extend(["--gpus".to_string(), "off".to_string()]);

@@ -1044,3 +1044,67 @@ fn an_agent_killed_and_restarted_within_its_ttl_starts_its_slots_workers_again()
             .map(|_| ())
     });
 }
+
+#[test]
+fn agents_run_only_what_their_policy_allows_and_the_daemon_refuses_the_rest_at_submit() {
+    // node1 runs the tests' programs under the temporary directory; node2 only ductile-worker
+    let mut c = Cluster::start(Spec::default().agents(1, 1));
+    c.start_agent("node2", 1, &["--allowed-commands", "ductile-worker"]);
+    c.wait_for(S(20), "two agents", || {
+        let (ok, out, _) = c.dctl(&["nodes", "--json"]);
+        (ok && out.matches("\"name\"").count() >= 2).then_some(())
+    });
+    let submit = |toml: &str| {
+        let p = c.dir.path().join("policy-job.toml");
+        std::fs::write(&p, toml).unwrap();
+        c.dctl(&["submit", p.to_str().unwrap()])
+    };
+    let base = job_toml("pj", 1, 2, 2);
+    for (extra, want) in [
+        (
+            "command = [\"bash\", \"-c\", \"id\"]\n".to_string(),
+            "invalid command: no agent's policy allows it",
+        ),
+        (
+            "command = [\"sleep\", \"600\"]\nenv = { LD_PRELOAD = \"/tmp/x.so\" }\n".into(),
+            "invalid env.LD_PRELOAD",
+        ),
+        (
+            "[training]\nmodel = \"mlp\"\ndataset = \"file:///etc/passwd\"\nglobal_batch = 8\n"
+                .into(),
+            "invalid training.dataset: no agent's policy allows it",
+        ),
+        (
+            format!(
+                "[training]\nmodel = \"mlp\"\ndataset = \"file://{}/d.bin\"\nglobal_batch = 8\n[checkpoint]\nurl = \"file://{}/../../etc\"\n",
+                c.dir.path().display(),
+                c.dir.path().display()
+            ),
+            "without . or ..",
+        ),
+    ] {
+        let (ok, _, err) = submit(&format!("{base}{extra}"));
+        assert!(!ok, "{extra}");
+        assert!(err.contains(want), "{extra}: {err}");
+    }
+    // nothing was submitted
+    let (ok, _, err) = c.dctl(&["status", "pj"]);
+    assert!(!ok && err.contains("no job named"), "{err}");
+    // a job node1 allows is accepted; node2's agent never starts it, says why, and the job
+    // goes on without node2
+    let (ok, _, err) = submit(&format!("{base}command = [\"sleep\", \"600\"]\n"));
+    assert!(ok, "{err}");
+    let g = c.wait_for(S(30), "a generation without node2", || {
+        c.history("pj")
+            .into_iter()
+            .find(|g| g.detail.contains("refused by agent node2's policy"))
+    });
+    assert!(
+        g.detail
+            .contains("\"sleep\" is not in the agent's allowed_commands"),
+        "{}",
+        g.detail
+    );
+    assert!(g.members.iter().all(|m| m.node != "node2"), "{g:?}");
+    assert!(c.logs().contains("refused by this agent's policy"));
+}
