@@ -125,6 +125,74 @@ impl Manifest {
     pub fn bytes(&self) -> u64 {
         self.objects.iter().map(|o| o.size).sum()
     }
+    /// Check what readers rely on, so that a corrupt or hostile manifest is an error naming
+    /// the tensor and chunk, never a panic or a wild read: every name in `order` is a tensor,
+    /// once, and every tensor is named; each chunk has one offset and one extent per dimension
+    /// of its tensor and lies inside it; its byte range runs forward, inside an object the
+    /// manifest lists, and holds exactly its elements' bytes (all in checked arithmetic).
+    pub fn validate(&self) -> Result<(), String> {
+        let mut seen = std::collections::BTreeSet::new();
+        for n in &self.order {
+            if !self.tensors.contains_key(n) {
+                return Err(format!("order names {n:?}, which is not among the tensors"));
+            }
+            if !seen.insert(n) {
+                return Err(format!("order names {n:?} twice"));
+            }
+        }
+        if seen.len() != self.tensors.len() {
+            return Err(format!(
+                "{} tensors, {} of them in order",
+                self.tensors.len(),
+                seen.len()
+            ));
+        }
+        let objects: std::collections::BTreeMap<&str, u64> = self
+            .objects
+            .iter()
+            .map(|o| (o.object.as_str(), o.size))
+            .collect();
+        for (name, t) in &self.tensors {
+            for (k, c) in t.chunks.iter().enumerate() {
+                let bad = |why: String| Err(format!("tensor {name} chunk {k}: {why}"));
+                if c.offsets.len() != t.shape.len() || c.shape.len() != t.shape.len() {
+                    return bad(format!(
+                        "offsets {:?} and shape {:?} for a tensor of shape {:?}",
+                        c.offsets, c.shape, t.shape
+                    ));
+                }
+                for ((o, n), d) in c.offsets.iter().zip(&c.shape).zip(&t.shape) {
+                    if o.checked_add(*n).is_none_or(|end| end > *d) {
+                        return bad(format!(
+                            "offsets {:?} shape {:?} reach outside {:?}",
+                            c.offsets, c.shape, t.shape
+                        ));
+                    }
+                }
+                let [a, b] = c.byte_range;
+                let Some(size) = objects.get(c.object.as_str()) else {
+                    return bad(format!("object {:?} is not listed", c.object));
+                };
+                if a > b || b > *size {
+                    return bad(format!("byte range {a}..{b} in an object of {size} bytes"));
+                }
+                let want = c
+                    .shape
+                    .iter()
+                    .try_fold(t.dtype.size(), |acc, n| acc.checked_mul(*n));
+                if want != Some(b - a) {
+                    return bad(format!(
+                        "{} bytes for a chunk of shape {:?} of {:?}",
+                        b - a,
+                        c.shape,
+                        t.dtype
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The tensors in save order.
     pub fn ordered(&self) -> impl Iterator<Item = (&String, &TensorEntry)> {
         self.order

@@ -96,7 +96,10 @@ pub async fn load_manifest(
             rec.manifest_crc32c
         )));
     }
-    serde_json::from_slice(&body).map_err(|e| corrupt(format!("not a manifest: {e}")))
+    let m: Manifest =
+        serde_json::from_slice(&body).map_err(|e| corrupt(format!("not a manifest: {e}")))?;
+    m.validate().map_err(corrupt)?;
+    Ok(m)
 }
 
 /// Below this, a local object is not split for parallel reads.

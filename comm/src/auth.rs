@@ -339,4 +339,41 @@ mod tests {
         assert_eq!(ranks, vec![1, 2]);
         peers.join().unwrap();
     }
+
+    /// Bounded fuzzing (proptest, in CI): whatever a stranger sends, the acceptor answers with
+    /// an error, never a panic, and never takes it for a peer.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+            #[test]
+            fn any_bytes_are_refused(
+                edits in prop::collection::vec((0usize..HELLO, any::<u8>()), 0..6),
+                tail in prop::collection::vec(any::<u8>(), 0..80),
+            ) {
+                let key = MeshKey::new(5, &[7u8; 32]);
+                // a hello for this generation and rank, edited, then bytes that prove nothing
+                let mut h = hello(0xABCD, 5, 1, 0, 2, &[3u8; NONCE]).to_vec();
+                for (at, b) in edits {
+                    h[at] = b;
+                }
+                h.extend_from_slice(&tail);
+                let (mut d, mut a) = pair();
+                let t = std::thread::spawn(move || {
+                    let _ = d.write_all(&h);
+                    // then hang up, so no read waits for its timeout
+                    let _ = d.shutdown(std::net::Shutdown::Write);
+                    let mut sink = Vec::new();
+                    let _ = d.read_to_end(&mut sink);
+                });
+                let r = accept(&mut a, &key, 0xABCD, (0, 2), |f| f == 1);
+                drop(a);
+                t.join().unwrap();
+                prop_assert!(r.is_err(), "{:?}", r);
+            }
+        }
+    }
 }

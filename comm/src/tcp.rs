@@ -1332,6 +1332,50 @@ mod tests {
         assert_eq!(Communicator::generation(&comms[0]), 41);
     }
 
+    /// Bounded fuzzing (proptest, in CI): a peer that writes any header and bytes makes the
+    /// receiving call fail with an error (or, for a well-formed frame, succeed), never panic,
+    /// and never allocate past the cap.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+            #[test]
+            fn any_frame_from_a_peer_is_an_error_or_a_frame(
+                head in prop::collection::vec(any::<u8>(), HEADER..=HEADER),
+                valid_prefix in any::<bool>(),
+                body in prop::collection::vec(any::<u8>(), 0..64),
+            ) {
+                let rt = tokio::runtime::Runtime::new().unwrap();
+                let _in = rt.enter();
+                let cfg = TcpConfig {
+                    max_frame_bytes: 1 << 16,
+                    liveness_timeout: Duration::from_secs(2),
+                    op_timeout: Duration::from_secs(2),
+                    ..TcpConfig::default()
+                };
+                let comms = rt.block_on(world(&store(), 90, 2, cfg));
+                let mut h = head.clone();
+                if valid_prefix {
+                    // right magic, kind and generation: the length and sequence decide
+                    h[..16].copy_from_slice(&header(Kind::P2P, 90, 0, 0)[..16]);
+                }
+                {
+                    let mut w = comms[1].peer(0).write.lock().unwrap();
+                    w.write_all(&h).unwrap();
+                    w.write_all(&body).unwrap();
+                }
+                comms[1].abort();
+                match comms[0].recv_vec(1) {
+                    Ok(v) => prop_assert!(v.len() as u64 <= 1 << 16),
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_oversized_frame_or_broadcast_fails_the_communicator_unallocated() {
         let cfg = TcpConfig {

@@ -86,8 +86,11 @@ fn example_configs_are_accepted() {
     // config parsed and validated
     let token = dir.path().join("token");
     std::fs::write(&token, "an-example-token").unwrap();
+    let read_token = dir.path().join("read-token");
+    std::fs::write(&read_token, "an-example-read-token").unwrap();
     let daemon_cfg = std::fs::read_to_string(root().join("systemd/daemon.toml"))
         .unwrap()
+        .replace("/etc/ductile/read-token", read_token.to_str().unwrap())
         .replace("/etc/ductile/token", token.to_str().unwrap());
     let p = dir.path().join("daemon.toml");
     std::fs::write(&p, daemon_cfg).unwrap();

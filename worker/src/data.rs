@@ -84,9 +84,16 @@ impl Dataset {
                 };
                 let (x, y) = (get("x")?, get("y")?);
                 anyhow::ensure!(
+                    x.dim() == 2 && y.dim() == 2,
+                    "dataset {url}: x and y must be 2-D ([samples, features]), not {:?} and {:?}",
+                    x.size(),
+                    y.size()
+                );
+                anyhow::ensure!(
                     x.size()[0] == y.size()[0],
                     "dataset {url}: x and y differ in length"
                 );
+                anyhow::ensure!(x.size()[0] > 0, "dataset {url}: no samples");
                 Ok(Dataset::Regression { x, y })
             }
         }
@@ -187,5 +194,76 @@ mod tests {
         let mut o = Order::new(10, 3);
         let first: Vec<u64> = (0..10).map(|p| o.sample(p)).collect();
         assert_eq!(first, permutation(10, 3, 0));
+    }
+}
+
+/// Bounded fuzzing (proptest, in CI) of the dataset readers: random edits of a valid
+/// safetensors regression file, and random token streams, open as a dataset or fail with a
+/// message naming it; a dataset that opens can be batched.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn file(header: &[u8]) -> Vec<u8> {
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        file.extend((0..16).flat_map(|i| (i as f32).to_le_bytes()));
+        file
+    }
+
+    fn regression_file() -> Vec<u8> {
+        file(br#"{"x":{"dtype":"F32","shape":[4,3],"data_offsets":[0,48]},"y":{"dtype":"F32","shape":[4,1],"data_offsets":[48,64]}}"#)
+    }
+
+    #[test]
+    fn the_seed_file_opens_and_a_one_dimensional_x_is_refused() {
+        let d = Dataset::from_bytes("seed", &regression_file(), "mlp", 4).unwrap();
+        assert_eq!(d.len(), 4);
+        let flat = file(br#"{"x":{"dtype":"F32","shape":[12],"data_offsets":[0,48]},"y":{"dtype":"F32","shape":[4,1],"data_offsets":[48,64]}}"#);
+        let e = Dataset::from_bytes("flat", &flat, "mlp", 4)
+            .err()
+            .expect("a 1-D x is refused");
+        assert!(e.to_string().contains("2-D"), "{e}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+
+        #[test]
+        fn edited_regression_files_open_or_fail_cleanly(
+            e in prop::collection::vec((0usize..160, any::<u8>(), any::<u8>()), 1..8),
+        ) {
+            let mut f = regression_file();
+            for (at, op, b) in e {
+                let at = at % (f.len() + 1);
+                match op % 3 {
+                    0 if at < f.len() => f[at] = b,
+                    1 => f.insert(at, b),
+                    _ if at < f.len() => {
+                        f.remove(at);
+                    }
+                    _ => {}
+                }
+            }
+            if let Ok(d) = Dataset::from_bytes("fuzz", &f, "mlp", 4) {
+                prop_assert!(d.len() > 0);
+                let (x, y) = d.batch(&[0, d.len() - 1]);
+                prop_assert_eq!(x.size()[0], 2);
+                prop_assert_eq!(y.size()[0], 2);
+            }
+        }
+
+        #[test]
+        fn random_token_streams_open_or_fail_cleanly(
+            b in prop::collection::vec(any::<u8>(), 0..256),
+            ctx in 1usize..16,
+        ) {
+            if let Ok(d) = Dataset::from_bytes("fuzz", &b, "gpt", ctx) {
+                prop_assert!(d.len() > 0);
+                let (x, _) = d.batch(&[d.len() - 1]);
+                prop_assert_eq!(x.size(), vec![1, ctx as i64]);
+            }
+        }
     }
 }

@@ -21,12 +21,12 @@ use tch::{Kind, Tensor};
 
 use super::pipe::region_of;
 use super::Trainer;
-use ductile_strategies::redistribute::{self, elements, intersect, relative, Chunk, Part, Region};
+use ductile_strategies::redistribute::{self, intersect, relative, Chunk, Part, Region};
 
 /// The manifest's chunks as regions of the state tensors (in the manifest's order, which
-/// `check_compatible` holds equal to the job's), with their names; a chunk outside its tensor,
-/// or whose bytes do not match its shape, is an error naming it.
-fn manifest_chunks(m: &Manifest) -> Result<(Vec<Chunk>, Vec<plan::ChunkRef>), String> {
+/// `check_compatible` holds equal to the job's), with their names. The manifest was validated
+/// when it was loaded (`Manifest::validate`: every chunk inside its tensor, with its bytes).
+fn manifest_chunks(m: &Manifest) -> (Vec<Chunk>, Vec<plan::ChunkRef>) {
     let mut chunks = Vec::new();
     let mut refs = Vec::new();
     for (ti, (name, t)) in m.ordered().enumerate() {
@@ -35,23 +35,13 @@ fn manifest_chunks(m: &Manifest) -> Result<(Vec<Chunk>, Vec<plan::ChunkRef>), St
                 .offsets
                 .iter()
                 .zip(&c.shape)
-                .map(|(o, n)| *o..o.saturating_add(*n))
+                .map(|(o, n)| *o..o + n)
                 .collect();
-            let fits = c.offsets.len() == t.shape.len()
-                && c.shape.len() == t.shape.len()
-                && region.iter().zip(&t.shape).all(|(r, d)| r.end <= *d);
-            let bytes = elements(&region).checked_mul(t.dtype.size());
-            if !fits || bytes != Some(c.byte_range[1].saturating_sub(c.byte_range[0])) {
-                return Err(format!(
-                    "tensor {name} chunk {k}: offsets {:?} shape {:?} bytes {:?} do not fit the tensor {:?}",
-                    c.offsets, c.shape, c.byte_range, t.shape
-                ));
-            }
             chunks.push(Chunk { tensor: ti, region });
             refs.push((name.clone(), k));
         }
     }
-    Ok((chunks, refs))
+    (chunks, refs)
 }
 
 pub struct Ckpt {
@@ -649,7 +639,7 @@ impl Trainer {
             // the redistribution plan from the manifest's chunks to what each rank needs:
             // every chunk read once, by one of the ranks that need it
             let planned = m.as_ref().map_err(|e| e.to_string()).and_then(|m| {
-                let (chunks, refs) = manifest_chunks(m)?;
+                let (chunks, refs) = manifest_chunks(m);
                 let p = redistribute::plan(&elem, &[], &chunks, need)
                     .map_err(|e| format!("the manifest does not cover the state: {e}"))?;
                 Ok((chunks, refs, p))
