@@ -457,28 +457,34 @@ impl Agent {
         }
     }
 
+    /// A slot whose worker cannot run here: reported with why, and not restarted.
+    fn fail_for_good(&mut self, key: SlotKey, generation: u64, exit: String) {
+        let h = SlotHealth {
+            failed_at_ms: now_ms(),
+            generation,
+            exit,
+            will_restart: false,
+            excluded: false,
+        };
+        self.failed.insert(key.clone(), h.clone());
+        self.write(
+            self.store.keys.slot(&key.0, &self.node.name, key.1),
+            encode(&h),
+            true,
+        );
+    }
+
     fn spawn(&mut self, key: SlotKey, j: &NodeAssignment, rank: u32) {
         let spec = &j.spec;
         // what this agent's policy refuses never starts (the daemon refuses it at submit too,
         // but an agent does not take that on trust)
         if let Err((field, reason)) = self.cfg.policy.check(spec) {
             tracing::error!(job = %key.0, slot = key.1, %field, %reason, "refused by this agent's policy");
-            let h = SlotHealth {
-                failed_at_ms: now_ms(),
-                generation: j.generation,
-                exit: format!(
-                    "refused by agent {}'s policy: {field}: {reason}",
-                    self.node.name
-                ),
-                will_restart: false,
-                excluded: false,
-            };
-            self.failed.insert(key.clone(), h.clone());
-            self.write(
-                self.store.keys.slot(&key.0, &self.node.name, key.1),
-                encode(&h),
-                true,
+            let exit = format!(
+                "refused by agent {}'s policy: {field}: {reason}",
+                self.node.name
             );
+            self.fail_for_good(key, j.generation, exit);
             return;
         }
         let dev = &self.node.devices[key.1 as usize];
@@ -531,19 +537,8 @@ impl Agent {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(job = %key.0, slot = key.1, command = ?spec.command, error = %e, "cannot start worker");
-                let h = SlotHealth {
-                    failed_at_ms: now_ms(),
-                    generation: j.generation,
-                    exit: format!("cannot start {:?}: {e}", spec.command[0]),
-                    will_restart: false,
-                    excluded: false,
-                };
-                self.failed.insert(key.clone(), h.clone());
-                self.write(
-                    self.store.keys.slot(&key.0, &self.node.name, key.1),
-                    encode(&h),
-                    true,
-                );
+                let exit = format!("cannot start {:?}: {e}", spec.command[0]);
+                self.fail_for_good(key, j.generation, exit);
                 return;
             }
         };

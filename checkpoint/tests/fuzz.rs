@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use ductile_checkpoint::format::*;
 use ductile_checkpoint::plan;
+use ductile_cluster::fuzz::mutate;
 use proptest::prelude::*;
 
 fn manifest() -> Manifest {
@@ -63,22 +64,6 @@ fn manifest() -> Manifest {
         ],
         extra: serde_json::json!({"data_cursor": {"global_batch": 8}}),
     }
-}
-
-fn mutate(base: &[u8], edits: &[(usize, u8, u8)]) -> Vec<u8> {
-    let mut v = base.to_vec();
-    for (at, op, b) in edits {
-        let at = if v.is_empty() { 0 } else { at % (v.len() + 1) };
-        match op % 3 {
-            0 if at < v.len() => v[at] = *b,
-            1 => v.insert(at, *b),
-            _ if at < v.len() => {
-                v.remove(at);
-            }
-            _ => {}
-        }
-    }
-    v
 }
 
 #[test]

@@ -7,6 +7,7 @@ pub mod api;
 pub mod conformance;
 pub mod error;
 pub mod etcd;
+pub mod fuzz;
 pub mod keys;
 pub mod kv;
 pub mod lease;

@@ -172,7 +172,8 @@ pub fn accept(
 }
 
 /// Accept authenticated connections on `listener` until `want` ranks (each at most once, as
-/// `expect` allows) have proved the key, or `deadline`. Strangers are logged and dropped; each
+/// `expect` allows) have proved the key, or `deadline` (`after`, the formation's timeout, is
+/// what the error reports). Strangers are logged and dropped; each
 /// handshake runs on its own thread, so none of them holds up a peer.
 pub fn accept_peers(
     listener: &TcpListener,
@@ -181,7 +182,7 @@ pub fn accept_peers(
     (me, world): (u32, u32),
     expect: impl Fn(u32) -> bool + Clone + Send + 'static,
     want: usize,
-    deadline: Instant,
+    (deadline, after): (Instant, Duration),
 ) -> Result<Vec<(u32, TcpStream)>> {
     let generation = key.generation;
     listener
@@ -230,7 +231,7 @@ pub fn accept_peers(
                         .collect();
                     return Err(CommError::RendezvousTimeout {
                         generation,
-                        after: Duration::ZERO,
+                        after,
                         missing,
                     });
                 }
@@ -329,7 +330,7 @@ mod tests {
             (0, 3),
             |f| f > 0,
             2,
-            t0 + Duration::from_secs(20),
+            (t0 + Duration::from_secs(20), Duration::from_secs(20)),
         )
         .unwrap();
         // the silent ones' handshakes wait out their 5 s on their own threads

@@ -78,7 +78,7 @@ impl Liveness {
         let deadline = Instant::now() + cfg.form_timeout;
         // accept the peers' connections while connecting to theirs
         let acceptor = {
-            let key = key.clone();
+            let (key, form_timeout) = (key.clone(), cfg.form_timeout);
             std::thread::spawn(move || -> Result<Vec<(u32, TcpStream)>> {
                 auth::accept_peers(
                     &listener,
@@ -87,7 +87,7 @@ impl Liveness {
                     (rank, world),
                     move |p| p != rank,
                     world as usize - 1,
-                    deadline,
+                    (deadline, form_timeout),
                 )
             })
         };

@@ -342,20 +342,8 @@ impl TcpComm {
             (rank, world),
             move |p| p > rank,
             (world - rank - 1) as usize,
-            deadline,
-        )
-        .map_err(|e| match e {
-            CommError::RendezvousTimeout {
-                generation,
-                missing,
-                ..
-            } => CommError::RendezvousTimeout {
-                generation,
-                after: cfg.form_timeout,
-                missing,
-            },
-            e => e,
-        })? {
+            (deadline, cfg.form_timeout),
+        )? {
             streams[peer as usize] = Some(s);
         }
         let mut raw = Vec::new();

@@ -25,7 +25,7 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 
 use crate::config::Secret;
-use crate::leader::{job_kvs, jobs_from, jobs_from_kvs};
+use crate::leader::{fleet_from, job_kvs, jobs_from, jobs_from_kvs};
 use crate::reconcile::JobObs;
 use crate::view::{ClusterView, Snapshots};
 
@@ -199,15 +199,11 @@ async fn submit(
 fn check_policies(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
     let snaps = current(st)?;
     let mut refusal = None;
-    for kv in snaps.nodes.kvs.values() {
-        if !matches!(st.store.keys.parse(&kv.key), KeyKind::Node { .. }) {
-            continue;
-        }
-        let node = decode::<NodeRecord>(kv, "node record")?;
+    for (name, node) in fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes {
         match node.policy.as_ref().map(|p| p.check(spec)) {
             None | Some(Ok(())) => return Ok(()),
             Some(Err((field, reason))) => {
-                refusal.get_or_insert((field, format!("agent {}: {reason}", node.name)));
+                refusal.get_or_insert((field, format!("agent {name}: {reason}")));
             }
         }
     }

@@ -110,31 +110,29 @@ pub struct Config {
     pub etcd_wait: Duration,
 }
 
+/// A token from its file (trimmed) when one is named, else from the environment variable `env`.
+fn token_from(path: Option<PathBuf>, what: &str, env: &str) -> anyhow::Result<Option<String>> {
+    match path {
+        Some(p) => std::fs::read_to_string(&p)
+            .map(|t| Some(t.trim().to_string()))
+            .map_err(|e| anyhow::anyhow!("cannot read {what} file {}: {e}", p.display())),
+        None => Ok(std::env::var(env).ok()),
+    }
+}
+
 impl Config {
     pub fn load(cli: Cli) -> anyhow::Result<Config> {
         let file: FileConfig = ductile_cluster::service::read_toml_config(cli.config.as_deref())
             .map_err(|e| anyhow::anyhow!(e))?;
-        let token = match cli.token_file.or(file.token_file) {
-            Some(p) => {
-                let t = std::fs::read_to_string(&p)
-                    .map_err(|e| anyhow::anyhow!("cannot read token file {}: {e}", p.display()))?;
-                t.trim().to_string()
-            }
-            None => std::env::var("DUCTILE_TOKEN").map_err(|_| {
+        let token = token_from(cli.token_file.or(file.token_file), "token", "DUCTILE_TOKEN")?
+            .ok_or_else(|| {
                 anyhow::anyhow!("no API token: pass --token-file FILE or set DUCTILE_TOKEN")
-            })?,
-        };
-        let read_token = match cli.read_token_file.or(file.read_token_file) {
-            Some(p) => Some(
-                std::fs::read_to_string(&p)
-                    .map_err(|e| {
-                        anyhow::anyhow!("cannot read read-only token file {}: {e}", p.display())
-                    })?
-                    .trim()
-                    .to_string(),
-            ),
-            None => std::env::var("DUCTILE_READ_TOKEN").ok(),
-        };
+            })?;
+        let read_token = token_from(
+            cli.read_token_file.or(file.read_token_file),
+            "read-only token",
+            "DUCTILE_READ_TOKEN",
+        )?;
         let id = cli.id.or(file.id).unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .unwrap_or_else(|_| "host".into());

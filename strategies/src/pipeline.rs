@@ -807,20 +807,17 @@ mod tests {
                         let ops = stage_ops(sched, p, m, s);
                         assert_eq!(ops.len() as u32, 2 * m * v);
                         for j in 0..v {
-                            let f: Vec<u32> = ops
-                                .iter()
-                                .filter_map(|o| match o {
-                                    Op::Fwd(i, c) if *c == j => Some(*i),
-                                    _ => None,
-                                })
-                                .collect();
-                            let b: Vec<u32> = ops
-                                .iter()
-                                .filter_map(|o| match o {
-                                    Op::Bwd(i, c) if *c == j => Some(*i),
-                                    _ => None,
-                                })
-                                .collect();
+                            // the micro-batches of chunk j's forwards (or backwards), in order
+                            let order = |bwd: bool| -> Vec<u32> {
+                                ops.iter()
+                                    .filter_map(|o| match *o {
+                                        Op::Fwd(i, c) if !bwd && c == j => Some(i),
+                                        Op::Bwd(i, c) if bwd && c == j => Some(i),
+                                        _ => None,
+                                    })
+                                    .collect()
+                            };
+                            let (f, b) = (order(false), order(true));
                             // each chunk's backwards in micro-batch order: its gradients
                             // accumulate in the same order whatever the schedule
                             assert_eq!(f, (0..m).collect::<Vec<_>>(), "{sched} p{p} m{m}");

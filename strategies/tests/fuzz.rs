@@ -3,6 +3,7 @@
 //! deep into the parsers) and random bytes; every spec that parses then goes through the
 //! submit-time checks, the planner at every allowed size, and an agent's policy.
 
+use ductile_cluster::fuzz::mutate;
 use ductile_cluster::records::*;
 use proptest::prelude::*;
 
@@ -45,23 +46,6 @@ fn the_seed_documents_parse() {
     let g: Generation = serde_json::from_str(GENERATION).unwrap();
     assert_eq!(g.stage_chunks(1, 8), vec![2..4, 6..8]);
     serde_json::from_str::<CheckpointRecord>(COMMIT).unwrap();
-}
-
-/// Apply edits (position, operation, byte) to `base`: replace, insert or delete a byte.
-fn mutate(base: &[u8], edits: &[(usize, u8, u8)]) -> Vec<u8> {
-    let mut v = base.to_vec();
-    for (at, op, b) in edits {
-        let at = if v.is_empty() { 0 } else { at % (v.len() + 1) };
-        match op % 3 {
-            0 if at < v.len() => v[at] = *b,
-            1 => v.insert(at, *b),
-            _ if at < v.len() => {
-                v.remove(at);
-            }
-            _ => {}
-        }
-    }
-    v
 }
 
 /// Everything a daemon and an agent do with a spec that parsed.

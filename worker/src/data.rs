@@ -234,18 +234,7 @@ mod fuzz {
         fn edited_regression_files_open_or_fail_cleanly(
             e in prop::collection::vec((0usize..160, any::<u8>(), any::<u8>()), 1..8),
         ) {
-            let mut f = regression_file();
-            for (at, op, b) in e {
-                let at = at % (f.len() + 1);
-                match op % 3 {
-                    0 if at < f.len() => f[at] = b,
-                    1 => f.insert(at, b),
-                    _ if at < f.len() => {
-                        f.remove(at);
-                    }
-                    _ => {}
-                }
-            }
+            let f = ductile_cluster::fuzz::mutate(&regression_file(), &e);
             if let Ok(d) = Dataset::from_bytes("fuzz", &f, "mlp", 4) {
                 prop_assert!(d.len() > 0);
                 let (x, y) = d.batch(&[0, d.len() - 1]);

@@ -473,14 +473,12 @@ impl Trainer {
         }
         // no legitimate frame is longer than the whole state (a joiner's transfer) or the
         // ring's chunks; a peer announcing more is refused before anything is allocated
-        let per = (self.opt.state.len() / self.params.len().max(1)) as u64;
-        let elements: u64 = self
-            .shapes
+        let elem = self.elem_sizes();
+        let full: u64 = self
+            .parts_of(0, &[0..self.units()])
             .iter()
-            .map(|s| s.iter().product::<i64>() as u64)
+            .map(|p| ductile_strategies::redistribute::elements(&p.region) * elem[p.tensor])
             .sum();
-        // f32 parameters and optimizer state
-        let full = elements * 4 * (1 + per);
         let cfg = TcpConfig {
             form_timeout: timeout,
             max_frame_bytes: (full + (1 << 20)).max(64 << 20),

@@ -257,22 +257,25 @@ impl Trainer {
         24 + tensors.iter().map(|t| 8 + 4 * t.numel()).sum::<usize>() + 4
     }
 
-    /// The state tensor `t` (a parameter, then the optimizer's states in order) belongs to.
-    fn tensor_unit(&self, t: usize) -> usize {
+    /// The parameter state tensor `t` belongs to (the parameters, then the optimizer's states,
+    /// `per` of them per parameter in parameter order).
+    fn param_of(&self, t: usize) -> usize {
         let p = self.params.len();
         let per = (self.opt.state.len() / p.max(1)).max(1);
-        self.param_unit[if t < p { t } else { (t - p) / per }]
+        if t < p {
+            t
+        } else {
+            (t - p) / per
+        }
     }
 
     /// Rank `rank`'s parts of the state when it holds the units in `chunks`: whole tensors
     /// (tensor parallelism would slice them).
     pub(super) fn parts_of(&self, rank: u32, chunks: &[Range<usize>]) -> Vec<Part> {
-        let p = self.params.len();
-        let per = (self.opt.state.len() / p.max(1)).max(1);
-        (0..p + self.opt.state.len())
-            .filter(|t| holds_unit(chunks, self.tensor_unit(*t)))
+        (0..self.params.len() + self.opt.state.len())
+            .filter(|t| holds_unit(chunks, self.param_unit[self.param_of(*t)]))
             .map(|t| {
-                let shape: Vec<u64> = self.shapes[if t < p { t } else { (t - p) / per }]
+                let shape: Vec<u64> = self.shapes[self.param_of(t)]
                     .iter()
                     .map(|d| *d as u64)
                     .collect();
