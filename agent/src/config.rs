@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use ductile_cluster::access::{EtcdAccess, EtcdArgs, EtcdFileArgs};
 use ductile_cluster::records::AgentPolicy;
 use ductile_cluster::service::LogFormat;
 use serde::Deserialize;
@@ -22,6 +23,15 @@ pub struct Cli {
     /// etcd endpoints, comma-separated.
     #[arg(long, env = "DUCTILE_ETCD")]
     pub etcd: Option<String>,
+    #[command(flatten)]
+    pub etcd_access: EtcdArgs,
+    /// Client certificate (PEM) this node's workers present to an etcd that asks for one; never
+    /// the agent's own (etcd takes a certificate's CN for a user when no password is given).
+    #[arg(long, env = "DUCTILE_ETCD_WORKER_CERT")]
+    pub etcd_worker_cert: Option<PathBuf>,
+    /// The workers' client certificate's key (PEM).
+    #[arg(long, env = "DUCTILE_ETCD_WORKER_KEY")]
+    pub etcd_worker_key: Option<PathBuf>,
     /// This node's name (default: the hostname).
     #[arg(long, env = "DUCTILE_NODE")]
     pub node: Option<String>,
@@ -85,6 +95,13 @@ pub struct Cli {
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     pub etcd: Option<String>,
+    pub etcd_ca: Option<PathBuf>,
+    pub etcd_cert: Option<PathBuf>,
+    pub etcd_key: Option<PathBuf>,
+    pub etcd_user: Option<String>,
+    pub etcd_password_file: Option<PathBuf>,
+    pub etcd_worker_cert: Option<PathBuf>,
+    pub etcd_worker_key: Option<PathBuf>,
     pub node: Option<String>,
     pub cpu_slots: Option<u32>,
     pub lease_ttl: Option<i64>,
@@ -140,7 +157,10 @@ impl Gpus {
 
 #[derive(Debug, Clone)]
 pub struct Config {
-    pub etcd: String,
+    /// How this agent reaches etcd (endpoints, TLS, its own user).
+    pub etcd: EtcdAccess,
+    /// The client certificate and key its workers present, if etcd asks for one.
+    pub etcd_worker_client: Option<(PathBuf, PathBuf)>,
     pub node: String,
     pub cpu_slots: u32,
     pub lease_ttl: i64,
@@ -190,11 +210,31 @@ impl Config {
                     s
                 }
             });
-        let cfg = Config {
-            etcd: cli
-                .etcd
+        let etcd = EtcdAccess::from_args(
+            cli.etcd
                 .or(file.etcd)
                 .unwrap_or_else(|| "http://127.0.0.1:2379".into()),
+            cli.etcd_access,
+            EtcdFileArgs {
+                etcd_ca: file.etcd_ca,
+                etcd_cert: file.etcd_cert,
+                etcd_key: file.etcd_key,
+                etcd_user: file.etcd_user,
+                etcd_password_file: file.etcd_password_file,
+            },
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
+        let etcd_worker_client = match (
+            cli.etcd_worker_cert.or(file.etcd_worker_cert),
+            cli.etcd_worker_key.or(file.etcd_worker_key),
+        ) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => anyhow::bail!("invalid etcd_worker_cert/etcd_worker_key: give both or neither"),
+        };
+        let cfg = Config {
+            etcd,
+            etcd_worker_client,
             node: cli.node.or(file.node).unwrap_or_else(|| hostname.clone()),
             cpu_slots: cli.cpu_slots.or(file.cpu_slots).unwrap_or(1),
             lease_ttl: cli.lease_ttl.or(file.lease_ttl).unwrap_or(5),

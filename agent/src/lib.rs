@@ -16,6 +16,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ductile_cluster::access::Secret;
 use ductile_cluster::keys::KeyKind;
 use ductile_cluster::kv::{Compare, KvBackend, Op, Txn};
 use ductile_cluster::lease::{LeaseKeeper, LeaseState};
@@ -512,7 +513,6 @@ impl Agent {
             .env("DUCTILE_GENERATION", j.generation.to_string())
             .env("DUCTILE_RANK", rank.to_string())
             .env("DUCTILE_WORLD_SIZE", j.world_size.to_string())
-            .env("DUCTILE_ETCD", &self.cfg.etcd)
             .env("DUCTILE_PREFIX", &self.cfg.prefix)
             .env("DUCTILE_DEVICE", device)
             .env(
@@ -521,6 +521,24 @@ impl Agent {
                     .unwrap_or_else(|_| self.cfg.advertise_host.clone()),
             )
             .env("DUCTILE_DEVICE_INDEX", dev.index.to_string());
+        // the job's own etcd user (etcd auth on), never this agent's credentials: every
+        // DUCTILE_ETCD_* the agent was given is replaced or removed
+        let job_user = j
+            .access
+            .as_ref()
+            .map(|a| (a.user.as_str(), Secret::new(a.password.clone())));
+        cmd.envs(
+            self.cfg.etcd.worker_env(
+                job_user.as_ref().map(|(u, p)| (*u, p)),
+                self.cfg
+                    .etcd_worker_client
+                    .as_ref()
+                    .map(|(c, k)| (c.as_path(), k.as_path())),
+            ),
+        );
+        cmd.env_remove("DUCTILE_ETCD_PASSWORD_FILE")
+            .env_remove("DUCTILE_ETCD_WORKER_CERT")
+            .env_remove("DUCTILE_ETCD_WORKER_KEY");
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

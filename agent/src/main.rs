@@ -14,12 +14,12 @@ async fn main() {
     };
     ductile_cluster::service::init_logging(cfg.log_format);
     let shutdown = ductile_cluster::service::shutdown_on_signals();
-    let backend = match ductile_cluster::connect_etcd(&cfg.etcd, cfg.etcd_wait).await {
+    let backend = match ductile_cluster::connect_etcd_with(&cfg.etcd, cfg.etcd_wait).await {
         Ok(b) => b,
         Err(e) => {
             eprintln!(
                 "ductile-agent: cannot reach etcd at {}: {}",
-                cfg.etcd,
+                cfg.etcd.endpoints,
                 ductile_cluster::service::error_chain(&e)
             );
             std::process::exit(1);

@@ -161,6 +161,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                     election_ttl: 30,
                     debounce: Duration::from_millis(200),
                     beat: Default::default(),
+                    job_users: false,
                 };
                 let c2 = cancel.clone();
                 tokio::spawn(async move {

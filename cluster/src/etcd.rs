@@ -6,6 +6,7 @@ use async_trait::async_trait;
 use etcd_client as ec;
 use tokio::sync::mpsc;
 
+use crate::access::{EtcdAccess, Grant, Secret};
 use crate::kv::*;
 use crate::{ClusterError, Result};
 
@@ -17,16 +18,27 @@ pub struct EtcdBackend {
 }
 
 impl EtcdBackend {
-    /// Builds the client without contacting etcd (connections are made lazily, and re-made
-    /// after etcd restarts). Use [`EtcdBackend::connect_checked`] to fail fast at start-up.
-    pub async fn connect(endpoints: &[String]) -> Result<Self> {
+    /// Builds the client. Without a user no request is made (connections are made lazily, and
+    /// re-made after etcd restarts); with one, etcd is asked for a token now. Use
+    /// [`EtcdBackend::connect_checked`] to wait for etcd at start-up.
+    pub async fn connect(access: &EtcdAccess) -> Result<Self> {
+        let endpoints = access.endpoint_list();
         let joined = endpoints.join(",");
-        let opts = ec::ConnectOptions::new()
+        let mut opts = ec::ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5))
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
-        let client = ec::Client::connect(endpoints, Some(opts))
+        if let (Some(u), Some(p)) = (&access.user, &access.password) {
+            // tokens expire (etcd's --auth-token-ttl) and die with an etcd restart
+            opts = opts
+                .with_user(u.as_str(), p.expose())
+                .with_auto_token_refresh(true);
+        }
+        if let Some(ca) = &access.ca {
+            opts = opts.with_tls(tls_options(access, ca)?);
+        }
+        let client = ec::Client::connect(&endpoints, Some(opts))
             .await
             .map_err(|e| map_err(&joined, "connect", e))?;
         Ok(EtcdBackend {
@@ -35,14 +47,27 @@ impl EtcdBackend {
         })
     }
 
-    /// Connects and makes one read, retrying for up to `wait`; the error says which endpoints
-    /// could not be reached.
-    pub async fn connect_checked(endpoints: &[String], wait: Duration) -> Result<Self> {
-        let backend = Self::connect(endpoints).await?;
+    /// Connects and makes one read, retrying for up to `wait` while etcd cannot be reached;
+    /// the error says which endpoints could not be reached, or what etcd refused (a wrong
+    /// password, a certificate it does not trust).
+    pub async fn connect_checked(access: &EtcdAccess, wait: Duration) -> Result<Self> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
-            match backend.get("/ductile-probe").await {
-                Ok(_) => return Ok(backend),
+            let attempt = match Self::connect(access).await {
+                // a user whose role does not reach the probe key got its token (connect
+                // authenticates): etcd answers, and the user is who it says
+                Ok(b) => match b.get("/ductile-probe").await {
+                    Err(ClusterError::Rejected { message, .. })
+                        if access.user.is_some() && message.contains("permission denied") =>
+                    {
+                        Ok(b)
+                    }
+                    r => r.map(|_| b),
+                },
+                Err(e) => Err(e),
+            };
+            match attempt {
+                Ok(b) => return Ok(b),
                 Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
@@ -54,11 +79,64 @@ impl EtcdBackend {
     fn c(&self) -> ec::Client {
         self.client.clone()
     }
+
+    /// One request, sent again (a few times, briefly) when etcd refused it only because its
+    /// users or roles changed while it was in flight ("revision of auth store is old": it was
+    /// not applied, so sending it again is safe); any other outcome is the answer.
+    async fn again<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T>
+    where
+        F: Fn(ec::Client) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<T, ec::Error>>,
+    {
+        let mut attempt = 0u32;
+        loop {
+            match f(self.c()).await {
+                Err(e) if auth_moved(&e) && attempt < 8 => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(5 * attempt as u64)).await;
+                }
+                r => return r.map_err(|e| map_err(&self.endpoints, op, e)),
+            }
+        }
+    }
+}
+
+/// The CA to trust, the client identity when one is given, and the server name checked
+/// against etcd's certificate (the first endpoint's host).
+fn tls_options(access: &EtcdAccess, ca: &std::path::Path) -> Result<ec::TlsOptions> {
+    let read = |p: &std::path::Path, what: &str| {
+        std::fs::read(p)
+            .map_err(|e| ClusterError::invalid(what, format!("cannot read {}: {e}", p.display())))
+    };
+    let mut tls =
+        ec::TlsOptions::new().ca_certificate(ec::Certificate::from_pem(read(ca, "etcd_ca")?));
+    if let (Some(c), Some(k)) = (&access.cert, &access.key) {
+        tls = tls.identity(ec::Identity::from_pem(
+            read(c, "etcd_cert")?,
+            read(k, "etcd_key")?,
+        ));
+    }
+    if let Some(host) = access
+        .endpoint_list()
+        .first()
+        .and_then(|e| e.parse::<tonic::codegen::http::Uri>().ok())
+        .and_then(|u| u.host().map(|h| h.trim_matches(['[', ']']).to_string()))
+    {
+        tls = tls.domain_name(host);
+    }
+    Ok(tls)
 }
 
 fn map_err(endpoints: &str, op: &'static str, e: ec::Error) -> ClusterError {
     use tonic::Code;
     match e {
+        ec::Error::GRpcStatus(s) if s.message().contains("auth store is old") => {
+            ClusterError::Unavailable {
+                endpoints: endpoints.into(),
+                op,
+                source: Box::new(s),
+            }
+        }
         ec::Error::GRpcStatus(s) => match s.code() {
             Code::NotFound if s.message().contains("lease") => {
                 ClusterError::LeaseNotFound { lease: 0 }
@@ -161,19 +239,18 @@ impl KvBackend for EtcdBackend {
 
     async fn get(&self, key: &str) -> Result<Option<KeyValue>> {
         let resp = self
-            .c()
-            .get(key, None)
-            .await
-            .map_err(|e| map_err(&self.endpoints, "get", e))?;
+            .again("get", |mut c| async move { c.get(key, None).await })
+            .await?;
         Ok(resp.kvs().first().map(to_kv))
     }
 
     async fn list(&self, prefix: &str) -> Result<(Vec<KeyValue>, Revision)> {
         let resp = self
-            .c()
-            .get(prefix, Some(ec::GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| map_err(&self.endpoints, "list", e))?;
+            .again("list", |mut c| async move {
+                c.get(prefix, Some(ec::GetOptions::new().with_prefix()))
+                    .await
+            })
+            .await?;
         let rev = resp.header().map(|h| h.revision()).unwrap_or(0);
         Ok((resp.kvs().iter().map(to_kv).collect(), rev))
     }
@@ -183,28 +260,29 @@ impl KvBackend for EtcdBackend {
             .filter(|l| *l != 0)
             .map(|l| ec::PutOptions::new().with_lease(l));
         let resp = self
-            .c()
-            .put(key, value, opts)
+            .again("put", |mut c| {
+                let (value, opts) = (value.clone(), opts.clone());
+                async move { c.put(key, value, opts).await }
+            })
             .await
-            .map_err(|e| lease_err(map_err(&self.endpoints, "put", e), lease.unwrap_or(0)))?;
+            .map_err(|e| lease_err(e, lease.unwrap_or(0)))?;
         Ok(resp.header().map(|h| h.revision()).unwrap_or(0))
     }
 
     async fn delete(&self, key: &str) -> Result<bool> {
         let resp = self
-            .c()
-            .delete(key, None)
-            .await
-            .map_err(|e| map_err(&self.endpoints, "delete", e))?;
+            .again("delete", |mut c| async move { c.delete(key, None).await })
+            .await?;
         Ok(resp.deleted() > 0)
     }
 
     async fn delete_prefix(&self, prefix: &str) -> Result<u64> {
         let resp = self
-            .c()
-            .delete(prefix, Some(ec::DeleteOptions::new().with_prefix()))
-            .await
-            .map_err(|e| map_err(&self.endpoints, "delete", e))?;
+            .again("delete", |mut c| async move {
+                c.delete(prefix, Some(ec::DeleteOptions::new().with_prefix()))
+                    .await
+            })
+            .await?;
         Ok(resp.deleted() as u64)
     }
 
@@ -217,10 +295,12 @@ impl KvBackend for EtcdBackend {
             .when(txn.compares.into_iter().map(to_cmp).collect::<Vec<_>>())
             .and_then(txn.ops.into_iter().map(to_op).collect::<Vec<_>>());
         let resp = self
-            .c()
-            .txn(t)
+            .again("txn", |mut c| {
+                let t = t.clone();
+                async move { c.txn(t).await }
+            })
             .await
-            .map_err(|e| lease_err(map_err(&self.endpoints, "txn", e), lease.unwrap_or(0)))?;
+            .map_err(|e| lease_err(e, lease.unwrap_or(0)))?;
         Ok(TxnOutcome {
             succeeded: resp.succeeded(),
             revision: resp.header().map(|h| h.revision()).unwrap_or(0),
@@ -386,4 +466,82 @@ impl KvBackend for EtcdBackend {
             .map_err(|e| map_err(&self.endpoints, "compact", e))?;
         Ok(())
     }
+
+    async fn set_user(&self, user: &str, password: &Secret, grants: &[Grant]) -> Result<()> {
+        let mut c = self.c();
+        let e = |op| move |e| map_err(&self.endpoints, op, e);
+        // the role, with exactly these permissions (made afresh: a leftover keeps nothing)
+        match c.role_delete(user).await {
+            Ok(_) => {}
+            Err(err) if not_found(&err) => {}
+            Err(err) => return Err(e("role delete")(err)),
+        }
+        c.role_add(user).await.map_err(e("role add"))?;
+        for g in grants {
+            let mut p = if g.write {
+                ec::Permission::read_write(g.key.as_str())
+            } else {
+                ec::Permission::read(g.key.as_str())
+            };
+            if g.prefix {
+                p = p.with_prefix();
+            }
+            c.role_grant_permission(user, p)
+                .await
+                .map_err(e("role grant"))?;
+        }
+        match c.user_add(user, password.expose(), None).await {
+            Ok(_) => {}
+            Err(err) if already_exists(&err) => {
+                c.user_change_password(user, password.expose())
+                    .await
+                    .map_err(e("user password"))?;
+            }
+            Err(err) => return Err(e("user add")(err)),
+        }
+        c.user_grant_role(user, user)
+            .await
+            .map_err(e("user grant role"))?;
+        Ok(())
+    }
+
+    async fn remove_user(&self, user: &str) -> Result<bool> {
+        let mut c = self.c();
+        let mut found = false;
+        match c.user_delete(user).await {
+            Ok(_) => found = true,
+            Err(err) if not_found(&err) => {}
+            Err(err) => return Err(map_err(&self.endpoints, "user delete", err)),
+        }
+        match c.role_delete(user).await {
+            Ok(_) => found = true,
+            Err(err) if not_found(&err) => {}
+            Err(err) => return Err(map_err(&self.endpoints, "role delete", err)),
+        }
+        Ok(found)
+    }
+
+    async fn users(&self) -> Result<Vec<String>> {
+        let r = self
+            .c()
+            .user_list()
+            .await
+            .map_err(|e| map_err(&self.endpoints, "user list", e))?;
+        Ok(r.users().to_vec())
+    }
+}
+
+/// etcd refused a request because its auth store moved between the request's check and its
+/// apply (a user or role changed meanwhile); nothing was applied.
+fn auth_moved(e: &ec::Error) -> bool {
+    matches!(e, ec::Error::GRpcStatus(s) if s.message().contains("auth store is old"))
+}
+
+/// etcd's answer for a user or role that is not there.
+fn not_found(e: &ec::Error) -> bool {
+    matches!(e, ec::Error::GRpcStatus(s) if s.message().contains("not found"))
+}
+
+fn already_exists(e: &ec::Error) -> bool {
+    matches!(e, ec::Error::GRpcStatus(s) if s.message().contains("already exists"))
 }

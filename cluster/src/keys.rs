@@ -10,6 +10,7 @@
 //! {prefix}/jobs/{job}/slots/{node}/{slot}      SlotHealth: a slot whose worker failed
 //! {prefix}/jobs/{job}/workers/{node}/{slot}    WorkerRecord, under the agent's lease
 //! {prefix}/jobs/{job}/restarts                 restart counter (u32 as JSON)
+//! {prefix}/jobs/{job}/access                   JobAccess: the etcd user of the job's workers
 //! {prefix}/jobs/{job}/stop                     the operator asked the job to stop
 //! {prefix}/jobs/{job}/checkpoint               CheckpointRecord, the latest commit
 //! {prefix}/jobs/{job}/checkpoint_request       CheckpointRequest (a planned drain)
@@ -89,6 +90,9 @@ pub enum KeyKind {
     Restarts {
         job: String,
     },
+    Access {
+        job: String,
+    },
     Checkpoint {
         job: String,
     },
@@ -164,6 +168,11 @@ impl Keys {
     /// every generation, read by its members to authenticate each other's connections.
     pub fn mesh_key(&self, job: &str) -> String {
         format!("{}/jobs/{job}/mesh_key", self.prefix)
+    }
+    /// The etcd user the job's workers connect as ([`crate::records::JobAccess`]), made by
+    /// the leader when etcd has auth on.
+    pub fn access(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/access", self.prefix)
     }
     pub fn history(&self, job: &str) -> String {
         format!("{}/jobs/{job}/history/", self.prefix)
@@ -282,6 +291,7 @@ impl Keys {
             ["live", job, "progress"] => KeyKind::Progress { job: s(job) },
             ["jobs", job, "stop"] => KeyKind::Stop { job: s(job) },
             ["jobs", job, "restarts"] => KeyKind::Restarts { job: s(job) },
+            ["jobs", job, "access"] => KeyKind::Access { job: s(job) },
             ["jobs", job, "checkpoint"] => KeyKind::Checkpoint { job: s(job) },
             ["jobs", job, "checkpoint_request"] => KeyKind::CheckpointRequest { job: s(job) },
             ["live", job, "checkpoint_stats"] => KeyKind::CheckpointStats { job: s(job) },

@@ -133,4 +133,30 @@ pub trait KvBackend: Send + Sync + 'static {
     async fn resign(&self, leader: &LeaderKey) -> Result<()>;
     /// Forget history up to `revision`; later watches from before it fail with `Compacted`.
     async fn compact(&self, revision: Revision) -> Result<()>;
+
+    /// Make `user` (or give it a new password) with exactly `grants`, through a role of the
+    /// same name (etcd auth; needs the root role). Stores without users refuse.
+    async fn set_user(
+        &self,
+        user: &str,
+        _password: &crate::access::Secret,
+        _grants: &[crate::access::Grant],
+    ) -> Result<()> {
+        Err(no_users(&self.describe(), user))
+    }
+    /// Remove `user` and its role; Ok(false) when neither was there.
+    async fn remove_user(&self, user: &str) -> Result<bool> {
+        Err(no_users(&self.describe(), user))
+    }
+    /// The names of all users.
+    async fn users(&self) -> Result<Vec<String>> {
+        Err(no_users(&self.describe(), "any"))
+    }
+}
+
+fn no_users(store: &str, user: &str) -> crate::ClusterError {
+    crate::ClusterError::Rejected {
+        op: "user management",
+        message: format!("{store} has no users (user {user:?})"),
+    }
 }

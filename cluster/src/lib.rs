@@ -3,6 +3,7 @@
 //! Invariant: only this crate knows the etcd key layout ([`keys`]) and talks to etcd
 //! ([`etcd`]); everything above goes through [`store::Store`] and [`kv::KvBackend`].
 
+pub mod access;
 pub mod api;
 pub mod conformance;
 pub mod error;
@@ -28,15 +29,21 @@ use std::time::Duration;
 /// Connect to etcd at comma-separated `endpoints` (`http://` optional), waiting up to `wait`
 /// for a first answer.
 pub async fn connect_etcd(endpoints: &str, wait: Duration) -> Result<Arc<dyn KvBackend>> {
-    let eps: Vec<String> = endpoints
-        .split(',')
-        .map(|e| e.trim().to_string())
-        .filter(|e| !e.is_empty())
-        .collect();
-    if eps.is_empty() {
+    connect_etcd_with(&access::EtcdAccess::plain(endpoints), wait).await
+}
+
+/// Connect to etcd as `access` says (TLS, user), waiting up to `wait` for a first answer.
+pub async fn connect_etcd_with(
+    access: &access::EtcdAccess,
+    wait: Duration,
+) -> Result<Arc<dyn KvBackend>> {
+    if access.endpoint_list().is_empty() {
         return Err(ClusterError::invalid("etcd", "no endpoints given"));
     }
+    access
+        .validate()
+        .map_err(|reason| ClusterError::invalid("etcd", reason))?;
     Ok(Arc::new(
-        etcd::EtcdBackend::connect_checked(&eps, wait).await?,
+        etcd::EtcdBackend::connect_checked(access, wait).await?,
     ))
 }

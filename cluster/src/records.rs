@@ -1045,6 +1045,24 @@ pub struct NodeAssignment {
     /// Restarts taken from the job's budget so far.
     #[serde(default)]
     pub restarts_used: u32,
+    /// The etcd user the job's workers connect as (absent while etcd has no auth).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access: Option<JobAccess>,
+}
+
+/// The etcd user a job's workers connect as, made by the leader when etcd has auth on: its
+/// role reads the job's control state, writes its checkpoint commits and what workers write as
+/// they run, and nothing else ([`crate::access::job_grants`]).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobAccess {
+    pub user: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for JobAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JobAccess {{ user: {:?}, password: *** }}", self.user)
+    }
 }
 
 /// A slot of a node in a generation.

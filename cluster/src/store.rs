@@ -328,7 +328,7 @@ pub struct Fence<'a> {
 }
 
 impl Fence<'_> {
-    fn compares(&self, keys: &Keys, job: &str) -> Vec<Compare> {
+    pub fn compares(&self, keys: &Keys, job: &str) -> Vec<Compare> {
         let mut c = vec![Compare::ModRevision(keys.spec(job), self.spec_revision)];
         if let Some(l) = self.leader {
             c.push(Compare::CreateRevision(l.key.clone(), l.create_revision));

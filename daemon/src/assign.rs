@@ -13,12 +13,17 @@ use ductile_cluster::Store;
 use crate::reconcile::JobObs;
 
 /// Each node's view of every active job with a member or a failed slot on it, keyed by
-/// (node, job). A pure function of the observed jobs.
+/// (node, job). A pure function of the observed jobs. With `job_users`, a job is shown to its
+/// nodes only once it has its etcd user (its workers connect as nothing else).
 pub fn node_assignments(
     jobs: &BTreeMap<String, JobObs>,
+    job_users: bool,
 ) -> BTreeMap<(String, String), NodeAssignment> {
     let mut out: BTreeMap<(String, String), NodeAssignment> = BTreeMap::new();
-    for (name, obs) in jobs.iter().filter(|(_, o)| o.is_active()) {
+    for (name, obs) in jobs
+        .iter()
+        .filter(|(_, o)| o.is_active() && (!job_users || o.access.is_some()))
+    {
         let (Some(spec), Some((g, _))) = (&obs.spec, &obs.generation) else {
             continue;
         };
@@ -55,6 +60,7 @@ pub fn node_assignments(
                 slots,
                 excluded,
                 restarts_used: obs.restarts_used,
+                access: obs.access.clone(),
             };
             out.insert((node.to_string(), name.clone()), view);
         }
@@ -174,7 +180,7 @@ mod tests {
         );
         o.restarts_used = 2;
         let jobs = BTreeMap::from([("j".to_string(), o)]);
-        let v = node_assignments(&jobs);
+        let v = node_assignments(&jobs, false);
         assert_eq!(v.len(), 3, "{v:?}");
         let a = &v[&("a".to_string(), "j".to_string())];
         assert_eq!(
@@ -206,7 +212,7 @@ mod tests {
         let mut o = obs(test_generation(1, &[("a", 0)]));
         o.stop_requested = true;
         let jobs = BTreeMap::from([("j".to_string(), o.clone())]);
-        assert!(node_assignments(&jobs).is_empty());
+        assert!(node_assignments(&jobs, false).is_empty());
         o.stop_requested = false;
         o.status = Some(JobStatus {
             job: "j".into(),
@@ -219,6 +225,22 @@ mod tests {
             reformations: Default::default(),
         });
         let jobs = BTreeMap::from([("j".to_string(), o)]);
-        assert!(node_assignments(&jobs).is_empty());
+        assert!(node_assignments(&jobs, false).is_empty());
+    }
+
+    #[test]
+    fn with_job_users_a_job_reaches_its_nodes_only_with_its_user_and_carries_it() {
+        let mut o = obs(test_generation(1, &[("a", 0)]));
+        let jobs = BTreeMap::from([("j".to_string(), o.clone())]);
+        assert!(node_assignments(&jobs, true).is_empty());
+        assert_eq!(node_assignments(&jobs, false).len(), 1);
+        let access = ductile_cluster::records::JobAccess {
+            user: "ductile-job-j".into(),
+            password: "p".into(),
+        };
+        o.access = Some(access.clone());
+        let jobs = BTreeMap::from([("j".to_string(), o)]);
+        let v = node_assignments(&jobs, true);
+        assert_eq!(v[&("a".to_string(), "j".to_string())].access, Some(access));
     }
 }

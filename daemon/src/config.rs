@@ -8,29 +8,8 @@ use clap::Parser;
 use ductile_cluster::service::LogFormat;
 use serde::Deserialize;
 
-/// A secret that does not print.
-#[derive(Clone)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: impl Into<String>) -> Self {
-        Secret(s.into())
-    }
-    /// Constant-time comparison.
-    pub fn matches(&self, other: &str) -> bool {
-        let (a, b) = (self.0.as_bytes(), other.as_bytes());
-        if a.len() != b.len() {
-            return false;
-        }
-        a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(***)")
-    }
-}
+pub use ductile_cluster::access::Secret;
+use ductile_cluster::access::{EtcdAccess, EtcdArgs, EtcdFileArgs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -42,6 +21,8 @@ pub struct Cli {
     /// etcd endpoints, comma-separated.
     #[arg(long, env = "DUCTILE_ETCD")]
     pub etcd: Option<String>,
+    #[command(flatten)]
+    pub etcd_access: EtcdArgs,
     /// Address the API listens on.
     #[arg(long, env = "DUCTILE_LISTEN")]
     pub listen: Option<String>,
@@ -82,6 +63,11 @@ pub struct Cli {
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     pub etcd: Option<String>,
+    pub etcd_ca: Option<PathBuf>,
+    pub etcd_cert: Option<PathBuf>,
+    pub etcd_key: Option<PathBuf>,
+    pub etcd_user: Option<String>,
+    pub etcd_password_file: Option<PathBuf>,
     pub listen: Option<String>,
     pub token_file: Option<PathBuf>,
     pub read_token_file: Option<PathBuf>,
@@ -96,7 +82,9 @@ pub struct FileConfig {
 
 #[derive(Debug)]
 pub struct Config {
-    pub etcd: String,
+    /// etcd endpoints, TLS and user. With a user (etcd auth on) this replica, when it leads,
+    /// makes each job's etcd user: the daemon's user needs etcd's root role.
+    pub etcd: EtcdAccess,
     pub listen: String,
     pub token: Secret,
     /// The read-only token, if the cluster has one.
@@ -138,11 +126,22 @@ impl Config {
                 .unwrap_or_else(|_| "host".into());
             format!("{}-{}", host.trim(), std::process::id())
         });
-        let cfg = Config {
-            etcd: cli
-                .etcd
+        let etcd = EtcdAccess::from_args(
+            cli.etcd
                 .or(file.etcd)
                 .unwrap_or_else(|| "http://127.0.0.1:2379".into()),
+            cli.etcd_access,
+            EtcdFileArgs {
+                etcd_ca: file.etcd_ca,
+                etcd_cert: file.etcd_cert,
+                etcd_key: file.etcd_key,
+                etcd_user: file.etcd_user,
+                etcd_password_file: file.etcd_password_file,
+            },
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
+        let cfg = Config {
+            etcd,
             listen: cli
                 .listen
                 .or(file.listen)
@@ -171,14 +170,14 @@ impl Config {
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.token.0.len() < 8 {
+        if self.token.expose().len() < 8 {
             anyhow::bail!("invalid token: must be at least 8 characters");
         }
         if let Some(r) = &self.read_token {
-            if r.0.len() < 8 {
+            if r.expose().len() < 8 {
                 anyhow::bail!("invalid read_token: must be at least 8 characters");
             }
-            if r.0 == self.token.0 {
+            if r == &self.token {
                 anyhow::bail!(
                     "invalid read_token: it is the admin token; give it a token of its own"
                 );

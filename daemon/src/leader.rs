@@ -33,6 +33,9 @@ pub struct LeaderConfig {
     pub debounce: Duration,
     /// Set (unix ms) by every pass of the leader loop: what the watchdog ping vouches for.
     pub beat: Arc<AtomicU64>,
+    /// Give each job an etcd user of its own (etcd auth on: the daemon connects as a user with
+    /// the root role); agents start a job's workers only once it has one.
+    pub job_users: bool,
 }
 
 /// Campaign, lead while elected, campaign again; until `cancel`.
@@ -188,6 +191,8 @@ pub async fn lead(
     // what is decoded only when its snapshot moved: the fleet, and the jobs' control state
     let mut fleet_cache: Option<((i64, u64, i64, u64), Fleet)> = None;
     let mut control_cache: Option<((i64, u64), BTreeMap<String, JobObs>)> = None;
+    // the `jobs/` snapshot the jobs' etcd users were last brought in line with, and when
+    let mut users_at: Option<((i64, u64), Instant)> = None;
     loop {
         if cancel.is_cancelled() {
             return Ok(());
@@ -264,10 +269,27 @@ pub async fn lead(
                 }
             }
         }
+        // The jobs' etcd users follow the control state too, and are checked every
+        // USERS_EVERY in case one was deleted behind our back.
+        if cfg.job_users && users_at.is_none_or(|(at, t)| at != ckey || now >= t + USERS_EVERY) {
+            match crate::access::sync_job_users(&store, &leader, &jobs).await {
+                Ok(true) => users_at = Some((ckey, now)),
+                Ok(false) => {
+                    if !still_leader(&store, &leader).await {
+                        return Err(fenced(&leader));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot bring the jobs' etcd users in line; will retry");
+                    let at = now + Duration::from_millis(500);
+                    wake = Some(wake.map_or(at, |w| w.min(at)));
+                }
+            }
+        }
         // The nodes' views follow the control state (`jobs/` only: progress does not move
         // them), as observed; what this pass publishes reaches them on the next.
         if assigned_at != Some((snap.revision, snap.relists)) {
-            let desired = crate::assign::node_assignments(&jobs);
+            let desired = crate::assign::node_assignments(&jobs, cfg.job_users);
             match assignments.sync(&store, &leader, &desired).await {
                 Ok(true) => assigned_at = Some((snap.revision, snap.relists)),
                 Ok(false) => {
@@ -461,6 +483,9 @@ pub async fn lead(
     }
 }
 
+/// How often the leader checks the jobs' etcd users when nothing else moved.
+const USERS_EVERY: Duration = Duration::from_secs(10);
+
 /// How many generations of history a job keeps in etcd (agents read the recent ones to fence
 /// workers that missed one; older ones only grow etcd).
 pub const HISTORY_KEPT: u64 = 256;
@@ -624,6 +649,9 @@ pub fn control_from_kvs<'a>(
                 }
             }
             KeyKind::Stop { job } => jobs.entry(job).or_default().stop_requested = true,
+            KeyKind::Access { job } => {
+                jobs.entry(job).or_default().access = decoded(kv, "job access")
+            }
             KeyKind::Checkpoint { job } => {
                 jobs.entry(job).or_default().checkpoint = decoded(kv, "checkpoint record")
             }
@@ -816,7 +844,8 @@ mod tests {
         let since = |n: &str| obs.member_since[&(n.to_string(), 0)];
         assert_eq!((since("a"), since("b"), since("c")), (1, 3, 3));
         assert_eq!(obs.restarts_used, 2);
-        let views = crate::assign::node_assignments(&[("j".to_string(), obs.clone())].into());
+        let views =
+            crate::assign::node_assignments(&[("j".to_string(), obs.clone())].into(), false);
         assert_eq!(views.len(), 3, "no view for d, which left");
         let c = &views[&("c".to_string(), "j".to_string())];
         // a worker of c started in generation 1 missed generation 2: it must not act in 3

@@ -1,6 +1,7 @@
 //! ductiled: the control-plane daemon. Every replica serves the API; the elected leader
 //! reconciles each job's desired size against live membership and publishes generations.
 
+pub mod access;
 pub mod api;
 pub mod assign;
 pub mod config;
@@ -50,6 +51,7 @@ pub async fn run(
         election_ttl: cfg.election_ttl,
         debounce: cfg.debounce,
         beat: beat.clone(),
+        job_users: cfg.etcd.has_user(),
     };
     let replica = tokio::spawn(leader::run_replica(
         store,

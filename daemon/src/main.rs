@@ -13,7 +13,7 @@ async fn main() {
     };
     ductile_cluster::service::init_logging(cfg.log_format);
     let cancel = ductile_cluster::service::shutdown_on_signals();
-    let backend = match ductile_cluster::connect_etcd(&cfg.etcd, cfg.etcd_wait).await {
+    let backend = match ductile_cluster::connect_etcd_with(&cfg.etcd, cfg.etcd_wait).await {
         Ok(b) => b,
         Err(e) => {
             tracing::error!(
@@ -22,7 +22,7 @@ async fn main() {
             );
             eprintln!(
                 "ductiled: cannot reach etcd at {}: {}",
-                cfg.etcd,
+                cfg.etcd.endpoints,
                 ductile_cluster::service::error_chain(&e)
             );
             std::process::exit(1);

@@ -38,6 +38,8 @@ pub struct JobObs {
     pub stalled_ms: Option<u64>,
     /// Restarts taken from the job's budget so far.
     pub restarts_used: u32,
+    /// The etcd user of the job's workers (etcd auth on).
+    pub access: Option<JobAccess>,
     /// For each (node, slot) of the current generation, the first generation of its unbroken
     /// run of membership (from the history kept in etcd).
     pub member_since: BTreeMap<(String, u32), u64>,

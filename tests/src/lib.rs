@@ -93,6 +93,14 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// The repository's root (its scripts are the operators' tools the tests use too).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
 fn tool(env: &str, name: &str) -> PathBuf {
     if let Some(p) = std::env::var_os(env) {
         return PathBuf::from(p);
@@ -253,6 +261,9 @@ pub fn pid_alive(pid: u32) -> bool {
 pub struct Etcd {
     pub proc: Proc,
     pub endpoint: String,
+    /// With TLS and auth ([`Etcd::start_secure`]): the certificates and passwords
+    /// `scripts/etcd-secure.sh` made.
+    pub pki: Option<PathBuf>,
     /// etcd's data directory: on tmpfs (`/dev/shm`) where there is one, so that a slow disk's
     /// fsync (1.4 s seen on a CI machine) does not stall raft and delay lease expiry under the
     /// tests' liveness bounds; the tests check ductile, not the disk.
@@ -261,12 +272,38 @@ pub struct Etcd {
 
 impl Etcd {
     pub fn start(dir: &Path) -> Etcd {
+        Self::start_with(dir, false)
+    }
+
+    /// etcd over TLS that asks for client certificates (`--client-cert-auth`), with auth on:
+    /// users root, ductile-daemon (role root) and ductile-agent (its prefix), made by
+    /// `scripts/etcd-secure.sh` as an operator would.
+    pub fn start_secure(dir: &Path) -> Etcd {
+        let e = Self::start_with(dir, true);
+        let pki = e.pki.clone().unwrap();
+        let out = Command::new("bash")
+            .arg(repo_root().join("scripts/etcd-secure.sh"))
+            .args(["auth", &e.endpoint])
+            .arg(&pki)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "etcd-secure.sh auth failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        e
+    }
+
+    fn start_with(dir: &Path, secure: bool) -> Etcd {
         let (client, peer) = (free_port(), free_port());
-        let c = format!("http://127.0.0.1:{client}");
+        let scheme = if secure { "https" } else { "http" };
+        let c = format!("{scheme}://127.0.0.1:{client}");
         let p = format!("http://127.0.0.1:{peer}");
         let shm = Path::new("/dev/shm");
         let data = TempDir::new_in(if shm.is_dir() { shm } else { dir }, "etcd-data");
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "--name",
             "t",
             "--data-dir",
@@ -289,6 +326,31 @@ impl Etcd {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        let pki = secure.then(|| {
+            let pki = dir.join("pki");
+            let out = Command::new("bash")
+                .arg(repo_root().join("scripts/etcd-secure.sh"))
+                .arg("certs")
+                .arg(&pki)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "etcd-secure.sh certs failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let f = |n: &str| pki.join(n).display().to_string();
+            args.extend([
+                "--cert-file".into(),
+                f("etcd.pem"),
+                "--key-file".into(),
+                f("etcd-key.pem"),
+                "--trusted-ca-file".into(),
+                f("ca.pem"),
+                "--client-cert-auth".into(),
+            ]);
+            pki
+        });
         let proc = Proc::start(
             "etcd",
             &tool("DUCTILE_ETCD_BIN", "etcd"),
@@ -299,13 +361,90 @@ impl Etcd {
         let e = Etcd {
             proc,
             endpoint: c,
+            pki,
             _data: data,
         };
         e.wait_ready();
         e
     }
 
+    /// How `who` (root, daemon, agent; a client certificate of that name, `worker` included)
+    /// reaches this etcd; plain for an etcd without TLS.
+    pub fn access(&self, who: &str) -> ductile_cluster::access::EtcdAccess {
+        use ductile_cluster::access::{EtcdAccess, Secret};
+        let Some(pki) = &self.pki else {
+            return EtcdAccess::plain(self.endpoint.clone());
+        };
+        let cert = if who == "root" { "daemon" } else { who };
+        let password = std::fs::read_to_string(pki.join(format!("{who}.password")))
+            .ok()
+            .map(|p| Secret::new(p.trim()));
+        EtcdAccess {
+            endpoints: self.endpoint.clone(),
+            ca: Some(pki.join("ca.pem")),
+            cert: Some(pki.join(format!("{cert}.pem"))),
+            key: Some(pki.join(format!("{cert}-key.pem"))),
+            user: password.as_ref().map(|_| match who {
+                "root" => "root".to_string(),
+                w => format!("ductile-{w}"),
+            }),
+            password,
+        }
+    }
+
+    /// The flags a daemon (`daemon`) or an agent (`agent`) is started with to reach this etcd.
+    pub fn flags(&self, who: &str) -> Vec<String> {
+        let a = self.access(who);
+        let mut f = vec!["--etcd".to_string(), a.endpoints.clone()];
+        let Some(pki) = &self.pki else {
+            return f;
+        };
+        let p = |n: &str| pki.join(n).display().to_string();
+        f.extend([
+            "--etcd-ca".into(),
+            p("ca.pem"),
+            "--etcd-cert".into(),
+            p(&format!("{who}.pem")),
+            "--etcd-key".into(),
+            p(&format!("{who}-key.pem")),
+            "--etcd-user".into(),
+            format!("ductile-{who}"),
+            "--etcd-password-file".into(),
+            p(&format!("{who}.password")),
+        ]);
+        if who == "agent" {
+            f.extend([
+                "--etcd-worker-cert".into(),
+                p("worker.pem"),
+                "--etcd-worker-key".into(),
+                p("worker-key.pem"),
+            ]);
+        }
+        f
+    }
+
     fn wait_ready(&self) {
+        if self.pki.is_some() {
+            // over TLS: a real connection with the daemon's certificate (before auth is on it
+            // needs no user; after, etcd takes its CN, ductile-daemon, for one)
+            let mut a = self.access("daemon");
+            a.user = None;
+            a.password = None;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            if let Err(e) = rt.block_on(ductile_cluster::connect_etcd_with(
+                &a,
+                Duration::from_secs(20),
+            )) {
+                panic!(
+                    "etcd (TLS) did not become ready: {e}\n{}",
+                    self.proc.log_tail(20)
+                );
+            }
+            return;
+        }
         let t0 = Instant::now();
         let port: u16 = self.endpoint.rsplit(':').next().unwrap().parse().unwrap();
         loop {
@@ -683,6 +822,9 @@ pub struct Spec {
     pub s3_proxy: bool,
     /// Extra environment of every agent (its workers inherit it).
     pub agent_env: Vec<(String, String)>,
+    /// etcd over TLS with client certificates and auth ([`Etcd::start_secure`]): the daemons
+    /// and agents connect as their own users, workers as their job's.
+    pub secure_etcd: bool,
 }
 
 impl Default for Spec {
@@ -697,6 +839,7 @@ impl Default for Spec {
             s3: false,
             s3_proxy: false,
             agent_env: vec![],
+            secure_etcd: false,
         }
     }
 }
@@ -724,7 +867,11 @@ pub struct Cluster {
 impl Cluster {
     pub fn start(spec: Spec) -> Cluster {
         let dir = TempDir::new("cluster");
-        let etcd = Etcd::start(dir.path());
+        let etcd = if spec.secure_etcd {
+            Etcd::start_secure(dir.path())
+        } else {
+            Etcd::start(dir.path())
+        };
         let s3 = (spec.s3 || spec.s3_proxy).then(|| S3::start(dir.path()));
         let mut spec = spec;
         let mut s3_proxy = None;
@@ -762,9 +909,8 @@ impl Cluster {
 
     pub fn start_daemon(&mut self, i: usize) {
         let port = free_port();
-        let args: Vec<String> = vec![
-            "--etcd".into(),
-            self.etcd.endpoint.clone(),
+        let mut args = self.etcd.flags("daemon");
+        args.extend([
             "--listen".into(),
             format!("127.0.0.1:{port}"),
             "--token-file".into(),
@@ -777,7 +923,7 @@ impl Cluster {
             self.spec.debounce_ms.to_string(),
             "--id".into(),
             format!("daemon{i}"),
-        ];
+        ]);
         // the daemon reads checkpoint stores (dctl checkpoints) with the cluster's S3 settings
         let env: Vec<(String, String)> = self
             .spec
@@ -823,9 +969,8 @@ impl Cluster {
 
     /// Start an agent; `extra` flags are appended (e.g. `--spot-notice-url URL`).
     pub fn start_agent(&mut self, name: &str, slots: u32, extra: &[&str]) {
-        let mut args: Vec<String> = vec![
-            "--etcd".into(),
-            self.etcd.endpoint.clone(),
+        let mut args = self.etcd.flags("agent");
+        args.extend([
             "--node".into(),
             name.into(),
             "--cpu-slots".into(),
@@ -838,7 +983,7 @@ impl Cluster {
             "127.0.0.1".into(),
             "--stop-grace-ms".into(),
             "2000".into(),
-        ];
+        ]);
         // the tests' workers and stand-ins, and their temporary directories, unless the caller
         // sets a policy of its own
         if !extra.contains(&"--allowed-commands") {
@@ -1035,9 +1180,10 @@ impl Cluster {
 
     /// A typed store over this cluster's etcd.
     pub async fn store(&self) -> Store {
-        let b = ductile_cluster::connect_etcd(&self.etcd.endpoint, Duration::from_secs(10))
-            .await
-            .unwrap();
+        let b =
+            ductile_cluster::connect_etcd_with(&self.etcd.access("root"), Duration::from_secs(10))
+                .await
+                .unwrap();
         Store::new(b, Keys::new(&self.prefix))
     }
 

@@ -37,7 +37,8 @@ pub struct WorkerEnv {
     pub node: String,
     pub slot: u32,
     pub generation: u64,
-    pub etcd: String,
+    /// etcd endpoints, TLS and the job's etcd user, as the agent set them.
+    pub etcd: ductile_cluster::access::EtcdAccess,
     pub prefix: String,
     pub device: String,
 }
@@ -61,7 +62,9 @@ impl WorkerEnv {
             node: var("DUCTILE_NODE")?,
             slot: num("DUCTILE_SLOT")?,
             generation: num("DUCTILE_GENERATION")?,
-            etcd: var("DUCTILE_ETCD")?,
+            etcd: ductile_cluster::access::EtcdAccess::from_env().map_err(|e| {
+                anyhow::anyhow!("{e}: ductile-worker is started by ductile-agent, which sets it")
+            })?,
             prefix: std::env::var("DUCTILE_PREFIX")
                 .unwrap_or_else(|_| ductile_cluster::keys::DEFAULT_PREFIX.into()),
             device: std::env::var("DUCTILE_DEVICE").unwrap_or_else(|_| "cpu".into()),

@@ -89,18 +89,18 @@ fn run() {
         .expect("tokio runtime");
     let code = rt.block_on(async move {
         let cancel = ductile_cluster::service::shutdown_on_signals();
-        let backend = match ductile_cluster::connect_etcd(&env.etcd, Duration::from_secs(30)).await
-        {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!(
-                    "ductile-worker: cannot reach etcd at {}: {}",
-                    env.etcd,
-                    ductile_cluster::service::error_chain(&e)
-                );
-                return 1;
-            }
-        };
+        let backend =
+            match ductile_cluster::connect_etcd_with(&env.etcd, Duration::from_secs(30)).await {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!(
+                        "ductile-worker: cannot reach etcd at {}: {}",
+                        env.etcd.endpoints,
+                        ductile_cluster::service::error_chain(&e)
+                    );
+                    return 1;
+                }
+            };
         let store =
             ductile_cluster::Store::new(backend.clone(), ductile_cluster::Keys::new(&env.prefix));
         let spec = match store.spec(&env.job).await {

@@ -1,0 +1,352 @@
+//! How a service reaches etcd: endpoints, TLS (a CA, optionally a client certificate) and a
+//! user, from flags, `DUCTILE_ETCD_*` variables and config files; and the per-job etcd users
+//! the leader makes so that a job's workers reach only their own job's keys.
+
+use std::path::{Path, PathBuf};
+
+use crate::{ClusterError, Keys, Result};
+
+/// A secret that does not print.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+    /// Constant-time comparison.
+    pub fn matches(&self, other: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), other.as_bytes());
+        if a.len() != b.len() {
+            return false;
+        }
+        a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// etcd connection flags shared by `ductiled` and `ductile-agent` (each also reads the same
+/// names from its TOML file: `etcd_ca`, `etcd_cert`, `etcd_key`, `etcd_user`,
+/// `etcd_password_file`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct EtcdArgs {
+    /// CA certificate (PEM) that signed etcd's server certificate; endpoints are then https.
+    #[arg(long, env = "DUCTILE_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for etcds that ask for one (`--client-cert-auth`).
+    #[arg(long, env = "DUCTILE_ETCD_CERT")]
+    pub etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "DUCTILE_ETCD_KEY")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user (etcd auth enabled); its password from --etcd-password-file or
+    /// DUCTILE_ETCD_PASSWORD.
+    #[arg(long, env = "DUCTILE_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password.
+    #[arg(long, env = "DUCTILE_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+/// The same settings as they appear in a service's TOML file.
+#[derive(serde::Deserialize, Debug, Default, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct EtcdFileArgs {
+    pub etcd_ca: Option<PathBuf>,
+    pub etcd_cert: Option<PathBuf>,
+    pub etcd_key: Option<PathBuf>,
+    pub etcd_user: Option<String>,
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+/// Everything needed to open a connection to etcd.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EtcdAccess {
+    /// Comma-separated endpoints.
+    pub endpoints: String,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub user: Option<String>,
+    pub password: Option<Secret>,
+}
+
+/// The variables a worker reads its etcd access from (set by its agent, nothing else).
+pub const WORKER_ENV: [&str; 6] = [
+    "DUCTILE_ETCD",
+    "DUCTILE_ETCD_CA",
+    "DUCTILE_ETCD_CERT",
+    "DUCTILE_ETCD_KEY",
+    "DUCTILE_ETCD_USER",
+    "DUCTILE_ETCD_PASSWORD",
+];
+
+impl EtcdAccess {
+    /// Plain endpoints: no TLS, no user.
+    pub fn plain(endpoints: impl Into<String>) -> Self {
+        EtcdAccess {
+            endpoints: endpoints.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Flags over the file's settings; the password from its file, else `DUCTILE_ETCD_PASSWORD`.
+    pub fn from_args(
+        endpoints: String,
+        cli: EtcdArgs,
+        file: EtcdFileArgs,
+    ) -> std::result::Result<Self, String> {
+        let user = cli.etcd_user.or(file.etcd_user);
+        let password = match cli.etcd_password_file.or(file.etcd_password_file) {
+            Some(p) => Some(read_secret(&p, "etcd password")?),
+            None => std::env::var("DUCTILE_ETCD_PASSWORD").ok().map(Secret::new),
+        };
+        let a = EtcdAccess {
+            endpoints,
+            ca: cli.etcd_ca.or(file.etcd_ca),
+            cert: cli.etcd_cert.or(file.etcd_cert),
+            key: cli.etcd_key.or(file.etcd_key),
+            user,
+            password,
+        };
+        a.validate()?;
+        Ok(a)
+    }
+
+    /// What an agent set for its worker (see [`EtcdAccess::worker_env`]).
+    pub fn from_env() -> std::result::Result<Self, String> {
+        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
+        let a = EtcdAccess {
+            endpoints: var("DUCTILE_ETCD").ok_or("DUCTILE_ETCD is not set")?,
+            ca: var("DUCTILE_ETCD_CA").map(PathBuf::from),
+            cert: var("DUCTILE_ETCD_CERT").map(PathBuf::from),
+            key: var("DUCTILE_ETCD_KEY").map(PathBuf::from),
+            user: var("DUCTILE_ETCD_USER"),
+            password: var("DUCTILE_ETCD_PASSWORD").map(Secret::new),
+        };
+        a.validate()?;
+        Ok(a)
+    }
+
+    /// The environment of a worker that reaches etcd as `job_user` (None: etcd without auth)
+    /// with `client` as its client certificate and key (never the agent's own). Every name in
+    /// [`WORKER_ENV`] is given, empty where unset, so nothing of the agent's own leaks through.
+    pub fn worker_env(
+        &self,
+        job_user: Option<(&str, &Secret)>,
+        client: Option<(&Path, &Path)>,
+    ) -> Vec<(&'static str, String)> {
+        let path = |p: Option<&Path>| p.map(|p| p.display().to_string()).unwrap_or_default();
+        vec![
+            ("DUCTILE_ETCD", self.endpoints.clone()),
+            ("DUCTILE_ETCD_CA", path(self.ca.as_deref())),
+            ("DUCTILE_ETCD_CERT", path(client.map(|c| c.0))),
+            ("DUCTILE_ETCD_KEY", path(client.map(|c| c.1))),
+            (
+                "DUCTILE_ETCD_USER",
+                job_user.map(|u| u.0.to_string()).unwrap_or_default(),
+            ),
+            (
+                "DUCTILE_ETCD_PASSWORD",
+                job_user
+                    .map(|u| u.1.expose().to_string())
+                    .unwrap_or_default(),
+            ),
+        ]
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.cert.is_some() != self.key.is_some() {
+            return Err("invalid etcd_cert/etcd_key: give both or neither".into());
+        }
+        if self.user.is_some() != self.password.is_some() {
+            return Err(match &self.user {
+                Some(u) => format!(
+                    "etcd user {u:?} has no password: pass --etcd-password-file FILE or set DUCTILE_ETCD_PASSWORD"
+                ),
+                None => "an etcd password is given without --etcd-user".into(),
+            });
+        }
+        for e in self.endpoint_list() {
+            if self.ca.is_some() && e.starts_with("http://") {
+                return Err(format!(
+                    "etcd endpoint {e:?} is http:// but etcd_ca is set: use https://"
+                ));
+            }
+            if self.ca.is_none() && e.starts_with("https://") {
+                return Err(format!(
+                    "etcd endpoint {e:?} is https:// but no etcd_ca is given to check its certificate"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn endpoint_list(&self) -> Vec<String> {
+        self.endpoints
+            .split(',')
+            .map(|e| e.trim().to_string())
+            .filter(|e| !e.is_empty())
+            .collect()
+    }
+
+    /// Whether this service may manage etcd users (it connects as a user: auth is on).
+    pub fn has_user(&self) -> bool {
+        self.user.is_some()
+    }
+}
+
+fn read_secret(p: &Path, what: &str) -> std::result::Result<Secret, String> {
+    let s = std::fs::read_to_string(p)
+        .map_err(|e| format!("cannot read {what} file {}: {e}", p.display()))?;
+    let s = s.trim();
+    if s.is_empty() {
+        return Err(format!("{what} file {} is empty", p.display()));
+    }
+    Ok(Secret::new(s))
+}
+
+/// One permission of a role: a key, or every key under a prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub key: String,
+    pub prefix: bool,
+    pub write: bool,
+}
+
+/// The etcd user (and role, same name) a job's workers reach etcd as.
+pub fn job_user(job: &str) -> String {
+    format!("{JOB_USER_PREFIX}{job}")
+}
+
+/// Every job user's name starts with this.
+pub const JOB_USER_PREFIX: &str = "ductile-job-";
+
+/// What a job's workers may touch, and nothing else: read their job's control state (spec,
+/// generation, mesh key, checkpoint request), commit its checkpoints (the one control key they
+/// write, fenced on the generation), and write what workers write as they run (`live/{job}/`).
+pub fn job_grants(keys: &Keys, job: &str) -> Vec<Grant> {
+    vec![
+        Grant {
+            key: keys.job(job),
+            prefix: true,
+            write: false,
+        },
+        Grant {
+            key: keys.checkpoint(job),
+            prefix: false,
+            write: true,
+        },
+        Grant {
+            key: keys.live_job(job),
+            prefix: true,
+            write: true,
+        },
+    ]
+}
+
+/// A fresh random password (32 bytes, hex).
+pub fn new_password() -> Result<Secret> {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 32];
+    ring::rand::SystemRandom::new()
+        .fill(&mut b)
+        .map_err(|_| ClusterError::invalid("password", "the system's random source failed"))?;
+    Ok(Secret::new(
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_that_cannot_work_together_are_refused_naming_them() {
+        let tls = |e: &str| EtcdAccess {
+            ca: Some("/ca.pem".into()),
+            ..EtcdAccess::plain(e)
+        };
+        assert!(tls("https://a:2379,https://b:2379").validate().is_ok());
+        assert!(tls("http://a:2379")
+            .validate()
+            .unwrap_err()
+            .contains("use https://"));
+        assert!(EtcdAccess::plain("https://a:2379")
+            .validate()
+            .unwrap_err()
+            .contains("no etcd_ca"));
+        let half_cert = EtcdAccess {
+            cert: Some("/c.pem".into()),
+            ..tls("https://a:2379")
+        };
+        assert!(half_cert
+            .validate()
+            .unwrap_err()
+            .contains("both or neither"));
+        let no_password = EtcdAccess {
+            user: Some("u".into()),
+            ..EtcdAccess::plain("a:2379")
+        };
+        assert!(no_password
+            .validate()
+            .unwrap_err()
+            .contains("has no password"));
+    }
+
+    #[test]
+    fn a_workers_environment_names_every_variable_and_carries_only_its_jobs_user() {
+        let agent = EtcdAccess {
+            ca: Some("/pki/ca.pem".into()),
+            cert: Some("/pki/agent.pem".into()),
+            key: Some("/pki/agent-key.pem".into()),
+            user: Some("ductile-agent".into()),
+            password: Some(Secret::new("agent-secret")),
+            ..EtcdAccess::plain("https://e:2379")
+        };
+        let pw = Secret::new("job-secret");
+        let env = agent.worker_env(
+            Some(("ductile-job-j", &pw)),
+            Some((
+                Path::new("/pki/worker.pem"),
+                Path::new("/pki/worker-key.pem"),
+            )),
+        );
+        let names: Vec<&str> = env.iter().map(|(k, _)| *k).collect();
+        assert_eq!(names, WORKER_ENV);
+        let text = format!("{env:?}");
+        assert!(!text.contains("agent"), "{text}");
+        assert!(text.contains("ductile-job-j") && text.contains("job-secret"));
+        // without a job user or a workers' certificate: the names are there, empty
+        let bare = agent.worker_env(None, None);
+        assert!(bare[2..].iter().all(|(_, v)| v.is_empty()), "{bare:?}");
+        assert_eq!(format!("{:?}", Secret::new("x")), "Secret(***)");
+    }
+
+    #[test]
+    fn a_jobs_grants_stop_at_its_own_keys() {
+        let k = Keys::default();
+        let g = job_grants(&k, "a");
+        assert!(g
+            .iter()
+            .all(|g| g.key.contains("/a/") || g.key.ends_with("/a/checkpoint")));
+        // prefixes end with '/', so job "a" does not reach job "ab"
+        assert!(g.iter().filter(|g| g.prefix).all(|g| g.key.ends_with('/')));
+        assert!(g
+            .iter()
+            .filter(|g| g.write && g.prefix)
+            .all(|g| g.key.contains("/live/")));
+        assert_eq!(job_user("a"), "ductile-job-a");
+        let (p1, p2) = (new_password().unwrap(), new_password().unwrap());
+        assert_ne!(p1, p2);
+        assert_eq!(p1.expose().len(), 64);
+    }
+}

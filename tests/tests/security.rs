@@ -1,0 +1,221 @@
+//! A cluster on an etcd with TLS, client certificates and auth: the daemon and agents connect
+//! as their own users, each job's workers as their job's, which reaches nothing else.
+
+use std::time::Duration as S;
+
+use ductile_cluster::access::{EtcdAccess, Secret};
+use ductile_cluster::records::{JobAccess, JobState};
+use ductile_cluster::{ClusterError, Keys, KvBackend};
+use ductile_tests::*;
+
+/// The etcd access a worker process was started with, read from its environment.
+fn worker_access(pid: u32) -> (EtcdAccess, Vec<(String, String)>) {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let env: Vec<(String, String)> = raw
+        .split(|b| *b == 0)
+        .filter_map(|kv| {
+            let kv = String::from_utf8_lossy(kv);
+            let (k, v) = kv.split_once('=')?;
+            Some((k.to_string(), v.to_string()))
+        })
+        .collect();
+    let get = |n: &str| {
+        env.iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.clone())
+            .filter(|v| !v.is_empty())
+    };
+    let a = EtcdAccess {
+        endpoints: get("DUCTILE_ETCD").unwrap(),
+        ca: get("DUCTILE_ETCD_CA").map(Into::into),
+        cert: get("DUCTILE_ETCD_CERT").map(Into::into),
+        key: get("DUCTILE_ETCD_KEY").map(Into::into),
+        user: get("DUCTILE_ETCD_USER"),
+        password: get("DUCTILE_ETCD_PASSWORD").map(Secret::new),
+    };
+    (a, env)
+}
+
+fn denied<T: std::fmt::Debug>(r: Result<T, ClusterError>, what: &str) {
+    match r {
+        Err(ClusterError::Rejected { message, .. }) if message.contains("permission denied") => {}
+        other => panic!("{what}: expected permission denied, got {other:?}"),
+    }
+}
+
+async fn connect(a: &EtcdAccess) -> Result<std::sync::Arc<dyn KvBackend>, ClusterError> {
+    ductile_cluster::connect_etcd_with(a, S::from_secs(10)).await
+}
+
+#[test]
+fn with_etcd_tls_and_auth_each_jobs_workers_reach_only_their_own_job() {
+    let c = Cluster::start(Spec {
+        secure_etcd: true,
+        ..Spec::default().agents(2, 2)
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let ck = format!("file://{}/ck", c.dir.path().display());
+    c.submit(&format!(
+        "{}max_steps = 400\n[checkpoint]\nurl = \"{ck}\"\ninterval = 100\nkeep = 3\n",
+        training_toml("a", 1, 2, 2, "gpt", &data, "restart_budget = 5")
+    ));
+    c.submit(&format!(
+        "{}max_steps = 1000000\n",
+        training_toml("b", 1, 2, 2, "gpt", &data, "restart_budget = 0")
+    ));
+    let va = c.wait_world("a", 2, S::from_secs(60));
+    c.wait_world("b", 2, S::from_secs(60));
+    c.wait_step("a", 5, S::from_secs(60));
+    let keys = Keys::new(&c.prefix);
+    let root = rt.block_on(c.store());
+
+    // the job's user, as the leader recorded it, and what its worker was given
+    let rec: JobAccess = rt
+        .block_on(root.get_json(&keys.access("a"), "job access"))
+        .unwrap()
+        .unwrap()
+        .0;
+    assert_eq!(rec.user, "ductile-job-a");
+    let pid = va.members[0].pid.unwrap();
+    let (access, env) = worker_access(pid);
+    assert_eq!(access.user.as_deref(), Some("ductile-job-a"));
+    assert_eq!(
+        access.password.as_ref().map(|p| p.expose()),
+        Some(rec.password.as_str())
+    );
+    let pki = c.etcd.pki.clone().unwrap();
+    assert_eq!(
+        access.cert,
+        Some(pki.join("worker.pem")),
+        "the workers' certificate, not the agent's"
+    );
+    for leaked in ["DUCTILE_ETCD_PASSWORD_FILE", "DUCTILE_ETCD_WORKER_KEY"] {
+        assert!(
+            env.iter().all(|(k, _)| k != leaked),
+            "{leaked} reached the worker"
+        );
+    }
+    let agent_password = std::fs::read_to_string(pki.join("agent.password")).unwrap();
+    assert!(
+        env.iter().all(|(_, v)| !v.contains(agent_password.trim())),
+        "the agent's password reached the worker"
+    );
+
+    rt.block_on(async {
+        let w = connect(&access).await.expect("job a's worker connects");
+        // its own job: the control state is readable, the live space writable
+        assert!(w.get(&keys.generation("a")).await.unwrap().is_some());
+        assert!(w.get(&keys.spec("a")).await.unwrap().is_some());
+        w.put(&format!("{}probe", keys.live_job("a")), b"x".to_vec(), None)
+            .await
+            .unwrap();
+        // the job's control state is not its to change (only checkpoint commits are)
+        denied(
+            w.put(&keys.spec("a"), b"{}".to_vec(), None).await,
+            "rewrite its own spec",
+        );
+        denied(
+            w.put(&keys.generation("a"), b"{}".to_vec(), None).await,
+            "forge a generation",
+        );
+        // nothing of job b
+        denied(w.get(&keys.spec("b")).await, "read job b's spec");
+        denied(w.get(&keys.access("b")).await, "read job b's etcd user");
+        denied(w.list(&keys.job("b")).await, "list job b");
+        denied(
+            w.put(&keys.spec("b"), b"{}".to_vec(), None).await,
+            "rewrite job b's spec",
+        );
+        denied(
+            w.put(&keys.checkpoint("b"), b"{}".to_vec(), None).await,
+            "commit job b's checkpoint",
+        );
+        denied(
+            w.put(&keys.progress("b"), b"{}".to_vec(), None).await,
+            "write job b's progress",
+        );
+        // nothing of the cluster
+        denied(w.list(&keys.nodes()).await, "list the nodes");
+        denied(
+            w.list(&keys.assignments()).await,
+            "read the nodes' assignments",
+        );
+        denied(
+            w.put(&keys.node("node1"), b"{}".to_vec(), None).await,
+            "forge a node",
+        );
+        denied(
+            w.put(&keys.drain("node1"), b"{}".to_vec(), None).await,
+            "drain a node",
+        );
+        denied(w.list(&keys.jobs()).await, "list every job");
+        denied(
+            w.delete_prefix(&format!("{}/", c.prefix)).await,
+            "delete everything",
+        );
+        denied(w.users().await, "list etcd's users");
+
+        // the workers' certificate without the job's password is nobody (etcd would take its
+        // CN for a user): refused
+        let mut anon = access.clone();
+        anon.user = None;
+        anon.password = None;
+        match connect(&anon).await {
+            Ok(b) => denied(
+                b.get(&keys.spec("a")).await,
+                "read with the bare workers' certificate",
+            ),
+            Err(e) => assert!(e.to_string().contains("permission denied"), "{e}"),
+        }
+        // a wrong password is a clear refusal at connect
+        let mut wrong = access.clone();
+        wrong.password = Some(Secret::new("not-the-password"));
+        let e = connect(&wrong)
+            .await
+            .err()
+            .expect("a wrong password is refused");
+        assert!(e.to_string().contains("authentication failed"), "{e}");
+    });
+
+    // the job trains under all this: a kill re-forms it, its workers commit checkpoints, and
+    // it finishes
+    let victim = va.members[1].pid.unwrap();
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let done = c.wait_done("a", S::from_secs(240));
+    assert!(done.generation >= 2, "the kill re-formed the job: {done:?}");
+    let committed: ductile_cluster::records::CheckpointRecord = rt
+        .block_on(root.get_json(&keys.checkpoint("a"), "checkpoint"))
+        .unwrap()
+        .expect("job a's workers committed a checkpoint")
+        .0;
+    assert!(committed.step >= 100, "{committed:?}");
+
+    // an ended job's user is removed, and its password opens nothing any more
+    c.wait_for(S::from_secs(30), "job a's etcd user removed", || {
+        let users = rt.block_on(root.backend.users()).unwrap();
+        let rec = rt.block_on(root.backend.get(&keys.access("a"))).unwrap();
+        (!users.contains(&"ductile-job-a".to_string()) && rec.is_none()).then_some(())
+    });
+    let e = rt
+        .block_on(connect(&access))
+        .err()
+        .expect("the ended job's user is gone");
+    assert!(e.to_string().contains("authentication failed"), "{e}");
+
+    // job b is untouched by all of it; etcd restarting (every token it issued is gone) costs
+    // nobody their access: the daemon, the agents and b's workers log in again, and a resize
+    // goes through all of them
+    assert_eq!(c.status("b").state, JobState::Running);
+    let before = c.status("b").step;
+    let mut c = c;
+    c.etcd.restart();
+    c.dctl_ok(&["scale", "b", "1"]);
+    let v = c.wait_world("b", 1, S::from_secs(60));
+    c.wait_step("b", before.max(v.step) + 20, S::from_secs(60));
+    c.dctl_ok(&["stop", "b"]);
+    c.wait_for(S::from_secs(60), "job b's etcd user removed", || {
+        let users = rt.block_on(root.backend.users()).unwrap();
+        (!users.iter().any(|u| u.starts_with("ductile-job-"))).then_some(())
+    });
+}
