@@ -99,7 +99,7 @@ pids+=($!)
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token"
 export DCTL_ENDPOINT="http://127.0.0.1:$api_port" DCTL_TOKEN="$(cat "$work/token")"
 sleep 1
-ductiled --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --election-ttl 3 >"$work/daemon.log" 2>&1 &
+ductiled --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --insecure-http --election-ttl 3 >"$work/daemon.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do dctl nodes >/dev/null 2>&1 && break; sleep 0.2; done
 declare -A agent_pid

@@ -35,7 +35,7 @@ until curl -sf "$etcd_url/health" >/dev/null; do sleep 0.1; done
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token"
 export DCTL_ENDPOINT="http://127.0.0.1:$api_port" DCTL_TOKEN="$(cat "$work/token")"
 say "starting ductiled on $DCTL_ENDPOINT"
-"$bin/ductiled" --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --election-ttl 3 >"$work/daemon.log" 2>&1 &
+"$bin/ductiled" --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --insecure-http --election-ttl 3 >"$work/daemon.log" 2>&1 &
 pids+=($!)
 until curl -sf "$DCTL_ENDPOINT/healthz" >/dev/null; do sleep 0.1; done
 

@@ -21,8 +21,8 @@ if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
 # needs: that broke a fresh machine once). Each entry: a file, then the Debian package holding it.
 required=(
   /usr/bin/etcd                                  etcd-server       # tests and quickstart start a real etcd
-  /usr/bin/etcdctl                               etcd-client       # scripts/etcd-secure.sh: users, roles, auth
-  /usr/bin/openssl                               openssl           # scripts/etcd-secure.sh: certificates
+  /usr/bin/etcdctl                               etcd-client       # scripts/secure.sh: users, roles, auth
+  /usr/bin/openssl                               openssl           # scripts/secure.sh: certificates
   /usr/bin/protoc                                protobuf-compiler # etcd-client's build
   /usr/include/google/protobuf/descriptor.proto  libprotobuf-dev   # the includes protoc reads
   /usr/include/google/protobuf/timestamp.proto   libprotobuf-dev

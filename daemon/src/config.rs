@@ -36,6 +36,15 @@ pub struct Cli {
     /// `/metrics` asks for a token (the read-only or the admin one).
     #[arg(long, env = "DUCTILE_METRICS_NEED_TOKEN")]
     pub metrics_need_token: Option<bool>,
+    /// The API's TLS certificate chain (PEM).
+    #[arg(long, env = "DUCTILE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The API certificate's private key (PEM).
+    #[arg(long, env = "DUCTILE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Serve the API over plain HTTP, on a loopback address only (no TLS certificate).
+    #[arg(long, env = "DUCTILE_INSECURE_HTTP")]
+    pub insecure_http: bool,
     /// TOML config file; flags override it.
     #[arg(long, env = "DUCTILE_CONFIG")]
     pub config: Option<PathBuf>,
@@ -69,6 +78,9 @@ pub struct FileConfig {
     pub etcd_user: Option<String>,
     pub etcd_password_file: Option<PathBuf>,
     pub listen: Option<String>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub insecure_http: Option<bool>,
     pub token_file: Option<PathBuf>,
     pub read_token_file: Option<PathBuf>,
     pub metrics_need_token: Option<bool>,
@@ -86,6 +98,8 @@ pub struct Config {
     /// makes each job's etcd user: the daemon's user needs etcd's root role.
     pub etcd: EtcdAccess,
     pub listen: String,
+    /// The API's certificate chain and key; None: plain HTTP (loopback only, asked for).
+    pub tls: Option<(PathBuf, PathBuf)>,
     pub token: Secret,
     /// The read-only token, if the cluster has one.
     pub read_token: Option<Secret>,
@@ -140,12 +154,42 @@ impl Config {
             },
         )
         .map_err(|e| anyhow::anyhow!(e))?;
+        let tls = match (cli.tls_cert.or(file.tls_cert), cli.tls_key.or(file.tls_key)) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => anyhow::bail!("invalid tls_cert/tls_key: give both or neither"),
+        };
+        let insecure_http = cli.insecure_http || file.insecure_http.unwrap_or(false);
+        let listen = cli
+            .listen
+            .or(file.listen)
+            .unwrap_or_else(|| "127.0.0.1:7420".into());
+        match (&tls, insecure_http) {
+            (Some(_), true) => anyhow::bail!(
+                "invalid insecure_http: tls_cert and tls_key are given too; choose TLS or plain HTTP"
+            ),
+            (None, false) => anyhow::bail!(
+                "the API needs TLS: give tls_cert and tls_key (--tls-cert, --tls-key), or pass --insecure-http to serve plain HTTP on a loopback address"
+            ),
+            (None, true) => {
+                let addr: std::net::SocketAddr = listen
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("invalid listen address {listen:?}: {e}"))?;
+                if !addr.ip().is_loopback() {
+                    anyhow::bail!(
+                        "invalid insecure_http: plain HTTP is served on a loopback address only, and {listen} is not one; give tls_cert and tls_key"
+                    );
+                }
+            }
+            // a certificate or key that cannot serve fails now, naming the file
+            (Some((cert, key)), false) => {
+                crate::tls::server_config(cert, key)?;
+            }
+        }
         let cfg = Config {
             etcd,
-            listen: cli
-                .listen
-                .or(file.listen)
-                .unwrap_or_else(|| "127.0.0.1:7420".into()),
+            tls,
+            listen,
             token: Secret::new(token),
             read_token: read_token.map(Secret::new),
             metrics_need_token: cli

@@ -7,6 +7,7 @@ pub mod assign;
 pub mod config;
 pub mod leader;
 pub mod reconcile;
+pub mod tls;
 pub mod view;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,7 +28,7 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.listen))?;
-    tracing::info!(listen = %listener.local_addr()?, id = %cfg.id, "API listening");
+    tracing::info!(listen = %listener.local_addr()?, id = %cfg.id, tls = cfg.tls.is_some(), "API listening");
     // one set of watches per replica, for the leader loop and the API alike
     let view = view::ClusterView::start(&store, cancel.clone());
     let app = api::router(api::AppState {
@@ -40,11 +41,22 @@ pub async fn run(
         id: cfg.id.clone(),
     });
     let c = cancel.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { c.cancelled().await })
-            .await
-    });
+    let server = match &cfg.tls {
+        Some((cert, key)) => {
+            let listener =
+                tls::TlsListener::new(listener, tls::server_config(cert, key)?, cancel.clone())?;
+            tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move { c.cancelled().await })
+                    .await
+            })
+        }
+        None => tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { c.cancelled().await })
+                .await
+        }),
+    };
     let beat = Arc::new(AtomicU64::new(0));
     let lcfg = leader::LeaderConfig {
         id: cfg.id.clone(),

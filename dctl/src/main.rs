@@ -11,9 +11,14 @@ use serde::Deserialize;
 #[derive(Parser, Debug)]
 #[command(name = "dctl", version, about = "Control a ductile cluster")]
 struct Cli {
-    /// The daemon's API, e.g. http://127.0.0.1:7420 (or DCTL_ENDPOINT, or ~/.config/ductile/dctl.toml).
+    /// The daemon's API, e.g. https://ductile.example:7420, or http://127.0.0.1:7420 for a
+    /// daemon serving plain HTTP on loopback (or DCTL_ENDPOINT, or ~/.config/ductile/dctl.toml).
     #[arg(long, env = "DCTL_ENDPOINT", global = true)]
     endpoint: Option<String>,
+    /// CA certificate(s) (PEM) to check the daemon's TLS certificate against, instead of the
+    /// system's roots (or DCTL_CA; `ca` in dctl.toml).
+    #[arg(long, env = "DCTL_CA", global = true)]
+    ca: Option<PathBuf>,
     /// The API bearer token. Prefer DCTL_TOKEN, --token-file or ~/.config/ductile/dctl.toml: a
     /// token on the command line shows in the process list and shell history (dctl warns).
     #[arg(long, env = "DCTL_TOKEN", global = true, hide_env_values = true)]
@@ -72,6 +77,7 @@ enum Cmd {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     endpoint: Option<String>,
+    ca: Option<PathBuf>,
     token: Option<String>,
     token_file: Option<PathBuf>,
 }
@@ -301,9 +307,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         (None, None, None, Some(p)) => read_token(&p)?,
         _ => anyhow::bail!("no token: set DCTL_TOKEN, pass --token-file FILE, or put token_file = \"...\" in ~/.config/ductile/dctl.toml"),
     };
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(15))
-        .build()?;
+    let mut http = reqwest::Client::builder().timeout(Duration::from_secs(15));
+    if let Some(ca) = cli.ca.or(file.ca) {
+        let pem = std::fs::read(&ca)
+            .map_err(|e| anyhow::anyhow!("cannot read the CA file {}: {e}", ca.display()))?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| {
+            anyhow::anyhow!("the CA file {} is not PEM certificates: {e}", ca.display())
+        })?;
+        if certs.is_empty() {
+            anyhow::bail!("the CA file {} holds no certificate", ca.display());
+        }
+        http = http.tls_certs_only(certs);
+    }
+    let http = http.build()?;
     let c = Client {
         http,
         endpoint,

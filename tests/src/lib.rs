@@ -93,6 +93,24 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// A CA and certificates for etcd, ductiled's API and etcd's clients, as an operator makes
+/// them (`scripts/secure.sh certs`), in `dir/pki`.
+pub fn make_pki(dir: &Path) -> PathBuf {
+    let pki = dir.join("pki");
+    let out = Command::new("bash")
+        .arg(repo_root().join("scripts/secure.sh"))
+        .arg("certs")
+        .arg(&pki)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "secure.sh certs failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    pki
+}
+
 /// The repository's root (its scripts are the operators' tools the tests use too).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -262,7 +280,7 @@ pub struct Etcd {
     pub proc: Proc,
     pub endpoint: String,
     /// With TLS and auth ([`Etcd::start_secure`]): the certificates and passwords
-    /// `scripts/etcd-secure.sh` made.
+    /// `scripts/secure.sh` made.
     pub pki: Option<PathBuf>,
     /// etcd's data directory: on tmpfs (`/dev/shm`) where there is one, so that a slow disk's
     /// fsync (1.4 s seen on a CI machine) does not stall raft and delay lease expiry under the
@@ -272,33 +290,32 @@ pub struct Etcd {
 
 impl Etcd {
     pub fn start(dir: &Path) -> Etcd {
-        Self::start_with(dir, false)
+        Self::start_with(dir, None)
     }
 
     /// etcd over TLS that asks for client certificates (`--client-cert-auth`), with auth on:
     /// users root, ductile-daemon (role root) and ductile-agent (its prefix), made by
-    /// `scripts/etcd-secure.sh` as an operator would.
-    pub fn start_secure(dir: &Path) -> Etcd {
-        let e = Self::start_with(dir, true);
-        let pki = e.pki.clone().unwrap();
+    /// `scripts/secure.sh` as an operator would.
+    pub fn start_secure(dir: &Path, pki: &Path) -> Etcd {
+        let e = Self::start_with(dir, Some(pki));
         let out = Command::new("bash")
-            .arg(repo_root().join("scripts/etcd-secure.sh"))
-            .args(["auth", &e.endpoint])
-            .arg(&pki)
+            .arg(repo_root().join("scripts/secure.sh"))
+            .args(["etcd-auth", &e.endpoint])
+            .arg(pki)
             .output()
             .unwrap();
         assert!(
             out.status.success(),
-            "etcd-secure.sh auth failed: {}{}",
+            "secure.sh etcd-auth failed: {}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
         e
     }
 
-    fn start_with(dir: &Path, secure: bool) -> Etcd {
+    fn start_with(dir: &Path, pki: Option<&Path>) -> Etcd {
         let (client, peer) = (free_port(), free_port());
-        let scheme = if secure { "https" } else { "http" };
+        let scheme = if pki.is_some() { "https" } else { "http" };
         let c = format!("{scheme}://127.0.0.1:{client}");
         let p = format!("http://127.0.0.1:{peer}");
         let shm = Path::new("/dev/shm");
@@ -326,19 +343,7 @@ impl Etcd {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let pki = secure.then(|| {
-            let pki = dir.join("pki");
-            let out = Command::new("bash")
-                .arg(repo_root().join("scripts/etcd-secure.sh"))
-                .arg("certs")
-                .arg(&pki)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "etcd-secure.sh certs failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+        if let Some(pki) = pki {
             let f = |n: &str| pki.join(n).display().to_string();
             args.extend([
                 "--cert-file".into(),
@@ -349,8 +354,7 @@ impl Etcd {
                 f("ca.pem"),
                 "--client-cert-auth".into(),
             ]);
-            pki
-        });
+        }
         let proc = Proc::start(
             "etcd",
             &tool("DUCTILE_ETCD_BIN", "etcd"),
@@ -361,7 +365,7 @@ impl Etcd {
         let e = Etcd {
             proc,
             endpoint: c,
-            pki,
+            pki: pki.map(Path::to_path_buf),
             _data: data,
         };
         e.wait_ready();
@@ -825,6 +829,9 @@ pub struct Spec {
     /// etcd over TLS with client certificates and auth ([`Etcd::start_secure`]): the daemons
     /// and agents connect as their own users, workers as their job's.
     pub secure_etcd: bool,
+    /// The daemons serve their API over TLS (else plain HTTP on loopback, `--insecure-http`);
+    /// dctl checks them against the cluster's CA.
+    pub api_tls: bool,
 }
 
 impl Default for Spec {
@@ -840,6 +847,7 @@ impl Default for Spec {
             s3_proxy: false,
             agent_env: vec![],
             secure_etcd: false,
+            api_tls: false,
         }
     }
 }
@@ -860,6 +868,8 @@ pub struct Cluster {
     pub s3: Option<S3>,
     pub s3_proxy: Option<Proxy>,
     pub etcd: Etcd,
+    /// The certificates ([`make_pki`]) when etcd or the API use TLS.
+    pub pki: Option<PathBuf>,
     pub dir: TempDir,
     pub prefix: String,
 }
@@ -867,10 +877,10 @@ pub struct Cluster {
 impl Cluster {
     pub fn start(spec: Spec) -> Cluster {
         let dir = TempDir::new("cluster");
-        let etcd = if spec.secure_etcd {
-            Etcd::start_secure(dir.path())
-        } else {
-            Etcd::start(dir.path())
+        let pki = (spec.secure_etcd || spec.api_tls).then(|| make_pki(dir.path()));
+        let etcd = match (&pki, spec.secure_etcd) {
+            (Some(pki), true) => Etcd::start_secure(dir.path(), pki),
+            _ => Etcd::start(dir.path()),
         };
         let s3 = (spec.s3 || spec.s3_proxy).then(|| S3::start(dir.path()));
         let mut spec = spec;
@@ -895,6 +905,7 @@ impl Cluster {
             s3,
             s3_proxy,
             etcd,
+            pki,
             dir,
             prefix: "/ductile/v1".into(),
         };
@@ -924,6 +935,15 @@ impl Cluster {
             "--id".into(),
             format!("daemon{i}"),
         ]);
+        match (&self.pki, self.spec.api_tls) {
+            (Some(pki), true) => args.extend([
+                "--tls-cert".into(),
+                pki.join("api.pem").display().to_string(),
+                "--tls-key".into(),
+                pki.join("api-key.pem").display().to_string(),
+            ]),
+            _ => args.push("--insecure-http".into()),
+        }
         // the daemon reads checkpoint stores (dctl checkpoints) with the cluster's S3 settings
         let env: Vec<(String, String)> = self
             .spec
@@ -953,11 +973,22 @@ impl Cluster {
     fn wait_daemon(&self, i: usize) {
         let port = self.daemon_ports[i];
         let t0 = Instant::now();
-        while http("GET", &format!("http://127.0.0.1:{port}/healthz"), &[], b"")
-            .map(|r| r.0)
-            .ok()
-            != Some(200)
-        {
+        let healthy = || match (&self.pki, self.spec.api_tls) {
+            // over TLS: curl, checking the daemon's certificate against the cluster's CA
+            (Some(pki), true) => Command::new("curl")
+                .args(["-sf", "-o", "/dev/null", "--max-time", "5", "--cacert"])
+                .arg(pki.join("ca.pem"))
+                .arg(format!("https://127.0.0.1:{port}/healthz"))
+                .status()
+                .is_ok_and(|s| s.success()),
+            _ => {
+                http("GET", &format!("http://127.0.0.1:{port}/healthz"), &[], b"")
+                    .map(|r| r.0)
+                    .ok()
+                    == Some(200)
+            }
+        };
+        while !healthy() {
             assert!(
                 t0.elapsed() < Duration::from_secs(20),
                 "daemon{i} did not serve:\n{}",
@@ -1016,7 +1047,8 @@ impl Cluster {
             .iter()
             .position(|d| d.child.is_some())
             .unwrap_or(0);
-        format!("http://127.0.0.1:{}", self.daemon_ports[live])
+        let scheme = if self.spec.api_tls { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.daemon_ports[live])
     }
 
     /// Run dctl against this cluster with the admin token: (exit success, stdout, stderr).
@@ -1026,11 +1058,16 @@ impl Cluster {
 
     /// Run dctl with `token` (through DCTL_TOKEN, as users should).
     pub fn dctl_as(&self, token: &str, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(bin("dctl"))
+        let mut cmd = Command::new(bin("dctl"));
+        if let (Some(pki), true) = (&self.pki, self.spec.api_tls) {
+            cmd.arg("--ca").arg(pki.join("ca.pem"));
+        }
+        let out = cmd
             .args(["--endpoint", &self.endpoint()])
             .args(args)
             .env_remove("DCTL_ENDPOINT")
             .env_remove("DCTL_TOKEN_FILE")
+            .env_remove("DCTL_CA")
             .env("DCTL_TOKEN", token)
             .env("HOME", self.dir.path())
             .output()

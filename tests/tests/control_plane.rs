@@ -699,7 +699,13 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     assert_eq!(before, after, "bad requests changed the stored state");
     // a daemon with no token refuses to start
     let out = std::process::Command::new(bin("ductiled"))
-        .args(["--etcd", &c.etcd.endpoint, "--listen", "127.0.0.1:0"])
+        .args([
+            "--etcd",
+            &c.etcd.endpoint,
+            "--listen",
+            "127.0.0.1:0",
+            "--insecure-http",
+        ])
         .env_remove("DUCTILE_TOKEN")
         .output()
         .unwrap();
@@ -708,7 +714,13 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     // a read-only token equal to the admin one is refused; a daemon whose /metrics needs a
     // token answers it with either token only
     let out = std::process::Command::new(bin("ductiled"))
-        .args(["--etcd", &c.etcd.endpoint, "--listen", "127.0.0.1:0"])
+        .args([
+            "--etcd",
+            &c.etcd.endpoint,
+            "--listen",
+            "127.0.0.1:0",
+            "--insecure-http",
+        ])
         .env("DUCTILE_TOKEN", TOKEN)
         .env("DUCTILE_READ_TOKEN", TOKEN)
         .output()
@@ -728,6 +740,7 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
             "metrics-daemon".into(),
             "--metrics-need-token".into(),
             "true".into(),
+            "--insecure-http".into(),
         ],
         &[
             ("DUCTILE_TOKEN".into(), TOKEN.into()),

@@ -219,3 +219,98 @@ fn with_etcd_tls_and_auth_each_jobs_workers_reach_only_their_own_job() {
         (!users.iter().any(|u| u.starts_with("ductile-job-"))).then_some(())
     });
 }
+
+#[test]
+fn the_api_serves_tls_to_clients_that_trust_its_ca_and_plain_http_only_on_loopback() {
+    let c = Cluster::start(Spec {
+        api_tls: true,
+        ..Spec::default().agents(1, 1)
+    });
+    assert!(c.endpoint().starts_with("https://"));
+    // dctl with the cluster's CA: the whole API, end to end
+    c.submit(&job_toml("t", 1, 1, 1));
+    c.wait_world("t", 1, S::from_secs(30));
+    let (ok, out, err) = c.dctl(&["status"]);
+    assert!(ok && out.contains('t'), "{out}{err}");
+    let (ok, _, err) = c.dctl_as(READ_TOKEN, &["scale", "t", "1"]);
+    assert!(!ok && err.contains("read-only"), "{err}");
+
+    // without it (the system's roots only) the daemon's certificate is refused, and said so
+    let out = std::process::Command::new(bin("dctl"))
+        .args(["--endpoint", &c.endpoint(), "status"])
+        .env("DCTL_TOKEN", TOKEN)
+        .env_remove("DCTL_CA")
+        .env("HOME", c.dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("certificate"),
+        "{err}"
+    );
+
+    // plain HTTP to the TLS port gets no API answer
+    let port = c.daemon_ports[0];
+    let plain = http("GET", &format!("http://127.0.0.1:{port}/healthz"), &[], b"");
+    assert!(plain.as_ref().map_or(true, |r| r.0 != 200), "{plain:?}");
+
+    // clients that connect and never finish a handshake hold up nobody
+    let idle: Vec<std::net::TcpStream> = (0..20)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let t0 = std::time::Instant::now();
+    let (ok, out, err) = c.dctl(&["nodes"]);
+    assert!(ok && out.contains("node1"), "{out}{err}");
+    assert!(
+        t0.elapsed() < S::from_secs(8),
+        "dctl waited {:?} behind silent connections",
+        t0.elapsed()
+    );
+    drop(idle);
+
+    // what the daemon refuses at start, naming it: no TLS without --insecure-http, plain HTTP
+    // off loopback, TLS and plain HTTP at once, a key that is not one
+    let pki = c.pki.clone().unwrap();
+    let daemon = |extra: &[&str]| {
+        let out = std::process::Command::new(bin("ductiled"))
+            .args(["--etcd", &c.etcd.endpoint])
+            .args(extra)
+            .env("DUCTILE_TOKEN", TOKEN)
+            .env_remove("DUCTILE_INSECURE_HTTP")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let cert = pki.join("api.pem").display().to_string();
+    let key = pki.join("api-key.pem").display().to_string();
+    let (code, err) = daemon(&["--listen", "127.0.0.1:0"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("the API needs TLS"), "{err}");
+    let (code, err) = daemon(&["--listen", "0.0.0.0:0", "--insecure-http"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("loopback"), "{err}");
+    let (code, err) = daemon(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--insecure-http",
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("choose TLS or plain HTTP"), "{err}");
+    let (code, err) = daemon(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &cert,
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("tls_key") && err.contains("api.pem"), "{err}");
+}

@@ -88,10 +88,12 @@ fn example_configs_are_accepted() {
     std::fs::write(&token, "an-example-token").unwrap();
     let read_token = dir.path().join("read-token");
     std::fs::write(&read_token, "an-example-read-token").unwrap();
+    let pki = ductile_tests::make_pki(dir.path());
     let daemon_cfg = std::fs::read_to_string(root().join("systemd/daemon.toml"))
         .unwrap()
         .replace("/etc/ductile/read-token", read_token.to_str().unwrap())
-        .replace("/etc/ductile/token", token.to_str().unwrap());
+        .replace("/etc/ductile/token", token.to_str().unwrap())
+        .replace("/etc/ductile/tls", pki.to_str().unwrap());
     let p = dir.path().join("daemon.toml");
     std::fs::write(&p, daemon_cfg).unwrap();
     let port = ductile_tests::free_port();

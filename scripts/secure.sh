@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Secure an etcd for ductile: certificates for TLS, then users, roles and auth.
+# Secure a ductile cluster: certificates for TLS, then etcd's users, roles and auth.
 #
-#   scripts/etcd-secure.sh certs DIR [HOST ...]
-#       A CA (DIR/ca.pem), etcd's server certificate for HOSTs (and localhost, 127.0.0.1)
-#       (DIR/etcd.pem, DIR/etcd-key.pem), and client certificates for the daemon, the agents and
-#       the workers (DIR/{daemon,agent,worker}.pem and -key.pem; CNs ductile-daemon,
-#       ductile-agent, ductile-worker). Use your own PKI instead where you have one.
+#   scripts/secure.sh certs DIR [HOST ...]
+#       A CA (DIR/ca.pem); server certificates for HOSTs (and localhost, 127.0.0.1) for etcd
+#       (DIR/etcd.pem, DIR/etcd-key.pem) and for ductiled's API (DIR/api.pem, DIR/api-key.pem);
+#       client certificates for etcd's clients: the daemon, the agents and the workers
+#       (DIR/{daemon,agent,worker}.pem and -key.pem; CNs ductile-daemon, ductile-agent,
+#       ductile-worker). Use your own PKI instead where you have one.
 #
-#   scripts/etcd-secure.sh auth ENDPOINT DIR [PREFIX]
+#   scripts/secure.sh etcd-auth ENDPOINT DIR [PREFIX]
 #       With etcdctl, over TLS with DIR's CA and the daemon's client certificate: users root,
 #       ductile-daemon (role root: the leader makes and removes each job's user) and
 #       ductile-agent (role ductile-agent: read and write PREFIX, default /ductile/v1), passwords
@@ -16,7 +17,7 @@
 #       Run it once, on a fresh etcd.
 set -euo pipefail
 
-die() { echo "etcd-secure: $*" >&2; exit 1; }
+die() { echo "secure: $*" >&2; exit 1; }
 
 certs() {
   local dir=$1; shift
@@ -39,11 +40,12 @@ certs() {
     rm -f "$dir/$1.csr" "$ext"
   }
   issue etcd etcd serverAuth,clientAuth "$san"
+  issue api ductiled serverAuth "$san"
   issue daemon ductile-daemon clientAuth
   issue agent ductile-agent clientAuth
   issue worker ductile-worker clientAuth
   chmod 600 "$dir"/*-key.pem
-  echo "etcd-secure: certificates in $dir (CA ca.pem; server etcd.pem for $san)"
+  echo "secure: certificates in $dir (CA ca.pem; servers etcd.pem and api.pem for $san)"
 }
 
 auth() {
@@ -66,11 +68,11 @@ auth() {
   ctl user add ductile-agent --new-user-password "$(cat "$dir/agent.password")"
   ctl user grant-role ductile-agent ductile-agent
   ctl auth enable
-  echo "etcd-secure: auth enabled on $endpoint (users root, ductile-daemon, ductile-agent; passwords in $dir)"
+  echo "secure: auth enabled on $endpoint (users root, ductile-daemon, ductile-agent; passwords in $dir)"
 }
 
 case "${1:-}" in
   certs) shift; [ $# -ge 1 ] || die "usage: $0 certs DIR [HOST ...]"; certs "$@" ;;
-  auth) shift; [ $# -ge 2 ] || die "usage: $0 auth ENDPOINT DIR [PREFIX]"; auth "$@" ;;
-  *) die "usage: $0 certs DIR [HOST ...] | auth ENDPOINT DIR [PREFIX]" ;;
+  etcd-auth) shift; [ $# -ge 2 ] || die "usage: $0 etcd-auth ENDPOINT DIR [PREFIX]"; auth "$@" ;;
+  *) die "usage: $0 certs DIR [HOST ...] | etcd-auth ENDPOINT DIR [PREFIX]" ;;
 esac
