@@ -211,6 +211,10 @@ pub struct JobSpec {
     /// Extra environment for the workers.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
+    /// The workers honour fault-injection variables in their environment (for tests and
+    /// benches: `DUCTILE_FAULT_OVERSIZED_FRAME=RANK:STEP`); off, they ignore them and say so.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_fault_injection: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub training: Option<TrainingSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -496,10 +500,11 @@ impl JobSpec {
         self.check_size(self.desired)
             .map_err(|reason| ClusterError::invalid("desired", reason))?;
         for k in self.env.keys() {
-            if k.is_empty() || k.contains('=') || k.starts_with("DUCTILE_") {
+            let injection = self.allow_fault_injection && k.starts_with("DUCTILE_FAULT_");
+            if k.is_empty() || k.contains('=') || (k.starts_with("DUCTILE_") && !injection) {
                 return Err(ClusterError::invalid(
                     format!("env.{k}"),
-                    "names must be non-empty, without '=', and not start with DUCTILE_ (reserved)",
+                    "names must be non-empty, without '=', and not start with DUCTILE_ (reserved; DUCTILE_FAULT_* only with allow_fault_injection = true)",
                 ));
             }
         }

@@ -97,6 +97,15 @@ pub trait Communicator: Send + Sync {
     /// A byte buffer of any length from `root` to every rank.
     fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()>;
     fn abort(&self);
+    /// Fault injection (a job with `allow_fault_injection`): announce to `peer`, as the next
+    /// collective's frame, one of 2^62 bytes, as a hostile or broken peer would.
+    fn inject_oversized_frame(&self, peer: u32) -> Result<()> {
+        let _ = peer;
+        Err(CommError::Invalid {
+            op: "inject_oversized_frame",
+            reason: "this backend does not inject faults".into(),
+        })
+    }
 }
 
 impl Communicator for TcpComm {
@@ -207,5 +216,8 @@ impl Communicator for TcpComm {
 
     fn abort(&self) {
         TcpComm::abort(self)
+    }
+    fn inject_oversized_frame(&self, peer: u32) -> Result<()> {
+        TcpComm::inject_oversized_frame(self, peer)
     }
 }

@@ -949,6 +949,19 @@ impl TcpComm {
         self.broadcast_bytes(buf, root)
     }
 
+    /// Fault injection: write to `peer` the header of the next all-reduce's frame announcing
+    /// 2^62 bytes (see [`crate::Communicator::inject_oversized_frame`]).
+    pub fn inject_oversized_frame(&self, peer: u32) -> Result<()> {
+        self.check_peer("inject_oversized_frame", peer)?;
+        let seq = self.seq.load(Ordering::SeqCst);
+        let mut w = self.peer(peer).write.lock().unwrap();
+        w.write_all(&header(Kind::AllReduce, self.generation, seq, 1 << 62))
+            .map_err(|e| CommError::Invalid {
+                op: "inject_oversized_frame",
+                reason: e.to_string(),
+            })
+    }
+
     /// A length a peer announced, against `max_frame_bytes`.
     fn check_len(&self, op: &'static str, peer: u32, len: u64) -> Result<()> {
         if len > self.cfg.max_frame_bytes {

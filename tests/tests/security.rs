@@ -314,3 +314,113 @@ fn the_api_serves_tls_to_clients_that_trust_its_ca_and_plain_http_only_on_loopba
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("tls_key") && err.contains("api.pem"), "{err}");
 }
+
+/// What an outsider, a read-only user or a broken peer tries against a running job, and what
+/// it gets: refusals, and a job that trains on.
+#[test]
+fn attacks_on_a_running_cluster_are_refused_and_the_job_trains_on() {
+    let c = Cluster::start(Spec::default().agents(2, 1));
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    // rank 1 turns hostile at step 1000: it announces a 2^62-byte frame to rank 0
+    c.submit(&format!(
+        "{}max_steps = 1000000\n",
+        training_toml(
+            "x",
+            1,
+            2,
+            2,
+            "gpt",
+            &data,
+            "restart_budget = 0\nallow_fault_injection = true\nenv = { DUCTILE_FAULT_OVERSIZED_FRAME = \"1:1000\" }"
+        )
+    ));
+    let v = c.wait_world("x", 2, S::from_secs(60));
+    c.wait_step("x", 5, S::from_secs(60));
+    let pids: Vec<u32> = v.members.iter().map(|m| m.pid.unwrap()).collect();
+    let api = c.endpoint();
+
+    // the API: no token, a wrong one, the read-only one asking for a change
+    let body = br#"{"desired": 1}"#;
+    let scale = format!("{api}/v1/jobs/x/scale");
+    let ct = ("Content-Type", "application/json");
+    let (code, _) = http("POST", &scale, &[ct], body).unwrap();
+    assert_eq!(code, 401);
+    let wrong = "Bearer not-a-token-at-all";
+    let (code, _) = http("POST", &scale, &[ct, ("Authorization", wrong)], body).unwrap();
+    assert_eq!(code, 401);
+    let read = format!("Bearer {READ_TOKEN}");
+    let (code, text) = http("POST", &scale, &[ct, ("Authorization", &read)], body).unwrap();
+    assert_eq!(code, 403, "{text}");
+    // a dataset outside the agents' allowed roots is refused at submit
+    let (ok, _, err) = c.dctl(&["submit", &{
+        let p = c.dir.path().join("evil.toml");
+        std::fs::write(
+            &p,
+            training_toml("evil", 1, 1, 1, "gpt", "file:///etc/shadow", ""),
+        )
+        .unwrap();
+        p.display().to_string()
+    }]);
+    assert!(!ok && err.contains("allowed_paths"), "{err}");
+
+    // a foreign process at rank 0's mesh port: silence, noise, a hello without the key
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(c.store());
+    let rdv = rt
+        .block_on(
+            store
+                .backend
+                .list(&store.keys.rendezvous("x", c.status("x").generation)),
+        )
+        .unwrap()
+        .0;
+    let addr = rdv
+        .iter()
+        .find(|kv| kv.key.ends_with("tcp/0"))
+        .map(|kv| String::from_utf8(kv.value.clone()).unwrap())
+        .unwrap_or_else(|| {
+            panic!(
+                "rank 0 published no mesh address: {:?}",
+                rdv.iter().map(|kv| &kv.key).collect::<Vec<_>>()
+            )
+        });
+    let _silent = std::net::TcpStream::connect(&addr);
+    if let Ok(mut noise) = std::net::TcpStream::connect(&addr) {
+        use std::io::Write;
+        let _ = noise.write_all(&[0xFF; 64]);
+    }
+    if let Ok(mut s) = std::net::TcpStream::connect(&addr) {
+        let wrong = ductile_comm::auth::MeshKey::new(v.generation, &[0u8; 32]);
+        let r = ductile_comm::auth::dial(
+            &mut s,
+            &wrong,
+            ductile_comm::tcp::MAGIC,
+            (1, 0, 2),
+            S::from_secs(10),
+        );
+        assert!(r.is_err(), "a hello without the generation's key got in");
+    }
+    // (connections refused outright are refusals too: a formed mesh accepts no one)
+
+    // the hostile frame fails that communicator, not the job: the generation that follows
+    // names it (the same members again, or without the sender when its peer's report, which
+    // names it, is in first), the receiver keeps its process, and the job trains on
+    let g = c.wait_for(
+        S::from_secs(60),
+        "a re-formation after the oversized frame",
+        || c.history("x").into_iter().find(|g| g.number > v.generation),
+    );
+    assert!(
+        g.detail.contains("4611686018427387904"),
+        "the re-formation says what came: {}",
+        g.detail
+    );
+    let step = c.status("x").step;
+    let later = c.wait_step("x", step + 30, S::from_secs(60));
+    assert!(later.generation >= g.number, "{later:?}");
+    let receiver = pids[v.members.iter().position(|m| m.rank == 0).unwrap()];
+    assert!(
+        later.members.iter().any(|m| m.pid == Some(receiver)),
+        "rank 0 kept its process: {later:?}"
+    );
+}

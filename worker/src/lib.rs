@@ -14,6 +14,7 @@
 
 pub mod data;
 pub mod device;
+pub mod faults;
 pub mod model;
 pub mod nccl;
 pub mod optim;

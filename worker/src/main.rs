@@ -124,6 +124,10 @@ fn run() {
                 }
             };
         };
+        if let Err(e) = ductile_worker::faults::init(spec.allow_fault_injection) {
+            eprintln!("ductile-worker: {e:#}");
+            return 2;
+        }
         ductile_worker::device::prepare_env(&env.device, training.deterministic);
         let cell = Arc::new(ductile_worker::train::GenCell::default());
         ductile_worker::watch_generations(

@@ -813,6 +813,13 @@ impl Trainer {
             let share = split_batch(b, world)[rank as usize];
             let l = self.accumulate(share, g, rank);
             let mut flat = self.flat_grads(l, g.number);
+            if world > 1 && crate::faults::oversized_frame_now(rank, self.step) {
+                tracing::warn!(
+                    step = self.step,
+                    "fault injection: announcing an oversized frame to the next rank"
+                );
+                comm.inject_oversized_frame((rank + 1) % world)?;
+            }
             comm.all_reduce(&mut flat, ReduceOp::Sum)?;
             flat
         };
