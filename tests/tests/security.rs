@@ -424,3 +424,147 @@ fn attacks_on_a_running_cluster_are_refused_and_the_job_trains_on() {
         "rank 0 kept its process: {later:?}"
     );
 }
+
+/// The API's request bodies, edited at random from valid ones (and random bytes), against a
+/// running daemon: every answer is a success or a 4xx naming the problem, never a 5xx or a
+/// dropped connection; the daemon keeps serving; the only jobs that exist afterwards are the
+/// ones whose submission it accepted.
+#[test]
+fn fuzzed_api_request_bodies_get_clear_answers_and_change_only_what_they_were_accepted_for() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+    use std::collections::BTreeSet;
+    let c = Cluster::start(Spec::default().agents(1, 1));
+    c.submit("name = \"x\"\ncommand = [\"sleep\", \"1000\"]\nmin = 1\nmax = 1\ndesired = 1\n");
+    c.wait_world("x", 1, S::from_secs(30));
+    let api = c.endpoint();
+    let auth = format!("Bearer {TOKEN}");
+    let toml = "name = \"fz\"\ncommand = [\"sleep\", \"5\"]\nmin = 1\nmax = 2\ndesired = 1\nrestart_budget = 1\nenv = { A = \"b\" }\n[checkpoint]\nurl = \"file:///tmp/fz\"\ninterval = 10\n";
+    let json = r#"{"name":"fy","command":["sleep","5"],"min":1,"max":1,"desired":1,"training":{"model":"gpt","dataset":"file:///tmp/d","global_batch":8}}"#;
+    // (path, content type, valid body)
+    let targets: Vec<(String, &str, Vec<u8>)> = vec![
+        (
+            format!("{api}/v1/jobs"),
+            "application/toml",
+            toml.as_bytes().to_vec(),
+        ),
+        (
+            format!("{api}/v1/jobs"),
+            "application/json",
+            json.as_bytes().to_vec(),
+        ),
+        (
+            format!("{api}/v1/jobs/x/scale"),
+            "application/json",
+            br#"{"desired": 1}"#.to_vec(),
+        ),
+        (
+            format!("{api}/v1/nodes/nope/drain"),
+            "application/json",
+            br#"{"reason": "r"}"#.to_vec(),
+        ),
+    ];
+    let accepted = std::cell::RefCell::new(BTreeSet::from(["x".to_string()]));
+    let tried = std::cell::Cell::new(0u32);
+    let codes = std::cell::RefCell::new(std::collections::BTreeMap::<u16, u32>::new());
+    let mut runner = TestRunner::new_with_rng(
+        Config {
+            cases: 2000,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        TestRng::deterministic_rng(RngAlgorithm::ChaCha),
+    );
+    let edits = proptest::collection::vec((any::<usize>(), 0u8..3, any::<u8>()), 0..10);
+    let raw = proptest::collection::vec(any::<u8>(), 0..200);
+    let r = runner.run(
+        &(0..targets.len(), edits, raw, any::<bool>()),
+        |(t, e, raw, random)| {
+            let (url, ct, base) = &targets[t];
+            let body = if random {
+                raw
+            } else {
+                ductile_cluster::fuzz::mutate(base, &e)
+            };
+            let (code, text) = http(
+                "POST",
+                url,
+                &[("Content-Type", ct), ("Authorization", &auth)],
+                &body,
+            )
+            .map_err(|e| TestCaseError::fail(format!("connection failed: {e}")))?;
+            tried.set(tried.get() + 1);
+            *codes.borrow_mut().entry(code).or_insert(0) += 1;
+            prop_assert!(
+                (200..500).contains(&code),
+                "{code} for {} body {:?}: {text}",
+                url,
+                String::from_utf8_lossy(&body)
+            );
+            if code >= 400 {
+                prop_assert!(!text.trim().is_empty(), "a {code} without a reason");
+            }
+            if code == 201 {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+                    if let Some(j) = v["job"].as_str() {
+                        accepted.borrow_mut().insert(j.to_string());
+                    }
+                }
+            }
+            Ok(())
+        },
+    );
+    r.unwrap();
+    // a body that claims 16 GiB: read up to the limit (2 MiB), then refused
+    {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(api.trim_start_matches("http://")).unwrap();
+        s.set_read_timeout(Some(S::from_secs(20))).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let head = format!(
+            "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/toml\r\nContent-Length: {}\r\n\r\n",
+            1u64 << 34
+        );
+        let writer = std::thread::spawn(move || {
+            let _ = w.write_all(head.as_bytes());
+            for _ in 0..64 {
+                // the daemon stops reading and answers; a write error then is expected
+                if w.write_all(&[b'#'; 64 << 10]).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut answer = [0u8; 64];
+        let n = s.read(&mut answer).unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        drop(s);
+        writer.join().unwrap();
+    }
+    let (code, _) = http("GET", &format!("{api}/healthz"), &[], b"").unwrap();
+    assert_eq!(code, 200);
+    let out = c.dctl_ok(&["status", "--json"]);
+    let jobs: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let names: BTreeSet<String> = jobs
+        .iter()
+        .map(|j| j["job"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        names,
+        *accepted.borrow(),
+        "jobs exist only where a submission was accepted"
+    );
+    assert_eq!(c.status("x").state, JobState::Running);
+    assert!(tried.get() >= 2000);
+    // the edits reach past the parsers: some bodies are taken, most refused
+    let codes = codes.into_inner();
+    eprintln!(
+        "answers by status: {codes:?}, jobs accepted: {:?}",
+        accepted.borrow()
+    );
+    let refused: u32 = codes.range(400..500).map(|(_, n)| n).sum();
+    assert!(
+        refused >= 1000 && codes.keys().any(|c| *c < 300),
+        "{codes:?}"
+    );
+}
