@@ -4,6 +4,8 @@
 #   scripts/secure.sh certs DIR [HOST ...]
 #       A CA (DIR/ca.pem); server certificates for HOSTs (and localhost, 127.0.0.1) for etcd
 #       (DIR/etcd.pem, DIR/etcd-key.pem) and for ductiled's API (DIR/api.pem, DIR/api-key.pem);
+#       a node certificate for the workers' TLS mesh (DIR/mesh.pem, DIR/mesh-key.pem: server and
+#       client; one per node in a real fleet, naming its advertise_host);
 #       client certificates for etcd's clients: the daemon, the agents and the workers
 #       (DIR/{daemon,agent,worker}.pem and -key.pem; CNs ductile-daemon, ductile-agent,
 #       ductile-worker). Use your own PKI instead where you have one.
@@ -41,6 +43,7 @@ certs() {
   }
   issue etcd etcd serverAuth,clientAuth "$san"
   issue api ductiled serverAuth "$san"
+  issue mesh ductile-mesh serverAuth,clientAuth "$san"
   issue daemon ductile-daemon clientAuth
   issue agent ductile-agent clientAuth
   issue worker ductile-worker clientAuth

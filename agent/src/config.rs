@@ -32,6 +32,15 @@ pub struct Cli {
     /// The workers' client certificate's key (PEM).
     #[arg(long, env = "DUCTILE_ETCD_WORKER_KEY")]
     pub etcd_worker_key: Option<PathBuf>,
+    /// For jobs with `mesh_tls`: the CA (PEM) that signed every node's mesh certificate.
+    #[arg(long, env = "DUCTILE_MESH_TLS_CA")]
+    pub mesh_tls_ca: Option<PathBuf>,
+    /// This node's mesh certificate (PEM; server and client, naming its advertise_host).
+    #[arg(long, env = "DUCTILE_MESH_TLS_CERT")]
+    pub mesh_tls_cert: Option<PathBuf>,
+    /// The mesh certificate's key (PEM).
+    #[arg(long, env = "DUCTILE_MESH_TLS_KEY")]
+    pub mesh_tls_key: Option<PathBuf>,
     /// This node's name (default: the hostname).
     #[arg(long, env = "DUCTILE_NODE")]
     pub node: Option<String>,
@@ -102,6 +111,9 @@ pub struct FileConfig {
     pub etcd_password_file: Option<PathBuf>,
     pub etcd_worker_cert: Option<PathBuf>,
     pub etcd_worker_key: Option<PathBuf>,
+    pub mesh_tls_ca: Option<PathBuf>,
+    pub mesh_tls_cert: Option<PathBuf>,
+    pub mesh_tls_key: Option<PathBuf>,
     pub node: Option<String>,
     pub cpu_slots: Option<u32>,
     pub lease_ttl: Option<i64>,
@@ -161,6 +173,8 @@ pub struct Config {
     pub etcd: EtcdAccess,
     /// The client certificate and key its workers present, if etcd asks for one.
     pub etcd_worker_client: Option<(PathBuf, PathBuf)>,
+    /// CA, certificate and key of this node's TLS mesh, for jobs with `mesh_tls`.
+    pub mesh_tls: Option<[PathBuf; 3]>,
     pub node: String,
     pub cpu_slots: u32,
     pub lease_ttl: i64,
@@ -177,6 +191,30 @@ pub struct Config {
     pub advertise_host: String,
     /// What this agent agrees to run (published in its node record).
     pub policy: AgentPolicy,
+}
+
+/// The mesh TLS files parse: certificates in the CA and certificate files, a key in the key
+/// file (the workers build their TLS configuration from them).
+fn check_mesh_tls(
+    ca: &std::path::Path,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> anyhow::Result<()> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    for (what, p) in [("mesh_tls_ca", ca), ("mesh_tls_cert", cert)] {
+        let n = CertificateDer::pem_file_iter(p)
+            .map_err(|e| anyhow::anyhow!("invalid {what} {}: {e}", p.display()))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("invalid {what} {}: {e}", p.display()))?
+            .len();
+        if n == 0 {
+            anyhow::bail!("invalid {what} {}: no certificate in it", p.display());
+        }
+    }
+    PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| anyhow::anyhow!("invalid mesh_tls_key {}: {e}", key.display()))?;
+    Ok(())
 }
 
 /// This host's first non-loopback IPv4 address, from its hostname; else 127.0.0.1.
@@ -232,9 +270,25 @@ impl Config {
             (None, None) => None,
             _ => anyhow::bail!("invalid etcd_worker_cert/etcd_worker_key: give both or neither"),
         };
+        let mesh_tls = match (
+            cli.mesh_tls_ca.or(file.mesh_tls_ca),
+            cli.mesh_tls_cert.or(file.mesh_tls_cert),
+            cli.mesh_tls_key.or(file.mesh_tls_key),
+        ) {
+            (Some(a), Some(c), Some(k)) => {
+                // fail at start, naming the file, rather than in every mesh_tls job's worker
+                check_mesh_tls(&a, &c, &k)?;
+                Some([a, c, k])
+            }
+            (None, None, None) => None,
+            _ => anyhow::bail!(
+                "invalid mesh_tls_ca/mesh_tls_cert/mesh_tls_key: give all three or none"
+            ),
+        };
         let cfg = Config {
             etcd,
             etcd_worker_client,
+            mesh_tls: mesh_tls.clone(),
             node: cli.node.or(file.node).unwrap_or_else(|| hostname.clone()),
             cpu_slots: cli.cpu_slots.or(file.cpu_slots).unwrap_or(1),
             lease_ttl: cli.lease_ttl.or(file.lease_ttl).unwrap_or(5),
@@ -282,6 +336,7 @@ impl Config {
                         .allowed_paths
                         .or(file.allowed_paths)
                         .unwrap_or(d.allowed_paths),
+                    mesh_tls: mesh_tls.is_some(),
                 }
             },
         };

@@ -539,6 +539,22 @@ impl Agent {
         cmd.env_remove("DUCTILE_ETCD_PASSWORD_FILE")
             .env_remove("DUCTILE_ETCD_WORKER_CERT")
             .env_remove("DUCTILE_ETCD_WORKER_KEY");
+        // the node's mesh certificate, for a job whose mesh runs over TLS (its policy check
+        // above made sure this agent has one)
+        for (name, file) in [
+            "DUCTILE_MESH_TLS_CA",
+            "DUCTILE_MESH_TLS_CERT",
+            "DUCTILE_MESH_TLS_KEY",
+        ]
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (*n, self.cfg.mesh_tls.as_ref().map(|m| m[i].clone())))
+        {
+            match file.filter(|_| spec.training.as_ref().is_some_and(|t| t.mesh_tls)) {
+                Some(f) => cmd.env(name, f),
+                None => cmd.env_remove(name),
+            };
+        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -24,9 +24,21 @@ pub async fn run(
     sizes_mib: &[u64],
     iters: usize,
     json: bool,
+    mesh_tls: bool,
 ) -> anyhow::Result<()> {
     let dir = ductile_tests::TempDir::new("allreduce");
     let etcd = ductile_tests::Etcd::start(dir.path());
+    // the ranks' mesh certificates, as scripts/secure.sh makes them
+    let tls_env: Vec<(&str, std::path::PathBuf)> = if mesh_tls {
+        let pki = ductile_tests::make_pki(dir.path());
+        vec![
+            ("DUCTILE_MESH_TLS_CA", pki.join("ca.pem")),
+            ("DUCTILE_MESH_TLS_CERT", pki.join("mesh.pem")),
+            ("DUCTILE_MESH_TLS_KEY", pki.join("mesh-key.pem")),
+        ]
+    } else {
+        vec![]
+    };
     let sizes = sizes_mib
         .iter()
         .map(|s| s.to_string())
@@ -36,7 +48,7 @@ pub async fn run(
     if !json {
         println!("ceilings on this machine: loopback TCP {tcp:.2} GB/s (one stream), memcpy {mem:.2} GB/s");
         println!(
-            "{:<6} {:<8} {:<6} {:>9} {:>12} {:>12}",
+            "{:<8} {:<8} {:<6} {:>9} {:>12} {:>12}",
             "backend", "mode", "world", "MiB", "median_s", "busbw_GB/s"
         );
     }
@@ -55,6 +67,7 @@ pub async fn run(
                         "--iters",
                         &iters.to_string(),
                     ])
+                    .envs(tls_env.iter().cloned())
                     .stdout(Stdio::piped())
                     .spawn()
             })
@@ -73,7 +86,7 @@ pub async fn run(
                         println!("{v}");
                     } else {
                         println!(
-                            "{:<6} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
+                            "{:<8} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
                             v["backend"].as_str().unwrap(),
                             v["mode"].as_str().unwrap(),
                             v["world"],
@@ -99,6 +112,11 @@ pub async fn rank(
     iters: usize,
 ) -> anyhow::Result<()> {
     let comm = form_loopback(etcd, "/bench-allreduce", world as u64, world, rank).await?;
+    let backend = if ductile_comm::mesh_tls::MeshTls::from_env()?.is_some() {
+        "tcp+tls"
+    } else {
+        "tcp"
+    };
     let sizes = sizes_mib.to_vec();
     tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
         for mib in sizes {
@@ -124,7 +142,7 @@ pub async fn rank(
                     }
                 }
                 let m = median(times);
-                println!("{}", serde_json::json!({"backend": "tcp", "mode": mode, "world": world, "bytes": bytes, "median_s": m, "busbw_gbps": busbw(world, bytes, m)}));
+                println!("{}", serde_json::json!({"backend": backend, "mode": mode, "world": world, "bytes": bytes, "median_s": m, "busbw_gbps": busbw(world, bytes, m)}));
             }
         }
         Ok(())
@@ -187,6 +205,7 @@ pub async fn form_loopback(
         TcpConfig {
             bind_host: "127.0.0.1".into(),
             advertise_host: "127.0.0.1".into(),
+            tls: ductile_comm::mesh_tls::MeshTls::from_env()?.map(std::sync::Arc::new),
             ..TcpConfig::from_env()
         },
     )

@@ -60,6 +60,9 @@ enum Cmd {
         /// One JSON object per cell instead of the table.
         #[arg(long)]
         json: bool,
+        /// Run the mesh over TLS (a job's `mesh_tls`), with certificates made for the run.
+        #[arg(long)]
+        mesh_tls: bool,
     },
     /// What the mesh's authenticated hello costs per connection, and a mesh's formation time.
     MeshHello {
@@ -228,7 +231,8 @@ async fn main() -> anyhow::Result<()> {
             sizes_mib,
             iters,
             json,
-        } => allreduce::run(&worlds, &sizes_mib, iters, json).await,
+            mesh_tls,
+        } => allreduce::run(&worlds, &sizes_mib, iters, json, mesh_tls).await,
         Cmd::Recovery {
             rounds,
             node_rounds,

@@ -71,6 +71,9 @@ pub struct NodeRecord {
 pub struct AgentPolicy {
     pub allowed_commands: Vec<String>,
     pub allowed_paths: Vec<String>,
+    /// The agent has a mesh TLS certificate (`mesh_tls_*`): it can run `mesh_tls` jobs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mesh_tls: bool,
 }
 
 impl Default for AgentPolicy {
@@ -78,6 +81,7 @@ impl Default for AgentPolicy {
         AgentPolicy {
             allowed_commands: vec!["ductile-worker".into()],
             allowed_paths: vec!["/var/lib/ductile".into()],
+            mesh_tls: false,
         }
     }
 }
@@ -103,6 +107,13 @@ impl AgentPolicy {
                     "the dynamic loader's variables would run other code inside an allowed command; they are refused while allowed_commands is restricted".into(),
                 ));
             }
+        }
+        if spec.training.as_ref().is_some_and(|t| t.mesh_tls) && !self.mesh_tls {
+            return Err((
+                "training.mesh_tls".into(),
+                "the agent has no mesh TLS certificate (mesh_tls_ca, mesh_tls_cert, mesh_tls_key)"
+                    .into(),
+            ));
         }
         let mut urls = Vec::new();
         if let Some(t) = &spec.training {
@@ -253,6 +264,10 @@ pub struct TrainingSpec {
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
     #[serde(default = "TrainingSpec::default_comm")]
     pub comm: String,
+    /// The workers' TCP mesh runs over TLS (certificates from the agents' `mesh_tls_*`),
+    /// for fleets across networks that are not trusted; `comm` must then not be `nccl`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mesh_tls: bool,
     /// Pipeline stages: `"auto"` (the planner chooses per world size) or a number.
     #[serde(default)]
     pub pipeline_parallel: Degree,
@@ -674,6 +689,12 @@ impl TrainingSpec {
                     "{:?} is unknown (known: \"auto\", \"nccl\", \"tcp\")",
                     self.comm
                 ),
+            ));
+        }
+        if self.mesh_tls && self.comm == "nccl" {
+            return Err(ClusterError::invalid(
+                "training.mesh_tls",
+                "NCCL has no TLS: a job with mesh_tls uses comm = \"tcp\" (or \"auto\", which then picks TCP)",
             ));
         }
         if !matches!(self.optimizer.as_str(), "adamw" | "sgd") {
@@ -1478,6 +1499,7 @@ mod policy_tests {
         let open = AgentPolicy {
             allowed_commands: vec!["*".into()],
             allowed_paths: vec!["/".into()],
+            mesh_tls: false,
         };
         assert_eq!(
             open.check(&spec("command = [\"sh\"]\nenv = { LD_PRELOAD = \"x\" }\n")),

@@ -17,13 +17,14 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
 use crate::error::{CommError, Result};
+use crate::mesh_tls::{Link, MeshTls};
 
 const VERSION: u32 = 1;
 const HELLO: usize = 44;
@@ -86,17 +87,28 @@ fn hello(
     h
 }
 
-fn mac(key: &MeshKey, label: &[u8], hello: &[u8], nonce_a: &[u8]) -> hmac::Tag {
+/// The MACs cover `binding` too: the TLS session's exporter value when the hello runs inside
+/// TLS (so it cannot be relayed into another session), empty over plain TCP.
+fn mac(key: &MeshKey, label: &[u8], binding: &[u8], hello: &[u8], nonce_a: &[u8]) -> hmac::Tag {
     let mut c = hmac::Context::with_key(&key.key);
     c.update(label);
+    c.update(binding);
     c.update(hello);
     c.update(nonce_a);
     c.sign()
 }
 
-fn verify(key: &MeshKey, label: &[u8], hello: &[u8], nonce_a: &[u8], tag: &[u8]) -> bool {
-    let mut msg = Vec::with_capacity(label.len() + hello.len() + nonce_a.len());
+fn verify(
+    key: &MeshKey,
+    label: &[u8],
+    binding: &[u8],
+    hello: &[u8],
+    nonce_a: &[u8],
+    tag: &[u8],
+) -> bool {
+    let mut msg = Vec::with_capacity(label.len() + binding.len() + hello.len() + nonce_a.len());
     msg.extend_from_slice(label);
+    msg.extend_from_slice(binding);
     msg.extend_from_slice(hello);
     msg.extend_from_slice(nonce_a);
     hmac::verify(&key.key, &msg, tag).is_ok()
@@ -108,23 +120,37 @@ pub fn dial(
     s: &mut TcpStream,
     key: &MeshKey,
     magic: u32,
-    (me, peer, world): (u32, u32, u32),
+    ranks: (u32, u32, u32),
     timeout: Duration,
 ) -> std::result::Result<(), String> {
     s.set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
         .ok();
+    dial_over(s, key, &[], magic, ranks)?;
+    s.set_read_timeout(None).ok();
+    Ok(())
+}
+
+/// [`dial`] over any stream (a TLS session: `binding` is its exporter value); the caller
+/// bounds its reads.
+pub fn dial_over(
+    s: &mut (impl Read + Write),
+    key: &MeshKey,
+    binding: &[u8],
+    magic: u32,
+    (me, peer, world): (u32, u32, u32),
+) -> std::result::Result<(), String> {
     let h = hello(magic, key.generation, me, peer, world, &nonce());
     s.write_all(&h).map_err(|e| format!("hello: {e}"))?;
     let mut answer = [0u8; NONCE + MAC];
     s.read_exact(&mut answer)
         .map_err(|e| format!("no answer to the hello: {e}"))?;
     let (nonce_a, tag) = answer.split_at(NONCE);
-    if !verify(key, b"accept", &h, nonce_a, tag) {
+    if !verify(key, b"accept", binding, &h, nonce_a, tag) {
         return Err("the peer does not hold this generation's mesh key".into());
     }
-    s.write_all(mac(key, b"dial", &h, nonce_a).as_ref())
+    s.write_all(mac(key, b"dial", binding, &h, nonce_a).as_ref())
         .map_err(|e| format!("proof: {e}"))?;
-    s.set_read_timeout(None).ok();
+    s.flush().map_err(|e| format!("proof: {e}"))?;
     Ok(())
 }
 
@@ -134,11 +160,27 @@ pub fn accept(
     s: &mut TcpStream,
     key: &MeshKey,
     magic: u32,
-    (me, world): (u32, u32),
+    ranks: (u32, u32),
     expect: impl Fn(u32) -> bool,
 ) -> std::result::Result<u32, String> {
     s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).ok();
     s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).ok();
+    let from = accept_over(s, key, &[], magic, ranks, expect)?;
+    s.set_read_timeout(None).ok();
+    s.set_write_timeout(None).ok();
+    Ok(from)
+}
+
+/// [`accept`] over any stream (a TLS session: `binding` is its exporter value); the caller
+/// bounds its reads and writes.
+pub fn accept_over(
+    s: &mut (impl Read + Write),
+    key: &MeshKey,
+    binding: &[u8],
+    magic: u32,
+    (me, world): (u32, u32),
+    expect: impl Fn(u32) -> bool,
+) -> std::result::Result<u32, String> {
     let mut h = [0u8; HELLO];
     s.read_exact(&mut h).map_err(|e| format!("no hello: {e}"))?;
     let u32_at = |a: usize| u32::from_le_bytes(h[a..a + 4].try_into().unwrap());
@@ -156,25 +198,26 @@ pub fn accept(
     let nonce_a = nonce();
     let mut answer = Vec::with_capacity(NONCE + MAC);
     answer.extend_from_slice(&nonce_a);
-    answer.extend_from_slice(mac(key, b"accept", &h, &nonce_a).as_ref());
+    answer.extend_from_slice(mac(key, b"accept", binding, &h, &nonce_a).as_ref());
     s.write_all(&answer).map_err(|e| format!("answer: {e}"))?;
+    s.flush().map_err(|e| format!("answer: {e}"))?;
     let mut proof = [0u8; MAC];
     s.read_exact(&mut proof)
         .map_err(|e| format!("no proof of the key: {e}"))?;
-    if !verify(key, b"dial", &h, &nonce_a, &proof) {
+    if !verify(key, b"dial", binding, &h, &nonce_a, &proof) {
         return Err(format!(
             "rank {from}'s claim does not prove this generation's mesh key"
         ));
     }
-    s.set_read_timeout(None).ok();
-    s.set_write_timeout(None).ok();
     Ok(from)
 }
 
 /// Accept authenticated connections on `listener` until `want` ranks (each at most once, as
 /// `expect` allows) have proved the key, or `deadline` (`after`, the formation's timeout, is
-/// what the error reports). Strangers are logged and dropped; each
-/// handshake runs on its own thread, so none of them holds up a peer.
+/// what the error reports). With `tls`, each connection first completes a TLS handshake (the
+/// peer's certificate checked against the CA) and the hello runs inside it. Strangers are
+/// logged and dropped; each handshake runs on its own thread, so none of them holds up a peer.
+#[allow(clippy::too_many_arguments)]
 pub fn accept_peers(
     listener: &TcpListener,
     key: &MeshKey,
@@ -183,20 +226,22 @@ pub fn accept_peers(
     expect: impl Fn(u32) -> bool + Clone + Send + 'static,
     want: usize,
     (deadline, after): (Instant, Duration),
-) -> Result<Vec<(u32, TcpStream)>> {
+    tls: Option<Arc<MeshTls>>,
+) -> Result<Vec<(u32, Link)>> {
     let generation = key.generation;
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::Unavailable(e.to_string()))?;
-    let (tx, rx) = mpsc::channel::<(std::result::Result<u32, String>, TcpStream, String)>();
+    type Handshake = (std::result::Result<(u32, Link), String>, String);
+    let (tx, rx) = mpsc::channel::<Handshake>();
     let mut running = 0usize;
-    let mut got: Vec<(u32, TcpStream)> = Vec::new();
+    let mut got: Vec<(u32, Link)> = Vec::new();
     while got.len() < want {
-        while let Ok((r, s, from)) = rx.try_recv() {
+        while let Ok((r, from)) = rx.try_recv() {
             running -= 1;
             match r {
-                Ok(peer) if !got.iter().any(|(p, _)| *p == peer) => got.push((peer, s)),
-                Ok(peer) => {
+                Ok((peer, s)) if !got.iter().any(|(p, _)| *p == peer) => got.push((peer, s)),
+                Ok((peer, _)) => {
                     tracing::warn!(%from, generation, peer, "refused a second connection claiming the same rank")
                 }
                 Err(reason) => {
@@ -208,19 +253,19 @@ pub fn accept_peers(
             break;
         }
         match listener.accept() {
-            Ok((mut s, from)) => {
+            Ok((s, from)) => {
                 if running >= MAX_HANDSHAKES {
                     tracing::warn!(%from, generation, "too many handshakes at once: connection closed unread");
                     continue;
                 }
                 s.set_nonblocking(false).ok();
                 running += 1;
-                let (tx, key, expect) = (tx.clone(), key.clone(), expect.clone());
+                let (tx, key, expect, tls) = (tx.clone(), key.clone(), expect.clone(), tls.clone());
                 std::thread::Builder::new()
                     .name("mesh-handshake".into())
                     .spawn(move || {
-                        let r = accept(&mut s, &key, magic, (me, world), expect);
-                        let _ = tx.send((r, s, from.to_string()));
+                        let r = accept_link(s, &key, magic, (me, world), expect, tls.as_deref());
+                        let _ = tx.send((r, from.to_string()));
                     })
                     .map_err(|e| CommError::Unavailable(format!("handshake thread: {e}")))?;
             }
@@ -245,6 +290,29 @@ pub fn accept_peers(
         }
     }
     Ok(got)
+}
+
+/// One accepted connection: TLS first when asked for, then the hello, all within
+/// [`HANDSHAKE_TIMEOUT`].
+fn accept_link(
+    mut s: TcpStream,
+    key: &MeshKey,
+    magic: u32,
+    ranks: (u32, u32),
+    expect: impl Fn(u32) -> bool,
+    tls: Option<&MeshTls>,
+) -> std::result::Result<(u32, Link), String> {
+    let Some(tls) = tls else {
+        return accept(&mut s, key, magic, ranks, expect).map(|p| (p, Link::Plain(s)));
+    };
+    let mut pipe = tls
+        .accept(s, Instant::now() + HANDSHAKE_TIMEOUT)
+        .map_err(|e| format!("TLS handshake: {e}"))?;
+    let binding = pipe.binding().map_err(|e| format!("TLS exporter: {e}"))?;
+    let from = accept_over(&mut pipe, key, &binding, magic, ranks, expect)?;
+    pipe.socket().set_read_timeout(None).ok();
+    pipe.socket().set_write_timeout(None).ok();
+    Ok((from, Link::Tls(Box::new(pipe))))
 }
 
 #[cfg(test)]
@@ -298,7 +366,7 @@ mod tests {
         d.write_all(&hl).unwrap();
         let mut ans = [0u8; NONCE + MAC];
         d.read_exact(&mut ans).unwrap();
-        d.write_all(mac(&key, b"dial", &hl, &[9u8; NONCE]).as_ref())
+        d.write_all(mac(&key, b"dial", &[], &hl, &[9u8; NONCE]).as_ref())
             .unwrap();
         assert!(h.join().unwrap().unwrap_err().contains("does not prove"));
     }
@@ -331,6 +399,7 @@ mod tests {
             |f| f > 0,
             2,
             (t0 + Duration::from_secs(20), Duration::from_secs(20)),
+            None,
         )
         .unwrap();
         // the silent ones' handshakes wait out their 5 s on their own threads

@@ -14,6 +14,7 @@ pub mod auth;
 pub mod buffer;
 pub mod error;
 pub mod liveness;
+pub mod mesh_tls;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod rendezvous;

@@ -80,7 +80,8 @@ impl Liveness {
         let acceptor = {
             let (key, form_timeout) = (key.clone(), cfg.form_timeout);
             std::thread::spawn(move || -> Result<Vec<(u32, TcpStream)>> {
-                auth::accept_peers(
+                // heartbeats carry no data: the authenticated hello, never TLS
+                Ok(auth::accept_peers(
                     &listener,
                     &key,
                     MAGIC,
@@ -88,7 +89,11 @@ impl Liveness {
                     move |p| p != rank,
                     world as usize - 1,
                     (deadline, form_timeout),
-                )
+                    None,
+                )?
+                .into_iter()
+                .filter_map(|(p, l)| l.into_plain().ok().map(|s| (p, s)))
+                .collect())
             })
         };
         let mut outgoing: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();

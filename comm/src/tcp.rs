@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, MeshKey};
 use crate::buffer::{add_into, DType, Scratch};
 use crate::error::{CommError, Result};
+use crate::mesh_tls::{Link, MeshTls, TlsReader, TlsWriter};
 use crate::rendezvous::Rendezvous;
 
 /// The TCP backend's protocol tag (its hello and frames).
@@ -48,6 +49,8 @@ pub struct TcpConfig {
     /// communicator (naming the peer) before anything is allocated for it. The worker sets it
     /// from its job's state size.
     pub max_frame_bytes: u64,
+    /// TLS for every connection of the mesh (a job's `mesh_tls`), else plain TCP.
+    pub tls: Option<Arc<MeshTls>>,
 }
 
 impl Default for TcpConfig {
@@ -61,6 +64,7 @@ impl Default for TcpConfig {
             advertise_host: "127.0.0.1".into(),
             bind_host: "127.0.0.1".into(),
             max_frame_bytes: 1 << 30,
+            tls: None,
         }
     }
 }
@@ -112,8 +116,44 @@ enum Kind {
 }
 
 struct Peer {
-    read: Mutex<TcpStream>,
-    write: Mutex<TcpStream>,
+    read: Mutex<Reader>,
+    write: Mutex<Writer>,
+}
+
+/// The reading side of a peer's connection.
+enum Reader {
+    Plain(TcpStream),
+    Tls(TlsReader),
+}
+
+impl Read for Reader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Reader::Plain(s) => s.read(buf),
+            Reader::Tls(t) => t.read(buf),
+        }
+    }
+}
+
+/// The writing side of a peer's connection.
+enum Writer {
+    Plain(TcpStream),
+    Tls(TlsWriter),
+}
+
+impl Write for Writer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Writer::Plain(s) => s.write(buf),
+            Writer::Tls(t) => t.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Writer::Plain(s) => s.flush(),
+            Writer::Tls(t) => t.flush(),
+        }
+    }
 }
 
 /// Aborts a communicator from any thread.
@@ -180,7 +220,10 @@ impl Heartbeat {
                         let Ok(mut w) = p.write.try_lock() else {
                             continue;
                         };
-                        let _ = send_heartbeat(&mut w, &frame);
+                        let _ = match &mut *w {
+                            Writer::Plain(s) => send_heartbeat(s, &frame),
+                            Writer::Tls(t) => t.write_if_ready(&frame),
+                        };
                     }
                 }
             })
@@ -243,6 +286,21 @@ pub(crate) fn dial_peer(
     (me, peer, world): (u32, u32, u32),
     deadline: Instant,
 ) -> Result<TcpStream> {
+    dial_link(addr, key, magic, (me, peer, world), deadline, None)?
+        .into_plain()
+        .map_err(|_| CommError::Unavailable("a plain dial came back with TLS".into()))
+}
+
+/// [`dial_peer`], over TLS when `tls` is given (the peer's certificate must name the host of
+/// `addr`; the hello then runs inside the session, bound to it).
+pub(crate) fn dial_link(
+    addr: &str,
+    key: &MeshKey,
+    magic: u32,
+    (me, peer, world): (u32, u32, u32),
+    deadline: Instant,
+    tls: Option<&MeshTls>,
+) -> Result<Link> {
     let generation = key.generation();
     let fail = |e: std::io::Error| CommError::Connect {
         generation,
@@ -266,13 +324,29 @@ pub(crate) fn dial_peer(
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
     };
-    let left = deadline.saturating_duration_since(Instant::now());
-    auth::dial(&mut s, key, magic, (me, peer, world), left).map_err(|reason| {
+    let refused = |reason: String| {
         CommError::Unavailable(format!(
             "generation {generation}: rank {peer} at {addr}: {reason}"
         ))
-    })?;
-    Ok(s)
+    };
+    let Some(tls) = tls else {
+        let left = deadline.saturating_duration_since(Instant::now());
+        auth::dial(&mut s, key, magic, (me, peer, world), left).map_err(refused)?;
+        return Ok(Link::Plain(s));
+    };
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    // the handshake and the hello, bounded by the formation's deadline like a plain hello
+    let mut pipe = tls
+        .connect(s, host, deadline)
+        .map_err(|e| refused(format!("TLS handshake: {e}")))?;
+    let binding = pipe
+        .binding()
+        .map_err(|e| refused(format!("TLS exporter: {e}")))?;
+    auth::dial_over(&mut pipe, key, &binding, magic, (me, peer, world)).map_err(refused)?;
+    pipe.socket().set_read_timeout(None).ok();
+    pipe.socket().set_write_timeout(None).ok();
+    Ok(Link::Tls(Box::new(pipe)))
 }
 
 /// Listen on `cfg.bind_host` (a free port), publish this rank's address under `topic` in the
@@ -329,11 +403,17 @@ impl TcpComm {
         cfg: TcpConfig,
     ) -> Result<TcpComm> {
         let deadline = Instant::now() + cfg.form_timeout;
-        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let mut streams: Vec<Option<Link>> = (0..world).map(|_| None).collect();
         for peer in 0..rank {
             let addr = &addrs[peer as usize];
-            streams[peer as usize] =
-                Some(dial_peer(addr, &key, MAGIC, (rank, peer, world), deadline)?);
+            streams[peer as usize] = Some(dial_link(
+                addr,
+                &key,
+                MAGIC,
+                (rank, peer, world),
+                deadline,
+                cfg.tls.as_deref(),
+            )?);
         }
         for (peer, s) in auth::accept_peers(
             &listener,
@@ -343,27 +423,36 @@ impl TcpComm {
             move |p| p > rank,
             (world - rank - 1) as usize,
             (deadline, cfg.form_timeout),
+            cfg.tls.clone(),
         )? {
             streams[peer as usize] = Some(s);
         }
         let mut raw = Vec::new();
         let mut peers = Vec::new();
-        for s in streams {
-            match s {
-                Some(s) => {
+        let unavailable = |e: std::io::Error| CommError::Unavailable(e.to_string());
+        for link in streams {
+            match link {
+                Some(link) => {
+                    let s = link.socket();
                     s.set_nodelay(true).ok();
                     // a read waits for a frame or a heartbeat; a write waits for a peer that is
                     // busy before it reads (compute is uneven), up to the op timeout
                     s.set_read_timeout(Some(cfg.liveness_timeout)).ok();
                     s.set_write_timeout(Some(cfg.op_timeout)).ok();
-                    let clone = |s: &TcpStream| {
-                        s.try_clone()
-                            .map_err(|e| CommError::Unavailable(e.to_string()))
+                    raw.push(s.try_clone().map_err(unavailable)?);
+                    let (read, write) = match link {
+                        Link::Plain(s) => (
+                            Reader::Plain(s.try_clone().map_err(unavailable)?),
+                            Writer::Plain(s),
+                        ),
+                        Link::Tls(pipe) => {
+                            let (r, w) = pipe.split().map_err(unavailable)?;
+                            (Reader::Tls(r), Writer::Tls(w))
+                        }
                     };
-                    raw.push(clone(&s)?);
                     peers.push(Some(Peer {
-                        write: Mutex::new(clone(&s)?),
-                        read: Mutex::new(s),
+                        write: Mutex::new(write),
+                        read: Mutex::new(read),
                     }));
                 }
                 None => peers.push(None),
@@ -476,7 +565,7 @@ impl TcpComm {
         dst: &mut [u8],
     ) -> Result<()> {
         let mut r = self.peer(from).read.lock().unwrap();
-        let len = self.read_header(&mut r, op, kind, seq, from)?;
+        let len = self.read_header(&mut *r, op, kind, seq, from)?;
         if len != dst.len() as u64 {
             return Err(CommError::Protocol {
                 generation: self.generation,
@@ -490,7 +579,7 @@ impl TcpComm {
 
     fn recv_frame(&self, op: &'static str, kind: Kind, seq: u64, from: u32) -> Result<Vec<u8>> {
         let mut r = self.peer(from).read.lock().unwrap();
-        let len = self.read_header(&mut r, op, kind, seq, from)?;
+        let len = self.read_header(&mut *r, op, kind, seq, from)?;
         self.check_len(op, from, len)?;
         let mut v = vec![0u8; len as usize];
         r.read_exact(&mut v)
@@ -500,7 +589,7 @@ impl TcpComm {
 
     fn read_header(
         &self,
-        r: &mut TcpStream,
+        r: &mut impl Read,
         op: &'static str,
         kind: Kind,
         seq: u64,
@@ -1199,6 +1288,104 @@ mod tests {
                 .map(|h| h.join().unwrap())
                 .collect()
         })
+    }
+
+    /// Certificates as an operator makes them (`scripts/secure.sh certs`), in a fresh directory.
+    fn pki(tag: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "ductile-pki-{tag}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/secure.sh");
+        let out = std::process::Command::new("bash")
+            .arg(script)
+            .arg("certs")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir
+    }
+
+    fn mesh_tls(dir: &std::path::Path) -> Arc<MeshTls> {
+        Arc::new(
+            MeshTls::from_files(
+                &dir.join("ca.pem"),
+                &dir.join("mesh.pem"),
+                &dir.join("mesh-key.pem"),
+            )
+            .unwrap(),
+        )
+    }
+
+    /// Over TLS every collective gives what it gives over plain TCP (the small and the ring
+    /// paths, broadcasts of any length, point to point), and a quiet mesh stays alive on its
+    /// heartbeats, which go through TLS too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_collective_works_over_tls_and_its_heartbeats_keep_it_alive() {
+        let dir = pki("ok");
+        let cfg = TcpConfig {
+            tls: Some(mesh_tls(&dir)),
+            liveness_timeout: Duration::from_millis(400),
+            ..TcpConfig::default()
+        };
+        let comms = world(&store(), 70, 3, cfg).await;
+        for r in on_threads(&comms, |c| crate::selftest::collectives(c)) {
+            r.unwrap();
+        }
+        // quiet for 5 liveness timeouts: heartbeats alone keep every peer alive
+        std::thread::sleep(Duration::from_secs(2));
+        let sums = on_threads(&comms, |c| {
+            let mut v: Vec<u8> = (0..(3u32 << 20) / 4)
+                .flat_map(|i| ((i % 1000) as f32 + c.rank() as f32).to_le_bytes())
+                .collect();
+            c.all_reduce_bytes(&mut v, DType::F32).map(|_| v)
+        });
+        let first = sums[0].as_ref().unwrap();
+        for s in &sums {
+            assert_eq!(s.as_ref().unwrap(), first, "every rank holds the same bits");
+        }
+        let x = f32::from_le_bytes(first[4 * 7..4 * 8].try_into().unwrap());
+        assert_eq!(x, 3.0 * 7.0 + 3.0, "7·3 + (0+1+2)");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A rank whose certificate another CA signed cannot join: its TLS handshake fails, the
+    /// mesh does not form with it, and the error says where.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rank_with_a_certificate_of_another_ca_is_refused() {
+        let (good, other) = (pki("good"), pki("other"));
+        let s = store();
+        s.ensure_mesh_key("j", 71).await.unwrap();
+        let cfg = |dir: &std::path::Path| TcpConfig {
+            tls: Some(mesh_tls(dir)),
+            form_timeout: Duration::from_secs(3),
+            ..TcpConfig::default()
+        };
+        let (s0, c0) = (s.clone(), cfg(&good));
+        let rank0 = tokio::spawn(async move {
+            TcpComm::form(&Rendezvous::new(s0, "j", 71, 2, 0).unwrap(), c0).await
+        });
+        let (s1, c1) = (s.clone(), cfg(&other));
+        let rank1 = tokio::spawn(async move {
+            TcpComm::form(&Rendezvous::new(s1, "j", 71, 2, 1).unwrap(), c1).await
+        });
+        let e1 = rank1.await.unwrap().err().expect("rank 1 must not join");
+        assert!(e1.to_string().contains("TLS handshake"), "{e1}");
+        let e0 = rank0
+            .await
+            .unwrap()
+            .err()
+            .expect("rank 0 must not form with it");
+        assert!(e0.to_string().contains("rank"), "{e0}");
+        let _ = std::fs::remove_dir_all(good);
+        let _ = std::fs::remove_dir_all(other);
     }
 
     /// Every collective through the host-staging path that CUDA tensors take (plain host

@@ -673,7 +673,8 @@ fn build(
             Backend::resolve(
                 spec.training
                     .as_ref()
-                    .map(|t| t.comm.as_str())
+                    // NCCL has no TLS: a mesh_tls job's mesh is TCP
+                    .map(|t| if t.mesh_tls { "tcp" } else { t.comm.as_str() })
                     .unwrap_or("tcp"),
                 &chosen
                     .iter()

@@ -832,6 +832,8 @@ pub struct Spec {
     /// The daemons serve their API over TLS (else plain HTTP on loopback, `--insecure-http`);
     /// dctl checks them against the cluster's CA.
     pub api_tls: bool,
+    /// The agents have a mesh TLS certificate (jobs with `mesh_tls` can run).
+    pub mesh_tls: bool,
 }
 
 impl Default for Spec {
@@ -848,6 +850,7 @@ impl Default for Spec {
             agent_env: vec![],
             secure_etcd: false,
             api_tls: false,
+            mesh_tls: false,
         }
     }
 }
@@ -877,7 +880,7 @@ pub struct Cluster {
 impl Cluster {
     pub fn start(spec: Spec) -> Cluster {
         let dir = TempDir::new("cluster");
-        let pki = (spec.secure_etcd || spec.api_tls).then(|| make_pki(dir.path()));
+        let pki = (spec.secure_etcd || spec.api_tls || spec.mesh_tls).then(|| make_pki(dir.path()));
         let etcd = match (&pki, spec.secure_etcd) {
             (Some(pki), true) => Etcd::start_secure(dir.path(), pki),
             _ => Etcd::start(dir.path()),
@@ -1025,6 +1028,15 @@ impl Cluster {
                 "--allowed-paths".into(),
                 std::env::temp_dir().display().to_string(),
             ]);
+        }
+        if let (Some(pki), true) = (&self.pki, self.spec.mesh_tls) {
+            for (flag, file) in [
+                ("--mesh-tls-ca", "ca.pem"),
+                ("--mesh-tls-cert", "mesh.pem"),
+                ("--mesh-tls-key", "mesh-key.pem"),
+            ] {
+                args.extend([flag.to_string(), pki.join(file).display().to_string()]);
+            }
         }
         // CPU slots unless the caller names GPUs
         if !extra.contains(&"--gpus") {

@@ -568,3 +568,44 @@ fn fuzzed_api_request_bodies_get_clear_answers_and_change_only_what_they_were_ac
         "{codes:?}"
     );
 }
+
+/// A job whose mesh runs over TLS trains, loses a worker and re-forms over TLS, and finishes;
+/// a cluster whose agents have no mesh certificate refuses such a job at submit.
+#[test]
+fn a_job_with_mesh_tls_trains_and_reforms_over_tls() {
+    let c = Cluster::start(Spec {
+        mesh_tls: true,
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let job = |name: &str, max_steps: u64| {
+        format!(
+            "{}max_steps = {max_steps}\nmesh_tls = true\n",
+            training_toml(name, 1, 3, 3, "gpt", &data, "restart_budget = 0")
+        )
+    };
+    c.submit(&job("m", 600));
+    let v = c.wait_world("m", 3, S::from_secs(60));
+    c.wait_step("m", 50, S::from_secs(60));
+    let victim = v.members.iter().find(|m| m.rank == 1).unwrap().pid.unwrap();
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    // the free fourth slot takes the lost one's place: a new mesh over TLS, with a newcomer
+    let v2 = c.wait_for(S::from_secs(30), "a re-formed world of 3", || {
+        Some(c.wait_world("m", 3, S::from_secs(30))).filter(|v| v.generation >= 2)
+    });
+    assert!(v2.members.iter().all(|m| m.pid != Some(victim)), "{v2:?}");
+    let done = c.wait_done("m", S::from_secs(240));
+    assert!(done.generation >= 2, "{done:?}");
+    let logs = c.logs();
+    assert!(
+        !logs.contains("TLS handshake:"),
+        "a handshake failed: {logs}"
+    );
+
+    // agents without a mesh certificate: the job is refused at submit, naming why
+    let plain = Cluster::start(Spec::default().agents(1, 1));
+    let p = plain.dir.path().join("m.toml");
+    std::fs::write(&p, job("m2", 10)).unwrap();
+    let (ok, _, err) = plain.dctl(&["submit", p.to_str().unwrap()]);
+    assert!(!ok && err.contains("mesh_tls"), "{err}");
+}

@@ -129,6 +129,8 @@ pub struct Trainer {
     /// Each parameter's shape (its optimizer state has the same): the storage of units this
     /// rank does not hold is released and comes back, zeroed, before a unit is received.
     shapes: Vec<Vec<i64>>,
+    /// The TLS of this node's mesh certificate, for a job with `mesh_tls`.
+    mesh_tls: Option<Arc<ductile_comm::mesh_tls::MeshTls>>,
 }
 
 fn sha256_params(params: &[Tensor]) -> String {
@@ -308,7 +310,16 @@ impl Trainer {
             }
             None => None,
         };
+        let mesh_tls = if spec.mesh_tls {
+            let t = ductile_comm::mesh_tls::MeshTls::from_env()?.ok_or_else(|| {
+                anyhow::anyhow!("the job's mesh runs over TLS (mesh_tls) but the agent gave no mesh certificate (DUCTILE_MESH_TLS_CA, _CERT, _KEY)")
+            })?;
+            Some(Arc::new(t))
+        } else {
+            None
+        };
         Ok(Trainer {
+            mesh_tls,
             env,
             spec,
             max_size,
@@ -482,6 +493,7 @@ impl Trainer {
         let cfg = TcpConfig {
             form_timeout: timeout,
             max_frame_bytes: (full + (1 << 20)).max(64 << 20),
+            tls: self.mesh_tls.clone(),
             ..TcpConfig::from_env()
         };
         Ok(self.rt.block_on(async move {
