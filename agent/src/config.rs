@@ -32,6 +32,11 @@ pub struct Cli {
     /// The workers' client certificate's key (PEM).
     #[arg(long, env = "DUCTILE_ETCD_WORKER_KEY")]
     pub etcd_worker_key: Option<PathBuf>,
+    /// Run workers as this Unix user (and its group), not as the agent's: jobs then cannot read
+    /// the agent's own files (its etcd credentials). The agent needs root, or CAP_SETUID and
+    /// CAP_SETGID, for it.
+    #[arg(long, env = "DUCTILE_WORKER_USER")]
+    pub worker_user: Option<String>,
     /// For jobs with `mesh_tls`: the CA (PEM) that signed every node's mesh certificate.
     #[arg(long, env = "DUCTILE_MESH_TLS_CA")]
     pub mesh_tls_ca: Option<PathBuf>,
@@ -111,6 +116,7 @@ pub struct FileConfig {
     pub etcd_password_file: Option<PathBuf>,
     pub etcd_worker_cert: Option<PathBuf>,
     pub etcd_worker_key: Option<PathBuf>,
+    pub worker_user: Option<String>,
     pub mesh_tls_ca: Option<PathBuf>,
     pub mesh_tls_cert: Option<PathBuf>,
     pub mesh_tls_key: Option<PathBuf>,
@@ -175,6 +181,8 @@ pub struct Config {
     pub etcd_worker_client: Option<(PathBuf, PathBuf)>,
     /// CA, certificate and key of this node's TLS mesh, for jobs with `mesh_tls`.
     pub mesh_tls: Option<[PathBuf; 3]>,
+    /// The user workers run as (name, uid, gid), when not the agent's.
+    pub worker_user: Option<(String, u32, u32)>,
     pub node: String,
     pub cpu_slots: u32,
     pub lease_ttl: i64,
@@ -191,6 +199,34 @@ pub struct Config {
     pub advertise_host: String,
     /// What this agent agrees to run (published in its node record).
     pub policy: AgentPolicy,
+}
+
+/// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
+/// CAP_SETGID in its effective set).
+fn resolve_worker_user(name: &str) -> anyhow::Result<(String, u32, u32)> {
+    let u = nix::unistd::User::from_name(name)
+        .map_err(|e| anyhow::anyhow!("invalid worker_user {name:?}: cannot look it up: {e}"))?
+        .ok_or_else(|| anyhow::anyhow!("invalid worker_user {name:?}: no such user"))?;
+    let (uid, gid) = (u.uid.as_raw(), u.gid.as_raw());
+    if uid == 0 {
+        anyhow::bail!("invalid worker_user {name:?}: it is root; name an unprivileged user");
+    }
+    // CapEff bits 6 (CAP_SETGID) and 7 (CAP_SETUID)
+    let eff = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .unwrap_or(0);
+    let current = nix::unistd::geteuid().as_raw();
+    if current != uid && eff & (1 << 6 | 1 << 7) != (1 << 6 | 1 << 7) {
+        anyhow::bail!(
+            "invalid worker_user {name:?}: this agent (uid {current}) cannot switch to it: run it as root, or with CAP_SETUID and CAP_SETGID"
+        );
+    }
+    Ok((name.to_string(), uid, gid))
 }
 
 /// The mesh TLS files parse: certificates in the CA and certificate files, a key in the key
@@ -285,10 +321,15 @@ impl Config {
                 "invalid mesh_tls_ca/mesh_tls_cert/mesh_tls_key: give all three or none"
             ),
         };
+        let worker_user = match cli.worker_user.or(file.worker_user) {
+            Some(name) => Some(resolve_worker_user(&name)?),
+            None => None,
+        };
         let cfg = Config {
             etcd,
             etcd_worker_client,
             mesh_tls: mesh_tls.clone(),
+            worker_user,
             node: cli.node.or(file.node).unwrap_or_else(|| hostname.clone()),
             cpu_slots: cli.cpu_slots.or(file.cpu_slots).unwrap_or(1),
             lease_ttl: cli.lease_ttl.or(file.lease_ttl).unwrap_or(5),

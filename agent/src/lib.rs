@@ -555,6 +555,10 @@ impl Agent {
                 None => cmd.env_remove(name),
             };
         }
+        if let Some((_, uid, gid)) = &self.cfg.worker_user {
+            // std drops the supplementary groups when it switches from root
+            cmd.uid(*uid).gid(*gid);
+        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -562,6 +566,15 @@ impl Agent {
         // process group of its own, so stopping it reaches its children too.
         unsafe {
             cmd.pre_exec(|| {
+                // capabilities the agent holds in its ambient set (to switch users) do not
+                // pass to a job's code
+                nix::libc::prctl(
+                    nix::libc::PR_CAP_AMBIENT,
+                    nix::libc::PR_CAP_AMBIENT_CLEAR_ALL as nix::libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                );
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
                 Ok(())

@@ -609,3 +609,78 @@ fn a_job_with_mesh_tls_trains_and_reforms_over_tls() {
     let (ok, _, err) = plain.dctl(&["submit", p.to_str().unwrap()]);
     assert!(!ok && err.contains("mesh_tls"), "{err}");
 }
+
+/// With `worker_user`, a job's workers run as that user, not as the agent's: the agent's own
+/// files (its etcd credentials, mode 600) are out of their reach. An agent that cannot switch
+/// users refuses to start, saying so.
+#[test]
+fn workers_run_as_the_worker_user_not_as_the_agent() {
+    let nobody = std::fs::read_to_string("/etc/passwd")
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f[0] == "nobody").then(|| f[2].parse::<u32>().unwrap())
+        })
+        .expect("a nobody user");
+    let mut c = Cluster::start(Spec::default());
+    if unsafe { libc::geteuid() } != 0 {
+        // not root here: the agent must refuse, naming what it lacks
+        let out = std::process::Command::new(bin("ductile-agent"))
+            .args([
+                "--etcd",
+                &c.etcd.endpoint,
+                "--node",
+                "n",
+                "--worker-user",
+                "nobody",
+            ])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("CAP_SETUID"), "{err}");
+        return;
+    }
+    c.start_agent("node1", 1, &["--worker-user", "nobody"]);
+    c.submit("name = \"u\"\ncommand = [\"sleep\", \"1000\"]\nmin = 1\nmax = 1\ndesired = 1\n");
+    let v = c.wait_world("u", 1, S::from_secs(30));
+    let pid = v.members[0].pid.unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uids: Vec<u32> = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .unwrap()
+        .split_whitespace()
+        .map(|u| u.parse().unwrap())
+        .collect();
+    assert_eq!(
+        uids,
+        vec![nobody; 4],
+        "real, effective, saved and fs uid: {status}"
+    );
+    let caps = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .unwrap()
+        .trim()
+        .to_string();
+    assert_eq!(
+        u64::from_str_radix(&caps, 16).unwrap(),
+        0,
+        "the worker holds no capability"
+    );
+    // a root user is refused as a worker user
+    let out = std::process::Command::new(bin("ductile-agent"))
+        .args([
+            "--etcd",
+            &c.etcd.endpoint,
+            "--node",
+            "n",
+            "--worker-user",
+            "root",
+        ])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("it is root"));
+}
