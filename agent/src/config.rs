@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use ductile_cluster::access::{EtcdAccess, EtcdArgs, EtcdFileArgs};
+use ductile_cluster::access::{EtcdAccess, EtcdArgs};
 use ductile_cluster::records::AgentPolicy;
 use ductile_cluster::service::LogFormat;
 use serde::Deserialize;
@@ -20,9 +20,6 @@ pub const AWS_SPOT_URL: &str = "http://169.254.169.254/latest/meta-data/spot/ins
     about = "ductile node agent: registers the node, runs and supervises workers"
 )]
 pub struct Cli {
-    /// etcd endpoints, comma-separated.
-    #[arg(long, env = "DUCTILE_ETCD")]
-    pub etcd: Option<String>,
     #[command(flatten)]
     pub etcd_access: EtcdArgs,
     /// Client certificate (PEM) this node's workers present to an etcd that asks for one; never
@@ -108,12 +105,6 @@ pub struct Cli {
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
-    pub etcd: Option<String>,
-    pub etcd_ca: Option<PathBuf>,
-    pub etcd_cert: Option<PathBuf>,
-    pub etcd_key: Option<PathBuf>,
-    pub etcd_user: Option<String>,
-    pub etcd_password_file: Option<PathBuf>,
     pub etcd_worker_cert: Option<PathBuf>,
     pub etcd_worker_key: Option<PathBuf>,
     pub worker_user: Option<String>,
@@ -266,8 +257,9 @@ fn default_advertise_host(hostname: &str) -> String {
 
 impl Config {
     pub fn load(cli: Cli) -> anyhow::Result<Config> {
-        let file: FileConfig = ductile_cluster::service::read_toml_config(cli.config.as_deref())
-            .map_err(|e| anyhow::anyhow!(e))?;
+        let (file, etcd_file): (FileConfig, _) =
+            ductile_cluster::service::read_service_config(cli.config.as_deref())
+                .map_err(|e| anyhow::anyhow!(e))?;
         let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .unwrap_or_else(|_| "node".into())
             .trim()
@@ -284,20 +276,8 @@ impl Config {
                     s
                 }
             });
-        let etcd = EtcdAccess::from_args(
-            cli.etcd
-                .or(file.etcd)
-                .unwrap_or_else(|| "http://127.0.0.1:2379".into()),
-            cli.etcd_access,
-            EtcdFileArgs {
-                etcd_ca: file.etcd_ca,
-                etcd_cert: file.etcd_cert,
-                etcd_key: file.etcd_key,
-                etcd_user: file.etcd_user,
-                etcd_password_file: file.etcd_password_file,
-            },
-        )
-        .map_err(|e| anyhow::anyhow!(e))?;
+        let etcd =
+            EtcdAccess::from_args(cli.etcd_access, etcd_file).map_err(|e| anyhow::anyhow!(e))?;
         let etcd_worker_client = match (
             cli.etcd_worker_cert.or(file.etcd_worker_cert),
             cli.etcd_worker_key.or(file.etcd_worker_key),

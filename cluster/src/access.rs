@@ -38,6 +38,9 @@ impl std::fmt::Debug for Secret {
 /// `etcd_password_file`).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct EtcdArgs {
+    /// etcd endpoints, comma-separated.
+    #[arg(long, env = "DUCTILE_ETCD")]
+    pub etcd: Option<String>,
     /// CA certificate (PEM) that signed etcd's server certificate; endpoints are then https.
     #[arg(long, env = "DUCTILE_ETCD_CA")]
     pub etcd_ca: Option<PathBuf>,
@@ -60,11 +63,24 @@ pub struct EtcdArgs {
 #[derive(serde::Deserialize, Debug, Default, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct EtcdFileArgs {
+    pub etcd: Option<String>,
     pub etcd_ca: Option<PathBuf>,
     pub etcd_cert: Option<PathBuf>,
     pub etcd_key: Option<PathBuf>,
     pub etcd_user: Option<String>,
     pub etcd_password_file: Option<PathBuf>,
+}
+
+impl EtcdFileArgs {
+    /// The keys a service's config file holds these under.
+    pub const KEYS: [&'static str; 6] = [
+        "etcd",
+        "etcd_ca",
+        "etcd_cert",
+        "etcd_key",
+        "etcd_user",
+        "etcd_password_file",
+    ];
 }
 
 /// Everything needed to open a connection to etcd.
@@ -98,12 +114,13 @@ impl EtcdAccess {
         }
     }
 
-    /// Flags over the file's settings; the password from its file, else `DUCTILE_ETCD_PASSWORD`.
-    pub fn from_args(
-        endpoints: String,
-        cli: EtcdArgs,
-        file: EtcdFileArgs,
-    ) -> std::result::Result<Self, String> {
+    /// Flags over the file's settings over the default endpoint (a local etcd); the password
+    /// from its file, else `DUCTILE_ETCD_PASSWORD`.
+    pub fn from_args(cli: EtcdArgs, file: EtcdFileArgs) -> std::result::Result<Self, String> {
+        let endpoints = cli
+            .etcd
+            .or(file.etcd)
+            .unwrap_or_else(|| "http://127.0.0.1:2379".into());
         let user = cli.etcd_user.or(file.etcd_user);
         let password = match cli.etcd_password_file.or(file.etcd_password_file) {
             Some(p) => Some(read_secret(&p, "etcd password")?),

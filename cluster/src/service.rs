@@ -111,6 +111,28 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// Read a service's TOML config file (the defaults when `path` is None); the error names the
 /// file and, for an unknown or bad key, the key.
+/// A service's config file, with its etcd settings (`etcd`, `etcd_ca`, ...) read apart into
+/// [`crate::access::EtcdFileArgs`] and the rest into the service's own `T`.
+pub fn read_service_config<T: serde::de::DeserializeOwned + Default>(
+    path: Option<&std::path::Path>,
+) -> Result<(T, crate::access::EtcdFileArgs), String> {
+    let Some(p) = path else {
+        return Ok(Default::default());
+    };
+    let mut table: toml::Table = read_toml_config(Some(p))?;
+    let mut etcd = toml::Table::new();
+    for k in crate::access::EtcdFileArgs::KEYS {
+        if let Some(v) = table.remove(k) {
+            etcd.insert(k.to_string(), v);
+        }
+    }
+    let what = |e: toml::de::Error| format!("config {}: {}", p.display(), e.message());
+    Ok((
+        serde::Deserialize::deserialize(table).map_err(what)?,
+        serde::Deserialize::deserialize(etcd).map_err(what)?,
+    ))
+}
+
 pub fn read_toml_config<T: serde::de::DeserializeOwned + Default>(
     path: Option<&std::path::Path>,
 ) -> Result<T, String> {
@@ -120,4 +142,36 @@ pub fn read_toml_config<T: serde::de::DeserializeOwned + Default>(
     let text = std::fs::read_to_string(p)
         .map_err(|e| format!("cannot read config {}: {e}", p.display()))?;
     toml::from_str(&text).map_err(|e| format!("config {}: {}", p.display(), e.message()))
+}
+
+#[cfg(test)]
+mod config_tests {
+    #[derive(serde::Deserialize, Default, Debug)]
+    #[serde(deny_unknown_fields)]
+    struct Own {
+        listen: Option<String>,
+    }
+
+    #[test]
+    fn a_service_config_splits_into_its_own_keys_and_the_etcd_ones_and_refuses_strangers() {
+        let dir = std::env::temp_dir().join(format!("ductile-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("c.toml");
+        std::fs::write(
+            &p,
+            "etcd = \"https://e:2379\"\netcd_ca = \"/ca.pem\"\nlisten = \"127.0.0.1:1\"\n",
+        )
+        .unwrap();
+        let (own, etcd): (Own, _) = super::read_service_config(Some(&p)).unwrap();
+        assert_eq!(own.listen.as_deref(), Some("127.0.0.1:1"));
+        assert_eq!(etcd.etcd.as_deref(), Some("https://e:2379"));
+        assert_eq!(etcd.etcd_ca, Some("/ca.pem".into()));
+        std::fs::write(&p, "colour = 1\n").unwrap();
+        let e = super::read_service_config::<Own>(Some(&p)).unwrap_err();
+        assert!(e.contains("unknown field `colour`"), "{e}");
+        std::fs::write(&p, "etcd_user = 7\n").unwrap();
+        let e = super::read_service_config::<Own>(Some(&p)).unwrap_err();
+        assert!(e.contains("c.toml"), "{e}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -9,7 +9,7 @@ use ductile_cluster::service::LogFormat;
 use serde::Deserialize;
 
 pub use ductile_cluster::access::Secret;
-use ductile_cluster::access::{EtcdAccess, EtcdArgs, EtcdFileArgs};
+use ductile_cluster::access::{EtcdAccess, EtcdArgs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -18,9 +18,6 @@ use ductile_cluster::access::{EtcdAccess, EtcdArgs, EtcdFileArgs};
     about = "ductile control-plane daemon: leader election, reconcile, API"
 )]
 pub struct Cli {
-    /// etcd endpoints, comma-separated.
-    #[arg(long, env = "DUCTILE_ETCD")]
-    pub etcd: Option<String>,
     #[command(flatten)]
     pub etcd_access: EtcdArgs,
     /// Address the API listens on.
@@ -71,12 +68,6 @@ pub struct Cli {
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
-    pub etcd: Option<String>,
-    pub etcd_ca: Option<PathBuf>,
-    pub etcd_cert: Option<PathBuf>,
-    pub etcd_key: Option<PathBuf>,
-    pub etcd_user: Option<String>,
-    pub etcd_password_file: Option<PathBuf>,
     pub listen: Option<String>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -124,8 +115,9 @@ fn token_from(path: Option<PathBuf>, what: &str, env: &str) -> anyhow::Result<Op
 
 impl Config {
     pub fn load(cli: Cli) -> anyhow::Result<Config> {
-        let file: FileConfig = ductile_cluster::service::read_toml_config(cli.config.as_deref())
-            .map_err(|e| anyhow::anyhow!(e))?;
+        let (file, etcd_file): (FileConfig, _) =
+            ductile_cluster::service::read_service_config(cli.config.as_deref())
+                .map_err(|e| anyhow::anyhow!(e))?;
         let token = token_from(cli.token_file.or(file.token_file), "token", "DUCTILE_TOKEN")?
             .ok_or_else(|| {
                 anyhow::anyhow!("no API token: pass --token-file FILE or set DUCTILE_TOKEN")
@@ -140,20 +132,8 @@ impl Config {
                 .unwrap_or_else(|_| "host".into());
             format!("{}-{}", host.trim(), std::process::id())
         });
-        let etcd = EtcdAccess::from_args(
-            cli.etcd
-                .or(file.etcd)
-                .unwrap_or_else(|| "http://127.0.0.1:2379".into()),
-            cli.etcd_access,
-            EtcdFileArgs {
-                etcd_ca: file.etcd_ca,
-                etcd_cert: file.etcd_cert,
-                etcd_key: file.etcd_key,
-                etcd_user: file.etcd_user,
-                etcd_password_file: file.etcd_password_file,
-            },
-        )
-        .map_err(|e| anyhow::anyhow!(e))?;
+        let etcd =
+            EtcdAccess::from_args(cli.etcd_access, etcd_file).map_err(|e| anyhow::anyhow!(e))?;
         let tls = match (cli.tls_cert.or(file.tls_cert), cli.tls_key.or(file.tls_key)) {
             (Some(c), Some(k)) => Some((c, k)),
             (None, None) => None,

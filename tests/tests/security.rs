@@ -110,46 +110,38 @@ fn with_etcd_tls_and_auth_each_jobs_workers_reach_only_their_own_job() {
         w.put(&format!("{}probe", keys.live_job("a")), b"x".to_vec(), None)
             .await
             .unwrap();
-        // the job's control state is not its to change (only checkpoint commits are)
-        denied(
-            w.put(&keys.spec("a"), b"{}".to_vec(), None).await,
-            "rewrite its own spec",
-        );
-        denied(
-            w.put(&keys.generation("a"), b"{}".to_vec(), None).await,
-            "forge a generation",
-        );
-        // nothing of job b
-        denied(w.get(&keys.spec("b")).await, "read job b's spec");
-        denied(w.get(&keys.access("b")).await, "read job b's etcd user");
-        denied(w.list(&keys.job("b")).await, "list job b");
-        denied(
-            w.put(&keys.spec("b"), b"{}".to_vec(), None).await,
-            "rewrite job b's spec",
-        );
-        denied(
-            w.put(&keys.checkpoint("b"), b"{}".to_vec(), None).await,
-            "commit job b's checkpoint",
-        );
-        denied(
-            w.put(&keys.progress("b"), b"{}".to_vec(), None).await,
-            "write job b's progress",
-        );
-        // nothing of the cluster
-        denied(w.list(&keys.nodes()).await, "list the nodes");
-        denied(
-            w.list(&keys.assignments()).await,
-            "read the nodes' assignments",
-        );
-        denied(
-            w.put(&keys.node("node1"), b"{}".to_vec(), None).await,
-            "forge a node",
-        );
-        denied(
-            w.put(&keys.drain("node1"), b"{}".to_vec(), None).await,
-            "drain a node",
-        );
-        denied(w.list(&keys.jobs()).await, "list every job");
+        // the job's control state is not its to change (only checkpoint commits are), and
+        // nothing of job b's or the cluster's is its to read or write
+        let writes = [
+            ("its own spec", keys.spec("a")),
+            ("a generation", keys.generation("a")),
+            ("job b's spec", keys.spec("b")),
+            ("job b's checkpoint", keys.checkpoint("b")),
+            ("job b's progress", keys.progress("b")),
+            ("a node", keys.node("node1")),
+            ("a drain", keys.drain("node1")),
+        ];
+        for (what, key) in writes {
+            denied(
+                w.put(&key, b"{}".to_vec(), None).await,
+                &format!("write {what}"),
+            );
+        }
+        for (what, key) in [
+            ("job b's spec", keys.spec("b")),
+            ("job b's etcd user", keys.access("b")),
+        ] {
+            denied(w.get(&key).await, &format!("read {what}"));
+        }
+        let lists = [
+            ("job b", keys.job("b")),
+            ("the nodes", keys.nodes()),
+            ("the nodes' assignments", keys.assignments()),
+            ("every job", keys.jobs()),
+        ];
+        for (what, prefix) in lists {
+            denied(w.list(&prefix).await, &format!("list {what}"));
+        }
         denied(
             w.delete_prefix(&format!("{}/", c.prefix)).await,
             "delete everything",
