@@ -698,8 +698,9 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     let after = keys(store.backend.list("/ductile/").await.unwrap().0);
     assert_eq!(before, after, "bad requests changed the stored state");
     // a daemon with no token refuses to start
-    let out = std::process::Command::new(bin("ductiled"))
-        .args([
+    let daemon = |env: &[(&str, &str)]| {
+        let mut cmd = std::process::Command::new(bin("ductiled"));
+        cmd.args([
             "--etcd",
             &c.etcd.endpoint,
             "--listen",
@@ -707,24 +708,15 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
             "--insecure-http",
         ])
         .env_remove("DUCTILE_TOKEN")
-        .output()
-        .unwrap();
+        .env_remove("DUCTILE_READ_TOKEN");
+        cmd.envs(env.iter().copied()).output().unwrap()
+    };
+    let out = daemon(&[]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no API token"));
     // a read-only token equal to the admin one is refused; a daemon whose /metrics needs a
     // token answers it with either token only
-    let out = std::process::Command::new(bin("ductiled"))
-        .args([
-            "--etcd",
-            &c.etcd.endpoint,
-            "--listen",
-            "127.0.0.1:0",
-            "--insecure-http",
-        ])
-        .env("DUCTILE_TOKEN", TOKEN)
-        .env("DUCTILE_READ_TOKEN", TOKEN)
-        .output()
-        .unwrap();
+    let out = daemon(&[("DUCTILE_TOKEN", TOKEN), ("DUCTILE_READ_TOKEN", TOKEN)]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid read_token"));
     let port = free_port();

@@ -616,19 +616,16 @@ fn workers_run_as_the_worker_user_not_as_the_agent() {
         })
         .expect("a nobody user");
     let mut c = Cluster::start(Spec::default());
+    let etcd = c.etcd.endpoint.clone();
+    let agent_as = |user: &str| {
+        std::process::Command::new(bin("ductile-agent"))
+            .args(["--etcd", &etcd, "--node", "n", "--worker-user", user])
+            .output()
+            .unwrap()
+    };
     if unsafe { libc::geteuid() } != 0 {
         // not root here: the agent must refuse, naming what it lacks
-        let out = std::process::Command::new(bin("ductile-agent"))
-            .args([
-                "--etcd",
-                &c.etcd.endpoint,
-                "--node",
-                "n",
-                "--worker-user",
-                "nobody",
-            ])
-            .output()
-            .unwrap();
+        let out = agent_as("nobody");
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{err}");
         assert!(err.contains("CAP_SETUID"), "{err}");
@@ -663,16 +660,6 @@ fn workers_run_as_the_worker_user_not_as_the_agent() {
         "the worker holds no capability"
     );
     // a root user is refused as a worker user
-    let out = std::process::Command::new(bin("ductile-agent"))
-        .args([
-            "--etcd",
-            &c.etcd.endpoint,
-            "--node",
-            "n",
-            "--worker-user",
-            "root",
-        ])
-        .output()
-        .unwrap();
+    let out = agent_as("root");
     assert!(String::from_utf8_lossy(&out.stderr).contains("it is root"));
 }
