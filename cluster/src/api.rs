@@ -29,6 +29,12 @@ pub struct MemberView {
     pub stage_chunks: Vec<[u32; 2]>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub spare: bool,
+    /// Its mean wall time per step and compute time per step (ms) over its last report, in
+    /// the current generation: a straggler computes longer than its peers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_ms: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

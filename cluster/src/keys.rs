@@ -20,6 +20,7 @@
 //! {prefix}/live/{job}/faults/{gen:020}/{rank}  FaultReport: a worker's communicator failed
 //! {prefix}/live/{job}/ckpt/{step}-{gen}/{rank} ShardReport of a checkpoint attempt
 //! {prefix}/live/{job}/checkpoint_stats         CheckpointStats, the workers' figures
+//! {prefix}/live/{job}/ranks/{rank}             RankStats: a rank's step and compute times
 //! {prefix}/assign/{node}/{job}                 NodeAssignment: the leader's per-node view
 //!
 //! `jobs/` holds control state; `live/` what workers write as they run, at up to 1 Hz per job,
@@ -92,6 +93,10 @@ pub enum KeyKind {
     },
     Access {
         job: String,
+    },
+    RankStats {
+        job: String,
+        rank: u32,
     },
     Checkpoint {
         job: String,
@@ -225,6 +230,10 @@ impl Keys {
     pub fn checkpoint_request(&self, job: &str) -> String {
         format!("{}/jobs/{job}/checkpoint_request", self.prefix)
     }
+    /// A rank's step and compute times ([`crate::records::RankStats`]).
+    pub fn rank_stats(&self, job: &str, rank: u32) -> String {
+        format!("{}/live/{job}/ranks/{rank}", self.prefix)
+    }
     /// The workers' checkpoint figures ([`crate::records::CheckpointStats`]).
     pub fn checkpoint_stats(&self, job: &str) -> String {
         format!("{}/live/{job}/checkpoint_stats", self.prefix)
@@ -295,6 +304,10 @@ impl Keys {
             ["jobs", job, "checkpoint"] => KeyKind::Checkpoint { job: s(job) },
             ["jobs", job, "checkpoint_request"] => KeyKind::CheckpointRequest { job: s(job) },
             ["live", job, "checkpoint_stats"] => KeyKind::CheckpointStats { job: s(job) },
+            ["live", job, "ranks", r] => match r.parse() {
+                Ok(rank) => KeyKind::RankStats { job: s(job), rank },
+                Err(_) => KeyKind::Other,
+            },
             ["jobs", job, "history", g] => match g.parse() {
                 Ok(generation) => KeyKind::History {
                     job: s(job),

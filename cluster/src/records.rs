@@ -515,11 +515,12 @@ impl JobSpec {
         self.check_size(self.desired)
             .map_err(|reason| ClusterError::invalid("desired", reason))?;
         for k in self.env.keys() {
-            let injection = self.allow_fault_injection && k.starts_with("DUCTILE_FAULT_");
+            let injection = self.allow_fault_injection
+                && (k.starts_with("DUCTILE_FAULT_") || k == "DUCTILE_SLOWDOWN");
             if k.is_empty() || k.contains('=') || (k.starts_with("DUCTILE_") && !injection) {
                 return Err(ClusterError::invalid(
                     format!("env.{k}"),
-                    "names must be non-empty, without '=', and not start with DUCTILE_ (reserved; DUCTILE_FAULT_* only with allow_fault_injection = true)",
+                    "names must be non-empty, without '=', and not start with DUCTILE_ (reserved; DUCTILE_FAULT_* and DUCTILE_SLOWDOWN only with allow_fault_injection = true)",
                 ));
             }
         }
@@ -1335,6 +1336,22 @@ pub struct Progress {
     pub done: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_weights_sha256: Option<String>,
+}
+
+/// One rank's step figures over its last report window (about 2 s), so a straggler shows:
+/// in a synchronous step every rank waits for the slowest, so the wall time per step is the
+/// same everywhere and the compute time (forward and backward, before the collective) is what
+/// tells them apart.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankStats {
+    pub generation: u64,
+    pub rank: u32,
+    pub step: u64,
+    /// Mean wall time per step, in milliseconds.
+    pub step_ms: f64,
+    /// Mean time per step this rank spent computing (not waiting for its peers), ms.
+    pub compute_ms: f64,
+    pub updated_at_ms: u64,
 }
 
 #[cfg(test)]

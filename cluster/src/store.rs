@@ -132,7 +132,7 @@ impl Store {
                         });
                     }
                     // what the last run's workers wrote (its checkpoint figures stay)
-                    for sub in ["progress", "joined/", "rdv/", "faults/", "ckpt/"] {
+                    for sub in ["progress", "joined/", "rdv/", "faults/", "ckpt/", "ranks/"] {
                         ops.push(Op::DeletePrefix {
                             prefix: format!("{}{sub}", self.keys.live_job(&spec.name)),
                         });

@@ -571,6 +571,8 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
                 stage_units: chunks_of(g, m).first().copied(),
                 stage_chunks: chunks_of(g, m),
                 spare: m.spare,
+                step_ms: obs.rank_stats.get(&m.rank).map(|s| s.step_ms),
+                compute_ms: obs.rank_stats.get(&m.rank).map(|s| s.compute_ms),
             })
             .collect(),
         _ => Vec::new(),
@@ -625,6 +627,12 @@ struct StateLabel {
 struct ReasonLabels {
     job: String,
     reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RankLabels {
+    job: String,
+    rank: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -685,6 +693,8 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
     let ck_step = Family::<JobLabel, Gauge>::default();
     let ck_total = Family::<OutcomeLabels, Counter>::default();
     let restore = Family::<JobLabel, FGauge>::default();
+    let rank_step = Family::<RankLabels, FGauge>::default();
+    let rank_compute = Family::<RankLabels, FGauge>::default();
     for (name, obs) in jobs_from(&st.store, &[&snaps.jobs, &snaps.live]) {
         let Some(v) = job_view(&name, &obs) else {
             continue;
@@ -696,6 +706,14 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
             })
             .inc();
         world.get_or_create(&job).set(v.world_size as i64);
+        for (rank, s) in &obs.rank_stats {
+            let l = RankLabels {
+                job: name.clone(),
+                rank: rank.to_string(),
+            };
+            rank_step.get_or_create(&l).set(s.step_ms / 1e3);
+            rank_compute.get_or_create(&l).set(s.compute_ms / 1e3);
+        }
         generation.get_or_create(&job).set(v.generation as i64);
         step.get_or_create(&job).set(v.step as i64);
         if let Some(r) = &v.last_reformation {
@@ -738,6 +756,16 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         }
     }
     reg.register("ductile_jobs", "Jobs by state", jobs_by_state);
+    reg.register(
+        "ductile_rank_step_seconds",
+        "Mean wall time per step of each rank of the current generation, over its last report",
+        rank_step,
+    );
+    reg.register(
+        "ductile_rank_compute_seconds",
+        "Mean time per step each rank spent computing (not waiting for its peers): a straggler's is longer",
+        rank_compute,
+    );
     reg.register(
         "ductile_job_world_size",
         "World size of the job's current generation",

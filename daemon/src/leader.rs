@@ -678,6 +678,7 @@ pub fn overlay_live<'a>(
 ) {
     let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
     let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
+    let mut ranks: BTreeMap<String, BTreeMap<u32, RankStats>> = BTreeMap::new();
     for kv in kvs {
         match store.keys.parse(&kv.key) {
             KeyKind::Joined {
@@ -704,10 +705,21 @@ pub fn overlay_live<'a>(
             KeyKind::CheckpointStats { job } => {
                 jobs.entry(job).or_default().checkpoint_stats = decoded(kv, "checkpoint stats")
             }
+            KeyKind::RankStats { job, rank } => {
+                if let Some(r) = decoded::<RankStats>(kv, "rank stats") {
+                    ranks.entry(job).or_default().insert(rank, r);
+                }
+            }
             _ => {}
         }
     }
     for (name, obs) in jobs.iter_mut() {
+        if let Some(((g, _), r)) = obs.generation.as_ref().zip(ranks.remove(name)) {
+            obs.rank_stats = r
+                .into_iter()
+                .filter(|(_, s)| s.generation == g.number)
+                .collect();
+        }
         // `live/` comes through a watch of its own, so a job just resubmitted (its status
         // deleted with its old progress, in one transaction) may still show the previous run's
         // progress here for a moment: a job without a status has no progress of this run yet

@@ -40,6 +40,8 @@ pub struct JobObs {
     pub restarts_used: u32,
     /// The etcd user of the job's workers (etcd auth on).
     pub access: Option<JobAccess>,
+    /// Each rank's step figures in the current generation.
+    pub rank_stats: BTreeMap<u32, RankStats>,
     /// For each (node, slot) of the current generation, the first generation of its unbroken
     /// run of membership (from the history kept in etcd).
     pub member_since: BTreeMap<(String, u32), u64>,

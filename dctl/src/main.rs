@@ -170,9 +170,10 @@ fn print_job(v: &JobView) {
     }
     if !v.members.is_empty() {
         println!(
-            "\n{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8}",
-            "RANK", "NODE", "SLOT", "PID", "DP", "STAGE", "TP", "UNITS"
+            "\n{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8} {:>9} {:>11}",
+            "RANK", "NODE", "SLOT", "PID", "DP", "STAGE", "TP", "UNITS", "STEP_MS", "COMPUTE_MS"
         );
+        let ms = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
         for m in &v.members {
             let (stage, units) = if m.spare {
                 ("spare".to_string(), "-".to_string())
@@ -191,7 +192,7 @@ fn print_job(v: &JobView) {
                 )
             };
             println!(
-                "{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8}",
+                "{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8} {:>9} {:>11}",
                 m.rank,
                 m.node,
                 m.slot,
@@ -199,7 +200,9 @@ fn print_job(v: &JobView) {
                 m.dp_rank,
                 stage,
                 m.tp_rank,
-                units
+                units,
+                ms(m.step_ms),
+                ms(m.compute_ms)
             );
         }
     }

@@ -413,3 +413,50 @@ fn training_a_gpu_slot_without_a_gpu_fails_at_start_with_a_clear_error_and_the_j
     // the agent's log holds the worker's own words
     assert!(c.logs().contains("cannot run on gpunode/0"), "{}", c.logs());
 }
+
+/// A worker slowed 4× (`DUCTILE_SLOWDOWN`, honoured because the job allows fault injection)
+/// stands out in `dctl status` and the metrics: its compute time per step is the longest,
+/// while every rank's wall time per step is the same (they wait for it). Without
+/// `allow_fault_injection` the variable is refused at submit.
+#[test]
+fn training_a_slowed_worker_shows_as_the_straggler_in_status_and_metrics() {
+    let c = Cluster::start(Spec::default().agents(2, 1));
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    let spec = |extra: &str| {
+        format!(
+            "{}max_steps = 1000000\n",
+            training_toml("s", 1, 2, 2, "gpt", &data, extra)
+        )
+    };
+    let p = c.dir.path().join("refused.toml");
+    std::fs::write(&p, spec("env = { DUCTILE_SLOWDOWN = \"1:4\" }")).unwrap();
+    let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
+    assert!(!ok && err.contains("allow_fault_injection"), "{err}");
+    c.submit(&spec(
+        "allow_fault_injection = true\nenv = { DUCTILE_SLOWDOWN = \"1:4\" }",
+    ));
+    c.wait_world("s", 2, S(60));
+    let v = c.wait_for(S(60), "both ranks' step figures", || {
+        Some(c.status("s")).filter(|v| v.members.iter().all(|m| m.compute_ms.is_some()))
+    });
+    let compute = |r: u32| {
+        v.members
+            .iter()
+            .find(|m| m.rank == r)
+            .and_then(|m| m.compute_ms)
+            .unwrap()
+    };
+    assert!(
+        compute(1) > 2.0 * compute(0),
+        "rank 1 is the straggler: {:?}",
+        v.members
+    );
+    let (_, out, _) = c.dctl(&["status", "s"]);
+    assert!(out.contains("COMPUTE_MS"), "{out}");
+    let (code, metrics) = http("GET", &format!("{}/metrics", c.endpoint()), &[], b"").unwrap();
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("ductile_rank_compute_seconds{job=\"s\",rank=\"1\"}"),
+        "{metrics}"
+    );
+}

@@ -131,6 +131,8 @@ pub struct Trainer {
     shapes: Vec<Vec<i64>>,
     /// The TLS of this node's mesh certificate, for a job with `mesh_tls`.
     mesh_tls: Option<Arc<ductile_comm::mesh_tls::MeshTls>>,
+    /// Time spent computing (forward and backward) since the last rank report.
+    computed: Duration,
 }
 
 fn sha256_params(params: &[Tensor]) -> String {
@@ -320,6 +322,7 @@ impl Trainer {
         };
         Ok(Trainer {
             mesh_tls,
+            computed: Duration::ZERO,
             env,
             spec,
             max_size,
@@ -594,6 +597,9 @@ impl Trainer {
         let mut last_report = Instant::now() - Duration::from_secs(2);
         let mut samples_since = 0u64;
         let mut since = Instant::now();
+        // every rank's own figures, every 2 s (a straggler shows in its compute time)
+        let (mut rank_since, mut rank_steps) = (Instant::now(), 0u64);
+        self.computed = Duration::ZERO;
         let mut first_done = false;
         loop {
             if self.spec.max_steps.is_some_and(|m| self.step >= m) {
@@ -673,6 +679,25 @@ impl Trainer {
                 });
             }
             samples_since += self.spec.global_batch as u64;
+            rank_steps += 1;
+            if !pipelined && rank_since.elapsed() >= Duration::from_secs(2) {
+                let n = rank_steps as f64;
+                let s = RankStats {
+                    generation: g.number,
+                    rank,
+                    step: self.step,
+                    step_ms: rank_since.elapsed().as_secs_f64() * 1e3 / n,
+                    compute_ms: self.computed.as_secs_f64() * 1e3 / n,
+                    updated_at_ms: now_ms(),
+                };
+                let (store, job) = (self.store.clone(), self.env.job.clone());
+                self.rt.spawn(async move {
+                    let _ = store
+                        .put_json(&store.keys.rank_stats(&job, rank), &s, None)
+                        .await;
+                });
+                (rank_since, rank_steps, self.computed) = (Instant::now(), 0, Duration::ZERO);
+            }
             if rank == 0 && last_report.elapsed() >= Duration::from_secs(1) {
                 let sps = samples_since as f64 / since.elapsed().as_secs_f64();
                 let p = Progress {
@@ -802,6 +827,15 @@ impl Trainer {
         acc.to_kind(Kind::Float)
     }
 
+    /// This step computed since `t0`: count it (and, for an injected straggler, wait).
+    fn computed_for(&mut self, rank: u32, t0: Instant) {
+        let took = t0.elapsed();
+        if let Some(more) = crate::faults::slowdown(rank, took) {
+            std::thread::sleep(more);
+        }
+        self.computed += t0.elapsed();
+    }
+
     fn train_step(
         &mut self,
         comm: &dyn Communicator,
@@ -810,6 +844,7 @@ impl Trainer {
     ) -> Result<f64, CommError> {
         let b = self.spec.global_batch as u64;
         let world = comm.world();
+        let t0 = Instant::now();
         let flat = if self.spec.deterministic {
             let shards = self.logical_shards();
             let v = shards.len() as u64;
@@ -819,12 +854,14 @@ impl Trainer {
                 let l = self.accumulate(shards[k as usize], g, rank);
                 mine.push((k, self.flat_grads(l, g.number)));
             }
+            self.computed_for(rank, t0);
             comm.ordered_all_reduce(&mine, v)?
         } else {
             self.zero_grads();
             let share = split_batch(b, world)[rank as usize];
             let l = self.accumulate(share, g, rank);
             let mut flat = self.flat_grads(l, g.number);
+            self.computed_for(rank, t0);
             if world > 1 && crate::faults::oversized_frame_now(rank, self.step) {
                 tracing::warn!(
                     step = self.step,
