@@ -172,6 +172,27 @@ enum Cmd {
         #[arg(long, default_value_t = 8)]
         micro_batches: u32,
     },
+    /// Step time of tensor parallelism against data parallelism for one GPT, batch and world
+    /// (ranks are threads of this process with a TCP mesh on loopback).
+    TpStep {
+        #[arg(long, default_value_t = 2)]
+        world: u32,
+        #[arg(long, default_value_t = 256)]
+        d_model: i64,
+        #[arg(long, default_value_t = 4)]
+        n_layer: i64,
+        #[arg(long, default_value_t = 8)]
+        n_head: i64,
+        #[arg(long, default_value_t = 64)]
+        ctx: i64,
+        #[arg(long, default_value_t = 16)]
+        batch: i64,
+        /// Timed steps per mode (after one warm-up).
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// (internal) one rank of `allreduce`.
     #[command(hide = true)]
     AllreduceRank {
@@ -197,6 +218,7 @@ mod allreduce;
 mod checkpoint;
 mod gpu;
 mod pipeline;
+mod tensor;
 mod training;
 
 #[tokio::main]
@@ -239,6 +261,28 @@ async fn main() -> anyhow::Result<()> {
             stop_rounds,
         } => training::recovery(rounds, node_rounds, stop_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::TpStep {
+            world,
+            d_model,
+            n_layer,
+            n_head,
+            ctx,
+            batch,
+            steps,
+            json,
+        } => {
+            tensor::tp_step(tensor::Args {
+                world,
+                d_model,
+                n_layer,
+                n_head,
+                ctx,
+                batch,
+                steps,
+                json,
+            })
+            .await
+        }
         Cmd::Chaos {
             faults,
             seed,

@@ -13,6 +13,7 @@
 pub mod auth;
 pub mod buffer;
 pub mod error;
+pub mod group;
 pub mod liveness;
 pub mod mesh_tls;
 #[cfg(feature = "cuda")]
@@ -23,6 +24,7 @@ pub mod staging;
 pub mod tcp;
 
 pub use error::{CommError, Result};
+pub use group::Group;
 pub use rendezvous::Rendezvous;
 pub use tcp::{AbortHandle, TcpComm, TcpConfig};
 

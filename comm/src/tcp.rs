@@ -1327,6 +1327,70 @@ mod tests {
     /// Over TLS every collective gives what it gives over plain TCP (the small and the ring
     /// paths, broadcasts of any length, point to point), and a quiet mesh stays alive on its
     /// heartbeats, which go through TLS too.
+    /// Two groups of a world of 4, one listing its members out of rank order: each sums in
+    /// its own member order (the same bits on both members), gathers in member order, and a
+    /// group whose peer is gone fails with the error instead of waiting.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn groups_sum_in_member_order_and_fail_when_a_member_is_gone() {
+        use crate::group::Group;
+        let comms: Vec<Arc<dyn Communicator>> = world(&store(), 80, 4, TcpConfig::default())
+            .await
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect();
+        let members = |r: u32| if r < 2 { vec![0, 1] } else { vec![3, 2] };
+        // 4 MiB each: more than a socket buffer, so both members send at once
+        let n = 1 << 20;
+        let value = move |r: u32| {
+            // sums that depend on the order: 1e8 + 1 − 1e8 is 0 in f32, −1e8 + 1 + 1e8 is 0 too,
+            // but 1 + (1e8 − 1e8) is 1
+            let v = [1e8f32, 1.0, -1e8, 1.0][r as usize];
+            tch::Tensor::full([n], v as f64, (tch::Kind::Float, tch::Device::Cpu))
+        };
+        let out = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let g = Group::new(c.clone(), members(c.rank())).unwrap();
+                        let sum = g.all_reduce_sum(&value(c.rank())).unwrap();
+                        let parts = g.all_gather(&value(c.rank())).unwrap();
+                        let max = g.all_reduce_max(&value(c.rank())).unwrap();
+                        (g.rank(), sum, parts, max)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(out[3].0, 0, "rank 3 is the first member of its group");
+        for (r, (_, sum, parts, max)) in out.iter().enumerate() {
+            let ms = members(r as u32);
+            let want = value(ms[0]) + value(ms[1]);
+            assert!(sum.equal(&want), "rank {r}: member-order sum");
+            for (p, m) in parts.iter().zip(&ms) {
+                assert!(p.equal(&value(*m)), "rank {r}: gathered in member order");
+            }
+            assert!(max.equal(&value(ms[0]).maximum(&value(ms[1]))));
+        }
+        assert!(out[0].1.equal(&out[1].1) && out[2].1.equal(&out[3].1));
+        // refused groups
+        for bad in [vec![0, 0, 1], vec![1, 2], vec![0, 9]] {
+            let e = Group::new(comms[0].clone(), bad.clone()).unwrap_err();
+            assert!(matches!(e, CommError::Invalid { .. }), "{bad:?}: {e}");
+        }
+        // a gone member: the other one's collective fails, bounded
+        comms[1].abort();
+        let g = Group::new(comms[0].clone(), vec![0, 1]).unwrap();
+        let t0 = std::time::Instant::now();
+        let mine = value(0);
+        let e = std::thread::spawn(move || g.all_reduce_sum(&mine).unwrap_err())
+            .join()
+            .unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(60), "bounded: {e}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_collective_works_over_tls_and_its_heartbeats_keep_it_alive() {
         let dir = pki("ok");

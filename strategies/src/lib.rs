@@ -3,6 +3,7 @@
 
 pub mod pipeline;
 pub mod redistribute;
+pub mod tensor;
 
 use ductile_cluster::records::Layout;
 

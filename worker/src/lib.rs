@@ -31,6 +31,10 @@ use tokio_util::sync::CancellationToken;
 
 pub use ductile_cluster::records::{EXIT_DONE, EXIT_FENCED, EXIT_TERMINATED};
 
+/// libtorch's random generator is global to the process: unit tests that seed it take turns.
+#[cfg(test)]
+pub(crate) static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The worker's identity, from the agent's environment.
 #[derive(Clone, Debug)]
 pub struct WorkerEnv {

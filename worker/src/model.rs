@@ -8,6 +8,9 @@ use tch::{Kind, Tensor};
 
 use crate::data::Dataset;
 
+mod tp;
+pub use tp::{Shard, Tape};
+
 /// The context length of a GPT job (`model_config.ctx`, default 32; the spec was checked at
 /// submission).
 pub fn ctx(spec: &TrainingSpec) -> usize {
@@ -81,6 +84,8 @@ enum Net {
 pub struct Model {
     pub vs: nn::VarStore,
     net: Net,
+    /// This model's tensor group and slices, once [`Model::shard`]ed.
+    shard: Option<Shard>,
 }
 
 impl Model {
@@ -144,7 +149,11 @@ impl Model {
         if device != tch::Device::Cpu {
             vs.set_device(device);
         }
-        Ok(Model { vs, net })
+        Ok(Model {
+            vs,
+            net,
+            shard: None,
+        })
     }
 
     /// Parameters in name order (the order of state transfer and of the weights hash).

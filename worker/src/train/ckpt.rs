@@ -833,6 +833,7 @@ mod tests {
     /// host path, for several writers of a shard.
     #[test]
     fn gathered_staging_matches_the_plain_shard_bytes() {
+        let _turn = crate::SEEDED.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(3);
         let tensors: Vec<Tensor> = [&[37i64, 5][..], &[11], &[], &[300, 4, 2], &[1]]
             .iter()

@@ -1,0 +1,185 @@
+//! `tp-step`: the step time of tensor parallelism against data parallelism for the same GPT,
+//! global batch and world, on one machine: each rank is a thread with a TCP mesh on loopback
+//! (libtorch on one thread per rank), so what it shows on a small machine is the overhead of
+//! the tensor-parallel collectives (4 activation all-reduces per block forward and backward,
+//! plus the embedding's and the cross-entropy's) against one gradient all-reduce.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ductile_cluster::records::TrainingSpec;
+use ductile_cluster::{Keys, Store};
+use ductile_comm::{Communicator, Group, ReduceOp, Rendezvous, TcpComm, TcpConfig};
+use ductile_worker::data::Dataset;
+use ductile_worker::model::{Model, Tape};
+use tch::{Device, Kind, Tensor};
+
+use crate::median;
+
+pub struct Args {
+    pub world: u32,
+    pub d_model: i64,
+    pub n_layer: i64,
+    pub n_head: i64,
+    pub ctx: i64,
+    pub batch: i64,
+    pub steps: usize,
+    pub json: bool,
+}
+
+async fn mesh(n: u32, generation: u64) -> anyhow::Result<Vec<Arc<dyn Communicator>>> {
+    let store = Store::new(
+        Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+        Keys::default(),
+    );
+    let tasks: Vec<_> = (0..n)
+        .map(|r| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store.ensure_mesh_key("tp-step", generation).await?;
+                let rdv = Rendezvous::new(store, "tp-step", generation, n, r)?;
+                anyhow::Ok(TcpComm::form(&rdv, TcpConfig::default()).await?)
+            })
+        })
+        .collect();
+    let mut out: Vec<Arc<dyn Communicator>> = Vec::new();
+    for t in tasks {
+        out.push(Arc::new(t.await??));
+    }
+    Ok(out)
+}
+
+/// Median step time (forward, backward, collectives; no optimizer) per rank of one mode.
+fn run_mode(
+    a: &Args,
+    comms: &[Arc<dyn Communicator>],
+    tensor_parallel: bool,
+) -> anyhow::Result<f64> {
+    let spec: TrainingSpec = serde_json::from_value(serde_json::json!({
+        "model": "gpt",
+        "model_config": {"d_model": a.d_model, "n_layer": a.n_layer, "n_head": a.n_head,
+                         "ctx": a.ctx, "vocab": 256},
+        "dataset": "file:///unused", "global_batch": a.batch, "seed": 1,
+    }))?;
+    let data = Dataset::Tokens {
+        tokens: Vec::new(),
+        ctx: a.ctx as usize,
+        vocab: 256,
+    };
+    let world = a.world as i64;
+    // data parallel: each rank its share of the batch; tensor parallel: every rank the batch
+    let per_rank = if tensor_parallel {
+        a.batch
+    } else {
+        a.batch / world
+    };
+    let models = (0..a.world)
+        .map(|_| Model::new(&spec, &data, Device::Cpu))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    tch::manual_seed(2);
+    let xy = Tensor::randint(256, [per_rank, a.ctx + 1], (Kind::Int64, Device::Cpu));
+    let (x, y) = (
+        xy.narrow(1, 0, a.ctx).contiguous(),
+        xy.narrow(1, 1, a.ctx).contiguous(),
+    );
+    let times = std::thread::scope(|s| {
+        let hs: Vec<_> = models
+            .into_iter()
+            .zip(comms)
+            .map(|(mut m, c)| {
+                let (x, y) = (x.copy(), y.copy());
+                s.spawn(move || -> anyhow::Result<Vec<f64>> {
+                    let group = Group::new(c.clone(), (0..c.world()).collect())?;
+                    if tensor_parallel {
+                        m.shard(group.clone())?;
+                    }
+                    let mut times = Vec::new();
+                    for step in 0..=a.steps {
+                        let t0 = Instant::now();
+                        for (_, p) in m.params() {
+                            let mut g = p.grad();
+                            if g.defined() {
+                                let _ = g.zero_();
+                            }
+                        }
+                        if tensor_parallel {
+                            let mut tape = Tape::default();
+                            let out = m.forward_tp(0, m.units(), &x, &mut tape)?;
+                            let loss = m.loss_tp(&out, &y, &mut tape)?;
+                            tape.backward(&loss, None, &group)?;
+                        } else {
+                            m.loss_sum(&x, &y).backward();
+                            let grads: Vec<Tensor> =
+                                m.params().iter().map(|(_, p)| p.grad().view(-1)).collect();
+                            let mut flat = Tensor::cat(&grads, 0);
+                            c.all_reduce(&mut flat, ReduceOp::Sum)?;
+                        }
+                        if step > 0 {
+                            times.push(t0.elapsed().as_secs_f64());
+                        }
+                    }
+                    Ok(times)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("a bench rank panicked"))
+            .collect::<anyhow::Result<Vec<_>>>()
+    })?;
+    // a step ends when its slowest rank does
+    let mut per_step: Vec<f64> = (0..a.steps)
+        .map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max))
+        .collect();
+    Ok(median(&mut per_step))
+}
+
+pub async fn tp_step(a: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.world >= 2 && a.n_head % a.world as i64 == 0 && a.batch % a.world as i64 == 0,
+        "--world must be at least 2 and divide --n-head and --batch"
+    );
+    tch::set_num_threads(1);
+    let comms = mesh(a.world, 1).await?;
+    let dp = tokio::task::block_in_place(|| run_mode(&a, &comms, false))?;
+    let tp = tokio::task::block_in_place(|| run_mode(&a, &comms, true))?;
+    // bytes each rank sends per step: the gradient all-reduce (ring) vs the activation ones
+    let params = {
+        let c = a.d_model;
+        a.n_layer * (12 * c * c + 13 * c) + 2 * 256 * c + a.ctx * c + 2 * c
+    } as f64;
+    let w = a.world as f64;
+    let dp_bytes = 2.0 * (w - 1.0) / w * params * 4.0;
+    let act = (a.batch * a.ctx * a.d_model) as f64 * 4.0;
+    // activation-sized: 4 per block (2 forward, 2 backward), the embedding's forward and the
+    // head's backward; each goes to w − 1 peers (the cross-entropy's are a row each)
+    let tp_bytes = (4 * a.n_layer + 2) as f64 * act * (w - 1.0);
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "world": a.world, "d_model": a.d_model, "n_layer": a.n_layer,
+                "batch": a.batch, "ctx": a.ctx,
+                "data_parallel_ms": dp * 1e3, "tensor_parallel_ms": tp * 1e3,
+                "ratio": tp / dp,
+                "data_parallel_bytes_per_rank": dp_bytes, "tensor_parallel_bytes_per_rank": tp_bytes,
+            })
+        );
+    } else {
+        println!(
+            "GPT d_model {} n_layer {} batch {} ctx {} at world {} (forward + backward + collectives, median of {} steps)",
+            a.d_model, a.n_layer, a.batch, a.ctx, a.world, a.steps
+        );
+        println!(
+            "  data parallel:   {:8.2} ms/step  ({:.1} MiB sent per rank)",
+            dp * 1e3,
+            dp_bytes / (1 << 20) as f64
+        );
+        println!(
+            "  tensor parallel: {:8.2} ms/step  ({:.1} MiB sent per rank)  {:.2}x",
+            tp * 1e3,
+            tp_bytes / (1 << 20) as f64,
+            tp / dp
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! Groups: a subset of a generation's ranks (a tensor-parallel group, say) that run collectives
+//! among themselves over the generation's communicator, point to point. Aborting the
+//! generation's communicator aborts every group formed on it.
+//!
+//! A group's all-reduce sums the members' tensors in member order on every member, so every
+//! member ends with the same bits whatever the arrival order (and the same bits as a single
+//! rank folding the same parts in the same order). Tensor-parallel groups are small (2–8
+//! ranks): each member sends its tensor to every other one, which moves (n − 1)/n more bytes
+//! than a ring at n = 2..8 but needs no step ordering and keeps the sum order fixed.
+
+use std::sync::Arc;
+
+use tch::Tensor;
+
+use crate::{CommError, Communicator, Result};
+
+/// A subset of a communicator's ranks.
+#[derive(Clone)]
+pub struct Group {
+    comm: Arc<dyn Communicator>,
+    /// The generation's ranks of the members, in group order.
+    members: Vec<u32>,
+    /// This rank's place in `members`.
+    me: usize,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("members", &self.members)
+            .field("me", &self.me)
+            .finish()
+    }
+}
+
+impl Group {
+    /// The group of `members` (ranks of `comm`, in group order, distinct), which must include
+    /// this rank.
+    pub fn new(comm: Arc<dyn Communicator>, members: Vec<u32>) -> Result<Group> {
+        let invalid = |reason: String| CommError::Invalid {
+            op: "group",
+            reason,
+        };
+        if let Some(r) = members.iter().find(|r| **r >= comm.world()) {
+            return Err(invalid(format!(
+                "rank {r} is outside world size {}",
+                comm.world()
+            )));
+        }
+        let mut sorted = members.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != members.len() {
+            return Err(invalid(format!("members {members:?} repeat a rank")));
+        }
+        let me = members
+            .iter()
+            .position(|r| *r == comm.rank())
+            .ok_or_else(|| {
+                invalid(format!(
+                    "rank {} is not among the members {members:?}",
+                    comm.rank()
+                ))
+            })?;
+        Ok(Group { comm, members, me })
+    }
+
+    /// This rank's place in the group.
+    pub fn rank(&self) -> u32 {
+        self.me as u32
+    }
+
+    pub fn size(&self) -> u32 {
+        self.members.len() as u32
+    }
+
+    /// The generation's ranks of the members, in group order.
+    pub fn members(&self) -> &[u32] {
+        &self.members
+    }
+
+    /// Every member's `t` (same shape and kind everywhere), in group order; this rank's own is
+    /// `t` itself.
+    pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        if self.members.len() == 1 {
+            return Ok(vec![t.shallow_clone()]);
+        }
+        let send = t.contiguous();
+        let others: Vec<(usize, u32)> = self
+            .members
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(i, _)| *i != self.me)
+            .collect();
+        // sends from a thread of their own, so that two members sending each other more than
+        // a socket buffer never wait on each other
+        std::thread::scope(|s| {
+            let (comm, out, peers) = (self.comm.clone(), send.shallow_clone(), others.clone());
+            let sender = s.spawn(move || -> Result<()> {
+                for (_, peer) in peers {
+                    comm.send(&out, peer)?;
+                }
+                Ok(())
+            });
+            let mut parts: Vec<Option<Tensor>> = (0..self.members.len()).map(|_| None).collect();
+            let mut got = Ok(());
+            for (i, peer) in &others {
+                let mut buf = send.zeros_like();
+                match self.comm.recv(&mut buf, *peer) {
+                    Ok(()) => parts[*i] = Some(buf),
+                    Err(e) => {
+                        // the sender may be blocked on this peer: fail it too
+                        self.comm.abort();
+                        got = Err(e);
+                        break;
+                    }
+                }
+            }
+            let sent = sender.join().unwrap_or_else(|_| {
+                Err(CommError::Invalid {
+                    op: "group all_gather",
+                    reason: "the sender thread panicked".into(),
+                })
+            });
+            got?;
+            sent?;
+            parts[self.me] = Some(t.shallow_clone());
+            Ok(parts.into_iter().map(|p| p.unwrap()).collect())
+        })
+    }
+
+    /// Sum of the members' `t`, folded in group order (the same bits on every member); `t`
+    /// keeps its value, the sum is returned.
+    pub fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let parts = self.all_gather(t)?;
+        Ok(fold(&parts))
+    }
+
+    /// Element-wise maximum over the members.
+    pub fn all_reduce_max(&self, t: &Tensor) -> Result<Tensor> {
+        let parts = self.all_gather(t)?;
+        let mut acc = parts[0].copy();
+        for p in &parts[1..] {
+            acc = acc.maximum(p);
+        }
+        Ok(acc)
+    }
+
+    /// Abort the generation's communicator (and with it every group on it).
+    pub fn abort(&self) {
+        self.comm.abort()
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.comm.generation()
+    }
+}
+
+/// `parts[0] + parts[1] + ...`, left to right.
+pub fn fold(parts: &[Tensor]) -> Tensor {
+    let mut acc = parts[0].copy();
+    for p in &parts[1..] {
+        acc += p;
+    }
+    acc
+}

@@ -1,0 +1,556 @@
+//! Tensor parallelism (Megatron-style) on the models of [`super`]: a member of a tensor group
+//! holds its slices of the split parameters ([`ductile_strategies::tensor`] says which) and
+//! runs the layers on them, with the group's collectives where Megatron puts them.
+//!
+//! tch has no custom autograd functions, so the two collectives whose backward differs from
+//! their forward are cuts in the autograd graph, recorded on a [`Tape`]:
+//! - **g** (after a row-parallel layer, the vocab-parallel embedding, the cross-entropy's
+//!   sums): the forward sums the members' partials; the backward passes the gradient through.
+//! - **f** (before a column-parallel layer): the forward passes the activation through; the
+//!   backward sums the members' partial input gradients.
+//!
+//! A cut's output is a fresh leaf. The backward ([`Tape::backward`]) runs the graph after the
+//! last cut, then each cut's source in reverse order with its leaf's gradient (summed over the
+//! group for an f cut), so every segment is walked once. Plain cuts (identity both ways) at
+//! tensors used twice (a block's input, its residual) keep a segment from being walked again.
+//!
+//! Where the gradient of a replicated parameter flows only through replicated activations
+//! after the f cuts (layer norms, biases added after a reduce, the position embedding, an
+//! unsplit MLP layer), every member computes the same bits, so no extra reduce is needed.
+
+use std::ops::Range;
+
+use ductile_comm::{CommError, Group};
+use ductile_strategies::tensor::{held_ranges, mlp_role, split_of, Arch};
+use tch::nn::Module;
+use tch::{Kind, Tensor};
+
+use super::{Model, Net};
+
+/// A member's view of its tensor group.
+pub struct Shard {
+    pub group: Group,
+    pub arch: Arch,
+    /// The vocabulary rows this member holds (GPT).
+    vocab: Range<i64>,
+    /// Heads this member computes (GPT).
+    heads: i64,
+}
+
+struct Cut {
+    source: Tensor,
+    leaf: Tensor,
+    reduce_grad: bool,
+}
+
+/// The cuts of one forward pass, for its backward.
+#[derive(Default)]
+pub struct Tape {
+    cuts: Vec<Cut>,
+}
+
+impl Tape {
+    fn cut(&mut self, source: &Tensor, value: Tensor, reduce_grad: bool) -> Tensor {
+        if !source.requires_grad() {
+            return value;
+        }
+        let leaf = value.detach().set_requires_grad(true);
+        self.cuts.push(Cut {
+            source: source.shallow_clone(),
+            leaf: leaf.shallow_clone(),
+            reduce_grad,
+        });
+        leaf
+    }
+
+    /// Identity both ways (a tensor used twice).
+    fn plain(&mut self, x: &Tensor) -> Tensor {
+        self.cut(x, x.shallow_clone(), false)
+    }
+
+    /// Identity forward, the gradient summed over the group backward.
+    fn f(&mut self, x: &Tensor) -> Tensor {
+        self.cut(x, x.shallow_clone(), true)
+    }
+
+    /// Summed over the group forward, identity backward.
+    fn g(&mut self, x: &Tensor, group: &Group) -> Result<Tensor, CommError> {
+        let sum = group.all_reduce_sum(&x.detach())?;
+        Ok(self.cut(x, sum, false))
+    }
+
+    /// Backward from `out` (a scalar loss when `grad` is `None`, else an activation with the
+    /// gradient `grad`), then through every cut in reverse order. Parameter gradients
+    /// accumulate as with `backward()`.
+    pub fn backward(
+        self,
+        out: &Tensor,
+        grad: Option<&Tensor>,
+        group: &Group,
+    ) -> Result<(), CommError> {
+        backward_with(out, grad);
+        for c in self.cuts.into_iter().rev() {
+            let g = c.leaf.grad();
+            if !g.defined() {
+                // the same on every member: nothing downstream used this leaf
+                continue;
+            }
+            let g = if c.reduce_grad {
+                group.all_reduce_sum(&g)?
+            } else {
+                g
+            };
+            backward_with(&c.source, Some(&g));
+        }
+        Ok(())
+    }
+
+    /// Cuts recorded (none without gradients).
+    pub fn len(&self) -> usize {
+        self.cuts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cuts.is_empty()
+    }
+}
+
+fn backward_with(out: &Tensor, grad: Option<&Tensor>) {
+    match grad {
+        None => out.backward(),
+        // d/d out of sum(out · grad) is grad, exactly
+        Some(g) => (out * g).sum(Kind::Float).backward(),
+    }
+}
+
+/// `x · wᵀ`, without a bias.
+fn mm(x: &Tensor, w: &Tensor) -> Tensor {
+    x.matmul(&w.tr())
+}
+
+impl Model {
+    /// Make this model member `group.rank()` of a tensor group: each split parameter keeps only
+    /// this member's slices (the rest of its storage is released). Every member must start
+    /// from the same full weights (the seed's, or the same restored state).
+    pub fn shard(&mut self, group: Group) -> anyhow::Result<()> {
+        anyhow::ensure!(self.shard.is_none(), "the model is already sharded");
+        let (tp, rank) = (group.size(), group.rank());
+        let arch = self.arch();
+        let check = match (&self.net, arch) {
+            (Net::Gpt { width, vocab, .. }, _) => ductile_strategies::tensor::check_tp(
+                arch,
+                *width as u64,
+                *vocab as u64,
+                4 * *width as u64,
+                tp,
+            ),
+            (Net::Mlp { width, .. }, _) => {
+                ductile_strategies::tensor::check_tp(arch, 0, 0, *width as u64, tp)
+            }
+        };
+        check.map_err(|e| anyhow::anyhow!(e))?;
+        for (name, p) in self.params() {
+            let shape: Vec<u64> = p.size().iter().map(|d| *d as u64).collect();
+            let Some((dim, ranges)) = held_ranges(arch, split_of(arch, &name), &shape, tp, rank)
+            else {
+                continue;
+            };
+            let pieces: Vec<Tensor> = ranges
+                .iter()
+                .map(|r| p.narrow(dim as i64, r.start as i64, (r.end - r.start) as i64))
+                .collect();
+            let mine = Tensor::cat(&pieces, dim as i64).contiguous();
+            let mut p = p;
+            tch::no_grad(|| p.set_data(&mine));
+        }
+        let (vocab, heads) = match &self.net {
+            Net::Gpt { vocab, blocks, .. } => {
+                let r = ductile_strategies::split_range(*vocab as u64, tp, rank);
+                let heads = blocks.first().map(|b| b.heads).unwrap_or(tp as i64);
+                (r.start as i64..r.end as i64, heads / tp as i64)
+            }
+            Net::Mlp { .. } => (0..0, 0),
+        };
+        self.shard = Some(Shard {
+            group,
+            arch,
+            vocab,
+            heads,
+        });
+        Ok(())
+    }
+
+    /// The tensor group this model is a member of, if sharded.
+    pub fn tensor_shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
+    }
+
+    /// The split rules' name for this model.
+    pub fn arch(&self) -> Arch {
+        match &self.net {
+            Net::Gpt { blocks, .. } => Arch::Gpt {
+                heads: blocks.first().map(|b| b.heads as u64).unwrap_or(1),
+            },
+            Net::Mlp { hidden, .. } => Arch::Mlp {
+                layers: hidden.len() as u64,
+            },
+        }
+    }
+
+    /// [`Model::forward_units`] on a sharded model: the GPT's output is this member's
+    /// vocabulary slice of the logits ([`Model::loss_tp`] takes them). The cuts go on `tape`.
+    pub fn forward_tp(
+        &self,
+        a: usize,
+        b: usize,
+        input: &Tensor,
+        tape: &mut Tape,
+    ) -> Result<Tensor, CommError> {
+        let s = self.shard.as_ref().expect("forward_tp on a sharded model");
+        let grp = &s.group;
+        match &self.net {
+            Net::Gpt {
+                tok,
+                pos,
+                blocks,
+                ln_f,
+                head,
+                ..
+            } => {
+                let mut h = input.shallow_clone();
+                let mut mask: Option<Tensor> = None;
+                for u in a..b {
+                    if u == 0 {
+                        let t = h.size()[1];
+                        let positions = Tensor::arange(t, (Kind::Int64, h.device()));
+                        let inside = h.ge(s.vocab.start).logical_and(&h.lt(s.vocab.end));
+                        let local = (&h - s.vocab.start).clamp(0, s.vocab.end - s.vocab.start - 1);
+                        let e = Tensor::embedding(&tok.ws, &local, -1, false, false)
+                            .multiply(&inside.unsqueeze(-1).to_kind(Kind::Float));
+                        h = tape.g(&e, grp)? + pos.forward(&positions);
+                    } else if u <= blocks.len() {
+                        let t = h.size()[1];
+                        let m = mask.get_or_insert_with(|| {
+                            Tensor::ones([t, t], (Kind::Bool, h.device()))
+                                .tril(0)
+                                .logical_not()
+                        });
+                        h = blocks[u - 1].forward_tp(&h, m, s.heads, grp, tape)?;
+                    } else {
+                        let x = tape.f(&h.apply(ln_f));
+                        h = mm(&x, &head.ws);
+                    }
+                }
+                Ok(h)
+            }
+            Net::Mlp { hidden, out, .. } => {
+                let layers = hidden.len() as u64;
+                let mut h = input.shallow_clone();
+                for u in a..b {
+                    h = if u < hidden.len() {
+                        let l = &hidden[u];
+                        match mlp_role(layers, u as u64) {
+                            (true, _) => {
+                                let x = tape.f(&h);
+                                (mm(&x, &l.ws) + l.bs.as_ref().unwrap()).tanh()
+                            }
+                            (_, true) => {
+                                let part = mm(&h, &l.ws);
+                                (tape.g(&part, grp)? + l.bs.as_ref().unwrap()).tanh()
+                            }
+                            _ => h.apply(l).tanh(),
+                        }
+                    } else {
+                        h.apply(out)
+                    };
+                }
+                Ok(h)
+            }
+        }
+    }
+
+    /// [`Model::loss_of`] on a sharded model's output: the GPT's cross-entropy is
+    /// vocab-parallel (the row maxima, the sums of exponentials and the target logits are
+    /// reduced over the group; the full logits are never gathered). Every member gets the
+    /// same loss.
+    pub fn loss_tp(&self, out: &Tensor, y: &Tensor, tape: &mut Tape) -> Result<Tensor, CommError> {
+        let s = self.shard.as_ref().expect("loss_tp on a sharded model");
+        match &self.net {
+            Net::Gpt { .. } => {
+                let t = out.size()[1];
+                let max = s
+                    .group
+                    .all_reduce_max(&out.detach().amax([-1].as_slice(), true))?;
+                // both sums below read `shifted`: a plain cut keeps the head's backward single
+                let shifted = tape.plain(&(out - max));
+                let sum_exp = shifted
+                    .exp()
+                    .sum_dim_intlist([-1].as_slice(), false, Kind::Float);
+                let sum_exp = tape.g(&sum_exp, &s.group)?;
+                let inside = y.ge(s.vocab.start).logical_and(&y.lt(s.vocab.end));
+                let local = (y - s.vocab.start).clamp(0, s.vocab.end - s.vocab.start - 1);
+                let target = shifted
+                    .gather(-1, &local.unsqueeze(-1), false)
+                    .squeeze_dim(-1)
+                    .multiply(&inside.to_kind(Kind::Float));
+                let target = tape.g(&target, &s.group)?;
+                Ok((sum_exp.log() - target).sum(Kind::Float) / t as f64)
+            }
+            Net::Mlp { .. } => Ok(self.loss_of(out, y)),
+        }
+    }
+}
+
+impl super::Block {
+    /// The block on this member's heads and MLP columns; `heads` is this member's head count.
+    fn forward_tp(
+        &self,
+        x: &Tensor,
+        mask: &Tensor,
+        heads: i64,
+        grp: &Group,
+        tape: &mut Tape,
+    ) -> Result<Tensor, CommError> {
+        let (b, t, c) = x.size3().unwrap();
+        let hd = c / self.heads;
+        let x = tape.plain(x);
+        let a = tape.f(&x.apply(&self.ln1));
+        let qkv = mm(&a, &self.qkv.ws) + self.qkv.bs.as_ref().unwrap();
+        let split = qkv.split(heads * hd, 2);
+        let view = |t_: &Tensor| t_.view([b, t, heads, hd]).transpose(1, 2);
+        let (q, k, v) = (view(&split[0]), view(&split[1]), view(&split[2]));
+        let att = (q.matmul(&k.transpose(-2, -1)) / (hd as f64).sqrt())
+            .masked_fill(mask, f64::NEG_INFINITY)
+            .softmax(-1, Kind::Float);
+        let y = att
+            .matmul(&v)
+            .transpose(1, 2)
+            .contiguous()
+            .view([b, t, heads * hd]);
+        let y = tape.g(&mm(&y, &self.proj.ws), grp)? + self.proj.bs.as_ref().unwrap();
+        let x1 = tape.plain(&(x + y));
+        let h = tape.f(&x1.apply(&self.ln2));
+        let h = (mm(&h, &self.fc.ws) + self.fc.bs.as_ref().unwrap()).gelu("none");
+        let h = tape.g(&mm(&h, &self.fc2.ws), grp)? + self.fc2.bs.as_ref().unwrap();
+        Ok(x1 + h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use ductile_cluster::records::TrainingSpec;
+    use ductile_cluster::{Keys, Store};
+    use ductile_comm::{Communicator, Rendezvous, TcpComm, TcpConfig};
+    use ductile_strategies::tensor::held_regions;
+    use tch::Device;
+
+    use super::*;
+    use crate::data::Dataset;
+    use crate::SEEDED;
+
+    /// A TCP mesh of `n` ranks on loopback (a generation of its own per call).
+    async fn mesh(n: u32, generation: u64) -> Vec<Arc<dyn Communicator>> {
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        );
+        let tasks: Vec<_> = (0..n)
+            .map(|r| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    store.ensure_mesh_key("tp", generation).await.unwrap();
+                    let rdv = Rendezvous::new(store, "tp", generation, n, r).unwrap();
+                    TcpComm::form(&rdv, TcpConfig::default()).await.unwrap()
+                })
+            })
+            .collect();
+        let mut out: Vec<Arc<dyn Communicator>> = Vec::new();
+        for t in tasks {
+            out.push(Arc::new(t.await.unwrap()));
+        }
+        out
+    }
+
+    fn spec(json: serde_json::Value) -> TrainingSpec {
+        serde_json::from_value(json).unwrap()
+    }
+
+    fn gpt() -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        let s = spec(serde_json::json!({
+            "model": "gpt",
+            "model_config": {"d_model": 32, "n_layer": 2, "n_head": 4, "ctx": 8, "vocab": 67},
+            "dataset": "file:///unused", "global_batch": 3, "seed": 11,
+        }));
+        let data = Dataset::Tokens {
+            tokens: Vec::new(),
+            ctx: 8,
+            vocab: 67,
+        };
+        tch::manual_seed(5);
+        let xy = Tensor::randint(67, [3, 9], (Kind::Int64, Device::Cpu));
+        let (x, y) = (
+            xy.narrow(1, 0, 8).contiguous(),
+            xy.narrow(1, 1, 8).contiguous(),
+        );
+        (s, data, x, y)
+    }
+
+    fn mlp() -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        let s = spec(serde_json::json!({
+            "model": "mlp",
+            "model_config": {"hidden": 10, "layers": 3},
+            "dataset": "file:///unused", "global_batch": 5, "seed": 3,
+        }));
+        tch::manual_seed(6);
+        let x = Tensor::randn([5, 6], (Kind::Float, Device::Cpu));
+        let y = Tensor::randn([5, 2], (Kind::Float, Device::Cpu));
+        let data = Dataset::Regression {
+            x: x.shallow_clone(),
+            y: y.shallow_clone(),
+        };
+        (s, data, x, y)
+    }
+
+    type Grads = BTreeMap<String, Tensor>;
+
+    fn grads(m: &Model) -> Grads {
+        m.params()
+            .into_iter()
+            .map(|(n, p)| (n, p.grad().copy()))
+            .collect()
+    }
+
+    /// Every member's loss and gradients at `tp`, from models built from the same seed.
+    fn run_tp(
+        comms: &[Arc<dyn Communicator>],
+        make: &dyn Fn() -> (TrainingSpec, Dataset, Tensor, Tensor),
+    ) -> Vec<(f64, Grads, usize)> {
+        let tp = comms.len() as u32;
+        // built one after another: the seed is global to libtorch
+        let models: Vec<(Model, Tensor, Tensor)> = (0..tp)
+            .map(|_| {
+                let (s, d, x, y) = make();
+                (Model::new(&s, &d, Device::Cpu).unwrap(), x, y)
+            })
+            .collect();
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = models
+                .into_iter()
+                .zip(comms)
+                .map(|((mut m, x, y), c)| {
+                    sc.spawn(move || {
+                        let members = (0..tp).collect();
+                        m.shard(Group::new(c.clone(), members).unwrap()).unwrap();
+                        let grp = m.tensor_shard().unwrap().group.clone();
+                        let mut tape = Tape::default();
+                        let out = m.forward_tp(0, m.units(), &x, &mut tape).unwrap();
+                        let loss = m.loss_tp(&out, &y, &mut tape).unwrap();
+                        let cuts = tape.len();
+                        tape.backward(&loss, None, &grp).unwrap();
+                        (loss.double_value(&[]), grads(&m), cuts)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// What member `rank` of `tp` should hold of the full-model tensor `t` named `name`.
+    fn slice_of(arch: Arch, name: &str, t: &Tensor, tp: u32, rank: u32) -> Tensor {
+        let shape: Vec<u64> = t.size().iter().map(|d| *d as u64).collect();
+        let boxes = held_regions(arch, name, &shape, tp, rank);
+        let dim = if split_of(arch, name) == ductile_strategies::tensor::Split::Cols {
+            1
+        } else {
+            0
+        };
+        let pieces: Vec<Tensor> = boxes
+            .iter()
+            .map(|b| {
+                b.iter().enumerate().fold(t.shallow_clone(), |v, (d, r)| {
+                    v.narrow(d as i64, r.start as i64, (r.end - r.start) as i64)
+                })
+            })
+            .collect();
+        Tensor::cat(&pieces, dim)
+    }
+
+    /// Tensor-parallel loss and gradients equal the unsplit model's (to float rounding: the
+    /// sums run in another order), member by member, and replicated parameters' gradients are
+    /// the same bits on every member.
+    async fn matches_the_unsplit_model(
+        make: &dyn Fn() -> (TrainingSpec, Dataset, Tensor, Tensor),
+        tps: &[u32],
+        first_generation: u64,
+    ) {
+        let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+        let (s, d, x, y) = make();
+        let full = Model::new(&s, &d, Device::Cpu).unwrap();
+        let arch = full.arch();
+        let loss = full.loss_sum(&x, &y);
+        loss.backward();
+        let want_loss = loss.double_value(&[]);
+        let want = grads(&full);
+        for (i, &tp) in tps.iter().enumerate() {
+            let comms = mesh(tp, first_generation + i as u64).await;
+            let got = run_tp(&comms, make);
+            for (rank, (l, g, cuts)) in got.iter().enumerate() {
+                assert!(
+                    (l - want_loss).abs() <= 1e-5 * want_loss.abs().max(1.0),
+                    "tp {tp} rank {rank}: loss {l} vs {want_loss}"
+                );
+                assert!(*cuts > 0, "the tape recorded the collectives");
+                for (name, w) in &want {
+                    let mine = &g[name];
+                    let expect = slice_of(arch, name, w, tp, rank as u32);
+                    assert_eq!(mine.size(), expect.size(), "tp {tp} rank {rank}: {name}");
+                    assert!(
+                        mine.allclose(&expect, 1e-4, 1e-6, false),
+                        "tp {tp} rank {rank}: gradient of {name} differs by {}",
+                        (mine - &expect).abs().max().double_value(&[])
+                    );
+                    if split_of(arch, name) == ductile_strategies::tensor::Split::Replicated {
+                        assert!(mine.equal(&got[0].1[name]), "{name}: same bits everywhere");
+                    }
+                }
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tensor_parallel_gpt_computes_the_unsplit_models_loss_and_gradients() {
+        // 67 tokens: no tp divides the vocabulary, nothing is padded
+        matches_the_unsplit_model(&gpt, &[1, 2, 4], 10).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tensor_parallel_mlp_computes_the_unsplit_models_loss_and_gradients() {
+        // 10 hidden units over 3 and 4 members: uneven slices
+        matches_the_unsplit_model(&mlp, &[1, 2, 3, 4], 20).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tp_the_model_cannot_split_into_is_refused() {
+        let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+        let comms = mesh(3, 30).await;
+        let (s, d, _, _) = gpt();
+        let mut m = Model::new(&s, &d, Device::Cpu).unwrap();
+        let e = m
+            .shard(Group::new(comms[0].clone(), vec![0, 1, 2]).unwrap())
+            .unwrap_err();
+        assert!(e.to_string().contains("n_head = 4"), "{e}");
+        assert!(m.tensor_shard().is_none());
+        assert_eq!(
+            m.params()[0].1.numel(),
+            grads_numel(&s, &d, 0),
+            "nothing was sliced"
+        );
+    }
+
+    fn grads_numel(s: &TrainingSpec, d: &Dataset, i: usize) -> usize {
+        Model::new(s, d, Device::Cpu).unwrap().params()[i].1.numel()
+    }
+}
