@@ -30,6 +30,7 @@ use crate::WorkerEnv;
 
 pub mod ckpt;
 pub mod pipe;
+pub mod reshard;
 
 /// The newest generation seen, shared between the async watcher and the training thread.
 #[derive(Default)]

@@ -1,0 +1,383 @@
+//! Moving sliced state between two layouts, live: a rank's local tensor holds one or more boxes
+//! of a logical tensor (a tensor-parallel slice: one box, or one per Q/K/V block),
+//! concatenated along the split dimension. [`move_state`] builds each rank's tensors for its new
+//! boxes from what the ranks hold now, by the redistribution plan: what a rank keeps is copied
+//! in place, the rest comes point to point from a holder as checksummed blobs.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use ductile_comm::{CommError, Communicator};
+use ductile_strategies::redistribute::{self, intersect, Part, Region};
+use tch::{Device, Kind, Tensor};
+
+use super::pipe::{region_of, Outbox};
+use super::{encode_state, load_state};
+
+/// The boxes of a logical tensor a rank's local tensor holds (none: an empty tensor), laid one after another along
+/// `dim` (the other dimensions equal the box's).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    pub boxes: Vec<Region>,
+    pub dim: usize,
+}
+
+impl Holding {
+    /// All of a tensor of `shape`.
+    pub fn whole(shape: &[u64]) -> Holding {
+        Holding {
+            boxes: vec![shape.iter().map(|d| 0..*d).collect()],
+            dim: 0,
+        }
+    }
+
+    /// The shape of the local tensor.
+    pub fn local_shape(&self) -> Vec<i64> {
+        if self.boxes.is_empty() {
+            return vec![0];
+        }
+        let mut shape: Vec<i64> = self.boxes[0]
+            .iter()
+            .map(|r| (r.end - r.start) as i64)
+            .collect();
+        if !shape.is_empty() {
+            shape[self.dim] = self
+                .boxes
+                .iter()
+                .map(|b| (b[self.dim].end - b[self.dim].start) as i64)
+                .sum();
+        }
+        shape
+    }
+
+    /// Where the logical region `r` lies in the local tensor, if one box holds all of it.
+    pub fn local(&self, r: &Region) -> Option<Region> {
+        let mut offset = 0;
+        for b in &self.boxes {
+            if intersect(b, r).as_ref() == Some(r) {
+                return Some(
+                    r.iter()
+                        .zip(b)
+                        .enumerate()
+                        .map(|(d, (x, bx))| {
+                            let o = if d == self.dim { offset } else { 0 };
+                            x.start - bx.start + o..x.end - bx.start + o
+                        })
+                        .collect(),
+                );
+            }
+            offset += b[self.dim].end - b[self.dim].start;
+        }
+        None
+    }
+
+    /// The view of `local` that logical region `r` covers.
+    pub fn view(&self, local: &Tensor, r: &Region) -> Option<Tensor> {
+        self.local(r).map(|l| region_of(local, &l))
+    }
+
+    /// This holding's boxes as parts of tensor `tensor` held by `rank`.
+    pub fn parts(&self, rank: u32, tensor: usize) -> Vec<Part> {
+        self.boxes
+            .iter()
+            .map(|b| Part {
+                rank,
+                tensor,
+                region: b.clone(),
+            })
+            .collect()
+    }
+}
+
+fn protocol(comm: &dyn Communicator, peer: u32, reason: String) -> CommError {
+    CommError::Protocol {
+        generation: comm.generation(),
+        op: "state transfer",
+        peer,
+        reason,
+    }
+}
+
+/// Build this rank's tensors for `new` (one holding per logical tensor) from `old` (its local
+/// tensors with their holdings). `held` and `need` list every rank's old and new boxes (the
+/// same lists on every rank); `elem` the element size of each logical tensor. Returns the new
+/// tensors and the bytes received.
+pub fn move_state(
+    comm: &Arc<dyn Communicator>,
+    step: u64,
+    elem: &[u64],
+    old: &[(Tensor, Holding)],
+    new: &[Holding],
+    held: &[Part],
+    need: &[Part],
+) -> Result<(Vec<Tensor>, usize), CommError> {
+    let me = comm.rank();
+    let plan = redistribute::plan(elem, held, &[], need).map_err(|e| CommError::Invalid {
+        op: "state transfer",
+        reason: format!("plan at step {step}: {e}"),
+    })?;
+    let fresh: Vec<Tensor> = new
+        .iter()
+        .zip(old)
+        .map(|(h, (t, _))| Tensor::zeros(h.local_shape().as_slice(), (t.kind(), t.device())))
+        .collect();
+    // what this rank keeps: its new boxes' overlap with its old ones
+    tch::no_grad(|| {
+        for (i, h) in new.iter().enumerate() {
+            for nb in &h.boxes {
+                for ob in &old[i].1.boxes {
+                    if let Some(r) = intersect(nb, ob) {
+                        let src = old[i].1.view(&old[i].0, &r).expect("inside an old box");
+                        h.view(&fresh[i], &r).expect("inside a new box").copy_(&src);
+                    }
+                }
+            }
+        }
+    });
+    let mut pairs: Vec<(u32, u32)> = Vec::new();
+    for m in &plan.moves {
+        if !pairs.contains(&(m.from, m.to)) {
+            pairs.push((m.from, m.to));
+        }
+    }
+    let of = |pair: (u32, u32)| plan.moves.iter().filter(move |m| (m.from, m.to) == pair);
+    let outbox = Outbox::new(comm.clone());
+    for &(from, to) in pairs.iter().filter(|p| p.0 == me) {
+        let mut ts = Vec::new();
+        for m in of((from, to)) {
+            let (t, h) = &old[m.tensor];
+            let v = h.view(t, &m.region).ok_or_else(|| CommError::Invalid {
+                op: "state transfer",
+                reason: format!(
+                    "the plan has rank {me} send {:?} of tensor {}, which it does not hold",
+                    m.region, m.tensor
+                ),
+            })?;
+            ts.push(v.contiguous());
+        }
+        let refs: Vec<&Tensor> = ts.iter().collect();
+        let blob = encode_state(step, &refs);
+        outbox.send(
+            Tensor::from_data_size(&blob, &[(blob.len() / 4) as i64], Kind::Float),
+            to,
+        );
+    }
+    let mut bytes = 0;
+    for &(from, to) in pairs.iter().filter(|p| p.1 == me) {
+        let mut targets = Vec::new();
+        for m in of((from, to)) {
+            let v = new[m.tensor]
+                .view(&fresh[m.tensor], &m.region)
+                .ok_or_else(|| {
+                    protocol(
+                        comm.as_ref(),
+                        from,
+                        format!(
+                            "region {:?} of tensor {} is not this rank's",
+                            m.region, m.tensor
+                        ),
+                    )
+                })?;
+            targets.push(v);
+        }
+        let len = 24 + targets.iter().map(|t| 8 + 4 * t.numel()).sum::<usize>() + 4;
+        let mut buf = Tensor::zeros([(len / 4) as i64], (Kind::Float, Device::Cpu));
+        comm.recv(&mut buf, from)?;
+        let mut raw = vec![0u8; len];
+        buf.copy_data_u8(&mut raw, buf.numel());
+        bytes += len;
+        // the views write through into `fresh`
+        let got = load_state(&raw, &targets).map_err(|e| protocol(comm.as_ref(), from, e))?;
+        if got != step {
+            return Err(protocol(
+                comm.as_ref(),
+                from,
+                format!("state came at step {got}, expected {step}"),
+            ));
+        }
+    }
+    outbox.finish()?;
+    Ok((fresh, bytes))
+}
+
+/// Every rank's holdings as parts (tensor by tensor), for [`move_state`].
+pub fn all_parts(holdings: &BTreeMap<u32, Vec<Holding>>) -> Vec<Part> {
+    holdings
+        .iter()
+        .flat_map(|(rank, hs)| {
+            hs.iter()
+                .enumerate()
+                .flat_map(move |(t, h)| h.parts(*rank, t))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::Dataset;
+    use crate::model::Model;
+    use ductile_cluster::{Keys, Store};
+    use ductile_comm::{Rendezvous, TcpComm, TcpConfig};
+    use ductile_strategies::tensor::{held_regions, split_of, Arch, Split};
+
+    async fn mesh(n: u32, generation: u64) -> Vec<Arc<dyn Communicator>> {
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            Keys::default(),
+        );
+        let tasks: Vec<_> = (0..n)
+            .map(|r| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    store.ensure_mesh_key("rs", generation).await.unwrap();
+                    let rdv = Rendezvous::new(store, "rs", generation, n, r).unwrap();
+                    TcpComm::form(&rdv, TcpConfig::default()).await.unwrap()
+                })
+            })
+            .collect();
+        let mut out: Vec<Arc<dyn Communicator>> = Vec::new();
+        for t in tasks {
+            out.push(Arc::new(t.await.unwrap()));
+        }
+        out
+    }
+
+    /// Rank `rank`'s holding of each tensor at `dp × tp` (ranks past dp·tp are spares).
+    fn holdings(
+        arch: Arch,
+        names: &[(String, Vec<u64>)],
+        dp: u32,
+        tp: u32,
+        rank: u32,
+    ) -> Vec<Holding> {
+        names
+            .iter()
+            .map(|(name, shape)| {
+                if rank >= dp * tp {
+                    return Holding {
+                        boxes: Vec::new(),
+                        dim: 0,
+                    };
+                }
+                Holding {
+                    boxes: held_regions(arch, name, shape, tp, rank % tp),
+                    dim: usize::from(split_of(arch, name) == Split::Cols),
+                }
+            })
+            .collect()
+    }
+
+    /// Live moves through dp × tp layouts of 4 ranks: after each, every rank holds exactly its
+    /// slices of every parameter (the bits of the full tensors), and a layout that does not
+    /// change moves nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slices_move_between_any_two_tensor_parallel_layouts() {
+        let model = {
+            let _turn = crate::SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+            let spec = serde_json::from_value(serde_json::json!({
+                "model": "gpt",
+                "model_config": {"d_model": 16, "n_layer": 1, "n_head": 4, "ctx": 4, "vocab": 19},
+                "dataset": "file:///unused", "global_batch": 4, "seed": 2,
+            }))
+            .unwrap();
+            let data = Dataset::Tokens {
+                tokens: Vec::new(),
+                ctx: 4,
+                vocab: 19,
+            };
+            Model::new(&spec, &data, Device::Cpu).unwrap()
+        };
+        let arch = model.arch();
+        let full: Vec<(String, Tensor)> = model.params();
+        let names: Vec<(String, Vec<u64>)> = full
+            .iter()
+            .map(|(n, t)| (n.clone(), t.size().iter().map(|d| *d as u64).collect()))
+            .collect();
+        let elem = vec![4u64; full.len()];
+        let comms = mesh(4, 1).await;
+        let expect = |h: &Holding, t: &Tensor| {
+            let pieces: Vec<Tensor> = h.boxes.iter().map(|b| region_of(t, b)).collect();
+            if pieces.is_empty() {
+                Tensor::zeros([0], (Kind::Float, Device::Cpu))
+            } else {
+                Tensor::cat(&pieces, h.dim as i64)
+            }
+        };
+        // every rank starts at dp2 × tp2 with its slices
+        let mut layout = (2u32, 2u32);
+        let mut local: Vec<Vec<Tensor>> = (0..4)
+            .map(|r| {
+                holdings(arch, &names, 2, 2, r)
+                    .iter()
+                    .zip(&full)
+                    .map(|(h, (_, t))| expect(h, t))
+                    .collect()
+            })
+            .collect();
+        for (step, next) in [(1u64, (1u32, 4u32)), (2, (3, 1)), (3, (2, 2)), (4, (2, 2))] {
+            let all = |(dp, tp): (u32, u32)| -> BTreeMap<u32, Vec<Holding>> {
+                (0..4)
+                    .map(|r| (r, holdings(arch, &names, dp, tp, r)))
+                    .collect()
+            };
+            let (old_h, new_h) = (all(layout), all(next));
+            let (held, need) = (all_parts(&old_h), all_parts(&new_h));
+            let out: Vec<(Vec<Tensor>, usize)> = std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .iter()
+                    .map(|c| {
+                        let r = c.rank();
+                        let old: Vec<(Tensor, Holding)> = local[r as usize]
+                            .iter()
+                            .map(|t| t.shallow_clone())
+                            .zip(old_h[&r].clone())
+                            .collect();
+                        let (new, held, need, elem) = (&new_h[&r], &held, &need, &elem);
+                        s.spawn(move || move_state(c, step, elem, &old, new, held, need).unwrap())
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (r, (tensors, bytes)) in out.iter().enumerate() {
+                for (i, t) in tensors.iter().enumerate() {
+                    let want = expect(&new_h[&(r as u32)][i], &full[i].1);
+                    assert!(
+                        t.equal(&want),
+                        "{layout:?} → {next:?}: rank {r} holds the wrong {}",
+                        full[i].0
+                    );
+                }
+                if next == layout {
+                    assert_eq!(*bytes, 0, "nothing moves when the layout stays");
+                }
+            }
+            if next == (3, 1) {
+                assert!(out[3].0.iter().all(|t| t.numel() == 0), "rank 3 is a spare");
+            }
+            local = out.into_iter().map(|(t, _)| t).collect();
+            layout = next;
+        }
+    }
+
+    #[test]
+    fn a_logical_region_maps_into_the_local_tensor_of_concatenated_boxes() {
+        // the fused QKV of 4 heads of width 2 (rows 0..24) at tp 2, member 1: rows 4..8,
+        // 12..16, 20..24 laid one after another
+        let h = Holding {
+            boxes: vec![vec![4..8, 0..3], vec![12..16, 0..3], vec![20..24, 0..3]],
+            dim: 0,
+        };
+        assert_eq!(h.local_shape(), vec![12, 3]);
+        assert_eq!(h.local(&vec![13..15, 1..3]), Some(vec![5..7, 1..3]));
+        assert_eq!(h.local(&vec![20..24, 0..3]), Some(vec![8..12, 0..3]));
+        assert_eq!(h.local(&vec![7..13, 0..3]), None, "spans two boxes");
+        assert_eq!(h.local(&vec![0..2, 0..3]), None, "not held");
+        let cols = Holding {
+            boxes: vec![vec![0..5, 2..4]],
+            dim: 1,
+        };
+        assert_eq!(cols.local_shape(), vec![5, 2]);
+        assert_eq!(cols.local(&vec![1..2, 3..4]), Some(vec![1..2, 1..2]));
+    }
+}
