@@ -169,7 +169,7 @@ fn run_stage(
         t.elapsed().as_secs_f64()
     };
     // the worker's mailbox: each neighbour's messages in its order, early ones kept aside
-    let mut mail = Mailbox::new(schedule, p, m, stage, 0);
+    let mut mail = Mailbox::new(schedule, p, m, stage, 0, 1);
     let ops = stage_ops(schedule, p, m, stage);
     start.wait();
     let t0 = Instant::now();

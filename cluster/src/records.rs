@@ -271,6 +271,10 @@ pub struct TrainingSpec {
     /// Pipeline stages: `"auto"` (the planner chooses per world size) or a number.
     #[serde(default)]
     pub pipeline_parallel: Degree,
+    /// Tensor-parallel group size: 1 (default), a number, or `"auto"` (the planner chooses per
+    /// world size); more than 1 needs `strategy = "hybrid"` or `"auto"`.
+    #[serde(default = "TrainingSpec::one", skip_serializing_if = "Degree::is_one")]
+    pub tensor_parallel: Degree,
     /// Micro-batches per step per data-parallel replica (at least the stages); default four
     /// per stage, at most the replica's samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -410,7 +414,10 @@ impl TrainingSpec {
     }
     /// Whether the planner may cut this job into pipeline stages.
     pub fn pipelined(&self) -> bool {
-        matches!(self.strategy.as_str(), "pipeline" | "auto")
+        matches!(self.strategy.as_str(), "pipeline" | "auto" | "hybrid")
+    }
+    fn one() -> Degree {
+        Degree::Fixed(1)
     }
     fn default_optimizer() -> String {
         "adamw".into()
@@ -612,12 +619,26 @@ impl TrainingSpec {
         one_of(
             "training.strategy",
             &self.strategy,
-            &["data-parallel", "pipeline", "auto"],
-            &[(
-                "hybrid",
-                "needs tensor parallelism, which is not supported yet",
-            )],
+            &["data-parallel", "pipeline", "hybrid", "auto"],
+            &[],
         )?;
+        if self.tensor_parallel != Degree::Fixed(1) {
+            let why = if !matches!(self.strategy.as_str(), "hybrid" | "auto") {
+                Some(format!(
+                    "needs strategy = \"hybrid\" or \"auto\" (strategy is {:?})",
+                    self.strategy
+                ))
+            } else if self.deterministic {
+                Some("cannot be combined with deterministic = true yet (tensor-parallel sums are not folded in a fixed slice order yet)".into())
+            } else if self.comm == "nccl" {
+                Some("runs its tensor groups on the TCP backend for now: use comm = \"tcp\" or \"auto\"".into())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(ClusterError::invalid("training.tensor_parallel", why));
+            }
+        }
         one_of(
             "training.schedule",
             &self.schedule,
@@ -814,6 +835,12 @@ pub enum Degree {
     #[default]
     Auto,
     Fixed(u32),
+}
+
+impl Degree {
+    pub fn is_one(&self) -> bool {
+        *self == Degree::Fixed(1)
+    }
 }
 
 impl Serialize for Degree {

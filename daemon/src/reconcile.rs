@@ -631,12 +631,12 @@ fn build(
                 rank: r as u32,
                 dp_rank: c.map(|c| c.0).unwrap_or(0),
                 pp_stage: c.map(|c| c.1).unwrap_or(0),
-                tp_rank: 0,
+                tp_rank: c.map(|c| c.2).unwrap_or(0),
                 spare: c.is_none(),
             }
         })
         .collect();
-    let mut detail = if layout.pipeline_parallel > 1 {
+    let mut detail = if layout.pipeline_parallel > 1 || layout.tensor_parallel > 1 {
         format!("{detail}; {layout}")
     } else {
         detail
@@ -667,9 +667,9 @@ fn build(
         detail: detail.clone(),
         triggered_at_ms: triggered_at,
         published_at_ms: now,
-        // pipeline stages exchange activations point to point on TCP (staged through host
-        // memory on GPUs) until the NCCL backend groups its sends and receives
-        backend: if layout.pipeline_parallel > 1 || handover {
+        // pipeline stages and tensor groups exchange point to point on TCP (staged through
+        // host memory on GPUs) until the NCCL backend groups its sends and receives
+        backend: if layout.pipeline_parallel > 1 || layout.tensor_parallel > 1 || handover {
             Backend::Tcp
         } else {
             Backend::resolve(
@@ -711,22 +711,33 @@ fn build(
 /// None when every unit has a surviving holder (a generation without stages: every member
 /// holds every unit).
 fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Option<String> {
-    if g.stage_boundaries.len() < 2 {
+    let tp = g.layout.tensor_parallel.max(1);
+    if g.stage_boundaries.len() < 2 && tp == 1 {
         return None;
     }
     let units = ductile_strategies::pipeline::units(t).ok()?;
     let stays = |m: &Member| chosen.iter().any(|(n, s)| *n == m.node && *s == m.slot);
-    let lost: Vec<&str> = (0..units.len() as u32)
-        .filter(|u| {
+    // a unit is lost when one of its tensor slices has no staying holder
+    let lost: Vec<String> = (0..units.len() as u32)
+        .flat_map(|u| (0..tp).map(move |k| (u, k)))
+        .filter(|(u, k)| {
             !g.members.iter().any(|m| {
                 !m.spare
                     && stays(m)
+                    && m.tp_rank == *k
                     && g.stage_chunks(m.pp_stage, units.len() as u32)
                         .iter()
                         .any(|c| c.contains(u))
             })
         })
-        .map(|u| units[u as usize].name.as_str())
+        .map(|(u, k)| {
+            let name = &units[u as usize].name;
+            if tp > 1 {
+                format!("{name} (tensor slice {k} of {tp})")
+            } else {
+                name.clone()
+            }
+        })
         .collect();
     (!lost.is_empty()).then(|| format!("layers {}", lost.join(", ")))
 }

@@ -7,6 +7,8 @@
 //! a stage holds.
 
 use ductile_cluster::records::{Degree, JobSpec, Layout, TrainingSpec};
+
+use crate::tensor::{check_tp, Arch};
 use serde::Serialize;
 
 /// Modelled compute rate of one slot, FLOP/s (a CPU core with one torch thread; only ratios
@@ -353,14 +355,48 @@ pub fn send_order(schedule: &str, p: u32, m: u32, from: u32, to: u32) -> Vec<Msg
 
 /// A member's coordinates: `(dp_rank, pp_stage)`, or None for a spare. Ranks are laid out
 /// `rank = dp_rank · pp + pp_stage`, so the stages of one replica are neighbours.
-pub fn coords(layout: &Layout, rank: u32) -> Option<(u32, u32)> {
-    let pp = layout.pipeline_parallel.max(1);
-    (rank < layout.data_parallel * pp).then(|| (rank / pp, rank % pp))
+pub fn coords(layout: &Layout, rank: u32) -> Option<(u32, u32, u32)> {
+    let (pp, tp) = (
+        layout.pipeline_parallel.max(1),
+        layout.tensor_parallel.max(1),
+    );
+    (rank < layout.data_parallel * pp * tp).then(|| (rank / tp / pp, rank / tp % pp, rank % tp))
+}
+
+/// The tensor-parallel split rules' view of a job's model, and the sizes [`crate::tensor::check_tp`]
+/// checks: (arch, d_model, vocabulary, widest split dimension).
+pub fn arch_of(t: &TrainingSpec) -> Result<(Arch, u64, u64, u64), String> {
+    match t.model.as_str() {
+        "gpt" => {
+            let g = t.gpt_config().map_err(|e| e.to_string())?;
+            Ok((
+                Arch::Gpt {
+                    heads: g.n_head as u64,
+                },
+                g.d_model as u64,
+                // vocab = 0 leaves it to the dataset (as [`units`] estimates it)
+                if g.vocab == 0 { 256 } else { g.vocab as u64 },
+                4 * g.d_model as u64,
+            ))
+        }
+        _ => {
+            let m = t.mlp_config().map_err(|e| e.to_string())?;
+            Ok((
+                Arch::Mlp {
+                    layers: m.layers as u64,
+                },
+                0,
+                0,
+                m.hidden as u64,
+            ))
+        }
+    }
 }
 
 struct Candidate {
     dp: u32,
     pp: u32,
+    tp: u32,
 }
 
 fn model_step(
@@ -369,7 +405,19 @@ fn model_step(
     world: u32,
     c: &Candidate,
 ) -> Result<(Vec<u32>, Vec<StagePlan>, u32, f64), String> {
-    let (dp, pp) = (c.dp, c.pp);
+    let (dp, pp, tp) = (c.dp, c.pp, c.tp);
+    if tp > 1 {
+        let (arch, d_model, vocab, width) = arch_of(t)?;
+        check_tp(arch, d_model, vocab, width, tp)?;
+        if pp > 1 && matches!(arch, Arch::Mlp { .. }) {
+            return Err(format!(
+                "an MLP is not split over {tp} tensor ranks and {pp} stages at once (a stage boundary could fall inside a column/row pair)"
+            ));
+        }
+        if t.deterministic {
+            return Err("deterministic mode does not run tensor parallelism yet".into());
+        }
+    }
     if pp as usize > us.len() {
         return Err(format!("{pp} stages but the model has {} units", us.len()));
     }
@@ -452,8 +500,11 @@ fn model_step(
             chunks,
             units: names.join(" + "),
             params,
-            memory_bytes: params * 4 * (2 + opt_states) + stash * micro * in_flight / v as u64,
-            compute_s: flops * per_replica as f64 / SLOT_FLOPS,
+            // a tensor group splits the parameters, their state, and (by heads and MLP
+            // columns) most of the activations kept for the backward pass
+            memory_bytes: params.div_ceil(tp as u64) * 4 * (2 + opt_states)
+                + stash.div_ceil(tp as u64) * micro * in_flight / v as u64,
+            compute_s: flops * per_replica as f64 / SLOT_FLOPS / tp as f64,
         });
     }
     if let Some(gib) = t.memory_per_slot_gib {
@@ -474,14 +525,26 @@ fn model_step(
     } else {
         0.0
     };
-    let biggest = stages.iter().map(|s| s.params).max().unwrap_or(0);
+    // tensor parallelism: per block and micro-batch, two activation all-reduces forward and two
+    // backward, each sending the activation to the tp − 1 other members
+    let tensor = if tp > 1 {
+        let blocks =
+            us.iter().filter(|u| u.name.starts_with('h')).count().max(1) as f64 / pp as f64;
+        let act = us[0].out_bytes * micro;
+        4.0 * blocks
+            * (m * v) as f64
+            * ((act * (tp as u64 - 1)) as f64 / LINK_BYTES_PER_S + LINK_LATENCY_S)
+    } else {
+        0.0
+    };
+    let biggest = stages.iter().map(|s| s.params).max().unwrap_or(0) / tp as u64;
     let allreduce = if dp > 1 {
         2.0 * (dp - 1) as f64 / dp as f64 * (biggest * 4) as f64 / LINK_BYTES_PER_S
             + 2.0 * (dp - 1) as f64 * LINK_LATENCY_S
     } else {
         0.0
     };
-    Ok((b, stages, m, pipeline + p2p + allreduce))
+    Ok((b, stages, m, pipeline + p2p + allreduce + tensor))
 }
 
 /// The plan for job `t` at `world` ranks.
@@ -490,38 +553,73 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
         return Err("a world has at least one rank".into());
     }
     let us = units(t)?;
-    let max_pp = (us.len() as u32).min(world);
-    let one = |dp: u32, pp: u32| Candidate { dp, pp };
-    let (cands, why): (Vec<Candidate>, String) = match (t.strategy.as_str(), t.pipeline_parallel) {
-        ("data-parallel", _) => (vec![one(world, 1)], "strategy data-parallel".into()),
+    let tps: Vec<u32> = match (t.strategy.as_str(), t.tensor_parallel) {
+        ("data-parallel" | "pipeline", _) => vec![1],
         (_, Degree::Fixed(n)) if n > world => {
             return Err(format!(
-                "{world} ranks cannot host pipeline_parallel = {n} stages"
+                "{world} ranks cannot host tensor_parallel = {n} ranks per group"
             ))
         }
-        (_, Degree::Fixed(n)) => (vec![one(world / n, n)], format!("pipeline_parallel = {n}")),
-        (s, Degree::Auto) => {
-            // one stage only where it may be chosen, or where nothing else fits
-            let single = (s == "auto" || max_pp < 2).then(|| one(world, 1));
-            let cands = single
-                .into_iter()
-                .chain((2..=max_pp).map(|pp| one(world / pp, pp)))
-                .collect();
-            let why = if s == "pipeline" {
-                "pipeline_parallel = auto: the fastest modelled layout with every layer held by two replicas where the world allows it"
-            } else {
-                "strategy auto: the fastest modelled layout"
-            };
-            (cands, why.into())
-        }
+        (_, Degree::Fixed(n)) => vec![n],
+        (_, Degree::Auto) => (1..=world).collect(),
     };
+    let mut cands = Vec::new();
+    let mut why = String::new();
+    for tp in tps {
+        // each tensor group acts as one rank of the data × pipeline layout
+        let groups = world / tp;
+        let max_pp = (us.len() as u32).min(groups);
+        let one = |dp: u32, pp: u32| Candidate { dp, pp, tp };
+        match (t.strategy.as_str(), t.pipeline_parallel) {
+            ("data-parallel", _) => {
+                cands.push(one(world, 1));
+                why = "strategy data-parallel".into();
+            }
+            (_, Degree::Fixed(n)) if n > groups => {
+                if tp == 1 {
+                    return Err(format!(
+                        "{world} ranks cannot host pipeline_parallel = {n} stages"
+                    ));
+                }
+            }
+            (_, Degree::Fixed(n)) => {
+                cands.push(one(groups / n, n));
+                why = format!("pipeline_parallel = {n}");
+            }
+            (s, Degree::Auto) => {
+                // one stage only where it may be chosen, or where nothing else fits
+                if s != "pipeline" || max_pp < 2 {
+                    cands.push(one(groups, 1));
+                }
+                cands.extend((2..=max_pp).map(|pp| one(groups / pp, pp)));
+                why = match s {
+                    "pipeline" => "pipeline_parallel = auto: the fastest modelled layout with every layer held by two replicas where the world allows it".into(),
+                    "hybrid" => "strategy hybrid: the fastest modelled dp × pp × tp layout".into(),
+                    _ => "strategy auto: the fastest modelled layout".into(),
+                };
+            }
+        }
+    }
+    if let (Degree::Fixed(n), true) = (
+        t.tensor_parallel,
+        t.strategy == "hybrid" || t.strategy == "auto",
+    ) {
+        if n > 1 {
+            why.push_str(&format!("; tensor_parallel = {n}"));
+        }
+    }
+    if cands.is_empty() {
+        return Err(format!(
+            "{world} ranks cannot host the fixed degrees of this job"
+        ));
+    }
     let mut scored = Vec::new();
     let mut refused = Vec::new();
     for c in &cands {
         let layout = Layout {
             data_parallel: c.dp,
             pipeline_parallel: c.pp,
-            tensor_parallel: 1,
+            tensor_parallel: c.tp,
         };
         match model_step(t, &us, world, c) {
             Ok(r) => scored.push((c, layout, r)),
@@ -550,8 +648,9 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
         let rb = redundant && b.0.dp < 2;
         ra.cmp(&rb)
             .then(a.2 .3.total_cmp(&b.2 .3))
-            .then((world - a.0.dp * a.0.pp).cmp(&(world - b.0.dp * b.0.pp)))
+            .then((world - a.0.dp * a.0.pp * a.0.tp).cmp(&(world - b.0.dp * b.0.pp * b.0.tp)))
             .then(a.0.pp.cmp(&b.0.pp))
+            .then(a.0.tp.cmp(&b.0.tp))
     });
     let mut it = scored.into_iter();
     let (best, layout, (boundaries, stages, m, step)) = it.next().unwrap();
@@ -564,12 +663,12 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
         })
         .collect();
     runners_up.extend(refused);
-    let spares = world - best.dp * best.pp;
+    let spares = world - best.dp * best.pp * best.tp;
     let mut reason = why;
     if spares > 0 {
         reason.push_str(&format!(
-            "; {spares} spare rank(s): {world} does not split into {} stages",
-            best.pp
+            "; {spares} spare rank(s): {world} does not split into {} stages of {} tensor rank(s)",
+            best.pp, best.tp
         ));
     }
     Ok(Plan {
@@ -596,6 +695,27 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
     };
     if !t.pipelined() {
         return Ok(());
+    }
+    if !t.tensor_parallel.is_one() && spec.checkpoint.is_some() {
+        return Err((
+            "training.tensor_parallel".into(),
+            "checkpoints of tensor-parallel layouts are not written yet: a job with [checkpoint] keeps tensor_parallel = 1 for now".into(),
+        ));
+    }
+    if let Degree::Fixed(n) = t.tensor_parallel {
+        let (arch, d_model, vocab, width) =
+            arch_of(t).map_err(|e| ("training.model_config".to_string(), e))?;
+        check_tp(arch, d_model, vocab, width, n)
+            .map_err(|e| ("training.tensor_parallel".to_string(), e))?;
+        if n > spec.max {
+            return Err((
+                "training.tensor_parallel".into(),
+                format!(
+                    "groups of {n} ranks: no allowed world size in [min, max] = [{}, {}] can host one",
+                    spec.min, spec.max
+                ),
+            ));
+        }
     }
     let us = units(t).map_err(|e| ("training.model_config".to_string(), e))?;
     if let Degree::Fixed(n) = t.pipeline_parallel {
@@ -670,6 +790,7 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     fn gpt(strategy: &str, pp: Degree, layers: i64) -> TrainingSpec {
         serde_json::from_value(serde_json::json!({
@@ -900,8 +1021,8 @@ mod tests {
         assert_eq!(p1.layout.pipeline_parallel, 1);
         assert!(p1.boundaries.is_empty());
         // coordinates
-        assert_eq!(coords(&p4.layout, 3), Some((1, 1)));
-        assert_eq!(coords(&p4.layout, 1), Some((0, 1)));
+        assert_eq!(coords(&p4.layout, 3), Some((1, 1, 0)));
+        assert_eq!(coords(&p4.layout, 1), Some((0, 1, 0)));
         let dp = plan(&gpt("data-parallel", Degree::Auto, 4), 4).unwrap();
         assert_eq!(dp.layout, Layout::data_parallel(4));
     }
@@ -929,5 +1050,75 @@ mod tests {
         assert_eq!(unit_of(&us, "h1.qkv.bias"), Some(2));
         assert_eq!(unit_of(&us, "ln_f.weight"), Some(3));
         assert_eq!(unit_of(&us, "nope.weight"), None);
+    }
+
+    #[test]
+    fn a_fixed_tensor_degree_makes_groups_and_leaves_spares_where_the_world_does_not_divide() {
+        let mut t = gpt("hybrid", Degree::Fixed(1), 2);
+        t.tensor_parallel = Degree::Fixed(2);
+        let p4 = plan(&t, 4).unwrap();
+        assert_eq!(p4.layout.to_string(), "dp2×pp1×tp2");
+        assert_eq!(p4.spares, 0);
+        assert_eq!(coords(&p4.layout, 0), Some((0, 0, 0)));
+        assert_eq!(coords(&p4.layout, 1), Some((0, 0, 1)));
+        assert_eq!(coords(&p4.layout, 3), Some((1, 0, 1)));
+        let p3 = plan(&t, 3).unwrap();
+        assert_eq!(p3.layout.to_string(), "dp1×pp1×tp2");
+        assert_eq!(p3.spares, 1);
+        assert!(p3.reason.contains("1 spare rank(s)"), "{}", p3.reason);
+        assert_eq!(coords(&p3.layout, 2), None, "rank 2 is the spare");
+        // a split rank holds less: parameters and optimizer state are divided over the group
+        let mut one = t.clone();
+        one.tensor_parallel = Degree::Fixed(1);
+        let whole = plan(&one, 2).unwrap();
+        assert!(plan(&t, 2).unwrap().max_memory_bytes < whole.max_memory_bytes);
+        let e = plan(&t, 1).unwrap_err();
+        assert!(e.contains("tensor_parallel = 2"), "{e}");
+        t.tensor_parallel = Degree::Fixed(3);
+        let e = plan(&t, 3).unwrap_err();
+        assert!(e.contains("n_head = 4"), "{e}");
+    }
+
+    #[test]
+    fn auto_tensor_parallelism_splits_only_when_memory_needs_it_and_lists_the_runners_up() {
+        let mut t = gpt("hybrid", Degree::Fixed(1), 2);
+        t.tensor_parallel = Degree::Auto;
+        // a small model: splitting its tensors only adds communication
+        let p = plan(&t, 4).unwrap();
+        assert_eq!(p.layout.tensor_parallel, 1, "{p:?}");
+        let tps: BTreeSet<String> = p.runners_up.iter().map(|r| r.layout.clone()).collect();
+        assert!(
+            tps.contains("dp2×pp1×tp2") && tps.contains("dp1×pp1×tp4"),
+            "{tps:?}"
+        );
+        // a wide one, whose parameters and their state outweigh the activations, on slots
+        // with room for 60% of what a data-parallel rank holds: split it must be
+        t.model_config = Some(
+            serde_json::json!({"d_model": 256, "n_layer": 2, "n_head": 4, "ctx": 16, "vocab": 64}),
+        );
+        let mut dp = t.clone();
+        dp.tensor_parallel = Degree::Fixed(1);
+        let whole = plan(&dp, 4).unwrap().max_memory_bytes as f64 / (1u64 << 30) as f64;
+        t.memory_per_slot_gib = Some(whole * 0.6);
+        let q = plan(&t, 4).unwrap();
+        assert!(
+            q.layout.tensor_parallel > 1 || q.layout.pipeline_parallel > 1,
+            "{:?}",
+            q.layout
+        );
+        assert!(q.max_memory_bytes as f64 <= whole * 0.6 * (1u64 << 30) as f64);
+        // the same inputs, the same choice
+        assert_eq!(plan(&t, 4).unwrap(), q);
+        // an MLP is not split by tensors and stages at once
+        let mut m: TrainingSpec = serde_json::from_value(serde_json::json!({
+            "strategy": "hybrid", "model": "mlp", "model_config": {"hidden": 64, "layers": 4},
+            "dataset": "file:///d", "global_batch": 32, "pipeline_parallel": 2,
+            "tensor_parallel": 2,
+        }))
+        .unwrap();
+        let e = plan(&m, 4).unwrap_err();
+        assert!(e.contains("column/row pair"), "{e}");
+        m.pipeline_parallel = Degree::Fixed(1);
+        assert_eq!(plan(&m, 4).unwrap().layout.to_string(), "dp2×pp1×tp2");
     }
 }

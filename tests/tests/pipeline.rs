@@ -339,8 +339,8 @@ fn pipeline_bad_specs_are_refused_at_submit_naming_the_field() {
             "neither \"auto\" nor a number",
         ),
         (
-            base("strategy = \"hybrid\"\n"),
-            "invalid training.strategy",
+            base("strategy = \"data-parallel\"\ntensor_parallel = 2\n"),
+            "invalid training.tensor_parallel: needs strategy = \"hybrid\" or \"auto\"",
         ),
         (
             base("strategy = \"auto\"\nmemory_per_slot_gib = 0.000001\n"),

@@ -31,6 +31,7 @@ use crate::WorkerEnv;
 pub mod ckpt;
 pub mod pipe;
 pub mod reshard;
+mod tensor;
 
 /// The newest generation seen, shared between the async watcher and the training thread.
 #[derive(Default)]
@@ -134,6 +135,8 @@ pub struct Trainer {
     mesh_tls: Option<Arc<ductile_comm::mesh_tls::MeshTls>>,
     /// Time spent computing (forward and backward) since the last rank report.
     computed: Duration,
+    /// The tensor layout of what this rank holds: (group size, its place in the group).
+    tp_held: (u32, u32),
 }
 
 fn sha256_params(params: &[Tensor]) -> String {
@@ -347,6 +350,7 @@ impl Trainer {
             pending: None,
             received: 0,
             shapes,
+            tp_held: (1, 0),
         })
     }
 
@@ -524,7 +528,9 @@ impl Trainer {
         let comm: &dyn Communicator = arc.as_ref();
         // spares (a layout that leaves ranks idle, or leaving members of a hand-over) take
         // part in the pipeline step's commit
-        let pipelined = g.layout.pipeline_parallel > 1 || g.members.iter().any(|m| m.spare);
+        let pipelined = g.layout.pipeline_parallel > 1
+            || g.layout.tensor_parallel > 1
+            || g.members.iter().any(|m| m.spare);
         let mine = self.params_in(&self.held.clone());
         let held_params: Vec<Tensor> = mine
             .iter()
@@ -560,7 +566,11 @@ impl Trainer {
                 .iter()
                 .map(|r| format!("{}-{}", r.start, r.end))
                 .collect();
-            format!("{}:{}:{}", self.step, hash, chunks.join("+"))
+            let slice = match self.tp_held {
+                (tp, k) if tp > 1 => format!("@{k}/{tp}"),
+                _ => String::new(),
+            };
+            format!("{}:{}:{}{slice}", self.step, hash, chunks.join("+"))
         } else {
             format!("{}:{}", self.step, hash)
         };

@@ -163,21 +163,31 @@ impl Model {
             let mut p = p;
             tch::no_grad(|| p.set_data(&mine));
         }
-        let (vocab, heads) = match &self.net {
-            Net::Gpt { vocab, blocks, .. } => {
-                let r = ductile_strategies::split_range(*vocab as u64, tp, rank);
-                let heads = blocks.first().map(|b| b.heads).unwrap_or(tp as i64);
-                (r.start as i64..r.end as i64, heads / tp as i64)
-            }
-            Net::Mlp { .. } => (0..0, 0),
-        };
-        self.shard = Some(Shard {
-            group,
-            arch,
-            vocab,
-            heads,
-        });
+        self.shard = None;
+        self.set_tensor_group(Some(group));
         Ok(())
+    }
+
+    /// Make this model a member of `group` (or of none) whose parameters already are the
+    /// member's slices (the state moves put them there); nothing is sliced here.
+    pub fn set_tensor_group(&mut self, group: Option<Group>) {
+        self.shard = group.map(|group| {
+            let (tp, rank) = (group.size(), group.rank());
+            let (vocab, heads) = match &self.net {
+                Net::Gpt { vocab, blocks, .. } => {
+                    let r = ductile_strategies::split_range(*vocab as u64, tp, rank);
+                    let heads = blocks.first().map(|b| b.heads).unwrap_or(tp as i64);
+                    (r.start as i64..r.end as i64, heads / tp as i64)
+                }
+                Net::Mlp { .. } => (0..0, 0),
+            };
+            Shard {
+                group,
+                arch: self.arch(),
+                vocab,
+                heads,
+            }
+        });
     }
 
     /// The tensor group this model is a member of, if sharded.

@@ -47,13 +47,13 @@ pub struct Mailbox {
 }
 
 impl Mailbox {
-    /// The mailbox of `stage` of the replica whose stage 0 is rank `replica`.
-    pub fn new(schedule: &str, p: u32, m: u32, stage: u32, replica: u32) -> Mailbox {
+    /// The mailbox of `stage` of the replica whose stage s is rank `replica + s · stride`.
+    pub fn new(schedule: &str, p: u32, m: u32, stage: u32, replica: u32, stride: u32) -> Mailbox {
         let mut expect = BTreeMap::new();
         for from in [(stage + p - 1) % p, (stage + 1) % p] {
             if from != stage {
                 expect.insert(
-                    replica + from,
+                    replica + from * stride,
                     send_order(schedule, p, m, from, stage).into(),
                 );
             }
@@ -372,8 +372,14 @@ impl Trainer {
     ) -> anyhow::Result<Result<(), CommError>> {
         self.received = 0;
         let pend = self.pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
-        // [step, pending step, then HELD_SLOTS (start, end) pairs of the chunks it holds]
-        let mut row = vec![self.step as f64, pend];
+        // [step, pending step, tensor group size and place of what it holds, then HELD_SLOTS
+        // (start, end) pairs of the chunks it holds]
+        let mut row = vec![
+            self.step as f64,
+            pend,
+            self.tp_held.0 as f64,
+            self.tp_held.1 as f64,
+        ];
         for k in 0..HELD_SLOTS {
             let r = self.held.get(k).cloned().unwrap_or(0..0);
             row.extend([r.start as f64, r.end as f64]);
@@ -389,7 +395,7 @@ impl Trainer {
         let flat = Vec::<f64>::try_from(all.flatten(0, -1).to_device(Device::Cpu))?;
         let rows: Vec<Vec<f64>> = flat.chunks(row.len()).map(|c| c.to_vec()).collect();
         let held_by = |r: &[f64]| -> Vec<Range<usize>> {
-            r[2..]
+            r[4..]
                 .chunks(2)
                 .map(|c| c[0] as usize..c[1] as usize)
                 .collect()
@@ -412,6 +418,9 @@ impl Trainer {
                     "applied the pending step its commit completed elsewhere"
                 );
             }
+        }
+        if g.layout.tensor_parallel > 1 || rows.iter().any(|r| r[2] > 1.0) {
+            return self.agree_tp(comm, g, &rows, &held_by, &|r| eff(r) == max, max);
         }
         let units = self.units();
         // what this rank holds once the generation trains: its stage's units (the others'
@@ -511,6 +520,9 @@ impl Trainer {
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> Result<(), CommError> {
+        if self.tp_held.0 > 1 {
+            return self.gather_tp_to_rank0(comm, g);
+        }
         let held: Vec<Part> = g
             .members
             .iter()
@@ -629,11 +641,23 @@ impl Trainer {
             let m = mbs.len() as u32;
             let ops = stage_ops(&self.spec.schedule, p, m, stage);
             let (first, last) = (stage == 0, stage + 1 == p);
-            let replica = me.dp_rank * p;
-            let (prev, next) = (replica + (stage + p - 1) % p, replica + (stage + 1) % p);
+            // rank = (dp_rank · p + stage) · tp + tp_rank: a stage's peers in the replica are
+            // the members of the same place in their tensor groups
+            let tp = g.layout.tensor_parallel.max(1);
+            let at = |d: u32, s: u32| (d * p + s) * tp + me.tp_rank;
+            let replica = at(me.dp_rank, 0);
+            let (prev, next) = (
+                at(me.dp_rank, (stage + p - 1) % p),
+                at(me.dp_rank, (stage + 1) % p),
+            );
+            // a tensor group's members compute the same loss and read the same samples: one
+            // of them counts them
+            let counts = me.tp_rank == 0;
+            let grp = self.model.tensor_shard().map(|s| s.group.clone());
+            let mut tapes: Vec<Option<crate::model::Tape>> = (0..m * v).map(|_| None).collect();
             self.zero_grads();
             let outbox = Outbox::new(comm.clone());
-            let mut mail = Mailbox::new(&self.spec.schedule, p, m, stage, replica);
+            let mut mail = Mailbox::new(&self.spec.schedule, p, m, stage, replica, tp);
             let shape = |msg: Msg| match msg {
                 Msg::Act { mb, chunk } => self
                     .model
@@ -666,10 +690,19 @@ impl Trainer {
                                 .set_requires_grad(true)
                         };
                         let r = &mine[j as usize];
-                        let out = self.model.forward_units(r.start, r.end, &input);
+                        let mut tape = crate::model::Tape::default();
+                        let out = if grp.is_some() {
+                            self.model.forward_tp(r.start, r.end, &input, &mut tape)?
+                        } else {
+                            self.model.forward_units(r.start, r.end, &input)
+                        };
                         if k == last_chunk {
                             let y = self.data.batch(&idx).1.to_device(self.dev);
-                            let l = self.model.loss_of(&out, &y) / b as f64;
+                            let l = if grp.is_some() {
+                                self.model.loss_tp(&out, &y, &mut tape)?
+                            } else {
+                                self.model.loss_of(&out, &y)
+                            } / b as f64;
                             acc += l.detach().to_kind(Kind::Double).reshape([1]);
                             outputs[key(i, j)] = Some(l);
                         } else {
@@ -679,17 +712,23 @@ impl Trainer {
                         if k != 0 {
                             inputs[key(i, j)] = Some(input);
                         }
+                        tapes[key(i, j)] = Some(tape);
                     }
                     Op::Bwd(i, j) => {
                         let k = j * p + stage;
                         let out = outputs[key(i, j)].take().expect("forward before backward");
-                        if k == last_chunk {
-                            out.backward();
+                        let tape = tapes[key(i, j)].take().expect("forward before backward");
+                        let grad = if k == last_chunk {
+                            None
                         } else {
                             let want = Msg::Grad { mb: i, chunk: k };
-                            let grad = mail.recv(comm.as_ref(), next, want, &shape, self.dev)?;
+                            Some(mail.recv(comm.as_ref(), next, want, &shape, self.dev)?)
+                        };
+                        match (&grp, &grad) {
+                            (Some(grp), _) => tape.backward(&out, grad.as_ref(), grp)?,
+                            (None, None) => out.backward(),
                             // d/d(out) of sum(out · grad) is grad, bit for bit
-                            (out * grad).sum(Kind::Float).backward();
+                            (None, Some(gr)) => (out * gr).sum(Kind::Float).backward(),
                         }
                         if let Some(input) = inputs[key(i, j)].take() {
                             outbox.send(input.grad().contiguous(), prev);
@@ -718,7 +757,7 @@ impl Trainer {
             if !self.spec.deterministic {
                 shards.push((0, self.flat_of(&which)));
             }
-            if let (Some(f), true) = (&mut self.ledger, first) {
+            if let (Some(f), true) = (&mut self.ledger, first && counts) {
                 let _ = writeln!(
                     f,
                     "{}",
@@ -727,7 +766,7 @@ impl Trainer {
             }
             // the stage's replicas fold their gradients along a chain in replica order; the
             // last sends the result back to the others
-            let group: Vec<u32> = (0..dp).map(|d| d * p + stage).collect();
+            let group: Vec<u32> = (0..dp).map(|d| at(d, stage)).collect();
             let j = me.dp_rank as usize;
             let mut acc_g = if j > 0 {
                 let mut t = shards[0].1.zeros_like();
@@ -758,7 +797,7 @@ impl Trainer {
                 reduced.push(acc_g.narrow(0, at, k).view(p.size().as_slice()));
                 at += k;
             }
-            if last {
+            if last && counts {
                 loss = f64::try_from(acc.to_device(Device::Cpu)).unwrap_or(f64::NAN);
             }
         }

@@ -1,0 +1,222 @@
+//! Tensor-parallel generations (`tensor_parallel` > 1, alone or with stages): the agreement
+//! moves each rank's slices ([`super::reshard::move_state`]) from the up-to-date holders, and
+//! the model joins its tensor group (the members of its replica and stage, in `tp_rank` order).
+//!
+//! Ranks are laid out `rank = (dp_rank · pp + pp_stage) · tp + tp_rank`: a tensor group is a
+//! run of consecutive ranks (Megatron's order, so a group stays on one node where it fits).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use ductile_cluster::records::{Generation, Member};
+use ductile_comm::{CommError, Communicator, Group};
+use ductile_strategies::redistribute::{self, Part};
+use ductile_strategies::tensor::{held_regions, split_of, Split};
+use tch::Tensor;
+
+use super::pipe::holds_unit;
+use super::reshard::{move_state, Holding};
+use super::Trainer;
+
+impl Trainer {
+    /// The holding of each state tensor (parameters, then optimizer states) of a rank that
+    /// holds the units in `chunks` as member `k` of tensor groups of `tp`.
+    pub(super) fn holdings_of(&self, chunks: &[Range<usize>], tp: u32, k: u32) -> Vec<Holding> {
+        let arch = self.model.arch();
+        let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
+        let of_param: Vec<Holding> = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                if !holds_unit(chunks, self.param_unit[i]) {
+                    return Holding {
+                        boxes: Vec::new(),
+                        dim: 0,
+                    };
+                }
+                let shape: Vec<u64> = self.shapes[i].iter().map(|d| *d as u64).collect();
+                Holding {
+                    boxes: held_regions(arch, name, &shape, tp, k),
+                    dim: usize::from(split_of(arch, name) == Split::Cols),
+                }
+            })
+            .collect();
+        let per = self.opt.state.len() / self.params.len().max(1);
+        let mut out = of_param.clone();
+        for j in 0..self.params.len() * per {
+            out.push(of_param[j / per].clone());
+        }
+        out
+    }
+
+    fn parts_of_holdings(rank: u32, hs: &[Holding]) -> Vec<Part> {
+        hs.iter()
+            .enumerate()
+            .flat_map(|(t, h)| h.parts(rank, t))
+            .collect()
+    }
+
+    /// The tensor group of member `me` in `g` (none without tensor parallelism or for a spare).
+    pub(super) fn tensor_group(
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        me: &Member,
+    ) -> Result<Option<Group>, CommError> {
+        if g.layout.tensor_parallel <= 1 || me.spare {
+            return Ok(None);
+        }
+        let mut peers: Vec<&Member> = g
+            .members
+            .iter()
+            .filter(|m| !m.spare && m.dp_rank == me.dp_rank && m.pp_stage == me.pp_stage)
+            .collect();
+        peers.sort_by_key(|m| m.tp_rank);
+        Group::new(comm.clone(), peers.iter().map(|m| m.rank).collect()).map(Some)
+    }
+
+    /// Replace every state tensor (and each parameter's gradient) by `fresh`, in place, so the
+    /// model's and the optimizer's handles see the new shapes.
+    fn install(&mut self, fresh: Vec<Tensor>) {
+        let n = self.params.len();
+        tch::no_grad(|| {
+            let olds: Vec<Tensor> = self.tensors().iter().map(|t| t.shallow_clone()).collect();
+            for (i, (mut old, new)) in olds.into_iter().zip(fresh).enumerate() {
+                if i < n {
+                    let mut g = old.grad();
+                    if g.defined() {
+                        g.set_data(&new.zeros_like());
+                    }
+                }
+                old.set_data(&new);
+            }
+        });
+    }
+
+    /// The agreement of a generation where tensor slices move (see [`super::pipe`]'s
+    /// `agree`): `rows` are the members' [step, pending, tp, tp_rank, chunks...], `at` says
+    /// whether a row is up to date at step `max`. The outer error stops the worker (a slice
+    /// no one holds: tensor-parallel jobs have no checkpoint to restore it from).
+    pub(super) fn agree_tp(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        rows: &[Vec<f64>],
+        held_by: &dyn Fn(&[f64]) -> Vec<Range<usize>>,
+        at: &dyn Fn(&[f64]) -> bool,
+        max: f64,
+    ) -> anyhow::Result<Result<(), CommError>> {
+        let step = max as u64;
+        let tp = g.layout.tensor_parallel.max(1);
+        let me = g.members.iter().find(|m| m.rank == comm.rank()).unwrap();
+        let new_of = |m: &Member| self.holdings_of(&self.units_of(g, m), tp, m.tp_rank);
+        let need: Vec<Part> = g
+            .members
+            .iter()
+            .flat_map(|m| Self::parts_of_holdings(m.rank, &new_of(m)))
+            .collect();
+        let held: Vec<Part> = rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| at(r))
+            .flat_map(|(rank, r)| {
+                let hs = self.holdings_of(&held_by(r), r[2] as u32, r[3] as u32);
+                Self::parts_of_holdings(rank as u32, &hs)
+            })
+            .collect();
+        let elem = self.elem_sizes();
+        if let Err(e) = redistribute::plan(&elem, &held, &[], &need) {
+            anyhow::bail!(
+                "generation {}: state at step {step} has no holder ({e}) and tensor-parallel jobs have no checkpoint: stopping rather than starting it from the seed",
+                g.number
+            );
+        }
+        let mine = new_of(me);
+        let old: Vec<(Tensor, Holding)> = self
+            .tensors()
+            .into_iter()
+            .map(|t| t.shallow_clone())
+            .zip(self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1))
+            .collect();
+        let t0 = std::time::Instant::now();
+        let (fresh, bytes) = match move_state(comm, step, &elem, &old, &mine, &held, &need) {
+            Ok(r) => r,
+            Err(e) => return Ok(Err(e)),
+        };
+        drop(old);
+        self.install(fresh);
+        let group = match Self::tensor_group(comm, g, me) {
+            Ok(grp) => grp,
+            Err(e) => return Ok(Err(e)),
+        };
+        self.model.set_tensor_group(group);
+        self.step = step;
+        self.received = bytes as u64;
+        self.held = self.units_of(g, me);
+        self.tp_held = (tp, me.tp_rank);
+        tracing::info!(
+            step,
+            bytes,
+            tp,
+            tp_rank = me.tp_rank,
+            ms = t0.elapsed().as_millis() as u64,
+            "tensor slices in place"
+        );
+        Ok(Ok(()))
+    }
+
+    /// Rank 0 gathers every tensor whole (for the final weights hash) from the members holding
+    /// its slices; the others keep theirs.
+    pub(super) fn gather_tp_to_rank0(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> Result<(), CommError> {
+        let (tp, k) = self.tp_held;
+        let holdings: BTreeMap<u32, Vec<Holding>> = g
+            .members
+            .iter()
+            .map(|m| {
+                (
+                    m.rank,
+                    self.holdings_of(&self.units_of(g, m), tp, m.tp_rank),
+                )
+            })
+            .collect();
+        let held: Vec<Part> = holdings
+            .iter()
+            .flat_map(|(r, hs)| Self::parts_of_holdings(*r, hs))
+            .collect();
+        let whole = self.holdings_of(&[0..self.units()], 1, 0);
+        let need = Self::parts_of_holdings(0, &whole);
+        let me = comm.rank();
+        let mine = if me == 0 {
+            whole
+        } else {
+            self.holdings_of(&self.held, tp, k)
+        };
+        let old: Vec<(Tensor, Holding)> = self
+            .tensors()
+            .into_iter()
+            .map(|t| t.shallow_clone())
+            .zip(self.holdings_of(&self.held, tp, k))
+            .collect();
+        let (fresh, _) = move_state(
+            comm,
+            self.step,
+            &self.elem_sizes(),
+            &old,
+            &mine,
+            &held,
+            &need,
+        )?;
+        drop(old);
+        if me == 0 {
+            self.install(fresh);
+            self.model.set_tensor_group(None);
+            self.held = vec![0..self.units()];
+            self.tp_held = (1, 0);
+        }
+        Ok(())
+    }
+}
