@@ -177,3 +177,83 @@ fn slices_agree(c: &Cluster, g: u64, world: u32, tp: u32) {
         "generation {g}, replicas of a slice differ: {ws:?}"
     );
 }
+
+/// `"auto"` tensor and pipeline degrees on slots with room for about 8 MiB: the planner walks
+/// the job through dp2×pp1×tp2 (4 ranks), dp1×pp3×tp1 (3), dp1×pp1×tp2 (2) and back as it is
+/// resized, the state moving between slices and stages each time (hand-overs where a leaver
+/// holds the only copy); every sample is used once. With room for half that, 4 ranks run
+/// stages and tensor groups at once (dp1×pp2×tp2) and the loss falls.
+#[test]
+fn auto_layouts_walk_between_tensor_groups_and_stages_as_the_job_resizes() {
+    let ledger = TempDir::new("tp-auto-ledger");
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        agent_env: vec![(
+            "DUCTILE_LEDGER_DIR".into(),
+            ledger.path().display().to_string(),
+        )],
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "tokens", 30_000);
+    let job = |name: &str, min: u32, steps: u64, gib: f64| {
+        format!(
+            "{}max_steps = {steps}\nstrategy = \"hybrid\"\ntensor_parallel = \"auto\"\npipeline_parallel = \"auto\"\nmemory_per_slot_gib = {gib}\nmodel_config = {{ d_model = 128, n_layer = 2, n_head = 4, ctx = 32, vocab = 256 }}\n",
+            training_toml(name, min, 4, 4, "gpt", &data, "restart_budget = 20")
+        )
+    };
+    let steps = 400u64;
+    c.submit(&job("auto", 2, steps, 0.008));
+    let layout_at = |world: u32| {
+        let plan: serde_json::Value = serde_json::from_str(&c.dctl_ok(&[
+            "plan",
+            "auto",
+            "--world",
+            &world.to_string(),
+            "--json",
+        ]))
+        .unwrap();
+        let l = &plan["layout"];
+        format!(
+            "dp{}×pp{}×tp{}",
+            l["data_parallel"], l["pipeline_parallel"], l["tensor_parallel"]
+        )
+    };
+    assert_eq!(layout_at(4), "dp2×pp1×tp2");
+    assert_eq!(layout_at(3), "dp1×pp3×tp1");
+    assert_eq!(layout_at(2), "dp1×pp1×tp2");
+    c.wait_world("auto", 4, S(30));
+    c.wait_step("auto", 40, S(90));
+    for world in [3u32, 2, 4] {
+        c.dctl_ok(&["scale", "auto", &world.to_string()]);
+        let v = c.wait_world("auto", world, S(90));
+        let l = v.layout.unwrap();
+        assert_eq!(l.to_string(), layout_at(world), "{:?}", c.history("auto"));
+        c.wait_step("auto", c.status("auto").step + 40, S(90));
+    }
+    let done = c.wait_done("auto", S(300));
+    assert_eq!(done.step, steps);
+    let h = c.history("auto");
+    let layouts: BTreeSet<String> = h.iter().map(|g| g.layout.to_string()).collect();
+    assert!(layouts.len() >= 3, "{layouts:?}");
+    assert!(
+        h.iter().all(|g| g.state_source != StateSource::Checkpoint),
+        "no checkpoint anywhere: {h:?}"
+    );
+    let v = ductile_tests::ledger::violations(ledger.path(), steps, (30_000 - 1) / 32, 32);
+    assert!(v.is_empty(), "{v:#?}");
+
+    // stages of tensor groups
+    c.submit(&job("both", 4, 150, 0.004));
+    let v = c.wait_world("both", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp1×pp2×tp2");
+    let early = c.wait_step("both", 1, S(90));
+    let done = c.wait_done("both", S(300));
+    assert!(done.final_weights_sha256.is_some());
+    let last = c.status("both");
+    assert!(
+        last.loss.unwrap() < early.loss.unwrap(),
+        "loss {} → {}",
+        early.loss.unwrap(),
+        last.loss.unwrap()
+    );
+}
