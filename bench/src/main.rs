@@ -141,6 +141,10 @@ enum Cmd {
         /// The GPT's width (4 blocks): 64 is the jobs' default, larger moves more bytes.
         #[arg(long, default_value_t = 64)]
         d_model: u32,
+        /// Run the job as `strategy = "hybrid"` with this tensor_parallel (and one stage):
+        /// the kill then re-plans tensor groups instead of stages.
+        #[arg(long, default_value_t = 1)]
+        tensor_parallel: u32,
     },
     /// The pipeline schedules' measured idle fraction per stage against (p−1)/(m+p−1), with a
     /// calibrated sleep per layer over the TCP backend's point-to-point sends.
@@ -303,7 +307,11 @@ async fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::PipelineRecovery { rounds, d_model } => pipeline::recovery(rounds, d_model).await,
+        Cmd::PipelineRecovery {
+            rounds,
+            d_model,
+            tensor_parallel,
+        } => pipeline::recovery(rounds, d_model, tensor_parallel).await,
         Cmd::Bubble {
             stages,
             micro_batches,

@@ -39,14 +39,21 @@ fn pipeline_job(data: &str, pp: &str, d_model: u32) -> String {
     )
 }
 
-pub async fn recovery(rounds: usize, d_model: u32) -> anyhow::Result<()> {
+pub async fn recovery(rounds: usize, d_model: u32, tp: u32) -> anyhow::Result<()> {
     let c = Cluster::start(Spec {
         restart_backoff_ms: 3000,
         lease_ttl: 2,
         ..Spec::default().agents(2, 2)
     });
     let data = synth(c.dir.path(), "tokens", 200_000);
-    c.submit(&pipeline_job(&data, "\"auto\"", d_model));
+    if tp > 1 {
+        c.submit(&format!(
+            "{}max_steps = 1000000\nstrategy = \"hybrid\"\ntensor_parallel = {tp}\npipeline_parallel = 1\n{GPT4}d_model = {d_model}\n",
+            training_toml("bench", 1, 4, 4, "gpt", &data, "restart_budget = 1000")
+        ));
+    } else {
+        c.submit(&pipeline_job(&data, "\"auto\"", d_model));
+    }
     let cols = ["total", "detect", "plan", "form", "move", "first step"];
     let mut phases: Vec<Vec<f64>> = vec![Vec::new(); cols.len()];
     println!(
@@ -102,7 +109,8 @@ pub async fn recovery(rounds: usize, d_model: u32) -> anyhow::Result<()> {
         })
         .collect();
     println!(
-        "\npipeline re-plan recovery, 4 CPU workers, GPT n_layer 4 d_model {d_model}, pipeline_parallel auto: worker SIGKILL → first step in the new layout, median over {rounds}: {}",
+        "\nre-plan recovery, 4 CPU workers, GPT n_layer 4 d_model {d_model}, {}: worker SIGKILL → first step in the new layout, median over {rounds}: {}",
+        if tp > 1 { format!("hybrid tensor_parallel {tp}") } else { "pipeline_parallel auto".into() },
         med.join(", ")
     );
     Ok(())
