@@ -53,7 +53,7 @@ impl ShardLayout {
         ShardLayout::with_chunks(tensors, world, rank, chunks)
     }
 
-    fn with_chunks(
+    pub fn with_chunks(
         tensors: &[TensorMeta],
         world: u32,
         rank: u32,

@@ -806,7 +806,7 @@ pub enum StateSource {
 }
 
 /// One (node, slot) of a generation, its rank and its coordinates in the generation's layout
-/// (`rank = dp_rank · pipeline_parallel + pp_stage` while `tensor_parallel` is 1). A spare is
+/// (`rank = (dp_rank · pipeline_parallel + pp_stage) · tensor_parallel + tp_rank`). A spare is
 /// a member the plan leaves idle (it holds no layer and computes nothing until a later plan
 /// gives it a stage).
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

@@ -82,6 +82,24 @@ impl Group {
     /// Every member's `t` (same shape and kind everywhere), in group order; this rank's own is
     /// `t` itself.
     pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        let shapes = vec![t.size(); self.members.len()];
+        self.all_gather_shaped(t, &shapes)
+    }
+
+    /// Every member's `t` in group order, member i's of shape `shapes[i]` (uneven slices).
+    pub fn all_gather_shaped(&self, t: &Tensor, shapes: &[Vec<i64>]) -> Result<Vec<Tensor>> {
+        if shapes.len() != self.members.len() || shapes[self.me] != t.size() {
+            return Err(CommError::Invalid {
+                op: "group all_gather",
+                reason: format!(
+                    "{} shapes for {} members, this member's {:?} for a tensor of {:?}",
+                    shapes.len(),
+                    self.members.len(),
+                    shapes.get(self.me),
+                    t.size()
+                ),
+            });
+        }
         if self.members.len() == 1 {
             return Ok(vec![t.shallow_clone()]);
         }
@@ -106,7 +124,7 @@ impl Group {
             let mut parts: Vec<Option<Tensor>> = (0..self.members.len()).map(|_| None).collect();
             let mut got = Ok(());
             for (i, peer) in &others {
-                let mut buf = send.zeros_like();
+                let mut buf = Tensor::zeros(shapes[*i].as_slice(), (send.kind(), send.device()));
                 match self.comm.recv(&mut buf, *peer) {
                     Ok(()) => parts[*i] = Some(buf),
                     Err(e) => {

@@ -696,12 +696,6 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
     if !t.pipelined() {
         return Ok(());
     }
-    if !t.tensor_parallel.is_one() && spec.checkpoint.is_some() {
-        return Err((
-            "training.tensor_parallel".into(),
-            "checkpoints of tensor-parallel layouts are not written yet: a job with [checkpoint] keeps tensor_parallel = 1 for now".into(),
-        ));
-    }
     if let Degree::Fixed(n) = t.tensor_parallel {
         let (arch, d_model, vocab, width) =
             arch_of(t).map_err(|e| ("training.model_config".to_string(), e))?;

@@ -257,3 +257,49 @@ fn auto_layouts_walk_between_tensor_groups_and_stages_as_the_job_resizes() {
         last.loss.unwrap()
     );
 }
+
+/// A checkpoint written by tensor groups (dp2×tp2: each member of replica 0 writes row
+/// ranges of the logical tensors; column-split ones gathered over its group) restores into
+/// another layout: a data-parallel job reads exactly the weights the tensor-parallel job
+/// ended with (its final hash, from the restored state), and a dp1×tp2 job restores it too.
+#[test]
+fn tensor_parallel_checkpoints_restore_into_other_layouts_bit_for_bit() {
+    let c = Cluster::start(Spec::default().agents(2, 2));
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let ckpt = TempDir::new("tp-ckpt");
+    let url = format!("file://{}/a", ckpt.path().display());
+    let job = |name: &str, desired: u32, extra: &str| {
+        format!(
+            "{}max_steps = 60\n{extra}\n[checkpoint]\nurl = \"{url}\"\ninterval = 60\n",
+            training_toml(name, 1, 4, desired, "gpt", &data, "")
+        )
+    };
+    c.submit(&job(
+        "tp",
+        4,
+        "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1",
+    ));
+    let v = c.wait_world("tp", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp1×tp2");
+    let written = c.wait_done("tp", S(180)).final_weights_sha256.unwrap();
+    // the commit at step 60 is the state the job ended with: a job that restores it is done
+    // at once, and its final hash is over the restored weights
+    c.submit(&job("dp", 3, "strategy = \"data-parallel\""));
+    let restored = c.wait_done("dp", S(120));
+    assert_eq!(restored.step, 60);
+    assert!(c.logs().contains("restored checkpoint step 60"));
+    assert_eq!(restored.final_weights_sha256.unwrap(), written);
+    c.submit(&job(
+        "tp3",
+        3,
+        "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1",
+    ));
+    let back = c.wait_done("tp3", S(120));
+    assert_eq!(back.step, 60);
+    assert_eq!(back.final_weights_sha256.unwrap(), written);
+    assert_eq!(
+        c.history("tp3")[0].layout.to_string(),
+        "dp1×pp1×tp2",
+        "restored into a tensor group"
+    );
+}

@@ -177,11 +177,26 @@ impl StagePlan {
     /// `gather_all` gathers host parts too (the tests check the device path that way on
     /// machines without a GPU).
     pub fn new(layout: ShardLayout, tensors: &[Tensor], gather_all: bool, chunk: u64) -> StagePlan {
+        let parts = layout
+            .placed
+            .iter()
+            .map(|p| part_of(&tensors[p.tensor], p))
+            .collect();
+        StagePlan::from_parts(layout, parts, gather_all, chunk)
+    }
+
+    /// The plan when the caller has each placed chunk's data already (`parts[i]` for
+    /// `layout.placed[i]`, of its rows).
+    pub fn from_parts(
+        layout: ShardLayout,
+        parts: Vec<Tensor>,
+        gather_all: bool,
+        chunk: u64,
+    ) -> StagePlan {
         let (mut runs, mut host) = (Vec::new(), Vec::new());
         let mut reusable = true;
         let mut cur: Option<(u64, u64, Vec<Tensor>)> = None;
-        for p in &layout.placed {
-            let part = part_of(&tensors[p.tensor], p);
+        for (p, part) in layout.placed.iter().zip(parts) {
             if part.device() == tch::Device::Cpu && !gather_all {
                 host.push((p.start, p.end, part));
                 continue;
@@ -396,13 +411,39 @@ impl Trainer {
         let ck = self.ckpt.as_mut().unwrap();
         // the plan is kept while the world and rank stay (the state is updated in place)
         let same = |p: &StagePlan| p.reusable && (p.layout.world, p.layout.rank) == (world, rank);
-        if !ck.plan.as_ref().is_some_and(same) {
+        if self.tp_held.0 <= 1 && !ck.plan.as_ref().is_some_and(same) {
             let layout = match &ck.owners {
                 Some(o) => ShardLayout::by_owner(&ck.metas, o, world, rank),
                 None => ShardLayout::new(&ck.metas, world, rank),
             };
             ck.plan = Some(StagePlan::new(layout, &tensors, false, STAGE_CHUNK));
         }
+        if self.tp_held.0 > 1 {
+            // tensor groups: each member of replica 0 writes row ranges of the logical tensors
+            let parts = match self.tp_save_parts(g, rank) {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!(
+                        "checkpoint step {}: rank {rank}: tensor slices not gathered, no save: {e}",
+                        self.step
+                    );
+                    return;
+                }
+            };
+            let ck = self.ckpt.as_mut().unwrap();
+            let chunks = parts.iter().map(|(c, _)| *c).collect();
+            let layout = ShardLayout::with_chunks(&ck.metas, world, rank, chunks);
+            let mut plan = StagePlan::from_parts(
+                layout,
+                parts.into_iter().map(|(_, t)| t).collect(),
+                false,
+                STAGE_CHUNK,
+            );
+            // the slices are gathered anew for every save
+            plan.reusable = false;
+            ck.plan = Some(plan);
+        }
+        let ck = self.ckpt.as_mut().unwrap();
         let plan = ck.plan.as_ref().unwrap();
         let data = if let tch::Device::Cuda(index) = self.dev {
             pinned_stage(&mut ck.pinned, plan, index)
@@ -685,6 +726,7 @@ impl Trainer {
             // what this rank read: into its own tensors where it needs it, and kept to serve
             // the other ranks that need it
             let targets = self.state_tensors();
+            let slices = self.slice_holdings();
             let mut read = std::collections::BTreeMap::new();
             let mine: Vec<&Part> = need.iter().filter(|n| n.rank == rank).collect();
             for (c, bytes) in p.reads_of(rank).into_iter().zip(got.unwrap()) {
@@ -699,8 +741,13 @@ impl Trainer {
                 for n in mine.iter().filter(|n| n.tensor == chunk.tensor) {
                     if let Some(x) = intersect(&n.region, &chunk.region) {
                         tch::no_grad(|| {
-                            region_of(&targets[chunk.tensor], &x)
-                                .copy_(&region_of(&src, &relative(&x, &chunk.region)));
+                            super::tensor::state_view(
+                                &targets,
+                                slices.as_deref(),
+                                chunk.tensor,
+                                &x,
+                            )
+                            .copy_(&region_of(&src, &relative(&x, &chunk.region)));
                         });
                     }
                 }
@@ -718,6 +765,11 @@ impl Trainer {
                 "restored this rank's share"
             );
             self.step = m.step;
+            // that step is committed already: a save due at it (a job restored at its last
+            // step) would only write it again
+            if let Some(ck) = &mut self.ckpt {
+                ck.saved_step = Some(m.step);
+            }
             let secs = t0.elapsed().as_secs_f64();
             if rank == 0 {
                 println!(

@@ -259,7 +259,7 @@ impl Trainer {
 
     /// The parameter state tensor `t` belongs to (the parameters, then the optimizer's states,
     /// `per` of them per parameter in parameter order).
-    fn param_of(&self, t: usize) -> usize {
+    pub(super) fn param_of(&self, t: usize) -> usize {
         let p = self.params.len();
         let per = (self.opt.state.len() / p.max(1)).max(1);
         if t < p {
@@ -313,6 +313,10 @@ impl Trainer {
             .into_iter()
             .map(|t| t.shallow_clone())
             .collect();
+        // a rank holding tensor slices maps logical regions into its local tensors
+        let slices = self.slice_holdings();
+        let view =
+            |t: usize, r: &Region| super::tensor::state_view(&state, slices.as_deref(), t, r);
         let mut pairs: Vec<(u32, u32)> = Vec::new();
         for m in moves {
             if !pairs.contains(&(m.from, m.to)) {
@@ -324,7 +328,7 @@ impl Trainer {
         for &(from, to) in pairs.iter().filter(|p| p.0 == me) {
             let ts: Vec<Tensor> = of((from, to))
                 .map(|m| match m.via {
-                    None => region_of(&state[m.tensor], &m.region).contiguous(),
+                    None => view(m.tensor, &m.region).contiguous(),
                     Some(c) => {
                         let (at, t) = &read[&c];
                         region_of(t, &relative(&m.region, at)).contiguous()
@@ -339,9 +343,7 @@ impl Trainer {
         }
         let mut bytes = 0;
         for &(from, to) in pairs.iter().filter(|p| p.1 == me) {
-            let targets: Vec<Tensor> = of((from, to))
-                .map(|m| region_of(&state[m.tensor], &m.region))
-                .collect();
+            let targets: Vec<Tensor> = of((from, to)).map(|m| view(m.tensor, &m.region)).collect();
             let len = Self::blob_len(&targets);
             let mut buf = Tensor::zeros([(len / 4) as i64], (Kind::Float, Device::Cpu));
             comm.recv(&mut buf, from)?;

@@ -95,8 +95,10 @@ impl Trainer {
 
     /// The agreement of a generation where tensor slices move (see [`super::pipe`]'s
     /// `agree`): `rows` are the members' [step, pending, tp, tp_rank, chunks...], `at` says
-    /// whether a row is up to date at step `max`. The outer error stops the worker (a slice
-    /// no one holds: tensor-parallel jobs have no checkpoint to restore it from).
+    /// whether a row is up to date at step `max`. A cold start takes the seed's slices, then
+    /// the latest checkpoint's if there is one; a slice no live rank holds makes every rank
+    /// restore its slices from the checkpoint. The outer error stops the worker (no holder and
+    /// no checkpoint).
     pub(super) fn agree_tp(
         &mut self,
         comm: &Arc<dyn Communicator>,
@@ -125,13 +127,40 @@ impl Trainer {
             })
             .collect();
         let elem = self.elem_sizes();
-        if let Err(e) = redistribute::plan(&elem, &held, &[], &need) {
-            anyhow::bail!(
-                "generation {}: state at step {step} has no holder ({e}) and tensor-parallel jobs have no checkpoint: stopping rather than starting it from the seed",
-                g.number
-            );
-        }
         let mine = new_of(me);
+        if let Err(e) = redistribute::plan(&elem, &held, &[], &need) {
+            if self.ckpt.is_none() {
+                anyhow::bail!(
+                    "generation {}: state at step {step} has no holder ({e}) and the job has no checkpoint: stopping rather than starting it from the seed",
+                    g.number
+                );
+            }
+            if comm.rank() == 0 {
+                println!("state at step {step} has no holder ({e}): every rank restores its slices from the latest checkpoint");
+            }
+            let fresh = self
+                .tensors()
+                .iter()
+                .zip(&mine)
+                .map(|(t, h)| Tensor::zeros(h.local_shape().as_slice(), (t.kind(), t.device())))
+                .collect();
+            self.install(fresh);
+            self.held = self.units_of(g, me);
+            self.tp_held = (tp, me.tp_rank);
+            self.step = 0;
+            self.pending = None;
+            match Self::tensor_group(comm, g, me) {
+                Ok(grp) => self.model.set_tensor_group(grp),
+                Err(e) => return Ok(Err(e)),
+            }
+            let r = self.restore(comm, &need)?;
+            if r.is_ok() && self.step == 0 {
+                anyhow::bail!(
+                    "state at step {step} has no holder and the checkpoint URL holds no commit: stopping rather than starting it from the seed"
+                );
+            }
+            return Ok(r);
+        }
         let old: Vec<(Tensor, Holding)> = self
             .tensors()
             .into_iter()
@@ -162,6 +191,10 @@ impl Trainer {
             ms = t0.elapsed().as_millis() as u64,
             "tensor slices in place"
         );
+        if step == 0 && self.ckpt.is_some() {
+            // a cold start: the seed's slices, unless the checkpoint holds a commit
+            return Ok(self.restore(comm, &need)?);
+        }
         Ok(Ok(()))
     }
 
@@ -218,5 +251,107 @@ impl Trainer {
             self.tp_held = (1, 0);
         }
         Ok(())
+    }
+}
+
+/// A chunk of a checkpoint shard: (state tensor, first row, rows), with its data.
+pub(super) type RowChunk = ((usize, u64, u64), Tensor);
+
+impl Trainer {
+    /// What this rank writes in a checkpoint of a tensor-parallel generation: the members of
+    /// replica 0 write, each its row ranges of the logical tensors (the manifest stays
+    /// layout-free). Row-split tensors (and each of Q, K, V) are the member's own rows; a
+    /// replicated tensor is written by the group's first member; a column-split one is
+    /// gathered over the group and each member writes its share of the rows, whole.
+    pub(super) fn tp_save_parts(
+        &self,
+        g: &Generation,
+        rank: u32,
+    ) -> Result<Vec<RowChunk>, CommError> {
+        let Some(me) = g.members.iter().find(|m| m.rank == rank) else {
+            return Ok(Vec::new());
+        };
+        if me.spare || me.dp_rank != 0 {
+            return Ok(Vec::new());
+        }
+        let (tp, k) = self.tp_held;
+        let grp = self
+            .model
+            .tensor_shard()
+            .map(|s| s.group.clone())
+            .ok_or_else(|| CommError::Invalid {
+                op: "checkpoint",
+                reason: "a tensor-parallel rank without its tensor group".into(),
+            })?;
+        let arch = self.model.arch();
+        let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
+        let hs = self.holdings_of(&self.held, tp, k);
+        let tensors: Vec<Tensor> = self.tensors().iter().map(|t| t.shallow_clone()).collect();
+        let mut out = Vec::new();
+        for (t, h) in hs.iter().enumerate() {
+            if h.boxes.is_empty() {
+                continue;
+            }
+            let i = self.param_of(t);
+            let full = &self.shapes[i];
+            let local = &tensors[t];
+            match split_of(arch, &names[i]) {
+                Split::Replicated => {
+                    if k == 0 {
+                        out.push(((t, 0, full[0] as u64), local.shallow_clone()));
+                    }
+                }
+                Split::Rows | Split::HeadRows { .. } => {
+                    for b in &h.boxes {
+                        let v = h.view(local, b).expect("a held box");
+                        out.push(((t, b[0].start, b[0].end - b[0].start), v));
+                    }
+                }
+                Split::Cols => {
+                    let shapes: Vec<Vec<i64>> = (0..tp)
+                        .map(|j| {
+                            let c = ductile_strategies::split_range(full[1] as u64, tp, j);
+                            let mut s = full.clone();
+                            s[1] = (c.end - c.start) as i64;
+                            s
+                        })
+                        .collect();
+                    let all = grp.all_gather_shaped(&local.contiguous(), &shapes)?;
+                    let rows = ductile_strategies::split_range(full[0] as u64, tp, k);
+                    if rows.end > rows.start {
+                        let n = (rows.end - rows.start) as i64;
+                        let pieces: Vec<Tensor> = all
+                            .iter()
+                            .map(|p| p.narrow(0, rows.start as i64, n))
+                            .collect();
+                        out.push((
+                            (t, rows.start, rows.end - rows.start),
+                            Tensor::cat(&pieces, 1),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Trainer {
+    /// This rank's holdings when it holds tensor slices (`None`: whole tensors).
+    pub(super) fn slice_holdings(&self) -> Option<Vec<Holding>> {
+        (self.tp_held.0 > 1).then(|| self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1))
+    }
+}
+
+/// The view of local state tensor `t` that logical region `r` covers.
+pub(super) fn state_view(
+    state: &[Tensor],
+    holdings: Option<&[Holding]>,
+    t: usize,
+    r: &ductile_strategies::redistribute::Region,
+) -> Tensor {
+    match holdings {
+        Some(h) => h[t].view(&state[t], r).expect("a region this rank holds"),
+        None => super::pipe::region_of(&state[t], r),
     }
 }
