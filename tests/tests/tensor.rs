@@ -258,16 +258,19 @@ fn auto_layouts_walk_between_tensor_groups_and_stages_as_the_job_resizes() {
     );
 }
 
-/// A checkpoint written by tensor groups (dp2×tp2: each member of replica 0 writes row
+/// A checkpoint written by tensor groups on S3 (dp2×tp2: each member of replica 0 writes row
 /// ranges of the logical tensors; column-split ones gathered over its group) restores into
-/// another layout: a data-parallel job reads exactly the weights the tensor-parallel job
-/// ended with (its final hash, from the restored state), and a dp1×tp2 job restores it too.
+/// another layout: a data-parallel job reads exactly the weights and optimizer state the
+/// tensor-parallel job ended with (their final hashes, from the restored state), and a dp1×tp2
+/// job restores them too.
 #[test]
 fn tensor_parallel_checkpoints_restore_into_other_layouts_bit_for_bit() {
-    let c = Cluster::start(Spec::default().agents(2, 2));
+    let c = Cluster::start(Spec {
+        s3: true,
+        ..Spec::default().agents(2, 2)
+    });
     let data = synth(c.dir.path(), "tokens", 20_000);
-    let ckpt = TempDir::new("tp-ckpt");
-    let url = format!("file://{}/a", ckpt.path().display());
+    let url = format!("s3://{}/jobs/tp", c.s3.as_ref().unwrap().bucket);
     let job = |name: &str, desired: u32, extra: &str| {
         format!(
             "{}max_steps = 60\n{extra}\n[checkpoint]\nurl = \"{url}\"\ninterval = 60\n",
@@ -302,4 +305,15 @@ fn tensor_parallel_checkpoints_restore_into_other_layouts_bit_for_bit() {
         "dp1×pp1×tp2",
         "restored into a tensor group"
     );
+    // and the optimizer state: rank 0 of each job hashed all of it at the end
+    let logs = c.logs();
+    let opt = |job: &str| {
+        logs.lines()
+            .find(|l| l.contains("optimizer state sha256") && l.contains(&format!("job={job} ")))
+            .and_then(|l| l.split("optimizer state sha256 ").nth(1))
+            .map(|r| r.split_whitespace().next().unwrap_or("").to_string())
+            .unwrap_or_else(|| panic!("no final line of job {job}"))
+    };
+    assert_eq!(opt("dp"), opt("tp"));
+    assert_eq!(opt("tp3"), opt("tp"));
 }

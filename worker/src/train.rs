@@ -658,7 +658,13 @@ impl Trainer {
                     };
                     self.rt
                         .block_on(store.put_json(&store.keys.progress(&job), &p, None))?;
-                    println!("finished at step {}: final weights sha256 {sha}", self.step);
+                    // rank 0 holds every tensor now (the final gather): the optimizer state's
+                    // hash lets a restore elsewhere be checked against it
+                    println!(
+                        "finished at step {}: final weights sha256 {sha}, optimizer state sha256 {}",
+                        self.step,
+                        sha256_params(&self.opt.state)
+                    );
                 }
                 return Ok(Outcome::Done);
             }
