@@ -197,6 +197,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// A checkpoint written by tensor groups restored into other layouts: bytes each rank reads
+    /// from the store against the state it holds.
+    RestoreLayouts {
+        #[arg(long, default_value_t = 256)]
+        d_model: u32,
+    },
     /// (internal) one rank of `allreduce`.
     #[command(hide = true)]
     AllreduceRank {
@@ -265,6 +271,7 @@ async fn main() -> anyhow::Result<()> {
             stop_rounds,
         } => training::recovery(rounds, node_rounds, stop_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::RestoreLayouts { d_model } => tensor::restore_layouts(d_model).await,
         Cmd::TpStep {
             world,
             d_model,

@@ -5,7 +5,7 @@
 //! plus the embedding's and the cross-entropy's) against one gradient all-reduce.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ductile_cluster::records::TrainingSpec;
 use ductile_cluster::{Keys, Store};
@@ -181,5 +181,87 @@ pub async fn tp_step(a: Args) -> anyhow::Result<()> {
             tp / dp
         );
     }
+    Ok(())
+}
+
+/// `restore-layouts`: a GPT job at dp2×tp2 commits a checkpoint; jobs of other layouts
+/// restore it (and end at once: the commit is at their last step). For each rank: the bytes it
+/// read from the store (the restore's plan: every chunk read once, by one rank that needs it,
+/// then served to the others) against the bytes of state it holds in the new layout.
+pub async fn restore_layouts(d_model: u32) -> anyhow::Result<()> {
+    use ductile_tests::*;
+    let c = Cluster::start(Spec::default().agents(2, 2));
+    let data = synth(c.dir.path(), "tokens", 50_000);
+    let dir = TempDir::new("restore-layouts");
+    let url = format!("file://{}/ck", dir.path().display());
+    let job = |name: &str, desired: u32, extra: &str| {
+        format!(
+            "{}max_steps = 10\n{extra}\n[training.model_config]\nn_layer = 4\nd_model = {d_model}\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\n",
+            training_toml(name, 1, 4, desired, "gpt", &data, "")
+        )
+    };
+    let tp = "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1";
+    c.submit(&job("w", 4, tp));
+    c.wait_done("w", Duration::from_secs(300));
+    println!(
+        "checkpoint written at dp2×pp1×tp2 (GPT n_layer 4 d_model {d_model}); restored as:\n{:<14} {:>5} {:>12} {:>12} {:>12} {:>7}",
+        "layout", "rank", "held KiB", "read KiB", "received KiB", "read/held"
+    );
+    let cases = [
+        ("dp1tp2", 2, tp.to_string()),
+        ("dp3", 3, "strategy = \"data-parallel\"".to_string()),
+        (
+            "pp2",
+            2,
+            "strategy = \"pipeline\"\npipeline_parallel = 2".to_string(),
+        ),
+        (
+            "pp2tp2",
+            4,
+            "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2".to_string(),
+        ),
+        (
+            "tp4",
+            4,
+            "strategy = \"hybrid\"\ntensor_parallel = 4\npipeline_parallel = 1".to_string(),
+        ),
+    ];
+    let mut worst: f64 = 0.0;
+    for (name, world, extra) in cases {
+        c.submit(&job(name, world, &extra));
+        c.wait_done(name, Duration::from_secs(300));
+        let g = c.history(name)[0].clone();
+        let joins = c.joins(name, g.number, g.world_size).await;
+        let logs = c.logs();
+        for j in &joins {
+            let line = logs
+                .lines()
+                .find(|l| {
+                    l.contains("restored this rank's share")
+                        && l.contains(&format!("pid={} ", j.pid))
+                })
+                .ok_or_else(|| anyhow::anyhow!("{name}: rank {} logged no restore", j.rank))?;
+            let field = |k: &str| -> u64 {
+                line.split(&format!("{k}="))
+                    .nth(1)
+                    .and_then(|r| r.split_whitespace().next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            };
+            let (read, received) = (field("read_bytes"), field("received_bytes"));
+            let ratio = read as f64 / j.state_bytes.max(1) as f64;
+            worst = worst.max(ratio);
+            println!(
+                "{:<14} {:>5} {:>12.1} {:>12.1} {:>12.1} {:>7.2}",
+                g.layout.to_string(),
+                j.rank,
+                j.state_bytes as f64 / 1024.0,
+                read as f64 / 1024.0,
+                received as f64 / 1024.0,
+                ratio
+            );
+        }
+    }
+    println!("\nmost read by one rank against what it holds: {worst:.2}x");
     Ok(())
 }
