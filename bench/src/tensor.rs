@@ -8,8 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ductile_cluster::records::TrainingSpec;
-use ductile_cluster::{Keys, Store};
-use ductile_comm::{Communicator, Group, ReduceOp, Rendezvous, TcpComm, TcpConfig};
+use ductile_comm::{Communicator, Group, ReduceOp};
 use ductile_worker::data::Dataset;
 use ductile_worker::model::{Model, Tape};
 use tch::{Device, Kind, Tensor};
@@ -25,28 +24,6 @@ pub struct Args {
     pub batch: i64,
     pub steps: usize,
     pub json: bool,
-}
-
-async fn mesh(n: u32, generation: u64) -> anyhow::Result<Vec<Arc<dyn Communicator>>> {
-    let store = Store::new(
-        Arc::new(ductile_cluster::memory::MemoryBackend::new()),
-        Keys::default(),
-    );
-    let tasks: Vec<_> = (0..n)
-        .map(|r| {
-            let store = store.clone();
-            tokio::spawn(async move {
-                store.ensure_mesh_key("tp-step", generation).await?;
-                let rdv = Rendezvous::new(store, "tp-step", generation, n, r)?;
-                anyhow::Ok(TcpComm::form(&rdv, TcpConfig::default()).await?)
-            })
-        })
-        .collect();
-    let mut out: Vec<Arc<dyn Communicator>> = Vec::new();
-    for t in tasks {
-        out.push(Arc::new(t.await??));
-    }
-    Ok(out)
 }
 
 /// Median step time (forward, backward, collectives; no optimizer) per rank of one mode.
@@ -139,7 +116,7 @@ pub async fn tp_step(a: Args) -> anyhow::Result<()> {
         "--world must be at least 2 and divide --n-head and --batch"
     );
     tch::set_num_threads(1);
-    let comms = mesh(a.world, 1).await?;
+    let comms = ductile_comm::tcp::loopback_mesh(a.world, "tp-step", 1).await?;
     let dp = tokio::task::block_in_place(|| run_mode(&a, &comms, false))?;
     let tp = tokio::task::block_in_place(|| run_mode(&a, &comms, true))?;
     // bytes each rank sends per step: the gradient all-reduce (ring) vs the activation ones

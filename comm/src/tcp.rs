@@ -1785,3 +1785,38 @@ mod tests {
         );
     }
 }
+
+/// A TCP mesh of `n` ranks on loopback, formed through an in-memory store under job `job`
+/// (unit tests and in-process benches: every rank a thread of this process).
+pub async fn loopback_mesh(
+    n: u32,
+    job: &str,
+    generation: u64,
+) -> Result<Vec<std::sync::Arc<dyn crate::Communicator>>> {
+    let store = ductile_cluster::Store::new(
+        std::sync::Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+        ductile_cluster::Keys::default(),
+    );
+    let tasks: Vec<_> = (0..n)
+        .map(|r| {
+            let (store, job) = (store.clone(), job.to_string());
+            tokio::spawn(async move {
+                store
+                    .ensure_mesh_key(&job, generation)
+                    .await
+                    .map_err(|source| CommError::Store { generation, source })?;
+                let rdv = Rendezvous::new(store, &job, generation, n, r)?;
+                TcpComm::form(&rdv, TcpConfig::default()).await
+            })
+        })
+        .collect();
+    let mut out: Vec<std::sync::Arc<dyn crate::Communicator>> = Vec::new();
+    for t in tasks {
+        let c = t.await.map_err(|e| CommError::Invalid {
+            op: "loopback mesh",
+            reason: e.to_string(),
+        })??;
+        out.push(std::sync::Arc::new(c));
+    }
+    Ok(out)
+}

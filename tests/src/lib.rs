@@ -1281,6 +1281,61 @@ pub fn synth(dir: &Path, kind: &str, size: u64) -> String {
     )
 }
 
+/// A cluster of 2 agents × 2 slots whose workers write the exactly-once ledger into
+/// `ledger` (restarts after 300 ms).
+pub fn ledger_cluster(ledger: &TempDir) -> Cluster {
+    Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        agent_env: vec![(
+            "DUCTILE_LEDGER_DIR".into(),
+            ledger.path().display().to_string(),
+        )],
+        ..Spec::default().agents(2, 2)
+    })
+}
+
+/// Each spec text is refused at submit with an error containing its phrase, and no job was
+/// stored.
+pub fn assert_refused<T: AsRef<str>>(c: &Cluster, cases: &[(T, &str)]) {
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let p = c.dir.path().join(format!("refused-{i}.toml"));
+        std::fs::write(&p, text.as_ref()).unwrap();
+        let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
+        assert!(!ok, "case {i} accepted");
+        assert!(err.contains(want), "case {i}: {err}");
+    }
+    let jobs: Vec<JobView> = serde_json::from_str(&c.dctl_ok(&["status", "--json"])).unwrap();
+    assert!(jobs.is_empty(), "nothing was stored");
+}
+
+/// SIGKILL `pid` and wait for `job` to re-form at `world` from its peers' state (a failure
+/// generation, no checkpoint); the new generation's view and record.
+pub fn kill_and_reform(
+    c: &Cluster,
+    job: &str,
+    pid: u32,
+    world: u32,
+) -> (JobView, ductile_cluster::records::Generation) {
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let v = c.wait_world(job, world, Duration::from_secs(30));
+    let g = c.history(job).into_iter().last().unwrap();
+    assert_eq!(
+        (g.reason, g.state_source),
+        (
+            ductile_cluster::records::Reason::Failure,
+            ductile_cluster::records::StateSource::Peers
+        ),
+        "{g:?}"
+    );
+    (v, g)
+}
+
+/// The loss a job reported `later` is below the one it reported `early`.
+pub fn assert_loss_fell(early: &JobView, later: &JobView) {
+    let (a, b) = (early.loss.unwrap(), later.loss.unwrap());
+    assert!(b < a, "{}: loss {a} → {b}", later.job);
+}
+
 /// Write a synthetic dataset to `url` (file:// or s3://, with `env` for the store).
 pub fn synth_to(url: &str, kind: &str, size: u64, env: &[(String, String)]) -> String {
     let out = Command::new(bin("ductile-worker"))

@@ -3,8 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use ductile_cluster::api::JobView;
-use ductile_cluster::records::{JobState, Reason, StateSource};
+use ductile_cluster::records::{JobState, StateSource};
 use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
@@ -18,14 +17,7 @@ const S: fn(u64) -> Duration = Duration::from_secs;
 #[test]
 fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_parallel() {
     let ledger = TempDir::new("ledger");
-    let c = Cluster::start(Spec {
-        restart_backoff_ms: 300,
-        agent_env: vec![(
-            "DUCTILE_LEDGER_DIR".into(),
-            ledger.path().display().to_string(),
-        )],
-        ..Spec::default().agents(2, 2)
-    });
+    let c = ledger_cluster(&ledger);
     let data = synth(c.dir.path(), "regression", 4_000);
     let steps = 1500u64;
     let train = |name: &str, desired: u32, strategy: &str| {
@@ -62,13 +54,7 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
         .find(|m| m.pp_stage == 1 && m.dp_rank == 0)
         .unwrap()
         .clone();
-    unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
-    let v3 = c.wait_world("pp", 3, S(30));
-    let g3 = c.history("pp").into_iter().last().unwrap();
-    assert_eq!(
-        (g3.reason, g3.state_source),
-        (Reason::Failure, StateSource::Peers)
-    );
+    let (v3, g3) = kill_and_reform(&c, "pp", victim.pid.unwrap(), 3);
     assert!(g3.layout.pipeline_parallel > 1, "{g3:?}");
     let before: BTreeSet<u32> = v
         .members
@@ -355,15 +341,7 @@ fn pipeline_bad_specs_are_refused_at_submit_naming_the_field() {
             "invalid training.schedule: interleaved-1f1b cuts 2 stages into 4 chunks but the model has 3 units",
         ),
     ];
-    for (i, (text, want)) in cases.iter().enumerate() {
-        let p = c.dir.path().join(format!("bad{i}.toml"));
-        std::fs::write(&p, text).unwrap();
-        let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
-        assert!(!ok, "case {i} accepted");
-        assert!(err.contains(want), "case {i}: {err}");
-    }
-    let jobs: Vec<JobView> = serde_json::from_str(&c.dctl_ok(&["status", "--json"])).unwrap();
-    assert!(jobs.is_empty(), "nothing was stored");
+    assert_refused(&c, &cases);
 }
 
 /// The weights records of generation `g` (4 ranks, 2 stages): each rank holds one stage's

@@ -4,8 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use ductile_cluster::api::JobView;
-use ductile_cluster::records::{Reason, StateSource};
+use ductile_cluster::records::StateSource;
 use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
@@ -18,14 +17,7 @@ const S: fn(u64) -> Duration = Duration::from_secs;
 #[test]
 fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree() {
     let ledger = TempDir::new("tp-ledger");
-    let c = Cluster::start(Spec {
-        restart_backoff_ms: 300,
-        agent_env: vec![(
-            "DUCTILE_LEDGER_DIR".into(),
-            ledger.path().display().to_string(),
-        )],
-        ..Spec::default().agents(2, 2)
-    });
+    let c = ledger_cluster(&ledger);
     // specs the planner cannot place are refused at submit, naming the field
     let refused = [
         (
@@ -41,19 +33,14 @@ fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree(
             "invalid training.tensor_parallel: needs strategy",
         ),
     ];
-    for (i, (extra, want)) in refused.iter().enumerate() {
-        let text = format!(
-            "{}{extra}",
-            training_toml("bad", 1, 4, 2, "gpt", "file:///d", "")
-        );
-        let p = c.dir.path().join(format!("bad{i}.toml"));
-        std::fs::write(&p, text).unwrap();
-        let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
-        assert!(!ok, "case {i} accepted");
-        assert!(err.contains(want), "case {i}: {err}");
-    }
-    let jobs: Vec<JobView> = serde_json::from_str(&c.dctl_ok(&["status", "--json"])).unwrap();
-    assert!(jobs.is_empty(), "nothing was stored");
+    let cases: Vec<(String, &str)> = refused
+        .iter()
+        .map(|(extra, want)| {
+            let base = training_toml("bad", 1, 4, 2, "gpt", "file:///d", "");
+            (format!("{base}{extra}"), *want)
+        })
+        .collect();
+    assert_refused(&c, &cases);
 
     let data = synth(c.dir.path(), "tokens", 50_000);
     let steps = 700u64;
@@ -102,13 +89,7 @@ fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree(
         .find(|m| m.dp_rank == 0 && m.tp_rank == 1)
         .unwrap()
         .clone();
-    unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
-    let v3 = c.wait_world("tp", 3, S(30));
-    let g3 = c.history("tp").into_iter().last().unwrap();
-    assert_eq!(
-        (g3.reason, g3.state_source),
-        (Reason::Failure, StateSource::Peers)
-    );
+    let (v3, g3) = kill_and_reform(&c, "tp", victim.pid.unwrap(), 3);
     assert_eq!(
         (g3.layout.data_parallel, g3.layout.tensor_parallel),
         (1, 2),
@@ -126,13 +107,7 @@ fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree(
         "survivors keep their processes: {before:?} {after:?}"
     );
     let at = c.status("tp").step;
-    let later = c.wait_step("tp", at + 60, S(90));
-    assert!(
-        later.loss.unwrap() < early.loss.unwrap(),
-        "loss {} → {}",
-        early.loss.unwrap(),
-        later.loss.unwrap()
-    );
+    assert_loss_fell(&early, &c.wait_step("tp", at + 60, S(90)));
     // the killed slot rejoins; then 4 → 2 → 4
     c.wait_world("tp", 4, S(60));
     c.wait_step("tp", c.status("tp").step + 40, S(90));
@@ -186,14 +161,7 @@ fn slices_agree(c: &Cluster, g: u64, world: u32, tp: u32) {
 #[test]
 fn auto_layouts_walk_between_tensor_groups_and_stages_as_the_job_resizes() {
     let ledger = TempDir::new("tp-auto-ledger");
-    let c = Cluster::start(Spec {
-        restart_backoff_ms: 300,
-        agent_env: vec![(
-            "DUCTILE_LEDGER_DIR".into(),
-            ledger.path().display().to_string(),
-        )],
-        ..Spec::default().agents(2, 2)
-    });
+    let c = ledger_cluster(&ledger);
     let data = synth(c.dir.path(), "tokens", 30_000);
     let job = |name: &str, min: u32, steps: u64, gib: f64| {
         format!(
@@ -249,13 +217,7 @@ fn auto_layouts_walk_between_tensor_groups_and_stages_as_the_job_resizes() {
     let early = c.wait_step("both", 1, S(90));
     let done = c.wait_done("both", S(300));
     assert!(done.final_weights_sha256.is_some());
-    let last = c.status("both");
-    assert!(
-        last.loss.unwrap() < early.loss.unwrap(),
-        "loss {} → {}",
-        early.loss.unwrap(),
-        last.loss.unwrap()
-    );
+    assert_loss_fell(&early, &c.status("both"));
 }
 
 /// A checkpoint written by tensor groups on S3 (dp2×tp2: each member of replica 0 writes row

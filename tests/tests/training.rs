@@ -3,7 +3,6 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use ductile_cluster::api::JobView;
 use ductile_cluster::records::{Reason, StateSource};
 use ductile_tests::*;
 
@@ -272,7 +271,6 @@ fn training_deterministic_mode_gives_bitwise_equal_weights_despite_kills_and_res
 #[test]
 fn training_bad_training_specs_are_refused_before_any_worker_starts() {
     let c = Cluster::start(Spec::default().agents(1, 2));
-    let dir = c.dir.path();
     let cases = [
         (
             training_toml("b1", 1, 2, 2, "resnet", "file:///d", ""),
@@ -314,15 +312,7 @@ fn training_bad_training_specs_are_refused_before_any_worker_starts() {
             "unknown field `n_layers`",
         ),
     ];
-    for (i, (text, want)) in cases.iter().enumerate() {
-        let p = dir.join(format!("bad{i}.toml"));
-        std::fs::write(&p, text).unwrap();
-        let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
-        assert!(!ok, "case {i} accepted");
-        assert!(err.contains(want), "case {i}: {err}");
-    }
-    let jobs: Vec<JobView> = serde_json::from_str(&c.dctl_ok(&["status", "--json"])).unwrap();
-    assert!(jobs.is_empty(), "nothing was stored");
+    assert_refused(&c, &cases);
     assert!(!c.logs().contains("worker started"));
 }
 

@@ -352,8 +352,7 @@ mod tests {
     use std::sync::Arc;
 
     use ductile_cluster::records::TrainingSpec;
-    use ductile_cluster::{Keys, Store};
-    use ductile_comm::{Communicator, Rendezvous, TcpComm, TcpConfig};
+    use ductile_comm::Communicator;
     use ductile_strategies::tensor::held_regions;
     use tch::Device;
 
@@ -361,27 +360,10 @@ mod tests {
     use crate::data::Dataset;
     use crate::SEEDED;
 
-    /// A TCP mesh of `n` ranks on loopback (a generation of its own per call).
     async fn mesh(n: u32, generation: u64) -> Vec<Arc<dyn Communicator>> {
-        let store = Store::new(
-            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
-            Keys::default(),
-        );
-        let tasks: Vec<_> = (0..n)
-            .map(|r| {
-                let store = store.clone();
-                tokio::spawn(async move {
-                    store.ensure_mesh_key("tp", generation).await.unwrap();
-                    let rdv = Rendezvous::new(store, "tp", generation, n, r).unwrap();
-                    TcpComm::form(&rdv, TcpConfig::default()).await.unwrap()
-                })
-            })
-            .collect();
-        let mut out: Vec<Arc<dyn Communicator>> = Vec::new();
-        for t in tasks {
-            out.push(Arc::new(t.await.unwrap()));
-        }
-        out
+        ductile_comm::tcp::loopback_mesh(n, "tp", generation)
+            .await
+            .unwrap()
     }
 
     fn spec(json: serde_json::Value) -> TrainingSpec {

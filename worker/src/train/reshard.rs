@@ -217,30 +217,12 @@ mod tests {
     use super::*;
     use crate::data::Dataset;
     use crate::model::Model;
-    use ductile_cluster::{Keys, Store};
-    use ductile_comm::{Rendezvous, TcpComm, TcpConfig};
     use ductile_strategies::tensor::{held_regions, split_of, Arch, Split};
 
     async fn mesh(n: u32, generation: u64) -> Vec<Arc<dyn Communicator>> {
-        let store = Store::new(
-            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
-            Keys::default(),
-        );
-        let tasks: Vec<_> = (0..n)
-            .map(|r| {
-                let store = store.clone();
-                tokio::spawn(async move {
-                    store.ensure_mesh_key("rs", generation).await.unwrap();
-                    let rdv = Rendezvous::new(store, "rs", generation, n, r).unwrap();
-                    TcpComm::form(&rdv, TcpConfig::default()).await.unwrap()
-                })
-            })
-            .collect();
-        let mut out: Vec<Arc<dyn Communicator>> = Vec::new();
-        for t in tasks {
-            out.push(Arc::new(t.await.unwrap()));
-        }
-        out
+        ductile_comm::tcp::loopback_mesh(n, "rs", generation)
+            .await
+            .unwrap()
     }
 
     /// Rank `rank`'s holding of each tensor at `dp × tp` (ranks past dp·tp are spares).
