@@ -275,6 +275,12 @@ pub struct TrainingSpec {
     /// world size); more than 1 needs `strategy = "hybrid"` or `"auto"`.
     #[serde(default = "TrainingSpec::one", skip_serializing_if = "Degree::is_one")]
     pub tensor_parallel: Degree,
+    /// Deterministic mode with tensor parallelism: split layers are computed in this many
+    /// logical slices, folded in slice order, whatever the group size (a multiple of every
+    /// `tensor_parallel` the job runs; the GPT's heads divide by it). The same value in a
+    /// data-parallel run gives the same bits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_slices: Option<u32>,
     /// Micro-batches per step per data-parallel replica (at least the stages); default four
     /// per stage, at most the replica's samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -628,8 +634,8 @@ impl TrainingSpec {
                     "needs strategy = \"hybrid\" or \"auto\" (strategy is {:?})",
                     self.strategy
                 ))
-            } else if self.deterministic {
-                Some("cannot be combined with deterministic = true yet (tensor-parallel sums are not folded in a fixed slice order yet)".into())
+            } else if self.deterministic && self.tensor_slices.is_none() {
+                Some("with deterministic = true needs tensor_slices = K (a multiple of every tensor_parallel the job may use; the same K in a data-parallel run gives the same bits)".into())
             } else if self.comm == "nccl" {
                 Some("runs its tensor groups on the TCP backend for now: use comm = \"tcp\" or \"auto\"".into())
             } else {
@@ -645,6 +651,23 @@ impl TrainingSpec {
             &["1f1b", "gpipe", "interleaved-1f1b"],
             &[],
         )?;
+        if let Some(k) = self.tensor_slices {
+            if !self.deterministic || k == 0 {
+                return Err(ClusterError::invalid(
+                    "training.tensor_slices",
+                    format!("{k}: logical slices need deterministic = true and at least 1"),
+                ));
+            }
+            if self.model == "gpt" {
+                let heads = self.gpt_config()?.n_head;
+                if heads % k as i64 != 0 {
+                    return Err(ClusterError::invalid(
+                        "training.tensor_slices",
+                        format!("{k} does not divide n_head = {heads}"),
+                    ));
+                }
+            }
+        }
         if self.pipeline_micro_batches == Some(0) {
             return Err(ClusterError::invalid(
                 "training.pipeline_micro_batches",

@@ -415,7 +415,15 @@ fn model_step(
             ));
         }
         if t.deterministic {
-            return Err("deterministic mode does not run tensor parallelism yet".into());
+            match t.tensor_slices {
+                Some(k) if k % tp == 0 => {}
+                Some(k) => {
+                    return Err(format!(
+                        "tensor_slices = {k} does not split over {tp} tensor ranks"
+                    ))
+                }
+                None => return Err("deterministic tensor parallelism needs tensor_slices".into()),
+            }
         }
     }
     if pp as usize > us.len() {
@@ -701,6 +709,14 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
             arch_of(t).map_err(|e| ("training.model_config".to_string(), e))?;
         check_tp(arch, d_model, vocab, width, n)
             .map_err(|e| ("training.tensor_parallel".to_string(), e))?;
+        if let (true, Some(k)) = (t.deterministic, t.tensor_slices) {
+            if k % n != 0 {
+                return Err((
+                    "training.tensor_slices".into(),
+                    format!("{k} logical slices do not split over tensor_parallel = {n} ranks"),
+                ));
+            }
+        }
         if n > spec.max {
             return Err((
                 "training.tensor_parallel".into(),

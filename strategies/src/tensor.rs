@@ -69,7 +69,7 @@ pub fn split_of(arch: Arch, name: &str) -> Split {
 /// Whether the layer `l{i}` of an MLP of `layers` hidden layers is column-parallel (its pair's
 /// first), row-parallel (second) or replicated: (column, row).
 pub fn mlp_role(layers: u64, i: u64) -> (bool, bool) {
-    (i % 2 == 0 && i + 1 < layers, i % 2 == 1)
+    (i.is_multiple_of(2) && i + 1 < layers, !i.is_multiple_of(2))
 }
 
 /// The ranges of dimension `dim` of a tensor of `shape` that member `rank` of `tp` holds under

@@ -26,7 +26,19 @@ fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree(
         ),
         (
             "strategy = \"hybrid\"\ntensor_parallel = 2\ndeterministic = true\n",
-            "invalid training.tensor_parallel: cannot be combined with deterministic",
+            "invalid training.tensor_parallel: with deterministic = true needs tensor_slices",
+        ),
+        (
+            "strategy = \"hybrid\"\ntensor_parallel = 2\ndeterministic = true\ntensor_slices = 3\n",
+            "invalid training.tensor_slices: 3 does not divide n_head = 4",
+        ),
+        (
+            "strategy = \"hybrid\"\ntensor_parallel = 4\ndeterministic = true\ntensor_slices = 2\n",
+            "invalid training.tensor_slices: 2 logical slices do not split over tensor_parallel = 4",
+        ),
+        (
+            "strategy = \"hybrid\"\ntensor_parallel = 2\ntensor_slices = 2\n",
+            "invalid training.tensor_slices: 2: logical slices need deterministic = true",
         ),
         (
             "strategy = \"pipeline\"\ntensor_parallel = 2\n",
@@ -278,4 +290,69 @@ fn tensor_parallel_checkpoints_restore_into_other_layouts_bit_for_bit() {
     };
     assert_eq!(opt("dp"), opt("tp"));
     assert_eq!(opt("tp3"), opt("tp"));
+}
+
+/// Deterministic mode with tensor groups (`tensor_slices = 2`: every split layer computed in
+/// two logical slices, folded in slice order): a job at dp2×tp2 that loses a worker and is
+/// resized 4 → 2 → 4, and one run as stages of tensor groups (dp1×pp2×tp2), end with the same
+/// final weights, bit for bit, as the same spec run data parallel at a fixed world of 2; every
+/// sample is used once.
+#[test]
+fn deterministic_tensor_parallelism_ends_bitwise_equal_to_data_parallel() {
+    let ledger = TempDir::new("tp-det-ledger");
+    let c = ledger_cluster(&ledger);
+    let data = synth(c.dir.path(), "tokens", 30_000);
+    let steps = 300u64;
+    let job = |name: &str, desired: u32, extra: &str| {
+        format!(
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\ntensor_slices = 2\n{extra}\nmodel_config = {{ d_model = 64, n_layer = 2, n_head = 4, ctx = 32 }}\n",
+            training_toml(name, 1, 4, desired, "gpt", &data, "restart_budget = 20")
+        )
+    };
+    c.submit(&job(
+        "tp",
+        4,
+        "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1",
+    ));
+    let v = c.wait_world("tp", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp1×tp2");
+    c.wait_step("tp", 60, S(90));
+    let victim = v
+        .members
+        .iter()
+        .find(|m| m.dp_rank == 0 && m.tp_rank == 1)
+        .unwrap();
+    kill_and_reform(&c, "tp", victim.pid.unwrap(), 3);
+    c.wait_step("tp", c.status("tp").step + 40, S(90));
+    c.wait_world("tp", 4, S(60));
+    c.dctl_ok(&["scale", "tp", "2"]);
+    c.wait_world("tp", 2, S(90));
+    c.wait_step("tp", c.status("tp").step + 40, S(90));
+    c.dctl_ok(&["scale", "tp", "4"]);
+    c.wait_world("tp", 4, S(60));
+    let done = c.wait_done("tp", S(300));
+    let v = ductile_tests::ledger::violations(ledger.path(), steps, (30_000 - 1) / 32, 32);
+    assert!(v.is_empty(), "{v:#?}");
+
+    c.submit(&job(
+        "both",
+        4,
+        "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2",
+    ));
+    let v = c.wait_world("both", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp1×pp2×tp2");
+    let both = c.wait_done("both", S(300));
+
+    c.submit(&job("dp", 2, "strategy = \"data-parallel\""));
+    let reference = c.wait_done("dp", S(300)).final_weights_sha256.unwrap();
+    assert_eq!(
+        done.final_weights_sha256.unwrap(),
+        reference,
+        "the tensor-parallel run's final weights differ from the data-parallel run"
+    );
+    assert_eq!(
+        both.final_weights_sha256.unwrap(),
+        reference,
+        "the pipeline of tensor groups ends elsewhere than the data-parallel run"
+    );
 }

@@ -86,6 +86,8 @@ pub struct Model {
     net: Net,
     /// This model's tensor group and slices, once [`Model::shard`]ed.
     shard: Option<Shard>,
+    /// Deterministic mode's logical slices per split layer (`tensor_slices`).
+    slices: Option<u32>,
 }
 
 impl Model {
@@ -153,7 +155,14 @@ impl Model {
             vs,
             net,
             shard: None,
+            slices: spec.tensor_slices.filter(|_| spec.deterministic),
         })
+    }
+
+    /// Whether split layers run in logical slices (deterministic `tensor_slices`): such a model
+    /// computes through a tensor group even when it has one member.
+    pub fn sliced(&self) -> bool {
+        self.slices.is_some()
     }
 
     /// Parameters in name order (the order of state transfer and of the weights hash).

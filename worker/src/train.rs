@@ -525,6 +525,12 @@ impl Trainer {
             return Ok(Outcome::Reform(e));
         }
         self.set_owners(g);
+        if self.model.sliced() && g.layout.tensor_parallel <= 1 {
+            // logical slices without a tensor group: a group of one, on this generation's mesh
+            let solo = ductile_comm::Group::new(arc.clone(), vec![rank])
+                .map_err(|e| anyhow::anyhow!("a group of one: {e}"))?;
+            self.model.set_tensor_group((!me.spare).then_some(solo));
+        }
         let comm: &dyn Communicator = arc.as_ref();
         // spares (a layout that leaves ranks idle, or leaving members of a hand-over) take
         // part in the pipeline step's commit
@@ -830,8 +836,26 @@ impl Trainer {
             used.extend_from_slice(&idx);
             let (x, y) = self.data.batch(&idx);
             let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
-            let loss = self.model.loss_sum(&x, &y) / b as f64;
-            loss.backward();
+            let loss = match self.model.tensor_shard().map(|s| s.group.clone()) {
+                // logical slices (deterministic tensor_slices) on a one-member group: the same
+                // ops, in the same order, as a tensor group of any size
+                Some(grp) => {
+                    let mut tape = crate::model::Tape::default();
+                    let solo = "a one-member group does not communicate";
+                    let out = self
+                        .model
+                        .forward_tp(0, self.units(), &x, &mut tape)
+                        .expect(solo);
+                    let l = self.model.loss_tp(&out, &y, &mut tape).expect(solo) / b as f64;
+                    tape.backward(&l, None, &grp).expect(solo);
+                    l
+                }
+                None => {
+                    let l = self.model.loss_sum(&x, &y) / b as f64;
+                    l.backward();
+                    l
+                }
+            };
             acc = acc + loss.detach().to_kind(Kind::Double).reshape([1]);
         }
         if let Some(f) = &mut self.ledger {

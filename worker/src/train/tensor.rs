@@ -193,7 +193,7 @@ impl Trainer {
         );
         if step == 0 && self.ckpt.is_some() {
             // a cold start: the seed's slices, unless the checkpoint holds a commit
-            return Ok(self.restore(comm, &need)?);
+            return self.restore(comm, &need);
         }
         Ok(Ok(()))
     }
