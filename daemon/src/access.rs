@@ -2,7 +2,8 @@
 //! role reaches only that job's keys ([`ductile_cluster::access::job_grants`]), never as the
 //! daemon or an agent. The leader makes the user when a job is submitted, records it under
 //! `jobs/{job}/access` (fenced on its leader key and the spec's revision), hands it to the
-//! job's nodes in their assignments, and removes it when the job has ended.
+//! job's nodes in their assignments, and removes it when the job has ended. A password is only
+//! ever set from the record (written first, once), never anew for a job that has one.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -40,11 +41,12 @@ pub async fn sync_job_users(
         let user = job_user(name);
         match (&obs.access, needs_user(obs)) {
             (None, true) => {
+                // the record first, the user after: a pass whose view of the job is older than
+                // the record (the view has not caught up with a write of a moment ago) fails the
+                // fenced write and leaves the user as it is. Setting the user first gave it a
+                // new password that no record held, and locked the job's workers out for good.
+                // A record whose user could not be made is made good by the next pass (below).
                 let password = new_password()?;
-                store
-                    .backend
-                    .set_user(&user, &password, &job_grants(k, name))
-                    .await?;
                 let rec = JobAccess {
                     user: user.clone(),
                     password: password.expose().to_string(),
@@ -60,6 +62,10 @@ pub async fn sync_job_users(
                     .await?
                     .succeeded;
                 if ok {
+                    store
+                        .backend
+                        .set_user(&user, &password, &job_grants(k, name))
+                        .await?;
                     tracing::info!(job = %name, %user, "made the job's etcd user");
                 }
                 all_written &= ok;
