@@ -35,7 +35,7 @@ use ductile_strategies::redistribute::{self, relative, whole, Move, Part, Region
 use ductile_strategies::{micro_batches, split_batch, split_range};
 use tch::{Device, Kind, Tensor};
 
-use super::{encode_state, load_state, Trainer};
+use super::Trainer;
 use crate::optim::lr_at;
 
 /// Receives a step's point-to-point messages: each peer's arrive in the order it sends them
@@ -162,7 +162,12 @@ impl Drop for Outbox {
 /// completes).
 type Micro = (u64, u64, Option<u64>);
 
-fn protocol(comm: &dyn Communicator, peer: u32, op: &'static str, reason: String) -> CommError {
+pub(super) fn protocol(
+    comm: &dyn Communicator,
+    peer: u32,
+    op: &'static str,
+    reason: String,
+) -> CommError {
     CommError::Protocol {
         generation: comm.generation(),
         op,
@@ -253,10 +258,6 @@ impl Trainer {
             .sum()
     }
 
-    fn blob_len(tensors: &[Tensor]) -> usize {
-        24 + tensors.iter().map(|t| 8 + 4 * t.numel()).sum::<usize>() + 4
-    }
-
     /// The parameter state tensor `t` belongs to (the parameters, then the optimizer's states,
     /// `per` of them per parameter in parameter order).
     pub(super) fn param_of(&self, t: usize) -> usize {
@@ -296,10 +297,9 @@ impl Trainer {
             .collect()
     }
 
-    /// Carry out the point-to-point moves of a redistribution plan: per peer, this rank sends
-    /// the regions it serves (from its own tensors, or from a checkpoint chunk it read: `read`)
-    /// as one checksummed blob, then receives its own blob from each sender. Pairs go in the
-    /// order of their first move, the same on every rank, so no two ranks wait on each other.
+    /// Carry out the point-to-point moves of a redistribution plan over this rank's state
+    /// ([`super::reshard::transfer`]): it serves from its own tensors, or from a checkpoint
+    /// chunk it read (`read`), and receives into its tensors (slices mapped by its holdings).
     pub(super) fn exchange(
         &mut self,
         comm: &Arc<dyn Communicator>,
@@ -307,7 +307,6 @@ impl Trainer {
         step: u64,
         read: &BTreeMap<usize, (Region, Tensor)>,
     ) -> Result<usize, CommError> {
-        let me = comm.rank();
         let state: Vec<Tensor> = self
             .tensors()
             .into_iter()
@@ -317,52 +316,21 @@ impl Trainer {
         let slices = self.slice_holdings();
         let view =
             |t: usize, r: &Region| super::tensor::state_view(&state, slices.as_deref(), t, r);
-        let mut pairs: Vec<(u32, u32)> = Vec::new();
-        for m in moves {
-            if !pairs.contains(&(m.from, m.to)) {
-                pairs.push((m.from, m.to));
-            }
-        }
-        let of = |pair: (u32, u32)| moves.iter().filter(move |m| (m.from, m.to) == pair);
-        let outbox = Outbox::new(comm.clone());
-        for &(from, to) in pairs.iter().filter(|p| p.0 == me) {
-            let ts: Vec<Tensor> = of((from, to))
-                .map(|m| match m.via {
-                    None => view(m.tensor, &m.region).contiguous(),
+        super::reshard::transfer(
+            comm,
+            moves,
+            step,
+            |m| {
+                Ok(match m.via {
+                    None => view(m.tensor, &m.region),
                     Some(c) => {
                         let (at, t) = &read[&c];
-                        region_of(t, &relative(&m.region, at)).contiguous()
+                        region_of(t, &relative(&m.region, at))
                     }
                 })
-                .collect();
-            let refs: Vec<&Tensor> = ts.iter().collect();
-            let blob = encode_state(step, &refs);
-            // a blob is a whole number of 4-byte words: it travels as f32 (every backend's type)
-            let words = Tensor::from_data_size(&blob, &[(blob.len() / 4) as i64], Kind::Float);
-            outbox.send(words, to);
-        }
-        let mut bytes = 0;
-        for &(from, to) in pairs.iter().filter(|p| p.1 == me) {
-            let targets: Vec<Tensor> = of((from, to)).map(|m| view(m.tensor, &m.region)).collect();
-            let len = Self::blob_len(&targets);
-            let mut buf = Tensor::zeros([(len / 4) as i64], (Kind::Float, Device::Cpu));
-            comm.recv(&mut buf, from)?;
-            let mut raw = vec![0u8; len];
-            buf.copy_data_u8(&mut raw, buf.numel());
-            bytes += raw.len();
-            let got = load_state(&raw, &targets)
-                .map_err(|e| protocol(comm.as_ref(), from, "state transfer", e))?;
-            if got != step {
-                return Err(protocol(
-                    comm.as_ref(),
-                    from,
-                    "state transfer",
-                    format!("state came at step {got}, expected {step}"),
-                ));
-            }
-        }
-        outbox.finish()?;
-        Ok(bytes)
+            },
+            |m| Ok(view(m.tensor, &m.region)),
+        )
     }
 
     /// Agree on the state at the start of a generation (see the module's comment). The outer

@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ductile_comm::{CommError, Communicator};
-use ductile_strategies::redistribute::{self, intersect, Part, Region};
+use ductile_strategies::redistribute::{self, intersect, Move, Part, Region};
 use tch::{Device, Kind, Tensor};
 
-use super::pipe::{region_of, Outbox};
+use super::pipe::{protocol, region_of, Outbox};
 use super::{encode_state, load_state};
 
 /// The boxes of a logical tensor a rank's local tensor holds (none: an empty tensor), laid one after another along
@@ -23,14 +23,6 @@ pub struct Holding {
 }
 
 impl Holding {
-    /// All of a tensor of `shape`.
-    pub fn whole(shape: &[u64]) -> Holding {
-        Holding {
-            boxes: vec![shape.iter().map(|d| 0..*d).collect()],
-            dim: 0,
-        }
-    }
-
     /// The shape of the local tensor.
     pub fn local_shape(&self) -> Vec<i64> {
         if self.boxes.is_empty() {
@@ -89,15 +81,6 @@ impl Holding {
     }
 }
 
-fn protocol(comm: &dyn Communicator, peer: u32, reason: String) -> CommError {
-    CommError::Protocol {
-        generation: comm.generation(),
-        op: "state transfer",
-        peer,
-        reason,
-    }
-}
-
 /// Build this rank's tensors for `new` (one holding per logical tensor) from `old` (its local
 /// tensors with their holdings). `held` and `need` list every rank's old and new boxes (the
 /// same lists on every rank); `elem` the element size of each logical tensor. Returns the new
@@ -134,81 +117,110 @@ pub fn move_state(
             }
         }
     });
-    let mut pairs: Vec<(u32, u32)> = Vec::new();
-    for m in &plan.moves {
-        if !pairs.contains(&(m.from, m.to)) {
-            pairs.push((m.from, m.to));
-        }
-    }
-    let of = |pair: (u32, u32)| plan.moves.iter().filter(move |m| (m.from, m.to) == pair);
-    let outbox = Outbox::new(comm.clone());
-    for &(from, to) in pairs.iter().filter(|p| p.0 == me) {
-        let mut ts = Vec::new();
-        for m in of((from, to)) {
+    let bytes = transfer(
+        comm,
+        &plan.moves,
+        step,
+        |m| {
             let (t, h) = &old[m.tensor];
-            let v = h.view(t, &m.region).ok_or_else(|| CommError::Invalid {
+            h.view(t, &m.region).ok_or_else(|| CommError::Invalid {
                 op: "state transfer",
                 reason: format!(
                     "the plan has rank {me} send {:?} of tensor {}, which it does not hold",
                     m.region, m.tensor
                 ),
-            })?;
-            ts.push(v.contiguous());
-        }
-        let refs: Vec<&Tensor> = ts.iter().collect();
-        let blob = encode_state(step, &refs);
-        outbox.send(
-            Tensor::from_data_size(&blob, &[(blob.len() / 4) as i64], Kind::Float),
-            to,
-        );
-    }
-    let mut bytes = 0;
-    for &(from, to) in pairs.iter().filter(|p| p.1 == me) {
-        let mut targets = Vec::new();
-        for m in of((from, to)) {
-            let v = new[m.tensor]
+            })
+        },
+        |m| {
+            new[m.tensor]
                 .view(&fresh[m.tensor], &m.region)
                 .ok_or_else(|| {
                     protocol(
                         comm.as_ref(),
-                        from,
+                        m.from,
+                        "state transfer",
                         format!(
                             "region {:?} of tensor {} is not this rank's",
                             m.region, m.tensor
                         ),
                     )
-                })?;
-            targets.push(v);
+                })
+        },
+    )?;
+    Ok((fresh, bytes))
+}
+
+/// Carry out the point-to-point moves of a redistribution plan: per peer, this rank sends what
+/// it serves (`source` of each move: a view of its state, or of a checkpoint chunk it read) as
+/// one checksummed blob, then receives its own blob from each sender into the `target` views.
+/// Pairs go in the order of their first move, the same on every rank, so no two ranks wait on
+/// each other. Returns the bytes received.
+pub fn transfer(
+    comm: &Arc<dyn Communicator>,
+    moves: &[Move],
+    step: u64,
+    source: impl Fn(&Move) -> Result<Tensor, CommError>,
+    target: impl Fn(&Move) -> Result<Tensor, CommError>,
+) -> Result<usize, CommError> {
+    let me = comm.rank();
+    let mut pairs: Vec<(u32, u32)> = Vec::new();
+    for m in moves {
+        if !pairs.contains(&(m.from, m.to)) {
+            pairs.push((m.from, m.to));
         }
+    }
+    let of = |pair: (u32, u32)| moves.iter().filter(move |m| (m.from, m.to) == pair);
+    let outbox = Outbox::new(comm.clone());
+    for &(from, to) in pairs.iter().filter(|p| p.0 == me) {
+        let ts = of((from, to))
+            .map(|m| source(m).map(|t| t.contiguous()))
+            .collect::<Result<Vec<Tensor>, CommError>>()?;
+        let refs: Vec<&Tensor> = ts.iter().collect();
+        let blob = encode_state(step, &refs);
+        // a blob is a whole number of 4-byte words: it travels as f32 (every backend's type)
+        let words = Tensor::from_data_size(&blob, &[(blob.len() / 4) as i64], Kind::Float);
+        outbox.send(words, to);
+    }
+    let mut bytes = 0;
+    for &(from, to) in pairs.iter().filter(|p| p.1 == me) {
+        let targets = of((from, to))
+            .map(&target)
+            .collect::<Result<Vec<Tensor>, CommError>>()?;
         let len = 24 + targets.iter().map(|t| 8 + 4 * t.numel()).sum::<usize>() + 4;
         let mut buf = Tensor::zeros([(len / 4) as i64], (Kind::Float, Device::Cpu));
         comm.recv(&mut buf, from)?;
         let mut raw = vec![0u8; len];
         buf.copy_data_u8(&mut raw, buf.numel());
         bytes += len;
-        // the views write through into `fresh`
-        let got = load_state(&raw, &targets).map_err(|e| protocol(comm.as_ref(), from, e))?;
+        // the targets are views: the blob writes through into the state
+        let got = load_state(&raw, &targets)
+            .map_err(|e| protocol(comm.as_ref(), from, "state transfer", e))?;
         if got != step {
             return Err(protocol(
                 comm.as_ref(),
                 from,
+                "state transfer",
                 format!("state came at step {got}, expected {step}"),
             ));
         }
     }
     outbox.finish()?;
-    Ok((fresh, bytes))
+    Ok(bytes)
+}
+
+/// A rank's holdings as parts of the state tensors, tensor by tensor.
+pub fn holding_parts(rank: u32, hs: &[Holding]) -> Vec<Part> {
+    hs.iter()
+        .enumerate()
+        .flat_map(|(t, h)| h.parts(rank, t))
+        .collect()
 }
 
 /// Every rank's holdings as parts (tensor by tensor), for [`move_state`].
 pub fn all_parts(holdings: &BTreeMap<u32, Vec<Holding>>) -> Vec<Part> {
     holdings
         .iter()
-        .flat_map(|(rank, hs)| {
-            hs.iter()
-                .enumerate()
-                .flat_map(move |(t, h)| h.parts(*rank, t))
-        })
+        .flat_map(|(rank, hs)| holding_parts(*rank, hs))
         .collect()
 }
 

@@ -16,7 +16,7 @@ use ductile_strategies::tensor::{held_regions, split_of, Split};
 use tch::Tensor;
 
 use super::pipe::holds_unit;
-use super::reshard::{move_state, Holding};
+use super::reshard::{holding_parts, move_state, Holding};
 use super::Trainer;
 
 impl Trainer {
@@ -48,13 +48,6 @@ impl Trainer {
             out.push(of_param[j / per].clone());
         }
         out
-    }
-
-    fn parts_of_holdings(rank: u32, hs: &[Holding]) -> Vec<Part> {
-        hs.iter()
-            .enumerate()
-            .flat_map(|(t, h)| h.parts(rank, t))
-            .collect()
     }
 
     /// The tensor group of member `me` in `g` (none without tensor parallelism or for a spare).
@@ -115,7 +108,7 @@ impl Trainer {
         let need: Vec<Part> = g
             .members
             .iter()
-            .flat_map(|m| Self::parts_of_holdings(m.rank, &new_of(m)))
+            .flat_map(|m| holding_parts(m.rank, &new_of(m)))
             .collect();
         let held: Vec<Part> = rows
             .iter()
@@ -123,7 +116,7 @@ impl Trainer {
             .filter(|(_, r)| at(r))
             .flat_map(|(rank, r)| {
                 let hs = self.holdings_of(&held_by(r), r[2] as u32, r[3] as u32);
-                Self::parts_of_holdings(rank as u32, &hs)
+                holding_parts(rank as u32, &hs)
             })
             .collect();
         let elem = self.elem_sizes();
@@ -218,10 +211,10 @@ impl Trainer {
             .collect();
         let held: Vec<Part> = holdings
             .iter()
-            .flat_map(|(r, hs)| Self::parts_of_holdings(*r, hs))
+            .flat_map(|(r, hs)| holding_parts(*r, hs))
             .collect();
         let whole = self.holdings_of(&[0..self.units()], 1, 0);
-        let need = Self::parts_of_holdings(0, &whole);
+        let need = holding_parts(0, &whole);
         let me = comm.rank();
         let mine = if me == 0 {
             whole
