@@ -236,6 +236,10 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                         updated_at_ms: now_ms(),
                         done: false,
                         final_weights_sha256: None,
+                        sync: None,
+                        round: None,
+                        bytes_per_sample: None,
+                        eval_loss: None,
                     };
                     if store
                         .put_json(&store.keys.progress(n), &p, None)

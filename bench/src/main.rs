@@ -132,6 +132,23 @@ enum Cmd {
         #[arg(long)]
         steps: Option<u64>,
     },
+    /// DiLoCo against allreduce (3 CPU workers, a GPT): bytes sent per trained sample, the
+    /// final weights' loss on a fixed set of 256 samples at equal samples, and samples per
+    /// second healthy and with one worker slowed.
+    Diloco {
+        /// Training steps of 32 samples per run.
+        #[arg(long, default_value_t = 1500)]
+        steps: u64,
+        /// DiLoCo's inner steps per round (H).
+        #[arg(long, default_value_t = 50)]
+        inner_steps: u32,
+        /// How much slower the slowed worker computes.
+        #[arg(long, default_value_t = 3.0)]
+        slow: f64,
+        /// Print one JSON object per run as well.
+        #[arg(long)]
+        json: bool,
+    },
     /// Pipeline re-plan recovery: SIGKILL one of 4 workers of a pipeline job → first step in
     /// the new layout, with detection, planning, communicator formation and layer movement
     /// timed apart.
@@ -226,6 +243,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 mod allreduce;
 mod checkpoint;
+mod diloco;
 mod gpu;
 mod pipeline;
 mod tensor;
@@ -341,6 +359,17 @@ async fn main() -> anyhow::Result<()> {
         Cmd::PipelineStep { micro_batches } => pipeline::step(micro_batches).await,
         Cmd::Nccl { iters, sizes_mib } => gpu::nccl(iters, &sizes_mib).await,
         Cmd::GpuStep { steps } => training::gpu_step(steps).await,
+        Cmd::Diloco {
+            steps,
+            inner_steps,
+            slow,
+            json,
+        } => diloco::run(diloco::Args {
+            steps,
+            inner_steps,
+            slow,
+            json,
+        }),
         Cmd::Checkpoint { mib, stores, iters } => checkpoint::run(mib, &stores, iters).await,
         Cmd::DpBareRank {
             etcd,

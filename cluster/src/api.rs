@@ -69,6 +69,19 @@ pub struct JobView {
     pub message: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_weights_sha256: Option<String>,
+    /// How the replicas combine their work (the spec's `training.sync`; absent without
+    /// `[training]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync: Option<String>,
+    /// DiLoCo: rounds committed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round: Option<u64>,
+    /// Bytes the workers sent each other per committed sample (current generation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_per_sample: Option<f64>,
+    /// At the end: the final weights' mean loss on the dataset's first 256 samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

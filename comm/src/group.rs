@@ -148,6 +148,61 @@ impl Group {
         })
     }
 
+    /// Personalised exchange: `parts[i]` goes to member i (this member's own stays); returns
+    /// what each member sent this one, in group order, member i's of shape `shapes[i]` and of
+    /// `parts`' kind.
+    pub fn all_to_all(&self, parts: &[Tensor], shapes: &[Vec<i64>]) -> Result<Vec<Tensor>> {
+        let n = self.members.len();
+        if parts.len() != n || shapes.len() != n || shapes[self.me] != parts[self.me].size() {
+            return Err(CommError::Invalid {
+                op: "group all_to_all",
+                reason: format!(
+                    "{} parts and {} shapes for {} members",
+                    parts.len(),
+                    shapes.len(),
+                    n
+                ),
+            });
+        }
+        let out: Vec<(u32, Tensor)> = (0..n)
+            .filter(|i| *i != self.me)
+            .map(|i| (self.members[i], parts[i].contiguous()))
+            .collect();
+        let (kind, device) = (parts[self.me].kind(), parts[self.me].device());
+        std::thread::scope(|s| {
+            let comm = self.comm.clone();
+            let sender = s.spawn(move || -> Result<()> {
+                for (peer, t) in &out {
+                    comm.send(t, *peer)?;
+                }
+                Ok(())
+            });
+            let mut got: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+            let mut res = Ok(());
+            for i in (0..n).filter(|i| *i != self.me) {
+                let mut buf = Tensor::zeros(shapes[i].as_slice(), (kind, device));
+                match self.comm.recv(&mut buf, self.members[i]) {
+                    Ok(()) => got[i] = Some(buf),
+                    Err(e) => {
+                        self.comm.abort();
+                        res = Err(e);
+                        break;
+                    }
+                }
+            }
+            let sent = sender.join().unwrap_or_else(|_| {
+                Err(CommError::Invalid {
+                    op: "group all_to_all",
+                    reason: "the sender thread panicked".into(),
+                })
+            });
+            res?;
+            sent?;
+            got[self.me] = Some(parts[self.me].shallow_clone());
+            Ok(got.into_iter().map(|p| p.unwrap()).collect())
+        })
+    }
+
     /// Sum of the members' `t`, folded in group order (the same bits on every member); `t`
     /// keeps its value, the sum is returned.
     pub fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {

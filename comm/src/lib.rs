@@ -18,6 +18,7 @@ pub mod liveness;
 pub mod mesh_tls;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod quant;
 pub mod rendezvous;
 pub mod selftest;
 pub mod staging;
@@ -100,6 +101,11 @@ pub trait Communicator: Send + Sync {
     /// A byte buffer of any length from `root` to every rank.
     fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()>;
     fn abort(&self);
+    /// Bytes of data this rank sent to its peers on this communicator so far (0 where the
+    /// backend does not count them).
+    fn bytes_sent(&self) -> u64 {
+        0
+    }
     /// Fault injection (a job with `allow_fault_injection`): announce to `peer`, as the next
     /// collective's frame, one of 2^62 bytes, as a hostile or broken peer would.
     fn inject_oversized_frame(&self, peer: u32) -> Result<()> {
@@ -114,6 +120,9 @@ pub trait Communicator: Send + Sync {
 impl Communicator for TcpComm {
     fn rank(&self) -> u32 {
         TcpComm::rank(self)
+    }
+    fn bytes_sent(&self) -> u64 {
+        TcpComm::bytes_sent(self)
     }
     fn world(&self) -> u32 {
         TcpComm::world(self)

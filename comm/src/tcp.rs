@@ -189,6 +189,8 @@ pub struct TcpComm {
     op_deadline_ms: AtomicU64,
     epoch: Instant,
     heartbeat: Heartbeat,
+    /// Bytes of frames (headers and payloads) this rank wrote to its peers.
+    sent: AtomicU64,
 }
 
 /// The heartbeat thread of a communicator; stopped when the communicator is dropped.
@@ -481,11 +483,16 @@ impl TcpComm {
             op_deadline_ms: AtomicU64::new(u64::MAX),
             epoch: Instant::now(),
             heartbeat,
+            sent: AtomicU64::new(0),
         })
     }
 
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+    /// Bytes this rank wrote to its peers so far (frames of data; heartbeats not counted).
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
     }
     pub fn world(&self) -> u32 {
         self.world
@@ -549,6 +556,8 @@ impl TcpComm {
     fn send(&self, op: &'static str, kind: Kind, seq: u64, to: u32, data: &[u8]) -> Result<()> {
         let mut w = self.peer(to).write.lock().unwrap();
         let h = header(kind, self.generation, seq, data.len() as u64);
+        self.sent
+            .fetch_add((HEADER + data.len()) as u64, Ordering::Relaxed);
         w.write_all(&h)
             .and_then(|_| w.write_all(data))
             .map_err(|e| self.io_err(op, to, e))

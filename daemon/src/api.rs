@@ -595,6 +595,10 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         step: progress.map(|p| p.step).unwrap_or(0),
         loss: progress.and_then(|p| p.loss),
         samples_per_sec: progress.and_then(|p| p.samples_per_sec),
+        sync: spec.training.as_ref().map(|t| t.sync.clone()),
+        round: progress.and_then(|p| p.round),
+        bytes_per_sample: progress.and_then(|p| p.bytes_per_sample),
+        eval_loss: progress.and_then(|p| p.eval_loss),
         last_reformation: status.and_then(|s| s.last_reformation.as_ref()).map(|r| {
             ReformationView {
                 generation: r.generation,

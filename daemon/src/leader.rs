@@ -804,6 +804,10 @@ mod tests {
             updated_at_ms: 0,
             done: true,
             final_weights_sha256: Some("abc".into()),
+            sync: None,
+            round: None,
+            bytes_per_sample: None,
+            eval_loss: None,
         };
         // the control watch already shows the new spec without a status; the live watch
         // still shows the last run's final progress

@@ -1300,6 +1300,10 @@ mod tests {
             updated_at_ms: 0,
             done: false,
             final_weights_sha256: None,
+            sync: None,
+            round: None,
+            bytes_per_sample: None,
+            eval_loss: None,
         });
         // the job's wait, capped by the agent's deadline less the margin
         f.drain_deadlines.insert("b".into(), 1_000 + 10_000);
@@ -1539,6 +1543,10 @@ mod tests {
             updated_at_ms: 0,
             done: false,
             final_weights_sha256: None,
+            sync: None,
+            round: None,
+            bytes_per_sample: None,
+            eval_loss: None,
         });
         let g = step(&mut obs, &f, 50).expect("re-formed");
         assert_eq!(g.fault_retries, 1);

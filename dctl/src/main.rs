@@ -156,6 +156,14 @@ fn print_job(v: &JobView) {
         .map(|s| format!("{s:.1}"))
         .unwrap_or_else(|| "-".into());
     println!("step        {}   loss {}   samples/s {}", v.step, loss, sps);
+    if let Some(sync) = v.sync.as_deref().filter(|s| *s != "allreduce") {
+        let opt = |x: Option<String>| x.unwrap_or_else(|| "-".into());
+        println!(
+            "sync        {sync}   rounds {}   bytes/sample {}",
+            opt(v.round.map(|r| r.to_string())),
+            opt(v.bytes_per_sample.map(|b| format!("{b:.1}")))
+        );
+    }
     if let Some(r) = &v.last_reformation {
         println!(
             "last change generation {}: {} ({}) in {:.3} s",
@@ -167,6 +175,9 @@ fn print_job(v: &JobView) {
     }
     if let Some(h) = &v.final_weights_sha256 {
         println!("weights     sha256 {h}");
+    }
+    if let Some(l) = v.eval_loss {
+        println!("eval loss   {l:.4} (the final weights on the dataset's first 256 samples)");
     }
     if !v.members.is_empty() {
         println!(

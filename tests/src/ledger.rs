@@ -119,3 +119,119 @@ pub fn violations(dir: &Path, steps: u64, samples: u64, batch: u64) -> Vec<Strin
     }
     out
 }
+
+/// The DiLoCo ledger (`sync = "diloco"`): per process, one line per local step with the round
+/// and the samples it trained, one `contrib` line when it enters a round's commit, one
+/// `committed` line when the commit completed. Checks that rounds `0..` were committed without
+/// a gap and that the samples of the committed rounds (for each round, those of the processes
+/// that entered its last commit, from every generation they trained it in) cover `total`
+/// positions over `samples` samples with nothing skipped or repeated: each sample used
+/// `⌊total / samples⌋` or one more times. A round committed in two generations is allowed only
+/// when every process of the earlier commit never went on to a later generation (its state left
+/// with it). Returns the violations and the samples each committed round trained.
+pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, Vec<u64>) {
+    let mut out = Vec::new();
+    // (process, round) → samples; (generation, round) → processes that entered its commit;
+    // round → generation → processes that completed it
+    let mut idx: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
+    let mut contrib: BTreeMap<(u64, u64), BTreeSet<String>> = BTreeMap::new();
+    let mut committed: BTreeMap<u64, BTreeMap<u64, BTreeSet<String>>> = BTreeMap::new();
+    let mut last_gen: BTreeMap<String, u64> = BTreeMap::new();
+    let files = match std::fs::read_dir(dir) {
+        Ok(f) => f,
+        Err(e) => {
+            return (
+                vec![format!("ledger directory {}: {e}", dir.display())],
+                vec![],
+            )
+        }
+    };
+    for f in files.flatten() {
+        let p = f.file_name().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let (Some(g), Some(r)) = (v["g"].as_u64(), v["round"].as_u64()) else {
+                continue;
+            };
+            let e = last_gen.entry(p.clone()).or_insert(g);
+            *e = (*e).max(g);
+            if v["committed"] == true {
+                committed
+                    .entry(r)
+                    .or_default()
+                    .entry(g)
+                    .or_default()
+                    .insert(p.clone());
+            } else if v["contrib"] == true {
+                contrib.entry((g, r)).or_default().insert(p.clone());
+            } else if let Some(a) = v["idx"].as_array() {
+                idx.entry((p.clone(), r))
+                    .or_default()
+                    .extend(a.iter().filter_map(|x| x.as_u64()));
+            }
+        }
+    }
+    let rounds = committed.keys().next_back().map(|r| r + 1).unwrap_or(0);
+    let missing: Vec<u64> = (0..rounds).filter(|r| !committed.contains_key(r)).collect();
+    if !missing.is_empty() {
+        out.push(format!("rounds never committed: {missing:?}"));
+    }
+    let mut count: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut used_total = 0u64;
+    let mut per_round = vec![0u64; rounds as usize];
+    for (r, gens) in &committed {
+        let (&g, _) = gens.iter().next_back().unwrap();
+        for (&earlier, procs) in gens.range(..g) {
+            let went_on: Vec<&String> = procs
+                .iter()
+                .filter(|p| last_gen.get(*p).is_some_and(|l| *l > earlier))
+                .collect();
+            if !went_on.is_empty() {
+                out.push(format!(
+                    "round {r} was committed in generation {earlier} by {went_on:?}, which went on, and again in generation {g}"
+                ));
+            }
+        }
+        let Some(procs) = contrib.get(&(g, *r)) else {
+            out.push(format!(
+                "round {r}: committed in generation {g}, which nobody entered"
+            ));
+            continue;
+        };
+        for p in procs {
+            for i in idx
+                .get(&(p.clone(), *r))
+                .map(|v| v.as_slice())
+                .unwrap_or(&[])
+            {
+                if *i >= samples {
+                    out.push(format!("round {r}: sample {i} is out of range"));
+                }
+                *count.entry(*i).or_default() += 1;
+                used_total += 1;
+                per_round[*r as usize] += 1;
+            }
+        }
+    }
+    if used_total != total {
+        out.push(format!(
+            "the committed rounds trained {used_total} samples, not the run's {total}"
+        ));
+    }
+    let full = total / samples;
+    let odd: Vec<(u64, u64)> = (0..samples)
+        .map(|i| (i, count.get(&i).copied().unwrap_or(0)))
+        .filter(|(_, c)| *c != full && *c != full + 1)
+        .take(10)
+        .collect();
+    if !odd.is_empty() {
+        out.push(format!(
+            "samples used neither {full} nor {} times (sample, count): {odd:?}",
+            full + 1
+        ));
+    }
+    (out, per_round)
+}

@@ -955,6 +955,10 @@ fn each_agent_watches_only_its_own_nodes_view_and_wakes_only_for_what_concerns_i
             updated_at_ms: now_ms(),
             done: false,
             final_weights_sha256: None,
+            sync: None,
+            round: None,
+            bytes_per_sample: None,
+            eval_loss: None,
         };
         rt.block_on(store.put_json(&k.progress("ja"), &p, None))
             .unwrap();

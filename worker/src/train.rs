@@ -29,6 +29,7 @@ use crate::optim::{lr_at, Optimizer};
 use crate::WorkerEnv;
 
 pub mod ckpt;
+pub mod diloco;
 pub mod pipe;
 pub mod reshard;
 mod tensor;
@@ -137,7 +138,12 @@ pub struct Trainer {
     computed: Duration,
     /// The tensor layout of what this rank holds: (group size, its place in the group).
     tp_held: (u32, u32),
+    /// DiLoCo's round state (`sync = "diloco"`).
+    diloco: Option<diloco::Diloco>,
 }
+
+/// Samples of the final evaluation loss.
+const EVAL_SAMPLES: u64 = 256;
 
 fn sha256_params(params: &[Tensor]) -> String {
     let mut h = Sha256::new();
@@ -316,6 +322,7 @@ impl Trainer {
             }
             None => None,
         };
+        let diloco = spec.is_diloco().then(|| diloco::Diloco::new(&params));
         let mesh_tls = if spec.mesh_tls {
             let t = ductile_comm::mesh_tls::MeshTls::from_env()?.ok_or_else(|| {
                 anyhow::anyhow!("the job's mesh runs over TLS (mesh_tls) but the agent gave no mesh certificate (DUCTILE_MESH_TLS_CA, _CERT, _KEY)")
@@ -351,6 +358,7 @@ impl Trainer {
             received: 0,
             shapes,
             tp_held: (1, 0),
+            diloco,
         })
     }
 
@@ -521,7 +529,12 @@ impl Trainer {
     ) -> anyhow::Result<Outcome> {
         let rank = me.rank;
         let t0 = Instant::now();
-        if let Err(e) = self.agree(arc, g)? {
+        let agreed = if self.diloco.is_some() {
+            self.diloco_agree(arc, g)?
+        } else {
+            self.agree(arc, g)?
+        };
+        if let Err(e) = agreed {
             return Ok(Outcome::Reform(e));
         }
         self.set_owners(g);
@@ -612,12 +625,18 @@ impl Trainer {
             "training"
         );
         let mut last_report = Instant::now() - Duration::from_secs(2);
+        let (start_bytes, start_step) = (arc.bytes_sent(), self.step);
         let mut samples_since = 0u64;
         let mut since = Instant::now();
         // every rank's own figures, every 2 s (a straggler shows in its compute time)
         let (mut rank_since, mut rank_steps) = (Instant::now(), 0u64);
         self.computed = Duration::ZERO;
         let mut first_done = false;
+        if self.diloco.is_some() {
+            if let Err(e) = self.diloco_rounds(arc, g, rank) {
+                return Ok(Outcome::Reform(e));
+            }
+        }
         loop {
             if self.spec.max_steps.is_some_and(|m| self.step >= m) {
                 // a save in flight completes (and rank 0 commits it) before the job ends
@@ -644,6 +663,7 @@ impl Trainer {
                 }
                 if rank == 0 {
                     let sha = sha256_params(&self.params);
+                    let eval = self.eval_loss();
                     let p = Progress {
                         generation: g.number,
                         step: self.step,
@@ -652,24 +672,36 @@ impl Trainer {
                         updated_at_ms: now_ms(),
                         done: true,
                         final_weights_sha256: Some(sha.clone()),
+                        sync: None,
+                        round: None,
+                        bytes_per_sample: None,
+                        eval_loss: eval,
                     };
                     let store = self.store.clone();
                     let job = self.env.job.clone();
                     // keep the last loss reported
                     let prev = self.rt.block_on(store.progress(&job)).ok().flatten();
-                    let p = Progress {
-                        loss: prev.as_ref().and_then(|x| x.loss),
-                        samples_per_sec: prev.and_then(|x| x.samples_per_sec),
-                        ..p
+                    let p = match prev {
+                        Some(x) => Progress {
+                            loss: x.loss,
+                            samples_per_sec: x.samples_per_sec,
+                            sync: x.sync,
+                            round: x.round,
+                            bytes_per_sample: x.bytes_per_sample,
+                            eval_loss: p.eval_loss,
+                            ..p
+                        },
+                        None => p,
                     };
                     self.rt
                         .block_on(store.put_json(&store.keys.progress(&job), &p, None))?;
                     // rank 0 holds every tensor now (the final gather): the optimizer state's
                     // hash lets a restore elsewhere be checked against it
                     println!(
-                        "finished at step {}: final weights sha256 {sha}, optimizer state sha256 {}",
+                        "finished at step {}: final weights sha256 {sha}, optimizer state sha256 {}, eval loss {}",
                         self.step,
-                        sha256_params(&self.opt.state)
+                        sha256_params(&self.opt.state),
+                        eval.map(|l| format!("{l:.5}")).unwrap_or_else(|| "-".into())
                     );
                 }
                 return Ok(Outcome::Done);
@@ -723,6 +755,8 @@ impl Trainer {
             }
             if rank == 0 && last_report.elapsed() >= Duration::from_secs(1) {
                 let sps = samples_since as f64 / since.elapsed().as_secs_f64();
+                let trained = (self.step - start_step) * self.spec.global_batch as u64;
+                let bytes = (arc.bytes_sent() - start_bytes) as f64 * g.world_size as f64;
                 let p = Progress {
                     generation: g.number,
                     step: self.step,
@@ -731,6 +765,10 @@ impl Trainer {
                     updated_at_ms: now_ms(),
                     done: false,
                     final_weights_sha256: None,
+                    sync: None,
+                    round: None,
+                    bytes_per_sample: (trained > 0).then(|| bytes / trained as f64),
+                    eval_loss: None,
                 };
                 let store = self.store.clone();
                 let job = self.env.job.clone();
@@ -746,6 +784,25 @@ impl Trainer {
                 since = Instant::now();
             }
         }
+    }
+
+    /// The final weights' mean loss on the dataset's first [`EVAL_SAMPLES`] samples (a fixed
+    /// set, the same for every mode and layout), when this rank holds the whole model.
+    fn eval_loss(&mut self) -> Option<f64> {
+        if self.model.sliced() || self.tp_held.0 > 1 {
+            return None;
+        }
+        let n = (self.data.len() as u64).min(EVAL_SAMPLES);
+        let idx: Vec<u64> = (0..n).collect();
+        let mut sum = 0.0;
+        tch::no_grad(|| {
+            for chunk in idx.chunks(64) {
+                let (x, y) = self.data.batch(chunk);
+                let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
+                sum += self.model.loss_sum(&x, &y).double_value(&[]);
+            }
+        });
+        Some(sum / n.max(1) as f64)
     }
 
     fn tensors(&self) -> Vec<&Tensor> {
