@@ -599,12 +599,6 @@ impl JobSpec {
         }
         if let Some(t) = &self.training {
             t.validate(self.max)?;
-            if t.is_diloco() && self.checkpoint.is_some() {
-                return Err(ClusterError::invalid(
-                    "checkpoint",
-                    "checkpoints of DiLoCo jobs (global weights, outer momentum, round cursor) are not available yet: leave [checkpoint] out with sync = \"diloco\"",
-                ));
-            }
         }
         if let Some(c) = &self.checkpoint {
             if !(c.url.starts_with("s3://") || c.url.starts_with("file://")) {
@@ -752,12 +746,12 @@ impl TrainingSpec {
                     format!("{} is outside [0, 1)", d.outer_momentum),
                 );
             }
-            if d.fragments != 1 {
+            if !(1..=1024).contains(&d.fragments) || d.fragments > d.inner_steps {
                 return bad(
                     "fragments",
                     format!(
-                        "{}: streaming DiLoCo (more than one fragment) is not available yet; use 1",
-                        d.fragments
+                        "{} must be 1 to 1024 and at most inner_steps ({})",
+                        d.fragments, d.inner_steps
                     ),
                 );
             }

@@ -76,6 +76,18 @@ pub fn take(todo: &mut Ranges, k: u64) -> Ranges {
     out
 }
 
+/// `r` with each range that starts where the one before it ends joined to it (order kept).
+pub fn coalesce(r: &[Range<u64>]) -> Ranges {
+    let mut out: Ranges = Vec::new();
+    for x in r.iter().filter(|x| x.end > x.start) {
+        match out.last_mut() {
+            Some(l) if l.end == x.start => l.end = x.end,
+            _ => out.push(x.clone()),
+        }
+    }
+    out
+}
+
 /// The positions of `r`, in order.
 pub fn positions(r: &[Range<u64>]) -> impl Iterator<Item = u64> + '_ {
     r.iter().flat_map(|x| x.clone())
@@ -121,5 +133,9 @@ mod tests {
         let (w, c) = round_work(&[3..5], 100, 50, 120);
         assert_eq!((w, c), (vec![3..5, 100..120], 120));
         assert_eq!(round_work(&[], 120, 50, 120), (vec![], 120));
+        assert_eq!(
+            coalesce(&[1..3, 3..5, 5..5, 7..9, 9..10]),
+            vec![1..5, 7..10]
+        );
     }
 }

@@ -5,6 +5,24 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+/// Every line of every process's ledger in `dir`: (the process's file name, the line). A
+/// process killed mid-write leaves a torn last line: it did nothing there, so it is skipped.
+fn read(dir: &Path) -> Result<Vec<(String, serde_json::Value)>, String> {
+    let files =
+        std::fs::read_dir(dir).map_err(|e| format!("ledger directory {}: {e}", dir.display()))?;
+    let mut out = Vec::new();
+    for f in files.flatten() {
+        let name = f.file_name().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(f.path()).map_err(|e| format!("ledger {name}: {e}"))?;
+        out.extend(
+            text.lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .map(|v| (name.clone(), v)),
+        );
+    }
+    Ok(out)
+}
+
 /// Check that steps `0..steps` were each committed once, over `samples` samples with a global
 /// batch of `batch`: every step applied, each from exactly `batch` samples, and every sample
 /// used `⌊steps·batch / samples⌋` or one more times (exactly `steps·batch mod samples` of them
@@ -22,41 +40,27 @@ pub fn violations(dir: &Path, steps: u64, samples: u64, batch: u64) -> Vec<Strin
     let mut applied: BTreeMap<u64, BTreeMap<u64, BTreeSet<String>>> = BTreeMap::new();
     // process → the highest generation it wrote anything for
     let mut last_gen: BTreeMap<String, u64> = BTreeMap::new();
-    let files = match std::fs::read_dir(dir) {
-        Ok(f) => f,
-        Err(e) => return vec![format!("ledger directory {}: {e}", dir.display())],
+    let lines = match read(dir) {
+        Ok(l) => l,
+        Err(e) => return vec![e],
     };
-    for f in files.flatten() {
-        let proc_name = f.file_name().to_string_lossy().into_owned();
-        let text = match std::fs::read_to_string(f.path()) {
-            Ok(t) => t,
-            Err(e) => {
-                out.push(format!("ledger {proc_name}: {e}"));
-                continue;
-            }
+    for (proc_name, v) in lines {
+        let (Some(g), Some(s)) = (v["g"].as_u64(), v["s"].as_u64()) else {
+            continue;
         };
-        for line in text.lines() {
-            // a process killed mid-write leaves a torn last line: it applied nothing there
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
-            let (Some(g), Some(s)) = (v["g"].as_u64(), v["s"].as_u64()) else {
-                continue;
-            };
-            let e = last_gen.entry(proc_name.clone()).or_insert(g);
-            *e = (*e).max(g);
-            if v["applied"] == true {
-                applied
-                    .entry(s)
-                    .or_default()
-                    .entry(g)
-                    .or_default()
-                    .insert(proc_name.clone());
-            } else if let Some(a) = v["idx"].as_array() {
-                idx.entry((g, s))
-                    .or_default()
-                    .extend(a.iter().filter_map(|x| x.as_u64()));
-            }
+        let e = last_gen.entry(proc_name.clone()).or_insert(g);
+        *e = (*e).max(g);
+        if v["applied"] == true {
+            applied
+                .entry(s)
+                .or_default()
+                .entry(g)
+                .or_default()
+                .insert(proc_name.clone());
+        } else if let Some(a) = v["idx"].as_array() {
+            idx.entry((g, s))
+                .or_default()
+                .extend(a.iter().filter_map(|x| x.as_u64()));
         }
     }
     let missing: Vec<u64> = (0..steps).filter(|s| !applied.contains_key(s)).collect();
@@ -137,41 +141,29 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
     let mut contrib: BTreeMap<(u64, u64), BTreeSet<String>> = BTreeMap::new();
     let mut committed: BTreeMap<u64, BTreeMap<u64, BTreeSet<String>>> = BTreeMap::new();
     let mut last_gen: BTreeMap<String, u64> = BTreeMap::new();
-    let files = match std::fs::read_dir(dir) {
-        Ok(f) => f,
-        Err(e) => {
-            return (
-                vec![format!("ledger directory {}: {e}", dir.display())],
-                vec![],
-            )
-        }
+    let lines = match read(dir) {
+        Ok(l) => l,
+        Err(e) => return (vec![e], vec![]),
     };
-    for f in files.flatten() {
-        let p = f.file_name().to_string_lossy().into_owned();
-        let text = std::fs::read_to_string(f.path()).unwrap_or_default();
-        for line in text.lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
-            let (Some(g), Some(r)) = (v["g"].as_u64(), v["round"].as_u64()) else {
-                continue;
-            };
-            let e = last_gen.entry(p.clone()).or_insert(g);
-            *e = (*e).max(g);
-            if v["committed"] == true {
-                committed
-                    .entry(r)
-                    .or_default()
-                    .entry(g)
-                    .or_default()
-                    .insert(p.clone());
-            } else if v["contrib"] == true {
-                contrib.entry((g, r)).or_default().insert(p.clone());
-            } else if let Some(a) = v["idx"].as_array() {
-                idx.entry((p.clone(), r))
-                    .or_default()
-                    .extend(a.iter().filter_map(|x| x.as_u64()));
-            }
+    for (p, v) in lines {
+        let (Some(g), Some(r)) = (v["g"].as_u64(), v["round"].as_u64()) else {
+            continue;
+        };
+        let e = last_gen.entry(p.clone()).or_insert(g);
+        *e = (*e).max(g);
+        if v["committed"] == true {
+            committed
+                .entry(r)
+                .or_default()
+                .entry(g)
+                .or_default()
+                .insert(p.clone());
+        } else if v["contrib"] == true {
+            contrib.entry((g, r)).or_default().insert(p.clone());
+        } else if let Some(a) = v["idx"].as_array() {
+            idx.entry((p.clone(), r))
+                .or_default()
+                .extend(a.iter().filter_map(|x| x.as_u64()));
         }
     }
     let rounds = committed.keys().next_back().map(|r| r + 1).unwrap_or(0);

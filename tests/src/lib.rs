@@ -1308,6 +1308,37 @@ pub fn assert_refused<T: AsRef<str>>(c: &Cluster, cases: &[(T, &str)]) {
     assert!(jobs.is_empty(), "nothing was stored");
 }
 
+/// The newest generation of `job` from `from` on, once every member wrote its weights record
+/// (`step:sha256`): its number and the records.
+pub fn joined_weights(c: &Cluster, job: &str, from: u64) -> (u64, Vec<String>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    c.wait_for(Duration::from_secs(60), "the generation's weights", || {
+        rt.block_on(async {
+            let store = c.store().await;
+            let (g, _) = store.generation(job).await.unwrap()?;
+            if g.number < from {
+                return None;
+            }
+            let (kvs, _) = store
+                .backend
+                .list(&format!("{}weights/", store.keys.rendezvous(job, g.number)))
+                .await
+                .unwrap();
+            (kvs.len() == g.world_size as usize).then(|| {
+                (
+                    g.number,
+                    kvs.into_iter()
+                        .map(|kv| String::from_utf8(kv.value).unwrap())
+                        .collect(),
+                )
+            })
+        })
+    })
+}
+
 /// SIGKILL `pid` and wait for `job` to re-form at `world` from its peers' state (a failure
 /// generation, no checkpoint); the new generation's view and record.
 pub fn kill_and_reform(

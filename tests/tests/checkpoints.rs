@@ -45,31 +45,6 @@ fn stats(c: &Cluster, job: &str) -> CheckpointStats {
 }
 
 /// Every rank's "step:sha256" when it joined the job's first generation at or after `from`.
-fn joined_weights(c: &Cluster, job: &str, from: u64) -> (u64, Vec<String>) {
-    c.wait_for(S(60), "the first generation's weights", || {
-        rt().block_on(async {
-            let store = c.store().await;
-            let (g, _) = store.generation(job).await.unwrap()?;
-            if g.number < from {
-                return None;
-            }
-            let (kvs, _) = store
-                .backend
-                .list(&format!("{}weights/", store.keys.rendezvous(job, g.number)))
-                .await
-                .unwrap();
-            (kvs.len() == g.world_size as usize).then(|| {
-                (
-                    g.number,
-                    kvs.into_iter()
-                        .map(|kv| String::from_utf8(kv.value).unwrap())
-                        .collect(),
-                )
-            })
-        })
-    })
-}
-
 fn agent_logs(c: &Cluster) -> String {
     c.agents
         .values()

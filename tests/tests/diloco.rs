@@ -71,7 +71,8 @@ fn diloco_a_kill_and_a_join_mid_round_commit_every_sample_once() {
 }
 
 #[test]
-fn diloco_int8_pseudo_gradients_train_through_a_shrink_and_a_grow_and_deterministic_runs_agree() {
+fn diloco_streaming_int8_fragments_train_through_a_shrink_and_a_grow_and_deterministic_runs_agree()
+{
     let ledger = TempDir::new("ledger");
     let c = ledger_cluster(&ledger);
     let data = synth(c.dir.path(), "tokens", 20_000);
@@ -81,7 +82,7 @@ fn diloco_int8_pseudo_gradients_train_through_a_shrink_and_a_grow_and_determinis
         3,
         &data,
         steps,
-        "inner_steps = 16\nquantize = \"int8\"",
+        "inner_steps = 16\nquantize = \"int8\"\nfragments = 4",
     ));
     c.wait_world("d2", 3, S(30));
     let early = wait_round(&c, "d2", 2);
@@ -109,13 +110,81 @@ fn diloco_int8_pseudo_gradients_train_through_a_shrink_and_a_grow_and_determinis
     // deterministic mode: the same spec and the same members every round give the same bits
     let det = |name: &str| {
         c.submit(
-            &diloco_toml(name, 2, &data, 64, "inner_steps = 8\nquantize = \"fp16\"")
-                .replace("[training]\n", "[training]\ndeterministic = true\n"),
+            &diloco_toml(
+                name,
+                2,
+                &data,
+                64,
+                "inner_steps = 8\nquantize = \"fp16\"\nfragments = 2",
+            )
+            .replace("[training]\n", "[training]\ndeterministic = true\n"),
         );
         c.wait_done(name, S(180)).final_weights_sha256.unwrap()
     };
     let (a, b) = (det("d3"), det("d4"));
     assert_eq!(a, b, "two deterministic DiLoCo runs differ");
+}
+
+#[test]
+fn diloco_checkpoints_hold_the_rounds_and_a_cold_start_at_another_size_resumes_them() {
+    let ledger = TempDir::new("ledger");
+    let c = ledger_cluster(&ledger);
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let dir = c.dir.path().join("ckpt-d5");
+    // rounds of 10 steps (320 positions); the commit of round 3 reaches step 40: a checkpoint
+    let job = |desired: u32| {
+        format!(
+            "{}[checkpoint]\nurl = \"file://{}\"\ninterval = 40\nkeep = 3\n",
+            diloco_toml("d5", desired, &data, 60, "inner_steps = 10"),
+            dir.display()
+        )
+    };
+    c.submit(&job(3));
+    let first = c.wait_done("d5", S(180));
+    let m: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            dir.join(ductile_checkpoint::format::attempt_dir(40, 1))
+                .join("manifest.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let x = &m["extra"]["diloco"];
+    assert_eq!(
+        (&x["round"], &x["cursor"], &x["work"]),
+        (
+            &serde_json::json!(4),
+            &serde_json::json!(1600),
+            &serde_json::json!([[1280, 1600]])
+        ),
+        "{x}"
+    );
+    let names: Vec<&str> = m["order"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("outer_optimizer."))
+            && !names.iter().any(|n| n.starts_with("optimizer.")),
+        "{names:?}"
+    );
+    // submitted again at another size: a cold start from step 40, every member the same bits
+    c.submit(&job(2));
+    let (_, w) = joined_weights(&c, "d5", first.generation + 1);
+    assert_eq!(w.len(), 2);
+    assert!(
+        w.iter().all(|x| x == &w[0] && x.starts_with("40:")),
+        "{w:?}"
+    );
+    let again = c.wait_done("d5", S(180));
+    assert_eq!(again.step, 60);
+    assert!(again.eval_loss.is_some());
+    // rounds 4 and 5 were committed again by the new run's processes; every position once
+    let (v, rounds) = ductile_tests::ledger::round_violations(ledger.path(), 60 * 32, 624);
+    assert!(v.is_empty(), "{v:#?}");
+    assert_eq!(rounds.len(), 6, "{rounds:?}");
 }
 
 #[test]
@@ -141,12 +210,8 @@ fn diloco_specs_that_cannot_run_are_refused_at_submit() {
             (base("", "inner_steps = 0"), "inner_steps"),
             (base("", "outer_momentum = 1.0"), "outer_momentum"),
             (base("", "quantize = \"int4\""), "quantize"),
-            (base("", "fragments = 4"), "fragments"),
+            (base("", "inner_steps = 4\nfragments = 8"), "fragments"),
             (base("strategy = \"pipeline\"\n", ""), "data-parallel"),
-            (
-                base("", "") + "[checkpoint]\nurl = \"file:///tmp/x\"\n",
-                "checkpoints of DiLoCo",
-            ),
         ],
     );
 }

@@ -140,6 +140,8 @@ pub struct Trainer {
     tp_held: (u32, u32),
     /// DiLoCo's round state (`sync = "diloco"`).
     diloco: Option<diloco::Diloco>,
+    /// The `extra` of the checkpoint the last restore read.
+    restored_extra: Option<serde_json::Value>,
 }
 
 /// Samples of the final evaluation loss.
@@ -308,10 +310,22 @@ impl Trainer {
             })
             .collect::<anyhow::Result<Vec<usize>>>()?;
         let units = unit_list.len();
+        let diloco = spec
+            .is_diloco()
+            .then(|| diloco::Diloco::new(&params, spec.diloco.fragments));
         let ckpt = match checkpoint {
             Some(c) => {
                 let names: Vec<String> = model.params().into_iter().map(|(n, _)| n).collect();
-                let ck = ckpt::Ckpt::new(c, &names, &opt, &params)?;
+                // a DiLoCo checkpoint holds the global weights and the outer optimizer's state
+                let ck = match &diloco {
+                    Some(d) => {
+                        let mut ck =
+                            ckpt::Ckpt::new(c, &names, &d.outer_optimizer(&spec), &params)?;
+                        ck.state_prefix("outer_optimizer");
+                        ck
+                    }
+                    None => ckpt::Ckpt::new(c, &names, &opt, &params)?,
+                };
                 crate::watch_checkpoint_requests(
                     store.clone(),
                     env.job.clone(),
@@ -322,7 +336,6 @@ impl Trainer {
             }
             None => None,
         };
-        let diloco = spec.is_diloco().then(|| diloco::Diloco::new(&params));
         let mesh_tls = if spec.mesh_tls {
             let t = ductile_comm::mesh_tls::MeshTls::from_env()?.ok_or_else(|| {
                 anyhow::anyhow!("the job's mesh runs over TLS (mesh_tls) but the agent gave no mesh certificate (DUCTILE_MESH_TLS_CA, _CERT, _KEY)")
@@ -359,6 +372,7 @@ impl Trainer {
             shapes,
             tp_held: (1, 0),
             diloco,
+            restored_extra: None,
         })
     }
 
@@ -736,22 +750,8 @@ impl Trainer {
             samples_since += self.spec.global_batch as u64;
             rank_steps += 1;
             if !pipelined && rank_since.elapsed() >= Duration::from_secs(2) {
-                let n = rank_steps as f64;
-                let s = RankStats {
-                    generation: g.number,
-                    rank,
-                    step: self.step,
-                    step_ms: rank_since.elapsed().as_secs_f64() * 1e3 / n,
-                    compute_ms: self.computed.as_secs_f64() * 1e3 / n,
-                    updated_at_ms: now_ms(),
-                };
-                let (store, job) = (self.store.clone(), self.env.job.clone());
-                self.rt.spawn(async move {
-                    let _ = store
-                        .put_json(&store.keys.rank_stats(&job, rank), &s, None)
-                        .await;
-                });
-                (rank_since, rank_steps, self.computed) = (Instant::now(), 0, Duration::ZERO);
+                self.report_rank(g, rank, rank_since, rank_steps);
+                (rank_since, rank_steps) = (Instant::now(), 0);
             }
             if rank == 0 && last_report.elapsed() >= Duration::from_secs(1) {
                 let sps = samples_since as f64 / since.elapsed().as_secs_f64();
@@ -784,6 +784,27 @@ impl Trainer {
                 since = Instant::now();
             }
         }
+    }
+
+    /// Publish this rank's figures over the `steps` steps since `since` (a straggler shows in
+    /// its compute time), and start counting compute time anew.
+    fn report_rank(&mut self, g: &Generation, rank: u32, since: Instant, steps: u64) {
+        let n = steps.max(1) as f64;
+        let s = RankStats {
+            generation: g.number,
+            rank,
+            step: self.step,
+            step_ms: since.elapsed().as_secs_f64() * 1e3 / n,
+            compute_ms: self.computed.as_secs_f64() * 1e3 / n,
+            updated_at_ms: now_ms(),
+        };
+        let (store, job) = (self.store.clone(), self.env.job.clone());
+        self.rt.spawn(async move {
+            let _ = store
+                .put_json(&store.keys.rank_stats(&job, rank), &s, None)
+                .await;
+        });
+        self.computed = Duration::ZERO;
     }
 
     /// The final weights' mean loss on the dataset's first [`EVAL_SAMPLES`] samples (a fixed

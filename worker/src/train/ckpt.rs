@@ -110,6 +110,18 @@ impl Ckpt {
         })
     }
 
+    /// Name the optimizer-state tensors `{prefix}.{param}.{state}` (a DiLoCo job saves its
+    /// outer optimizer's state as `outer_optimizer.*`).
+    pub fn state_prefix(&mut self, prefix: &str) {
+        for m in &mut self.metas {
+            if m.kind == TensorKind::OptimizerState {
+                if let Some(rest) = m.name.strip_prefix("optimizer.") {
+                    m.name = format!("{prefix}.{rest}");
+                }
+            }
+        }
+    }
+
     /// The request generation `generation` should answer, if it has not yet. A request names
     /// the generation whose re-formation waits for it: a later generation (newcomers included)
     /// does not answer an old one.
@@ -367,6 +379,7 @@ impl Trainer {
             "logical_shards": self.spec.logical_shards,
             "world_size": g.world_size,
             "layout": g.layout,
+            "diloco": self.diloco.as_ref().map(|d| d.checkpoint_extra(&self.spec.diloco)),
         })
     }
 
@@ -380,7 +393,11 @@ impl Trainer {
         busy: bool,
     ) {
         let Some(ck) = &self.ckpt else { return };
-        let due = self.step % ck.spec.interval == 0;
+        let due = match &self.diloco {
+            // a DiLoCo round that crossed a multiple of the interval
+            Some(d) => d.crossed(ck.spec.interval),
+            None => self.step % ck.spec.interval == 0,
+        };
         if !(due || pending) {
             return;
         }
@@ -765,6 +782,7 @@ impl Trainer {
                 "restored this rank's share"
             );
             self.step = m.step;
+            self.restored_extra = Some(m.extra.clone());
             // that step is committed already: a save due at it (a job restored at its last
             // step) would only write it again
             if let Some(ck) = &mut self.ckpt {

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use super::{now_ms, Trainer};
-use crate::optim::lr_at;
+use crate::optim::{lr_at, Optimizer};
 
 /// What every member of a round agrees on (sent by the source of a generation's agreement).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -60,8 +60,20 @@ pub struct Diloco {
     /// The round's global weights and the outer Nesterov momentum.
     pub global: Vec<Tensor>,
     pub momentum: Vec<Tensor>,
-    /// Commits completed by this process (rounds), and the bytes it sent for them.
+    /// Commits completed by this process (rounds).
     pub rounds: u64,
+    /// The step before and after the last commit (a checkpoint is due when a multiple of the
+    /// interval lies in between).
+    pub last_commit: Option<(u64, u64)>,
+    /// The fragments' ranges of the flattened parameters (one: all of them).
+    pub fragments: Vec<std::ops::Range<usize>>,
+    /// Fragments exchanged this round so far (the last one's exchange is the commit).
+    pub synced: usize,
+    /// Per fragment: samples this member trained since the fragment's last exchange (its
+    /// pseudo-gradient's weight).
+    pub since: Vec<u64>,
+    /// Positions of this member's piece of the round.
+    pub piece_len: u64,
 }
 
 fn flat(ts: &[Tensor]) -> Tensor {
@@ -80,6 +92,24 @@ fn unflat_into(src: &Tensor, dst: &[Tensor]) {
     });
 }
 
+/// Views of `ts`, flattened one after another, that cover the flat range `r`.
+fn flat_views(ts: &[Tensor], r: &std::ops::Range<usize>) -> Vec<Tensor> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for t in ts {
+        let n = t.numel();
+        let (lo, hi) = (r.start.max(at), r.end.min(at + n));
+        if lo < hi {
+            out.push(
+                t.reshape([-1])
+                    .narrow(0, (lo - at) as i64, (hi - lo) as i64),
+            );
+        }
+        at += n;
+    }
+    out
+}
+
 impl Diloco {
     /// The global weights then the momentum (shallow handles).
     fn outer_state(&self) -> Vec<Tensor> {
@@ -90,8 +120,14 @@ impl Diloco {
             .collect()
     }
 
-    pub fn new(params: &[Tensor]) -> Diloco {
+    pub fn new(params: &[Tensor], fragments: u32) -> Diloco {
+        let n: usize = params.iter().map(|p| p.numel()).sum();
+        let fragments = quant::ranges(n, fragments.max(1) as usize);
         Diloco {
+            since: vec![0; fragments.len()],
+            fragments,
+            synced: 0,
+            piece_len: 0,
             meta: RoundMeta::default(),
             holds: false,
             piece: None,
@@ -102,13 +138,62 @@ impl Diloco {
             global: params.iter().map(|p| p.detach().copy()).collect(),
             momentum: params.iter().map(|p| p.zeros_like()).collect(),
             rounds: 0,
+            last_commit: None,
         }
+    }
+
+    /// Whether the last commit crossed a multiple of `interval` steps.
+    pub fn crossed(&self, interval: u64) -> bool {
+        self.last_commit
+            .is_some_and(|(a, b)| interval > 0 && a / interval < b / interval)
+    }
+
+    /// The outer optimizer as an [`Optimizer`] over the momentum (shallow handles): what a
+    /// checkpoint saves and restores as optimizer state.
+    pub fn outer_optimizer(&self, spec: &TrainingSpec) -> Optimizer {
+        Optimizer {
+            kind: crate::optim::Kind::Sgd {
+                momentum: spec.diloco.outer_momentum,
+            },
+            state: self.momentum.iter().map(|t| t.shallow_clone()).collect(),
+        }
+    }
+
+    /// What a checkpoint's `extra` records of the rounds: the round to start, the positions of
+    /// its work not yet trained (in order) and the next fresh position.
+    pub fn checkpoint_extra(&self, spec: &DilocoSpec) -> serde_json::Value {
+        let mut work: Ranges = self.meta.pieces.iter().flatten().cloned().collect();
+        work.extend(self.meta.debt.iter().cloned());
+        let work = plan::coalesce(&work);
+        serde_json::json!({
+            "round": self.meta.round,
+            "work": work.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>(),
+            "cursor": self.meta.cursor,
+            "inner_steps": spec.inner_steps,
+            "outer_lr": spec.outer_lr,
+            "outer_momentum": spec.outer_momentum,
+            "quantize": spec.quantize,
+        })
     }
 }
 
 impl Trainer {
     fn dl(&mut self) -> &mut Diloco {
         self.diloco.as_mut().expect("a DiLoCo job")
+    }
+
+    /// Run `f` with the outer optimizer in the inner one's place (a checkpoint's save and
+    /// restore see the global weights and the outer momentum as the state).
+    fn with_outer<T>(&mut self, f: impl FnOnce(&mut Trainer) -> T) -> T {
+        let d = self.diloco.as_ref().expect("a DiLoCo job");
+        let outer = d.outer_optimizer(&self.spec);
+        let global: Vec<Tensor> = d.global.iter().map(|t| t.shallow_clone()).collect();
+        let inner = std::mem::replace(&mut self.opt, outer);
+        let local = std::mem::replace(&mut self.params, global);
+        let out = f(self);
+        self.opt = inner;
+        self.params = local;
+        out
     }
 
     /// Positions of the whole run: `max_steps` global batches.
@@ -143,6 +228,7 @@ impl Trainer {
             .piece
             .map(|p| d.meta.pieces[p].clone())
             .unwrap_or_default();
+        d.piece_len = plan::total(&d.todo);
         d.done = 0;
         d.loss_sum = 0.0;
         d.busy = Duration::ZERO;
@@ -161,37 +247,27 @@ impl Trainer {
             d.meta.round as f64,
             if d.holds { 1.0 } else { 0.0 },
             d.piece.map(|p| p as f64).unwrap_or(-1.0),
+            d.synced as f64,
         ];
         let all = match comm.all_gather(&Tensor::from_slice(&row)) {
             Ok(a) => a,
             Err(e) => return Ok(Err(e)),
         };
         let rows: Vec<Vec<f64>> = Vec::<f64>::try_from(all.flatten(0, -1))?
-            .chunks(3)
+            .chunks(row.len())
             .map(|c| c.to_vec())
             .collect();
-        let max = rows
+        // the most advanced state: the highest round, then the most fragments exchanged in it
+        let best = rows
             .iter()
             .filter(|r| r[1] > 0.0)
-            .map(|r| r[0])
-            .fold(-1.0, f64::max);
-        if max < 0.0 {
-            // a cold start: every member holds the seed's weights
-            let d = self.dl();
-            d.meta = RoundMeta::default();
-            d.holds = true;
-            let n = self.params.len();
-            let fresh = Diloco::new(&self.params);
-            let d = self.dl();
-            d.global = fresh.global;
-            d.momentum = fresh.momentum;
-            debug_assert_eq!(d.global.len(), n);
-            self.plan_round(g.world_size, &vec![1.0; g.world_size as usize]);
-            self.take_piece(rank);
-            self.step = 0;
-            return Ok(Ok(()));
-        }
-        let at = |r: &Vec<f64>| r[1] > 0.0 && r[0] == max;
+            .map(|r| (r[0] as u64, r[3] as usize))
+            .max();
+        let Some((round, synced)) = best else {
+            return self.diloco_cold_start(comm, g);
+        };
+        let in_round = |r: &Vec<f64>| r[1] > 0.0 && r[0] as u64 == round;
+        let at = |r: &Vec<f64>| in_round(r) && r[3] as usize == synced;
         let src = rows.iter().position(at).unwrap() as u32;
         let mut meta = if rank == src {
             serde_json::to_vec(&self.diloco.as_ref().unwrap().meta)?
@@ -210,29 +286,51 @@ impl Trainer {
             if let Err(e) = comm.broadcast(&mut state, src) {
                 return Ok(Err(e));
             }
-            let mine = at(&rows[rank as usize]);
-            if !mine {
+            let me = &rows[rank as usize];
+            if !at(me) {
                 self.received = state.numel() as u64 * 4;
                 let d = self.diloco.as_mut().unwrap();
                 unflat_into(&state, &d.outer_state());
-                tch::no_grad(|| {
-                    for (p, g) in self.params.iter().zip(&d.global) {
-                        p.shallow_clone().copy_(g);
-                    }
-                });
-                let d = self.dl();
-                d.piece = None;
-                d.todo.clear();
-                d.done = 0;
-                d.loss_sum = 0.0;
+                let last = d.fragments.len() - 1;
+                // the fragments whose exchange this member missed (its own part in them was
+                // counted: an exchange completes only with every member's part) take the
+                // global weights; the others keep its local progress
+                let missed: Vec<usize> = if me[1] == 0.0 {
+                    (0..=last).collect()
+                } else if in_round(me) {
+                    (me[3] as usize..synced).collect()
+                } else {
+                    std::iter::once(last).chain(0..synced).collect()
+                };
+                for f in &missed {
+                    let r = d.fragments[*f].clone();
+                    tch::no_grad(|| {
+                        for (p, gl) in flat_views(&self.params, &r)
+                            .iter()
+                            .zip(flat_views(&d.global, &r))
+                        {
+                            p.shallow_clone().copy_(&gl);
+                        }
+                    });
+                    d.since[*f] = 0;
+                }
+                d.synced = synced;
                 d.holds = true;
+                if !in_round(me) {
+                    // its round was committed elsewhere: it trains from the next one on
+                    d.piece = None;
+                    d.todo.clear();
+                    d.piece_len = 0;
+                    d.done = 0;
+                    d.loss_sum = 0.0;
+                }
             }
         }
         // the pieces some member still holds stay with it; the others go to the next round
         let claimed: Vec<(u32, usize)> = rows
             .iter()
             .enumerate()
-            .filter(|(_, r)| at(r) && r[2] >= 0.0)
+            .filter(|(_, r)| in_round(r) && r[2] >= 0.0)
             .map(|(i, r)| (i as u32, r[2] as usize))
             .collect();
         let mut next = RoundMeta {
@@ -254,17 +352,18 @@ impl Trainer {
             }
         }
         let lost = plan::total(&next.debt) - plan::total(&meta.debt);
+        next.debt = plan::coalesce(&next.debt);
         let d = self.dl();
         d.meta = next;
         d.piece = mine;
-        if d.meta.pieces.is_empty() {
+        if d.meta.pieces.is_empty() && d.synced == 0 {
             // nobody holds any of the round's work: it starts again over the members
             self.plan_round(g.world_size, &vec![1.0; g.world_size as usize]);
             self.take_piece(rank);
         }
         let h = self.spec.diloco.inner_steps as u64;
         let d = self.diloco.as_ref().unwrap();
-        if d.piece.is_none() || !at(&rows[rank as usize]) {
+        if d.piece.is_none() {
             self.step = d.meta.round * h;
         }
         if lost > 0 {
@@ -274,6 +373,65 @@ impl Trainer {
                 "the pieces of members that left go to the next round"
             );
         }
+        Ok(Ok(()))
+    }
+
+    /// No member holds a round's state: every member starts from the seed, or from the latest
+    /// checkpoint (its global weights, outer momentum and the round's untrained work).
+    fn diloco_cold_start(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> anyhow::Result<Result<(), CommError>> {
+        let rank = comm.rank();
+        let fresh = Diloco::new(&self.params, self.spec.diloco.fragments);
+        *self.dl() = fresh;
+        self.dl().holds = true;
+        self.step = 0;
+        self.restored_extra = None;
+        if self.ckpt.is_some() {
+            // every member needs the whole state (the global weights and the outer optimizer's
+            // in the places of the parameters and the inner optimizer's)
+            let restored = self.with_outer(|t| {
+                let units = t.units();
+                let need: Vec<_> = g
+                    .members
+                    .iter()
+                    .flat_map(|m| t.parts_of(m.rank, &[0..units]))
+                    .collect();
+                t.restore(comm, &need)
+            })?;
+            if let Err(e) = restored {
+                return Ok(Err(e));
+            }
+        }
+        let Some(x) = self.restored_extra.take().map(|x| x["diloco"].clone()) else {
+            self.plan_round(g.world_size, &vec![1.0; g.world_size as usize]);
+            self.take_piece(rank);
+            return Ok(Ok(()));
+        };
+        // the checkpoint's round: its untrained work cut anew over this world
+        let field = |k: &str| {
+            x[k].as_u64()
+                .ok_or_else(|| anyhow::anyhow!("the checkpoint's diloco.{k} is missing"))
+        };
+        let work: Ranges = serde_json::from_value::<Vec<[u64; 2]>>(x["work"].clone())
+            .map_err(|e| anyhow::anyhow!("the checkpoint's diloco.work: {e}"))?
+            .into_iter()
+            .map(|[a, b]| a..b)
+            .collect();
+        let (round, cursor) = (field("round")?, field("cursor")?);
+        let d = self.diloco.as_mut().unwrap();
+        tch::no_grad(|| {
+            for (p, gl) in self.params.iter().zip(&d.global) {
+                p.shallow_clone().copy_(gl);
+            }
+        });
+        d.meta.round = round;
+        d.meta.cursor = cursor;
+        let sizes = plan::shares(plan::total(&work), &vec![1.0; g.world_size as usize]);
+        d.meta.pieces = plan::cut(&work, &sizes);
+        self.take_piece(rank);
         Ok(Ok(()))
     }
 
@@ -334,14 +492,94 @@ impl Trainer {
         let took = t0.elapsed();
         self.computed_for(rank, t0);
         let d = self.dl();
+        for n in d.since.iter_mut() {
+            *n += idx.len() as u64;
+        }
         d.done += idx.len() as u64;
         d.loss_sum += loss;
         d.busy += took.max(t0.elapsed());
         true
     }
 
-    /// The round's commit: the members' figures, the averaged pseudo-gradient, the outer step,
-    /// the next round's pieces. Returns the round's mean loss and the samples it committed.
+    /// Exchange fragment `f`: the members' pseudo-gradients of its range (global − local),
+    /// weighted by the samples each trained since the fragment's last exchange, summed; then
+    /// the outer Nesterov step on its global weights, which the member's own fragment takes.
+    /// `total` is the members' summed weight.
+    fn exchange_fragment(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        f: usize,
+        total: f64,
+    ) -> Result<(), CommError> {
+        let d = self.diloco.as_ref().unwrap();
+        let r = d.fragments[f].clone();
+        let (global, local) = (flat_views(&d.global, &r), flat_views(&self.params, &r));
+        let w = d.since[f] as f64;
+        let delta = tch::no_grad(|| {
+            let parts: Vec<Tensor> = global
+                .iter()
+                .zip(&local)
+                .map(|(gl, p)| (gl - p) * w)
+                .collect();
+            Tensor::cat(&parts, 0)
+                .to_kind(Kind::Float)
+                .to_device(Device::Cpu)
+        });
+        let q = Quant::parse(&self.spec.diloco.quantize).unwrap_or(Quant::None);
+        let group = Group::new(comm.clone(), (0..comm.world()).collect())?;
+        let (sum, _) = quant::all_reduce(&group, &delta, q)?;
+        let (lr, mu) = (self.spec.diloco.outer_lr, self.spec.diloco.outer_momentum);
+        let d = self.diloco.as_mut().unwrap();
+        let momentum = flat_views(&d.momentum, &r);
+        tch::no_grad(|| {
+            if total > 0.0 {
+                let avg = sum.to_device(self.dev) / total;
+                let mut at = 0;
+                for (gl, m) in global.iter().zip(&momentum) {
+                    let n = gl.numel() as i64;
+                    let dg = avg.narrow(0, at, n);
+                    at += n;
+                    // Nesterov: m ← μm + Δ; global ← global − lr·(Δ + μm)
+                    let mut m = m.shallow_clone();
+                    let _ = m.g_mul_scalar_(mu).g_add_(&dg);
+                    let step = &dg + &m * mu;
+                    let mut gl = gl.shallow_clone();
+                    let _ = gl.g_sub_(&(step * lr));
+                }
+            }
+            for (p, gl) in local.iter().zip(&global) {
+                p.shallow_clone().copy_(gl);
+            }
+        });
+        d.since[f] = 0;
+        Ok(())
+    }
+
+    /// The fragment whose exchange is due now (streaming DiLoCo: fragment k of F once this
+    /// member trained (k + 1)/F of its piece; the last one's exchange is the commit).
+    fn fragment_due(&self) -> Option<usize> {
+        let d = self.diloco.as_ref().unwrap();
+        let f = d.fragments.len() as u64;
+        let k = d.synced as u64;
+        (k + 1 < f && d.done * f >= (k + 1) * d.piece_len).then_some(d.synced)
+    }
+
+    /// A streaming fragment's exchange in the middle of a round.
+    fn sync_fragment(&mut self, comm: &Arc<dyn Communicator>, f: usize) -> Result<(), CommError> {
+        let w = self.diloco.as_ref().unwrap().since[f] as f64;
+        let all = comm.all_gather(&Tensor::from_slice(&[w]))?;
+        let total: f64 = Vec::<f64>::try_from(all.flatten(0, -1))
+            .unwrap_or_default()
+            .iter()
+            .sum();
+        self.exchange_fragment(comm, f, total)?;
+        self.dl().synced = f + 1;
+        Ok(())
+    }
+
+    /// The round's commit: the members' figures, the last fragment's exchange (all of the
+    /// parameters without streaming), the next round's pieces. Returns the round's mean loss
+    /// and the samples it committed.
     fn commit(
         &mut self,
         comm: &Arc<dyn Communicator>,
@@ -350,6 +588,7 @@ impl Trainer {
     ) -> Result<(f64, u64), CommError> {
         let d = self.diloco.as_ref().unwrap();
         let round = d.meta.round;
+        let last = d.fragments.len() - 1;
         let speed = if d.busy > Duration::ZERO && d.done > 0 {
             d.done as f64 / d.busy.as_secs_f64()
         } else {
@@ -363,56 +602,35 @@ impl Trainer {
             );
         }
         let d = self.diloco.as_ref().unwrap();
-        let row = [d.done as f64, d.loss_sum, speed];
+        let (pending, busy) = self
+            .ckpt
+            .as_ref()
+            .map(|c| c.flags(g.number))
+            .unwrap_or((0.0, 0.0));
+        let row = [
+            d.done as f64,
+            d.loss_sum,
+            speed,
+            pending as f64,
+            busy as f64,
+            d.since[last] as f64,
+        ];
         let all = comm.all_gather(&Tensor::from_slice(&row))?;
         let rows: Vec<f64> = Vec::<f64>::try_from(all.flatten(0, -1)).unwrap_or_default();
-        let rows: Vec<&[f64]> = rows.chunks(3).collect();
+        let rows: Vec<&[f64]> = rows.chunks(row.len()).collect();
+        self.flags = (
+            rows.iter().any(|r| r[3] > 0.0),
+            rows.iter().any(|r| r[4] > 0.0),
+        );
         let samples: f64 = rows.iter().map(|r| r[0]).sum();
         let loss = rows.iter().map(|r| r[1]).sum::<f64>() / samples.max(1.0);
         let speeds: Vec<f64> = rows.iter().map(|r| r[2]).collect();
-        // n_i · (global − local), summed over the members
-        let d = self.diloco.as_ref().unwrap();
-        let delta = tch::no_grad(|| {
-            let parts: Vec<Tensor> = d
-                .global
-                .iter()
-                .zip(&self.params)
-                .map(|(gl, p)| ((gl - p) * d.done as f64).reshape([-1]))
-                .collect();
-            Tensor::cat(&parts, 0)
-                .to_kind(Kind::Float)
-                .to_device(Device::Cpu)
-        });
-        let q = Quant::parse(&self.spec.diloco.quantize).unwrap_or(Quant::None);
-        let group = Group::new(comm.clone(), (0..comm.world()).collect())?;
-        let (sum, _) = quant::all_reduce(&group, &delta, q)?;
-        let (lr, mu) = (self.spec.diloco.outer_lr, self.spec.diloco.outer_momentum);
-        let sum = sum.to_device(self.dev);
+        let weight: f64 = rows.iter().map(|r| r[5]).sum();
+        self.exchange_fragment(comm, last, weight)?;
         let d = self.diloco.as_mut().unwrap();
-        if samples > 0.0 {
-            let avg = sum / samples;
-            let mut at = 0;
-            tch::no_grad(|| {
-                for (gl, m) in d.global.iter().zip(&d.momentum) {
-                    let n = gl.numel() as i64;
-                    let dg = avg.narrow(0, at, n).view(gl.size().as_slice());
-                    at += n;
-                    // Nesterov: m ← μm + Δ; global ← global − lr·(Δ + μm)
-                    let mut m = m.shallow_clone();
-                    let _ = m.g_mul_scalar_(mu).g_add_(&dg);
-                    let step = &dg + &m * mu;
-                    let mut gl = gl.shallow_clone();
-                    let _ = gl.g_sub_(&(step * lr));
-                }
-            });
-        }
-        tch::no_grad(|| {
-            for (p, gl) in self.params.iter().zip(&d.global) {
-                p.shallow_clone().copy_(gl);
-            }
-        });
         d.meta.round += 1;
         d.rounds += 1;
+        d.synced = 0;
         if let Some(f) = &mut self.ledger {
             let _ = writeln!(
                 f,
@@ -421,7 +639,10 @@ impl Trainer {
             );
         }
         let h = self.spec.diloco.inner_steps as u64;
-        self.step = (round + 1) * h;
+        let before = round * h;
+        self.step = ((round + 1) * h).min(self.spec.max_steps.unwrap_or(u64::MAX));
+        let after = self.step;
+        self.dl().last_commit = Some((before, after));
         self.plan_round(comm.world(), &speeds);
         self.take_piece(rank);
         Ok((loss, samples as u64))
@@ -454,6 +675,23 @@ impl Trainer {
                 if let Some(m) = self.spec.max_steps {
                     self.step = m;
                 }
+                // the last round's save, skipped while the previous one uploaded, is made now
+                // (then the main loop finds nothing due: its tensors are the inner optimizer's)
+                let world = g.world_size;
+                self.with_outer(|t| {
+                    let Some(ck) = &mut t.ckpt else { return };
+                    ck.finish(&t.rt);
+                    let (last, interval) = (t.step, ck.spec.interval);
+                    let due =
+                        ck.saved_step != Some(last) && t.diloco.as_ref().unwrap().crossed(interval);
+                    if due {
+                        t.maybe_save(g, rank, world, false, false);
+                    }
+                    if let Some(ck) = &mut t.ckpt {
+                        ck.finish(&t.rt);
+                        ck.saved_step = Some(last);
+                    }
+                });
                 return Ok(());
             }
             if self.cell.newest() > g.number {
@@ -464,8 +702,21 @@ impl Trainer {
             }
             if self.inner_step(g, rank) {
                 rank_steps += 1;
+                while let Some(f) = self.fragment_due() {
+                    self.sync_fragment(comm, f)?;
+                }
             } else {
+                // the fragments still due this round, then the commit
+                while self.dl().synced + 1 < self.dl().fragments.len() {
+                    let f = self.dl().synced;
+                    self.sync_fragment(comm, f)?;
+                }
                 let (loss, samples) = self.commit(comm, g, rank)?;
+                if self.ckpt.is_some() {
+                    let (pending, busy) = self.flags;
+                    let world = g.world_size;
+                    self.with_outer(|t| t.maybe_save(g, rank, world, pending, busy));
+                }
                 committed += samples;
                 let round = self.diloco.as_ref().unwrap().meta.round;
                 samples_since += samples;
@@ -500,22 +751,8 @@ impl Trainer {
                 }
             }
             if rank_since.elapsed() >= Duration::from_secs(2) && rank_steps > 0 {
-                let n = rank_steps as f64;
-                let s = RankStats {
-                    generation: g.number,
-                    rank,
-                    step: self.step,
-                    step_ms: rank_since.elapsed().as_secs_f64() * 1e3 / n,
-                    compute_ms: self.computed.as_secs_f64() * 1e3 / n,
-                    updated_at_ms: now_ms(),
-                };
-                let (store, job) = (self.store.clone(), self.env.job.clone());
-                self.rt.spawn(async move {
-                    let _ = store
-                        .put_json(&store.keys.rank_stats(&job, rank), &s, None)
-                        .await;
-                });
-                (rank_since, rank_steps, self.computed) = (Instant::now(), 0, Duration::ZERO);
+                self.report_rank(g, rank, rank_since, rank_steps);
+                (rank_since, rank_steps) = (Instant::now(), 0);
             }
         }
     }
