@@ -240,6 +240,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                         round: None,
                         bytes_per_sample: None,
                         eval_loss: None,
+                        staleness_mean: None,
+                        staleness_max: None,
+                        dropped_updates: None,
                     };
                     if store
                         .put_json(&store.keys.progress(n), &p, None)

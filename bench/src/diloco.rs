@@ -1,8 +1,9 @@
 //! `ductile-bench diloco`: the same GPT job (3 CPU workers, the real daemon, agents and
-//! workers) trained with `sync = "allreduce"`, DiLoCo (f32 pseudo-gradients) and DiLoCo with
-//! int8 ones, healthy and with one worker slowed (`DUCTILE_SLOWDOWN`): bytes the workers sent
-//! each other per trained sample, the final weights' loss on a fixed set of 256 samples at
-//! equal samples, and applied samples per second.
+//! workers) trained with `sync = "allreduce"`, DiLoCo (f32 pseudo-gradients), DiLoCo with int8
+//! ones and `async` (bounded staleness), healthy and with one worker slowed
+//! (`DUCTILE_SLOWDOWN`): bytes the workers sent each other per trained sample, the final
+//! weights' loss on a fixed set of 256 samples at equal samples, and applied samples per
+//! second (the run's samples over its wall time).
 
 use std::time::{Duration, Instant};
 
@@ -11,6 +12,9 @@ use ductile_tests::*;
 pub struct Args {
     pub steps: u64,
     pub inner_steps: u32,
+    pub staleness: u32,
+    /// The modes to run (default: all four).
+    pub modes: Vec<String>,
     pub slow: f64,
     pub json: bool,
 }
@@ -22,6 +26,9 @@ struct Run {
     samples_per_sec: f64,
     bytes_per_sample: f64,
     eval_loss: f64,
+    /// Async: updates dropped for staleness, and the staleness of those applied (mean, max).
+    dropped: Option<u64>,
+    staleness: Option<(f64, u64)>,
 }
 
 fn one(a: &Args, mode: &'static str, sync: &str, slowed: bool) -> anyhow::Result<Run> {
@@ -61,12 +68,14 @@ fn one(a: &Args, mode: &'static str, sync: &str, slowed: bool) -> anyhow::Result
         eval_loss: v
             .eval_loss
             .ok_or_else(|| anyhow::anyhow!("{mode}: no eval loss in {v:?}"))?,
+        dropped: v.dropped_updates,
+        staleness: v.staleness_mean.zip(v.staleness_max),
     })
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let h = a.inner_steps;
-    let modes: [(&'static str, String); 3] = [
+    let all_modes: [(&'static str, String); 4] = [
         ("allreduce", String::new()),
         (
             "diloco",
@@ -78,13 +87,30 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 "sync = \"diloco\"\n[training.diloco]\ninner_steps = {h}\nquantize = \"int8\"\n"
             ),
         ),
+        (
+            "async",
+            format!(
+                "sync = \"async\"\n[training.async]\nstaleness = {}\n",
+                a.staleness
+            ),
+        ),
     ];
+    let modes: Vec<(&'static str, String)> = all_modes
+        .into_iter()
+        .filter(|(m, _)| a.modes.is_empty() || a.modes.iter().any(|x| x == m))
+        .collect();
     let mut runs = Vec::new();
     for (mode, sync) in &modes {
         for slowed in [false, true] {
             let r = one(&a, mode, sync, slowed)?;
+            let extra = match (r.dropped, r.staleness) {
+                (Some(d), Some((mean, max))) => {
+                    format!("  dropped {d}  staleness mean {mean:.2} max {max}")
+                }
+                _ => String::new(),
+            };
             println!(
-                "{:<12} {:<8} {:>7.1} s  {:>8.1} samples/s  {:>10.1} bytes/sample  eval loss {:.4}",
+                "{:<12} {:<8} {:>7.1} s  {:>8.1} samples/s  {:>10.1} bytes/sample  eval loss {:.4}{extra}",
                 r.mode,
                 if r.slowed { "slowed" } else { "healthy" },
                 r.seconds,
@@ -95,19 +121,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             runs.push(r);
         }
     }
-    let get = |m: &str, s: bool| runs.iter().find(|r| r.mode == m && r.slowed == s).unwrap();
+    let get = |m: &str, s: bool| runs.iter().find(|r| r.mode == m && r.slowed == s);
     let base = get("allreduce", false);
     println!(
         "\n{} steps of 32 samples, 3 workers, H = {h}, one worker slowed {}x",
         a.steps, a.slow
     );
     for (mode, _) in &modes {
-        let (h, s) = (get(mode, false), get(mode, true));
+        let (h, s) = (get(mode, false).unwrap(), get(mode, true).unwrap());
+        let vs = |x: Option<f64>| x.map(|x| format!("{x:.2}")).unwrap_or_else(|| "-".into());
         println!(
-            "{mode:<12} bytes/sample {:>8.1}x fewer than allreduce   eval loss {:+.2}% vs allreduce   slowed throughput {:.0}% of healthy",
-            base.bytes_per_sample / h.bytes_per_sample,
-            (h.eval_loss / base.eval_loss - 1.0) * 100.0,
-            s.samples_per_sec / h.samples_per_sec * 100.0
+            "{mode:<12} bytes/sample {:>8}x fewer than allreduce   eval loss {:>6}% vs allreduce   slowed throughput {:.0}% of healthy ({}% of allreduce's healthy)",
+            vs(base.map(|b| b.bytes_per_sample / h.bytes_per_sample)),
+            vs(base.map(|b| (h.eval_loss / b.eval_loss - 1.0) * 100.0)),
+            s.samples_per_sec / h.samples_per_sec * 100.0,
+            vs(base.map(|b| s.samples_per_sec / b.samples_per_sec * 100.0)),
         );
     }
     if a.json {

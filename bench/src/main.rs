@@ -132,7 +132,7 @@ enum Cmd {
         #[arg(long)]
         steps: Option<u64>,
     },
-    /// DiLoCo against allreduce (3 CPU workers, a GPT): bytes sent per trained sample, the
+    /// DiLoCo and async against allreduce (3 CPU workers, a GPT): bytes sent per trained sample, the
     /// final weights' loss on a fixed set of 256 samples at equal samples, and samples per
     /// second healthy and with one worker slowed.
     Diloco {
@@ -142,6 +142,12 @@ enum Cmd {
         /// DiLoCo's inner steps per round (H).
         #[arg(long, default_value_t = 50)]
         inner_steps: u32,
+        /// The async mode's staleness bound.
+        #[arg(long, default_value_t = 2)]
+        staleness: u32,
+        /// Only these modes (allreduce, diloco, diloco-int8, async; comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        modes: Vec<String>,
         /// How much slower the slowed worker computes.
         #[arg(long, default_value_t = 3.0)]
         slow: f64,
@@ -362,11 +368,15 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Diloco {
             steps,
             inner_steps,
+            staleness,
+            modes,
             slow,
             json,
         } => diloco::run(diloco::Args {
             steps,
             inner_steps,
+            staleness,
+            modes,
             slow,
             json,
         }),

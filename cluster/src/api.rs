@@ -82,6 +82,13 @@ pub struct JobView {
     /// At the end: the final weights' mean loss on the dataset's first 256 samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// Async: the staleness of the updates applied (mean, max), the updates dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_mean: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_max: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropped_updates: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

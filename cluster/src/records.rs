@@ -599,6 +599,12 @@ impl JobSpec {
         }
         if let Some(t) = &self.training {
             t.validate(self.max)?;
+            if t.sync == "async" && self.checkpoint.is_some() {
+                return Err(ClusterError::invalid(
+                    "checkpoint",
+                    "checkpoints of async jobs (the owners' slices and the data dispenser) are not available yet: leave [checkpoint] out with sync = \"async\"",
+                ));
+            }
         }
         if let Some(c) = &self.checkpoint {
             if !(c.url.starts_with("s3://") || c.url.starts_with("file://")) {
@@ -708,24 +714,41 @@ impl TrainingSpec {
         one_of(
             "training.sync",
             &self.sync,
-            &["allreduce", "diloco"],
-            &[(
-                "async",
-                "is not available yet (bounded-staleness asynchronous training is being built)",
-            )],
+            &["allreduce", "diloco", "async"],
+            &[],
         )?;
+        if self.sync == "async" {
+            let why = if self.strategy != "data-parallel" {
+                Some(format!("\"async\" runs data-parallel workers (strategy = \"data-parallel\"); strategy is {:?}", self.strategy))
+            } else if self.deterministic {
+                Some("\"async\" applies updates in the order they arrive: it cannot be deterministic".into())
+            } else if self.comm == "nccl" {
+                Some("\"async\" exchanges messages on the TCP backend: use comm = \"tcp\" or \"auto\"".into())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(ClusterError::invalid("training.sync", why));
+            }
+            if self.async_.staleness > 1000 {
+                return Err(ClusterError::invalid(
+                    "training.async.staleness",
+                    format!("{} is outside 0..=1000", self.async_.staleness),
+                ));
+            }
+        }
         if self.is_diloco() {
             let d = &self.diloco;
             let bad = |field: &str, why: String| {
                 Err(ClusterError::invalid(
-                    &format!("training.diloco.{field}"),
+                    format!("training.diloco.{field}"),
                     why,
                 ))
             };
             if self.strategy != "data-parallel" {
                 return Err(ClusterError::invalid(
                     "training.sync",
-                    format!("\"diloco\" runs data-parallel replicas (strategy = \"data-parallel\", no pipeline_parallel); strategy is {:?}", self.strategy),
+                    format!("\"diloco\" runs data-parallel replicas (strategy = \"data-parallel\"); strategy is {:?}", self.strategy),
                 ));
             }
             if !(1..=1_000_000).contains(&d.inner_steps) {
@@ -1522,6 +1545,14 @@ pub struct Progress {
     /// At the end: the final weights' mean loss on the dataset's first 256 samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// Async: the staleness of the updates applied (mean, max) and the updates dropped for
+    /// being staler than the bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_mean: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_max: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropped_updates: Option<u64>,
 }
 
 /// One rank's step figures over its last report window (about 2 s), so a straggler shows:

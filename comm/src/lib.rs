@@ -101,6 +101,23 @@ pub trait Communicator: Send + Sync {
     /// A byte buffer of any length from `root` to every rank.
     fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()>;
     fn abort(&self);
+    /// A message of any length to `peer`, point to point (messages between two ranks arrive
+    /// in order); `peer` reads it with [`Communicator::recv_msg`].
+    fn send_msg(&self, data: &[u8], peer: u32) -> Result<()> {
+        let _ = (data, peer);
+        Err(CommError::Invalid {
+            op: "send_msg",
+            reason: "this backend has no messages of any length".into(),
+        })
+    }
+    /// The next message `peer` sent with [`Communicator::send_msg`].
+    fn recv_msg(&self, peer: u32) -> Result<Vec<u8>> {
+        let _ = peer;
+        Err(CommError::Invalid {
+            op: "recv_msg",
+            reason: "this backend has no messages of any length".into(),
+        })
+    }
     /// Bytes of data this rank sent to its peers on this communicator so far (0 where the
     /// backend does not count them).
     fn bytes_sent(&self) -> u64 {
@@ -123,6 +140,12 @@ impl Communicator for TcpComm {
     }
     fn bytes_sent(&self) -> u64 {
         TcpComm::bytes_sent(self)
+    }
+    fn send_msg(&self, data: &[u8], peer: u32) -> Result<()> {
+        self.send_bytes(data, peer)
+    }
+    fn recv_msg(&self, peer: u32) -> Result<Vec<u8>> {
+        self.recv_vec(peer)
     }
     fn world(&self) -> u32 {
         TcpComm::world(self)

@@ -599,6 +599,9 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         round: progress.and_then(|p| p.round),
         bytes_per_sample: progress.and_then(|p| p.bytes_per_sample),
         eval_loss: progress.and_then(|p| p.eval_loss),
+        staleness_mean: progress.and_then(|p| p.staleness_mean),
+        staleness_max: progress.and_then(|p| p.staleness_max),
+        dropped_updates: progress.and_then(|p| p.dropped_updates),
         last_reformation: status.and_then(|s| s.last_reformation.as_ref()).map(|r| {
             ReformationView {
                 generation: r.generation,
@@ -631,6 +634,12 @@ struct StateLabel {
 struct ReasonLabels {
     job: String,
     reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SyncLabels {
+    job: String,
+    mode: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -699,6 +708,14 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
     let restore = Family::<JobLabel, FGauge>::default();
     let rank_step = Family::<RankLabels, FGauge>::default();
     let rank_compute = Family::<RankLabels, FGauge>::default();
+    let sync_mode = Family::<SyncLabels, Gauge>::default();
+    let loss = Family::<JobLabel, FGauge>::default();
+    let sps = Family::<JobLabel, FGauge>::default();
+    let rounds = Family::<JobLabel, Gauge>::default();
+    let bytes_per_sample = Family::<JobLabel, FGauge>::default();
+    let stale_mean = Family::<JobLabel, FGauge>::default();
+    let stale_max = Family::<JobLabel, Gauge>::default();
+    let dropped = Family::<JobLabel, Gauge>::default();
     for (name, obs) in jobs_from(&st.store, &[&snaps.jobs, &snaps.live]) {
         let Some(v) = job_view(&name, &obs) else {
             continue;
@@ -720,6 +737,35 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         }
         generation.get_or_create(&job).set(v.generation as i64);
         step.get_or_create(&job).set(v.step as i64);
+        if let Some(m) = &v.sync {
+            sync_mode
+                .get_or_create(&SyncLabels {
+                    job: name.clone(),
+                    mode: m.clone(),
+                })
+                .set(1);
+        }
+        if let Some(x) = v.loss {
+            loss.get_or_create(&job).set(x);
+        }
+        if let Some(x) = v.samples_per_sec {
+            sps.get_or_create(&job).set(x);
+        }
+        if let Some(x) = v.round {
+            rounds.get_or_create(&job).set(x as i64);
+        }
+        if let Some(x) = v.bytes_per_sample {
+            bytes_per_sample.get_or_create(&job).set(x);
+        }
+        if let Some(x) = v.staleness_mean {
+            stale_mean.get_or_create(&job).set(x);
+        }
+        if let Some(x) = v.staleness_max {
+            stale_max.get_or_create(&job).set(x as i64);
+        }
+        if let Some(x) = v.dropped_updates {
+            dropped.get_or_create(&job).set(x as i64);
+        }
         if let Some(r) = &v.last_reformation {
             last_reform
                 .get_or_create(&ReasonLabels {
@@ -760,6 +806,46 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         }
     }
     reg.register("ductile_jobs", "Jobs by state", jobs_by_state);
+    reg.register(
+        "ductile_job_sync_mode",
+        "1 for the job's sync mode (allreduce, diloco, async)",
+        sync_mode,
+    );
+    reg.register(
+        "ductile_job_loss",
+        "Last training loss rank 0 reported",
+        loss,
+    );
+    reg.register(
+        "ductile_job_samples_per_second",
+        "Samples trained (applied, in async mode) per second, as rank 0 last reported",
+        sps,
+    );
+    reg.register(
+        "ductile_job_diloco_rounds",
+        "DiLoCo rounds committed",
+        rounds,
+    );
+    reg.register(
+        "ductile_job_exchanged_bytes_per_sample",
+        "Bytes the workers sent each other per trained sample in the current generation",
+        bytes_per_sample,
+    );
+    reg.register(
+        "ductile_job_async_staleness_mean",
+        "Async: mean staleness (updates) of the updates applied",
+        stale_mean,
+    );
+    reg.register(
+        "ductile_job_async_staleness_max",
+        "Async: largest staleness of an update applied (at most the job's bound)",
+        stale_max,
+    );
+    reg.register(
+        "ductile_job_async_dropped_updates",
+        "Async: updates dropped for being staler than the bound (their samples re-queued)",
+        dropped,
+    );
     reg.register(
         "ductile_rank_step_seconds",
         "Mean wall time per step of each rank of the current generation, over its last report",

@@ -808,6 +808,9 @@ mod tests {
             round: None,
             bytes_per_sample: None,
             eval_loss: None,
+            staleness_mean: None,
+            staleness_max: None,
+            dropped_updates: None,
         };
         // the control watch already shows the new spec without a status; the live watch
         // still shows the last run's final progress

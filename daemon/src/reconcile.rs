@@ -1304,6 +1304,9 @@ mod tests {
             round: None,
             bytes_per_sample: None,
             eval_loss: None,
+            staleness_mean: None,
+            staleness_max: None,
+            dropped_updates: None,
         });
         // the job's wait, capped by the agent's deadline less the margin
         f.drain_deadlines.insert("b".into(), 1_000 + 10_000);
@@ -1547,6 +1550,9 @@ mod tests {
             round: None,
             bytes_per_sample: None,
             eval_loss: None,
+            staleness_mean: None,
+            staleness_max: None,
+            dropped_updates: None,
         });
         let g = step(&mut obs, &f, 50).expect("re-formed");
         assert_eq!(g.fault_retries, 1);

@@ -156,13 +156,21 @@ fn print_job(v: &JobView) {
         .map(|s| format!("{s:.1}"))
         .unwrap_or_else(|| "-".into());
     println!("step        {}   loss {}   samples/s {}", v.step, loss, sps);
-    if let Some(sync) = v.sync.as_deref().filter(|s| *s != "allreduce") {
-        let opt = |x: Option<String>| x.unwrap_or_else(|| "-".into());
-        println!(
-            "sync        {sync}   rounds {}   bytes/sample {}",
+    let opt = |x: Option<String>| x.unwrap_or_else(|| "-".into());
+    match v.sync.as_deref() {
+        Some("diloco") => println!(
+            "sync        diloco   rounds {}   bytes/sample {}",
             opt(v.round.map(|r| r.to_string())),
             opt(v.bytes_per_sample.map(|b| format!("{b:.1}")))
-        );
+        ),
+        Some("async") => println!(
+            "sync        async   staleness mean {} max {}   dropped updates {}   bytes/sample {}",
+            opt(v.staleness_mean.map(|x| format!("{x:.2}"))),
+            opt(v.staleness_max.map(|x| x.to_string())),
+            opt(v.dropped_updates.map(|x| x.to_string())),
+            opt(v.bytes_per_sample.map(|b| format!("{b:.1}")))
+        ),
+        _ => {}
     }
     if let Some(r) = &v.last_reformation {
         println!(

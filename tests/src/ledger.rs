@@ -227,3 +227,75 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
     }
     (out, per_round)
 }
+
+/// What the async ledger (`sync = "async"`) shows: member 0, which dispenses the positions,
+/// writes one line per update it settles, with the pushing rank, the samples, the staleness
+/// and whether it was applied.
+#[derive(Debug, Default)]
+pub struct AsyncLedger {
+    pub violations: Vec<String>,
+    /// Updates applied and dropped, per (generation, rank).
+    pub applied: BTreeMap<(u64, u64), u64>,
+    pub dropped: BTreeMap<(u64, u64), u64>,
+    pub max_staleness: u64,
+}
+
+/// Check an async run: every applied update's staleness at most `bound`, and the applied
+/// updates' samples cover `total` positions over `samples` samples with nothing skipped or
+/// repeated (each sample used `⌊total / samples⌋` or one more times), so a dropped update's
+/// samples were trained again.
+pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> AsyncLedger {
+    let mut out = AsyncLedger::default();
+    let lines = match read(dir) {
+        Ok(l) => l,
+        Err(e) => {
+            out.violations.push(e);
+            return out;
+        }
+    };
+    let mut count: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut used = 0u64;
+    for (p, v) in lines {
+        let (Some(idx), Some(sigma), Some(g), Some(r)) = (
+            v["idx"].as_array(),
+            v["staleness"].as_u64(),
+            v["g"].as_u64(),
+            v["r"].as_u64(),
+        ) else {
+            continue;
+        };
+        if v["applied"] != true {
+            *out.dropped.entry((g, r)).or_default() += 1;
+            continue;
+        }
+        *out.applied.entry((g, r)).or_default() += 1;
+        out.max_staleness = out.max_staleness.max(sigma);
+        if sigma > bound {
+            out.violations.push(format!(
+                "{p}: an update of staleness {sigma} was applied (bound {bound})"
+            ));
+        }
+        for i in idx.iter().filter_map(|x| x.as_u64()) {
+            *count.entry(i).or_default() += 1;
+            used += 1;
+        }
+    }
+    if used != total {
+        out.violations.push(format!(
+            "the applied updates trained {used} samples, not the run's {total}"
+        ));
+    }
+    let full = total / samples;
+    let odd: Vec<(u64, u64)> = (0..samples)
+        .map(|i| (i, count.get(&i).copied().unwrap_or(0)))
+        .filter(|(_, c)| *c != full && *c != full + 1)
+        .take(10)
+        .collect();
+    if !odd.is_empty() {
+        out.violations.push(format!(
+            "samples used neither {full} nor {} times (sample, count): {odd:?}",
+            full + 1
+        ));
+    }
+    out
+}

@@ -959,6 +959,9 @@ fn each_agent_watches_only_its_own_nodes_view_and_wakes_only_for_what_concerns_i
             round: None,
             bytes_per_sample: None,
             eval_loss: None,
+            staleness_mean: None,
+            staleness_max: None,
+            dropped_updates: None,
         };
         rt.block_on(store.put_json(&k.progress("ja"), &p, None))
             .unwrap();

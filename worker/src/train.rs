@@ -28,6 +28,7 @@ use crate::model::Model;
 use crate::optim::{lr_at, Optimizer};
 use crate::WorkerEnv;
 
+pub mod asynch;
 pub mod ckpt;
 pub mod diloco;
 pub mod pipe;
@@ -142,6 +143,8 @@ pub struct Trainer {
     diloco: Option<diloco::Diloco>,
     /// The `extra` of the checkpoint the last restore read.
     restored_extra: Option<serde_json::Value>,
+    /// Asynchronous training's state (`sync = "async"`).
+    asynch: Option<asynch::Async>,
 }
 
 /// Samples of the final evaluation loss.
@@ -336,6 +339,7 @@ impl Trainer {
             }
             None => None,
         };
+        let spec_sync = spec.sync.clone();
         let mesh_tls = if spec.mesh_tls {
             let t = ductile_comm::mesh_tls::MeshTls::from_env()?.ok_or_else(|| {
                 anyhow::anyhow!("the job's mesh runs over TLS (mesh_tls) but the agent gave no mesh certificate (DUCTILE_MESH_TLS_CA, _CERT, _KEY)")
@@ -373,6 +377,7 @@ impl Trainer {
             tp_held: (1, 0),
             diloco,
             restored_extra: None,
+            asynch: (spec_sync == "async").then(asynch::Async::default),
         })
     }
 
@@ -545,6 +550,8 @@ impl Trainer {
         let t0 = Instant::now();
         let agreed = if self.diloco.is_some() {
             self.diloco_agree(arc, g)?
+        } else if self.asynch.is_some() {
+            self.async_agree(arc, g)?
         } else {
             self.agree(arc, g)?
         };
@@ -651,6 +658,11 @@ impl Trainer {
                 return Ok(Outcome::Reform(e));
             }
         }
+        if self.asynch.is_some() {
+            if let Err(e) = self.async_run(arc, g, rank) {
+                return Ok(Outcome::Reform(e));
+            }
+        }
         loop {
             if self.spec.max_steps.is_some_and(|m| self.step >= m) {
                 // a save in flight completes (and rank 0 commits it) before the job ends
@@ -690,6 +702,9 @@ impl Trainer {
                         round: None,
                         bytes_per_sample: None,
                         eval_loss: eval,
+                        staleness_mean: None,
+                        staleness_max: None,
+                        dropped_updates: None,
                     };
                     let store = self.store.clone();
                     let job = self.env.job.clone();
@@ -702,6 +717,9 @@ impl Trainer {
                             sync: x.sync,
                             round: x.round,
                             bytes_per_sample: x.bytes_per_sample,
+                            staleness_mean: x.staleness_mean,
+                            staleness_max: x.staleness_max,
+                            dropped_updates: x.dropped_updates,
                             eval_loss: p.eval_loss,
                             ..p
                         },
@@ -769,6 +787,9 @@ impl Trainer {
                     round: None,
                     bytes_per_sample: (trained > 0).then(|| bytes / trained as f64),
                     eval_loss: None,
+                    staleness_mean: None,
+                    staleness_max: None,
+                    dropped_updates: None,
                 };
                 let store = self.store.clone();
                 let job = self.env.job.clone();

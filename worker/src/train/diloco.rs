@@ -41,6 +41,9 @@ pub struct RoundMeta {
     pub debt: Ranges,
     /// This round's pieces, in the order of the members holding them.
     pub pieces: Vec<Ranges>,
+    /// Positions committed by the rounds before this one.
+    #[serde(default)]
+    pub committed: u64,
 }
 
 /// A replica's DiLoCo state.
@@ -169,6 +172,7 @@ impl Diloco {
             "round": self.meta.round,
             "work": work.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>(),
             "cursor": self.meta.cursor,
+            "committed": self.meta.committed,
             "inner_steps": spec.inner_steps,
             "outer_lr": spec.outer_lr,
             "outer_momentum": spec.outer_momentum,
@@ -201,9 +205,17 @@ impl Trainer {
         self.spec.max_steps.unwrap_or(u64::MAX / 4) * self.spec.global_batch as u64
     }
 
-    /// The pieces of the round that starts now, over `world` members weighted by `speed`.
-    fn plan_round(&mut self, world: u32, speed: &[f64]) {
+    /// The pieces of the round that starts now, over `world` members weighted by `speed`. A
+    /// probe round (the first of a run, when no member's speed is known, outside deterministic
+    /// mode) takes a tenth of the fresh positions, so that the pieces follow measured speeds
+    /// from the second round on.
+    fn plan_round(&mut self, world: u32, speed: &[f64], probe: bool) {
         let h = self.spec.diloco.inner_steps as u64;
+        let h = if probe && !self.spec.deterministic {
+            (h / 10).max(1)
+        } else {
+            h
+        };
         let b = self.spec.global_batch as u64;
         let end = self.diloco_end();
         let det = self.spec.deterministic;
@@ -338,6 +350,7 @@ impl Trainer {
             cursor: meta.cursor,
             debt: meta.debt.clone(),
             pieces: Vec::new(),
+            committed: meta.committed,
         };
         let mut mine = None;
         for (i, p) in meta.pieces.iter().enumerate() {
@@ -357,14 +370,15 @@ impl Trainer {
         d.meta = next;
         d.piece = mine;
         if d.meta.pieces.is_empty() && d.synced == 0 {
-            // nobody holds any of the round's work: it starts again over the members
-            self.plan_round(g.world_size, &vec![1.0; g.world_size as usize]);
+            // nobody holds any of the round's work: the round starts again over the members
+            let work = std::mem::take(&mut d.meta.debt);
+            let sizes = plan::shares(plan::total(&work), &vec![1.0; g.world_size as usize]);
+            d.meta.pieces = plan::cut(&work, &sizes);
             self.take_piece(rank);
         }
-        let h = self.spec.diloco.inner_steps as u64;
         let d = self.diloco.as_ref().unwrap();
         if d.piece.is_none() {
-            self.step = d.meta.round * h;
+            self.step = d.meta.committed / self.spec.global_batch as u64;
         }
         if lost > 0 {
             tracing::info!(
@@ -406,7 +420,7 @@ impl Trainer {
             }
         }
         let Some(x) = self.restored_extra.take().map(|x| x["diloco"].clone()) else {
-            self.plan_round(g.world_size, &vec![1.0; g.world_size as usize]);
+            self.plan_round(g.world_size, &vec![1.0; g.world_size as usize], true);
             self.take_piece(rank);
             return Ok(Ok(()));
         };
@@ -429,6 +443,9 @@ impl Trainer {
         });
         d.meta.round = round;
         d.meta.cursor = cursor;
+        d.meta.committed = x["committed"]
+            .as_u64()
+            .unwrap_or_else(|| cursor - plan::total(&work));
         let sizes = plan::shares(plan::total(&work), &vec![1.0; g.world_size as usize]);
         d.meta.pieces = plan::cut(&work, &sizes);
         self.take_piece(rank);
@@ -638,12 +655,14 @@ impl Trainer {
                 serde_json::json!({"g": g.number, "round": round, "r": rank, "committed": true})
             );
         }
-        let h = self.spec.diloco.inner_steps as u64;
-        let before = round * h;
-        self.step = ((round + 1) * h).min(self.spec.max_steps.unwrap_or(u64::MAX));
-        let after = self.step;
+        let b = self.spec.global_batch as u64;
+        let d = self.dl();
+        let before = d.meta.committed / b;
+        d.meta.committed += samples as u64;
+        let after = d.meta.committed / b;
+        self.step = after.min(self.spec.max_steps.unwrap_or(u64::MAX));
         self.dl().last_commit = Some((before, after));
-        self.plan_round(comm.world(), &speeds);
+        self.plan_round(comm.world(), &speeds, false);
         self.take_piece(rank);
         Ok((loss, samples as u64))
     }
@@ -736,6 +755,9 @@ impl Trainer {
                         round: Some(round),
                         bytes_per_sample: Some(per_sample),
                         eval_loss: None,
+                        staleness_mean: None,
+                        staleness_max: None,
+                        dropped_updates: None,
                     };
                     let (store, job) = (self.store.clone(), self.env.job.clone());
                     self.rt.spawn(async move {

@@ -1,0 +1,1137 @@
+//! Asynchronous training with bounded staleness (`sync = "async"`): the parameters and their
+//! optimizer state are sharded over the workers (the flattened parameters cut in one even range
+//! per member; each member owns one, as a parameter server that lives in the workers), and
+//! every worker trains on its own copy of the whole model without waiting for the others.
+//!
+//! A step of worker i: it computes the gradient of its batch on its copy (pulled with
+//! version v_j of every slice j), then, per slice, two messages to the slice's owner:
+//! 1. *push*: the gradient's range and v_j. The owner reserves a place in its queue and answers
+//!    the staleness the update would have at the latest: σ_j = V_j + (updates queued before it)
+//!    − v_j, where V_j counts the updates applied to the slice.
+//! 2. *decide*: apply iff max_j σ_j ≤ `staleness`. Each owner applies the decided updates in
+//!    queue order (so an update applied is never staler than its σ) and answers the slice's
+//!    fresh values and version, which the worker copies.
+//!
+//! A gradient that is too stale is dropped everywhere and counted; its samples go back to the
+//! queue of positions (to another worker first). A worker never waits on a slower one beyond
+//! the queue's round trips: a straggler's updates are dropped, not waited for.
+//!
+//! Data: member 0 also dispenses positions: each answer to a worker's decision on slice 0
+//! carries its next batch (⌈B / world⌉ positions: re-queued ones first, then fresh ones) and
+//! settles the last one (applied: counted once; dropped: re-queued). A snapshot of the
+//! dispenser rides on those answers, so every member holds a recent copy.
+//!
+//! Generations. A new generation (or a failed peer) ends the engine: the owners apply the
+//! updates already decided, and the agreement rebuilds the state from the members: each old
+//! slice from its owner if it stayed (values, optimizer state, version), else from the member
+//! whose copy of it is freshest (its optimizer state starts anew); the dispenser from old
+//! member 0 if it stayed, else from the freshest snapshot; every batch in flight is re-queued.
+//! Then the slices are cut anew over the new members.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::Write as _;
+use std::ops::Range;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ductile_cluster::records::*;
+use ductile_comm::quant::ranges;
+use ductile_comm::{CommError, Communicator};
+use ductile_strategies::diloco::{self as plan, Ranges};
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use super::{now_ms, Trainer};
+use crate::optim::{lr_at, Optimizer};
+
+/// The dispenser of positions (held by member 0; copies ride on its answers).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Dispenser {
+    /// Bumped at every change: the freshest copy has the highest.
+    pub seq: u64,
+    /// The next fresh position, and the end of the run's positions.
+    pub cursor: u64,
+    pub end: u64,
+    /// Positions handed back (a dropped update's), with the member that dropped them.
+    pub requeue: Vec<(Ranges, u32)>,
+    /// Each member's batch in flight.
+    pub outstanding: BTreeMap<u32, Ranges>,
+    /// Positions applied; updates dropped; staleness of the updates applied (sum, count, max).
+    pub applied: u64,
+    pub dropped: u64,
+    pub stale_sum: u64,
+    pub stale_n: u64,
+    pub stale_max: u64,
+}
+
+impl Dispenser {
+    /// The next batch of up to `b` positions for `rank`: re-queued ones (not the ones it
+    /// dropped itself, while others remain) first, then fresh ones.
+    fn hand_out(&mut self, rank: u32, b: u64) -> Ranges {
+        self.seq += 1;
+        let at = self
+            .requeue
+            .iter()
+            .position(|(_, by)| *by != rank)
+            .or((self.cursor >= self.end && !self.requeue.is_empty()).then_some(0));
+        let mut out = match at {
+            Some(i) => {
+                let (mut r, by) = self.requeue.remove(i);
+                let take = plan::take(&mut r, b);
+                if !r.is_empty() {
+                    self.requeue.insert(i, (r, by));
+                }
+                take
+            }
+            None => Vec::new(),
+        };
+        let have = plan::total(&out);
+        if have < b && self.cursor < self.end && at.is_none() {
+            let n = (b - have).min(self.end - self.cursor);
+            out.push(self.cursor..self.cursor + n);
+            self.cursor += n;
+        }
+        if !out.is_empty() {
+            self.outstanding.insert(rank, out.clone());
+        }
+        out
+    }
+
+    /// `rank`'s batch in flight was applied (staleness `sigma`) or dropped.
+    fn settle(&mut self, rank: u32, applied: bool, sigma: u64) {
+        self.seq += 1;
+        let Some(r) = self.outstanding.remove(&rank) else {
+            return;
+        };
+        if applied {
+            self.applied += plan::total(&r);
+            self.stale_sum += sigma;
+            self.stale_n += 1;
+            self.stale_max = self.stale_max.max(sigma);
+        } else {
+            self.dropped += 1;
+            self.requeue.push((r, rank));
+        }
+    }
+
+    /// Every batch in flight goes back to the queue (a new generation).
+    fn requeue_outstanding(&mut self) {
+        self.seq += 1;
+        let out = std::mem::take(&mut self.outstanding);
+        for (rank, r) in out {
+            self.requeue.push((r, rank));
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.applied >= self.end
+    }
+}
+
+/// A slice this member owns: its range of the flattened parameters, the authoritative values,
+/// their optimizer and the number of updates applied.
+pub struct Owned {
+    pub range: Range<usize>,
+    pub values: Tensor,
+    pub opt: Optimizer,
+    pub version: u64,
+}
+
+/// A member's asynchronous state, kept across generations.
+#[derive(Default)]
+pub struct Async {
+    /// Whether this process holds state of generation `generation` (a new process does not).
+    pub holds: bool,
+    pub generation: u64,
+    /// The world and this member's rank in that generation.
+    pub world: u32,
+    pub rank: u32,
+    pub owned: Option<Owned>,
+    /// The version of each slice of that generation this member's copy holds.
+    pub seen: Vec<u64>,
+    /// The dispenser (member 0) and the freshest copy of it.
+    pub dispenser: Option<Dispenser>,
+    pub snapshot: Option<Dispenser>,
+    /// Updates this process pushed.
+    pub next_id: u64,
+    /// The current generation's first reader error.
+    failure: Failure,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum Head {
+    Push {
+        id: u64,
+        version: u64,
+    },
+    Ack {
+        id: u64,
+        staleness: u64,
+    },
+    /// `staleness`: the update's, over every slice (member 0 records it).
+    Decide {
+        id: u64,
+        commit: bool,
+        staleness: u64,
+    },
+    Slice {
+        id: u64,
+        version: u64,
+        batch: Option<Ranges>,
+        done: bool,
+        snapshot: Option<Dispenser>,
+    },
+    Get,
+    Batch {
+        batch: Ranges,
+        done: bool,
+        snapshot: Dispenser,
+    },
+    Final {
+        version: u64,
+    },
+    Bye,
+}
+
+/// A message: its head, and f32 values (a gradient's or a slice's range).
+struct Msg {
+    head: Head,
+    values: Vec<f32>,
+}
+
+/// The first error a reader met, for the client to return (so the fault report names the
+/// peer it points at).
+type Failure = Arc<std::sync::Mutex<Option<CommError>>>;
+
+enum Inbox {
+    Msg(u32, Msg),
+    /// A reader failed: the communicator is done (the error waits in the [`Failure`]).
+    Failed,
+}
+
+fn encode(head: &Head, values: &[f32]) -> Vec<u8> {
+    let h = serde_json::to_vec(head).expect("a head serializes");
+    let mut out = Vec::with_capacity(4 + h.len() + 4 * values.len());
+    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
+    out.extend_from_slice(&h);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+fn decode(b: &[u8]) -> Result<Msg, String> {
+    let n = b
+        .get(..4)
+        .map(|x| u32::from_le_bytes(x.try_into().unwrap()) as usize)
+        .ok_or("a message shorter than its head's length")?;
+    let h = b.get(4..4 + n).ok_or("a message shorter than its head")?;
+    let head: Head = serde_json::from_slice(h).map_err(|e| format!("a bad head: {e}"))?;
+    let rest = &b[4 + n..];
+    if !rest.len().is_multiple_of(4) {
+        return Err("values of a length that is not a multiple of 4".into());
+    }
+    let values = rest
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    Ok(Msg { head, values })
+}
+
+fn to_vec(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(t.to_device(Device::Cpu).to_kind(Kind::Float).contiguous())
+        .unwrap_or_default()
+}
+
+/// Where messages go: a peer over the communicator, or this member's own server or client.
+#[derive(Clone)]
+struct Post {
+    comm: Arc<dyn Communicator>,
+    me: u32,
+    to_server: Sender<Inbox>,
+    to_client: Sender<Inbox>,
+}
+
+impl Post {
+    /// From this member's client to `to`'s server.
+    fn to_server(&self, to: u32, head: Head, values: &[f32]) -> Result<(), CommError> {
+        if to == self.me {
+            let _ = self.to_server.send(Inbox::Msg(
+                to,
+                Msg {
+                    head,
+                    values: values.to_vec(),
+                },
+            ));
+            return Ok(());
+        }
+        self.comm.send_msg(&encode(&head, values), to)
+    }
+
+    /// From this member's server to `to`'s client.
+    fn to_client(&self, to: u32, head: Head, values: &[f32]) -> Result<(), CommError> {
+        if to == self.me {
+            let _ = self.to_client.send(Inbox::Msg(
+                to,
+                Msg {
+                    head,
+                    values: values.to_vec(),
+                },
+            ));
+            return Ok(());
+        }
+        self.comm.send_msg(&encode(&head, values), to)
+    }
+}
+
+/// The messages of peer `p`: those for this member's server and those for its client. Ends
+/// after the peer's last ones (its client's goodbye and its server's final values), or when
+/// the communicator fails.
+fn reader(
+    comm: Arc<dyn Communicator>,
+    p: u32,
+    server: Sender<Inbox>,
+    client: Sender<Inbox>,
+    failure: Failure,
+) {
+    let fail = |e: CommError| {
+        failure.lock().unwrap().get_or_insert(e);
+        let _ = server.send(Inbox::Failed);
+        let _ = client.send(Inbox::Failed);
+    };
+    let (mut bye, mut fin) = (false, false);
+    while !(bye && fin) {
+        let m = match comm.recv_msg(p) {
+            Ok(b) => match decode(&b) {
+                Ok(m) => m,
+                Err(e) => {
+                    comm.abort();
+                    let e = CommError::Protocol {
+                        generation: comm.generation(),
+                        op: "async message",
+                        peer: p,
+                        reason: e,
+                    };
+                    fail(e);
+                    return;
+                }
+            },
+            Err(e) => {
+                fail(e);
+                return;
+            }
+        };
+        let for_server = matches!(
+            m.head,
+            Head::Push { .. } | Head::Decide { .. } | Head::Get | Head::Bye
+        );
+        bye |= matches!(m.head, Head::Bye);
+        fin |= matches!(m.head, Head::Final { .. });
+        let to = if for_server { &server } else { &client };
+        if to.send(Inbox::Msg(p, m)).is_err() {
+            return;
+        }
+    }
+}
+
+/// An update waiting in an owner's queue.
+struct Reserved {
+    from: u32,
+    id: u64,
+    grad: Vec<f32>,
+    staleness: u64,
+    decided: Option<bool>,
+}
+
+/// What the owners' server needs of the job.
+struct ServerCfg {
+    generation: u64,
+    /// Member 0 writes the exactly-once ledger of the batches it settles (the dispenser is
+    /// the authority on what was applied), with the samples of their positions.
+    ledger: Option<(std::fs::File, crate::data::Order)>,
+    world: u32,
+    batch: u64,
+    global_batch: u64,
+    lr: f64,
+    max_steps: Option<u64>,
+}
+
+/// Settle `from`'s batch in flight at the dispenser, and record it in the ledger.
+fn settle(cfg: &mut ServerCfg, d: &mut Dispenser, from: u32, applied: bool, staleness: u64) {
+    if let (Some((f, order)), Some(pos)) = (&mut cfg.ledger, d.outstanding.get(&from)) {
+        let idx: Vec<u64> = plan::positions(pos).map(|p| order.sample(p)).collect();
+        let _ = writeln!(
+            f,
+            "{}",
+            serde_json::json!({"g": cfg.generation, "r": from, "idx": idx,
+                "staleness": staleness, "applied": applied})
+        );
+    }
+    d.settle(from, applied, staleness);
+}
+
+/// The server of this member's slice (and, on member 0, the dispenser). Runs until every
+/// client said goodbye (then it sends every client its final values) or the communicator
+/// failed; returns its slice and dispenser, with the updates already decided applied.
+fn serve(
+    post: Post,
+    rx: Receiver<Inbox>,
+    mut owned: Owned,
+    mut disp: Option<Dispenser>,
+    mut cfg: ServerCfg,
+) -> (Owned, Option<Dispenser>) {
+    let mut queue: VecDeque<Reserved> = VecDeque::new();
+    let mut byes = 0u32;
+    let (batch, global_batch, base_lr, max_steps) =
+        (cfg.batch, cfg.global_batch.max(1), cfg.lr, cfg.max_steps);
+    let apply = |owned: &mut Owned, grad: &[f32]| {
+        let g = Tensor::from_slice(grad);
+        // the learning-rate schedule by global batches applied
+        let step = owned.version * batch / global_batch;
+        let lr = lr_at(base_lr, step, max_steps);
+        owned
+            .opt
+            .step(&[owned.values.shallow_clone()], &[g], lr, owned.version);
+        owned.version += 1;
+    };
+    while let Ok(Inbox::Msg(from, Msg { head, values })) = rx.recv() {
+        let sent = match head {
+            Head::Push { id, version } => {
+                let staleness = (owned.version + queue.len() as u64).saturating_sub(version);
+                queue.push_back(Reserved {
+                    from,
+                    id,
+                    grad: values,
+                    staleness,
+                    decided: None,
+                });
+                post.to_client(from, Head::Ack { id, staleness }, &[])
+            }
+            Head::Decide {
+                id,
+                commit,
+                staleness,
+            } => {
+                if let Some(r) = queue.iter_mut().find(|r| r.from == from && r.id == id) {
+                    r.decided = Some(commit);
+                    // the staleness over every slice, for the record
+                    r.staleness = r.staleness.max(staleness);
+                }
+                let mut res = Ok(());
+                while queue.front().is_some_and(|r| r.decided.is_some()) {
+                    let r = queue.pop_front().unwrap();
+                    let commit = r.decided == Some(true);
+                    if commit {
+                        apply(&mut owned, &r.grad);
+                    }
+                    let (batch, done, snapshot) = match &mut disp {
+                        Some(d) => {
+                            settle(&mut cfg, d, r.from, commit, r.staleness);
+                            let b = d.hand_out(r.from, cfg.batch);
+                            (Some(b), d.done(), Some(d.clone()))
+                        }
+                        None => (None, false, None),
+                    };
+                    let head = Head::Slice {
+                        id: r.id,
+                        version: owned.version,
+                        batch,
+                        done,
+                        snapshot,
+                    };
+                    res = res.and(post.to_client(r.from, head, &to_vec(&owned.values)));
+                }
+                res
+            }
+            Head::Get => {
+                let d = disp.as_mut().expect("only member 0 dispenses");
+                let batch = if d.outstanding.contains_key(&from) {
+                    Vec::new()
+                } else {
+                    d.hand_out(from, cfg.batch)
+                };
+                let head = Head::Batch {
+                    batch,
+                    done: d.done(),
+                    snapshot: d.clone(),
+                };
+                post.to_client(from, head, &[])
+            }
+            Head::Bye => {
+                byes += 1;
+                if byes == cfg.world {
+                    let v = to_vec(&owned.values);
+                    let mut res = Ok(());
+                    // the remote clients first, this member's own last
+                    for to in (0..cfg.world).filter(|t| *t != post.me).chain([post.me]) {
+                        res = res.and(post.to_client(
+                            to,
+                            Head::Final {
+                                version: owned.version,
+                            },
+                            &v,
+                        ));
+                    }
+                    let _ = res;
+                    break;
+                }
+                Ok(())
+            }
+            other => {
+                tracing::warn!(
+                    ?other,
+                    from,
+                    "a client's message reached the server: ignored"
+                );
+                Ok(())
+            }
+        };
+        if sent.is_err() {
+            break;
+        }
+    }
+    // the updates decided before the end are applied (and, by member 0, settled), in queue
+    // order; the undecided are dropped and their batches go back with the others in flight
+    for r in queue {
+        if r.decided == Some(true) {
+            apply(&mut owned, &r.grad);
+            if let Some(d) = &mut disp {
+                settle(&mut cfg, d, r.from, true, r.staleness);
+            }
+        }
+    }
+    (owned, disp)
+}
+
+impl Trainer {
+    fn asy(&mut self) -> &mut Async {
+        self.asynch.as_mut().expect("an async job")
+    }
+
+    /// The flattened parameters' element count.
+    fn numel(&self) -> usize {
+        self.params.iter().map(|p| p.numel()).sum()
+    }
+
+    /// The agreement at the start of an async generation (module docs).
+    pub(super) fn async_agree(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> anyhow::Result<Result<(), CommError>> {
+        self.received = 0;
+        let rank = comm.rank();
+        let max = self.max_size.max(g.world_size) as usize;
+        let a = self.asynch.as_ref().unwrap();
+        // [holds, its generation, its world, its rank, owns a slice, holds the dispenser,
+        //  snapshot seq, versions seen of each slice (max entries)]
+        let mut row = vec![
+            a.holds as u8 as f64,
+            a.generation as f64,
+            a.world as f64,
+            a.rank as f64,
+            a.owned.is_some() as u8 as f64,
+            a.dispenser.is_some() as u8 as f64,
+            a.snapshot.as_ref().map(|s| s.seq as f64).unwrap_or(-1.0),
+        ];
+        for k in 0..max {
+            row.push(a.seen.get(k).map(|v| *v as f64).unwrap_or(-1.0));
+        }
+        let all = match comm.all_gather(&Tensor::from_slice(&row)) {
+            Ok(t) => t,
+            Err(e) => return Ok(Err(e)),
+        };
+        let rows: Vec<Vec<f64>> = Vec::<f64>::try_from(all.flatten(0, -1))?
+            .chunks(row.len())
+            .map(|c| c.to_vec())
+            .collect();
+        let newest = rows
+            .iter()
+            .filter(|r| r[0] > 0.0)
+            .map(|r| r[1] as u64)
+            .max();
+        let n = self.numel();
+        let per = self.opt.state.len() / self.params.len().max(1);
+        let end = self.spec.max_steps.unwrap_or(u64::MAX / 4) * self.spec.global_batch as u64;
+        // the whole flattened state every member rebuilds: values, then each optimizer state
+        let mut values = Tensor::zeros([n as i64], (Kind::Float, Device::Cpu));
+        let opt_full: Vec<Tensor> = (0..per)
+            .map(|_| Tensor::zeros([n as i64], (Kind::Float, Device::Cpu)))
+            .collect();
+        let mut version = 0u64;
+        let mut disp: Dispenser;
+        match newest {
+            None => {
+                // a cold start: the seed's weights (every member has them), fresh state
+                values = Tensor::cat(
+                    &self
+                        .params
+                        .iter()
+                        .map(|p| p.detach().reshape([-1]).to_device(Device::Cpu))
+                        .collect::<Vec<_>>(),
+                    0,
+                );
+                disp = Dispenser {
+                    end,
+                    ..Default::default()
+                };
+            }
+            Some(gen) => {
+                let holder = |r: &Vec<f64>| r[0] > 0.0 && r[1] as u64 == gen;
+                let old_world = rows.iter().find(|r| holder(r)).unwrap()[2] as usize;
+                let old = ranges(n, old_world);
+                for (k, rk) in old.iter().enumerate() {
+                    // its owner if it stayed, else the freshest copy
+                    let owner = rows
+                        .iter()
+                        .position(|r| holder(r) && r[4] > 0.0 && r[3] as usize == k);
+                    let src = owner.unwrap_or_else(|| {
+                        (0..rows.len())
+                            .filter(|i| holder(&rows[*i]))
+                            .max_by(|x, y| {
+                                rows[*x][7 + k]
+                                    .partial_cmp(&rows[*y][7 + k])
+                                    .unwrap()
+                                    .then(y.cmp(x))
+                            })
+                            .unwrap()
+                    }) as u32;
+                    let len = rk.len() as i64;
+                    let mut buf =
+                        Tensor::zeros([len * (1 + per as i64) + 1], (Kind::Float, Device::Cpu));
+                    if rank == src {
+                        let a = self.asynch.as_ref().unwrap();
+                        let mut parts: Vec<Tensor> = Vec::new();
+                        match (&a.owned, owner.is_some()) {
+                            (Some(o), true) => {
+                                parts.push(o.values.shallow_clone());
+                                parts.extend(o.opt.state.iter().map(|t| t.reshape([-1])));
+                                parts.push(Tensor::from_slice(&[o.version as f32]));
+                            }
+                            _ => {
+                                let flat = Tensor::cat(
+                                    &self
+                                        .params
+                                        .iter()
+                                        .map(|p| p.detach().reshape([-1]).to_device(Device::Cpu))
+                                        .collect::<Vec<_>>(),
+                                    0,
+                                );
+                                parts.push(flat.narrow(0, rk.start as i64, len));
+                                for _ in 0..per {
+                                    parts.push(Tensor::zeros([len], (Kind::Float, Device::Cpu)));
+                                }
+                                let v = a.seen.get(k).copied().unwrap_or(0);
+                                parts.push(Tensor::from_slice(&[v as f32]));
+                            }
+                        }
+                        buf = Tensor::cat(&parts, 0);
+                    }
+                    if let Err(e) = comm.broadcast(&mut buf, src) {
+                        return Ok(Err(e));
+                    }
+                    if rank != src {
+                        self.received += buf.numel() as u64 * 4;
+                    }
+                    tch::no_grad(|| {
+                        values
+                            .narrow(0, rk.start as i64, len)
+                            .copy_(&buf.narrow(0, 0, len));
+                        for (i, o) in opt_full.iter().enumerate() {
+                            o.narrow(0, rk.start as i64, len).copy_(&buf.narrow(
+                                0,
+                                len * (1 + i as i64),
+                                len,
+                            ));
+                        }
+                    });
+                    let v = buf.double_value(&[len * (1 + per as i64)]) as u64;
+                    version = version.max(v);
+                    if owner.is_none() {
+                        tracing::warn!(
+                            slice = k,
+                            from = src,
+                            version = v,
+                            "the slice's owner left: its freshest copy takes its place (its optimizer state starts anew)"
+                        );
+                    }
+                }
+                // the dispenser: old member 0's if it stayed, else the freshest copy
+                let src = rows
+                    .iter()
+                    .position(|r| holder(r) && r[5] > 0.0)
+                    .or_else(|| {
+                        (0..rows.len())
+                            .filter(|i| rows[*i][6] >= 0.0)
+                            .max_by(|x, y| rows[*x][6].partial_cmp(&rows[*y][6]).unwrap())
+                    });
+                disp = match src {
+                    Some(src) => {
+                        let mut bytes = Vec::new();
+                        if rank == src as u32 {
+                            let a = self.asynch.as_ref().unwrap();
+                            let d = a.dispenser.as_ref().or(a.snapshot.as_ref()).unwrap();
+                            bytes = serde_json::to_vec(d)?;
+                        }
+                        if let Err(e) = comm.broadcast_vec(&mut bytes, src as u32) {
+                            return Ok(Err(e));
+                        }
+                        serde_json::from_slice(&bytes)
+                            .map_err(|e| anyhow::anyhow!("the dispenser rank {src} sent: {e}"))?
+                    }
+                    None => anyhow::bail!(
+                        "no member holds the async job's data position (nor a copy of it): cannot go on without repeating or skipping samples"
+                    ),
+                };
+                disp.requeue_outstanding();
+            }
+        }
+        // this generation's slices
+        let mine = ranges(n, g.world_size as usize)[rank as usize].clone();
+        let len = mine.len() as i64;
+        let slice = values.narrow(0, mine.start as i64, len).copy();
+        let mut opt = Optimizer::new(&self.spec.optimizer, &[slice.shallow_clone()]);
+        tch::no_grad(|| {
+            for (s, o) in opt.state.iter_mut().zip(&opt_full) {
+                s.copy_(&o.narrow(0, mine.start as i64, len));
+            }
+        });
+        // every member's copy is the rebuilt state
+        tch::no_grad(|| {
+            let mut at = 0i64;
+            for p in &self.params {
+                let k = p.numel() as i64;
+                p.shallow_clone().copy_(
+                    &values
+                        .narrow(0, at, k)
+                        .view(p.size().as_slice())
+                        .to_device(p.device()),
+                );
+                at += k;
+            }
+        });
+        let a = self.asy();
+        a.holds = true;
+        a.generation = g.number;
+        a.world = g.world_size;
+        a.rank = rank;
+        a.owned = Some(Owned {
+            range: mine,
+            values: slice,
+            opt,
+            version,
+        });
+        a.seen = vec![version; g.world_size as usize];
+        a.snapshot = Some(disp.clone());
+        a.dispenser = (rank == 0).then_some(disp);
+        let applied = a.snapshot.as_ref().unwrap().applied;
+        self.step = applied / self.spec.global_batch as u64;
+        Ok(Ok(()))
+    }
+
+    /// Train asynchronously in generation `g` until the run's positions are all applied
+    /// (`Ok`), or the communicator fails or a newer generation appears (`Err`).
+    pub(super) fn async_run(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        rank: u32,
+    ) -> Result<(), CommError> {
+        let world = g.world_size;
+        let (server_tx, server_rx) = channel::<Inbox>();
+        let (client_tx, client_rx) = channel::<Inbox>();
+        let post = Post {
+            comm: comm.clone(),
+            me: rank,
+            to_server: server_tx.clone(),
+            to_client: client_tx.clone(),
+        };
+        let failure = Failure::default();
+        self.asy().failure = failure.clone();
+        let readers: Vec<_> = (0..world)
+            .filter(|p| *p != rank)
+            .map(|p| {
+                let (c, s, t) = (comm.clone(), server_tx.clone(), client_tx.clone());
+                let f = failure.clone();
+                std::thread::spawn(move || reader(c, p, s, t, f))
+            })
+            .collect();
+        let a = self.asy();
+        let owned = a
+            .owned
+            .take()
+            .expect("the agreement gave this member its slice");
+        let disp = a.dispenser.take();
+        let ledger = match (&self.ledger, rank) {
+            (Some(f), 0) => f
+                .try_clone()
+                .ok()
+                .map(|f| (f, crate::data::Order::new(self.data.len(), self.spec.seed))),
+            _ => None,
+        };
+        let cfg = ServerCfg {
+            generation: g.number,
+            ledger,
+            world,
+            batch: (self.spec.global_batch as u64).div_ceil(world as u64),
+            global_batch: self.spec.global_batch as u64,
+            lr: self.spec.lr,
+            max_steps: self.spec.max_steps,
+        };
+        let server = {
+            let post = post.clone();
+            std::thread::spawn(move || serve(post, server_rx, owned, disp, cfg))
+        };
+        drop(server_tx);
+        let out = self.async_client(comm, &post, &client_rx, g, rank);
+        if out.is_err() {
+            // the server and the readers end with the communicator
+            comm.abort();
+            let _ = post.to_server.send(Inbox::Failed);
+        }
+        let (owned, disp) = server.join().expect("the async server panicked");
+        for r in readers {
+            let _ = r.join();
+        }
+        let a = self.asy();
+        a.owned = Some(owned);
+        a.dispenser = disp;
+        out
+    }
+
+    /// Wait for the next message to this member's client (bounded: a newer generation or a
+    /// failed reader ends the wait with an error).
+    fn next_msg(&self, rx: &Receiver<Inbox>, g: &Generation) -> Result<(u32, Msg), CommError> {
+        let t0 = Instant::now();
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(Inbox::Msg(from, m)) => return Ok((from, m)),
+                Ok(Inbox::Failed) => {
+                    let failure = &self.asynch.as_ref().unwrap().failure;
+                    return Err(failure
+                        .lock()
+                        .unwrap()
+                        .take()
+                        .unwrap_or(CommError::Aborted {
+                            generation: g.number,
+                            op: "async",
+                        }));
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(CommError::Aborted {
+                        generation: g.number,
+                        op: "async",
+                    })
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.cell.newest() > g.number {
+                        return Err(CommError::Aborted {
+                            generation: g.number,
+                            op: "async",
+                        });
+                    }
+                    if t0.elapsed() > Duration::from_secs(300) {
+                        return Err(CommError::Invalid {
+                            op: "async",
+                            reason: "no answer from the owners within 300 s".into(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    fn async_client(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        post: &Post,
+        rx: &Receiver<Inbox>,
+        g: &Generation,
+        rank: u32,
+    ) -> Result<(), CommError> {
+        let world = g.world_size as usize;
+        let n = self.numel();
+        let slices = ranges(n, world);
+        let s = self.spec.async_.staleness as u64;
+        let b = self.spec.global_batch as u64;
+        let (start_bytes, start_applied) = (
+            comm.bytes_sent(),
+            self.asynch
+                .as_ref()
+                .unwrap()
+                .snapshot
+                .as_ref()
+                .map(|d| d.applied)
+                .unwrap_or(0),
+        );
+        let (mut report, since) = (Instant::now() - Duration::from_secs(2), Instant::now());
+        let (mut rank_since, mut rank_steps) = (Instant::now(), 0u64);
+        let (mut loss_sum, mut loss_n) = (0.0, 0u64);
+        self.computed = Duration::ZERO;
+        // the first batch
+        let (mut batch, mut done) = self.get_batch(post, rx, g)?;
+        while !done {
+            if batch.is_empty() {
+                // everything is handed out, not all applied yet: ask again shortly
+                std::thread::sleep(Duration::from_millis(20));
+                (batch, done) = self.get_batch(post, rx, g)?;
+                continue;
+            }
+            let t0 = Instant::now();
+            let idx: Vec<u64> = plan::positions(&batch)
+                .map(|p| self.order.sample(p))
+                .collect();
+            self.zero_grads();
+            let k = idx.len() as f64;
+            let micro = self
+                .spec
+                .micro_batch
+                .map(|m| m as usize)
+                .unwrap_or(idx.len());
+            for chunk in idx.chunks(micro.max(1)) {
+                let (x, y) = self.data.batch(chunk);
+                let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
+                let l = self.model.loss_sum(&x, &y) / k;
+                l.backward();
+                loss_sum += l.double_value(&[]) * k;
+            }
+            loss_n += idx.len() as u64;
+            let grad = to_vec(&Tensor::cat(&self.grad_parts(0..self.params.len()), 0));
+            self.computed_for(rank, t0);
+            let a = self.asy();
+            a.next_id += 1;
+            let id = a.next_id;
+            let seen = a.seen.clone();
+            for (j, r) in slices.iter().enumerate() {
+                post.to_server(
+                    j as u32,
+                    Head::Push {
+                        id,
+                        version: seen[j],
+                    },
+                    &grad[r.clone()],
+                )?;
+            }
+            let mut sigma = 0u64;
+            let mut acks = 0;
+            while acks < world {
+                match self.next_msg(rx, g)? {
+                    (
+                        _,
+                        Msg {
+                            head: Head::Ack { id: x, staleness },
+                            ..
+                        },
+                    ) if x == id => {
+                        sigma = sigma.max(staleness);
+                        acks += 1;
+                    }
+                    (from, m) => return Err(unexpected(g, from, &m.head)),
+                }
+            }
+            let commit = sigma <= s;
+            for j in 0..world {
+                post.to_server(
+                    j as u32,
+                    Head::Decide {
+                        id,
+                        commit,
+                        staleness: sigma,
+                    },
+                    &[],
+                )?;
+            }
+            let mut answers = 0;
+            while answers < world {
+                match self.next_msg(rx, g)? {
+                    (
+                        from,
+                        Msg {
+                            head:
+                                Head::Slice {
+                                    id: x,
+                                    version,
+                                    batch: next,
+                                    done: d,
+                                    snapshot,
+                                },
+                            values,
+                        },
+                    ) if x == id => {
+                        let r = slices[from as usize].clone();
+                        if values.len() != r.len() {
+                            return Err(unexpected(
+                                g,
+                                from,
+                                &Head::Slice {
+                                    id: x,
+                                    version,
+                                    batch: None,
+                                    done: d,
+                                    snapshot: None,
+                                },
+                            ));
+                        }
+                        self.copy_range(&r, &values);
+                        let a = self.asy();
+                        a.seen[from as usize] = version;
+                        if let Some(next) = next {
+                            batch = next;
+                            done = d;
+                        }
+                        if let Some(sn) = snapshot {
+                            a.snapshot = Some(sn);
+                        }
+                        answers += 1;
+                    }
+                    (from, m) => return Err(unexpected(g, from, &m.head)),
+                }
+            }
+            rank_steps += 1;
+            if rank_since.elapsed() >= Duration::from_secs(2) {
+                self.report_rank(g, rank, rank_since, rank_steps);
+                (rank_since, rank_steps) = (Instant::now(), 0);
+            }
+            let snap = self
+                .asynch
+                .as_ref()
+                .unwrap()
+                .snapshot
+                .clone()
+                .unwrap_or_default();
+            self.step = snap.applied / b;
+            if rank == 0 && report.elapsed() >= Duration::from_secs(1) {
+                let applied = snap.applied - start_applied;
+                let sps = applied as f64 / since.elapsed().as_secs_f64();
+                let bytes = (comm.bytes_sent() - start_bytes) as f64 * world as f64;
+                let p = Progress {
+                    generation: g.number,
+                    step: self.step,
+                    loss: Some(loss_sum / loss_n.max(1) as f64),
+                    samples_per_sec: Some(sps),
+                    updated_at_ms: now_ms(),
+                    done: false,
+                    final_weights_sha256: None,
+                    sync: Some("async".into()),
+                    round: None,
+                    bytes_per_sample: (applied > 0).then(|| bytes / applied as f64),
+                    eval_loss: None,
+                    staleness_mean: (snap.stale_n > 0)
+                        .then(|| snap.stale_sum as f64 / snap.stale_n as f64),
+                    staleness_max: Some(snap.stale_max),
+                    dropped_updates: Some(snap.dropped),
+                };
+                let (store, job) = (self.store.clone(), self.env.job.clone());
+                self.rt.spawn(async move {
+                    let _ = store.put_json(&store.keys.progress(&job), &p, None).await;
+                });
+                println!(
+                    "step {} loss {:.4} applied samples/s {sps:.1} staleness max {} dropped {} world {}",
+                    self.step,
+                    loss_sum / loss_n.max(1) as f64,
+                    snap.stale_max,
+                    snap.dropped,
+                    world
+                );
+                (loss_sum, loss_n) = (0.0, 0);
+                report = Instant::now();
+            }
+        }
+        // the end: goodbye to every server (this member's own last), then every slice's
+        // final values
+        for j in (0..world as u32).filter(|j| *j != rank).chain([rank]) {
+            post.to_server(j, Head::Bye, &[])?;
+        }
+        let mut finals = 0;
+        while finals < world {
+            match self.next_msg(rx, g)? {
+                (
+                    from,
+                    Msg {
+                        head: Head::Final { .. },
+                        values,
+                    },
+                ) => {
+                    let r = slices[from as usize].clone();
+                    if values.len() != r.len() {
+                        return Err(unexpected(g, from, &Head::Final { version: 0 }));
+                    }
+                    self.copy_range(&r, &values);
+                    finals += 1;
+                }
+                // answers to a last Get may still arrive
+                (
+                    _,
+                    Msg {
+                        head: Head::Batch { .. },
+                        ..
+                    },
+                ) => {}
+                (from, m) => return Err(unexpected(g, from, &m.head)),
+            }
+        }
+        if let Some(m) = self.spec.max_steps {
+            self.step = m;
+        }
+        Ok(())
+    }
+
+    /// Ask member 0 for a batch: (the batch, whether the run is done).
+    fn get_batch(
+        &mut self,
+        post: &Post,
+        rx: &Receiver<Inbox>,
+        g: &Generation,
+    ) -> Result<(Ranges, bool), CommError> {
+        post.to_server(0, Head::Get, &[])?;
+        match self.next_msg(rx, g)? {
+            (
+                0,
+                Msg {
+                    head:
+                        Head::Batch {
+                            batch,
+                            done,
+                            snapshot,
+                        },
+                    ..
+                },
+            ) => {
+                self.asy().snapshot = Some(snapshot);
+                Ok((batch, done))
+            }
+            (from, m) => Err(unexpected(g, from, &m.head)),
+        }
+    }
+
+    /// Copy `values` into the flat range `r` of this member's parameters.
+    fn copy_range(&self, r: &Range<usize>, values: &[f32]) {
+        let src = Tensor::from_slice(values);
+        let mut at = 0usize;
+        tch::no_grad(|| {
+            for p in &self.params {
+                let n = p.numel();
+                let (lo, hi) = (r.start.max(at), r.end.min(at + n));
+                if lo < hi {
+                    p.reshape([-1])
+                        .narrow(0, (lo - at) as i64, (hi - lo) as i64)
+                        .copy_(
+                            &src.narrow(0, (lo - r.start) as i64, (hi - lo) as i64)
+                                .to_device(p.device()),
+                        );
+                }
+                at += n;
+            }
+        });
+    }
+}
+
+fn unexpected(g: &Generation, from: u32, head: &Head) -> CommError {
+    CommError::Protocol {
+        generation: g.number,
+        op: "async",
+        peer: from,
+        reason: format!("an unexpected message {head:?}"),
+    }
+}
