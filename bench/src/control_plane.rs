@@ -234,15 +234,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                         loss: Some(1.0),
                         samples_per_sec: Some(100.0),
                         updated_at_ms: now_ms(),
-                        done: false,
-                        final_weights_sha256: None,
-                        sync: None,
-                        round: None,
-                        bytes_per_sample: None,
-                        eval_loss: None,
-                        staleness_mean: None,
-                        staleness_max: None,
-                        dropped_updates: None,
+                        ..Default::default()
                     };
                     if store
                         .put_json(&store.keys.progress(n), &p, None)

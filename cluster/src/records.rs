@@ -1519,7 +1519,7 @@ pub struct CheckpointStats {
 }
 
 /// Training progress, reported by rank 0 at most once a second.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Progress {
     pub generation: u64,
     pub step: u64,

@@ -799,18 +799,10 @@ mod tests {
         let done = Progress {
             generation: 4,
             step: 60,
-            loss: None,
-            samples_per_sec: None,
             updated_at_ms: 0,
             done: true,
             final_weights_sha256: Some("abc".into()),
-            sync: None,
-            round: None,
-            bytes_per_sample: None,
-            eval_loss: None,
-            staleness_mean: None,
-            staleness_max: None,
-            dropped_updates: None,
+            ..Default::default()
         };
         // the control watch already shows the new spec without a status; the live watch
         // still shows the last run's final progress

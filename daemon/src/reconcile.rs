@@ -1295,18 +1295,8 @@ mod tests {
         obs.progress = Some(Progress {
             generation: g.number,
             step: 7,
-            loss: None,
-            samples_per_sec: None,
             updated_at_ms: 0,
-            done: false,
-            final_weights_sha256: None,
-            sync: None,
-            round: None,
-            bytes_per_sample: None,
-            eval_loss: None,
-            staleness_mean: None,
-            staleness_max: None,
-            dropped_updates: None,
+            ..Default::default()
         });
         // the job's wait, capped by the agent's deadline less the margin
         f.drain_deadlines.insert("b".into(), 1_000 + 10_000);
@@ -1541,18 +1531,8 @@ mod tests {
         obs.progress = Some(Progress {
             generation: n,
             step: 9,
-            loss: None,
-            samples_per_sec: None,
             updated_at_ms: 0,
-            done: false,
-            final_weights_sha256: None,
-            sync: None,
-            round: None,
-            bytes_per_sample: None,
-            eval_loss: None,
-            staleness_mean: None,
-            staleness_max: None,
-            dropped_updates: None,
+            ..Default::default()
         });
         let g = step(&mut obs, &f, 50).expect("re-formed");
         assert_eq!(g.fault_retries, 1);

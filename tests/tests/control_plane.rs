@@ -951,17 +951,8 @@ fn each_agent_watches_only_its_own_nodes_view_and_wakes_only_for_what_concerns_i
             generation: a.generation,
             step,
             loss: Some(1.0),
-            samples_per_sec: None,
             updated_at_ms: now_ms(),
-            done: false,
-            final_weights_sha256: None,
-            sync: None,
-            round: None,
-            bytes_per_sample: None,
-            eval_loss: None,
-            staleness_mean: None,
-            staleness_max: None,
-            dropped_updates: None,
+            ..Default::default()
         };
         rt.block_on(store.put_json(&k.progress("ja"), &p, None))
             .unwrap();

@@ -233,6 +233,21 @@ fn load_state(b: &[u8], targets: &[Tensor]) -> Result<u64, String> {
     Ok(step)
 }
 
+/// Every rank's `row` of f64s (the same length everywhere), in rank order.
+pub(crate) fn gather_rows(
+    comm: &dyn Communicator,
+    row: &[f64],
+) -> Result<Vec<Vec<f64>>, CommError> {
+    let all = comm.all_gather(&Tensor::from_slice(row))?;
+    let flat = Vec::<f64>::try_from(all.flatten(0, -1).to_device(Device::Cpu)).map_err(|e| {
+        CommError::Invalid {
+            op: "all_gather",
+            reason: format!("the gathered rows: {e}"),
+        }
+    })?;
+    Ok(flat.chunks(row.len()).map(|c| c.to_vec()).collect())
+}
+
 /// How long a worker whose generation failed waits for the leader's answer
 /// (`DUCTILE_FAULT_WAIT_SECS`, default 120).
 fn fault_wait() -> Duration {
@@ -693,18 +708,11 @@ impl Trainer {
                     let p = Progress {
                         generation: g.number,
                         step: self.step,
-                        loss: None,
-                        samples_per_sec: None,
                         updated_at_ms: now_ms(),
                         done: true,
                         final_weights_sha256: Some(sha.clone()),
-                        sync: None,
-                        round: None,
-                        bytes_per_sample: None,
                         eval_loss: eval,
-                        staleness_mean: None,
-                        staleness_max: None,
-                        dropped_updates: None,
+                        ..Default::default()
                     };
                     let store = self.store.clone();
                     let job = self.env.job.clone();
@@ -781,21 +789,10 @@ impl Trainer {
                     loss: Some(loss),
                     samples_per_sec: Some(sps),
                     updated_at_ms: now_ms(),
-                    done: false,
-                    final_weights_sha256: None,
-                    sync: None,
-                    round: None,
                     bytes_per_sample: (trained > 0).then(|| bytes / trained as f64),
-                    eval_loss: None,
-                    staleness_mean: None,
-                    staleness_max: None,
-                    dropped_updates: None,
+                    ..Default::default()
                 };
-                let store = self.store.clone();
-                let job = self.env.job.clone();
-                self.rt.spawn(async move {
-                    let _ = store.put_json(&store.keys.progress(&job), &p, None).await;
-                });
+                self.put_progress(p);
                 println!(
                     "step {} loss {loss:.4} samples/s {sps:.1} world {}",
                     self.step, g.world_size
@@ -805,6 +802,40 @@ impl Trainer {
                 since = Instant::now();
             }
         }
+    }
+
+    /// Forward and backward of the mean loss over the samples at `positions` (in
+    /// micro-batches), on zeroed gradients: the samples and their summed loss.
+    fn backward_on(&mut self, positions: &[std::ops::Range<u64>]) -> (Vec<u64>, f64) {
+        let idx: Vec<u64> = positions
+            .iter()
+            .flat_map(|r| r.clone())
+            .map(|p| self.order.sample(p))
+            .collect();
+        self.zero_grads();
+        let n = idx.len() as f64;
+        let micro = self
+            .spec
+            .micro_batch
+            .map(|m| m as usize)
+            .unwrap_or(idx.len());
+        let mut loss = 0.0;
+        for chunk in idx.chunks(micro.max(1)) {
+            let (x, y) = self.data.batch(chunk);
+            let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
+            let l = self.model.loss_sum(&x, &y) / n;
+            l.backward();
+            loss += l.double_value(&[]) * n;
+        }
+        (idx, loss)
+    }
+
+    /// Publish rank 0's progress (in the background; the next report replaces it).
+    fn put_progress(&self, p: Progress) {
+        let (store, job) = (self.store.clone(), self.env.job.clone());
+        self.rt.spawn(async move {
+            let _ = store.put_json(&store.keys.progress(&job), &p, None).await;
+        });
     }
 
     /// Publish this rank's figures over the `steps` steps since `since` (a straggler shows in

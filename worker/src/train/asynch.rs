@@ -254,10 +254,16 @@ struct Post {
 }
 
 impl Post {
-    /// From this member's client to `to`'s server.
-    fn to_server(&self, to: u32, head: Head, values: &[f32]) -> Result<(), CommError> {
+    /// To `to` over the communicator, or to this member's own side through `local`.
+    fn deliver(
+        &self,
+        local: &Sender<Inbox>,
+        to: u32,
+        head: Head,
+        values: &[f32],
+    ) -> Result<(), CommError> {
         if to == self.me {
-            let _ = self.to_server.send(Inbox::Msg(
+            let _ = local.send(Inbox::Msg(
                 to,
                 Msg {
                     head,
@@ -269,19 +275,14 @@ impl Post {
         self.comm.send_msg(&encode(&head, values), to)
     }
 
+    /// From this member's client to `to`'s server.
+    fn to_server(&self, to: u32, head: Head, values: &[f32]) -> Result<(), CommError> {
+        self.deliver(&self.to_server, to, head, values)
+    }
+
     /// From this member's server to `to`'s client.
     fn to_client(&self, to: u32, head: Head, values: &[f32]) -> Result<(), CommError> {
-        if to == self.me {
-            let _ = self.to_client.send(Inbox::Msg(
-                to,
-                Msg {
-                    head,
-                    values: values.to_vec(),
-                },
-            ));
-            return Ok(());
-        }
-        self.comm.send_msg(&encode(&head, values), to)
+        self.deliver(&self.to_client, to, head, values)
     }
 }
 
@@ -538,14 +539,10 @@ impl Trainer {
         for k in 0..max {
             row.push(a.seen.get(k).map(|v| *v as f64).unwrap_or(-1.0));
         }
-        let all = match comm.all_gather(&Tensor::from_slice(&row)) {
-            Ok(t) => t,
+        let rows = match super::gather_rows(comm.as_ref(), &row) {
+            Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
-        let rows: Vec<Vec<f64>> = Vec::<f64>::try_from(all.flatten(0, -1))?
-            .chunks(row.len())
-            .map(|c| c.to_vec())
-            .collect();
         let newest = rows
             .iter()
             .filter(|r| r[0] > 0.0)
@@ -879,23 +876,8 @@ impl Trainer {
                 continue;
             }
             let t0 = Instant::now();
-            let idx: Vec<u64> = plan::positions(&batch)
-                .map(|p| self.order.sample(p))
-                .collect();
-            self.zero_grads();
-            let k = idx.len() as f64;
-            let micro = self
-                .spec
-                .micro_batch
-                .map(|m| m as usize)
-                .unwrap_or(idx.len());
-            for chunk in idx.chunks(micro.max(1)) {
-                let (x, y) = self.data.batch(chunk);
-                let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
-                let l = self.model.loss_sum(&x, &y) / k;
-                l.backward();
-                loss_sum += l.double_value(&[]) * k;
-            }
+            let (idx, l) = self.backward_on(&batch);
+            loss_sum += l;
             loss_n += idx.len() as u64;
             let grad = to_vec(&Tensor::cat(&self.grad_parts(0..self.params.len()), 0));
             self.computed_for(rank, t0);
@@ -1011,21 +993,15 @@ impl Trainer {
                     loss: Some(loss_sum / loss_n.max(1) as f64),
                     samples_per_sec: Some(sps),
                     updated_at_ms: now_ms(),
-                    done: false,
-                    final_weights_sha256: None,
                     sync: Some("async".into()),
-                    round: None,
                     bytes_per_sample: (applied > 0).then(|| bytes / applied as f64),
-                    eval_loss: None,
                     staleness_mean: (snap.stale_n > 0)
                         .then(|| snap.stale_sum as f64 / snap.stale_n as f64),
                     staleness_max: Some(snap.stale_max),
                     dropped_updates: Some(snap.dropped),
+                    ..Default::default()
                 };
-                let (store, job) = (self.store.clone(), self.env.job.clone());
-                self.rt.spawn(async move {
-                    let _ = store.put_json(&store.keys.progress(&job), &p, None).await;
-                });
+                self.put_progress(p);
                 println!(
                     "step {} loss {:.4} applied samples/s {sps:.1} staleness max {} dropped {} world {}",
                     self.step,

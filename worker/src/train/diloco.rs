@@ -261,14 +261,10 @@ impl Trainer {
             d.piece.map(|p| p as f64).unwrap_or(-1.0),
             d.synced as f64,
         ];
-        let all = match comm.all_gather(&Tensor::from_slice(&row)) {
-            Ok(a) => a,
+        let rows = match super::gather_rows(comm.as_ref(), &row) {
+            Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
-        let rows: Vec<Vec<f64>> = Vec::<f64>::try_from(all.flatten(0, -1))?
-            .chunks(row.len())
-            .map(|c| c.to_vec())
-            .collect();
         // the most advanced state: the highest round, then the most fragments exchanged in it
         let best = rows
             .iter()
@@ -465,24 +461,7 @@ impl Trainer {
         if take.is_empty() {
             return false;
         }
-        let idx: Vec<u64> = plan::positions(&take)
-            .map(|p| self.order.sample(p))
-            .collect();
-        self.zero_grads();
-        let n = idx.len() as f64;
-        let micro = self
-            .spec
-            .micro_batch
-            .map(|m| m as usize)
-            .unwrap_or(idx.len());
-        let mut loss = 0.0;
-        for chunk in idx.chunks(micro.max(1)) {
-            let (x, y) = self.data.batch(chunk);
-            let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
-            let l = self.model.loss_sum(&x, &y) / n;
-            l.backward();
-            loss += l.double_value(&[]) * n;
-        }
+        let (idx, loss) = self.backward_on(&take);
         let grads: Vec<Tensor> = self
             .params
             .iter()
@@ -584,10 +563,9 @@ impl Trainer {
     /// A streaming fragment's exchange in the middle of a round.
     fn sync_fragment(&mut self, comm: &Arc<dyn Communicator>, f: usize) -> Result<(), CommError> {
         let w = self.diloco.as_ref().unwrap().since[f] as f64;
-        let all = comm.all_gather(&Tensor::from_slice(&[w]))?;
-        let total: f64 = Vec::<f64>::try_from(all.flatten(0, -1))
-            .unwrap_or_default()
+        let total: f64 = super::gather_rows(comm.as_ref(), &[w])?
             .iter()
+            .map(|r| r[0])
             .sum();
         self.exchange_fragment(comm, f, total)?;
         self.dl().synced = f + 1;
@@ -632,9 +610,7 @@ impl Trainer {
             busy as f64,
             d.since[last] as f64,
         ];
-        let all = comm.all_gather(&Tensor::from_slice(&row))?;
-        let rows: Vec<f64> = Vec::<f64>::try_from(all.flatten(0, -1)).unwrap_or_default();
-        let rows: Vec<&[f64]> = rows.chunks(row.len()).collect();
+        let rows = super::gather_rows(comm.as_ref(), &row)?;
         self.flags = (
             rows.iter().any(|r| r[3] > 0.0),
             rows.iter().any(|r| r[4] > 0.0),
@@ -749,20 +725,12 @@ impl Trainer {
                         loss: Some(loss),
                         samples_per_sec: Some(sps),
                         updated_at_ms: now_ms(),
-                        done: false,
-                        final_weights_sha256: None,
                         sync: Some("diloco".into()),
                         round: Some(round),
                         bytes_per_sample: Some(per_sample),
-                        eval_loss: None,
-                        staleness_mean: None,
-                        staleness_max: None,
-                        dropped_updates: None,
+                        ..Default::default()
                     };
-                    let (store, job) = (self.store.clone(), self.env.job.clone());
-                    self.rt.spawn(async move {
-                        let _ = store.put_json(&store.keys.progress(&job), &p, None).await;
-                    });
+                    self.put_progress(p);
                     println!(
                         "round {round} step {} loss {loss:.4} samples/s {sps:.1} bytes/sample {per_sample:.1} world {}",
                         self.step, g.world_size

@@ -358,12 +358,10 @@ impl Trainer {
             self.held.len() <= HELD_SLOTS,
             "a rank holds at most {HELD_SLOTS} chunks"
         );
-        let all = match comm.all_gather(&Tensor::from_slice(&row)) {
-            Ok(a) => a,
+        let rows = match super::gather_rows(comm.as_ref(), &row) {
+            Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
-        let flat = Vec::<f64>::try_from(all.flatten(0, -1).to_device(Device::Cpu))?;
-        let rows: Vec<Vec<f64>> = flat.chunks(row.len()).map(|c| c.to_vec()).collect();
         let held_by = |r: &[f64]| -> Vec<Range<usize>> {
             r[4..]
                 .chunks(2)
