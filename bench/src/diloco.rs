@@ -75,7 +75,7 @@ fn one(a: &Args, mode: &'static str, sync: &str, slowed: bool) -> anyhow::Result
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let h = a.inner_steps;
-    let all_modes: [(&'static str, String); 4] = [
+    let all_modes: [(&'static str, String); 5] = [
         ("allreduce", String::new()),
         (
             "diloco",
@@ -86,6 +86,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!(
                 "sync = \"diloco\"\n[training.diloco]\ninner_steps = {h}\nquantize = \"int8\"\n"
             ),
+        ),
+        (
+            "diloco-f4",
+            format!("sync = \"diloco\"\n[training.diloco]\ninner_steps = {h}\nfragments = 4\n"),
         ),
         (
             "async",

@@ -145,7 +145,8 @@ enum Cmd {
         /// The async mode's staleness bound.
         #[arg(long, default_value_t = 2)]
         staleness: u32,
-        /// Only these modes (allreduce, diloco, diloco-int8, async; comma-separated).
+        /// Only these modes (allreduce, diloco, diloco-int8, diloco-f4 (streaming, 4
+        /// fragments), async; comma-separated).
         #[arg(long, value_delimiter = ',')]
         modes: Vec<String>,
         /// How much slower the slowed worker computes.

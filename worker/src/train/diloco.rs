@@ -77,6 +77,20 @@ pub struct Diloco {
     pub since: Vec<u64>,
     /// Positions of this member's piece of the round.
     pub piece_len: u64,
+    /// The streaming exchange in flight (not yet in `synced`).
+    pub inflight: Option<Exchange>,
+}
+
+/// A fragment's exchange in flight: the sum runs on a thread of its own.
+pub struct Exchange {
+    fragment: usize,
+    /// This member's weight in it (samples since the fragment's previous exchange).
+    weight: u64,
+    /// The members' summed weight.
+    total: f64,
+    /// The member's fragment when the exchange started.
+    snapshot: Vec<Tensor>,
+    sum: std::thread::JoinHandle<Result<Tensor, CommError>>,
 }
 
 fn flat(ts: &[Tensor]) -> Tensor {
@@ -131,6 +145,7 @@ impl Diloco {
             fragments,
             synced: 0,
             piece_len: 0,
+            inflight: None,
             meta: RoundMeta::default(),
             holds: false,
             piece: None,
@@ -143,6 +158,11 @@ impl Diloco {
             rounds: 0,
             last_commit: None,
         }
+    }
+
+    /// Exchanges started this round (the one in flight included).
+    pub fn started(&self) -> usize {
+        self.synced + self.inflight.is_some() as usize
     }
 
     /// Whether the last commit crossed a multiple of `interval` steps.
@@ -254,6 +274,16 @@ impl Trainer {
     ) -> anyhow::Result<Result<(), CommError>> {
         self.received = 0;
         let rank = comm.rank();
+        // an exchange in flight when the last generation ended counts if it completed here
+        // (then every member's part was in it); otherwise it never happened for this member
+        if let Some(x) = self.dl().inflight.take() {
+            let (f, w) = (x.fragment, x.weight);
+            match self.finish_exchange(x) {
+                Ok(()) => self.dl().synced += 1,
+                // its samples count in the fragment's next exchange
+                Err(_) => self.dl().since[f] += w,
+            }
+        }
         let d = self.diloco.as_ref().unwrap();
         let row = [
             d.meta.round as f64,
@@ -497,39 +527,59 @@ impl Trainer {
         true
     }
 
-    /// Exchange fragment `f`: the members' pseudo-gradients of its range (global − local),
-    /// weighted by the samples each trained since the fragment's last exchange, summed; then
-    /// the outer Nesterov step on its global weights, which the member's own fragment takes.
-    /// `total` is the members' summed weight.
-    fn exchange_fragment(
+    /// Start fragment `f`'s exchange: the members' pseudo-gradients of its range (global −
+    /// local), weighted by the samples each trained since the fragment's last exchange, summed
+    /// on a thread of its own while local steps go on. `total` is the members' summed weight.
+    fn start_exchange(
         &mut self,
         comm: &Arc<dyn Communicator>,
         f: usize,
         total: f64,
-    ) -> Result<(), CommError> {
+    ) -> Result<Exchange, CommError> {
         let d = self.diloco.as_ref().unwrap();
         let r = d.fragments[f].clone();
         let (global, local) = (flat_views(&d.global, &r), flat_views(&self.params, &r));
         let w = d.since[f] as f64;
-        let delta = tch::no_grad(|| {
+        let (delta, snapshot) = tch::no_grad(|| {
             let parts: Vec<Tensor> = global
                 .iter()
                 .zip(&local)
                 .map(|(gl, p)| (gl - p) * w)
                 .collect();
-            Tensor::cat(&parts, 0)
+            let delta = Tensor::cat(&parts, 0)
                 .to_kind(Kind::Float)
-                .to_device(Device::Cpu)
+                .to_device(Device::Cpu);
+            (delta, local.iter().map(|t| t.copy()).collect::<Vec<_>>())
         });
         let q = Quant::parse(&self.spec.diloco.quantize).unwrap_or(Quant::None);
         let group = Group::new(comm.clone(), (0..comm.world()).collect())?;
-        let (sum, _) = quant::all_reduce(&group, &delta, q)?;
+        let sum = std::thread::spawn(move || quant::all_reduce(&group, &delta, q).map(|x| x.0));
+        self.dl().since[f] = 0;
+        Ok(Exchange {
+            fragment: f,
+            weight: w as u64,
+            total,
+            snapshot,
+            sum,
+        })
+    }
+
+    /// Finish an exchange: the outer Nesterov step on the fragment's global weights; the
+    /// member's fragment takes them, plus what its local steps since the exchange started
+    /// changed (kept, and counted in the fragment's next exchange).
+    fn finish_exchange(&mut self, x: Exchange) -> Result<(), CommError> {
+        let sum = x.sum.join().map_err(|_| CommError::Invalid {
+            op: "diloco exchange",
+            reason: "the exchange thread panicked".into(),
+        })??;
         let (lr, mu) = (self.spec.diloco.outer_lr, self.spec.diloco.outer_momentum);
         let d = self.diloco.as_mut().unwrap();
+        let r = d.fragments[x.fragment].clone();
+        let (global, local) = (flat_views(&d.global, &r), flat_views(&self.params, &r));
         let momentum = flat_views(&d.momentum, &r);
         tch::no_grad(|| {
-            if total > 0.0 {
-                let avg = sum.to_device(self.dev) / total;
+            if x.total > 0.0 {
+                let avg = sum.to_device(self.dev) / x.total;
                 let mut at = 0;
                 for (gl, m) in global.iter().zip(&momentum) {
                     let n = gl.numel() as i64;
@@ -543,11 +593,20 @@ impl Trainer {
                     let _ = gl.g_sub_(&(step * lr));
                 }
             }
-            for (p, gl) in local.iter().zip(&global) {
-                p.shallow_clone().copy_(gl);
+            for ((p, gl), before) in local.iter().zip(&global).zip(&x.snapshot) {
+                let moved = p - before;
+                p.shallow_clone().copy_(&(gl + moved));
             }
         });
-        d.since[f] = 0;
+        Ok(())
+    }
+
+    /// Wait for the streaming exchange in flight, if any, and count it.
+    fn finish_inflight(&mut self) -> Result<(), CommError> {
+        if let Some(x) = self.dl().inflight.take() {
+            self.finish_exchange(x)?;
+            self.dl().synced += 1;
+        }
         Ok(())
     }
 
@@ -556,19 +615,21 @@ impl Trainer {
     fn fragment_due(&self) -> Option<usize> {
         let d = self.diloco.as_ref().unwrap();
         let f = d.fragments.len() as u64;
-        let k = d.synced as u64;
-        (k + 1 < f && d.done * f >= (k + 1) * d.piece_len).then_some(d.synced)
+        let k = d.started() as u64;
+        (k + 1 < f && d.done * f >= (k + 1) * d.piece_len).then_some(k as usize)
     }
 
-    /// A streaming fragment's exchange in the middle of a round.
+    /// A streaming fragment's exchange in the middle of a round: it runs while local steps go
+    /// on, and completes before the next exchange or the commit.
     fn sync_fragment(&mut self, comm: &Arc<dyn Communicator>, f: usize) -> Result<(), CommError> {
+        self.finish_inflight()?;
         let w = self.diloco.as_ref().unwrap().since[f] as f64;
         let total: f64 = super::gather_rows(comm.as_ref(), &[w])?
             .iter()
             .map(|r| r[0])
             .sum();
-        self.exchange_fragment(comm, f, total)?;
-        self.dl().synced = f + 1;
+        let x = self.start_exchange(comm, f, total)?;
+        self.dl().inflight = Some(x);
         Ok(())
     }
 
@@ -581,6 +642,7 @@ impl Trainer {
         g: &Generation,
         rank: u32,
     ) -> Result<(f64, u64), CommError> {
+        self.finish_inflight()?;
         let d = self.diloco.as_ref().unwrap();
         let round = d.meta.round;
         let last = d.fragments.len() - 1;
@@ -611,6 +673,7 @@ impl Trainer {
             d.since[last] as f64,
         ];
         let rows = super::gather_rows(comm.as_ref(), &row)?;
+        debug_assert!(self.diloco.as_ref().unwrap().inflight.is_none());
         self.flags = (
             rows.iter().any(|r| r[3] > 0.0),
             rows.iter().any(|r| r[4] > 0.0),
@@ -619,7 +682,8 @@ impl Trainer {
         let loss = rows.iter().map(|r| r[1]).sum::<f64>() / samples.max(1.0);
         let speeds: Vec<f64> = rows.iter().map(|r| r[2]).collect();
         let weight: f64 = rows.iter().map(|r| r[5]).sum();
-        self.exchange_fragment(comm, last, weight)?;
+        let x = self.start_exchange(comm, last, weight)?;
+        self.finish_exchange(x)?;
         let d = self.diloco.as_mut().unwrap();
         d.meta.round += 1;
         d.rounds += 1;
@@ -702,8 +766,8 @@ impl Trainer {
                 }
             } else {
                 // the fragments still due this round, then the commit
-                while self.dl().synced + 1 < self.dl().fragments.len() {
-                    let f = self.dl().synced;
+                while self.dl().started() + 1 < self.dl().fragments.len() {
+                    let f = self.dl().started();
                     self.sync_fragment(comm, f)?;
                 }
                 let (loss, samples) = self.commit(comm, g, rank)?;
