@@ -100,52 +100,18 @@ impl Group {
                 ),
             });
         }
-        if self.members.len() == 1 {
-            return Ok(vec![t.shallow_clone()]);
-        }
+        // every member's part is its `t`
         let send = t.contiguous();
-        let others: Vec<(usize, u32)> = self
-            .members
-            .iter()
-            .copied()
-            .enumerate()
-            .filter(|(i, _)| *i != self.me)
+        let parts: Vec<Tensor> = (0..self.members.len())
+            .map(|i| {
+                if i == self.me {
+                    t.shallow_clone()
+                } else {
+                    send.shallow_clone()
+                }
+            })
             .collect();
-        // sends from a thread of their own, so that two members sending each other more than
-        // a socket buffer never wait on each other
-        std::thread::scope(|s| {
-            let (comm, out, peers) = (self.comm.clone(), send.shallow_clone(), others.clone());
-            let sender = s.spawn(move || -> Result<()> {
-                for (_, peer) in peers {
-                    comm.send(&out, peer)?;
-                }
-                Ok(())
-            });
-            let mut parts: Vec<Option<Tensor>> = (0..self.members.len()).map(|_| None).collect();
-            let mut got = Ok(());
-            for (i, peer) in &others {
-                let mut buf = Tensor::zeros(shapes[*i].as_slice(), (send.kind(), send.device()));
-                match self.comm.recv(&mut buf, *peer) {
-                    Ok(()) => parts[*i] = Some(buf),
-                    Err(e) => {
-                        // the sender may be blocked on this peer: fail it too
-                        self.comm.abort();
-                        got = Err(e);
-                        break;
-                    }
-                }
-            }
-            let sent = sender.join().unwrap_or_else(|_| {
-                Err(CommError::Invalid {
-                    op: "group all_gather",
-                    reason: "the sender thread panicked".into(),
-                })
-            });
-            got?;
-            sent?;
-            parts[self.me] = Some(t.shallow_clone());
-            Ok(parts.into_iter().map(|p| p.unwrap()).collect())
-        })
+        self.all_to_all(&parts, shapes)
     }
 
     /// Personalised exchange: `parts[i]` goes to member i (this member's own stays); returns
@@ -163,6 +129,9 @@ impl Group {
                     n
                 ),
             });
+        }
+        if n == 1 {
+            return Ok(vec![parts[0].shallow_clone()]);
         }
         let out: Vec<(u32, Tensor)> = (0..n)
             .filter(|i| *i != self.me)

@@ -213,18 +213,7 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
             "the committed rounds trained {used_total} samples, not the run's {total}"
         ));
     }
-    let full = total / samples;
-    let odd: Vec<(u64, u64)> = (0..samples)
-        .map(|i| (i, count.get(&i).copied().unwrap_or(0)))
-        .filter(|(_, c)| *c != full && *c != full + 1)
-        .take(10)
-        .collect();
-    if !odd.is_empty() {
-        out.push(format!(
-            "samples used neither {full} nor {} times (sample, count): {odd:?}",
-            full + 1
-        ));
-    }
+    out.extend(uneven(&count, total, samples));
     (out, per_round)
 }
 
@@ -285,17 +274,23 @@ pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> Asy
             "the applied updates trained {used} samples, not the run's {total}"
         ));
     }
+    out.violations.extend(uneven(&count, total, samples));
+    out
+}
+
+/// `total` positions over `samples` samples, each used `count` times: every sample must be
+/// used `⌊total / samples⌋` or one more times (up to ten that are not, named).
+fn uneven(count: &BTreeMap<u64, u64>, total: u64, samples: u64) -> Option<String> {
     let full = total / samples;
     let odd: Vec<(u64, u64)> = (0..samples)
         .map(|i| (i, count.get(&i).copied().unwrap_or(0)))
         .filter(|(_, c)| *c != full && *c != full + 1)
         .take(10)
         .collect();
-    if !odd.is_empty() {
-        out.violations.push(format!(
+    (!odd.is_empty()).then(|| {
+        format!(
             "samples used neither {full} nor {} times (sample, count): {odd:?}",
             full + 1
-        ));
-    }
-    out
+        )
+    })
 }

@@ -233,6 +233,29 @@ fn load_state(b: &[u8], targets: &[Tensor]) -> Result<u64, String> {
     Ok(step)
 }
 
+/// The tensors flattened one after another (on their device).
+pub(crate) fn flat(ts: &[Tensor]) -> Tensor {
+    Tensor::cat(&ts.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0)
+}
+
+/// Views of `ts`, flattened one after another, that cover the flat range `r`.
+pub(crate) fn flat_views(ts: &[Tensor], r: &std::ops::Range<usize>) -> Vec<Tensor> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for t in ts {
+        let n = t.numel();
+        let (lo, hi) = (r.start.max(at), r.end.min(at + n));
+        if lo < hi {
+            out.push(
+                t.reshape([-1])
+                    .narrow(0, (lo - at) as i64, (hi - lo) as i64),
+            );
+        }
+        at += n;
+    }
+    out
+}
+
 /// Every rank's `row` of f64s (the same length everywhere), in rank order.
 pub(crate) fn gather_rows(
     comm: &dyn Communicator,
@@ -331,6 +354,7 @@ impl Trainer {
         let diloco = spec
             .is_diloco()
             .then(|| diloco::Diloco::new(&params, spec.diloco.fragments));
+        let asynch = (spec.sync == "async").then(asynch::Async::default);
         let ckpt = match checkpoint {
             Some(c) => {
                 let names: Vec<String> = model.params().into_iter().map(|(n, _)| n).collect();
@@ -354,7 +378,6 @@ impl Trainer {
             }
             None => None,
         };
-        let spec_sync = spec.sync.clone();
         let mesh_tls = if spec.mesh_tls {
             let t = ductile_comm::mesh_tls::MeshTls::from_env()?.ok_or_else(|| {
                 anyhow::anyhow!("the job's mesh runs over TLS (mesh_tls) but the agent gave no mesh certificate (DUCTILE_MESH_TLS_CA, _CERT, _KEY)")
@@ -392,7 +415,7 @@ impl Trainer {
             tp_held: (1, 0),
             diloco,
             restored_extra: None,
-            asynch: (spec_sync == "async").then(asynch::Async::default),
+            asynch,
         })
     }
 
@@ -828,6 +851,12 @@ impl Trainer {
             loss += l.double_value(&[]) * n;
         }
         (idx, loss)
+    }
+
+    /// Positions of the whole run: `max_steps` global batches (DiLoCo and async hand them
+    /// out themselves).
+    fn run_positions(&self) -> u64 {
+        self.spec.max_steps.unwrap_or(u64::MAX / 4) * self.spec.global_batch as u64
     }
 
     /// Publish rank 0's progress (in the background; the next report replaces it).

@@ -550,7 +550,9 @@ impl Trainer {
             .max();
         let n = self.numel();
         let per = self.opt.state.len() / self.params.len().max(1);
-        let end = self.spec.max_steps.unwrap_or(u64::MAX / 4) * self.spec.global_batch as u64;
+        let end = self.run_positions();
+        // this member's copy, flattened (the seed's at a cold start)
+        let copy = super::flat(&self.params).detach().to_device(Device::Cpu);
         // the whole flattened state every member rebuilds: values, then each optimizer state
         let mut values = Tensor::zeros([n as i64], (Kind::Float, Device::Cpu));
         let opt_full: Vec<Tensor> = (0..per)
@@ -561,14 +563,7 @@ impl Trainer {
         match newest {
             None => {
                 // a cold start: the seed's weights (every member has them), fresh state
-                values = Tensor::cat(
-                    &self
-                        .params
-                        .iter()
-                        .map(|p| p.detach().reshape([-1]).to_device(Device::Cpu))
-                        .collect::<Vec<_>>(),
-                    0,
-                );
+                values = copy.copy();
                 disp = Dispenser {
                     end,
                     ..Default::default()
@@ -607,15 +602,7 @@ impl Trainer {
                                 parts.push(Tensor::from_slice(&[o.version as f32]));
                             }
                             _ => {
-                                let flat = Tensor::cat(
-                                    &self
-                                        .params
-                                        .iter()
-                                        .map(|p| p.detach().reshape([-1]).to_device(Device::Cpu))
-                                        .collect::<Vec<_>>(),
-                                    0,
-                                );
-                                parts.push(flat.narrow(0, rk.start as i64, len));
+                                parts.push(copy.narrow(0, rk.start as i64, len));
                                 for _ in 0..per {
                                     parts.push(Tensor::zeros([len], (Kind::Float, Device::Cpu)));
                                 }
@@ -941,21 +928,7 @@ impl Trainer {
                             values,
                         },
                     ) if x == id => {
-                        let r = slices[from as usize].clone();
-                        if values.len() != r.len() {
-                            return Err(unexpected(
-                                g,
-                                from,
-                                &Head::Slice {
-                                    id: x,
-                                    version,
-                                    batch: None,
-                                    done: d,
-                                    snapshot: None,
-                                },
-                            ));
-                        }
-                        self.copy_range(&r, &values);
+                        self.copy_slice(g, from, &slices[from as usize], &values)?;
                         let a = self.asy();
                         a.seen[from as usize] = version;
                         if let Some(next) = next {
@@ -1029,11 +1002,7 @@ impl Trainer {
                         values,
                     },
                 ) => {
-                    let r = slices[from as usize].clone();
-                    if values.len() != r.len() {
-                        return Err(unexpected(g, from, &Head::Final { version: 0 }));
-                    }
-                    self.copy_range(&r, &values);
+                    self.copy_slice(g, from, &slices[from as usize], &values)?;
                     finals += 1;
                 }
                 // answers to a last Get may still arrive
@@ -1081,25 +1050,33 @@ impl Trainer {
         }
     }
 
-    /// Copy `values` into the flat range `r` of this member's parameters.
-    fn copy_range(&self, r: &Range<usize>, values: &[f32]) {
+    /// Copy the values of slice `r` that member `from` sent into this member's parameters
+    /// (values of another length are a protocol error naming it).
+    fn copy_slice(
+        &self,
+        g: &Generation,
+        from: u32,
+        r: &Range<usize>,
+        values: &[f32],
+    ) -> Result<(), CommError> {
+        if values.len() != r.len() {
+            return Err(CommError::Protocol {
+                generation: g.number,
+                op: "async",
+                peer: from,
+                reason: format!("{} values for a slice of {}", values.len(), r.len()),
+            });
+        }
         let src = Tensor::from_slice(values);
-        let mut at = 0usize;
+        let mut at = 0i64;
         tch::no_grad(|| {
-            for p in &self.params {
-                let n = p.numel();
-                let (lo, hi) = (r.start.max(at), r.end.min(at + n));
-                if lo < hi {
-                    p.reshape([-1])
-                        .narrow(0, (lo - at) as i64, (hi - lo) as i64)
-                        .copy_(
-                            &src.narrow(0, (lo - r.start) as i64, (hi - lo) as i64)
-                                .to_device(p.device()),
-                        );
-                }
+            for mut v in super::flat_views(&self.params, r) {
+                let n = v.numel() as i64;
+                v.copy_(&src.narrow(0, at, n).to_device(v.device()));
                 at += n;
             }
         });
+        Ok(())
     }
 }
 

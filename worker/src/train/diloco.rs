@@ -28,7 +28,7 @@ use ductile_strategies::diloco::{self as plan, Ranges};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::{now_ms, Trainer};
+use super::{flat, flat_views, now_ms, Trainer};
 use crate::optim::{lr_at, Optimizer};
 
 /// What every member of a round agrees on (sent by the source of a generation's agreement).
@@ -63,8 +63,6 @@ pub struct Diloco {
     /// The round's global weights and the outer Nesterov momentum.
     pub global: Vec<Tensor>,
     pub momentum: Vec<Tensor>,
-    /// Commits completed by this process (rounds).
-    pub rounds: u64,
     /// The step before and after the last commit (a checkpoint is due when a multiple of the
     /// interval lies in between).
     pub last_commit: Option<(u64, u64)>,
@@ -75,8 +73,6 @@ pub struct Diloco {
     /// Per fragment: samples this member trained since the fragment's last exchange (its
     /// pseudo-gradient's weight).
     pub since: Vec<u64>,
-    /// Positions of this member's piece of the round.
-    pub piece_len: u64,
     /// The streaming exchange in flight (not yet in `synced`).
     pub inflight: Option<Exchange>,
 }
@@ -93,10 +89,6 @@ pub struct Exchange {
     sum: std::thread::JoinHandle<Result<Tensor, CommError>>,
 }
 
-fn flat(ts: &[Tensor]) -> Tensor {
-    Tensor::cat(&ts.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0)
-}
-
 fn unflat_into(src: &Tensor, dst: &[Tensor]) {
     let mut at = 0;
     tch::no_grad(|| {
@@ -107,24 +99,6 @@ fn unflat_into(src: &Tensor, dst: &[Tensor]) {
             at += n;
         }
     });
-}
-
-/// Views of `ts`, flattened one after another, that cover the flat range `r`.
-fn flat_views(ts: &[Tensor], r: &std::ops::Range<usize>) -> Vec<Tensor> {
-    let mut out = Vec::new();
-    let mut at = 0usize;
-    for t in ts {
-        let n = t.numel();
-        let (lo, hi) = (r.start.max(at), r.end.min(at + n));
-        if lo < hi {
-            out.push(
-                t.reshape([-1])
-                    .narrow(0, (lo - at) as i64, (hi - lo) as i64),
-            );
-        }
-        at += n;
-    }
-    out
 }
 
 impl Diloco {
@@ -144,7 +118,6 @@ impl Diloco {
             since: vec![0; fragments.len()],
             fragments,
             synced: 0,
-            piece_len: 0,
             inflight: None,
             meta: RoundMeta::default(),
             holds: false,
@@ -155,9 +128,16 @@ impl Diloco {
             busy: Duration::ZERO,
             global: params.iter().map(|p| p.detach().copy()).collect(),
             momentum: params.iter().map(|p| p.zeros_like()).collect(),
-            rounds: 0,
             last_commit: None,
         }
+    }
+
+    /// Positions of this member's piece of the round (none: 0).
+    fn piece_len(&self) -> u64 {
+        self.piece
+            .and_then(|p| self.meta.pieces.get(p))
+            .map(|p| plan::total(p))
+            .unwrap_or(0)
     }
 
     /// Exchanges started this round (the one in flight included).
@@ -220,11 +200,6 @@ impl Trainer {
         out
     }
 
-    /// Positions of the whole run: `max_steps` global batches.
-    fn diloco_end(&self) -> u64 {
-        self.spec.max_steps.unwrap_or(u64::MAX / 4) * self.spec.global_batch as u64
-    }
-
     /// The pieces of the round that starts now, over `world` members weighted by `speed`. A
     /// probe round (the first of a run, when no member's speed is known, outside deterministic
     /// mode) takes a tenth of the fresh positions, so that the pieces follow measured speeds
@@ -237,7 +212,7 @@ impl Trainer {
             h
         };
         let b = self.spec.global_batch as u64;
-        let end = self.diloco_end();
+        let end = self.run_positions();
         let det = self.spec.deterministic;
         let d = self.dl();
         let (work, cursor) = plan::round_work(&d.meta.debt, d.meta.cursor, h * b, end);
@@ -260,7 +235,6 @@ impl Trainer {
             .piece
             .map(|p| d.meta.pieces[p].clone())
             .unwrap_or_default();
-        d.piece_len = plan::total(&d.todo);
         d.done = 0;
         d.loss_sum = 0.0;
         d.busy = Duration::ZERO;
@@ -358,7 +332,6 @@ impl Trainer {
                     // its round was committed elsewhere: it trains from the next one on
                     d.piece = None;
                     d.todo.clear();
-                    d.piece_len = 0;
                     d.done = 0;
                     d.loss_sum = 0.0;
                 }
@@ -616,7 +589,7 @@ impl Trainer {
         let d = self.diloco.as_ref().unwrap();
         let f = d.fragments.len() as u64;
         let k = d.started() as u64;
-        (k + 1 < f && d.done * f >= (k + 1) * d.piece_len).then_some(k as usize)
+        (k + 1 < f && d.done * f >= (k + 1) * d.piece_len()).then_some(k as usize)
     }
 
     /// A streaming fragment's exchange in the middle of a round: it runs while local steps go
@@ -686,7 +659,6 @@ impl Trainer {
         self.finish_exchange(x)?;
         let d = self.diloco.as_mut().unwrap();
         d.meta.round += 1;
-        d.rounds += 1;
         d.synced = 0;
         if let Some(f) = &mut self.ledger {
             let _ = writeln!(
@@ -710,7 +682,7 @@ impl Trainer {
     /// Whether the run is over: no fresh position left and nothing handed over.
     fn diloco_finished(&self) -> bool {
         let d = self.diloco.as_ref().unwrap();
-        d.meta.cursor >= self.diloco_end()
+        d.meta.cursor >= self.run_positions()
             && d.meta.debt.is_empty()
             && d.meta.pieces.iter().all(|p| p.is_empty())
     }
