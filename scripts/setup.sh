@@ -3,7 +3,8 @@
 # the clone (DUCTILE_CACHE, default ~/.cache/ductile):
 #   - Debian packages, each decided by a file it provides (see `required` below): etcd-server,
 #     protobuf-compiler and libprotobuf-dev (etcd-client's build: protoc and its includes),
-#     systemd (systemd-analyze), python3 with pip and venv, gcc/g++/make, curl, ca-certificates;
+#     systemd (systemd-analyze), python3 with pip and venv, gcc/g++/make, curl, ca-certificates,
+#     chromium and a font (the dashboard's headless-browser test);
 #   - an S3-compatible server for tests: moto's server in a venv;
 #   - libtorch 2.11.0 (CPU libraries and headers of the PyPI torch wheel).
 # Then writes $DUCTILE_CACHE/env.sh, which the other scripts source.
@@ -35,6 +36,8 @@ required=(
   /usr/bin/python3                               python3           # quickstart, pip downloads
   /usr/lib/python3/dist-packages/pip/__init__.py python3-pip       # libtorch from the PyPI wheel
   /etc/ssl/certs/ca-certificates.crt             ca-certificates   # HTTPS to the registries
+  /usr/bin/chromium                              chromium          # the dashboard's browser test
+  /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf fonts-dejavu-core # text in the browser's screenshots
 )
 need_apt=()
 for ((i = 0; i < ${#required[@]}; i += 2)); do

@@ -132,3 +132,14 @@ pub struct ApiErrorBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
 }
+
+/// `GET /v1/jobs/{job}/series?from=STEP&every=N`: the job's chart history from step `from`,
+/// at most one point per `every` steps, with every generation as a marker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SeriesView {
+    pub job: String,
+    pub points: Vec<crate::series::Point>,
+    pub marks: Vec<crate::series::Mark>,
+    /// Points the stored series holds (before `from` and `every`).
+    pub stored_points: usize,
+}

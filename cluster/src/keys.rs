@@ -85,6 +85,9 @@ pub enum KeyKind {
     Progress {
         job: String,
     },
+    Series {
+        job: String,
+    },
     Stop {
         job: String,
     },
@@ -204,6 +207,10 @@ impl Keys {
         format!("{}/live/{job}/progress", self.prefix)
     }
     /// The operator asked the job to stop (`dctl stop`).
+    /// The job's chart history (`series::Series`), kept by the leader.
+    pub fn series(&self, job: &str) -> String {
+        format!("{}series", self.job(job))
+    }
     pub fn stop(&self, job: &str) -> String {
         format!("{}/jobs/{job}/stop", self.prefix)
     }
@@ -299,6 +306,7 @@ impl Keys {
             ["jobs", job, "generation"] => KeyKind::Generation { job: s(job) },
             ["live", job, "progress"] => KeyKind::Progress { job: s(job) },
             ["jobs", job, "stop"] => KeyKind::Stop { job: s(job) },
+            ["jobs", job, "series"] => KeyKind::Series { job: s(job) },
             ["jobs", job, "restarts"] => KeyKind::Restarts { job: s(job) },
             ["jobs", job, "access"] => KeyKind::Access { job: s(job) },
             ["jobs", job, "checkpoint"] => KeyKind::Checkpoint { job: s(job) },

@@ -14,6 +14,7 @@ pub mod kv;
 pub mod lease;
 pub mod memory;
 pub mod records;
+pub mod series;
 pub mod service;
 pub mod store;
 pub mod watch;

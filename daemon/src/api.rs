@@ -40,6 +40,8 @@ pub struct AppState {
     pub read_token: Option<Secret>,
     /// `/metrics` asks for either token.
     pub metrics_need_token: bool,
+    /// GET calls need no token (plain HTTP on loopback only: the config checks).
+    pub reads_without_token: bool,
     pub is_leader: Arc<AtomicBool>,
     pub id: String,
 }
@@ -100,6 +102,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{job}/scale", post(scale))
         .route("/v1/jobs/{job}/stop", post(stop))
         .route("/v1/jobs/{job}/events", get(events))
+        .route("/v1/jobs/{job}/series", get(series))
         .route("/v1/jobs/{job}/checkpoints", get(checkpoints))
         .route("/v1/jobs/{job}/plan", get(plan))
         .route("/v1/nodes", get(nodes))
@@ -107,10 +110,25 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/leader", get(leader))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
+        .route("/", get(dashboard))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
         .merge(authed)
         .with_state(state)
+}
+
+/// The dashboard: one page, its script and styles inside, built into the binary. It holds no
+/// data; what it shows it reads from the API with the token it is given (`/#token=...`, kept
+/// for the browser tab) or, with `reads_without_token`, none.
+async fn dashboard() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        include_str!("dashboard.html"),
+    )
+        .into_response()
 }
 
 /// What a bearer token may do.
@@ -127,6 +145,7 @@ fn scope(st: &AppState, headers: &HeaderMap) -> Result<Scope, Response> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     match given {
+        None if st.reads_without_token => Ok(Scope::Read),
         None => Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "missing bearer token (Authorization: Bearer ...)",
@@ -389,6 +408,53 @@ async fn checkpoints(
 
 fn encode_now() -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "requested_at_ms": now_ms() })).unwrap()
+}
+
+#[derive(Deserialize)]
+struct SeriesQuery {
+    #[serde(default)]
+    from: u64,
+    #[serde(default)]
+    every: u64,
+}
+
+/// The job's chart history as the leader last wrote it, and its latest progress report when
+/// that is newer (the leader writes every few seconds; the page wants the step it is at).
+async fn series(
+    State(st): State<AppState>,
+    Path(job): Path<String>,
+    Query(q): Query<SeriesQuery>,
+) -> ApiResult<Json<SeriesView>> {
+    let snaps = current(&st)?;
+    let mut s = match cached_obs(&st, &snaps, &job) {
+        Some(obs) => {
+            let mut s = crate::series::stored(&st.store, &snaps.jobs, &job);
+            if let Some(p) = crate::series::point_of(&obs, &s) {
+                if s.points.last().is_none_or(|l| l.t_ms < p.t_ms) {
+                    s.push(p);
+                }
+            }
+            s
+        }
+        None => {
+            if st.store.spec(&job).await?.is_none() {
+                return Err(ApiError::not_found(&job));
+            }
+            st.store
+                .get_json(&st.store.keys.series(&job), "job series")
+                .await?
+                .map(|(s, _)| s)
+                .unwrap_or_else(|| ductile_cluster::series::Series::new(&job))
+        }
+    };
+    let stored_points = s.points.len();
+    let points = s.query(q.from, q.every);
+    Ok(Json(SeriesView {
+        job,
+        points,
+        marks: std::mem::take(&mut s.marks),
+        stored_points,
+    }))
 }
 
 #[derive(Deserialize)]

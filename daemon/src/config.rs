@@ -33,6 +33,10 @@ pub struct Cli {
     /// `/metrics` asks for a token (the read-only or the admin one).
     #[arg(long, env = "DUCTILE_METRICS_NEED_TOKEN")]
     pub metrics_need_token: Option<bool>,
+    /// Reads (GET: the dashboard, status, series, metrics) need no token. Only with plain HTTP
+    /// on a loopback address (`insecure_http`): a local cluster's dashboard opens as it is.
+    #[arg(long, env = "DUCTILE_READS_WITHOUT_TOKEN")]
+    pub reads_without_token: Option<bool>,
     /// The API's TLS certificate chain (PEM).
     #[arg(long, env = "DUCTILE_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
@@ -75,6 +79,7 @@ pub struct FileConfig {
     pub token_file: Option<PathBuf>,
     pub read_token_file: Option<PathBuf>,
     pub metrics_need_token: Option<bool>,
+    pub reads_without_token: Option<bool>,
     pub prefix: Option<String>,
     pub election_ttl: Option<i64>,
     pub debounce_ms: Option<u64>,
@@ -95,6 +100,8 @@ pub struct Config {
     /// The read-only token, if the cluster has one.
     pub read_token: Option<Secret>,
     pub metrics_need_token: bool,
+    /// GET calls need no token (plain HTTP on loopback only).
+    pub reads_without_token: bool,
     pub prefix: String,
     pub election_ttl: i64,
     pub debounce: Duration,
@@ -166,7 +173,17 @@ impl Config {
                 crate::tls::server_config(cert, key)?;
             }
         }
+        let reads_without_token = cli
+            .reads_without_token
+            .or(file.reads_without_token)
+            .unwrap_or(false);
+        if reads_without_token && !insecure_http {
+            anyhow::bail!(
+                "invalid reads_without_token: only with insecure_http (plain HTTP on a loopback address); with TLS give the dashboard the read-only token"
+            );
+        }
         let cfg = Config {
+            reads_without_token,
             etcd,
             tls,
             listen,

@@ -193,6 +193,8 @@ pub async fn lead(
     let mut control_cache: Option<((i64, u64), BTreeMap<String, JobObs>)> = None;
     // the `jobs/` snapshot the jobs' etcd users were last brought in line with, and when
     let mut users_at: Option<((i64, u64), Instant)> = None;
+    // the jobs' chart histories
+    let mut series = crate::series::Keeper::default();
     loop {
         if cancel.is_cancelled() {
             return Ok(());
@@ -470,6 +472,14 @@ pub async fn lead(
                     }
                 }
             }
+        }
+        series.observe(&store, &snap, &jobs);
+        let (written, due) = series.flush(&store, &leader, &jobs).await;
+        if !written && !still_leader(&store, &leader).await {
+            return Err(fenced(&leader));
+        }
+        if let Some(at) = due {
+            wake = Some(wake.map_or(at, |w| w.min(at)));
         }
         let sleep_until = wake.unwrap_or(now + Duration::from_secs(1));
         tokio::select! {

@@ -7,6 +7,7 @@ pub mod assign;
 pub mod config;
 pub mod leader;
 pub mod reconcile;
+pub mod series;
 pub mod tls;
 pub mod view;
 
@@ -37,6 +38,7 @@ pub async fn run(
         token: cfg.token.clone(),
         read_token: cfg.read_token.clone(),
         metrics_need_token: cfg.metrics_need_token,
+        reads_without_token: cfg.reads_without_token,
         is_leader: is_leader.clone(),
         id: cfg.id.clone(),
     });

@@ -1063,6 +1063,41 @@ impl Cluster {
         format!("{scheme}://127.0.0.1:{}", self.daemon_ports[live])
     }
 
+    /// The leading replica's name (`daemonN`), as the API says; None while no replica answers.
+    pub fn leader(&self) -> Option<String> {
+        let (ok, _, _) = self.dctl(&["status"]);
+        if !ok {
+            return None;
+        }
+        let (code, body) = http(
+            "GET",
+            &format!("{}/v1/leader", self.endpoint()),
+            &[("Authorization", &format!("Bearer {TOKEN}"))],
+            b"",
+        )
+        .ok()?;
+        (code == 200)
+            .then(|| {
+                serde_json::from_str::<serde_json::Value>(&body).ok()?["leader"]
+                    .as_str()
+                    .map(String::from)
+            })
+            .flatten()
+    }
+
+    /// GET an API path with the read-only token; the parsed JSON body (panics on an error).
+    pub fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+        let (code, body) = http(
+            "GET",
+            &format!("{}{path}", self.endpoint()),
+            &[("Authorization", &format!("Bearer {READ_TOKEN}"))],
+            b"",
+        )
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        assert_eq!(code, 200, "GET {path}: {body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: {e}: {body}"))
+    }
+
     /// Run dctl against this cluster with the admin token: (exit success, stdout, stderr).
     pub fn dctl(&self, args: &[&str]) -> (bool, String, String) {
         self.dctl_as(TOKEN, args)

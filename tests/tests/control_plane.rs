@@ -192,33 +192,12 @@ fn sigkill_the_leader_and_the_standby_leads_with_generations_in_order() {
     });
     c.submit(&job_toml("j5", 1, 3, 3));
     c.wait_world("j5", 3, S(20));
-    let leader_of = |c: &Cluster| -> Option<String> {
-        let (ok, _, _) = c.dctl(&["status"]);
-        if !ok {
-            return None;
-        }
-        let port = c.endpoint();
-        let (code, body) = http(
-            "GET",
-            &format!("{port}/v1/leader"),
-            &[("Authorization", &format!("Bearer {TOKEN}"))],
-            b"",
-        )
-        .ok()?;
-        (code == 200)
-            .then(|| {
-                serde_json::from_str::<serde_json::Value>(&body).ok()?["leader"]
-                    .as_str()
-                    .map(String::from)
-            })
-            .flatten()
-    };
-    let first = c.wait_for(S(10), "a leader", || leader_of(&c));
+    let first = c.wait_for(S(10), "a leader", || c.leader());
     let idx: usize = first.trim_start_matches("daemon").parse().unwrap();
     let killed_at = Instant::now();
     c.daemons[idx].kill();
     let second = c.wait_for(S(10), "the standby to lead", || {
-        leader_of(&c).filter(|l| *l != first)
+        c.leader().filter(|l| *l != first)
     });
     let took = killed_at.elapsed();
     // etcd sweeps expired leases every 500 ms: a TTL, plus up to that sweep

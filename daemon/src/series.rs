@@ -1,0 +1,203 @@
+//! The leader's keeper of the jobs' chart histories (`ductile_cluster::series`): a point per
+//! progress report, a marker per generation, written to etcd every [`WRITE_EVERY`] while it
+//! changes (fenced like the leader's other writes), read back by the next leader.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use ductile_cluster::kv::LeaderKey;
+use ductile_cluster::records::Generation;
+use ductile_cluster::series::{round4, Mark, Point, Series};
+use ductile_cluster::store::{decode, Fence};
+use ductile_cluster::watch::Snapshot;
+use ductile_cluster::Store;
+use tokio::time::Instant;
+
+use crate::leader::job_kvs;
+use crate::reconcile::JobObs;
+
+/// How often a changing series is written (a failover loses at most this much of it; the
+/// job's current figures are in its progress record either way).
+pub const WRITE_EVERY: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+pub struct Keeper {
+    kept: HashMap<String, Kept>,
+}
+
+struct Kept {
+    series: Series,
+    /// The last progress report taken: (generation, step, updated_at_ms).
+    last: Option<(u64, u64, u64)>,
+    /// The current generation as last marked, and whether its re-formation time was known.
+    marked: Option<(u64, bool)>,
+    dirty: bool,
+    written: Option<Instant>,
+}
+
+/// A generation's marker.
+pub fn mark_of(g: &Generation, reform_s: Option<f64>) -> Mark {
+    Mark {
+        generation: g.number,
+        reason: g.reason,
+        detail: g.detail.clone(),
+        step: g.resume_step,
+        at_ms: g.triggered_at_ms,
+        world_size: g.world_size,
+        layout: g.layout,
+        reform_s,
+    }
+}
+
+/// The series a job has in the `jobs/` snapshot (a new one when it has none, or when what is
+/// stored cannot be decoded: that is logged, and the next write replaces it).
+pub fn stored(store: &Store, snap: &Snapshot, job: &str) -> Series {
+    match snap.kvs.get(&store.keys.series(job)) {
+        Some(kv) => decode::<Series>(kv, "job series").unwrap_or_else(|e| {
+            tracing::warn!(job, error = %e, "the stored chart history cannot be decoded; starting a new one");
+            Series::new(job)
+        }),
+        None => Series::new(job),
+    }
+}
+
+/// The point a job's latest progress report makes (with each rank's step time when every rank
+/// of the report's generation has one).
+pub fn point_of(obs: &JobObs, series: &Series) -> Option<Point> {
+    let p = obs.progress.as_ref()?;
+    let world = match &obs.generation {
+        Some((g, _)) if g.number == p.generation => g.world_size,
+        _ => series
+            .marks
+            .iter()
+            .find(|m| m.generation == p.generation)
+            .map_or(0, |m| m.world_size),
+    };
+    let ranks: Vec<f32> = (0..world)
+        .map_while(|r| {
+            obs.rank_stats
+                .get(&r)
+                .filter(|s| s.generation == p.generation)
+                .map(|s| round4(s.step_ms))
+        })
+        .collect();
+    Some(Point {
+        step: p.step,
+        t_ms: p.updated_at_ms,
+        loss: p.loss.map(round4),
+        sps: p.samples_per_sec.map(round4),
+        generation: p.generation,
+        world,
+        rank_ms: if ranks.len() == world as usize {
+            ranks
+        } else {
+            vec![]
+        },
+        merged: 1,
+    })
+}
+
+impl Keeper {
+    /// Bring the series in line with what this pass observed.
+    pub fn observe(&mut self, store: &Store, snap: &Snapshot, jobs: &BTreeMap<String, JobObs>) {
+        self.kept.retain(|j, _| jobs.contains_key(j));
+        for (name, obs) in jobs {
+            if obs.spec.is_none() {
+                continue;
+            }
+            let k = self.kept.entry(name.clone()).or_insert_with(|| Kept {
+                series: stored(store, snap, name),
+                last: None,
+                marked: None,
+                dirty: false,
+                written: None,
+            });
+            let Some((g, _)) = &obs.generation else {
+                continue;
+            };
+            let reform = obs
+                .status
+                .as_ref()
+                .and_then(|s| s.last_reformation.as_ref())
+                .filter(|r| r.generation == g.number)
+                .map(|r| r.seconds);
+            if k.marked != Some((g.number, reform.is_some())) {
+                // generations published while another replica led, or superseded before
+                // this one saw them, are in the history
+                let prefix = store.keys.history(name);
+                for kv in job_kvs(snap, &prefix) {
+                    if let Ok(h) = decode::<Generation>(kv, "generation") {
+                        if !k.series.marks.iter().any(|m| m.generation == h.number) {
+                            k.series.mark(mark_of(&h, None));
+                        }
+                    }
+                }
+                let old = k
+                    .series
+                    .marks
+                    .iter()
+                    .find(|m| m.generation == g.number)
+                    .and_then(|m| m.reform_s);
+                k.series.mark(mark_of(g, reform.or(old)));
+                k.marked = Some((g.number, reform.is_some()));
+                k.dirty = true;
+            }
+            let Some(p) = &obs.progress else { continue };
+            let key = (p.generation, p.step, p.updated_at_ms);
+            if k.last == Some(key) {
+                continue;
+            }
+            k.last = Some(key);
+            if let Some(pt) = point_of(obs, &k.series) {
+                k.series.push(pt);
+                k.dirty = true;
+            }
+        }
+    }
+
+    /// Write the series that changed (each at most every [`WRITE_EVERY`], at once when its job
+    /// ended). Ok(false): a write was fenced (the caller checks whether it still leads). A
+    /// failed write is logged and retried at the next pass; the next time a write is due is
+    /// returned so the leader wakes for it.
+    pub async fn flush(
+        &mut self,
+        store: &Store,
+        leader: &LeaderKey,
+        jobs: &BTreeMap<String, JobObs>,
+    ) -> (bool, Option<Instant>) {
+        let now = Instant::now();
+        let mut due: Option<Instant> = None;
+        for (name, k) in self.kept.iter_mut() {
+            let Some(obs) = jobs.get(name) else { continue };
+            if !k.dirty {
+                continue;
+            }
+            let ended = obs
+                .status
+                .as_ref()
+                .is_some_and(|s| s.state.is_terminal())
+                || obs.progress.as_ref().is_some_and(|p| p.done);
+            if let Some(at) = k.written.map(|w| w + WRITE_EVERY).filter(|at| *at > now && !ended) {
+                due = Some(due.map_or(at, |d| d.min(at)));
+                continue;
+            }
+            let fence = Fence {
+                leader: Some(leader),
+                spec_revision: obs.spec_revision,
+            };
+            match store.put_series(&k.series, &fence).await {
+                Ok(true) => {
+                    k.dirty = false;
+                    k.written = Some(now);
+                }
+                Ok(false) => return (false, due),
+                Err(e) => {
+                    tracing::warn!(job = %name, error = %e, "cannot write the job's chart history; will retry");
+                    let at = now + Duration::from_secs(1);
+                    due = Some(due.map_or(at, |d| d.min(at)));
+                }
+            }
+        }
+        (true, due)
+    }
+}

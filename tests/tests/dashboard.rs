@@ -1,0 +1,178 @@
+//! The job's chart history and the dashboard: real etcd, daemons, agents and tch workers, and
+//! the page loaded in a real browser (Debian's headless Chromium, installed by
+//! scripts/setup.sh).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use ductile_cluster::api::SeriesView;
+use ductile_cluster::records::Reason;
+use ductile_tests::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+/// Run headless Chromium on `url` with `args` (bounded: 90 s); its stdout.
+fn chromium(profile: &Path, url: &str, args: &[&str]) -> String {
+    let out = Command::new("timeout")
+        .args(["90", "chromium", "--headless", "--no-sandbox", "--disable-gpu"])
+        .args(["--disable-dev-shm-usage", "--no-first-run", "--hide-scrollbars"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(["--virtual-time-budget=15000", "--window-size=1280,1900"])
+        .args(args)
+        .arg(url)
+        .output()
+        .expect("chromium (scripts/setup.sh installs Debian's chromium package)");
+    assert!(
+        out.status.success(),
+        "chromium {args:?} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The value of `attr` on the element with id `id` in a serialized DOM.
+fn attr(dom: &str, id: &str, attr: &str) -> String {
+    let at = dom
+        .find(&format!("id=\"{id}\""))
+        .unwrap_or_else(|| panic!("no #{id} in the page"));
+    let tag_start = dom[..at].rfind('<').unwrap();
+    let tag = &dom[tag_start..tag_start + dom[tag_start..].find('>').unwrap()];
+    let k = format!("{attr}=\"");
+    let v = tag
+        .find(&k)
+        .unwrap_or_else(|| panic!("#{id} has no {attr}: {tag}"));
+    tag[v + k.len()..][..tag[v + k.len()..].find('"').unwrap()].to_string()
+}
+
+fn generation_numbers(marks: &str) -> Vec<u64> {
+    marks
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_resize_and_a_failover(
+) {
+    let mut c = Cluster::start(Spec {
+        daemons: 2,
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    c.submit(&format!(
+        "{}max_steps = 100000\n",
+        training_toml("d1", 1, 4, 4, "gpt", &data, "restart_budget = 0")
+    ));
+    let v = c.wait_world("d1", 4, S(30));
+    c.wait_step("d1", 20, S(60));
+    let victim = v.members.iter().find(|m| m.rank == 3).unwrap();
+    kill_and_reform(&c, "d1", victim.pid.unwrap(), 3);
+    let at = c.status("d1").step;
+    c.wait_step("d1", at + 20, S(60));
+    c.dctl_ok(&["scale", "d1", "2"]);
+    c.wait_world("d1", 2, S(30));
+    let at = c.status("d1").step;
+    c.wait_step("d1", at + 30, S(60));
+
+    // the series: points in step order, every generation a marker with its reason
+    let history = c.history("d1");
+    let numbers: Vec<u64> = history.iter().map(|g| g.number).collect();
+    let reasons: Vec<Reason> = history.iter().map(|g| g.reason).collect();
+    assert_eq!(
+        reasons,
+        [Reason::Start, Reason::Failure, Reason::Scale],
+        "{history:?}"
+    );
+    let s: SeriesView = c.wait_for(S(20), "the series to hold every generation", || {
+        let s: SeriesView = c.get_json("/v1/jobs/d1/series");
+        let marked: Vec<u64> = s.marks.iter().map(|m| m.generation).collect();
+        let reformed = s.marks.iter().skip(1).all(|m| m.reform_s.is_some());
+        (marked == numbers && reformed).then_some(s)
+    });
+    assert!(s.points.len() >= 5, "{} points", s.points.len());
+    assert!(s.points.windows(2).all(|w| w[0].step < w[1].step));
+    for g in &numbers {
+        assert!(
+            s.points.iter().any(|p| p.generation == *g),
+            "no point of generation {g}"
+        );
+    }
+    let last = s.points.last().unwrap();
+    assert_eq!((last.world, last.rank_ms.len()), (2, 2), "{last:?}");
+    assert!(last.loss.unwrap() < s.points[0].loss.unwrap());
+    // thinning: one point per 50 steps at most
+    let thin: SeriesView = c.get_json("/v1/jobs/d1/series?from=10&every=50");
+    assert!(thin.points.iter().all(|p| p.step >= 10));
+    assert!(thin.points.len() < s.points.len());
+    assert!(thin.points.windows(2).rev().skip(1).all(|w| w[1].step >= w[0].step + 50));
+
+    // the leader fails over: the next one reads the series back and goes on with it
+    let old_points = |s: &SeriesView| s.points.iter().filter(|p| p.generation < 3).count();
+    let before = old_points(&s);
+    let first = c.wait_for(S(10), "a leader", || c.leader());
+    let idx: usize = first.trim_start_matches("daemon").parse().unwrap();
+    c.daemons[idx].kill();
+    c.wait_for(S(15), "the standby to lead", || {
+        c.leader().filter(|l| *l != first)
+    });
+    let at = c.status("d1").step;
+    c.wait_step("d1", at + 20, S(60));
+    let after: SeriesView = c.wait_for(S(20), "the new leader to extend the series", || {
+        let a: SeriesView = c.get_json("/v1/jobs/d1/series");
+        (a.stored_points > s.stored_points).then_some(a)
+    });
+    assert_eq!(old_points(&after), before, "the points before the failover are kept");
+    assert_eq!(
+        after.marks.iter().map(|m| m.generation).collect::<Vec<_>>(),
+        numbers
+    );
+
+    // the page, in a real browser, with the read-only token
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    std::fs::create_dir_all(&out).unwrap();
+    let profile = TempDir::new("chromium");
+    let url = format!("{}/#token={READ_TOKEN}&job=d1", c.endpoint());
+    let dom = chromium(profile.path(), &url, &["--dump-dom"]);
+    assert!(
+        dom.contains("<span id=\"error\"></span>"),
+        "the page shows an error: {dom}"
+    );
+    let points: usize = attr(&dom, "loss-chart", "data-points").parse().unwrap();
+    assert!(points >= after.points.len().min(5), "{points} points drawn");
+    let sps: usize = attr(&dom, "sps-chart", "data-points").parse().unwrap();
+    assert!(sps > 0);
+    assert_eq!(
+        generation_numbers(&attr(&dom, "loss-chart", "data-markers")),
+        numbers
+    );
+    assert_eq!(
+        generation_numbers(&attr(&dom, "sps-chart", "data-markers")),
+        numbers
+    );
+    assert!(dom.contains("g2 failure"), "the failure marker is labelled");
+    assert!(dom.contains("g3 scale"), "the scale marker is labelled");
+    for m in c.status("d1").members {
+        assert!(
+            dom.contains(&format!("data-rank=\"{}\"", m.rank)),
+            "rank {} listed",
+            m.rank
+        );
+    }
+    assert!(dom.contains("node1") && dom.contains("node2"), "nodes listed");
+    // without a token the page asks for one and shows no job
+    let bare = chromium(profile.path(), &format!("{}/", c.endpoint()), &["--dump-dom"]);
+    assert!(bare.contains("needs the read-only token"), "{bare}");
+    let shot = out.join("dashboard.png");
+    let _ = std::fs::remove_file(&shot);
+    chromium(
+        profile.path(),
+        &url,
+        &[&format!("--screenshot={}", shot.display())],
+    );
+    let png = std::fs::read(&shot).expect("a screenshot");
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{} bytes", png.len());
+    eprintln!("dashboard screenshot: {}", shot.display());
+}
