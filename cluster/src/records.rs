@@ -1213,6 +1213,49 @@ pub struct JobStatus {
     /// each publish (history is bounded; these counts are not).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub reformations: BTreeMap<String, u64>,
+    /// How long the job's re-formations took (trigger to the last member joining), counted
+    /// once per generation as it completes.
+    #[serde(default, skip_serializing_if = "SecondsHistogram::is_empty")]
+    pub reformation_seconds: SecondsHistogram,
+}
+
+/// A histogram of durations over [`SecondsHistogram::BOUNDS`] (the counts per bucket, not
+/// cumulative; the last bucket is everything above the last bound), with their sum.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SecondsHistogram {
+    pub counts: Vec<u64>,
+    pub sum: f64,
+}
+
+impl SecondsHistogram {
+    pub const BOUNDS: [f64; 10] = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+    pub fn observe(&mut self, seconds: f64) {
+        self.counts.resize(Self::BOUNDS.len() + 1, 0);
+        let i = Self::BOUNDS
+            .iter()
+            .position(|b| seconds <= *b)
+            .unwrap_or(Self::BOUNDS.len());
+        self.counts[i] += 1;
+        self.sum += seconds;
+    }
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.count() == 0
+    }
+    /// (upper bound, count) per bucket, the last one +Inf: what a Prometheus histogram encodes.
+    pub fn buckets(&self) -> Vec<(f64, u64)> {
+        (0..=Self::BOUNDS.len())
+            .map(|i| {
+                (
+                    Self::BOUNDS.get(i).copied().unwrap_or(f64::INFINITY),
+                    self.counts.get(i).copied().unwrap_or(0),
+                )
+            })
+            .collect()
+    }
 }
 
 /// Exit statuses of `ductile-worker`, each with one meaning (the README lists them): its

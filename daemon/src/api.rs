@@ -722,6 +722,34 @@ struct OutcomeLabels {
 
 type FGauge = Gauge<f64, AtomicU64>;
 
+/// A histogram the job's status already counted (`JobStatus::reformation_seconds`), encoded
+/// as a Prometheus histogram at each scrape.
+#[derive(Debug, Default)]
+struct StatusHistogram(std::sync::Mutex<SecondsHistogram>);
+
+impl prometheus_client::metrics::TypedMetric for StatusHistogram {
+    const TYPE: prometheus_client::metrics::MetricType =
+        prometheus_client::metrics::MetricType::Histogram;
+}
+
+impl prometheus_client::encoding::EncodeMetric for StatusHistogram {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::MetricEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        let h = self.0.lock().unwrap();
+        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+            h.sum,
+            h.count(),
+            &h.buckets(),
+            None,
+        )
+    }
+    fn metric_type(&self) -> prometheus_client::metrics::MetricType {
+        prometheus_client::metrics::MetricType::Histogram
+    }
+}
+
 /// Prometheus metrics (OpenMetrics text) from the replica's cached view: a scrape costs etcd
 /// nothing, and any replica answers the same. `ductile_daemon_etcd_last_answer_seconds` says
 /// how current the view is.
@@ -765,8 +793,10 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
     let generation = Family::<JobLabel, Gauge>::default();
     let step = Family::<JobLabel, Gauge>::default();
     let last_reform = Family::<ReasonLabels, FGauge>::default();
+    let reform_hist = Family::<JobLabel, StatusHistogram>::default();
     let reformations = Family::<ReasonLabels, Counter>::default();
     let stall = Family::<JobLabel, FGauge>::default();
+    let stall_s = Family::<JobLabel, FGauge>::default();
     let upload = Family::<JobLabel, FGauge>::default();
     let bytes = Family::<JobLabel, Gauge>::default();
     let ck_step = Family::<JobLabel, Gauge>::default();
@@ -840,6 +870,9 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
                 })
                 .set(r.seconds);
         }
+        if let Some(h) = obs.status.as_ref().map(|s| &s.reformation_seconds) {
+            *reform_hist.get_or_create(&job).0.lock().unwrap() = h.clone();
+        }
         // counted at each publish: history is bounded, these counts are not
         for (r, n) in obs.status.iter().flat_map(|s| s.reformations.iter()) {
             reformations
@@ -851,6 +884,7 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         }
         if let Some(c) = &obs.checkpoint_stats {
             stall.get_or_create(&job).set(c.last_stall_ms);
+            stall_s.get_or_create(&job).set(c.last_stall_ms / 1e3);
             upload.get_or_create(&job).set(c.last_upload_seconds);
             bytes.get_or_create(&job).set(c.last_bytes as i64);
             ck_step.get_or_create(&job).set(c.last_step as i64);
@@ -944,8 +978,18 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         reformations,
     );
     reg.register(
-        "ductile_checkpoint_stall_ms",
+        "ductile_job_reformation_seconds",
+        "Re-formations by how long they took, from the triggering event to the last member joining",
+        reform_hist,
+    );
+    reg.register(
+        "ductile_checkpoint_stall_seconds",
         "Training stall of the last checkpoint (copy into host memory)",
+        stall_s,
+    );
+    reg.register(
+        "ductile_checkpoint_stall_ms",
+        "Training stall of the last checkpoint in milliseconds (kept for existing scrapers; prefer ductile_checkpoint_stall_seconds)",
         stall,
     );
     reg.register(

@@ -223,6 +223,7 @@ mod tests {
             message: String::new(),
             updated_at_ms: 0,
             reformations: Default::default(),
+            reformation_seconds: Default::default(),
         });
         let jobs = BTreeMap::from([("j".to_string(), o)]);
         assert!(node_assignments(&jobs, false).is_empty());

@@ -158,6 +158,9 @@ fn status(
         message,
         updated_at_ms: now,
         reformations: prev.map(|p| p.reformations.clone()).unwrap_or_default(),
+        reformation_seconds: prev
+            .map(|p| p.reformation_seconds.clone())
+            .unwrap_or_default(),
     }
 }
 
@@ -442,11 +445,13 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
                 .map(|j| j.joined_at_ms)
                 .max()
                 .unwrap_or(now);
+            let seconds = last_join.saturating_sub(g.triggered_at_ms) as f64 / 1000.0;
+            st.reformation_seconds.observe(seconds);
             st.last_reformation = Some(Reformation {
                 generation: g.number,
                 reason: g.reason,
                 detail: g.detail.clone(),
-                seconds: last_join.saturating_sub(g.triggered_at_ms) as f64 / 1000.0,
+                seconds,
             });
         }
         return want(st);

@@ -176,3 +176,86 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{} bytes", png.len());
     eprintln!("dashboard screenshot: {}", shot.display());
 }
+
+/// Every `expr` (and variable query) in a Grafana dashboard, recursively.
+fn queries(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m {
+                match (k.as_str(), x) {
+                    ("expr" | "definition", serde_json::Value::String(s)) => out.push(s.clone()),
+                    _ => queries(x, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|x| queries(x, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
+    let path = repo_root().join("systemd/grafana/ductile.json");
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    queries(&dash, &mut exprs);
+    let mut names = std::collections::BTreeSet::new();
+    for e in &exprs {
+        let mut rest = e.as_str();
+        while let Some(i) = rest.find("ductile_") {
+            let end = rest[i..]
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .map_or(rest.len(), |n| i + n);
+            names.insert(rest[i..end].to_string());
+            rest = &rest[end..];
+        }
+    }
+    assert!(names.len() >= 15, "{names:?}");
+    for n in &names {
+        assert!(!n.ends_with("_ms"), "{n}: Prometheus names carry base units (_seconds)");
+    }
+
+    // a job that re-formed and committed a checkpoint exports every family
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    let url = format!("file://{}/ckpt", c.dir.path().display());
+    let spec = format!(
+        "{}max_steps = 100000\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\nkeep = 2\n",
+        training_toml("m1", 1, 2, 2, "gpt", &data, "")
+    );
+    c.submit(&spec);
+    c.wait_world("m1", 2, S(30));
+    let scrape = |what: &str, f: &dyn Fn(&str) -> bool| {
+        c.wait_for(S(90), what, || {
+            let (code, body) =
+                http("GET", &format!("{}/metrics", c.endpoint()), &[], b"").ok()?;
+            (code == 200 && f(&body)).then_some(body)
+        })
+    };
+    scrape("a committed checkpoint", &|b| {
+        b.contains("ductile_checkpoint_last_step{job=\"m1\"}")
+    });
+    // stopped and submitted again, it restores from the checkpoint
+    c.dctl_ok(&["stop", "m1"]);
+    c.wait_for(S(60), "the job to stop", || {
+        c.status("m1").state.is_terminal().then_some(())
+    });
+    c.submit(&spec);
+    let body = scrape("a restore and rank figures", &|b| {
+        b.contains("ductile_checkpoint_restore_seconds{job=\"m1\"}")
+            && b.contains("ductile_rank_step_seconds{")
+    });
+    let exported = |n: &str| {
+        body.lines()
+            .any(|l| l.strip_prefix(n).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
+    };
+    let missing: Vec<&String> = names.iter().filter(|n| !exported(n)).collect();
+    assert!(missing.is_empty(), "queried but not exported: {missing:?}\n{body}");
+    assert!(body.contains("# TYPE ductile_job_reformation_seconds histogram"));
+    assert!(
+        body.contains("ductile_job_reformation_seconds_count{job=\"m1\"} 1")
+            && body.contains("ductile_job_reformation_seconds_bucket{le=\"+Inf\",job=\"m1\"} 1"),
+        "this run's start is counted once (a resubmission starts a new status): {body}"
+    );
+}
