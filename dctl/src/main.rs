@@ -1,4 +1,6 @@
-//! dctl: submit, scale, status, nodes, drain, stop, events, watch.
+//! dctl: submit, scale, status, nodes, drain, stop, events, watch, checkpoints, plan, plot.
+
+mod plot;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -37,8 +39,17 @@ struct Cli {
 enum Cmd {
     /// Submit a job spec (TOML).
     Submit { file: PathBuf },
-    /// Set a job's desired size.
-    Scale { job: String, size: u32 },
+    /// Set a job's desired size; `--wait` returns once every member of a generation at that
+    /// size joined (progress on the terminal).
+    Scale {
+        job: String,
+        size: u32,
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: give up after this many seconds (the job goes on re-forming).
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
+    },
     /// Show one job, or all jobs.
     Status { job: Option<String> },
     /// List live nodes.
@@ -51,6 +62,12 @@ enum Cmd {
         undo: bool,
         #[arg(long)]
         reason: Option<String>,
+        /// Return once no worker runs on the node any more (progress on the terminal).
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: give up after this many seconds (the drain goes on).
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
     },
     /// Stop a job.
     Stop { job: String },
@@ -60,8 +77,25 @@ enum Cmd {
         #[arg(long)]
         follow: bool,
     },
-    /// Follow a job's step, loss, throughput and generation until it ends (Ctrl-C to leave).
+    /// Follow a job's step, loss (with a sparkline of the recent loss), throughput and
+    /// generation until it ends (Ctrl-C to leave).
     Watch { job: String },
+    /// Draw a job's loss, throughput or per-rank step time over its steps, every generation a
+    /// labelled marker, to an SVG or PNG file.
+    Plot {
+        job: String,
+        /// The file to write: `.svg` or `.png`.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value = "loss")]
+        metric: plot::Metric,
+        /// From this step on.
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+        /// At most one point per this many steps.
+        #[arg(long, default_value_t = 1)]
+        every: u64,
+    },
     /// List a job's checkpoints: step, time, size, world size and layout, state.
     Checkpoints { job: String },
     /// The plan the daemon would publish for JOB at `--world N` ranks (layout, stage
@@ -369,7 +403,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
-        Cmd::Scale { job, size } => {
+        Cmd::Scale {
+            job,
+            size,
+            wait,
+            timeout,
+        } => {
             let v = c
                 .call(
                     Method::POST,
@@ -377,10 +416,42 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     Some(serde_json::to_value(ScaleRequest { size })?),
                 )
                 .await?;
+            if !json {
+                println!("job {job}: desired size is now {size}");
+            }
+            let v = if wait {
+                let path = format!("/v1/jobs/{job}");
+                let done = wait_until(&c, &path, timeout, |v: &JobView| {
+                    let formed = v.world_size == size
+                        && v.last_reformation.as_ref().map(|r| r.generation) == Some(v.generation);
+                    let msg = format!(
+                        "job {job}: world {} → {size}, generation {} ({:?})",
+                        v.world_size, v.generation, v.state
+                    );
+                    (formed || v.state.is_terminal(), msg)
+                })
+                .await?;
+                if done.world_size != size {
+                    anyhow::bail!(
+                        "job {job} ended {:?} at world {} before reaching {size}: {}",
+                        done.state,
+                        done.world_size,
+                        done.message
+                    );
+                }
+                if !json {
+                    let secs = done.last_reformation.as_ref().map_or(0.0, |r| r.seconds);
+                    println!(
+                        "job {job}: generation {} formed at world {size} ({secs:.3} s from the request's trigger)",
+                        done.generation
+                    );
+                }
+                serde_json::to_value(done)?
+            } else {
+                v
+            };
             if json {
                 out(&v);
-            } else {
-                println!("job {job}: desired size is now {size}");
             }
         }
         Cmd::Status { job: Some(job) } => {
@@ -451,7 +522,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         }
-        Cmd::Drain { node, undo, reason } => {
+        Cmd::Drain {
+            node,
+            undo,
+            reason,
+            wait,
+            timeout,
+        } => {
             if undo {
                 c.call(Method::DELETE, &format!("/v1/nodes/{node}/drain"), None)
                     .await?;
@@ -464,6 +541,59 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 )
                 .await?;
                 println!("node {node}: draining");
+                if wait {
+                    let name = node.clone();
+                    let nodes = wait_until(&c, "/v1/nodes", timeout, |ns: &Vec<NodeView>| {
+                        match ns.iter().find(|n| n.name == name) {
+                            None => (true, format!("node {name}: gone")),
+                            Some(n) => {
+                                let w: Vec<String> = n
+                                    .workers
+                                    .iter()
+                                    .map(|w| format!("{}#{}", w.job, w.rank))
+                                    .collect();
+                                (
+                                    w.is_empty(),
+                                    format!("node {name}: waiting for {}", w.join(" ")),
+                                )
+                            }
+                        }
+                    })
+                    .await?;
+                    let left = nodes.iter().any(|n| n.name == node);
+                    println!(
+                        "node {node}: drained ({})",
+                        if left { "no workers left" } else { "its agent left" }
+                    );
+                }
+            }
+        }
+        Cmd::Plot {
+            job,
+            out: file,
+            metric,
+            from,
+            every,
+        } => {
+            let v = c
+                .call(
+                    Method::GET,
+                    &format!("/v1/jobs/{job}/series?from={from}&every={every}"),
+                    None,
+                )
+                .await?;
+            let s: SeriesView = serde_json::from_value(v)?;
+            let n = plot::plot(&s, metric, &file)?;
+            if json {
+                out(&serde_json::json!({
+                    "job": job, "out": file, "points": n, "generations": s.marks.len()
+                }));
+            } else {
+                println!(
+                    "wrote {}: {n} points, {} generation marker(s)",
+                    file.display(),
+                    s.marks.len()
+                );
             }
         }
         Cmd::Stop { job } => {
@@ -527,6 +657,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Watch { job } => {
             let mut last_gen = 0;
+            let mut losses: std::collections::VecDeque<f64> = Default::default();
             loop {
                 let v: JobView = serde_json::from_value(
                     c.call(Method::GET, &format!("/v1/jobs/{job}"), None)
@@ -542,8 +673,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         );
                         last_gen = v.generation;
                     }
+                    if let Some(l) = v.loss {
+                        if losses.len() == 32 {
+                            losses.pop_front();
+                        }
+                        losses.push_back(l);
+                    }
                     println!(
-                        "{:?} step {} loss {} samples/s {}",
+                        "{:?} step {} loss {} samples/s {}  {}",
                         v.state,
                         v.step,
                         v.loss
@@ -551,7 +688,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             .unwrap_or_else(|| "-".into()),
                         v.samples_per_sec
                             .map(|s| format!("{s:.1}"))
-                            .unwrap_or_else(|| "-".into())
+                            .unwrap_or_else(|| "-".into()),
+                        plot::sparkline(losses.make_contiguous(), 32)
                     );
                 }
                 if v.state.is_terminal() {
@@ -562,6 +700,34 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Poll `path` every half second until `done` says so (its message on a spinner while the
+/// terminal shows one), at most `timeout_s` seconds; the last answer.
+async fn wait_until<T: serde::de::DeserializeOwned>(
+    c: &Client,
+    path: &str,
+    timeout_s: u64,
+    mut done: impl FnMut(&T) -> (bool, String),
+) -> anyhow::Result<T> {
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.enable_steady_tick(Duration::from_millis(120));
+    let start = std::time::Instant::now();
+    let limit = Duration::from_secs(timeout_s);
+    loop {
+        let v: T = serde_json::from_value(c.call(reqwest::Method::GET, path, None).await?)?;
+        let (ok, msg) = done(&v);
+        bar.set_message(format!("{msg} [{:.0} s]", start.elapsed().as_secs_f64()));
+        if ok {
+            bar.finish_and_clear();
+            return Ok(v);
+        }
+        if start.elapsed() >= limit {
+            bar.abandon();
+            anyhow::bail!("still waiting after {timeout_s} s: {msg}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 #[tokio::main(flavor = "current_thread")]

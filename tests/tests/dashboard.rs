@@ -68,12 +68,19 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     ));
     let v = c.wait_world("d1", 4, S(30));
     c.wait_step("d1", 20, S(60));
-    let victim = v.members.iter().find(|m| m.rank == 3).unwrap();
+    let victim = v.members.iter().find(|m| m.rank == 3).unwrap().clone();
     kill_and_reform(&c, "d1", victim.pid.unwrap(), 3);
     let at = c.status("d1").step;
     c.wait_step("d1", at + 20, S(60));
-    c.dctl_ok(&["scale", "d1", "2"]);
-    c.wait_world("d1", 2, S(30));
+    // the victim's node is drained (its other worker leaves), then the job is scaled down,
+    // each through dctl's --wait
+    let out = c.dctl_ok(&["drain", &victim.node, "--wait", "--timeout", "60"]);
+    assert!(out.contains("drained (no workers left)"), "{out}");
+    assert_eq!(c.status("d1").world_size, 2);
+    let at = c.status("d1").step;
+    c.wait_step("d1", at + 20, S(60));
+    let out = c.dctl_ok(&["scale", "d1", "1", "--wait", "--timeout", "60"]);
+    assert!(out.contains("formed at world 1"), "{out}");
     let at = c.status("d1").step;
     c.wait_step("d1", at + 30, S(60));
 
@@ -83,14 +90,19 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     let reasons: Vec<Reason> = history.iter().map(|g| g.reason).collect();
     assert_eq!(
         reasons,
-        [Reason::Start, Reason::Failure, Reason::Scale],
+        [Reason::Start, Reason::Failure, Reason::Drain, Reason::Scale],
         "{history:?}"
     );
     let s: SeriesView = c.wait_for(S(20), "the series to hold every generation", || {
         let s: SeriesView = c.get_json("/v1/jobs/d1/series");
         let marked: Vec<u64> = s.marks.iter().map(|m| m.generation).collect();
         let reformed = s.marks.iter().skip(1).all(|m| m.reform_s.is_some());
-        (marked == numbers && reformed).then_some(s)
+        // each rank reports its step time every 2 s
+        let timed = s
+            .points
+            .last()
+            .is_some_and(|p| p.generation == 4 && p.rank_ms.len() == 1);
+        (marked == numbers && reformed && timed).then_some(s)
     });
     assert!(s.points.len() >= 5, "{} points", s.points.len());
     assert!(s.points.windows(2).all(|w| w[0].step < w[1].step));
@@ -101,7 +113,7 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         );
     }
     let last = s.points.last().unwrap();
-    assert_eq!((last.world, last.rank_ms.len()), (2, 2), "{last:?}");
+    assert_eq!((last.world, last.rank_ms.len()), (1, 1), "{last:?}");
     assert!(last.loss.unwrap() < s.points[0].loss.unwrap());
     // thinning: one point per 50 steps at most
     let thin: SeriesView = c.get_json("/v1/jobs/d1/series?from=10&every=50");
@@ -110,7 +122,7 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     assert!(thin.points.windows(2).rev().skip(1).all(|w| w[1].step >= w[0].step + 50));
 
     // the leader fails over: the next one reads the series back and goes on with it
-    let old_points = |s: &SeriesView| s.points.iter().filter(|p| p.generation < 3).count();
+    let old_points = |s: &SeriesView| s.points.iter().filter(|p| p.generation < 4).count();
     let before = old_points(&s);
     let first = c.wait_for(S(10), "a leader", || c.leader());
     let idx: usize = first.trim_start_matches("daemon").parse().unwrap();
@@ -153,7 +165,8 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         numbers
     );
     assert!(dom.contains("g2 failure"), "the failure marker is labelled");
-    assert!(dom.contains("g3 scale"), "the scale marker is labelled");
+    assert!(dom.contains("g3 drain"), "the drain marker is labelled");
+    assert!(dom.contains("g4 scale"), "the scale marker is labelled");
     for m in c.status("d1").members {
         assert!(
             dom.contains(&format!("data-rank=\"{}\"", m.rank)),
@@ -175,6 +188,27 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     let png = std::fs::read(&shot).expect("a screenshot");
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{} bytes", png.len());
     eprintln!("dashboard screenshot: {}", shot.display());
+
+    // the same chart from the command line, for reports
+    for (metric, file) in [
+        ("loss", "loss.svg"),
+        ("throughput", "throughput.png"),
+        ("step_time", "step_time.png"),
+    ] {
+        let path = out.join(file);
+        let _ = std::fs::remove_file(&path);
+        let p = path.to_str().unwrap();
+        let o = c.dctl_ok(&["plot", "d1", "--out", p, "--metric", metric]);
+        assert!(o.contains("4 generation marker(s)"), "{o}");
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(bytes.len() > 5_000, "{file}: {} bytes", bytes.len());
+    }
+    let svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
+    for label in ["g1 start", "g2 failure", "g3 drain", "g4 scale", "d1: loss"] {
+        assert!(svg.contains(label), "{label} missing from the SVG");
+    }
+    let (ok, _, err) = c.dctl(&["plot", "d1", "--out", "/tmp/x.gif"]);
+    assert!(!ok && err.contains(".svg or .png"), "{err}");
 }
 
 /// Every `expr` (and variable query) in a Grafana dashboard, recursively.

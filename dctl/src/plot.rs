@@ -1,0 +1,276 @@
+//! `dctl plot`: a job's loss, throughput or per-rank step time over its steps, with every
+//! generation as a labelled vertical marker, drawn to SVG or PNG (plotters; the PNG's text
+//! uses an embedded DejaVu Sans, so no system font is needed).
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail};
+use ductile_cluster::api::SeriesView;
+use ductile_cluster::records::Reason;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Metric {
+    Loss,
+    Throughput,
+    #[value(name = "step_time", alias = "step-time")]
+    StepTime,
+}
+
+impl Metric {
+    fn label(self) -> &'static str {
+        match self {
+            Metric::Loss => "loss",
+            Metric::Throughput => "samples/s",
+            Metric::StepTime => "step time per rank (ms)",
+        }
+    }
+}
+
+/// The curves to draw: (name, points (step, value)).
+pub fn curves(s: &SeriesView, metric: Metric) -> Vec<(String, Vec<(f64, f64)>)> {
+    let one = |f: &dyn Fn(&ductile_cluster::series::Point) -> Option<f32>| {
+        s.points
+            .iter()
+            .filter_map(|p| f(p).map(|v| (p.step as f64, v as f64)))
+            .filter(|(_, v)| v.is_finite())
+            .collect::<Vec<_>>()
+    };
+    match metric {
+        Metric::Loss => vec![("loss".into(), one(&|p| p.loss))],
+        Metric::Throughput => vec![("samples/s".into(), one(&|p| p.sps))],
+        Metric::StepTime => {
+            let ranks = s.points.iter().map(|p| p.rank_ms.len()).max().unwrap_or(0);
+            (0..ranks)
+                .map(|r| {
+                    (
+                        format!("rank {r}"),
+                        one(&|p| p.rank_ms.get(r).copied()),
+                    )
+                })
+                .filter(|(_, c)| !c.is_empty())
+                .collect()
+        }
+    }
+}
+
+fn marker_color(r: Reason) -> RGBColor {
+    match r {
+        Reason::Failure => RGBColor(192, 57, 43),
+        Reason::Scale | Reason::Join => RGBColor(44, 123, 229),
+        Reason::Drain => RGBColor(230, 126, 34),
+        Reason::Start => RGBColor(127, 140, 141),
+    }
+}
+
+const PALETTE: [RGBColor; 6] = [
+    RGBColor(22, 160, 133),
+    RGBColor(142, 68, 173),
+    RGBColor(211, 84, 0),
+    RGBColor(41, 128, 185),
+    RGBColor(192, 57, 43),
+    RGBColor(39, 174, 96),
+];
+
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    s: &SeriesView,
+    metric: Metric,
+    lines: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), String> {
+    let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
+    root.fill(&WHITE).map_err(e)?;
+    let steps = s
+        .points
+        .iter()
+        .map(|p| p.step as f64)
+        .chain(s.marks.iter().map(|m| m.step as f64));
+    let (x0, x1) = steps.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
+    let x1 = if x1 <= x0 { x0 + 1.0 } else { x1 };
+    let vals = lines.iter().flat_map(|(_, c)| c.iter().map(|(_, v)| *v));
+    let (mut y0, mut y1) = vals.fold((f64::MAX, f64::MIN), |(a, b), y| (a.min(y), b.max(y)));
+    if y1 - y0 < 1e-9 {
+        (y0, y1) = (y0 - 0.5, y1 + 0.5);
+    }
+    let pad = (y1 - y0) * 0.08;
+    let (y0, y1) = (y0 - pad, y1 + pad);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("{}: {}", s.job, metric.label()),
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(64)
+        .build_cartesian_2d(x0..x1, y0..y1)
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc(metric.label())
+        .light_line_style(RGBColor(238, 238, 246))
+        .draw()
+        .map_err(e)?;
+    for (i, m) in s.marks.iter().enumerate() {
+        let x = m.step as f64;
+        let c = marker_color(m.reason);
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(x, y0), (x, y1)],
+                6,
+                4,
+                c.stroke_width(1),
+            ))
+            .map_err(e)?;
+        let reform = m.reform_s.map(|r| format!(" {r:.2} s")).unwrap_or_default();
+        let y = y1 - (y1 - y0) * (0.04 + 0.06 * (i % 3) as f64);
+        chart
+            .draw_series(std::iter::once(Text::new(
+                format!("g{} {}{reform}", m.generation, m.reason),
+                (x, y),
+                ("sans-serif", 13).into_font().color(&c),
+            )))
+            .map_err(e)?;
+    }
+    for (i, (name, pts)) in lines.iter().enumerate() {
+        let c = PALETTE[i % PALETTE.len()];
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
+            .map_err(e)?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], c.stroke_width(2)));
+    }
+    if lines.len() > 1 {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.3))
+            .draw()
+            .map_err(e)?;
+    }
+    root.present().map_err(e)?;
+    Ok(())
+}
+
+/// Draw `metric` of the series to `out` (`.svg` or `.png`); the number of points drawn.
+pub fn plot(s: &SeriesView, metric: Metric, out: &Path) -> anyhow::Result<usize> {
+    let lines = curves(s, metric);
+    let n: usize = lines.iter().map(|(_, c)| c.len()).sum();
+    if n == 0 {
+        bail!(
+            "job {} has no {} figures yet (its series holds {} points)",
+            s.job,
+            metric.label(),
+            s.points.len()
+        );
+    }
+    let size = (1200, 600);
+    let ext = out
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(|e| e.to_ascii_lowercase());
+    // text is laid out (and, in a PNG, drawn) with the embedded font
+    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+        .map_err(|_| anyhow!("the embedded font cannot be read"))?;
+    let r = match ext.as_deref() {
+        Some("svg") => draw(SVGBackend::new(out, size).into_drawing_area(), s, metric, &lines),
+        Some("png") => draw(BitMapBackend::new(out, size).into_drawing_area(), s, metric, &lines),
+        _ => bail!(
+            "--out {}: the file name must end in .svg or .png",
+            out.display()
+        ),
+    };
+    r.map_err(|e| anyhow!("cannot write {}: {e}", out.display()))?;
+    Ok(n)
+}
+
+/// A sparkline of `xs` (at most its last `width` values), lowest ▁ to highest █.
+pub fn sparkline(xs: &[f64], width: usize) -> String {
+    const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
+    let xs: Vec<f64> = xs
+        .iter()
+        .copied()
+        .filter(|x| x.is_finite())
+        .collect();
+    let xs = &xs[xs.len().saturating_sub(width)..];
+    let (lo, hi) = xs
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(*x), b.max(*x)));
+    xs.iter()
+        .map(|x| {
+            if hi - lo < 1e-12 {
+                BARS[3]
+            } else {
+                BARS[(((x - lo) / (hi - lo)) * 7.0).round() as usize]
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_cluster::records::Layout;
+    use ductile_cluster::series::{Mark, Point};
+
+    fn series() -> SeriesView {
+        let p = |step: u64, generation, ranks: usize| Point {
+            step,
+            t_ms: step,
+            loss: Some(5.0 / (1.0 + step as f32)),
+            sps: Some(100.0 + step as f32),
+            generation,
+            world: ranks as u32,
+            rank_ms: (0..ranks).map(|r| 10.0 + r as f32).collect(),
+            merged: 1,
+        };
+        let m = |g, reason, step| Mark {
+            generation: g,
+            reason,
+            detail: String::new(),
+            step,
+            at_ms: 0,
+            world_size: 2,
+            layout: Layout::data_parallel(2),
+            reform_s: Some(0.25),
+        };
+        SeriesView {
+            job: "j".into(),
+            points: vec![p(0, 1, 3), p(10, 1, 3), p(20, 2, 2), p(30, 2, 2)],
+            marks: vec![m(1, Reason::Start, 0), m(2, Reason::Failure, 15)],
+            stored_points: 4,
+        }
+    }
+
+    #[test]
+    fn charts_carry_the_curve_and_every_generation_marker() {
+        let dir = std::env::temp_dir().join(format!("dctl-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = series();
+        let svg = dir.join("loss.svg");
+        assert_eq!(plot(&s, Metric::Loss, &svg).unwrap(), 4);
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert!(text.contains("g1 start 0.25 s") && text.contains("g2 failure 0.25 s"));
+        assert!(text.contains("j: loss"));
+        let png = dir.join("steps.png");
+        assert_eq!(plot(&s, Metric::StepTime, &png).unwrap(), 4 + 4 + 2);
+        assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
+        let err = plot(&s, Metric::Loss, &dir.join("x.jpg")).unwrap_err();
+        assert!(err.to_string().contains(".svg or .png"), "{err}");
+        let empty = SeriesView {
+            points: vec![],
+            ..s
+        };
+        assert!(plot(&empty, Metric::Throughput, &svg).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_sparkline_runs_from_the_lowest_to_the_highest_bar() {
+        assert_eq!(sparkline(&[3.0, 2.0, 1.0], 10), "█▅▁");
+        assert_eq!(sparkline(&[1.0, 2.0, 3.0, 4.0], 2), "▁█");
+        assert_eq!(sparkline(&[2.0, 2.0], 10), "▄▄");
+        assert_eq!(sparkline(&[], 10), "");
+    }
+}
