@@ -2,8 +2,9 @@
 # Quickstart: a local ductile cluster (etcd, one daemon, two agents with 2 CPU slots each) trains
 # a small GPT on 4 CPU workers, loses an agent (SIGKILL) and keeps training at 2, gets the agent
 # back and grows to 4 again on `dctl scale`. Step, loss, throughput and each generation are shown
-# live; a summary follows. Everything it starts is stopped when it ends; its files are in a
-# temporary directory it prints.
+# live (and on the dashboard whose URL it prints); a summary and the loss chart (`dctl plot`)
+# follow. Everything it starts is stopped when it ends (on a terminal: after Enter); its files
+# are in a temporary directory it prints.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -33,11 +34,14 @@ pids+=($!)
 until curl -sf "$etcd_url/health" >/dev/null; do sleep 0.1; done
 
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token"
+head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/read-token"
 export DCTL_ENDPOINT="http://127.0.0.1:$api_port" DCTL_TOKEN="$(cat "$work/token")"
 say "starting ductiled on $DCTL_ENDPOINT"
-"$bin/ductiled" --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --insecure-http --election-ttl 3 >"$work/daemon.log" 2>&1 &
+"$bin/ductiled" --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --read-token-file "$work/read-token" --insecure-http --election-ttl 3 >"$work/daemon.log" 2>&1 &
 pids+=($!)
 until curl -sf "$DCTL_ENDPOINT/healthz" >/dev/null; do sleep 0.1; done
+dashboard="$DCTL_ENDPOINT/#token=$(cat "$work/read-token")"
+say "the dashboard (live curves, generations, members, nodes; read-only token): $dashboard"
 
 declare -A agent_pid
 start_agent() {
@@ -122,7 +126,7 @@ start_agent node-a
 sleep 1
 "$bin/dctl" nodes
 say "and the job grows again: dctl scale demo 4 (the newcomers receive the state from a survivor)"
-"$bin/dctl" scale demo 4
+"$bin/dctl" scale demo 4 --wait --timeout 120
 wait_world 4
 wait_until "v['state']=='Succeeded'" "success"
 sleep 0.6
@@ -135,4 +139,12 @@ echo
 "$bin/dctl" events demo
 echo
 "$bin/dctl" status demo --json | python3 -c "import json,sys; v=json.load(sys.stdin); r=v['last_reformation']; print(f\"last re-formation: generation {r['generation']} ({r['reason']}) took {r['seconds']:.3f} s from trigger to every worker joined\"); print(f\"final: step {v['step']}, loss {v['loss']:.3f}, weights sha256 {v.get('final_weights_sha256')}\")"
-say "done; logs in $work"
+say "the chart: dctl plot demo --out $work/loss.svg (and samples/s as PNG)"
+"$bin/dctl" plot demo --out "$work/loss.svg"
+"$bin/dctl" plot demo --out "$work/throughput.png" --metric throughput
+say "done; logs and charts in $work"
+echo "dashboard: $dashboard"
+if [ -t 0 ]; then
+  # the cluster (and its dashboard) stays up until Enter, 10 minutes at most
+  read -r -t 600 -p "press Enter to stop the cluster " _ || true
+fi

@@ -20,6 +20,24 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The dashboard against a job with a long history: the stored series' size, the page's
+    /// weight, and headless Chromium's time to the first render.
+    Dashboard {
+        /// Steps of history.
+        #[arg(long, default_value_t = 100_000)]
+        steps: u64,
+        /// Steps between two progress reports (rank 0 reports about once a second).
+        #[arg(long, default_value_t = 1)]
+        report_every: u64,
+        /// Generations over the history (each a marker).
+        #[arg(long, default_value_t = 20)]
+        generations: u64,
+        /// Ranks (each point carries every rank's step time).
+        #[arg(long, default_value_t = 8)]
+        ranks: u32,
+        #[arg(long)]
+        json: bool,
+    },
     /// Re-formation latency and etcd requests per re-formation with many agents.
     ControlPlane {
         /// Simulated agents (one slot and one lease each).
@@ -250,6 +268,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 mod allreduce;
 mod checkpoint;
+mod dashboard;
 mod diloco;
 mod gpu;
 mod pipeline;
@@ -366,6 +385,22 @@ async fn main() -> anyhow::Result<()> {
         Cmd::PipelineStep { micro_batches } => pipeline::step(micro_batches).await,
         Cmd::Nccl { iters, sizes_mib } => gpu::nccl(iters, &sizes_mib).await,
         Cmd::GpuStep { steps } => training::gpu_step(steps).await,
+        Cmd::Dashboard {
+            steps,
+            report_every,
+            generations,
+            ranks,
+            json,
+        } => {
+            dashboard::run(dashboard::Args {
+                steps,
+                report_every,
+                generations,
+                ranks,
+                json,
+            })
+            .await
+        }
         Cmd::Diloco {
             steps,
             inner_steps,

@@ -107,7 +107,10 @@ impl Series {
         let half = self.points.len() / 2;
         let mut out: Vec<Point> = Vec::with_capacity(self.points.len());
         let mut merged_any = false;
-        let mut it = std::mem::take(&mut self.points).into_iter().enumerate().peekable();
+        let mut it = std::mem::take(&mut self.points)
+            .into_iter()
+            .enumerate()
+            .peekable();
         while let Some((i, a)) = it.next() {
             let pair = i < half
                 && it
@@ -259,7 +262,10 @@ mod tests {
         s.mark(m(2, None));
         s.mark(m(1, None));
         s.mark(m(2, Some(0.5)));
-        assert_eq!(s.marks.iter().map(|x| x.generation).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(
+            s.marks.iter().map(|x| x.generation).collect::<Vec<_>>(),
+            [1, 2]
+        );
         assert_eq!(s.marks[1].reform_s, Some(0.5));
         for g in 3..400 {
             s.mark(m(g, None));

@@ -323,7 +323,11 @@ impl Store {
 impl Store {
     /// Write a job's chart history, fenced like a publish (the leader that kept it, the spec
     /// it read). Returns false if fenced.
-    pub async fn put_series(&self, series: &crate::series::Series, fence: &Fence<'_>) -> Result<bool> {
+    pub async fn put_series(
+        &self,
+        series: &crate::series::Series,
+        fence: &Fence<'_>,
+    ) -> Result<bool> {
         let compares = fence.compares(&self.keys, &series.job);
         let ops = vec![Op::put(self.keys.series(&series.job), encode(series))];
         Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)

@@ -172,12 +172,13 @@ impl Keeper {
             if !k.dirty {
                 continue;
             }
-            let ended = obs
-                .status
-                .as_ref()
-                .is_some_and(|s| s.state.is_terminal())
+            let ended = obs.status.as_ref().is_some_and(|s| s.state.is_terminal())
                 || obs.progress.as_ref().is_some_and(|p| p.done);
-            if let Some(at) = k.written.map(|w| w + WRITE_EVERY).filter(|at| *at > now && !ended) {
+            if let Some(at) = k
+                .written
+                .map(|w| w + WRITE_EVERY)
+                .filter(|at| *at > now && !ended)
+            {
                 due = Some(due.map_or(at, |d| d.min(at)));
                 continue;
             }

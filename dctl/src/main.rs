@@ -543,27 +543,32 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("node {node}: draining");
                 if wait {
                     let name = node.clone();
-                    let nodes = wait_until(&c, "/v1/nodes", timeout, |ns: &Vec<NodeView>| {
-                        match ns.iter().find(|n| n.name == name) {
-                            None => (true, format!("node {name}: gone")),
-                            Some(n) => {
-                                let w: Vec<String> = n
-                                    .workers
-                                    .iter()
-                                    .map(|w| format!("{}#{}", w.job, w.rank))
-                                    .collect();
-                                (
-                                    w.is_empty(),
-                                    format!("node {name}: waiting for {}", w.join(" ")),
-                                )
-                            }
+                    let nodes = wait_until(&c, "/v1/nodes", timeout, |ns: &Vec<NodeView>| match ns
+                        .iter()
+                        .find(|n| n.name == name)
+                    {
+                        None => (true, format!("node {name}: gone")),
+                        Some(n) => {
+                            let w: Vec<String> = n
+                                .workers
+                                .iter()
+                                .map(|w| format!("{}#{}", w.job, w.rank))
+                                .collect();
+                            (
+                                w.is_empty(),
+                                format!("node {name}: waiting for {}", w.join(" ")),
+                            )
                         }
                     })
                     .await?;
                     let left = nodes.iter().any(|n| n.name == node);
                     println!(
                         "node {node}: drained ({})",
-                        if left { "no workers left" } else { "its agent left" }
+                        if left {
+                            "no workers left"
+                        } else {
+                            "its agent left"
+                        }
                     );
                 }
             }

@@ -43,12 +43,7 @@ pub fn curves(s: &SeriesView, metric: Metric) -> Vec<(String, Vec<(f64, f64)>)> 
         Metric::StepTime => {
             let ranks = s.points.iter().map(|p| p.rank_ms.len()).max().unwrap_or(0);
             (0..ranks)
-                .map(|r| {
-                    (
-                        format!("rank {r}"),
-                        one(&|p| p.rank_ms.get(r).copied()),
-                    )
-                })
+                .map(|r| (format!("rank {r}"), one(&|p| p.rank_ms.get(r).copied())))
                 .filter(|(_, c)| !c.is_empty())
                 .collect()
         }
@@ -96,10 +91,7 @@ fn draw<DB: DrawingBackend>(
     let pad = (y1 - y0) * 0.08;
     let (y0, y1) = (y0 - pad, y1 + pad);
     let mut chart = ChartBuilder::on(&root)
-        .caption(
-            format!("{}: {}", s.job, metric.label()),
-            ("sans-serif", 22),
-        )
+        .caption(format!("{}: {}", s.job, metric.label()), ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(64)
@@ -174,8 +166,18 @@ pub fn plot(s: &SeriesView, metric: Metric, out: &Path) -> anyhow::Result<usize>
     plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
         .map_err(|_| anyhow!("the embedded font cannot be read"))?;
     let r = match ext.as_deref() {
-        Some("svg") => draw(SVGBackend::new(out, size).into_drawing_area(), s, metric, &lines),
-        Some("png") => draw(BitMapBackend::new(out, size).into_drawing_area(), s, metric, &lines),
+        Some("svg") => draw(
+            SVGBackend::new(out, size).into_drawing_area(),
+            s,
+            metric,
+            &lines,
+        ),
+        Some("png") => draw(
+            BitMapBackend::new(out, size).into_drawing_area(),
+            s,
+            metric,
+            &lines,
+        ),
         _ => bail!(
             "--out {}: the file name must end in .svg or .png",
             out.display()
@@ -188,11 +190,7 @@ pub fn plot(s: &SeriesView, metric: Metric, out: &Path) -> anyhow::Result<usize>
 /// A sparkline of `xs` (at most its last `width` values), lowest ▁ to highest █.
 pub fn sparkline(xs: &[f64], width: usize) -> String {
     const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
-    let xs: Vec<f64> = xs
-        .iter()
-        .copied()
-        .filter(|x| x.is_finite())
-        .collect();
+    let xs: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
     let xs = &xs[xs.len().saturating_sub(width)..];
     let (lo, hi) = xs
         .iter()

@@ -15,8 +15,18 @@ const S: fn(u64) -> Duration = Duration::from_secs;
 /// Run headless Chromium on `url` with `args` (bounded: 90 s); its stdout.
 fn chromium(profile: &Path, url: &str, args: &[&str]) -> String {
     let out = Command::new("timeout")
-        .args(["90", "chromium", "--headless", "--no-sandbox", "--disable-gpu"])
-        .args(["--disable-dev-shm-usage", "--no-first-run", "--hide-scrollbars"])
+        .args([
+            "90",
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+        ])
+        .args([
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--hide-scrollbars",
+        ])
         .arg(format!("--user-data-dir={}", profile.display()))
         .args(["--virtual-time-budget=15000", "--window-size=1280,1900"])
         .args(args)
@@ -119,7 +129,12 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     let thin: SeriesView = c.get_json("/v1/jobs/d1/series?from=10&every=50");
     assert!(thin.points.iter().all(|p| p.step >= 10));
     assert!(thin.points.len() < s.points.len());
-    assert!(thin.points.windows(2).rev().skip(1).all(|w| w[1].step >= w[0].step + 50));
+    assert!(thin
+        .points
+        .windows(2)
+        .rev()
+        .skip(1)
+        .all(|w| w[1].step >= w[0].step + 50));
 
     // the leader fails over: the next one reads the series back and goes on with it
     let old_points = |s: &SeriesView| s.points.iter().filter(|p| p.generation < 4).count();
@@ -136,7 +151,11 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         let a: SeriesView = c.get_json("/v1/jobs/d1/series");
         (a.stored_points > s.stored_points).then_some(a)
     });
-    assert_eq!(old_points(&after), before, "the points before the failover are kept");
+    assert_eq!(
+        old_points(&after),
+        before,
+        "the points before the failover are kept"
+    );
     assert_eq!(
         after.marks.iter().map(|m| m.generation).collect::<Vec<_>>(),
         numbers
@@ -174,9 +193,16 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
             m.rank
         );
     }
-    assert!(dom.contains("node1") && dom.contains("node2"), "nodes listed");
+    assert!(
+        dom.contains("node1") && dom.contains("node2"),
+        "nodes listed"
+    );
     // without a token the page asks for one and shows no job
-    let bare = chromium(profile.path(), &format!("{}/", c.endpoint()), &["--dump-dom"]);
+    let bare = chromium(
+        profile.path(),
+        &format!("{}/", c.endpoint()),
+        &["--dump-dom"],
+    );
     assert!(bare.contains("needs the read-only token"), "{bare}");
     let shot = out.join("dashboard.png");
     let _ = std::fs::remove_file(&shot);
@@ -186,7 +212,11 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         &[&format!("--screenshot={}", shot.display())],
     );
     let png = std::fs::read(&shot).expect("a screenshot");
-    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{} bytes", png.len());
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 10_000,
+        "{} bytes",
+        png.len()
+    );
     eprintln!("dashboard screenshot: {}", shot.display());
 
     // the same chart from the command line, for reports
@@ -247,7 +277,10 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
     }
     assert!(names.len() >= 15, "{names:?}");
     for n in &names {
-        assert!(!n.ends_with("_ms"), "{n}: Prometheus names carry base units (_seconds)");
+        assert!(
+            !n.ends_with("_ms"),
+            "{n}: Prometheus names carry base units (_seconds)"
+        );
     }
 
     // a job that re-formed and committed a checkpoint exports every family
@@ -262,8 +295,7 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
     c.wait_world("m1", 2, S(30));
     let scrape = |what: &str, f: &dyn Fn(&str) -> bool| {
         c.wait_for(S(90), what, || {
-            let (code, body) =
-                http("GET", &format!("{}/metrics", c.endpoint()), &[], b"").ok()?;
+            let (code, body) = http("GET", &format!("{}/metrics", c.endpoint()), &[], b"").ok()?;
             (code == 200 && f(&body)).then_some(body)
         })
     };
@@ -281,11 +313,16 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
             && b.contains("ductile_rank_step_seconds{")
     });
     let exported = |n: &str| {
-        body.lines()
-            .any(|l| l.strip_prefix(n).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
+        body.lines().any(|l| {
+            l.strip_prefix(n)
+                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+        })
     };
     let missing: Vec<&String> = names.iter().filter(|n| !exported(n)).collect();
-    assert!(missing.is_empty(), "queried but not exported: {missing:?}\n{body}");
+    assert!(
+        missing.is_empty(),
+        "queried but not exported: {missing:?}\n{body}"
+    );
     assert!(body.contains("# TYPE ductile_job_reformation_seconds histogram"));
     assert!(
         body.contains("ductile_job_reformation_seconds_count{job=\"m1\"} 1")

@@ -305,6 +305,54 @@ fn the_api_serves_tls_to_clients_that_trust_its_ca_and_plain_http_only_on_loopba
     ]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("tls_key") && err.contains("api.pem"), "{err}");
+    // token-free reads only on plain HTTP on loopback, never with TLS
+    let (code, err) = daemon(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--reads-without-token",
+        "true",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("reads_without_token"), "{err}");
+    // on loopback with plain HTTP, reads (the dashboard's) need no token; changes still do
+    let port = free_port();
+    let mut open = Proc::start(
+        "open-daemon",
+        &bin("ductiled"),
+        &[
+            c.etcd.flags("daemon"),
+            vec!["--listen".into(), format!("127.0.0.1:{port}")],
+        ]
+        .concat()
+        .into_iter()
+        .chain([
+            "--insecure-http".into(),
+            "--reads-without-token".into(),
+            "true".into(),
+            "--prefix".into(),
+            c.prefix.clone(),
+        ])
+        .collect::<Vec<String>>(),
+        &[("DUCTILE_TOKEN".into(), TOKEN.into())],
+        c.dir.path().join("open-daemon.log"),
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    let jobs = c.wait_for(S::from_secs(20), "the open daemon to serve reads", || {
+        http("GET", &format!("{base}/v1/jobs"), &[], b"")
+            .ok()
+            .filter(|(code, _)| *code == 200)
+    });
+    assert!(jobs.1.starts_with('['), "{}", jobs.1);
+    let (code, page) = http("GET", &format!("{base}/"), &[], b"").unwrap();
+    assert!(code == 200 && page.contains("loss-chart"), "{code}");
+    let (code, body) = http("POST", &format!("{base}/v1/jobs/b/stop"), &[], b"").unwrap();
+    assert_eq!(code, 403, "{body}");
+    assert!(body.contains("needs the admin token"), "{body}");
+    open.kill();
 }
 
 /// What an outsider, a read-only user or a broken peer tries against a running job, and what
