@@ -289,7 +289,15 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
     let url = format!("file://{}/ckpt", c.dir.path().display());
     let spec = format!(
         "{}max_steps = 100000\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\nkeep = 2\n",
-        training_toml("m1", 1, 2, 2, "gpt", &data, "")
+        training_toml(
+            "m1",
+            1,
+            2,
+            2,
+            "gpt",
+            &data,
+            "allow_fault_injection = true\nenv = { DUCTILE_SLOWDOWN = \"1:4\" }"
+        )
     );
     c.submit(&spec);
     c.wait_world("m1", 2, S(30));
@@ -329,4 +337,21 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
             && body.contains("ductile_job_reformation_seconds_bucket{le=\"+Inf\",job=\"m1\"} 1"),
         "this run's start is counted once (a resubmission starts a new status): {body}"
     );
+
+    // rank 1 computes 4× slower: the dashboard marks it
+    c.wait_for(S(30), "both ranks' figures", || {
+        let v = c.status("m1");
+        v.members
+            .iter()
+            .all(|m| m.compute_ms.is_some())
+            .then_some(())
+    });
+    let profile = TempDir::new("chromium");
+    let url = format!("{}/#token={READ_TOKEN}&job=m1", c.endpoint());
+    let dom = chromium(profile.path(), &url, &["--dump-dom"]);
+    assert!(
+        dom.contains("<tr class=\"slow\" data-rank=\"1\">"),
+        "rank 1 is not marked slow: {dom}"
+    );
+    assert!(dom.contains("<tr class=\"\" data-rank=\"0\">"), "{dom}");
 }
