@@ -428,7 +428,12 @@ async fn series(
     let snaps = current(&st)?;
     let mut s = match cached_obs(&st, &snaps, &job) {
         Some(obs) => {
-            let mut s = crate::series::stored(&st.store, &snaps.jobs, &job);
+            let mut s = crate::series::stored(&st.store, &snaps.jobs, &job).map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the stored chart history of {job} cannot be read (the leader replaces it at its next write): {e}"),
+                )
+            })?;
             if let Some(p) = crate::series::point_of(&obs, &s) {
                 if s.points.last().is_none_or(|l| l.t_ms < p.t_ms) {
                     s.push(p);

@@ -20,9 +20,15 @@ use crate::reconcile::JobObs;
 /// job's current figures are in its progress record either way).
 pub const WRITE_EVERY: Duration = Duration::from_secs(5);
 
-#[derive(Default)]
 pub struct Keeper {
     kept: HashMap<String, Kept>,
+    write_every: Duration,
+}
+
+impl Default for Keeper {
+    fn default() -> Self {
+        Keeper::new(WRITE_EVERY)
+    }
 }
 
 struct Kept {
@@ -49,15 +55,12 @@ pub fn mark_of(g: &Generation, reform_s: Option<f64>) -> Mark {
     }
 }
 
-/// The series a job has in the `jobs/` snapshot (a new one when it has none, or when what is
-/// stored cannot be decoded: that is logged, and the next write replaces it).
-pub fn stored(store: &Store, snap: &Snapshot, job: &str) -> Series {
+/// The series a job has in the `jobs/` snapshot (a new one when it has none; an error when
+/// what is stored cannot be decoded).
+pub fn stored(store: &Store, snap: &Snapshot, job: &str) -> ductile_cluster::Result<Series> {
     match snap.kvs.get(&store.keys.series(job)) {
-        Some(kv) => decode::<Series>(kv, "job series").unwrap_or_else(|e| {
-            tracing::warn!(job, error = %e, "the stored chart history cannot be decoded; starting a new one");
-            Series::new(job)
-        }),
-        None => Series::new(job),
+        Some(kv) => decode::<Series>(kv, "job series"),
+        None => Ok(Series::new(job)),
     }
 }
 
@@ -98,6 +101,14 @@ pub fn point_of(obs: &JobObs, series: &Series) -> Option<Point> {
 }
 
 impl Keeper {
+    /// A keeper that writes a changing series at most every `write_every`.
+    pub fn new(write_every: Duration) -> Self {
+        Keeper {
+            kept: HashMap::new(),
+            write_every,
+        }
+    }
+
     /// Bring the series in line with what this pass observed.
     pub fn observe(&mut self, store: &Store, snap: &Snapshot, jobs: &BTreeMap<String, JobObs>) {
         self.kept.retain(|j, _| jobs.contains_key(j));
@@ -106,7 +117,12 @@ impl Keeper {
                 continue;
             }
             let k = self.kept.entry(name.clone()).or_insert_with(|| Kept {
-                series: stored(store, snap, name),
+                // an unreadable one is replaced at the next write (the API says it is unreadable
+                // until then)
+                series: stored(store, snap, name).unwrap_or_else(|e| {
+                    tracing::warn!(job = %name, error = %e, "the stored chart history cannot be decoded; starting a new one");
+                    Series::new(name)
+                }),
                 last: None,
                 marked: None,
                 dirty: false,
@@ -155,10 +171,10 @@ impl Keeper {
         }
     }
 
-    /// Write the series that changed (each at most every [`WRITE_EVERY`], at once when its job
-    /// ended). Ok(false): a write was fenced (the caller checks whether it still leads). A
-    /// failed write is logged and retried at the next pass; the next time a write is due is
-    /// returned so the leader wakes for it.
+    /// Write the series that changed (each at most every `write_every`, at once when its job
+    /// ended); (false, _) when a write was fenced (the caller checks whether it still leads). A
+    /// failed write is logged and retried a second later. With it, the next time a write is
+    /// due, so the leader wakes for it.
     pub async fn flush(
         &mut self,
         store: &Store,
@@ -176,7 +192,7 @@ impl Keeper {
                 || obs.progress.as_ref().is_some_and(|p| p.done);
             if let Some(at) = k
                 .written
-                .map(|w| w + WRITE_EVERY)
+                .map(|w| w + self.write_every)
                 .filter(|at| *at > now && !ended)
             {
                 due = Some(due.map_or(at, |d| d.min(at)));
@@ -200,5 +216,142 @@ impl Keeper {
             }
         }
         (true, due)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ductile_cluster::kv::KvBackend;
+    use ductile_cluster::records::{JobSpec, JobState, JobStatus, Progress, RankStats};
+    use ductile_cluster::Keys;
+
+    use super::*;
+    use crate::leader::jobs_from;
+
+    async fn snapshot(store: &Store, prefix: &str) -> Snapshot {
+        let (kvs, revision) = store.backend.list(prefix).await.unwrap();
+        Snapshot {
+            revision,
+            kvs: kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect(),
+            relists: 0,
+        }
+    }
+
+    /// Rank 0's progress report and both ranks' figures at `step`.
+    async fn report(store: &Store, step: u64) {
+        let k = &store.keys;
+        let p = Progress {
+            generation: 1,
+            step,
+            loss: Some(5.0 / (1 + step) as f64),
+            samples_per_sec: Some(100.0),
+            updated_at_ms: 1000 + step,
+            ..Default::default()
+        };
+        store.put_json(&k.progress("j"), &p, None).await.unwrap();
+        for rank in 0..2 {
+            let r = RankStats {
+                generation: 1,
+                rank,
+                step,
+                step_ms: 10.0 + rank as f64,
+                compute_ms: 5.0,
+                updated_at_ms: 0,
+            };
+            store
+                .put_json(&k.rank_stats("j", rank), &r, None)
+                .await
+                .unwrap();
+        }
+    }
+
+    /// One leader pass: observe what etcd holds, flush.
+    async fn pass(store: &Store, leader: &LeaderKey, keeper: &mut Keeper) -> bool {
+        let jobs_snap = snapshot(store, &store.keys.jobs()).await;
+        let live = snapshot(store, &store.keys.live()).await;
+        let jobs = jobs_from(store, &[&jobs_snap, &live]);
+        keeper.observe(store, &jobs_snap, &jobs);
+        keeper.flush(store, leader, &jobs).await.0
+    }
+
+    async fn written(store: &Store) -> Vec<u64> {
+        let s: Series = store
+            .get_json(&store.keys.series("j"), "series")
+            .await
+            .unwrap()
+            .unwrap()
+            .0;
+        s.points.iter().map(|p| p.step).collect()
+    }
+
+    #[tokio::test]
+    async fn the_keeper_adds_a_point_per_report_writes_every_few_seconds_and_stops_when_fenced() {
+        let backend = Arc::new(ductile_cluster::memory::MemoryBackend::new());
+        let store = Store::new(backend.clone(), Keys::default());
+        let spec = JobSpec::from_toml("name = \"j\"\nmin = 1\nmax = 2\ndesired = 2\n").unwrap();
+        store.submit(&spec).await.unwrap();
+        let mut g = crate::reconcile::test_generation(1, &[("n1", 0), ("n1", 1)]);
+        g.job = "j".into();
+        store
+            .put_json(&store.keys.generation("j"), &g, None)
+            .await
+            .unwrap();
+        let status = JobStatus {
+            job: "j".into(),
+            state: JobState::Running,
+            generation: 1,
+            world_size: 2,
+            last_reformation: None,
+            message: String::new(),
+            updated_at_ms: 0,
+            reformations: Default::default(),
+            reformation_seconds: Default::default(),
+        };
+        store
+            .put_json(&store.keys.status("j"), &status, None)
+            .await
+            .unwrap();
+        let lease = backend.grant(60).await.unwrap();
+        let leader = backend.campaign("el", b"me".to_vec(), lease).await.unwrap();
+        let every = Duration::from_millis(300);
+        let mut keeper = Keeper::new(every);
+
+        report(&store, 10).await;
+        assert!(pass(&store, &leader, &mut keeper).await);
+        let s: Series = store
+            .get_json(&store.keys.series("j"), "series")
+            .await
+            .unwrap()
+            .unwrap()
+            .0;
+        assert_eq!(s.points.len(), 1);
+        assert_eq!(s.points[0].rank_ms, vec![10.0, 11.0]);
+        assert_eq!(
+            s.marks.iter().map(|m| m.generation).collect::<Vec<_>>(),
+            [1]
+        );
+        // the next report waits for `every`, then it is written
+        report(&store, 20).await;
+        assert!(pass(&store, &leader, &mut keeper).await);
+        assert_eq!(written(&store).await, [10]);
+        tokio::time::sleep(every).await;
+        assert!(pass(&store, &leader, &mut keeper).await);
+        assert_eq!(written(&store).await, [10, 20]);
+        // a deposed leader's write is refused; the next leader reads the series back
+        backend.revoke(lease).await.unwrap();
+        report(&store, 30).await;
+        tokio::time::sleep(every).await;
+        assert!(!pass(&store, &leader, &mut keeper).await);
+        assert_eq!(written(&store).await, [10, 20]);
+        let lease = backend.grant(60).await.unwrap();
+        let leader = backend
+            .campaign("el", b"next".to_vec(), lease)
+            .await
+            .unwrap();
+        let mut next = Keeper::new(every);
+        assert!(pass(&store, &leader, &mut next).await);
+        assert_eq!(written(&store).await, [10, 20, 30]);
     }
 }
