@@ -276,14 +276,18 @@ mod tests {
         keeper.flush(store, leader, &jobs).await.0
     }
 
-    async fn written(store: &Store) -> Vec<u64> {
-        let s: Series = store
+    async fn in_etcd(store: &Store) -> Series {
+        store
             .get_json(&store.keys.series("j"), "series")
             .await
             .unwrap()
             .unwrap()
-            .0;
-        s.points.iter().map(|p| p.step).collect()
+            .0
+    }
+
+    /// The steps of the points written to etcd.
+    async fn written(store: &Store) -> Vec<u64> {
+        in_etcd(store).await.points.iter().map(|p| p.step).collect()
     }
 
     #[tokio::test]
@@ -320,12 +324,7 @@ mod tests {
 
         report(&store, 10).await;
         assert!(pass(&store, &leader, &mut keeper).await);
-        let s: Series = store
-            .get_json(&store.keys.series("j"), "series")
-            .await
-            .unwrap()
-            .unwrap()
-            .0;
+        let s = in_etcd(&store).await;
         assert_eq!(s.points.len(), 1);
         assert_eq!(s.points[0].rank_ms, vec![10.0, 11.0]);
         assert_eq!(
