@@ -41,7 +41,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let mut reports = 0u64;
     for step in (0..a.steps).step_by(a.report_every.max(1) as usize) {
         let generation = 1 + step / per_gen;
-        if step % per_gen == 0 {
+        if s.marks.last().map(|m| m.generation) != Some(generation) {
             s.mark(Mark {
                 generation,
                 reason: if generation == 1 {
