@@ -646,6 +646,11 @@ fn a_job_with_mesh_tls_trains_and_reforms_over_tls() {
 
     // agents without a mesh certificate: the job is refused at submit, naming why
     let plain = Cluster::start(Spec::default().agents(1, 1));
+    // (a cluster with no agent registered yet refuses nothing: wait for it)
+    plain.wait_for(S::from_secs(20), "the agent to register", || {
+        let (ok, out, _) = plain.dctl(&["nodes"]);
+        (ok && out.contains("node1")).then_some(())
+    });
     let p = plain.dir.path().join("m.toml");
     std::fs::write(&p, job("m2", 10)).unwrap();
     let (ok, _, err) = plain.dctl(&["submit", p.to_str().unwrap()]);
