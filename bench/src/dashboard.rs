@@ -3,7 +3,7 @@
 //! the way the leader builds it (a point per progress report, a marker per generation) and
 //! stored; then the figures: the stored series' size, the page's weight (the page and the API
 //! answers of its first render), the series endpoint's latency, and headless Chromium's time
-//! from navigation to the first full render (the page marks it).
+//! to the first full render (a load of the page less a load of a blank page).
 
 use std::time::{Duration, Instant};
 
@@ -130,7 +130,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         get(&format!("{base}/v1/jobs/{job}/series"))?;
         lat.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    lat.sort_by(f64::total_cmp);
+    let lat_median = crate::median(&mut lat);
 
     // headless Chromium: a load that ends once the page rendered (virtual time runs only
     // while nothing is pending, so the 500 ms budget passes after the API answers and the
@@ -138,28 +138,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let load = |i: usize, url: &str| -> anyhow::Result<(f64, String)> {
         let profile = dir.path().join(format!("chromium-{i}"));
         let t = Instant::now();
-        let out = std::process::Command::new("timeout")
-            .args([
-                "60",
-                "chromium",
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-            ])
-            .args(["--disable-dev-shm-usage", "--no-first-run"])
-            .arg("--virtual-time-budget=500")
-            .arg(format!("--user-data-dir={}", profile.display()))
-            .args(["--dump-dom", url])
-            .output()?;
-        anyhow::ensure!(
-            out.status.success(),
-            "chromium: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok((
-            t.elapsed().as_secs_f64() * 1e3,
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-        ))
+        let dom = ductile_tests::chromium(&profile, 500, &["--dump-dom"], url)?;
+        Ok((t.elapsed().as_secs_f64() * 1e3, dom))
     };
     let mut renders = Vec::new();
     let mut blanks = Vec::new();
@@ -173,8 +153,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         blanks.push(blank);
         renders.push(ms - blank);
     }
-    blanks.sort_by(f64::total_cmp);
-    renders.sort_by(f64::total_cmp);
+    let blank_median = crate::median(&mut blanks);
+    let render_median = crate::median(&mut renders); // sorted: the last is the max
+    let render_max = renders[renders.len() - 1];
     let page: usize = weight.iter().map(|(_, b)| b).sum();
     let series_kb = stored.len() as f64 / 1024.0;
     if a.json {
@@ -185,9 +166,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 "ranks": a.ranks, "stored_points": s.points.len(),
                 "series_bytes": stored.len(), "build_ms": build.as_secs_f64() * 1e3,
                 "page_bytes": page, "weights": weight,
-                "series_get_ms_median": lat[lat.len() / 2],
-                "first_render_ms_median": renders[renders.len() / 2],
-                "first_render_ms_max": renders[renders.len() - 1],
+                "series_get_ms_median": lat_median,
+                "first_render_ms_median": render_median,
+                "first_render_ms_max": render_max,
             })
         );
     } else {
@@ -211,14 +192,14 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         println!(
             "page weight (the page and its first render's API answers): {:.1} KiB; GET series median {:.1} ms",
             page as f64 / 1024.0,
-            lat[lat.len() / 2]
+            lat_median
         );
         println!(
             "headless Chromium, to the first full render (a load of the page less one of a blank page): median {:.0} ms, max {:.0} ms over {} loads (blank page median {:.0} ms)",
-            renders[renders.len() / 2],
-            renders[renders.len() - 1],
+            render_median,
+            render_max,
             renders.len(),
-            blanks[blanks.len() / 2]
+            blank_median
         );
     }
     Ok(())

@@ -206,11 +206,11 @@ impl Keys {
     pub fn progress(&self, job: &str) -> String {
         format!("{}/live/{job}/progress", self.prefix)
     }
-    /// The operator asked the job to stop (`dctl stop`).
     /// The job's chart history (`series::Series`), kept by the leader.
     pub fn series(&self, job: &str) -> String {
         format!("{}series", self.job(job))
     }
+    /// The operator asked the job to stop (`dctl stop`).
     pub fn stop(&self, job: &str) -> String {
         format!("{}/jobs/{job}/stop", self.prefix)
     }

@@ -161,15 +161,17 @@ impl Series {
 
 fn merge(a: Point, b: Point) -> Point {
     let (wa, wb) = (a.merged as f64, b.merged as f64);
+    // each side weighted by the reports it stands for
+    let w = |x: f32, y: f32| round4((x as f64 * wa + y as f64 * wb) / (wa + wb));
     let mean = |x: Option<f32>, y: Option<f32>| match (x, y) {
-        (Some(x), Some(y)) => Some(round4((x as f64 * wa + y as f64 * wb) / (wa + wb))),
+        (Some(x), Some(y)) => Some(w(x, y)),
         (x, y) => y.or(x),
     };
     let rank_ms = if a.rank_ms.len() == b.rank_ms.len() {
         a.rank_ms
             .iter()
             .zip(&b.rank_ms)
-            .map(|(x, y)| round4((*x as f64 * wa + *y as f64 * wb) / (wa + wb)))
+            .map(|(x, y)| w(*x, *y))
             .collect()
     } else {
         b.rank_ms.clone()

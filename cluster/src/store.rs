@@ -318,9 +318,7 @@ impl Store {
         let ops = vec![Op::put(skey, encode(status))];
         Ok(self.backend.txn(Txn { compares, ops }).await?.succeeded)
     }
-}
 
-impl Store {
     /// Write a job's chart history, fenced like a publish (the leader that kept it, the spec
     /// it read). Returns false if fenced.
     pub async fn put_series(

@@ -266,6 +266,14 @@ mod tests {
         }
     }
 
+    /// Wait until `l` has a verdict or `limit` passed since `since`; the verdict.
+    async fn verdict_by(l: &Liveness, since: Instant, limit: Duration) -> Option<Verdict> {
+        while l.verdict().is_none() && since.elapsed() < limit {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        l.verdict()
+    }
+
     async fn mesh(world: u32, generation: u64, ms: u64) -> Vec<(Liveness, Arc<AtomicU32>)> {
         let store = Store::new(
             Arc::new(ductile_cluster::memory::MemoryBackend::new()),
@@ -320,9 +328,7 @@ mod tests {
         // rank 2 freezes: its sender stops, its sockets stay open
         m[2].0.stop.store(true, Ordering::SeqCst);
         let t0 = Instant::now();
-        while m[0].0.verdict().is_none() && t0.elapsed() < Duration::from_secs(5) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        verdict_by(&m[0].0, t0, Duration::from_secs(5)).await;
         let took = t0.elapsed();
         match m[0].0.error("all_reduce") {
             Some(CommError::Silent {
@@ -335,14 +341,8 @@ mod tests {
         assert!(took < Duration::from_secs(3), "named after {took:?}");
         assert_eq!(m[0].1.load(Ordering::SeqCst), 1, "on_fault is called once");
         // rank 1 names it too, on its own clock (a moment after rank 0, under load)
-        while m[1].0.verdict().is_none() && t0.elapsed() < Duration::from_secs(5) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert!(
-            matches!(m[1].0.verdict(), Some(Verdict::Silent { peer: 2, .. })),
-            "{:?}",
-            m[1].0.verdict()
-        );
+        let v = verdict_by(&m[1].0, t0, Duration::from_secs(5)).await;
+        assert!(matches!(v, Some(Verdict::Silent { peer: 2, .. })), "{v:?}");
 
         // a peer that dies without a goodbye (SIGKILL closes its sockets) is lost
         let mut m = mesh(2, 6, 5_000).await;
@@ -351,15 +351,8 @@ mod tests {
         for s in gone.outgoing.lock().unwrap().iter().flatten() {
             let _ = s.shutdown(Shutdown::Both); // closed, no goodbye
         }
-        let t0 = Instant::now();
-        while m[0].0.verdict().is_none() && t0.elapsed() < Duration::from_secs(3) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(
-            matches!(m[0].0.verdict(), Some(Verdict::Lost { peer: 1, .. })),
-            "{:?}",
-            m[0].0.verdict()
-        );
+        let v = verdict_by(&m[0].0, Instant::now(), Duration::from_secs(3)).await;
+        assert!(matches!(v, Some(Verdict::Lost { peer: 1, .. })), "{v:?}");
         std::mem::forget(gone); // no orderly goodbye from its Drop
     }
 

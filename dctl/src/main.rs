@@ -542,12 +542,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .await?;
                 println!("node {node}: draining");
                 if wait {
-                    let name = node.clone();
                     let nodes = wait_until(&c, "/v1/nodes", timeout, |ns: &Vec<NodeView>| match ns
                         .iter()
-                        .find(|n| n.name == name)
+                        .find(|n| n.name == node)
                     {
-                        None => (true, format!("node {name}: gone")),
+                        None => (true, format!("node {node}: gone")),
                         Some(n) => {
                             let w: Vec<String> = n
                                 .workers
@@ -556,7 +555,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                                 .collect();
                             (
                                 w.is_empty(),
-                                format!("node {name}: waiting for {}", w.join(" ")),
+                                format!("node {node}: waiting for {}", w.join(" ")),
                             )
                         }
                     })
@@ -580,6 +579,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             from,
             every,
         } => {
+            // a file name that cannot be written fails before anything is fetched
+            let format = plot::Format::of(&file)?;
             let v = c
                 .call(
                     Method::GET,
@@ -588,7 +589,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 )
                 .await?;
             let s: SeriesView = serde_json::from_value(v)?;
-            let n = plot::plot(&s, metric, &file)?;
+            let n = plot::plot(&s, metric, &file, format)?;
             if json {
                 out(&serde_json::json!({
                     "job": job, "out": file, "points": n, "generations": s.marks.len()

@@ -145,8 +145,36 @@ fn draw<DB: DrawingBackend>(
     Ok(())
 }
 
-/// Draw `metric` of the series to `out` (`.svg` or `.png`); the number of points drawn.
-pub fn plot(s: &SeriesView, metric: Metric, out: &Path) -> anyhow::Result<usize> {
+/// What `dctl plot --out` writes, by the file name's extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Svg,
+    Png,
+}
+
+impl Format {
+    /// The format `out` names (`.svg` or `.png`, any case), or an error naming the rule:
+    /// checked before anything is fetched.
+    pub fn of(out: &Path) -> anyhow::Result<Format> {
+        match out
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(|e| e.to_ascii_lowercase())
+            .as_deref()
+        {
+            Some("svg") => Ok(Format::Svg),
+            Some("png") => Ok(Format::Png),
+            _ => bail!(
+                "--out {}: the file name must end in .svg or .png",
+                out.display()
+            ),
+        }
+    }
+}
+
+/// Draw `metric` of the series to `out` in `format` ([`Format::of`] it); the number of
+/// points drawn.
+pub fn plot(s: &SeriesView, metric: Metric, out: &Path, format: Format) -> anyhow::Result<usize> {
     let lines = curves(s, metric);
     let n: usize = lines.iter().map(|(_, c)| c.len()).sum();
     if n == 0 {
@@ -158,29 +186,21 @@ pub fn plot(s: &SeriesView, metric: Metric, out: &Path) -> anyhow::Result<usize>
         );
     }
     let size = (1200, 600);
-    let ext = out
-        .extension()
-        .and_then(|e| e.to_str())
-        .map(|e| e.to_ascii_lowercase());
     // text is laid out (and, in a PNG, drawn) with the embedded font
     plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
         .map_err(|_| anyhow!("the embedded font cannot be read"))?;
-    let r = match ext.as_deref() {
-        Some("svg") => draw(
+    let r = match format {
+        Format::Svg => draw(
             SVGBackend::new(out, size).into_drawing_area(),
             s,
             metric,
             &lines,
         ),
-        Some("png") => draw(
+        Format::Png => draw(
             BitMapBackend::new(out, size).into_drawing_area(),
             s,
             metric,
             &lines,
-        ),
-        _ => bail!(
-            "--out {}: the file name must end in .svg or .png",
-            out.display()
         ),
     };
     r.map_err(|e| anyhow!("cannot write {}: {e}", out.display()))?;
@@ -247,20 +267,23 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let s = series();
         let svg = dir.join("loss.svg");
-        assert_eq!(plot(&s, Metric::Loss, &svg).unwrap(), 4);
+        assert_eq!(plot(&s, Metric::Loss, &svg, Format::Svg).unwrap(), 4);
         let text = std::fs::read_to_string(&svg).unwrap();
         assert!(text.contains("g1 start 0.25 s") && text.contains("g2 failure 0.25 s"));
         assert!(text.contains("j: loss"));
         let png = dir.join("steps.png");
-        assert_eq!(plot(&s, Metric::StepTime, &png).unwrap(), 4 + 4 + 2);
+        assert_eq!(
+            plot(&s, Metric::StepTime, &png, Format::Png).unwrap(),
+            4 + 4 + 2
+        );
         assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
-        let err = plot(&s, Metric::Loss, &dir.join("x.jpg")).unwrap_err();
+        let err = Format::of(&dir.join("x.jpg")).unwrap_err();
         assert!(err.to_string().contains(".svg or .png"), "{err}");
         let empty = SeriesView {
             points: vec![],
             ..s
         };
-        assert!(plot(&empty, Metric::Throughput, &svg).is_err());
+        assert!(plot(&empty, Metric::Throughput, &svg, Format::Svg).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

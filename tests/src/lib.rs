@@ -1085,6 +1085,19 @@ impl Cluster {
             .flatten()
     }
 
+    /// SIGKILL the leading daemon and wait (20 s at most) for a standby to lead: (the killed
+    /// replica's index, the new leader's name, from the kill to the standby leading).
+    pub fn kill_leader(&mut self) -> (usize, String, Duration) {
+        let first = self.wait_for(Duration::from_secs(10), "a leader", || self.leader());
+        let idx: usize = first.trim_start_matches("daemon").parse().unwrap();
+        let killed_at = Instant::now();
+        self.daemons[idx].kill();
+        let second = self.wait_for(Duration::from_secs(20), "the standby to lead", || {
+            self.leader().filter(|l| *l != first)
+        });
+        (idx, second, killed_at.elapsed())
+    }
+
     /// GET an API path with the read-only token; the parsed JSON body (panics on an error).
     pub fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
         let (code, body) = http(
@@ -1394,6 +1407,39 @@ pub fn kill_and_reform(
         "{g:?}"
     );
     (v, g)
+}
+
+/// Load `url` in headless Chromium (Debian's `chromium`, installed by scripts/setup.sh) with a
+/// fresh profile under `profile`, a virtual-time budget of `budget_ms` (it runs only while
+/// nothing is pending) and `args` (`--dump-dom`, `--screenshot=...`); its stdout. Bounded: 90 s.
+pub fn chromium(
+    profile: &Path,
+    budget_ms: u64,
+    args: &[&str],
+    url: &str,
+) -> std::io::Result<String> {
+    let out = Command::new("timeout")
+        .args([
+            "90",
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+        ])
+        .args(["--disable-dev-shm-usage", "--no-first-run"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .arg(format!("--virtual-time-budget={budget_ms}"))
+        .args(args)
+        .arg(url)
+        .output()?;
+    if !out.status.success() {
+        return Err(std::io::Error::other(format!(
+            "chromium {args:?} {url} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The loss a job reported `later` is below the one it reported `early`.

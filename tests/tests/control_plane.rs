@@ -192,14 +192,8 @@ fn sigkill_the_leader_and_the_standby_leads_with_generations_in_order() {
     });
     c.submit(&job_toml("j5", 1, 3, 3));
     c.wait_world("j5", 3, S(20));
-    let first = c.wait_for(S(10), "a leader", || c.leader());
-    let idx: usize = first.trim_start_matches("daemon").parse().unwrap();
-    let killed_at = Instant::now();
-    c.daemons[idx].kill();
-    let second = c.wait_for(S(10), "the standby to lead", || {
-        c.leader().filter(|l| *l != first)
-    });
-    let took = killed_at.elapsed();
+    let (idx, second, took) = c.kill_leader();
+    let first = format!("daemon{idx}");
     // etcd sweeps expired leases every 500 ms: a TTL, plus up to that sweep
     assert!(
         took <= Duration::from_millis(c.spec.election_ttl as u64 * 1000 + 1000),

@@ -3,7 +3,6 @@
 //! scripts/setup.sh).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use ductile_cluster::api::SeriesView;
@@ -12,34 +11,10 @@ use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
-/// Run headless Chromium on `url` with `args` (bounded: 90 s); its stdout.
-fn chromium(profile: &Path, url: &str, args: &[&str]) -> String {
-    let out = Command::new("timeout")
-        .args([
-            "90",
-            "chromium",
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-        ])
-        .args([
-            "--disable-dev-shm-usage",
-            "--no-first-run",
-            "--hide-scrollbars",
-        ])
-        .arg(format!("--user-data-dir={}", profile.display()))
-        .args(["--virtual-time-budget=15000", "--window-size=1280,1900"])
-        .args(args)
-        .arg(url)
-        .output()
-        .expect("chromium (scripts/setup.sh installs Debian's chromium package)");
-    assert!(
-        out.status.success(),
-        "chromium {args:?} failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+/// The page in headless Chromium at the size the screenshot is taken at; its stdout.
+fn load(profile: &Path, url: &str, arg: &str) -> String {
+    let args = ["--hide-scrollbars", "--window-size=1280,1900", arg];
+    chromium(profile, 15_000, &args, url).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The value of `attr` on the element with id `id` in a serialized DOM.
@@ -139,12 +114,7 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     // the leader fails over: the next one reads the series back and goes on with it
     let old_points = |s: &SeriesView| s.points.iter().filter(|p| p.generation < 4).count();
     let before = old_points(&s);
-    let first = c.wait_for(S(10), "a leader", || c.leader());
-    let idx: usize = first.trim_start_matches("daemon").parse().unwrap();
-    c.daemons[idx].kill();
-    c.wait_for(S(15), "the standby to lead", || {
-        c.leader().filter(|l| *l != first)
-    });
+    c.kill_leader();
     let at = c.status("d1").step;
     c.wait_step("d1", at + 20, S(60));
     let after: SeriesView = c.wait_for(S(20), "the new leader to extend the series", || {
@@ -166,7 +136,7 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     std::fs::create_dir_all(&out).unwrap();
     let profile = TempDir::new("chromium");
     let url = format!("{}/#token={READ_TOKEN}&job=d1", c.endpoint());
-    let dom = chromium(profile.path(), &url, &["--dump-dom"]);
+    let dom = load(profile.path(), &url, "--dump-dom");
     assert!(
         dom.contains("<span id=\"error\"></span>"),
         "the page shows an error: {dom}"
@@ -198,18 +168,14 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         "nodes listed"
     );
     // without a token the page asks for one and shows no job
-    let bare = chromium(
-        profile.path(),
-        &format!("{}/", c.endpoint()),
-        &["--dump-dom"],
-    );
+    let bare = load(profile.path(), &format!("{}/", c.endpoint()), "--dump-dom");
     assert!(bare.contains("needs the read-only token"), "{bare}");
     let shot = out.join("dashboard.png");
     let _ = std::fs::remove_file(&shot);
-    chromium(
+    load(
         profile.path(),
         &url,
-        &[&format!("--screenshot={}", shot.display())],
+        &format!("--screenshot={}", shot.display()),
     );
     let png = std::fs::read(&shot).expect("a screenshot");
     assert!(
@@ -348,10 +314,15 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
     });
     let profile = TempDir::new("chromium");
     let url = format!("{}/#token={READ_TOKEN}&job=m1", c.endpoint());
-    let dom = chromium(profile.path(), &url, &["--dump-dom"]);
+    let dom = load(profile.path(), &url, "--dump-dom");
     assert!(
         dom.contains("<tr class=\"slow\" data-rank=\"1\">"),
         "rank 1 is not marked slow: {dom}"
     );
     assert!(dom.contains("<tr class=\"\" data-rank=\"0\">"), "{dom}");
+    // the job's committed checkpoints are listed, from its store
+    assert!(
+        dom.contains("<td>committed</td>"),
+        "no committed checkpoint listed: {dom}"
+    );
 }

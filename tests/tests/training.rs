@@ -38,7 +38,7 @@ fn training_a_killed_worker_leaves_survivors_training_in_place_and_the_loss_keep
     let at_kill = c.status("t1").step;
     let later = c.wait_step("t1", at_kill + 150, S(60));
     assert_eq!(later.generation, v3.generation, "it trains on at world 3");
-    // one batch's loss is noisy (±0.1): wait, bounded, for a report 0.3 below the early one
+    // one batch's loss is noisy (by more than 0.1 between reports): wait, bounded, for a report 0.3 below the early one
     let early_loss = early.loss.unwrap();
     let fell = c.wait_for(S(90), "the loss to fall 0.3 below its early value", || {
         let s = c.status("t1");
