@@ -227,7 +227,7 @@ fn measure(
                 std::thread::spawn(move || {
                     let r = run_stage(&c, &schedule, p, m, s as u32, l, t, &shape, &start);
                     // the step ends for everyone together (as the commit all-reduce makes it)
-                    let mut one = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+                    let mut one = c.zeros(&[1], Kind::Float);
                     c.all_reduce(&mut one, ReduceOp::Sum)?;
                     r
                 })

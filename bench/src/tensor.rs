@@ -88,7 +88,7 @@ fn run_mode(
                             m.loss_sum(&x, &y).backward();
                             let grads: Vec<Tensor> =
                                 m.params().iter().map(|(_, p)| p.grad().view(-1)).collect();
-                            let mut flat = Tensor::cat(&grads, 0);
+                            let mut flat = c.place(&Tensor::cat(&grads, 0));
                             c.all_reduce(&mut flat, ReduceOp::Sum)?;
                         }
                         if step > 0 {

@@ -222,8 +222,9 @@ fn bare_step(
     loss.backward();
     let mut parts: Vec<tch::Tensor> = params.iter().map(|p| p.grad().reshape([-1])).collect();
     parts.push(loss.detach().reshape([1]).to_kind(tch::Kind::Float));
-    let mut flat = tch::Tensor::cat(&parts, 0).contiguous();
+    let mut flat = comm.place(&tch::Tensor::cat(&parts, 0).contiguous());
     comm.all_reduce(&mut flat, ReduceOp::Sum)?;
+    let flat = flat.into_tensor();
     let _ = flat.double_value(&[flat.size()[0] - 1]);
     let mut grads = Vec::new();
     let mut at = 0;
@@ -392,7 +393,11 @@ async fn bare_nccl() -> anyhow::Result<ductile_comm::nccl::NcclComm> {
     let store = Store::new(std::sync::Arc::new(MemoryBackend::new()), Keys::default());
     store.ensure_mesh_key("bare", 1).await?;
     let rdv = ductile_comm::Rendezvous::new(store, "bare", 1, 1, 0)?;
-    Ok(ductile_comm::nccl::NcclComm::form(&rdv, 0, Duration::from_secs(60), None).await?)
+    let cfg = ductile_comm::TcpConfig {
+        form_timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
+    Ok(ductile_comm::nccl::NcclComm::form(&rdv, 0, cfg, false).await?)
 }
 
 #[cfg(not(feature = "cuda"))]

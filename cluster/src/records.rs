@@ -264,6 +264,11 @@ pub struct TrainingSpec {
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
     #[serde(default = "TrainingSpec::default_comm")]
     pub comm: String,
+    /// The longest one communicator call waits for a peer that is alive but sends nothing (a
+    /// slow step, rank 0 listing checkpoints), in seconds, on every backend (TCP and NCCL);
+    /// default 300. A stopped or dead peer is found sooner, by the heartbeats.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_timeout_s: Option<u64>,
     /// The workers' TCP mesh runs over TLS (certificates from the agents' `mesh_tls_*`),
     /// for fleets across networks that are not trusted; `comm` must then not be `nccl`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -723,7 +728,7 @@ impl TrainingSpec {
             } else if self.deterministic {
                 Some("\"async\" applies updates in the order they arrive: it cannot be deterministic".into())
             } else if self.comm == "nccl" {
-                Some("\"async\" exchanges messages on the TCP backend: use comm = \"tcp\" or \"auto\"".into())
+                Some("\"async\" sends its updates as host messages, which NCCL does not carry: use comm = \"tcp\" or \"auto\" (auto picks TCP for async jobs)".into())
             } else {
                 None
             };
@@ -881,6 +886,14 @@ impl TrainingSpec {
                     self.comm
                 ),
             ));
+        }
+        if let Some(t) = self.comm_timeout_s {
+            if !(1..=86_400).contains(&t) {
+                return Err(ClusterError::invalid(
+                    "training.comm_timeout_s",
+                    format!("{t} s: must be 1 to 86400"),
+                ));
+            }
         }
         if self.mesh_tls && self.comm == "nccl" {
             return Err(ClusterError::invalid(
@@ -1711,6 +1724,12 @@ keep = 3
         assert!(err(&t("").replace("global_batch = 8", "global_batch = 1"))
             .contains("training.global_batch"));
         assert!(err(&t("").replace("file:///d", "/d")).contains("training.dataset"));
+        // one op timeout for every backend: seconds, bounded; async cannot ask for NCCL
+        assert!(JobSpec::from_toml(&t("comm_timeout_s = 600\n")).is_ok());
+        assert!(err(&t("comm_timeout_s = 0\n")).contains("training.comm_timeout_s"));
+        assert!(err(&t("comm_timeout_s = 100000\n")).contains("training.comm_timeout_s"));
+        let e = err(&t("sync = \"async\"\ncomm = \"nccl\"\n").replace("gpt", "mlp"));
+        assert!(e.contains("training.sync") && e.contains("NCCL"), "{e}");
         // model_config is typed per model: unknown keys, zero heads, a d_model that does not
         // split into heads and absurd sizes are refused, naming the field
         let mc = |m: &str| t(&format!("[training.model_config]\n{m}\n"));

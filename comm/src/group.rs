@@ -1,5 +1,6 @@
 //! Groups: a subset of a generation's ranks (a tensor-parallel group, say) that run collectives
-//! among themselves over the generation's communicator, point to point. Aborting the
+//! among themselves over the generation's communicator, point to point (one
+//! [`Communicator::exchange`] per collective, its tensors placed on the communicator's device). Aborting the
 //! generation's communicator aborts every group formed on it.
 //!
 //! A group's all-reduce sums the members' tensors in member order on every member, so every
@@ -12,7 +13,7 @@ use std::sync::Arc;
 
 use tch::Tensor;
 
-use crate::{CommError, Communicator, Result};
+use crate::{CommError, Communicator, DevTensor, Result};
 
 /// A subset of a communicator's ranks.
 #[derive(Clone)]
@@ -133,43 +134,30 @@ impl Group {
         if n == 1 {
             return Ok(vec![parts[0].shallow_clone()]);
         }
-        let out: Vec<(u32, Tensor)> = (0..n)
+        // one exchange: every send and receive of this member issued together, the same plan
+        // on every member (each member sends to and receives from every other one)
+        let kind = parts[self.me].kind();
+        let out: Vec<(u32, DevTensor)> = (0..n)
             .filter(|i| *i != self.me)
-            .map(|i| (self.members[i], parts[i].contiguous()))
+            .map(|i| (self.members[i], self.comm.place(&parts[i].contiguous())))
             .collect();
-        let (kind, device) = (parts[self.me].kind(), parts[self.me].device());
-        std::thread::scope(|s| {
-            let comm = self.comm.clone();
-            let sender = s.spawn(move || -> Result<()> {
-                for (peer, t) in &out {
-                    comm.send(t, *peer)?;
+        let inn: Vec<(u32, DevTensor)> = (0..n)
+            .filter(|i| *i != self.me)
+            .map(|i| (self.members[i], self.comm.zeros(shapes[i].as_slice(), kind)))
+            .collect();
+        let sends: Vec<(u32, &DevTensor)> = out.iter().map(|(p, t)| (*p, t)).collect();
+        let recvs: Vec<(u32, &DevTensor)> = inn.iter().map(|(p, t)| (*p, t)).collect();
+        self.comm.exchange(&sends, &recvs)?;
+        let mut got = inn.into_iter().map(|(_, t)| t.into_tensor());
+        Ok((0..n)
+            .map(|i| {
+                if i == self.me {
+                    self.comm.place(&parts[self.me]).into_tensor()
+                } else {
+                    got.next().expect("one receive per other member")
                 }
-                Ok(())
-            });
-            let mut got: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
-            let mut res = Ok(());
-            for i in (0..n).filter(|i| *i != self.me) {
-                let mut buf = Tensor::zeros(shapes[i].as_slice(), (kind, device));
-                match self.comm.recv(&mut buf, self.members[i]) {
-                    Ok(()) => got[i] = Some(buf),
-                    Err(e) => {
-                        self.comm.abort();
-                        res = Err(e);
-                        break;
-                    }
-                }
-            }
-            let sent = sender.join().unwrap_or_else(|_| {
-                Err(CommError::Invalid {
-                    op: "group all_to_all",
-                    reason: "the sender thread panicked".into(),
-                })
-            });
-            res?;
-            sent?;
-            got[self.me] = Some(parts[self.me].shallow_clone());
-            Ok(got.into_iter().map(|p| p.unwrap()).collect())
-        })
+            })
+            .collect())
     }
 
     /// Sum of the members' `t`, folded in group order (the same bits on every member); `t`

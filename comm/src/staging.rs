@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
-use crate::{Communicator, ReduceOp};
+use crate::{Communicator, DevTensor, HostChannel, ReduceOp, TcpComm};
 
 thread_local! {
     static POOL: RefCell<HashMap<(Kind, i64, u8), Tensor>> = RefCell::new(HashMap::new());
@@ -55,15 +55,17 @@ fn to_host(t: &Tensor, slot: u8) -> Tensor {
 }
 
 /// Copy a host result back into `t` (on its device).
-fn back(t: &mut Tensor, host: &Tensor) {
+fn back(t: &Tensor, host: &Tensor) {
+    let mut t = t.shallow_clone();
     let _ = t.copy_(host);
 }
 
-/// A communicator that stages every tensor through host buffers, whatever its device.
-/// The TCP backend uses it for CUDA tensors.
-pub struct HostStaged<'a, C: Communicator + ?Sized>(pub &'a C);
+/// The TCP backend with every tensor staged through host buffers, whatever its device: what
+/// [`TcpComm`] does for CUDA tensors (and, wrapped around it in tests, for CPU ones too, so the
+/// staging path runs on machines without a GPU).
+pub struct HostStaged<'a>(pub &'a TcpComm);
 
-impl<C: Communicator + ?Sized> Communicator for HostStaged<'_, C> {
+impl Communicator for HostStaged<'_> {
     fn rank(&self) -> u32 {
         self.0.rank()
     }
@@ -73,54 +75,67 @@ impl<C: Communicator + ?Sized> Communicator for HostStaged<'_, C> {
     fn generation(&self) -> u64 {
         self.0.generation()
     }
-    fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
-        let mut h = to_host(t, 0);
-        self.0.all_reduce(&mut h, op)?;
-        back(t, &h);
+    fn device(&self) -> Device {
+        TcpComm::device(self.0)
+    }
+    fn host(&self) -> &dyn HostChannel {
+        self.0
+    }
+    fn all_reduce(&self, t: &mut DevTensor, op: ReduceOp) -> Result<()> {
+        let mut h = DevTensor(to_host(&t.0, 0));
+        Communicator::all_reduce(self.0, &mut h, op)?;
+        back(&t.0, &h.0);
         Ok(())
     }
-    fn broadcast(&self, t: &mut Tensor, root: u32) -> Result<()> {
-        let mut h = to_host(t, 0);
-        self.0.broadcast(&mut h, root)?;
-        back(t, &h);
+    fn broadcast(&self, t: &mut DevTensor, root: u32) -> Result<()> {
+        let mut h = DevTensor(to_host(&t.0, 0));
+        Communicator::broadcast(self.0, &mut h, root)?;
+        back(&t.0, &h.0);
         Ok(())
     }
-    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        let h = to_host(t, 0);
-        Ok(self.0.all_gather(&h)?.to_device(t.device()))
+    fn all_gather(&self, t: &DevTensor) -> Result<DevTensor> {
+        let h = DevTensor(to_host(&t.0, 0));
+        Ok(DevTensor(Communicator::all_gather(self.0, &h)?.0.to_device(t.0.device())))
     }
-    fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
-        let h = to_host(t, 0);
-        Ok(self.0.reduce_scatter(&h)?.to_device(t.device()))
+    fn reduce_scatter(&self, t: &DevTensor) -> Result<DevTensor> {
+        let h = DevTensor(to_host(&t.0, 0));
+        Ok(DevTensor(Communicator::reduce_scatter(self.0, &h)?.0.to_device(t.0.device())))
     }
-    fn send(&self, t: &Tensor, peer: u32) -> Result<()> {
-        self.0.send(&to_host(t, 0), peer)
-    }
-    fn recv(&self, t: &mut Tensor, peer: u32) -> Result<()> {
-        let mut h = to_host(t, 0);
-        self.0.recv(&mut h, peer)?;
-        back(t, &h);
-        Ok(())
-    }
-    fn barrier(&self) -> Result<()> {
-        self.0.barrier()
-    }
-    fn ordered_all_reduce(&self, shards: &[(u64, Tensor)], total: u64) -> Result<Tensor> {
-        let Some((_, first)) = shards.first() else {
-            return self.0.ordered_all_reduce(shards, total);
+    fn exchange(&self, sends: &[(u32, &DevTensor)], recvs: &[(u32, &DevTensor)]) -> Result<()> {
+        // buffers of their own per call: one exchange may move several tensors of one size
+        let stage = |t: &Tensor| {
+            let h = pinned_empty(t.numel() as i64, t.kind(), t.device());
+            let mut view = h.view(t.size().as_slice());
+            let _ = view.copy_(t);
+            DevTensor(view)
         };
-        let dev = first.device();
-        let host: Vec<(u64, Tensor)> = shards
+        let hs: Vec<DevTensor> = sends.iter().map(|(_, t)| stage(&t.0)).collect();
+        let hr: Vec<DevTensor> = recvs.iter().map(|(_, t)| stage(&t.0)).collect();
+        let s: Vec<(u32, &DevTensor)> = sends.iter().zip(&hs).map(|((p, _), h)| (*p, h)).collect();
+        let r: Vec<(u32, &DevTensor)> = recvs.iter().zip(&hr).map(|((p, _), h)| (*p, h)).collect();
+        Communicator::exchange(self.0, &s, &r)?;
+        for ((_, t), h) in recvs.iter().zip(&hr) {
+            back(&t.0, &h.0);
+        }
+        Ok(())
+    }
+    fn ordered_all_reduce(&self, shards: &[(u64, DevTensor)], total: u64) -> Result<DevTensor> {
+        let Some((_, first)) = shards.first() else {
+            return Communicator::ordered_all_reduce(self.0, shards, total);
+        };
+        let dev = first.0.device();
+        let host: Vec<(u64, DevTensor)> = shards
             .iter()
             .enumerate()
-            .map(|(i, (k, t))| (*k, to_host(t, 1 + (i as u8 % 254))))
+            .map(|(i, (k, t))| (*k, DevTensor(to_host(&t.0, 1 + (i as u8 % 254)))))
             .collect();
-        Ok(self.0.ordered_all_reduce(&host, total)?.to_device(dev))
-    }
-    fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()> {
-        self.0.broadcast_vec(buf, root)
+        Ok(DevTensor(
+            Communicator::ordered_all_reduce(self.0, &host, total)?
+                .0
+                .to_device(dev),
+        ))
     }
     fn abort(&self) {
-        self.0.abort()
+        TcpComm::abort(self.0)
     }
 }

@@ -51,6 +51,9 @@ pub struct TcpConfig {
     pub max_frame_bytes: u64,
     /// TLS for every connection of the mesh (a job's `mesh_tls`), else plain TCP.
     pub tls: Option<Arc<MeshTls>>,
+    /// The device of the worker's tensors (the device face's `place`); CUDA tensors are staged
+    /// through host memory.
+    pub device: tch::Device,
 }
 
 impl Default for TcpConfig {
@@ -65,6 +68,7 @@ impl Default for TcpConfig {
             bind_host: "127.0.0.1".into(),
             max_frame_bytes: 1 << 30,
             tls: None,
+            device: tch::Device::Cpu,
         }
     }
 }
@@ -499,6 +503,9 @@ impl TcpComm {
     }
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+    pub fn device(&self) -> tch::Device {
+        self.cfg.device
     }
     pub fn abort_handle(&self) -> AbortHandle {
         self.abort.clone()
@@ -1034,6 +1041,38 @@ impl TcpComm {
         }
     }
 
+    /// Every rank's bytes, of any length up to `max_frame_bytes`, in rank order: the lengths
+    /// first (each checked against the cap), then the payloads padded to the longest.
+    pub fn all_gather_vec(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let op = "all_gather";
+        let w = self.world as usize;
+        let mut lens = vec![0u8; 8 * w];
+        self.all_gather_bytes(&(mine.len() as u64).to_le_bytes(), &mut lens)?;
+        let lens: Vec<u64> = lens
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        for (p, l) in lens.iter().enumerate() {
+            if let Err(e) = self.check_len(op, p as u32, *l) {
+                self.abort();
+                return Err(e);
+            }
+        }
+        let max = *lens.iter().max().unwrap_or(&0) as usize;
+        if max == 0 {
+            return Ok(vec![Vec::new(); w]);
+        }
+        let mut padded = mine.to_vec();
+        padded.resize(max, 0);
+        let mut all = vec![0u8; max * w];
+        self.all_gather_bytes(&padded, &mut all)?;
+        Ok(all
+            .chunks_exact(max)
+            .zip(&lens)
+            .map(|(c, l)| c[..*l as usize].to_vec())
+            .collect())
+    }
+
     /// A byte buffer of any length from `root` (state transfer): the length goes first.
     pub fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()> {
         let mut len = (buf.len() as u64).to_le_bytes();
@@ -1498,6 +1537,75 @@ mod tests {
                 r.unwrap_or_else(|e| panic!("world {n}: {e}"));
             }
         }
+    }
+
+    /// The whole conformance suite (groups included) on the TCP backend, worlds 1 to 4: what
+    /// `scripts/gpu-check.sh` runs on NCCL.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_conformance_suite_passes_at_worlds_1_to_4() {
+        let s = store();
+        for n in 1..=4u32 {
+            let comms: Vec<Arc<dyn Communicator>> = world(&s, 90 + n as u64, n, TcpConfig::default())
+                .await
+                .into_iter()
+                .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+                .collect();
+            let results = std::thread::scope(|sc| {
+                comms
+                    .iter()
+                    .map(|c| sc.spawn(|| crate::selftest::all(c)))
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            });
+            for r in results {
+                r.unwrap_or_else(|e| panic!("world {n}: {e}"));
+            }
+        }
+    }
+
+    /// The deadlock shape: two ranks that both send first, 64 MiB each, far more than the
+    /// sockets buffer. Sending, then receiving, each blocks in its write until the op timeout
+    /// (bounded: it fails, naming the op); one exchange of the same send and receive completes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_ranks_that_both_send_first_complete_in_one_exchange() {
+        let cfg = TcpConfig {
+            op_timeout: Duration::from_secs(3),
+            ..TcpConfig::default()
+        };
+        let s = store();
+        let n = 16 << 20;
+        let naive = world(&s, 97, 2, cfg.clone()).await;
+        let t0 = Instant::now();
+        let outs = on_threads(&naive, |c| {
+            let peer = 1 - c.rank();
+            let out = c.place(&tch::Tensor::ones([n], (tch::Kind::Float, tch::Device::Cpu)));
+            let inn = c.zeros(&[n], tch::Kind::Float);
+            Communicator::send(c, &out, peer).and_then(|_| Communicator::recv(c, &inn, peer))
+        });
+        assert!(
+            outs.iter().all(|o| o.is_err()),
+            "send-then-receive of 64 MiB both ways should block until the op timeout: {:?}",
+            outs.iter().map(|o| o.as_ref().err().map(|e| e.to_string())).collect::<Vec<_>>()
+        );
+        assert!(t0.elapsed() < Duration::from_secs(60), "bounded by the op timeout");
+        let comms = world(&s, 98, 2, cfg).await;
+        let t0 = Instant::now();
+        let got = on_threads(&comms, |c| {
+            let peer = 1 - c.rank();
+            let out = c.place(
+                &(tch::Tensor::ones([n], (tch::Kind::Float, tch::Device::Cpu)) * (c.rank() + 1) as f64),
+            );
+            let inn = c.zeros(&[n], tch::Kind::Float);
+            c.exchange(&[(peer, &out)], &[(peer, &inn)])
+                .map(|_| inn.tensor().sum(tch::Kind::Double).double_value(&[]))
+        });
+        for (r, g) in got.iter().enumerate() {
+            let peer = 1 - r;
+            assert_eq!(*g.as_ref().unwrap(), (n * (peer as i64 + 1)) as f64, "rank {r}");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -673,8 +673,14 @@ fn build(
         triggered_at_ms: triggered_at,
         published_at_ms: now,
         // pipeline stages and tensor groups exchange point to point on TCP (staged through
-        // host memory on GPUs) until the NCCL backend groups its sends and receives
-        backend: if layout.pipeline_parallel > 1 || layout.tensor_parallel > 1 || handover {
+        // host memory on GPUs): their activations go on a sender thread beside the receiving
+        // one, which NCCL's communicators do not allow; async jobs send their updates as host
+        // messages, which NCCL does not carry
+        backend: if layout.pipeline_parallel > 1
+            || layout.tensor_parallel > 1
+            || handover
+            || spec.training.as_ref().is_some_and(|t| t.sync == "async")
+        {
             Backend::Tcp
         } else {
             Backend::resolve(
@@ -1026,6 +1032,46 @@ mod tests {
             .iter()
             .map(|m| (m.node.clone(), m.slot, m.rank))
             .collect()
+    }
+
+    /// `auto` on a fleet where every slot has a GPU of its own: NCCL for the sync modes the
+    /// NCCL backend runs (all-reduce, DiLoCo), TCP for async (its updates are host messages).
+    #[test]
+    fn auto_picks_nccl_only_for_what_nccl_runs() {
+        let gpus = |name: &str| {
+            let devices = (0..2)
+                .map(|i| Device {
+                    kind: DeviceKind::Gpu,
+                    index: i,
+                    name: format!("gpu{i}"),
+                    memory_mb: Some(80_000),
+                })
+                .collect();
+            NodeRecord {
+                registered_at_ms: 0,
+                ..NodeRecord::new(name, "h", devices, 1)
+            }
+        };
+        let f = Fleet {
+            nodes: [("a".to_string(), gpus("a"))].into_iter().collect(),
+            ..fleet(&[])
+        };
+        for (sync, want) in [
+            ("allreduce", Backend::Nccl),
+            ("diloco", Backend::Nccl),
+            ("async", Backend::Tcp),
+        ] {
+            let spec = JobSpec::from_toml(&format!(
+                "name = \"j\"\nmin = 1\nmax = 2\ndesired = 2\n[training]\nmodel = \"mlp\"\ndataset = \"file:///d\"\nglobal_batch = 8\nsync = \"{sync}\"\n"
+            ))
+            .unwrap();
+            let mut obs = JobObs {
+                spec: Some(spec),
+                ..Default::default()
+            };
+            let g = step(&mut obs, &f, 10).expect("a first generation");
+            assert_eq!(g.backend, want, "sync = {sync}");
+        }
     }
 
     #[test]

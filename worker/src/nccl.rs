@@ -3,9 +3,8 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
-use ductile_comm::{CommError, Communicator, Rendezvous};
+use ductile_comm::{CommError, Communicator, Rendezvous, TcpConfig};
 
 use crate::device::Unusable;
 
@@ -16,7 +15,7 @@ pub fn form(
     rt: &tokio::runtime::Handle,
     rdv: &Rendezvous,
     device: usize,
-    timeout: Duration,
+    cfg: TcpConfig,
     newer: impl Future<Output = ()>,
 ) -> anyhow::Result<Result<Arc<dyn Communicator>, CommError>> {
     use ductile_comm::nccl::{available, NcclComm};
@@ -24,14 +23,11 @@ pub fn form(
         return Err(Unusable(e.to_string()).into());
     }
     let n = rdv.generation;
-    // heartbeats beside NCCL, as the TCP backend has them (DUCTILE_COMM_LIVENESS_MS, 6 s)
-    let liveness = ductile_comm::tcp::TcpConfig {
-        form_timeout: timeout,
-        ..ductile_comm::tcp::TcpConfig::from_env()
-    };
+    // the job's op timeout for NCCL's ops as for TCP's; beside NCCL, its host face and
+    // heartbeats over TCP (DUCTILE_COMM_LIVENESS_MS, 6 s), as the TCP backend has them
     let r = rt.block_on(async {
         tokio::select! {
-            r = NcclComm::form(rdv, device as i32, timeout, Some(liveness)) => r,
+            r = NcclComm::form(rdv, device as i32, cfg, true) => r,
             _ = newer => Err(CommError::Aborted { generation: n, op: "form" }),
         }
     });
@@ -50,7 +46,7 @@ pub fn form(
     _rt: &tokio::runtime::Handle,
     rdv: &Rendezvous,
     _device: usize,
-    _timeout: Duration,
+    _cfg: TcpConfig,
     _newer: impl Future<Output = ()>,
 ) -> anyhow::Result<Result<Arc<dyn Communicator>, CommError>> {
     Err(Unusable(format!(

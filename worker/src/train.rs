@@ -161,76 +161,47 @@ fn sha256_params(params: &[Tensor]) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-use ductile_checkpoint::format::crc32c;
 
-/// A state blob: magic, step, tensor count, then per tensor its element count and f32 bytes,
-/// then the CRC32C of all of it.
-fn encode_state(step: u64, tensors: &[&Tensor]) -> Vec<u8> {
-    let mut b = Vec::new();
-    b.extend_from_slice(b"DCTS2\0\0\0");
+/// The header of a state transfer between two ranks, sent on the host face ahead of the state
+/// itself (on the device face): magic, step, tensor count, each tensor's element count.
+fn encode_head(step: u64, numels: &[usize]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(24 + 8 * numels.len());
+    b.extend_from_slice(b"DCTH1\0\0\0");
     b.extend_from_slice(&step.to_le_bytes());
-    b.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
-    for t in tensors {
-        let n = t.numel();
-        b.extend_from_slice(&(n as u64).to_le_bytes());
-        let at = b.len();
-        b.resize(at + n * 4, 0);
-        t.copy_data_u8(&mut b[at..], n);
+    b.extend_from_slice(&(numels.len() as u64).to_le_bytes());
+    for n in numels {
+        b.extend_from_slice(&(*n as u64).to_le_bytes());
     }
-    let sum = crc32c(&b);
-    b.extend_from_slice(&sum.to_le_bytes());
     b
 }
 
-/// Copy a state blob into `targets` and return its step. Every header, count and size is
-/// checked before the first tensor is written, so a bad blob leaves `targets` untouched (a
-/// half-overwritten rank could later be chosen as the source of state).
-fn load_state(b: &[u8], targets: &[Tensor]) -> Result<u64, String> {
-    if b.len() < 28 || &b[..8] != b"DCTS2\0\0\0" {
-        return Err("not a state blob".into());
+/// Check a transfer's header against what this rank expects (the step, and the targets' element
+/// counts from the same plan), before anything is written: a bad one leaves every target
+/// untouched (a half-overwritten rank could later be chosen as the source of state).
+fn check_head(b: &[u8], step: u64, numels: &[usize]) -> Result<(), String> {
+    if b.len() < 24 || &b[..8] != b"DCTH1\0\0\0" {
+        return Err("not a state transfer header".into());
     }
-    let (body, sum) = b.split_at(b.len() - 4);
-    if crc32c(body) != u32::from_le_bytes(sum.try_into().unwrap()) {
-        return Err("state checksum mismatch".into());
+    let rd = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    let (got, count) = (rd(8), rd(16));
+    if got != step {
+        return Err(format!("state came at step {got}, expected {step}"));
     }
-    let rd = |at: usize| {
-        body.get(at..at + 8)
-            .map(|x| u64::from_le_bytes(x.try_into().unwrap()))
-            .ok_or_else(|| "state blob truncated".to_string())
-    };
-    let step = rd(8)?;
-    let count = rd(16)? as usize;
-    if count != targets.len() {
+    if count != numels.len() as u64 || b.len() != 24 + 8 * numels.len() {
         return Err(format!(
-            "state holds {count} tensors, this model {}",
-            targets.len()
+            "{count} tensors announced, expected {}",
+            numels.len()
         ));
     }
-    let mut parts = Vec::with_capacity(count);
-    let mut at = 24;
-    for (i, t) in targets.iter().enumerate() {
-        let n = rd(at)? as usize;
-        at += 8;
-        if n != t.numel() || at + n * 4 > body.len() {
+    for (i, n) in numels.iter().enumerate() {
+        if rd(24 + 8 * i) != *n as u64 {
             return Err(format!(
-                "state tensor {i} holds {n} values, this model's {}",
-                t.numel()
+                "tensor {i}: {} values announced, expected {n}",
+                rd(24 + 8 * i)
             ));
         }
-        parts.push(&body[at..at + n * 4]);
-        at += n * 4;
     }
-    if at != body.len() {
-        return Err("state blob has trailing bytes".into());
-    }
-    tch::no_grad(|| {
-        for (t, bytes) in targets.iter().zip(parts) {
-            let src = Tensor::from_data_size(bytes, &t.size(), Kind::Float);
-            let mut t = t.shallow_clone();
-            t.copy_(&src);
-        }
-    });
-    Ok(step)
+    Ok(())
 }
 
 /// The tensors flattened one after another (on their device).
@@ -256,19 +227,22 @@ pub(crate) fn flat_views(ts: &[Tensor], r: &std::ops::Range<usize>) -> Vec<Tenso
     out
 }
 
-/// Every rank's `row` of f64s (the same length everywhere), in rank order.
+/// Every rank's `row` of f64s (the same length everywhere), in rank order: control data, on
+/// the generation's host face whatever its backend.
 pub(crate) fn gather_rows(
     comm: &dyn Communicator,
     row: &[f64],
 ) -> Result<Vec<Vec<f64>>, CommError> {
-    let all = comm.all_gather(&Tensor::from_slice(row))?;
-    let flat = Vec::<f64>::try_from(all.flatten(0, -1).to_device(Device::Cpu)).map_err(|e| {
-        CommError::Invalid {
+    let rows = comm.host().all_gather_f64(row)?;
+    if let Some((p, r)) = rows.iter().enumerate().find(|(_, r)| r.len() != row.len()) {
+        return Err(CommError::Protocol {
+            generation: comm.generation(),
             op: "all_gather",
-            reason: format!("the gathered rows: {e}"),
-        }
-    })?;
-    Ok(flat.chunks(row.len()).map(|c| c.to_vec()).collect())
+            peer: p as u32,
+            reason: format!("a row of {} values, expected {}", r.len(), row.len()),
+        });
+    }
+    Ok(rows)
 }
 
 /// How long a worker whose generation failed waits for the leader's answer
@@ -545,16 +519,6 @@ impl Trainer {
                 }
             }
         };
-        if g.backend == Backend::Nccl {
-            let Device::Cuda(index) = self.dev else {
-                return Err(crate::device::Unusable(format!(
-                    "generation {n} uses NCCL (comm = {:?}), but this slot is a CPU slot",
-                    self.spec.comm
-                ))
-                .into());
-            };
-            return crate::nccl::form(&self.rt, &rdv, index, timeout, newer());
-        }
         // no legitimate frame is longer than the whole state (a joiner's transfer) or the
         // ring's chunks; a peer announcing more is refused before anything is allocated
         let elem = self.elem_sizes();
@@ -563,12 +527,30 @@ impl Trainer {
             .iter()
             .map(|p| ductile_strategies::redistribute::elements(&p.region) * elem[p.tensor])
             .sum();
+        // one op timeout for every backend: the job's comm_timeout_s, else the TCP default
+        let env = TcpConfig::from_env();
         let cfg = TcpConfig {
             form_timeout: timeout,
+            op_timeout: self
+                .spec
+                .comm_timeout_s
+                .map(Duration::from_secs)
+                .unwrap_or(env.op_timeout),
             max_frame_bytes: (full + (1 << 20)).max(64 << 20),
             tls: self.mesh_tls.clone(),
-            ..TcpConfig::from_env()
+            device: self.dev,
+            ..env
         };
+        if g.backend == Backend::Nccl {
+            let Device::Cuda(index) = self.dev else {
+                return Err(crate::device::Unusable(format!(
+                    "generation {n} uses NCCL (comm = {:?}), but this slot is a CPU slot",
+                    self.spec.comm
+                ))
+                .into());
+            };
+            return crate::nccl::form(&self.rt, &rdv, index, cfg, newer());
+        }
         Ok(self.rt.block_on(async move {
             tokio::select! {
                 r = TcpComm::form(&rdv, cfg) => r.map(|c| Arc::new(c) as Arc<dyn Communicator>),
@@ -1055,12 +1037,13 @@ impl Trainer {
                 mine.push((k, self.flat_grads(l, g.number)));
             }
             self.computed_for(rank, t0);
-            comm.ordered_all_reduce(&mine, v)?
+            let mine: Vec<_> = mine.iter().map(|(k, t)| (*k, comm.place(t))).collect();
+            comm.ordered_all_reduce(&mine, v)?.into_tensor()
         } else {
             self.zero_grads();
             let share = split_batch(b, world)[rank as usize];
             let l = self.accumulate(share, g, rank);
-            let mut flat = self.flat_grads(l, g.number);
+            let flat = self.flat_grads(l, g.number);
             self.computed_for(rank, t0);
             if world > 1 && crate::faults::oversized_frame_now(rank, self.step) {
                 tracing::warn!(
@@ -1069,8 +1052,9 @@ impl Trainer {
                 );
                 comm.inject_oversized_frame((rank + 1) % world)?;
             }
+            let mut flat = comm.place(&flat);
             comm.all_reduce(&mut flat, ReduceOp::Sum)?;
-            flat
+            flat.into_tensor()
         };
         let n = flat.size()[0];
         // one device→host read of the three scalars riding along
@@ -1104,37 +1088,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_bad_state_blob_leaves_every_tensor_untouched() {
-        let a = Tensor::from_slice(&[1f32, 2., 3.]);
-        let b = Tensor::from_slice(&[4f32, 5.]);
-        let good = encode_state(7, &[&a, &b]);
-        // a blob whose second tensor has another size (checksum intact): the first must not
-        // be overwritten before the mismatch is found
-        let other = encode_state(
-            9,
-            &[
-                &Tensor::from_slice(&[10f32, 20., 30.]),
-                &Tensor::from_slice(&[1f32]),
-            ],
-        );
-        let targets = [a.copy(), b.copy()];
-        let e = load_state(&other, &targets).unwrap_err();
-        assert!(e.contains("tensor 1"), "{e}");
-        assert!(
-            targets[0].equal(&a) && targets[1].equal(&b),
-            "a target was overwritten"
-        );
-        let mut flipped = good.clone();
-        flipped[30] ^= 1;
-        assert!(load_state(&flipped, &targets)
-            .unwrap_err()
-            .contains("checksum"));
-        // the good blob loads
-        let fresh = [
-            Tensor::zeros([3], (Kind::Float, Device::Cpu)),
-            Tensor::zeros([2], (Kind::Float, Device::Cpu)),
-        ];
-        assert_eq!(load_state(&good, &fresh).unwrap(), 7);
-        assert!(fresh[0].equal(&a) && fresh[1].equal(&b));
+    fn a_transfer_header_is_checked_field_by_field() {
+        let good = encode_head(7, &[3, 2]);
+        assert_eq!(check_head(&good, 7, &[3, 2]), Ok(()));
+        assert!(check_head(&good, 8, &[3, 2]).unwrap_err().contains("step 7"));
+        assert!(check_head(&good, 7, &[3, 2, 1]).unwrap_err().contains("2 tensors"));
+        assert!(check_head(&good, 7, &[3, 1]).unwrap_err().contains("tensor 1"));
+        assert!(check_head(&good[..20], 7, &[3, 2]).is_err());
+        let mut bad = good.clone();
+        bad[0] ^= 1;
+        assert!(check_head(&bad, 7, &[3, 2]).unwrap_err().contains("header"));
     }
 }

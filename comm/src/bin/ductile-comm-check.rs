@@ -56,7 +56,8 @@ async fn main() {
     let comm = form(&store, job, generation, world, rank).await;
     let out = match a[6].as_str() {
         "collectives" => {
-            let r = tokio::task::spawn_blocking(move || selftest::collectives(&comm))
+            let comm: std::sync::Arc<dyn Communicator> = std::sync::Arc::new(comm);
+            let r = tokio::task::spawn_blocking(move || selftest::all(&comm))
                 .await
                 .unwrap();
             serde_json::json!({"rank": rank, "ok": r.is_ok(), "error": r.err()})
@@ -77,12 +78,13 @@ async fn main() {
             let victim: u32 = a[7].parse().unwrap();
             println!("{}", serde_json::json!({"rank": rank, "looping": true}));
             let err = tokio::task::spawn_blocking(move || {
-                let mut t = tch::Tensor::ones([4 << 20], (tch::Kind::Float, tch::Device::Cpu));
+                let mut t =
+                    comm.place(&tch::Tensor::ones([4 << 20], (tch::Kind::Float, tch::Device::Cpu)));
                 loop {
-                    if let Err(e) = comm.all_reduce(&mut t, ductile_comm::ReduceOp::Sum) {
+                    if let Err(e) = Communicator::all_reduce(&comm, &mut t, ductile_comm::ReduceOp::Sum) {
                         return (e.to_string(), now_ms());
                     }
-                    let _ = t.fill_(1.0);
+                    let _ = t.tensor().shallow_clone().fill_(1.0);
                 }
             })
             .await

@@ -99,6 +99,9 @@ pub struct Nccl {
         cudaStream_t,
     ) -> ncclResult_t,
     pub get_error_string: unsafe extern "C" fn(ncclResult_t) -> *const c_char,
+    /// `ncclGroupStart` / `ncclGroupEnd`: the sends and receives of one exchange go together.
+    pub group_start: unsafe extern "C" fn() -> ncclResult_t,
+    pub group_end: unsafe extern "C" fn() -> ncclResult_t,
 }
 
 /// The paths of every `libnccl.so*` mapped in this process, in load order.
@@ -222,6 +225,8 @@ fn load() -> Result<Nccl, String> {
             send: sym(handle, &path, "ncclSend")?,
             recv: sym(handle, &path, "ncclRecv")?,
             get_error_string: sym(handle, &path, "ncclGetErrorString")?,
+            group_start: sym(handle, &path, "ncclGroupStart")?,
+            group_end: sym(handle, &path, "ncclGroupEnd")?,
             path,
         })
     }

@@ -27,8 +27,8 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{CommError, Result};
 use crate::liveness::Liveness;
 use crate::rendezvous::Rendezvous;
-use crate::tcp::TcpConfig;
-use crate::{Communicator, ReduceOp};
+use crate::tcp::{TcpComm, TcpConfig};
+use crate::{Communicator, DevTensor, HostChannel, ReduceOp};
 
 pub mod lib;
 pub use lib::{mapped_copies, nccl, Nccl};
@@ -128,6 +128,8 @@ pub struct NcclComm {
     /// Heartbeats beside NCCL (which carries none): a stopped or killed peer aborts the
     /// communicator within the liveness timeout and the op reports it by rank.
     liveness: Option<Liveness>,
+    /// The host face: the generation's TCP mesh beside NCCL (control data, never model state).
+    host: Option<TcpComm>,
 }
 
 unsafe impl Sync for NcclComm {}
@@ -161,17 +163,19 @@ fn ensure_context(device: i32) -> Result<()> {
 
 impl NcclComm {
     /// Form the communicator of `rdv`'s generation on CUDA device `device`: rank 0 makes the
-    /// unique id and publishes it through etcd; every rank initialises (non-blocking, bounded).
-    /// With `liveness`, a heartbeat mesh over TCP (its `liveness_timeout`, hosts and form
-    /// timeout) watches the peers beside NCCL.
+    /// unique id and publishes it through etcd; every rank initialises (non-blocking, bounded by
+    /// `cfg.form_timeout`; every op by the job's `cfg.op_timeout`, as on TCP). Beside it, over
+    /// TCP with `cfg`: the host face (a [`TcpComm`]) and, with `heartbeats`, a heartbeat mesh
+    /// that aborts NCCL within the liveness timeout when a peer stops or dies.
     pub async fn form(
         rdv: &Rendezvous,
         device: i32,
-        timeout: Duration,
-        liveness: Option<TcpConfig>,
+        cfg: TcpConfig,
+        heartbeats: bool,
     ) -> Result<NcclComm> {
         available()?;
         let generation = rdv.generation;
+        let (timeout, op_timeout) = (cfg.form_timeout, cfg.op_timeout);
         let id = if rdv.rank == 0 {
             let mut id = nc::ncclUniqueId { internal: [0; 128] };
             let r = unsafe { (api().get_unique_id)(&mut id) };
@@ -200,11 +204,16 @@ impl NcclComm {
         }
         let (rank, world) = (rdv.rank, rdv.world);
         let mut c = tokio::task::spawn_blocking(move || {
-            Self::init(id, generation, rank, world, device, timeout)
+            Self::init(id, generation, rank, world, device, timeout, op_timeout)
         })
         .await
         .map_err(|e| CommError::Unavailable(format!("nccl init task failed: {e}")))??;
-        if let Some(cfg) = liveness {
+        let host_cfg = TcpConfig {
+            device: Device::Cuda(device as usize),
+            ..cfg.clone()
+        };
+        c.host = Some(TcpComm::form(rdv, host_cfg).await?);
+        if heartbeats {
             let aborted = c.aborted.clone();
             c.liveness = Some(
                 Liveness::form(
@@ -225,6 +234,7 @@ impl NcclComm {
         world: u32,
         device: i32,
         timeout: Duration,
+        op_timeout: Duration,
     ) -> Result<NcclComm> {
         set_device(device)?;
         let mut comm: nc::ncclComm_t = std::ptr::null_mut();
@@ -243,8 +253,9 @@ impl NcclComm {
             device,
             state: Mutex::new(State { comm, in_op: false }),
             aborted: Arc::new(AtomicBool::new(false)),
-            op_timeout: timeout,
+            op_timeout,
             liveness: None,
+            host: None,
         };
         c.wait_ready("init", timeout)?;
         Ok(c)
@@ -297,6 +308,15 @@ impl NcclComm {
                 return Err(CommError::Aborted {
                     generation: self.generation,
                     op,
+                });
+            }
+            if st.in_op {
+                // NCCL's communicators take one thread's calls at a time: a second thread's
+                // op here would interleave with the first on the GPU (the shape that
+                // deadlocks point to point); it is a bug in the caller, said at once
+                return Err(CommError::Invalid {
+                    op,
+                    reason: "another thread's call is in flight on this NCCL communicator: issue point-to-point work as one exchange".into(),
                 });
             }
             st.in_op = true;
@@ -416,17 +436,23 @@ impl NcclComm {
             op_timeout: self.op_timeout,
             // the shrunk generation forms no heartbeat mesh of its own (the op timeout bounds it)
             liveness: None,
+            // nor a host face: the benchmark's measure of NCCL's own shrink
+            host: None,
         };
         drop(st);
         c.wait_ready("shrink", self.op_timeout)?;
         Ok(c)
     }
 
-    fn dtype(t: &Tensor, op: &'static str) -> Result<nc::ncclDataType_t> {
-        if !matches!(t.device(), Device::Cuda(_)) {
+    fn dtype(&self, t: &Tensor, op: &'static str) -> Result<nc::ncclDataType_t> {
+        if t.device() != Device::Cuda(self.device as usize) {
             return Err(CommError::Invalid {
                 op,
-                reason: format!("the NCCL backend needs CUDA tensors, got {:?}", t.device()),
+                reason: format!(
+                    "the NCCL backend needs tensors on cuda:{}, got {:?}",
+                    self.device,
+                    t.device()
+                ),
             });
         }
         if !t.is_contiguous() {
@@ -476,8 +502,18 @@ impl Communicator for NcclComm {
     fn generation(&self) -> u64 {
         self.generation
     }
-    fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
-        let dt = Self::dtype(t, "all_reduce")?;
+    fn device(&self) -> Device {
+        Device::Cuda(self.device as usize)
+    }
+    fn host(&self) -> &dyn HostChannel {
+        match &self.host {
+            Some(h) => h,
+            None => &NoHost,
+        }
+    }
+    fn all_reduce(&self, t: &mut DevTensor, op: ReduceOp) -> Result<()> {
+        let t = t.tensor();
+        let dt = self.dtype(t, "all_reduce")?;
         let (p, n) = (t.data_ptr(), t.numel());
         self.call("all_reduce", |c| unsafe {
             (api().all_reduce)(
@@ -490,31 +526,34 @@ impl Communicator for NcclComm {
                 std::ptr::null_mut(),
             )
         })?;
-        crate::finish_avg(t, op, self.world)
+        crate::finish_avg(&mut t.shallow_clone(), op, self.world)
     }
-    fn broadcast(&self, t: &mut Tensor, root: u32) -> Result<()> {
-        let dt = Self::dtype(t, "broadcast")?;
+    fn broadcast(&self, t: &mut DevTensor, root: u32) -> Result<()> {
+        let t = t.tensor();
+        let dt = self.dtype(t, "broadcast")?;
         let (p, n) = (t.data_ptr(), t.numel());
         self.call("broadcast", |c| unsafe {
             (api().broadcast)(p, p, n, dt, root as i32, c, std::ptr::null_mut())
         })
     }
-    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        let dt = Self::dtype(t, "all_gather")?;
+    fn all_gather(&self, t: &DevTensor) -> Result<DevTensor> {
+        let t = t.tensor();
+        let dt = self.dtype(t, "all_gather")?;
         let mut shape = vec![self.world as i64];
         shape.extend(t.size());
-        let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
-        let (src, dst, n) = (t.data_ptr(), out.data_ptr(), t.numel());
+        let out = self.zeros(&shape, t.kind());
+        let (src, dst, n) = (t.data_ptr(), out.tensor().data_ptr(), t.numel());
         self.call("all_gather", |c| unsafe {
             (api().all_gather)(src, dst, n, dt, c, std::ptr::null_mut())
         })?;
         Ok(out)
     }
-    fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
-        let dt = Self::dtype(t, "reduce_scatter")?;
+    fn reduce_scatter(&self, t: &DevTensor) -> Result<DevTensor> {
+        let t = t.tensor();
+        let dt = self.dtype(t, "reduce_scatter")?;
         let shape = crate::scatter_shape(t, self.world)?;
-        let out = Tensor::empty(shape.as_slice(), (t.kind(), t.device()));
-        let (src, dst, n) = (t.data_ptr(), out.data_ptr(), out.numel());
+        let out = self.zeros(&shape, t.kind());
+        let (src, dst, n) = (t.data_ptr(), out.tensor().data_ptr(), out.numel());
         self.call("reduce_scatter", |c| unsafe {
             (api().reduce_scatter)(
                 src,
@@ -528,25 +567,57 @@ impl Communicator for NcclComm {
         })?;
         Ok(out)
     }
-    fn send(&self, t: &Tensor, peer: u32) -> Result<()> {
-        let dt = Self::dtype(t, "send")?;
-        let (p, n) = (t.data_ptr(), t.numel());
-        self.call("send", |c| unsafe {
-            (api().send)(p, n, dt, peer as i32, c, std::ptr::null_mut())
+    fn exchange(&self, sends: &[(u32, &DevTensor)], recvs: &[(u32, &DevTensor)]) -> Result<()> {
+        let op = "exchange";
+        let mut ops = Vec::with_capacity(sends.len() + recvs.len());
+        for (send, list) in [(true, sends), (false, recvs)] {
+            for (peer, t) in list {
+                if *peer >= self.world || *peer == self.rank {
+                    return Err(CommError::Invalid {
+                        op,
+                        reason: format!("peer {peer} is not another rank of world {}", self.world),
+                    });
+                }
+                let t = t.tensor();
+                if !t.is_contiguous() {
+                    return Err(CommError::Invalid { op, reason: "tensor must be contiguous".into() });
+                }
+                ops.push((send, *peer as i32, t.data_ptr(), t.numel(), self.dtype(t, op)?));
+            }
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        // every send and receive of the exchange in one group: NCCL progresses them together,
+        // so two ranks that both send first do not wait on each other
+        self.call(op, |c| unsafe {
+            let r = (api().group_start)();
+            if r != nc::ncclResult_t::ncclSuccess {
+                return r;
+            }
+            let mut first_err = nc::ncclResult_t::ncclSuccess;
+            for (send, peer, p, n, dt) in &ops {
+                let r = if *send {
+                    (api().send)(*p, *n, *dt, *peer, c, std::ptr::null_mut())
+                } else {
+                    (api().recv)(*p, *n, *dt, *peer, c, std::ptr::null_mut())
+                };
+                if r != nc::ncclResult_t::ncclSuccess
+                    && r != nc::ncclResult_t::ncclInProgress
+                    && first_err == nc::ncclResult_t::ncclSuccess
+                {
+                    first_err = r;
+                }
+            }
+            let r = (api().group_end)();
+            if first_err != nc::ncclResult_t::ncclSuccess {
+                first_err
+            } else {
+                r
+            }
         })
     }
-    fn recv(&self, t: &mut Tensor, peer: u32) -> Result<()> {
-        let dt = Self::dtype(t, "recv")?;
-        let (p, n) = (t.data_ptr(), t.numel());
-        self.call("recv", |c| unsafe {
-            (api().recv)(p, n, dt, peer as i32, c, std::ptr::null_mut())
-        })
-    }
-    fn barrier(&self) -> Result<()> {
-        let mut t = Tensor::zeros([1], (Kind::Float, Device::Cuda(self.device as usize)));
-        self.all_reduce(&mut t, ReduceOp::Sum)
-    }
-    fn ordered_all_reduce(&self, shards: &[(u64, Tensor)], total: u64) -> Result<Tensor> {
+    fn ordered_all_reduce(&self, shards: &[(u64, DevTensor)], total: u64) -> Result<DevTensor> {
         // Fixed order on GPUs: gather every rank's shards to every rank, then fold in index
         // order locally (the same fold, so the same bits, at every world size).
         let op = "ordered_all_reduce";
@@ -554,26 +625,24 @@ impl Communicator for NcclComm {
         let local = Tensor::stack(
             &shards
                 .iter()
-                .map(|(_, t)| t.shallow_clone())
+                .map(|(_, t)| t.tensor().shallow_clone())
                 .collect::<Vec<_>>(),
             0,
         );
-        let counts = Tensor::from_slice(&[shards.len() as i64]).to_device(first.device());
-        let all_counts = self.all_gather(&counts)?.to_device(Device::Cpu);
-        let counts: Vec<i64> =
-            Vec::<i64>::try_from(all_counts.flatten(0, -1)).map_err(|e| CommError::Invalid {
-                op,
-                reason: e.to_string(),
-            })?;
-        if counts.iter().sum::<i64>() as u64 != total {
+        // how many shards each rank holds: control data, on the host face
+        let counts: Vec<i64> = self
+            .host()
+            .all_gather_i64(&[shards.len() as i64])?
+            .into_iter()
+            .map(|r| r.first().copied().unwrap_or(-1))
+            .collect();
+        if counts.iter().any(|c| *c < 1) || counts.iter().sum::<i64>() as u64 != total {
             return Err(CommError::Invalid {
                 op,
-                reason: format!(
-                    "the ranks hold {} shards, expected {total}",
-                    counts.iter().sum::<i64>()
-                ),
+                reason: format!("the ranks hold {counts:?} shards, expected {total} in all, at least one each"),
             });
         }
+        // bounded: every count is at most `total`, which this rank chose
         let max = *counts.iter().max().unwrap();
         let padded = if (shards.len() as i64) < max {
             Tensor::cat(
@@ -586,7 +655,7 @@ impl Communicator for NcclComm {
         } else {
             local
         };
-        let gathered = self.all_gather(&padded.contiguous())?;
+        let gathered = self.all_gather(&self.place(&padded.contiguous()))?.into_tensor();
         let mut acc: Option<Tensor> = None;
         for (r, n) in counts.iter().enumerate() {
             for k in 0..*n {
@@ -597,49 +666,60 @@ impl Communicator for NcclComm {
                 });
             }
         }
-        acc.ok_or_else(|| CommError::Invalid {
+        let _ = first;
+        acc.map(|a| self.place(&a)).ok_or_else(|| CommError::Invalid {
             op,
             reason: "no shards".into(),
         })
     }
-    fn broadcast_vec(&self, buf: &mut Vec<u8>, root: u32) -> Result<()> {
-        let dev = Device::Cuda(self.device as usize);
-        let mut len = Tensor::from_slice(&[buf.len() as i64]).to_device(dev);
-        self.broadcast(&mut len, root)?;
-        let n = i64::try_from(len.to_device(Device::Cpu)).map_err(|e| CommError::Invalid {
-            op: "broadcast_vec",
-            reason: e.to_string(),
-        })?;
-        let mut t = if self.rank == root {
-            Tensor::from_slice(buf.as_slice()).to_device(dev)
-        } else {
-            Tensor::zeros([n], (Kind::Uint8, dev))
-        };
-        // bytes travel as u8 through NCCL's int8 path
-        let (p, cnt) = (t.data_ptr(), t.numel());
-        self.call("broadcast_vec", |c| unsafe {
-            (api().broadcast)(
-                p,
-                p,
-                cnt,
-                nc::ncclDataType_t::ncclUint8,
-                root as i32,
-                c,
-                std::ptr::null_mut(),
-            )
-        })?;
-        t = t.to_device(Device::Cpu);
-        buf.resize(n as usize, 0);
-        t.copy_data_u8(buf, n as usize);
-        Ok(())
-    }
     fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);
+        if let Some(h) = &self.host {
+            h.abort();
+        }
         let mut st = self.state.lock().unwrap();
         if !st.in_op && !st.comm.is_null() {
             abort_in_background(st.comm);
             st.comm = std::ptr::null_mut();
         }
+    }
+}
+
+/// The host face of a communicator formed without one (a shrunk one, in the benchmark): every
+/// call fails saying so.
+struct NoHost;
+
+impl HostChannel for NoHost {
+    fn rank(&self) -> u32 {
+        0
+    }
+    fn world(&self) -> u32 {
+        0
+    }
+    fn generation(&self) -> u64 {
+        0
+    }
+    fn all_gather_bytes(&self, _: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Err(no_host())
+    }
+    fn broadcast_vec(&self, _: &mut Vec<u8>, _: u32) -> Result<()> {
+        Err(no_host())
+    }
+    fn send_msg(&self, _: &[u8], _: u32) -> Result<()> {
+        Err(no_host())
+    }
+    fn recv_msg(&self, _: u32) -> Result<Vec<u8>> {
+        Err(no_host())
+    }
+    fn barrier(&self) -> Result<()> {
+        Err(no_host())
+    }
+}
+
+fn no_host() -> CommError {
+    CommError::Invalid {
+        op: "host",
+        reason: "this NCCL communicator was formed without a host face (a shrunk one)".into(),
     }
 }
 
@@ -670,7 +750,11 @@ mod tests {
         );
         store.ensure_mesh_key("j", 1).await.unwrap();
         let rdv = Rendezvous::new(store, "j", 1, 1, 0).unwrap();
-        match NcclComm::form(&rdv, 0, Duration::from_secs(1), None).await {
+        let cfg = TcpConfig {
+            form_timeout: Duration::from_secs(1),
+            ..TcpConfig::default()
+        };
+        match NcclComm::form(&rdv, 0, cfg, false).await {
             Err(CommError::Unavailable(m)) => assert_eq!(m, msg),
             Err(other) => panic!("{other}"),
             Ok(_) => panic!("formed an NCCL communicator without a GPU"),

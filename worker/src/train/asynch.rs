@@ -272,7 +272,7 @@ impl Post {
             ));
             return Ok(());
         }
-        self.comm.send_msg(&encode(&head, values), to)
+        self.comm.host().send_msg(&encode(&head, values), to)
     }
 
     /// From this member's client to `to`'s server.
@@ -303,7 +303,7 @@ fn reader(
     };
     let (mut bye, mut fin) = (false, false);
     while !(bye && fin) {
-        let m = match comm.recv_msg(p) {
+        let m = match comm.host().recv_msg(p) {
             Ok(b) => match decode(&b) {
                 Ok(m) => m,
                 Err(e) => {
@@ -612,9 +612,11 @@ impl Trainer {
                         }
                         buf = Tensor::cat(&parts, 0);
                     }
-                    if let Err(e) = comm.broadcast(&mut buf, src) {
+                    let mut placed = comm.place(&buf);
+                    if let Err(e) = comm.broadcast(&mut placed, src) {
                         return Ok(Err(e));
                     }
+                    let buf = placed.into_tensor();
                     if rank != src {
                         self.received += buf.numel() as u64 * 4;
                     }
@@ -658,7 +660,7 @@ impl Trainer {
                             let d = a.dispenser.as_ref().or(a.snapshot.as_ref()).unwrap();
                             bytes = serde_json::to_vec(d)?;
                         }
-                        if let Err(e) = comm.broadcast_vec(&mut bytes, src as u32) {
+                        if let Err(e) = comm.host().broadcast_vec(&mut bytes, src as u32) {
                             return Ok(Err(e));
                         }
                         serde_json::from_slice(&bytes)

@@ -649,7 +649,7 @@ impl Trainer {
         if rank == 0 {
             list = serde_json::to_vec(&self.list_commits(&bucket))?;
         }
-        if let Err(e) = comm.broadcast_vec(&mut list, 0) {
+        if let Err(e) = comm.host().broadcast_vec(&mut list, 0) {
             return Ok(Err(e));
         }
         let listed: Result<(Option<u64>, Vec<CheckpointRecord>), String> =
@@ -719,10 +719,11 @@ impl Trainer {
             if let Err(e) = &got {
                 eprintln!("CHECKPOINT STEP {} FAILED on rank {rank}: {e}", rec.step);
             }
-            let ok = Tensor::from_slice(&[got.is_ok() as u8 as f32]).to_device(self.dev);
-            let oks = match comm.all_gather(&ok) {
-                Ok(t) => Vec::<f32>::try_from(t.flatten(0, -1).to_device(tch::Device::Cpu))
-                    .unwrap_or_default(),
+            let oks: Vec<f32> = match comm.host().all_gather_bytes(&[got.is_ok() as u8]) {
+                Ok(rows) => rows
+                    .iter()
+                    .map(|r| if r.as_slice() == [1] { 1.0 } else { 0.0 })
+                    .collect(),
                 Err(e) => return Ok(Err(e)),
             };
             if oks.iter().any(|f| *f == 0.0) {

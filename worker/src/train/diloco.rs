@@ -286,7 +286,7 @@ impl Trainer {
         } else {
             Vec::new()
         };
-        if let Err(e) = comm.broadcast_vec(&mut meta, src) {
+        if let Err(e) = comm.host().broadcast_vec(&mut meta, src) {
             return Ok(Err(e));
         }
         let meta: RoundMeta = serde_json::from_slice(&meta)
@@ -294,10 +294,11 @@ impl Trainer {
         if !rows.iter().all(at) {
             // some member is behind or new: the global weights and momentum from the source
             let d = self.diloco.as_ref().unwrap();
-            let mut state = flat(&d.outer_state());
-            if let Err(e) = comm.broadcast(&mut state, src) {
+            let mut placed = comm.place(&flat(&d.outer_state()));
+            if let Err(e) = comm.broadcast(&mut placed, src) {
                 return Ok(Err(e));
             }
+            let state = placed.into_tensor();
             let me = &rows[rank as usize];
             if !at(me) {
                 self.received = state.numel() as u64 * 4;

@@ -29,7 +29,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 use ductile_cluster::records::{Generation, Member};
-use ductile_comm::{CommError, Communicator, ReduceOp};
+use ductile_comm::{CommError, Communicator};
 use ductile_strategies::pipeline::{send_order, stage_ops, Msg, Op};
 use ductile_strategies::redistribute::{self, relative, whole, Move, Part, Region};
 use ductile_strategies::{micro_batches, split_batch, split_range};
@@ -85,8 +85,10 @@ impl Mailbox {
                     format!("{want:?} is not among what rank {from} sends this step"),
                 ));
             };
-            let mut t = Tensor::zeros(shape(next).as_slice(), (Kind::Float, dev));
-            comm.recv(&mut t, from)?;
+            let _ = dev;
+            let t = comm.zeros(shape(next).as_slice(), Kind::Float);
+            comm.recv(&t, from)?;
+            let t = t.into_tensor();
             if next == want {
                 return Ok(t);
             }
@@ -118,7 +120,7 @@ impl Outbox {
             .name("pipeline-send".into())
             .spawn(move || {
                 for (t, peer) in rx {
-                    comm.send(&t, peer)?;
+                    comm.send(&comm.place(&t), peer)?;
                 }
                 Ok(())
             })
@@ -737,8 +739,9 @@ impl Trainer {
             let group: Vec<u32> = (0..dp).map(|d| at(d, stage)).collect();
             let j = me.dp_rank as usize;
             let mut acc_g = if j > 0 {
-                let mut t = shards[0].1.zeros_like();
-                comm.recv(&mut t, group[j - 1])?;
+                let got = comm.zeros(&shards[0].1.size(), shards[0].1.kind());
+                comm.recv(&got, group[j - 1])?;
+                let mut t = got.into_tensor();
                 for (_, s) in &shards {
                     t += s;
                 }
@@ -751,11 +754,14 @@ impl Trainer {
                 t
             };
             if j + 1 < group.len() {
-                comm.send(&acc_g, group[j + 1])?;
-                comm.recv(&mut acc_g, *group.last().unwrap())?;
+                let placed = comm.place(&acc_g);
+                comm.send(&placed, group[j + 1])?;
+                comm.recv(&placed, *group.last().unwrap())?;
+                acc_g = placed.into_tensor();
             } else {
+                let placed = comm.place(&acc_g);
                 for peer in &group[..j] {
-                    comm.send(&acc_g, *peer)?;
+                    comm.send(&placed, *peer)?;
                 }
             }
             let mut at = 0;
@@ -781,9 +787,10 @@ impl Trainer {
             .as_ref()
             .map(|c| c.flags(g.number))
             .unwrap_or((0.0, 0.0));
-        let mut commit = Tensor::from_slice(&[loss as f32, pending_ck, busy]);
-        comm.all_reduce(&mut commit, ReduceOp::Sum)?;
-        let v = Vec::<f32>::try_from(commit).unwrap_or_else(|_| vec![f32::NAN, 0.0, 0.0]);
+        // control data: on the host face, whatever the backend
+        let v = comm
+            .host()
+            .sum_f64(&[loss, pending_ck as f64, busy as f64])?;
         self.flags = (v[1] > 0.0, v[2] > 0.0);
         let p = self.pending.take().unwrap();
         self.apply(&p.params, &p.grads, p.step, p.generation, rank);

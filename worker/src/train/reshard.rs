@@ -2,17 +2,17 @@
 //! of a logical tensor (a tensor-parallel slice: one box, or one per Q/K/V block),
 //! concatenated along the split dimension. [`move_state`] builds each rank's tensors for its new
 //! boxes from what the ranks hold now, by the redistribution plan: what a rank keeps is copied
-//! in place, the rest comes point to point from a holder as checksummed blobs.
+//! in place, the rest comes point to point from a holder ([`transfer`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use ductile_comm::{CommError, Communicator};
+use ductile_comm::{CommError, Communicator, DevTensor};
 use ductile_strategies::redistribute::{self, intersect, Move, Part, Region};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
-use super::pipe::{protocol, region_of, Outbox};
-use super::{encode_state, load_state};
+use super::pipe::{protocol, region_of};
+use super::{check_head, encode_head};
 
 /// The boxes of a logical tensor a rank's local tensor holds (none: an empty tensor), laid one after another along
 /// `dim` (the other dimensions equal the box's).
@@ -151,10 +151,12 @@ pub fn move_state(
 }
 
 /// Carry out the point-to-point moves of a redistribution plan: per peer, this rank sends what
-/// it serves (`source` of each move: a view of its state, or of a checkpoint chunk it read) as
-/// one checksummed blob, then receives its own blob from each sender into the `target` views.
-/// Pairs go in the order of their first move, the same on every rank, so no two ranks wait on
-/// each other. Returns the bytes received.
+/// it serves (`source` of each move: a view of its state, or of a checkpoint chunk it read),
+/// flattened into one tensor on the device, and receives its own from each sender, written into
+/// the `target` views once checked. Each pair's header (step, sizes) goes first on the host
+/// face; then every send and receive of this rank is one exchange on the device face (issued
+/// together, so no two ranks wait on each other; the pairs in the order of their first move,
+/// the same on every rank). Returns the bytes received.
 pub fn transfer(
     comm: &Arc<dyn Communicator>,
     moves: &[Move],
@@ -170,41 +172,62 @@ pub fn transfer(
         }
     }
     let of = |pair: (u32, u32)| moves.iter().filter(move |m| (m.from, m.to) == pair);
-    let outbox = Outbox::new(comm.clone());
-    for &(from, to) in pairs.iter().filter(|p| p.0 == me) {
-        let ts = of((from, to))
-            .map(|m| source(m).map(|t| t.contiguous()))
+    let float = |t: &Tensor, peer: u32| {
+        if t.kind() == Kind::Float {
+            Ok(())
+        } else {
+            Err(protocol(
+                comm.as_ref(),
+                peer,
+                "state transfer",
+                format!("state moves as f32, not {:?}", t.kind()),
+            ))
+        }
+    };
+    let mut sends = Vec::new();
+    for &(_, to) in pairs.iter().filter(|p| p.0 == me) {
+        let ts = of((me, to))
+            .map(|m| source(m).map(|t| t.contiguous().view([-1])))
             .collect::<Result<Vec<Tensor>, CommError>>()?;
-        let refs: Vec<&Tensor> = ts.iter().collect();
-        let blob = encode_state(step, &refs);
-        // a blob is a whole number of 4-byte words: it travels as f32 (every backend's type)
-        let words = Tensor::from_data_size(&blob, &[(blob.len() / 4) as i64], Kind::Float);
-        outbox.send(words, to);
+        for t in &ts {
+            float(t, to)?;
+        }
+        let numels: Vec<usize> = ts.iter().map(|t| t.numel()).collect();
+        comm.host().send_msg(&encode_head(step, &numels), to)?;
+        sends.push((to, comm.place(&Tensor::cat(&ts, 0))));
     }
+    let mut recvs = Vec::new();
     let mut bytes = 0;
-    for &(from, to) in pairs.iter().filter(|p| p.1 == me) {
-        let targets = of((from, to))
+    for &(from, _) in pairs.iter().filter(|p| p.1 == me) {
+        let targets = of((from, me))
             .map(&target)
             .collect::<Result<Vec<Tensor>, CommError>>()?;
-        let len = 24 + targets.iter().map(|t| 8 + 4 * t.numel()).sum::<usize>() + 4;
-        let mut buf = Tensor::zeros([(len / 4) as i64], (Kind::Float, Device::Cpu));
-        comm.recv(&mut buf, from)?;
-        let mut raw = vec![0u8; len];
-        buf.copy_data_u8(&mut raw, buf.numel());
-        bytes += len;
-        // the targets are views: the blob writes through into the state
-        let got = load_state(&raw, &targets)
-            .map_err(|e| protocol(comm.as_ref(), from, "state transfer", e))?;
-        if got != step {
-            return Err(protocol(
-                comm.as_ref(),
-                from,
-                "state transfer",
-                format!("state came at step {got}, expected {step}"),
-            ));
+        for t in &targets {
+            float(t, from)?;
         }
+        let numels: Vec<usize> = targets.iter().map(|t| t.numel()).collect();
+        let head = comm.host().recv_msg(from)?;
+        check_head(&head, step, &numels)
+            .map_err(|e| protocol(comm.as_ref(), from, "state transfer", e))?;
+        let n: usize = numels.iter().sum();
+        bytes += head.len() + 4 * n;
+        recvs.push((from, comm.zeros(&[n as i64], Kind::Float), targets));
     }
-    outbox.finish()?;
+    let s: Vec<(u32, &DevTensor)> = sends.iter().map(|(p, t)| (*p, t)).collect();
+    let r: Vec<(u32, &DevTensor)> = recvs.iter().map(|(p, t, _)| (*p, t)).collect();
+    comm.exchange(&s, &r)?;
+    // the targets are views: the received state writes through into it
+    tch::no_grad(|| {
+        for (_, buf, targets) in &recvs {
+            let mut at = 0;
+            for t in targets {
+                let k = t.numel() as i64;
+                let mut t = t.shallow_clone();
+                t.copy_(&buf.tensor().narrow(0, at, k).view(t.size().as_slice()));
+                at += k;
+            }
+        }
+    });
     Ok(bytes)
 }
 
@@ -227,6 +250,7 @@ pub fn all_parts(holdings: &BTreeMap<u32, Vec<Holding>>) -> Vec<Part> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::Device;
     use crate::data::Dataset;
     use crate::model::Model;
     use ductile_strategies::tensor::{held_regions, split_of, Arch, Split};
