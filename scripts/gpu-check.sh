@@ -5,10 +5,13 @@
 #   bash scripts/gpu-check.sh pack     # on the CPU machine: build with --features cuda, strip,
 #                                      # and pack the binaries and etcd into gpu-bin/ductile-gpu.tar.gz
 #   bash scripts/gpu-check.sh          # on the GPU machine (unpacks gpu-bin/ if needed), runs:
-#     1. ductile-bench nccl: the NCCL self-test on CUDA tensors (every collective against its
-#        reference, every dtype; NCCL and the TCP backend's pinned staging) and NCCL's figures;
+#     1. ductile-bench nccl: the conformance suite on CUDA tensors (every collective, the host
+#        face, groups, every dtype, against their references; NCCL and the TCP backend's pinned
+#        staging; exchanges between two ranks need two GPUs: the suite runs them on TCP in CI)
+#        and NCCL's figures;
 #     2. a GPT job on cuda:0 with NCCL (world 1) whose worker is SIGKILLed: it recovers (a new
-#        process re-initialises NCCL and restores the last checkpoint) and finishes;
+#        process re-initialises NCCL and restores the last checkpoint) and finishes; then a
+#        DiLoCo job and a pipeline job with comm = "auto", which must pick NCCL and finish;
 #     3. three workers sharing the GPU over TCP (deterministic): one is killed, the job shrinks,
 #        grows back, checkpoints, and ends bitwise equal to an uninterrupted run;
 #     4. ductile-bench gpu-step: the elastic CUDA step against a bare tch loop, checkpoint stall.
@@ -85,9 +88,9 @@ wait_for() {
 }
 field() { dctl status "$job" --json | py "import json,sys; v=json.load(sys.stdin); print($1)"; }
 
-log "1. NCCL: self-test on CUDA tensors and figures (ductile-bench nccl)"
+log "1. NCCL: the conformance suite on CUDA tensors (world 1: what needs two ranks runs on TCP in CI) and figures (ductile-bench nccl)"
 ductile-bench nccl | tee "$work/nccl.txt"
-grep -q "self-test on CUDA tensors (f32" "$work/nccl.txt" || fail "the NCCL self-test did not pass"
+grep -q "conformance suite on CUDA tensors (world 1" "$work/nccl.txt" || fail "the NCCL conformance suite did not pass"
 grep -q "pinned host staging), self-test: ok" "$work/nccl.txt" || fail "the TCP staging self-test did not pass"
 
 etcd_port=$(free_port); peer_port=$(free_port); api_port=$(free_port)
@@ -158,6 +161,39 @@ echo "nccl1: back in $(py "print(round($t_back - $t_kill, 2))") s (kill to a new
 rejoin=$(grep "pid=$newpid " "$work/agent-gpu-a.log" | grep "joined generation" | head -1)
 echo "restarted worker: $rejoin"
 case "$rejoin" in *"at step 0 ("*|"") fail "the restarted worker did not resume from the checkpoint";; esac
+
+log "2b. comm = \"auto\" on NCCL (world 1): a DiLoCo job and a pipeline job train to the end"
+# JOB EXTRA-TRAINING-LINES: a GPT job on gpu-a's one GPU slot with comm = "auto"
+auto_job() {
+  cat >"$work/$1.toml" <<JOB
+name = "$1"
+min = 1
+max = 1
+desired = 1
+restart_budget = 2
+[training]
+model = "gpt"
+model_config = { d_model = 128, n_layer = 4, n_head = 4, ctx = 32 }
+dataset = "file://$work/tokens.bin"
+global_batch = 16
+max_steps = 80
+lr = 1e-3
+seed = 5
+comm = "auto"
+$2
+JOB
+  dctl submit "$work/$1.toml"
+}
+for spec in "diloco1|sync = \"diloco\"
+[training.diloco]
+inner_steps = 10" "pipe1|strategy = \"pipeline\""; do
+  job=${spec%%|*}
+  auto_job "$job" "${spec#*|}"
+  wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
+  backend=$(dctl events "$job" --json | tail -1 | py "import json,sys; print(json.loads(sys.stdin.read()).get('backend'))")
+  echo "$job: backend $backend, final loss $(field "v.get('loss')"), final sha256 $(field "v.get('final_weights_sha256')")"
+  [ "$backend" = nccl ] || fail "auto chose $backend for $job on a GPU of its own"
+done
 kill -TERM "${agent_pid[gpu-a]}"; sleep 3
 
 log "3. three workers sharing the GPU over TCP (deterministic): kill, shrink, grow back, checkpoint; bitwise equal to an uninterrupted run"
