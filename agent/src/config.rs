@@ -100,6 +100,10 @@ pub struct Cli {
     /// for any. Default: /var/lib/ductile.
     #[arg(long, env = "DUCTILE_ALLOWED_PATHS", value_delimiter = ',')]
     pub allowed_paths: Option<Vec<String>>,
+    /// Prefixes (s3://bucket/prefix) under which a job's s3:// dataset, checkpoint and
+    /// arguments may be, comma-separated; `*` for any (the default).
+    #[arg(long, env = "DUCTILE_ALLOWED_S3_PREFIXES", value_delimiter = ',')]
+    pub allowed_s3_prefixes: Option<Vec<String>>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -127,6 +131,7 @@ pub struct FileConfig {
     pub advertise_host: Option<String>,
     pub allowed_commands: Option<Vec<String>>,
     pub allowed_paths: Option<Vec<String>>,
+    pub allowed_s3_prefixes: Option<Vec<String>>,
 }
 
 /// Which GPUs a node offers.
@@ -357,6 +362,10 @@ impl Config {
                         .allowed_paths
                         .or(file.allowed_paths)
                         .unwrap_or(d.allowed_paths),
+                    allowed_s3_prefixes: cli
+                        .allowed_s3_prefixes
+                        .or(file.allowed_s3_prefixes)
+                        .unwrap_or(d.allowed_s3_prefixes),
                     mesh_tls: mesh_tls.is_some(),
                 }
             },

@@ -98,6 +98,14 @@ fn s3_builder(bucket: String) -> object_store::aws::AmazonS3Builder {
     }
 }
 
+/// The local file system as an object store, every write durable before it returns: each file
+/// and its parent directory are fsynced (as S3 holds what it acknowledged), so a shard or
+/// manifest is on disk before the commit record that names it is written, and a power loss
+/// cannot void a committed checkpoint.
+fn local_fs() -> object_store::local::LocalFileSystem {
+    object_store::local::LocalFileSystem::new().with_fsync(true)
+}
+
 /// An object store and the key of `url` in it.
 pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
     let err = object_err(url);
@@ -109,9 +117,7 @@ pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
             Ok((Arc::new(s3), Path::from(prefix)))
         }
         Location::File { path } => {
-            let fs = object_store::local::LocalFileSystem::new();
-            let p = Path::from_absolute_path(&path).map_err(|e| err("parse path", e.into()))?;
-            Ok((Arc::new(fs), p))
+            Ok((Arc::new(local_fs()), Path::from_absolute_path(&path).map_err(|e| err("parse path", e.into()))?))
         }
     }
 }
@@ -147,6 +153,14 @@ pub async fn write(url: &str, bytes: Vec<u8>) -> Result<(), StoreError> {
 
 #[cfg(test)]
 mod tests {
+    /// file:// checkpoints are written durably (object_store's fsync is off by default).
+    #[test]
+    fn file_urls_are_written_with_fsync() {
+        let (store, _) = super::open("file:///tmp/ductile-fsync-check").unwrap();
+        let shown = format!("{store:?}");
+        assert!(shown.contains("fsync: true"), "{shown}");
+    }
+
     #[tokio::test]
     async fn a_file_url_round_trips_through_ranged_reads() {
         let dir = std::env::temp_dir().join(format!("ductile-store-{}", std::process::id()));

@@ -57,6 +57,10 @@ pub struct EtcdArgs {
     /// File holding the etcd user's password.
     #[arg(long, env = "DUCTILE_ETCD_PASSWORD_FILE")]
     pub etcd_password_file: Option<PathBuf>,
+    /// Run against an etcd off loopback without TLS or without auth (refused otherwise: any
+    /// job's workers could then read and write every key, other jobs' commits included).
+    #[arg(long, env = "DUCTILE_INSECURE_ETCD")]
+    pub insecure_etcd: bool,
 }
 
 /// The same settings as they appear in a service's TOML file.
@@ -69,17 +73,19 @@ pub struct EtcdFileArgs {
     pub etcd_key: Option<PathBuf>,
     pub etcd_user: Option<String>,
     pub etcd_password_file: Option<PathBuf>,
+    pub insecure_etcd: Option<bool>,
 }
 
 impl EtcdFileArgs {
     /// The keys a service's config file holds these under.
-    pub const KEYS: [&'static str; 6] = [
+    pub const KEYS: [&'static str; 7] = [
         "etcd",
         "etcd_ca",
         "etcd_cert",
         "etcd_key",
         "etcd_user",
         "etcd_password_file",
+        "insecure_etcd",
     ];
 }
 
@@ -135,7 +141,43 @@ impl EtcdAccess {
             password,
         };
         a.validate()?;
+        if let Some(why) = a.exposure() {
+            if !(cli.insecure_etcd || file.insecure_etcd.unwrap_or(false)) {
+                return Err(format!(
+                    "{why}; set up TLS and auth (scripts/secure.sh), or pass --insecure-etcd (insecure_etcd = true) to run so anyway"
+                ));
+            }
+            tracing::warn!("{why} (--insecure-etcd)");
+        }
         Ok(a)
+    }
+
+    /// Why this access leaves etcd open to whoever reaches it, or None: an endpoint off
+    /// loopback without TLS (`etcd_ca`), or without auth (`etcd_user`: per-job etcd users are
+    /// then off, and every job's workers can read and write every key).
+    pub fn exposure(&self) -> Option<String> {
+        let remote: Vec<String> = self
+            .endpoint_list()
+            .into_iter()
+            .filter(|e| !is_loopback(e))
+            .collect();
+        if remote.is_empty() {
+            return None;
+        }
+        let mut lacks = Vec::new();
+        if self.ca.is_none() {
+            lacks.push("no TLS (etcd_ca)");
+        }
+        if self.user.is_none() {
+            lacks.push("no auth (etcd_user: every job's workers could read and write every key)");
+        }
+        (!lacks.is_empty()).then(|| {
+            format!(
+                "etcd at {} is not on loopback and has {}",
+                remote.join(","),
+                lacks.join(" and ")
+            )
+        })
     }
 
     /// What an agent set for its worker (see [`EtcdAccess::worker_env`]).
@@ -221,6 +263,21 @@ impl EtcdAccess {
     }
 }
 
+/// Whether an endpoint (`scheme://host:port`) names this machine's loopback.
+fn is_loopback(endpoint: &str) -> bool {
+    let rest = endpoint.split_once("://").map(|x| x.1).unwrap_or(endpoint);
+    let authority = rest.split('/').next().unwrap_or("");
+    let host = if let Some(h) = authority.strip_prefix('[') {
+        h.split(']').next().unwrap_or("")
+    } else {
+        authority.rsplit_once(':').map(|x| x.0).unwrap_or(authority)
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 fn read_secret(p: &Path, what: &str) -> std::result::Result<Secret, String> {
     let s = std::fs::read_to_string(p)
         .map_err(|e| format!("cannot read {what} file {}: {e}", p.display()))?;
@@ -285,6 +342,39 @@ pub fn new_password() -> Result<Secret> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_etcd_off_loopback_needs_tls_and_auth_or_insecure_etcd() {
+        let args = |etcd: &str, ca: bool, user: bool, insecure: bool| {
+            let dir = std::env::temp_dir().join(format!("ductile-exposure-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let pw = dir.join("pw");
+            std::fs::write(&pw, "secret").unwrap();
+            EtcdAccess::from_args(
+                EtcdArgs {
+                    etcd: Some(etcd.into()),
+                    etcd_ca: ca.then(|| dir.join("ca.pem")),
+                    etcd_user: user.then(|| "u".to_string()),
+                    etcd_password_file: user.then_some(pw),
+                    insecure_etcd: insecure,
+                    ..Default::default()
+                },
+                EtcdFileArgs::default(),
+            )
+        };
+        // loopback: a local cluster needs neither
+        for e in ["http://127.0.0.1:2379", "http://localhost:2379", "http://[::1]:2379"] {
+            assert!(args(e, false, false, false).is_ok(), "{e}");
+        }
+        let e = args("http://10.0.0.10:2379", false, false, false).unwrap_err();
+        assert!(e.contains("10.0.0.10") && e.contains("no TLS") && e.contains("no auth") && e.contains("--insecure-etcd"), "{e}");
+        let e = args("https://10.0.0.10:2379", true, false, false).unwrap_err();
+        assert!(e.contains("no auth") && !e.contains("no TLS"), "{e}");
+        let e = args("http://127.0.0.1:2379,http://etcd-2:2379", false, true, false).unwrap_err();
+        assert!(e.contains("etcd-2") && e.contains("no TLS"), "{e}");
+        assert!(args("https://10.0.0.10:2379", true, true, false).is_ok());
+        assert!(args("http://10.0.0.10:2379", false, false, true).is_ok());
+    }
 
     #[test]
     fn settings_that_cannot_work_together_are_refused_naming_them() {

@@ -101,8 +101,9 @@ impl EtcdBackend {
     }
 }
 
-/// The CA to trust, the client identity when one is given, and the server name checked
-/// against etcd's certificate (the first endpoint's host).
+/// The CA to trust and the client identity when one is given. Each endpoint's certificate is
+/// checked against that endpoint's own host (no one name for all: with per-node certificates,
+/// a failover to the second endpoint must check the second node's name).
 fn tls_options(access: &EtcdAccess, ca: &std::path::Path) -> Result<ec::TlsOptions> {
     let read = |p: &std::path::Path, what: &str| {
         std::fs::read(p)
@@ -115,14 +116,6 @@ fn tls_options(access: &EtcdAccess, ca: &std::path::Path) -> Result<ec::TlsOptio
             read(c, "etcd_cert")?,
             read(k, "etcd_key")?,
         ));
-    }
-    if let Some(host) = access
-        .endpoint_list()
-        .first()
-        .and_then(|e| e.parse::<tonic::codegen::http::Uri>().ok())
-        .and_then(|u| u.host().map(|h| h.trim_matches(['[', ']']).to_string()))
-    {
-        tls = tls.domain_name(host);
     }
     Ok(tls)
 }

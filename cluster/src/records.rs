@@ -71,6 +71,10 @@ pub struct NodeRecord {
 pub struct AgentPolicy {
     pub allowed_commands: Vec<String>,
     pub allowed_paths: Vec<String>,
+    /// Prefixes (`s3://bucket/prefix`) under which a job's s3:// URLs may be, in its dataset,
+    /// checkpoint and arguments; `*` for any (the default, for records of older agents too).
+    #[serde(default = "AgentPolicy::any_s3")]
+    pub allowed_s3_prefixes: Vec<String>,
     /// The agent has a mesh TLS certificate (`mesh_tls_*`): it can run `mesh_tls` jobs.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub mesh_tls: bool,
@@ -81,12 +85,138 @@ impl Default for AgentPolicy {
         AgentPolicy {
             allowed_commands: vec!["ductile-worker".into()],
             allowed_paths: vec!["/var/lib/ductile".into()],
+            allowed_s3_prefixes: AgentPolicy::any_s3(),
             mesh_tls: false,
         }
     }
 }
 
+/// The most ranks one job may have (its `max`): every search over world sizes (the planner's,
+/// the API's `plan?world=`) is bounded by it.
+pub const MAX_WORLD: u32 = 65_536;
+
+/// The environment names a job's `env` may set on an agent whose `allowed_commands` is
+/// restricted: logging, thread counts, locale, and CUDA, torch and NCCL tuning that loads no
+/// other code and writes no file. Every other name is refused there (the dynamic loader's
+/// `LD_*`, `CUDA_INJECTION64_PATH`, NCCL's `*_PLUGIN` and `NCCL_DEBUG_FILE`, credentials and
+/// endpoints such as `AWS_*`, `PATH`, `PYTHONPATH` among them). `DUCTILE_SLOWDOWN` and
+/// `DUCTILE_FAULT_*` are allowed in a job with `allow_fault_injection`.
+pub const JOB_ENV_ALLOWED: &[&str] = &[
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "RUST_LIB_BACKTRACE",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "TZ",
+    "LANG",
+    "LC_ALL",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "CUDA_LAUNCH_BLOCKING",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "NCCL_DEBUG",
+    "NCCL_DEBUG_SUBSYS",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_SOCKET_FAMILY",
+    "NCCL_SOCKET_NTHREADS",
+    "NCCL_NSOCKS_PERTHREAD",
+    "NCCL_IB_DISABLE",
+    "NCCL_IB_HCA",
+    "NCCL_IB_GID_INDEX",
+    "NCCL_IB_TIMEOUT",
+    "NCCL_IB_RETRY_CNT",
+    "NCCL_NET_GDR_LEVEL",
+    "NCCL_P2P_DISABLE",
+    "NCCL_P2P_LEVEL",
+    "NCCL_SHM_DISABLE",
+    "NCCL_CUMEM_ENABLE",
+    "NCCL_CROSS_NIC",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_BUFFSIZE",
+    "NCCL_NTHREADS",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "DUCTILE_COMM_BIND",
+];
+
+/// Whether `program` (a job's command[0]) is ductile's worker.
+fn is_worker(program: &str) -> bool {
+    std::path::Path::new(program)
+        .file_name()
+        .is_some_and(|n| n == "ductile-worker")
+}
+
+/// The URLs and paths an argument names: the argument itself and, for `--flag=value`, its value.
+fn named_locations(arg: &str) -> Vec<&str> {
+    let mut out = vec![arg];
+    if let Some((_, v)) = arg.split_once('=') {
+        out.push(v);
+    }
+    out.into_iter()
+        .filter(|a| a.starts_with('/') || a.contains("://"))
+        .collect()
+}
+
 impl AgentPolicy {
+    fn any_s3() -> Vec<String> {
+        vec!["*".into()]
+    }
+
+    /// Whether `url` (file://, s3://, or a plain absolute path) lies under the allow-lists.
+    fn check_location(&self, field: &str, url: &str) -> Result<(), (String, String)> {
+        let deny = |why: String| Err((field.to_string(), why));
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let within = |prefix: &str| {
+                prefix == "*"
+                    || prefix
+                        .strip_prefix("s3://")
+                        .is_some_and(|p| {
+                            let p = p.trim_end_matches('/');
+                            rest == p || rest.starts_with(&format!("{p}/"))
+                        })
+            };
+            if rest.split('/').any(|c| c == ".." || c == ".") {
+                return deny(format!("{url}: an s3:// key must not hold . or .. components"));
+            }
+            if !self.allowed_s3_prefixes.iter().any(|p| within(p)) {
+                return deny(format!(
+                    "{url} is outside the agent's allowed_s3_prefixes {:?}",
+                    self.allowed_s3_prefixes
+                ));
+            }
+            return Ok(());
+        }
+        let path = match url.strip_prefix("file://") {
+            Some(p) => p,
+            None if url.starts_with('/') => url,
+            None => {
+                return deny(format!(
+                    "{url}: only file:// and s3:// locations (or absolute paths) may be named"
+                ))
+            }
+        };
+        let p = std::path::Path::new(path);
+        let plain = p.is_absolute()
+            && p.components().all(|c| {
+                !matches!(
+                    c,
+                    std::path::Component::ParentDir | std::path::Component::CurDir
+                )
+            });
+        if !plain {
+            return deny(format!("{url}: a file:// path must be absolute, without . or .."));
+        }
+        if !self.allowed_paths.iter().any(|root| p.starts_with(root)) {
+            return deny(format!(
+                "{url} is outside the agent's allowed_paths {:?}",
+                self.allowed_paths
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether a job may run under this policy; the error names the spec's field and why.
     pub fn check(&self, spec: &JobSpec) -> Result<(), (String, String)> {
         let any_command = self.allowed_commands.iter().any(|c| c == "*");
@@ -101,11 +231,36 @@ impl AgentPolicy {
             ));
         }
         if !any_command {
-            if let Some(k) = spec.env.keys().find(|k| k.starts_with("LD_")) {
+            // the worker runs as a job's worker only: its other subcommands (synth-data) write
+            // where they are told, past every allow-list
+            let args = &spec.command[1..];
+            if is_worker(program) && !(args.is_empty() || args == ["run"]) {
                 return Err((
-                    format!("env.{k}"),
-                    "the dynamic loader's variables would run other code inside an allowed command; they are refused while allowed_commands is restricted".into(),
+                    "command".into(),
+                    format!(
+                        "{program} runs as the job's worker only (no arguments, or \"run\"); {args:?} is refused"
+                    ),
                 ));
+            }
+            let injection = |k: &str| {
+                spec.allow_fault_injection && (k == "DUCTILE_SLOWDOWN" || k.starts_with("DUCTILE_FAULT_"))
+            };
+            if let Some(k) = spec
+                .env
+                .keys()
+                .find(|k| !JOB_ENV_ALLOWED.contains(&k.as_str()) && !injection(k))
+            {
+                let why = if k.starts_with("LD_") {
+                    "the dynamic loader's variables would run other code inside an allowed command".to_string()
+                } else {
+                    format!("{k} is not among the names a job may set while allowed_commands is restricted (README: \"A job's environment\")")
+                };
+                return Err((format!("env.{k}"), why));
+            }
+            for (i, arg) in args.iter().enumerate() {
+                for loc in named_locations(arg) {
+                    self.check_location(&format!("command[{}]", i + 1), loc)?;
+                }
             }
         }
         if spec.training.as_ref().is_some_and(|t| t.mesh_tls) && !self.mesh_tls {
@@ -123,31 +278,8 @@ impl AgentPolicy {
             urls.push(("checkpoint.url", c.url.as_str()));
         }
         for (field, url) in urls {
-            let Some(path) = url.strip_prefix("file://") else {
-                continue;
-            };
-            let p = std::path::Path::new(path);
-            let plain = p.is_absolute()
-                && p.components().all(|c| {
-                    !matches!(
-                        c,
-                        std::path::Component::ParentDir | std::path::Component::CurDir
-                    )
-                });
-            if !plain {
-                return Err((
-                    field.into(),
-                    format!("{url}: a file:// path must be absolute, without . or .."),
-                ));
-            }
-            if !self.allowed_paths.iter().any(|root| p.starts_with(root)) {
-                return Err((
-                    field.into(),
-                    format!(
-                        "{url} is outside the agent's allowed_paths {:?}",
-                        self.allowed_paths
-                    ),
-                ));
+            if url.starts_with("file://") || url.starts_with("s3://") {
+                self.check_location(field, url)?;
             }
         }
         Ok(())
@@ -590,15 +722,23 @@ impl JobSpec {
                 format!("{} is below min {}", self.max, self.min),
             ));
         }
+        if self.max > MAX_WORLD {
+            return Err(ClusterError::invalid(
+                "max",
+                format!("{} is over {MAX_WORLD} ranks, the most one job may have", self.max),
+            ));
+        }
         self.check_size(self.desired)
             .map_err(|reason| ClusterError::invalid("desired", reason))?;
         for k in self.env.keys() {
             let injection = self.allow_fault_injection
                 && (k.starts_with("DUCTILE_FAULT_") || k == "DUCTILE_SLOWDOWN");
-            if k.is_empty() || k.contains('=') || (k.starts_with("DUCTILE_") && !injection) {
+            // the one DUCTILE_* name a job sets for itself: where its workers listen (NAT)
+            let own = k == "DUCTILE_COMM_BIND";
+            if k.is_empty() || k.contains('=') || (k.starts_with("DUCTILE_") && !injection && !own) {
                 return Err(ClusterError::invalid(
                     format!("env.{k}"),
-                    "names must be non-empty, without '=', and not start with DUCTILE_ (reserved; DUCTILE_FAULT_* and DUCTILE_SLOWDOWN only with allow_fault_injection = true)",
+                    "names must be non-empty, without '=', and not start with DUCTILE_ (reserved; DUCTILE_COMM_BIND is allowed, DUCTILE_FAULT_* and DUCTILE_SLOWDOWN only with allow_fault_injection = true)",
                 ));
             }
         }
@@ -1721,6 +1861,7 @@ keep = 3
         let base = "name = \"a\"\nmin = 1\nmax = 2\ndesired = 2\n";
         assert!(err(&format!("{base}colour = 3\n")).contains("unknown field `colour`"));
         assert!(err("name = \"a\"\nmin = 2\nmax = 1\ndesired = 1\n").contains("invalid max"));
+        assert!(err("name = \"a\"\nmin = 1\nmax = 4000000000\ndesired = 1\n").contains("invalid max"));
         assert!(err("name = \"a\"\nmin = 1\nmax = 2\ndesired = 5\n").contains("invalid desired"));
         assert!(err("name = \"a b\"\nmin = 1\nmax = 2\ndesired = 2\n").contains("invalid name"));
         assert!(err("name = \"a\"\nmin = 1\nmax = 2\n").contains("missing field `desired`"));
@@ -1805,10 +1946,76 @@ mod policy_tests {
             .check(&spec("env = { LD_LIBRARY_PATH = \"/tmp\" }\n"))
             .unwrap_err();
         assert_eq!(field, "env.LD_LIBRARY_PATH");
+        // the review's hostile specs: the worker's other subcommands, code-loading variables,
+        // paths and keys in arguments past the allow-lists
+        let (field, why) = p
+            .check(&spec(
+                "command = [\"ductile-worker\", \"synth-data\", \"--out\", \"file:///etc/ductile/agent.toml\"]\n",
+            ))
+            .unwrap_err();
+        assert_eq!(field, "command");
+        assert!(why.contains("worker only"), "{why}");
+        assert!(p
+            .check(&spec("command = [\"/usr/bin/ductile-worker\", \"synth-data\"]\n"))
+            .is_err());
+        assert_eq!(p.check(&spec("command = [\"ductile-worker\", \"run\"]\n")), Ok(()));
+        for (k, v) in [
+            ("CUDA_INJECTION64_PATH", "/tmp/x.so"),
+            ("NCCL_NET_PLUGIN", "/tmp/x.so"),
+            ("NCCL_DEBUG_FILE", "/etc/x"),
+            ("AWS_ENDPOINT_URL", "http://evil"),
+            ("PYTHONPATH", "/tmp"),
+        ] {
+            let (field, _) = p.check(&spec(&format!("env = {{ {k} = \"{v}\" }}\n"))).unwrap_err();
+            assert_eq!(field, format!("env.{k}"));
+        }
+        assert_eq!(
+            p.check(&spec("env = { RUST_LOG = \"debug\", NCCL_DEBUG = \"INFO\", DUCTILE_COMM_BIND = \"0.0.0.0\" }\n")),
+            Ok(())
+        );
+        // fault injection names in a job that allows fault injection (the spec refuses them
+        // otherwise)
+        assert_eq!(
+            p.check(&spec("allow_fault_injection = true\nenv = { DUCTILE_SLOWDOWN = \"1:4\" }\n")),
+            Ok(())
+        );
+        let sleeper = AgentPolicy {
+            allowed_commands: vec!["sleep".into()],
+            allowed_s3_prefixes: vec!["s3://ok/jobs".into()],
+            ..AgentPolicy::default()
+        };
+        for (arg, ok) in [
+            ("5", true),
+            ("/var/lib/ductile/x", true),
+            ("--out=/etc/passwd", false),
+            ("file:///etc/shadow", false),
+            ("/var/lib/ductile/../../etc", false),
+            ("s3://ok/jobs/a/COMMIT", true),
+            ("s3://ok/jobsx/a", false),
+            ("--to=s3://other/jobs/COMMIT", false),
+            ("s3://ok/jobs/../other", false),
+            ("http://example/x", false),
+        ] {
+            let r = sleeper.check(&spec(&format!("command = [\"sleep\", \"{arg}\"]\n")));
+            assert_eq!(r.is_ok(), ok, "{arg}: {r:?}");
+            if let Err((field, _)) = r {
+                assert_eq!(field, "command[1]");
+            }
+        }
+        let s3 = |url: &str| {
+            spec(&format!(
+                "command = [\"sleep\"]\n[training]\nmodel = \"mlp\"\ndataset = \"s3://ok/jobs/d\"\nglobal_batch = 8\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\n"
+            ))
+        };
+        assert_eq!(sleeper.check(&s3("s3://ok/jobs/ck")), Ok(()));
+        let (field, why) = sleeper.check(&s3("s3://other/ck")).unwrap_err();
+        assert_eq!(field, "checkpoint.url");
+        assert!(why.contains("allowed_s3_prefixes"), "{why}");
         // "*" and "/" open it up; env is then the job's own business
         let open = AgentPolicy {
             allowed_commands: vec!["*".into()],
             allowed_paths: vec!["/".into()],
+            allowed_s3_prefixes: vec!["*".into()],
             mesh_tls: false,
         };
         assert_eq!(

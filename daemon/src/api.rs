@@ -362,14 +362,27 @@ async fn plan(
             format!("job {job} has no [training] section: nothing to plan"),
         ));
     };
-    ductile_strategies::pipeline::plan(t, q.world)
-        .map(Json)
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!("job {job} at world {}: {e}", q.world),
-            )
-        })
+    // bounded by what the job allows (a plan's search grows with the world), and planned off
+    // the runtime so a request never holds up the others
+    if q.world == 0 || q.world > spec.0.max {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "world {} is outside 1..={} (the job's max): job {job} never runs there",
+                q.world, spec.0.max
+            ),
+        ));
+    }
+    let (t, world) = (t.clone(), q.world);
+    let planned = tokio::task::spawn_blocking(move || ductile_strategies::pipeline::plan(&t, world))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("planning failed: {e}")))?;
+    planned.map(Json).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("job {job} at world {}: {e}", q.world),
+        )
+    })
 }
 
 /// What the job's checkpoint URL holds (committed checkpoints and attempts), newest first.

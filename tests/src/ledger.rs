@@ -14,13 +14,37 @@ fn read(dir: &Path) -> Result<Vec<(String, serde_json::Value)>, String> {
     for f in files.flatten() {
         let name = f.file_name().to_string_lossy().into_owned();
         let text = std::fs::read_to_string(f.path()).map_err(|e| format!("ledger {name}: {e}"))?;
-        out.extend(
-            text.lines()
-                .filter_map(|l| serde_json::from_str(l).ok())
-                .map(|v| (name.clone(), v)),
-        );
+        // only the last line may be torn (one without its newline); any other that does not
+        // parse is a ledger that says something this checker cannot read: an error
+        let complete = text.ends_with('\n');
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, l) in lines.iter().enumerate() {
+            match serde_json::from_str(l) {
+                Ok(v) => out.push((name.clone(), v)),
+                Err(_) if i + 1 == lines.len() && !complete => {}
+                Err(e) => return Err(format!("ledger {name} line {}: {e}: {l:?}", i + 1)),
+            }
+        }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_torn_last_line_is_skipped() {
+        let dir = std::env::temp_dir().join(format!("ductile-ledger-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("a"), "{\"s\":0}\n{\"s\":1}\n{\"s\":").unwrap();
+        assert_eq!(read(&dir).unwrap().len(), 2);
+        std::fs::write(dir.join("a"), "{\"s\":0}\n{\"s\n{\"s\":1}\n").unwrap();
+        assert!(read(&dir).unwrap_err().contains("line 2"));
+        std::fs::write(dir.join("a"), "{\"s\":0}\nnot json\n").unwrap();
+        assert!(read(&dir).unwrap_err().contains("line 2"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
 
 /// Check that steps `0..steps` were each committed once, over `samples` samples with a global

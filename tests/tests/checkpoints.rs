@@ -728,6 +728,43 @@ fn training_a_cold_start_that_cannot_list_the_store_does_not_start_from_the_seed
     assert!(!logs.iter().any(|l| l.contains("starting from the seed")));
 }
 
+/// A store error that is not corruption during a cold start (here the latest manifest cannot
+/// be read: a directory stands where the file was, as a store that answers with errors) never
+/// rolls the job back to an older commit: every rank's attempt fails, saying why, the workers
+/// are restarted, and once the store reads again the job resumes from the latest commit.
+#[test]
+fn training_a_store_error_in_a_cold_start_is_retried_never_a_fallback() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let dir = c.dir.path().join("ckpt-c10");
+    let url = format!("file://{}", dir.display());
+    c.submit(&mlp_job("c10", 2, &data, &url, 40, 20, ""));
+    c.wait_done("c10", S(120));
+    let rec = latest(&c, "c10").unwrap();
+    assert_eq!(rec.step, 40);
+    let manifest = dir.join(&rec.manifest);
+    let saved = dir.join("manifest.saved");
+    std::fs::rename(&manifest, &saved).unwrap();
+    std::fs::create_dir(&manifest).unwrap();
+    let before = c.status("c10").generation;
+    c.submit(&mlp_job("c10", 2, &data, &url, 60, 20, ""));
+    c.wait_for(S(120), "the failed read reported", || {
+        agent_logs(&c).contains("could not read it").then_some(())
+    });
+    let logs = agent_logs(&c);
+    assert!(!logs.contains("FALLING BACK"), "fell back on a store error:\n{logs}");
+    assert!(
+        !logs.contains("at step 20 ("),
+        "a rank resumed from the older commit:\n{logs}"
+    );
+    std::fs::remove_dir(&manifest).unwrap();
+    std::fs::rename(&saved, &manifest).unwrap();
+    let (_, w) = joined_weights(&c, "c10", before + 1);
+    assert!(w[0].starts_with("40:"), "resumed at {} instead of step 40", w[0]);
+    assert_eq!(c.wait_done("c10", S(180)).step, 60);
+    assert!(!agent_logs(&c).contains("FALLING BACK"));
+}
+
 /// A checkpoint saved with another seed (or dataset, or global batch) does not resume a job:
 /// its data position would not mean the same samples. The job says which field differs.
 #[test]

@@ -1058,6 +1058,20 @@ fn agents_run_only_what_their_policy_allows_and_the_daemon_refuses_the_rest_at_s
             ),
             "without . or ..",
         ),
+        // the review's hostile specs: the worker's file-writing subcommand, a code-loading
+        // variable, a path past allowed_paths in an allowed program's arguments
+        (
+            "command = [\"ductile-worker\", \"synth-data\", \"--kind\", \"tokens\", \"--out\", \"file:///var/tmp/ductile-hostile\"]\n".into(),
+            "invalid command: no agent's policy allows it",
+        ),
+        (
+            "command = [\"sleep\", \"600\"]\nenv = { CUDA_INJECTION64_PATH = \"/tmp/x.so\" }\n".into(),
+            "invalid env.CUDA_INJECTION64_PATH",
+        ),
+        (
+            "command = [\"sleep\", \"/etc/passwd\"]\n".into(),
+            "invalid command[1]",
+        ),
     ] {
         let (ok, _, err) = submit(&format!("{base}{extra}"));
         assert!(!ok, "{extra}");
@@ -1083,4 +1097,5 @@ fn agents_run_only_what_their_policy_allows_and_the_daemon_refuses_the_rest_at_s
     );
     assert!(g.members.iter().all(|m| m.node != "node2"), "{g:?}");
     assert!(c.logs().contains("refused by this agent's policy"));
+    assert!(!std::path::Path::new("/var/tmp/ductile-hostile").exists());
 }

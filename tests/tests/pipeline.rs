@@ -35,6 +35,14 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
     assert_eq!(plan["boundaries"].as_array().unwrap().len(), 3, "{plan}");
     let human = c.dctl_ok(&["plan", "pp", "--world", "3"]);
     assert!(human.contains("layout      dp1×pp"), "{human}");
+    // a world the job never has is refused at once (never planned: the search grows with the
+    // world), and the daemon stays healthy
+    let t0 = std::time::Instant::now();
+    let (ok, _, err) = c.dctl(&["plan", "pp", "--world", "4000000000"]);
+    assert!(!ok && err.contains("the job's max"), "{err}");
+    assert!(t0.elapsed() < S(20), "{:?}", t0.elapsed());
+    let (code, _) = http("GET", &format!("{}/healthz", c.endpoint()), &[], b"").unwrap();
+    assert_eq!(code, 200);
 
     let v = c.wait_world("pp", 4, S(30));
     replicas_agree(&c, v.generation);

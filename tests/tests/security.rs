@@ -481,7 +481,7 @@ fn fuzzed_api_request_bodies_get_clear_answers_and_change_only_what_they_were_ac
     c.wait_world("x", 1, S::from_secs(30));
     let api = c.endpoint();
     let auth = format!("Bearer {TOKEN}");
-    let toml = "name = \"fz\"\ncommand = [\"sleep\", \"5\"]\nmin = 1\nmax = 2\ndesired = 1\nrestart_budget = 1\nenv = { A = \"b\" }\n[checkpoint]\nurl = \"file:///tmp/fz\"\ninterval = 10\n";
+    let toml = "name = \"fz\"\ncommand = [\"sleep\", \"5\"]\nmin = 1\nmax = 2\ndesired = 1\nrestart_budget = 1\nenv = { RUST_LOG = \"info\" }\n[checkpoint]\nurl = \"file:///tmp/fz\"\ninterval = 10\n";
     let json = r#"{"name":"fy","command":["sleep","5"],"min":1,"max":1,"desired":1,"training":{"model":"gpt","dataset":"file:///tmp/d","global_batch":8}}"#;
     // (path, content type, valid body)
     let targets: Vec<(String, &str, Vec<u8>)> = vec![
@@ -678,14 +678,35 @@ fn workers_run_as_the_worker_user_not_as_the_agent() {
             .output()
             .unwrap()
     };
-    if unsafe { libc::geteuid() } != 0 {
-        // not root here: the agent must refuse, naming what it lacks
-        let out = agent_as("nobody");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{err}");
-        assert!(err.contains("CAP_SETUID"), "{err}");
-        return;
-    }
+    let root = unsafe { libc::geteuid() } == 0;
+    // an agent that cannot switch users refuses to start, naming what it lacks: run here as
+    // nobody (through setpriv when this test runs as root)
+    let out = if root {
+        // a copy nobody may run (the build's directory is root's own)
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("ductile-as-nobody-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let agent = dir.join("ductile-agent");
+        std::fs::copy(bin("ductile-agent"), &agent).unwrap();
+        std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::process::Command::new("setpriv")
+            .args(["--reuid", &nobody.to_string(), "--regid", &nobody.to_string(), "--clear-groups", "--inh-caps=-all"])
+            .arg(&agent)
+            // another unprivileged user than its own: switching needs root or CAP_SETUID
+            .args(["--etcd", &etcd, "--node", "n", "--worker-user", "daemon"])
+            .output()
+            .unwrap()
+    } else {
+        agent_as("nobody")
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("CAP_SETUID"), "{err}");
+    assert!(
+        root,
+        "the rest of this test starts an agent that switches its workers to nobody: it needs root (CI runs as root)"
+    );
     c.start_agent("node1", 1, &["--worker-user", "nobody"]);
     c.submit("name = \"u\"\ncommand = [\"sleep\", \"1000\"]\nmin = 1\nmax = 1\ndesired = 1\n");
     let v = c.wait_world("u", 1, S::from_secs(30));

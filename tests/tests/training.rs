@@ -356,17 +356,14 @@ fn training_reads_its_dataset_from_s3() {
     });
 }
 
-/// A slot that offers a GPU the machine does not have (CI's machine has none): its worker
-/// fails at start with a message naming what is missing, is not restarted, the job shows the
-/// message in its generation history and status, and trains on without it. No worker hangs.
+/// A slot that offers a GPU the machine does not have (GPU 99: none on CI's machine, nor on
+/// any GPU machine this runs on): its worker fails at start with a message naming what is
+/// missing, is not restarted, the job shows the message in its generation history and status,
+/// and trains on without it. No worker hangs.
 #[test]
 fn training_a_gpu_slot_without_a_gpu_fails_at_start_with_a_clear_error_and_the_job_goes_on() {
-    if std::path::Path::new("/dev/nvidiactl").exists() {
-        eprintln!("this machine has an NVIDIA GPU: scripts/gpu-check.sh covers it");
-        return;
-    }
     let mut c = Cluster::start(Spec::default().agents(1, 2));
-    c.start_agent("gpunode", 1, &["--gpus", "0"]);
+    c.start_agent("gpunode", 1, &["--gpus", "99"]);
     let data = synth(c.dir.path(), "tokens", 60_000);
     c.submit(&format!(
         "{}max_steps = 100000\n",

@@ -445,20 +445,35 @@ fn serve(
                 }
                 res
             }
-            Head::Get => {
-                let d = disp.as_mut().expect("only member 0 dispenses");
-                let batch = if d.outstanding.contains_key(&from) {
-                    Vec::new()
-                } else {
-                    d.hand_out(from, cfg.batch)
-                };
-                let head = Head::Batch {
-                    batch,
-                    done: d.done(),
-                    snapshot: d.clone(),
-                };
-                post.to_client(from, head, &[])
-            }
+            Head::Get => match disp.as_mut() {
+                // only member 0 dispenses: a peer asking another member is out of step
+                None => {
+                    tracing::error!(
+                        from,
+                        "a peer asked this member for a batch, but only member 0 dispenses: aborting the generation"
+                    );
+                    post.comm.abort();
+                    Err(CommError::Protocol {
+                        generation: post.comm.generation(),
+                        op: "async batch",
+                        peer: from,
+                        reason: "asked a member that does not dispense for a batch".into(),
+                    })
+                }
+                Some(d) => {
+                    let batch = if d.outstanding.contains_key(&from) {
+                        Vec::new()
+                    } else {
+                        d.hand_out(from, cfg.batch)
+                    };
+                    let head = Head::Batch {
+                        batch,
+                        done: d.done(),
+                        snapshot: d.clone(),
+                    };
+                    post.to_client(from, head, &[])
+                }
+            },
             Head::Bye => {
                 byes += 1;
                 if byes == cfg.world {
@@ -776,10 +791,22 @@ impl Trainer {
             comm.abort();
             let _ = post.to_server.send(Inbox::Failed);
         }
-        let (owned, disp) = server.join().expect("the async server panicked");
+        let served = server.join();
         for r in readers {
             let _ = r.join();
         }
+        let Ok((owned, disp)) = served else {
+            // this member's slice is gone with the thread: the next generation takes the
+            // freshest copy from its peers, as when an owner leaves
+            comm.abort();
+            let a = self.asy();
+            a.owned = None;
+            a.dispenser = None;
+            return Err(CommError::Invalid {
+                op: "async",
+                reason: "the async server thread panicked; this member's slice goes to the freshest copy".into(),
+            });
+        };
         let a = self.asy();
         a.owned = Some(owned);
         a.dispenser = disp;

@@ -26,6 +26,20 @@ use ductile_strategies::redistribute::{self, intersect, relative, Chunk, Part, R
 /// The manifest's chunks as regions of the state tensors (in the manifest's order, which
 /// `check_compatible` holds equal to the job's), with their names. The manifest was validated
 /// when it was loaded (`Manifest::validate`: every chunk inside its tensor, with its bytes).
+/// Tries of a checkpoint read whose store did not answer, before the attempt fails.
+const STORE_TRIES: u32 = 3;
+
+/// Whether a restore error is corruption (the commit is unusable) rather than a store that did
+/// not answer (retried; never a reason to fall back).
+fn is_corrupt(e: &ductile_checkpoint::restore::RestoreError) -> bool {
+    use ductile_checkpoint::restore::RestoreError;
+    match e {
+        RestoreError::Corrupt { .. } => true,
+        // the commit names an object the store does not hold: nothing retries that back
+        RestoreError::Store(b) => b.is_not_found(),
+    }
+}
+
 fn manifest_chunks(m: &Manifest) -> (Vec<Chunk>, Vec<plan::ChunkRef>) {
     let mut chunks = Vec::new();
     let mut refs = Vec::new();
@@ -688,57 +702,95 @@ impl Trainer {
         }
         let elem = self.elem_sizes();
         for rec in &candidates {
-            // every rank reads the manifest (small); a bad one fails this candidate everywhere
-            let m = self.rt.block_on(load_manifest(&bucket, rec));
-            if let Ok(m) = &m {
-                // the same manifest everywhere: every rank stops alike
-                self.check_compatible(m)?;
-            }
-            // the redistribution plan from the manifest's chunks to what each rank needs:
-            // every chunk read once, by one of the ranks that need it
-            let planned = m.as_ref().map_err(|e| e.to_string()).and_then(|m| {
-                let (chunks, refs) = manifest_chunks(m);
-                let p = redistribute::plan(&elem, &[], &chunks, need)
-                    .map_err(|e| format!("the manifest does not cover the state: {e}"))?;
-                Ok((chunks, refs, p))
-            });
-            let got = match (&m, &planned) {
-                (Ok(m), Ok((_, refs, p))) => {
-                    let mine: Vec<plan::ChunkRef> = p
-                        .reads_of(rank)
-                        .into_iter()
-                        .map(|c| refs[c].clone())
-                        .collect();
-                    self.rt
-                        .block_on(fetch(&bucket, m, &mine, 8))
-                        .map_err(|e| e.to_string())
+            // every rank reads the manifest (small) and its chunks. Only corruption (a checksum,
+            // parse or validation failure, or an object the commit names that the store does
+            // not hold) makes the candidate unusable everywhere; a store that fails to answer
+            // (unreachable, a 503, a timeout) is retried, then fails this attempt on every rank
+            // without falling back: an older commit would roll the job back, and every save
+            // would be refused until it passed the lost steps again
+            let mut tries = 0u32;
+            let (m, planned, got) = loop {
+                let m = self.rt.block_on(load_manifest(&bucket, rec));
+                if let Ok(m) = &m {
+                    // the same manifest everywhere: every rank stops alike
+                    self.check_compatible(m)?;
                 }
-                (_, Err(e)) => Err(e.clone()),
-                (Err(_), Ok(_)) => unreachable!("a plan comes from a manifest"),
+                // the redistribution plan from the manifest's chunks to what each rank needs:
+                // every chunk read once, by one of the ranks that need it
+                let planned = m.as_ref().map_err(|e| e.to_string()).and_then(|m| {
+                    let (chunks, refs) = manifest_chunks(m);
+                    let p = redistribute::plan(&elem, &[], &chunks, need)
+                        .map_err(|e| format!("the manifest does not cover the state: {e}"))?;
+                    Ok((chunks, refs, p))
+                });
+                let got: Result<Vec<bytes::Bytes>, (bool, String)> = match (&m, &planned) {
+                    (Ok(m), Ok((_, refs, p))) => {
+                        let mine: Vec<plan::ChunkRef> = p
+                            .reads_of(rank)
+                            .into_iter()
+                            .map(|c| refs[c].clone())
+                            .collect();
+                        self.rt
+                            .block_on(fetch(&bucket, m, &mine, 8))
+                            .map_err(|e| (is_corrupt(&e), e.to_string()))
+                    }
+                    (Err(e), _) => Err((is_corrupt(e), e.to_string())),
+                    (Ok(_), Err(e)) => Err((true, e.clone())),
+                };
+                match &got {
+                    Err((false, e)) if tries < STORE_TRIES => {
+                        tries += 1;
+                        eprintln!(
+                            "checkpoint step {}: the store did not answer rank {rank} ({e}); try {tries} of {STORE_TRIES} again",
+                            rec.step
+                        );
+                        std::thread::sleep(Duration::from_millis(500 << tries));
+                    }
+                    _ => break (m, planned, got),
+                }
             };
-            if let Err(e) = &got {
+            if let Err((_, e)) = &got {
                 eprintln!("CHECKPOINT STEP {} FAILED on rank {rank}: {e}", rec.step);
             }
-            let oks: Vec<f32> = match comm.host().all_gather_bytes(&[got.is_ok() as u8]) {
-                Ok(rows) => rows
-                    .iter()
-                    .map(|r| if r.as_slice() == [1] { 1.0 } else { 0.0 })
-                    .collect(),
+            // 1: read and verified; 0: corrupt; 2: the store did not answer
+            let mine = match &got {
+                Ok(_) => 1u8,
+                Err((true, _)) => 0,
+                Err((false, _)) => 2,
+            };
+            let states: Vec<u8> = match comm.host().all_gather_bytes(&[mine]) {
+                Ok(rows) => rows.iter().map(|r| r.first().copied().unwrap_or(0)).collect(),
                 Err(e) => return Ok(Err(e)),
             };
-            if oks.iter().any(|f| *f == 0.0) {
-                let bad: Vec<usize> = oks
+            let of = |v: u8| -> Vec<usize> {
+                states
                     .iter()
                     .enumerate()
-                    .filter(|(_, f)| **f == 0.0)
+                    .filter(|(_, s)| **s == v)
                     .map(|(i, _)| i)
-                    .collect();
+                    .collect()
+            };
+            if !of(2).is_empty() {
+                anyhow::bail!(
+                    "checkpoint step {} (generation {}) at {}: ranks {:?} could not read it (the store did not answer, {STORE_TRIES} retries){}; not falling back to an older commit (that would roll the job back): this attempt fails, and the agent restarts the worker",
+                    rec.step,
+                    rec.generation,
+                    bucket.url,
+                    of(2),
+                    match &got {
+                        Err((false, e)) => format!(": {e}"),
+                        _ => String::new(),
+                    }
+                );
+            }
+            if !of(0).is_empty() {
                 eprintln!(
-                    "checkpoint step {} (generation {}) is unusable (ranks {bad:?} failed to verify their chunks): FALLING BACK to the previous committed checkpoint",
-                    rec.step, rec.generation
+                    "checkpoint step {} (generation {}) is unusable (ranks {:?} failed to verify their chunks): FALLING BACK to the previous committed checkpoint",
+                    rec.step, rec.generation, of(0)
                 );
                 continue;
             }
+            let got = got.map_err(|(_, e)| e);
             let m = m.unwrap();
             let (chunks, _, p) = planned.expect("every rank's check passed");
             // what this rank read: into its own tensors where it needs it, and kept to serve
