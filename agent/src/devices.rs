@@ -37,14 +37,26 @@ pub fn parse_nvidia_smi(text: &str) -> Vec<Device> {
 }
 
 pub fn cpu_slots(n: u32) -> Vec<Device> {
+    // each slot's share of the node's memory (what a job's state is checked against at submit)
+    let share = total_memory_mb().map(|m| m / n.max(1) as u64);
     (0..n)
         .map(|i| Device {
             kind: DeviceKind::Cpu,
             index: i,
             name: format!("cpu-slot-{i}"),
-            memory_mb: None,
+            memory_mb: share,
         })
         .collect()
+}
+
+/// The node's memory in MiB (`MemTotal` of /proc/meminfo); None where it cannot be read.
+fn total_memory_mb() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb / 1024)
 }
 
 /// The devices this node offers: one slot per GPU times `per_gpu`, else `cpu` CPU slots.

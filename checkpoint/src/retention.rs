@@ -169,10 +169,31 @@ pub struct Retained {
     pub aborted_uploads: usize,
     /// Commit records written for etcd commits whose record had not reached the store.
     pub repaired: usize,
+    /// Commits above etcd's latest, superseded: (step, generation).
+    pub superseded: Vec<(u64, u64)>,
 }
 
-/// Keep the `keep` newest commits; delete older commits, and uncommitted attempts whose newest
-/// object is older than `attempt_ttl` (aborting their open multipart uploads first).
+/// Whether the `COMMIT` record of `rec` is in the store; a read error is an error, never an
+/// absence.
+pub async fn has_commit_record(bucket: &Bucket, rec: &CheckpointRecord) -> Result<bool, BucketError> {
+    let key = format!("{}/{COMMIT}", attempt_dir(rec.step, rec.generation));
+    match bucket.get(&key).await {
+        Ok(_) => Ok(true),
+        Err(e) if e.is_not_found() => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Keep the `keep` newest commits of the job's lineage; delete older commits, and uncommitted
+/// attempts whose newest object is older than `attempt_ttl` (aborting their open multipart
+/// uploads first).
+///
+/// With `latest` (etcd's record of the job's latest commit) retention follows etcd's lineage:
+/// every commit etcd knows of (the latest and the earlier ones whose `COMMIT` record had not
+/// reached the store, `latest.unrecorded`) gets its record now; commits above the latest (a
+/// history the job left by resuming from an earlier step, or an etcd restored from an older
+/// snapshot) are superseded, never counted nor deleted, and that happens before anything is
+/// deleted (a supersede that fails fails the pass); the latest is never deleted.
 pub async fn retain(
     bucket: &Bucket,
     keep: usize,
@@ -180,19 +201,68 @@ pub async fn retain(
     latest: Option<&CheckpointRecord>,
 ) -> Result<Retained, BucketError> {
     let mut r = Retained::default();
-    // an etcd commit whose record is missing from the store gets it now
+    // every etcd commit whose record is missing from the store gets it now
     if let Some(l) = latest {
-        let key = format!("{}/{COMMIT}", attempt_dir(l.step, l.generation));
-        if let Err(e) = bucket.get(&key).await {
-            if e.is_not_found() {
+        let bare = CheckpointRecord {
+            unrecorded: Vec::new(),
+            ..l.clone()
+        };
+        for rec in std::iter::once(&bare).chain(&l.unrecorded) {
+            if !has_commit_record(bucket, rec).await? {
+                let key = format!("{}/{COMMIT}", attempt_dir(rec.step, rec.generation));
                 bucket
-                    .put(&key, Bytes::from(serde_json::to_vec_pretty(l).unwrap()))
+                    .put(&key, Bytes::from(serde_json::to_vec_pretty(rec).unwrap()))
                     .await?;
                 r.repaired += 1;
             }
         }
     }
-    let (infos, all) = list_dirs(bucket, latest).await?;
+    let (mut infos, mut all) = list_dirs(bucket, latest).await?;
+    if let Some(l) = latest {
+        // what the listing knows of each, for a record that does not read (the store's own
+        // record is preferred below)
+        let above: Vec<CheckpointRecord> = infos
+            .iter()
+            .filter(|i| i.state == CheckpointState::Committed && i.step > l.step)
+            .map(|i| CheckpointRecord {
+                step: i.step,
+                generation: i.generation,
+                manifest: format!("{}/{MANIFEST}", attempt_dir(i.step, i.generation)),
+                manifest_crc32c: 0,
+                bytes: i.bytes,
+                world_size: i.world_size,
+                layout: i
+                    .layout
+                    .clone()
+                    .unwrap_or_else(|| Layout::data_parallel(i.world_size.max(1))),
+                committed_at_ms: i.time_ms,
+                request: None,
+                unrecorded: Vec::new(),
+            })
+            .collect();
+        if !above.is_empty() {
+            // the store's own records where they read (the SUPERSEDED record keeps them whole)
+            let mut records = Vec::with_capacity(above.len());
+            for a in above {
+                let key = format!("{}/{COMMIT}", attempt_dir(a.step, a.generation));
+                let rec = match bucket.get(&key).await {
+                    Ok(b) => serde_json::from_slice::<CheckpointRecord>(&b).unwrap_or(a),
+                    Err(e) if e.is_not_found() => a,
+                    Err(e) => return Err(e),
+                };
+                records.push(rec);
+            }
+            let why = format!(
+                "above etcd's latest commit (step {}, generation {}): a history the job left",
+                l.step, l.generation
+            );
+            r.superseded = supersede(bucket, &records, &why).await?;
+            (infos, all) = list_dirs(bucket, latest).await?;
+        }
+    }
+    let is_latest = |step: u64, generation: u64| {
+        latest.is_some_and(|l| l.step == step && l.generation == generation)
+    };
     let now = now_ms();
     let mut commits_seen = 0usize;
     for info in infos {
@@ -201,7 +271,7 @@ pub async fn retain(
         let drop = match info.state {
             CheckpointState::Committed => {
                 commits_seen += 1;
-                if commits_seen <= keep {
+                if commits_seen <= keep || is_latest(info.step, info.generation) {
                     r.kept.push(info.step);
                     false
                 } else {

@@ -316,6 +316,78 @@ async fn retention_never_takes_an_unparsable_commit_for_an_attempt() {
     );
 }
 
+/// Retention follows etcd's lineage. A rollback whose supersede failed left commits 20 and 30
+/// above etcd's latest; the job goes on from 10 and commits 15. With keep = 2, 15 and 10 are
+/// the lineage's newest and are kept; 20 and 30 are superseded (their data kept for the
+/// operator), never counted, never deleted; nothing etcd names is deleted.
+#[tokio::test]
+async fn retention_follows_etcd_s_lineage_over_commits_above_it() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 2).await;
+    let mut recs = Vec::new();
+    for step in [10, 20, 30] {
+        recs.push(save(&store, &bucket, step, 2, 2).await.unwrap());
+    }
+    // the rollback to 10 (its supersede of 20 and 30 failed): etcd names 10 again
+    store
+        .put_json(&store.keys.checkpoint("j"), &recs[0])
+        .await
+        .unwrap();
+    let r15 = save(&store, &bucket, 15, 2, 2).await.unwrap();
+    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, Some(&r15))
+        .await
+        .unwrap();
+    assert_eq!(r.superseded, vec![(30, 2), (20, 2)]);
+    assert_eq!(r.kept, vec![15, 10]);
+    assert!(r.deleted_commits.is_empty(), "{:?}", r.deleted_commits);
+    let listed = crate::retention::list(&bucket, Some(&r15)).await.unwrap();
+    let states: Vec<(u64, crate::retention::CheckpointState)> =
+        listed.iter().map(|i| (i.step, i.state.clone())).collect();
+    use crate::retention::CheckpointState::*;
+    assert_eq!(
+        states,
+        vec![(30, Superseded), (20, Superseded), (15, Committed), (10, Committed)]
+    );
+    // what etcd names restores
+    assert_eq!(restore(&bucket, &r15, 2).await.unwrap(), contents(&tensors()));
+    // a later pass changes nothing
+    let again = crate::retention::retain(&bucket, 2, Duration::ZERO, Some(&r15))
+        .await
+        .unwrap();
+    assert!(again.superseded.is_empty() && again.deleted_commits.is_empty());
+}
+
+/// A commit etcd acknowledged whose `COMMIT` record never reached the store is carried in the
+/// next commit's record, and retention writes its record: it is never taken for an abandoned
+/// attempt and deleted, even with an attempt TTL of zero.
+#[tokio::test]
+async fn a_commit_whose_record_never_landed_is_repaired_not_deleted() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 2).await;
+    let r10 = save(&store, &bucket, 10, 2, 2).await.unwrap();
+    let commit10 = format!("{}/{COMMIT}", attempt_dir(10, 2));
+    // the put of 10's COMMIT "failed"
+    bucket.delete(&commit10).await.unwrap();
+    let r20 = save(&store, &bucket, 20, 2, 2).await.unwrap();
+    assert_eq!(
+        r20.unrecorded.iter().map(|r| r.step).collect::<Vec<_>>(),
+        vec![10]
+    );
+    let r = crate::retention::retain(&bucket, 5, Duration::ZERO, Some(&r20))
+        .await
+        .unwrap();
+    assert_eq!(r.repaired, 1);
+    assert!(r.deleted_attempts.is_empty(), "{:?}", r.deleted_attempts);
+    assert_eq!(r.kept, vec![20, 10]);
+    let written: CheckpointRecord =
+        serde_json::from_slice(&bucket.get(&commit10).await.unwrap()).unwrap();
+    assert_eq!(written, r10);
+    assert_eq!(restore(&bucket, &r10, 1).await.unwrap(), contents(&tensors()));
+    // once its record is there, the next commit stops carrying it
+    let r30 = save(&store, &bucket, 30, 2, 2).await.unwrap();
+    assert!(r30.unrecorded.is_empty(), "{:?}", r30.unrecorded);
+}
+
 /// When etcd holds the job's latest commit, commits after it in the store (left behind by a
 /// rollback whose supersede did not finish) are not restore candidates.
 #[tokio::test]

@@ -433,6 +433,31 @@ pub async fn gather_and_commit(
     };
     let dir = attempt_dir(step, c.generation);
     let body = serde_json::to_vec_pretty(&manifest).expect("a manifest serializes");
+    // the commits etcd acknowledged whose COMMIT record is not in the store yet (the previous
+    // latest among them): carried in this record until retention writes theirs
+    let mut unrecorded = Vec::new();
+    let prev: Option<CheckpointRecord> = store
+        .get_json(&store.keys.checkpoint(c.job), "checkpoint")
+        .await
+        .map_err(|e| SaveError::Etcd(e, step))?
+        .map(|(r, _)| r);
+    if let Some(p) = prev {
+        let bare = CheckpointRecord {
+            unrecorded: Vec::new(),
+            ..p.clone()
+        };
+        for r in p.unrecorded.into_iter().chain([bare]) {
+            // a read that fails keeps it in the list: it is repaired or dropped later
+            if r.step < step && !crate::retention::has_commit_record(bucket, &r).await.unwrap_or(false) {
+                unrecorded.push(r);
+            }
+        }
+        if unrecorded.len() > MAX_UNRECORDED {
+            let dropped = unrecorded.len() - MAX_UNRECORDED;
+            tracing::warn!(step, dropped, "more commits without a COMMIT record than the record carries: the oldest are no longer carried");
+            unrecorded.drain(..dropped);
+        }
+    }
     let rec = CheckpointRecord {
         step,
         generation: c.generation,
@@ -443,6 +468,7 @@ pub async fn gather_and_commit(
         layout: c.layout,
         committed_at_ms: 0,
         request: c.request,
+        unrecorded,
     };
     bucket
         .put(&rec.manifest, Bytes::from(body))
@@ -453,21 +479,43 @@ pub async fn gather_and_commit(
         ..rec
     };
     commit_fenced(store, c.job, &rec).await?;
-    // the commit record in the store, so that a bucket alone tells what is complete
-    let commit = Bytes::from(serde_json::to_vec_pretty(&rec).expect("a record serializes"));
+    // the commit record in the store, so that a bucket alone tells what is complete (without
+    // the lineage list: each COMMIT describes its own checkpoint)
+    let commit = Bytes::from(
+        serde_json::to_vec_pretty(&CheckpointRecord {
+            unrecorded: Vec::new(),
+            ..rec.clone()
+        })
+        .expect("a record serializes"),
+    );
     let key = format!("{dir}/{COMMIT}");
-    let written = if c.conditional_create {
-        bucket.create(&key, commit).await.map(|_| ())
-    } else {
-        bucket.put(&key, commit).await
-    };
-    if let Err(e) = written {
-        // etcd holds the commit; retention writes the record once the store is back
-        tracing::warn!(step, error = %e, "committed in etcd, but the commit record could not be written to the store yet");
+    let mut tries = 0;
+    loop {
+        let written = if c.conditional_create {
+            bucket.create(&key, commit.clone()).await.map(|_| ())
+        } else {
+            bucket.put(&key, commit.clone()).await
+        };
+        match written {
+            Ok(()) => break,
+            Err(e) if tries < 2 => {
+                tries += 1;
+                tracing::warn!(step, error = %e, "the commit record could not be written: trying again");
+                tokio::time::sleep(Duration::from_millis(200 << tries)).await;
+            }
+            Err(e) => {
+                // etcd holds the commit; the next commit carries it and retention writes it
+                tracing::warn!(step, error = %e, "committed in etcd, but the commit record could not be written to the store yet");
+                break;
+            }
+        }
     }
     let _ = store.backend.delete_prefix(&prefix).await;
     Ok(rec)
 }
+
+/// Most commits without a `COMMIT` record one record carries.
+const MAX_UNRECORDED: usize = 64;
 
 async fn current_generation(store: &Store, job: &str, step: u64) -> Result<u64, SaveError> {
     Ok(store

@@ -581,6 +581,34 @@ impl TrainingSpec {
         Ok(c)
     }
 
+    /// About how many parameters the model has (the size caps' estimate; an MLP's input and
+    /// output widths, from its dataset, are counted as 64).
+    pub fn approx_params(&self) -> Option<i64> {
+        match self.model.as_str() {
+            "gpt" => self.gpt_config().ok().map(|c| {
+                12 * c.n_layer * c.d_model * c.d_model + (c.vocab.max(1) * 2 + c.ctx) * c.d_model
+            }),
+            "mlp" => self
+                .mlp_config()
+                .ok()
+                .map(|c| c.hidden * c.hidden * c.layers + c.hidden * 2 * 64),
+            _ => None,
+        }
+    }
+
+    /// The fewest bytes one slot must hold for this job at `max` ranks: f32 parameters,
+    /// gradients, the flat gradient buffer and the optimizer state (AdamW two tensors, SGD one;
+    /// DiLoCo two more: the global weights and their momentum), for the layout that splits the
+    /// model most (a data-parallel job holds it whole; a pipelined or tensor-parallel one as
+    /// few as 1/`max` of it). Activations come on top. None where the spec does not say.
+    pub fn min_slot_bytes(&self, max: u32) -> Option<u64> {
+        let params = self.approx_params()? as u64;
+        let copies = 3 + if self.optimizer == "adamw" { 2 } else { 1 }
+            + if self.sync == "diloco" { 2 } else { 0 };
+        let split = if self.strategy == "data-parallel" { 1 } else { max.max(1) as u64 };
+        Some(params * 4 * copies / split)
+    }
+
     /// The MLP's sizes, checked.
     pub fn mlp_config(&self) -> Result<MlpConfig> {
         let c: MlpConfig = self.model_config_of()?;
@@ -1638,6 +1666,12 @@ pub struct CheckpointRecord {
     /// Set when the checkpoint answered a [`CheckpointRequest`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<String>,
+    /// Earlier commits of this lineage that etcd acknowledged but whose `COMMIT` record had
+    /// not reached the store when this one was made (each without a list of its own): carried
+    /// from commit to commit until retention writes their records, so none is ever taken for
+    /// an abandoned attempt and deleted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unrecorded: Vec<CheckpointRecord>,
 }
 
 /// The secret the members of one generation prove to each other when their meshes connect

@@ -217,8 +217,10 @@ async fn submit(
 /// check again before starting a worker).
 fn check_policies(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
     let snaps = current(st)?;
+    let nodes = fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;
+    check_memory(spec, nodes.values())?;
     let mut refusal = None;
-    for (name, node) in fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes {
+    for (name, node) in nodes {
         match node.policy.as_ref().map(|p| p.check(spec)) {
             None | Some(Ok(())) => return Ok(()),
             Some(Err((field, reason))) => {
@@ -233,6 +235,46 @@ fn check_policies(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
         )
         .into()),
         None => Ok(()),
+    }
+}
+
+/// A job whose state cannot fit any live slot (its parameters, gradients and optimizer state
+/// at the layout that splits them most, against the slot's memory: a GPU's, or a CPU slot's
+/// share of its node's) is refused at submit, naming the figures: its workers would die at start
+/// and spend the restart budget. Slots of unknown memory (agents from before it was reported)
+/// refuse nothing.
+fn check_memory<'a>(
+    spec: &JobSpec,
+    nodes: impl Iterator<Item = &'a ductile_cluster::records::NodeRecord>,
+) -> ApiResult<()> {
+    let Some(need) = spec.training.as_ref().and_then(|t| t.min_slot_bytes(spec.max)) else {
+        return Ok(());
+    };
+    let mut largest: Option<(u64, String)> = None;
+    for n in nodes {
+        for d in &n.devices {
+            let Some(mb) = d.memory_mb else {
+                return Ok(());
+            };
+            if mb << 20 >= need {
+                return Ok(());
+            }
+            if largest.as_ref().is_none_or(|(l, _)| mb > *l) {
+                largest = Some((mb, format!("{} of node {}", d.name, n.name)));
+            }
+        }
+    }
+    match largest {
+        None => Ok(()),
+        Some((mb, which)) => Err(ClusterError::invalid(
+            "training.model_config",
+            format!(
+                "the job needs about {:.1} GiB per slot (parameters, gradients and optimizer state at the layout that splits them most) and no live slot has that much: the largest is {which}, {:.1} GiB",
+                need as f64 / (1u64 << 30) as f64,
+                mb as f64 / 1024.0
+            ),
+        )
+        .into()),
     }
 }
 

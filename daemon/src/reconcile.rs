@@ -1386,6 +1386,7 @@ mod tests {
             layout: Layout::data_parallel(2),
             committed_at_ms: 2_500,
             request: request.map(String::from),
+            unrecorded: Vec::new(),
         };
         obs.checkpoint = Some(rec(None));
         assert!(matches!(drain_checkpoint(&obs, &f, 3_000), Wait { .. }));

@@ -1072,6 +1072,15 @@ fn agents_run_only_what_their_policy_allows_and_the_daemon_refuses_the_rest_at_s
             "command = [\"sleep\", \"/etc/passwd\"]\n".into(),
             "invalid command[1]",
         ),
+        // under the size caps, but its state fits no slot of this machine: refused at submit,
+        // not by workers dying at start
+        (
+            format!(
+                "[training]\nmodel = \"gpt\"\ndataset = \"file://{}/d.bin\"\nglobal_batch = 8\noptimizer = \"adamw\"\nmodel_config = {{ d_model = 8192, n_layer = 24, n_head = 64 }}\n",
+                c.dir.path().display()
+            ),
+            "GiB per slot",
+        ),
     ] {
         let (ok, _, err) = submit(&format!("{base}{extra}"));
         assert!(!ok, "{extra}");

@@ -301,6 +301,42 @@ fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
     );
 }
 
+/// A pipeline job without `[checkpoint]` whose every worker dies at once cannot resume: its
+/// layers went with them. It stops, saying why, rather than start again from the seed (the
+/// README's "never from the seed"), and fails once its restart budget is spent.
+#[test]
+fn pipeline_a_full_loss_without_a_checkpoint_stops_rather_than_restart_from_the_seed() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let data = synth(c.dir.path(), "regression", 4_000);
+    c.submit(&format!(
+        "{}max_steps = 1000000\nstrategy = \"pipeline\"\npipeline_parallel = 2\nmodel_config = {{ hidden = 64, layers = 3 }}\n",
+        training_toml("nf", 2, 2, 2, "mlp", &data, "restart_budget = 2")
+    ));
+    let v = c.wait_step("nf", 20, S(120));
+    let from_seed = |logs: &str| {
+        logs.lines()
+            .filter(|l| l.contains("joined generation") && l.contains("at step 0 ("))
+            .count()
+    };
+    let before = from_seed(&c.logs());
+    for m in &v.members {
+        unsafe { libc::kill(m.pid.unwrap() as i32, libc::SIGKILL) };
+    }
+    c.wait_for(S(180), "the job to stop, naming why", || {
+        let logs = c.logs();
+        (logs.contains("stopping rather than starting from the seed")
+            && c.status("nf").state.is_terminal())
+        .then_some(())
+    });
+    assert_ne!(c.status("nf").state, JobState::Succeeded);
+    let logs = c.logs();
+    assert_eq!(
+        from_seed(&logs),
+        before,
+        "a worker started the job again from the seed:\n{logs}"
+    );
+}
+
 #[test]
 fn pipeline_bad_specs_are_refused_at_submit_naming_the_field() {
     let c = Cluster::start(Spec::default().agents(1, 2));

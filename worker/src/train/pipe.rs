@@ -409,6 +409,15 @@ impl Trainer {
             // a cold start: everyone holds the seed's state (or restores the latest checkpoint)
             // (nobody released any unit yet: a rank releases the units it does not hold
             // after its first step, when their copies go stale)
+            if self.ckpt.is_none() && g.resume_step > 0 && self.spec.pipelined() {
+                // every rank is new, but this run had trained: its state went with the ranks
+                // that held it, and without a checkpoint the seed is all that is left
+                anyhow::bail!(
+                    "every rank of generation {} starts at step 0, but the job had reached step {}: the ranks that held its layers are gone and it has no [checkpoint]; stopping rather than starting from the seed",
+                    g.number,
+                    g.resume_step
+                );
+            }
             let r = match &self.ckpt {
                 Some(_) => self.restore(comm, &need)?,
                 None => Ok(()),
