@@ -15,6 +15,8 @@
 //! uploads/{rank}.json                an in-flight multipart upload id (deleted on completion)
 //! ```
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 pub const FORMAT: &str = "ductile-checkpoint/1";
@@ -81,6 +83,10 @@ impl TensorMeta {
 pub struct ChunkEntry {
     /// The shard's key, relative to the attempt directory.
     pub object: String,
+    /// The chunk's key in that shard's safetensors header (empty in manifests from before it
+    /// was recorded: the tensor's name).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub key: String,
     /// Absolute byte range of the data in the object.
     pub byte_range: [u64; 2],
     /// Where the chunk starts in the global tensor, per dimension.
@@ -241,6 +247,10 @@ pub fn shard_name(rank: u32, world: u32) -> String {
 pub struct Placed {
     /// Index into the tensor list.
     pub tensor: usize,
+    /// Its key in the shard's safetensors header: the tensor's name, or, where the shard holds
+    /// several row ranges of one tensor (a tensor-parallel member's heads of Q, K and V), the
+    /// name with the rows (`name#rows=START-END`) for each of them.
+    pub key: String,
     pub row: u64,
     pub rows: u64,
     /// Byte range in the shard object.
@@ -259,6 +269,12 @@ pub fn safetensors_header(
     meta.insert("format".into(), FORMAT.into());
     let mut at = 0u64;
     let mut rel = Vec::with_capacity(chunks.len());
+    // a standard reader needs every byte range of the data area named, once: a tensor held
+    // in several row ranges gets one key per range
+    let mut count = BTreeMap::new();
+    for &(ti, _, _) in chunks {
+        *count.entry(ti).or_insert(0usize) += 1;
+    }
     for &(ti, row, rows) in chunks {
         let t = &tensors[ti];
         let n = rows * t.row_bytes();
@@ -268,17 +284,22 @@ pub fn safetensors_header(
             *first = rows;
             offsets[0] = row;
         }
+        let key = if count[&ti] > 1 {
+            format!("{}#rows={row}-{}", t.name, row + rows)
+        } else {
+            t.name.clone()
+        };
         head.insert(
-            t.name.clone(),
+            key.clone(),
             serde_json::json!({"dtype": t.dtype, "shape": shape, "data_offsets": [at, at + n]}),
         );
         meta.insert(
-            t.name.clone(),
-            serde_json::json!({"global_shape": t.shape, "offsets": offsets, "kind": t.kind})
+            key.clone(),
+            serde_json::json!({"tensor": t.name, "global_shape": t.shape, "offsets": offsets, "kind": t.kind})
                 .to_string()
                 .into(),
         );
-        rel.push((ti, row, rows, at, at + n));
+        rel.push((ti, key, row, rows, at, at + n));
         at += n;
     }
     head.insert("__metadata__".into(), serde_json::Value::Object(meta));
@@ -291,8 +312,9 @@ pub fn safetensors_header(
     out.extend_from_slice(&json);
     let placed = rel
         .into_iter()
-        .map(|(tensor, row, rows, s, e)| Placed {
+        .map(|(tensor, key, row, rows, s, e)| Placed {
             tensor,
+            key,
             row,
             rows,
             start: base + s,

@@ -192,6 +192,7 @@ pub async fn write_shard(
                 t.name.clone(),
                 ChunkEntry {
                     object: layout.object.clone(),
+                    key: p.key.clone(),
                     byte_range: [p.start, p.end],
                     offsets,
                     shape,

@@ -12,6 +12,7 @@ use proptest::prelude::*;
 fn manifest() -> Manifest {
     let chunk = |object: &str, a: u64, row: u64, rows: u64, cols: u64| ChunkEntry {
         object: object.into(),
+        key: String::new(),
         byte_range: [a, a + rows * cols * 4],
         offsets: vec![row, 0],
         shape: vec![rows, cols],
@@ -35,6 +36,7 @@ fn manifest() -> Manifest {
             kind: TensorKind::Buffer,
             chunks: vec![ChunkEntry {
                 object: "s0".into(),
+                key: String::new(),
                 byte_range: [112, 116],
                 offsets: vec![],
                 shape: vec![],

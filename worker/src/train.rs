@@ -161,7 +161,6 @@ fn sha256_params(params: &[Tensor]) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-
 /// The header of a state transfer between two ranks, sent on the host face ahead of the state
 /// itself (on the device face): magic, step, tensor count, each tensor's element count.
 fn encode_head(step: u64, numels: &[usize]) -> Vec<u8> {
