@@ -330,7 +330,7 @@ async fn retention_follows_etcd_s_lineage_over_commits_above_it() {
     }
     // the rollback to 10 (its supersede of 20 and 30 failed): etcd names 10 again
     store
-        .put_json(&store.keys.checkpoint("j"), &recs[0])
+        .put_json(&store.keys.checkpoint("j"), &recs[0], None)
         .await
         .unwrap();
     let r15 = save(&store, &bucket, 15, 2, 2).await.unwrap();

@@ -811,24 +811,48 @@ fn training_a_cold_start_that_cannot_list_the_store_does_not_start_from_the_seed
     assert!(!logs.iter().any(|l| l.contains("starting from the seed")));
 }
 
-/// A store error that is not corruption during a cold start (here the latest manifest cannot
-/// be read: a directory stands where the file was, as a store that answers with errors) never
-/// rolls the job back to an older commit: every rank's attempt fails, saying why, the workers
-/// are restarted, and once the store reads again the job resumes from the latest commit.
+/// A store error that is not corruption during a cold start (here S3 answers the latest
+/// manifest's GET with 403 InvalidObjectState: the object went to an archive storage class)
+/// never rolls the job back to an older commit: every rank's attempt fails, saying why, the
+/// workers are restarted, and once the store reads again the job resumes from the latest commit.
 #[test]
 fn training_a_store_error_in_a_cold_start_is_retried_never_a_fallback() {
-    let c = Cluster::start(Spec::default().agents(1, 2));
+    let c = Cluster::start(Spec {
+        s3: true,
+        ..Spec::default().agents(1, 2)
+    });
+    let s3 = c.s3.as_ref().unwrap();
     let data = synth(c.dir.path(), "regression", 4_000);
-    let dir = c.dir.path().join("ckpt-c10");
-    let url = format!("file://{}", dir.display());
+    let url = format!("s3://{}/jobs/c10", s3.bucket);
     c.submit(&mlp_job("c10", 2, &data, &url, 40, 20, ""));
     c.wait_done("c10", S(120));
     let rec = latest(&c, "c10").unwrap();
     assert_eq!(rec.step, 40);
-    let manifest = dir.join(&rec.manifest);
-    let saved = dir.join("manifest.saved");
-    std::fs::rename(&manifest, &saved).unwrap();
-    std::fs::create_dir(&manifest).unwrap();
+    // the manifest's bytes kept aside, the object moved to GLACIER (S3 refuses its GETs)
+    let key = format!("jobs/c10/{}", rec.manifest);
+    let saved = c.dir.path().join("manifest.saved");
+    let boto = |op: &str| {
+        let script = r#"
+import sys, boto3
+endpoint, region, ak, sk, bucket, key, path, op = sys.argv[1:9]
+s3 = boto3.client("s3", endpoint_url=endpoint, region_name=region, aws_access_key_id=ak, aws_secret_access_key=sk)
+if op == "archive":
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    open(path, "wb").write(body)
+    s3.put_object(Bucket=bucket, Key=key, Body=body, StorageClass="GLACIER")
+else:
+    s3.put_object(Bucket=bucket, Key=key, Body=open(path, "rb").read())
+"#;
+        let py = std::env::var("DUCTILE_PYTHON").unwrap_or_else(|_| "python3".into());
+        let out = std::process::Command::new(py)
+            .args(["-c", script, &s3.endpoint, &s3.region, &s3.access_key, &s3.secret_key, &s3.bucket, &key])
+            .arg(&saved)
+            .arg(op)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "boto3 {op}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    boto("archive");
     let before = c.status("c10").generation;
     c.submit(&mlp_job("c10", 2, &data, &url, 60, 20, ""));
     c.wait_for(S(120), "the failed read reported", || {
@@ -840,8 +864,7 @@ fn training_a_store_error_in_a_cold_start_is_retried_never_a_fallback() {
         !logs.contains("at step 20 ("),
         "a rank resumed from the older commit:\n{logs}"
     );
-    std::fs::remove_dir(&manifest).unwrap();
-    std::fs::rename(&saved, &manifest).unwrap();
+    boto("restore");
     let (_, w) = joined_weights(&c, "c10", before + 1);
     assert!(w[0].starts_with("40:"), "resumed at {} instead of step 40", w[0]);
     assert_eq!(c.wait_done("c10", S(180)).step, 60);

@@ -322,13 +322,15 @@ fn pipeline_a_full_loss_without_a_checkpoint_stops_rather_than_restart_from_the_
     for m in &v.members {
         unsafe { libc::kill(m.pid.unwrap() as i32, libc::SIGKILL) };
     }
-    c.wait_for(S(180), "the job to stop, naming why", || {
-        let logs = c.logs();
-        (logs.contains("stopping rather than starting from the seed")
-            && c.status("nf").state.is_terminal())
-        .then_some(())
+    let v = c.wait_for(S(180), "the job to fail, naming why", || {
+        Some(c.status("nf")).filter(|v| v.state.is_terminal())
     });
-    assert_ne!(c.status("nf").state, JobState::Succeeded);
+    assert_eq!(v.state, JobState::Failed);
+    assert!(
+        v.message.contains("stopping rather than starting from the seed"),
+        "{}",
+        v.message
+    );
     let logs = c.logs();
     assert_eq!(
         from_seed(&logs),

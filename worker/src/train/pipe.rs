@@ -411,12 +411,16 @@ impl Trainer {
             // after its first step, when their copies go stale)
             if self.ckpt.is_none() && g.resume_step > 0 && self.spec.pipelined() {
                 // every rank is new, but this run had trained: its state went with the ranks
-                // that held it, and without a checkpoint the seed is all that is left
-                anyhow::bail!(
-                    "every rank of generation {} starts at step 0, but the job had reached step {}: the ranks that held its layers are gone and it has no [checkpoint]; stopping rather than starting from the seed",
-                    g.number,
-                    g.resume_step
-                );
+                // that held it, and without a checkpoint the seed is all that is left. A fault
+                // report, not an exit: the leader re-forms `fault_retries` times, then fails
+                // the job with this reason in its status
+                return Ok(Err(CommError::Invalid {
+                    op: "agree",
+                    reason: format!(
+                        "the job had reached step {}, but every rank starts at step 0 and it has no [checkpoint]: stopping rather than starting from the seed",
+                        g.resume_step
+                    ),
+                }));
             }
             let r = match &self.ckpt {
                 Some(_) => self.restore(comm, &need)?,
