@@ -143,21 +143,29 @@ pub trait HostChannel: Send + Sync {
 impl dyn HostChannel + '_ {
     /// Every rank's row of integers, in rank order.
     pub fn all_gather_i64(&self, row: &[i64]) -> Result<Vec<Vec<i64>>> {
-        let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.all_gather_bytes(&bytes)?
-            .into_iter()
-            .enumerate()
-            .map(|(p, b)| words(&b, p as u32, self.generation()).map(|w| w.into_iter().map(i64::from_le_bytes).collect()))
-            .collect()
+        self.all_gather_words(row, |v| v.to_le_bytes(), i64::from_le_bytes)
     }
 
     /// Every rank's row of floats, in rank order.
     pub fn all_gather_f64(&self, row: &[f64]) -> Result<Vec<Vec<f64>>> {
-        let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.all_gather_words(row, |v| v.to_le_bytes(), f64::from_le_bytes)
+    }
+
+    /// Every rank's row of 8-byte values, in rank order; a row of another length is a protocol
+    /// error naming its rank.
+    fn all_gather_words<T>(
+        &self,
+        row: &[T],
+        to: impl Fn(&T) -> [u8; 8],
+        from: impl Fn([u8; 8]) -> T,
+    ) -> Result<Vec<Vec<T>>> {
+        let bytes: Vec<u8> = row.iter().flat_map(&to).collect();
         self.all_gather_bytes(&bytes)?
             .into_iter()
             .enumerate()
-            .map(|(p, b)| words(&b, p as u32, self.generation()).map(|w| w.into_iter().map(f64::from_le_bytes).collect()))
+            .map(|(p, b)| {
+                words(&b, p as u32, self.generation()).map(|w| w.into_iter().map(&from).collect())
+            })
             .collect()
     }
 
