@@ -171,8 +171,7 @@ pub async fn nccl(iters: usize, sizes: &[u64]) -> anyhow::Result<()> {
         )
         .await?;
         let comm: Arc<dyn Communicator> = Arc::new(comm);
-        tokio::task::spawn_blocking(move || ductile_comm::selftest::all(&comm))
-        .await?
+        tokio::task::spawn_blocking(move || ductile_comm::selftest::all(&comm)).await?
     };
     match &r2 {
         Ok(()) => {

@@ -175,7 +175,10 @@ pub struct Retained {
 
 /// Whether the `COMMIT` record of `rec` is in the store; a read error is an error, never an
 /// absence.
-pub async fn has_commit_record(bucket: &Bucket, rec: &CheckpointRecord) -> Result<bool, BucketError> {
+pub async fn has_commit_record(
+    bucket: &Bucket,
+    rec: &CheckpointRecord,
+) -> Result<bool, BucketError> {
     let key = format!("{}/{COMMIT}", attempt_dir(rec.step, rec.generation));
     match bucket.get(&key).await {
         Ok(_) => Ok(true),

@@ -346,10 +346,18 @@ async fn retention_follows_etcd_s_lineage_over_commits_above_it() {
     use crate::retention::CheckpointState::*;
     assert_eq!(
         states,
-        vec![(30, Superseded), (20, Superseded), (15, Committed), (10, Committed)]
+        vec![
+            (30, Superseded),
+            (20, Superseded),
+            (15, Committed),
+            (10, Committed)
+        ]
     );
     // what etcd names restores
-    assert_eq!(restore(&bucket, &r15, 2).await.unwrap(), contents(&tensors()));
+    assert_eq!(
+        restore(&bucket, &r15, 2).await.unwrap(),
+        contents(&tensors())
+    );
     // a later pass changes nothing
     let again = crate::retention::retain(&bucket, 2, Duration::ZERO, Some(&r15))
         .await
@@ -382,7 +390,10 @@ async fn a_commit_whose_record_never_landed_is_repaired_not_deleted() {
     let written: CheckpointRecord =
         serde_json::from_slice(&bucket.get(&commit10).await.unwrap()).unwrap();
     assert_eq!(written, r10);
-    assert_eq!(restore(&bucket, &r10, 1).await.unwrap(), contents(&tensors()));
+    assert_eq!(
+        restore(&bucket, &r10, 1).await.unwrap(),
+        contents(&tensors())
+    );
     // once its record is there, the next commit stops carrying it
     let r30 = save(&store, &bucket, 30, 2, 2).await.unwrap();
     assert!(r30.unrecorded.is_empty(), "{:?}", r30.unrecorded);

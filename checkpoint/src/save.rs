@@ -449,7 +449,11 @@ pub async fn gather_and_commit(
         };
         for r in p.unrecorded.into_iter().chain([bare]) {
             // a read that fails keeps it in the list: it is repaired or dropped later
-            if r.step < step && !crate::retention::has_commit_record(bucket, &r).await.unwrap_or(false) {
+            if r.step < step
+                && !crate::retention::has_commit_record(bucket, &r)
+                    .await
+                    .unwrap_or(false)
+            {
                 unrecorded.push(r);
             }
         }

@@ -116,9 +116,10 @@ pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, Path), StoreError> {
                 .map_err(|e| err("configure S3", e))?;
             Ok((Arc::new(s3), Path::from(prefix)))
         }
-        Location::File { path } => {
-            Ok((Arc::new(local_fs()), Path::from_absolute_path(&path).map_err(|e| err("parse path", e.into()))?))
-        }
+        Location::File { path } => Ok((
+            Arc::new(local_fs()),
+            Path::from_absolute_path(&path).map_err(|e| err("parse path", e.into()))?,
+        )),
     }
 }
 

@@ -363,14 +363,30 @@ mod tests {
             )
         };
         // loopback: a local cluster needs neither
-        for e in ["http://127.0.0.1:2379", "http://localhost:2379", "http://[::1]:2379"] {
+        for e in [
+            "http://127.0.0.1:2379",
+            "http://localhost:2379",
+            "http://[::1]:2379",
+        ] {
             assert!(args(e, false, false, false).is_ok(), "{e}");
         }
         let e = args("http://10.0.0.10:2379", false, false, false).unwrap_err();
-        assert!(e.contains("10.0.0.10") && e.contains("no TLS") && e.contains("no auth") && e.contains("--insecure-etcd"), "{e}");
+        assert!(
+            e.contains("10.0.0.10")
+                && e.contains("no TLS")
+                && e.contains("no auth")
+                && e.contains("--insecure-etcd"),
+            "{e}"
+        );
         let e = args("https://10.0.0.10:2379", true, false, false).unwrap_err();
         assert!(e.contains("no auth") && !e.contains("no TLS"), "{e}");
-        let e = args("http://127.0.0.1:2379,http://etcd-2:2379", false, true, false).unwrap_err();
+        let e = args(
+            "http://127.0.0.1:2379,http://etcd-2:2379",
+            false,
+            true,
+            false,
+        )
+        .unwrap_err();
         assert!(e.contains("etcd-2") && e.contains("no TLS"), "{e}");
         assert!(args("https://10.0.0.10:2379", true, true, false).is_ok());
         assert!(args("http://10.0.0.10:2379", false, false, true).is_ok());

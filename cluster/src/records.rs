@@ -170,15 +170,15 @@ impl AgentPolicy {
         if let Some(rest) = url.strip_prefix("s3://") {
             let within = |prefix: &str| {
                 prefix == "*"
-                    || prefix
-                        .strip_prefix("s3://")
-                        .is_some_and(|p| {
-                            let p = p.trim_end_matches('/');
-                            rest == p || rest.starts_with(&format!("{p}/"))
-                        })
+                    || prefix.strip_prefix("s3://").is_some_and(|p| {
+                        let p = p.trim_end_matches('/');
+                        rest == p || rest.starts_with(&format!("{p}/"))
+                    })
             };
             if rest.split('/').any(|c| c == ".." || c == ".") {
-                return deny(format!("{url}: an s3:// key must not hold . or .. components"));
+                return deny(format!(
+                    "{url}: an s3:// key must not hold . or .. components"
+                ));
             }
             if !self.allowed_s3_prefixes.iter().any(|p| within(p)) {
                 return deny(format!(
@@ -206,7 +206,9 @@ impl AgentPolicy {
                 )
             });
         if !plain {
-            return deny(format!("{url}: a file:// path must be absolute, without . or .."));
+            return deny(format!(
+                "{url}: a file:// path must be absolute, without . or .."
+            ));
         }
         if !self.allowed_paths.iter().any(|root| p.starts_with(root)) {
             return deny(format!(
@@ -243,7 +245,8 @@ impl AgentPolicy {
                 ));
             }
             let injection = |k: &str| {
-                spec.allow_fault_injection && (k == "DUCTILE_SLOWDOWN" || k.starts_with("DUCTILE_FAULT_"))
+                spec.allow_fault_injection
+                    && (k == "DUCTILE_SLOWDOWN" || k.starts_with("DUCTILE_FAULT_"))
             };
             if let Some(k) = spec
                 .env
@@ -251,7 +254,8 @@ impl AgentPolicy {
                 .find(|k| !JOB_ENV_ALLOWED.contains(&k.as_str()) && !injection(k))
             {
                 let why = if k.starts_with("LD_") {
-                    "the dynamic loader's variables would run other code inside an allowed command".to_string()
+                    "the dynamic loader's variables would run other code inside an allowed command"
+                        .to_string()
                 } else {
                     format!("{k} is not among the names a job may set while allowed_commands is restricted (README: \"A job's environment\")")
                 };
@@ -603,9 +607,14 @@ impl TrainingSpec {
     /// few as 1/`max` of it). Activations come on top. None where the spec does not say.
     pub fn min_slot_bytes(&self, max: u32) -> Option<u64> {
         let params = self.approx_params()? as u64;
-        let copies = 3 + if self.optimizer == "adamw" { 2 } else { 1 }
+        let copies = 3
+            + if self.optimizer == "adamw" { 2 } else { 1 }
             + if self.sync == "diloco" { 2 } else { 0 };
-        let split = if self.strategy == "data-parallel" { 1 } else { max.max(1) as u64 };
+        let split = if self.strategy == "data-parallel" {
+            1
+        } else {
+            max.max(1) as u64
+        };
         Some(params * 4 * copies / split)
     }
 
@@ -753,7 +762,10 @@ impl JobSpec {
         if self.max > MAX_WORLD {
             return Err(ClusterError::invalid(
                 "max",
-                format!("{} is over {MAX_WORLD} ranks, the most one job may have", self.max),
+                format!(
+                    "{} is over {MAX_WORLD} ranks, the most one job may have",
+                    self.max
+                ),
             ));
         }
         self.check_size(self.desired)
@@ -763,7 +775,8 @@ impl JobSpec {
                 && (k.starts_with("DUCTILE_FAULT_") || k == "DUCTILE_SLOWDOWN");
             // the one DUCTILE_* name a job sets for itself: where its workers listen (NAT)
             let own = k == "DUCTILE_COMM_BIND";
-            if k.is_empty() || k.contains('=') || (k.starts_with("DUCTILE_") && !injection && !own) {
+            if k.is_empty() || k.contains('=') || (k.starts_with("DUCTILE_") && !injection && !own)
+            {
                 return Err(ClusterError::invalid(
                     format!("env.{k}"),
                     "names must be non-empty, without '=', and not start with DUCTILE_ (reserved; DUCTILE_COMM_BIND is allowed, DUCTILE_FAULT_* and DUCTILE_SLOWDOWN only with allow_fault_injection = true)",
@@ -1895,7 +1908,9 @@ keep = 3
         let base = "name = \"a\"\nmin = 1\nmax = 2\ndesired = 2\n";
         assert!(err(&format!("{base}colour = 3\n")).contains("unknown field `colour`"));
         assert!(err("name = \"a\"\nmin = 2\nmax = 1\ndesired = 1\n").contains("invalid max"));
-        assert!(err("name = \"a\"\nmin = 1\nmax = 4000000000\ndesired = 1\n").contains("invalid max"));
+        assert!(
+            err("name = \"a\"\nmin = 1\nmax = 4000000000\ndesired = 1\n").contains("invalid max")
+        );
         assert!(err("name = \"a\"\nmin = 1\nmax = 2\ndesired = 5\n").contains("invalid desired"));
         assert!(err("name = \"a b\"\nmin = 1\nmax = 2\ndesired = 2\n").contains("invalid name"));
         assert!(err("name = \"a\"\nmin = 1\nmax = 2\n").contains("missing field `desired`"));
@@ -1918,7 +1933,10 @@ keep = 3
         let e = err(&t("strategy = \"pipeline\"\ncomm = \"nccl\"\n"));
         assert!(e.contains("training.comm") && e.contains("pipeline"), "{e}");
         assert!(JobSpec::from_toml(&t("strategy = \"pipeline\"\ncomm = \"auto\"\n")).is_ok());
-        assert!(JobSpec::from_toml(&t("strategy = \"pipeline\"\npipeline_parallel = 1\ncomm = \"nccl\"\n")).is_ok());
+        assert!(JobSpec::from_toml(&t(
+            "strategy = \"pipeline\"\npipeline_parallel = 1\ncomm = \"nccl\"\n"
+        ))
+        .is_ok());
         // model_config is typed per model: unknown keys, zero heads, a d_model that does not
         // split into heads and absurd sizes are refused, naming the field
         let mc = |m: &str| t(&format!("[training.model_config]\n{m}\n"));
@@ -1990,9 +2008,14 @@ mod policy_tests {
         assert_eq!(field, "command");
         assert!(why.contains("worker only"), "{why}");
         assert!(p
-            .check(&spec("command = [\"/usr/bin/ductile-worker\", \"synth-data\"]\n"))
+            .check(&spec(
+                "command = [\"/usr/bin/ductile-worker\", \"synth-data\"]\n"
+            ))
             .is_err());
-        assert_eq!(p.check(&spec("command = [\"ductile-worker\", \"run\"]\n")), Ok(()));
+        assert_eq!(
+            p.check(&spec("command = [\"ductile-worker\", \"run\"]\n")),
+            Ok(())
+        );
         for (k, v) in [
             ("CUDA_INJECTION64_PATH", "/tmp/x.so"),
             ("NCCL_NET_PLUGIN", "/tmp/x.so"),
@@ -2000,7 +2023,9 @@ mod policy_tests {
             ("AWS_ENDPOINT_URL", "http://evil"),
             ("PYTHONPATH", "/tmp"),
         ] {
-            let (field, _) = p.check(&spec(&format!("env = {{ {k} = \"{v}\" }}\n"))).unwrap_err();
+            let (field, _) = p
+                .check(&spec(&format!("env = {{ {k} = \"{v}\" }}\n")))
+                .unwrap_err();
             assert_eq!(field, format!("env.{k}"));
         }
         assert_eq!(
@@ -2010,7 +2035,9 @@ mod policy_tests {
         // fault injection names in a job that allows fault injection (the spec refuses them
         // otherwise)
         assert_eq!(
-            p.check(&spec("allow_fault_injection = true\nenv = { DUCTILE_SLOWDOWN = \"1:4\" }\n")),
+            p.check(&spec(
+                "allow_fault_injection = true\nenv = { DUCTILE_SLOWDOWN = \"1:4\" }\n"
+            )),
             Ok(())
         );
         let sleeper = AgentPolicy {

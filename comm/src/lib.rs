@@ -114,7 +114,13 @@ impl DevTensor {
 
 impl std::fmt::Debug for DevTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DevTensor({:?} {:?} on {:?})", self.0.size(), self.0.kind(), self.0.device())
+        write!(
+            f,
+            "DevTensor({:?} {:?} on {:?})",
+            self.0.size(),
+            self.0.kind(),
+            self.0.device()
+        )
     }
 }
 
@@ -382,7 +388,10 @@ impl Communicator for TcpComm {
         if sends.is_empty() {
             return recv_all();
         }
-        let out: Vec<(u32, Tensor)> = sends.iter().map(|(p, t)| (*p, t.0.shallow_clone())).collect();
+        let out: Vec<(u32, Tensor)> = sends
+            .iter()
+            .map(|(p, t)| (*p, t.0.shallow_clone()))
+            .collect();
         let send_all = move || -> Result<()> {
             for (peer, t) in &out {
                 self.send_bytes(unsafe { bytes_mut(t) }, *peer)?;

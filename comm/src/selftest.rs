@@ -57,7 +57,11 @@ pub fn device_face(c: &dyn Communicator) -> Result<(), String> {
                 .unwrap();
             let mut t = c.place(&input(r, n, kind));
             if t.tensor().device() != c.device() {
-                return Err(format!("place {tag}: on {:?}, not the communicator's {:?}", t.tensor().device(), c.device()));
+                return Err(format!(
+                    "place {tag}: on {:?}, not the communicator's {:?}",
+                    t.tensor().device(),
+                    c.device()
+                ));
             }
             c.all_reduce(&mut t, ReduceOp::Sum)
                 .map_err(|x| format!("all_reduce {tag}: {x}"))?;
@@ -75,8 +79,12 @@ pub fn device_face(c: &dyn Communicator) -> Result<(), String> {
     // an in-place collective on a placed tensor writes through to the worker's own tensor
     let mine = input(r, 4099, Kind::Float).to_device(c.device());
     let mut placed = c.place(&mine);
-    c.all_reduce(&mut placed, ReduceOp::Sum).map_err(e("all_reduce in place"))?;
-    let total = (0..w).map(|p| input(p, 4099, Kind::Float)).reduce(|a, b| a + b).unwrap();
+    c.all_reduce(&mut placed, ReduceOp::Sum)
+        .map_err(e("all_reduce in place"))?;
+    let total = (0..w)
+        .map(|p| input(p, 4099, Kind::Float))
+        .reduce(|a, b| a + b)
+        .unwrap();
     if !same(&mine, &total) {
         return Err("all_reduce of a placed tensor did not write through to it".into());
     }
@@ -104,7 +112,9 @@ pub fn device_face(c: &dyn Communicator) -> Result<(), String> {
         return Err("all_gather: wrong data".into());
     }
     let big = input(r, 2003 * w as i64, Kind::Float).reshape([w as i64, 2003]);
-    let rs = c.reduce_scatter(&c.place(&big)).map_err(e("reduce_scatter"))?;
+    let rs = c
+        .reduce_scatter(&c.place(&big))
+        .map_err(e("reduce_scatter"))?;
     let full = (0..w)
         .map(|p| input(p, 2003 * w as i64, Kind::Float).reshape([w as i64, 2003]))
         .reduce(|a, b| a + b)
@@ -147,15 +157,24 @@ pub fn exchanges(c: &dyn Communicator) -> Result<(), String> {
         .collect();
     let recvs: Vec<(u32, DevTensor)> = peers
         .iter()
-        .flat_map(|p| [(*p, c.zeros(&[300_007], Kind::Float)), (*p, c.zeros(&[5_003], Kind::Half))])
+        .flat_map(|p| {
+            [
+                (*p, c.zeros(&[300_007], Kind::Float)),
+                (*p, c.zeros(&[5_003], Kind::Half)),
+            ]
+        })
         .collect();
     let s: Vec<(u32, &DevTensor)> = sends.iter().map(|(p, t)| (*p, t)).collect();
     let rv: Vec<(u32, &DevTensor)> = recvs.iter().map(|(p, t)| (*p, t)).collect();
     c.exchange(&s, &rv).map_err(e("exchange (all to all)"))?;
     for (i, p) in peers.iter().enumerate() {
-        if !same(recvs[2 * i].1.tensor(), &input(p * 10 + r, 300_007, Kind::Float))
-            || !same(recvs[2 * i + 1].1.tensor(), &input(p + r, 5_003, Kind::Half))
-        {
+        if !same(
+            recvs[2 * i].1.tensor(),
+            &input(p * 10 + r, 300_007, Kind::Float),
+        ) || !same(
+            recvs[2 * i + 1].1.tensor(),
+            &input(p + r, 5_003, Kind::Half),
+        ) {
             return Err(format!("exchange (all to all): wrong data from rank {p}"));
         }
     }
@@ -183,14 +202,21 @@ pub fn groups(c: &Arc<dyn Communicator>) -> Result<(), String> {
     let me = g.rank();
     let shapes: Vec<Vec<i64>> = (0..w).map(|i| vec![3, 100 + i as i64]).collect();
     let mine = input(r, 3 * (100 + me as i64), Kind::Float).view([3, 100 + me as i64]);
-    let parts = g.all_gather_shaped(&mine.to_device(c.device()), &shapes).map_err(e("group all_gather"))?;
+    let parts = g
+        .all_gather_shaped(&mine.to_device(c.device()), &shapes)
+        .map_err(e("group all_gather"))?;
     for (i, p) in parts.iter().enumerate() {
         let rank = g.members()[i];
-        if !same(p, &input(rank, 3 * (100 + i as i64), Kind::Float).view([3, 100 + i as i64])) {
+        if !same(
+            p,
+            &input(rank, 3 * (100 + i as i64), Kind::Float).view([3, 100 + i as i64]),
+        ) {
             return Err(format!("group all_gather: wrong part from member {i}"));
         }
     }
-    let sum = g.all_reduce_sum(&input(r, 999, Kind::Float).to_device(c.device())).map_err(e("group sum"))?;
+    let sum = g
+        .all_reduce_sum(&input(r, 999, Kind::Float).to_device(c.device()))
+        .map_err(e("group sum"))?;
     let mut want = input(w - 1, 999, Kind::Float);
     for m in (0..w - 1).rev() {
         want += input(m, 999, Kind::Float);
@@ -205,22 +231,36 @@ pub fn groups(c: &Arc<dyn Communicator>) -> Result<(), String> {
 /// messages around a ring.
 pub fn host_face(h: &dyn HostChannel) -> Result<(), String> {
     let (r, w) = (h.rank(), h.world());
-    let mine: Vec<u8> = (0..(r * 3 + 1)).map(|i| (i as u8).wrapping_mul(7).wrapping_add(r as u8)).collect();
+    let mine: Vec<u8> = (0..(r * 3 + 1))
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(r as u8))
+        .collect();
     let rows = h.all_gather_bytes(&mine).map_err(e("host all_gather"))?;
     for (p, row) in rows.iter().enumerate() {
-        let want: Vec<u8> = (0..(p as u32 * 3 + 1)).map(|i| (i as u8).wrapping_mul(7).wrapping_add(p as u8)).collect();
+        let want: Vec<u8> = (0..(p as u32 * 3 + 1))
+            .map(|i| (i as u8).wrapping_mul(7).wrapping_add(p as u8))
+            .collect();
         if *row != want {
             return Err(format!("host all_gather: wrong row from rank {p}"));
         }
     }
-    let ints = h.all_gather_i64(&[r as i64, -(r as i64), i64::MAX - r as i64]).map_err(e("host all_gather_i64"))?;
-    if ints.iter().enumerate().any(|(p, v)| *v != [p as i64, -(p as i64), i64::MAX - p as i64]) {
+    let ints = h
+        .all_gather_i64(&[r as i64, -(r as i64), i64::MAX - r as i64])
+        .map_err(e("host all_gather_i64"))?;
+    if ints
+        .iter()
+        .enumerate()
+        .any(|(p, v)| *v != [p as i64, -(p as i64), i64::MAX - p as i64])
+    {
         return Err("host all_gather_i64: wrong rows".into());
     }
-    let sum = h.sum_f64(&[0.1 * (r + 1) as f64, 1.0]).map_err(e("host sum"))?;
+    let sum = h
+        .sum_f64(&[0.1 * (r + 1) as f64, 1.0])
+        .map_err(e("host sum"))?;
     let want = (0..w).fold(0f64, |a, p| a + 0.1 * (p + 1) as f64);
     if sum != [want, w as f64] {
-        return Err(format!("host sum: {sum:?}, expected [{want}, {w}] folded in rank order"));
+        return Err(format!(
+            "host sum: {sum:?}, expected [{want}, {w}] folded in rank order"
+        ));
     }
     for root in 0..w {
         let mut v = if r == root {
@@ -229,14 +269,19 @@ pub fn host_face(h: &dyn HostChannel) -> Result<(), String> {
             Vec::new()
         };
         h.broadcast_vec(&mut v, root).map_err(e("broadcast_vec"))?;
-        if v.len() != 10_240 || v.iter().enumerate().any(|(i, b)| *b != ((i as u32 + root) % 251) as u8) {
+        if v.len() != 10_240
+            || v.iter()
+                .enumerate()
+                .any(|(i, b)| *b != ((i as u32 + root) % 251) as u8)
+        {
             return Err(format!("broadcast_vec from {root}: wrong data"));
         }
     }
     if w > 1 {
         let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
         // messages never block their sender on the reader: everyone sends first
-        h.send_msg(format!("from {r}").as_bytes(), next).map_err(e("send_msg"))?;
+        h.send_msg(format!("from {r}").as_bytes(), next)
+            .map_err(e("send_msg"))?;
         h.send_msg(&[], next).map_err(e("send_msg (empty)"))?;
         let a = h.recv_msg(prev).map_err(e("recv_msg"))?;
         let b = h.recv_msg(prev).map_err(e("recv_msg"))?;

@@ -95,11 +95,19 @@ impl Communicator for HostStaged<'_> {
     }
     fn all_gather(&self, t: &DevTensor) -> Result<DevTensor> {
         let h = DevTensor(to_host(&t.0, 0));
-        Ok(DevTensor(Communicator::all_gather(self.0, &h)?.0.to_device(t.0.device())))
+        Ok(DevTensor(
+            Communicator::all_gather(self.0, &h)?
+                .0
+                .to_device(t.0.device()),
+        ))
     }
     fn reduce_scatter(&self, t: &DevTensor) -> Result<DevTensor> {
         let h = DevTensor(to_host(&t.0, 0));
-        Ok(DevTensor(Communicator::reduce_scatter(self.0, &h)?.0.to_device(t.0.device())))
+        Ok(DevTensor(
+            Communicator::reduce_scatter(self.0, &h)?
+                .0
+                .to_device(t.0.device()),
+        ))
     }
     fn exchange(&self, sends: &[(u32, &DevTensor)], recvs: &[(u32, &DevTensor)]) -> Result<()> {
         // buffers of their own per call: one exchange may move several tensors of one size

@@ -1551,11 +1551,12 @@ mod tests {
     async fn the_conformance_suite_passes_at_worlds_1_to_4() {
         let s = store();
         for n in 1..=4u32 {
-            let comms: Vec<Arc<dyn Communicator>> = world(&s, 90 + n as u64, n, TcpConfig::default())
-                .await
-                .into_iter()
-                .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-                .collect();
+            let comms: Vec<Arc<dyn Communicator>> =
+                world(&s, 90 + n as u64, n, TcpConfig::default())
+                    .await
+                    .into_iter()
+                    .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+                    .collect();
             let results = std::thread::scope(|sc| {
                 comms
                     .iter()
@@ -1586,22 +1587,31 @@ mod tests {
         let t0 = Instant::now();
         let outs = on_threads(&naive, |c| {
             let peer = 1 - c.rank();
-            let out = c.place(&tch::Tensor::ones([n], (tch::Kind::Float, tch::Device::Cpu)));
+            let out = c.place(&tch::Tensor::ones(
+                [n],
+                (tch::Kind::Float, tch::Device::Cpu),
+            ));
             let inn = c.zeros(&[n], tch::Kind::Float);
             Communicator::send(c, &out, peer).and_then(|_| Communicator::recv(c, &inn, peer))
         });
         assert!(
             outs.iter().all(|o| o.is_err()),
             "send-then-receive of 64 MiB both ways should block until the op timeout: {:?}",
-            outs.iter().map(|o| o.as_ref().err().map(|e| e.to_string())).collect::<Vec<_>>()
+            outs.iter()
+                .map(|o| o.as_ref().err().map(|e| e.to_string()))
+                .collect::<Vec<_>>()
         );
-        assert!(t0.elapsed() < Duration::from_secs(60), "bounded by the op timeout");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "bounded by the op timeout"
+        );
         let comms = world(&s, 98, 2, cfg).await;
         let t0 = Instant::now();
         let got = on_threads(&comms, |c| {
             let peer = 1 - c.rank();
             let out = c.place(
-                &(tch::Tensor::ones([n], (tch::Kind::Float, tch::Device::Cpu)) * (c.rank() + 1) as f64),
+                &(tch::Tensor::ones([n], (tch::Kind::Float, tch::Device::Cpu))
+                    * (c.rank() + 1) as f64),
             );
             let inn = c.zeros(&[n], tch::Kind::Float);
             c.exchange(&[(peer, &out)], &[(peer, &inn)])
@@ -1609,7 +1619,11 @@ mod tests {
         });
         for (r, g) in got.iter().enumerate() {
             let peer = 1 - r;
-            assert_eq!(*g.as_ref().unwrap(), (n * (peer as i64 + 1)) as f64, "rank {r}");
+            assert_eq!(
+                *g.as_ref().unwrap(),
+                (n * (peer as i64 + 1)) as f64,
+                "rank {r}"
+            );
         }
         assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
     }
@@ -1767,7 +1781,9 @@ mod tests {
         let shard = vec![0u8; 16];
         let mut out = vec![0u8; 16];
         match comms[1].ordered_all_reduce_bytes(&[(1, &shard)], 2, &mut out, DType::F32) {
-            Err(CommError::Protocol { peer: 0, reason, .. }) => {
+            Err(CommError::Protocol {
+                peer: 0, reason, ..
+            }) => {
                 assert!(reason.contains("3 bytes"), "{reason}")
             }
             other => panic!("{other:?}"),

@@ -247,7 +247,11 @@ fn check_memory<'a>(
     spec: &JobSpec,
     nodes: impl Iterator<Item = &'a ductile_cluster::records::NodeRecord>,
 ) -> ApiResult<()> {
-    let Some(need) = spec.training.as_ref().and_then(|t| t.min_slot_bytes(spec.max)) else {
+    let Some(need) = spec
+        .training
+        .as_ref()
+        .and_then(|t| t.min_slot_bytes(spec.max))
+    else {
         return Ok(());
     };
     let mut largest: Option<(u64, String)> = None;
@@ -416,9 +420,15 @@ async fn plan(
         ));
     }
     let (t, world) = (t.clone(), q.world);
-    let planned = tokio::task::spawn_blocking(move || ductile_strategies::pipeline::plan(&t, world))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("planning failed: {e}")))?;
+    let planned =
+        tokio::task::spawn_blocking(move || ductile_strategies::pipeline::plan(&t, world))
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("planning failed: {e}"),
+                )
+            })?;
     planned.map(Json).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,

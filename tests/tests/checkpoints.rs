@@ -845,12 +845,25 @@ else:
 "#;
         let py = std::env::var("DUCTILE_PYTHON").unwrap_or_else(|_| "python3".into());
         let out = std::process::Command::new(py)
-            .args(["-c", script, &s3.endpoint, &s3.region, &s3.access_key, &s3.secret_key, &s3.bucket, &key])
+            .args([
+                "-c",
+                script,
+                &s3.endpoint,
+                &s3.region,
+                &s3.access_key,
+                &s3.secret_key,
+                &s3.bucket,
+                &key,
+            ])
             .arg(&saved)
             .arg(op)
             .output()
             .unwrap();
-        assert!(out.status.success(), "boto3 {op}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "boto3 {op}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     };
     boto("archive");
     let before = c.status("c10").generation;
@@ -859,14 +872,21 @@ else:
         agent_logs(&c).contains("could not read it").then_some(())
     });
     let logs = agent_logs(&c);
-    assert!(!logs.contains("FALLING BACK"), "fell back on a store error:\n{logs}");
+    assert!(
+        !logs.contains("FALLING BACK"),
+        "fell back on a store error:\n{logs}"
+    );
     assert!(
         !logs.contains("at step 20 ("),
         "a rank resumed from the older commit:\n{logs}"
     );
     boto("restore");
     let (_, w) = joined_weights(&c, "c10", before + 1);
-    assert!(w[0].starts_with("40:"), "resumed at {} instead of step 40", w[0]);
+    assert!(
+        w[0].starts_with("40:"),
+        "resumed at {} instead of step 40",
+        w[0]
+    );
     assert_eq!(c.wait_done("c10", S(180)).step, 60);
     assert!(!agent_logs(&c).contains("FALLING BACK"));
 }

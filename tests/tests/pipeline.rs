@@ -327,7 +327,8 @@ fn pipeline_a_full_loss_without_a_checkpoint_stops_rather_than_restart_from_the_
     });
     assert_eq!(v.state, JobState::Failed);
     assert!(
-        v.message.contains("stopping rather than starting from the seed"),
+        v.message
+            .contains("stopping rather than starting from the seed"),
         "{}",
         v.message
     );

@@ -691,7 +691,14 @@ fn workers_run_as_the_worker_user_not_as_the_agent() {
         std::fs::copy(bin("ductile-agent"), &agent).unwrap();
         std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::process::Command::new("setpriv")
-            .args(["--reuid", &nobody.to_string(), "--regid", &nobody.to_string(), "--clear-groups", "--inh-caps=-all"])
+            .args([
+                "--reuid",
+                &nobody.to_string(),
+                "--regid",
+                &nobody.to_string(),
+                "--clear-groups",
+                "--inh-caps=-all",
+            ])
             .arg(&agent)
             // another unprivileged user than its own: switching needs root or CAP_SETUID
             .args(["--etcd", &etcd, "--node", "n", "--worker-user", "daemon"])

@@ -144,18 +144,41 @@ fn example_configs_are_accepted() {
     let plain = dir.path().join("plain.toml");
     std::fs::write(&plain, "etcd = \"http://10.255.255.1:2379\"\n").unwrap();
     let out = Command::new(bin("ductile-agent"))
-        .args(["--config", plain.to_str().unwrap(), "--etcd-wait", "1", "--node", "n1"])
+        .args([
+            "--config",
+            plain.to_str().unwrap(),
+            "--etcd-wait",
+            "1",
+            "--node",
+            "n1",
+        ])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("not on loopback") && err.contains("--insecure-etcd"), "{err}");
+    assert!(
+        err.contains("not on loopback") && err.contains("--insecure-etcd"),
+        "{err}"
+    );
     let out = Command::new(bin("ductiled"))
-        .args(["--etcd", "http://10.255.255.1:2379", "--listen", "127.0.0.1:0", "--insecure-http", "--token-file", token.to_str().unwrap(), "--etcd-wait", "1"])
+        .args([
+            "--etcd",
+            "http://10.255.255.1:2379",
+            "--listen",
+            "127.0.0.1:0",
+            "--insecure-http",
+            "--token-file",
+            token.to_str().unwrap(),
+            "--etcd-wait",
+            "1",
+        ])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("not on loopback") && err.contains("--insecure-etcd"), "{err}");
+    assert!(
+        err.contains("not on loopback") && err.contains("--insecure-etcd"),
+        "{err}"
+    );
     // and a config with an unknown key is refused, naming it
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "etcd = \"http://x\"\ncolour = 1\n").unwrap();

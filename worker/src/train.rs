@@ -1090,9 +1090,15 @@ mod tests {
     fn a_transfer_header_is_checked_field_by_field() {
         let good = encode_head(7, &[3, 2]);
         assert_eq!(check_head(&good, 7, &[3, 2]), Ok(()));
-        assert!(check_head(&good, 8, &[3, 2]).unwrap_err().contains("step 7"));
-        assert!(check_head(&good, 7, &[3, 2, 1]).unwrap_err().contains("2 tensors"));
-        assert!(check_head(&good, 7, &[3, 1]).unwrap_err().contains("tensor 1"));
+        assert!(check_head(&good, 8, &[3, 2])
+            .unwrap_err()
+            .contains("step 7"));
+        assert!(check_head(&good, 7, &[3, 2, 1])
+            .unwrap_err()
+            .contains("2 tensors"));
+        assert!(check_head(&good, 7, &[3, 1])
+            .unwrap_err()
+            .contains("tensor 1"));
         assert!(check_head(&good[..20], 7, &[3, 2]).is_err());
         let mut bad = good.clone();
         bad[0] ^= 1;

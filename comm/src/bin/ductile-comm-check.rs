@@ -78,10 +78,14 @@ async fn main() {
             let victim: u32 = a[7].parse().unwrap();
             println!("{}", serde_json::json!({"rank": rank, "looping": true}));
             let err = tokio::task::spawn_blocking(move || {
-                let mut t =
-                    comm.place(&tch::Tensor::ones([4 << 20], (tch::Kind::Float, tch::Device::Cpu)));
+                let mut t = comm.place(&tch::Tensor::ones(
+                    [4 << 20],
+                    (tch::Kind::Float, tch::Device::Cpu),
+                ));
                 loop {
-                    if let Err(e) = Communicator::all_reduce(&comm, &mut t, ductile_comm::ReduceOp::Sum) {
+                    if let Err(e) =
+                        Communicator::all_reduce(&comm, &mut t, ductile_comm::ReduceOp::Sum)
+                    {
                         return (e.to_string(), now_ms());
                     }
                     let _ = t.tensor().shallow_clone().fill_(1.0);

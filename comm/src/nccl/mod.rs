@@ -580,9 +580,18 @@ impl Communicator for NcclComm {
                 }
                 let t = t.tensor();
                 if !t.is_contiguous() {
-                    return Err(CommError::Invalid { op, reason: "tensor must be contiguous".into() });
+                    return Err(CommError::Invalid {
+                        op,
+                        reason: "tensor must be contiguous".into(),
+                    });
                 }
-                ops.push((send, *peer as i32, t.data_ptr(), t.numel(), self.dtype(t, op)?));
+                ops.push((
+                    send,
+                    *peer as i32,
+                    t.data_ptr(),
+                    t.numel(),
+                    self.dtype(t, op)?,
+                ));
             }
         }
         if ops.is_empty() {
@@ -639,7 +648,9 @@ impl Communicator for NcclComm {
         if counts.iter().any(|c| *c < 1) || counts.iter().sum::<i64>() as u64 != total {
             return Err(CommError::Invalid {
                 op,
-                reason: format!("the ranks hold {counts:?} shards, expected {total} in all, at least one each"),
+                reason: format!(
+                    "the ranks hold {counts:?} shards, expected {total} in all, at least one each"
+                ),
             });
         }
         // bounded: every count is at most `total`, which this rank chose
@@ -655,7 +666,9 @@ impl Communicator for NcclComm {
         } else {
             local
         };
-        let gathered = self.all_gather(&self.place(&padded.contiguous()))?.into_tensor();
+        let gathered = self
+            .all_gather(&self.place(&padded.contiguous()))?
+            .into_tensor();
         let mut acc: Option<Tensor> = None;
         for (r, n) in counts.iter().enumerate() {
             for k in 0..*n {
@@ -667,10 +680,11 @@ impl Communicator for NcclComm {
             }
         }
         let _ = first;
-        acc.map(|a| self.place(&a)).ok_or_else(|| CommError::Invalid {
-            op,
-            reason: "no shards".into(),
-        })
+        acc.map(|a| self.place(&a))
+            .ok_or_else(|| CommError::Invalid {
+                op,
+                reason: "no shards".into(),
+            })
     }
     fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);

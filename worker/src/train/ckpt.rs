@@ -759,7 +759,10 @@ impl Trainer {
                 Err((false, _)) => 2,
             };
             let states: Vec<u8> = match comm.host().all_gather_bytes(&[mine]) {
-                Ok(rows) => rows.iter().map(|r| r.first().copied().unwrap_or(0)).collect(),
+                Ok(rows) => rows
+                    .iter()
+                    .map(|r| r.first().copied().unwrap_or(0))
+                    .collect(),
                 Err(e) => return Ok(Err(e)),
             };
             let of = |v: u8| -> Vec<usize> {

@@ -250,10 +250,10 @@ pub fn all_parts(holdings: &BTreeMap<u32, Vec<Holding>>) -> Vec<Part> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::Device;
     use crate::data::Dataset;
     use crate::model::Model;
     use ductile_strategies::tensor::{held_regions, split_of, Arch, Split};
+    use tch::Device;
 
     async fn mesh(n: u32, generation: u64) -> Vec<Arc<dyn Communicator>> {
         ductile_comm::tcp::loopback_mesh(n, "rs", generation)
