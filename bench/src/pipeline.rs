@@ -184,7 +184,7 @@ fn run_stage(
     let mut busy = 0.0;
     for op in ops {
         if let Some((from, want)) = needs(op, stage, p, v) {
-            let _ = mail.recv(comm.as_ref(), from, want, &|_| shape.to_vec(), Device::Cpu)?;
+            let _ = mail.recv(comm.as_ref(), from, want, &|_| shape.to_vec())?;
         }
         busy += work(match op {
             Op::Fwd(..) => tf,

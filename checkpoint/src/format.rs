@@ -229,6 +229,11 @@ pub fn attempt_dir(step: u64, generation: u64) -> String {
     format!("step-{step:012}/g{generation}")
 }
 
+/// The key of the `COMMIT` record of (step, generation).
+pub fn commit_key(step: u64, generation: u64) -> String {
+    format!("{}/{COMMIT}", attempt_dir(step, generation))
+}
+
 /// (step, generation) of an attempt directory name `step-…/g…`.
 pub fn parse_attempt_dir(dir: &str) -> Option<(u64, u64)> {
     let (s, g) = dir.split_once('/')?;

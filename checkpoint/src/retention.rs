@@ -48,6 +48,8 @@ pub struct CheckpointInfo {
 
 struct Dir {
     objects: Vec<(String, ObjectMeta)>,
+    /// Its commit (or superseded) record, where one was read and parsed.
+    record: Option<CheckpointRecord>,
 }
 
 async fn dirs(bucket: &Bucket) -> Result<BTreeMap<(u64, u64), Dir>, BucketError> {
@@ -59,7 +61,10 @@ async fn dirs(bucket: &Bucket) -> Result<BTreeMap<(u64, u64), Dir>, BucketError>
         };
         if let Some(sg) = parse_attempt_dir(&format!("{a}/{b}")) {
             out.entry(sg)
-                .or_insert_with(|| Dir { objects: vec![] })
+                .or_insert_with(|| Dir {
+                    objects: vec![],
+                    record: None,
+                })
                 .objects
                 .push((key, meta));
         }
@@ -81,9 +86,9 @@ async fn list_dirs(
     bucket: &Bucket,
     latest: Option<&CheckpointRecord>,
 ) -> Result<(Vec<CheckpointInfo>, BTreeMap<(u64, u64), Dir>), BucketError> {
-    let all = dirs(bucket).await?;
+    let mut all = dirs(bucket).await?;
     let mut out = Vec::new();
-    for (&(step, generation), d) in &all {
+    for (&(step, generation), d) in &mut all {
         let commit_key = format!("{}/{COMMIT}", attempt_dir(step, generation));
         let superseded_key = format!("{}/{SUPERSEDED}", attempt_dir(step, generation));
         // A read error fails the listing (and so retention) with that error: a commit is never
@@ -118,6 +123,7 @@ async fn list_dirs(
                 state = CheckpointState::Committed;
             }
         }
+        d.record = rec.clone();
         let shards: Vec<&(String, ObjectMeta)> = d
             .objects
             .iter()
@@ -179,8 +185,7 @@ pub async fn has_commit_record(
     bucket: &Bucket,
     rec: &CheckpointRecord,
 ) -> Result<bool, BucketError> {
-    let key = format!("{}/{COMMIT}", attempt_dir(rec.step, rec.generation));
-    match bucket.get(&key).await {
+    match bucket.get(&commit_key(rec.step, rec.generation)).await {
         Ok(_) => Ok(true),
         Err(e) if e.is_not_found() => Ok(false),
         Err(e) => Err(e),
@@ -206,61 +211,53 @@ pub async fn retain(
     let mut r = Retained::default();
     // every etcd commit whose record is missing from the store gets it now
     if let Some(l) = latest {
-        let bare = CheckpointRecord {
-            unrecorded: Vec::new(),
-            ..l.clone()
-        };
-        for rec in std::iter::once(&bare).chain(&l.unrecorded) {
+        for rec in std::iter::once(&l.alone()).chain(&l.unrecorded) {
             if !has_commit_record(bucket, rec).await? {
-                let key = format!("{}/{COMMIT}", attempt_dir(rec.step, rec.generation));
                 bucket
-                    .put(&key, Bytes::from(serde_json::to_vec_pretty(rec).unwrap()))
+                    .put(
+                        &commit_key(rec.step, rec.generation),
+                        Bytes::from(serde_json::to_vec_pretty(rec).unwrap()),
+                    )
                     .await?;
                 r.repaired += 1;
             }
         }
     }
-    let (mut infos, mut all) = list_dirs(bucket, latest).await?;
+    let (mut infos, all) = list_dirs(bucket, latest).await?;
     if let Some(l) = latest {
-        // what the listing knows of each, for a record that does not read (the store's own
-        // record is preferred below)
+        // commits above etcd's latest: superseded, with the record the listing read (or what
+        // it knows of one whose record does not parse)
         let above: Vec<CheckpointRecord> = infos
             .iter()
             .filter(|i| i.state == CheckpointState::Committed && i.step > l.step)
-            .map(|i| CheckpointRecord {
-                step: i.step,
-                generation: i.generation,
-                manifest: format!("{}/{MANIFEST}", attempt_dir(i.step, i.generation)),
-                manifest_crc32c: 0,
-                bytes: i.bytes,
-                world_size: i.world_size,
-                layout: i
-                    .layout
-                    .clone()
-                    .unwrap_or_else(|| Layout::data_parallel(i.world_size.max(1))),
-                committed_at_ms: i.time_ms,
-                request: None,
-                unrecorded: Vec::new(),
+            .map(|i| match &all[&(i.step, i.generation)].record {
+                Some(rec) => rec.clone(),
+                None => CheckpointRecord {
+                    step: i.step,
+                    generation: i.generation,
+                    manifest: format!("{}/{MANIFEST}", attempt_dir(i.step, i.generation)),
+                    manifest_crc32c: 0,
+                    bytes: i.bytes,
+                    world_size: i.world_size,
+                    layout: Layout::data_parallel(i.world_size.max(1)),
+                    committed_at_ms: i.time_ms,
+                    request: None,
+                    unrecorded: Vec::new(),
+                },
             })
             .collect();
         if !above.is_empty() {
-            // the store's own records where they read (the SUPERSEDED record keeps them whole)
-            let mut records = Vec::with_capacity(above.len());
-            for a in above {
-                let key = format!("{}/{COMMIT}", attempt_dir(a.step, a.generation));
-                let rec = match bucket.get(&key).await {
-                    Ok(b) => serde_json::from_slice::<CheckpointRecord>(&b).unwrap_or(a),
-                    Err(e) if e.is_not_found() => a,
-                    Err(e) => return Err(e),
-                };
-                records.push(rec);
-            }
             let why = format!(
                 "above etcd's latest commit (step {}, generation {}): a history the job left",
                 l.step, l.generation
             );
-            r.superseded = supersede(bucket, &records, &why).await?;
-            (infos, all) = list_dirs(bucket, latest).await?;
+            r.superseded = supersede(bucket, &above, &why).await?;
+            for i in infos
+                .iter_mut()
+                .filter(|i| r.superseded.contains(&(i.step, i.generation)))
+            {
+                i.state = CheckpointState::Superseded;
+            }
         }
     }
     let is_latest = |step: u64, generation: u64| {

@@ -443,11 +443,7 @@ pub async fn gather_and_commit(
         .map_err(|e| SaveError::Etcd(e, step))?
         .map(|(r, _)| r);
     if let Some(p) = prev {
-        let bare = CheckpointRecord {
-            unrecorded: Vec::new(),
-            ..p.clone()
-        };
-        for r in p.unrecorded.into_iter().chain([bare]) {
+        for r in p.unrecorded.iter().cloned().chain([p.alone()]) {
             // a read that fails keeps it in the list: it is repaired or dropped later
             if r.step < step
                 && !crate::retention::has_commit_record(bucket, &r)
@@ -486,13 +482,7 @@ pub async fn gather_and_commit(
     commit_fenced(store, c.job, &rec).await?;
     // the commit record in the store, so that a bucket alone tells what is complete (without
     // the lineage list: each COMMIT describes its own checkpoint)
-    let commit = Bytes::from(
-        serde_json::to_vec_pretty(&CheckpointRecord {
-            unrecorded: Vec::new(),
-            ..rec.clone()
-        })
-        .expect("a record serializes"),
-    );
+    let commit = Bytes::from(serde_json::to_vec_pretty(&rec.alone()).expect("a record serializes"));
     let key = format!("{dir}/{COMMIT}");
     let mut tries = 0;
     loop {

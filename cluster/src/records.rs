@@ -500,6 +500,14 @@ pub struct GptConfig {
     pub vocab: i64,
 }
 
+impl GptConfig {
+    /// About how many parameters it has (blocks, embeddings, head).
+    pub fn approx_params(&self) -> i64 {
+        12 * self.n_layer * self.d_model * self.d_model
+            + (self.vocab.max(1) * 2 + self.ctx) * self.d_model
+    }
+}
+
 impl Default for GptConfig {
     fn default() -> Self {
         GptConfig {
@@ -574,8 +582,7 @@ impl TrainingSpec {
                 ),
             ));
         }
-        let params =
-            12 * c.n_layer * c.d_model * c.d_model + (c.vocab.max(1) * 2 + c.ctx) * c.d_model;
+        let params = c.approx_params();
         if params > MAX_MODEL_PARAMS {
             return Err(ClusterError::invalid(
                 "training.model_config",
@@ -589,9 +596,7 @@ impl TrainingSpec {
     /// output widths, from its dataset, are counted as 64).
     pub fn approx_params(&self) -> Option<i64> {
         match self.model.as_str() {
-            "gpt" => self.gpt_config().ok().map(|c| {
-                12 * c.n_layer * c.d_model * c.d_model + (c.vocab.max(1) * 2 + c.ctx) * c.d_model
-            }),
+            "gpt" => self.gpt_config().ok().map(|c| c.approx_params()),
             "mlp" => self
                 .mlp_config()
                 .ok()
@@ -1685,6 +1690,17 @@ pub struct CheckpointRecord {
     /// an abandoned attempt and deleted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unrecorded: Vec<CheckpointRecord>,
+}
+
+impl CheckpointRecord {
+    /// This commit's own record, without the lineage it carries (what its `COMMIT` object
+    /// holds).
+    pub fn alone(&self) -> CheckpointRecord {
+        CheckpointRecord {
+            unrecorded: Vec::new(),
+            ..self.clone()
+        }
+    }
 }
 
 /// The secret the members of one generation prove to each other when their meshes connect

@@ -147,18 +147,18 @@ pub trait HostChannel: Send + Sync {
 }
 
 impl dyn HostChannel + '_ {
-    /// Every rank's row of integers, in rank order.
+    /// Every rank's row of integers (as many as this rank's), in rank order.
     pub fn all_gather_i64(&self, row: &[i64]) -> Result<Vec<Vec<i64>>> {
         self.all_gather_words(row, |v| v.to_le_bytes(), i64::from_le_bytes)
     }
 
-    /// Every rank's row of floats, in rank order.
+    /// Every rank's row of floats (as many as this rank's), in rank order.
     pub fn all_gather_f64(&self, row: &[f64]) -> Result<Vec<Vec<f64>>> {
         self.all_gather_words(row, |v| v.to_le_bytes(), f64::from_le_bytes)
     }
 
-    /// Every rank's row of 8-byte values, in rank order; a row of another length is a protocol
-    /// error naming its rank.
+    /// Every rank's row of 8-byte values (as many as this rank's), in rank order; a row of
+    /// another length is a protocol error naming its rank.
     fn all_gather_words<T>(
         &self,
         row: &[T],
@@ -166,48 +166,40 @@ impl dyn HostChannel + '_ {
         from: impl Fn([u8; 8]) -> T,
     ) -> Result<Vec<Vec<T>>> {
         let bytes: Vec<u8> = row.iter().flat_map(&to).collect();
-        self.all_gather_bytes(&bytes)?
-            .into_iter()
+        let rows = self.all_gather_bytes(&bytes)?;
+        if let Some((p, b)) = rows
+            .iter()
             .enumerate()
-            .map(|(p, b)| {
-                words(&b, p as u32, self.generation()).map(|w| w.into_iter().map(&from).collect())
+            .find(|(_, b)| b.len() != bytes.len())
+        {
+            return Err(CommError::Protocol {
+                generation: self.generation(),
+                op: "host all_gather",
+                peer: p as u32,
+                reason: format!("a row of {} bytes, expected {}", b.len(), bytes.len()),
+            });
+        }
+        Ok(rows
+            .iter()
+            .map(|b| {
+                b.chunks_exact(8)
+                    .map(|c| from(c.try_into().unwrap()))
+                    .collect()
             })
-            .collect()
+            .collect())
     }
 
     /// The element-wise sum of every rank's `row` (same length everywhere), folded in rank
     /// order: the same bits on every rank.
     pub fn sum_f64(&self, row: &[f64]) -> Result<Vec<f64>> {
-        let rows = self.all_gather_f64(row)?;
         let mut sum = vec![0f64; row.len()];
-        for (p, r) in rows.iter().enumerate() {
-            if r.len() != row.len() {
-                return Err(CommError::Protocol {
-                    generation: self.generation(),
-                    op: "host sum",
-                    peer: p as u32,
-                    reason: format!("a row of {} values, expected {}", r.len(), row.len()),
-                });
-            }
+        for r in self.all_gather_f64(row)? {
             for (s, v) in sum.iter_mut().zip(r) {
                 *s += v;
             }
         }
         Ok(sum)
     }
-}
-
-/// `b` as 8-byte words; a peer's row of another length is a protocol error naming it.
-fn words(b: &[u8], peer: u32, generation: u64) -> Result<Vec<[u8; 8]>> {
-    if b.len() % 8 != 0 {
-        return Err(CommError::Protocol {
-            generation,
-            op: "host all_gather",
-            peer,
-            reason: format!("a row of {} bytes is not a row of 8-byte values", b.len()),
-        });
-    }
-    Ok(b.chunks_exact(8).map(|c| c.try_into().unwrap()).collect())
 }
 
 /// The device face of a generation's communicator: collectives and point-to-point exchanges

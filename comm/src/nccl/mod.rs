@@ -643,7 +643,7 @@ impl Communicator for NcclComm {
             .host()
             .all_gather_i64(&[shards.len() as i64])?
             .into_iter()
-            .map(|r| r.first().copied().unwrap_or(-1))
+            .map(|r| r[0])
             .collect();
         if counts.iter().any(|c| *c < 1) || counts.iter().sum::<i64>() as u64 != total {
             return Err(CommError::Invalid {

@@ -71,7 +71,6 @@ impl Mailbox {
         from: u32,
         want: Msg,
         shape: &dyn Fn(Msg) -> Vec<i64>,
-        dev: Device,
     ) -> Result<Tensor, CommError> {
         if let Some(t) = self.early.remove(&want) {
             return Ok(t);
@@ -85,7 +84,6 @@ impl Mailbox {
                     format!("{want:?} is not among what rank {from} sends this step"),
                 ));
             };
-            let _ = dev;
             let t = comm.zeros(shape(next).as_slice(), Kind::Float);
             comm.recv(&t, from)?;
             let t = t.into_tensor();
@@ -669,7 +667,7 @@ impl Trainer {
                             self.data.batch(&idx).0.to_device(self.dev)
                         } else {
                             let want = Msg::Act { mb: i, chunk: k };
-                            mail.recv(comm.as_ref(), prev, want, &shape, self.dev)?
+                            mail.recv(comm.as_ref(), prev, want, &shape)?
                                 .set_requires_grad(true)
                         };
                         let r = &mine[j as usize];
@@ -705,7 +703,7 @@ impl Trainer {
                             None
                         } else {
                             let want = Msg::Grad { mb: i, chunk: k };
-                            Some(mail.recv(comm.as_ref(), next, want, &shape, self.dev)?)
+                            Some(mail.recv(comm.as_ref(), next, want, &shape)?)
                         };
                         match (&grp, &grad) {
                             (Some(grp), _) => tape.backward(&out, grad.as_ref(), grp)?,
@@ -766,17 +764,16 @@ impl Trainer {
                 }
                 t
             };
+            let placed = comm.place(&acc_g);
             if j + 1 < group.len() {
-                let placed = comm.place(&acc_g);
                 comm.send(&placed, group[j + 1])?;
                 comm.recv(&placed, *group.last().unwrap())?;
-                acc_g = placed.into_tensor();
             } else {
-                let placed = comm.place(&acc_g);
                 for peer in &group[..j] {
                     comm.send(&placed, *peer)?;
                 }
             }
+            acc_g = placed.into_tensor();
             let mut at = 0;
             for i in &which {
                 let p = &self.params[*i];
