@@ -45,6 +45,53 @@ mod tests {
         assert!(read(&dir).unwrap_err().contains("line 2"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    /// Two members split round 0 (A: 0..4, B: 4..8); both enter fragment 0's exchange with 2
+    /// samples trained; B leaves; A finishes its piece and commits round 0 keeping B's first 2;
+    /// round 1 trains B's rest.
+    #[test]
+    fn a_departed_members_exchanged_samples_count_once_when_an_exchange_shows_them() {
+        let dir = std::env::temp_dir().join(format!("ductile-ledger-kept-{}", std::process::id()));
+        let run = |a: &str, b: &str| {
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("a"), a).unwrap();
+            std::fs::write(dir.join("b"), b).unwrap();
+            round_violations(&dir, 8, 8).0
+        };
+        let b = concat!(
+            r#"{"g":1,"round":0,"r":1,"idx":[4,5]}"#,
+            "\n",
+            r#"{"g":1,"round":0,"r":1,"fragment":0,"done":2}"#,
+            "\n"
+        );
+        let a = |exchanged: bool, round1: &str| {
+            let mut a = String::new();
+            a += "{\"g\":1,\"round\":0,\"r\":0,\"idx\":[0,1]}\n";
+            a += "{\"g\":1,\"round\":0,\"r\":0,\"fragment\":0,\"done\":2}\n";
+            if exchanged {
+                a += "{\"g\":1,\"round\":0,\"r\":0,\"fragment\":0,\"exchanged\":true}\n";
+            }
+            a += "{\"g\":2,\"round\":0,\"r\":0,\"idx\":[2,3]}\n";
+            a += "{\"g\":2,\"round\":0,\"r\":0,\"contrib\":true}\n";
+            a += "{\"g\":2,\"round\":0,\"r\":0,\"committed\":true,\"kept\":[[1,1,2]]}\n";
+            a += &format!("{{\"g\":2,\"round\":1,\"r\":0,\"idx\":{round1}}}\n");
+            a += "{\"g\":2,\"round\":1,\"r\":0,\"contrib\":true}\n";
+            a += "{\"g\":2,\"round\":1,\"r\":0,\"committed\":true,\"kept\":[]}\n";
+            a
+        };
+        assert_eq!(run(&a(true, "[6,7]"), b), Vec::<String>::new());
+        // the exchange never completed: B's samples were not in the weights
+        let v = run(&a(false, "[6,7]"), b);
+        assert!(
+            v.iter().any(|e| e.contains("no completed exchange")),
+            "{v:?}"
+        );
+        // B's exchanged samples trained again
+        let v = run(&a(true, "[4,5,6,7]"), b);
+        assert!(v.iter().any(|e| e.contains("not the run's 8")), "{v:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
 
 /// Check that steps `0..steps` were each committed once, over `samples` samples with a global
@@ -150,13 +197,19 @@ pub fn violations(dir: &Path, steps: u64, samples: u64, batch: u64) -> Vec<Strin
 
 /// The DiLoCo ledger (`sync = "diloco"`): per process, one line per local step with the round
 /// and the samples it trained, one `contrib` line when it enters a round's commit, one
-/// `committed` line when the commit completed. Checks that rounds `0..` were committed without
-/// a gap and that the samples of the committed rounds (for each round, those of the processes
-/// that entered its last commit, from every generation they trained it in) cover `total`
-/// positions over `samples` samples with nothing skipped or repeated: each sample used
-/// `⌊total / samples⌋` or one more times. A round committed in two generations is allowed only
-/// when every process of the earlier commit never went on to a later generation (its state left
-/// with it). Returns the violations and the samples each committed round trained.
+/// `committed` line when the commit completed (with what the round kept of departed members'
+/// pieces: `kept`, [generation, rank, samples]); streaming adds a line when a member enters a
+/// fragment's exchange (`done`: the samples of its piece it had trained) and one when the
+/// exchange completed (`exchanged`). Checks that rounds `0..` were committed without a gap and
+/// that the samples of the committed rounds cover `total` positions over `samples` samples with
+/// nothing skipped or repeated: each sample used `⌊total / samples⌋` or one more times. A
+/// round's samples are those of the processes that entered its last commit (from every
+/// generation they trained it in), and, for each `kept` entry, the first samples of the round
+/// of the departed process that entered an exchange with that many trained, which must show as
+/// completed in some process's ledger (not the committing members' word alone). A round
+/// committed in two generations is allowed only when every process of the earlier commit never
+/// went on to a later generation (its state left with it). Returns the violations and the
+/// samples each committed round trained.
 pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, Vec<u64>) {
     let mut out = Vec::new();
     // (process, round) → samples; (generation, round) → processes that entered its commit;
@@ -165,6 +218,13 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
     let mut contrib: BTreeMap<(u64, u64), BTreeSet<String>> = BTreeMap::new();
     let mut committed: BTreeMap<u64, BTreeMap<u64, BTreeSet<String>>> = BTreeMap::new();
     let mut last_gen: BTreeMap<String, u64> = BTreeMap::new();
+    // (generation, round) → the `kept` each committing process wrote; (generation, round,
+    // rank, samples done) → (process, fragment) entering an exchange; (generation, round,
+    // fragment) of the exchanges that completed
+    let mut kept: BTreeMap<(u64, u64), BTreeSet<Vec<[u64; 3]>>> = BTreeMap::new();
+    type Entry = (u64, u64, u64, u64);
+    let mut entered: BTreeMap<Entry, Vec<(String, u64)>> = BTreeMap::new();
+    let mut exchanged: BTreeSet<(u64, u64, u64)> = BTreeSet::new();
     let lines = match read(dir) {
         Ok(l) => l,
         Err(e) => return (vec![e], vec![]),
@@ -182,6 +242,19 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
                 .entry(g)
                 .or_default()
                 .insert(p.clone());
+            let k: Vec<[u64; 3]> = serde_json::from_value(v["kept"].clone()).unwrap_or_default();
+            kept.entry((g, r)).or_default().insert(k);
+        } else if v["exchanged"] == true {
+            if let Some(f) = v["fragment"].as_u64() {
+                exchanged.insert((g, r, f));
+            }
+        } else if let (Some(f), Some(done), Some(rank)) =
+            (v["fragment"].as_u64(), v["done"].as_u64(), v["r"].as_u64())
+        {
+            entered
+                .entry((g, r, rank, done))
+                .or_default()
+                .push((p.clone(), f));
         } else if v["contrib"] == true {
             contrib.entry((g, r)).or_default().insert(p.clone());
         } else if let Some(a) = v["idx"].as_array() {
@@ -217,12 +290,54 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
             ));
             continue;
         };
-        for p in procs {
-            for i in idx
+        // the committing processes' samples, then the departed ones' kept part
+        let mut trained: Vec<&[u64]> = procs
+            .iter()
+            .map(|p| {
+                idx.get(&(p.clone(), *r))
+                    .map(|v| v.as_slice())
+                    .unwrap_or(&[])
+            })
+            .collect();
+        let said = kept.get(&(g, *r)).cloned().unwrap_or_default();
+        if said.len() > 1 {
+            out.push(format!(
+                "round {r}: the members that committed it disagree on what it kept: {said:?}"
+            ));
+        }
+        for [kg, kr, n] in said.into_iter().next().unwrap_or_default() {
+            let by = entered.get(&(kg, *r, kr, n)).and_then(|v| {
+                v.iter()
+                    .find(|(_, f)| exchanged.contains(&(kg, *r, *f)))
+                    .map(|(p, _)| p)
+            });
+            let Some(p) = by else {
+                out.push(format!(
+                    "round {r} kept {n} samples of rank {kr} of generation {kg}, but no completed exchange shows that member had trained them"
+                ));
+                continue;
+            };
+            if procs.contains(p) {
+                out.push(format!(
+                    "round {r} kept samples of {p}, which also committed it"
+                ));
+                continue;
+            }
+            let all = idx
                 .get(&(p.clone(), *r))
                 .map(|v| v.as_slice())
-                .unwrap_or(&[])
-            {
+                .unwrap_or(&[]);
+            if (all.len() as u64) < n {
+                out.push(format!(
+                    "round {r} kept {n} samples of {p}, which trained {} in it",
+                    all.len()
+                ));
+                continue;
+            }
+            trained.push(&all[..n as usize]);
+        }
+        for part in trained {
+            for i in part {
                 if *i >= samples {
                     out.push(format!("round {r}: sample {i} is out of range"));
                 }

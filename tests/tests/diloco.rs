@@ -127,6 +127,54 @@ fn diloco_streaming_int8_fragments_train_through_a_shrink_and_a_grow_and_determi
     assert_eq!(a, b, "two deterministic DiLoCo runs differ");
 }
 
+/// Streaming DiLoCo: a member that leaves between two of a round's exchanges has moved the
+/// samples it trained before the first into the global weights: the round keeps them (the
+/// ledger shows the completed exchange) and only the untrained rest of its piece is trained
+/// again, so every sample is still committed once.
+#[test]
+fn diloco_a_member_lost_between_two_streaming_exchanges_keeps_what_it_exchanged_once() {
+    let ledger = TempDir::new("ledger");
+    let c = ledger_cluster(&ledger);
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let steps = 480;
+    c.submit(
+        &diloco_toml("d6", 3, &data, steps, "inner_steps = 16\nfragments = 4").replace(
+            "restart_budget = 50",
+            "restart_budget = 50\nallow_fault_injection = true\nenv = { DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES = \"1:3\" }",
+        ),
+    );
+    c.wait_world("d6", 3, S(30));
+    c.wait_for(S(120), "a failure generation", || {
+        c.history("d6")
+            .into_iter()
+            .find(|g| g.reason == Reason::Failure)
+    });
+    let done = c.wait_done("d6", S(300));
+    assert!(done.final_weights_sha256.is_some());
+    let (v, rounds) = ductile_tests::ledger::round_violations(ledger.path(), steps * 32, 624);
+    assert!(v.is_empty(), "{v:#?}");
+    // round 3 kept the departed member's exchanged samples; the rest of its piece went to
+    // round 4
+    let kept: Vec<serde_json::Value> = std::fs::read_dir(ledger.path())
+        .unwrap()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(f.unwrap().path()).unwrap();
+            text.lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .filter(|v| v["round"] == 3 && v["committed"] == true)
+                .map(|v| v["kept"].clone())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        kept.iter().any(|k| k
+            .as_array()
+            .is_some_and(|a| a.len() == 1 && a[0][2].as_u64() > Some(0))),
+        "{kept:?}"
+    );
+    assert!(rounds[3] < 512 && rounds[4] > 512, "{rounds:?}");
+}
+
 #[test]
 fn diloco_checkpoints_hold_the_rounds_and_a_cold_start_at_another_size_resumes_them() {
     let ledger = TempDir::new("ledger");

@@ -5,58 +5,55 @@
 //! the next rank a frame of 2^62 bytes, once per process, as a broken or hostile peer would.
 //! `DUCTILE_SLOWDOWN=RANK:FACTOR`: the worker of rank RANK computes FACTOR times slower (after
 //! each step's forward and backward it waits (FACTOR − 1) times as long), a straggler.
+//! `DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES=RANK:ROUND`: streaming DiLoCo: in round ROUND the worker
+//! of rank RANK, having trained part of its piece and seen the round's first exchange complete,
+//! exits (as a killed process would, a second later) before the second.
 
+use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 static OVERSIZED_FRAME: OnceLock<Option<(u32, u64)>> = OnceLock::new();
 static SLOWDOWN: OnceLock<Option<(u32, f64)>> = OnceLock::new();
+static EXIT_BETWEEN_EXCHANGES: OnceLock<Option<(u32, u64)>> = OnceLock::new();
 static FIRED: AtomicBool = AtomicBool::new(false);
+
+/// The variable `name` as `A:B`; none when unset, or set without `allowed` (with a warning).
+fn pair<A: FromStr, B: FromStr>(
+    name: &str,
+    form: &str,
+    allowed: bool,
+) -> anyhow::Result<Option<(A, B)>> {
+    let Ok(s) = std::env::var(name) else {
+        return Ok(None);
+    };
+    if !allowed {
+        tracing::warn!("{name} is set but the job does not allow_fault_injection: ignored");
+        return Ok(None);
+    }
+    let bad = || anyhow::anyhow!("{name}={s:?} is not {form}");
+    let (a, b) = s.split_once(':').ok_or_else(bad)?;
+    Ok(Some((
+        a.parse().map_err(|_| bad())?,
+        b.parse().map_err(|_| bad())?,
+    )))
+}
 
 /// Read the fault variables once, at start; `allowed` is the job's `allow_fault_injection`.
 pub fn init(allowed: bool) -> anyhow::Result<()> {
-    let v = std::env::var("DUCTILE_FAULT_OVERSIZED_FRAME").ok();
-    let parsed = match v.as_deref() {
-        None => None,
-        Some(_) if !allowed => {
-            tracing::warn!("DUCTILE_FAULT_OVERSIZED_FRAME is set but the job does not allow_fault_injection: ignored");
-            None
+    let _ = OVERSIZED_FRAME.set(pair("DUCTILE_FAULT_OVERSIZED_FRAME", "RANK:STEP", allowed)?);
+    let slow: Option<(u32, f64)> = pair("DUCTILE_SLOWDOWN", "RANK:FACTOR", allowed)?;
+    if let Some((_, f)) = slow {
+        if !(f.is_finite() && f >= 1.0) {
+            anyhow::bail!("DUCTILE_SLOWDOWN: FACTOR {f} is not at least 1");
         }
-        Some(s) => {
-            let (r, st) = s.split_once(':').ok_or_else(|| {
-                anyhow::anyhow!("DUCTILE_FAULT_OVERSIZED_FRAME={s:?} is not RANK:STEP")
-            })?;
-            Some((
-                r.parse().map_err(|_| {
-                    anyhow::anyhow!("DUCTILE_FAULT_OVERSIZED_FRAME: rank {r:?} is not a number")
-                })?,
-                st.parse().map_err(|_| {
-                    anyhow::anyhow!("DUCTILE_FAULT_OVERSIZED_FRAME: step {st:?} is not a number")
-                })?,
-            ))
-        }
-    };
-    let _ = OVERSIZED_FRAME.set(parsed);
-    let slow = match std::env::var("DUCTILE_SLOWDOWN").ok() {
-        None => None,
-        Some(_) if !allowed => {
-            tracing::warn!(
-                "DUCTILE_SLOWDOWN is set but the job does not allow_fault_injection: ignored"
-            );
-            None
-        }
-        Some(s) => {
-            let bad =
-                || anyhow::anyhow!("DUCTILE_SLOWDOWN={s:?} is not RANK:FACTOR with FACTOR >= 1");
-            let (r, f) = s.split_once(':').ok_or_else(bad)?;
-            let (r, f): (u32, f64) = (r.parse().map_err(|_| bad())?, f.parse().map_err(|_| bad())?);
-            if !(f.is_finite() && f >= 1.0) {
-                return Err(bad());
-            }
-            Some((r, f))
-        }
-    };
+    }
     let _ = SLOWDOWN.set(slow);
+    let _ = EXIT_BETWEEN_EXCHANGES.set(pair(
+        "DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES",
+        "RANK:ROUND",
+        allowed,
+    )?);
     Ok(())
 }
 
@@ -72,4 +69,20 @@ pub fn slowdown(rank: u32, computed: std::time::Duration) -> Option<std::time::D
 pub fn oversized_frame_now(rank: u32, step: u64) -> bool {
     matches!(OVERSIZED_FRAME.get(), Some(Some((r, s))) if *r == rank && *s == step)
         && !FIRED.swap(true, Ordering::SeqCst)
+}
+
+/// Exit now if rank `rank` is told to leave round `round` between two exchanges (the caller
+/// checks that the round's first exchange just completed and that this process trained part
+/// of its piece).
+pub fn exit_between_exchanges(rank: u32, round: u64) {
+    if matches!(EXIT_BETWEEN_EXCHANGES.get(), Some(Some((r, n))) if *r == rank && *n == round) {
+        tracing::warn!(
+            rank,
+            round,
+            "fault injection: exiting between two exchanges"
+        );
+        // the exchange's last bytes reach the peers before the process is gone
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        std::process::exit(137);
+    }
 }

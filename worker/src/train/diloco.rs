@@ -13,9 +13,19 @@
 //! commit completed elsewhere) and new processes take the global weights and outer momentum
 //! from the lowest member at it (a broadcast, only when some member needs it) and train from
 //! the next round on. Survivors keep their inner progress and their pieces; the pieces nobody
-//! holds any more (their replica left, and its progress with it) are handed to the next round,
-//! whole. So a committed round's samples are those of the pieces of the members that
-//! committed it, and every position is committed once.
+//! holds any more (their replica left) are handed to the next round, less what entered an
+//! exchange.
+//!
+//! Streaming (`fragments > 1`): a member that left after some of the round's exchanges has
+//! moved its pseudo-gradient, and so the samples it had trained by then, into the global weights
+//! of the fragments exchanged. Those samples stay trained: each exchange records, per piece,
+//! how much of it the members had trained when it started (`RoundMeta::through`, kept by the
+//! members for which the exchange completed, and so by the agreement's source); a departed
+//! member's piece keeps that much (`RoundMeta::kept`, committed with the round) and only its
+//! untrained rest goes to the next round. (Rolling the exchanged fragments back is not possible:
+//! the outer step mixed every member's part.) So a committed round's samples are those of the
+//! pieces of the members that committed it and the kept part of the departed members' pieces,
+//! and every position is committed once.
 
 use std::io::Write as _;
 use std::sync::Arc;
@@ -44,6 +54,22 @@ pub struct RoundMeta {
     /// Positions committed by the rounds before this one.
     #[serde(default)]
     pub committed: u64,
+    /// Per piece: how much of it its member had trained when the round's last completed
+    /// exchange started (none: no exchange yet).
+    #[serde(default)]
+    pub through: Vec<Option<Through>>,
+    /// What this round keeps of its departed members' pieces (committed with it).
+    #[serde(default)]
+    pub kept: Vec<Through>,
+}
+
+/// The first `n` positions of a piece, trained by the member of rank `r` in generation `g`
+/// (who trained them, for the exactly-once ledger).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Through {
+    pub g: u64,
+    pub r: u32,
+    pub n: u64,
 }
 
 /// A replica's DiLoCo state.
@@ -80,6 +106,13 @@ pub struct Diloco {
 /// A fragment's exchange in flight: the sum runs on a thread of its own.
 pub struct Exchange {
     fragment: usize,
+    /// The round, generation and rank it started in.
+    round: u64,
+    g: u64,
+    rank: u32,
+    /// Per piece, how much of it its member had trained when the exchange started (what
+    /// `RoundMeta::through` becomes when it completes).
+    through: Vec<(usize, Through)>,
     /// This member's weight in it (samples since the fragment's previous exchange).
     weight: u64,
     /// The members' summed weight.
@@ -225,6 +258,8 @@ impl Trainer {
         d.meta.pieces = plan::cut(&work, &sizes);
         d.meta.cursor = cursor;
         d.meta.debt.clear();
+        d.meta.through.clear();
+        d.meta.kept.clear();
     }
 
     /// Take this member's piece of the current plan.
@@ -351,17 +386,29 @@ impl Trainer {
             debt: meta.debt.clone(),
             pieces: Vec::new(),
             committed: meta.committed,
+            through: Vec::new(),
+            kept: meta.kept.clone(),
         };
         let mut mine = None;
         for (i, p) in meta.pieces.iter().enumerate() {
+            let through = meta.through.get(i).copied().flatten();
             match claimed.iter().find(|(_, c)| *c == i) {
                 Some((r, _)) => {
                     if *r == rank {
                         mine = Some(next.pieces.len());
                     }
                     next.pieces.push(p.clone());
+                    next.through.push(through);
                 }
-                None => next.debt.extend(p.iter().cloned()),
+                None => {
+                    // what entered an exchange stays trained; the rest goes to the next round
+                    let mut rest = p.clone();
+                    if let Some(t) = through.filter(|t| t.n > 0) {
+                        plan::take(&mut rest, t.n);
+                        next.kept.push(t);
+                    }
+                    next.debt.extend(rest);
+                }
             }
         }
         let lost = plan::total(&next.debt) - plan::total(&meta.debt);
@@ -374,6 +421,7 @@ impl Trainer {
             let work = std::mem::take(&mut d.meta.debt);
             let sizes = plan::shares(plan::total(&work), &vec![1.0; g.world_size as usize]);
             d.meta.pieces = plan::cut(&work, &sizes);
+            d.meta.through.clear();
             self.take_piece(rank);
         }
         let d = self.diloco.as_ref().unwrap();
@@ -448,6 +496,8 @@ impl Trainer {
             .unwrap_or_else(|| cursor - plan::total(&work));
         let sizes = plan::shares(plan::total(&work), &vec![1.0; g.world_size as usize]);
         d.meta.pieces = plan::cut(&work, &sizes);
+        d.meta.through.clear();
+        d.meta.kept.clear();
         self.take_piece(rank);
         Ok(Ok(()))
     }
@@ -503,12 +553,15 @@ impl Trainer {
 
     /// Start fragment `f`'s exchange: the members' pseudo-gradients of its range (global −
     /// local), weighted by the samples each trained since the fragment's last exchange, summed
-    /// on a thread of its own while local steps go on. `total` is the members' summed weight.
+    /// on a thread of its own while local steps go on. `total` is the members' summed weight;
+    /// `through`, how much of each piece its member had trained (module docs).
     fn start_exchange(
         &mut self,
         comm: &Arc<dyn Communicator>,
+        g: u64,
         f: usize,
         total: f64,
+        through: Vec<(usize, Through)>,
     ) -> Result<Exchange, CommError> {
         let d = self.diloco.as_ref().unwrap();
         let r = d.fragments[f].clone();
@@ -528,9 +581,14 @@ impl Trainer {
         let q = Quant::parse(&self.spec.diloco.quantize).unwrap_or(Quant::None);
         let group = Group::new(comm.clone(), (0..comm.world()).collect())?;
         let sum = std::thread::spawn(move || quant::all_reduce(&group, &delta, q).map(|x| x.0));
-        self.dl().since[f] = 0;
+        let d = self.dl();
+        d.since[f] = 0;
         Ok(Exchange {
             fragment: f,
+            round: d.meta.round,
+            g,
+            rank: comm.rank(),
+            through,
             weight: w as u64,
             total,
             snapshot,
@@ -572,6 +630,22 @@ impl Trainer {
                 p.shallow_clone().copy_(&(gl + moved));
             }
         });
+        // every member's part was in it: what each had trained of its piece is in the weights
+        if d.meta.round == x.round {
+            for (piece, t) in &x.through {
+                if d.meta.through.len() <= *piece {
+                    d.meta.through.resize(piece + 1, None);
+                }
+                d.meta.through[*piece] = Some(*t);
+            }
+        }
+        if let Some(f) = &mut self.ledger {
+            let _ = writeln!(
+                f,
+                "{}",
+                serde_json::json!({"g": x.g, "round": x.round, "r": x.rank, "fragment": x.fragment, "exchanged": true})
+            );
+        }
         Ok(())
     }
 
@@ -595,14 +669,48 @@ impl Trainer {
 
     /// A streaming fragment's exchange in the middle of a round: it runs while local steps go
     /// on, and completes before the next exchange or the commit.
-    fn sync_fragment(&mut self, comm: &Arc<dyn Communicator>, f: usize) -> Result<(), CommError> {
+    fn sync_fragment(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        f: usize,
+    ) -> Result<(), CommError> {
+        let finished = self.diloco.as_ref().unwrap().inflight.is_some();
         self.finish_inflight()?;
-        let w = self.diloco.as_ref().unwrap().since[f] as f64;
-        let total: f64 = super::gather_rows(comm.as_ref(), &[w])?
+        let rank = comm.rank();
+        let d = self.diloco.as_ref().unwrap();
+        if finished && d.synced == 1 && d.done > 0 {
+            crate::faults::exit_between_exchanges(rank, d.meta.round);
+        }
+        let row = [
+            d.since[f] as f64,
+            d.done as f64,
+            d.piece.map(|p| p as f64).unwrap_or(-1.0),
+        ];
+        let (round, done) = (d.meta.round, d.done);
+        let rows = super::gather_rows(comm.as_ref(), &row)?;
+        let total: f64 = rows.iter().map(|r| r[0]).sum();
+        let through = rows
             .iter()
-            .map(|r| r[0])
-            .sum();
-        let x = self.start_exchange(comm, f, total)?;
+            .enumerate()
+            .filter(|(_, r)| r[2] >= 0.0)
+            .map(|(m, r)| {
+                let t = Through {
+                    g: g.number,
+                    r: m as u32,
+                    n: r[1] as u64,
+                };
+                (r[2] as usize, t)
+            })
+            .collect();
+        if let Some(l) = &mut self.ledger {
+            let _ = writeln!(
+                l,
+                "{}",
+                serde_json::json!({"g": g.number, "round": round, "r": rank, "fragment": f, "done": done})
+            );
+        }
+        let x = self.start_exchange(comm, g.number, f, total, through)?;
         self.dl().inflight = Some(x);
         Ok(())
     }
@@ -656,28 +764,32 @@ impl Trainer {
         let loss = rows.iter().map(|r| r[1]).sum::<f64>() / samples.max(1.0);
         let speeds: Vec<f64> = rows.iter().map(|r| r[2]).collect();
         let weight: f64 = rows.iter().map(|r| r[5]).sum();
-        let x = self.start_exchange(comm, last, weight)?;
+        let x = self.start_exchange(comm, g.number, last, weight, Vec::new())?;
         self.finish_exchange(x)?;
         let d = self.diloco.as_mut().unwrap();
         d.meta.round += 1;
         d.synced = 0;
+        // the departed members' trained part of their pieces commits with the round
+        let kept = std::mem::take(&mut d.meta.kept);
+        let samples = samples as u64 + kept.iter().map(|t| t.n).sum::<u64>();
         if let Some(f) = &mut self.ledger {
+            let kept: Vec<[u64; 3]> = kept.iter().map(|t| [t.g, t.r as u64, t.n]).collect();
             let _ = writeln!(
                 f,
                 "{}",
-                serde_json::json!({"g": g.number, "round": round, "r": rank, "committed": true})
+                serde_json::json!({"g": g.number, "round": round, "r": rank, "committed": true, "kept": kept})
             );
         }
         let b = self.spec.global_batch as u64;
         let d = self.dl();
         let before = d.meta.committed / b;
-        d.meta.committed += samples as u64;
+        d.meta.committed += samples;
         let after = d.meta.committed / b;
         self.step = after.min(self.spec.max_steps.unwrap_or(u64::MAX));
         self.dl().last_commit = Some((before, after));
         self.plan_round(comm.world(), &speeds, false);
         self.take_piece(rank);
-        Ok((loss, samples as u64))
+        Ok((loss, samples))
     }
 
     /// Whether the run is over: no fresh position left and nothing handed over.
@@ -735,13 +847,13 @@ impl Trainer {
             if self.inner_step(g, rank) {
                 rank_steps += 1;
                 while let Some(f) = self.fragment_due() {
-                    self.sync_fragment(comm, f)?;
+                    self.sync_fragment(comm, g, f)?;
                 }
             } else {
                 // the fragments still due this round, then the commit
                 while self.dl().started() + 1 < self.dl().fragments.len() {
                     let f = self.dl().started();
-                    self.sync_fragment(comm, f)?;
+                    self.sync_fragment(comm, g, f)?;
                 }
                 let (loss, samples) = self.commit(comm, g, rank)?;
                 if self.ckpt.is_some() {
