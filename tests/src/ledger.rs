@@ -92,6 +92,35 @@ mod tests {
         assert!(v.iter().any(|e| e.contains("not the run's 8")), "{v:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    /// Two owners (processes a and b) in one generation; b pushes one update of samples 0..2.
+    #[test]
+    fn an_async_update_counts_when_every_surviving_owner_applied_it() {
+        let dir = std::env::temp_dir().join(format!("ductile-ledger-async-{}", std::process::id()));
+        let run = |a: &str, b: &str| {
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("a"), a).unwrap();
+            std::fs::write(dir.join("b"), b).unwrap();
+            async_violations(&dir, 2, 2, 2)
+        };
+        let push = "{\"g\":1,\"r\":1,\"id\":1,\"idx\":[0,1],\"pushed\":true}\n";
+        let dec = |owner: u32, applied: bool| {
+            format!("{{\"g\":1,\"owner\":{owner},\"from\":1,\"id\":1,\"staleness\":0,\"applied\":{applied}}}\n")
+        };
+        let ok = run(&dec(0, true), &format!("{push}{}", dec(1, true)));
+        assert!(ok.violations.is_empty(), "{ok:?}");
+        // applied by one owner only: not atomic
+        let v = run(&dec(0, true), push).violations;
+        assert!(v.iter().any(|e| e.contains("but not by")), "{v:?}");
+        // applied by one, dropped by the other
+        let v = run(&dec(0, true), &format!("{push}{}", dec(1, false))).violations;
+        assert!(v.iter().any(|e| e.contains("dropped by")), "{v:?}");
+        // applied without a push line: the samples are unknown
+        let v = run(&dec(0, true), &dec(1, true)).violations;
+        assert!(v.iter().any(|e| e.contains("no worker wrote")), "{v:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
 
 /// Check that steps `0..steps` were each committed once, over `samples` samples with a global
@@ -356,19 +385,24 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
     (out, per_round)
 }
 
-/// What the async ledger (`sync = "async"`) shows: member 0, which dispenses the positions,
-/// writes one line per update it settles, with the pushing rank, the samples, the staleness
-/// and whether it was applied.
+/// What the async ledger (`sync = "async"`) shows. It does not take the dispenser's word:
+/// each worker writes one line per update it pushes (its samples), each owner one per decision
+/// it applied or dropped (`owner`, `from`, `id`, `staleness`, `applied`).
 #[derive(Debug, Default)]
 pub struct AsyncLedger {
     pub violations: Vec<String>,
-    /// Updates applied and dropped, per (generation, rank).
+    /// Updates applied and dropped, per (generation, pushing rank).
     pub applied: BTreeMap<(u64, u64), u64>,
     pub dropped: BTreeMap<(u64, u64), u64>,
     pub max_staleness: u64,
+    /// Decisions an owner learned only in the next generation's agreement.
+    pub recovered: u64,
 }
 
-/// Check an async run: every applied update's staleness at most `bound`, and the applied
+/// Check an async run. An update counts as applied when the owners of its generation whose
+/// state went on (they wrote in a later generation, or it is the last one) applied it; it must
+/// then be applied by every one of them (a decision is atomic: applied everywhere or nowhere),
+/// and dropped by none. Every applied update's staleness is at most `bound`, and the applied
 /// updates' samples cover `total` positions over `samples` samples with nothing skipped or
 /// repeated (each sample used `⌊total / samples⌋` or one more times), so a dropped update's
 /// samples were trained again.
@@ -381,30 +415,90 @@ pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> Asy
             return out;
         }
     };
+    // (generation, rank, id) → samples; → (owner process → applied, staleness)
+    type Update = (u64, u64, u64);
+    let mut pushed: BTreeMap<Update, Vec<u64>> = BTreeMap::new();
+    let mut decided: BTreeMap<Update, BTreeMap<String, (bool, u64)>> = BTreeMap::new();
+    let mut procs: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
+    let mut last_gen: BTreeMap<String, u64> = BTreeMap::new();
+    for (p, v) in lines {
+        let Some(g) = v["g"].as_u64() else { continue };
+        let e = last_gen.entry(p.clone()).or_insert(g);
+        *e = (*e).max(g);
+        procs.entry(g).or_default().insert(p.clone());
+        if v["pushed"] == true {
+            let (Some(r), Some(id), Some(idx)) =
+                (v["r"].as_u64(), v["id"].as_u64(), v["idx"].as_array())
+            else {
+                out.violations
+                    .push(format!("{p}: a push line without r, id or idx: {v}"));
+                continue;
+            };
+            let idx = idx.iter().filter_map(|x| x.as_u64()).collect();
+            if pushed.insert((g, r, id), idx).is_some() {
+                out.violations.push(format!(
+                    "{p}: update {id} of rank {r} in generation {g} pushed twice"
+                ));
+            }
+        } else if let (Some(_), Some(from), Some(id), Some(sigma)) = (
+            v["owner"].as_u64(),
+            v["from"].as_u64(),
+            v["id"].as_u64(),
+            v["staleness"].as_u64(),
+        ) {
+            if v["recovered"] == true {
+                out.recovered += 1;
+            }
+            decided
+                .entry((g, from, id))
+                .or_default()
+                .insert(p.clone(), (v["applied"] == true, sigma));
+        }
+    }
+    let last = last_gen.values().copied().max().unwrap_or(0);
     let mut count: BTreeMap<u64, u64> = BTreeMap::new();
     let mut used = 0u64;
-    for (p, v) in lines {
-        let (Some(idx), Some(sigma), Some(g), Some(r)) = (
-            v["idx"].as_array(),
-            v["staleness"].as_u64(),
-            v["g"].as_u64(),
-            v["r"].as_u64(),
-        ) else {
-            continue;
-        };
-        if v["applied"] != true {
-            *out.dropped.entry((g, r)).or_default() += 1;
+    for ((g, r, id), by) in &decided {
+        let went_on: Vec<&String> = procs[g]
+            .iter()
+            .filter(|p| *g == last || last_gen[*p] > *g)
+            .collect();
+        let applied: Vec<&&String> = went_on
+            .iter()
+            .filter(|p| by.get(**p).is_some_and(|(a, _)| *a))
+            .collect();
+        let dropped: Vec<&String> = by.iter().filter(|(_, (a, _))| !a).map(|(p, _)| p).collect();
+        if applied.is_empty() {
+            if by.values().all(|(a, _)| !a) {
+                *out.dropped.entry((*g, *r)).or_default() += 1;
+            }
             continue;
         }
-        *out.applied.entry((g, r)).or_default() += 1;
+        let missing: Vec<&&String> = went_on
+            .iter()
+            .filter(|p| !by.get(**p).is_some_and(|(a, _)| *a))
+            .collect();
+        if !missing.is_empty() || !dropped.is_empty() {
+            out.violations.push(format!(
+                "update {id} of rank {r} (generation {g}) was applied by {applied:?} but not by {missing:?}, dropped by {dropped:?}"
+            ));
+        }
+        *out.applied.entry((*g, *r)).or_default() += 1;
+        let sigma = by.values().map(|(_, s)| *s).max().unwrap_or(0);
         out.max_staleness = out.max_staleness.max(sigma);
         if sigma > bound {
             out.violations.push(format!(
-                "{p}: an update of staleness {sigma} was applied (bound {bound})"
+                "update {id} of rank {r} (generation {g}) was applied at staleness {sigma} (bound {bound})"
             ));
         }
-        for i in idx.iter().filter_map(|x| x.as_u64()) {
-            *count.entry(i).or_default() += 1;
+        let Some(idx) = pushed.get(&(*g, *r, *id)) else {
+            out.violations.push(format!(
+                "update {id} of rank {r} (generation {g}) was applied, but no worker wrote that it pushed it"
+            ));
+            continue;
+        };
+        for i in idx {
+            *count.entry(*i).or_default() += 1;
             used += 1;
         }
     }

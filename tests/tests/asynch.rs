@@ -118,3 +118,52 @@ fn async_a_killed_worker_s_slice_and_batch_are_taken_over_and_every_sample_is_ap
     let l = ductile_tests::ledger::async_violations(ledger.path(), steps * 32, 624, 2);
     assert!(l.violations.is_empty(), "{:#?}", l.violations);
 }
+
+/// Member 0 decides every update and dispenses the positions. Lost mid-decision (it recorded
+/// one and sent it to one owner only, then exited), the other owner learns the decision in the
+/// next agreement and applies it too; killed outright later, its dispenser is rebuilt from the
+/// owners' copies. The ledger, written by the pushing workers and by every owner (not by the
+/// dispenser), shows each update applied by every surviving owner or by none, and every sample
+/// applied once.
+#[test]
+fn async_member_0_lost_mid_decision_and_killed_loses_and_repeats_no_sample() {
+    let ledger = TempDir::new("ledger");
+    let c = ledger_cluster(&ledger);
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let steps = 600;
+    c.submit(&async_toml(
+        "a4",
+        3,
+        &data,
+        steps,
+        "allow_fault_injection = true\nenv = { DUCTILE_FAULT_EXIT_MID_DECIDE = \"1600\" }",
+    ));
+    c.wait_world("a4", 3, S(30));
+    let failure = |n: usize| {
+        c.wait_for(S(90), &format!("failure generation {n}"), || {
+            let f: Vec<_> = c
+                .history("a4")
+                .into_iter()
+                .filter(|g| g.reason == ductile_cluster::records::Reason::Failure)
+                .collect();
+            (f.len() >= n).then_some(())
+        })
+    };
+    failure(1);
+    let v = c.wait_world("a4", 3, S(60));
+    let early = c.wait_step("a4", 200, S(120));
+    let m0 = v.members.iter().find(|m| m.rank == 0).unwrap().pid.unwrap();
+    unsafe { libc::kill(m0 as i32, libc::SIGKILL) };
+    failure(2);
+    let done = c.wait_done("a4", S(300));
+    assert_eq!(done.step, steps);
+    let last = c.status("a4");
+    assert!(
+        last.loss.unwrap() < early.loss.unwrap(),
+        "{early:?} → {last:?}"
+    );
+    let l = ductile_tests::ledger::async_violations(ledger.path(), steps * 32, 624, 2);
+    assert!(l.violations.is_empty(), "{:#?}", l.violations);
+    // the decision member 0 sent to one owner reached the other through the agreement
+    assert!(l.recovered >= 1, "{l:?}");
+}

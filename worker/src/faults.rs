@@ -8,6 +8,9 @@
 //! `DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES=RANK:ROUND`: streaming DiLoCo: in round ROUND the worker
 //! of rank RANK, having trained part of its piece and seen the round's first exchange complete,
 //! exits (as a killed process would, a second later) before the second.
+//! `DUCTILE_FAULT_EXIT_MID_DECIDE=POSITIONS`: async: member 0, recording the decision that
+//! takes the positions applied to POSITIONS or beyond, sends it to one owner only and exits (once
+//! per job: the owner that got it carries the count on).
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,6 +19,7 @@ use std::sync::OnceLock;
 static OVERSIZED_FRAME: OnceLock<Option<(u32, u64)>> = OnceLock::new();
 static SLOWDOWN: OnceLock<Option<(u32, f64)>> = OnceLock::new();
 static EXIT_BETWEEN_EXCHANGES: OnceLock<Option<(u32, u64)>> = OnceLock::new();
+static EXIT_MID_DECIDE: OnceLock<Option<u64>> = OnceLock::new();
 static FIRED: AtomicBool = AtomicBool::new(false);
 
 /// The variable `name` as `A:B`; none when unset, or set without `allowed` (with a warning).
@@ -54,6 +58,17 @@ pub fn init(allowed: bool) -> anyhow::Result<()> {
         "RANK:ROUND",
         allowed,
     )?);
+    let mid = match std::env::var("DUCTILE_FAULT_EXIT_MID_DECIDE") {
+        Ok(_) if !allowed => {
+            tracing::warn!("DUCTILE_FAULT_EXIT_MID_DECIDE is set but the job does not allow_fault_injection: ignored");
+            None
+        }
+        Ok(s) => Some(s.parse().map_err(|_| {
+            anyhow::anyhow!("DUCTILE_FAULT_EXIT_MID_DECIDE={s:?} is not a number of positions")
+        })?),
+        Err(_) => None,
+    };
+    let _ = EXIT_MID_DECIDE.set(mid);
     Ok(())
 }
 
@@ -76,13 +91,20 @@ pub fn oversized_frame_now(rank: u32, step: u64) -> bool {
 /// of its piece).
 pub fn exit_between_exchanges(rank: u32, round: u64) {
     if matches!(EXIT_BETWEEN_EXCHANGES.get(), Some(Some((r, n))) if *r == rank && *n == round) {
-        tracing::warn!(
-            rank,
-            round,
-            "fault injection: exiting between two exchanges"
-        );
-        // the exchange's last bytes reach the peers before the process is gone
-        std::thread::sleep(std::time::Duration::from_secs(1));
-        std::process::exit(137);
+        exit_now("exiting between two exchanges");
     }
+}
+
+/// Whether member 0 cuts the decision that takes the positions applied from `before` to
+/// `after` short (it then calls [`exit_now`] after sending it to one owner).
+pub fn exit_mid_decide(before: u64, after: u64) -> bool {
+    matches!(EXIT_MID_DECIDE.get(), Some(Some(n)) if before < *n && after >= *n)
+}
+
+/// Exit as a killed process would (status 137), a second after saying why: what it sent
+/// last reaches its peers first.
+pub fn exit_now(why: &str) -> ! {
+    tracing::warn!("fault injection: {why}");
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    std::process::exit(137);
 }

@@ -8,25 +8,38 @@
 //! 1. *push*: the gradient's range and v_j. The owner reserves a place in its queue and answers
 //!    the staleness the update would have at the latest: σ_j = V_j + (updates queued before it)
 //!    − v_j, where V_j counts the updates applied to the slice.
-//! 2. *decide*: apply iff max_j σ_j ≤ `staleness`. Each owner applies the decided updates in
-//!    queue order (so an update applied is never staler than its σ) and answers the slice's
-//!    fresh values and version, which the worker copies.
+//! 2. *decide*: apply iff max_j σ_j ≤ `staleness`, decided once, at one place: the worker
+//!    sends its decision to member 0, which records it (settling the update's batch at the
+//!    dispenser, below) and sends it to every owner, itself included, in one order. Each owner
+//!    applies the decided updates in queue order (so an update applied is never staler than its
+//!    σ) and answers the slice's fresh values and version, which the worker copies.
 //!
 //! A gradient that is too stale is dropped everywhere and counted; its samples go back to the
 //! queue of positions (to another worker first). A worker never waits on a slower one beyond
 //! the queue's round trips: a straggler's updates are dropped, not waited for.
 //!
-//! Data: member 0 also dispenses positions: each answer to a worker's decision on slice 0
-//! carries its next batch (⌈B / world⌉ positions: re-queued ones first, then fresh ones) and
-//! settles the last one (applied: counted once; dropped: re-queued). A snapshot of the
-//! dispenser rides on those answers, so every member holds a recent copy.
+//! Data: member 0 also dispenses positions: recording a worker's decision settles its batch
+//! (applied: counted once; dropped: re-queued) and hands out its next one (⌈B / world⌉
+//! positions: re-queued ones first, then fresh ones). The decision goes to every owner with the
+//! dispenser's new state, so every owner holds a copy that reflects every decision it applied
+//! (member 0's copies are one history: the one with the highest `seq` includes the others).
 //!
 //! Generations. A new generation (or a failed peer) ends the engine: the owners apply the
-//! updates already decided, and the agreement rebuilds the state from the members: each old
-//! slice from its owner if it stayed (values, optimizer state, version), else from the member
-//! whose copy of it is freshest (its optimizer state starts anew); the dispenser from old
-//! member 0 if it stayed, else from the freshest snapshot; every batch in flight is re-queued.
-//! Then the slices are cut anew over the new members.
+//! updates already decided and keep the undecided ones, and the agreement rebuilds the state
+//! from the members: the dispenser from the freshest copy (old member 0's if it stayed; else
+//! the owner or worker that saw the most of its history, which holds every decision any
+//! surviving owner applied); each owner then applies the updates it kept that this copy says
+//! were committed (member 0 recorded the decision, but it reached only some owners before the
+//! generation ended) and drops the others, so an update is applied by every surviving owner or
+//! by none. Then each old slice comes from its owner if it stayed (values, optimizer state,
+//! version), else from the member whose copy of it is freshest (its optimizer state starts
+//! anew: the updates the departed owner applied past that copy are lost for its slice, not
+//! counted twice: their batches stay settled); every batch in flight is re-queued; and the
+//! slices are cut anew over the new members.
+//!
+//! The exactly-once ledger (`DUCTILE_LEDGER_DIR`) does not take the dispenser's word: each
+//! worker writes the samples of every update it pushes, and each owner writes every decision it
+//! applied or dropped.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write as _;
@@ -63,6 +76,9 @@ pub struct Dispenser {
     pub stale_sum: u64,
     pub stale_n: u64,
     pub stale_max: u64,
+    /// Per worker of this generation: its last decided update (id, committed).
+    #[serde(default)]
+    pub decided: BTreeMap<u32, (u64, bool)>,
 }
 
 impl Dispenser {
@@ -98,9 +114,11 @@ impl Dispenser {
         out
     }
 
-    /// `rank`'s batch in flight was applied (staleness `sigma`) or dropped.
-    fn settle(&mut self, rank: u32, applied: bool, sigma: u64) {
+    /// `rank`'s update `id`, carrying its batch in flight, was applied (staleness `sigma`) or
+    /// dropped.
+    fn settle(&mut self, rank: u32, id: u64, applied: bool, sigma: u64) {
         self.seq += 1;
+        self.decided.insert(rank, (id, applied));
         let Some(r) = self.outstanding.remove(&rank) else {
             return;
         };
@@ -118,6 +136,7 @@ impl Dispenser {
     /// Every batch in flight goes back to the queue (a new generation).
     fn requeue_outstanding(&mut self) {
         self.seq += 1;
+        self.decided.clear();
         let out = std::mem::take(&mut self.outstanding);
         for (rank, r) in out {
             self.requeue.push((r, rank));
@@ -153,6 +172,8 @@ pub struct Async {
     /// The dispenser (member 0) and the freshest copy of it.
     pub dispenser: Option<Dispenser>,
     pub snapshot: Option<Dispenser>,
+    /// The updates in this member's queue still undecided when the generation ended.
+    pending: Vec<Reserved>,
     /// Updates this process pushed.
     pub next_id: u64,
     /// The current generation's first reader error.
@@ -169,11 +190,23 @@ enum Head {
         id: u64,
         staleness: u64,
     },
-    /// `staleness`: the update's, over every slice (member 0 records it).
+    /// A worker's decision on its update, to member 0; `staleness`: the update's, over every
+    /// slice.
     Decide {
         id: u64,
         commit: bool,
         staleness: u64,
+    },
+    /// Member 0's record of worker `from`'s decision, to every owner: with the worker's next
+    /// batch and the dispenser's state after it.
+    Decided {
+        from: u32,
+        id: u64,
+        commit: bool,
+        staleness: u64,
+        batch: Ranges,
+        done: bool,
+        snapshot: Dispenser,
     },
     Slice {
         id: u64,
@@ -325,7 +358,7 @@ fn reader(
         };
         let for_server = matches!(
             m.head,
-            Head::Push { .. } | Head::Decide { .. } | Head::Get | Head::Bye
+            Head::Push { .. } | Head::Decide { .. } | Head::Decided { .. } | Head::Get | Head::Bye
         );
         bye |= matches!(m.head, Head::Bye);
         fin |= matches!(m.head, Head::Final { .. });
@@ -337,65 +370,92 @@ fn reader(
 }
 
 /// An update waiting in an owner's queue.
-struct Reserved {
+pub(crate) struct Reserved {
     from: u32,
     id: u64,
     grad: Vec<f32>,
     staleness: u64,
+    /// Member 0's decision, with what member 0 answers the worker (its next batch and the
+    /// dispenser's state).
     decided: Option<bool>,
+    next: Option<(Ranges, bool, Dispenser)>,
 }
 
 /// What the owners' server needs of the job.
 struct ServerCfg {
     generation: u64,
-    /// Member 0 writes the exactly-once ledger of the batches it settles (the dispenser is
-    /// the authority on what was applied), with the samples of their positions.
-    ledger: Option<(std::fs::File, crate::data::Order)>,
+    /// Each owner writes the decisions it applied or dropped to the exactly-once ledger.
+    ledger: Option<std::fs::File>,
     world: u32,
+    rules: ApplyRules,
+}
+
+/// How an owner applies an update to its slice: the learning-rate schedule by global batches
+/// applied (`batch` positions per update).
+#[derive(Clone, Copy)]
+struct ApplyRules {
     batch: u64,
     global_batch: u64,
     lr: f64,
     max_steps: Option<u64>,
 }
 
-/// Settle `from`'s batch in flight at the dispenser, and record it in the ledger.
-fn settle(cfg: &mut ServerCfg, d: &mut Dispenser, from: u32, applied: bool, staleness: u64) {
-    if let (Some((f, order)), Some(pos)) = (&mut cfg.ledger, d.outstanding.get(&from)) {
-        let idx: Vec<u64> = plan::positions(pos).map(|p| order.sample(p)).collect();
-        let _ = writeln!(
-            f,
-            "{}",
-            serde_json::json!({"g": cfg.generation, "r": from, "idx": idx,
-                "staleness": staleness, "applied": applied})
-        );
+impl ApplyRules {
+    fn apply(&self, owned: &mut Owned, grad: &[f32]) {
+        let g = Tensor::from_slice(grad);
+        let step = owned.version * self.batch / self.global_batch.max(1);
+        let lr = lr_at(self.lr, step, self.max_steps);
+        owned
+            .opt
+            .step(&[owned.values.shallow_clone()], &[g], lr, owned.version);
+        owned.version += 1;
     }
-    d.settle(from, applied, staleness);
 }
 
-/// The server of this member's slice (and, on member 0, the dispenser). Runs until every
-/// client said goodbye (then it sends every client its final values) or the communicator
-/// failed; returns its slice and dispenser, with the updates already decided applied.
+/// Write a decision this owner applied or dropped to the ledger (`recovered`: in the next
+/// generation's agreement, from the freshest dispenser).
+fn record(
+    ledger: &mut Option<std::fs::File>,
+    generation: u64,
+    owner: u32,
+    r: &Reserved,
+    applied: bool,
+    recovered: bool,
+) {
+    if let Some(f) = ledger {
+        let line = serde_json::json!({"g": generation, "owner": owner, "from": r.from,
+            "id": r.id, "staleness": r.staleness, "applied": applied, "recovered": recovered});
+        // one write per line: the worker's own thread writes to the same file
+        let _ = f.write_all(format!("{line}\n").as_bytes());
+    }
+}
+
+/// What a server returns at the end of its generation.
+struct Served {
+    owned: Owned,
+    /// The dispenser (member 0) and this member's freshest copy of it.
+    disp: Option<Dispenser>,
+    replica: Option<Dispenser>,
+    /// The updates still undecided here.
+    pending: Vec<Reserved>,
+}
+
+/// The server of this member's slice (and, on member 0, the dispenser and the decisions). Runs
+/// until every client said goodbye (then it sends every client its final values) or the
+/// communicator failed; returns its slice, with the updates already decided applied, and the
+/// undecided ones.
 fn serve(
     post: Post,
     rx: Receiver<Inbox>,
     mut owned: Owned,
     mut disp: Option<Dispenser>,
     mut cfg: ServerCfg,
-) -> (Owned, Option<Dispenser>) {
+) -> Served {
     let mut queue: VecDeque<Reserved> = VecDeque::new();
+    let mut replica: Option<Dispenser> = disp.clone();
     let mut byes = 0u32;
-    let (batch, global_batch, base_lr, max_steps) =
-        (cfg.batch, cfg.global_batch.max(1), cfg.lr, cfg.max_steps);
-    let apply = |owned: &mut Owned, grad: &[f32]| {
-        let g = Tensor::from_slice(grad);
-        // the learning-rate schedule by global batches applied
-        let step = owned.version * batch / global_batch;
-        let lr = lr_at(base_lr, step, max_steps);
-        owned
-            .opt
-            .step(&[owned.values.shallow_clone()], &[g], lr, owned.version);
-        owned.version += 1;
-    };
+    let rules = cfg.rules;
+    let me = post.me;
     while let Ok(Inbox::Msg(from, Msg { head, values })) = rx.recv() {
         let sent = match head {
             Head::Push { id, version } => {
@@ -406,6 +466,7 @@ fn serve(
                     grad: values,
                     staleness,
                     decided: None,
+                    next: None,
                 });
                 post.to_client(from, Head::Ack { id, staleness }, &[])
             }
@@ -413,26 +474,79 @@ fn serve(
                 id,
                 commit,
                 staleness,
+            } => match disp.as_mut() {
+                None => Err(out_of_step(
+                    &post,
+                    from,
+                    "sent its decision to a member other than 0",
+                )),
+                Some(d) => {
+                    // the one place the decision is made: settled, then sent to every owner
+                    // (the others first, this member's own server last)
+                    let before = d.applied;
+                    d.settle(from, id, commit, staleness);
+                    let cut = crate::faults::exit_mid_decide(before, d.applied);
+                    let batch = d.hand_out(from, rules.batch);
+                    let head = |d: &Dispenser| Head::Decided {
+                        from,
+                        id,
+                        commit,
+                        staleness,
+                        batch: batch.clone(),
+                        done: d.done(),
+                        snapshot: d.clone(),
+                    };
+                    let owners: Vec<u32> =
+                        (0..cfg.world).filter(|j| *j != me).chain([me]).collect();
+                    let mut res = Ok(());
+                    for (k, j) in owners.into_iter().enumerate() {
+                        if cut && k == 1 {
+                            crate::faults::exit_now(
+                                "member 0 recorded a decision and sent it to one owner only",
+                            );
+                        }
+                        res = res.and(post.to_server(j, head(d), &[]));
+                    }
+                    res
+                }
+            },
+            Head::Decided {
+                from: client,
+                id,
+                commit,
+                staleness,
+                batch,
+                done,
+                snapshot,
             } => {
-                if let Some(r) = queue.iter_mut().find(|r| r.from == from && r.id == id) {
-                    r.decided = Some(commit);
-                    // the staleness over every slice, for the record
-                    r.staleness = r.staleness.max(staleness);
+                if replica.as_ref().is_none_or(|r| r.seq < snapshot.seq) {
+                    replica = Some(snapshot.clone());
+                }
+                match queue.iter_mut().find(|r| r.from == client && r.id == id) {
+                    Some(r) => {
+                        r.decided = Some(commit);
+                        // the staleness over every slice, for the record
+                        r.staleness = r.staleness.max(staleness);
+                        r.next = Some((batch, done, snapshot));
+                    }
+                    None => tracing::warn!(
+                        client,
+                        id,
+                        "a decision on an update this owner does not hold: ignored"
+                    ),
                 }
                 let mut res = Ok(());
                 while queue.front().is_some_and(|r| r.decided.is_some()) {
                     let r = queue.pop_front().unwrap();
                     let commit = r.decided == Some(true);
                     if commit {
-                        apply(&mut owned, &r.grad);
+                        rules.apply(&mut owned, &r.grad);
                     }
-                    let (batch, done, snapshot) = match &mut disp {
-                        Some(d) => {
-                            settle(&mut cfg, d, r.from, commit, r.staleness);
-                            let b = d.hand_out(r.from, cfg.batch);
-                            (Some(b), d.done(), Some(d.clone()))
-                        }
-                        None => (None, false, None),
+                    record(&mut cfg.ledger, cfg.generation, me, &r, commit, false);
+                    // member 0's answer carries the worker's next batch and the dispenser
+                    let (batch, done, snapshot) = match (me, r.next) {
+                        (0, Some((b, d, s))) => (Some(b), d, Some(s)),
+                        _ => (None, false, None),
                     };
                     let head = Head::Slice {
                         id: r.id,
@@ -446,25 +560,16 @@ fn serve(
                 res
             }
             Head::Get => match disp.as_mut() {
-                // only member 0 dispenses: a peer asking another member is out of step
-                None => {
-                    tracing::error!(
-                        from,
-                        "a peer asked this member for a batch, but only member 0 dispenses: aborting the generation"
-                    );
-                    post.comm.abort();
-                    Err(CommError::Protocol {
-                        generation: post.comm.generation(),
-                        op: "async batch",
-                        peer: from,
-                        reason: "asked a member that does not dispense for a batch".into(),
-                    })
-                }
+                None => Err(out_of_step(
+                    &post,
+                    from,
+                    "asked a member other than 0 for a batch",
+                )),
                 Some(d) => {
                     let batch = if d.outstanding.contains_key(&from) {
                         Vec::new()
                     } else {
-                        d.hand_out(from, cfg.batch)
+                        d.hand_out(from, rules.batch)
                     };
                     let head = Head::Batch {
                         batch,
@@ -480,7 +585,7 @@ fn serve(
                     let v = to_vec(&owned.values);
                     let mut res = Ok(());
                     // the remote clients first, this member's own last
-                    for to in (0..cfg.world).filter(|t| *t != post.me).chain([post.me]) {
+                    for to in (0..cfg.world).filter(|t| *t != me).chain([me]) {
                         res = res.and(post.to_client(
                             to,
                             Head::Final {
@@ -507,17 +612,44 @@ fn serve(
             break;
         }
     }
-    // the updates decided before the end are applied (and, by member 0, settled), in queue
-    // order; the undecided are dropped and their batches go back with the others in flight
+    // the updates decided before the end are applied in queue order; the undecided are kept
+    // for the agreement (member 0 may have decided them, and another owner applied them)
+    let mut pending = Vec::new();
     for r in queue {
-        if r.decided == Some(true) {
-            apply(&mut owned, &r.grad);
-            if let Some(d) = &mut disp {
-                settle(&mut cfg, d, r.from, true, r.staleness);
+        match r.decided {
+            Some(commit) => {
+                if commit {
+                    rules.apply(&mut owned, &r.grad);
+                }
+                record(&mut cfg.ledger, cfg.generation, me, &r, commit, false);
             }
+            None => pending.push(r),
         }
     }
-    (owned, disp)
+    if let Some(d) = &disp {
+        replica = Some(d.clone());
+    }
+    Served {
+        owned,
+        disp,
+        replica,
+        pending,
+    }
+}
+
+/// A peer sent member-0 business to another member: abort the generation, naming it.
+fn out_of_step(post: &Post, from: u32, what: &str) -> CommError {
+    tracing::error!(
+        from,
+        "a peer {what}: only member 0 dispenses and decides; aborting the generation"
+    );
+    post.comm.abort();
+    CommError::Protocol {
+        generation: post.comm.generation(),
+        op: "async",
+        peer: from,
+        reason: what.into(),
+    }
 }
 
 impl Trainer {
@@ -549,7 +681,11 @@ impl Trainer {
             a.rank as f64,
             a.owned.is_some() as u8 as f64,
             a.dispenser.is_some() as u8 as f64,
-            a.snapshot.as_ref().map(|s| s.seq as f64).unwrap_or(-1.0),
+            a.dispenser
+                .iter()
+                .chain(&a.snapshot)
+                .map(|s| s.seq as f64)
+                .fold(-1.0, f64::max),
         ];
         for k in 0..max {
             row.push(a.seen.get(k).map(|v| *v as f64).unwrap_or(-1.0));
@@ -587,6 +723,76 @@ impl Trainer {
             Some(gen) => {
                 let holder = |r: &Vec<f64>| r[0] > 0.0 && r[1] as u64 == gen;
                 let old_world = rows.iter().find(|r| holder(r)).unwrap()[2] as usize;
+                // the dispenser: the freshest copy (old member 0's if it stayed), among the
+                // members of the newest generation first
+                let fresher = |x: &usize, y: &usize| {
+                    (rows[*x][6], std::cmp::Reverse(*x))
+                        .partial_cmp(&(rows[*y][6], std::cmp::Reverse(*y)))
+                        .unwrap()
+                };
+                let src = (0..rows.len())
+                    .filter(|i| holder(&rows[*i]) && rows[*i][6] >= 0.0)
+                    .max_by(fresher)
+                    .or_else(|| {
+                        (0..rows.len())
+                            .filter(|i| rows[*i][6] >= 0.0)
+                            .max_by(fresher)
+                    });
+                disp = match src {
+                    Some(src) => {
+                        let mut bytes = Vec::new();
+                        if rank == src as u32 {
+                            let a = self.asynch.as_ref().unwrap();
+                            let d = a
+                                .dispenser
+                                .iter()
+                                .chain(&a.snapshot)
+                                .max_by_key(|d| d.seq)
+                                .unwrap();
+                            bytes = serde_json::to_vec(d)?;
+                        }
+                        if let Err(e) = comm.host().broadcast_vec(&mut bytes, src as u32) {
+                            return Ok(Err(e));
+                        }
+                        serde_json::from_slice(&bytes)
+                            .map_err(|e| anyhow::anyhow!("the dispenser rank {src} sent: {e}"))?
+                    }
+                    None => anyhow::bail!(
+                        "no member holds the async job's data position (nor a copy of it): cannot go on without repeating or skipping samples"
+                    ),
+                };
+                // the updates this owner kept undecided: member 0 may have decided them (and
+                // another owner applied them); the freshest dispenser holds every decision any
+                // member here applied
+                let a = self.asynch.as_mut().unwrap();
+                let pending = std::mem::take(&mut a.pending);
+                if let (Some(o), true) = (a.owned.as_mut(), a.generation == gen) {
+                    let rules = ApplyRules {
+                        batch: (self.spec.global_batch as u64).div_ceil(old_world.max(1) as u64),
+                        global_batch: self.spec.global_batch as u64,
+                        lr: self.spec.lr,
+                        max_steps: self.spec.max_steps,
+                    };
+                    for r in &pending {
+                        let Some(&(id, commit)) = disp.decided.get(&r.from) else {
+                            continue;
+                        };
+                        if id != r.id {
+                            continue;
+                        }
+                        if commit {
+                            rules.apply(o, &r.grad);
+                        }
+                        record(&mut self.ledger, gen, a.rank, r, commit, true);
+                        tracing::info!(
+                            from = r.from,
+                            id,
+                            commit,
+                            "an update member 0 decided reached this owner only through the agreement: settled now"
+                        );
+                    }
+                }
+                disp.requeue_outstanding();
                 let old = ranges(n, old_world);
                 for (k, rk) in old.iter().enumerate() {
                     // its owner if it stayed, else the freshest copy
@@ -658,34 +864,6 @@ impl Trainer {
                         );
                     }
                 }
-                // the dispenser: old member 0's if it stayed, else the freshest copy
-                let src = rows
-                    .iter()
-                    .position(|r| holder(r) && r[5] > 0.0)
-                    .or_else(|| {
-                        (0..rows.len())
-                            .filter(|i| rows[*i][6] >= 0.0)
-                            .max_by(|x, y| rows[*x][6].partial_cmp(&rows[*y][6]).unwrap())
-                    });
-                disp = match src {
-                    Some(src) => {
-                        let mut bytes = Vec::new();
-                        if rank == src as u32 {
-                            let a = self.asynch.as_ref().unwrap();
-                            let d = a.dispenser.as_ref().or(a.snapshot.as_ref()).unwrap();
-                            bytes = serde_json::to_vec(d)?;
-                        }
-                        if let Err(e) = comm.host().broadcast_vec(&mut bytes, src as u32) {
-                            return Ok(Err(e));
-                        }
-                        serde_json::from_slice(&bytes)
-                            .map_err(|e| anyhow::anyhow!("the dispenser rank {src} sent: {e}"))?
-                    }
-                    None => anyhow::bail!(
-                        "no member holds the async job's data position (nor a copy of it): cannot go on without repeating or skipping samples"
-                    ),
-                };
-                disp.requeue_outstanding();
             }
         }
         // this generation's slices
@@ -764,21 +942,16 @@ impl Trainer {
             .take()
             .expect("the agreement gave this member its slice");
         let disp = a.dispenser.take();
-        let ledger = match (&self.ledger, rank) {
-            (Some(f), 0) => f
-                .try_clone()
-                .ok()
-                .map(|f| (f, crate::data::Order::new(self.data.len(), self.spec.seed))),
-            _ => None,
-        };
         let cfg = ServerCfg {
             generation: g.number,
-            ledger,
+            ledger: self.ledger.as_ref().and_then(|f| f.try_clone().ok()),
             world,
-            batch: (self.spec.global_batch as u64).div_ceil(world as u64),
-            global_batch: self.spec.global_batch as u64,
-            lr: self.spec.lr,
-            max_steps: self.spec.max_steps,
+            rules: ApplyRules {
+                batch: (self.spec.global_batch as u64).div_ceil(world as u64),
+                global_batch: self.spec.global_batch as u64,
+                lr: self.spec.lr,
+                max_steps: self.spec.max_steps,
+            },
         };
         let server = {
             let post = post.clone();
@@ -795,21 +968,28 @@ impl Trainer {
         for r in readers {
             let _ = r.join();
         }
-        let Ok((owned, disp)) = served else {
+        let Ok(served) = served else {
             // this member's slice is gone with the thread: the next generation takes the
             // freshest copy from its peers, as when an owner leaves
             comm.abort();
             let a = self.asy();
             a.owned = None;
             a.dispenser = None;
+            a.pending.clear();
             return Err(CommError::Invalid {
                 op: "async",
                 reason: "the async server thread panicked; this member's slice goes to the freshest copy".into(),
             });
         };
         let a = self.asy();
-        a.owned = Some(owned);
-        a.dispenser = disp;
+        a.owned = Some(served.owned);
+        a.dispenser = served.disp;
+        a.pending = served.pending;
+        if let Some(r) = served.replica {
+            if a.snapshot.as_ref().is_none_or(|s| s.seq < r.seq) {
+                a.snapshot = Some(r);
+            }
+        }
         out
     }
 
@@ -901,6 +1081,11 @@ impl Trainer {
             a.next_id += 1;
             let id = a.next_id;
             let seen = a.seen.clone();
+            if let Some(f) = &mut self.ledger {
+                let line = serde_json::json!({"g": g.number, "r": rank, "id": id, "idx": idx, "pushed": true});
+                // one write per line: this member's server writes to the same file
+                let _ = f.write_all(format!("{line}\n").as_bytes());
+            }
             for (j, r) in slices.iter().enumerate() {
                 post.to_server(
                     j as u32,
@@ -928,18 +1113,17 @@ impl Trainer {
                     (from, m) => return Err(unexpected(g, from, &m.head)),
                 }
             }
+            // decided once, at member 0, which sends it to every owner
             let commit = sigma <= s;
-            for j in 0..world {
-                post.to_server(
-                    j as u32,
-                    Head::Decide {
-                        id,
-                        commit,
-                        staleness: sigma,
-                    },
-                    &[],
-                )?;
-            }
+            post.to_server(
+                0,
+                Head::Decide {
+                    id,
+                    commit,
+                    staleness: sigma,
+                },
+                &[],
+            )?;
             let mut answers = 0;
             while answers < world {
                 match self.next_msg(rx, g)? {
