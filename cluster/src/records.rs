@@ -790,12 +790,6 @@ impl JobSpec {
         }
         if let Some(t) = &self.training {
             t.validate(self.max)?;
-            if t.sync == "async" && self.checkpoint.is_some() {
-                return Err(ClusterError::invalid(
-                    "checkpoint",
-                    "checkpoints of async jobs (the owners' slices and the data dispenser) are not available yet: leave [checkpoint] out with sync = \"async\"",
-                ));
-            }
         }
         if let Some(c) = &self.checkpoint {
             if !(c.url.starts_with("s3://") || c.url.starts_with("file://")) {

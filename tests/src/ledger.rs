@@ -104,7 +104,7 @@ mod tests {
             std::fs::write(dir.join("b"), b).unwrap();
             async_violations(&dir, 2, 2, 2)
         };
-        let push = "{\"g\":1,\"r\":1,\"id\":1,\"idx\":[0,1],\"pushed\":true}\n";
+        let push = "{\"g\":1,\"r\":1,\"agreed\":true,\"from\":null,\"restored\":null}\n{\"g\":1,\"r\":1,\"id\":1,\"idx\":[0,1],\"pushed\":true}\n";
         let dec = |owner: u32, applied: bool| {
             format!("{{\"g\":1,\"owner\":{owner},\"from\":1,\"id\":1,\"staleness\":0,\"applied\":{applied}}}\n")
         };
@@ -117,8 +117,80 @@ mod tests {
         let v = run(&dec(0, true), &format!("{push}{}", dec(1, false))).violations;
         assert!(v.iter().any(|e| e.contains("dropped by")), "{v:?}");
         // applied without a push line: the samples are unknown
-        let v = run(&dec(0, true), &dec(1, true)).violations;
+        let agree = "{\"g\":1,\"r\":0,\"agreed\":true,\"from\":null,\"restored\":null}\n";
+        let v = run(&format!("{agree}{}", dec(0, true)), &dec(1, true)).violations;
         assert!(v.iter().any(|e| e.contains("no worker wrote")), "{v:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Generation 1 (processes a, b) applies update 1 (samples 0, 1), snaps at step 1, applies
+    /// update 2 (samples 2, 3) and is lost whole; generation 2 (c, d) restores step 1 and trains
+    /// samples 2, 3 again: each sample counts once, update 2 of generation 1 not at all.
+    #[test]
+    fn an_async_restore_counts_the_updates_before_the_snap_it_restored() {
+        let dir = std::env::temp_dir().join(format!("ductile-ledger-snap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let line = |v: serde_json::Value| format!("{v}\n");
+        let owner = |g: u64, o: u64, id: u64| {
+            line(
+                serde_json::json!({"g": g, "owner": o, "from": 0, "id": id, "staleness": 0, "applied": true}),
+            )
+        };
+        let gen1 = |o: u64| {
+            let mut t = line(
+                serde_json::json!({"g": 1, "r": o, "agreed": true, "from": null, "restored": null}),
+            );
+            if o == 0 {
+                t += &line(
+                    serde_json::json!({"g": 1, "r": 0, "id": 1, "idx": [0, 1], "pushed": true}),
+                );
+            }
+            t += &owner(1, o, 1);
+            t += &line(serde_json::json!({"g": 1, "owner": o, "snap": 1}));
+            t += &line(serde_json::json!({"g": 1, "r": o, "snapped": 1, "step": 1}));
+            if o == 0 {
+                t += &line(
+                    serde_json::json!({"g": 1, "r": 0, "id": 2, "idx": [2, 3], "pushed": true}),
+                );
+            }
+            t + &owner(1, o, 2)
+        };
+        let gen2 = |o: u64| {
+            let mut t = line(
+                serde_json::json!({"g": 2, "r": o, "agreed": true, "from": null, "restored": 1}),
+            );
+            if o == 0 {
+                t += &line(
+                    serde_json::json!({"g": 2, "r": 0, "id": 1, "idx": [2, 3], "pushed": true}),
+                );
+            }
+            t + &owner(2, o, 1)
+        };
+        for (name, text) in [
+            ("a", gen1(0)),
+            ("b", gen1(1)),
+            ("c", gen2(0)),
+            ("d", gen2(1)),
+        ] {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        let l = async_violations(&dir, 4, 4, 2);
+        assert!(l.violations.is_empty(), "{l:?}");
+        assert_eq!(l.restores, 1);
+        // restored from no known snap: named
+        std::fs::write(
+            dir.join("c"),
+            gen2(0).replace("\"restored\":1", "\"restored\":7"),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("d"),
+            gen2(1).replace("\"restored\":1", "\"restored\":7"),
+        )
+        .unwrap();
+        let v = async_violations(&dir, 4, 4, 2).violations;
+        assert!(v.iter().any(|e| e.contains("restored step 7")), "{v:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
@@ -386,26 +458,34 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
 }
 
 /// What the async ledger (`sync = "async"`) shows. It does not take the dispenser's word:
-/// each worker writes one line per update it pushes (its samples), each owner one per decision
-/// it applied or dropped (`owner`, `from`, `id`, `staleness`, `applied`).
+/// each worker writes one line per update it pushes (its samples) and one per generation's
+/// agreement (where the state came from: a generation's members, or a checkpoint's step); each
+/// owner writes one per decision it applied or dropped (`owner`, `from`, `id`, `staleness`,
+/// `applied`) and one per snap (a checkpoint's state, or the run's end), which the workers
+/// number alike (`snapped`, with the step saved).
 #[derive(Debug, Default)]
 pub struct AsyncLedger {
     pub violations: Vec<String>,
-    /// Updates applied and dropped, per (generation, pushing rank).
+    /// Updates applied and dropped, per (generation, pushing rank), in the final state's
+    /// lineage.
     pub applied: BTreeMap<(u64, u64), u64>,
     pub dropped: BTreeMap<(u64, u64), u64>,
     pub max_staleness: u64,
     /// Decisions an owner learned only in the next generation's agreement.
     pub recovered: u64,
+    /// Generations whose state came from a checkpoint.
+    pub restores: u64,
 }
 
-/// Check an async run. An update counts as applied when the owners of its generation whose
-/// state went on (they wrote in a later generation, or it is the last one) applied it; it must
-/// then be applied by every one of them (a decision is atomic: applied everywhere or nowhere),
-/// and dropped by none. Every applied update's staleness is at most `bound`, and the applied
-/// updates' samples cover `total` positions over `samples` samples with nothing skipped or
-/// repeated (each sample used `⌊total / samples⌋` or one more times), so a dropped update's
-/// samples were trained again.
+/// Check an async run. The final state's lineage runs back from the last generation: each
+/// generation's state came from the members of an earlier one (then the updates those members
+/// applied count), or from a checkpoint (then the updates the owners of the generation that
+/// took it applied before that snap count, and nothing after it), or from the seed. In each,
+/// an update that counts must be applied by every owner that carried the state on (a decision
+/// is atomic) and dropped by none. Every applied update's staleness is at most `bound`, and the
+/// applied updates' samples cover `total` positions over `samples` samples with nothing skipped
+/// or repeated (each sample used `⌊total / samples⌋` or one more times), so a dropped update's
+/// samples, and those of updates a full loss took back to a checkpoint, were trained again.
 pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> AsyncLedger {
     let mut out = AsyncLedger::default();
     let lines = match read(dir) {
@@ -415,16 +495,26 @@ pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> Asy
             return out;
         }
     };
-    // (generation, rank, id) → samples; → (owner process → applied, staleness)
+    // (generation, rank, id) of an update
     type Update = (u64, u64, u64);
     let mut pushed: BTreeMap<Update, Vec<u64>> = BTreeMap::new();
-    let mut decided: BTreeMap<Update, BTreeMap<String, (bool, u64)>> = BTreeMap::new();
+    // update → owner process → (applied, staleness, its line number in that process's file)
+    let mut decided: BTreeMap<Update, BTreeMap<String, (bool, u64, usize)>> = BTreeMap::new();
+    // (generation, process) → line numbers of its snaps, in order
+    let mut snaps: BTreeMap<(u64, String), Vec<usize>> = BTreeMap::new();
+    // step → (generation, snap number) of the workers' `snapped` lines
+    let mut snapped: BTreeMap<u64, BTreeSet<(u64, u64)>> = BTreeMap::new();
+    // generation → (from, restored) of its agreement
+    let mut agreed: BTreeMap<u64, BTreeSet<(Option<u64>, Option<u64>)>> = BTreeMap::new();
     let mut procs: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
-    let mut last_gen: BTreeMap<String, u64> = BTreeMap::new();
+    let mut at: BTreeMap<String, usize> = BTreeMap::new();
     for (p, v) in lines {
+        let n = {
+            let n = at.entry(p.clone()).or_default();
+            *n += 1;
+            *n
+        };
         let Some(g) = v["g"].as_u64() else { continue };
-        let e = last_gen.entry(p.clone()).or_insert(g);
-        *e = (*e).max(g);
         procs.entry(g).or_default().insert(p.clone());
         if v["pushed"] == true {
             let (Some(r), Some(id), Some(idx)) =
@@ -440,6 +530,13 @@ pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> Asy
                     "{p}: update {id} of rank {r} in generation {g} pushed twice"
                 ));
             }
+        } else if v["agreed"] == true {
+            let (from, restored) = (v["from"].as_u64(), v["restored"].as_u64());
+            agreed.entry(g).or_default().insert((from, restored));
+        } else if let (Some(k), Some(step)) = (v["snapped"].as_u64(), v["step"].as_u64()) {
+            snapped.entry(step).or_default().insert((g, k));
+        } else if v["snap"].is_u64() {
+            snaps.entry((g, p.clone())).or_default().push(n);
         } else if let (Some(_), Some(from), Some(id), Some(sigma)) = (
             v["owner"].as_u64(),
             v["from"].as_u64(),
@@ -452,54 +549,135 @@ pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> Asy
             decided
                 .entry((g, from, id))
                 .or_default()
-                .insert(p.clone(), (v["applied"] == true, sigma));
+                .insert(p.clone(), (v["applied"] == true, sigma, n));
         }
     }
-    let last = last_gen.values().copied().max().unwrap_or(0);
+    // the lineage, from the last generation back: (generation, the processes that carried its
+    // state on, the snap it was cut at)
+    let Some(&last) = agreed.keys().next_back() else {
+        out.violations
+            .push("no generation's agreement in the ledger".into());
+        return out;
+    };
+    let mut lineage: Vec<(u64, Vec<String>, Option<u64>)> = Vec::new();
+    let (mut cur, mut carried, mut cut): (u64, Vec<String>, Option<u64>) =
+        (last, procs[&last].iter().cloned().collect(), None);
+    loop {
+        lineage.push((cur, carried.clone(), cut));
+        let Some(how) = agreed.get(&cur) else {
+            out.violations
+                .push(format!("generation {cur}: no agreement line"));
+            break;
+        };
+        if how.len() > 1 {
+            out.violations.push(format!(
+                "generation {cur}: members disagree on where its state came from: {how:?}"
+            ));
+        }
+        let (from, restored) = *how.iter().next().unwrap();
+        let (next, next_cut) = match (restored, from) {
+            (Some(step), _) => {
+                out.restores += 1;
+                match snapped.get(&step).map(|s| s.iter().collect::<Vec<_>>()) {
+                    Some(s) if s.len() == 1 => (s[0].0, Some(s[0].1)),
+                    other => {
+                        out.violations.push(format!(
+                            "generation {cur} restored step {step}, taken at {other:?} snaps"
+                        ));
+                        break;
+                    }
+                }
+            }
+            (None, Some(p)) => (p, None),
+            (None, None) => break,
+        };
+        if next >= cur {
+            out.violations
+                .push(format!("generation {cur} took its state from {next}"));
+            break;
+        }
+        // the owners of `next` that carried its state on: those in `cur` (from members) or
+        // those that took the snap (a checkpoint)
+        let none = BTreeSet::new();
+        let of_next = procs.get(&next).unwrap_or(&none);
+        carried = match next_cut {
+            None => of_next
+                .iter()
+                .filter(|p| procs.get(&cur).is_some_and(|c| c.contains(*p)))
+                .cloned()
+                .collect(),
+            Some(k) => of_next
+                .iter()
+                .filter(|p| {
+                    snaps
+                        .get(&(next, (*p).clone()))
+                        .is_some_and(|s| s.len() as u64 >= k)
+                })
+                .cloned()
+                .collect(),
+        };
+        (cur, cut) = (next, next_cut);
+    }
     let mut count: BTreeMap<u64, u64> = BTreeMap::new();
     let mut used = 0u64;
-    for ((g, r, id), by) in &decided {
-        let went_on: Vec<&String> = procs[g]
-            .iter()
-            .filter(|p| *g == last || last_gen[*p] > *g)
-            .collect();
-        let applied: Vec<&&String> = went_on
-            .iter()
-            .filter(|p| by.get(**p).is_some_and(|(a, _)| *a))
-            .collect();
-        let dropped: Vec<&String> = by.iter().filter(|(_, (a, _))| !a).map(|(p, _)| p).collect();
-        if applied.is_empty() {
-            if by.values().all(|(a, _)| !a) {
-                *out.dropped.entry((*g, *r)).or_default() += 1;
+    for (g, carriers, cut) in &lineage {
+        // the line before which an owner's decisions count
+        let limit = |p: &String| -> usize {
+            match cut {
+                None => usize::MAX,
+                Some(k) => snaps
+                    .get(&(*g, p.clone()))
+                    .and_then(|s| s.get(*k as usize - 1))
+                    .copied()
+                    .unwrap_or(0),
             }
-            continue;
-        }
-        let missing: Vec<&&String> = went_on
-            .iter()
-            .filter(|p| !by.get(**p).is_some_and(|(a, _)| *a))
-            .collect();
-        if !missing.is_empty() || !dropped.is_empty() {
-            out.violations.push(format!(
-                "update {id} of rank {r} (generation {g}) was applied by {applied:?} but not by {missing:?}, dropped by {dropped:?}"
-            ));
-        }
-        *out.applied.entry((*g, *r)).or_default() += 1;
-        let sigma = by.values().map(|(_, s)| *s).max().unwrap_or(0);
-        out.max_staleness = out.max_staleness.max(sigma);
-        if sigma > bound {
-            out.violations.push(format!(
-                "update {id} of rank {r} (generation {g}) was applied at staleness {sigma} (bound {bound})"
-            ));
-        }
-        let Some(idx) = pushed.get(&(*g, *r, *id)) else {
-            out.violations.push(format!(
-                "update {id} of rank {r} (generation {g}) was applied, but no worker wrote that it pushed it"
-            ));
-            continue;
         };
-        for i in idx {
-            *count.entry(*i).or_default() += 1;
-            used += 1;
+        for ((_, r, id), by) in decided.range((*g, 0, 0)..(*g + 1, 0, 0)) {
+            let applied: Vec<&String> = carriers
+                .iter()
+                .filter(|p| by.get(*p).is_some_and(|(a, _, n)| *a && *n < limit(p)))
+                .collect();
+            if applied.is_empty() {
+                let seen = carriers
+                    .iter()
+                    .any(|p| by.get(p).is_some_and(|(_, _, n)| *n < limit(p)));
+                if seen {
+                    *out.dropped.entry((*g, *r)).or_default() += 1;
+                }
+                continue;
+            }
+            let missing: Vec<&String> = carriers
+                .iter()
+                .filter(|p| !by.get(*p).is_some_and(|(a, _, n)| *a && *n < limit(p)))
+                .collect();
+            let dropped: Vec<&String> = by
+                .iter()
+                .filter(|(_, (a, _, _))| !a)
+                .map(|(p, _)| p)
+                .collect();
+            if !missing.is_empty() || !dropped.is_empty() {
+                out.violations.push(format!(
+                    "update {id} of rank {r} (generation {g}) was applied by {applied:?} but not by {missing:?}, dropped by {dropped:?}"
+                ));
+            }
+            *out.applied.entry((*g, *r)).or_default() += 1;
+            let sigma = by.values().map(|(_, s, _)| *s).max().unwrap_or(0);
+            out.max_staleness = out.max_staleness.max(sigma);
+            if sigma > bound {
+                out.violations.push(format!(
+                    "update {id} of rank {r} (generation {g}) was applied at staleness {sigma} (bound {bound})"
+                ));
+            }
+            let Some(idx) = pushed.get(&(*g, *r, *id)) else {
+                out.violations.push(format!(
+                    "update {id} of rank {r} (generation {g}) was applied, but no worker wrote that it pushed it"
+                ));
+                continue;
+            };
+            for i in idx {
+                *count.entry(*i).or_default() += 1;
+                used += 1;
+            }
         }
     }
     if used != total {

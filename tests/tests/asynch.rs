@@ -167,3 +167,59 @@ fn async_member_0_lost_mid_decision_and_killed_loses_and_repeats_no_sample() {
     // the decision member 0 sent to one owner reached the other through the agreement
     assert!(l.recovered >= 1, "{l:?}");
 }
+
+/// Async checkpoints: every 50 steps the workers snap the owners' slices and save the whole
+/// state with the data dispenser; a full loss (every worker killed at once) resumes from the
+/// latest one, not from the seed, and every sample is still applied once.
+#[test]
+fn async_checkpoints_hold_the_slices_and_the_dispenser_and_a_full_loss_resumes_from_them() {
+    let ledger = TempDir::new("ledger");
+    let c = ledger_cluster(&ledger);
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let dir = c.dir.path().join("ckpt-a5");
+    let steps = 600;
+    c.submit(&format!(
+        "{}[checkpoint]\nurl = \"file://{}\"\ninterval = 50\nkeep = 3\n",
+        async_toml("a5", 3, &data, steps, ""),
+        dir.display()
+    ));
+    let v = c.wait_world("a5", 3, S(30));
+    c.wait_for(S(120), "a committed checkpoint past step 100", || {
+        let v: serde_json::Value =
+            serde_json::from_str(&c.dctl_ok(&["checkpoints", "a5", "--json"])).ok()?;
+        v["checkpoints"]
+            .as_array()?
+            .iter()
+            .find(|x| x["state"] == "committed" && x["step"].as_u64().is_some_and(|s| s >= 100))?;
+        Some(())
+    });
+    let before = c.status("a5");
+    for m in &v.members {
+        unsafe { libc::kill(m.pid.unwrap() as i32, libc::SIGKILL) };
+    }
+    let done = c.wait_done("a5", S(300));
+    assert_eq!(done.step, steps);
+    let last = c.status("a5");
+    assert!(
+        last.loss.unwrap() < before.loss.unwrap(),
+        "{before:?} → {last:?}"
+    );
+    let l = ductile_tests::ledger::async_violations(ledger.path(), steps * 32, 624, 2);
+    assert!(l.violations.is_empty(), "{:#?}", l.violations);
+    assert!(l.restores >= 1, "{l:?}");
+    // the manifests carry the dispenser (nothing in flight at a snap) and the slices' version
+    let manifests: Vec<serde_json::Value> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flat_map(|step| std::fs::read_dir(step.unwrap().path()).unwrap())
+        .filter_map(|g| std::fs::read(g.unwrap().path().join("manifest.json")).ok())
+        .map(|b| serde_json::from_slice(&b).unwrap())
+        .collect();
+    assert!(!manifests.is_empty());
+    for m in &manifests {
+        let x = &m["extra"]["async"];
+        assert!(x["version"].as_u64().is_some_and(|v| v > 0), "{x}");
+        assert_eq!(x["dispenser"]["outstanding"], serde_json::json!({}), "{x}");
+        let applied = x["dispenser"]["applied"].as_u64().unwrap();
+        assert_eq!(applied / 32, m["step"].as_u64().unwrap(), "{x}");
+    }
+}

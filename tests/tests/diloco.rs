@@ -262,11 +262,6 @@ fn diloco_and_async_specs_that_cannot_run_are_refused_at_submit() {
                 "staleness",
             ),
             (
-                training_toml("r", 1, 2, 2, "gpt", "file:///d", "")
-                    + "sync = \"async\"\n[checkpoint]\nurl = \"file:///tmp/x\"\n",
-                "checkpoints of async jobs",
-            ),
-            (
                 training_toml("r", 1, 2, 2, "gpt", "file:///d", "") + "sync = \"gossip\"\n",
                 "unknown",
             ),

@@ -37,6 +37,17 @@
 //! counted twice: their batches stay settled); every batch in flight is re-queued; and the
 //! slices are cut anew over the new members.
 //!
+//! Checkpoints (`[checkpoint]`): once the positions applied reach the next multiple of
+//! `interval` global batches, member 0 stops handing out batches; when every batch in flight is
+//! settled, its answers tell the workers so, and each sends every owner a *snap* (with its
+//! checkpoint flags). An owner whose queue is empty and that has every worker's snap answers
+//! each its slice's values and optimizer state: every worker then holds the whole state as of
+//! those positions, with no update half-applied, and saves its share of it through the
+//! data-parallel save, with the dispenser and the slices' version in `extra.async`. Member 0
+//! hands out batches again at once. A cold start restores that state and the dispenser, so a
+//! full loss resumes from the last checkpoint, not from the seed. The run's end sends the
+//! optimizer state with the final values, so the last save is whole too.
+//!
 //! The exactly-once ledger (`DUCTILE_LEDGER_DIR`) does not take the dispenser's word: each
 //! worker writes the samples of every update it pushes, and each owner writes every decision it
 //! applied or dropped.
@@ -79,6 +90,11 @@ pub struct Dispenser {
     /// Per worker of this generation: its last decided update (id, committed).
     #[serde(default)]
     pub decided: BTreeMap<u32, (u64, bool)>,
+    /// Checkpoints: every `ckpt_every` positions applied (0: none), the next at `ckpt_next`.
+    #[serde(default)]
+    pub ckpt_every: u64,
+    #[serde(default)]
+    pub ckpt_next: u64,
 }
 
 impl Dispenser {
@@ -86,6 +102,11 @@ impl Dispenser {
     /// dropped itself, while others remain) first, then fresh ones.
     fn hand_out(&mut self, rank: u32, b: u64) -> Ranges {
         self.seq += 1;
+        if self.paused() {
+            // a checkpoint is due: nothing more until the batches in flight are settled and
+            // the owners answered the snaps
+            return Vec::new();
+        }
         let at = self
             .requeue
             .iter()
@@ -146,6 +167,24 @@ impl Dispenser {
     fn done(&self) -> bool {
         self.applied >= self.end
     }
+
+    /// A checkpoint is due (the positions applied reached it): no batch is handed out.
+    fn paused(&self) -> bool {
+        self.ckpt_every > 0 && self.applied >= self.ckpt_next && !self.done()
+    }
+
+    /// A checkpoint is due and no batch is in flight: the workers snap.
+    fn snap_due(&self) -> bool {
+        self.paused() && self.outstanding.is_empty()
+    }
+
+    /// The checkpoint's state went out: the next one is due a multiple of `ckpt_every` on.
+    fn schedule_checkpoint(&mut self) {
+        self.seq += 1;
+        if self.ckpt_every > 0 {
+            self.ckpt_next = (self.applied / self.ckpt_every + 1) * self.ckpt_every;
+        }
+    }
 }
 
 /// A slice this member owns: its range of the flattened parameters, the authoritative values,
@@ -174,6 +213,10 @@ pub struct Async {
     pub snapshot: Option<Dispenser>,
     /// The updates in this member's queue still undecided when the generation ended.
     pending: Vec<Reserved>,
+    /// The slices' version at the last snap (a checkpoint's `extra.async.version`).
+    pub ckpt_version: u64,
+    /// Snaps this generation (the ledger numbers them, as the owners do).
+    snaps: u64,
     /// Updates this process pushed.
     pub next_id: u64,
     /// The current generation's first reader error.
@@ -220,11 +263,27 @@ enum Head {
         batch: Ranges,
         done: bool,
         snapshot: Dispenser,
+        /// A checkpoint is due and nothing is in flight: snap.
+        #[serde(default)]
+        checkpoint: bool,
     },
+    /// The run's end: the slice's values, then its optimizer state.
     Final {
         version: u64,
     },
     Bye,
+    /// A worker is at a checkpoint (its flags: a request pending, a save still uploading).
+    Snap {
+        pending: bool,
+        busy: bool,
+    },
+    /// An owner's answer once every worker snapped and its queue is empty: the slice's values,
+    /// then its optimizer state; the flags, any worker's.
+    SnapState {
+        version: u64,
+        pending: bool,
+        busy: bool,
+    },
 }
 
 /// A message: its head, and f32 values (a gradient's or a slice's range).
@@ -270,6 +329,15 @@ fn decode(b: &[u8]) -> Result<Msg, String> {
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
     Ok(Msg { head, values })
+}
+
+/// A slice's values, then its optimizer state (what a snap and the run's end send).
+fn slice_state(owned: &Owned) -> Vec<f32> {
+    let mut v = to_vec(&owned.values);
+    for t in &owned.opt.state {
+        v.extend(to_vec(t));
+    }
+    v
 }
 
 fn to_vec(t: &Tensor) -> Vec<f32> {
@@ -358,7 +426,12 @@ fn reader(
         };
         let for_server = matches!(
             m.head,
-            Head::Push { .. } | Head::Decide { .. } | Head::Decided { .. } | Head::Get | Head::Bye
+            Head::Push { .. }
+                | Head::Decide { .. }
+                | Head::Decided { .. }
+                | Head::Get
+                | Head::Bye
+                | Head::Snap { .. }
         );
         bye |= matches!(m.head, Head::Bye);
         fin |= matches!(m.head, Head::Final { .. });
@@ -422,10 +495,16 @@ fn record(
     applied: bool,
     recovered: bool,
 ) {
+    write_line(
+        ledger,
+        serde_json::json!({"g": generation, "owner": owner, "from": r.from, "id": r.id,
+            "staleness": r.staleness, "applied": applied, "recovered": recovered}),
+    );
+}
+
+/// One ledger line, in one write (a member's server and worker threads share the file).
+fn write_line(ledger: &mut Option<std::fs::File>, line: serde_json::Value) {
     if let Some(f) = ledger {
-        let line = serde_json::json!({"g": generation, "owner": owner, "from": r.from,
-            "id": r.id, "staleness": r.staleness, "applied": applied, "recovered": recovered});
-        // one write per line: the worker's own thread writes to the same file
         let _ = f.write_all(format!("{line}\n").as_bytes());
     }
 }
@@ -454,10 +533,13 @@ fn serve(
     let mut queue: VecDeque<Reserved> = VecDeque::new();
     let mut replica: Option<Dispenser> = disp.clone();
     let mut byes = 0u32;
+    let (mut snaps, mut snap_flags) = (0u32, (false, false));
+    // the snaps answered in this generation (the ledger counts them)
+    let mut snapped = 0u64;
     let rules = cfg.rules;
     let me = post.me;
     while let Ok(Inbox::Msg(from, Msg { head, values })) = rx.recv() {
-        let sent = match head {
+        let mut sent = match head {
             Head::Push { id, version } => {
                 let staleness = (owned.version + queue.len() as u64).saturating_sub(version);
                 queue.push_back(Reserved {
@@ -575,6 +657,7 @@ fn serve(
                         batch,
                         done: d.done(),
                         snapshot: d.clone(),
+                        checkpoint: d.snap_due(),
                     };
                     post.to_client(from, head, &[])
                 }
@@ -582,7 +665,12 @@ fn serve(
             Head::Bye => {
                 byes += 1;
                 if byes == cfg.world {
-                    let v = to_vec(&owned.values);
+                    let v = slice_state(&owned);
+                    // the final state, like a snap's, for the ledger
+                    write_line(
+                        &mut cfg.ledger,
+                        serde_json::json!({"g": cfg.generation, "owner": me, "snap": snapped + 1}),
+                    );
                     let mut res = Ok(());
                     // the remote clients first, this member's own last
                     for to in (0..cfg.world).filter(|t| *t != me).chain([me]) {
@@ -599,6 +687,11 @@ fn serve(
                 }
                 Ok(())
             }
+            Head::Snap { pending, busy } => {
+                snaps += 1;
+                snap_flags = (snap_flags.0 || pending, snap_flags.1 || busy);
+                Ok(())
+            }
             other => {
                 tracing::warn!(
                     ?other,
@@ -608,6 +701,28 @@ fn serve(
                 Ok(())
             }
         };
+        // a checkpoint: every worker snapped and every decided update is applied here (a
+        // decision member 0 sent may arrive after a worker's snap)
+        if snaps == cfg.world && queue.is_empty() {
+            let v = slice_state(&owned);
+            snapped += 1;
+            write_line(
+                &mut cfg.ledger,
+                serde_json::json!({"g": cfg.generation, "owner": me, "snap": snapped}),
+            );
+            let head = || Head::SnapState {
+                version: owned.version,
+                pending: snap_flags.0,
+                busy: snap_flags.1,
+            };
+            for to in (0..cfg.world).filter(|t| *t != me).chain([me]) {
+                sent = sent.and(post.to_client(to, head(), &v));
+            }
+            if let Some(d) = &mut disp {
+                d.schedule_checkpoint();
+            }
+            (snaps, snap_flags) = (0, (false, false));
+        }
         if sent.is_err() {
             break;
         }
@@ -711,14 +826,42 @@ impl Trainer {
             .collect();
         let mut version = 0u64;
         let mut disp: Dispenser;
+        let mut restored_step: Option<u64> = None;
         match newest {
             None => {
-                // a cold start: the seed's weights (every member has them), fresh state
-                values = copy.copy();
-                disp = Dispenser {
-                    end,
-                    ..Default::default()
+                // a cold start: the latest checkpoint's state and dispenser, else the seed's
+                // weights (every member has them) and a fresh dispenser
+                let restored = match self.async_restore(comm, g) {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(e)) => return Ok(Err(e)),
+                    Err(e) => return Err(e),
                 };
+                match restored {
+                    Some((d, v)) => {
+                        restored_step = Some(self.step);
+                        values = super::flat(&self.params).detach().to_device(Device::Cpu);
+                        for (k, o) in opt_full.iter().enumerate() {
+                            let state: Vec<Tensor> = (0..self.params.len())
+                                .map(|i| self.opt.state[per * i + k].shallow_clone())
+                                .collect();
+                            tch::no_grad(|| {
+                                o.shallow_clone()
+                                    .copy_(&super::flat(&state).detach().to_device(Device::Cpu))
+                            });
+                        }
+                        disp = d;
+                        version = v;
+                        // the checkpoint was taken at its due point: the next one is further on
+                        disp.ckpt_next = 0;
+                    }
+                    None => {
+                        values = copy.copy();
+                        disp = Dispenser {
+                            end,
+                            ..Default::default()
+                        };
+                    }
+                }
             }
             Some(gen) => {
                 let holder = |r: &Vec<f64>| r[0] > 0.0 && r[1] as u64 == gen;
@@ -866,6 +1009,15 @@ impl Trainer {
                 }
             }
         }
+        // checkpoints every `interval` global batches applied
+        disp.ckpt_every = self
+            .ckpt
+            .as_ref()
+            .map(|c| c.spec.interval * self.spec.global_batch as u64)
+            .unwrap_or(0);
+        if disp.ckpt_every > 0 && disp.ckpt_next == 0 {
+            disp.schedule_checkpoint();
+        }
         // this generation's slices
         let mine = ranges(n, g.world_size as usize)[rank as usize].clone();
         let len = mine.len() as i64;
@@ -906,7 +1058,49 @@ impl Trainer {
         a.dispenser = (rank == 0).then_some(disp);
         let applied = a.snapshot.as_ref().unwrap().applied;
         self.step = applied / self.spec.global_batch as u64;
+        // where this generation's state came from: a generation's members, or a checkpoint
+        write_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "r": rank, "agreed": true, "from": newest,
+                "restored": restored_step}),
+        );
         Ok(Ok(()))
+    }
+
+    /// A cold start's restore (every member restores the whole state, as a data-parallel
+    /// one): the dispenser and the slices' version from the checkpoint's `extra.async`, or none
+    /// without a checkpoint.
+    fn async_restore(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> anyhow::Result<Result<Option<(Dispenser, u64)>, CommError>> {
+        self.restored_extra = None;
+        if self.ckpt.is_none() {
+            return Ok(Ok(None));
+        }
+        let units = self.units();
+        let need: Vec<_> = g
+            .members
+            .iter()
+            .flat_map(|m| self.parts_of(m.rank, &[0..units]))
+            .collect();
+        if let Err(e) = self.restore(comm, &need)? {
+            return Ok(Err(e));
+        }
+        let Some(x) = self.restored_extra.take() else {
+            return Ok(Ok(None));
+        };
+        let x = &x["async"];
+        let disp: Dispenser = serde_json::from_value(x["dispenser"].clone()).map_err(|e| {
+            anyhow::anyhow!(
+                "the checkpoint's extra.async.dispenser (an async job's data position): {e}"
+            )
+        })?;
+        let version = x["version"]
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("the checkpoint's extra.async.version is missing"))?;
+        Ok(Ok(Some((disp, version))))
     }
 
     /// Train asynchronously in generation `g` until the run's positions are all applied
@@ -928,6 +1122,7 @@ impl Trainer {
         };
         let failure = Failure::default();
         self.asy().failure = failure.clone();
+        self.asy().snaps = 0;
         let readers: Vec<_> = (0..world)
             .filter(|p| *p != rank)
             .map(|p| {
@@ -1063,12 +1258,18 @@ impl Trainer {
         let (mut loss_sum, mut loss_n) = (0.0, 0u64);
         self.computed = Duration::ZERO;
         // the first batch
-        let (mut batch, mut done) = self.get_batch(post, rx, g)?;
+        let (mut batch, mut done, mut snap) = self.get_batch(post, rx, g)?;
         while !done {
             if batch.is_empty() {
-                // everything is handed out, not all applied yet: ask again shortly
-                std::thread::sleep(Duration::from_millis(20));
-                (batch, done) = self.get_batch(post, rx, g)?;
+                if snap {
+                    // a checkpoint is due and nothing is in flight
+                    self.async_snap(post, rx, g, rank, &slices)?;
+                } else {
+                    // everything is handed out (or a checkpoint waits for the batches in
+                    // flight), not all applied yet: ask again shortly
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                (batch, done, snap) = self.get_batch(post, rx, g)?;
                 continue;
             }
             let t0 = Instant::now();
@@ -1081,11 +1282,10 @@ impl Trainer {
             a.next_id += 1;
             let id = a.next_id;
             let seen = a.seen.clone();
-            if let Some(f) = &mut self.ledger {
-                let line = serde_json::json!({"g": g.number, "r": rank, "id": id, "idx": idx, "pushed": true});
-                // one write per line: this member's server writes to the same file
-                let _ = f.write_all(format!("{line}\n").as_bytes());
-            }
+            write_line(
+                &mut self.ledger,
+                serde_json::json!({"g": g.number, "r": rank, "id": id, "idx": idx, "pushed": true}),
+            );
             for (j, r) in slices.iter().enumerate() {
                 post.to_server(
                     j as u32,
@@ -1211,11 +1411,14 @@ impl Trainer {
                 (
                     from,
                     Msg {
-                        head: Head::Final { .. },
+                        head: Head::Final { version },
                         values,
                     },
                 ) => {
-                    self.copy_slice(g, from, &slices[from as usize], &values)?;
+                    // the values and the optimizer state: the final save is whole
+                    self.copy_state(g, from, &slices[from as usize], &values)?;
+                    let a = self.asy();
+                    a.ckpt_version = a.ckpt_version.max(version);
                     finals += 1;
                 }
                 // answers to a last Get may still arrive
@@ -1232,16 +1435,22 @@ impl Trainer {
         if let Some(m) = self.spec.max_steps {
             self.step = m;
         }
+        let k = self.asy().snaps + 1;
+        write_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "r": rank, "snapped": k, "step": self.step}),
+        );
         Ok(())
     }
 
-    /// Ask member 0 for a batch: (the batch, whether the run is done).
+    /// Ask member 0 for a batch: (the batch, whether the run is done, whether to snap for a
+    /// checkpoint).
     fn get_batch(
         &mut self,
         post: &Post,
         rx: &Receiver<Inbox>,
         g: &Generation,
-    ) -> Result<(Ranges, bool), CommError> {
+    ) -> Result<(Ranges, bool, bool), CommError> {
         post.to_server(0, Head::Get, &[])?;
         match self.next_msg(rx, g)? {
             (
@@ -1252,15 +1461,125 @@ impl Trainer {
                             batch,
                             done,
                             snapshot,
+                            checkpoint,
                         },
                     ..
                 },
             ) => {
                 self.asy().snapshot = Some(snapshot);
-                Ok((batch, done))
+                Ok((batch, done, checkpoint))
             }
             (from, m) => Err(unexpected(g, from, &m.head)),
         }
+    }
+
+    /// A checkpoint (module docs): snap to every owner, take the whole state from their
+    /// answers, save this member's share of it.
+    fn async_snap(
+        &mut self,
+        post: &Post,
+        rx: &Receiver<Inbox>,
+        g: &Generation,
+        rank: u32,
+        slices: &[Range<usize>],
+    ) -> Result<(), CommError> {
+        let (pending, busy) = self
+            .ckpt
+            .as_ref()
+            .map(|c| c.flags(g.number))
+            .unwrap_or((0.0, 0.0));
+        let world = slices.len() as u32;
+        for j in (0..world).filter(|j| *j != rank).chain([rank]) {
+            let head = Head::Snap {
+                pending: pending > 0.0,
+                busy: busy > 0.0,
+            };
+            post.to_server(j, head, &[])?;
+        }
+        let (mut got, mut version, mut flags) = (0, 0u64, (false, false));
+        while got < world {
+            match self.next_msg(rx, g)? {
+                (
+                    from,
+                    Msg {
+                        head:
+                            Head::SnapState {
+                                version: v,
+                                pending,
+                                busy,
+                            },
+                        values,
+                    },
+                ) => {
+                    self.copy_state(g, from, &slices[from as usize], &values)?;
+                    self.asy().seen[from as usize] = v;
+                    version = version.max(v);
+                    flags = (pending, busy);
+                    got += 1;
+                }
+                // a last answer to a Get
+                (
+                    _,
+                    Msg {
+                        head: Head::Batch { .. },
+                        ..
+                    },
+                ) => {}
+                (from, m) => return Err(unexpected(g, from, &m.head)),
+            }
+        }
+        let a = self.asy();
+        a.ckpt_version = version;
+        let applied = a.snapshot.as_ref().map(|d| d.applied).unwrap_or(0);
+        self.step = applied / self.spec.global_batch as u64;
+        if rank == 0 {
+            println!(
+                "async checkpoint at step {} ({applied} positions applied): every worker holds the whole state",
+                self.step
+            );
+        }
+        self.maybe_save(g, rank, world, flags.0, flags.1);
+        let a = self.asy();
+        a.snaps += 1;
+        let k = a.snaps;
+        write_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "r": rank, "snapped": k, "step": self.step}),
+        );
+        Ok(())
+    }
+
+    /// Copy the values and the optimizer state of slice `r` that member `from` sent (a snap's
+    /// or the run's end) into this member's parameters and optimizer.
+    fn copy_state(
+        &mut self,
+        g: &Generation,
+        from: u32,
+        r: &Range<usize>,
+        values: &[f32],
+    ) -> Result<(), CommError> {
+        let per = self.opt.state.len() / self.params.len().max(1);
+        if values.len() != r.len() * (1 + per) {
+            return Err(CommError::Protocol {
+                generation: g.number,
+                op: "async",
+                peer: from,
+                reason: format!(
+                    "{} values for a slice of {} with {per} optimizer tensors",
+                    values.len(),
+                    r.len()
+                ),
+            });
+        }
+        let (head, rest) = values.split_at(r.len());
+        self.copy_slice(g, from, r, head)?;
+        for (k, part) in rest.chunks(r.len().max(1)).enumerate().take(per) {
+            let state: Vec<Tensor> = (0..self.params.len())
+                .map(|i| self.opt.state[per * i + k].shallow_clone())
+                .collect();
+            copy_into(&state, r, part);
+        }
+        Ok(())
     }
 
     /// Copy the values of slice `r` that member `from` sent into this member's parameters
@@ -1280,17 +1599,22 @@ impl Trainer {
                 reason: format!("{} values for a slice of {}", values.len(), r.len()),
             });
         }
-        let src = Tensor::from_slice(values);
-        let mut at = 0i64;
-        tch::no_grad(|| {
-            for mut v in super::flat_views(&self.params, r) {
-                let n = v.numel() as i64;
-                v.copy_(&src.narrow(0, at, n).to_device(v.device()));
-                at += n;
-            }
-        });
+        copy_into(&self.params, r, values);
         Ok(())
     }
+}
+
+/// Copy `values` into range `r` of the flattened `tensors`.
+fn copy_into(tensors: &[Tensor], r: &Range<usize>, values: &[f32]) {
+    let src = Tensor::from_slice(values);
+    let mut at = 0i64;
+    tch::no_grad(|| {
+        for mut v in super::flat_views(tensors, r) {
+            let n = v.numel() as i64;
+            v.copy_(&src.narrow(0, at, n).to_device(v.device()));
+            at += n;
+        }
+    });
 }
 
 fn unexpected(g: &Generation, from: u32, head: &Head) -> CommError {

@@ -394,6 +394,12 @@ impl Trainer {
             "world_size": g.world_size,
             "layout": g.layout,
             "diloco": self.diloco.as_ref().map(|d| d.checkpoint_extra(&self.spec.diloco)),
+            // async: the data dispenser (positions applied, re-queued, the next fresh one) and
+            // the slices' update count (the learning-rate schedule's and AdamW's step)
+            "async": self.asynch.as_ref().map(|a| serde_json::json!({
+                "dispenser": a.snapshot,
+                "version": a.ckpt_version,
+            })),
         })
     }
 
@@ -410,6 +416,8 @@ impl Trainer {
         let due = match &self.diloco {
             // a DiLoCo round that crossed a multiple of the interval
             Some(d) => d.crossed(ck.spec.interval),
+            // async: called at a checkpoint's snap, which member 0 made due
+            None if self.asynch.is_some() => true,
             None => self.step % ck.spec.interval == 0,
         };
         if !(due || pending) {
