@@ -138,8 +138,11 @@ enum Cmd {
         steps: u64,
     },
     /// The chaos soak's long profile: a local cluster trains a deterministic job with
-    /// checkpoints while a seeded schedule of faults hits it; then every sample, commit and
-    /// bit is checked (see `ductile_tests::chaos`). Exits 1 on a violation.
+    /// checkpoints while a seeded schedule of faults hits it (store 503s in a cold start and on
+    /// the commits, a rollback whose supersede meets 503s among them); then an async job (member
+    /// 0 killed or cut short mid-decision) and a streaming DiLoCo job (a member gone between
+    /// exchanges); then every sample, commit, restore and bit is checked (see
+    /// `ductile_tests::chaos`). Exits 1 on a violation.
     Chaos {
         #[arg(long, default_value_t = 200)]
         faults: usize,
@@ -149,6 +152,10 @@ enum Cmd {
         /// Training steps (default: enough to outlast the faults).
         #[arg(long)]
         steps: Option<u64>,
+        /// Faults in each of the async and streaming DiLoCo phases (default: a tenth of
+        /// --faults, at least 3; 0 skips them).
+        #[arg(long)]
+        side_faults: Option<usize>,
     },
     /// DiLoCo and async against allreduce (3 CPU workers, a GPT): bytes sent per trained sample, the
     /// final weights' loss on a fixed set of 256 samples at equal samples, and samples per
@@ -342,11 +349,13 @@ async fn main() -> anyhow::Result<()> {
             faults,
             seed,
             steps,
+            side_faults,
         } => {
             let cfg = ductile_tests::chaos::Config {
                 seed: seed.unwrap_or_else(now_ms),
                 faults,
                 steps: steps.unwrap_or(faults as u64 * 1_000 + 2_000),
+                side_faults: side_faults.unwrap_or((faults / 10).max(3)),
             };
             // the soak drives its own runtime: off this one's threads
             let report = std::thread::spawn(move || ductile_tests::chaos::run(&cfg))

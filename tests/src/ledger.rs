@@ -504,8 +504,9 @@ pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> Asy
     let mut snaps: BTreeMap<(u64, String), Vec<usize>> = BTreeMap::new();
     // step → (generation, snap number) of the workers' `snapped` lines
     let mut snapped: BTreeMap<u64, BTreeSet<(u64, u64)>> = BTreeMap::new();
-    // generation → (from, restored) of its agreement
-    let mut agreed: BTreeMap<u64, BTreeSet<(Option<u64>, Option<u64>)>> = BTreeMap::new();
+    // generation → (from, restored step, the generation that took it) of its agreement
+    type Origin = (Option<u64>, Option<u64>, Option<u64>);
+    let mut agreed: BTreeMap<u64, BTreeSet<Origin>> = BTreeMap::new();
     let mut procs: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
     let mut at: BTreeMap<String, usize> = BTreeMap::new();
     for (p, v) in lines {
@@ -531,8 +532,12 @@ pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> Asy
                 ));
             }
         } else if v["agreed"] == true {
-            let (from, restored) = (v["from"].as_u64(), v["restored"].as_u64());
-            agreed.entry(g).or_default().insert((from, restored));
+            let origin = (
+                v["from"].as_u64(),
+                v["restored"].as_u64(),
+                v["restored_from"].as_u64(),
+            );
+            agreed.entry(g).or_default().insert(origin);
         } else if let (Some(k), Some(step)) = (v["snapped"].as_u64(), v["step"].as_u64()) {
             snapped.entry(step).or_default().insert((g, k));
         } else if v["snap"].is_u64() {
@@ -574,11 +579,18 @@ pub fn async_violations(dir: &Path, total: u64, samples: u64, bound: u64) -> Asy
                 "generation {cur}: members disagree on where its state came from: {how:?}"
             ));
         }
-        let (from, restored) = *how.iter().next().unwrap();
+        let (from, restored, taken_in) = *how.iter().next().unwrap();
         let (next, next_cut) = match (restored, from) {
             (Some(step), _) => {
                 out.restores += 1;
-                match snapped.get(&step).map(|s| s.iter().collect::<Vec<_>>()) {
+                // the snap that took the checkpoint: in the generation the checkpoint names
+                // (the same step may have been snapped in a lineage a full loss abandoned)
+                let at: Option<Vec<&(u64, u64)>> = snapped.get(&step).map(|s| {
+                    s.iter()
+                        .filter(|(g, _)| taken_in.is_none_or(|t| t == *g))
+                        .collect()
+                });
+                match at {
                     Some(s) if s.len() == 1 => (s[0].0, Some(s[0].1)),
                     other => {
                         out.violations.push(format!(

@@ -580,14 +580,18 @@ impl S3 {
     }
 }
 
-/// A TCP proxy in front of a server: `stop` cuts every connection and refuses new ones (the
-/// server is gone, its data is not), `start` serves again on the same port, and `throttle`
-/// limits the client-to-server rate (to catch an upload in the middle).
+/// A TCP proxy in front of an HTTP/1.1 server: `stop` cuts every connection and refuses new
+/// ones (the server is gone, its data is not), `start` serves again on the same port,
+/// `throttle` limits the client-to-server rate (to catch an upload in the middle), and
+/// `answer_503` makes it answer `503 Slow Down` itself to the requests whose request line
+/// contains a pattern (an S3 that sheds load), closing their connection.
 pub struct Proxy {
     pub port: u16,
     upstream: u16,
     up: Arc<std::sync::atomic::AtomicBool>,
     rate: Arc<std::sync::atomic::AtomicU64>,
+    /// Requests answered 503: those whose request line contains this ("" : every one).
+    fail: Arc<Mutex<Option<String>>>,
     /// Open connections (client and server side), by id; removed when both directions end,
     /// so a long run does not run out of descriptors.
     conns: Arc<Mutex<BTreeMap<u64, Vec<std::net::TcpStream>>>>,
@@ -600,10 +604,17 @@ impl Proxy {
             upstream,
             up: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             rate: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            fail: Arc::new(Mutex::new(None)),
             conns: Arc::new(Mutex::new(BTreeMap::new())),
         };
         p.serve();
         p
+    }
+
+    /// From now on, answer `503 Slow Down` to every request whose request line (method, path
+    /// and query) contains `pattern` ("": every request); `None`: pass everything again.
+    pub fn answer_503(&self, pattern: Option<&str>) {
+        *self.fail.lock().unwrap() = pattern.map(str::to_string);
     }
 
     /// Bytes per second from clients to the server (0: unlimited).
@@ -616,11 +627,12 @@ impl Proxy {
         self.up.store(true, Ordering::SeqCst);
         let listener = TcpListener::bind(("127.0.0.1", self.port)).expect("proxy port");
         listener.set_nonblocking(true).unwrap();
-        let (up, rate, conns, upstream) = (
+        let (up, rate, conns, upstream, fail) = (
             self.up.clone(),
             self.rate.clone(),
             self.conns.clone(),
             self.upstream,
+            self.fail.clone(),
         );
         std::thread::spawn(move || {
             let mut next_id = 0u64;
@@ -652,8 +664,14 @@ impl Proxy {
                     (server, client, false),
                 ] {
                     let (rate, pipes, conns) = (rate.clone(), pipes.clone(), conns.clone());
+                    let fail = fail.clone();
                     std::thread::spawn(move || {
                         use std::io::{Read, Write};
+                        if limited {
+                            // the client's requests, one by one (a request the 503 rule matches
+                            // is answered here; anything this cannot frame passes through)
+                            http_requests(&mut from, &mut to, &rate, &fail);
+                        }
                         let mut buf = vec![0u8; 64 << 10];
                         loop {
                             let n = match from.read(&mut buf) {
@@ -694,6 +712,99 @@ impl Proxy {
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Relay HTTP/1.1 requests from `from` (a client) to `to` (the server) one at a time: a
+/// request whose request line the `fail` rule matches gets `503 Slow Down` from here and the
+/// connection is closed; a body is relayed by its `Content-Length` (at `rate` bytes a second).
+/// Returns (for the caller to relay the rest as bytes) at a request it cannot frame (chunked)
+/// or at the end of the connection.
+fn http_requests(
+    from: &mut std::net::TcpStream,
+    to: &mut std::net::TcpStream,
+    rate: &AtomicU64,
+    fail: &Mutex<Option<String>>,
+) {
+    use std::io::{Read, Write};
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        // the request's head
+        let end = loop {
+            if let Some(i) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => {
+                    let _ = to.write_all(&pending);
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                    return;
+                }
+                Ok(n) => pending.extend_from_slice(&buf[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+        let line = head.lines().next().unwrap_or("").to_string();
+        let rule = fail.lock().unwrap().clone();
+        if rule.is_some_and(|p| line.contains(&p)) {
+            let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>";
+            let _ = from.write_all(
+                format!(
+                    "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+                .as_bytes(),
+            );
+            let _ = from.shutdown(std::net::Shutdown::Both);
+            let _ = to.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+        let header = |name: &str| {
+            head.lines().skip(1).find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.trim()
+                    .eq_ignore_ascii_case(name)
+                    .then(|| v.trim().to_string())
+            })
+        };
+        if header("transfer-encoding").is_some() {
+            // not framed by a length: the rest goes through as bytes
+            let _ = to.write_all(&pending);
+            return;
+        }
+        let mut left: u64 = header("content-length")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        if to.write_all(&pending[..end]).is_err() {
+            return;
+        }
+        pending.drain(..end);
+        // the body: what came with the head, then the rest
+        loop {
+            let have = (pending.len() as u64).min(left) as usize;
+            if have > 0 {
+                let r = rate.load(Ordering::SeqCst);
+                if r > 0 {
+                    std::thread::sleep(Duration::from_secs_f64(have as f64 / r as f64));
+                }
+                if to.write_all(&pending[..have]).is_err() {
+                    return;
+                }
+                pending.drain(..have);
+                left -= have as u64;
+            }
+            if left == 0 {
+                break;
+            }
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => {
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                    return;
+                }
+                Ok(n) => pending.extend_from_slice(&buf[..n]),
+            }
+        }
     }
 }
 

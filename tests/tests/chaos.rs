@@ -13,6 +13,7 @@ fn training_chaos_short_profile_loses_no_step_no_sample_and_no_bit() {
         seed,
         faults: 20,
         steps: 20_000,
+        side_faults: 3,
     });
     println!("{}", report.summary());
     assert!(report.faults.len() >= 20, "{}", report.summary());

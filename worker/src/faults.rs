@@ -5,12 +5,13 @@
 //! the next rank a frame of 2^62 bytes, once per process, as a broken or hostile peer would.
 //! `DUCTILE_SLOWDOWN=RANK:FACTOR`: the worker of rank RANK computes FACTOR times slower (after
 //! each step's forward and backward it waits (FACTOR − 1) times as long), a straggler.
-//! `DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES=RANK:ROUND`: streaming DiLoCo: in round ROUND the worker
-//! of rank RANK, having trained part of its piece and seen the round's first exchange complete,
-//! exits (as a killed process would, a second later) before the second.
-//! `DUCTILE_FAULT_EXIT_MID_DECIDE=POSITIONS`: async: member 0, recording the decision that
-//! takes the positions applied to POSITIONS or beyond, sends it to one owner only and exits (once
-//! per job: the owner that got it carries the count on).
+//! `DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES=RANK:ROUND[:EVERY]`: streaming DiLoCo: in round ROUND
+//! (and every EVERY rounds after it) the worker of rank RANK, having trained part of its piece
+//! and seen the round's first exchange complete, exits (as a killed process would, a second
+//! later) before the second.
+//! `DUCTILE_FAULT_EXIT_MID_DECIDE=POSITIONS[:EVERY]`: async: member 0, recording the decision
+//! that takes the positions applied to POSITIONS (or POSITIONS + k·EVERY) or beyond, sends it to
+//! one owner only and exits (once per crossing: the owner that got it carries the count on).
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,8 +19,49 @@ use std::sync::OnceLock;
 
 static OVERSIZED_FRAME: OnceLock<Option<(u32, u64)>> = OnceLock::new();
 static SLOWDOWN: OnceLock<Option<(u32, f64)>> = OnceLock::new();
-static EXIT_BETWEEN_EXCHANGES: OnceLock<Option<(u32, u64)>> = OnceLock::new();
-static EXIT_MID_DECIDE: OnceLock<Option<u64>> = OnceLock::new();
+static EXIT_BETWEEN_EXCHANGES: OnceLock<Option<(u32, Every)>> = OnceLock::new();
+static EXIT_MID_DECIDE: OnceLock<Option<Every>> = OnceLock::new();
+
+/// A point (a round, a count of positions) and, optionally, the period it repeats at.
+#[derive(Clone, Copy, Debug)]
+struct Every {
+    at: u64,
+    every: Option<u64>,
+}
+
+impl FromStr for Every {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Every, ()> {
+        let (at, every) = match s.split_once(':') {
+            Some((a, e)) => (a, Some(e.parse().map_err(|_| ())?)),
+            None => (s, None),
+        };
+        match (at.parse().map_err(|_| ())?, every) {
+            (_, Some(0)) => Err(()),
+            (at, every) => Ok(Every { at, every }),
+        }
+    }
+}
+
+impl Every {
+    /// The index of the last point at or below `x` (none below the first).
+    fn index(&self, x: u64) -> Option<u64> {
+        match (x.checked_sub(self.at), self.every) {
+            (None, _) => None,
+            (Some(_), None) => Some(0),
+            (Some(d), Some(e)) => Some(d / e),
+        }
+    }
+
+    /// Whether `x` is one of the points.
+    fn hits(&self, x: u64) -> bool {
+        match (x.checked_sub(self.at), self.every) {
+            (Some(d), Some(e)) => d % e == 0,
+            (Some(d), None) => d == 0,
+            (None, _) => false,
+        }
+    }
+}
 static FIRED: AtomicBool = AtomicBool::new(false);
 
 /// The variable `name` as `A:B`; none when unset, or set without `allowed` (with a warning).
@@ -55,7 +97,7 @@ pub fn init(allowed: bool) -> anyhow::Result<()> {
     let _ = SLOWDOWN.set(slow);
     let _ = EXIT_BETWEEN_EXCHANGES.set(pair(
         "DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES",
-        "RANK:ROUND",
+        "RANK:ROUND[:EVERY]",
         allowed,
     )?);
     let mid = match std::env::var("DUCTILE_FAULT_EXIT_MID_DECIDE") {
@@ -64,7 +106,7 @@ pub fn init(allowed: bool) -> anyhow::Result<()> {
             None
         }
         Ok(s) => Some(s.parse().map_err(|_| {
-            anyhow::anyhow!("DUCTILE_FAULT_EXIT_MID_DECIDE={s:?} is not a number of positions")
+            anyhow::anyhow!("DUCTILE_FAULT_EXIT_MID_DECIDE={s:?} is not POSITIONS[:EVERY]")
         })?),
         Err(_) => None,
     };
@@ -90,7 +132,7 @@ pub fn oversized_frame_now(rank: u32, step: u64) -> bool {
 /// checks that the round's first exchange just completed and that this process trained part
 /// of its piece).
 pub fn exit_between_exchanges(rank: u32, round: u64) {
-    if matches!(EXIT_BETWEEN_EXCHANGES.get(), Some(Some((r, n))) if *r == rank && *n == round) {
+    if matches!(EXIT_BETWEEN_EXCHANGES.get(), Some(Some((r, n))) if *r == rank && n.hits(round)) {
         exit_now("exiting between two exchanges");
     }
 }
@@ -98,7 +140,7 @@ pub fn exit_between_exchanges(rank: u32, round: u64) {
 /// Whether member 0 cuts the decision that takes the positions applied from `before` to
 /// `after` short (it then calls [`exit_now`] after sending it to one owner).
 pub fn exit_mid_decide(before: u64, after: u64) -> bool {
-    matches!(EXIT_MID_DECIDE.get(), Some(Some(n)) if before < *n && after >= *n)
+    matches!(EXIT_MID_DECIDE.get(), Some(Some(n)) if n.index(after).is_some() && n.index(before) != n.index(after))
 }
 
 /// Exit as a killed process would (status 137), a second after saying why: what it sent
@@ -107,4 +149,23 @@ pub fn exit_now(why: &str) -> ! {
     tracing::warn!("fault injection: {why}");
     std::thread::sleep(std::time::Duration::from_secs(1));
     std::process::exit(137);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_point_repeats_at_its_period() {
+        let once: Every = "1600".parse().unwrap();
+        assert_eq!(
+            (once.index(1599), once.index(1600), once.index(9000)),
+            (None, Some(0), Some(0))
+        );
+        assert!(once.hits(1600) && !once.hits(1601));
+        let every: Every = "3:5".parse().unwrap();
+        assert!(every.hits(3) && every.hits(8) && !every.hits(5) && !every.hits(2));
+        assert_eq!((every.index(7), every.index(8)), (Some(0), Some(1)));
+        assert!("3:0".parse::<Every>().is_err() && "x".parse::<Every>().is_err());
+    }
 }

@@ -826,7 +826,8 @@ impl Trainer {
             .collect();
         let mut version = 0u64;
         let mut disp: Dispenser;
-        let mut restored_step: Option<u64> = None;
+        // the step restored, and the generation that took that checkpoint
+        let mut restored_step: Option<(u64, Option<u64>)> = None;
         match newest {
             None => {
                 // a cold start: the latest checkpoint's state and dispenser, else the seed's
@@ -837,8 +838,8 @@ impl Trainer {
                     Err(e) => return Err(e),
                 };
                 match restored {
-                    Some((d, v)) => {
-                        restored_step = Some(self.step);
+                    Some((d, v, taken_in)) => {
+                        restored_step = Some((self.step, taken_in));
                         values = super::flat(&self.params).detach().to_device(Device::Cpu);
                         for (k, o) in opt_full.iter().enumerate() {
                             let state: Vec<Tensor> = (0..self.params.len())
@@ -1062,7 +1063,7 @@ impl Trainer {
         write_line(
             &mut self.ledger,
             serde_json::json!({"g": g.number, "r": rank, "agreed": true, "from": newest,
-                "restored": restored_step}),
+                "restored": restored_step.map(|r| r.0), "restored_from": restored_step.and_then(|r| r.1)}),
         );
         Ok(Ok(()))
     }
@@ -1074,7 +1075,7 @@ impl Trainer {
         &mut self,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
-    ) -> anyhow::Result<Result<Option<(Dispenser, u64)>, CommError>> {
+    ) -> anyhow::Result<Result<Option<(Dispenser, u64, Option<u64>)>, CommError>> {
         self.restored_extra = None;
         if self.ckpt.is_none() {
             return Ok(Ok(None));
@@ -1100,7 +1101,7 @@ impl Trainer {
         let version = x["version"]
             .as_u64()
             .ok_or_else(|| anyhow::anyhow!("the checkpoint's extra.async.version is missing"))?;
-        Ok(Ok(Some((disp, version))))
+        Ok(Ok(Some((disp, version, x["generation"].as_u64()))))
     }
 
     /// Train asynchronously in generation `g` until the run's positions are all applied
@@ -1260,6 +1261,14 @@ impl Trainer {
         // the first batch
         let (mut batch, mut done, mut snap) = self.get_batch(post, rx, g)?;
         while !done {
+            // a newer generation ends this one (the messages of a busy engine never leave the
+            // reply wait idle long enough to look, and a world of one sends none)
+            if self.cell.newest() > g.number {
+                return Err(CommError::Aborted {
+                    generation: g.number,
+                    op: "async",
+                });
+            }
             if batch.is_empty() {
                 if snap {
                     // a checkpoint is due and nothing is in flight

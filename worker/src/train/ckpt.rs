@@ -399,6 +399,7 @@ impl Trainer {
             "async": self.asynch.as_ref().map(|a| serde_json::json!({
                 "dispenser": a.snapshot,
                 "version": a.ckpt_version,
+                "generation": g.number,
             })),
         })
     }
