@@ -177,6 +177,18 @@ fn job_at(
     s
 }
 
+/// The agents' environment for their workers: the exactly-once ledger in `ledger`, and a
+/// 3 s liveness bound (a stopped peer is found in seconds).
+fn agent_env(ledger: &TempDir) -> Vec<(String, String)> {
+    vec![
+        (
+            "DUCTILE_LEDGER_DIR".into(),
+            ledger.path().display().to_string(),
+        ),
+        ("DUCTILE_COMM_LIVENESS_MS".into(), "3000".into()),
+    ]
+}
+
 fn try_status(c: &Cluster, job: &str) -> Option<JobView> {
     let (ok, out, _) = c.dctl(&["status", job, "--json"]);
     ok.then(|| serde_json::from_str(&out).ok()).flatten()
@@ -219,13 +231,7 @@ pub fn run(cfg: &Config) -> Report {
         lease_ttl: 2,
         election_ttl: 2,
         restart_backoff_ms: 500,
-        agent_env: vec![
-            (
-                "DUCTILE_LEDGER_DIR".into(),
-                ledger.path().display().to_string(),
-            ),
-            ("DUCTILE_COMM_LIVENESS_MS".into(), "3000".into()),
-        ],
+        agent_env: agent_env(&ledger),
         ..Spec::default().agents(4, 2)
     });
     let data = synth(c.dir.path(), "regression", SAMPLES);
@@ -586,13 +592,7 @@ fn side_phase(cfg: &Config, rng: &mut Rng, report: &mut Report, side: Side) {
     let ledger = TempDir::new("chaos-side-ledger");
     let c = Cluster::start(Spec {
         restart_backoff_ms: 300,
-        agent_env: vec![
-            (
-                "DUCTILE_LEDGER_DIR".into(),
-                ledger.path().display().to_string(),
-            ),
-            ("DUCTILE_COMM_LIVENESS_MS".into(), "3000".into()),
-        ],
+        agent_env: agent_env(&ledger),
         ..Spec::default().agents(2, 2)
     });
     let data = synth(c.dir.path(), "regression", SAMPLES);
@@ -614,7 +614,10 @@ fn side_phase(cfg: &Config, rng: &mut Rng, report: &mut Report, side: Side) {
         // rank 1 leaves between two exchanges in round 3 and every 5 rounds after it
         Side::Diloco => (
             "DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES = \"1:3:5\"",
-            "sync = \"diloco\"\n[training.diloco]\ninner_steps = 16\nfragments = 4\n".to_string(),
+            format!(
+                "sync = \"diloco\"\n[training.diloco]\ninner_steps = 16\nfragments = 4\n[checkpoint]\nurl = \"file://{}\"\ninterval = 40\nkeep = 3\n",
+                c.dir.path().join("ckpt-diloco").display()
+            ),
             &["kill-member-0", "kill-worker", "scale"][..],
         ),
     };

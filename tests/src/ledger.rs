@@ -93,6 +93,48 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Round 0 committed in generation 1 by a, which went on; every holder then lost, a cold
+    /// start in generation 3 trains round 0 anew (c): counted once, from the cold start on.
+    #[test]
+    fn a_diloco_cold_start_supersedes_what_earlier_generations_committed() {
+        let dir = std::env::temp_dir().join(format!("ductile-ledger-cold-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let a = concat!(
+            r#"{"g":1,"round":0,"r":0,"idx":[0,1]}"#,
+            "\n",
+            r#"{"g":1,"round":0,"r":0,"contrib":true}"#,
+            "\n",
+            r#"{"g":1,"round":0,"r":0,"committed":true,"kept":[]}"#,
+            "\n",
+            r#"{"g":2,"round":1,"r":0,"idx":[0]}"#,
+            "\n",
+        );
+        let c = |cold: bool| {
+            let mut t = String::new();
+            if cold {
+                t += "{\"g\":3,\"round\":0,\"r\":0,\"cold\":true}\n";
+            }
+            t + concat!(
+                r#"{"g":3,"round":0,"r":0,"idx":[0,1]}"#,
+                "\n",
+                r#"{"g":3,"round":0,"r":0,"contrib":true}"#,
+                "\n",
+                r#"{"g":3,"round":0,"r":0,"committed":true,"kept":[]}"#,
+                "\n",
+            )
+        };
+        std::fs::write(dir.join("a"), a).unwrap();
+        std::fs::write(dir.join("c"), c(true)).unwrap();
+        let (v, rounds) = round_violations(&dir, 2, 2);
+        assert!(v.is_empty(), "{v:?}");
+        assert_eq!(rounds, vec![2]);
+        std::fs::write(dir.join("c"), c(false)).unwrap();
+        let (v, _) = round_violations(&dir, 2, 2);
+        assert!(v.iter().any(|e| e.contains("went on")), "{v:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// Two owners (processes a and b) in one generation; b pushes one update of samples 0..2.
     #[test]
     fn an_async_update_counts_when_every_surviving_owner_applied_it() {
@@ -309,8 +351,10 @@ pub fn violations(dir: &Path, steps: u64, samples: u64, batch: u64) -> Vec<Strin
 /// of the departed process that entered an exchange with that many trained, which must show as
 /// completed in some process's ledger (not the committing members' word alone). A round
 /// committed in two generations is allowed only when every process of the earlier commit never
-/// went on to a later generation (its state left with it). Returns the violations and the
-/// samples each committed round trained.
+/// went on to a later generation (its state left with it), or when a cold start (a `cold` line:
+/// no member held the rounds' state; the seed or a checkpoint at that round) came in between:
+/// what earlier generations committed of the rounds from the cold start's on is not counted.
+/// Returns the violations and the samples each committed round trained.
 pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, Vec<u64>) {
     let mut out = Vec::new();
     // (process, round) → samples; (generation, round) → processes that entered its commit;
@@ -326,6 +370,8 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
     type Entry = (u64, u64, u64, u64);
     let mut entered: BTreeMap<Entry, Vec<(String, u64)>> = BTreeMap::new();
     let mut exchanged: BTreeSet<(u64, u64, u64)> = BTreeSet::new();
+    // (generation, round) of the cold starts
+    let mut cold: Vec<(u64, u64)> = Vec::new();
     let lines = match read(dir) {
         Ok(l) => l,
         Err(e) => return (vec![e], vec![]),
@@ -336,7 +382,9 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
         };
         let e = last_gen.entry(p.clone()).or_insert(g);
         *e = (*e).max(g);
-        if v["committed"] == true {
+        if v["cold"] == true {
+            cold.push((g, r));
+        } else if v["committed"] == true {
             committed
                 .entry(r)
                 .or_default()
@@ -364,6 +412,12 @@ pub fn round_violations(dir: &Path, total: u64, samples: u64) -> (Vec<String>, V
                 .extend(a.iter().filter_map(|x| x.as_u64()));
         }
     }
+    // a cold start in generation gc at round rc: the commits of rounds from rc on made before
+    // gc went with their members
+    for (r, gens) in committed.iter_mut() {
+        gens.retain(|g, _| !cold.iter().any(|(gc, rc)| g < gc && r >= rc));
+    }
+    committed.retain(|_, gens| !gens.is_empty());
     let rounds = committed.keys().next_back().map(|r| r + 1).unwrap_or(0);
     let missing: Vec<u64> = (0..rounds).filter(|r| !committed.contains_key(r)).collect();
     if !missing.is_empty() {

@@ -727,18 +727,20 @@ fn serve(
             break;
         }
     }
-    // the updates decided before the end are applied in queue order; the undecided are kept
-    // for the agreement (member 0 may have decided them, and another owner applied them)
+    // the updates decided before the end are applied in queue order up to the first
+    // undecided one; that one and those behind it are kept for the agreement (member 0 may
+    // have decided it, and another owner applied it), still in queue order (so none is
+    // applied staler than its σ)
     let mut pending = Vec::new();
     for r in queue {
         match r.decided {
-            Some(commit) => {
+            Some(commit) if pending.is_empty() => {
                 if commit {
                     rules.apply(&mut owned, &r.grad);
                 }
                 record(&mut cfg.ledger, cfg.generation, me, &r, commit, false);
             }
-            None => pending.push(r),
+            _ => pending.push(r),
         }
     }
     if let Some(d) = &disp {
@@ -918,22 +920,29 @@ impl Trainer {
                         max_steps: self.spec.max_steps,
                     };
                     for r in &pending {
-                        let Some(&(id, commit)) = disp.decided.get(&r.from) else {
+                        // decided here already (queued behind an undecided one), or by member
+                        // 0 as its freshest dispenser records
+                        let learned = disp
+                            .decided
+                            .get(&r.from)
+                            .filter(|(id, _)| *id == r.id)
+                            .map(|(_, c)| *c);
+                        let Some(commit) = r.decided.or(learned) else {
                             continue;
                         };
-                        if id != r.id {
-                            continue;
-                        }
                         if commit {
                             rules.apply(o, &r.grad);
                         }
-                        record(&mut self.ledger, gen, a.rank, r, commit, true);
-                        tracing::info!(
-                            from = r.from,
-                            id,
-                            commit,
-                            "an update member 0 decided reached this owner only through the agreement: settled now"
-                        );
+                        let recovered = r.decided.is_none();
+                        record(&mut self.ledger, gen, a.rank, r, commit, recovered);
+                        if recovered {
+                            tracing::info!(
+                                from = r.from,
+                                id = r.id,
+                                commit,
+                                "an update member 0 decided reached this owner only through the agreement: settled now"
+                            );
+                        }
                     }
                 }
                 disp.requeue_outstanding();
@@ -1080,13 +1089,7 @@ impl Trainer {
         if self.ckpt.is_none() {
             return Ok(Ok(None));
         }
-        let units = self.units();
-        let need: Vec<_> = g
-            .members
-            .iter()
-            .flat_map(|m| self.parts_of(m.rank, &[0..units]))
-            .collect();
-        if let Err(e) = self.restore(comm, &need)? {
+        if let Err(e) = self.restore_whole(comm, g)? {
             return Ok(Err(e));
         }
         let Some(x) = self.restored_extra.take() else {

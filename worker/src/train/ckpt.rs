@@ -650,6 +650,22 @@ impl Trainer {
         }
     }
 
+    /// A cold start in which every member needs the whole state (DiLoCo's, async's): the
+    /// latest checkpoint's every part, on every member.
+    pub(super) fn restore_whole(
+        &mut self,
+        arc: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> anyhow::Result<Result<(), CommError>> {
+        let units = self.units();
+        let need: Vec<_> = g
+            .members
+            .iter()
+            .flat_map(|m| self.parts_of(m.rank, &[0..units]))
+            .collect();
+        self.restore(arc, &need)
+    }
+
     /// Restore what `need` says each rank needs (whole tensors or regions of them) through the
     /// redistribution plan: each rank reads its chunks, then the ranks exchange what the
     /// others need of them.

@@ -454,15 +454,7 @@ impl Trainer {
         if self.ckpt.is_some() {
             // every member needs the whole state (the global weights and the outer optimizer's
             // in the places of the parameters and the inner optimizer's)
-            let restored = self.with_outer(|t| {
-                let units = t.units();
-                let need: Vec<_> = g
-                    .members
-                    .iter()
-                    .flat_map(|m| t.parts_of(m.rank, &[0..units]))
-                    .collect();
-                t.restore(comm, &need)
-            })?;
+            let restored = self.with_outer(|t| t.restore_whole(comm, g))?;
             if let Err(e) = restored {
                 return Ok(Err(e));
             }
@@ -470,6 +462,7 @@ impl Trainer {
         let Some(x) = self.restored_extra.take().map(|x| x["diloco"].clone()) else {
             self.plan_round(g.world_size, &vec![1.0; g.world_size as usize], true);
             self.take_piece(rank);
+            self.ledger_cold_start(g, rank);
             return Ok(Ok(()));
         };
         // the checkpoint's round: its untrained work cut anew over this world
@@ -499,7 +492,21 @@ impl Trainer {
         d.meta.through.clear();
         d.meta.kept.clear();
         self.take_piece(rank);
+        self.ledger_cold_start(g, rank);
         Ok(Ok(()))
+    }
+
+    /// The ledger's record of a cold start: the rounds from the one it starts at on are
+    /// trained anew (what earlier generations committed of them went with their members).
+    fn ledger_cold_start(&mut self, g: &Generation, rank: u32) {
+        let round = self.diloco.as_ref().unwrap().meta.round;
+        if let Some(f) = &mut self.ledger {
+            let _ = writeln!(
+                f,
+                "{}",
+                serde_json::json!({"g": g.number, "round": round, "r": rank, "cold": true})
+            );
+        }
     }
 
     /// One local step over up to a global batch's share of this member's piece; false when
