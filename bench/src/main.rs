@@ -207,7 +207,7 @@ enum Cmd {
             value_delimiter = ',',
             default_value = "gpipe,1f1b,interleaved-1f1b"
         )]
-        schedules: Vec<String>,
+        schedules: Vec<ductile_strategies::pipeline::Schedule>,
         /// Layers of the sleep model (split evenly over the stages by the planner's balance).
         #[arg(long, default_value_t = 12)]
         layers: u32,

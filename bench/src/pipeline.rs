@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use ductile_cluster::records::now_ms;
 use ductile_comm::{Communicator, ReduceOp, TcpComm};
 use ductile_strategies::pipeline::{
-    balance, bubble_fraction, chunks_per_stage, needs, sends, stage_ops, Op,
+    balance, bubble_fraction, needs, sends, stage_ops, Op, Schedule,
 };
 use ductile_tests::*;
 use ductile_worker::train::pipe::{Mailbox, Outbox};
@@ -127,7 +127,7 @@ fn calibrate(data: &str, mb: i64, d_model: i64, ctx_len: i64) -> (f64, f64, Vec<
     use ductile_worker::{data::*, model::*};
     tch::set_num_threads(1);
     let rt = tokio::runtime::Handle::current();
-    let ds = Dataset::open(&spec.dataset, "gpt", ctx(&spec), &rt).unwrap();
+    let ds = Dataset::open(&spec.dataset, spec.model, ctx(&spec), &rt).unwrap();
     let model = Model::new(&spec, &ds, Device::Cpu).unwrap();
     let shape = model.boundary_shape(1, mb);
     let (mut f, mut b) = (Vec::new(), Vec::new());
@@ -159,7 +159,7 @@ struct Cell {
 #[allow(clippy::too_many_arguments)]
 fn run_stage(
     comm: &Arc<TcpComm>,
-    schedule: &str,
+    schedule: Schedule,
     p: u32,
     m: u32,
     stage: u32,
@@ -170,14 +170,14 @@ fn run_stage(
 ) -> anyhow::Result<(f64, Instant, Instant)> {
     let outbox = Outbox::new(comm.clone() as Arc<dyn Communicator>);
     let act = Tensor::zeros(shape, (Kind::Float, Device::Cpu));
-    let v = chunks_per_stage(schedule);
+    let v = schedule.chunks_per_stage();
     let work = |secs: f64| -> f64 {
         let t = Instant::now();
         std::thread::sleep(Duration::from_secs_f64(secs * layers as f64 / v as f64));
         t.elapsed().as_secs_f64()
     };
     // the worker's mailbox: each neighbour's messages in its order, early ones kept aside
-    let mut mail = Mailbox::new(schedule, p, m, stage, 0, 1);
+    let mut mail = Mailbox::new(schedule, p, m, stage, |s| s);
     let ops = stage_ops(schedule, p, m, stage);
     start.wait();
     let t0 = Instant::now();
@@ -201,7 +201,7 @@ fn run_stage(
 #[allow(clippy::too_many_arguments)]
 fn measure(
     comms: &[Arc<TcpComm>],
-    schedule: &str,
+    schedule: Schedule,
     m: u32,
     layers: &[u32],
     t: (f64, f64),
@@ -217,15 +217,11 @@ fn measure(
             .iter()
             .enumerate()
             .map(|(s, c)| {
-                let (c, start, schedule, shape) = (
-                    c.clone(),
-                    start.clone(),
-                    schedule.to_string(),
-                    shape.to_vec(),
-                );
+                let (c, start, schedule, shape) =
+                    (c.clone(), start.clone(), schedule, shape.to_vec());
                 let l = layers[s];
                 std::thread::spawn(move || {
-                    let r = run_stage(&c, &schedule, p, m, s as u32, l, t, &shape, &start);
+                    let r = run_stage(&c, schedule, p, m, s as u32, l, t, &shape, &start);
                     // the step ends for everyone together (as the commit all-reduce makes it)
                     let mut one = c.zeros(&[1], Kind::Float);
                     c.all_reduce(&mut one, ReduceOp::Sum)?;
@@ -259,7 +255,7 @@ fn measure(
 pub async fn bubble(
     ps: &[u32],
     ms: &[u32],
-    schedules: &[String],
+    schedules: &[Schedule],
     layers: u32,
     steps: usize,
     (d_model, ctx): (i64, i64),
@@ -298,17 +294,17 @@ pub async fn bubble(
             let d = data.clone();
             let (tf, tb, shape) =
                 tokio::task::spawn_blocking(move || calibrate(&d, mb, d_model, ctx)).await?;
-            for sched in schedules {
-                if chunks_per_stage(sched) > 1 && m % p != 0 {
+            for &sched in schedules {
+                if sched.chunks_per_stage() > 1 && m % p != 0 {
                     println!(
                         "{sched:<6} {p:>3} {m:>3}   skipped: interleaving needs m a multiple of p"
                     );
                     continue;
                 }
                 let comms = comms.clone();
-                let (sched2, per2, shape2) = (sched.clone(), per.clone(), shape.clone());
+                let (per2, shape2) = (per.clone(), shape.clone());
                 let cell = tokio::task::spawn_blocking(move || {
-                    measure(&comms, &sched2, m, &per2, (tf, tb), &shape2, steps)
+                    measure(&comms, sched, m, &per2, (tf, tb), &shape2, steps)
                 })
                 .await??;
                 let formula = bubble_fraction(sched, p, m);

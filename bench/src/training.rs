@@ -43,11 +43,7 @@ pub(crate) async fn throughput(c: &Cluster, after: u64, n: usize, limit: Duratio
 pub(crate) async fn first_step(c: &Cluster, g: u64) -> u64 {
     let store = c.store().await;
     loop {
-        if let Ok(Some(kv)) = store
-            .backend
-            .get(&format!("{}first_step", store.keys.rendezvous("bench", g)))
-            .await
-        {
+        if let Ok(Some(kv)) = store.backend.get(&store.keys.first_step("bench", g)).await {
             return String::from_utf8_lossy(&kv.value).parse().unwrap();
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -253,10 +249,10 @@ pub async fn dp_bare_rank(etcd: &str, data: &str, rank: u32, steps: u64) -> anyh
     let ms = tokio::task::spawn_blocking(move || -> anyhow::Result<f64> {
         use ductile_worker::{data::*, model::*, optim::*};
         tch::set_num_threads(1);
-        let data = Dataset::open(&spec.dataset, "gpt", ctx(&spec), &rt)?;
+        let data = Dataset::open(&spec.dataset, spec.model, ctx(&spec), &rt)?;
         let model = Model::new(&spec, &data, tch::Device::Cpu)?;
         let params: Vec<tch::Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
-        let mut opt = Optimizer::new("adamw", &params);
+        let mut opt = Optimizer::new(ductile_cluster::records::OptimizerKind::Adamw, &params);
         let mut order = Order::new(data.len(), 7);
         let share = ductile_strategies::split_batch(32, 4)[rank as usize];
         let mut times = Vec::new();
@@ -336,10 +332,10 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
     let (bare_ms, bytes) = tokio::task::spawn_blocking(move || -> anyhow::Result<(f64, i64)> {
         use ductile_worker::{data::*, model::*, optim::*};
         let dev = tch::Device::Cuda(0);
-        let data = Dataset::open(&spec.dataset, "gpt", ctx(&spec), &rt)?;
+        let data = Dataset::open(&spec.dataset, spec.model, ctx(&spec), &rt)?;
         let model = Model::new(&spec, &data, dev)?;
         let params: Vec<tch::Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
-        let mut opt = Optimizer::new("adamw", &params);
+        let mut opt = Optimizer::new(ductile_cluster::records::OptimizerKind::Adamw, &params);
         let bytes: i64 = params
             .iter()
             .chain(opt.state.iter())

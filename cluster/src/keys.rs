@@ -249,6 +249,19 @@ impl Keys {
     pub fn rendezvous(&self, job: &str, generation: u64) -> String {
         format!("{}/live/{job}/rdv/{generation:020}/", self.prefix)
     }
+    /// The weights records of one generation (`step:sha256` each rank published after its
+    /// agreement), under its rendezvous space.
+    pub fn weights(&self, job: &str, generation: u64) -> String {
+        format!("{}weights/", self.rendezvous(job, generation))
+    }
+    pub fn weights_of(&self, job: &str, generation: u64, rank: u32) -> String {
+        format!("{}{rank}", self.weights(job, generation))
+    }
+    /// When rank 0 finished a generation's first step (ms since the epoch; the benchmarks'
+    /// recovery clock).
+    pub fn first_step(&self, job: &str, generation: u64) -> String {
+        format!("{}first_step", self.rendezvous(job, generation))
+    }
     /// Fault reports of one generation: workers whose communicator failed without a newer
     /// generation to go to.
     pub fn faults(&self, job: &str, generation: u64) -> String {

@@ -13,6 +13,7 @@ pub mod keys;
 pub mod kv;
 pub mod lease;
 pub mod memory;
+pub mod modes;
 pub mod records;
 pub mod series;
 pub mod service;

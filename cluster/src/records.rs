@@ -4,6 +4,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use crate::keys::validate_name;
+pub use crate::modes::{
+    CommChoice, ModelKind, OptimizerKind, Quantize, Schedule, Strategy, SyncMode,
+};
 use crate::{ClusterError, Result};
 
 /// Milliseconds since the Unix epoch, the time unit of every record.
@@ -372,17 +375,17 @@ pub struct JobSpec {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainingSpec {
-    #[serde(default = "TrainingSpec::default_strategy")]
-    pub strategy: String,
-    pub model: String,
+    #[serde(default)]
+    pub strategy: Strategy,
+    pub model: ModelKind,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_config: Option<serde_json::Value>,
     pub dataset: String,
     pub global_batch: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_steps: Option<u64>,
-    #[serde(default = "TrainingSpec::default_optimizer")]
-    pub optimizer: String,
+    #[serde(default)]
+    pub optimizer: OptimizerKind,
     #[serde(default = "TrainingSpec::default_lr")]
     pub lr: f64,
     #[serde(default)]
@@ -398,8 +401,8 @@ pub struct TrainingSpec {
     pub logical_shards: Option<u32>,
     /// Communicator backend: `auto` (NCCL when every member has a GPU of its own, else TCP),
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
-    #[serde(default = "TrainingSpec::default_comm")]
-    pub comm: String,
+    #[serde(default)]
+    pub comm: CommChoice,
     /// The longest one communicator call waits for a peer that is alive but sends nothing (a
     /// slow step, rank 0 listing checkpoints), in seconds, on every backend (TCP and NCCL);
     /// default 300. A stopped or dead peer is found sooner, by the heartbeats.
@@ -427,16 +430,16 @@ pub struct TrainingSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline_micro_batches: Option<u32>,
     /// The pipeline schedule: `"1f1b"` (default) or `"gpipe"`.
-    #[serde(default = "TrainingSpec::default_schedule")]
-    pub schedule: String,
+    #[serde(default)]
+    pub schedule: Schedule,
     /// Plan as if each slot had this much memory (GiB); default: no memory bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_per_slot_gib: Option<f64>,
     /// How the replicas combine their work: `"allreduce"` (default: a synchronous all-reduce
     /// of the gradient every step), `"diloco"` (local steps, then an outer step on the averaged
     /// pseudo-gradient, `[training.diloco]`) or `"async"`.
-    #[serde(default = "TrainingSpec::default_sync")]
-    pub sync: String,
+    #[serde(default)]
+    pub sync: SyncMode,
     #[serde(default)]
     pub diloco: DilocoSpec,
     #[serde(default, rename = "async")]
@@ -458,7 +461,7 @@ pub struct DilocoSpec {
     /// exchanged at a time, each at its own point of the round.
     pub fragments: u32,
     /// `"none"`, `"fp16"` or `"int8"` for the pseudo-gradient exchange.
-    pub quantize: String,
+    pub quantize: Quantize,
 }
 
 impl Default for DilocoSpec {
@@ -468,7 +471,7 @@ impl Default for DilocoSpec {
             outer_lr: 0.7,
             outer_momentum: 0.9,
             fragments: 1,
-            quantize: "none".into(),
+            quantize: Quantize::None,
         }
     }
 }
@@ -549,7 +552,7 @@ impl TrainingSpec {
             Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
                 ClusterError::invalid(
                     "training.model_config",
-                    format!("{e} (model {:?})", self.model),
+                    format!("{e} (model {:?})", self.model.as_str()),
                 )
             }),
         }
@@ -595,13 +598,12 @@ impl TrainingSpec {
     /// About how many parameters the model has (the size caps' estimate; an MLP's input and
     /// output widths, from its dataset, are counted as 64).
     pub fn approx_params(&self) -> Option<i64> {
-        match self.model.as_str() {
-            "gpt" => self.gpt_config().ok().map(|c| c.approx_params()),
-            "mlp" => self
+        match self.model {
+            ModelKind::Gpt => self.gpt_config().ok().map(|c| c.approx_params()),
+            ModelKind::Mlp => self
                 .mlp_config()
                 .ok()
                 .map(|c| c.hidden * c.hidden * c.layers + c.hidden * 2 * 64),
-            _ => None,
         }
     }
 
@@ -612,10 +614,8 @@ impl TrainingSpec {
     /// few as 1/`max` of it). Activations come on top. None where the spec does not say.
     pub fn min_slot_bytes(&self, max: u32) -> Option<u64> {
         let params = self.approx_params()? as u64;
-        let copies = 3
-            + if self.optimizer == "adamw" { 2 } else { 1 }
-            + if self.sync == "diloco" { 2 } else { 0 };
-        let split = if self.strategy == "data-parallel" {
+        let copies = 3 + self.optimizer.states() as u64 + if self.is_diloco() { 2 } else { 0 };
+        let split = if self.strategy == Strategy::DataParallel {
             1
         } else {
             max.max(1) as u64
@@ -641,31 +641,16 @@ impl TrainingSpec {
         Ok(c)
     }
 
-    fn default_comm() -> String {
-        "auto".into()
-    }
-    fn default_sync() -> String {
-        "allreduce".into()
-    }
     /// DiLoCo rounds (`sync = "diloco"`).
     pub fn is_diloco(&self) -> bool {
-        self.sync == "diloco"
-    }
-    fn default_strategy() -> String {
-        "data-parallel".into()
-    }
-    fn default_schedule() -> String {
-        "1f1b".into()
+        self.sync == SyncMode::Diloco
     }
     /// Whether the planner may cut this job into pipeline stages.
     pub fn pipelined(&self) -> bool {
-        matches!(self.strategy.as_str(), "pipeline" | "auto" | "hybrid")
+        self.strategy.pipelined()
     }
     fn one() -> Degree {
         Degree::Fixed(1)
-    }
-    fn default_optimizer() -> String {
-        "adamw".into()
     }
     fn default_lr() -> f64 {
         3e-4
@@ -852,42 +837,17 @@ impl JobSpec {
     }
 }
 
-/// `value` of `field` must be one of `known`; `later` names values refused for now, and why.
-fn one_of(field: &str, value: &str, known: &[&str], later: &[(&str, &str)]) -> Result<()> {
-    if known.contains(&value) {
-        return Ok(());
-    }
-    let list = known
-        .iter()
-        .map(|k| format!("{k:?}"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    Err(ClusterError::invalid(
-        field,
-        match later.iter().find(|(v, _)| *v == value) {
-            Some((_, why)) => format!("{value:?} {why} (supported: {list})"),
-            None => format!("{value:?} is unknown (known: {list})"),
-        },
-    ))
-}
-
 impl TrainingSpec {
     fn validate(&self, max: u32) -> Result<()> {
-        one_of(
-            "training.strategy",
-            &self.strategy,
-            &["data-parallel", "pipeline", "hybrid", "auto"],
-            &[],
-        )?;
         if self.tensor_parallel != Degree::Fixed(1) {
-            let why = if !matches!(self.strategy.as_str(), "hybrid" | "auto") {
+            let why = if !self.strategy.tensor_split() {
                 Some(format!(
                     "needs strategy = \"hybrid\" or \"auto\" (strategy is {:?})",
-                    self.strategy
+                    self.strategy.as_str()
                 ))
             } else if self.deterministic && self.tensor_slices.is_none() {
                 Some("with deterministic = true needs tensor_slices = K (a multiple of every tensor_parallel the job may use; the same K in a data-parallel run gives the same bits)".into())
-            } else if self.comm == "nccl" {
+            } else if self.comm == CommChoice::Nccl {
                 Some("runs its tensor groups on the TCP backend for now: use comm = \"tcp\" or \"auto\"".into())
             } else {
                 None
@@ -896,8 +856,8 @@ impl TrainingSpec {
                 return Err(ClusterError::invalid("training.tensor_parallel", why));
             }
         }
-        if self.comm == "nccl"
-            && matches!(self.strategy.as_str(), "pipeline" | "hybrid" | "auto")
+        if self.comm == CommChoice::Nccl
+            && self.strategy.pipelined()
             && self.pipeline_parallel != Degree::Fixed(1)
         {
             return Err(ClusterError::invalid(
@@ -905,18 +865,12 @@ impl TrainingSpec {
                 "\"nccl\" with pipeline stages: a stage sends activations on a thread beside the one that receives, which an NCCL communicator does not allow; use comm = \"auto\" (NCCL where a layout has one stage, TCP otherwise), \"tcp\", or pipeline_parallel = 1",
             ));
         }
-        one_of(
-            "training.sync",
-            &self.sync,
-            &["allreduce", "diloco", "async"],
-            &[],
-        )?;
-        if self.sync == "async" {
-            let why = if self.strategy != "data-parallel" {
-                Some(format!("\"async\" runs data-parallel workers (strategy = \"data-parallel\"); strategy is {:?}", self.strategy))
+        if self.sync == SyncMode::Async {
+            let why = if self.strategy != Strategy::DataParallel {
+                Some(format!("\"async\" runs data-parallel workers (strategy = \"data-parallel\"); strategy is {:?}", self.strategy.as_str()))
             } else if self.deterministic {
                 Some("\"async\" applies updates in the order they arrive: it cannot be deterministic".into())
-            } else if self.comm == "nccl" {
+            } else if self.comm == CommChoice::Nccl {
                 Some("\"async\" sends its updates as host messages, which NCCL does not carry: use comm = \"tcp\" or \"auto\" (auto picks TCP for async jobs)".into())
             } else {
                 None
@@ -939,10 +893,10 @@ impl TrainingSpec {
                     why,
                 ))
             };
-            if self.strategy != "data-parallel" {
+            if self.strategy != Strategy::DataParallel {
                 return Err(ClusterError::invalid(
                     "training.sync",
-                    format!("\"diloco\" runs data-parallel replicas (strategy = \"data-parallel\"); strategy is {:?}", self.strategy),
+                    format!("\"diloco\" runs data-parallel replicas (strategy = \"data-parallel\"); strategy is {:?}", self.strategy.as_str()),
                 ));
             }
             if !(1..=1_000_000).contains(&d.inner_steps) {
@@ -978,19 +932,7 @@ impl TrainingSpec {
                     "logical slices are for tensor parallelism; DiLoCo replicas run whole models",
                 ));
             }
-            one_of(
-                "training.diloco.quantize",
-                &d.quantize,
-                &["none", "fp16", "int8"],
-                &[],
-            )?;
         }
-        one_of(
-            "training.schedule",
-            &self.schedule,
-            &["1f1b", "gpipe", "interleaved-1f1b"],
-            &[],
-        )?;
         if let Some(k) = self.tensor_slices {
             if !self.deterministic || k == 0 {
                 return Err(ClusterError::invalid(
@@ -998,7 +940,7 @@ impl TrainingSpec {
                     format!("{k}: logical slices need deterministic = true and at least 1"),
                 ));
             }
-            if self.model == "gpt" {
+            if self.model == ModelKind::Gpt {
                 let heads = self.gpt_config()?.n_head;
                 if heads % k as i64 != 0 {
                     return Err(ClusterError::invalid(
@@ -1022,15 +964,9 @@ impl TrainingSpec {
                 ));
             }
         }
-        if !matches!(self.model.as_str(), "gpt" | "mlp") {
-            return Err(ClusterError::invalid(
-                "training.model",
-                format!("{:?} is unknown (known: \"gpt\", \"mlp\")", self.model),
-            ));
-        }
-        match self.model.as_str() {
-            "gpt" => self.gpt_config().map(|_| ())?,
-            _ => self.mlp_config().map(|_| ())?,
+        match self.model {
+            ModelKind::Gpt => self.gpt_config().map(|_| ())?,
+            ModelKind::Mlp => self.mlp_config().map(|_| ())?,
         }
         if !(self.dataset.starts_with("file://") || self.dataset.starts_with("s3://")) {
             return Err(ClusterError::invalid(
@@ -1067,15 +1003,6 @@ impl TrainingSpec {
                 return Err(ClusterError::invalid("training.logical_shards", format!("{v} shards cannot split global_batch = {} (each needs at least one sample)", self.global_batch)));
             }
         }
-        if !matches!(self.comm.as_str(), "auto" | "nccl" | "tcp") {
-            return Err(ClusterError::invalid(
-                "training.comm",
-                format!(
-                    "{:?} is unknown (known: \"auto\", \"nccl\", \"tcp\")",
-                    self.comm
-                ),
-            ));
-        }
         if let Some(t) = self.comm_timeout_s {
             if !(1..=86_400).contains(&t) {
                 return Err(ClusterError::invalid(
@@ -1084,19 +1011,10 @@ impl TrainingSpec {
                 ));
             }
         }
-        if self.mesh_tls && self.comm == "nccl" {
+        if self.mesh_tls && self.comm == CommChoice::Nccl {
             return Err(ClusterError::invalid(
                 "training.mesh_tls",
                 "NCCL has no TLS: a job with mesh_tls uses comm = \"tcp\" (or \"auto\", which then picks TCP)",
-            ));
-        }
-        if !matches!(self.optimizer.as_str(), "adamw" | "sgd") {
-            return Err(ClusterError::invalid(
-                "training.optimizer",
-                format!(
-                    "{:?} is unknown (known: \"adamw\", \"sgd\")",
-                    self.optimizer
-                ),
             ));
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
@@ -1359,11 +1277,11 @@ impl Backend {
     /// `comm` of a job (`auto`, `nccl`, `tcp`) for members on `devices` (one per member): auto
     /// picks NCCL when every member has a GPU and no two members share one (NCCL refuses two
     /// ranks on one GPU), TCP otherwise.
-    pub fn resolve(comm: &str, devices: &[(String, Option<&Device>)]) -> Backend {
+    pub fn resolve(comm: CommChoice, devices: &[(String, Option<&Device>)]) -> Backend {
         match comm {
-            "nccl" => Backend::Nccl,
-            "tcp" => Backend::Tcp,
-            _ => {
+            CommChoice::Nccl => Backend::Nccl,
+            CommChoice::Tcp => Backend::Tcp,
+            CommChoice::Auto => {
                 let mut seen = std::collections::BTreeSet::new();
                 let all_own_gpu = !devices.is_empty()
                     && devices.iter().all(|(node, d)| {
@@ -1858,15 +1776,18 @@ mod tests {
             (n("a"), Some(&g1)),
             (n("b"), Some(&g0)),
         ];
-        assert_eq!(Backend::resolve("auto", &own), Backend::Nccl);
+        assert_eq!(Backend::resolve(CommChoice::Auto, &own), Backend::Nccl);
         // two slots sharing GPU 0 of node a: NCCL would refuse them
         let shared = [(n("a"), Some(&g0)), (n("a"), Some(&g0))];
-        assert_eq!(Backend::resolve("auto", &shared), Backend::Tcp);
+        assert_eq!(Backend::resolve(CommChoice::Auto, &shared), Backend::Tcp);
         let mixed = [(n("a"), Some(&g0)), (n("b"), Some(&cpu))];
-        assert_eq!(Backend::resolve("auto", &mixed), Backend::Tcp);
-        assert_eq!(Backend::resolve("auto", &[(n("a"), None)]), Backend::Tcp);
-        assert_eq!(Backend::resolve("nccl", &shared), Backend::Nccl);
-        assert_eq!(Backend::resolve("tcp", &own), Backend::Tcp);
+        assert_eq!(Backend::resolve(CommChoice::Auto, &mixed), Backend::Tcp);
+        assert_eq!(
+            Backend::resolve(CommChoice::Auto, &[(n("a"), None)]),
+            Backend::Tcp
+        );
+        assert_eq!(Backend::resolve(CommChoice::Nccl, &shared), Backend::Nccl);
+        assert_eq!(Backend::resolve(CommChoice::Tcp, &own), Backend::Tcp);
     }
 
     const SPEC: &str = r#"

@@ -25,7 +25,7 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 
 use crate::config::Secret;
-use crate::leader::{fleet_from, job_kvs, jobs_from, jobs_from_kvs};
+use crate::observe::{fleet_from, job_kvs, jobs_from, jobs_from_kvs};
 use crate::reconcile::JobObs;
 use crate::view::{ClusterView, Snapshots};
 
@@ -731,7 +731,7 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         step: progress.map(|p| p.step).unwrap_or(0),
         loss: progress.and_then(|p| p.loss),
         samples_per_sec: progress.and_then(|p| p.samples_per_sec),
-        sync: spec.training.as_ref().map(|t| t.sync.clone()),
+        sync: spec.training.as_ref().map(|t| t.sync.to_string()),
         round: progress.and_then(|p| p.round),
         bytes_per_sample: progress.and_then(|p| p.bytes_per_sample),
         eval_loss: progress.and_then(|p| p.eval_loss),
@@ -851,7 +851,7 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         "Seconds since etcd last answered this replica (how current these figures are)",
         age,
     );
-    let nodes = crate::leader::fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;
+    let nodes = crate::observe::fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;
     let (n_nodes, n_slots) = (Gauge::<i64>::default(), Gauge::<i64>::default());
     n_nodes.set(nodes.len() as i64);
     n_slots.set(nodes.values().map(|n| n.slots() as i64).sum());

@@ -11,10 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ductile_cluster::keys::KeyKind;
-use ductile_cluster::kv::{KeyValue, LeaderKey};
+use ductile_cluster::kv::LeaderKey;
 use ductile_cluster::lease::{LeaseKeeper, LeaseState};
 use ductile_cluster::records::*;
-use ductile_cluster::store::decode;
 use ductile_cluster::store::Fence;
 use ductile_cluster::watch::{synced, Snapshot};
 use ductile_cluster::Store;
@@ -22,6 +21,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::observe::{control_from_kvs, fleet_from, overlay_live};
 use crate::reconcile::{drain_checkpoint, plan, Decision, DrainCheckpoint, Fleet, JobObs};
 use crate::view::ClusterView;
 
@@ -151,10 +151,60 @@ async fn lease_lost(mut rx: watch::Receiver<LeaseState>, ttl: i64) {
     }
 }
 
+/// A debounced generation waiting for its members to settle.
 struct Pending {
     members: Vec<Member>,
     first: Instant,
     last: Instant,
+}
+
+/// What the leader remembers of one job between passes, on its own clock (never compared
+/// with another host's).
+#[derive(Default)]
+struct JobMemory {
+    /// A debounced generation waiting for its members to settle.
+    pending: Option<Pending>,
+    /// When this leader first saw the job's current (generation, step).
+    progress_seen: Option<(u64, u64, Instant)>,
+    /// When it first saw a fault report of the current generation (generation, when).
+    faults_seen: Option<(u64, Instant)>,
+}
+
+/// The earliest of the times a pass asked to look again at.
+#[derive(Default)]
+struct Wake(Option<Instant>);
+
+impl Wake {
+    fn at(&mut self, t: Instant) {
+        self.0 = Some(self.0.map_or(t, |w| w.min(t)));
+    }
+}
+
+/// A snapshot's identity: (revision, relists).
+type SnapKey = (i64, u64);
+
+/// The leader's state between passes: per job, per node (drains), per drain-time checkpoint
+/// request, and the caches of what is decoded only when its snapshot moved.
+struct Leader {
+    store: Store,
+    key: LeaderKey,
+    cfg: LeaderConfig,
+    jobs: HashMap<String, JobMemory>,
+    /// A leaving agent's deadline, timed on this leader's clock from when it saw the drain.
+    drain_seen: HashMap<String, u64>,
+    /// Drain-time checkpoints whose outcome was logged (request ids).
+    told: HashSet<String>,
+    /// Requests put but maybe not seen by the watch yet: id -> deadline.
+    asked: HashMap<String, u64>,
+    /// The nodes' views, and the `jobs/` snapshot they were last brought in line with.
+    assignments: crate::assign::Assignments,
+    assigned_at: Option<SnapKey>,
+    fleet_cache: Option<((SnapKey, SnapKey), Fleet)>,
+    control_cache: Option<(SnapKey, BTreeMap<String, JobObs>)>,
+    /// The `jobs/` snapshot the jobs' etcd users were last brought in line with, and when.
+    users_at: Option<(SnapKey, Instant)>,
+    /// The jobs' chart histories.
+    series: crate::series::Keeper,
 }
 
 /// The leader's loop: follow nodes, drains and jobs (the replica's watches, shared with the
@@ -166,7 +216,6 @@ pub async fn lead(
     view: ClusterView,
     cancel: CancellationToken,
 ) -> ductile_cluster::Result<()> {
-    let k = &store.keys;
     let mut nodes_rx = view.nodes;
     let mut drains_rx = view.drains;
     let mut jobs_rx = view.jobs;
@@ -175,313 +224,33 @@ pub async fn lead(
     synced(&mut drains_rx).await;
     synced(&mut jobs_rx).await;
     synced(&mut live_rx).await;
-    let mut pending: HashMap<String, Pending> = HashMap::new();
-    // drain-time checkpoints whose outcome was logged (request ids)
-    let mut told: HashSet<String> = HashSet::new();
-    // requests put but maybe not seen by the watch yet: id -> deadline
-    let mut asked: HashMap<String, u64> = HashMap::new();
-    // when this leader first saw each job's current (generation, step), and the first fault
-    // report of a generation: on its own clock, never compared with another host's
-    let mut steps: HashMap<String, (u64, u64, Instant)> = HashMap::new();
-    let mut faults_seen: HashMap<(String, u64), Instant> = HashMap::new();
-    let mut drain_seen: HashMap<String, u64> = HashMap::new();
-    // the nodes' views, and the `jobs/` snapshot they were last brought in line with
-    let mut assignments = crate::assign::Assignments::default();
-    let mut assigned_at: Option<(i64, u64)> = None;
-    // what is decoded only when its snapshot moved: the fleet, and the jobs' control state
-    let mut fleet_cache: Option<((i64, u64, i64, u64), Fleet)> = None;
-    let mut control_cache: Option<((i64, u64), BTreeMap<String, JobObs>)> = None;
-    // the `jobs/` snapshot the jobs' etcd users were last brought in line with, and when
-    let mut users_at: Option<((i64, u64), Instant)> = None;
-    // the jobs' chart histories
-    let mut series = crate::series::Keeper::default();
+    let mut l = Leader {
+        store,
+        key: leader,
+        cfg,
+        jobs: HashMap::new(),
+        drain_seen: HashMap::new(),
+        told: HashSet::new(),
+        asked: HashMap::new(),
+        assignments: Default::default(),
+        assigned_at: None,
+        fleet_cache: None,
+        control_cache: None,
+        users_at: None,
+        series: Default::default(),
+    };
     loop {
         if cancel.is_cancelled() {
             return Ok(());
         }
-        cfg.beat.store(now_ms(), Ordering::SeqCst);
-        let (nodes_snap, drains_snap) = (
-            nodes_rx.borrow_and_update().clone(),
-            drains_rx.borrow_and_update().clone(),
-        );
-        let fkey = (
-            nodes_snap.revision,
-            nodes_snap.relists,
-            drains_snap.revision,
-            drains_snap.relists,
-        );
-        let mut fleet = match &fleet_cache {
-            Some((k, f)) if *k == fkey => f.clone(),
-            _ => {
-                let f = fleet_from(&store, &nodes_snap, &drains_snap);
-                fleet_cache = Some((fkey, f.clone()));
-                f
-            }
-        };
-        // a leaving agent's deadline, timed on this leader's clock from when it saw the drain
-        drain_seen.retain(|n, _| fleet.nodes.get(n).is_some_and(|r| r.draining));
-        for (n, r) in &fleet.nodes {
-            if let (true, Some(t)) = (r.draining, r.drain_timeout_ms) {
-                let d = *drain_seen.entry(n.clone()).or_insert(now_ms() + t);
-                fleet.drain_deadlines.insert(n.clone(), d);
-            }
-        }
+        l.cfg.beat.store(now_ms(), Ordering::SeqCst);
+        let nodes = nodes_rx.borrow_and_update().clone();
+        let drains = drains_rx.borrow_and_update().clone();
         let snap = jobs_rx.borrow_and_update().clone();
         let live = live_rx.borrow_and_update().clone();
-        let ckey = (snap.revision, snap.relists);
-        let mut jobs = match &control_cache {
-            Some((k, c)) if *k == ckey => c.clone(),
-            _ => {
-                let c = control_from_kvs(&store, snap.kvs.values());
-                control_cache = Some((ckey, c.clone()));
-                c
-            }
-        };
-        overlay_live(&store, &mut jobs, live.kvs.values());
-        fleet.hold_active(&jobs);
         let now = Instant::now();
-        let mut wake: Option<Instant> = None;
-        steps.retain(|j, _| jobs.contains_key(j));
-        faults_seen.retain(|(j, g), _| {
-            jobs.get(j)
-                .and_then(|o| o.generation.as_ref())
-                .is_some_and(|(cur, _)| cur.number == *g)
-        });
-        for (name, obs) in jobs.iter_mut() {
-            if let Some((g, _)) = &obs.generation {
-                let step = obs
-                    .progress
-                    .as_ref()
-                    .filter(|p| p.generation == g.number)
-                    .map(|p| p.step)
-                    .unwrap_or(0);
-                let e = steps.entry(name.clone()).or_insert((g.number, step, now));
-                if (e.0, e.1) != (g.number, step) {
-                    *e = (g.number, step, now);
-                }
-                obs.stalled_ms = Some((now - e.2).as_millis() as u64);
-                if !obs.faults.is_empty() {
-                    let at = *faults_seen.entry((name.clone(), g.number)).or_insert(now);
-                    obs.faults_seen_ms = (now - at).as_millis() as u64;
-                    // decide when the grace ends even if nothing else happens
-                    let at = at + Duration::from_millis(crate::reconcile::FAULT_GRACE_MS + 10);
-                    if at > now {
-                        wake = Some(wake.map_or(at, |w| w.min(at)));
-                    }
-                }
-            }
-        }
-        // The jobs' etcd users follow the control state too, and are checked every
-        // USERS_EVERY in case one was deleted behind our back.
-        if cfg.job_users && users_at.is_none_or(|(at, t)| at != ckey || now >= t + USERS_EVERY) {
-            match crate::access::sync_job_users(&store, &leader, &jobs).await {
-                Ok(true) => users_at = Some((ckey, now)),
-                Ok(false) => {
-                    if !still_leader(&store, &leader).await {
-                        return Err(fenced(&leader));
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot bring the jobs' etcd users in line; will retry");
-                    let at = now + Duration::from_millis(500);
-                    wake = Some(wake.map_or(at, |w| w.min(at)));
-                }
-            }
-        }
-        // The nodes' views follow the control state (`jobs/` only: progress does not move
-        // them), as observed; what this pass publishes reaches them on the next.
-        if assigned_at != Some((snap.revision, snap.relists)) {
-            let desired = crate::assign::node_assignments(&jobs, cfg.job_users);
-            match assignments.sync(&store, &leader, &desired).await {
-                Ok(true) => assigned_at = Some((snap.revision, snap.relists)),
-                Ok(false) => {
-                    if !still_leader(&store, &leader).await {
-                        return Err(fenced(&leader));
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot update the nodes' views; will retry");
-                    let at = now + Duration::from_millis(200);
-                    wake = Some(wake.map_or(at, |w| w.min(at)));
-                }
-            }
-        }
-        for (name, obs) in &jobs {
-            let ms = now_ms();
-            let decision = plan(obs, &fleet, ms);
-            // A planned drain first asks for a checkpoint, and its re-formation waits for the
-            // commit while there is time (a failure's does not: the communicator is gone).
-            let mut note = None;
-            let hold_until_ms = match drain_checkpoint(obs, &fleet, ms) {
-                DrainCheckpoint::Ask(req) if asked.contains_key(&req.id) => {
-                    asked.get(&req.id).copied()
-                }
-                DrainCheckpoint::Ask(req) => {
-                    let key = k.checkpoint_request(name);
-                    match store.put_json(&key, &req, None).await {
-                        Ok(_) => {
-                            tracing::info!(job = %name, id = %req.id, reason = %req.reason,
-                                wait_s = req.deadline_ms.saturating_sub(ms) as f64 / 1000.0,
-                                "planned drain: asked the workers for a checkpoint before re-forming");
-                            asked.insert(req.id.clone(), req.deadline_ms);
-                        }
-                        Err(e) => {
-                            tracing::warn!(job = %name, error = %e, "cannot ask for a drain-time checkpoint; will retry")
-                        }
-                    }
-                    Some(req.deadline_ms)
-                }
-                DrainCheckpoint::Wait { until_ms, .. } => Some(until_ms),
-                DrainCheckpoint::Committed { id, step } => {
-                    if told.insert(id.clone()) {
-                        tracing::info!(job = %name, id = %id, step, "drain-time checkpoint committed; re-forming");
-                    }
-                    note = Some(format!("; checkpoint at step {step} committed first"));
-                    None
-                }
-                DrainCheckpoint::NoTime { id, detail } => {
-                    if told.insert(id.clone()) {
-                        tracing::warn!(job = %name, id = %id, "{detail}; re-forming without it");
-                    }
-                    note = Some(format!("; {detail}"));
-                    None
-                }
-                DrainCheckpoint::NotNeeded => None,
-            };
-            let fence = Fence {
-                leader: Some(&leader),
-                spec_revision: obs.spec_revision,
-            };
-            match decision {
-                Decision::Nothing => {
-                    pending.remove(name);
-                }
-                Decision::Exclude(slots) => {
-                    pending.remove(name);
-                    let rev = obs.generation.as_ref().map(|(_, r)| *r).unwrap_or(0);
-                    match store.exclude_slots(name, rev, &fence, &slots).await {
-                        Ok(true) => {
-                            for (node, slot, h) in &slots {
-                                tracing::warn!(job = %name, node = %node, slot, generation = h.generation, detail = %h.exit, "excluding a worker its peers cannot reach");
-                            }
-                        }
-                        Ok(false) => {
-                            if !still_leader(&store, &leader).await {
-                                return Err(fenced(&leader));
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(job = %name, error = %e, "cannot exclude; will retry")
-                        }
-                    }
-                }
-                Decision::Status(st) => {
-                    pending.remove(name);
-                    match store.put_status(&st, obs.status_revision, &fence).await {
-                        Ok(true) => {
-                            if let Some(r) = &st.last_reformation {
-                                if obs
-                                    .status
-                                    .as_ref()
-                                    .and_then(|s| s.last_reformation.as_ref())
-                                    .map(|x| x.generation)
-                                    != Some(r.generation)
-                                {
-                                    tracing::info!(job = %name, generation = r.generation, reason = %r.reason, seconds = r.seconds, "re-formation complete");
-                                    forget_old_generations(
-                                        &store,
-                                        &[&snap, &live],
-                                        name,
-                                        r.generation,
-                                    )
-                                    .await;
-                                }
-                            }
-                        }
-                        Ok(false) => {
-                            if !still_leader(&store, &leader).await {
-                                return Err(fenced(&leader));
-                            }
-                            tracing::debug!(job = %name, "job changed under us; re-reading");
-                        }
-                        Err(e) => tracing::warn!(job = %name, error = %e, "status write failed"),
-                    }
-                }
-                Decision::Publish {
-                    mut generation,
-                    mut status,
-                    debounce,
-                } => {
-                    if let Some(n) = note.filter(|_| generation.reason == Reason::Drain) {
-                        generation.detail.push_str(&n);
-                        status.message.push_str(&n);
-                    }
-                    if let Some(until) =
-                        hold_until_ms.filter(|_| generation.reason == Reason::Drain)
-                    {
-                        let at = now + Duration::from_millis(until.saturating_sub(ms));
-                        wake = Some(wake.map_or(at, |w| w.min(at)));
-                        continue;
-                    }
-                    if debounce {
-                        let p = pending.entry(name.clone()).or_insert_with(|| Pending {
-                            members: generation.members.clone(),
-                            first: now,
-                            last: now,
-                        });
-                        if p.members != generation.members {
-                            p.members = generation.members.clone();
-                            p.last = now;
-                        }
-                        let ready_at = (p.last + cfg.debounce).min(p.first + cfg.debounce * 4);
-                        if now < ready_at {
-                            wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
-                            continue;
-                        }
-                    }
-                    pending.remove(name);
-                    let prev = obs.generation.as_ref().map(|(_, r)| *r).unwrap_or(0);
-                    match store
-                        .publish_generation(&generation, prev, &fence, &status)
-                        .await
-                    {
-                        Ok(true) => {
-                            tracing::info!(
-                                job = %name, generation = generation.number, world_size = generation.world_size,
-                                reason = %generation.reason, detail = %generation.detail, "published generation"
-                            );
-                            // the jobs planned after this one in the same pass see its slots taken
-                            fleet.hold(name, &generation.members);
-                            fleet.want(
-                                name,
-                                generation.world_size,
-                                obs.spec.as_ref().map_or(0, |s| s.min),
-                            );
-                        }
-                        Ok(false) => {
-                            // Either the generation moved (our view is stale: the watch will
-                            // catch up) or we are no longer leader.
-                            if !still_leader(&store, &leader).await {
-                                return Err(fenced(&leader));
-                            }
-                            tracing::debug!(job = %name, "job or generation changed under us; re-reading");
-                        }
-                        Err(e) => {
-                            tracing::warn!(job = %name, error = %e, "publish failed; will retry")
-                        }
-                    }
-                }
-            }
-        }
-        series.observe(&store, &snap, &jobs);
-        let (written, due) = series.flush(&store, &leader, &jobs).await;
-        if !written && !still_leader(&store, &leader).await {
-            return Err(fenced(&leader));
-        }
-        if let Some(at) = due {
-            wake = Some(wake.map_or(at, |w| w.min(at)));
-        }
-        let sleep_until = wake.unwrap_or(now + Duration::from_secs(1));
+        let wake = l.pass(&nodes, &drains, &snap, &live, now).await?;
+        let sleep_until = wake.0.unwrap_or(now + Duration::from_secs(1));
         tokio::select! {
             _ = nodes_rx.changed() => {}
             _ = drains_rx.changed() => {}
@@ -490,6 +259,356 @@ pub async fn lead(
             _ = tokio::time::sleep_until(sleep_until) => {}
             _ = cancel.cancelled() => return Ok(()),
         }
+    }
+}
+
+impl Leader {
+    /// One pass over the snapshots: observe, bring the jobs' users and the nodes' views in
+    /// line, reconcile and apply each job, keep the chart histories. Returns when to look
+    /// again if nothing moves before; the error is a lost leadership.
+    async fn pass(
+        &mut self,
+        nodes: &Snapshot,
+        drains: &Snapshot,
+        snap: &Snapshot,
+        live: &Snapshot,
+        now: Instant,
+    ) -> ductile_cluster::Result<Wake> {
+        let mut wake = Wake::default();
+        let mut fleet = self.fleet(nodes, drains);
+        let ckey = (snap.revision, snap.relists);
+        let mut jobs = match &self.control_cache {
+            Some((k, c)) if *k == ckey => c.clone(),
+            _ => {
+                let c = control_from_kvs(&self.store, snap.kvs.values());
+                self.control_cache = Some((ckey, c.clone()));
+                c
+            }
+        };
+        overlay_live(&self.store, &mut jobs, live.kvs.values());
+        fleet.hold_active(&jobs);
+        self.remember(&mut jobs, now, &mut wake);
+        self.sync_users(&jobs, ckey, now, &mut wake).await?;
+        self.sync_assignments(&jobs, ckey, now, &mut wake).await?;
+        for (name, obs) in &jobs {
+            self.apply(name, obs, &mut fleet, (snap, live), now, &mut wake)
+                .await?;
+        }
+        self.series.observe(&self.store, snap, &jobs);
+        let (written, due) = self.series.flush(&self.store, &self.key, &jobs).await;
+        if !written && !still_leader(&self.store, &self.key).await {
+            return Err(fenced(&self.key));
+        }
+        if let Some(at) = due {
+            wake.at(at);
+        }
+        Ok(wake)
+    }
+
+    /// The fleet (decoded again only when a snapshot moved), with each draining node's
+    /// deadline on this leader's clock.
+    fn fleet(&mut self, nodes: &Snapshot, drains: &Snapshot) -> Fleet {
+        let fkey = (
+            (nodes.revision, nodes.relists),
+            (drains.revision, drains.relists),
+        );
+        let mut fleet = match &self.fleet_cache {
+            Some((k, f)) if *k == fkey => f.clone(),
+            _ => {
+                let f = fleet_from(&self.store, nodes, drains);
+                self.fleet_cache = Some((fkey, f.clone()));
+                f
+            }
+        };
+        self.drain_seen
+            .retain(|n, _| fleet.nodes.get(n).is_some_and(|r| r.draining));
+        for (n, r) in &fleet.nodes {
+            if let (true, Some(t)) = (r.draining, r.drain_timeout_ms) {
+                let d = *self.drain_seen.entry(n.clone()).or_insert(now_ms() + t);
+                fleet.drain_deadlines.insert(n.clone(), d);
+            }
+        }
+        fleet
+    }
+
+    /// What this leader's clock says of each job: how long its (generation, step) has not
+    /// moved, and how long ago it first saw the current generation's fault reports (the
+    /// grace's end is a time to look again even if nothing else happens).
+    fn remember(&mut self, jobs: &mut BTreeMap<String, JobObs>, now: Instant, wake: &mut Wake) {
+        self.jobs.retain(|j, _| jobs.contains_key(j));
+        for (name, obs) in jobs.iter_mut() {
+            let mem = self.jobs.entry(name.clone()).or_default();
+            let Some((g, _)) = &obs.generation else {
+                mem.progress_seen = None;
+                mem.faults_seen = None;
+                continue;
+            };
+            if mem.faults_seen.is_some_and(|(n, _)| n != g.number) {
+                mem.faults_seen = None;
+            }
+            let step = obs
+                .progress
+                .as_ref()
+                .filter(|p| p.generation == g.number)
+                .map(|p| p.step)
+                .unwrap_or(0);
+            let seen = match mem.progress_seen {
+                Some((n, s, at)) if (n, s) == (g.number, step) => at,
+                _ => {
+                    mem.progress_seen = Some((g.number, step, now));
+                    now
+                }
+            };
+            obs.stalled_ms = Some((now - seen).as_millis() as u64);
+            if !obs.faults.is_empty() {
+                let at = mem.faults_seen.get_or_insert((g.number, now)).1;
+                obs.faults_seen_ms = (now - at).as_millis() as u64;
+                let at = at + Duration::from_millis(crate::reconcile::FAULT_GRACE_MS + 10);
+                if at > now {
+                    wake.at(at);
+                }
+            }
+        }
+    }
+
+    /// The jobs' etcd users follow the control state too, and are checked every
+    /// [`USERS_EVERY`] in case one was deleted behind our back.
+    async fn sync_users(
+        &mut self,
+        jobs: &BTreeMap<String, JobObs>,
+        ckey: SnapKey,
+        now: Instant,
+        wake: &mut Wake,
+    ) -> ductile_cluster::Result<()> {
+        if !self.cfg.job_users
+            || self
+                .users_at
+                .is_some_and(|(at, t)| at == ckey && now < t + USERS_EVERY)
+        {
+            return Ok(());
+        }
+        match crate::access::sync_job_users(&self.store, &self.key, jobs).await {
+            Ok(true) => self.users_at = Some((ckey, now)),
+            Ok(false) => self.check_leader().await?,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot bring the jobs' etcd users in line; will retry");
+                wake.at(now + Duration::from_millis(500));
+            }
+        }
+        Ok(())
+    }
+
+    /// The nodes' views follow the control state (`jobs/` only: progress does not move
+    /// them), as observed; what this pass publishes reaches them on the next.
+    async fn sync_assignments(
+        &mut self,
+        jobs: &BTreeMap<String, JobObs>,
+        ckey: SnapKey,
+        now: Instant,
+        wake: &mut Wake,
+    ) -> ductile_cluster::Result<()> {
+        if self.assigned_at == Some(ckey) {
+            return Ok(());
+        }
+        let desired = crate::assign::node_assignments(jobs, self.cfg.job_users);
+        match self
+            .assignments
+            .sync(&self.store, &self.key, &desired)
+            .await
+        {
+            Ok(true) => self.assigned_at = Some(ckey),
+            Ok(false) => self.check_leader().await?,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot update the nodes' views; will retry");
+                wake.at(now + Duration::from_millis(200));
+            }
+        }
+        Ok(())
+    }
+
+    /// A conditional write failed: the error when this replica no longer leads.
+    async fn check_leader(&self) -> ductile_cluster::Result<()> {
+        if still_leader(&self.store, &self.key).await {
+            Ok(())
+        } else {
+            Err(fenced(&self.key))
+        }
+    }
+
+    /// A planned drain first asks for a checkpoint, and its re-formation waits for the
+    /// commit while there is time (a failure's does not: the communicator is gone). Returns
+    /// until when a drain's generation holds, and what to add to its detail.
+    async fn drain_checkpoint(
+        &mut self,
+        name: &str,
+        obs: &JobObs,
+        fleet: &Fleet,
+        ms: u64,
+    ) -> (Option<u64>, Option<String>) {
+        match drain_checkpoint(obs, fleet, ms) {
+            DrainCheckpoint::Ask(req) if self.asked.contains_key(&req.id) => {
+                (self.asked.get(&req.id).copied(), None)
+            }
+            DrainCheckpoint::Ask(req) => {
+                let key = self.store.keys.checkpoint_request(name);
+                match self.store.put_json(&key, &req, None).await {
+                    Ok(_) => {
+                        tracing::info!(job = %name, id = %req.id, reason = %req.reason,
+                            wait_s = req.deadline_ms.saturating_sub(ms) as f64 / 1000.0,
+                            "planned drain: asked the workers for a checkpoint before re-forming");
+                        self.asked.insert(req.id.clone(), req.deadline_ms);
+                    }
+                    Err(e) => {
+                        tracing::warn!(job = %name, error = %e, "cannot ask for a drain-time checkpoint; will retry")
+                    }
+                }
+                (Some(req.deadline_ms), None)
+            }
+            DrainCheckpoint::Wait { until_ms, .. } => (Some(until_ms), None),
+            DrainCheckpoint::Committed { id, step } => {
+                if self.told.insert(id.clone()) {
+                    tracing::info!(job = %name, id = %id, step, "drain-time checkpoint committed; re-forming");
+                }
+                (
+                    None,
+                    Some(format!("; checkpoint at step {step} committed first")),
+                )
+            }
+            DrainCheckpoint::NoTime { id, detail } => {
+                if self.told.insert(id.clone()) {
+                    tracing::warn!(job = %name, id = %id, "{detail}; re-forming without it");
+                }
+                (None, Some(format!("; {detail}")))
+            }
+            DrainCheckpoint::NotNeeded => (None, None),
+        }
+    }
+
+    /// Reconcile one job and carry out the decision (fenced on this leader's key and the
+    /// spec's revision); a publish the debounce or a drain's checkpoint holds back sets when
+    /// to look again.
+    async fn apply(
+        &mut self,
+        name: &str,
+        obs: &JobObs,
+        fleet: &mut Fleet,
+        (snap, live): (&Snapshot, &Snapshot),
+        now: Instant,
+        wake: &mut Wake,
+    ) -> ductile_cluster::Result<()> {
+        let ms = now_ms();
+        let decision = plan(obs, fleet, ms);
+        let (hold_until_ms, note) = self.drain_checkpoint(name, obs, fleet, ms).await;
+        let store = self.store.clone();
+        let fence = Fence {
+            leader: Some(&self.key),
+            spec_revision: obs.spec_revision,
+        };
+        let mem = self.jobs.entry(name.to_string()).or_default();
+        match decision {
+            Decision::Nothing => mem.pending = None,
+            Decision::Exclude(slots) => {
+                mem.pending = None;
+                let rev = obs.generation.as_ref().map(|(_, r)| *r).unwrap_or(0);
+                match store.exclude_slots(name, rev, &fence, &slots).await {
+                    Ok(true) => {
+                        for (node, slot, h) in &slots {
+                            tracing::warn!(job = %name, node = %node, slot, generation = h.generation, detail = %h.exit, "excluding a worker its peers cannot reach");
+                        }
+                    }
+                    Ok(false) => self.check_leader().await?,
+                    Err(e) => {
+                        tracing::warn!(job = %name, error = %e, "cannot exclude; will retry")
+                    }
+                }
+            }
+            Decision::Status(st) => {
+                mem.pending = None;
+                match store.put_status(&st, obs.status_revision, &fence).await {
+                    Ok(true) => {
+                        if let Some(r) = &st.last_reformation {
+                            if obs
+                                .status
+                                .as_ref()
+                                .and_then(|s| s.last_reformation.as_ref())
+                                .map(|x| x.generation)
+                                != Some(r.generation)
+                            {
+                                tracing::info!(job = %name, generation = r.generation, reason = %r.reason, seconds = r.seconds, "re-formation complete");
+                                forget_old_generations(&store, &[snap, live], name, r.generation)
+                                    .await;
+                            }
+                        }
+                    }
+                    Ok(false) => {
+                        self.check_leader().await?;
+                        tracing::debug!(job = %name, "job changed under us; re-reading");
+                    }
+                    Err(e) => tracing::warn!(job = %name, error = %e, "status write failed"),
+                }
+            }
+            Decision::Publish {
+                mut generation,
+                mut status,
+                debounce,
+            } => {
+                if let Some(n) = note.filter(|_| generation.reason == Reason::Drain) {
+                    generation.detail.push_str(&n);
+                    status.message.push_str(&n);
+                }
+                if let Some(until) = hold_until_ms.filter(|_| generation.reason == Reason::Drain) {
+                    wake.at(now + Duration::from_millis(until.saturating_sub(ms)));
+                    return Ok(());
+                }
+                if debounce {
+                    let p = mem.pending.get_or_insert_with(|| Pending {
+                        members: generation.members.clone(),
+                        first: now,
+                        last: now,
+                    });
+                    if p.members != generation.members {
+                        p.members = generation.members.clone();
+                        p.last = now;
+                    }
+                    let ready_at =
+                        (p.last + self.cfg.debounce).min(p.first + self.cfg.debounce * 4);
+                    if now < ready_at {
+                        wake.at(ready_at);
+                        return Ok(());
+                    }
+                }
+                mem.pending = None;
+                let prev = obs.generation.as_ref().map(|(_, r)| *r).unwrap_or(0);
+                match store
+                    .publish_generation(&generation, prev, &fence, &status)
+                    .await
+                {
+                    Ok(true) => {
+                        tracing::info!(
+                            job = %name, generation = generation.number, world_size = generation.world_size,
+                            reason = %generation.reason, detail = %generation.detail, "published generation"
+                        );
+                        // the jobs planned after this one in the same pass see its slots taken
+                        fleet.hold(name, &generation.members);
+                        fleet.want(
+                            name,
+                            generation.world_size,
+                            obs.spec.as_ref().map_or(0, |s| s.min),
+                        );
+                    }
+                    Ok(false) => {
+                        // Either the generation moved (our view is stale: the watch will
+                        // catch up) or we are no longer leader.
+                        self.check_leader().await?;
+                        tracing::debug!(job = %name, "job or generation changed under us; re-reading");
+                    }
+                    Err(e) => {
+                        tracing::warn!(job = %name, error = %e, "publish failed; will retry")
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -558,230 +677,11 @@ fn fenced(leader: &LeaderKey) -> ductile_cluster::ClusterError {
     }
 }
 
-fn decoded<T: serde::de::DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Option<T> {
-    match decode(kv, what) {
-        Ok(v) => Some(v),
-        Err(e) => {
-            tracing::warn!(error = %e, "ignoring undecodable record");
-            None
-        }
-    }
-}
-
-/// Build the fleet view from the node and drain snapshots.
-pub fn fleet_from(store: &Store, nodes: &Snapshot, drains: &Snapshot) -> Fleet {
-    let mut f = Fleet::default();
-    for kv in nodes.kvs.values() {
-        if let KeyKind::Node { node } = store.keys.parse(&kv.key) {
-            if let Some(rec) = decoded::<NodeRecord>(kv, "node record") {
-                f.nodes.insert(node, rec);
-            }
-        }
-    }
-    for kv in drains.kvs.values() {
-        if let KeyKind::Drain { node } = store.keys.parse(&kv.key) {
-            f.drain_requests.insert(node);
-        }
-    }
-    f
-}
-
-/// Build each job's observed state from the snapshots of `jobs/` (control state) and `live/`
-/// (what the workers write).
-pub fn jobs_from(store: &Store, snaps: &[&Snapshot]) -> BTreeMap<String, JobObs> {
-    jobs_from_kvs(store, snaps.iter().flat_map(|s| s.kvs.values()))
-}
-
-/// The keys of one job in a snapshot (under `jobs/{job}/` or `live/{job}/`).
-pub fn job_kvs<'a>(snap: &'a Snapshot, prefix: &'a str) -> impl Iterator<Item = &'a KeyValue> {
-    snap.kvs
-        .range(prefix.to_string()..)
-        .take_while(move |(k, _)| k.starts_with(prefix))
-        .map(|(_, kv)| kv)
-}
-
-/// [`jobs_from`] over any keys of `jobs/` and `live/`.
-pub fn jobs_from_kvs<'a>(
-    store: &Store,
-    kvs: impl Iterator<Item = &'a KeyValue>,
-) -> BTreeMap<String, JobObs> {
-    let kvs: Vec<&KeyValue> = kvs.collect();
-    let mut jobs = control_from_kvs(store, kvs.iter().copied());
-    overlay_live(store, &mut jobs, kvs.iter().copied());
-    jobs
-}
-
-/// Each job's control state (what `jobs/` holds), without what the workers write: the leader
-/// keeps this between passes while `jobs/` does not move.
-pub fn control_from_kvs<'a>(
-    store: &Store,
-    kvs: impl Iterator<Item = &'a KeyValue>,
-) -> BTreeMap<String, JobObs> {
-    let mut jobs: BTreeMap<String, JobObs> = BTreeMap::new();
-    let mut history: BTreeMap<String, BTreeMap<u64, &KeyValue>> = BTreeMap::new();
-    for kv in kvs {
-        match store.keys.parse(&kv.key) {
-            KeyKind::JobSpec { job } => {
-                let o = jobs.entry(job).or_default();
-                o.spec = decoded(kv, "job spec");
-                o.spec_revision = kv.mod_revision;
-            }
-            KeyKind::JobStatus { job } => {
-                let o = jobs.entry(job).or_default();
-                o.status = decoded(kv, "job status");
-                o.status_revision = kv.mod_revision;
-            }
-            KeyKind::History { job, generation } => {
-                history
-                    .entry(job.clone())
-                    .or_default()
-                    .insert(generation, kv);
-                let o = jobs.entry(job).or_default();
-                o.last_number = o.last_number.max(generation);
-            }
-            KeyKind::Restarts { job } => {
-                if let Some(n) = decoded::<u32>(kv, "restart count") {
-                    jobs.entry(job).or_default().restarts_used = n;
-                }
-            }
-            KeyKind::Generation { job } => {
-                jobs.entry(job).or_default().generation =
-                    decoded(kv, "generation").map(|g| (g, kv.mod_revision))
-            }
-            KeyKind::Slot { job, node, slot } => {
-                if let Some(h) = decoded(kv, "slot health") {
-                    jobs.entry(job).or_default().failed.insert((node, slot), h);
-                }
-            }
-            KeyKind::Worker { job, node, slot } => {
-                if let Some(w) = decoded(kv, "worker record") {
-                    jobs.entry(job).or_default().workers.insert((node, slot), w);
-                }
-            }
-            KeyKind::Stop { job } => jobs.entry(job).or_default().stop_requested = true,
-            KeyKind::Access { job } => {
-                jobs.entry(job).or_default().access = decoded(kv, "job access")
-            }
-            KeyKind::Checkpoint { job } => {
-                jobs.entry(job).or_default().checkpoint = decoded(kv, "checkpoint record")
-            }
-            KeyKind::CheckpointRequest { job } => {
-                jobs.entry(job).or_default().checkpoint_request = decoded(kv, "checkpoint request")
-            }
-            _ => {}
-        }
-    }
-    for (name, obs) in jobs.iter_mut() {
-        if let Some((g, _)) = &obs.generation {
-            obs.member_since = member_since(g, history.get(name));
-        }
-    }
-    jobs
-}
-
-/// Add what the workers write (`live/`: progress, joins and fault reports of the current
-/// generation, checkpoint figures) to the jobs' control state.
-pub fn overlay_live<'a>(
-    store: &Store,
-    jobs: &mut BTreeMap<String, JobObs>,
-    kvs: impl Iterator<Item = &'a KeyValue>,
-) {
-    let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
-    let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
-    let mut ranks: BTreeMap<String, BTreeMap<u32, RankStats>> = BTreeMap::new();
-    for kv in kvs {
-        match store.keys.parse(&kv.key) {
-            KeyKind::Joined {
-                job,
-                generation,
-                rank,
-            } => {
-                if let Some(j) = decoded(kv, "join record") {
-                    joined.entry((job, generation)).or_default().insert(rank, j);
-                }
-            }
-            KeyKind::Fault {
-                job,
-                generation,
-                rank,
-            } => {
-                if let Some(f) = decoded(kv, "fault report") {
-                    faults.entry((job, generation)).or_default().insert(rank, f);
-                }
-            }
-            KeyKind::Progress { job } => {
-                jobs.entry(job).or_default().progress = decoded(kv, "progress")
-            }
-            KeyKind::CheckpointStats { job } => {
-                jobs.entry(job).or_default().checkpoint_stats = decoded(kv, "checkpoint stats")
-            }
-            KeyKind::RankStats { job, rank } => {
-                if let Some(r) = decoded::<RankStats>(kv, "rank stats") {
-                    ranks.entry(job).or_default().insert(rank, r);
-                }
-            }
-            _ => {}
-        }
-    }
-    for (name, obs) in jobs.iter_mut() {
-        if let Some(((g, _), r)) = obs.generation.as_ref().zip(ranks.remove(name)) {
-            obs.rank_stats = r
-                .into_iter()
-                .filter(|(_, s)| s.generation == g.number)
-                .collect();
-        }
-        // `live/` comes through a watch of its own, so a job just resubmitted (its status
-        // deleted with its old progress, in one transaction) may still show the previous run's
-        // progress here for a moment: a job without a status has no progress of this run yet
-        if obs.status.is_none() {
-            obs.progress = None;
-        }
-        if let Some((g, _)) = &obs.generation {
-            if let Some(j) = joined.remove(&(name.clone(), g.number)) {
-                obs.joined = j;
-            }
-            if let Some(f) = faults.remove(&(name.clone(), g.number)) {
-                obs.faults = f;
-            }
-        }
-    }
-}
-
-/// For each member of `current`, the first generation of its unbroken run of membership,
-/// walking the history back only as far as some member's run goes.
-fn member_since(
-    current: &Generation,
-    history: Option<&BTreeMap<u64, &KeyValue>>,
-) -> BTreeMap<(String, u32), u64> {
-    let mut since: BTreeMap<(String, u32), u64> = current
-        .members
-        .iter()
-        .map(|m| ((m.node.clone(), m.slot), current.number))
-        .collect();
-    let mut open: Vec<(String, u32)> = since.keys().cloned().collect();
-    let mut n = current.number;
-    while !open.is_empty() && n > 1 {
-        n -= 1;
-        let Some(g) = history
-            .and_then(|h| h.get(&n))
-            .and_then(|kv| decoded::<Generation>(kv, "generation"))
-        else {
-            break; // forgotten (or unreadable) history breaks every run
-        };
-        open.retain(|(node, slot)| {
-            let still = g.member(node, *slot).is_some();
-            if still {
-                since.insert((node.clone(), *slot), n);
-            }
-            still
-        });
-    }
-    since
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::observe::jobs_from;
+    use ductile_cluster::kv::KeyValue;
     use ductile_cluster::store::encode;
     use ductile_cluster::Keys;
 

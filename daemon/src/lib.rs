@@ -6,6 +6,7 @@ pub mod api;
 pub mod assign;
 pub mod config;
 pub mod leader;
+pub mod observe;
 pub mod reconcile;
 pub mod series;
 pub mod tls;

@@ -628,15 +628,16 @@ fn build(
         .chain(leavers)
         .enumerate()
         .map(|(r, (n, s))| {
-            let c = ductile_strategies::pipeline::coords(&layout, r as u32)
+            let c = ductile_strategies::mesh::Mesh::new(&layout)
+                .coords(r as u32)
                 .filter(|_| r < chosen.len());
             Member {
                 node: n.clone(),
                 slot: *s,
                 rank: r as u32,
-                dp_rank: c.map(|c| c.0).unwrap_or(0),
-                pp_stage: c.map(|c| c.1).unwrap_or(0),
-                tp_rank: c.map(|c| c.2).unwrap_or(0),
+                dp_rank: c.map(|c| c.dp).unwrap_or(0),
+                pp_stage: c.map(|c| c.stage).unwrap_or(0),
+                tp_rank: c.map(|c| c.tp).unwrap_or(0),
                 spare: c.is_none(),
             }
         })
@@ -679,7 +680,10 @@ fn build(
         backend: if layout.pipeline_parallel > 1
             || layout.tensor_parallel > 1
             || handover
-            || spec.training.as_ref().is_some_and(|t| t.sync == "async")
+            || spec
+                .training
+                .as_ref()
+                .is_some_and(|t| t.sync == SyncMode::Async)
         {
             Backend::Tcp
         } else {
@@ -687,8 +691,8 @@ fn build(
                 spec.training
                     .as_ref()
                     // NCCL has no TLS: a mesh_tls job's mesh is TCP
-                    .map(|t| if t.mesh_tls { "tcp" } else { t.comm.as_str() })
-                    .unwrap_or("tcp"),
+                    .map(|t| if t.mesh_tls { CommChoice::Tcp } else { t.comm })
+                    .unwrap_or(CommChoice::Tcp),
                 &chosen
                     .iter()
                     .map(|(n, s)| {

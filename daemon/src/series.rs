@@ -13,7 +13,7 @@ use ductile_cluster::watch::Snapshot;
 use ductile_cluster::Store;
 use tokio::time::Instant;
 
-use crate::leader::job_kvs;
+use crate::observe::job_kvs;
 use crate::reconcile::JobObs;
 
 /// How often a changing series is written (a failover loses at most this much of it; the
@@ -228,7 +228,7 @@ mod tests {
     use ductile_cluster::Keys;
 
     use super::*;
-    use crate::leader::jobs_from;
+    use crate::observe::jobs_from;
 
     async fn snapshot(store: &Store, prefix: &str) -> Snapshot {
         let (kvs, revision) = store.backend.list(prefix).await.unwrap();

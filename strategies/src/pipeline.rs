@@ -1,12 +1,20 @@
-//! Pipeline planning without tch: the model as a list of units (embeddings, each block, the
-//! head) with a cost model, the layout of a world (`dp × pp × tp`, spares), balanced stage
-//! boundaries, the schedules' per-stage order of work, and each member's coordinates.
+//! Planning without tch: the model as a list of units (embeddings, each block, the head) with a
+//! cost model, and the layout search of a world (`dp × pp × tp`, spares, balanced stage
+//! boundaries) for every job, data-parallel ones too. The schedules' per-stage order of work
+//! is [`schedule`]; the submit-time checks are [`check`]; each member's coordinates are
+//! [`crate::mesh`].
 //!
 //! The daemon plans every generation with [`plan`]; the worker reads the plan from the
 //! generation and maps its parameters to units with [`unit_of`], so both sides agree on what
 //! a stage holds.
 
-use ductile_cluster::records::{Degree, JobSpec, Layout, TrainingSpec};
+mod check;
+pub mod schedule;
+
+pub use check::check_job;
+pub use schedule::*;
+
+use ductile_cluster::records::{Degree, Layout, ModelKind, Strategy, TrainingSpec};
 
 use crate::tensor::{check_tp, Arch};
 use serde::Serialize;
@@ -38,8 +46,8 @@ pub struct Unit {
 /// `out`). Sizes the spec leaves to the dataset (the GPT's vocabulary when `vocab = 0`, the
 /// MLP's input and output widths) are estimated; they only weigh the balance.
 pub fn units(t: &TrainingSpec) -> Result<Vec<Unit>, String> {
-    match t.model.as_str() {
-        "gpt" => {
+    match t.model {
+        ModelKind::Gpt => {
             let g = t.gpt_config().map_err(|e| e.to_string())?;
             let (c, l, ctx, heads) = (
                 g.d_model as u64,
@@ -76,7 +84,7 @@ pub fn units(t: &TrainingSpec) -> Result<Vec<Unit>, String> {
             });
             Ok(v)
         }
-        "mlp" => {
+        ModelKind::Mlp => {
             let m = t.mlp_config().map_err(|e| e.to_string())?;
             let h = m.hidden as u64;
             let mut v = Vec::new();
@@ -100,7 +108,6 @@ pub fn units(t: &TrainingSpec) -> Result<Vec<Unit>, String> {
             });
             Ok(v)
         }
-        m => Err(format!("model {m:?} is unknown")),
     }
 }
 
@@ -144,7 +151,7 @@ pub struct Plan {
     pub stages: Vec<StagePlan>,
     /// Micro-batches per step per replica.
     pub micro_batches: u32,
-    pub schedule: String,
+    pub schedule: Schedule,
     /// The schedule's idle fraction per stage, by formula.
     pub bubble: f64,
     /// Modelled step time, s.
@@ -211,163 +218,11 @@ pub fn balance(costs: &[u64], parts: usize) -> Vec<u32> {
     pack(lo).expect("the sum of all costs always packs")
 }
 
-/// Model chunks per stage: 2 for `interleaved-1f1b` (stage s holds chunks s and s + p of
-/// the 2p contiguous chunks), else 1.
-pub fn chunks_per_stage(schedule: &str) -> u32 {
-    if schedule == "interleaved-1f1b" {
-        2
-    } else {
-        1
-    }
-}
-
-/// The schedules' idle fraction of a step per stage: `(p−1)/(m+p−1)` for GPipe and 1F1B,
-/// `(p−1)/(v·m+p−1)` for interleaved 1F1B with v chunks per stage (whose bubble, measured
-/// against the ideal step rather than the whole, is Megatron's `(p−1)/(v·m)`).
-pub fn bubble_fraction(schedule: &str, p: u32, m: u32) -> f64 {
-    if p <= 1 {
-        return 0.0;
-    }
-    let v = chunks_per_stage(schedule);
-    (p - 1) as f64 / (v * m + p - 1) as f64
-}
-
-/// One piece of a stage's work in a step: (micro-batch, the stage's local chunk).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    /// Forward of micro-batch i through local chunk j.
-    Fwd(u32, u32),
-    /// Backward of micro-batch i through local chunk j.
-    Bwd(u32, u32),
-}
-
-/// The order of work of `stage` of `p` over `m` micro-batches. GPipe: every forward, then
-/// every backward. 1F1B: `p − stage − 1` warm-up forwards, then one forward and one backward
-/// in turn, then the remaining backwards. Backwards run in micro-batch order in both, so a
-/// stage's gradients accumulate in the same order whatever the schedule. Interleaved 1F1B
-/// (Megatron's, v = 2 chunks per stage, `m` a multiple of `p`): forwards visit groups of `p`
-/// micro-batches chunk by chunk, backwards the chunks in reverse; `2(p − stage − 1) + (v−1)p`
-/// warm-up forwards (all of them when m = p); each chunk's backwards still in micro-batch
-/// order. Where p does not divide m, every forward, then every backward.
-pub fn stage_ops(schedule: &str, p: u32, m: u32, stage: u32) -> Vec<Op> {
-    let v = chunks_per_stage(schedule);
-    let mut ops = Vec::with_capacity((2 * m * v) as usize);
-    if v > 1 && m % p != 0 {
-        // groups of p micro-batches do not tile m (the planner avoids it): every forward,
-        // chunk by chunk, then every backward, chunks in reverse
-        for j in 0..v {
-            ops.extend((0..m).map(|i| Op::Fwd(i, j)));
-        }
-        for j in (0..v).rev() {
-            ops.extend((0..m).map(|i| Op::Bwd(i, j)));
-        }
-        return ops;
-    }
-    if v > 1 {
-        let total = m * v;
-        let warm = if m == p {
-            total
-        } else {
-            (2 * (p - stage - 1) + (v - 1) * p).min(total)
-        };
-        let at = |k: u32, backward: bool| {
-            let (group, inside) = (k / (p * v), k % (p * v));
-            let chunk = inside / p;
-            let mb = group * p + inside % p;
-            if backward {
-                Op::Bwd(mb, v - 1 - chunk)
-            } else {
-                Op::Fwd(mb, chunk)
-            }
-        };
-        ops.extend((0..warm).map(|k| at(k, false)));
-        for i in 0..total - warm {
-            ops.push(at(warm + i, false));
-            ops.push(at(i, true));
-        }
-        ops.extend((total - warm..total).map(|k| at(k, true)));
-        return ops;
-    }
-    if schedule == "gpipe" {
-        ops.extend((0..m).map(|i| Op::Fwd(i, 0)));
-        ops.extend((0..m).map(|i| Op::Bwd(i, 0)));
-        return ops;
-    }
-    let warm = (p - stage - 1).min(m);
-    ops.extend((0..warm).map(|i| Op::Fwd(i, 0)));
-    for i in 0..m - warm {
-        ops.push(Op::Fwd(warm + i, 0));
-        ops.push(Op::Bwd(i, 0));
-    }
-    ops.extend((m - warm..m).map(|i| Op::Bwd(i, 0)));
-    ops
-}
-
-/// A point-to-point message of a step, named by what the receiver does with it: the input
-/// activation of micro-batch `mb` into global chunk `chunk`, or the gradient of that chunk's
-/// output.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Msg {
-    Act { mb: u32, chunk: u32 },
-    Grad { mb: u32, chunk: u32 },
-}
-
-/// The message `op` of `stage` sends when it completes, and to whom (`p` stages, `v` chunks
-/// each: global chunk `j·p + stage`, its successor on stage `(stage + 1) % p`).
-pub fn sends(op: Op, stage: u32, p: u32, v: u32) -> Option<(u32, Msg)> {
-    match op {
-        Op::Fwd(mb, j) => {
-            let k = j * p + stage;
-            (k + 1 < v * p).then(|| ((stage + 1) % p, Msg::Act { mb, chunk: k + 1 }))
-        }
-        Op::Bwd(mb, j) => {
-            let k = j * p + stage;
-            (k > 0).then(|| ((stage + p - 1) % p, Msg::Grad { mb, chunk: k - 1 }))
-        }
-    }
-}
-
-/// The message `op` of `stage` waits for, and from whom.
-pub fn needs(op: Op, stage: u32, p: u32, v: u32) -> Option<(u32, Msg)> {
-    match op {
-        Op::Fwd(mb, j) => {
-            let k = j * p + stage;
-            (k > 0).then(|| ((stage + p - 1) % p, Msg::Act { mb, chunk: k }))
-        }
-        Op::Bwd(mb, j) => {
-            let k = j * p + stage;
-            (k + 1 < v * p).then(|| ((stage + 1) % p, Msg::Grad { mb, chunk: k }))
-        }
-    }
-}
-
-/// Every message stage `from` sends stage `to` in a step, in the order it sends them (a
-/// receiver reading them in another order keeps the early ones aside).
-pub fn send_order(schedule: &str, p: u32, m: u32, from: u32, to: u32) -> Vec<Msg> {
-    let v = chunks_per_stage(schedule);
-    stage_ops(schedule, p, m, from)
-        .into_iter()
-        .filter_map(|op| sends(op, from, p, v))
-        .filter(|(peer, _)| *peer == to)
-        .map(|(_, msg)| msg)
-        .collect()
-}
-
-/// A member's coordinates: `(dp_rank, pp_stage)`, or None for a spare. Ranks are laid out
-/// `rank = dp_rank · pp + pp_stage`, so the stages of one replica are neighbours.
-pub fn coords(layout: &Layout, rank: u32) -> Option<(u32, u32, u32)> {
-    let (pp, tp) = (
-        layout.pipeline_parallel.max(1),
-        layout.tensor_parallel.max(1),
-    );
-    (rank < layout.data_parallel * pp * tp).then(|| (rank / tp / pp, rank / tp % pp, rank % tp))
-}
-
 /// The tensor-parallel split rules' view of a job's model, and the sizes [`crate::tensor::check_tp`]
 /// checks: (arch, d_model, vocabulary, widest split dimension).
 pub fn arch_of(t: &TrainingSpec) -> Result<(Arch, u64, u64, u64), String> {
-    match t.model.as_str() {
-        "gpt" => {
+    match t.model {
+        ModelKind::Gpt => {
             let g = t.gpt_config().map_err(|e| e.to_string())?;
             Ok((
                 Arch::Gpt {
@@ -379,7 +234,7 @@ pub fn arch_of(t: &TrainingSpec) -> Result<(Arch, u64, u64, u64), String> {
                 4 * g.d_model as u64,
             ))
         }
-        _ => {
+        ModelKind::Mlp => {
             let m = t.mlp_config().map_err(|e| e.to_string())?;
             Ok((
                 Arch::Mlp {
@@ -449,7 +304,7 @@ fn model_step(
         ));
     }
     let v = if pp > 1 {
-        chunks_per_stage(&t.schedule)
+        t.schedule.chunks_per_stage()
     } else {
         1
     };
@@ -467,7 +322,7 @@ fn model_step(
     }
     let costs: Vec<u64> = us.iter().map(|u| u.flops.max(1.0) as u64).collect();
     let b = balance(&costs, (v * pp) as usize);
-    let opt_states = if t.optimizer == "sgd" { 1 } else { 2 };
+    let opt_states = t.optimizer.states() as u64;
     let micro = per_replica.div_ceil(m) as u64;
     let mut stages = Vec::new();
     for s in 0..pp {
@@ -484,8 +339,8 @@ fn model_step(
         let params: u64 = part.iter().map(|u| u.params).sum();
         let stash: u64 = part.iter().map(|u| u.stash_bytes).sum();
         // activations kept for the backward pass, in chunk-micro-batches of 1/v of the stage
-        let in_flight = match t.schedule.as_str() {
-            "gpipe" => (m * v) as u64,
+        let in_flight = match t.schedule {
+            Schedule::Gpipe => (m * v) as u64,
             _ if v > 1 => ((2 * (pp - s - 1) + (v - 1) * pp + 1).min(m * v)) as u64,
             _ => (pp - s).min(m) as u64,
         };
@@ -561,8 +416,8 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
         return Err("a world has at least one rank".into());
     }
     let us = units(t)?;
-    let tps: Vec<u32> = match (t.strategy.as_str(), t.tensor_parallel) {
-        ("data-parallel" | "pipeline", _) => vec![1],
+    let tps: Vec<u32> = match (t.strategy, t.tensor_parallel) {
+        (Strategy::DataParallel | Strategy::Pipeline, _) => vec![1],
         (_, Degree::Fixed(n)) if n > world => {
             return Err(format!(
                 "{world} ranks cannot host tensor_parallel = {n} ranks per group"
@@ -578,8 +433,8 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
         let groups = world / tp;
         let max_pp = (us.len() as u32).min(groups);
         let one = |dp: u32, pp: u32| Candidate { dp, pp, tp };
-        match (t.strategy.as_str(), t.pipeline_parallel) {
-            ("data-parallel", _) => {
+        match (t.strategy, t.pipeline_parallel) {
+            (Strategy::DataParallel, _) => {
                 cands.push(one(world, 1));
                 why = "strategy data-parallel".into();
             }
@@ -596,22 +451,19 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
             }
             (s, Degree::Auto) => {
                 // one stage only where it may be chosen, or where nothing else fits
-                if s != "pipeline" || max_pp < 2 {
+                if s != Strategy::Pipeline || max_pp < 2 {
                     cands.push(one(groups, 1));
                 }
                 cands.extend((2..=max_pp).map(|pp| one(groups / pp, pp)));
                 why = match s {
-                    "pipeline" => "pipeline_parallel = auto: the fastest modelled layout with every layer held by two replicas where the world allows it".into(),
-                    "hybrid" => "strategy hybrid: the fastest modelled dp × pp × tp layout".into(),
+                    Strategy::Pipeline => "pipeline_parallel = auto: the fastest modelled layout with every layer held by two replicas where the world allows it".into(),
+                    Strategy::Hybrid => "strategy hybrid: the fastest modelled dp × pp × tp layout".into(),
                     _ => "strategy auto: the fastest modelled layout".into(),
                 };
             }
         }
     }
-    if let (Degree::Fixed(n), true) = (
-        t.tensor_parallel,
-        t.strategy == "hybrid" || t.strategy == "auto",
-    ) {
+    if let (Degree::Fixed(n), true) = (t.tensor_parallel, t.strategy.tensor_split()) {
         if n > 1 {
             why.push_str(&format!("; tensor_parallel = {n}"));
         }
@@ -649,7 +501,7 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
             reasons.join("; ")
         ));
     }
-    let redundant = t.strategy == "pipeline";
+    let redundant = t.strategy == Strategy::Pipeline;
     // order: redundancy first, then modelled time, then fewer spares and fewer stages
     scored.sort_by(|a, b| {
         let ra = redundant && a.0.dp < 2;
@@ -687,120 +539,25 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
         boundaries: if best.pp > 1 { boundaries } else { Vec::new() },
         stages,
         micro_batches: m,
-        schedule: t.schedule.clone(),
-        bubble: bubble_fraction(&t.schedule, best.pp, m),
+        schedule: t.schedule,
+        bubble: bubble_fraction(t.schedule, best.pp, m),
         step_time_s: step,
         reason,
         runners_up,
     })
 }
 
-/// Checks at submission what the records cannot: the stage count against the model and the
-/// sizes the job may take. Returns (field, reason).
-pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
-    let Some(t) = &spec.training else {
-        return Ok(());
-    };
-    if !t.pipelined() {
-        return Ok(());
-    }
-    if let Degree::Fixed(n) = t.tensor_parallel {
-        let (arch, d_model, vocab, width) =
-            arch_of(t).map_err(|e| ("training.model_config".to_string(), e))?;
-        check_tp(arch, d_model, vocab, width, n)
-            .map_err(|e| ("training.tensor_parallel".to_string(), e))?;
-        if let (true, Some(k)) = (t.deterministic, t.tensor_slices) {
-            if k % n != 0 {
-                return Err((
-                    "training.tensor_slices".into(),
-                    format!("{k} logical slices do not split over tensor_parallel = {n} ranks"),
-                ));
-            }
-        }
-        if n > spec.max {
-            return Err((
-                "training.tensor_parallel".into(),
-                format!(
-                    "groups of {n} ranks: no allowed world size in [min, max] = [{}, {}] can host one",
-                    spec.min, spec.max
-                ),
-            ));
-        }
-    }
-    let us = units(t).map_err(|e| ("training.model_config".to_string(), e))?;
-    if let Degree::Fixed(n) = t.pipeline_parallel {
-        if n as usize > us.len() {
-            return Err((
-                "training.pipeline_parallel".into(),
-                format!(
-                    "{n} stages but the model has {} units (embeddings, blocks, head)",
-                    us.len()
-                ),
-            ));
-        }
-        if n > spec.max {
-            return Err((
-                "training.pipeline_parallel".into(),
-                format!(
-                    "{n} stages: no allowed world size in [min, max] = [{}, {}] can host them",
-                    spec.min, spec.max
-                ),
-            ));
-        }
-        if let Some(m) = t.pipeline_micro_batches {
-            if m < n {
-                return Err((
-                    "training.pipeline_micro_batches".into(),
-                    format!("{m} is below pipeline_parallel = {n}: every stage needs a micro-batch in flight"),
-                ));
-            }
-            if chunks_per_stage(&t.schedule) > 1 && n > 1 && m % n != 0 {
-                return Err((
-                    "training.pipeline_micro_batches".into(),
-                    format!("{m} is not a multiple of pipeline_parallel = {n}, which schedule = \"interleaved-1f1b\" needs"),
-                ));
-            }
-        }
-        let v = chunks_per_stage(&t.schedule);
-        if v > 1 && n > 1 && (v * n) as usize > us.len() {
-            return Err((
-                "training.schedule".into(),
-                format!(
-                    "interleaved-1f1b cuts {n} stages into {} chunks but the model has {} units",
-                    v * n,
-                    us.len()
-                ),
-            ));
-        }
-    }
-    if let (Some(m), Degree::Auto) = (t.pipeline_micro_batches, t.pipeline_parallel) {
-        if m < 2 && t.strategy == "pipeline" && spec.max > 1 {
-            return Err((
-                "training.pipeline_micro_batches".into(),
-                format!("{m} is below 2: no pipeline of 2 or more stages fits"),
-            ));
-        }
-    }
-    let mut last = String::new();
-    for n in spec.min..=spec.max.min(spec.min + 4096) {
-        match plan(t, n) {
-            Ok(_) => return Ok(()),
-            Err(e) => last = e,
-        }
-    }
-    Err((
-        "training".into(),
-        format!(
-            "no world size in [min, max] = [{}, {}] can run this job: {last}",
-            spec.min, spec.max
-        ),
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mesh::Mesh;
     use std::collections::BTreeSet;
+
+    fn coords(layout: &Layout, rank: u32) -> Option<(u32, u32, u32)> {
+        Mesh::new(layout)
+            .coords(rank)
+            .map(|c| (c.dp, c.stage, c.tp))
+    }
 
     fn gpt(strategy: &str, pp: Degree, layers: i64) -> TrainingSpec {
         serde_json::from_value(serde_json::json!({
@@ -817,7 +574,7 @@ mod tests {
     #[test]
     fn interleaving_cuts_two_chunks_per_stage_and_shrinks_the_bubble() {
         let mut t = gpt("pipeline", Degree::Fixed(2), 4); // 6 units
-        t.schedule = "interleaved-1f1b".into();
+        t.schedule = Schedule::Interleaved1F1B;
         let p = plan(&t, 2).unwrap();
         assert_eq!(p.boundaries.len(), 5, "{p:?}");
         assert_eq!(p.boundaries[4], 6);
@@ -835,12 +592,12 @@ mod tests {
         assert_eq!(m % 2, 0);
         assert!((p.bubble - 1.0 / (2 * m + 1) as f64).abs() < 1e-12);
         let mut plain = t.clone();
-        plain.schedule = "1f1b".into();
+        plain.schedule = Schedule::OneFOneB;
         let q = plan(&plain, 2).unwrap();
         assert!(p.bubble < q.bubble && p.step_time_s < q.step_time_s);
         // four chunks need four units; micro-batches must tile by the stages
         let mut small = gpt("pipeline", Degree::Fixed(3), 1); // 3 units
-        small.schedule = "interleaved-1f1b".into();
+        small.schedule = Schedule::Interleaved1F1B;
         assert!(plan(&small, 3).unwrap_err().contains("6 chunks"));
         t.pipeline_micro_batches = Some(3);
         assert!(plan(&t, 2).unwrap_err().contains("multiples"));
@@ -883,9 +640,9 @@ mod tests {
     /// Runs every stage's ops in order with buffered sends (an op starts once the message it
     /// needs was sent): forward 1 and backward 2 time units per stage, split over its chunks.
     /// Returns each stage's idle fraction of the step, or None on a deadlock.
-    fn simulate(sched: &str, p: u32, m: u32) -> Option<Vec<f64>> {
+    fn simulate(sched: Schedule, p: u32, m: u32) -> Option<Vec<f64>> {
         use std::collections::HashMap;
-        let v = chunks_per_stage(sched);
+        let v = sched.chunks_per_stage();
         let ops: Vec<Vec<Op>> = (0..p).map(|s| stage_ops(sched, p, m, s)).collect();
         let mut next = vec![0usize; p as usize];
         let mut clock = vec![0f64; p as usize];
@@ -930,8 +687,12 @@ mod tests {
     #[test]
     fn schedules_run_every_chunk_of_every_micro_batch_once_without_deadlock_at_the_formula_bubble()
     {
-        for sched in ["gpipe", "1f1b", "interleaved-1f1b"] {
-            let v = chunks_per_stage(sched);
+        for sched in [
+            Schedule::Gpipe,
+            Schedule::OneFOneB,
+            Schedule::Interleaved1F1B,
+        ] {
+            let v = sched.chunks_per_stage();
             for p in 1..=4 {
                 for m in [1, 2, 4, 8, 12] {
                     for s in 0..p {
@@ -975,12 +736,12 @@ mod tests {
             }
         }
         // 1F1B keeps at most p − stage micro-batches in flight
-        let ops = stage_ops("1f1b", 4, 8, 0);
+        let ops = stage_ops(Schedule::OneFOneB, 4, 8, 0);
         let f4: Vec<Op> = (0..4).map(|i| Op::Fwd(i, 0)).collect();
         assert_eq!(&ops[..4], f4.as_slice());
         assert_eq!(ops[4], Op::Bwd(0, 0));
         // interleaved: stage 0 of 2 warms up with 2 + 2 forwards, chunk 0 then chunk 1
-        let ops = stage_ops("interleaved-1f1b", 2, 4, 0);
+        let ops = stage_ops(Schedule::Interleaved1F1B, 2, 4, 0);
         assert_eq!(
             &ops[..5],
             &[
@@ -999,7 +760,7 @@ mod tests {
             Some((0, Msg::Act { mb: 3, chunk: 2 }))
         );
         assert_eq!(
-            send_order("interleaved-1f1b", 2, 2, 1, 0),
+            send_order(Schedule::Interleaved1F1B, 2, 2, 1, 0),
             vec![
                 Msg::Act { mb: 0, chunk: 2 },
                 Msg::Act { mb: 1, chunk: 2 },

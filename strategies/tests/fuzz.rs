@@ -59,7 +59,7 @@ fn exercise(spec: &JobSpec) {
     }
 }
 
-fn edits() -> impl Strategy<Value = Vec<(usize, u8, u8)>> {
+fn edits() -> impl proptest::strategy::Strategy<Value = Vec<(usize, u8, u8)>> {
     prop::collection::vec((any::<usize>(), any::<u8>(), any::<u8>()), 0..12)
 }
 

@@ -93,6 +93,25 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// With `DUCTILE_TEST_HASHES=FILE`, every finished job's final weights hash is appended to FILE
+/// as `TEST JOB SHA256` (a refactor's before/after check of the deterministic runs' bits).
+fn record_final_hash(job: &str, done: &JobView) {
+    let (Some(path), Some(sha)) = (
+        std::env::var_os("DUCTILE_TEST_HASHES"),
+        done.final_weights_sha256.as_deref(),
+    ) else {
+        return;
+    };
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    let line = format!("{test} {job} {sha}\n");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("DUCTILE_TEST_HASHES={path:?}: {e}"));
+    std::io::Write::write_all(&mut f, line.as_bytes()).unwrap();
+}
+
 /// A CA and certificates for etcd, ductiled's API and etcd's clients, as an operator makes
 /// them (`scripts/secure.sh certs`), in `dir/pki`.
 pub fn make_pki(dir: &Path) -> PathBuf {
@@ -1331,10 +1350,12 @@ impl Cluster {
 
     /// Wait until the job succeeded.
     pub fn wait_done(&self, job: &str, limit: Duration) -> JobView {
-        self.wait_for(limit, &format!("job {job} succeeded"), || {
+        let done = self.wait_for(limit, &format!("job {job} succeeded"), || {
             Some(self.status(job))
                 .filter(|v| v.state == ductile_cluster::records::JobState::Succeeded)
-        })
+        });
+        record_final_hash(job, &done);
+        done
     }
 
     /// Every rank's weights record for generation `g`, as the workers published them
@@ -1344,7 +1365,7 @@ impl Cluster {
         for _ in 0..400 {
             let (kvs, _) = store
                 .backend
-                .list(&format!("{}weights/", store.keys.rendezvous(job, g)))
+                .list(&store.keys.weights(job, g))
                 .await
                 .unwrap();
             if kvs.len() == world as usize {
@@ -1483,7 +1504,7 @@ pub fn joined_weights(c: &Cluster, job: &str, from: u64) -> (u64, Vec<String>) {
             }
             let (kvs, _) = store
                 .backend
-                .list(&format!("{}weights/", store.keys.rendezvous(job, g.number)))
+                .list(&store.keys.weights(job, g.number))
                 .await
                 .unwrap();
             (kvs.len() == g.world_size as usize).then(|| {

@@ -7,6 +7,7 @@
 //! epoch: step s consumes positions [s·B, (s+1)·B), so each sample is used once per epoch by
 //! the committed steps, whatever the world size.
 
+use ductile_cluster::records::ModelKind;
 use tch::{Kind, Tensor};
 
 pub enum Dataset {
@@ -47,7 +48,7 @@ impl Dataset {
     /// Read a dataset by URL (file:// or s3://, through object_store with ranged reads).
     pub fn open(
         url: &str,
-        model: &str,
+        model: ModelKind,
         ctx: usize,
         rt: &tokio::runtime::Handle,
     ) -> anyhow::Result<Dataset> {
@@ -57,9 +58,14 @@ impl Dataset {
         Self::from_bytes(url, &bytes, model, ctx)
     }
 
-    pub fn from_bytes(url: &str, bytes: &[u8], model: &str, ctx: usize) -> anyhow::Result<Dataset> {
+    pub fn from_bytes(
+        url: &str,
+        bytes: &[u8],
+        model: ModelKind,
+        ctx: usize,
+    ) -> anyhow::Result<Dataset> {
         match model {
-            "gpt" => {
+            ModelKind::Gpt => {
                 anyhow::ensure!(
                     bytes.len() % 2 == 0 && bytes.len() >= 2 * (ctx + 2),
                     "dataset {url}: not a u16 token stream of at least {} tokens",
@@ -218,10 +224,10 @@ mod fuzz {
 
     #[test]
     fn the_seed_file_opens_and_a_one_dimensional_x_is_refused() {
-        let d = Dataset::from_bytes("seed", &regression_file(), "mlp", 4).unwrap();
+        let d = Dataset::from_bytes("seed", &regression_file(), ModelKind::Mlp, 4).unwrap();
         assert_eq!(d.len(), 4);
         let flat = file(br#"{"x":{"dtype":"F32","shape":[12],"data_offsets":[0,48]},"y":{"dtype":"F32","shape":[4,1],"data_offsets":[48,64]}}"#);
-        let e = Dataset::from_bytes("flat", &flat, "mlp", 4)
+        let e = Dataset::from_bytes("flat", &flat, ModelKind::Mlp, 4)
             .err()
             .expect("a 1-D x is refused");
         assert!(e.to_string().contains("2-D"), "{e}");
@@ -235,7 +241,7 @@ mod fuzz {
             e in prop::collection::vec((0usize..160, any::<u8>(), any::<u8>()), 1..8),
         ) {
             let f = ductile_cluster::fuzz::mutate(&regression_file(), &e);
-            if let Ok(d) = Dataset::from_bytes("fuzz", &f, "mlp", 4) {
+            if let Ok(d) = Dataset::from_bytes("fuzz", &f, ModelKind::Mlp, 4) {
                 prop_assert!(d.len() > 0);
                 let (x, y) = d.batch(&[0, d.len() - 1]);
                 prop_assert_eq!(x.size()[0], 2);
@@ -248,7 +254,7 @@ mod fuzz {
             b in prop::collection::vec(any::<u8>(), 0..256),
             ctx in 1usize..16,
         ) {
-            if let Ok(d) = Dataset::from_bytes("fuzz", &b, "gpt", ctx) {
+            if let Ok(d) = Dataset::from_bytes("fuzz", &b, ModelKind::Gpt, ctx) {
                 prop_assert!(d.len() > 0);
                 let (x, _) = d.batch(&[d.len() - 1]);
                 prop_assert_eq!(x.size(), vec![1, ctx as i64]);

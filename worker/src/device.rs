@@ -4,19 +4,7 @@
 
 use tch::Device;
 
-pub use ductile_cluster::records::EXIT_UNUSABLE;
-
-/// A failure that restarting this worker on this slot would not fix (no GPU, no NCCL).
-#[derive(Debug)]
-pub struct Unusable(pub String);
-
-impl std::fmt::Display for Unusable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Unusable {}
+use ductile_runtime::Unusable;
 
 /// `cpu` or `cuda:N` (`cuda` is `cuda:0`).
 pub fn parse(s: &str) -> Result<Device, Unusable> {

@@ -65,7 +65,7 @@ fn main() {
 }
 
 fn run() {
-    let env = match ductile_worker::WorkerEnv::from_env() {
+    let env = match ductile_runtime::WorkerEnv::from_env() {
         Ok(e) => e,
         Err(e) => {
             eprintln!("ductile-worker: {e:#}");
@@ -80,7 +80,7 @@ fn run() {
             "ductile-worker: cannot run on {}/{}: {e}",
             env.node, env.slot
         );
-        std::process::exit(ductile_worker::device::EXIT_UNUSABLE);
+        std::process::exit(ductile_runtime::EXIT_UNUSABLE);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -115,9 +115,9 @@ fn run() {
             }
         };
         let Some(training) = spec.training.clone() else {
-            return match ductile_worker::follow_generations(env, backend, cancel.clone()).await {
-                Ok(()) if cancel.is_cancelled() => ductile_worker::EXIT_TERMINATED,
-                Ok(()) => ductile_worker::EXIT_FENCED,
+            return match ductile_runtime::follow_generations(env, backend, cancel.clone()).await {
+                Ok(()) if cancel.is_cancelled() => ductile_runtime::EXIT_TERMINATED,
+                Ok(()) => ductile_runtime::EXIT_FENCED,
                 Err(e) => {
                     eprintln!("ductile-worker: {e:#}");
                     1
@@ -129,8 +129,8 @@ fn run() {
             return 2;
         }
         ductile_worker::device::prepare_env(&env.device, training.deterministic);
-        let cell = Arc::new(ductile_worker::train::GenCell::default());
-        ductile_worker::watch_generations(
+        let cell = Arc::new(ductile_runtime::GenCell::default());
+        ductile_runtime::watch_generations(
             store.clone(),
             env.job.clone(),
             cell.clone(),
@@ -138,7 +138,7 @@ fn run() {
         );
         let handle = tokio::runtime::Handle::current();
         let trainer =
-            tokio::task::spawn_blocking(move || -> anyhow::Result<ductile_worker::train::Left> {
+            tokio::task::spawn_blocking(move || -> anyhow::Result<ductile_runtime::Left> {
                 ductile_worker::train::Trainer::new(
                     env,
                     training,
@@ -152,11 +152,11 @@ fn run() {
             });
         tokio::select! {
             r = trainer => match r {
-                Ok(Ok(ductile_worker::train::Left::Done)) => ductile_worker::EXIT_DONE,
-                Ok(Ok(ductile_worker::train::Left::Fenced)) => ductile_worker::EXIT_FENCED,
-                Ok(Err(e)) if e.downcast_ref::<ductile_worker::device::Unusable>().is_some() => {
+                Ok(Ok(ductile_runtime::Left::Done)) => ductile_runtime::EXIT_DONE,
+                Ok(Ok(ductile_runtime::Left::Fenced)) => ductile_runtime::EXIT_FENCED,
+                Ok(Err(e)) if e.downcast_ref::<ductile_runtime::Unusable>().is_some() => {
                     eprintln!("ductile-worker: cannot run on this slot: {e:#}");
-                    ductile_worker::device::EXIT_UNUSABLE
+                    ductile_runtime::EXIT_UNUSABLE
                 }
                 Ok(Err(e)) => {
                     eprintln!("ductile-worker: {e:#}");
@@ -167,7 +167,7 @@ fn run() {
                     1
                 }
             },
-            _ = cancel.cancelled() => ductile_worker::EXIT_TERMINATED,
+            _ = cancel.cancelled() => ductile_runtime::EXIT_TERMINATED,
         }
     });
     std::process::exit(code);

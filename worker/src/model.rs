@@ -2,7 +2,7 @@
 //! token and position embeddings, causal self-attention, MLP, layer norm). Initialised from the
 //! job's seed, so every rank builds the same weights.
 
-use ductile_cluster::records::TrainingSpec;
+use ductile_cluster::records::{ModelKind, TrainingSpec};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
@@ -97,8 +97,8 @@ impl Model {
         tch::manual_seed(spec.seed as i64);
         let mut vs = nn::VarStore::new(tch::Device::Cpu);
         let root = vs.root();
-        let net = match (spec.model.as_str(), data) {
-            ("gpt", Dataset::Tokens { vocab, ctx, .. }) => {
+        let net = match (spec.model, data) {
+            (ModelKind::Gpt, Dataset::Tokens { vocab, ctx, .. }) => {
                 let g = spec.gpt_config()?;
                 let (c, layers, heads) = (g.d_model, g.n_layer, g.n_head);
                 let vocab = (*vocab as i64).max(g.vocab);
@@ -123,7 +123,7 @@ impl Model {
                     width: c,
                 }
             }
-            ("mlp", Dataset::Regression { x, y }) => {
+            (ModelKind::Mlp, Dataset::Regression { x, y }) => {
                 let (d_in, d_out) = (x.size()[1], y.size()[1]);
                 let m = spec.mlp_config()?;
                 let (width, layers) = (m.hidden, m.layers);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ductile_comm::{CommError, Communicator, Rendezvous, TcpConfig};
 
-use crate::device::Unusable;
+use ductile_runtime::Unusable;
 
 /// The outer error is final for this slot (the worker exits with it, not restarted); the inner
 /// one is the generation's (the loop waits for the next generation or retries).

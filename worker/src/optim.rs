@@ -2,6 +2,7 @@
 //! out here (not tch's C++ optimizers) so that their state is ordinary tensors that can be sent
 //! to a newcomer and hashed, and so the arithmetic order is fixed.
 
+use ductile_cluster::records::OptimizerKind;
 use tch::Tensor;
 
 pub enum Kind {
@@ -23,7 +24,7 @@ pub struct Optimizer {
 }
 
 impl Optimizer {
-    pub fn new(name: &str, params: &[Tensor]) -> Optimizer {
+    pub fn new(name: OptimizerKind, params: &[Tensor]) -> Optimizer {
         let zeros = |n: usize| {
             params
                 .iter()
@@ -31,11 +32,11 @@ impl Optimizer {
                 .collect()
         };
         match name {
-            "sgd" => Optimizer {
+            OptimizerKind::Sgd => Optimizer {
                 kind: Kind::Sgd { momentum: 0.9 },
                 state: zeros(1),
             },
-            _ => Optimizer {
+            OptimizerKind::Adamw => Optimizer {
                 kind: Kind::AdamW {
                     beta1: 0.9,
                     beta2: 0.95,

@@ -13,7 +13,7 @@
 //! world size.
 
 use std::io::Write as _;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ductile_cluster::records::*;
@@ -26,81 +26,16 @@ use tch::{Device, Kind, Tensor};
 use crate::data::{Dataset, Order};
 use crate::model::Model;
 use crate::optim::{lr_at, Optimizer};
-use crate::WorkerEnv;
+use ductile_runtime::report::Reporter;
+use ductile_runtime::{GenCell, Left, WorkerEnv};
 
+mod agree;
 pub mod asynch;
 pub mod ckpt;
 pub mod diloco;
 pub mod pipe;
 pub mod reshard;
 mod tensor;
-
-/// The newest generation seen, shared between the async watcher and the training thread.
-#[derive(Default)]
-pub struct GenCell {
-    latest: Mutex<Option<Generation>>,
-    cv: Condvar,
-    abort: Mutex<Option<(u64, Arc<dyn Communicator>)>>,
-}
-
-impl GenCell {
-    /// A newer generation: remember it and abort the communicator of any older one.
-    pub fn publish(&self, g: Generation) {
-        let mut l = self.latest.lock().unwrap();
-        if l.as_ref().is_some_and(|o| o.number >= g.number) {
-            return;
-        }
-        let n = g.number;
-        *l = Some(g);
-        drop(l);
-        self.cv.notify_all();
-        if let Some((gen, h)) = &*self.abort.lock().unwrap() {
-            if *gen < n {
-                tracing::info!(
-                    generation = gen,
-                    newer = n,
-                    "new generation: aborting the communicator"
-                );
-                h.abort();
-            }
-        }
-    }
-    fn newest(&self) -> u64 {
-        self.latest
-            .lock()
-            .unwrap()
-            .as_ref()
-            .map(|g| g.number)
-            .unwrap_or(0)
-    }
-    fn wait_newer(&self, than: u64) -> Generation {
-        let mut l = self.latest.lock().unwrap();
-        loop {
-            if let Some(g) = l.as_ref().filter(|g| g.number > than) {
-                return g.clone();
-            }
-            l = self.cv.wait(l).unwrap();
-        }
-    }
-    /// A generation newer than `than`, or None after `bound`.
-    fn wait_newer_for(&self, than: u64, bound: Duration) -> Option<Generation> {
-        let deadline = Instant::now() + bound;
-        let mut l = self.latest.lock().unwrap();
-        loop {
-            if let Some(g) = l.as_ref().filter(|g| g.number > than) {
-                return Some(g.clone());
-            }
-            let left = deadline.checked_duration_since(Instant::now())?;
-            l = self.cv.wait_timeout(l, left).unwrap().0;
-        }
-    }
-    fn install(&self, generation: u64, comm: Arc<dyn Communicator>) {
-        *self.abort.lock().unwrap() = Some((generation, comm.clone()));
-        if self.newest() > generation {
-            comm.abort();
-        }
-    }
-}
 
 pub struct Trainer {
     pub env: WorkerEnv,
@@ -109,6 +44,8 @@ pub struct Trainer {
     pub store: Store,
     pub rt: tokio::runtime::Handle,
     pub cell: Arc<GenCell>,
+    /// Join and fault records, progress and rank figures, to the control plane.
+    reports: Reporter,
     /// Where the model, the optimizer state and the batches live.
     dev: Device,
     data: Dataset,
@@ -127,7 +64,7 @@ pub struct Trainer {
     /// The chunks of units whose parameters and optimizer state this rank holds at `step`.
     held: Vec<std::ops::Range<usize>>,
     /// A pipeline step's reduced gradient waiting for its commit.
-    pending: Option<pipe::Pending>,
+    pending: Option<agree::Pending>,
     /// Bytes of state received from peers when joining the current generation.
     received: u64,
     /// Each parameter's shape (its optimizer state has the same): the storage of units this
@@ -159,48 +96,6 @@ fn sha256_params(params: &[Tensor]) -> String {
         h.update(&buf);
     }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The header of a state transfer between two ranks, sent on the host face ahead of the state
-/// itself (on the device face): magic, step, tensor count, each tensor's element count.
-fn encode_head(step: u64, numels: &[usize]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(24 + 8 * numels.len());
-    b.extend_from_slice(b"DCTH1\0\0\0");
-    b.extend_from_slice(&step.to_le_bytes());
-    b.extend_from_slice(&(numels.len() as u64).to_le_bytes());
-    for n in numels {
-        b.extend_from_slice(&(*n as u64).to_le_bytes());
-    }
-    b
-}
-
-/// Check a transfer's header against what this rank expects (the step, and the targets' element
-/// counts from the same plan), before anything is written: a bad one leaves every target
-/// untouched (a half-overwritten rank could later be chosen as the source of state).
-fn check_head(b: &[u8], step: u64, numels: &[usize]) -> Result<(), String> {
-    if b.len() < 24 || &b[..8] != b"DCTH1\0\0\0" {
-        return Err("not a state transfer header".into());
-    }
-    let rd = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
-    let (got, count) = (rd(8), rd(16));
-    if got != step {
-        return Err(format!("state came at step {got}, expected {step}"));
-    }
-    if count != numels.len() as u64 || b.len() != 24 + 8 * numels.len() {
-        return Err(format!(
-            "{count} tensors announced, expected {}",
-            numels.len()
-        ));
-    }
-    for (i, n) in numels.iter().enumerate() {
-        if rd(24 + 8 * i) != *n as u64 {
-            return Err(format!(
-                "tensor {i}: {} values announced, expected {n}",
-                rd(24 + 8 * i)
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// The tensors flattened one after another (on their device).
@@ -235,26 +130,6 @@ pub(crate) fn gather_rows(
     comm.host().all_gather_f64(row)
 }
 
-/// How long a worker whose generation failed waits for the leader's answer
-/// (`DUCTILE_FAULT_WAIT_SECS`, default 120).
-fn fault_wait() -> Duration {
-    Duration::from_secs(
-        std::env::var("DUCTILE_FAULT_WAIT_SECS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(120),
-    )
-}
-
-/// Why a worker's training loop ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Left {
-    /// `max_steps` reached: exit [`crate::EXIT_DONE`].
-    Done,
-    /// A generation left this worker out: exit [`crate::EXIT_FENCED`].
-    Fenced,
-}
-
 enum Outcome {
     /// The communicator failed or was aborted: join the next generation.
     Reform(CommError),
@@ -279,11 +154,11 @@ impl Trainer {
         } else if spec.deterministic {
             crate::device::set_deterministic(true);
         }
-        let data = Dataset::open(&spec.dataset, &spec.model, crate::model::ctx(&spec), &rt)?;
+        let data = Dataset::open(&spec.dataset, spec.model, crate::model::ctx(&spec), &rt)?;
         anyhow::ensure!(!data.is_empty(), "dataset {} holds no sample", spec.dataset);
         let model = Model::new(&spec, &data, dev)?;
         let params: Vec<Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
-        let opt = Optimizer::new(&spec.optimizer, &params);
+        let opt = Optimizer::new(spec.optimizer, &params);
         let shapes = params.iter().map(|p| p.size()).collect();
         let ledger = match std::env::var("DUCTILE_LEDGER_DIR") {
             Ok(dir) => {
@@ -318,7 +193,7 @@ impl Trainer {
         let diloco = spec
             .is_diloco()
             .then(|| diloco::Diloco::new(&params, spec.diloco.fragments));
-        let asynch = (spec.sync == "async").then(asynch::Async::default);
+        let asynch = (spec.sync == SyncMode::Async).then(asynch::Async::default);
         let ckpt = match checkpoint {
             Some(c) => {
                 let names: Vec<String> = model.params().into_iter().map(|(n, _)| n).collect();
@@ -332,7 +207,7 @@ impl Trainer {
                     }
                     None => ckpt::Ckpt::new(c, &names, &opt, &params)?,
                 };
-                crate::watch_checkpoint_requests(
+                ductile_runtime::watch_checkpoint_requests(
                     store.clone(),
                     env.job.clone(),
                     ck.request.clone(),
@@ -350,7 +225,16 @@ impl Trainer {
         } else {
             None
         };
+        let reports = Reporter {
+            store: store.clone(),
+            rt: rt.clone(),
+            job: env.job.clone(),
+            node: env.node.clone(),
+            slot: env.slot,
+            cell: cell.clone(),
+        };
         Ok(Trainer {
+            reports,
             mesh_tls,
             computed: Duration::ZERO,
             env,
@@ -407,7 +291,9 @@ impl Trainer {
                 }
             };
             let formed = now_ms();
-            self.cell.install(g.number, comm.clone());
+            let aborts = comm.clone();
+            self.cell
+                .install(g.number, Box::new(move || aborts.abort()));
             match self.generation(&g, &comm, &me, (seen, formed)) {
                 Ok(Outcome::Done) => return Ok(Left::Done),
                 Ok(Outcome::Reform(e)) => {
@@ -419,63 +305,12 @@ impl Trainer {
         }
     }
 
-    /// The communicator of `g` failed. If a newer generation exists, that was the reason and
-    /// the loop goes on to it. Otherwise tell the control plane what failed and which ranks it
-    /// points at (`jobs/{job}/faults/{gen}/{rank}`), and wait, bounded, for the generation the
-    /// leader publishes in answer (without the culprit, or the same members again). A
-    /// generation is never formed twice: every attempt is a generation of its own, so no
-    /// attempt reads another's rendezvous entries.
+    /// The communicator of `g` failed: report it and wait for the next generation
+    /// ([`Reporter::failed_generation`]).
     fn failed_generation(&self, g: &Generation, rank: u32, e: &CommError) -> anyhow::Result<()> {
-        if self.cell.newest() > g.number {
-            return Ok(());
-        }
         let (kind, suspects) = e.blame();
-        let report = FaultReport {
-            generation: g.number,
-            rank,
-            node: self.env.node.clone(),
-            slot: self.env.slot,
-            kind,
-            suspects,
-            error: e.to_string(),
-            at_ms: now_ms(),
-        };
-        let (store, job) = (self.store.clone(), self.env.job.clone());
-        let key = store.keys.fault(&job, g.number, rank);
-        let cell = self.cell.clone();
-        let n = g.number;
-        // etcd may be briefly unreachable: retry the report (bounded) unless a newer
-        // generation makes it moot
-        let put = self.rt.block_on(async move {
-            let mut last = None;
-            for i in 0..20u32 {
-                if cell.newest() > n {
-                    return Ok(());
-                }
-                match store.put_json(&key, &report, None).await {
-                    Ok(_) => return Ok(()),
-                    Err(err) => last = Some(err),
-                }
-                tokio::time::sleep(Duration::from_millis(250 * (i + 1).min(4) as u64)).await;
-            }
-            Err(last.unwrap())
-        });
-        match put {
-            Ok(()) => {
-                tracing::warn!(generation = n, kind = %kind, error = %e, "reported the failed generation; waiting for the next")
-            }
-            Err(err) => {
-                tracing::error!(generation = n, error = %err, "cannot report the failed generation")
-            }
-        }
-        let bound = fault_wait();
-        match self.cell.wait_newer_for(n, bound) {
-            Some(_) => Ok(()),
-            None => anyhow::bail!(
-                "generation {n} failed ({e}) and no newer generation came within {} s: giving up so the agent reports this slot",
-                bound.as_secs()
-            ),
-        }
+        self.reports
+            .failed_generation(g, rank, kind, suspects, e.to_string())
     }
 
     /// Form the generation's communicator on its backend. The outer error is one that no
@@ -533,9 +368,9 @@ impl Trainer {
         };
         if g.backend == Backend::Nccl {
             let Device::Cuda(index) = self.dev else {
-                return Err(crate::device::Unusable(format!(
+                return Err(ductile_runtime::Unusable(format!(
                     "generation {n} uses NCCL (comm = {:?}), but this slot is a CPU slot",
-                    self.spec.comm
+                    self.spec.comm.as_str()
                 ))
                 .into());
             };
@@ -597,7 +432,6 @@ impl Trainer {
             g.detail,
             &hash[..16]
         );
-        let (store, job, gnum) = (self.store.clone(), self.env.job.clone(), g.number);
         let join = JoinRecord {
             node: self.env.node.clone(),
             slot: self.env.slot,
@@ -624,30 +458,7 @@ impl Trainer {
         } else {
             format!("{}:{}", self.step, hash)
         };
-        let cell = self.cell.clone();
-        self.rt.spawn(async move {
-            // the leader records the re-formation once every rank joined: retry (bounded, and
-            // only while this generation is current) rather than drop a failed write
-            let key = store.keys.joined_rank(&job, gnum, rank);
-            for i in 0..40u32 {
-                match store.put_json(&key, &join, None).await {
-                    Ok(_) => break,
-                    Err(e) if i == 39 || cell.newest() > gnum => {
-                        tracing::error!(generation = gnum, error = %e, "cannot write the join record");
-                        return;
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(250 * (i + 1).min(8) as u64)).await,
-                }
-            }
-            let _ = store
-                .backend
-                .put(
-                    &format!("{}weights/{rank}", store.keys.rendezvous(&job, gnum)),
-                    weights.into_bytes(),
-                    None,
-                )
-                .await;
-        });
+        self.reports.joined(g.number, rank, join, weights);
         tracing::info!(
             generation = g.number,
             rank,
@@ -709,27 +520,7 @@ impl Trainer {
                         eval_loss: eval,
                         ..Default::default()
                     };
-                    let store = self.store.clone();
-                    let job = self.env.job.clone();
-                    // keep the last loss reported
-                    let prev = self.rt.block_on(store.progress(&job)).ok().flatten();
-                    let p = match prev {
-                        Some(x) => Progress {
-                            loss: x.loss,
-                            samples_per_sec: x.samples_per_sec,
-                            sync: x.sync,
-                            round: x.round,
-                            bytes_per_sample: x.bytes_per_sample,
-                            staleness_mean: x.staleness_mean,
-                            staleness_max: x.staleness_max,
-                            dropped_updates: x.dropped_updates,
-                            eval_loss: p.eval_loss,
-                            ..p
-                        },
-                        None => p,
-                    };
-                    self.rt
-                        .block_on(store.put_json(&store.keys.progress(&job), &p, None))?;
+                    self.reports.final_progress(p)?;
                     // rank 0 holds every tensor now (the final gather): the optimizer state's
                     // hash lets a restore elsewhere be checked against it
                     println!(
@@ -755,18 +546,7 @@ impl Trainer {
             if !first_done && rank == 0 {
                 first_done = true;
                 // when the new world completed its first step (recovery benchmarks read it)
-                let (store, job, gnum, at) =
-                    (self.store.clone(), self.env.job.clone(), g.number, now_ms());
-                self.rt.spawn(async move {
-                    let _ = store
-                        .backend
-                        .put(
-                            &format!("{}first_step", store.keys.rendezvous(&job, gnum)),
-                            at.to_string().into_bytes(),
-                            None,
-                        )
-                        .await;
-                });
+                self.reports.first_step(g.number);
             }
             samples_since += self.spec.global_batch as u64;
             rank_steps += 1;
@@ -833,29 +613,20 @@ impl Trainer {
 
     /// Publish rank 0's progress (in the background; the next report replaces it).
     fn put_progress(&self, p: Progress) {
-        let (store, job) = (self.store.clone(), self.env.job.clone());
-        self.rt.spawn(async move {
-            let _ = store.put_json(&store.keys.progress(&job), &p, None).await;
-        });
+        self.reports.progress(p);
     }
 
     /// Publish this rank's figures over the `steps` steps since `since` (a straggler shows in
     /// its compute time), and start counting compute time anew.
     fn report_rank(&mut self, g: &Generation, rank: u32, since: Instant, steps: u64) {
         let n = steps.max(1) as f64;
-        let s = RankStats {
+        self.reports.rank_stats(RankStats {
             generation: g.number,
             rank,
             step: self.step,
             step_ms: since.elapsed().as_secs_f64() * 1e3 / n,
             compute_ms: self.computed.as_secs_f64() * 1e3 / n,
             updated_at_ms: now_ms(),
-        };
-        let (store, job) = (self.store.clone(), self.env.job.clone());
-        self.rt.spawn(async move {
-            let _ = store
-                .put_json(&store.keys.rank_stats(&job, rank), &s, None)
-                .await;
         });
         self.computed = Duration::ZERO;
     }
@@ -1070,29 +841,5 @@ impl Trainer {
         }
         self.step += 1;
         Ok(loss)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_transfer_header_is_checked_field_by_field() {
-        let good = encode_head(7, &[3, 2]);
-        assert_eq!(check_head(&good, 7, &[3, 2]), Ok(()));
-        assert!(check_head(&good, 8, &[3, 2])
-            .unwrap_err()
-            .contains("step 7"));
-        assert!(check_head(&good, 7, &[3, 2, 1])
-            .unwrap_err()
-            .contains("2 tensors"));
-        assert!(check_head(&good, 7, &[3, 1])
-            .unwrap_err()
-            .contains("tensor 1"));
-        assert!(check_head(&good[..20], 7, &[3, 2]).is_err());
-        let mut bad = good.clone();
-        bad[0] ^= 1;
-        assert!(check_head(&bad, 7, &[3, 2]).unwrap_err().contains("header"));
     }
 }

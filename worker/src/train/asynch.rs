@@ -1032,7 +1032,7 @@ impl Trainer {
         let mine = ranges(n, g.world_size as usize)[rank as usize].clone();
         let len = mine.len() as i64;
         let slice = values.narrow(0, mine.start as i64, len).copy();
-        let mut opt = Optimizer::new(&self.spec.optimizer, &[slice.shallow_clone()]);
+        let mut opt = Optimizer::new(self.spec.optimizer, &[slice.shallow_clone()]);
         tch::no_grad(|| {
             for (s, o) in opt.state.iter_mut().zip(&opt_full) {
                 s.copy_(&o.narrow(0, mine.start as i64, len));

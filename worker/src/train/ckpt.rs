@@ -19,7 +19,7 @@ use ductile_cluster::Store;
 use ductile_comm::{CommError, Communicator};
 use tch::{Kind, Tensor};
 
-use super::pipe::region_of;
+use super::reshard::{region_of, state_view};
 use super::Trainer;
 use ductile_strategies::redistribute::{self, intersect, relative, Chunk, Part, Region};
 
@@ -839,13 +839,8 @@ impl Trainer {
                 for n in mine.iter().filter(|n| n.tensor == chunk.tensor) {
                     if let Some(x) = intersect(&n.region, &chunk.region) {
                         tch::no_grad(|| {
-                            super::tensor::state_view(
-                                &targets,
-                                slices.as_deref(),
-                                chunk.tensor,
-                                &x,
-                            )
-                            .copy_(&region_of(&src, &relative(&x, &chunk.region)));
+                            state_view(&targets, slices.as_deref(), chunk.tensor, &x)
+                                .copy_(&region_of(&src, &relative(&x, &chunk.region)));
                         });
                     }
                 }

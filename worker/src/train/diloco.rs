@@ -585,7 +585,7 @@ impl Trainer {
                 .to_device(Device::Cpu);
             (delta, local.iter().map(|t| t.copy()).collect::<Vec<_>>())
         });
-        let q = Quant::parse(&self.spec.diloco.quantize).unwrap_or(Quant::None);
+        let q = Quant::parse(self.spec.diloco.quantize.as_str()).unwrap_or(Quant::None);
         let group = Group::new(comm.clone(), (0..comm.world()).collect())?;
         let sum = std::thread::spawn(move || quant::all_reduce(&group, &delta, q).map(|x| x.0));
         let d = self.dl();

@@ -11,8 +11,90 @@ use ductile_comm::{CommError, Communicator, DevTensor};
 use ductile_strategies::redistribute::{self, intersect, Move, Part, Region};
 use tch::{Kind, Tensor};
 
-use super::pipe::{protocol, region_of};
-use super::{check_head, encode_head};
+/// A protocol error of this generation's communicator, naming the peer.
+pub(super) fn protocol(
+    comm: &dyn Communicator,
+    peer: u32,
+    op: &'static str,
+    reason: String,
+) -> CommError {
+    CommError::Protocol {
+        generation: comm.generation(),
+        op,
+        peer,
+        reason,
+    }
+}
+
+/// The view of `t` that `r` covers.
+pub(super) fn region_of(t: &Tensor, r: &Region) -> Tensor {
+    let mut v = t.shallow_clone();
+    for (d, x) in r.iter().enumerate() {
+        v = v.narrow(d as i64, x.start as i64, (x.end - x.start) as i64);
+    }
+    v
+}
+
+/// Whether unit `u` is in one of `chunks`.
+pub(super) fn holds_unit(chunks: &[std::ops::Range<usize>], u: usize) -> bool {
+    chunks.iter().any(|c| c.contains(&u))
+}
+
+/// The view of local state tensor `t` that logical region `r` covers (through the rank's
+/// holdings when it holds tensor slices).
+pub(super) fn state_view(
+    state: &[Tensor],
+    holdings: Option<&[Holding]>,
+    t: usize,
+    r: &Region,
+) -> Tensor {
+    match holdings {
+        Some(h) => h[t].view(&state[t], r).expect("a region this rank holds"),
+        None => region_of(&state[t], r),
+    }
+}
+
+/// The header of a state transfer between two ranks, sent on the host face ahead of the state
+/// itself (on the device face): magic, step, tensor count, each tensor's element count.
+fn encode_head(step: u64, numels: &[usize]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(24 + 8 * numels.len());
+    b.extend_from_slice(b"DCTH1\0\0\0");
+    b.extend_from_slice(&step.to_le_bytes());
+    b.extend_from_slice(&(numels.len() as u64).to_le_bytes());
+    for n in numels {
+        b.extend_from_slice(&(*n as u64).to_le_bytes());
+    }
+    b
+}
+
+/// Check a transfer's header against what this rank expects (the step, and the targets' element
+/// counts from the same plan), before anything is written: a bad one leaves every target
+/// untouched (a half-overwritten rank could later be chosen as the source of state).
+fn check_head(b: &[u8], step: u64, numels: &[usize]) -> Result<(), String> {
+    if b.len() < 24 || &b[..8] != b"DCTH1\0\0\0" {
+        return Err("not a state transfer header".into());
+    }
+    let rd = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    let (got, count) = (rd(8), rd(16));
+    if got != step {
+        return Err(format!("state came at step {got}, expected {step}"));
+    }
+    if count != numels.len() as u64 || b.len() != 24 + 8 * numels.len() {
+        return Err(format!(
+            "{count} tensors announced, expected {}",
+            numels.len()
+        ));
+    }
+    for (i, n) in numels.iter().enumerate() {
+        if rd(24 + 8 * i) != *n as u64 {
+            return Err(format!(
+                "tensor {i}: {} values announced, expected {n}",
+                rd(24 + 8 * i)
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// The boxes of a logical tensor a rank's local tensor holds (none: an empty tensor), laid one after another along
 /// `dim` (the other dimensions equal the box's).
@@ -397,5 +479,24 @@ mod tests {
         };
         assert_eq!(cols.local_shape(), vec![5, 2]);
         assert_eq!(cols.local(&vec![1..2, 3..4]), Some(vec![1..2, 1..2]));
+    }
+
+    #[test]
+    fn a_transfer_header_is_checked_field_by_field() {
+        let good = encode_head(7, &[3, 2]);
+        assert_eq!(check_head(&good, 7, &[3, 2]), Ok(()));
+        assert!(check_head(&good, 8, &[3, 2])
+            .unwrap_err()
+            .contains("step 7"));
+        assert!(check_head(&good, 7, &[3, 2, 1])
+            .unwrap_err()
+            .contains("2 tensors"));
+        assert!(check_head(&good, 7, &[3, 1])
+            .unwrap_err()
+            .contains("tensor 1"));
+        assert!(check_head(&good[..20], 7, &[3, 2]).is_err());
+        let mut bad = good.clone();
+        bad[0] ^= 1;
+        assert!(check_head(&bad, 7, &[3, 2]).unwrap_err().contains("header"));
     }
 }

@@ -2,7 +2,7 @@
 //! moves each rank's slices ([`super::reshard::move_state`]) from the up-to-date holders, and
 //! the model joins its tensor group (the members of its replica and stage, in `tp_rank` order).
 //!
-//! Ranks are laid out `rank = (dp_rank · pp + pp_stage) · tp + tp_rank`: a tensor group is a
+//! Ranks are laid out by `strategies::mesh::Mesh`: a tensor group is a
 //! run of consecutive ranks (Megatron's order, so a group stays on one node where it fits).
 
 use std::collections::BTreeMap;
@@ -11,12 +11,12 @@ use std::sync::Arc;
 
 use ductile_cluster::records::{Generation, Member};
 use ductile_comm::{CommError, Communicator, Group};
+use ductile_strategies::mesh::Mesh;
 use ductile_strategies::redistribute::{self, Part};
 use ductile_strategies::tensor::{held_regions, split_of, Split};
 use tch::Tensor;
 
-use super::pipe::holds_unit;
-use super::reshard::{holding_parts, move_state, Holding};
+use super::reshard::{holding_parts, holds_unit, move_state, Holding};
 use super::Trainer;
 
 impl Trainer {
@@ -56,16 +56,13 @@ impl Trainer {
         g: &Generation,
         me: &Member,
     ) -> Result<Option<Group>, CommError> {
-        if g.layout.tensor_parallel <= 1 || me.spare {
-            return Ok(None);
+        let mesh = Mesh::new(&g.layout);
+        match mesh.coords(me.rank) {
+            Some(c) if mesh.tp > 1 && !me.spare => {
+                Group::new(comm.clone(), mesh.tensor_group(c)).map(Some)
+            }
+            _ => Ok(None),
         }
-        let mut peers: Vec<&Member> = g
-            .members
-            .iter()
-            .filter(|m| !m.spare && m.dp_rank == me.dp_rank && m.pp_stage == me.pp_stage)
-            .collect();
-        peers.sort_by_key(|m| m.tp_rank);
-        Group::new(comm.clone(), peers.iter().map(|m| m.rank).collect()).map(Some)
     }
 
     /// Replace every state tensor (and each parameter's gradient) by `fresh`, in place, so the
@@ -333,18 +330,5 @@ impl Trainer {
     /// This rank's holdings when it holds tensor slices (`None`: whole tensors).
     pub(super) fn slice_holdings(&self) -> Option<Vec<Holding>> {
         (self.tp_held.0 > 1).then(|| self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1))
-    }
-}
-
-/// The view of local state tensor `t` that logical region `r` covers.
-pub(super) fn state_view(
-    state: &[Tensor],
-    holdings: Option<&[Holding]>,
-    t: usize,
-    r: &ductile_strategies::redistribute::Region,
-) -> Tensor {
-    match holdings {
-        Some(h) => h[t].view(&state[t], r).expect("a region this rank holds"),
-        None => super::pipe::region_of(&state[t], r),
     }
 }

@@ -1,0 +1,203 @@
+//! The closed choices of a job spec (strategy, model, optimizer, communicator, schedule, sync
+//! mode, DiLoCo's quantization) as enums. On the wire they stay the strings users write; an
+//! unknown string is refused when the spec is read, naming the field and the known values.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ClusterError;
+
+/// `value` of `field` is none of `known`.
+fn unknown(field: &str, value: &str, known: &[&str]) -> ClusterError {
+    let list = known
+        .iter()
+        .map(|k| format!("{k:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    ClusterError::invalid(field, format!("{value:?} is unknown (known: {list})"))
+}
+
+macro_rules! named {
+    (
+        $(#[$m:meta])*
+        $name:ident in $field:literal, default $d:ident {
+            $($(#[$vm:meta])* $v:ident = $s:literal,)+
+        }
+    ) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub enum $name {
+            $($(#[$vm])* $v,)+
+        }
+
+        impl $name {
+            /// The string a spec writes.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$v => $s,)+
+                }
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                $name::$d
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.pad(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = ClusterError;
+            fn from_str(s: &str) -> Result<Self, ClusterError> {
+                match s {
+                    $($s => Ok($name::$v),)+
+                    _ => Err(unknown($field, s, &[$($s),+])),
+                }
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = ClusterError;
+            fn try_from(s: String) -> Result<Self, ClusterError> {
+                s.parse()
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(v: $name) -> String {
+                v.as_str().to_string()
+            }
+        }
+    };
+}
+
+named! {
+    /// How a job's world is laid out: data parallel only, pipeline stages, stages and tensor
+    /// groups, or the planner's choice.
+    Strategy in "training.strategy", default DataParallel {
+        DataParallel = "data-parallel",
+        Pipeline = "pipeline",
+        Hybrid = "hybrid",
+        Auto = "auto",
+    }
+}
+
+impl Strategy {
+    /// Whether the planner may cut the job into pipeline stages.
+    pub fn pipelined(self) -> bool {
+        self != Strategy::DataParallel
+    }
+
+    /// Whether the planner may split layers over tensor groups.
+    pub fn tensor_split(self) -> bool {
+        matches!(self, Strategy::Hybrid | Strategy::Auto)
+    }
+}
+
+named! {
+    /// The built-in models.
+    ModelKind in "training.model", default Gpt {
+        Gpt = "gpt",
+        Mlp = "mlp",
+    }
+}
+
+named! {
+    /// The optimizers (written out so their state is plain tensors).
+    OptimizerKind in "training.optimizer", default Adamw {
+        Adamw = "adamw",
+        Sgd = "sgd",
+    }
+}
+
+impl OptimizerKind {
+    /// State tensors per parameter.
+    pub fn states(self) -> u32 {
+        match self {
+            OptimizerKind::Sgd => 1,
+            OptimizerKind::Adamw => 2,
+        }
+    }
+}
+
+named! {
+    /// The communicator a job asks for: NCCL where every member has a GPU of its own
+    /// (`auto`), or one of them always.
+    CommChoice in "training.comm", default Auto {
+        Auto = "auto",
+        Nccl = "nccl",
+        Tcp = "tcp",
+    }
+}
+
+named! {
+    /// The pipeline schedule.
+    Schedule in "training.schedule", default OneFOneB {
+        OneFOneB = "1f1b",
+        Gpipe = "gpipe",
+        Interleaved1F1B = "interleaved-1f1b",
+    }
+}
+
+impl Schedule {
+    /// Model chunks per stage: 2 for interleaved 1F1B (stage s holds chunks s and s + p of
+    /// the 2p contiguous chunks), else 1.
+    pub fn chunks_per_stage(self) -> u32 {
+        match self {
+            Schedule::Interleaved1F1B => 2,
+            _ => 1,
+        }
+    }
+}
+
+named! {
+    /// How the replicas combine their work.
+    SyncMode in "training.sync", default Allreduce {
+        /// A synchronous all-reduce of the gradient every step.
+        Allreduce = "allreduce",
+        /// Local steps, then an outer step on the averaged pseudo-gradient.
+        Diloco = "diloco",
+        /// Bounded-staleness asynchronous updates.
+        Async = "async",
+    }
+}
+
+named! {
+    /// DiLoCo's pseudo-gradient exchange.
+    Quantize in "training.diloco.quantize", default None {
+        None = "none",
+        Fp16 = "fp16",
+        Int8 = "int8",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choices_read_and_write_the_strings_of_a_spec_and_refuse_others_by_name() {
+        for s in ["data-parallel", "pipeline", "hybrid", "auto"] {
+            let v: Strategy = serde_json::from_value(serde_json::json!(s)).unwrap();
+            assert_eq!(serde_json::to_value(v).unwrap(), serde_json::json!(s));
+        }
+        assert_eq!(
+            "interleaved-1f1b".parse::<Schedule>().unwrap(),
+            Schedule::Interleaved1F1B
+        );
+        let e = serde_json::from_value::<SyncMode>(serde_json::json!("gossip"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(r#"invalid training.sync: "gossip" is unknown (known: "allreduce", "diloco", "async")"#),
+            "{e}"
+        );
+    }
+}

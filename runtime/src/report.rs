@@ -1,0 +1,189 @@
+//! What a worker tells the control plane, through etcd: its join record and the weights it
+//! joined with, fault reports of a failed generation, progress (rank 0) and each rank's
+//! figures. Writes that the leader waits on are retried, bounded; the periodic ones go in the
+//! background and the next replaces a lost one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ductile_cluster::records::*;
+use ductile_cluster::Store;
+
+use crate::GenCell;
+
+/// How long a worker whose generation failed waits for the leader's answer
+/// (`DUCTILE_FAULT_WAIT_SECS`, default 120).
+pub fn fault_wait() -> Duration {
+    Duration::from_secs(
+        std::env::var("DUCTILE_FAULT_WAIT_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(120),
+    )
+}
+
+/// One worker's reports, written on the async runtime `rt` (the callers are blocking
+/// threads).
+#[derive(Clone)]
+pub struct Reporter {
+    pub store: Store,
+    pub rt: tokio::runtime::Handle,
+    pub job: String,
+    pub node: String,
+    pub slot: u32,
+    pub cell: Arc<GenCell>,
+}
+
+impl Reporter {
+    /// The work of `g` failed (`kind`, the ranks it points at, the error). If a newer
+    /// generation exists, that was the reason and the caller goes on to it. Otherwise tell the
+    /// control plane (`faults/{gen}/{rank}`) and wait, bounded ([`fault_wait`]), for the
+    /// generation the leader publishes in answer (without the culprit, or the same members
+    /// again); the error says none came. A generation is never formed twice: every attempt is
+    /// a generation of its own, so no attempt reads another's rendezvous entries.
+    pub fn failed_generation(
+        &self,
+        g: &Generation,
+        rank: u32,
+        kind: FaultKind,
+        suspects: Vec<u32>,
+        error: String,
+    ) -> anyhow::Result<()> {
+        if self.cell.newest() > g.number {
+            return Ok(());
+        }
+        let report = FaultReport {
+            generation: g.number,
+            rank,
+            node: self.node.clone(),
+            slot: self.slot,
+            kind,
+            suspects,
+            error: error.clone(),
+            at_ms: now_ms(),
+        };
+        let store = self.store.clone();
+        let key = store.keys.fault(&self.job, g.number, rank);
+        let cell = self.cell.clone();
+        let n = g.number;
+        // etcd may be briefly unreachable: retry the report (bounded) unless a newer
+        // generation makes it moot
+        let put = self.rt.block_on(async move {
+            let mut last = None;
+            for i in 0..20u32 {
+                if cell.newest() > n {
+                    return Ok(());
+                }
+                match store.put_json(&key, &report, None).await {
+                    Ok(_) => return Ok(()),
+                    Err(err) => last = Some(err),
+                }
+                tokio::time::sleep(Duration::from_millis(250 * (i + 1).min(4) as u64)).await;
+            }
+            Err(last.unwrap())
+        });
+        match put {
+            Ok(()) => {
+                tracing::warn!(generation = n, kind = %kind, error = %error, "reported the failed generation; waiting for the next")
+            }
+            Err(err) => {
+                tracing::error!(generation = n, error = %err, "cannot report the failed generation")
+            }
+        }
+        let bound = fault_wait();
+        match self.cell.wait_newer_for(n, bound) {
+            Some(_) => Ok(()),
+            None => anyhow::bail!(
+                "generation {n} failed ({error}) and no newer generation came within {} s: giving up so the agent reports this slot",
+                bound.as_secs()
+            ),
+        }
+    }
+
+    /// This rank joined generation `gnum`: its join record (retried, bounded, while the
+    /// generation is current: the leader records the re-formation once every rank joined),
+    /// then the weights it joined with (`step:sha256`, the tests' and benches' view).
+    pub fn joined(&self, gnum: u64, rank: u32, join: JoinRecord, weights: String) {
+        let (store, job, cell) = (self.store.clone(), self.job.clone(), self.cell.clone());
+        self.rt.spawn(async move {
+            let key = store.keys.joined_rank(&job, gnum, rank);
+            for i in 0..40u32 {
+                match store.put_json(&key, &join, None).await {
+                    Ok(_) => break,
+                    Err(e) if i == 39 || cell.newest() > gnum => {
+                        tracing::error!(generation = gnum, error = %e, "cannot write the join record");
+                        return;
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(250 * (i + 1).min(8) as u64)).await,
+                }
+            }
+            let _ = store
+                .backend
+                .put(
+                    &store.keys.weights_of(&job, gnum, rank),
+                    weights.into_bytes(),
+                    None,
+                )
+                .await;
+        });
+    }
+
+    /// Rank 0's progress (in the background; the next report replaces it).
+    pub fn progress(&self, p: Progress) {
+        let (store, job) = (self.store.clone(), self.job.clone());
+        self.rt.spawn(async move {
+            let _ = store.put_json(&store.keys.progress(&job), &p, None).await;
+        });
+    }
+
+    /// Rank 0's last progress, `done`: written before the worker exits, keeping the figures
+    /// of the last periodic report (loss, rate, sync mode's) that `p` does not carry.
+    pub fn final_progress(&self, p: Progress) -> anyhow::Result<()> {
+        let store = self.store.clone();
+        let prev = self.rt.block_on(store.progress(&self.job)).ok().flatten();
+        let p = match prev {
+            Some(x) => Progress {
+                loss: x.loss,
+                samples_per_sec: x.samples_per_sec,
+                sync: x.sync,
+                round: x.round,
+                bytes_per_sample: x.bytes_per_sample,
+                staleness_mean: x.staleness_mean,
+                staleness_max: x.staleness_max,
+                dropped_updates: x.dropped_updates,
+                eval_loss: p.eval_loss,
+                ..p
+            },
+            None => p,
+        };
+        self.rt
+            .block_on(store.put_json(&store.keys.progress(&self.job), &p, None))?;
+        Ok(())
+    }
+
+    /// A rank's own figures (a straggler shows in its compute time), in the background.
+    pub fn rank_stats(&self, s: RankStats) {
+        let (store, job) = (self.store.clone(), self.job.clone());
+        self.rt.spawn(async move {
+            let _ = store
+                .put_json(&store.keys.rank_stats(&job, s.rank), &s, None)
+                .await;
+        });
+    }
+
+    /// When the world of generation `gnum` completed its first step (the recovery benchmarks
+    /// read it).
+    pub fn first_step(&self, gnum: u64) {
+        let (store, job, at) = (self.store.clone(), self.job.clone(), now_ms());
+        self.rt.spawn(async move {
+            let _ = store
+                .backend
+                .put(
+                    &store.keys.first_step(&job, gnum),
+                    at.to_string().into_bytes(),
+                    None,
+                )
+                .await;
+        });
+    }
+}

@@ -1,0 +1,368 @@
+//! The state agreement every generation starts with, and what a rank holds.
+//!
+//! The agreement ([`Trainer::agree`]): every rank says its step, its pending step and the
+//! units it holds; the resume step is the highest; each rank obtains the units of its new
+//! stage that it does not hold at that step from a holder (spread over the holders), point to
+//! point, as checksummed blobs of parameters and optimizer state, by the redistribution plan
+//! ([`ductile_strategies::redistribute`]). A unit nobody holds comes from the latest
+//! checkpoint, through the same plan (every rank restores its own stage from it, since the
+//! survivors are ahead of it); with no checkpoint the worker stops rather than start those
+//! layers from the seed. A rank one step behind with that step pending applies it (the
+//! commit completed elsewhere, so every rank had it).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use ductile_cluster::records::{Generation, Member};
+use ductile_comm::{CommError, Communicator};
+use ductile_strategies::redistribute::{self, relative, whole, Move, Part, Region};
+use tch::Tensor;
+
+use super::reshard::{holds_unit, region_of, state_view, transfer};
+use super::Trainer;
+
+/// A reduced gradient waiting for its step's commit.
+pub struct Pending {
+    /// The step it applies (the rank's `step` when it was computed).
+    pub step: u64,
+    /// The generation that computed it (the ledger's line says so).
+    pub generation: u64,
+    pub params: Vec<usize>,
+    pub grads: Vec<Tensor>,
+}
+
+/// Chunks of units a rank may hold: one per stage, two with `interleaved-1f1b`.
+const HELD_SLOTS: usize = 2;
+
+impl Trainer {
+    /// The chunks of units a member holds in generation `g` (every unit without stages;
+    /// none for a spare).
+    pub(super) fn units_of(&self, g: &Generation, m: &Member) -> Vec<Range<usize>> {
+        if m.spare {
+            return Vec::new();
+        }
+        g.stage_chunks(m.pp_stage, self.units() as u32)
+            .into_iter()
+            .map(|r| r.start as usize..r.end as usize)
+            .collect()
+    }
+
+    /// Parameter indices of the units in `chunks`, in index order.
+    pub(super) fn params_in(&self, chunks: &[Range<usize>]) -> Vec<usize> {
+        (0..self.params.len())
+            .filter(|i| holds_unit(chunks, self.param_unit[*i]))
+            .collect()
+    }
+
+    /// Parameters (with their gradients) and optimizer state of the units in `keep` keep
+    /// their storage; every other unit's is released (an empty tensor of the same kind), so
+    /// a stage holds its own layers only.
+    pub(super) fn hold_only(&mut self, keep: &[Range<usize>]) {
+        self.resize_units(|u| !holds_unit(keep, u), false);
+    }
+
+    /// Give the units `want` their storage back (zeros) where it was released, before they
+    /// are received or restored.
+    pub(super) fn allocate(&mut self, want: &[Range<usize>]) {
+        self.resize_units(|u| holds_unit(want, u), true);
+    }
+
+    fn resize_units(&mut self, which: impl Fn(usize) -> bool, grow: bool) {
+        for i in 0..self.params.len() {
+            if !which(self.param_unit[i]) {
+                continue;
+            }
+            let p = self.params[i].shallow_clone();
+            let full = self.shapes[i].iter().product::<i64>() as usize;
+            if (p.numel() == full) == grow {
+                continue;
+            }
+            let mut ts = vec![p.shallow_clone(), p.grad()];
+            ts.extend(self.opt.state_of(i).into_iter().map(|t| t.shallow_clone()));
+            for mut t in ts.into_iter().filter(|t| t.defined()) {
+                let new = if grow {
+                    Tensor::zeros(self.shapes[i].as_slice(), (t.kind(), t.device()))
+                } else {
+                    Tensor::empty([0], (t.kind(), t.device()))
+                };
+                tch::no_grad(|| t.set_data(&new));
+            }
+        }
+    }
+
+    /// Bytes of parameters and optimizer state this rank holds.
+    pub(super) fn state_bytes(&self) -> u64 {
+        self.params
+            .iter()
+            .chain(self.opt.state.iter())
+            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    }
+
+    /// The parameter state tensor `t` belongs to (the parameters, then the optimizer's states,
+    /// `per` of them per parameter in parameter order).
+    pub(super) fn param_of(&self, t: usize) -> usize {
+        let p = self.params.len();
+        let per = (self.opt.state.len() / p.max(1)).max(1);
+        if t < p {
+            t
+        } else {
+            (t - p) / per
+        }
+    }
+
+    /// Rank `rank`'s parts of the state when it holds the units in `chunks`: whole tensors
+    /// (tensor parallelism would slice them).
+    pub(super) fn parts_of(&self, rank: u32, chunks: &[Range<usize>]) -> Vec<Part> {
+        (0..self.params.len() + self.opt.state.len())
+            .filter(|t| holds_unit(chunks, self.param_unit[self.param_of(*t)]))
+            .map(|t| {
+                let shape: Vec<u64> = self.shapes[self.param_of(t)]
+                    .iter()
+                    .map(|d| *d as u64)
+                    .collect();
+                Part {
+                    rank,
+                    tensor: t,
+                    region: whole(&shape),
+                }
+            })
+            .collect()
+    }
+
+    /// Element sizes of the state tensors, for [`redistribute::plan`].
+    pub(super) fn elem_sizes(&self) -> Vec<u64> {
+        self.tensors()
+            .iter()
+            .map(|t| t.kind().elt_size_in_bytes() as u64)
+            .collect()
+    }
+
+    /// Carry out the point-to-point moves of a redistribution plan over this rank's state
+    /// ([`super::reshard::transfer`]): it serves from its own tensors, or from a checkpoint
+    /// chunk it read (`read`), and receives into its tensors (slices mapped by its holdings).
+    pub(super) fn exchange(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        moves: &[Move],
+        step: u64,
+        read: &BTreeMap<usize, (Region, Tensor)>,
+    ) -> Result<usize, CommError> {
+        let state: Vec<Tensor> = self
+            .tensors()
+            .into_iter()
+            .map(|t| t.shallow_clone())
+            .collect();
+        // a rank holding tensor slices maps logical regions into its local tensors
+        let slices = self.slice_holdings();
+        let view = |t: usize, r: &Region| state_view(&state, slices.as_deref(), t, r);
+        transfer(
+            comm,
+            moves,
+            step,
+            |m| {
+                Ok(match m.via {
+                    None => view(m.tensor, &m.region),
+                    Some(c) => {
+                        let (at, t) = &read[&c];
+                        region_of(t, &relative(&m.region, at))
+                    }
+                })
+            },
+            |m| Ok(view(m.tensor, &m.region)),
+        )
+    }
+
+    /// Agree on the state at the start of a generation (see the module's comment). The outer
+    /// error stops the worker (no holder and no checkpoint); the inner one re-forms.
+    pub(super) fn agree(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> anyhow::Result<Result<(), CommError>> {
+        self.received = 0;
+        let pend = self.pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
+        // [step, pending step, tensor group size and place of what it holds, then HELD_SLOTS
+        // (start, end) pairs of the chunks it holds]
+        let mut row = vec![
+            self.step as f64,
+            pend,
+            self.tp_held.0 as f64,
+            self.tp_held.1 as f64,
+        ];
+        for k in 0..HELD_SLOTS {
+            let r = self.held.get(k).cloned().unwrap_or(0..0);
+            row.extend([r.start as f64, r.end as f64]);
+        }
+        assert!(
+            self.held.len() <= HELD_SLOTS,
+            "a rank holds at most {HELD_SLOTS} chunks"
+        );
+        let rows = match super::gather_rows(comm.as_ref(), &row) {
+            Ok(r) => r,
+            Err(e) => return Ok(Err(e)),
+        };
+        let held_by = |r: &[f64]| -> Vec<Range<usize>> {
+            r[4..]
+                .chunks(2)
+                .map(|c| c[0] as usize..c[1] as usize)
+                .collect()
+        };
+        let max = rows.iter().map(|r| r[0]).fold(0.0, f64::max);
+        // a rank one step behind with that step's reduced gradient pending: the commit went
+        // through elsewhere, so it applies it
+        let eff = |r: &[f64]| {
+            if r[1] >= 0.0 && r[1] == r[0] && r[0] + 1.0 == max {
+                max
+            } else {
+                r[0]
+            }
+        };
+        if let Some(p) = self.pending.take() {
+            if (p.step + 1) as f64 == max {
+                self.apply(&p.params, &p.grads, p.step, p.generation, comm.rank());
+                tracing::info!(
+                    step = self.step,
+                    "applied the pending step its commit completed elsewhere"
+                );
+            }
+        }
+        if g.layout.tensor_parallel > 1 || rows.iter().any(|r| r[2] > 1.0) {
+            return self.agree_tp(comm, g, &rows, &held_by, &|r| eff(r) == max, max);
+        }
+        let units = self.units();
+        // what this rank holds once the generation trains: its stage's units (the others'
+        // copies go stale from the first step on, so they are never offered as holdings)
+        let mine = {
+            let me = g.members.iter().find(|m| m.rank == comm.rank()).unwrap();
+            self.units_of(g, me)
+        };
+        // what every member needs once the generation trains: its stage's state
+        let need: Vec<Part> = g
+            .members
+            .iter()
+            .flat_map(|m| self.parts_of(m.rank, &self.units_of(g, m)))
+            .collect();
+        if max == 0.0 {
+            // a cold start: everyone holds the seed's state (or restores the latest checkpoint)
+            // (nobody released any unit yet: a rank releases the units it does not hold
+            // after its first step, when their copies go stale)
+            if self.ckpt.is_none() && g.resume_step > 0 && self.spec.pipelined() {
+                // every rank is new, but this run had trained: its state went with the ranks
+                // that held it, and without a checkpoint the seed is all that is left. A fault
+                // report, not an exit: the leader re-forms `fault_retries` times, then fails
+                // the job with this reason in its status
+                return Ok(Err(CommError::Invalid {
+                    op: "agree",
+                    reason: format!(
+                        "the job had reached step {}, but every rank starts at step 0 and it has no [checkpoint]: stopping rather than starting from the seed",
+                        g.resume_step
+                    ),
+                }));
+            }
+            let r = match &self.ckpt {
+                Some(_) => self.restore(comm, &need)?,
+                None => Ok(()),
+            };
+            self.held = mine;
+            return Ok(r);
+        }
+        let step = max as u64;
+        let holds = |r: usize, u: usize| eff(&rows[r]) == max && holds_unit(&held_by(&rows[r]), u);
+        let missing: Vec<usize> = (0..units)
+            .filter(|u| !(0..rows.len()).any(|r| holds(r, *u)))
+            .collect();
+        if !missing.is_empty() {
+            let names: Vec<String> = missing
+                .iter()
+                .map(|u| self.unit_names[*u].clone())
+                .collect();
+            if self.ckpt.is_none() {
+                anyhow::bail!(
+                    "layers {} have no holder at step {step} in generation {} and the job has no checkpoint: stopping rather than starting them from the seed",
+                    names.join(", "),
+                    g.number
+                );
+            }
+            if comm.rank() == 0 {
+                println!(
+                    "layers {} have no holder at step {step}: every rank restores its layers from the latest checkpoint",
+                    names.join(", ")
+                );
+            }
+            self.step = 0;
+            self.pending = None;
+            self.allocate(&mine);
+            let r = self.restore(comm, &need)?;
+            if r.is_ok() && self.step == 0 {
+                anyhow::bail!(
+                    "layers {} have no holder and the checkpoint URL holds no commit: stopping rather than starting them from the seed",
+                    names.join(", ")
+                );
+            }
+            self.hold_only(&mine);
+            self.held = mine;
+            return Ok(r);
+        }
+        // who gets which tensor from whom: the redistribution plan over the up-to-date
+        // holders, the same on every rank
+        let held: Vec<Part> = (0..rows.len())
+            .filter(|r| eff(&rows[*r]) == max)
+            .flat_map(|r| self.parts_of(r as u32, &held_by(&rows[r])))
+            .collect();
+        let plan = redistribute::plan(&self.elem_sizes(), &held, &[], &need)
+            .map_err(|e| anyhow::anyhow!("state transfer plan at step {step}: {e}"))?;
+        let t0 = std::time::Instant::now();
+        self.allocate(&mine);
+        let bytes = match self.exchange(comm, &plan.moves, step, &BTreeMap::new()) {
+            Ok(b) => b,
+            Err(e) => return Ok(Err(e)),
+        };
+        self.step = step;
+        self.received = bytes as u64;
+        self.hold_only(&mine);
+        self.held = mine;
+        if bytes > 0 {
+            tracing::info!(
+                step,
+                bytes,
+                tensors = plan.moves.iter().filter(|m| m.to == comm.rank()).count(),
+                ms = t0.elapsed().as_millis() as u64,
+                "received layers"
+            );
+        }
+        Ok(Ok(()))
+    }
+
+    /// Rank 0 gathers every unit it does not hold from stage `s` of replica 0 (rank s), for
+    /// the final weights hash.
+    pub(super) fn gather_to_rank0(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> Result<(), CommError> {
+        if self.tp_held.0 > 1 {
+            return self.gather_tp_to_rank0(comm, g);
+        }
+        let held: Vec<Part> = g
+            .members
+            .iter()
+            .filter(|m| !m.spare && m.dp_rank == 0)
+            .flat_map(|m| self.parts_of(m.rank, &self.units_of(g, m)))
+            .collect();
+        let need = self.parts_of(0, &[0..self.units()]);
+        let plan = redistribute::plan(&self.elem_sizes(), &held, &[], &need).map_err(|e| {
+            CommError::Invalid {
+                op: "gather",
+                reason: e.to_string(),
+            }
+        })?;
+        let step = self.step;
+        if comm.rank() == 0 {
+            self.allocate(&[0..self.units()]);
+        }
+        self.exchange(comm, &plan.moves, step, &BTreeMap::new())
+            .map(|_| ())
+    }
+}
