@@ -1,6 +1,7 @@
 //! Parallel strategies, re-planned for each world size: the layout of a generation, each
 //! rank's share of a fixed global batch, and pipeline plans ([`pipeline`]). No I/O, no tch.
 
+pub mod arch;
 pub mod diloco;
 pub mod mesh;
 pub mod pipeline;

@@ -14,9 +14,9 @@ pub mod schedule;
 pub use check::check_job;
 pub use schedule::*;
 
-use ductile_cluster::records::{Degree, Layout, ModelKind, Strategy, TrainingSpec};
+use ductile_cluster::records::{Degree, Layout, Strategy, TrainingSpec};
 
-use crate::tensor::{check_tp, Arch};
+use crate::arch::Architecture;
 use serde::Serialize;
 
 /// Modelled compute rate of one slot, FLOP/s (a CPU core with one torch thread; only ratios
@@ -42,73 +42,9 @@ pub struct Unit {
     pub stash_bytes: u64,
 }
 
-/// The units of a job's model, in order (the GPT: `embed`, `h0..`, `head`; the MLP: `l0..`,
-/// `out`). Sizes the spec leaves to the dataset (the GPT's vocabulary when `vocab = 0`, the
-/// MLP's input and output widths) are estimated; they only weigh the balance.
+/// The units of a job's model, in order ([`crate::arch::Architecture::units`]).
 pub fn units(t: &TrainingSpec) -> Result<Vec<Unit>, String> {
-    match t.model {
-        ModelKind::Gpt => {
-            let g = t.gpt_config().map_err(|e| e.to_string())?;
-            let (c, l, ctx, heads) = (
-                g.d_model as u64,
-                g.n_layer as u64,
-                g.ctx as u64,
-                g.n_head as u64,
-            );
-            let vocab = (g.vocab as u64).max(256);
-            let mut v = vec![Unit {
-                name: "embed".into(),
-                prefixes: vec!["tok".into(), "pos".into()],
-                params: (vocab + ctx) * c,
-                flops: (4 * ctx * c) as f64,
-                out_bytes: 4 * ctx * c,
-                stash_bytes: 4 * ctx * c,
-            }];
-            for i in 0..l {
-                v.push(Unit {
-                    name: format!("h{i}"),
-                    prefixes: vec![format!("h{i}")],
-                    params: 12 * c * c + 13 * c,
-                    flops: 6.0 * (12 * c * c * ctx) as f64 + 12.0 * (ctx * ctx * c) as f64,
-                    out_bytes: 4 * ctx * c,
-                    stash_bytes: 4 * (17 * ctx * c + 3 * heads * ctx * ctx),
-                });
-            }
-            v.push(Unit {
-                name: "head".into(),
-                prefixes: vec!["ln_f".into(), "head".into()],
-                params: c * vocab + 2 * c,
-                flops: 6.0 * (c * vocab * ctx) as f64,
-                out_bytes: 4,
-                stash_bytes: 4 * (2 * ctx * vocab + ctx * c),
-            });
-            Ok(v)
-        }
-        ModelKind::Mlp => {
-            let m = t.mlp_config().map_err(|e| e.to_string())?;
-            let h = m.hidden as u64;
-            let mut v = Vec::new();
-            for i in 0..m.layers as u64 {
-                v.push(Unit {
-                    name: format!("l{i}"),
-                    prefixes: vec![format!("l{i}")],
-                    params: h * h + h,
-                    flops: 6.0 * (h * h) as f64,
-                    out_bytes: 4 * h,
-                    stash_bytes: 8 * h,
-                });
-            }
-            v.push(Unit {
-                name: "out".into(),
-                prefixes: vec!["out".into()],
-                params: h + 1,
-                flops: 6.0 * h as f64,
-                out_bytes: 4,
-                stash_bytes: 4 * h,
-            });
-            Ok(v)
-        }
-    }
+    Ok(crate::arch::of(t)?.units())
 }
 
 /// The unit a parameter (by its name, `h3.qkv.weight`) belongs to.
@@ -218,36 +154,6 @@ pub fn balance(costs: &[u64], parts: usize) -> Vec<u32> {
     pack(lo).expect("the sum of all costs always packs")
 }
 
-/// The tensor-parallel split rules' view of a job's model, and the sizes [`crate::tensor::check_tp`]
-/// checks: (arch, d_model, vocabulary, widest split dimension).
-pub fn arch_of(t: &TrainingSpec) -> Result<(Arch, u64, u64, u64), String> {
-    match t.model {
-        ModelKind::Gpt => {
-            let g = t.gpt_config().map_err(|e| e.to_string())?;
-            Ok((
-                Arch::Gpt {
-                    heads: g.n_head as u64,
-                },
-                g.d_model as u64,
-                // vocab = 0 leaves it to the dataset (as [`units`] estimates it)
-                if g.vocab == 0 { 256 } else { g.vocab as u64 },
-                4 * g.d_model as u64,
-            ))
-        }
-        ModelKind::Mlp => {
-            let m = t.mlp_config().map_err(|e| e.to_string())?;
-            Ok((
-                Arch::Mlp {
-                    layers: m.layers as u64,
-                },
-                0,
-                0,
-                m.hidden as u64,
-            ))
-        }
-    }
-}
-
 struct Candidate {
     dp: u32,
     pp: u32,
@@ -256,19 +162,15 @@ struct Candidate {
 
 fn model_step(
     t: &TrainingSpec,
+    arch: &dyn Architecture,
     us: &[Unit],
     world: u32,
     c: &Candidate,
 ) -> Result<(Vec<u32>, Vec<StagePlan>, u32, f64), String> {
     let (dp, pp, tp) = (c.dp, c.pp, c.tp);
     if tp > 1 {
-        let (arch, d_model, vocab, width) = arch_of(t)?;
-        check_tp(arch, d_model, vocab, width, tp)?;
-        if pp > 1 && matches!(arch, Arch::Mlp { .. }) {
-            return Err(format!(
-                "an MLP is not split over {tp} tensor ranks and {pp} stages at once (a stage boundary could fall inside a column/row pair)"
-            ));
-        }
+        arch.check_tp(tp)?;
+        arch.check_layout(pp, tp)?;
         if t.deterministic {
             match t.tensor_slices {
                 Some(k) if k % tp == 0 => {}
@@ -391,8 +293,7 @@ fn model_step(
     // tensor parallelism: per block and micro-batch, two activation all-reduces forward and two
     // backward, each sending the activation to the tp − 1 other members
     let tensor = if tp > 1 {
-        let blocks =
-            us.iter().filter(|u| u.name.starts_with('h')).count().max(1) as f64 / pp as f64;
+        let blocks = arch.blocks().max(1) as f64 / pp as f64;
         let act = us[0].out_bytes * micro;
         4.0 * blocks
             * (m * v) as f64
@@ -415,7 +316,8 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
     if world == 0 {
         return Err("a world has at least one rank".into());
     }
-    let us = units(t)?;
+    let arch = crate::arch::of(t)?;
+    let us = arch.units();
     let tps: Vec<u32> = match (t.strategy, t.tensor_parallel) {
         (Strategy::DataParallel | Strategy::Pipeline, _) => vec![1],
         (_, Degree::Fixed(n)) if n > world => {
@@ -481,7 +383,7 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
             pipeline_parallel: c.pp,
             tensor_parallel: c.tp,
         };
-        match model_step(t, &us, world, c) {
+        match model_step(t, arch.as_ref(), &us, world, c) {
             Ok(r) => scored.push((c, layout, r)),
             Err(e) => refused.push(RunnerUp {
                 layout: layout.to_string(),

@@ -2,8 +2,7 @@
 
 use ductile_cluster::records::{Degree, JobSpec, Strategy};
 
-use super::{arch_of, plan, units};
-use crate::tensor::check_tp;
+use super::plan;
 
 /// Checks at submission what the records cannot: the stage count against the model and the
 /// sizes the job may take. Returns (field, reason).
@@ -15,9 +14,9 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
         return Ok(());
     }
     if let Degree::Fixed(n) = t.tensor_parallel {
-        let (arch, d_model, vocab, width) =
-            arch_of(t).map_err(|e| ("training.model_config".to_string(), e))?;
-        check_tp(arch, d_model, vocab, width, n)
+        crate::arch::of(t)
+            .map_err(|e| ("training.model_config".to_string(), e))?
+            .check_tp(n)
             .map_err(|e| ("training.tensor_parallel".to_string(), e))?;
         if let (true, Some(k)) = (t.deterministic, t.tensor_slices) {
             if k % n != 0 {
@@ -37,7 +36,9 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
             ));
         }
     }
-    let us = units(t).map_err(|e| ("training.model_config".to_string(), e))?;
+    let us = crate::arch::of(t)
+        .map_err(|e| ("training.model_config".to_string(), e))?
+        .units();
     if let Degree::Fixed(n) = t.pipeline_parallel {
         if n as usize > us.len() {
             return Err((

@@ -1,0 +1,156 @@
+//! Models as the planner sees them, without tch: one [`Architecture`] per model kind knows its
+//! configuration (checked), its pipeline units and their cost, its tensor split rules and the
+//! parallel layouts it cannot take. The daemon plans with it and the worker maps its
+//! parameters to units and slices with it, so both sides read one description of a model.
+
+use ductile_cluster::records::{GptConfig, MlpConfig, ModelKind, TrainingSpec};
+
+use crate::pipeline::Unit;
+use crate::tensor::{self, Arch, Split};
+
+/// What the planner and the split rules know of a model.
+pub trait Architecture: Send + Sync {
+    /// The units in order (a stage boundary never cuts one), with their cost per sample.
+    /// Sizes the spec leaves to the dataset are estimated; they only weigh the balance.
+    fn units(&self) -> Vec<Unit>;
+    /// How many units are transformer blocks (tensor parallelism's modelled all-reduces are
+    /// per block).
+    fn blocks(&self) -> usize;
+    /// The key of the tensor split rules ([`crate::tensor`]).
+    fn split_rules(&self) -> Arch;
+    /// How a tensor group splits parameter `name`.
+    fn split_of(&self, name: &str) -> Split {
+        tensor::split_of(self.split_rules(), name)
+    }
+    /// Why `tp` ranks cannot split this model, if they cannot.
+    fn check_tp(&self, tp: u32) -> Result<(), String>;
+    /// Why `pp` stages of `tp` ranks cannot split it, if they cannot.
+    fn check_layout(&self, _pp: u32, _tp: u32) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The architecture of a job's model, its configuration checked.
+pub fn of(t: &TrainingSpec) -> Result<Box<dyn Architecture>, String> {
+    Ok(match t.model {
+        ModelKind::Gpt => Box::new(Gpt(t.gpt_config().map_err(|e| e.to_string())?)),
+        ModelKind::Mlp => Box::new(Mlp(t.mlp_config().map_err(|e| e.to_string())?)),
+    })
+}
+
+/// The built-in GPT: `embed` (`tok`, `pos`), blocks `h0..`, `head` (`ln_f`, `head`).
+pub struct Gpt(pub GptConfig);
+
+impl Architecture for Gpt {
+    fn units(&self) -> Vec<Unit> {
+        let g = &self.0;
+        let (c, l, ctx, heads) = (
+            g.d_model as u64,
+            g.n_layer as u64,
+            g.ctx as u64,
+            g.n_head as u64,
+        );
+        let vocab = (g.vocab as u64).max(256);
+        let mut v = vec![Unit {
+            name: "embed".into(),
+            prefixes: vec!["tok".into(), "pos".into()],
+            params: (vocab + ctx) * c,
+            flops: (4 * ctx * c) as f64,
+            out_bytes: 4 * ctx * c,
+            stash_bytes: 4 * ctx * c,
+        }];
+        for i in 0..l {
+            v.push(Unit {
+                name: format!("h{i}"),
+                prefixes: vec![format!("h{i}")],
+                params: 12 * c * c + 13 * c,
+                flops: 6.0 * (12 * c * c * ctx) as f64 + 12.0 * (ctx * ctx * c) as f64,
+                out_bytes: 4 * ctx * c,
+                stash_bytes: 4 * (17 * ctx * c + 3 * heads * ctx * ctx),
+            });
+        }
+        v.push(Unit {
+            name: "head".into(),
+            prefixes: vec!["ln_f".into(), "head".into()],
+            params: c * vocab + 2 * c,
+            flops: 6.0 * (c * vocab * ctx) as f64,
+            out_bytes: 4,
+            stash_bytes: 4 * (2 * ctx * vocab + ctx * c),
+        });
+        v
+    }
+
+    fn blocks(&self) -> usize {
+        self.0.n_layer as usize
+    }
+
+    fn split_rules(&self) -> Arch {
+        Arch::Gpt {
+            heads: self.0.n_head as u64,
+        }
+    }
+
+    fn check_tp(&self, tp: u32) -> Result<(), String> {
+        let g = &self.0;
+        tensor::check_tp(
+            self.split_rules(),
+            g.d_model as u64,
+            // vocab = 0 leaves it to the dataset (as the units estimate it)
+            if g.vocab == 0 { 256 } else { g.vocab as u64 },
+            4 * g.d_model as u64,
+            tp,
+        )
+    }
+}
+
+/// The built-in MLP: hidden layers `l0..`, then `out`.
+pub struct Mlp(pub MlpConfig);
+
+impl Architecture for Mlp {
+    fn units(&self) -> Vec<Unit> {
+        let h = self.0.hidden as u64;
+        let mut v = Vec::new();
+        for i in 0..self.0.layers as u64 {
+            v.push(Unit {
+                name: format!("l{i}"),
+                prefixes: vec![format!("l{i}")],
+                params: h * h + h,
+                flops: 6.0 * (h * h) as f64,
+                out_bytes: 4 * h,
+                stash_bytes: 8 * h,
+            });
+        }
+        v.push(Unit {
+            name: "out".into(),
+            prefixes: vec!["out".into()],
+            params: h + 1,
+            flops: 6.0 * h as f64,
+            out_bytes: 4,
+            stash_bytes: 4 * h,
+        });
+        v
+    }
+
+    fn blocks(&self) -> usize {
+        0
+    }
+
+    fn split_rules(&self) -> Arch {
+        Arch::Mlp {
+            layers: self.0.layers as u64,
+        }
+    }
+
+    fn check_tp(&self, tp: u32) -> Result<(), String> {
+        tensor::check_tp(self.split_rules(), 0, 0, self.0.hidden as u64, tp)
+    }
+
+    fn check_layout(&self, pp: u32, tp: u32) -> Result<(), String> {
+        if pp > 1 && tp > 1 {
+            return Err(format!(
+                "an MLP is not split over {tp} tensor ranks and {pp} stages at once (a stage boundary could fall inside a column/row pair)"
+            ));
+        }
+        Ok(())
+    }
+}
