@@ -1,14 +1,14 @@
 //! The newest generation seen, shared between the async watcher and the thread that works
 //! through generations (the trainer's, or a launcher's).
 
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use ductile_cluster::records::Generation;
 
 /// How to abort the work of one generation (its communicator), so a call blocked in it returns
 /// at once when a newer generation appears.
-pub type AbortFn = Box<dyn Fn() + Send + Sync>;
+pub type AbortFn = Arc<dyn Fn() + Send + Sync>;
 
 #[derive(Default)]
 pub struct GenCell {
@@ -77,11 +77,12 @@ impl GenCell {
     /// The work of `generation` is aborted by `abort` from now on (at once if a newer
     /// generation is already here).
     pub fn install(&self, generation: u64, abort: AbortFn) {
-        let newer = self.newest() > generation;
-        if newer {
+        // installed first, then checked: a generation published in between aborts it either
+        // way
+        *self.abort.lock().unwrap() = Some((generation, abort.clone()));
+        if self.newest() > generation {
             abort();
         }
-        *self.abort.lock().unwrap() = Some((generation, abort));
     }
 }
 
@@ -89,7 +90,6 @@ impl GenCell {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
-    use std::sync::Arc;
 
     fn gen(number: u64) -> Generation {
         Generation {
@@ -121,7 +121,7 @@ mod tests {
         let a = aborts.clone();
         cell.install(
             3,
-            Box::new(move || {
+            Arc::new(move || {
                 a.fetch_add(1, Ordering::SeqCst);
             }),
         );
@@ -137,7 +137,7 @@ mod tests {
         let l = late.clone();
         cell.install(
             3,
-            Box::new(move || {
+            Arc::new(move || {
                 l.fetch_add(1, Ordering::SeqCst);
             }),
         );

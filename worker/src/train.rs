@@ -293,7 +293,7 @@ impl Trainer {
             let formed = now_ms();
             let aborts = comm.clone();
             self.cell
-                .install(g.number, Box::new(move || aborts.abort()));
+                .install(g.number, Arc::new(move || aborts.abort()));
             match self.generation(&g, &comm, &me, (seen, formed)) {
                 Ok(Outcome::Done) => return Ok(Left::Done),
                 Ok(Outcome::Reform(e)) => {
