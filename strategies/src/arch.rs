@@ -13,9 +13,9 @@ pub trait Architecture: Send + Sync {
     /// The units in order (a stage boundary never cuts one), with their cost per sample.
     /// Sizes the spec leaves to the dataset are estimated; they only weigh the balance.
     fn units(&self) -> Vec<Unit>;
-    /// How many units are transformer blocks (tensor parallelism's modelled all-reduces are
-    /// per block).
-    fn blocks(&self) -> usize;
+    /// How many units a tensor group runs with activation all-reduces (the planner models four
+    /// per such unit and micro-batch): the GPT's blocks and its vocabulary-parallel head.
+    fn tensor_synced_units(&self) -> usize;
     /// The key of the tensor split rules ([`crate::tensor`]).
     fn split_rules(&self) -> Arch;
     /// How a tensor group splits parameter `name`.
@@ -80,8 +80,8 @@ impl Architecture for Gpt {
         v
     }
 
-    fn blocks(&self) -> usize {
-        self.0.n_layer as usize
+    fn tensor_synced_units(&self) -> usize {
+        self.0.n_layer as usize + 1
     }
 
     fn split_rules(&self) -> Arch {
@@ -131,7 +131,7 @@ impl Architecture for Mlp {
         v
     }
 
-    fn blocks(&self) -> usize {
+    fn tensor_synced_units(&self) -> usize {
         0
     }
 

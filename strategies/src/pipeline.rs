@@ -293,7 +293,7 @@ fn model_step(
     // tensor parallelism: per block and micro-batch, two activation all-reduces forward and two
     // backward, each sending the activation to the tp − 1 other members
     let tensor = if tp > 1 {
-        let blocks = arch.blocks().max(1) as f64 / pp as f64;
+        let blocks = arch.tensor_synced_units().max(1) as f64 / pp as f64;
         let act = us[0].out_bytes * micro;
         4.0 * blocks
             * (m * v) as f64
@@ -723,6 +723,26 @@ mod tests {
         assert_eq!(unit_of(&us, "h1.qkv.bias"), Some(2));
         assert_eq!(unit_of(&us, "ln_f.weight"), Some(3));
         assert_eq!(unit_of(&us, "nope.weight"), None);
+    }
+
+    #[test]
+    fn auto_degrees_under_a_memory_bound_walk_between_tensor_groups_and_stages() {
+        // the integration test's job (tests/tests/tensor.rs): the modelled costs pick these
+        let t: TrainingSpec = serde_json::from_value(serde_json::json!({
+            "strategy": "hybrid",
+            "model": "gpt",
+            "model_config": {"d_model": 128, "n_layer": 2, "n_head": 4, "ctx": 32, "vocab": 256},
+            "dataset": "file:///d",
+            "global_batch": 32,
+            "tensor_parallel": "auto",
+            "pipeline_parallel": "auto",
+            "memory_per_slot_gib": 0.008,
+        }))
+        .unwrap();
+        let at = |world: u32| plan(&t, world).unwrap().layout.to_string();
+        assert_eq!(at(4), "dp2×pp1×tp2");
+        assert_eq!(at(3), "dp1×pp3×tp1");
+        assert_eq!(at(2), "dp1×pp1×tp2");
     }
 
     #[test]
