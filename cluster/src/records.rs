@@ -645,10 +645,6 @@ impl TrainingSpec {
     pub fn is_diloco(&self) -> bool {
         self.sync == SyncMode::Diloco
     }
-    /// Whether the planner may cut this job into pipeline stages.
-    pub fn pipelined(&self) -> bool {
-        self.strategy.pipelined()
-    }
     fn one() -> Degree {
         Degree::Fixed(1)
     }

@@ -21,37 +21,21 @@ use crate::{CommError, Group, Result};
 /// Values per int8 block (each block carries its own f32 scale).
 pub const BLOCK: usize = 256;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Quant {
-    None,
-    Fp16,
-    Int8,
-}
+/// The exchange's encoding: a job's `diloco.quantize`.
+pub use ductile_cluster::records::Quantize as Quant;
 
-impl Quant {
-    /// `"none"`, `"fp16"` or `"int8"` (a job's `diloco.quantize`).
-    pub fn parse(s: &str) -> Option<Quant> {
-        match s {
-            "none" => Some(Quant::None),
-            "fp16" => Some(Quant::Fp16),
-            "int8" => Some(Quant::Int8),
-            _ => None,
-        }
-    }
-
-    /// Encoded bytes of `n` values.
-    pub fn encoded_len(self, n: usize) -> usize {
-        match self {
-            Quant::None => 4 * n,
-            Quant::Fp16 => 2 * n,
-            Quant::Int8 => n + 4 * n.div_ceil(BLOCK),
-        }
+/// Encoded bytes of `n` values.
+pub fn encoded_len(q: Quant, n: usize) -> usize {
+    match q {
+        Quant::None => 4 * n,
+        Quant::Fp16 => 2 * n,
+        Quant::Int8 => n + 4 * n.div_ceil(BLOCK),
     }
 }
 
 /// Encode the f32 values of `x`.
 pub fn encode(x: &[f32], q: Quant) -> Vec<u8> {
-    let mut out = Vec::with_capacity(q.encoded_len(x.len()));
+    let mut out = Vec::with_capacity(encoded_len(q, x.len()));
     match q {
         Quant::None => {
             for v in x {
@@ -89,11 +73,11 @@ pub fn encode(x: &[f32], q: Quant) -> Vec<u8> {
 
 /// Decode `n` values encoded by [`encode`]; an encoding of another length is an error.
 pub fn decode(b: &[u8], n: usize, q: Quant) -> std::result::Result<Vec<f32>, String> {
-    if b.len() != q.encoded_len(n) {
+    if b.len() != encoded_len(q, n) {
         return Err(format!(
             "{} bytes do not encode {n} values as {q:?} ({} would)",
             b.len(),
-            q.encoded_len(n)
+            encoded_len(q, n)
         ));
     }
     Ok(match q {
@@ -184,12 +168,12 @@ pub fn all_reduce(group: &Group, t: &Tensor, q: Quant) -> Result<(Tensor, u64)> 
     };
     let lens: Vec<Vec<i64>> = rs
         .iter()
-        .map(|r| vec![q.encoded_len(r.len()).div_ceil(2) as i64])
+        .map(|r| vec![encoded_len(q, r.len()).div_ceil(2) as i64])
         .collect();
     let bytes_of = |t: &Tensor, n: usize| {
         let mut b = vec![0u8; t.numel() * 2];
         t.copy_data_u8(&mut b, t.numel());
-        b.truncate(q.encoded_len(n));
+        b.truncate(encoded_len(q, n));
         b
     };
     // 1. every member gets the others' encodings of its range
@@ -250,7 +234,7 @@ mod tests {
         let x = values(1000, 3);
         for q in [Quant::None, Quant::Fp16, Quant::Int8] {
             let b = encode(&x, q);
-            assert_eq!(b.len(), q.encoded_len(x.len()));
+            assert_eq!(b.len(), encoded_len(q, x.len()));
             let y = decode(&b, x.len(), q).unwrap();
             let bound = bound(&x, q);
             for i in 0..x.len() {
@@ -267,7 +251,7 @@ mod tests {
             }
         }
         // int8 moves about a quarter of f32's bytes
-        assert!(Quant::Int8.encoded_len(1 << 20) * 100 <= 4 * (1 << 20) * 26);
+        assert!(encoded_len(Quant::Int8, 1 << 20) * 100 <= 4 * (1 << 20) * 26);
         assert!(decode(&[0u8; 7], 3, Quant::Fp16).is_err());
     }
 
@@ -321,7 +305,7 @@ mod tests {
                     b[i]
                 );
             }
-            let want = 2 * (world as u64 - 1) * q.encoded_len(n / 3) as u64;
+            let want = 2 * (world as u64 - 1) * encoded_len(q, n / 3) as u64;
             let sent = outs[0].1;
             assert!(
                 sent.abs_diff(want) <= 64,

@@ -510,7 +510,10 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     // failed. When they alone hold some layers, they stay one generation as spares to hand
     // them over (a hand-over generation), and leave once every member joined it.
     let mut leavers: Vec<(String, u32)> = Vec::new();
-    if let (Some(g), Some(t)) = (cur, spec.training.as_ref().filter(|t| t.pipelined())) {
+    if let (Some(g), Some(t)) = (
+        cur,
+        spec.training.as_ref().filter(|t| t.strategy.pipelined()),
+    ) {
         let alive = |(n, s): &&(String, u32)| {
             fleet.nodes.contains_key(n) && !obs.failed.contains_key(&(n.clone(), *s))
         };
@@ -582,28 +585,29 @@ fn build(
     };
     let world = chosen.len() as u32;
     // the plan for this world size: layout, stage boundaries, each member's coordinates
-    let (layout, boundaries, plan_us) = match spec.training.as_ref().filter(|t| t.pipelined()) {
-        Some(t) => {
-            let planning = std::time::Instant::now();
-            match ductile_strategies::pipeline::plan(t, world) {
-                Ok(p) => {
-                    let us = (planning.elapsed().as_micros() as u64).max(1);
-                    (p.layout, p.boundaries, us)
-                }
-                Err(e) => {
-                    return Decision::Status(status(
-                        &spec.name,
-                        JobState::Waiting,
-                        cur,
-                        prev_status,
-                        format!("{world} slot(s) cannot run this job: {e}"),
-                        now,
-                    ))
+    let (layout, boundaries, plan_us) =
+        match spec.training.as_ref().filter(|t| t.strategy.pipelined()) {
+            Some(t) => {
+                let planning = std::time::Instant::now();
+                match ductile_strategies::pipeline::plan(t, world) {
+                    Ok(p) => {
+                        let us = (planning.elapsed().as_micros() as u64).max(1);
+                        (p.layout, p.boundaries, us)
+                    }
+                    Err(e) => {
+                        return Decision::Status(status(
+                            &spec.name,
+                            JobState::Waiting,
+                            cur,
+                            prev_status,
+                            format!("{world} slot(s) cannot run this job: {e}"),
+                            now,
+                        ))
+                    }
                 }
             }
-        }
-        None => (Layout::data_parallel(world), Vec::new(), 0),
-    };
+            None => (Layout::data_parallel(world), Vec::new(), 0),
+        };
     let mut state_source = state_source;
     // the layers whose only holders leave (handed over when the leavers stay as spares)
     let lost = cur
@@ -730,7 +734,7 @@ fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Opt
     if g.stage_boundaries.len() < 2 && tp == 1 {
         return None;
     }
-    let units = ductile_strategies::pipeline::units(t).ok()?;
+    let units = ductile_strategies::arch::of(t).ok()?.units();
     let stays = |m: &Member| chosen.iter().any(|(n, s)| *n == m.node && *s == m.slot);
     // a unit is lost when one of its tensor slices has no staying holder
     let lost: Vec<String> = (0..units.len() as u32)

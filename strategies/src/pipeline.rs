@@ -42,11 +42,6 @@ pub struct Unit {
     pub stash_bytes: u64,
 }
 
-/// The units of a job's model, in order ([`crate::arch::Architecture::units`]).
-pub fn units(t: &TrainingSpec) -> Result<Vec<Unit>, String> {
-    Ok(crate::arch::of(t)?.units())
-}
-
 /// The unit a parameter (by its name, `h3.qkv.weight`) belongs to.
 pub fn unit_of(units: &[Unit], param: &str) -> Option<usize> {
     let head = param.split('.').next().unwrap_or(param);
@@ -716,7 +711,9 @@ mod tests {
 
     #[test]
     fn units_name_every_parameter_prefix() {
-        let us = units(&gpt("pipeline", Degree::Auto, 2)).unwrap();
+        let us = crate::arch::of(&gpt("pipeline", Degree::Auto, 2))
+            .unwrap()
+            .units();
         let names: Vec<&str> = us.iter().map(|u| u.name.as_str()).collect();
         assert_eq!(names, ["embed", "h0", "h1", "head"]);
         assert_eq!(unit_of(&us, "tok.weight"), Some(0));

@@ -167,9 +167,7 @@ fn job_at(
         )
     );
     if let Some(url) = ckpt {
-        s.push_str(&format!(
-            "[checkpoint]\nurl = \"{url}\"\ninterval = 40\nkeep = {KEEP}\n"
-        ));
+        s.push_str(&checkpoint_toml(url, 40, KEEP));
         if let Some(step) = restore {
             s.push_str(&format!("restore_step = {step}\n"));
         }
@@ -187,6 +185,11 @@ fn agent_env(ledger: &TempDir) -> Vec<(String, String)> {
         ),
         ("DUCTILE_COMM_LIVENESS_MS".into(), "3000".into()),
     ]
+}
+
+/// A job's `[checkpoint]` section.
+fn checkpoint_toml(url: &str, interval: u64, keep: usize) -> String {
+    format!("[checkpoint]\nurl = \"{url}\"\ninterval = {interval}\nkeep = {keep}\n")
 }
 
 fn try_status(c: &Cluster, job: &str) -> Option<JobView> {
@@ -602,13 +605,14 @@ fn side_phase(cfg: &Config, rng: &mut Rng, report: &mut Report, side: Side) {
         Side::Diloco => "diloco",
     };
     let steps = cfg.side_faults as u64 * 400 + 600;
+    let side_store = |dir: &str| format!("file://{}", c.dir.path().join(dir).display());
     let (env, mode, kinds) = match side {
         // member 0 cuts the decision short at every 400 steps' worth of positions applied
         Side::Async => (
             "DUCTILE_FAULT_EXIT_MID_DECIDE = \"6400:12800\"",
             format!(
-                "sync = \"async\"\n[training.async]\nstaleness = 2\n[checkpoint]\nurl = \"file://{}\"\ninterval = 50\nkeep = 3\n",
-                c.dir.path().join("ckpt-async").display()
+                "sync = \"async\"\n[training.async]\nstaleness = 2\n{}",
+                checkpoint_toml(&side_store("ckpt-async"), 50, 3)
             ),
             &["kill-member-0", "kill-worker", "kill-every-worker"][..],
         ),
@@ -616,8 +620,8 @@ fn side_phase(cfg: &Config, rng: &mut Rng, report: &mut Report, side: Side) {
         Side::Diloco => (
             "DUCTILE_FAULT_EXIT_BETWEEN_EXCHANGES = \"1:3:5\"",
             format!(
-                "sync = \"diloco\"\n[training.diloco]\ninner_steps = 16\nfragments = 4\n[checkpoint]\nurl = \"file://{}\"\ninterval = 40\nkeep = 3\n",
-                c.dir.path().join("ckpt-diloco").display()
+                "sync = \"diloco\"\n[training.diloco]\ninner_steps = 16\nfragments = 4\n{}",
+                checkpoint_toml(&side_store("ckpt-diloco"), 40, 3)
             ),
             &["kill-member-0", "kill-worker", "scale"][..],
         ),

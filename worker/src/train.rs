@@ -98,6 +98,13 @@ fn sha256_params(params: &[Tensor]) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// One line of the exactly-once ledger (`DUCTILE_LEDGER_DIR`), when this worker keeps one.
+pub(crate) fn ledger_line(ledger: &mut Option<std::fs::File>, line: serde_json::Value) {
+    if let Some(f) = ledger {
+        let _ = f.write_all(format!("{line}\n").as_bytes());
+    }
+}
+
 /// The tensors flattened one after another (on their device).
 pub(crate) fn flat(ts: &[Tensor]) -> Tensor {
     Tensor::cat(&ts.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0)
@@ -173,8 +180,9 @@ impl Trainer {
             Err(_) => None,
         };
         let order = Order::new(data.len(), spec.seed);
-        let unit_list =
-            ductile_strategies::pipeline::units(&spec).map_err(|e| anyhow::anyhow!(e))?;
+        let unit_list = ductile_strategies::arch::of(&spec)
+            .map_err(|e| anyhow::anyhow!(e))?
+            .units();
         anyhow::ensure!(
             unit_list.len() == model.units(),
             "the planner counts {} units in this model, the worker {}",
@@ -567,7 +575,7 @@ impl Trainer {
                     bytes_per_sample: (trained > 0).then(|| bytes / trained as f64),
                     ..Default::default()
                 };
-                self.put_progress(p);
+                self.reports.progress(p);
                 println!(
                     "step {} loss {loss:.4} samples/s {sps:.1} world {}",
                     self.step, g.world_size
@@ -609,11 +617,6 @@ impl Trainer {
     /// out themselves).
     fn run_positions(&self) -> u64 {
         self.spec.max_steps.unwrap_or(u64::MAX / 4) * self.spec.global_batch as u64
-    }
-
-    /// Publish rank 0's progress (in the background; the next report replaces it).
-    fn put_progress(&self, p: Progress) {
-        self.reports.progress(p);
     }
 
     /// Publish this rank's figures over the `steps` steps since `since` (a straggler shows in
@@ -760,13 +763,10 @@ impl Trainer {
             };
             acc = acc + loss.detach().to_kind(Kind::Double).reshape([1]);
         }
-        if let Some(f) = &mut self.ledger {
-            let _ = writeln!(
-                f,
-                "{}",
-                serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used})
-            );
-        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used}),
+        );
         acc.to_kind(Kind::Float)
     }
 
@@ -832,13 +832,10 @@ impl Trainer {
         }
         let lr = lr_at(self.spec.lr, self.step, self.spec.max_steps);
         self.opt.step(&self.params, &grads, lr, self.step);
-        if let Some(f) = &mut self.ledger {
-            let _ = writeln!(
-                f,
-                "{}",
-                serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true})
-            );
-        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true}),
+        );
         self.step += 1;
         Ok(loss)
     }

@@ -10,7 +10,7 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
     let Some(t) = &spec.training else {
         return Ok(());
     };
-    if !t.pipelined() {
+    if !t.strategy.pipelined() {
         return Ok(());
     }
     if let Degree::Fixed(n) = t.tensor_parallel {

@@ -248,7 +248,7 @@ impl Trainer {
             // a cold start: everyone holds the seed's state (or restores the latest checkpoint)
             // (nobody released any unit yet: a rank releases the units it does not hold
             // after its first step, when their copies go stale)
-            if self.ckpt.is_none() && g.resume_step > 0 && self.spec.pipelined() {
+            if self.ckpt.is_none() && g.resume_step > 0 && self.spec.strategy.pipelined() {
                 // every rank is new, but this run had trained: its state went with the ranks
                 // that held it, and without a checkpoint the seed is all that is left. A fault
                 // report, not an exit: the leader re-forms `fault_retries` times, then fails

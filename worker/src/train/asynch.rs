@@ -53,7 +53,6 @@
 //! applied or dropped.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::io::Write as _;
 use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -66,7 +65,7 @@ use ductile_strategies::diloco::{self as plan, Ranges};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::{now_ms, Trainer};
+use super::{ledger_line, now_ms, Trainer};
 use crate::optim::{lr_at, Optimizer};
 
 /// The dispenser of positions (held by member 0; copies ride on its answers).
@@ -495,7 +494,7 @@ fn record(
     applied: bool,
     recovered: bool,
 ) {
-    write_line(
+    ledger_line(
         ledger,
         serde_json::json!({"g": generation, "owner": owner, "from": r.from, "id": r.id,
             "staleness": r.staleness, "applied": applied, "recovered": recovered}),
@@ -503,12 +502,6 @@ fn record(
 }
 
 /// One ledger line, in one write (a member's server and worker threads share the file).
-fn write_line(ledger: &mut Option<std::fs::File>, line: serde_json::Value) {
-    if let Some(f) = ledger {
-        let _ = f.write_all(format!("{line}\n").as_bytes());
-    }
-}
-
 /// What a server returns at the end of its generation.
 struct Served {
     owned: Owned,
@@ -667,7 +660,7 @@ fn serve(
                 if byes == cfg.world {
                     let v = slice_state(&owned);
                     // the final state, like a snap's, for the ledger
-                    write_line(
+                    ledger_line(
                         &mut cfg.ledger,
                         serde_json::json!({"g": cfg.generation, "owner": me, "snap": snapped + 1}),
                     );
@@ -706,7 +699,7 @@ fn serve(
         if snaps == cfg.world && queue.is_empty() {
             let v = slice_state(&owned);
             snapped += 1;
-            write_line(
+            ledger_line(
                 &mut cfg.ledger,
                 serde_json::json!({"g": cfg.generation, "owner": me, "snap": snapped}),
             );
@@ -1069,7 +1062,7 @@ impl Trainer {
         let applied = a.snapshot.as_ref().unwrap().applied;
         self.step = applied / self.spec.global_batch as u64;
         // where this generation's state came from: a generation's members, or a checkpoint
-        write_line(
+        ledger_line(
             &mut self.ledger,
             serde_json::json!({"g": g.number, "r": rank, "agreed": true, "from": newest,
                 "restored": restored_step.map(|r| r.0), "restored_from": restored_step.and_then(|r| r.1)}),
@@ -1294,7 +1287,7 @@ impl Trainer {
             a.next_id += 1;
             let id = a.next_id;
             let seen = a.seen.clone();
-            write_line(
+            ledger_line(
                 &mut self.ledger,
                 serde_json::json!({"g": g.number, "r": rank, "id": id, "idx": idx, "pushed": true}),
             );
@@ -1399,7 +1392,7 @@ impl Trainer {
                     dropped_updates: Some(snap.dropped),
                     ..Default::default()
                 };
-                self.put_progress(p);
+                self.reports.progress(p);
                 println!(
                     "step {} loss {:.4} applied samples/s {sps:.1} staleness max {} dropped {} world {}",
                     self.step,
@@ -1448,7 +1441,7 @@ impl Trainer {
             self.step = m;
         }
         let k = self.asy().snaps + 1;
-        write_line(
+        ledger_line(
             &mut self.ledger,
             serde_json::json!({"g": g.number, "r": rank, "snapped": k, "step": self.step}),
         );
@@ -1554,7 +1547,7 @@ impl Trainer {
         let a = self.asy();
         a.snaps += 1;
         let k = a.snaps;
-        write_line(
+        ledger_line(
             &mut self.ledger,
             serde_json::json!({"g": g.number, "r": rank, "snapped": k, "step": self.step}),
         );

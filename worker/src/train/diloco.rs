@@ -27,18 +27,17 @@
 //! pieces of the members that committed it and the kept part of the departed members' pieces,
 //! and every position is committed once.
 
-use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ductile_cluster::records::*;
-use ductile_comm::quant::{self, Quant};
+use ductile_comm::quant;
 use ductile_comm::{CommError, Communicator, Group};
 use ductile_strategies::diloco::{self as plan, Ranges};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::{flat, flat_views, now_ms, Trainer};
+use super::{flat, flat_views, ledger_line, now_ms, Trainer};
 use crate::optim::{lr_at, Optimizer};
 
 /// What every member of a round agrees on (sent by the source of a generation's agreement).
@@ -500,13 +499,10 @@ impl Trainer {
     /// trained anew (what earlier generations committed of them went with their members).
     fn ledger_cold_start(&mut self, g: &Generation, rank: u32) {
         let round = self.diloco.as_ref().unwrap().meta.round;
-        if let Some(f) = &mut self.ledger {
-            let _ = writeln!(
-                f,
-                "{}",
-                serde_json::json!({"g": g.number, "round": round, "r": rank, "cold": true})
-            );
-        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "round": round, "r": rank, "cold": true}),
+        );
     }
 
     /// One local step over up to a global batch's share of this member's piece; false when
@@ -538,14 +534,11 @@ impl Trainer {
         let lr = lr_at(self.spec.lr, self.step, self.spec.max_steps);
         self.opt.step(&self.params, &grads, lr, self.step);
         self.step += 1;
-        if let Some(f) = &mut self.ledger {
-            let round = self.diloco.as_ref().unwrap().meta.round;
-            let _ = writeln!(
-                f,
-                "{}",
-                serde_json::json!({"g": g.number, "round": round, "r": rank, "idx": idx})
-            );
-        }
+        let round = self.diloco.as_ref().unwrap().meta.round;
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "round": round, "r": rank, "idx": idx}),
+        );
         let took = t0.elapsed();
         self.computed_for(rank, t0);
         let d = self.dl();
@@ -585,7 +578,7 @@ impl Trainer {
                 .to_device(Device::Cpu);
             (delta, local.iter().map(|t| t.copy()).collect::<Vec<_>>())
         });
-        let q = Quant::parse(self.spec.diloco.quantize.as_str()).unwrap_or(Quant::None);
+        let q = self.spec.diloco.quantize;
         let group = Group::new(comm.clone(), (0..comm.world()).collect())?;
         let sum = std::thread::spawn(move || quant::all_reduce(&group, &delta, q).map(|x| x.0));
         let d = self.dl();
@@ -646,13 +639,10 @@ impl Trainer {
                 d.meta.through[*piece] = Some(*t);
             }
         }
-        if let Some(f) = &mut self.ledger {
-            let _ = writeln!(
-                f,
-                "{}",
-                serde_json::json!({"g": x.g, "round": x.round, "r": x.rank, "fragment": x.fragment, "exchanged": true})
-            );
-        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": x.g, "round": x.round, "r": x.rank, "fragment": x.fragment, "exchanged": true}),
+        );
         Ok(())
     }
 
@@ -710,13 +700,10 @@ impl Trainer {
                 (r[2] as usize, t)
             })
             .collect();
-        if let Some(l) = &mut self.ledger {
-            let _ = writeln!(
-                l,
-                "{}",
-                serde_json::json!({"g": g.number, "round": round, "r": rank, "fragment": f, "done": done})
-            );
-        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "round": round, "r": rank, "fragment": f, "done": done}),
+        );
         let x = self.start_exchange(comm, g.number, f, total, through)?;
         self.dl().inflight = Some(x);
         Ok(())
@@ -740,13 +727,10 @@ impl Trainer {
         } else {
             0.0
         };
-        if let Some(f) = &mut self.ledger {
-            let _ = writeln!(
-                f,
-                "{}",
-                serde_json::json!({"g": g.number, "round": round, "r": rank, "contrib": true})
-            );
-        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "round": round, "r": rank, "contrib": true}),
+        );
         let d = self.diloco.as_ref().unwrap();
         let (pending, busy) = self
             .ckpt
@@ -779,12 +763,11 @@ impl Trainer {
         // the departed members' trained part of their pieces commits with the round
         let kept = std::mem::take(&mut d.meta.kept);
         let samples = samples as u64 + kept.iter().map(|t| t.n).sum::<u64>();
-        if let Some(f) = &mut self.ledger {
+        if self.ledger.is_some() {
             let kept: Vec<[u64; 3]> = kept.iter().map(|t| [t.g, t.r as u64, t.n]).collect();
-            let _ = writeln!(
-                f,
-                "{}",
-                serde_json::json!({"g": g.number, "round": round, "r": rank, "committed": true, "kept": kept})
+            ledger_line(
+                &mut self.ledger,
+                serde_json::json!({"g": g.number, "round": round, "r": rank, "committed": true, "kept": kept}),
             );
         }
         let b = self.spec.global_batch as u64;
@@ -886,7 +869,7 @@ impl Trainer {
                         bytes_per_sample: Some(per_sample),
                         ..Default::default()
                     };
-                    self.put_progress(p);
+                    self.reports.progress(p);
                     println!(
                         "round {round} step {} loss {loss:.4} samples/s {sps:.1} bytes/sample {per_sample:.1} world {}",
                         self.step, g.world_size

@@ -16,7 +16,6 @@
 //! The agreement that starts every generation is [`super::agree`].
 
 use std::collections::{BTreeMap, VecDeque};
-use std::io::Write as _;
 use std::ops::Range;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -30,7 +29,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::agree::Pending;
 use super::reshard::protocol;
-use super::Trainer;
+use super::{ledger_line, Trainer};
 use crate::optim::lr_at;
 
 /// Receives a step's point-to-point messages: each peer's arrive in the order it sends them
@@ -212,13 +211,10 @@ impl Trainer {
             let p = self.params[*i].shallow_clone();
             self.opt.update(*i, &p, &grads[j], lr, step);
         }
-        if let Some(f) = &mut self.ledger {
-            let _ = writeln!(
-                f,
-                "{}",
-                serde_json::json!({"g": generation, "s": step, "r": rank, "applied": true})
-            );
-        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": generation, "s": step, "r": rank, "applied": true}),
+        );
         self.step = step + 1;
     }
 
@@ -375,11 +371,10 @@ impl Trainer {
             if !self.spec.deterministic {
                 shards.push((0, self.flat_of(&which)));
             }
-            if let (Some(f), true) = (&mut self.ledger, first && counts) {
-                let _ = writeln!(
-                    f,
-                    "{}",
-                    serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used})
+            if first && counts {
+                ledger_line(
+                    &mut self.ledger,
+                    serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used}),
                 );
             }
             // the stage's replicas fold their gradients along a chain in replica order; the
