@@ -139,7 +139,7 @@ fn run() {
         let handle = tokio::runtime::Handle::current();
         let trainer =
             tokio::task::spawn_blocking(move || -> anyhow::Result<ductile_runtime::Left> {
-                ductile_worker::train::Trainer::new(
+                ductile_worker::train::driver::Driver::new(
                     env,
                     training,
                     spec.checkpoint.clone(),

@@ -1,10 +1,15 @@
-//! The elastic data-parallel training loop.
+//! The tch trainer: what every sync mode shares (the model, its parameters and optimizer, the
+//! data order, the checkpoint, the reports to the control plane), the communicator's forming,
+//! and the data-parallel step.
 //!
-//! For each generation that includes this worker: form the communicator (TCP), agree on the
-//! state (the highest completed step among the members wins; its lowest rank sends parameters,
-//! optimizer state and step to everyone in 1 MiB chunks with a checksum), write the join record,
-//! then train. A new generation aborts the communicator (a pending all-reduce returns at once),
-//! the unfinished step is dropped, and the loop joins the new generation in the same process.
+//! The one training loop is [`driver::Driver`]: for each generation that includes this worker it
+//! forms the communicator, runs the sync mode's agreement (the highest completed step among the
+//! members wins; the ranks behind receive what they need from the holders), writes the join
+//! record, then drives the mode's units of work. A new generation aborts the communicator (a
+//! pending all-reduce returns at once), the unfinished step is dropped, and the driver joins the
+//! new generation in the same process. The modes ([`driver::Mode`]): all-reduce
+//! ([`allreduce`]: data parallel, pipeline and tensor parallel layouts), DiLoCo ([`diloco`]) and
+//! bounded-staleness async ([`asynch`]), each owning its own state.
 //!
 //! Step s consumes global positions [s·B, (s+1)·B) of the seeded per-epoch permutation; each
 //! rank takes its share (uneven allowed) in micro-batches and the applied gradient is the exact
@@ -27,12 +32,14 @@ use crate::data::{Dataset, Order};
 use crate::model::Model;
 use crate::optim::{lr_at, Optimizer};
 use ductile_runtime::report::Reporter;
-use ductile_runtime::{GenCell, Left, WorkerEnv};
+use ductile_runtime::{GenCell, WorkerEnv};
 
 mod agree;
+pub mod allreduce;
 pub mod asynch;
 pub mod ckpt;
 pub mod diloco;
+pub mod driver;
 pub mod pipe;
 pub mod reshard;
 mod tensor;
@@ -63,8 +70,6 @@ pub struct Trainer {
     param_unit: Vec<usize>,
     /// The chunks of units whose parameters and optimizer state this rank holds at `step`.
     held: Vec<std::ops::Range<usize>>,
-    /// A pipeline step's reduced gradient waiting for its commit.
-    pending: Option<agree::Pending>,
     /// Bytes of state received from peers when joining the current generation.
     received: u64,
     /// Each parameter's shape (its optimizer state has the same): the storage of units this
@@ -76,12 +81,8 @@ pub struct Trainer {
     computed: Duration,
     /// The tensor layout of what this rank holds: (group size, its place in the group).
     tp_held: (u32, u32),
-    /// DiLoCo's round state (`sync = "diloco"`).
-    diloco: Option<diloco::Diloco>,
     /// The `extra` of the checkpoint the last restore read.
     restored_extra: Option<serde_json::Value>,
-    /// Asynchronous training's state (`sync = "async"`).
-    asynch: Option<asynch::Async>,
 }
 
 /// Samples of the final evaluation loss.
@@ -137,17 +138,10 @@ pub(crate) fn gather_rows(
     comm.host().all_gather_f64(row)
 }
 
-enum Outcome {
-    /// The communicator failed or was aborted: join the next generation.
-    Reform(CommError),
-    Done,
-}
-
 impl Trainer {
-    pub fn new(
+    fn new(
         env: WorkerEnv,
         spec: TrainingSpec,
-        checkpoint: Option<CheckpointSpec>,
         max_size: u32,
         store: Store,
         rt: tokio::runtime::Handle,
@@ -198,33 +192,6 @@ impl Trainer {
             })
             .collect::<anyhow::Result<Vec<usize>>>()?;
         let units = unit_list.len();
-        let diloco = spec
-            .is_diloco()
-            .then(|| diloco::Diloco::new(&params, spec.diloco.fragments));
-        let asynch = (spec.sync == SyncMode::Async).then(asynch::Async::default);
-        let ckpt = match checkpoint {
-            Some(c) => {
-                let names: Vec<String> = model.params().into_iter().map(|(n, _)| n).collect();
-                // a DiLoCo checkpoint holds the global weights and the outer optimizer's state
-                let ck = match &diloco {
-                    Some(d) => {
-                        let mut ck =
-                            ckpt::Ckpt::new(c, &names, &d.outer_optimizer(&spec), &params)?;
-                        ck.state_prefix("outer_optimizer");
-                        ck
-                    }
-                    None => ckpt::Ckpt::new(c, &names, &opt, &params)?,
-                };
-                ductile_runtime::watch_checkpoint_requests(
-                    store.clone(),
-                    env.job.clone(),
-                    ck.request.clone(),
-                    &rt,
-                );
-                Some(ck)
-            }
-            None => None,
-        };
         let mesh_tls = if spec.mesh_tls {
             let t = ductile_comm::mesh_tls::MeshTls::from_env()?.ok_or_else(|| {
                 anyhow::anyhow!("the job's mesh runs over TLS (mesh_tls) but the agent gave no mesh certificate (DUCTILE_MESH_TLS_CA, _CERT, _KEY)")
@@ -259,58 +226,44 @@ impl Trainer {
             opt,
             step: 0,
             ledger,
-            ckpt,
+            ckpt: None,
             flags: (false, false),
             unit_names: unit_list.into_iter().map(|u| u.name).collect(),
             param_unit,
             // a new process holds the seed's state, at step 0
             held: vec![0..units],
-            pending: None,
             received: 0,
             shapes,
             tp_held: (1, 0),
-            diloco,
             restored_extra: None,
-            asynch,
         })
     }
 
-    /// Train until `max_steps` ([`Left::Done`]) or until a generation leaves this worker out
-    /// ([`Left::Fenced`]).
-    pub fn run(mut self) -> anyhow::Result<Left> {
-        let mut current = 0u64;
-        loop {
-            let g = self.cell.wait_newer(current);
-            let seen = now_ms();
-            current = g.number;
-            let Some(me) = g.member(&self.env.node, self.env.slot).cloned() else {
-                println!(
-                    "generation {} does not include {}/{}: leaving",
-                    g.number, self.env.node, self.env.slot
-                );
-                return Ok(Left::Fenced);
-            };
-            let comm = match self.form(&g, me.rank)? {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(generation = g.number, error = %e, "could not form the communicator");
-                    self.failed_generation(&g, me.rank, &e)?;
-                    continue;
-                }
-            };
-            let formed = now_ms();
-            let aborts = comm.clone();
-            self.cell
-                .install(g.number, Arc::new(move || aborts.abort()));
-            match self.generation(&g, &comm, &me, (seen, formed)) {
-                Ok(Outcome::Done) => return Ok(Left::Done),
-                Ok(Outcome::Reform(e)) => {
-                    tracing::info!(generation = g.number, step = self.step, reason = %e, "leaving generation");
-                    self.failed_generation(&g, me.rank, &e)?;
-                }
-                Err(e) => return Err(e),
+    /// Open the job's checkpoint: its tensors are the parameters and the optimizer's state, or
+    /// with `outer` (DiLoCo) the global weights and the outer optimizer's state under
+    /// `outer_optimizer`; and follow the job's checkpoint requests.
+    fn open_checkpoint(
+        &mut self,
+        c: CheckpointSpec,
+        outer: Option<Optimizer>,
+    ) -> anyhow::Result<()> {
+        let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
+        let ck = match &outer {
+            Some(o) => {
+                let mut ck = ckpt::Ckpt::new(c, &names, o, &self.params)?;
+                ck.state_prefix("outer_optimizer");
+                ck
             }
-        }
+            None => ckpt::Ckpt::new(c, &names, &self.opt, &self.params)?,
+        };
+        ductile_runtime::watch_checkpoint_requests(
+            self.store.clone(),
+            self.env.job.clone(),
+            ck.request.clone(),
+            &self.rt,
+        );
+        self.ckpt = Some(ck);
+        Ok(())
     }
 
     /// The communicator of `g` failed: report it and wait for the next generation
@@ -392,38 +345,16 @@ impl Trainer {
         }))
     }
 
-    fn generation(
+    /// Write this rank's join record of `g` and the weights it joined with (rank, step, the
+    /// hash of what it holds; in a pipeline generation also the chunks and tensor slice).
+    fn join(
         &mut self,
         g: &Generation,
-        arc: &Arc<dyn Communicator>,
         me: &Member,
+        pipelined: bool,
         (seen_at_ms, formed_at_ms): (u64, u64),
-    ) -> anyhow::Result<Outcome> {
+    ) {
         let rank = me.rank;
-        let t0 = Instant::now();
-        let agreed = if self.diloco.is_some() {
-            self.diloco_agree(arc, g)?
-        } else if self.asynch.is_some() {
-            self.async_agree(arc, g)?
-        } else {
-            self.agree(arc, g)?
-        };
-        if let Err(e) = agreed {
-            return Ok(Outcome::Reform(e));
-        }
-        self.set_owners(g);
-        if self.model.sliced() && g.layout.tensor_parallel <= 1 {
-            // logical slices without a tensor group: a group of one, on this generation's mesh
-            let solo = ductile_comm::Group::new(arc.clone(), vec![rank])
-                .map_err(|e| anyhow::anyhow!("a group of one: {e}"))?;
-            self.model.set_tensor_group((!me.spare).then_some(solo));
-        }
-        let comm: &dyn Communicator = arc.as_ref();
-        // spares (a layout that leaves ranks idle, or leaving members of a hand-over) take
-        // part in the pipeline step's commit
-        let pipelined = g.layout.pipeline_parallel > 1
-            || g.layout.tensor_parallel > 1
-            || g.members.iter().any(|m| m.spare);
         let mine = self.params_in(&self.held.clone());
         let held_params: Vec<Tensor> = mine
             .iter()
@@ -467,124 +398,6 @@ impl Trainer {
             format!("{}:{}", self.step, hash)
         };
         self.reports.joined(g.number, rank, join, weights);
-        tracing::info!(
-            generation = g.number,
-            rank,
-            step = self.step,
-            sync_ms = t0.elapsed().as_millis() as u64,
-            "training"
-        );
-        let mut last_report = Instant::now() - Duration::from_secs(2);
-        let (start_bytes, start_step) = (arc.bytes_sent(), self.step);
-        let mut samples_since = 0u64;
-        let mut since = Instant::now();
-        // every rank's own figures, every 2 s (a straggler shows in its compute time)
-        let (mut rank_since, mut rank_steps) = (Instant::now(), 0u64);
-        self.computed = Duration::ZERO;
-        let mut first_done = false;
-        if self.diloco.is_some() {
-            if let Err(e) = self.diloco_rounds(arc, g, rank) {
-                return Ok(Outcome::Reform(e));
-            }
-        }
-        if self.asynch.is_some() {
-            if let Err(e) = self.async_run(arc, g, rank) {
-                return Ok(Outcome::Reform(e));
-            }
-        }
-        loop {
-            if self.spec.max_steps.is_some_and(|m| self.step >= m) {
-                // a save in flight completes (and rank 0 commits it) before the job ends
-                if let Some(ck) = &mut self.ckpt {
-                    ck.finish(&self.rt);
-                }
-                // the last step was due and its save skipped because the previous one was
-                // still uploading (every rank saw that alike, through the step's flags): save
-                // it now, so the final state is committed
-                let final_due = self.ckpt.as_ref().is_some_and(|ck| {
-                    self.step % ck.spec.interval == 0 && ck.saved_step != Some(self.step)
-                });
-                if final_due {
-                    self.maybe_save(g, rank, g.world_size, false, false);
-                    if let Some(ck) = &mut self.ckpt {
-                        ck.finish(&self.rt);
-                    }
-                }
-                if pipelined {
-                    // rank 0 gathers the other stages' layers for the hash over all of them
-                    if let Err(e) = self.gather_to_rank0(arc, g) {
-                        return Ok(Outcome::Reform(e));
-                    }
-                }
-                if rank == 0 {
-                    let sha = sha256_params(&self.params);
-                    let eval = self.eval_loss();
-                    let p = Progress {
-                        generation: g.number,
-                        step: self.step,
-                        updated_at_ms: now_ms(),
-                        done: true,
-                        final_weights_sha256: Some(sha.clone()),
-                        eval_loss: eval,
-                        ..Default::default()
-                    };
-                    self.reports.final_progress(p)?;
-                    // rank 0 holds every tensor now (the final gather): the optimizer state's
-                    // hash lets a restore elsewhere be checked against it
-                    println!(
-                        "finished at step {}: final weights sha256 {sha}, optimizer state sha256 {}, eval loss {}",
-                        self.step,
-                        sha256_params(&self.opt.state),
-                        eval.map(|l| format!("{l:.5}")).unwrap_or_else(|| "-".into())
-                    );
-                }
-                return Ok(Outcome::Done);
-            }
-            let step = if pipelined {
-                self.pipe_step(arc, g, me)
-            } else {
-                self.train_step(comm, g, rank)
-            };
-            let loss = match step {
-                Ok(l) => l,
-                Err(e) => return Ok(Outcome::Reform(e)),
-            };
-            let (pending, busy) = self.flags;
-            self.maybe_save(g, rank, g.world_size, pending, busy);
-            if !first_done && rank == 0 {
-                first_done = true;
-                // when the new world completed its first step (recovery benchmarks read it)
-                self.reports.first_step(g.number);
-            }
-            samples_since += self.spec.global_batch as u64;
-            rank_steps += 1;
-            if !pipelined && rank_since.elapsed() >= Duration::from_secs(2) {
-                self.report_rank(g, rank, rank_since, rank_steps);
-                (rank_since, rank_steps) = (Instant::now(), 0);
-            }
-            if rank == 0 && last_report.elapsed() >= Duration::from_secs(1) {
-                let sps = samples_since as f64 / since.elapsed().as_secs_f64();
-                let trained = (self.step - start_step) * self.spec.global_batch as u64;
-                let bytes = (arc.bytes_sent() - start_bytes) as f64 * g.world_size as f64;
-                let p = Progress {
-                    generation: g.number,
-                    step: self.step,
-                    loss: Some(loss),
-                    samples_per_sec: Some(sps),
-                    updated_at_ms: now_ms(),
-                    bytes_per_sample: (trained > 0).then(|| bytes / trained as f64),
-                    ..Default::default()
-                };
-                self.reports.progress(p);
-                println!(
-                    "step {} loss {loss:.4} samples/s {sps:.1} world {}",
-                    self.step, g.world_size
-                );
-                last_report = Instant::now();
-                samples_since = 0;
-                since = Instant::now();
-            }
-        }
     }
 
     /// Forward and backward of the mean loss over the samples at `positions` (in
@@ -651,6 +464,11 @@ impl Trainer {
             }
         });
         Some(sum / n.max(1) as f64)
+    }
+
+    /// The flattened parameters' element count.
+    fn numel(&self) -> usize {
+        self.params.iter().map(|p| p.numel()).sum()
     }
 
     fn tensors(&self) -> Vec<&Tensor> {

@@ -180,9 +180,10 @@ impl Trainer {
         &mut self,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
+        pending: &mut Option<Pending>,
     ) -> anyhow::Result<Result<(), CommError>> {
         self.received = 0;
-        let pend = self.pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
+        let pend = pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
         // [step, pending step, tensor group size and place of what it holds, then HELD_SLOTS
         // (start, end) pairs of the chunks it holds]
         let mut row = vec![
@@ -219,7 +220,7 @@ impl Trainer {
                 r[0]
             }
         };
-        if let Some(p) = self.pending.take() {
+        if let Some(p) = pending.take() {
             if (p.step + 1) as f64 == max {
                 self.apply(&p.params, &p.grads, p.step, p.generation, comm.rank());
                 tracing::info!(
@@ -292,7 +293,7 @@ impl Trainer {
                 );
             }
             self.step = 0;
-            self.pending = None;
+            *pending = None;
             self.allocate(&mine);
             let r = self.restore(comm, &need)?;
             if r.is_ok() && self.step == 0 {

@@ -65,7 +65,8 @@ use ductile_strategies::diloco::{self as plan, Ranges};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::{ledger_line, now_ms, Trainer};
+use super::driver::{final_save_at_step, Commit, Mode, Worked};
+use super::{ledger_line, Trainer};
 use crate::optim::{lr_at, Optimizer};
 
 /// The dispenser of positions (held by member 0; copies ride on its answers).
@@ -220,6 +221,30 @@ pub struct Async {
     pub next_id: u64,
     /// The current generation's first reader error.
     failure: Failure,
+    /// The current generation's engine (between the driver's `begin` and `end`).
+    engine: Option<Engine>,
+    /// Every position is applied and the final state received: the run is over.
+    over: bool,
+}
+
+/// A generation's engine: this member's server thread and the peers' readers, and the
+/// client's side of the protocol.
+struct Engine {
+    post: Post,
+    /// The client's inbox.
+    rx: Receiver<Inbox>,
+    server: std::thread::JoinHandle<Served>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+    /// The generation's slices of the flattened parameters, one per member.
+    slices: Vec<Range<usize>>,
+    /// The next batch, whether the run is done, whether to snap for a checkpoint (none: ask
+    /// member 0).
+    next: Option<(Ranges, bool, bool)>,
+    /// Positions applied as of the last update's answers.
+    applied: u64,
+    /// The losses of the updates since the last progress report.
+    loss_sum: f64,
+    loss_n: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -762,26 +787,18 @@ fn out_of_step(post: &Post, from: u32, what: &str) -> CommError {
     }
 }
 
-impl Trainer {
-    fn asy(&mut self) -> &mut Async {
-        self.asynch.as_mut().expect("an async job")
-    }
-
-    /// The flattened parameters' element count.
-    fn numel(&self) -> usize {
-        self.params.iter().map(|p| p.numel()).sum()
-    }
-
+impl Async {
     /// The agreement at the start of an async generation (module docs).
     pub(super) fn async_agree(
         &mut self,
+        t: &mut Trainer,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> anyhow::Result<Result<(), CommError>> {
-        self.received = 0;
+        t.received = 0;
         let rank = comm.rank();
-        let max = self.max_size.max(g.world_size) as usize;
-        let a = self.asynch.as_ref().unwrap();
+        let max = t.max_size.max(g.world_size) as usize;
+        let a = &*self;
         // [holds, its generation, its world, its rank, owns a slice, holds the dispenser,
         //  snapshot seq, versions seen of each slice (max entries)]
         let mut row = vec![
@@ -809,11 +826,11 @@ impl Trainer {
             .filter(|r| r[0] > 0.0)
             .map(|r| r[1] as u64)
             .max();
-        let n = self.numel();
-        let per = self.opt.state.len() / self.params.len().max(1);
-        let end = self.run_positions();
+        let n = t.numel();
+        let per = t.opt.state.len() / t.params.len().max(1);
+        let end = t.run_positions();
         // this member's copy, flattened (the seed's at a cold start)
-        let copy = super::flat(&self.params).detach().to_device(Device::Cpu);
+        let copy = super::flat(&t.params).detach().to_device(Device::Cpu);
         // the whole flattened state every member rebuilds: values, then each optimizer state
         let mut values = Tensor::zeros([n as i64], (Kind::Float, Device::Cpu));
         let opt_full: Vec<Tensor> = (0..per)
@@ -827,18 +844,18 @@ impl Trainer {
             None => {
                 // a cold start: the latest checkpoint's state and dispenser, else the seed's
                 // weights (every member has them) and a fresh dispenser
-                let restored = match self.async_restore(comm, g) {
+                let restored = match self.async_restore(t, comm, g) {
                     Ok(Ok(r)) => r,
                     Ok(Err(e)) => return Ok(Err(e)),
                     Err(e) => return Err(e),
                 };
                 match restored {
                     Some((d, v, taken_in)) => {
-                        restored_step = Some((self.step, taken_in));
-                        values = super::flat(&self.params).detach().to_device(Device::Cpu);
+                        restored_step = Some((t.step, taken_in));
+                        values = super::flat(&t.params).detach().to_device(Device::Cpu);
                         for (k, o) in opt_full.iter().enumerate() {
-                            let state: Vec<Tensor> = (0..self.params.len())
-                                .map(|i| self.opt.state[per * i + k].shallow_clone())
+                            let state: Vec<Tensor> = (0..t.params.len())
+                                .map(|i| t.opt.state[per * i + k].shallow_clone())
                                 .collect();
                             tch::no_grad(|| {
                                 o.shallow_clone()
@@ -881,7 +898,7 @@ impl Trainer {
                     Some(src) => {
                         let mut bytes = Vec::new();
                         if rank == src as u32 {
-                            let a = self.asynch.as_ref().unwrap();
+                            let a = &*self;
                             let d = a
                                 .dispenser
                                 .iter()
@@ -903,14 +920,14 @@ impl Trainer {
                 // the updates this owner kept undecided: member 0 may have decided them (and
                 // another owner applied them); the freshest dispenser holds every decision any
                 // member here applied
-                let a = self.asynch.as_mut().unwrap();
+                let a = &mut *self;
                 let pending = std::mem::take(&mut a.pending);
                 if let (Some(o), true) = (a.owned.as_mut(), a.generation == gen) {
                     let rules = ApplyRules {
-                        batch: (self.spec.global_batch as u64).div_ceil(old_world.max(1) as u64),
-                        global_batch: self.spec.global_batch as u64,
-                        lr: self.spec.lr,
-                        max_steps: self.spec.max_steps,
+                        batch: (t.spec.global_batch as u64).div_ceil(old_world.max(1) as u64),
+                        global_batch: t.spec.global_batch as u64,
+                        lr: t.spec.lr,
+                        max_steps: t.spec.max_steps,
                     };
                     for r in &pending {
                         // decided here already (queued behind an undecided one), or by member
@@ -927,7 +944,7 @@ impl Trainer {
                             rules.apply(o, &r.grad);
                         }
                         let recovered = r.decided.is_none();
-                        record(&mut self.ledger, gen, a.rank, r, commit, recovered);
+                        record(&mut t.ledger, gen, a.rank, r, commit, recovered);
                         if recovered {
                             tracing::info!(
                                 from = r.from,
@@ -960,7 +977,7 @@ impl Trainer {
                     let mut buf =
                         Tensor::zeros([len * (1 + per as i64) + 1], (Kind::Float, Device::Cpu));
                     if rank == src {
-                        let a = self.asynch.as_ref().unwrap();
+                        let a = &*self;
                         let mut parts: Vec<Tensor> = Vec::new();
                         match (&a.owned, owner.is_some()) {
                             (Some(o), true) => {
@@ -985,7 +1002,7 @@ impl Trainer {
                     }
                     let buf = placed.into_tensor();
                     if rank != src {
-                        self.received += buf.numel() as u64 * 4;
+                        t.received += buf.numel() as u64 * 4;
                     }
                     tch::no_grad(|| {
                         values
@@ -1013,10 +1030,10 @@ impl Trainer {
             }
         }
         // checkpoints every `interval` global batches applied
-        disp.ckpt_every = self
+        disp.ckpt_every = t
             .ckpt
             .as_ref()
-            .map(|c| c.spec.interval * self.spec.global_batch as u64)
+            .map(|c| c.spec.interval * t.spec.global_batch as u64)
             .unwrap_or(0);
         if disp.ckpt_every > 0 && disp.ckpt_next == 0 {
             disp.schedule_checkpoint();
@@ -1025,7 +1042,7 @@ impl Trainer {
         let mine = ranges(n, g.world_size as usize)[rank as usize].clone();
         let len = mine.len() as i64;
         let slice = values.narrow(0, mine.start as i64, len).copy();
-        let mut opt = Optimizer::new(self.spec.optimizer, &[slice.shallow_clone()]);
+        let mut opt = Optimizer::new(t.spec.optimizer, &[slice.shallow_clone()]);
         tch::no_grad(|| {
             for (s, o) in opt.state.iter_mut().zip(&opt_full) {
                 s.copy_(&o.narrow(0, mine.start as i64, len));
@@ -1034,7 +1051,7 @@ impl Trainer {
         // every member's copy is the rebuilt state
         tch::no_grad(|| {
             let mut at = 0i64;
-            for p in &self.params {
+            for p in &t.params {
                 let k = p.numel() as i64;
                 p.shallow_clone().copy_(
                     &values
@@ -1045,7 +1062,7 @@ impl Trainer {
                 at += k;
             }
         });
-        let a = self.asy();
+        let a = &mut *self;
         a.holds = true;
         a.generation = g.number;
         a.world = g.world_size;
@@ -1060,10 +1077,10 @@ impl Trainer {
         a.snapshot = Some(disp.clone());
         a.dispenser = (rank == 0).then_some(disp);
         let applied = a.snapshot.as_ref().unwrap().applied;
-        self.step = applied / self.spec.global_batch as u64;
+        t.step = applied / t.spec.global_batch as u64;
         // where this generation's state came from: a generation's members, or a checkpoint
         ledger_line(
-            &mut self.ledger,
+            &mut t.ledger,
             serde_json::json!({"g": g.number, "r": rank, "agreed": true, "from": newest,
                 "restored": restored_step.map(|r| r.0), "restored_from": restored_step.and_then(|r| r.1)}),
         );
@@ -1075,17 +1092,18 @@ impl Trainer {
     /// without a checkpoint.
     fn async_restore(
         &mut self,
+        t: &mut Trainer,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> anyhow::Result<Result<Option<(Dispenser, u64, Option<u64>)>, CommError>> {
-        self.restored_extra = None;
-        if self.ckpt.is_none() {
+        t.restored_extra = None;
+        if t.ckpt.is_none() {
             return Ok(Ok(None));
         }
-        if let Err(e) = self.restore_whole(comm, g)? {
+        if let Err(e) = t.restore_whole(comm, g)? {
             return Ok(Err(e));
         }
-        let Some(x) = self.restored_extra.take() else {
+        let Some(x) = t.restored_extra.take() else {
             return Ok(Ok(None));
         };
         let x = &x["async"];
@@ -1100,14 +1118,9 @@ impl Trainer {
         Ok(Ok(Some((disp, version, x["generation"].as_u64()))))
     }
 
-    /// Train asynchronously in generation `g` until the run's positions are all applied
-    /// (`Ok`), or the communicator fails or a newer generation appears (`Err`).
-    pub(super) fn async_run(
-        &mut self,
-        comm: &Arc<dyn Communicator>,
-        g: &Generation,
-        rank: u32,
-    ) -> Result<(), CommError> {
+    /// Start generation `g`'s engine: this member's server thread (its slice and, for member
+    /// 0, the dispenser) and a reader per peer.
+    fn start(&mut self, t: &mut Trainer, comm: &Arc<dyn Communicator>, g: &Generation, rank: u32) {
         let world = g.world_size;
         let (server_tx, server_rx) = channel::<Inbox>();
         let (client_tx, client_rx) = channel::<Inbox>();
@@ -1118,8 +1131,8 @@ impl Trainer {
             to_client: client_tx.clone(),
         };
         let failure = Failure::default();
-        self.asy().failure = failure.clone();
-        self.asy().snaps = 0;
+        self.failure = failure.clone();
+        self.snaps = 0;
         let readers: Vec<_> = (0..world)
             .filter(|p| *p != rank)
             .map(|p| {
@@ -1128,21 +1141,20 @@ impl Trainer {
                 std::thread::spawn(move || reader(c, p, s, t, f))
             })
             .collect();
-        let a = self.asy();
-        let owned = a
+        let owned = self
             .owned
             .take()
             .expect("the agreement gave this member its slice");
-        let disp = a.dispenser.take();
+        let disp = self.dispenser.take();
         let cfg = ServerCfg {
             generation: g.number,
-            ledger: self.ledger.as_ref().and_then(|f| f.try_clone().ok()),
+            ledger: t.ledger.as_ref().and_then(|f| f.try_clone().ok()),
             world,
             rules: ApplyRules {
-                batch: (self.spec.global_batch as u64).div_ceil(world as u64),
-                global_batch: self.spec.global_batch as u64,
-                lr: self.spec.lr,
-                max_steps: self.spec.max_steps,
+                batch: (t.spec.global_batch as u64).div_ceil(world as u64),
+                global_batch: t.spec.global_batch as u64,
+                lr: t.spec.lr,
+                max_steps: t.spec.max_steps,
             },
         };
         let server = {
@@ -1150,50 +1162,70 @@ impl Trainer {
             std::thread::spawn(move || serve(post, server_rx, owned, disp, cfg))
         };
         drop(server_tx);
-        let out = self.async_client(comm, &post, &client_rx, g, rank);
-        if out.is_err() {
-            // the server and the readers end with the communicator
+        self.engine = Some(Engine {
+            post,
+            rx: client_rx,
+            server,
+            readers,
+            slices: ranges(t.numel(), world as usize),
+            next: None,
+            applied: self.snapshot.as_ref().map(|d| d.applied).unwrap_or(0),
+            loss_sum: 0.0,
+            loss_n: 0,
+        });
+    }
+
+    /// Stop the engine: after an error the communicator is aborted (the server and the readers
+    /// end with it); the server hands back the slice, the dispenser and the undecided updates.
+    fn stop(&mut self, comm: &Arc<dyn Communicator>, failed: bool) -> Result<(), CommError> {
+        let Some(e) = self.engine.take() else {
+            return Ok(());
+        };
+        if failed {
             comm.abort();
-            let _ = post.to_server.send(Inbox::Failed);
+            let _ = e.post.to_server.send(Inbox::Failed);
         }
-        let served = server.join();
-        for r in readers {
+        let served = e.server.join();
+        for r in e.readers {
             let _ = r.join();
         }
         let Ok(served) = served else {
             // this member's slice is gone with the thread: the next generation takes the
             // freshest copy from its peers, as when an owner leaves
             comm.abort();
-            let a = self.asy();
-            a.owned = None;
-            a.dispenser = None;
-            a.pending.clear();
+            self.owned = None;
+            self.dispenser = None;
+            self.pending.clear();
             return Err(CommError::Invalid {
                 op: "async",
                 reason: "the async server thread panicked; this member's slice goes to the freshest copy".into(),
             });
         };
-        let a = self.asy();
-        a.owned = Some(served.owned);
-        a.dispenser = served.disp;
-        a.pending = served.pending;
+        self.owned = Some(served.owned);
+        self.dispenser = served.disp;
+        self.pending = served.pending;
         if let Some(r) = served.replica {
-            if a.snapshot.as_ref().is_none_or(|s| s.seq < r.seq) {
-                a.snapshot = Some(r);
+            if self.snapshot.as_ref().is_none_or(|s| s.seq < r.seq) {
+                self.snapshot = Some(r);
             }
         }
-        out
+        Ok(())
     }
 
     /// Wait for the next message to this member's client (bounded: a newer generation or a
     /// failed reader ends the wait with an error).
-    fn next_msg(&self, rx: &Receiver<Inbox>, g: &Generation) -> Result<(u32, Msg), CommError> {
+    fn next_msg(
+        &self,
+        t: &Trainer,
+        rx: &Receiver<Inbox>,
+        g: &Generation,
+    ) -> Result<(u32, Msg), CommError> {
         let t0 = Instant::now();
         loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(Inbox::Msg(from, m)) => return Ok((from, m)),
                 Ok(Inbox::Failed) => {
-                    let failure = &self.asynch.as_ref().unwrap().failure;
+                    let failure = &self.failure;
                     return Err(failure
                         .lock()
                         .unwrap()
@@ -1210,7 +1242,7 @@ impl Trainer {
                     })
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    if self.cell.newest() > g.number {
+                    if t.cell.newest() > g.number {
                         return Err(CommError::Aborted {
                             generation: g.number,
                             op: "async",
@@ -1227,192 +1259,161 @@ impl Trainer {
         }
     }
 
-    fn async_client(
+    /// One unit of the client's work: an update (its gradient pushed to every owner, the
+    /// decision, the fresh slices), a checkpoint's snap, a wait for work, or the run's end.
+    fn work(
         &mut self,
-        comm: &Arc<dyn Communicator>,
-        post: &Post,
-        rx: &Receiver<Inbox>,
+        t: &mut Trainer,
+        e: &mut Engine,
+        g: &Generation,
+        rank: u32,
+    ) -> Result<Worked, CommError> {
+        let world = g.world_size as usize;
+        let s = t.spec.async_.staleness as u64;
+        let b = t.spec.global_batch as u64;
+        let (mut batch, mut done, snap) = match e.next.take() {
+            Some(next) => next,
+            None => self.get_batch(t, &e.post, &e.rx, g)?,
+        };
+        if done {
+            self.finish(t, e, g, rank)?;
+            return Ok(Worked::default());
+        }
+        // a newer generation ends this one (the messages of a busy engine never leave the
+        // reply wait idle long enough to look, and a world of one sends none)
+        if t.cell.newest() > g.number {
+            return Err(CommError::Aborted {
+                generation: g.number,
+                op: "async",
+            });
+        }
+        if batch.is_empty() {
+            if snap {
+                // a checkpoint is due and nothing is in flight
+                let flags = self.snap(t, e, g, rank)?;
+                return Ok(Worked {
+                    checkpoint: Some(flags),
+                    ..Default::default()
+                });
+            }
+            // everything is handed out (or a checkpoint waits for the batches in flight), not
+            // all applied yet: ask again shortly
+            std::thread::sleep(Duration::from_millis(20));
+            return Ok(Worked::default());
+        }
+        let t0 = Instant::now();
+        let (idx, l) = t.backward_on(&batch);
+        e.loss_sum += l;
+        e.loss_n += idx.len() as u64;
+        let grad = to_vec(&Tensor::cat(&t.grad_parts(0..t.params.len()), 0));
+        t.computed_for(rank, t0);
+        self.next_id += 1;
+        let id = self.next_id;
+        let seen = self.seen.clone();
+        ledger_line(
+            &mut t.ledger,
+            serde_json::json!({"g": g.number, "r": rank, "id": id, "idx": idx, "pushed": true}),
+        );
+        for (j, r) in e.slices.iter().enumerate() {
+            e.post.to_server(
+                j as u32,
+                Head::Push {
+                    id,
+                    version: seen[j],
+                },
+                &grad[r.clone()],
+            )?;
+        }
+        let mut sigma = 0u64;
+        let mut acks = 0;
+        while acks < world {
+            match self.next_msg(t, &e.rx, g)? {
+                (
+                    _,
+                    Msg {
+                        head: Head::Ack { id: x, staleness },
+                        ..
+                    },
+                ) if x == id => {
+                    sigma = sigma.max(staleness);
+                    acks += 1;
+                }
+                (from, m) => return Err(unexpected(g, from, &m.head)),
+            }
+        }
+        // decided once, at member 0, which sends it to every owner
+        let commit = sigma <= s;
+        e.post.to_server(
+            0,
+            Head::Decide {
+                id,
+                commit,
+                staleness: sigma,
+            },
+            &[],
+        )?;
+        let mut answers = 0;
+        while answers < world {
+            match self.next_msg(t, &e.rx, g)? {
+                (
+                    from,
+                    Msg {
+                        head:
+                            Head::Slice {
+                                id: x,
+                                version,
+                                batch: next,
+                                done: d,
+                                snapshot,
+                            },
+                        values,
+                    },
+                ) if x == id => {
+                    copy_slice(t, g, from, &e.slices[from as usize], &values)?;
+                    self.seen[from as usize] = version;
+                    if let Some(next) = next {
+                        batch = next;
+                        done = d;
+                    }
+                    if let Some(sn) = snapshot {
+                        self.snapshot = Some(sn);
+                    }
+                    answers += 1;
+                }
+                (from, m) => return Err(unexpected(g, from, &m.head)),
+            }
+        }
+        e.next = Some((batch, done, snap));
+        let applied = self.snapshot.as_ref().map(|d| d.applied).unwrap_or(0);
+        t.step = applied / b;
+        let samples = applied.saturating_sub(e.applied);
+        e.applied = applied;
+        Ok(Worked {
+            steps: 1,
+            commit: Some(Commit {
+                loss: l / idx.len().max(1) as f64,
+                samples,
+            }),
+            checkpoint: None,
+        })
+    }
+
+    /// The run's end: goodbye to every server (this member's own last), then every slice's
+    /// final values and optimizer state (the final save is whole).
+    fn finish(
+        &mut self,
+        t: &mut Trainer,
+        e: &mut Engine,
         g: &Generation,
         rank: u32,
     ) -> Result<(), CommError> {
-        let world = g.world_size as usize;
-        let n = self.numel();
-        let slices = ranges(n, world);
-        let s = self.spec.async_.staleness as u64;
-        let b = self.spec.global_batch as u64;
-        let (start_bytes, start_applied) = (
-            comm.bytes_sent(),
-            self.asynch
-                .as_ref()
-                .unwrap()
-                .snapshot
-                .as_ref()
-                .map(|d| d.applied)
-                .unwrap_or(0),
-        );
-        let (mut report, since) = (Instant::now() - Duration::from_secs(2), Instant::now());
-        let (mut rank_since, mut rank_steps) = (Instant::now(), 0u64);
-        let (mut loss_sum, mut loss_n) = (0.0, 0u64);
-        self.computed = Duration::ZERO;
-        // the first batch
-        let (mut batch, mut done, mut snap) = self.get_batch(post, rx, g)?;
-        while !done {
-            // a newer generation ends this one (the messages of a busy engine never leave the
-            // reply wait idle long enough to look, and a world of one sends none)
-            if self.cell.newest() > g.number {
-                return Err(CommError::Aborted {
-                    generation: g.number,
-                    op: "async",
-                });
-            }
-            if batch.is_empty() {
-                if snap {
-                    // a checkpoint is due and nothing is in flight
-                    self.async_snap(post, rx, g, rank, &slices)?;
-                } else {
-                    // everything is handed out (or a checkpoint waits for the batches in
-                    // flight), not all applied yet: ask again shortly
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                (batch, done, snap) = self.get_batch(post, rx, g)?;
-                continue;
-            }
-            let t0 = Instant::now();
-            let (idx, l) = self.backward_on(&batch);
-            loss_sum += l;
-            loss_n += idx.len() as u64;
-            let grad = to_vec(&Tensor::cat(&self.grad_parts(0..self.params.len()), 0));
-            self.computed_for(rank, t0);
-            let a = self.asy();
-            a.next_id += 1;
-            let id = a.next_id;
-            let seen = a.seen.clone();
-            ledger_line(
-                &mut self.ledger,
-                serde_json::json!({"g": g.number, "r": rank, "id": id, "idx": idx, "pushed": true}),
-            );
-            for (j, r) in slices.iter().enumerate() {
-                post.to_server(
-                    j as u32,
-                    Head::Push {
-                        id,
-                        version: seen[j],
-                    },
-                    &grad[r.clone()],
-                )?;
-            }
-            let mut sigma = 0u64;
-            let mut acks = 0;
-            while acks < world {
-                match self.next_msg(rx, g)? {
-                    (
-                        _,
-                        Msg {
-                            head: Head::Ack { id: x, staleness },
-                            ..
-                        },
-                    ) if x == id => {
-                        sigma = sigma.max(staleness);
-                        acks += 1;
-                    }
-                    (from, m) => return Err(unexpected(g, from, &m.head)),
-                }
-            }
-            // decided once, at member 0, which sends it to every owner
-            let commit = sigma <= s;
-            post.to_server(
-                0,
-                Head::Decide {
-                    id,
-                    commit,
-                    staleness: sigma,
-                },
-                &[],
-            )?;
-            let mut answers = 0;
-            while answers < world {
-                match self.next_msg(rx, g)? {
-                    (
-                        from,
-                        Msg {
-                            head:
-                                Head::Slice {
-                                    id: x,
-                                    version,
-                                    batch: next,
-                                    done: d,
-                                    snapshot,
-                                },
-                            values,
-                        },
-                    ) if x == id => {
-                        self.copy_slice(g, from, &slices[from as usize], &values)?;
-                        let a = self.asy();
-                        a.seen[from as usize] = version;
-                        if let Some(next) = next {
-                            batch = next;
-                            done = d;
-                        }
-                        if let Some(sn) = snapshot {
-                            a.snapshot = Some(sn);
-                        }
-                        answers += 1;
-                    }
-                    (from, m) => return Err(unexpected(g, from, &m.head)),
-                }
-            }
-            rank_steps += 1;
-            if rank_since.elapsed() >= Duration::from_secs(2) {
-                self.report_rank(g, rank, rank_since, rank_steps);
-                (rank_since, rank_steps) = (Instant::now(), 0);
-            }
-            let snap = self
-                .asynch
-                .as_ref()
-                .unwrap()
-                .snapshot
-                .clone()
-                .unwrap_or_default();
-            self.step = snap.applied / b;
-            if rank == 0 && report.elapsed() >= Duration::from_secs(1) {
-                let applied = snap.applied - start_applied;
-                let sps = applied as f64 / since.elapsed().as_secs_f64();
-                let bytes = (comm.bytes_sent() - start_bytes) as f64 * world as f64;
-                let p = Progress {
-                    generation: g.number,
-                    step: self.step,
-                    loss: Some(loss_sum / loss_n.max(1) as f64),
-                    samples_per_sec: Some(sps),
-                    updated_at_ms: now_ms(),
-                    sync: Some("async".into()),
-                    bytes_per_sample: (applied > 0).then(|| bytes / applied as f64),
-                    staleness_mean: (snap.stale_n > 0)
-                        .then(|| snap.stale_sum as f64 / snap.stale_n as f64),
-                    staleness_max: Some(snap.stale_max),
-                    dropped_updates: Some(snap.dropped),
-                    ..Default::default()
-                };
-                self.reports.progress(p);
-                println!(
-                    "step {} loss {:.4} applied samples/s {sps:.1} staleness max {} dropped {} world {}",
-                    self.step,
-                    loss_sum / loss_n.max(1) as f64,
-                    snap.stale_max,
-                    snap.dropped,
-                    world
-                );
-                (loss_sum, loss_n) = (0.0, 0);
-                report = Instant::now();
-            }
-        }
-        // the end: goodbye to every server (this member's own last), then every slice's
-        // final values
-        for j in (0..world as u32).filter(|j| *j != rank).chain([rank]) {
-            post.to_server(j, Head::Bye, &[])?;
+        let world = g.world_size;
+        for j in (0..world).filter(|j| *j != rank).chain([rank]) {
+            e.post.to_server(j, Head::Bye, &[])?;
         }
         let mut finals = 0;
         while finals < world {
-            match self.next_msg(rx, g)? {
+            match self.next_msg(t, &e.rx, g)? {
                 (
                     from,
                     Msg {
@@ -1420,10 +1421,8 @@ impl Trainer {
                         values,
                     },
                 ) => {
-                    // the values and the optimizer state: the final save is whole
-                    self.copy_state(g, from, &slices[from as usize], &values)?;
-                    let a = self.asy();
-                    a.ckpt_version = a.ckpt_version.max(version);
+                    copy_state(t, g, from, &e.slices[from as usize], &values)?;
+                    self.ckpt_version = self.ckpt_version.max(version);
                     finals += 1;
                 }
                 // answers to a last Get may still arrive
@@ -1437,14 +1436,15 @@ impl Trainer {
                 (from, m) => return Err(unexpected(g, from, &m.head)),
             }
         }
-        if let Some(m) = self.spec.max_steps {
-            self.step = m;
+        if let Some(m) = t.spec.max_steps {
+            t.step = m;
         }
-        let k = self.asy().snaps + 1;
+        let k = self.snaps + 1;
         ledger_line(
-            &mut self.ledger,
-            serde_json::json!({"g": g.number, "r": rank, "snapped": k, "step": self.step}),
+            &mut t.ledger,
+            serde_json::json!({"g": g.number, "r": rank, "snapped": k, "step": t.step}),
         );
+        self.over = true;
         Ok(())
     }
 
@@ -1452,12 +1452,13 @@ impl Trainer {
     /// checkpoint).
     fn get_batch(
         &mut self,
+        t: &mut Trainer,
         post: &Post,
         rx: &Receiver<Inbox>,
         g: &Generation,
     ) -> Result<(Ranges, bool, bool), CommError> {
         post.to_server(0, Head::Get, &[])?;
-        match self.next_msg(rx, g)? {
+        match self.next_msg(t, rx, g)? {
             (
                 0,
                 Msg {
@@ -1471,24 +1472,25 @@ impl Trainer {
                     ..
                 },
             ) => {
-                self.asy().snapshot = Some(snapshot);
+                self.snapshot = Some(snapshot);
                 Ok((batch, done, checkpoint))
             }
             (from, m) => Err(unexpected(g, from, &m.head)),
         }
     }
 
-    /// A checkpoint (module docs): snap to every owner, take the whole state from their
-    /// answers, save this member's share of it.
-    fn async_snap(
+    /// A checkpoint (module docs): snap to every owner and take the whole state from their
+    /// answers; the driver then saves this member's share of it with the flags returned (a
+    /// request pending, a save still uploading: any worker's).
+    fn snap(
         &mut self,
-        post: &Post,
-        rx: &Receiver<Inbox>,
+        t: &mut Trainer,
+        e: &Engine,
         g: &Generation,
         rank: u32,
-        slices: &[Range<usize>],
-    ) -> Result<(), CommError> {
-        let (pending, busy) = self
+    ) -> Result<(bool, bool), CommError> {
+        let (post, rx, slices) = (&e.post, &e.rx, &e.slices);
+        let (pending, busy) = t
             .ckpt
             .as_ref()
             .map(|c| c.flags(g.number))
@@ -1503,7 +1505,7 @@ impl Trainer {
         }
         let (mut got, mut version, mut flags) = (0, 0u64, (false, false));
         while got < world {
-            match self.next_msg(rx, g)? {
+            match self.next_msg(t, rx, g)? {
                 (
                     from,
                     Msg {
@@ -1516,8 +1518,8 @@ impl Trainer {
                         values,
                     },
                 ) => {
-                    self.copy_state(g, from, &slices[from as usize], &values)?;
-                    self.asy().seen[from as usize] = v;
+                    copy_state(t, g, from, &slices[from as usize], &values)?;
+                    self.seen[from as usize] = v;
                     version = version.max(v);
                     flags = (pending, busy);
                     got += 1;
@@ -1533,80 +1535,174 @@ impl Trainer {
                 (from, m) => return Err(unexpected(g, from, &m.head)),
             }
         }
-        let a = self.asy();
+        let a = &mut *self;
         a.ckpt_version = version;
         let applied = a.snapshot.as_ref().map(|d| d.applied).unwrap_or(0);
-        self.step = applied / self.spec.global_batch as u64;
+        t.step = applied / t.spec.global_batch as u64;
         if rank == 0 {
             println!(
                 "async checkpoint at step {} ({applied} positions applied): every worker holds the whole state",
-                self.step
+                t.step
             );
         }
-        self.maybe_save(g, rank, world, flags.0, flags.1);
-        let a = self.asy();
-        a.snaps += 1;
-        let k = a.snaps;
+        self.snaps += 1;
+        let k = self.snaps;
         ledger_line(
-            &mut self.ledger,
-            serde_json::json!({"g": g.number, "r": rank, "snapped": k, "step": self.step}),
+            &mut t.ledger,
+            serde_json::json!({"g": g.number, "r": rank, "snapped": k, "step": t.step}),
         );
-        Ok(())
+        Ok(flags)
     }
+}
 
-    /// Copy the values and the optimizer state of slice `r` that member `from` sent (a snap's
-    /// or the run's end) into this member's parameters and optimizer.
-    fn copy_state(
+impl Mode for Async {
+    fn agree(
         &mut self,
+        t: &mut Trainer,
+        comm: &Arc<dyn Communicator>,
         g: &Generation,
-        from: u32,
-        r: &Range<usize>,
-        values: &[f32],
+    ) -> anyhow::Result<Result<(), CommError>> {
+        self.async_agree(t, comm, g)
+    }
+
+    fn begin(
+        &mut self,
+        t: &mut Trainer,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        rank: u32,
     ) -> Result<(), CommError> {
-        let per = self.opt.state.len() / self.params.len().max(1);
-        if values.len() != r.len() * (1 + per) {
-            return Err(CommError::Protocol {
-                generation: g.number,
-                op: "async",
-                peer: from,
-                reason: format!(
-                    "{} values for a slice of {} with {per} optimizer tensors",
-                    values.len(),
-                    r.len()
-                ),
-            });
-        }
-        let (head, rest) = values.split_at(r.len());
-        self.copy_slice(g, from, r, head)?;
-        for (k, part) in rest.chunks(r.len().max(1)).enumerate().take(per) {
-            let state: Vec<Tensor> = (0..self.params.len())
-                .map(|i| self.opt.state[per * i + k].shallow_clone())
-                .collect();
-            copy_into(&state, r, part);
-        }
+        self.start(t, comm, g, rank);
         Ok(())
     }
 
-    /// Copy the values of slice `r` that member `from` sent into this member's parameters
-    /// (values of another length are a protocol error naming it).
-    fn copy_slice(
-        &self,
-        g: &Generation,
-        from: u32,
-        r: &Range<usize>,
-        values: &[f32],
-    ) -> Result<(), CommError> {
-        if values.len() != r.len() {
-            return Err(CommError::Protocol {
-                generation: g.number,
-                op: "async",
-                peer: from,
-                reason: format!("{} values for a slice of {}", values.len(), r.len()),
-            });
-        }
-        copy_into(&self.params, r, values);
-        Ok(())
+    fn finished(&self, _t: &Trainer) -> bool {
+        self.over
     }
+
+    fn advance(
+        &mut self,
+        t: &mut Trainer,
+        _comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        me: &Member,
+    ) -> Result<Worked, CommError> {
+        let mut e = self.engine.take().expect("begin started the engine");
+        let worked = self.work(t, &mut e, g, me.rank);
+        self.engine = Some(e);
+        worked
+    }
+
+    fn end(
+        &mut self,
+        _t: &mut Trainer,
+        comm: &Arc<dyn Communicator>,
+        out: Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        let stopped = self.stop(comm, out.is_err());
+        out.and(stopped)
+    }
+
+    /// Called at a checkpoint's snap, which member 0 made due.
+    fn save_due(&self, _t: &Trainer, _interval: u64) -> bool {
+        true
+    }
+
+    /// The data dispenser (positions applied, re-queued, the next fresh one) and the slices'
+    /// update count (the learning-rate schedule's and AdamW's step).
+    fn extra(&self, _t: &Trainer, g: &Generation) -> Option<(&'static str, serde_json::Value)> {
+        Some((
+            "async",
+            serde_json::json!({
+                "dispenser": self.snapshot,
+                "version": self.ckpt_version,
+                "generation": g.number,
+            }),
+        ))
+    }
+
+    fn save(&self, t: &mut Trainer, g: &Generation, rank: u32, flags: (bool, bool)) {
+        t.maybe_save(g, rank, g.world_size, flags, self);
+    }
+
+    fn final_save(&mut self, t: &mut Trainer, g: &Generation, rank: u32) {
+        final_save_at_step(t, g, rank, self);
+    }
+
+    /// The loss is the mean over the updates since the last report.
+    fn describe(&mut self, _t: &Trainer, p: &mut Progress, world: u32) -> String {
+        let snap = self.snapshot.clone().unwrap_or_default();
+        if let Some(e) = &mut self.engine {
+            p.loss = Some(e.loss_sum / e.loss_n.max(1) as f64);
+            (e.loss_sum, e.loss_n) = (0.0, 0);
+        }
+        p.sync = Some("async".into());
+        p.staleness_mean = (snap.stale_n > 0).then(|| snap.stale_sum as f64 / snap.stale_n as f64);
+        p.staleness_max = Some(snap.stale_max);
+        p.dropped_updates = Some(snap.dropped);
+        format!(
+            "step {} loss {:.4} applied samples/s {:.1} staleness max {} dropped {} world {world}",
+            p.step,
+            p.loss.unwrap_or(f64::NAN),
+            p.samples_per_sec.unwrap_or(0.0),
+            snap.stale_max,
+            snap.dropped,
+        )
+    }
+}
+
+/// Copy the values and the optimizer state of slice `r` that member `from` sent (a snap's
+/// or the run's end) into this member's parameters and optimizer.
+fn copy_state(
+    t: &Trainer,
+    g: &Generation,
+    from: u32,
+    r: &Range<usize>,
+    values: &[f32],
+) -> Result<(), CommError> {
+    let per = t.opt.state.len() / t.params.len().max(1);
+    if values.len() != r.len() * (1 + per) {
+        return Err(CommError::Protocol {
+            generation: g.number,
+            op: "async",
+            peer: from,
+            reason: format!(
+                "{} values for a slice of {} with {per} optimizer tensors",
+                values.len(),
+                r.len()
+            ),
+        });
+    }
+    let (head, rest) = values.split_at(r.len());
+    copy_slice(t, g, from, r, head)?;
+    for (k, part) in rest.chunks(r.len().max(1)).enumerate().take(per) {
+        let state: Vec<Tensor> = (0..t.params.len())
+            .map(|i| t.opt.state[per * i + k].shallow_clone())
+            .collect();
+        copy_into(&state, r, part);
+    }
+    Ok(())
+}
+
+/// Copy the values of slice `r` that member `from` sent into this member's parameters
+/// (values of another length are a protocol error naming it).
+fn copy_slice(
+    t: &Trainer,
+    g: &Generation,
+    from: u32,
+    r: &Range<usize>,
+    values: &[f32],
+) -> Result<(), CommError> {
+    if values.len() != r.len() {
+        return Err(CommError::Protocol {
+            generation: g.number,
+            op: "async",
+            peer: from,
+            reason: format!("{} values for a slice of {}", values.len(), r.len()),
+        });
+    }
+    copy_into(&t.params, r, values);
+    Ok(())
 }
 
 /// Copy `values` into range `r` of the flattened `tensors`.

@@ -19,6 +19,7 @@ use ductile_cluster::Store;
 use ductile_comm::{CommError, Communicator};
 use tch::{Kind, Tensor};
 
+use super::driver::Mode;
 use super::reshard::{region_of, state_view};
 use super::Trainer;
 use ductile_strategies::redistribute::{self, intersect, relative, Chunk, Part, Region};
@@ -356,12 +357,13 @@ impl Trainer {
         ck.owners = Some(owners);
     }
 
-    /// What resumes the run exactly, besides the tensors.
-    fn extra_state(&self, g: &Generation) -> serde_json::Value {
+    /// What resumes the run exactly, besides the tensors (`mode` adds its own under its key:
+    /// `diloco`, `async`; the other is null).
+    fn extra_state(&self, g: &Generation, mode: &dyn Mode) -> serde_json::Value {
         let b = self.spec.global_batch as u64;
         let n = self.data.len() as u64;
         let pos = self.step * b;
-        serde_json::json!({
+        let mut x = serde_json::json!({
             "step": self.step,
             "data_cursor": {
                 "next_position": pos,
@@ -393,34 +395,28 @@ impl Trainer {
             "logical_shards": self.spec.logical_shards,
             "world_size": g.world_size,
             "layout": g.layout,
-            "diloco": self.diloco.as_ref().map(|d| d.checkpoint_extra(&self.spec.diloco)),
-            // async: the data dispenser (positions applied, re-queued, the next fresh one) and
-            // the slices' update count (the learning-rate schedule's and AdamW's step)
-            "async": self.asynch.as_ref().map(|a| serde_json::json!({
-                "dispenser": a.snapshot,
-                "version": a.ckpt_version,
-                "generation": g.number,
-            })),
-        })
+            "diloco": null,
+            "async": null,
+        });
+        if let Some((key, value)) = mode.extra(self, g) {
+            x[key] = value;
+        }
+        x
     }
 
-    /// After step `self.step` completed: save if the collective flags say so.
+    /// At a commit point of `mode` (step `self.step` completed): save if a checkpoint is due
+    /// there or the collective flags ask for one (`pending`), unless one is still uploading
+    /// (`busy`).
     pub(super) fn maybe_save(
         &mut self,
         g: &Generation,
         rank: u32,
         world: u32,
-        pending: bool,
-        busy: bool,
+        (pending, busy): (bool, bool),
+        mode: &dyn Mode,
     ) {
         let Some(ck) = &self.ckpt else { return };
-        let due = match &self.diloco {
-            // a DiLoCo round that crossed a multiple of the interval
-            Some(d) => d.crossed(ck.spec.interval),
-            // async: called at a checkpoint's snap, which member 0 made due
-            None if self.asynch.is_some() => true,
-            None => self.step % ck.spec.interval == 0,
-        };
+        let due = mode.save_due(self, ck.spec.interval);
         if !(due || pending) {
             return;
         }
@@ -495,7 +491,7 @@ impl Trainer {
         };
         let layout = plan.layout.clone();
         let stall_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let extra = self.extra_state(g);
+        let extra = self.extra_state(g, mode);
         let ck = self.ckpt.as_mut().unwrap();
         let mut request = if pending {
             ck.open_request(g.number).map(|r| r.id)

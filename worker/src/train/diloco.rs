@@ -37,7 +37,8 @@ use ductile_strategies::diloco::{self as plan, Ranges};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::{flat, flat_views, ledger_line, now_ms, Trainer};
+use super::driver::{Commit, Mode, Worked};
+use super::{flat, flat_views, ledger_line, Trainer};
 use crate::optim::{lr_at, Optimizer};
 
 /// What every member of a round agrees on (sent by the source of a generation's agreement).
@@ -213,22 +214,17 @@ impl Diloco {
     }
 }
 
-impl Trainer {
-    fn dl(&mut self) -> &mut Diloco {
-        self.diloco.as_mut().expect("a DiLoCo job")
-    }
-
+impl Diloco {
     /// Run `f` with the outer optimizer in the inner one's place (a checkpoint's save and
     /// restore see the global weights and the outer momentum as the state).
-    fn with_outer<T>(&mut self, f: impl FnOnce(&mut Trainer) -> T) -> T {
-        let d = self.diloco.as_ref().expect("a DiLoCo job");
-        let outer = d.outer_optimizer(&self.spec);
-        let global: Vec<Tensor> = d.global.iter().map(|t| t.shallow_clone()).collect();
-        let inner = std::mem::replace(&mut self.opt, outer);
-        let local = std::mem::replace(&mut self.params, global);
-        let out = f(self);
-        self.opt = inner;
-        self.params = local;
+    fn with_outer<T>(&self, t: &mut Trainer, f: impl FnOnce(&mut Trainer) -> T) -> T {
+        let outer = self.outer_optimizer(&t.spec);
+        let global: Vec<Tensor> = self.global.iter().map(|t| t.shallow_clone()).collect();
+        let inner = std::mem::replace(&mut t.opt, outer);
+        let local = std::mem::replace(&mut t.params, global);
+        let out = f(t);
+        t.opt = inner;
+        t.params = local;
         out
     }
 
@@ -236,17 +232,17 @@ impl Trainer {
     /// probe round (the first of a run, when no member's speed is known, outside deterministic
     /// mode) takes a tenth of the fresh positions, so that the pieces follow measured speeds
     /// from the second round on.
-    fn plan_round(&mut self, world: u32, speed: &[f64], probe: bool) {
-        let h = self.spec.diloco.inner_steps as u64;
-        let h = if probe && !self.spec.deterministic {
+    fn plan_round(&mut self, t: &mut Trainer, world: u32, speed: &[f64], probe: bool) {
+        let h = t.spec.diloco.inner_steps as u64;
+        let h = if probe && !t.spec.deterministic {
             (h / 10).max(1)
         } else {
             h
         };
-        let b = self.spec.global_batch as u64;
-        let end = self.run_positions();
-        let det = self.spec.deterministic;
-        let d = self.dl();
+        let b = t.spec.global_batch as u64;
+        let end = t.run_positions();
+        let det = t.spec.deterministic;
+        let d = &mut *self;
         let (work, cursor) = plan::round_work(&d.meta.debt, d.meta.cursor, h * b, end);
         let weights: Vec<f64> = if det {
             vec![1.0; world as usize]
@@ -263,7 +259,7 @@ impl Trainer {
 
     /// Take this member's piece of the current plan.
     fn take_piece(&mut self, rank: u32) {
-        let d = self.dl();
+        let d = &mut *self;
         d.piece = Some(rank as usize).filter(|p| *p < d.meta.pieces.len());
         d.todo = d
             .piece
@@ -277,22 +273,23 @@ impl Trainer {
     /// The agreement at the start of a DiLoCo generation (module docs).
     pub(super) fn diloco_agree(
         &mut self,
+        t: &mut Trainer,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> anyhow::Result<Result<(), CommError>> {
-        self.received = 0;
+        t.received = 0;
         let rank = comm.rank();
         // an exchange in flight when the last generation ended counts if it completed here
         // (then every member's part was in it); otherwise it never happened for this member
-        if let Some(x) = self.dl().inflight.take() {
+        if let Some(x) = self.inflight.take() {
             let (f, w) = (x.fragment, x.weight);
-            match self.finish_exchange(x) {
-                Ok(()) => self.dl().synced += 1,
+            match self.finish_exchange(t, x) {
+                Ok(()) => self.synced += 1,
                 // its samples count in the fragment's next exchange
-                Err(_) => self.dl().since[f] += w,
+                Err(_) => self.since[f] += w,
             }
         }
-        let d = self.diloco.as_ref().unwrap();
+        let d = &mut *self;
         let row = [
             d.meta.round as f64,
             if d.holds { 1.0 } else { 0.0 },
@@ -310,13 +307,13 @@ impl Trainer {
             .map(|r| (r[0] as u64, r[3] as usize))
             .max();
         let Some((round, synced)) = best else {
-            return self.diloco_cold_start(comm, g);
+            return self.diloco_cold_start(t, comm, g);
         };
         let in_round = |r: &Vec<f64>| r[1] > 0.0 && r[0] as u64 == round;
         let at = |r: &Vec<f64>| in_round(r) && r[3] as usize == synced;
         let src = rows.iter().position(at).unwrap() as u32;
         let mut meta = if rank == src {
-            serde_json::to_vec(&self.diloco.as_ref().unwrap().meta)?
+            serde_json::to_vec(&self.meta)?
         } else {
             Vec::new()
         };
@@ -327,7 +324,7 @@ impl Trainer {
             .map_err(|e| anyhow::anyhow!("the round state rank {src} sent: {e}"))?;
         if !rows.iter().all(at) {
             // some member is behind or new: the global weights and momentum from the source
-            let d = self.diloco.as_ref().unwrap();
+            let d = &mut *self;
             let mut placed = comm.place(&flat(&d.outer_state()));
             if let Err(e) = comm.broadcast(&mut placed, src) {
                 return Ok(Err(e));
@@ -335,8 +332,8 @@ impl Trainer {
             let state = placed.into_tensor();
             let me = &rows[rank as usize];
             if !at(me) {
-                self.received = state.numel() as u64 * 4;
-                let d = self.diloco.as_mut().unwrap();
+                t.received = state.numel() as u64 * 4;
+                let d = &mut *self;
                 unflat_into(&state, &d.outer_state());
                 let last = d.fragments.len() - 1;
                 // the fragments whose exchange this member missed (its own part in them was
@@ -352,7 +349,7 @@ impl Trainer {
                 for f in &missed {
                     let r = d.fragments[*f].clone();
                     tch::no_grad(|| {
-                        for (p, gl) in flat_views(&self.params, &r)
+                        for (p, gl) in flat_views(&t.params, &r)
                             .iter()
                             .zip(flat_views(&d.global, &r))
                         {
@@ -412,7 +409,7 @@ impl Trainer {
         }
         let lost = plan::total(&next.debt) - plan::total(&meta.debt);
         next.debt = plan::coalesce(&next.debt);
-        let d = self.dl();
+        let d = &mut *self;
         d.meta = next;
         d.piece = mine;
         if d.meta.pieces.is_empty() && d.synced == 0 {
@@ -423,9 +420,9 @@ impl Trainer {
             d.meta.through.clear();
             self.take_piece(rank);
         }
-        let d = self.diloco.as_ref().unwrap();
+        let d = &mut *self;
         if d.piece.is_none() {
-            self.step = d.meta.committed / self.spec.global_batch as u64;
+            t.step = d.meta.committed / t.spec.global_batch as u64;
         }
         if lost > 0 {
             tracing::info!(
@@ -441,27 +438,28 @@ impl Trainer {
     /// checkpoint (its global weights, outer momentum and the round's untrained work).
     fn diloco_cold_start(
         &mut self,
+        t: &mut Trainer,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> anyhow::Result<Result<(), CommError>> {
         let rank = comm.rank();
-        let fresh = Diloco::new(&self.params, self.spec.diloco.fragments);
-        *self.dl() = fresh;
-        self.dl().holds = true;
-        self.step = 0;
-        self.restored_extra = None;
-        if self.ckpt.is_some() {
+        let fresh = Diloco::new(&t.params, t.spec.diloco.fragments);
+        *self = fresh;
+        self.holds = true;
+        t.step = 0;
+        t.restored_extra = None;
+        if t.ckpt.is_some() {
             // every member needs the whole state (the global weights and the outer optimizer's
             // in the places of the parameters and the inner optimizer's)
-            let restored = self.with_outer(|t| t.restore_whole(comm, g))?;
+            let restored = self.with_outer(t, |t| t.restore_whole(comm, g))?;
             if let Err(e) = restored {
                 return Ok(Err(e));
             }
         }
-        let Some(x) = self.restored_extra.take().map(|x| x["diloco"].clone()) else {
-            self.plan_round(g.world_size, &vec![1.0; g.world_size as usize], true);
+        let Some(x) = t.restored_extra.take().map(|x| x["diloco"].clone()) else {
+            self.plan_round(t, g.world_size, &vec![1.0; g.world_size as usize], true);
             self.take_piece(rank);
-            self.ledger_cold_start(g, rank);
+            self.ledger_cold_start(t, g, rank);
             return Ok(Ok(()));
         };
         // the checkpoint's round: its untrained work cut anew over this world
@@ -475,9 +473,9 @@ impl Trainer {
             .map(|[a, b]| a..b)
             .collect();
         let (round, cursor) = (field("round")?, field("cursor")?);
-        let d = self.diloco.as_mut().unwrap();
+        let d = &mut *self;
         tch::no_grad(|| {
-            for (p, gl) in self.params.iter().zip(&d.global) {
+            for (p, gl) in t.params.iter().zip(&d.global) {
                 p.shallow_clone().copy_(gl);
             }
         });
@@ -491,35 +489,35 @@ impl Trainer {
         d.meta.through.clear();
         d.meta.kept.clear();
         self.take_piece(rank);
-        self.ledger_cold_start(g, rank);
+        self.ledger_cold_start(t, g, rank);
         Ok(Ok(()))
     }
 
     /// The ledger's record of a cold start: the rounds from the one it starts at on are
     /// trained anew (what earlier generations committed of them went with their members).
-    fn ledger_cold_start(&mut self, g: &Generation, rank: u32) {
-        let round = self.diloco.as_ref().unwrap().meta.round;
+    fn ledger_cold_start(&mut self, t: &mut Trainer, g: &Generation, rank: u32) {
+        let round = self.meta.round;
         ledger_line(
-            &mut self.ledger,
+            &mut t.ledger,
             serde_json::json!({"g": g.number, "round": round, "r": rank, "cold": true}),
         );
     }
 
     /// One local step over up to a global batch's share of this member's piece; false when
     /// the piece is done.
-    fn inner_step(&mut self, g: &Generation, rank: u32) -> bool {
+    fn inner_step(&mut self, t: &mut Trainer, g: &Generation, rank: u32) -> bool {
         let world = g.world_size.max(1) as u64;
-        let b = (self.spec.global_batch as u64).div_ceil(world);
+        let b = (t.spec.global_batch as u64).div_ceil(world);
         let t0 = Instant::now();
         let take = {
-            let d = self.dl();
+            let d = &mut *self;
             plan::take(&mut d.todo, b)
         };
         if take.is_empty() {
             return false;
         }
-        let (idx, loss) = self.backward_on(&take);
-        let grads: Vec<Tensor> = self
+        let (idx, loss) = t.backward_on(&take);
+        let grads: Vec<Tensor> = t
             .params
             .iter()
             .map(|p| {
@@ -531,17 +529,17 @@ impl Trainer {
                 }
             })
             .collect();
-        let lr = lr_at(self.spec.lr, self.step, self.spec.max_steps);
-        self.opt.step(&self.params, &grads, lr, self.step);
-        self.step += 1;
-        let round = self.diloco.as_ref().unwrap().meta.round;
+        let lr = lr_at(t.spec.lr, t.step, t.spec.max_steps);
+        t.opt.step(&t.params, &grads, lr, t.step);
+        t.step += 1;
+        let round = self.meta.round;
         ledger_line(
-            &mut self.ledger,
+            &mut t.ledger,
             serde_json::json!({"g": g.number, "round": round, "r": rank, "idx": idx}),
         );
         let took = t0.elapsed();
-        self.computed_for(rank, t0);
-        let d = self.dl();
+        t.computed_for(rank, t0);
+        let d = &mut *self;
         for n in d.since.iter_mut() {
             *n += idx.len() as u64;
         }
@@ -557,15 +555,16 @@ impl Trainer {
     /// `through`, how much of each piece its member had trained (module docs).
     fn start_exchange(
         &mut self,
+        t: &mut Trainer,
         comm: &Arc<dyn Communicator>,
         g: u64,
         f: usize,
         total: f64,
         through: Vec<(usize, Through)>,
     ) -> Result<Exchange, CommError> {
-        let d = self.diloco.as_ref().unwrap();
+        let d = &mut *self;
         let r = d.fragments[f].clone();
-        let (global, local) = (flat_views(&d.global, &r), flat_views(&self.params, &r));
+        let (global, local) = (flat_views(&d.global, &r), flat_views(&t.params, &r));
         let w = d.since[f] as f64;
         let (delta, snapshot) = tch::no_grad(|| {
             let parts: Vec<Tensor> = global
@@ -578,10 +577,10 @@ impl Trainer {
                 .to_device(Device::Cpu);
             (delta, local.iter().map(|t| t.copy()).collect::<Vec<_>>())
         });
-        let q = self.spec.diloco.quantize;
+        let q = t.spec.diloco.quantize;
         let group = Group::new(comm.clone(), (0..comm.world()).collect())?;
         let sum = std::thread::spawn(move || quant::all_reduce(&group, &delta, q).map(|x| x.0));
-        let d = self.dl();
+        let d = &mut *self;
         d.since[f] = 0;
         Ok(Exchange {
             fragment: f,
@@ -599,19 +598,19 @@ impl Trainer {
     /// Finish an exchange: the outer Nesterov step on the fragment's global weights; the
     /// member's fragment takes them, plus what its local steps since the exchange started
     /// changed (kept, and counted in the fragment's next exchange).
-    fn finish_exchange(&mut self, x: Exchange) -> Result<(), CommError> {
+    fn finish_exchange(&mut self, t: &mut Trainer, x: Exchange) -> Result<(), CommError> {
         let sum = x.sum.join().map_err(|_| CommError::Invalid {
             op: "diloco exchange",
             reason: "the exchange thread panicked".into(),
         })??;
-        let (lr, mu) = (self.spec.diloco.outer_lr, self.spec.diloco.outer_momentum);
-        let d = self.diloco.as_mut().unwrap();
+        let (lr, mu) = (t.spec.diloco.outer_lr, t.spec.diloco.outer_momentum);
+        let d = &mut *self;
         let r = d.fragments[x.fragment].clone();
-        let (global, local) = (flat_views(&d.global, &r), flat_views(&self.params, &r));
+        let (global, local) = (flat_views(&d.global, &r), flat_views(&t.params, &r));
         let momentum = flat_views(&d.momentum, &r);
         tch::no_grad(|| {
             if x.total > 0.0 {
-                let avg = sum.to_device(self.dev) / x.total;
+                let avg = sum.to_device(t.dev) / x.total;
                 let mut at = 0;
                 for (gl, m) in global.iter().zip(&momentum) {
                     let n = gl.numel() as i64;
@@ -640,17 +639,17 @@ impl Trainer {
             }
         }
         ledger_line(
-            &mut self.ledger,
+            &mut t.ledger,
             serde_json::json!({"g": x.g, "round": x.round, "r": x.rank, "fragment": x.fragment, "exchanged": true}),
         );
         Ok(())
     }
 
     /// Wait for the streaming exchange in flight, if any, and count it.
-    fn finish_inflight(&mut self) -> Result<(), CommError> {
-        if let Some(x) = self.dl().inflight.take() {
-            self.finish_exchange(x)?;
-            self.dl().synced += 1;
+    fn finish_inflight(&mut self, t: &mut Trainer) -> Result<(), CommError> {
+        if let Some(x) = self.inflight.take() {
+            self.finish_exchange(t, x)?;
+            self.synced += 1;
         }
         Ok(())
     }
@@ -658,7 +657,7 @@ impl Trainer {
     /// The fragment whose exchange is due now (streaming DiLoCo: fragment k of F once this
     /// member trained (k + 1)/F of its piece; the last one's exchange is the commit).
     fn fragment_due(&self) -> Option<usize> {
-        let d = self.diloco.as_ref().unwrap();
+        let d = &*self;
         let f = d.fragments.len() as u64;
         let k = d.started() as u64;
         (k + 1 < f && d.done * f >= (k + 1) * d.piece_len()).then_some(k as usize)
@@ -668,14 +667,15 @@ impl Trainer {
     /// on, and completes before the next exchange or the commit.
     fn sync_fragment(
         &mut self,
+        t: &mut Trainer,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
         f: usize,
     ) -> Result<(), CommError> {
-        let finished = self.diloco.as_ref().unwrap().inflight.is_some();
-        self.finish_inflight()?;
+        let finished = self.inflight.is_some();
+        self.finish_inflight(t)?;
         let rank = comm.rank();
-        let d = self.diloco.as_ref().unwrap();
+        let d = &mut *self;
         if finished && d.synced == 1 && d.done > 0 {
             crate::faults::exit_between_exchanges(rank, d.meta.round);
         }
@@ -701,11 +701,11 @@ impl Trainer {
             })
             .collect();
         ledger_line(
-            &mut self.ledger,
+            &mut t.ledger,
             serde_json::json!({"g": g.number, "round": round, "r": rank, "fragment": f, "done": done}),
         );
-        let x = self.start_exchange(comm, g.number, f, total, through)?;
-        self.dl().inflight = Some(x);
+        let x = self.start_exchange(t, comm, g.number, f, total, through)?;
+        self.inflight = Some(x);
         Ok(())
     }
 
@@ -714,12 +714,13 @@ impl Trainer {
     /// and the samples it committed.
     fn commit(
         &mut self,
+        t: &mut Trainer,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
         rank: u32,
     ) -> Result<(f64, u64), CommError> {
-        self.finish_inflight()?;
-        let d = self.diloco.as_ref().unwrap();
+        self.finish_inflight(t)?;
+        let d = &mut *self;
         let round = d.meta.round;
         let last = d.fragments.len() - 1;
         let speed = if d.busy > Duration::ZERO && d.done > 0 {
@@ -728,11 +729,11 @@ impl Trainer {
             0.0
         };
         ledger_line(
-            &mut self.ledger,
+            &mut t.ledger,
             serde_json::json!({"g": g.number, "round": round, "r": rank, "contrib": true}),
         );
-        let d = self.diloco.as_ref().unwrap();
-        let (pending, busy) = self
+        let d = &mut *self;
+        let (pending, busy) = t
             .ckpt
             .as_ref()
             .map(|c| c.flags(g.number))
@@ -746,8 +747,8 @@ impl Trainer {
             d.since[last] as f64,
         ];
         let rows = super::gather_rows(comm.as_ref(), &row)?;
-        debug_assert!(self.diloco.as_ref().unwrap().inflight.is_none());
-        self.flags = (
+        debug_assert!(self.inflight.is_none());
+        t.flags = (
             rows.iter().any(|r| r[3] > 0.0),
             rows.iter().any(|r| r[4] > 0.0),
         );
@@ -755,134 +756,138 @@ impl Trainer {
         let loss = rows.iter().map(|r| r[1]).sum::<f64>() / samples.max(1.0);
         let speeds: Vec<f64> = rows.iter().map(|r| r[2]).collect();
         let weight: f64 = rows.iter().map(|r| r[5]).sum();
-        let x = self.start_exchange(comm, g.number, last, weight, Vec::new())?;
-        self.finish_exchange(x)?;
-        let d = self.diloco.as_mut().unwrap();
+        let x = self.start_exchange(t, comm, g.number, last, weight, Vec::new())?;
+        self.finish_exchange(t, x)?;
+        let d = &mut *self;
         d.meta.round += 1;
         d.synced = 0;
         // the departed members' trained part of their pieces commits with the round
         let kept = std::mem::take(&mut d.meta.kept);
         let samples = samples as u64 + kept.iter().map(|t| t.n).sum::<u64>();
-        if self.ledger.is_some() {
+        if t.ledger.is_some() {
             let kept: Vec<[u64; 3]> = kept.iter().map(|t| [t.g, t.r as u64, t.n]).collect();
             ledger_line(
-                &mut self.ledger,
+                &mut t.ledger,
                 serde_json::json!({"g": g.number, "round": round, "r": rank, "committed": true, "kept": kept}),
             );
         }
-        let b = self.spec.global_batch as u64;
-        let d = self.dl();
+        let b = t.spec.global_batch as u64;
+        let d = &mut *self;
         let before = d.meta.committed / b;
         d.meta.committed += samples;
         let after = d.meta.committed / b;
-        self.step = after.min(self.spec.max_steps.unwrap_or(u64::MAX));
-        self.dl().last_commit = Some((before, after));
-        self.plan_round(comm.world(), &speeds, false);
+        t.step = after.min(t.spec.max_steps.unwrap_or(u64::MAX));
+        self.last_commit = Some((before, after));
+        self.plan_round(t, comm.world(), &speeds, false);
         self.take_piece(rank);
         Ok((loss, samples))
     }
 
     /// Whether the run is over: no fresh position left and nothing handed over.
-    fn diloco_finished(&self) -> bool {
-        let d = self.diloco.as_ref().unwrap();
-        d.meta.cursor >= self.run_positions()
+    fn diloco_finished(&self, t: &Trainer) -> bool {
+        let d = &*self;
+        d.meta.cursor >= t.run_positions()
             && d.meta.debt.is_empty()
             && d.meta.pieces.iter().all(|p| p.is_empty())
     }
+}
 
-    /// Train DiLoCo rounds in generation `g` until the run is over (`Ok`) or the communicator
-    /// fails or a newer generation appears (`Err`).
-    pub(super) fn diloco_rounds(
+impl Mode for Diloco {
+    fn agree(
         &mut self,
+        t: &mut Trainer,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
-        rank: u32,
-    ) -> Result<(), CommError> {
-        let mut report = Instant::now() - Duration::from_secs(2);
-        let (mut since, mut samples_since) = (Instant::now(), 0u64);
-        let (mut rank_since, mut rank_steps) = (Instant::now(), 0u64);
-        let start_bytes = comm.bytes_sent();
-        let mut committed = 0u64;
-        self.computed = Duration::ZERO;
-        loop {
-            if self.diloco_finished() {
-                if let Some(m) = self.spec.max_steps {
-                    self.step = m;
-                }
-                // the last round's save, skipped while the previous one uploaded, is made now
-                // (then the main loop finds nothing due: its tensors are the inner optimizer's)
-                let world = g.world_size;
-                self.with_outer(|t| {
-                    let Some(ck) = &mut t.ckpt else { return };
-                    ck.finish(&t.rt);
-                    let (last, interval) = (t.step, ck.spec.interval);
-                    let due =
-                        ck.saved_step != Some(last) && t.diloco.as_ref().unwrap().crossed(interval);
-                    if due {
-                        t.maybe_save(g, rank, world, false, false);
-                    }
-                    if let Some(ck) = &mut t.ckpt {
-                        ck.finish(&t.rt);
-                        ck.saved_step = Some(last);
-                    }
-                });
-                return Ok(());
-            }
-            if self.cell.newest() > g.number {
-                return Err(CommError::Aborted {
-                    generation: g.number,
-                    op: "round",
-                });
-            }
-            if self.inner_step(g, rank) {
-                rank_steps += 1;
-                while let Some(f) = self.fragment_due() {
-                    self.sync_fragment(comm, g, f)?;
-                }
-            } else {
-                // the fragments still due this round, then the commit
-                while self.dl().started() + 1 < self.dl().fragments.len() {
-                    let f = self.dl().started();
-                    self.sync_fragment(comm, g, f)?;
-                }
-                let (loss, samples) = self.commit(comm, g, rank)?;
-                if self.ckpt.is_some() {
-                    let (pending, busy) = self.flags;
-                    let world = g.world_size;
-                    self.with_outer(|t| t.maybe_save(g, rank, world, pending, busy));
-                }
-                committed += samples;
-                let round = self.diloco.as_ref().unwrap().meta.round;
-                samples_since += samples;
-                if rank == 0 && report.elapsed() >= Duration::from_secs(1) {
-                    let sps = samples_since as f64 / since.elapsed().as_secs_f64();
-                    let bytes = (comm.bytes_sent() - start_bytes) as f64 * comm.world() as f64;
-                    let per_sample = bytes / committed.max(1) as f64;
-                    let p = Progress {
-                        generation: g.number,
-                        step: self.step,
-                        loss: Some(loss),
-                        samples_per_sec: Some(sps),
-                        updated_at_ms: now_ms(),
-                        sync: Some("diloco".into()),
-                        round: Some(round),
-                        bytes_per_sample: Some(per_sample),
-                        ..Default::default()
-                    };
-                    self.reports.progress(p);
-                    println!(
-                        "round {round} step {} loss {loss:.4} samples/s {sps:.1} bytes/sample {per_sample:.1} world {}",
-                        self.step, g.world_size
-                    );
-                    report = Instant::now();
-                    since = Instant::now();
-                    samples_since = 0;
-                }
-            }
-            if rank_since.elapsed() >= Duration::from_secs(2) && rank_steps > 0 {
-                self.report_rank(g, rank, rank_since, rank_steps);
-                (rank_since, rank_steps) = (Instant::now(), 0);
-            }
+    ) -> anyhow::Result<Result<(), CommError>> {
+        self.diloco_agree(t, comm, g)
+    }
+
+    fn finished(&self, t: &Trainer) -> bool {
+        self.diloco_finished(t)
+    }
+
+    /// A local step (and the streaming exchanges it makes due), or, with the member's piece
+    /// done, the exchanges still due this round and the round's commit.
+    fn advance(
+        &mut self,
+        t: &mut Trainer,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        me: &Member,
+    ) -> Result<Worked, CommError> {
+        if t.cell.newest() > g.number {
+            return Err(CommError::Aborted {
+                generation: g.number,
+                op: "round",
+            });
         }
+        if self.inner_step(t, g, me.rank) {
+            while let Some(f) = self.fragment_due() {
+                self.sync_fragment(t, comm, g, f)?;
+            }
+            return Ok(Worked {
+                steps: 1,
+                ..Default::default()
+            });
+        }
+        while self.started() + 1 < self.fragments.len() {
+            let f = self.started();
+            self.sync_fragment(t, comm, g, f)?;
+        }
+        let (loss, samples) = self.commit(t, comm, g, me.rank)?;
+        Ok(Worked {
+            steps: 0,
+            commit: Some(Commit { loss, samples }),
+            checkpoint: Some(t.flags),
+        })
+    }
+
+    /// A round that crossed a multiple of the interval.
+    fn save_due(&self, _t: &Trainer, interval: u64) -> bool {
+        self.crossed(interval)
+    }
+
+    fn extra(&self, t: &Trainer, _g: &Generation) -> Option<(&'static str, serde_json::Value)> {
+        Some(("diloco", self.checkpoint_extra(&t.spec.diloco)))
+    }
+
+    /// The global weights and the outer optimizer's state are what a checkpoint holds.
+    fn save(&self, t: &mut Trainer, g: &Generation, rank: u32, flags: (bool, bool)) {
+        if t.ckpt.is_some() {
+            self.with_outer(t, |t| t.maybe_save(g, rank, g.world_size, flags, self));
+        }
+    }
+
+    /// The last round's save, skipped while the previous one uploaded, is made now.
+    fn final_save(&mut self, t: &mut Trainer, g: &Generation, rank: u32) {
+        if let Some(m) = t.spec.max_steps {
+            t.step = m;
+        }
+        self.with_outer(t, |t| {
+            let Some(ck) = &mut t.ckpt else { return };
+            ck.finish(&t.rt);
+            let (last, interval) = (t.step, ck.spec.interval);
+            let due = ck.saved_step != Some(last) && self.crossed(interval);
+            if due {
+                t.maybe_save(g, rank, g.world_size, (false, false), self);
+            }
+            if let Some(ck) = &mut t.ckpt {
+                ck.finish(&t.rt);
+                ck.saved_step = Some(last);
+            }
+        });
+    }
+
+    fn describe(&mut self, _t: &Trainer, p: &mut Progress, world: u32) -> String {
+        let round = self.meta.round;
+        p.sync = Some("diloco".into());
+        p.round = Some(round);
+        format!(
+            "round {round} step {} loss {:.4} samples/s {:.1} bytes/sample {:.1} world {world}",
+            p.step,
+            p.loss.unwrap_or(f64::NAN),
+            p.samples_per_sec.unwrap_or(0.0),
+            p.bytes_per_sample.unwrap_or(0.0)
+        )
     }
 }

@@ -224,6 +224,7 @@ impl Trainer {
         comm: &Arc<dyn Communicator>,
         g: &Generation,
         me: &Member,
+        pending: &mut Option<Pending>,
     ) -> Result<f64, CommError> {
         let b = self.spec.global_batch as u64;
         let base = self.step * b;
@@ -418,7 +419,7 @@ impl Trainer {
             }
         }
         // the commit: loss and checkpoint flags over the whole world
-        self.pending = Some(Pending {
+        *pending = Some(Pending {
             step: self.step,
             generation: g.number,
             params: which.clone(),
@@ -434,7 +435,7 @@ impl Trainer {
             .host()
             .sum_f64(&[loss, pending_ck as f64, busy as f64])?;
         self.flags = (v[1] > 0.0, v[2] > 0.0);
-        let p = self.pending.take().unwrap();
+        let p = pending.take().unwrap();
         self.apply(&p.params, &p.grads, p.step, p.generation, rank);
         // the other stages' copies are stale from this step on: release them
         let held = self.held.clone();

@@ -137,8 +137,8 @@ impl Trainer {
             self.install(fresh);
             self.held = self.units_of(g, me);
             self.tp_held = (tp, me.tp_rank);
+            // (no pending step: the agreement took it before coming here)
             self.step = 0;
-            self.pending = None;
             match Self::tensor_group(comm, g, me) {
                 Ok(grp) => self.model.set_tensor_group(grp),
                 Err(e) => return Ok(Err(e)),

@@ -1,0 +1,71 @@
+//! Synchronous all-reduce training (`sync = "allreduce"`): every step is committed by the whole
+//! world. Data parallel generations take the data-parallel step ([`Trainer::train_step`]);
+//! pipeline and tensor parallel layouts (and generations with spares) the pipeline step
+//! ([`Trainer::pipe_step`], laid out by the generation's `Mesh`). The agreement is the
+//! holdings' ([`Trainer::agree`]).
+
+use std::sync::Arc;
+
+use ductile_cluster::records::{Generation, Member};
+use ductile_comm::{CommError, Communicator};
+
+use super::agree::Pending;
+use super::driver::{final_save_at_step, pipelined, Commit, Mode, Worked};
+use super::Trainer;
+
+/// The all-reduce mode's state.
+#[derive(Default)]
+pub struct Allreduce {
+    /// A pipeline step's reduced gradient waiting for its commit (the commit failed: the next
+    /// agreement applies it if the commit completed elsewhere).
+    pending: Option<Pending>,
+}
+
+impl Mode for Allreduce {
+    fn agree(
+        &mut self,
+        t: &mut Trainer,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> anyhow::Result<Result<(), CommError>> {
+        t.agree(comm, g, &mut self.pending)
+    }
+
+    fn finished(&self, t: &Trainer) -> bool {
+        t.spec.max_steps.is_some_and(|m| t.step >= m)
+    }
+
+    fn advance(
+        &mut self,
+        t: &mut Trainer,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        me: &Member,
+    ) -> Result<Worked, CommError> {
+        let loss = if pipelined(g) {
+            t.pipe_step(comm, g, me, &mut self.pending)?
+        } else {
+            t.train_step(comm.as_ref(), g, me.rank)?
+        };
+        Ok(Worked {
+            steps: 1,
+            commit: Some(Commit {
+                loss,
+                samples: t.spec.global_batch as u64,
+            }),
+            checkpoint: Some(t.flags),
+        })
+    }
+
+    fn save_due(&self, t: &Trainer, interval: u64) -> bool {
+        t.step % interval == 0
+    }
+
+    fn save(&self, t: &mut Trainer, g: &Generation, rank: u32, flags: (bool, bool)) {
+        t.maybe_save(g, rank, g.world_size, flags, self);
+    }
+
+    fn final_save(&mut self, t: &mut Trainer, g: &Generation, rank: u32) {
+        final_save_at_step(t, g, rank, self);
+    }
+}
