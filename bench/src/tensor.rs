@@ -81,9 +81,9 @@ fn run_mode(
                         }
                         if tensor_parallel {
                             let mut tape = Tape::default();
-                            let out = m.forward_tp(0, m.units(), &x, &mut tape)?;
-                            let loss = m.loss_tp(&out, &y, &mut tape)?;
-                            tape.backward(&loss, None, &group)?;
+                            let out = m.forward(0, m.units(), &x, &mut tape)?;
+                            let loss = m.loss(&out, &y, &mut tape)?;
+                            m.backward(tape, &loss, None)?;
                         } else {
                             m.loss_sum(&x, &y).backward();
                             let grads: Vec<Tensor> =

@@ -141,16 +141,18 @@ impl Reporter {
     pub fn final_progress(&self, p: Progress) -> anyhow::Result<()> {
         let store = self.store.clone();
         let prev = self.rt.block_on(store.progress(&self.job)).ok().flatten();
+        // what the final report does not say (the loss and throughput of the last steps) is
+        // the last report's; its own figures (a mode's at the run's end) win
         let p = match prev {
             Some(x) => Progress {
-                loss: x.loss,
-                samples_per_sec: x.samples_per_sec,
-                sync: x.sync,
-                round: x.round,
-                bytes_per_sample: x.bytes_per_sample,
-                staleness_mean: x.staleness_mean,
-                staleness_max: x.staleness_max,
-                dropped_updates: x.dropped_updates,
+                loss: p.loss.or(x.loss),
+                samples_per_sec: p.samples_per_sec.or(x.samples_per_sec),
+                sync: p.sync.clone().or(x.sync),
+                round: p.round.or(x.round),
+                bytes_per_sample: p.bytes_per_sample.or(x.bytes_per_sample),
+                staleness_mean: p.staleness_mean.or(x.staleness_mean),
+                staleness_max: p.staleness_max.or(x.staleness_max),
+                dropped_updates: p.dropped_updates.or(x.dropped_updates),
                 eval_loss: p.eval_loss,
                 ..p
             },
@@ -185,5 +187,62 @@ impl Reporter {
                 )
                 .await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_cluster::memory::MemoryBackend;
+    use ductile_cluster::Keys;
+
+    /// A run that ends within a second of its last periodic report: the final record keeps
+    /// that report's loss and rate, and says the mode's figures as of the end (the last round).
+    #[test]
+    fn the_final_progress_keeps_the_last_report_s_figures_and_says_its_own() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let store = {
+            let _in_rt = rt.enter(); // the memory backend's lease ticker runs on it
+            Store::new(Arc::new(MemoryBackend::new()), Keys::new("/t"))
+        };
+        let reports = Reporter {
+            store: store.clone(),
+            rt: rt.handle().clone(),
+            job: "j".into(),
+            node: "n".into(),
+            slot: 0,
+            cell: Arc::new(GenCell::default()),
+        };
+        let last = Progress {
+            generation: 2,
+            step: 300,
+            loss: Some(1.5),
+            samples_per_sec: Some(900.0),
+            sync: Some("diloco".into()),
+            round: Some(14),
+            ..Default::default()
+        };
+        rt.block_on(store.put_json(&store.keys.progress("j"), &last, None))
+            .unwrap();
+        let end = Progress {
+            generation: 2,
+            step: 480,
+            done: true,
+            final_weights_sha256: Some("ab".into()),
+            sync: Some("diloco".into()),
+            round: Some(30),
+            ..Default::default()
+        };
+        reports.final_progress(end).unwrap();
+        let got = rt.block_on(store.progress("j")).unwrap().unwrap();
+        assert!(got.done);
+        assert_eq!(
+            (got.step, got.round),
+            (480, Some(30)),
+            "the end's own figures"
+        );
+        assert_eq!(got.loss, Some(1.5), "the last report's loss");
+        assert_eq!(got.samples_per_sec, Some(900.0));
+        assert_eq!(got.final_weights_sha256.as_deref(), Some("ab"));
     }
 }

@@ -78,7 +78,9 @@ fn diloco_streaming_int8_fragments_train_through_a_shrink_and_a_grow_and_determi
     let ledger = TempDir::new("ledger");
     let c = ledger_cluster(&ledger);
     let data = synth(c.dir.path(), "tokens", 20_000);
-    let steps = 480;
+    // long enough to outlive the shrink, a report a second later and the grow (rounds take
+    // about 80 ms here: 480 steps could end before the grow)
+    let steps = 960;
     c.submit(&diloco_toml(
         "d2",
         3,

@@ -3,12 +3,14 @@
 //! job's seed, so every rank builds the same weights.
 
 use ductile_cluster::records::{ModelKind, TrainingSpec};
+use ductile_comm::CommError;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
 use crate::data::Dataset;
 
 mod tp;
+use tp::Par;
 pub use tp::{Shard, Tape};
 
 /// The context length of a GPT job (`model_config.ctx`, default 32; the spec was checked at
@@ -40,25 +42,40 @@ impl Block {
         }
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Tensor {
-        let (b, t, c) = x.size3().unwrap();
+    /// The block on `x`: the whole block, or this member's slices of heads and MLP columns.
+    fn forward(&self, x: &Tensor, mask: &Tensor, p: &mut Par) -> Result<Tensor, CommError> {
+        let c = x.size()[2];
         let hd = c / self.heads;
-        let qkv = x.apply(&self.ln1).apply(&self.qkv);
-        let split = qkv.split(c, 2);
-        let heads = |t_: &Tensor| t_.view([b, t, self.heads, hd]).transpose(1, 2);
-        let (q, k, v) = (heads(&split[0]), heads(&split[1]), heads(&split[2]));
-        let att = (q.matmul(&k.transpose(-2, -1)) / (hd as f64).sqrt())
-            .masked_fill(mask, f64::NEG_INFINITY)
-            .softmax(-1, Kind::Float);
-        let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, c]);
-        let x = x + y.apply(&self.proj);
-        let h = x
-            .apply(&self.ln2)
-            .apply(&self.fc)
-            .gelu("none")
-            .apply(&self.fc2);
-        x + h
+        let x = p.plain(x);
+        let a = p.f(&x.apply(&self.ln1));
+        let ys: Vec<Tensor> = p
+            .qkv(&self.qkv, &a, c)
+            .iter()
+            .map(|[q, k, v]| attention(q, k, v, mask, hd))
+            .collect();
+        let y = p.row(&self.proj, &ys, c)?;
+        let x1 = p.plain(&(x + y));
+        let hs = p.f(&x1.apply(&self.ln2));
+        let us: Vec<Tensor> = p
+            .column(&self.fc, &hs, 4 * c)
+            .iter()
+            .map(|u| u.gelu("none"))
+            .collect();
+        let h = p.row(&self.fc2, &us, 4 * c)?;
+        Ok(x1 + h)
     }
+}
+
+/// Causal self-attention over heads of `hd` on `q`, `k`, `v` (`[b, t, width]`, a whole number of
+/// heads): the heads' outputs, `[b, t, width]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, hd: i64) -> Tensor {
+    let (b, t, w) = q.size3().unwrap();
+    let heads = |x: &Tensor| x.view([b, t, w / hd, hd]).transpose(1, 2);
+    let (q, k, v) = (heads(q), heads(k), heads(v));
+    let att = (q.matmul(&k.transpose(-2, -1)) / (hd as f64).sqrt())
+        .masked_fill(mask, f64::NEG_INFINITY)
+        .softmax(-1, Kind::Float);
+    att.matmul(&v).transpose(1, 2).contiguous().view([b, t, w])
 }
 
 enum Net {
@@ -192,9 +209,74 @@ impl Model {
         }
     }
 
+    /// How this model runs its layers: on its tensor group's slices when it is in one (the
+    /// cuts go on `tape`), else whole.
+    fn par<'a>(&'a self, tape: &'a mut Tape) -> Par<'a> {
+        match &self.shard {
+            Some(s) => Par::Split(s, tape),
+            None => Par::Whole,
+        }
+    }
+
     /// Run units `[a, b)` on `input`: token ids or features when `a` is 0, else the activation
-    /// unit `a − 1` produced. With `b` the last unit, the result is the network's output.
-    pub fn forward_units(&self, a: usize, b: usize, input: &Tensor) -> Tensor {
+    /// unit `a − 1` produced. With `b` the last unit, the result is the network's output (in a
+    /// tensor group, the GPT's is this member's vocabulary slices of the logits, which
+    /// [`Model::loss`] takes). The collectives' cuts go on `tape` ([`Model::backward`]).
+    pub fn forward(
+        &self,
+        a: usize,
+        b: usize,
+        input: &Tensor,
+        tape: &mut Tape,
+    ) -> Result<Tensor, CommError> {
+        self.forward_with(a, b, input, &mut self.par(tape))
+    }
+
+    /// Sum over the batch of each sample's loss, from the network's output (in a tensor
+    /// group every member gets the same loss).
+    pub fn loss(&self, out: &Tensor, y: &Tensor, tape: &mut Tape) -> Result<Tensor, CommError> {
+        self.loss_with(out, y, &mut self.par(tape))
+    }
+
+    /// Backward from `out` (a scalar loss when `grad` is `None`, else an activation with the
+    /// gradient `grad`), through the cuts a forward recorded on `tape`. Parameter gradients
+    /// accumulate.
+    pub fn backward(
+        &self,
+        tape: Tape,
+        out: &Tensor,
+        grad: Option<&Tensor>,
+    ) -> Result<(), CommError> {
+        match &self.shard {
+            Some(s) => tape.backward(out, grad, &s.group),
+            None => {
+                tp::backward_with(out, grad);
+                Ok(())
+            }
+        }
+    }
+
+    /// Sum over the batch of each sample's loss of the whole model, whatever its tensor group
+    /// (evaluation, and the local steps of DiLoCo and async; so / global batch gives the exact
+    /// mean).
+    pub fn loss_sum(&self, x: &Tensor, y: &Tensor) -> Tensor {
+        if let Net::Gpt { ctx, .. } = &self.net {
+            debug_assert!(x.size()[1] <= *ctx);
+        }
+        let whole = "the whole model does not communicate";
+        let out = self
+            .forward_with(0, self.units(), x, &mut Par::Whole)
+            .expect(whole);
+        self.loss_with(&out, y, &mut Par::Whole).expect(whole)
+    }
+
+    fn forward_with(
+        &self,
+        a: usize,
+        b: usize,
+        input: &Tensor,
+        p: &mut Par,
+    ) -> Result<Tensor, CommError> {
         match &self.net {
             Net::Gpt {
                 tok,
@@ -202,6 +284,7 @@ impl Model {
                 blocks,
                 ln_f,
                 head,
+                vocab,
                 ..
             } => {
                 let mut h = input.shallow_clone();
@@ -210,7 +293,7 @@ impl Model {
                     if u == 0 {
                         let t = h.size()[1];
                         let positions = Tensor::arange(t, (Kind::Int64, h.device()));
-                        h = tok.forward(&h) + pos.forward(&positions);
+                        h = p.embed(tok, &h, *vocab)? + pos.forward(&positions);
                     } else if u <= blocks.len() {
                         let t = h.size()[1];
                         let m = mask.get_or_insert_with(|| {
@@ -218,53 +301,46 @@ impl Model {
                                 .tril(0)
                                 .logical_not()
                         });
-                        h = blocks[u - 1].forward(&h, m);
+                        h = blocks[u - 1].forward(&h, m, p)?;
                     } else {
-                        h = h.apply(ln_f).apply(head);
+                        h = p.head(head, &h.apply(ln_f), *vocab);
                     }
                 }
-                h
+                Ok(h)
             }
-            Net::Mlp { hidden, out, .. } => {
+            Net::Mlp { hidden, out, width } => {
+                let layers = hidden.len() as u64;
                 let mut h = input.shallow_clone();
+                // a column-parallel layer's output, slice by slice, for the row-parallel next
+                let mut sliced: Vec<Tensor> = Vec::new();
                 for u in a..b {
-                    h = if u < hidden.len() {
-                        hidden[u].forward(&h).tanh()
-                    } else {
-                        out.forward(&h)
-                    };
+                    if u == hidden.len() {
+                        h = h.apply(out);
+                        continue;
+                    }
+                    let l = &hidden[u];
+                    match p.mlp_role(layers, u as u64) {
+                        (true, _) => {
+                            let xs = p.f(&h);
+                            sliced = p.column(l, &xs, *width).iter().map(|x| x.tanh()).collect();
+                        }
+                        (_, true) => h = p.row(l, &sliced, *width)?.tanh(),
+                        _ => h = h.apply(l).tanh(),
+                    }
                 }
-                h
+                Ok(h)
             }
         }
     }
 
-    /// Sum over the batch of each sample's loss, from the network's output.
-    pub fn loss_of(&self, out: &Tensor, y: &Tensor) -> Tensor {
+    fn loss_with(&self, out: &Tensor, y: &Tensor, p: &mut Par) -> Result<Tensor, CommError> {
         match &self.net {
-            Net::Gpt { vocab, .. } => {
-                let (b, t, _) = out.size3().unwrap();
-                // mean over positions of each sample, summed over samples
-                out.view([b * t, *vocab]).cross_entropy_loss::<Tensor>(
-                    &y.view([b * t]),
-                    None,
-                    tch::Reduction::Sum,
-                    -100,
-                    0.0,
-                ) / t as f64
-            }
+            // mean over positions of each sample, summed over samples
+            Net::Gpt { vocab, .. } => p.cross_entropy(out, y, *vocab),
             Net::Mlp { .. } => {
                 let d = y.size()[1];
-                (out - y).square().sum(Kind::Float) / d as f64
+                Ok((out - y).square().sum(Kind::Float) / d as f64)
             }
         }
-    }
-
-    /// Sum over the batch of each sample's loss (so / global batch gives the exact mean).
-    pub fn loss_sum(&self, x: &Tensor, y: &Tensor) -> Tensor {
-        if let Net::Gpt { ctx, .. } = &self.net {
-            debug_assert!(x.size()[1] <= *ctx);
-        }
-        self.loss_of(&self.forward_units(0, self.units(), x), y)
     }
 }

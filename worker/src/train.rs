@@ -559,26 +559,16 @@ impl Trainer {
             used.extend_from_slice(&idx);
             let (x, y) = self.data.batch(&idx);
             let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
-            let loss = match self.model.tensor_shard().map(|s| s.group.clone()) {
-                // logical slices (deterministic tensor_slices) on a one-member group: the same
-                // ops, in the same order, as a tensor group of any size
-                Some(grp) => {
-                    let mut tape = crate::model::Tape::default();
-                    let solo = "a one-member group does not communicate";
-                    let out = self
-                        .model
-                        .forward_tp(0, self.units(), &x, &mut tape)
-                        .expect(solo);
-                    let l = self.model.loss_tp(&out, &y, &mut tape).expect(solo) / b as f64;
-                    tape.backward(&l, None, &grp).expect(solo);
-                    l
-                }
-                None => {
-                    let l = self.model.loss_sum(&x, &y) / b as f64;
-                    l.backward();
-                    l
-                }
-            };
+            // a model with logical slices (deterministic tensor_slices) runs them through a
+            // group of one: the same ops, in the same order, as a tensor group of any size
+            let solo = "a data-parallel step does not communicate inside its model";
+            let mut tape = crate::model::Tape::default();
+            let out = self
+                .model
+                .forward(0, self.units(), &x, &mut tape)
+                .expect(solo);
+            let loss = self.model.loss(&out, &y, &mut tape).expect(solo) / b as f64;
+            self.model.backward(tape, &loss, None).expect(solo);
             acc = acc + loss.detach().to_kind(Kind::Double).reshape([1]);
         }
         ledger_line(

@@ -27,7 +27,7 @@ use ductile_comm::group::fold;
 use ductile_comm::{CommError, Group};
 use ductile_strategies::split_range;
 use ductile_strategies::tensor::{held_ranges, mlp_role, split_of, Arch};
-use tch::nn::Module;
+use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
 use super::{Model, Net};
@@ -195,7 +195,7 @@ impl Tape {
     }
 }
 
-fn backward_with(out: &Tensor, grad: Option<&Tensor>) {
+pub(super) fn backward_with(out: &Tensor, grad: Option<&Tensor>) {
     match grad {
         None => out.backward(),
         // d/d out of sum(out · grad) is grad, exactly
@@ -281,125 +281,182 @@ impl Model {
             },
         }
     }
+}
 
-    /// [`Model::forward_units`] on a sharded model: the GPT's output is this member's
-    /// vocabulary slice of the logits ([`Model::loss_tp`] takes them). The cuts go on `tape`.
-    pub fn forward_tp(
-        &self,
-        a: usize,
-        b: usize,
-        input: &Tensor,
-        tape: &mut Tape,
+/// How a forward pass runs its layers: the whole model, or this member's slices of the split
+/// layers through its tensor group, with the collectives' cuts on a [`Tape`]. The model's
+/// forward is written once over it, as Megatron's parallel layers are (each layer is its math
+/// plus one named collective); with the whole model each layer is its plain op, so the whole
+/// model computes the bits it always did.
+pub(super) enum Par<'a> {
+    Whole,
+    Split(&'a Shard, &'a mut Tape),
+}
+
+impl Par<'_> {
+    /// A tensor used twice (a block's input, its residual): identity both ways.
+    pub(super) fn plain(&mut self, x: &Tensor) -> Tensor {
+        match self {
+            Par::Whole => x.shallow_clone(),
+            Par::Split(_, tape) => tape.plain(x),
+        }
+    }
+
+    /// The input of a column-parallel layer, one per local slice (f: identity forward; the
+    /// slices' input gradients are summed backward).
+    pub(super) fn f(&mut self, x: &Tensor) -> Vec<Tensor> {
+        match self {
+            Par::Whole => vec![x.shallow_clone()],
+            Par::Split(s, tape) => tape.f(x, s),
+        }
+    }
+
+    /// A column-parallel linear layer of `n` outputs on its inputs `xs` (one per local slice):
+    /// each slice's outputs.
+    pub(super) fn column(&self, l: &nn::Linear, xs: &[Tensor], n: i64) -> Vec<Tensor> {
+        match self {
+            Par::Whole => xs.iter().map(|x| x.apply(l)).collect(),
+            Par::Split(s, _) => s
+                .local(n)
+                .into_iter()
+                .zip(xs)
+                .map(|((off, len), x)| {
+                    x.matmul(&l.ws.narrow(0, off, len).tr())
+                        + l.bs.as_ref().unwrap().narrow(0, off, len)
+                })
+                .collect(),
+        }
+    }
+
+    /// A row-parallel linear layer of `n` inputs on the column layer's slices `xs`: the
+    /// slices' partial products summed (g), then the bias.
+    pub(super) fn row(
+        &mut self,
+        l: &nn::Linear,
+        xs: &[Tensor],
+        n: i64,
     ) -> Result<Tensor, CommError> {
-        let s = self.shard.as_ref().expect("forward_tp on a sharded model");
-        match &self.net {
-            Net::Gpt {
-                tok,
-                pos,
-                blocks,
-                ln_f,
-                head,
-                vocab,
-                ..
-            } => {
-                let mut h = input.shallow_clone();
-                let mut mask: Option<Tensor> = None;
-                for u in a..b {
-                    if u == 0 {
-                        let t = h.size()[1];
-                        let positions = Tensor::arange(t, (Kind::Int64, h.device()));
-                        // each vocabulary slice looks up the tokens it holds; the rest are 0
-                        let parts: Vec<Tensor> = s
-                            .local(*vocab)
-                            .into_iter()
-                            .zip(s.global(*vocab))
-                            .map(|((off, len), g)| {
-                                let inside = h.ge(g.start).logical_and(&h.lt(g.end));
-                                let idx = (&h - g.start).clamp(0, len - 1);
-                                Tensor::embedding(
-                                    &tok.ws.narrow(0, off, len),
-                                    &idx,
-                                    -1,
-                                    false,
-                                    false,
-                                )
-                                .multiply(&inside.unsqueeze(-1).to_kind(Kind::Float))
-                            })
-                            .collect();
-                        h = tape.g(parts, s)? + pos.forward(&positions);
-                    } else if u <= blocks.len() {
-                        let t = h.size()[1];
-                        let m = mask.get_or_insert_with(|| {
-                            Tensor::ones([t, t], (Kind::Bool, h.device()))
-                                .tril(0)
-                                .logical_not()
-                        });
-                        h = blocks[u - 1].forward_tp(&h, m, s, tape)?;
-                    } else {
-                        let xs = tape.f(&h.apply(ln_f), s);
-                        let logits: Vec<Tensor> = s
-                            .local(*vocab)
-                            .into_iter()
-                            .zip(&xs)
-                            .map(|((off, len), x)| x.matmul(&head.ws.narrow(0, off, len).tr()))
-                            .collect();
-                        h = Tensor::cat(&logits, -1);
-                    }
-                }
-                Ok(h)
-            }
-            Net::Mlp { hidden, out, width } => {
-                let layers = hidden.len() as u64;
-                let mut h = input.shallow_clone();
-                // a column-parallel layer's output, slice by slice, for the row-parallel next
-                let mut sliced: Vec<Tensor> = Vec::new();
-                for u in a..b {
-                    if u == hidden.len() {
-                        h = h.apply(out);
-                        continue;
-                    }
-                    let l = &hidden[u];
-                    match mlp_role(layers, u as u64) {
-                        (true, _) => {
-                            let xs = tape.f(&h, s);
-                            sliced = s
-                                .local(*width)
-                                .into_iter()
-                                .zip(&xs)
-                                .map(|((off, len), x)| {
-                                    (x.matmul(&l.ws.narrow(0, off, len).tr())
-                                        + l.bs.as_ref().unwrap().narrow(0, off, len))
-                                    .tanh()
-                                })
-                                .collect();
-                        }
-                        (_, true) => {
-                            let parts: Vec<Tensor> = s
-                                .local(*width)
-                                .into_iter()
-                                .zip(&sliced)
-                                .map(|((off, len), x)| {
-                                    x.matmul(&l.ws.narrow(1, off, len).contiguous().tr())
-                                })
-                                .collect();
-                            h = (tape.g(parts, s)? + l.bs.as_ref().unwrap()).tanh();
-                        }
-                        _ => h = h.apply(l).tanh(),
-                    }
-                }
-                Ok(h)
+        match self {
+            Par::Whole => Ok(xs[0].apply(l)),
+            Par::Split(s, tape) => {
+                let parts: Vec<Tensor> = s
+                    .local(n)
+                    .into_iter()
+                    .zip(xs)
+                    .map(|((off, len), x)| x.matmul(&l.ws.narrow(1, off, len).contiguous().tr()))
+                    .collect();
+                Ok(tape.g(parts, s)? + l.bs.as_ref().unwrap())
             }
         }
     }
 
-    /// [`Model::loss_of`] on a sharded model's output: the GPT's cross-entropy is
-    /// vocab-parallel (the row maxima, and per vocabulary slice the sums of exponentials and
-    /// the target logits, folded in slice order; the full logits are never gathered). Every
-    /// member gets the same loss.
-    pub fn loss_tp(&self, out: &Tensor, y: &Tensor, tape: &mut Tape) -> Result<Tensor, CommError> {
-        let s = self.shard.as_ref().expect("loss_tp on a sharded model");
-        match &self.net {
-            Net::Gpt { vocab, .. } => {
+    /// The fused Q/K/V projection of width `c` each (column-parallel by heads within each of
+    /// Q, K and V) on its inputs `xs`: per local slice, its Q, K and V, each `[b, t, width]`.
+    pub(super) fn qkv(&self, l: &nn::Linear, xs: &[Tensor], c: i64) -> Vec<[Tensor; 3]> {
+        match self {
+            Par::Whole => xs
+                .iter()
+                .map(|x| {
+                    let mut qkv = x.apply(l).split(c, 2).into_iter();
+                    let mut next = || qkv.next().expect("three parts");
+                    [next(), next(), next()]
+                })
+                .collect(),
+            Par::Split(s, _) => {
+                // this member's rows of each of Q, K and V
+                let block = l.ws.size()[0] / 3;
+                let (w, bias) = (&l.ws, l.bs.as_ref().unwrap());
+                s.local(c)
+                    .into_iter()
+                    .zip(xs)
+                    .map(|((off, len), a)| {
+                        let proj = |k: i64| {
+                            a.matmul(&w.narrow(0, k * block + off, len).tr())
+                                + bias.narrow(0, k * block + off, len)
+                        };
+                        [proj(0), proj(1), proj(2)]
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The vocabulary-parallel token embedding of a vocabulary of `vocab`: each vocabulary
+    /// slice looks up the tokens it holds (the rest are 0), summed (g).
+    pub(super) fn embed(
+        &mut self,
+        tok: &nn::Embedding,
+        ids: &Tensor,
+        vocab: i64,
+    ) -> Result<Tensor, CommError> {
+        match self {
+            Par::Whole => Ok(tok.forward(ids)),
+            Par::Split(s, tape) => {
+                let parts: Vec<Tensor> = s
+                    .local(vocab)
+                    .into_iter()
+                    .zip(s.global(vocab))
+                    .map(|((off, len), g)| {
+                        let inside = ids.ge(g.start).logical_and(&ids.lt(g.end));
+                        let idx = (ids - g.start).clamp(0, len - 1);
+                        Tensor::embedding(&tok.ws.narrow(0, off, len), &idx, -1, false, false)
+                            .multiply(&inside.unsqueeze(-1).to_kind(Kind::Float))
+                    })
+                    .collect();
+                tape.g(parts, s)
+            }
+        }
+    }
+
+    /// The vocabulary-parallel head (no bias) of a vocabulary of `vocab`: this member's
+    /// vocabulary slices of the logits (the whole model's: all of them).
+    pub(super) fn head(&mut self, head: &nn::Linear, x: &Tensor, vocab: i64) -> Tensor {
+        match self {
+            Par::Whole => x.apply(head),
+            Par::Split(s, tape) => {
+                let xs = tape.f(x, s);
+                let logits: Vec<Tensor> = s
+                    .local(vocab)
+                    .into_iter()
+                    .zip(&xs)
+                    .map(|((off, len), x)| x.matmul(&head.ws.narrow(0, off, len).tr()))
+                    .collect();
+                Tensor::cat(&logits, -1)
+            }
+        }
+    }
+
+    /// The role of the MLP's layer `u` of `layers`: (column-parallel, row-parallel); the
+    /// whole model's layers are plain.
+    pub(super) fn mlp_role(&self, layers: u64, u: u64) -> (bool, bool) {
+        match self {
+            Par::Whole => (false, false),
+            Par::Split(..) => mlp_role(layers, u),
+        }
+    }
+
+    /// The GPT's cross-entropy, summed over the batch of each sample's mean over positions, from
+    /// the logits `out` over a vocabulary of `vocab`. Split, it is vocab-parallel: the row
+    /// maxima, and per vocabulary slice the sums of exponentials and the target logits, folded
+    /// in slice order (the full logits are never gathered); every member gets the same loss.
+    pub(super) fn cross_entropy(
+        &mut self,
+        out: &Tensor,
+        y: &Tensor,
+        vocab: i64,
+    ) -> Result<Tensor, CommError> {
+        match self {
+            Par::Whole => {
+                let (b, t, _) = out.size3().unwrap();
+                Ok(out.view([b * t, vocab]).cross_entropy_loss::<Tensor>(
+                    &y.view([b * t]),
+                    None,
+                    tch::Reduction::Sum,
+                    -100,
+                    0.0,
+                ) / t as f64)
+            }
+            Par::Split(s, tape) => {
                 let t = out.size()[1];
                 let max = s
                     .group
@@ -407,7 +464,7 @@ impl Model {
                 // both sums below read `shifted`: a plain cut keeps the head's backward single
                 let shifted = tape.plain(&(out - max));
                 let (mut sums, mut targets) = (Vec::new(), Vec::new());
-                for ((off, len), g) in s.local(*vocab).into_iter().zip(s.global(*vocab)) {
+                for ((off, len), g) in s.local(vocab).into_iter().zip(s.global(vocab)) {
                     let part = shifted.narrow(-1, off, len).contiguous();
                     sums.push(
                         part.exp()
@@ -425,63 +482,7 @@ impl Model {
                 let target = tape.g(targets, s)?;
                 Ok((sum_exp.log() - target).sum(Kind::Float) / t as f64)
             }
-            Net::Mlp { .. } => Ok(self.loss_of(out, y)),
         }
-    }
-}
-
-impl super::Block {
-    /// The block on this member's slices of heads and MLP columns.
-    fn forward_tp(
-        &self,
-        x: &Tensor,
-        mask: &Tensor,
-        s: &Shard,
-        tape: &mut Tape,
-    ) -> Result<Tensor, CommError> {
-        let (b, t, c) = x.size3().unwrap();
-        let hd = c / self.heads;
-        // this member's rows of each of Q, K and V
-        let block = self.qkv.ws.size()[0] / 3;
-        let x = tape.plain(x);
-        let a = tape.f(&x.apply(&self.ln1), s);
-        let (w, bias) = (&self.qkv.ws, self.qkv.bs.as_ref().unwrap());
-        let mut parts = Vec::new();
-        for ((off, len), a) in s.local(c).into_iter().zip(&a) {
-            let heads = len / hd;
-            let proj = |k: i64| {
-                (a.matmul(&w.narrow(0, k * block + off, len).tr())
-                    + bias.narrow(0, k * block + off, len))
-                .view([b, t, heads, hd])
-                .transpose(1, 2)
-            };
-            let (q, k, v) = (proj(0), proj(1), proj(2));
-            let att = (q.matmul(&k.transpose(-2, -1)) / (hd as f64).sqrt())
-                .masked_fill(mask, f64::NEG_INFINITY)
-                .softmax(-1, Kind::Float);
-            let y = att
-                .matmul(&v)
-                .transpose(1, 2)
-                .contiguous()
-                .view([b, t, len]);
-            parts.push(y.matmul(&self.proj.ws.narrow(1, off, len).contiguous().tr()));
-        }
-        let y = tape.g(parts, s)? + self.proj.bs.as_ref().unwrap();
-        let x1 = tape.plain(&(x + y));
-        let hs = tape.f(&x1.apply(&self.ln2), s);
-        let (fc, fb) = (&self.fc.ws, self.fc.bs.as_ref().unwrap());
-        let parts: Vec<Tensor> = s
-            .local(4 * c)
-            .into_iter()
-            .zip(&hs)
-            .map(|((off, len), h)| {
-                let u =
-                    (h.matmul(&fc.narrow(0, off, len).tr()) + fb.narrow(0, off, len)).gelu("none");
-                u.matmul(&self.fc2.ws.narrow(1, off, len).contiguous().tr())
-            })
-            .collect();
-        let h = tape.g(parts, s)? + self.fc2.bs.as_ref().unwrap();
-        Ok(x1 + h)
     }
 }
 
@@ -575,12 +576,11 @@ mod tests {
                     sc.spawn(move || {
                         let members = (0..tp).collect();
                         m.shard(Group::new(c.clone(), members).unwrap()).unwrap();
-                        let grp = m.tensor_shard().unwrap().group.clone();
                         let mut tape = Tape::default();
-                        let out = m.forward_tp(0, m.units(), &x, &mut tape).unwrap();
-                        let loss = m.loss_tp(&out, &y, &mut tape).unwrap();
+                        let out = m.forward(0, m.units(), &x, &mut tape).unwrap();
+                        let loss = m.loss(&out, &y, &mut tape).unwrap();
                         let cuts = tape.len();
-                        tape.backward(&loss, None, &grp).unwrap();
+                        m.backward(tape, &loss, None).unwrap();
                         (loss.double_value(&[]), grads(&m), cuts)
                     })
                 })

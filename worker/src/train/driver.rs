@@ -348,7 +348,7 @@ impl Driver {
         if rank == 0 {
             let sha = sha256_params(&t.params);
             let eval = t.eval_loss();
-            let p = Progress {
+            let mut p = Progress {
                 generation: g.number,
                 step: t.step,
                 updated_at_ms: super::now_ms(),
@@ -357,6 +357,9 @@ impl Driver {
                 eval_loss: eval,
                 ..Default::default()
             };
+            // the mode's own figures as of the run's end (DiLoCo's last round, async's
+            // staleness), not those of the last report, which may be up to a second older
+            let _ = self.mode.describe(t, &mut p, g.world_size);
             t.reports.final_progress(p)?;
             // rank 0 holds every tensor now (the final gather): the optimizer state's hash lets
             // a restore elsewhere be checked against it

@@ -268,7 +268,6 @@ impl Trainer {
                 mesh.stage_peer(c, (stage + 1) % p),
             );
             let counts = Mesh::counts_loss(c);
-            let grp = self.model.tensor_shard().map(|s| s.group.clone());
             let mut tapes: Vec<Option<crate::model::Tape>> = (0..m * v).map(|_| None).collect();
             self.zero_grads();
             let outbox = Outbox::new(comm.clone());
@@ -306,18 +305,10 @@ impl Trainer {
                         };
                         let r = &mine[j as usize];
                         let mut tape = crate::model::Tape::default();
-                        let out = if grp.is_some() {
-                            self.model.forward_tp(r.start, r.end, &input, &mut tape)?
-                        } else {
-                            self.model.forward_units(r.start, r.end, &input)
-                        };
+                        let out = self.model.forward(r.start, r.end, &input, &mut tape)?;
                         if k == last_chunk {
                             let y = self.data.batch(&idx).1.to_device(self.dev);
-                            let l = if grp.is_some() {
-                                self.model.loss_tp(&out, &y, &mut tape)?
-                            } else {
-                                self.model.loss_of(&out, &y)
-                            } / b as f64;
+                            let l = self.model.loss(&out, &y, &mut tape)? / b as f64;
                             acc += l.detach().to_kind(Kind::Double).reshape([1]);
                             outputs[key(i, j)] = Some(l);
                         } else {
@@ -339,12 +330,7 @@ impl Trainer {
                             let want = Msg::Grad { mb: i, chunk: k };
                             Some(mail.recv(comm.as_ref(), next, want, &shape)?)
                         };
-                        match (&grp, &grad) {
-                            (Some(grp), _) => tape.backward(&out, grad.as_ref(), grp)?,
-                            (None, None) => out.backward(),
-                            // d/d(out) of sum(out · grad) is grad, bit for bit
-                            (None, Some(gr)) => (out * gr).sum(Kind::Float).backward(),
-                        }
+                        self.model.backward(tape, &out, grad.as_ref())?;
                         if let Some(input) = inputs[key(i, j)].take() {
                             outbox.send(input.grad().contiguous(), prev);
                         }
