@@ -30,7 +30,7 @@ use ductile_strategies::tensor::{held_ranges, mlp_role, split_of, Arch};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use super::{Model, Net};
+use super::Model;
 
 /// A member's view of its tensor group. Split layers are computed in `slices` logical slices
 /// (K: the group size, or in deterministic mode the job's `tensor_slices`, a multiple of it);
@@ -211,18 +211,7 @@ impl Model {
         anyhow::ensure!(self.shard.is_none(), "the model is already sharded");
         let (tp, rank) = (group.size(), group.rank());
         let arch = self.arch();
-        let check = match (&self.net, arch) {
-            (Net::Gpt { width, vocab, .. }, _) => ductile_strategies::tensor::check_tp(
-                arch,
-                *width as u64,
-                *vocab as u64,
-                4 * *width as u64,
-                tp,
-            ),
-            (Net::Mlp { width, .. }, _) => {
-                ductile_strategies::tensor::check_tp(arch, 0, 0, *width as u64, tp)
-            }
-        };
+        let check = self.net.check_tp(tp);
         check.map_err(|e| anyhow::anyhow!(e))?;
         for (name, p) in self.params() {
             let shape: Vec<u64> = p.size().iter().map(|d| *d as u64).collect();
@@ -272,14 +261,7 @@ impl Model {
 
     /// The split rules' name for this model.
     pub fn arch(&self) -> Arch {
-        match &self.net {
-            Net::Gpt { blocks, .. } => Arch::Gpt {
-                heads: blocks.first().map(|b| b.heads as u64).unwrap_or(1),
-            },
-            Net::Mlp { hidden, .. } => Arch::Mlp {
-                layers: hidden.len() as u64,
-            },
-        }
+        self.net.split_rules()
     }
 }
 
