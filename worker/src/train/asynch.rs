@@ -798,24 +798,23 @@ impl Async {
         t.received = 0;
         let rank = comm.rank();
         let max = t.max_size.max(g.world_size) as usize;
-        let a = &*self;
         // [holds, its generation, its world, its rank, owns a slice, holds the dispenser,
         //  snapshot seq, versions seen of each slice (max entries)]
         let mut row = vec![
-            a.holds as u8 as f64,
-            a.generation as f64,
-            a.world as f64,
-            a.rank as f64,
-            a.owned.is_some() as u8 as f64,
-            a.dispenser.is_some() as u8 as f64,
-            a.dispenser
+            self.holds as u8 as f64,
+            self.generation as f64,
+            self.world as f64,
+            self.rank as f64,
+            self.owned.is_some() as u8 as f64,
+            self.dispenser.is_some() as u8 as f64,
+            self.dispenser
                 .iter()
-                .chain(&a.snapshot)
+                .chain(&self.snapshot)
                 .map(|s| s.seq as f64)
                 .fold(-1.0, f64::max),
         ];
         for k in 0..max {
-            row.push(a.seen.get(k).map(|v| *v as f64).unwrap_or(-1.0));
+            row.push(self.seen.get(k).map(|v| *v as f64).unwrap_or(-1.0));
         }
         let rows = match super::gather_rows(comm.as_ref(), &row) {
             Ok(r) => r,
@@ -898,11 +897,10 @@ impl Async {
                     Some(src) => {
                         let mut bytes = Vec::new();
                         if rank == src as u32 {
-                            let a = &*self;
-                            let d = a
+                            let d = self
                                 .dispenser
                                 .iter()
-                                .chain(&a.snapshot)
+                                .chain(&self.snapshot)
                                 .max_by_key(|d| d.seq)
                                 .unwrap();
                             bytes = serde_json::to_vec(d)?;
@@ -920,9 +918,8 @@ impl Async {
                 // the updates this owner kept undecided: member 0 may have decided them (and
                 // another owner applied them); the freshest dispenser holds every decision any
                 // member here applied
-                let a = &mut *self;
-                let pending = std::mem::take(&mut a.pending);
-                if let (Some(o), true) = (a.owned.as_mut(), a.generation == gen) {
+                let pending = std::mem::take(&mut self.pending);
+                if let (Some(o), true) = (self.owned.as_mut(), self.generation == gen) {
                     let rules = ApplyRules {
                         batch: (t.spec.global_batch as u64).div_ceil(old_world.max(1) as u64),
                         global_batch: t.spec.global_batch as u64,
@@ -944,7 +941,7 @@ impl Async {
                             rules.apply(o, &r.grad);
                         }
                         let recovered = r.decided.is_none();
-                        record(&mut t.ledger, gen, a.rank, r, commit, recovered);
+                        record(&mut t.ledger, gen, self.rank, r, commit, recovered);
                         if recovered {
                             tracing::info!(
                                 from = r.from,
@@ -977,9 +974,8 @@ impl Async {
                     let mut buf =
                         Tensor::zeros([len * (1 + per as i64) + 1], (Kind::Float, Device::Cpu));
                     if rank == src {
-                        let a = &*self;
                         let mut parts: Vec<Tensor> = Vec::new();
-                        match (&a.owned, owner.is_some()) {
+                        match (&self.owned, owner.is_some()) {
                             (Some(o), true) => {
                                 parts.push(o.values.shallow_clone());
                                 parts.extend(o.opt.state.iter().map(|t| t.reshape([-1])));
@@ -990,7 +986,7 @@ impl Async {
                                 for _ in 0..per {
                                     parts.push(Tensor::zeros([len], (Kind::Float, Device::Cpu)));
                                 }
-                                let v = a.seen.get(k).copied().unwrap_or(0);
+                                let v = self.seen.get(k).copied().unwrap_or(0);
                                 parts.push(Tensor::from_slice(&[v as f32]));
                             }
                         }
@@ -1062,21 +1058,20 @@ impl Async {
                 at += k;
             }
         });
-        let a = &mut *self;
-        a.holds = true;
-        a.generation = g.number;
-        a.world = g.world_size;
-        a.rank = rank;
-        a.owned = Some(Owned {
+        self.holds = true;
+        self.generation = g.number;
+        self.world = g.world_size;
+        self.rank = rank;
+        self.owned = Some(Owned {
             range: mine,
             values: slice,
             opt,
             version,
         });
-        a.seen = vec![version; g.world_size as usize];
-        a.snapshot = Some(disp.clone());
-        a.dispenser = (rank == 0).then_some(disp);
-        let applied = a.snapshot.as_ref().unwrap().applied;
+        self.seen = vec![version; g.world_size as usize];
+        self.snapshot = Some(disp.clone());
+        self.dispenser = (rank == 0).then_some(disp);
+        let applied = self.snapshot.as_ref().unwrap().applied;
         t.step = applied / t.spec.global_batch as u64;
         // where this generation's state came from: a generation's members, or a checkpoint
         ledger_line(
@@ -1535,9 +1530,8 @@ impl Async {
                 (from, m) => return Err(unexpected(g, from, &m.head)),
             }
         }
-        let a = &mut *self;
-        a.ckpt_version = version;
-        let applied = a.snapshot.as_ref().map(|d| d.applied).unwrap_or(0);
+        self.ckpt_version = version;
+        let applied = self.snapshot.as_ref().map(|d| d.applied).unwrap_or(0);
         t.step = applied / t.spec.global_batch as u64;
         if rank == 0 {
             println!(

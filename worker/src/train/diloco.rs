@@ -242,32 +242,30 @@ impl Diloco {
         let b = t.spec.global_batch as u64;
         let end = t.run_positions();
         let det = t.spec.deterministic;
-        let d = &mut *self;
-        let (work, cursor) = plan::round_work(&d.meta.debt, d.meta.cursor, h * b, end);
+        let (work, cursor) = plan::round_work(&self.meta.debt, self.meta.cursor, h * b, end);
         let weights: Vec<f64> = if det {
             vec![1.0; world as usize]
         } else {
             speed.to_vec()
         };
         let sizes = plan::shares(plan::total(&work), &weights);
-        d.meta.pieces = plan::cut(&work, &sizes);
-        d.meta.cursor = cursor;
-        d.meta.debt.clear();
-        d.meta.through.clear();
-        d.meta.kept.clear();
+        self.meta.pieces = plan::cut(&work, &sizes);
+        self.meta.cursor = cursor;
+        self.meta.debt.clear();
+        self.meta.through.clear();
+        self.meta.kept.clear();
     }
 
     /// Take this member's piece of the current plan.
     fn take_piece(&mut self, rank: u32) {
-        let d = &mut *self;
-        d.piece = Some(rank as usize).filter(|p| *p < d.meta.pieces.len());
-        d.todo = d
+        self.piece = Some(rank as usize).filter(|p| *p < self.meta.pieces.len());
+        self.todo = self
             .piece
-            .map(|p| d.meta.pieces[p].clone())
+            .map(|p| self.meta.pieces[p].clone())
             .unwrap_or_default();
-        d.done = 0;
-        d.loss_sum = 0.0;
-        d.busy = Duration::ZERO;
+        self.done = 0;
+        self.loss_sum = 0.0;
+        self.busy = Duration::ZERO;
     }
 
     /// The agreement at the start of a DiLoCo generation (module docs).
@@ -289,12 +287,11 @@ impl Diloco {
                 Err(_) => self.since[f] += w,
             }
         }
-        let d = &mut *self;
         let row = [
-            d.meta.round as f64,
-            if d.holds { 1.0 } else { 0.0 },
-            d.piece.map(|p| p as f64).unwrap_or(-1.0),
-            d.synced as f64,
+            self.meta.round as f64,
+            if self.holds { 1.0 } else { 0.0 },
+            self.piece.map(|p| p as f64).unwrap_or(-1.0),
+            self.synced as f64,
         ];
         let rows = match super::gather_rows(comm.as_ref(), &row) {
             Ok(r) => r,
@@ -324,8 +321,7 @@ impl Diloco {
             .map_err(|e| anyhow::anyhow!("the round state rank {src} sent: {e}"))?;
         if !rows.iter().all(at) {
             // some member is behind or new: the global weights and momentum from the source
-            let d = &mut *self;
-            let mut placed = comm.place(&flat(&d.outer_state()));
+            let mut placed = comm.place(&flat(&self.outer_state()));
             if let Err(e) = comm.broadcast(&mut placed, src) {
                 return Ok(Err(e));
             }
@@ -333,9 +329,8 @@ impl Diloco {
             let me = &rows[rank as usize];
             if !at(me) {
                 t.received = state.numel() as u64 * 4;
-                let d = &mut *self;
-                unflat_into(&state, &d.outer_state());
-                let last = d.fragments.len() - 1;
+                unflat_into(&state, &self.outer_state());
+                let last = self.fragments.len() - 1;
                 // the fragments whose exchange this member missed (its own part in them was
                 // counted: an exchange completes only with every member's part) take the
                 // global weights; the others keep its local progress
@@ -347,25 +342,25 @@ impl Diloco {
                     std::iter::once(last).chain(0..synced).collect()
                 };
                 for f in &missed {
-                    let r = d.fragments[*f].clone();
+                    let r = self.fragments[*f].clone();
                     tch::no_grad(|| {
                         for (p, gl) in flat_views(&t.params, &r)
                             .iter()
-                            .zip(flat_views(&d.global, &r))
+                            .zip(flat_views(&self.global, &r))
                         {
                             p.shallow_clone().copy_(&gl);
                         }
                     });
-                    d.since[*f] = 0;
+                    self.since[*f] = 0;
                 }
-                d.synced = synced;
-                d.holds = true;
+                self.synced = synced;
+                self.holds = true;
                 if !in_round(me) {
                     // its round was committed elsewhere: it trains from the next one on
-                    d.piece = None;
-                    d.todo.clear();
-                    d.done = 0;
-                    d.loss_sum = 0.0;
+                    self.piece = None;
+                    self.todo.clear();
+                    self.done = 0;
+                    self.loss_sum = 0.0;
                 }
             }
         }
@@ -409,24 +404,22 @@ impl Diloco {
         }
         let lost = plan::total(&next.debt) - plan::total(&meta.debt);
         next.debt = plan::coalesce(&next.debt);
-        let d = &mut *self;
-        d.meta = next;
-        d.piece = mine;
-        if d.meta.pieces.is_empty() && d.synced == 0 {
+        self.meta = next;
+        self.piece = mine;
+        if self.meta.pieces.is_empty() && self.synced == 0 {
             // nobody holds any of the round's work: the round starts again over the members
-            let work = std::mem::take(&mut d.meta.debt);
+            let work = std::mem::take(&mut self.meta.debt);
             let sizes = plan::shares(plan::total(&work), &vec![1.0; g.world_size as usize]);
-            d.meta.pieces = plan::cut(&work, &sizes);
-            d.meta.through.clear();
+            self.meta.pieces = plan::cut(&work, &sizes);
+            self.meta.through.clear();
             self.take_piece(rank);
         }
-        let d = &mut *self;
-        if d.piece.is_none() {
-            t.step = d.meta.committed / t.spec.global_batch as u64;
+        if self.piece.is_none() {
+            t.step = self.meta.committed / t.spec.global_batch as u64;
         }
         if lost > 0 {
             tracing::info!(
-                round = d.meta.round,
+                round = self.meta.round,
                 positions = lost,
                 "the pieces of members that left go to the next round"
             );
@@ -473,21 +466,20 @@ impl Diloco {
             .map(|[a, b]| a..b)
             .collect();
         let (round, cursor) = (field("round")?, field("cursor")?);
-        let d = &mut *self;
         tch::no_grad(|| {
-            for (p, gl) in t.params.iter().zip(&d.global) {
+            for (p, gl) in t.params.iter().zip(&self.global) {
                 p.shallow_clone().copy_(gl);
             }
         });
-        d.meta.round = round;
-        d.meta.cursor = cursor;
-        d.meta.committed = x["committed"]
+        self.meta.round = round;
+        self.meta.cursor = cursor;
+        self.meta.committed = x["committed"]
             .as_u64()
             .unwrap_or_else(|| cursor - plan::total(&work));
         let sizes = plan::shares(plan::total(&work), &vec![1.0; g.world_size as usize]);
-        d.meta.pieces = plan::cut(&work, &sizes);
-        d.meta.through.clear();
-        d.meta.kept.clear();
+        self.meta.pieces = plan::cut(&work, &sizes);
+        self.meta.through.clear();
+        self.meta.kept.clear();
         self.take_piece(rank);
         self.ledger_cold_start(t, g, rank);
         Ok(Ok(()))
@@ -509,10 +501,7 @@ impl Diloco {
         let world = g.world_size.max(1) as u64;
         let b = (t.spec.global_batch as u64).div_ceil(world);
         let t0 = Instant::now();
-        let take = {
-            let d = &mut *self;
-            plan::take(&mut d.todo, b)
-        };
+        let take = { plan::take(&mut self.todo, b) };
         if take.is_empty() {
             return false;
         }
@@ -539,13 +528,12 @@ impl Diloco {
         );
         let took = t0.elapsed();
         t.computed_for(rank, t0);
-        let d = &mut *self;
-        for n in d.since.iter_mut() {
+        for n in self.since.iter_mut() {
             *n += idx.len() as u64;
         }
-        d.done += idx.len() as u64;
-        d.loss_sum += loss;
-        d.busy += took.max(t0.elapsed());
+        self.done += idx.len() as u64;
+        self.loss_sum += loss;
+        self.busy += took.max(t0.elapsed());
         true
     }
 
@@ -562,10 +550,9 @@ impl Diloco {
         total: f64,
         through: Vec<(usize, Through)>,
     ) -> Result<Exchange, CommError> {
-        let d = &mut *self;
-        let r = d.fragments[f].clone();
-        let (global, local) = (flat_views(&d.global, &r), flat_views(&t.params, &r));
-        let w = d.since[f] as f64;
+        let r = self.fragments[f].clone();
+        let (global, local) = (flat_views(&self.global, &r), flat_views(&t.params, &r));
+        let w = self.since[f] as f64;
         let (delta, snapshot) = tch::no_grad(|| {
             let parts: Vec<Tensor> = global
                 .iter()
@@ -580,11 +567,10 @@ impl Diloco {
         let q = t.spec.diloco.quantize;
         let group = Group::new(comm.clone(), (0..comm.world()).collect())?;
         let sum = std::thread::spawn(move || quant::all_reduce(&group, &delta, q).map(|x| x.0));
-        let d = &mut *self;
-        d.since[f] = 0;
+        self.since[f] = 0;
         Ok(Exchange {
             fragment: f,
-            round: d.meta.round,
+            round: self.meta.round,
             g,
             rank: comm.rank(),
             through,
@@ -604,10 +590,9 @@ impl Diloco {
             reason: "the exchange thread panicked".into(),
         })??;
         let (lr, mu) = (t.spec.diloco.outer_lr, t.spec.diloco.outer_momentum);
-        let d = &mut *self;
-        let r = d.fragments[x.fragment].clone();
-        let (global, local) = (flat_views(&d.global, &r), flat_views(&t.params, &r));
-        let momentum = flat_views(&d.momentum, &r);
+        let r = self.fragments[x.fragment].clone();
+        let (global, local) = (flat_views(&self.global, &r), flat_views(&t.params, &r));
+        let momentum = flat_views(&self.momentum, &r);
         tch::no_grad(|| {
             if x.total > 0.0 {
                 let avg = sum.to_device(t.dev) / x.total;
@@ -630,12 +615,12 @@ impl Diloco {
             }
         });
         // every member's part was in it: what each had trained of its piece is in the weights
-        if d.meta.round == x.round {
+        if self.meta.round == x.round {
             for (piece, t) in &x.through {
-                if d.meta.through.len() <= *piece {
-                    d.meta.through.resize(piece + 1, None);
+                if self.meta.through.len() <= *piece {
+                    self.meta.through.resize(piece + 1, None);
                 }
-                d.meta.through[*piece] = Some(*t);
+                self.meta.through[*piece] = Some(*t);
             }
         }
         ledger_line(
@@ -657,10 +642,9 @@ impl Diloco {
     /// The fragment whose exchange is due now (streaming DiLoCo: fragment k of F once this
     /// member trained (k + 1)/F of its piece; the last one's exchange is the commit).
     fn fragment_due(&self) -> Option<usize> {
-        let d = &*self;
-        let f = d.fragments.len() as u64;
-        let k = d.started() as u64;
-        (k + 1 < f && d.done * f >= (k + 1) * d.piece_len()).then_some(k as usize)
+        let f = self.fragments.len() as u64;
+        let k = self.started() as u64;
+        (k + 1 < f && self.done * f >= (k + 1) * self.piece_len()).then_some(k as usize)
     }
 
     /// A streaming fragment's exchange in the middle of a round: it runs while local steps go
@@ -675,16 +659,15 @@ impl Diloco {
         let finished = self.inflight.is_some();
         self.finish_inflight(t)?;
         let rank = comm.rank();
-        let d = &mut *self;
-        if finished && d.synced == 1 && d.done > 0 {
-            crate::faults::exit_between_exchanges(rank, d.meta.round);
+        if finished && self.synced == 1 && self.done > 0 {
+            crate::faults::exit_between_exchanges(rank, self.meta.round);
         }
         let row = [
-            d.since[f] as f64,
-            d.done as f64,
-            d.piece.map(|p| p as f64).unwrap_or(-1.0),
+            self.since[f] as f64,
+            self.done as f64,
+            self.piece.map(|p| p as f64).unwrap_or(-1.0),
         ];
-        let (round, done) = (d.meta.round, d.done);
+        let (round, done) = (self.meta.round, self.done);
         let rows = super::gather_rows(comm.as_ref(), &row)?;
         let total: f64 = rows.iter().map(|r| r[0]).sum();
         let through = rows
@@ -720,11 +703,10 @@ impl Diloco {
         rank: u32,
     ) -> Result<(f64, u64), CommError> {
         self.finish_inflight(t)?;
-        let d = &mut *self;
-        let round = d.meta.round;
-        let last = d.fragments.len() - 1;
-        let speed = if d.busy > Duration::ZERO && d.done > 0 {
-            d.done as f64 / d.busy.as_secs_f64()
+        let round = self.meta.round;
+        let last = self.fragments.len() - 1;
+        let speed = if self.busy > Duration::ZERO && self.done > 0 {
+            self.done as f64 / self.busy.as_secs_f64()
         } else {
             0.0
         };
@@ -732,19 +714,18 @@ impl Diloco {
             &mut t.ledger,
             serde_json::json!({"g": g.number, "round": round, "r": rank, "contrib": true}),
         );
-        let d = &mut *self;
         let (pending, busy) = t
             .ckpt
             .as_ref()
             .map(|c| c.flags(g.number))
             .unwrap_or((0.0, 0.0));
         let row = [
-            d.done as f64,
-            d.loss_sum,
+            self.done as f64,
+            self.loss_sum,
             speed,
             pending as f64,
             busy as f64,
-            d.since[last] as f64,
+            self.since[last] as f64,
         ];
         let rows = super::gather_rows(comm.as_ref(), &row)?;
         debug_assert!(self.inflight.is_none());
@@ -758,11 +739,10 @@ impl Diloco {
         let weight: f64 = rows.iter().map(|r| r[5]).sum();
         let x = self.start_exchange(t, comm, g.number, last, weight, Vec::new())?;
         self.finish_exchange(t, x)?;
-        let d = &mut *self;
-        d.meta.round += 1;
-        d.synced = 0;
+        self.meta.round += 1;
+        self.synced = 0;
         // the departed members' trained part of their pieces commits with the round
-        let kept = std::mem::take(&mut d.meta.kept);
+        let kept = std::mem::take(&mut self.meta.kept);
         let samples = samples as u64 + kept.iter().map(|t| t.n).sum::<u64>();
         if t.ledger.is_some() {
             let kept: Vec<[u64; 3]> = kept.iter().map(|t| [t.g, t.r as u64, t.n]).collect();
@@ -772,10 +752,9 @@ impl Diloco {
             );
         }
         let b = t.spec.global_batch as u64;
-        let d = &mut *self;
-        let before = d.meta.committed / b;
-        d.meta.committed += samples;
-        let after = d.meta.committed / b;
+        let before = self.meta.committed / b;
+        self.meta.committed += samples;
+        let after = self.meta.committed / b;
         t.step = after.min(t.spec.max_steps.unwrap_or(u64::MAX));
         self.last_commit = Some((before, after));
         self.plan_round(t, comm.world(), &speeds, false);
@@ -785,10 +764,9 @@ impl Diloco {
 
     /// Whether the run is over: no fresh position left and nothing handed over.
     fn diloco_finished(&self, t: &Trainer) -> bool {
-        let d = &*self;
-        d.meta.cursor >= t.run_positions()
-            && d.meta.debt.is_empty()
-            && d.meta.pieces.iter().all(|p| p.is_empty())
+        self.meta.cursor >= t.run_positions()
+            && self.meta.debt.is_empty()
+            && self.meta.pieces.iter().all(|p| p.is_empty())
     }
 }
 
