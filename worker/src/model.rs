@@ -138,13 +138,13 @@ impl Model {
         input: &Tensor,
         tape: &mut Tape,
     ) -> Result<Tensor, CommError> {
-        self.forward_with(a, b, input, &mut self.par(tape))
+        self.net.forward(a, b, input, &mut self.par(tape))
     }
 
     /// Sum over the batch of each sample's loss, from the network's output (in a tensor
     /// group every member gets the same loss).
     pub fn loss(&self, out: &Tensor, y: &Tensor, tape: &mut Tape) -> Result<Tensor, CommError> {
-        self.loss_with(out, y, &mut self.par(tape))
+        self.net.loss(out, y, &mut self.par(tape))
     }
 
     /// Backward from `out` (a scalar loss when `grad` is `None`, else an activation with the
@@ -171,22 +171,9 @@ impl Model {
     pub fn loss_sum(&self, x: &Tensor, y: &Tensor) -> Tensor {
         let whole = "the whole model does not communicate";
         let out = self
-            .forward_with(0, self.units(), x, &mut Par::Whole)
+            .net
+            .forward(0, self.units(), x, &mut Par::Whole)
             .expect(whole);
-        self.loss_with(&out, y, &mut Par::Whole).expect(whole)
-    }
-
-    fn forward_with(
-        &self,
-        a: usize,
-        b: usize,
-        input: &Tensor,
-        p: &mut Par,
-    ) -> Result<Tensor, CommError> {
-        self.net.forward(a, b, input, p)
-    }
-
-    fn loss_with(&self, out: &Tensor, y: &Tensor, p: &mut Par) -> Result<Tensor, CommError> {
-        self.net.loss(out, y, p)
+        self.net.loss(&out, y, &mut Par::Whole).expect(whole)
     }
 }

@@ -10,7 +10,7 @@ use ductile_cluster::records::{Generation, Member};
 use ductile_comm::{CommError, Communicator};
 
 use super::agree::Pending;
-use super::driver::{final_save_at_step, pipelined, Commit, Mode, Worked};
+use super::driver::{pipelined, Commit, Mode, Worked};
 use super::Trainer;
 
 /// The all-reduce mode's state.
@@ -53,19 +53,11 @@ impl Mode for Allreduce {
                 loss,
                 samples: t.spec.global_batch as u64,
             }),
-            checkpoint: Some(t.flags),
+            checkpoint: true,
         })
     }
 
     fn save_due(&self, t: &Trainer, interval: u64) -> bool {
         t.step % interval == 0
-    }
-
-    fn save(&self, t: &mut Trainer, g: &Generation, rank: u32, flags: (bool, bool)) {
-        t.maybe_save(g, rank, g.world_size, flags, self);
-    }
-
-    fn final_save(&mut self, t: &mut Trainer, g: &Generation, rank: u32) {
-        final_save_at_step(t, g, rank, self);
     }
 }

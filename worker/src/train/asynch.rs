@@ -65,7 +65,7 @@ use ductile_strategies::diloco::{self as plan, Ranges};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::driver::{final_save_at_step, Commit, Mode, Worked};
+use super::driver::{Commit, Mode, Worked};
 use super::{ledger_line, Trainer};
 use crate::optim::{lr_at, Optimizer};
 
@@ -1285,9 +1285,9 @@ impl Async {
         if batch.is_empty() {
             if snap {
                 // a checkpoint is due and nothing is in flight
-                let flags = self.snap(t, e, g, rank)?;
+                t.flags = self.snap(t, e, g, rank)?;
                 return Ok(Worked {
-                    checkpoint: Some(flags),
+                    checkpoint: true,
                     ..Default::default()
                 });
             }
@@ -1389,7 +1389,7 @@ impl Async {
                 loss: l / idx.len().max(1) as f64,
                 samples,
             }),
-            checkpoint: None,
+            checkpoint: false,
         })
     }
 
@@ -1559,15 +1559,8 @@ impl Mode for Async {
         self.async_agree(t, comm, g)
     }
 
-    fn begin(
-        &mut self,
-        t: &mut Trainer,
-        comm: &Arc<dyn Communicator>,
-        g: &Generation,
-        rank: u32,
-    ) -> Result<(), CommError> {
+    fn begin(&mut self, t: &mut Trainer, comm: &Arc<dyn Communicator>, g: &Generation, rank: u32) {
         self.start(t, comm, g, rank);
-        Ok(())
     }
 
     fn finished(&self, _t: &Trainer) -> bool {
@@ -1615,16 +1608,8 @@ impl Mode for Async {
         ))
     }
 
-    fn save(&self, t: &mut Trainer, g: &Generation, rank: u32, flags: (bool, bool)) {
-        t.maybe_save(g, rank, g.world_size, flags, self);
-    }
-
-    fn final_save(&mut self, t: &mut Trainer, g: &Generation, rank: u32) {
-        final_save_at_step(t, g, rank, self);
-    }
-
     /// The loss is the mean over the updates since the last report.
-    fn describe(&mut self, _t: &Trainer, p: &mut Progress, world: u32) -> String {
+    fn report(&mut self, _t: &Trainer, p: &mut Progress) {
         let snap = self.snapshot.clone().unwrap_or_default();
         if let Some(e) = &mut self.engine {
             p.loss = Some(e.loss_sum / e.loss_n.max(1) as f64);
@@ -1634,14 +1619,6 @@ impl Mode for Async {
         p.staleness_mean = (snap.stale_n > 0).then(|| snap.stale_sum as f64 / snap.stale_n as f64);
         p.staleness_max = Some(snap.stale_max);
         p.dropped_updates = Some(snap.dropped);
-        format!(
-            "step {} loss {:.4} applied samples/s {:.1} staleness max {} dropped {} world {world}",
-            p.step,
-            p.loss.unwrap_or(f64::NAN),
-            p.samples_per_sec.unwrap_or(0.0),
-            snap.stale_max,
-            snap.dropped,
-        )
     }
 }
 

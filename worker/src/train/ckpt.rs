@@ -411,10 +411,10 @@ impl Trainer {
         &mut self,
         g: &Generation,
         rank: u32,
-        world: u32,
         (pending, busy): (bool, bool),
         mode: &dyn Mode,
     ) {
+        let world = g.world_size;
         let Some(ck) = &self.ckpt else { return };
         let due = mode.save_due(self, ck.spec.interval);
         if !(due || pending) {

@@ -816,12 +816,32 @@ impl Mode for Diloco {
         Ok(Worked {
             steps: 0,
             commit: Some(Commit { loss, samples }),
-            checkpoint: Some(t.flags),
+            checkpoint: true,
         })
+    }
+
+    /// The run is over: its step is the last one.
+    fn end(
+        &mut self,
+        t: &mut Trainer,
+        _comm: &Arc<dyn Communicator>,
+        out: Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        if out.is_ok() {
+            if let Some(m) = t.spec.max_steps {
+                t.step = m;
+            }
+        }
+        out
     }
 
     /// A round that crossed a multiple of the interval.
     fn save_due(&self, _t: &Trainer, interval: u64) -> bool {
+        self.crossed(interval)
+    }
+
+    /// The last round's, if it crossed a multiple of the interval.
+    fn final_due(&self, _t: &Trainer, interval: u64) -> bool {
         self.crossed(interval)
     }
 
@@ -830,42 +850,12 @@ impl Mode for Diloco {
     }
 
     /// The global weights and the outer optimizer's state are what a checkpoint holds.
-    fn save(&self, t: &mut Trainer, g: &Generation, rank: u32, flags: (bool, bool)) {
-        if t.ckpt.is_some() {
-            self.with_outer(t, |t| t.maybe_save(g, rank, g.world_size, flags, self));
-        }
+    fn with_saved_state(&self, t: &mut Trainer, f: &mut dyn FnMut(&mut Trainer)) {
+        self.with_outer(t, f)
     }
 
-    /// The last round's save, skipped while the previous one uploaded, is made now.
-    fn final_save(&mut self, t: &mut Trainer, g: &Generation, rank: u32) {
-        if let Some(m) = t.spec.max_steps {
-            t.step = m;
-        }
-        self.with_outer(t, |t| {
-            let Some(ck) = &mut t.ckpt else { return };
-            ck.finish(&t.rt);
-            let (last, interval) = (t.step, ck.spec.interval);
-            let due = ck.saved_step != Some(last) && self.crossed(interval);
-            if due {
-                t.maybe_save(g, rank, g.world_size, (false, false), self);
-            }
-            if let Some(ck) = &mut t.ckpt {
-                ck.finish(&t.rt);
-                ck.saved_step = Some(last);
-            }
-        });
-    }
-
-    fn describe(&mut self, _t: &Trainer, p: &mut Progress, world: u32) -> String {
-        let round = self.meta.round;
+    fn report(&mut self, _t: &Trainer, p: &mut Progress) {
         p.sync = Some("diloco".into());
-        p.round = Some(round);
-        format!(
-            "round {round} step {} loss {:.4} samples/s {:.1} bytes/sample {:.1} world {world}",
-            p.step,
-            p.loss.unwrap_or(f64::NAN),
-            p.samples_per_sec.unwrap_or(0.0),
-            p.bytes_per_sample.unwrap_or(0.0)
-        )
+        p.round = Some(self.meta.round);
     }
 }

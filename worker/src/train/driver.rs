@@ -28,9 +28,9 @@ pub(super) struct Worked {
     pub steps: u64,
     /// The world committed work: a step, a round, an applied update.
     pub commit: Option<Commit>,
-    /// The state is whole at a commit point: save now if a checkpoint is due, with these
-    /// collective flags (a request pending, a save still uploading).
-    pub checkpoint: Option<(bool, bool)>,
+    /// The state is whole at a commit point: save now if a checkpoint is due or asked for (the
+    /// trainer's `flags` say what every rank saw at it).
+    pub checkpoint: bool,
 }
 
 /// Work the world committed.
@@ -43,7 +43,8 @@ pub(super) struct Commit {
 
 /// How the members of a generation synchronise. The driver calls these, in this order, for
 /// each generation: `agree`, `begin`, then `advance` until `finished` or an error, then `end`
-/// (with the outcome), and at the run's end `final_save`.
+/// (with the outcome). Checkpoints are the driver's; a mode says when one is due and what it
+/// holds of the mode's own.
 pub(super) trait Mode {
     /// Agree with the members of `g` on the state to resume from. The outer error stops the
     /// worker (state no one holds and no checkpoint); the inner one re-forms.
@@ -61,8 +62,7 @@ pub(super) trait Mode {
         _comm: &Arc<dyn Communicator>,
         _g: &Generation,
         _rank: u32,
-    ) -> Result<(), CommError> {
-        Ok(())
+    ) {
     }
 
     /// Whether the run's work is all trained and committed.
@@ -91,48 +91,65 @@ pub(super) trait Mode {
     /// Whether a checkpoint is due at this commit point (checkpoints every `interval` steps).
     fn save_due(&self, t: &Trainer, interval: u64) -> bool;
 
+    /// Whether the run's last state is a checkpoint's (its save may have been skipped while
+    /// the previous one uploaded): by default when its step is a multiple of the interval.
+    fn final_due(&self, t: &Trainer, interval: u64) -> bool {
+        t.step % interval == 0
+    }
+
     /// What a checkpoint's `extra` records of the mode's own state, under its key.
     fn extra(&self, _t: &Trainer, _g: &Generation) -> Option<(&'static str, serde_json::Value)> {
         None
     }
 
-    /// Save the state at this commit point when a checkpoint is due or requested.
-    fn save(&self, t: &mut Trainer, g: &Generation, rank: u32, flags: (bool, bool));
-
-    /// The run is over: the last save, when the last commit's was skipped because the previous
-    /// one was still uploading, and the uploads in flight completed.
-    fn final_save(&mut self, t: &mut Trainer, g: &Generation, rank: u32);
+    /// Run `f` with the trainer's parameters and optimizer state being what a checkpoint of
+    /// this mode holds (by default they are).
+    fn with_saved_state(&self, t: &mut Trainer, f: &mut dyn FnMut(&mut Trainer)) {
+        f(t)
+    }
 
     /// Rank 0's progress report: `p` holds the driver's figures (loss of the last commit,
-    /// samples/s, bytes per sample); the mode adds its own and says the console line.
-    fn describe(&mut self, t: &Trainer, p: &mut Progress, world: u32) -> String {
-        let _ = t;
-        format!(
-            "step {} loss {:.4} samples/s {:.1} world {world}",
-            p.step,
-            p.loss.unwrap_or(f64::NAN),
-            p.samples_per_sec.unwrap_or(0.0)
-        )
+    /// samples/s, bytes per sample); the mode adds its own (round, staleness, ...).
+    fn report(&mut self, _t: &Trainer, _p: &mut Progress) {}
+}
+
+/// Save at a commit point of `mode` if a checkpoint is due there or asked for.
+fn save(t: &mut Trainer, mode: &dyn Mode, g: &Generation, rank: u32, flags: (bool, bool)) {
+    if t.ckpt.is_some() {
+        mode.with_saved_state(t, &mut |t| t.maybe_save(g, rank, flags, mode));
     }
 }
 
-/// The final save of a mode whose checkpoint is its trainer's state: the last step was due
-/// and its save skipped because the previous one was still uploading (every rank saw that
-/// alike, through the step's flags): save it now, so the final state is committed.
-pub(super) fn final_save_at_step(t: &mut Trainer, g: &Generation, rank: u32, mode: &dyn Mode) {
-    // a save in flight completes (and rank 0 commits it) before the job ends
-    if let Some(ck) = &mut t.ckpt {
-        ck.finish(&t.rt);
-    }
-    let final_due = t
-        .ckpt
-        .as_ref()
-        .is_some_and(|ck| t.step % ck.spec.interval == 0 && ck.saved_step != Some(t.step));
-    if final_due {
-        t.maybe_save(g, rank, g.world_size, (false, false), mode);
+/// The run is over: the saves in flight complete (and rank 0 commits them), and the last state
+/// is saved if it is a checkpoint's and its save was skipped because the previous one was still
+/// uploading (every rank saw that alike, through the commit's flags).
+fn final_save(t: &mut Trainer, mode: &dyn Mode, g: &Generation, rank: u32) {
+    let Some(ck) = &mut t.ckpt else { return };
+    ck.finish(&t.rt);
+    let interval = ck.spec.interval;
+    if ck.saved_step != Some(t.step) && mode.final_due(t, interval) {
+        save(t, mode, g, rank, (false, false));
         if let Some(ck) = &mut t.ckpt {
             ck.finish(&t.rt);
         }
+    }
+}
+
+/// The console line of a progress report.
+fn progress_line(p: &Progress, world: u32) -> String {
+    let (loss, sps) = (p.loss.unwrap_or(f64::NAN), p.samples_per_sec.unwrap_or(0.0));
+    match (p.round, p.staleness_max) {
+        (Some(round), _) => format!(
+            "round {round} step {} loss {loss:.4} samples/s {sps:.1} bytes/sample {:.1} world {world}",
+            p.step,
+            p.bytes_per_sample.unwrap_or(0.0)
+        ),
+        (None, Some(max)) => format!(
+            "step {} loss {loss:.4} applied samples/s {sps:.1} staleness max {max} dropped {} world {world}",
+            p.step,
+            p.dropped_updates.unwrap_or(0)
+        ),
+        (None, None) => format!("step {} loss {loss:.4} samples/s {sps:.1} world {world}", p.step),
     }
 }
 
@@ -250,18 +267,9 @@ impl Driver {
             sync_ms = t0.elapsed().as_millis() as u64,
             "training"
         );
-        if let Err(e) = self.mode.begin(&mut self.t, arc, g, me.rank) {
-            let e = self.mode.end(&mut self.t, arc, Err(e)).unwrap_err();
-            return Ok(Outcome::Reform(e));
-        }
-        match self.train(g, arc, me, pipelined) {
-            Ok(()) => {}
-            Err(e) => {
-                let e = self.mode.end(&mut self.t, arc, Err(e)).unwrap_err();
-                return Ok(Outcome::Reform(e));
-            }
-        }
-        if let Err(e) = self.mode.end(&mut self.t, arc, Ok(())) {
+        self.mode.begin(&mut self.t, arc, g, me.rank);
+        let trained = self.train(g, arc, me, pipelined);
+        if let Err(e) = self.mode.end(&mut self.t, arc, trained) {
             return Ok(Outcome::Reform(e));
         }
         self.finish_run(g, arc, me.rank, pipelined)
@@ -288,8 +296,8 @@ impl Driver {
         let mut first_done = false;
         while !mode.finished(t) {
             let worked = mode.advance(t, comm, g, me)?;
-            if let Some(flags) = worked.checkpoint {
-                mode.save(t, g, rank, flags);
+            if worked.checkpoint {
+                save(t, mode.as_ref(), g, rank, t.flags);
             }
             rank_steps += worked.steps;
             if let Some(c) = worked.commit {
@@ -312,9 +320,9 @@ impl Driver {
                         bytes_per_sample: (committed > 0).then(|| bytes / committed as f64),
                         ..Default::default()
                     };
-                    let line = mode.describe(t, &mut p, g.world_size);
+                    mode.report(t, &mut p);
+                    println!("{}", progress_line(&p, g.world_size));
                     t.reports.progress(p);
-                    println!("{line}");
                     last_report = Instant::now();
                     samples_since = 0;
                     since = Instant::now();
@@ -337,7 +345,7 @@ impl Driver {
         rank: u32,
         pipelined: bool,
     ) -> anyhow::Result<Outcome> {
-        self.mode.final_save(&mut self.t, g, rank);
+        final_save(&mut self.t, self.mode.as_ref(), g, rank);
         let t = &mut self.t;
         if pipelined {
             // rank 0 gathers the other stages' layers for the hash over all of them
@@ -359,7 +367,7 @@ impl Driver {
             };
             // the mode's own figures as of the run's end (DiLoCo's last round, async's
             // staleness), not those of the last report, which may be up to a second older
-            let _ = self.mode.describe(t, &mut p, g.world_size);
+            self.mode.report(t, &mut p);
             t.reports.final_progress(p)?;
             // rank 0 holds every tensor now (the final gather): the optimizer state's hash lets
             // a restore elsewhere be checked against it
