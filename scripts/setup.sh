@@ -6,7 +6,8 @@
 #     systemd (systemd-analyze), python3 with pip and venv, gcc/g++/make, curl, ca-certificates,
 #     chromium and a font (the dashboard's headless-browser test);
 #   - an S3-compatible server for tests: moto's server in a venv;
-#   - libtorch 2.11.0 (CPU libraries and headers of the PyPI torch wheel).
+#   - libtorch 2.11.0 (CPU libraries and headers of the PyPI torch wheel);
+#   - torch and transformers in a venv, and the Hugging Face fixtures made with them.
 # Then writes $DUCTILE_CACHE/env.sh, which the other scripts source.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -81,6 +82,26 @@ fi
 
 DUCTILE_PY="$py" bash "$here/install-libtorch.sh"
 
+# PyTorch and transformers, for the tests that compare ductile's Hugging Face models with
+# transformers' (PyPI's torch wheel for Linux brings its CUDA libraries: about 5 GB, once)
+tv="$cache/torch-venv"
+if ! "$tv/bin/python" -c 'import torch, transformers, tokenizers, safetensors' 2>/dev/null; then
+  log "installing torch 2.11.0 and transformers 5.24.0 into $tv"
+  rm -rf "$tv"
+  "$py" -m venv "$tv"
+  "$tv/bin/pip" install -q --disable-pip-version-check torch==2.11.0 transformers==5.24.0 \
+    'tokenizers==0.23.*' 'safetensors==0.*' 'numpy<3'
+fi
+# tiny random Llama and Qwen2 directories with transformers' logits, loss and gradients on
+# them (tests/hf/make_fixtures.py), kept per version of the script
+fx_sum=$(sha256sum "$here/../tests/hf/make_fixtures.py" | cut -c1-12)
+fixtures="$cache/hf-fixtures-$fx_sum"
+if [ ! -f "$fixtures/COMPLETE" ]; then
+  log "writing the transformers fixtures into $fixtures"
+  rm -rf "$fixtures"
+  (cd "$cache" && "$tv/bin/python" "$here/../tests/hf/make_fixtures.py" "$fixtures" >/dev/null)
+fi
+
 cat > "$cache/env.sh" <<ENV
 # written by scripts/setup.sh
 export DUCTILE_CACHE="$cache"
@@ -88,5 +109,7 @@ export DUCTILE_MOTO_SERVER="$moto"
 export DUCTILE_PYTHON="$cache/moto-venv/bin/python"
 export DUCTILE_ETCD_BIN=/usr/bin/etcd
 export LIBTORCH="$cache/libtorch-2.11.0"
+export DUCTILE_TORCH_PYTHON="$tv/bin/python"
+export DUCTILE_HF_FIXTURES="$fixtures"
 ENV
 log "ready: source $cache/env.sh"

@@ -42,6 +42,7 @@ fn run_mode(
         tokens: Vec::new(),
         ctx: a.ctx as usize,
         vocab: 256,
+        header: None,
     };
     let world = a.world as i64;
     // data parallel: each rank its share of the batch; tensor parallel: every rank the batch

@@ -187,6 +187,14 @@ impl Bucket {
         r.bytes().await.map_err(self.err(key, "get"))
     }
 
+    /// An object's metadata (its size).
+    pub async fn head(&self, key: &str) -> Result<ObjectMeta, BucketError> {
+        self.store
+            .head(&self.path(key))
+            .await
+            .map_err(self.err(key, "head"))
+    }
+
     /// Concurrent ranged GETs of one object.
     pub async fn get_ranges(
         &self,

@@ -5,12 +5,14 @@
 //! - [`bucket`]: objects by URL; multipart uploads with bounded concurrency and retries.
 //! - [`save`]: write a shard, gather the reports, commit through a fenced etcd transaction.
 //! - [`restore`]: find commits, read a manifest, fetch and verify chunks.
+//! - [`hf`]: a Hugging Face model directory's weight files as a manifest, to load by plan.
 //! - [`retention`]: list a URL's checkpoints; keep the last K, delete the rest and stale attempts.
 //!
 //! This crate does not link libtorch: tensors cross it as bytes, the worker copies them.
 
 pub mod bucket;
 pub mod format;
+pub mod hf;
 pub mod plan;
 pub mod restore;
 pub mod retention;

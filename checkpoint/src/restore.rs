@@ -136,6 +136,20 @@ pub async fn fetch(
     concurrency: usize,
 ) -> Result<Vec<Bytes>, RestoreError> {
     let dir = attempt_dir(m.step, m.generation);
+    fetch_in(bucket, &dir, m, chunks, concurrency, true).await
+}
+
+/// [`fetch`] from objects under `dir` (empty: the bucket's root), checking each chunk's
+/// CRC32C when `verify` (a Hugging Face directory records none: its chunks are only checked
+/// for their length).
+pub async fn fetch_in(
+    bucket: &Bucket,
+    dir: &str,
+    m: &Manifest,
+    chunks: &[ChunkRef],
+    concurrency: usize,
+    verify: bool,
+) -> Result<Vec<Bytes>, RestoreError> {
     let step = m.step;
     let mut by_object: BTreeMap<String, Vec<(usize, String, ChunkEntry)>> = BTreeMap::new();
     for (i, (name, k)) in chunks.iter().enumerate() {
@@ -144,6 +158,12 @@ pub async fn fetch(
             .entry(format!("{dir}/{}", c.object))
             .or_default()
             .push((i, name.clone(), c));
+    }
+    if dir.is_empty() {
+        by_object = by_object
+            .into_iter()
+            .map(|(k, v)| (k.trim_start_matches('/').to_string(), v))
+            .collect();
     }
     let parts = if bucket.is_local() {
         4 * concurrency
@@ -184,7 +204,7 @@ pub async fn fetch(
                 if bytes.len() != want {
                     return Err(corrupt(format!("{} bytes, expected {want}", bytes.len())));
                 }
-                let crc = crc32c(&bytes);
+                let crc = if verify { crc32c(&bytes) } else { c.crc32c };
                 if crc != c.crc32c {
                     return Err(corrupt(format!(
                         "CRC32C mismatch in bytes {}..{}: {crc:08x}, the manifest says {:08x}",

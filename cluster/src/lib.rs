@@ -9,6 +9,7 @@ pub mod conformance;
 pub mod error;
 pub mod etcd;
 pub mod fuzz;
+pub mod hf;
 pub mod keys;
 pub mod kv;
 pub mod lease;

@@ -102,10 +102,26 @@ impl Strategy {
 }
 
 named! {
-    /// The built-in models.
+    /// The built-in models, or a Hugging Face-format directory (`model_path`).
     ModelKind in "training.model", default Gpt {
         Gpt = "gpt",
         Mlp = "mlp",
+        Hf = "hf",
+    }
+}
+
+named! {
+    /// Where a Hugging Face model's weights start: its directory's, or seeded random weights of
+    /// its `config.json`'s architecture.
+    Init in "training.init", default Pretrained {
+        Pretrained = "pretrained",
+        Random = "random",
+    }
+}
+
+impl Init {
+    pub fn is_pretrained(&self) -> bool {
+        *self == Init::Pretrained
     }
 }
 

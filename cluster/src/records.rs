@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::keys::validate_name;
 pub use crate::modes::{
-    CommChoice, ModelKind, OptimizerKind, Quantize, Schedule, Strategy, SyncMode,
+    CommChoice, Init, ModelKind, OptimizerKind, Quantize, Schedule, Strategy, SyncMode,
 };
 use crate::{ClusterError, Result};
 
@@ -380,6 +380,19 @@ pub struct TrainingSpec {
     pub model: ModelKind,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_config: Option<serde_json::Value>,
+    /// `model = "hf"`: the Hugging Face-format directory (file:// or s3://) holding
+    /// `config.json`, the safetensors weights (one file, or shards and their index) and
+    /// `tokenizer.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_path: Option<String>,
+    /// `model = "hf"`: start from the directory's weights (`"pretrained"`, the default) or from
+    /// seeded random weights of its architecture (`"random"`).
+    #[serde(default, skip_serializing_if = "Init::is_pretrained")]
+    pub init: Init,
+    /// `model = "hf"`: the directory's `config.json`, as the daemon read it at submit (the
+    /// workers build exactly the model the submit checked). Written by the daemon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hf_config: Option<serde_json::Value>,
     pub dataset: String,
     pub global_batch: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -595,10 +608,58 @@ impl TrainingSpec {
         Ok(c)
     }
 
+    /// A Hugging Face model's context (`model_config = { ctx = N }`, default 2048 or the
+    /// model's `max_position_embeddings` if shorter).
+    pub fn hf_ctx(&self) -> Result<i64> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct HfModelConfig {
+            ctx: Option<i64>,
+        }
+        let c: HfModelConfig = match &self.model_config {
+            None => HfModelConfig { ctx: None },
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
+                ClusterError::invalid(
+                    "training.model_config",
+                    format!("{e} (model \"hf\" takes only ctx: the rest is config.json's)"),
+                )
+            })?,
+        };
+        let max = self.hf_config().ok().map(|h| h.max_positions);
+        let ctx = c.ctx.unwrap_or(max.unwrap_or(2048).min(2048));
+        if !(1..=1 << 20).contains(&ctx) {
+            return Err(ClusterError::invalid(
+                "training.model_config.ctx",
+                format!("{ctx} is outside 1..=1048576"),
+            ));
+        }
+        Ok(ctx)
+    }
+
+    /// A Hugging Face model's checked `config.json` (the daemon fills `hf_config` in at submit).
+    pub fn hf_config(&self) -> Result<crate::hf::HfConfig> {
+        let v = self.hf_config.as_ref().ok_or_else(|| {
+            ClusterError::invalid(
+                "training.hf_config",
+                "missing: the daemon reads model_path's config.json at submit",
+            )
+        })?;
+        let c = crate::hf::HfConfig::parse(v)
+            .map_err(|e| ClusterError::invalid("training.model_path", e))?;
+        if c.params() > MAX_MODEL_PARAMS {
+            return Err(ClusterError::invalid(
+                "training.model_path",
+                format!("{} parameters, more than {MAX_MODEL_PARAMS}", c.params()),
+            ));
+        }
+        Ok(c)
+    }
+
     /// About how many parameters the model has (the size caps' estimate; an MLP's input and
     /// output widths, from its dataset, are counted as 64).
     pub fn approx_params(&self) -> Option<i64> {
         match self.model {
+            ModelKind::Hf => self.hf_config().ok().map(|c| c.params()),
             ModelKind::Gpt => self.gpt_config().ok().map(|c| c.approx_params()),
             ModelKind::Mlp => self
                 .mlp_config()
@@ -945,6 +1006,15 @@ impl TrainingSpec {
                     ));
                 }
             }
+            if self.model == ModelKind::Hf && self.hf_config.is_some() {
+                let kv = self.hf_config()?.n_kv_head;
+                if kv % k as i64 != 0 {
+                    return Err(ClusterError::invalid(
+                        "training.tensor_slices",
+                        format!("{k} does not divide num_key_value_heads = {kv}"),
+                    ));
+                }
+            }
         }
         if self.pipeline_micro_batches == Some(0) {
             return Err(ClusterError::invalid(
@@ -963,6 +1033,44 @@ impl TrainingSpec {
         match self.model {
             ModelKind::Gpt => self.gpt_config().map(|_| ())?,
             ModelKind::Mlp => self.mlp_config().map(|_| ())?,
+            ModelKind::Hf => {
+                match &self.model_path {
+                    Some(p) if p.starts_with("file://") || p.starts_with("s3://") => {}
+                    Some(p) => {
+                        return Err(ClusterError::invalid(
+                            "training.model_path",
+                            format!("{p:?} must be a file:// or s3:// URL"),
+                        ))
+                    }
+                    None => {
+                        return Err(ClusterError::invalid(
+                            "training.model_path",
+                            "model = \"hf\" needs the model's directory (file:// or s3://)",
+                        ))
+                    }
+                }
+                let ctx = self.hf_ctx()?;
+                // before the daemon has read config.json, only the spec's own keys are checked
+                if self.hf_config.is_some() {
+                    self.hf_config()?
+                        .check_ctx(ctx)
+                        .map_err(|e| ClusterError::invalid("training.model_config.ctx", e))?;
+                }
+            }
+        }
+        if self.model != ModelKind::Hf {
+            for (key, set) in [
+                ("training.model_path", self.model_path.is_some()),
+                ("training.hf_config", self.hf_config.is_some()),
+                ("training.init", self.init != Init::Pretrained),
+            ] {
+                if set {
+                    return Err(ClusterError::invalid(
+                        key,
+                        format!("is for model = \"hf\" (model is {:?})", self.model.as_str()),
+                    ));
+                }
+            }
         }
         if !(self.dataset.starts_with("file://") || self.dataset.starts_with("s3://")) {
             return Err(ClusterError::invalid(

@@ -189,13 +189,14 @@ async fn submit(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|c| c.contains("toml"));
-    let spec = if is_toml {
+    let mut spec = if is_toml {
         let text = std::str::from_utf8(&body)
             .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "job spec is not UTF-8"))?;
         JobSpec::from_toml(text)?
     } else {
         JobSpec::from_json(&body)?
     };
+    read_hf_config(&mut spec).await?;
     ductile_strategies::pipeline::check_job(&spec)
         .map_err(|(field, reason)| ClusterError::invalid(field, reason))?;
     check_policies(&st, &spec)?;
@@ -291,6 +292,39 @@ fn store_unavailable(url: &str, e: impl std::fmt::Display) -> ApiError {
 }
 
 /// A job submitted with `checkpoint.restore_step` must name a step its URL holds committed.
+/// A `model = "hf"` job: read `config.json` from its `model_path` into `training.hf_config`
+/// (the workers build exactly that model) and check the spec again with it: an unknown
+/// architecture, a key whose value ductile would not honour, a context past the model's, a
+/// layout the model cannot take are refused here, naming the key. A directory that cannot be
+/// read is a 400 (nothing there) or a 503 (the store did not answer), never a guess.
+async fn read_hf_config(spec: &mut JobSpec) -> ApiResult<()> {
+    let Some(t) = spec.training.as_mut() else {
+        return Ok(());
+    };
+    if t.model != ductile_cluster::modes::ModelKind::Hf {
+        return Ok(());
+    }
+    let url = t.model_path.clone().unwrap_or_default();
+    let refuse = |why: String| ClusterError::invalid("training.model_path", why);
+    let bucket = ductile_checkpoint::Bucket::open(url.trim_end_matches('/'))
+        .map_err(|e| refuse(e.to_string()))?;
+    let body = match bucket.get("config.json").await {
+        Ok(b) => b,
+        Err(e) if e.is_not_found() => {
+            return Err(refuse(format!(
+                "{url} has no config.json (not a Hugging Face model directory)"
+            ))
+            .into())
+        }
+        Err(e) => return Err(store_unavailable(&url, format!("reading config.json: {e}"))),
+    };
+    let v: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|e| refuse(format!("{url}/config.json is not JSON: {e}")))?;
+    t.hf_config = Some(v);
+    spec.validate()?;
+    Ok(())
+}
+
 async fn check_restore_step(url: &str, n: u64) -> ApiResult<()> {
     let unavailable = |e: String| store_unavailable(url, format!("checking restore_step: {e}"));
     let bucket = ductile_checkpoint::Bucket::open(url).map_err(|e| unavailable(e.to_string()))?;

@@ -3,6 +3,7 @@
 //! parallel layouts it cannot take. The daemon plans with it and the worker maps its
 //! parameters to units and slices with it, so both sides read one description of a model.
 
+use ductile_cluster::hf::HfConfig;
 use ductile_cluster::records::{GptConfig, MlpConfig, ModelKind, TrainingSpec};
 
 use crate::pipeline::Unit;
@@ -35,7 +36,113 @@ pub fn of(t: &TrainingSpec) -> Result<Box<dyn Architecture>, String> {
     Ok(match t.model {
         ModelKind::Gpt => Box::new(Gpt(t.gpt_config().map_err(|e| e.to_string())?)),
         ModelKind::Mlp => Box::new(Mlp(t.mlp_config().map_err(|e| e.to_string())?)),
+        ModelKind::Hf => Box::new(Hf {
+            config: t.hf_config().map_err(|e| e.to_string())?,
+            ctx: t.hf_ctx().map_err(|e| e.to_string())? as u64,
+        }),
     })
+}
+
+/// A Hugging Face model of the Llama family, with Hugging Face's parameter names: `embed`
+/// (`model.embed_tokens`), layers `layers.0..` (`model.layers.{i}`), `head` (`model.norm`,
+/// `lm_head`; a tied model's head is the embedding).
+pub struct Hf {
+    pub config: HfConfig,
+    pub ctx: u64,
+}
+
+impl Hf {
+    /// The units' names and parameter prefixes.
+    pub fn unit_names(layers: u64) -> Vec<(String, Vec<String>)> {
+        let mut v = vec![("embed".to_string(), vec!["model.embed_tokens".to_string()])];
+        for i in 0..layers {
+            v.push((format!("layers.{i}"), vec![format!("model.layers.{i}")]));
+        }
+        v.push((
+            "head".into(),
+            vec!["model.norm".to_string(), "lm_head".to_string()],
+        ));
+        v
+    }
+}
+
+impl Architecture for Hf {
+    fn units(&self) -> Vec<Unit> {
+        let c = &self.config;
+        let (d, ctx, vocab) = (c.d_model as u64, self.ctx, c.vocab as u64);
+        let (hq, hkv, hd, f) = (
+            c.n_head as u64,
+            c.n_kv_head as u64,
+            c.head_dim as u64,
+            c.intermediate as u64,
+        );
+        let layer_params = d * hd * (2 * hq + 2 * hkv) + 3 * d * f + 2 * d;
+        Hf::unit_names(c.n_layer as u64)
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, prefixes))| {
+                let (params, flops, stash) = if i == 0 {
+                    (vocab * d, (2 * ctx * d) as f64, 4 * ctx * d)
+                } else if i as i64 <= c.n_layer {
+                    (
+                        layer_params,
+                        6.0 * (layer_params * ctx) as f64 + 12.0 * (ctx * ctx * hq * hd) as f64,
+                        4 * (8 * ctx * d + 4 * ctx * f + 2 * hq * ctx * ctx),
+                    )
+                } else {
+                    (
+                        if c.tied { d } else { vocab * d + d },
+                        6.0 * (d * vocab * ctx) as f64,
+                        4 * (2 * ctx * vocab + ctx * d),
+                    )
+                };
+                Unit {
+                    name,
+                    prefixes,
+                    params,
+                    flops,
+                    out_bytes: if i as i64 == c.n_layer + 1 {
+                        4
+                    } else {
+                        4 * ctx * d
+                    },
+                    stash_bytes: stash,
+                }
+            })
+            .collect()
+    }
+
+    fn tensor_synced_units(&self) -> usize {
+        self.config.n_layer as usize + 1
+    }
+
+    fn split_rules(&self) -> Arch {
+        Arch::Llama {
+            heads: self.config.n_head as u64,
+            kv_heads: self.config.n_kv_head as u64,
+        }
+    }
+
+    fn check_tp(&self, tp: u32) -> Result<(), String> {
+        let c = &self.config;
+        tensor::check_tp(
+            self.split_rules(),
+            c.d_model as u64,
+            c.vocab as u64,
+            c.intermediate as u64,
+            tp,
+        )
+    }
+
+    fn check_layout(&self, pp: u32, _tp: u32) -> Result<(), String> {
+        if pp > 1 && self.config.tied {
+            return Err(format!(
+                "{} ties its head to its embedding (tie_word_embeddings = true): pipeline stages would hold the one matrix on the first and the last stage; train it with pipeline_parallel = 1 (data and tensor parallel split it)",
+                self.config.architecture
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The built-in GPT: `embed` (`tok`, `pos`), blocks `h0..`, `head` (`ln_f`, `head`).

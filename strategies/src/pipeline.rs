@@ -31,7 +31,8 @@ pub const LINK_LATENCY_S: f64 = 50e-6;
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Unit {
     pub name: String,
-    /// The parameter-name prefixes (before the first `.`) this unit holds.
+    /// The parameter-name prefixes this unit holds, whole path segments (`h3` holds
+    /// `h3.qkv.weight`; `model.layers.3` holds `model.layers.3.mlp.up_proj.weight`).
     pub prefixes: Vec<String>,
     pub params: u64,
     /// Forward and backward FLOPs per sample.
@@ -44,10 +45,13 @@ pub struct Unit {
 
 /// The unit a parameter (by its name, `h3.qkv.weight`) belongs to.
 pub fn unit_of(units: &[Unit], param: &str) -> Option<usize> {
-    let head = param.split('.').next().unwrap_or(param);
-    units
-        .iter()
-        .position(|u| u.prefixes.iter().any(|p| p == head))
+    units.iter().position(|u| {
+        u.prefixes.iter().any(|p| {
+            param
+                .strip_prefix(p.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+        })
+    })
 }
 
 /// One stage of a plan.

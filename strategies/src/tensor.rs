@@ -38,8 +38,17 @@ pub enum Split {
 /// What a job's model is, for the split rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
-    Gpt { heads: u64 },
-    Mlp { layers: u64 },
+    Gpt {
+        heads: u64,
+    },
+    Mlp {
+        layers: u64,
+    },
+    /// The Llama family (Hugging Face names): Q by query heads, K and V by KV heads.
+    Llama {
+        heads: u64,
+        kv_heads: u64,
+    },
 }
 
 /// The split of parameter `name` (a var-store path: `h3.qkv.weight`, `l1.bias`, ...).
@@ -51,6 +60,14 @@ pub fn split_of(arch: Arch, name: &str) -> Split {
             ("tok", _) | ("head", _) | ("fc", _) => Split::Rows,
             ("qkv", _) => Split::HeadRows { blocks: 3 },
             ("proj", "weight") | ("fc2", "weight") => Split::Cols,
+            _ => Split::Replicated,
+        },
+        Arch::Llama { .. } => match (last, field) {
+            ("embed_tokens", _) | ("lm_head", _) => Split::Rows,
+            // whole heads per member: check_tp makes tp divide the query and the KV heads
+            ("q_proj", _) | ("k_proj", _) | ("v_proj", _) => Split::Rows,
+            ("gate_proj", _) | ("up_proj", _) => Split::Rows,
+            ("o_proj", "weight") | ("down_proj", "weight") => Split::Cols,
             _ => Split::Replicated,
         },
         Arch::Mlp { layers } => {
@@ -88,7 +105,7 @@ pub fn held_ranges(
         Split::HeadRows { blocks } => {
             let heads = match arch {
                 Arch::Gpt { heads } => heads,
-                Arch::Mlp { .. } => 1,
+                Arch::Mlp { .. } | Arch::Llama { .. } => 1,
             };
             let width = shape[0] / blocks;
             let hd = width / heads;
@@ -134,6 +151,20 @@ pub fn check_tp(arch: Arch, d_model: u64, vocab: u64, hidden: u64, tp: u32) -> R
             if vocab < tp64 {
                 return Err(format!(
                     "vocab = {vocab} has fewer rows than tensor_parallel = {tp}"
+                ));
+            }
+            let _ = d_model;
+            Ok(())
+        }
+        Arch::Llama { heads, kv_heads } => {
+            if kv_heads % tp64 != 0 {
+                return Err(format!(
+                    "num_key_value_heads = {kv_heads} (num_attention_heads = {heads}) does not split into tensor_parallel = {tp}: a member holds whole KV heads and the query heads that share them (KV heads are not replicated)"
+                ));
+            }
+            if vocab < tp64 || hidden < tp64 {
+                return Err(format!(
+                    "vocab_size = {vocab} or intermediate_size = {hidden} is smaller than tensor_parallel = {tp}"
                 ));
             }
             let _ = d_model;

@@ -1,6 +1,8 @@
 //! Datasets addressed by URL, and the exactly-once order of samples.
 //!
-//! A token dataset is a stream of little-endian u16 tokens; sample k is the window
+//! A token dataset is a token stream ([`TokenHeader`]: what `ductile-worker tokenize` writes,
+//! u16 or u32 tokens after a header naming the tokenizer), or a bare stream of little-endian u16
+//! tokens (the built-in GPT's); sample k is the window
 //! `tokens[k·ctx .. k·ctx + ctx + 1]` (inputs and next-token targets). A regression dataset is a
 //! safetensors file with tensors `x` [N, d_in] and `y` [N, d_out]. Global position p of the
 //! training run is sample `perm(epoch)[p mod N]` with `epoch = p / N`, a seeded permutation per
@@ -10,11 +12,94 @@
 use ductile_cluster::records::ModelKind;
 use tch::{Kind, Tensor};
 
+/// The magic bytes that open a token stream with a header.
+pub const TOKENS_MAGIC: &[u8; 8] = b"DUCTOK01";
+
+/// What a token stream says of itself: `DUCTOK01`, the header's length (u32 LE), the header as
+/// JSON, then the tokens, little-endian, `width` bytes each.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TokenHeader {
+    /// Bytes per token: 2 (u16) or 4 (u32, a vocabulary over 65,536).
+    pub width: u8,
+    /// The tokenizer's vocabulary size (special tokens included).
+    pub vocab: u64,
+    /// SHA-256 of the `tokenizer.json` that made the stream, hex.
+    pub tokenizer_sha256: String,
+    /// The token appended after each document, if the tokenizer has one.
+    #[serde(default)]
+    pub eos: Option<u32>,
+    pub documents: u64,
+    pub tokens: u64,
+}
+
+impl TokenHeader {
+    /// The stream's bytes: magic, header, tokens.
+    pub fn encode(&self, tokens: &[u32]) -> Vec<u8> {
+        let json = serde_json::to_vec(self).expect("a header serialises");
+        let mut out = Vec::with_capacity(12 + json.len() + tokens.len() * self.width as usize);
+        out.extend_from_slice(TOKENS_MAGIC);
+        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        out.extend_from_slice(&json);
+        for t in tokens {
+            if self.width == 2 {
+                out.extend_from_slice(&(*t as u16).to_le_bytes());
+            } else {
+                out.extend_from_slice(&t.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// A stream's header and tokens; `None` for a bare u16 stream (no magic).
+    pub fn decode(url: &str, bytes: &[u8]) -> anyhow::Result<Option<(TokenHeader, Vec<u32>)>> {
+        let Some(rest) = bytes.strip_prefix(TOKENS_MAGIC.as_slice()) else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            rest.len() >= 4,
+            "dataset {url}: a token stream cut inside its header"
+        );
+        let n = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+        anyhow::ensure!(
+            rest.len() >= 4 + n,
+            "dataset {url}: a header of {n} bytes in a stream of {} bytes",
+            bytes.len()
+        );
+        let h: TokenHeader = serde_json::from_slice(&rest[4..4 + n])
+            .map_err(|e| anyhow::anyhow!("dataset {url}: unreadable token stream header: {e}"))?;
+        let body = &rest[4 + n..];
+        let w = h.width as usize;
+        anyhow::ensure!(
+            (w == 2 || w == 4) && body.len() % w == 0,
+            "dataset {url}: {} bytes of tokens of width {w} (2 or 4)",
+            body.len()
+        );
+        anyhow::ensure!(
+            body.len() / w == h.tokens as usize,
+            "dataset {url}: {} tokens, the header says {} (a cut or padded stream)",
+            body.len() / w,
+            h.tokens
+        );
+        let tokens = if w == 2 {
+            body.chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+                .collect()
+        } else {
+            body.chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        Ok(Some((h, tokens)))
+    }
+}
+
 pub enum Dataset {
     Tokens {
-        tokens: Vec<u16>,
+        tokens: Vec<u32>,
         ctx: usize,
         vocab: usize,
+        /// The stream's header, if it has one.
+        header: Option<TokenHeader>,
     },
     Regression {
         x: Tensor,
@@ -65,18 +150,34 @@ impl Dataset {
         ctx: usize,
     ) -> anyhow::Result<Dataset> {
         match model {
-            ModelKind::Gpt => {
+            ModelKind::Gpt | ModelKind::Hf => {
+                let (header, tokens) = match TokenHeader::decode(url, bytes)? {
+                    Some((h, t)) => (Some(h), t),
+                    None => {
+                        anyhow::ensure!(
+                            bytes.len() % 2 == 0,
+                            "dataset {url}: not a u16 token stream (an odd number of bytes) nor a stream from `ductile-worker tokenize`"
+                        );
+                        let t = bytes
+                            .chunks_exact(2)
+                            .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+                            .collect();
+                        (None, t)
+                    }
+                };
                 anyhow::ensure!(
-                    bytes.len() % 2 == 0 && bytes.len() >= 2 * (ctx + 2),
-                    "dataset {url}: not a u16 token stream of at least {} tokens",
+                    tokens.len() >= ctx + 2,
+                    "dataset {url}: {} tokens, fewer than one sample of ctx = {ctx} needs ({})",
+                    tokens.len(),
                     ctx + 2
                 );
-                let tokens: Vec<u16> = bytes
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                    .collect();
                 let vocab = *tokens.iter().max().unwrap() as usize + 1;
-                Ok(Dataset::Tokens { tokens, ctx, vocab })
+                Ok(Dataset::Tokens {
+                    tokens,
+                    ctx,
+                    vocab,
+                    header,
+                })
             }
             _ => {
                 let named =

@@ -10,6 +10,7 @@
 pub mod data;
 pub mod device;
 pub mod faults;
+pub mod hf;
 pub mod model;
 pub mod nccl;
 pub mod optim;

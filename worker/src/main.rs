@@ -16,6 +16,25 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Encode text with a model's tokenizer.json into a token stream a job trains on.
+    Tokenize {
+        /// A tokenizer.json, or a model directory holding one (file://, s3:// or a path).
+        #[arg(long)]
+        tokenizer: String,
+        /// .txt files (a document each) and .jsonl files (a document per line).
+        #[arg(long, num_args = 1.., required = true)]
+        input: Vec<String>,
+        /// Where the stream goes (file:// or s3://).
+        #[arg(long)]
+        out: String,
+        /// The JSON field holding a .jsonl line's text.
+        #[arg(long, default_value = "text")]
+        field: String,
+        /// The token appended after each document (a token or an id); default: config.json's
+        /// eos_token_id, else the tokenizer's end-of-text token.
+        #[arg(long)]
+        eos: Option<String>,
+    },
     /// Run as a worker (the default; the agent sets the DUCTILE_* environment).
     Run,
     /// Write a small synthetic dataset with a learnable structure.
@@ -40,6 +59,18 @@ enum Cmd {
 fn main() {
     ductile_cluster::service::init_logging(ductile_cluster::service::LogFormat::Plain);
     match Cli::parse().cmd {
+        Some(Cmd::Tokenize {
+            tokenizer,
+            input,
+            out,
+            field,
+            eos,
+        }) => {
+            if let Err(e) = tokenize(&tokenizer, &input, &out, &field, eos.as_deref()) {
+                eprintln!("ductile-worker tokenize: {e:#}");
+                std::process::exit(1);
+            }
+        }
         Some(Cmd::SynthData {
             kind,
             out,
@@ -171,4 +202,36 @@ fn run() {
         }
     });
     std::process::exit(code);
+}
+
+fn tokenize(
+    tokenizer: &str,
+    input: &[String],
+    out: &str,
+    field: &str,
+    eos: Option<&str>,
+) -> anyhow::Result<()> {
+    use ductile_worker::hf;
+    let rt = tokio::runtime::Runtime::new()?;
+    let (tok, config) = rt.block_on(hf::tokenizer_at(tokenizer))?;
+    let eos = hf::eos_of(&tok, config.as_ref(), eos)?;
+    let t = hf::tokenize(&tok, eos, hf::documents(input, field))?;
+    let bytes = t.header.encode(&t.tokens);
+    let (dir, name) = out
+        .rsplit_once('/')
+        .ok_or_else(|| anyhow::anyhow!("--out {out}: not a URL of a file"))?;
+    let b =
+        ductile_checkpoint::Bucket::open(dir).map_err(|e| anyhow::anyhow!("--out {out}: {e}"))?;
+    rt.block_on(b.put(name, bytes::Bytes::from(bytes)))
+        .map_err(|e| anyhow::anyhow!("--out {out}: {e}"))?;
+    println!(
+        "{out}: {} documents, {} tokens of {} bytes (vocabulary {}, eos {:?}, tokenizer sha256 {})",
+        t.header.documents,
+        t.header.tokens,
+        t.header.width,
+        t.header.vocab,
+        t.header.eos,
+        t.header.tokenizer_sha256
+    );
+    Ok(())
 }

@@ -1,4 +1,5 @@
-//! Models, defined with tch, each a [`Network`]: the built-in GPT ([`gpt`]) and MLP ([`mlp`]).
+//! Models, defined with tch, each a [`Network`]: the built-in GPT ([`gpt`]) and MLP ([`mlp`]),
+//! and the Llama family of Hugging Face models ([`llama`]).
 //! Initialised from the job's seed, so every rank builds the same weights. A model runs whole,
 //! or as a member of a tensor group on its slices of the split layers (`tp`): one forward
 //! serves both.
@@ -11,16 +12,22 @@ use tch::Tensor;
 use crate::data::Dataset;
 
 mod gpt;
+mod llama;
+#[cfg(test)]
+pub(crate) use llama::tests as llama_tests;
 mod mlp;
 mod tp;
 use ductile_strategies::tensor::Arch;
 use tp::Par;
 pub use tp::{Shard, Tape};
 
-/// The context length of a GPT job (`model_config.ctx`, default 32; the spec was checked at
-/// submission).
+/// The context length of a token model (`model_config.ctx`: a GPT's default 32, a Hugging Face
+/// model's 2048 or its maximum; the spec was checked at submission).
 pub fn ctx(spec: &TrainingSpec) -> usize {
-    spec.gpt_config().map(|c| c.ctx).unwrap_or(32) as usize
+    match spec.model {
+        ModelKind::Hf => spec.hf_ctx().unwrap_or(2048) as usize,
+        _ => spec.gpt_config().map(|c| c.ctx).unwrap_or(32) as usize,
+    }
 }
 
 /// One model architecture on the worker: its layers (made from the seed), its units and its
@@ -77,8 +84,14 @@ impl Model {
                 let m = spec.mlp_config()?;
                 Box::new(mlp::Mlp::new(&root, d_in, m.hidden, m.layers, d_out))
             }
+            (ModelKind::Hf, Dataset::Tokens { vocab, ctx, .. }) => {
+                let c = spec.hf_config()?;
+                // the dataset was checked against the model's vocabulary when it was opened
+                debug_assert!(*vocab as i64 <= c.vocab);
+                Box::new(llama::Llama::new(&root, &c, *ctx as i64))
+            }
             (m, _) => anyhow::bail!(
-                "model {m:?} does not fit its dataset (gpt needs tokens, mlp a regression set)"
+                "model {m:?} does not fit its dataset (gpt and hf need tokens, mlp a regression set)"
             ),
         };
         if device != tch::Device::Cpu {

@@ -157,6 +157,9 @@ impl Trainer {
         }
         let data = Dataset::open(&spec.dataset, spec.model, crate::model::ctx(&spec), &rt)?;
         anyhow::ensure!(!data.is_empty(), "dataset {} holds no sample", spec.dataset);
+        if spec.model == ModelKind::Hf {
+            crate::hf::check_stream(&spec, &data, &rt)?;
+        }
         let model = Model::new(&spec, &data, dev)?;
         let params: Vec<Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
         let opt = Optimizer::new(spec.optimizer, &params);

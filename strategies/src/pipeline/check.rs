@@ -36,10 +36,15 @@ pub fn check_job(spec: &JobSpec) -> Result<(), (String, String)> {
             ));
         }
     }
-    let us = crate::arch::of(t)
-        .map_err(|e| ("training.model_config".to_string(), e))?
-        .units();
+    let arch = crate::arch::of(t).map_err(|e| ("training.model_config".to_string(), e))?;
+    let us = arch.units();
     if let Degree::Fixed(n) = t.pipeline_parallel {
+        let tp = match t.tensor_parallel {
+            Degree::Fixed(k) => k,
+            Degree::Auto => 1,
+        };
+        arch.check_layout(n, tp)
+            .map_err(|e| ("training.pipeline_parallel".to_string(), e))?;
         if n as usize > us.len() {
             return Err((
                 "training.pipeline_parallel".into(),

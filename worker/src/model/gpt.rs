@@ -149,7 +149,7 @@ impl Network for Gpt {
                 });
                 h = self.blocks[u - 1].forward(&h, m, p)?;
             } else {
-                h = p.head(&self.head, &h.apply(&self.ln_f), self.vocab);
+                h = p.head(&self.head.ws, &h.apply(&self.ln_f), self.vocab);
             }
         }
         Ok(h)

@@ -303,8 +303,11 @@ impl Par<'_> {
                 .into_iter()
                 .zip(xs)
                 .map(|((off, len), x)| {
-                    x.matmul(&l.ws.narrow(0, off, len).tr())
-                        + l.bs.as_ref().unwrap().narrow(0, off, len)
+                    let y = x.matmul(&l.ws.narrow(0, off, len).tr());
+                    match &l.bs {
+                        Some(b) => y + b.narrow(0, off, len),
+                        None => y,
+                    }
                 })
                 .collect(),
         }
@@ -327,7 +330,11 @@ impl Par<'_> {
                     .zip(xs)
                     .map(|((off, len), x)| x.matmul(&l.ws.narrow(1, off, len).contiguous().tr()))
                     .collect();
-                Ok(tape.g(parts, s)? + l.bs.as_ref().unwrap())
+                let sum = tape.g(parts, s)?;
+                Ok(match &l.bs {
+                    Some(b) => sum + b,
+                    None => sum,
+                })
             }
         }
     }
@@ -390,18 +397,19 @@ impl Par<'_> {
         }
     }
 
-    /// The vocabulary-parallel head (no bias) of a vocabulary of `vocab`: this member's
-    /// vocabulary slices of the logits (the whole model's: all of them).
-    pub(super) fn head(&mut self, head: &nn::Linear, x: &Tensor, vocab: i64) -> Tensor {
+    /// The vocabulary-parallel head (no bias, weight `[vocab, width]`: a linear layer's, or a
+    /// tied embedding's) of a vocabulary of `vocab`: this member's vocabulary slices of the
+    /// logits (the whole model's: all of them).
+    pub(super) fn head(&mut self, weight: &Tensor, x: &Tensor, vocab: i64) -> Tensor {
         match self {
-            Par::Whole => x.apply(head),
+            Par::Whole => x.matmul(&weight.tr()),
             Par::Split(s, tape) => {
                 let xs = tape.f(x, s);
                 let logits: Vec<Tensor> = s
                     .local(vocab)
                     .into_iter()
                     .zip(&xs)
-                    .map(|((off, len), x)| x.matmul(&head.ws.narrow(0, off, len).tr()))
+                    .map(|((off, len), x)| x.matmul(&weight.narrow(0, off, len).tr()))
                     .collect();
                 Tensor::cat(&logits, -1)
             }
@@ -500,6 +508,7 @@ mod tests {
         }));
         let data = Dataset::Tokens {
             tokens: Vec::new(),
+            header: None,
             ctx: 8,
             vocab: 67,
         };
@@ -510,6 +519,36 @@ mod tests {
             xy.narrow(1, 1, 8).contiguous(),
         );
         (s, data, x, y)
+    }
+
+    /// A small Llama-family model (`arch` in config.json's `architectures`): GQA (4 query, 2
+    /// KV heads), 67 tokens (no tp divides the vocabulary).
+    fn hf(arch: &str, tied: bool) -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        let s = spec(serde_json::json!({
+            "model": "hf", "model_path": "file:///unused", "model_config": {"ctx": 8},
+            "hf_config": {"architectures": [arch], "vocab_size": 67, "hidden_size": 32,
+                "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 8, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": tied, "initializer_range": 0.2},
+            "dataset": "file:///unused", "global_batch": 3, "seed": 11,
+        }));
+        let (_, d, x, y) = gpt();
+        (s, d, x, y)
+    }
+
+    fn llama() -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        hf("LlamaForCausalLM", false)
+    }
+
+    fn qwen2_tied() -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        hf("Qwen2ForCausalLM", true)
+    }
+
+    fn llama_sliced() -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        let (mut s, d, x, y) = llama();
+        s.deterministic = true;
+        s.tensor_slices = Some(2);
+        (s, d, x, y)
     }
 
     fn mlp() -> (TrainingSpec, Dataset, Tensor, Tensor) {
@@ -645,6 +684,14 @@ mod tests {
         matches_the_unsplit_model(&mlp, &[1, 2, 3, 4], 20).await;
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tensor_parallel_llama_and_tied_qwen2_compute_the_unsplit_models_loss_and_gradients() {
+        // whole query heads and the KV heads they share per member: tp 1 and 2 of 2 KV heads
+        matches_the_unsplit_model(&llama, &[1, 2], 60).await;
+        matches_the_unsplit_model(&qwen2_tied, &[1, 2], 70).await;
+        the_same_bits_at_every_group_size_of(&llama_sliced, &[2], 80).await;
+    }
+
     fn gpt_sliced() -> (TrainingSpec, Dataset, Tensor, Tensor) {
         let (mut s, d, x, y) = gpt();
         s.deterministic = true;
@@ -665,6 +712,14 @@ mod tests {
         make: &dyn Fn() -> (TrainingSpec, Dataset, Tensor, Tensor),
         first_generation: u64,
     ) {
+        the_same_bits_at_every_group_size_of(make, &[2, 4], first_generation).await
+    }
+
+    async fn the_same_bits_at_every_group_size_of(
+        make: &dyn Fn() -> (TrainingSpec, Dataset, Tensor, Tensor),
+        tps: &[u32],
+        first_generation: u64,
+    ) {
         let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
         let one = run_tp(&mesh(1, first_generation).await, make);
         let (want_loss, want, _) = &one[0];
@@ -672,7 +727,7 @@ mod tests {
             let (s, d, _, _) = make();
             Model::new(&s, &d, Device::Cpu).unwrap().arch()
         };
-        for (i, tp) in [2u32, 4].into_iter().enumerate() {
+        for (i, &tp) in tps.iter().enumerate() {
             let got = run_tp(&mesh(tp, first_generation + 1 + i as u64).await, make);
             for (rank, (l, g, _)) in got.iter().enumerate() {
                 assert_eq!(

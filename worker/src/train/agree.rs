@@ -262,10 +262,7 @@ impl Trainer {
                     ),
                 }));
             }
-            let r = match &self.ckpt {
-                Some(_) => self.restore(comm, &need)?,
-                None => Ok(()),
-            };
+            let r = self.cold_start(comm, &need)?;
             self.held = mine;
             return Ok(r);
         }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ductile_checkpoint::format::{Dtype, Manifest, TensorKind, TensorMeta};
-use ductile_checkpoint::restore::{committed, fetch, load_manifest};
+use ductile_checkpoint::restore::{committed, fetch, fetch_in, load_manifest};
 use ductile_checkpoint::save::{gather_and_commit, write_shard, CommitInput, ShardLayout};
 use ductile_checkpoint::{plan, Bucket, UploadOptions};
 use ductile_cluster::records::*;
@@ -310,7 +310,7 @@ async fn bump_stats(store: &Store, job: &str, f: impl FnOnce(&mut CheckpointStat
     let _ = store.put_json(&key, &s, None).await;
 }
 
-fn kind_of(d: Dtype) -> Kind {
+pub fn kind_of(d: Dtype) -> Kind {
     match d {
         Dtype::F64 => Kind::Double,
         Dtype::F32 => Kind::Float,
@@ -714,8 +714,14 @@ impl Trainer {
         }
         if candidates.is_empty() {
             if rank == 0 {
+                let from = if self.spec.model == ModelKind::Hf && self.spec.init == Init::Pretrained
+                {
+                    "the model directory's weights"
+                } else {
+                    "the seed"
+                };
                 println!(
-                    "no committed checkpoint at {}: starting from the seed",
+                    "no committed checkpoint at {}: starting from {from}",
                     bucket.url
                 );
             }
@@ -817,33 +823,8 @@ impl Trainer {
             let got = got.map_err(|(_, e)| e);
             let m = m.unwrap();
             let (chunks, _, p) = planned.expect("every rank's check passed");
-            // what this rank read: into its own tensors where it needs it, and kept to serve
-            // the other ranks that need it
-            let targets = self.state_tensors();
-            let slices = self.slice_holdings();
-            let mut read = std::collections::BTreeMap::new();
-            let mine: Vec<&Part> = need.iter().filter(|n| n.rank == rank).collect();
-            for (c, bytes) in p.reads_of(rank).into_iter().zip(got.unwrap()) {
-                let chunk = &chunks[c];
-                let shape: Vec<i64> = chunk
-                    .region
-                    .iter()
-                    .map(|r| (r.end - r.start) as i64)
-                    .collect();
-                let kind = kind_of(m.tensors[&m.order[chunk.tensor]].dtype);
-                let src = Tensor::from_data_size(&bytes, &shape, kind);
-                for n in mine.iter().filter(|n| n.tensor == chunk.tensor) {
-                    if let Some(x) = intersect(&n.region, &chunk.region) {
-                        tch::no_grad(|| {
-                            state_view(&targets, slices.as_deref(), chunk.tensor, &x)
-                                .copy_(&region_of(&src, &relative(&x, &chunk.region)));
-                        });
-                    }
-                }
-                read.insert(c, (chunk.region.clone(), src));
-            }
             let read_bytes = p.read_bytes(rank, &chunks, &elem);
-            match self.exchange(arc, &p.moves, m.step, &read) {
+            match self.place(arc, &m, &chunks, &p, got.unwrap(), need) {
                 Ok(b) => self.received = b as u64,
                 Err(e) => return Ok(Err(e)),
             }
@@ -904,6 +885,147 @@ impl Trainer {
             "every committed checkpoint at {} failed to restore (see the errors above); refusing to start from the seed over them",
             bucket.url
         )
+    }
+
+    /// Put what this rank read (`got`, the chunks `p` has it read, in order) into its own
+    /// tensors where it needs it, and serve the other ranks what they need of it (`p.moves`):
+    /// bytes received.
+    fn place(
+        &mut self,
+        arc: &Arc<dyn Communicator>,
+        m: &Manifest,
+        chunks: &[Chunk],
+        p: &redistribute::Plan,
+        got: Vec<bytes::Bytes>,
+        need: &[Part],
+    ) -> Result<usize, CommError> {
+        let rank = arc.rank();
+        let targets = self.state_tensors();
+        let slices = self.slice_holdings();
+        let mut read = std::collections::BTreeMap::new();
+        let mine: Vec<&Part> = need.iter().filter(|n| n.rank == rank).collect();
+        for (c, bytes) in p.reads_of(rank).into_iter().zip(got) {
+            let chunk = &chunks[c];
+            let shape: Vec<i64> = chunk
+                .region
+                .iter()
+                .map(|r| (r.end - r.start) as i64)
+                .collect();
+            let kind = kind_of(m.tensors[&m.order[chunk.tensor]].dtype);
+            // in the state's own kind (a model directory may hold bf16 weights)
+            let src =
+                Tensor::from_data_size(&bytes, &shape, kind).to_kind(targets[chunk.tensor].kind());
+            for n in mine.iter().filter(|n| n.tensor == chunk.tensor) {
+                if let Some(x) = intersect(&n.region, &chunk.region) {
+                    tch::no_grad(|| {
+                        state_view(&targets, slices.as_deref(), chunk.tensor, &x)
+                            .copy_(&region_of(&src, &relative(&x, &chunk.region)));
+                    });
+                }
+            }
+            read.insert(c, (chunk.region.clone(), src));
+        }
+        self.exchange(arc, &p.moves, m.step, &read)
+    }
+
+    /// A cold start's state: the latest committed checkpoint's when the job has one, else
+    /// (`model = "hf"`, `init = "pretrained"`) the model directory's weights, else the seed's
+    /// (in place already). `need` is what each rank needs.
+    pub(super) fn cold_start(
+        &mut self,
+        arc: &Arc<dyn Communicator>,
+        need: &[Part],
+    ) -> anyhow::Result<Result<(), CommError>> {
+        if self.ckpt.is_some() {
+            let r = self.restore(arc, need)?;
+            if r.is_err() || self.step > 0 {
+                return Ok(r);
+            }
+        }
+        if self.spec.model == ModelKind::Hf && self.spec.init == Init::Pretrained {
+            return self.load_pretrained(arc, need);
+        }
+        Ok(Ok(()))
+    }
+
+    /// Load the parameters from the model directory (`model_path`) by plan: every rank reads
+    /// the weight files' headers, then only the chunks (row blocks) the redistribution plan
+    /// gives it, of the tensors or slices some rank of its needs, each read once; the ranks
+    /// exchange the rest. A missing tensor, a wrong shape, a cut or unreadable file fails the
+    /// start on every rank, naming the file and the tensor; nothing half-loaded trains.
+    pub(super) fn load_pretrained(
+        &mut self,
+        arc: &Arc<dyn Communicator>,
+        need: &[Part],
+    ) -> anyhow::Result<Result<(), CommError>> {
+        let t0 = Instant::now();
+        let comm: &dyn Communicator = arc.as_ref();
+        let rank = comm.rank();
+        let url = self.spec.model_path.clone().unwrap_or_default();
+        let dir = crate::hf::open(&url)?;
+        let n = self.params.len();
+        let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
+        let wanted: Vec<(String, Vec<u64>)> = names
+            .into_iter()
+            .zip(&self.shapes)
+            .map(|(n, s)| (n, s.iter().map(|d| *d as u64).collect()))
+            .collect();
+        let need: Vec<Part> = need.iter().filter(|p| p.tensor < n).cloned().collect();
+        let elem = self.elem_sizes();
+        let read = self.rt.block_on(async {
+            let files = ductile_checkpoint::hf::tensors(&dir).await?;
+            let m = ductile_checkpoint::hf::manifest(&dir.url, &files, &wanted)?;
+            let (chunks, refs) = manifest_chunks(&m);
+            let p = redistribute::plan(&elem, &[], &chunks, &need).map_err(|e| {
+                anyhow::anyhow!("{url}: the weight files do not cover the model: {e}")
+            })?;
+            let mine: Vec<plan::ChunkRef> = p
+                .reads_of(rank)
+                .into_iter()
+                .map(|c| refs[c].clone())
+                .collect();
+            let got = fetch_in(&dir, "", &m, &mine, 8, false)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            anyhow::Ok((m, chunks, p, got))
+        });
+        // every rank goes on only if every rank read its share
+        let ok = read.is_ok() as u8;
+        let states = match comm.host().all_gather_bytes(&[ok]) {
+            Ok(rows) => rows,
+            Err(e) => return Ok(Err(e)),
+        };
+        let failed: Vec<usize> = (0..states.len())
+            .filter(|r| states[*r].first() != Some(&1))
+            .collect();
+        let (m, chunks, p, got) = match read {
+            Err(e) => anyhow::bail!("loading the model's weights from {url}: {e:#}"),
+            Ok(_) if !failed.is_empty() => anyhow::bail!(
+                "loading the model's weights from {url}: ranks {failed:?} failed (their logs say why); nothing was trained"
+            ),
+            Ok(r) => r,
+        };
+        let read_bytes = p.read_bytes(rank, &chunks, &elem);
+        let received = match self.place(arc, &m, &chunks, &p, got, &need) {
+            Ok(b) => b,
+            Err(e) => return Ok(Err(e)),
+        };
+        let held: u64 = need
+            .iter()
+            .filter(|p| p.rank == rank)
+            .map(|p| redistribute::elements(&p.region) * elem[p.tensor])
+            .sum();
+        tracing::info!(
+            read_bytes,
+            received,
+            held,
+            "loaded this rank's share of the model"
+        );
+        println!(
+            "rank {rank} loaded its share of {url} in {:.2} s: read {read_bytes} bytes, received {received}, holds {held}",
+            t0.elapsed().as_secs_f64()
+        );
+        Ok(Ok(()))
     }
 
     /// The checkpoint holds this model's tensors, with the same shapes, and the same optimizer.

@@ -383,6 +383,7 @@ mod tests {
             .unwrap();
             let data = Dataset::Tokens {
                 tokens: Vec::new(),
+                header: None,
                 ctx: 4,
                 vocab: 19,
             };

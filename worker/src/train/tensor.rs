@@ -181,9 +181,10 @@ impl Trainer {
             ms = t0.elapsed().as_millis() as u64,
             "tensor slices in place"
         );
-        if step == 0 && self.ckpt.is_some() {
-            // a cold start: the seed's slices, unless the checkpoint holds a commit
-            return self.restore(comm, &need);
+        if step == 0 {
+            // a cold start: the seed's slices, unless the checkpoint holds a commit or the
+            // model directory its weights
+            return self.cold_start(comm, &need);
         }
         Ok(Ok(()))
     }

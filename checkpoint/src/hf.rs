@@ -1,0 +1,248 @@
+//! A Hugging Face model directory as one more source of state: its safetensors files (one
+//! `model.safetensors`, or the shards `model.safetensors.index.json` names) described as a
+//! [`Manifest`] whose chunks are row blocks of each tensor at their byte ranges in the files,
+//! so the restore path's redistribution plan loads it: each rank reads only chunks of the
+//! tensors or slices it holds, once, and the ranks exchange the rest.
+//!
+//! Only the files' headers are read here (a ranged GET each); a header that does not parse, a
+//! tensor whose bytes reach outside its file, a shard the index names that is not there, a
+//! tensor of a dtype ductile does not read: each is an error naming the file and the tensor.
+
+use std::collections::BTreeMap;
+
+use crate::bucket::Bucket;
+use crate::format::{ChunkEntry, Dtype, Manifest, ObjectEntry, TensorEntry, TensorKind};
+
+/// At most this many bytes per chunk (a tensor's rows are cut into blocks of about this size),
+/// so a rank that holds part of a tensor reads little beyond it.
+pub const CHUNK_BYTES: u64 = 1 << 20;
+
+/// A header's tensor: its dtype, shape and byte range in the file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FileTensor {
+    pub file: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    /// Absolute byte range in the file.
+    pub range: [u64; 2],
+}
+
+fn dtype_of(s: &str) -> Option<Dtype> {
+    Some(match s {
+        "F64" => Dtype::F64,
+        "F32" => Dtype::F32,
+        "F16" => Dtype::F16,
+        "BF16" => Dtype::BF16,
+        "I64" => Dtype::I64,
+        "I32" => Dtype::I32,
+        "U8" => Dtype::U8,
+        _ => return None,
+    })
+}
+
+/// The safetensors files of the directory: the index's (each once, in name order) or
+/// `model.safetensors`.
+pub async fn weight_files(dir: &Bucket) -> anyhow::Result<Vec<String>> {
+    match dir.get("model.safetensors.index.json").await {
+        Ok(b) => {
+            let v: serde_json::Value = serde_json::from_slice(&b).map_err(|e| {
+                anyhow::anyhow!("{}/model.safetensors.index.json: not JSON: {e}", dir.url)
+            })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{}/model.safetensors.index.json: no weight_map object",
+                        dir.url
+                    )
+                })?;
+            let mut files: Vec<String> = map
+                .values()
+                .map(|f| {
+                    f.as_str().map(str::to_string).ok_or_else(|| {
+                        anyhow::anyhow!("{}/model.safetensors.index.json: a weight_map value is not a file name", dir.url)
+                    })
+                })
+                .collect::<anyhow::Result<_>>()?;
+            files.sort();
+            files.dedup();
+            for f in &files {
+                anyhow::ensure!(
+                    !f.contains('/') && !f.starts_with('.') && !f.is_empty(),
+                    "{}/model.safetensors.index.json: weight file {f:?} is not a file of the directory",
+                    dir.url
+                );
+            }
+            Ok(files)
+        }
+        Err(e) if e.is_not_found() => Ok(vec!["model.safetensors".to_string()]),
+        Err(e) => Err(anyhow::anyhow!(
+            "{}/model.safetensors.index.json: {e}",
+            dir.url
+        )),
+    }
+}
+
+/// The tensors a safetensors file's header lists, checked against the file's size.
+pub async fn read_header(dir: &Bucket, file: &str) -> anyhow::Result<Vec<(String, FileTensor)>> {
+    let at = format!("{}/{file}", dir.url);
+    let size = match dir.head(file).await {
+        Ok(m) => m.size,
+        Err(e) if e.is_not_found() => anyhow::bail!("{at}: the weight file is missing"),
+        Err(e) => anyhow::bail!("{at}: {e}"),
+    };
+    anyhow::ensure!(size >= 8, "{at}: {size} bytes, not a safetensors file");
+    let first = dir
+        .get_ranges(file, std::slice::from_ref(&(0..8)))
+        .await
+        .map_err(|e| anyhow::anyhow!("{at}: {e}"))?;
+    let n = u64::from_le_bytes(first[0][..8].try_into().unwrap());
+    anyhow::ensure!(
+        n <= 100 << 20 && 8 + n <= size,
+        "{at}: a header of {n} bytes in a file of {size} (not a safetensors file, or a cut one)"
+    );
+    let head = dir
+        .get_ranges(file, std::slice::from_ref(&(8..8 + n)))
+        .await
+        .map_err(|e| anyhow::anyhow!("{at}: {e}"))?;
+    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&head[0])
+        .map_err(|e| anyhow::anyhow!("{at}: the header is not JSON: {e}"))?;
+    let base = 8 + n;
+    let mut out = Vec::new();
+    for (name, t) in v {
+        if name == "__metadata__" {
+            continue;
+        }
+        let bad = |why: String| anyhow::anyhow!("{at}: tensor {name}: {why}");
+        let dt = t.get("dtype").and_then(|d| d.as_str()).unwrap_or("?");
+        let dtype = dtype_of(dt).ok_or_else(|| bad(format!("dtype {dt} is not read")))?;
+        let shape: Vec<u64> = t
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| bad("no shape".into()))?;
+        let offs: Vec<u64> = t
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<u64>>>())
+            .filter(|o| o.len() == 2)
+            .ok_or_else(|| bad("no data_offsets".into()))?;
+        let want = shape
+            .iter()
+            .try_fold(dtype.size(), |a, d| a.checked_mul(*d))
+            .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+        let (a, b) = (base + offs[0], base.saturating_add(offs[1]));
+        if offs[0] > offs[1] || b > size || b - a != want {
+            return Err(bad(format!(
+                "bytes {}..{} of a {size}-byte file for {want} bytes of shape {shape:?} (a corrupt or cut file)",
+                offs[0], offs[1]
+            )));
+        }
+        out.push((
+            name,
+            FileTensor {
+                file: file.to_string(),
+                dtype,
+                shape,
+                range: [a, b],
+            },
+        ));
+    }
+    Ok(out)
+}
+
+/// Every tensor of the directory's weight files, by name.
+pub async fn tensors(dir: &Bucket) -> anyhow::Result<BTreeMap<String, FileTensor>> {
+    let mut all = BTreeMap::new();
+    for f in weight_files(dir).await? {
+        for (name, t) in read_header(dir, &f).await? {
+            if let Some(prev) = all.insert(name.clone(), t) {
+                anyhow::bail!(
+                    "{}: tensor {name} is in both {} and {f}",
+                    dir.url,
+                    prev.file
+                );
+            }
+        }
+    }
+    Ok(all)
+}
+
+/// The manifest of `wanted` (name, shape), in that order, over the directory's files: each
+/// tensor cut into row blocks of at most [`CHUNK_BYTES`]. A wanted tensor the files lack, or
+/// hold with another shape, is an error naming it and its file.
+pub fn manifest(
+    url: &str,
+    files: &BTreeMap<String, FileTensor>,
+    wanted: &[(String, Vec<u64>)],
+) -> anyhow::Result<Manifest> {
+    let mut tensors = BTreeMap::new();
+    let mut objects: BTreeMap<String, u64> = BTreeMap::new();
+    for (name, shape) in wanted {
+        let t = files
+            .get(name)
+            .ok_or_else(|| anyhow::anyhow!("{url}: the weight files hold no tensor {name}"))?;
+        anyhow::ensure!(
+            &t.shape == shape,
+            "{url}/{}: tensor {name} has shape {:?}, the model's config.json makes it {shape:?}",
+            t.file,
+            t.shape
+        );
+        let rows = shape.first().copied().unwrap_or(1);
+        let row_bytes = t.dtype.size() * shape.iter().skip(1).product::<u64>();
+        let per = (CHUNK_BYTES / row_bytes.max(1)).max(1);
+        let mut chunks = Vec::new();
+        let mut r = 0;
+        while r < rows {
+            let n = per.min(rows - r);
+            let mut offsets = vec![0; shape.len()];
+            let mut cshape = shape.clone();
+            if !shape.is_empty() {
+                offsets[0] = r;
+                cshape[0] = n;
+            }
+            let a = t.range[0] + r * row_bytes;
+            chunks.push(ChunkEntry {
+                object: t.file.clone(),
+                key: name.clone(),
+                byte_range: [a, a + n * row_bytes],
+                offsets,
+                shape: cshape,
+                crc32c: 0,
+            });
+            r += n;
+        }
+        let end = objects.entry(t.file.clone()).or_default();
+        *end = (*end).max(t.range[1]);
+        tensors.insert(
+            name.clone(),
+            TensorEntry {
+                dtype: t.dtype,
+                shape: shape.clone(),
+                kind: TensorKind::Parameter,
+                chunks,
+            },
+        );
+    }
+    Ok(Manifest {
+        format: "huggingface".into(),
+        job: String::new(),
+        step: 0,
+        generation: 0,
+        created_at_ms: 0,
+        world_size: 1,
+        layout: ductile_cluster::records::Layout {
+            data_parallel: 1,
+            pipeline_parallel: 1,
+            tensor_parallel: 1,
+        },
+        order: wanted.iter().map(|(n, _)| n.clone()).collect(),
+        tensors,
+        objects: objects
+            .into_iter()
+            .map(|(object, size)| ObjectEntry { object, size })
+            .collect(),
+        extra: serde_json::Value::Null,
+    })
+}

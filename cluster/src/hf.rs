@@ -1,0 +1,379 @@
+//! Hugging Face model directories as ductile reads them: a `config.json` checked into the
+//! sizes and options ductile's decoder implementations honour ([`HfConfig`]). A key whose value
+//! they would not honour (a `rope_scaling` type they lack, a sliding window shorter than the
+//! trained context, an activation other than the family's) is refused here, naming the key and
+//! the value, so a job is refused at submit rather than trained as another model.
+//!
+//! Both spellings of the rotary settings are read: `rope_theta` and `rope_scaling` at the top
+//! level (transformers 4) and `rope_parameters` (transformers 5).
+
+use serde_json::Value;
+
+/// The decoder families ductile implements, by `architectures[0]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `LlamaForCausalLM` (Llama 2, 3, 3.1/3.2, TinyLlama, SmolLM), `MistralForCausalLM`,
+    /// `Qwen2ForCausalLM`: RMSNorm, rotate-half RoPE, SwiGLU, grouped-query attention.
+    Llama,
+}
+
+/// Llama 3.1's frequency-dependent RoPE scaling (`rope_type = "llama3"`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Llama3Scaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: f64,
+}
+
+/// A checked `config.json`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfConfig {
+    /// `architectures[0]`, as written.
+    pub architecture: String,
+    pub family: Family,
+    pub vocab: i64,
+    pub d_model: i64,
+    pub n_layer: i64,
+    pub n_head: i64,
+    pub n_kv_head: i64,
+    pub head_dim: i64,
+    pub intermediate: i64,
+    pub max_positions: i64,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_llama3: Option<Llama3Scaling>,
+    pub tied: bool,
+    /// Biases on the Q, K and V projections (Qwen2; Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// A bias on the attention's output projection (Llama's `attention_bias`).
+    pub o_bias: bool,
+    /// Biases on the MLP's projections (Llama's `mlp_bias`).
+    pub mlp_bias: bool,
+    /// The spread of `init = "random"`'s normal weights.
+    pub initializer_range: f64,
+    /// Mistral's and Qwen2's sliding window, when one is on (checked against the context).
+    pub sliding_window: Option<i64>,
+    pub eos_token_id: Option<i64>,
+}
+
+fn refuse(key: &str, value: &Value, why: &str) -> String {
+    format!("config.json: {key} = {value}: {why}")
+}
+
+impl HfConfig {
+    /// Read and check a `config.json`'s contents.
+    pub fn parse(v: &Value) -> Result<HfConfig, String> {
+        let obj = v
+            .as_object()
+            .ok_or_else(|| "config.json is not a JSON object".to_string())?;
+        let arch = obj
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .and_then(|a| a.first())
+            .and_then(|a| a.as_str())
+            .ok_or_else(|| "config.json: no architectures[0] names the model class".to_string())?;
+        let int = |k: &str| -> Result<Option<i64>, String> {
+            match obj.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_i64()
+                    .filter(|n| *n > 0)
+                    .map(Some)
+                    .ok_or_else(|| refuse(k, x, "must be a positive integer")),
+            }
+        };
+        let need = |k: &str| -> Result<i64, String> {
+            int(k)?.ok_or_else(|| format!("config.json: {k} is missing (architecture {arch})"))
+        };
+        let float = |k: &str| -> Result<Option<f64>, String> {
+            match obj.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| refuse(k, x, "must be a number")),
+            }
+        };
+        let flag = |k: &str, default: bool| -> Result<bool, String> {
+            match obj.get(k) {
+                None | Some(Value::Null) => Ok(default),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(x) => Err(refuse(k, x, "must be true or false")),
+            }
+        };
+        let (family, qkv_default) = match arch {
+            "LlamaForCausalLM" | "MistralForCausalLM" => (Family::Llama, false),
+            "Qwen2ForCausalLM" => (Family::Llama, true),
+            other => {
+                return Err(format!(
+                    "config.json: architectures[0] = {other:?} is not implemented (known: \"LlamaForCausalLM\", \"MistralForCausalLM\", \"Qwen2ForCausalLM\")"
+                ))
+            }
+        };
+        match obj.get("hidden_act") {
+            None => {}
+            Some(Value::String(s)) if s == "silu" => {}
+            Some(x) => {
+                return Err(refuse(
+                    "hidden_act",
+                    x,
+                    "only \"silu\" (SwiGLU) is implemented",
+                ))
+            }
+        }
+        if let Some(x) = obj.get("pretraining_tp") {
+            if x.as_i64() != Some(1) {
+                return Err(refuse("pretraining_tp", x, "only 1 is implemented"));
+            }
+        }
+        for k in ["attention_dropout", "hidden_dropout"] {
+            if let Some(x) = float(k)? {
+                if x != 0.0 {
+                    return Err(refuse(k, &obj[k], "dropout is not implemented (0.0 only)"));
+                }
+            }
+        }
+        // attention biases: Qwen2 always has Q/K/V biases; Llama's `attention_bias` puts one on
+        // Q, K, V and O; Mistral has none
+        let attention_bias = flag("attention_bias", false)?;
+        if arch == "MistralForCausalLM" && attention_bias {
+            return Err(refuse(
+                "attention_bias",
+                &obj["attention_bias"],
+                "MistralForCausalLM has no attention biases",
+            ));
+        }
+        let qkv_bias = qkv_default || attention_bias;
+        let o_bias = !qkv_default && attention_bias;
+        let mlp_bias = flag("mlp_bias", false)?;
+        if arch == "Qwen2ForCausalLM" && flag("use_sliding_window", false)? {
+            return Err(refuse(
+                "use_sliding_window",
+                &obj["use_sliding_window"],
+                "sliding-window attention is not implemented",
+            ));
+        }
+        let sliding_window = if arch == "Qwen2ForCausalLM" {
+            None
+        } else {
+            int("sliding_window")?
+        };
+        let d_model = need("hidden_size")?;
+        let n_head = need("num_attention_heads")?;
+        let n_kv_head = int("num_key_value_heads")?.unwrap_or(n_head);
+        if n_head % n_kv_head != 0 {
+            return Err(format!(
+                "config.json: num_attention_heads = {n_head} is not a multiple of num_key_value_heads = {n_kv_head}"
+            ));
+        }
+        let head_dim = int("head_dim")?.unwrap_or(d_model / n_head);
+        if obj.get("head_dim").is_none() && d_model % n_head != 0 {
+            return Err(format!(
+                "config.json: hidden_size = {d_model} does not divide into num_attention_heads = {n_head}"
+            ));
+        }
+        if head_dim % 2 != 0 {
+            return Err(format!(
+                "config.json: head_dim = {head_dim} is odd (rotate-half RoPE needs pairs)"
+            ));
+        }
+        // the rotary settings, in either spelling
+        let rope: Option<&serde_json::Map<String, Value>> = obj
+            .get("rope_parameters")
+            .and_then(|r| r.as_object())
+            .or_else(|| obj.get("rope_scaling").and_then(|r| r.as_object()));
+        let rope_key = if obj.get("rope_parameters").is_some_and(|r| r.is_object()) {
+            "rope_parameters"
+        } else {
+            "rope_scaling"
+        };
+        let rope_theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(|t| t.as_f64())
+            .or(float("rope_theta")?)
+            .unwrap_or(10_000.0);
+        let mut rope_llama3 = None;
+        if let Some(r) = rope {
+            let ty = r
+                .get("rope_type")
+                .or_else(|| r.get("type"))
+                .and_then(|t| t.as_str())
+                .unwrap_or("default");
+            match ty {
+                "default" => {}
+                "llama3" => {
+                    let f = |k: &str| -> Result<f64, String> {
+                        r.get(k).and_then(|x| x.as_f64()).ok_or_else(|| {
+                            format!("config.json: {rope_key}.{k} is missing (rope type \"llama3\")")
+                        })
+                    };
+                    rope_llama3 = Some(Llama3Scaling {
+                        factor: f("factor")?,
+                        low_freq_factor: f("low_freq_factor")?,
+                        high_freq_factor: f("high_freq_factor")?,
+                        original_max_position_embeddings: f("original_max_position_embeddings")?,
+                    });
+                }
+                other => {
+                    return Err(refuse(
+                        &format!("{rope_key}.rope_type"),
+                        &Value::String(other.into()),
+                        "only \"default\" and \"llama3\" RoPE are implemented",
+                    ))
+                }
+            }
+        }
+        let c = HfConfig {
+            architecture: arch.to_string(),
+            family,
+            vocab: need("vocab_size")?,
+            d_model,
+            n_layer: need("num_hidden_layers")?,
+            n_head,
+            n_kv_head,
+            head_dim,
+            intermediate: need("intermediate_size")?,
+            max_positions: int("max_position_embeddings")?.unwrap_or(2048),
+            norm_eps: float("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_llama3,
+            tied: flag("tie_word_embeddings", false)?,
+            qkv_bias,
+            o_bias,
+            mlp_bias,
+            initializer_range: float("initializer_range")?.unwrap_or(0.02),
+            sliding_window,
+            eos_token_id: obj.get("eos_token_id").and_then(|e| {
+                e.as_i64().or_else(|| {
+                    e.as_array()
+                        .and_then(|a| a.first())
+                        .and_then(|x| x.as_i64())
+                })
+            }),
+        };
+        for (k, v, hi) in [
+            ("vocab_size", c.vocab, 1 << 24),
+            ("hidden_size", c.d_model, 1 << 17),
+            ("num_hidden_layers", c.n_layer, 1 << 10),
+            ("num_attention_heads", c.n_head, 1 << 10),
+            ("intermediate_size", c.intermediate, 1 << 19),
+        ] {
+            if v > hi {
+                return Err(format!("config.json: {k} = {v} is over {hi}"));
+            }
+        }
+        Ok(c)
+    }
+
+    /// Whether a job may train it at context `ctx`: at most `max_position_embeddings`, and
+    /// inside a sliding window (a shorter window would change what attention sees).
+    pub fn check_ctx(&self, ctx: i64) -> Result<(), String> {
+        if ctx > self.max_positions {
+            return Err(format!(
+                "ctx = {ctx} is over the model's max_position_embeddings = {}",
+                self.max_positions
+            ));
+        }
+        if let Some(w) = self.sliding_window {
+            if w < ctx {
+                return Err(format!(
+                    "config.json: sliding_window = {w} is shorter than ctx = {ctx}: sliding-window attention is not implemented (train at ctx <= {w})"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Parameters, exactly.
+    pub fn params(&self) -> i64 {
+        let (d, hd) = (self.d_model, self.head_dim);
+        let q = d * self.n_head * hd;
+        let kv = 2 * d * self.n_kv_head * hd;
+        let o = self.n_head * hd * d;
+        let mlp = 3 * d * self.intermediate;
+        let bias = if self.qkv_bias {
+            (self.n_head + 2 * self.n_kv_head) * hd
+        } else {
+            0
+        } + if self.o_bias { d } else { 0 }
+            + if self.mlp_bias {
+                2 * self.intermediate + d
+            } else {
+                0
+            };
+        let layer = q + kv + o + mlp + bias + 2 * d;
+        let embed = self.vocab * d;
+        self.n_layer * layer + embed + d + if self.tied { 0 } else { embed }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn llama() -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
+            "hidden_act": "silu", "tie_word_embeddings": false, "rope_theta": 10000.0,
+        })
+    }
+
+    #[test]
+    fn a_llama_config_reads_with_its_sizes_and_both_rope_spellings() {
+        let c = HfConfig::parse(&llama()).unwrap();
+        assert_eq!((c.n_head, c.n_kv_head, c.head_dim), (4, 2, 8));
+        assert!(!c.tied && !c.qkv_bias);
+        let mut v = llama();
+        v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let c = HfConfig::parse(&v).unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert_eq!(c.rope_llama3.unwrap().factor, 32.0);
+        let mut q = llama();
+        q["architectures"] = json!(["Qwen2ForCausalLM"]);
+        assert!(HfConfig::parse(&q).unwrap().qkv_bias);
+    }
+
+    #[test]
+    fn what_ductile_would_not_honour_is_refused_naming_key_and_value() {
+        let cases: Vec<(&str, Value, &str)> = vec![
+            (
+                "architectures",
+                json!(["BertModel"]),
+                "\"BertModel\" is not implemented",
+            ),
+            (
+                "rope_scaling",
+                json!({"type": "yarn", "factor": 4.0}),
+                "rope_scaling.rope_type = \"yarn\"",
+            ),
+            ("hidden_act", json!("gelu"), "hidden_act = \"gelu\""),
+            (
+                "num_key_value_heads",
+                json!(3),
+                "not a multiple of num_key_value_heads = 3",
+            ),
+        ];
+        for (k, v, want) in cases {
+            let mut c = llama();
+            c[k] = v;
+            let e = HfConfig::parse(&c).unwrap_err();
+            assert!(e.contains(want), "{k}: {e}");
+        }
+        let mut m = llama();
+        m["architectures"] = json!(["MistralForCausalLM"]);
+        m["sliding_window"] = json!(16);
+        let c = HfConfig::parse(&m).unwrap();
+        assert!(c.check_ctx(16).is_ok());
+        let e = c.check_ctx(32).unwrap_err();
+        assert!(e.contains("sliding_window = 16"), "{e}");
+        assert!(c
+            .check_ctx(65)
+            .unwrap_err()
+            .contains("max_position_embeddings = 64"));
+    }
+}

@@ -1,0 +1,266 @@
+//! Hugging Face models (issue 31): a Llama directory written by transformers
+//! (tests/hf/make_fixtures.py, run by scripts/setup.sh) trains with ductile from its own
+//! weights, loaded by plan, at every layout, bit for bit the same through a kill and resizes;
+//! and what ductile cannot honour is refused at submit.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ductile_tests::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(std::env::var("DUCTILE_HF_FIXTURES").expect(
+        "DUCTILE_HF_FIXTURES is not set: run scripts/setup.sh and source ~/.cache/ductile/env.sh",
+    ))
+}
+
+/// A corpus of `docs` JSON lines, tokenized with the model's tokenizer by `ductile-worker
+/// tokenize`: the stream's URL and its token count.
+fn corpus(dir: &Path, model: &Path, docs: usize) -> (String, u64) {
+    let jsonl = dir.join("corpus.jsonl");
+    let words = [
+        "elastic", "training", "keeps", "going", "when", "a", "node", "dies", "Madrid", "Spain",
+        "capital", "the", "of", "is", "step", "sample",
+    ];
+    let mut text = String::new();
+    for i in 0..docs {
+        let line: Vec<&str> = (0..12)
+            .map(|k| words[(i * 7 + k * k * 3 + k) % words.len()])
+            .collect();
+        text.push_str(&serde_json::json!({"text": format!("{} {i}.", line.join(" "))}).to_string());
+        text.push('\n');
+    }
+    std::fs::write(&jsonl, text).unwrap();
+    let out = format!("file://{}/corpus.tok", dir.display());
+    let o = std::process::Command::new(bin("ductile-worker"))
+        .args(["tokenize", "--tokenizer"])
+        .arg(model)
+        .arg("--input")
+        .arg(&jsonl)
+        .args(["--out", &out])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "tokenize: {said} {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let tokens: u64 = said
+        .split(" tokens of")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("tokenize said {said}"));
+    (out, tokens)
+}
+
+/// SHA-256 of a model directory's weights as ductile hashes a job's final weights (each
+/// tensor's f32 bytes, in name order), computed by Python's safetensors.
+fn directory_weights_sha256(model: &Path) -> String {
+    let py =
+        std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh)");
+    let script = r#"
+import glob, hashlib, sys
+from safetensors.numpy import load_file
+t = {}
+for f in sorted(glob.glob(sys.argv[1] + "/model*.safetensors")):
+    t.update(load_file(f))
+h = hashlib.sha256()
+for n in sorted(t):
+    h.update(t[n].astype("<f4").tobytes())
+print(h.hexdigest())
+"#;
+    let o = std::process::Command::new(py)
+        .args(["-c", script])
+        .arg(model)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap().trim().to_string()
+}
+
+fn hf_job(name: &str, desired: u32, model: &Path, data: &str, steps: u64, extra: &str) -> String {
+    format!(
+        "name = \"{name}\"\nmin = 1\nmax = 4\ndesired = {desired}\nrestart_budget = 20\n[training]\nmodel = \"hf\"\nmodel_path = \"file://{}\"\ndataset = \"{data}\"\nglobal_batch = 32\nlr = 3e-3\nseed = 7\nmax_steps = {steps}\nmodel_config = {{ ctx = 16 }}\n{extra}\n",
+        model.display()
+    )
+}
+
+/// The fixture Llama (GQA, Llama 3.1 RoPE, sharded weights) trains from its directory: in
+/// deterministic mode a dp2×tp2 run through a kill and resizes 4 → 2 → 4, a pipeline of two
+/// stages and a data-parallel run at 2 end with the same weights, every sample used once;
+/// loaded by plan at dp1×tp2 with a learning rate too small to move a weight, the final
+/// weights are the directory's, bit for bit; `init = "random"` starts elsewhere.
+#[test]
+fn hf_llama_trains_from_its_directory_at_every_layout_bitwise_equal() {
+    let model = fixtures().join("llama");
+    let ledger = TempDir::new("hf-ledger");
+    let c = ledger_cluster(&ledger);
+    let (data, tokens) = corpus(c.dir.path(), &model, 600);
+    let samples = (tokens - 1) / 16;
+    assert!(samples > 200, "{tokens} tokens");
+
+    let steps = 120u64;
+    let det = "deterministic = true\nlogical_shards = 4\ntensor_slices = 2";
+    c.submit(&hf_job(
+        "tp",
+        4,
+        &model,
+        &data,
+        steps,
+        &format!("{det}\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1"),
+    ));
+    let v = c.wait_world("tp", 4, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp1×tp2");
+    c.wait_step("tp", 20, S(120));
+    let victim = v
+        .members
+        .iter()
+        .find(|m| m.dp_rank == 0 && m.tp_rank == 1)
+        .unwrap();
+    kill_and_reform(&c, "tp", victim.pid.unwrap(), 3);
+    c.wait_step("tp", c.status("tp").step + 15, S(120));
+    c.wait_world("tp", 4, S(60));
+    c.dctl_ok(&["scale", "tp", "2"]);
+    c.wait_world("tp", 2, S(90));
+    c.wait_step("tp", c.status("tp").step + 15, S(120));
+    c.dctl_ok(&["scale", "tp", "4"]);
+    c.wait_world("tp", 4, S(60));
+    let tp = c.wait_done("tp", S(300));
+    let v = ductile_tests::ledger::violations(ledger.path(), steps, samples, 32);
+    assert!(v.is_empty(), "{v:#?}");
+
+    // loaded by plan, gathered whole: the directory's bytes
+    c.submit(
+        &hf_job(
+            "frozen",
+            2,
+            &model,
+            &data,
+            3,
+            "lr = 1e-30\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1",
+        )
+        .replace("lr = 3e-3\n", ""),
+    );
+    let frozen = c.wait_done("frozen", S(120));
+    assert_eq!(
+        frozen.final_weights_sha256.unwrap(),
+        directory_weights_sha256(&model),
+        "the weights loaded by plan at tp 2 are not the directory's"
+    );
+
+    c.submit(&hf_job(
+        "pp",
+        2,
+        &model,
+        &data,
+        steps,
+        &format!("{det}\nstrategy = \"pipeline\"\npipeline_parallel = 2"),
+    ));
+    let v = c.wait_world("pp", 2, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp1×pp2×tp1");
+    let pp = c.wait_done("pp", S(300));
+
+    c.submit(&hf_job(
+        "dp",
+        2,
+        &model,
+        &data,
+        steps,
+        &format!("{det}\nstrategy = \"data-parallel\""),
+    ));
+    let dp = c.wait_done("dp", S(300));
+    let reference = dp.final_weights_sha256.clone().unwrap();
+    assert_eq!(
+        tp.final_weights_sha256.unwrap(),
+        reference,
+        "dp2×tp2 through a kill and resizes"
+    );
+    assert_eq!(
+        pp.final_weights_sha256.unwrap(),
+        reference,
+        "two pipeline stages"
+    );
+    assert!(
+        dp.loss.unwrap() < 5.0,
+        "training lowered the loss from the random model's ~5.7: {:?}",
+        dp.loss
+    );
+
+    c.submit(&hf_job(
+        "random",
+        2,
+        &model,
+        &data,
+        steps,
+        &format!("{det}\nstrategy = \"data-parallel\"\ninit = \"random\""),
+    ));
+    let random = c.wait_done("random", S(300));
+    assert_ne!(
+        random.final_weights_sha256.unwrap(),
+        reference,
+        "init = \"random\" starts elsewhere"
+    );
+}
+
+/// What ductile cannot honour is refused at submit, naming the key and value (or the file),
+/// and nothing is stored: no config.json, an unknown architecture, a RoPE type it lacks, a
+/// context past the model's, a tensor_parallel that does not divide the KV heads, pipeline
+/// stages for a tied model.
+#[test]
+fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
+    let c = Cluster::start(Spec::default().agents(1, 1));
+    let dir = c.dir.path();
+    let write = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> PathBuf {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(fixtures().join("llama/config.json")).unwrap())
+                .unwrap();
+        edit(&mut v);
+        std::fs::write(d.join("config.json"), v.to_string()).unwrap();
+        d
+    };
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let bert = write("bert", &|v| {
+        v["architectures"] = serde_json::json!(["BertForMaskedLM"])
+    });
+    let yarn = write(
+        "yarn",
+        &|v| {
+            v["rope_parameters"] =
+                serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+        },
+    );
+    let data = "file:///unused.tok";
+    let job = |m: &Path, extra: &str| hf_job("bad", 1, m, data, 10, extra);
+    let llama = fixtures().join("llama");
+    let qwen = fixtures().join("qwen2");
+    assert_refused(
+        &c,
+        &[
+            (job(&empty, ""), "has no config.json"),
+            (
+                job(&bert, ""),
+                "architectures[0] = \"BertForMaskedLM\" is not implemented",
+            ),
+            (job(&yarn, ""), "rope_parameters.rope_type = \"yarn\""),
+            (
+                job(&llama, "").replace("ctx = 16", "ctx = 65"),
+                "max_position_embeddings = 64",
+            ),
+            (
+                job(&llama, "strategy = \"hybrid\"\ntensor_parallel = 4"),
+                "num_key_value_heads = 2",
+            ),
+            (
+                job(&qwen, "strategy = \"pipeline\"\npipeline_parallel = 2"),
+                "tie_word_embeddings = true",
+            ),
+        ],
+    );
+}

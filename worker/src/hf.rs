@@ -1,0 +1,329 @@
+//! Hugging Face model directories on the worker: their `config.json`, their weights whole (for
+//! `generate` and the tests; training loads them by plan, `train::ckpt`), and the hash of their
+//! `tokenizer.json` that token streams record.
+
+use std::collections::BTreeMap;
+
+use ductile_checkpoint::hf::{self, FileTensor};
+use ductile_checkpoint::Bucket;
+use sha2::{Digest, Sha256};
+use tch::Tensor;
+
+use crate::train::ckpt::kind_of;
+
+/// The directory at `url` (file:// or s3://).
+pub fn open(url: &str) -> anyhow::Result<Bucket> {
+    Bucket::open(url.trim_end_matches('/')).map_err(|e| anyhow::anyhow!("model_path {url}: {e}"))
+}
+
+/// Its `config.json`, as JSON.
+pub async fn config(dir: &Bucket) -> anyhow::Result<serde_json::Value> {
+    let b = dir.get("config.json").await.map_err(|e| {
+        if e.is_not_found() {
+            anyhow::anyhow!(
+                "{}: no config.json (not a Hugging Face model directory)",
+                dir.url
+            )
+        } else {
+            anyhow::anyhow!("{}/config.json: {e}", dir.url)
+        }
+    })?;
+    serde_json::from_slice(&b)
+        .map_err(|e| anyhow::anyhow!("{}/config.json: not JSON: {e}", dir.url))
+}
+
+/// SHA-256 of `tokenizer.json`'s bytes, hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The directory's `tokenizer.json`, if it has one.
+pub async fn tokenizer_bytes(dir: &Bucket) -> anyhow::Result<Option<bytes::Bytes>> {
+    match dir.get("tokenizer.json").await {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.is_not_found() => Ok(None),
+        Err(e) => Err(anyhow::anyhow!("{}/tokenizer.json: {e}", dir.url)),
+    }
+}
+
+/// Every tensor of `names` with `shapes`, whole, as f32 on the CPU, read from the directory's
+/// weight files (the same checks as a load by plan: missing, misshapen, cut).
+pub async fn read_whole(
+    dir: &Bucket,
+    wanted: &[(String, Vec<u64>)],
+) -> anyhow::Result<BTreeMap<String, Tensor>> {
+    let files: BTreeMap<String, FileTensor> = hf::tensors(dir).await?;
+    let m = hf::manifest(&dir.url, &files, wanted)?;
+    let refs: Vec<(String, usize)> = m
+        .ordered()
+        .flat_map(|(n, t)| (0..t.chunks.len()).map(move |k| (n.clone(), k)))
+        .collect();
+    let got = ductile_checkpoint::restore::fetch_in(dir, "", &m, &refs, 8, false)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+    for ((name, k), bytes) in refs.iter().zip(got) {
+        let t = &m.tensors[name];
+        let shape: Vec<i64> = t.chunks[*k].shape.iter().map(|d| *d as i64).collect();
+        let x = Tensor::from_data_size(&bytes, &shape, kind_of(t.dtype)).to_kind(tch::Kind::Float);
+        parts.entry(name.clone()).or_default().push(x);
+    }
+    Ok(parts
+        .into_iter()
+        .map(|(n, p)| {
+            let whole = if p.len() == 1 {
+                p.into_iter().next().unwrap()
+            } else {
+                Tensor::cat(&p, 0)
+            };
+            (n, whole)
+        })
+        .collect())
+}
+
+/// A `model = "hf"` job's token stream fits its model: made by `ductile-worker tokenize` (it
+/// has a header) with the model directory's own `tokenizer.json` (the same SHA-256), and every
+/// id inside the model's vocabulary; else an error naming the first offending position.
+pub fn check_stream(
+    spec: &ductile_cluster::records::TrainingSpec,
+    data: &crate::data::Dataset,
+    rt: &tokio::runtime::Handle,
+) -> anyhow::Result<()> {
+    let crate::data::Dataset::Tokens { tokens, header, .. } = data else {
+        anyhow::bail!(
+            "dataset {}: a Hugging Face model trains on tokens",
+            spec.dataset
+        );
+    };
+    let vocab = spec.hf_config()?.vocab as u64;
+    let url = spec.model_path.clone().unwrap_or_default();
+    let Some(h) = header else {
+        anyhow::bail!(
+            "dataset {}: a bare token stream, with no header naming its tokenizer: make it with `ductile-worker tokenize --tokenizer {url}`",
+            spec.dataset
+        );
+    };
+    let dir = open(&url)?;
+    if let Some(tok) = rt.block_on(tokenizer_bytes(&dir))? {
+        let sha = sha256_hex(&tok);
+        anyhow::ensure!(
+            sha == h.tokenizer_sha256,
+            "dataset {}: made by a tokenizer of SHA-256 {}, but {url}/tokenizer.json is {sha}: tokenize it again with this model's tokenizer",
+            spec.dataset,
+            h.tokenizer_sha256
+        );
+    }
+    if let Some(p) = tokens.iter().position(|t| *t as u64 >= vocab) {
+        anyhow::bail!(
+            "dataset {}: token {} at position {p} is outside the model's vocabulary of {vocab} (config.json's vocab_size)",
+            spec.dataset,
+            tokens[p]
+        );
+    }
+    Ok(())
+}
+
+/// `tokenizer.json`'s bytes from `url`: a `tokenizer.json` (file:// or s3://, or a local path),
+/// or a model directory holding one; with the directory's `config.json` when there is one (its
+/// `eos_token_id`).
+pub async fn tokenizer_at(url: &str) -> anyhow::Result<(bytes::Bytes, Option<serde_json::Value>)> {
+    let url = if url.contains("://") {
+        url.to_string()
+    } else {
+        let p = std::fs::canonicalize(url).map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+        format!("file://{}", p.display())
+    };
+    let url = url.trim_end_matches('/');
+    if let Some(dir) = url.strip_suffix("/tokenizer.json") {
+        let b = open(dir)?;
+        let tok = b
+            .get("tokenizer.json")
+            .await
+            .map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+        return Ok((tok, None));
+    }
+    let dir = open(url)?;
+    let tok = tokenizer_bytes(&dir)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("{url}: no tokenizer.json there"))?;
+    let config = match dir.get("config.json").await {
+        Ok(b) => serde_json::from_slice(&b).ok(),
+        Err(_) => None,
+    };
+    Ok((tok, config))
+}
+
+/// What `ductile-worker tokenize` writes: the stream's header and its tokens.
+pub struct Tokenized {
+    pub header: crate::data::TokenHeader,
+    pub tokens: Vec<u32>,
+}
+
+/// Encode documents with a `tokenizer.json` (no special tokens added; `eos` appended after
+/// each document), reporting progress on stderr for long inputs.
+pub fn tokenize(
+    tokenizer_json: &[u8],
+    eos: Option<u32>,
+    documents: impl Iterator<Item = anyhow::Result<String>>,
+) -> anyhow::Result<Tokenized> {
+    let tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+        .map_err(|e| anyhow::anyhow!("not a tokenizer.json: {e}"))?;
+    let vocab = tok.get_vocab_size(true) as u64;
+    let mut tokens: Vec<u32> = Vec::new();
+    let (mut docs, mut chars, mut reported) = (0u64, 0u64, 0u64);
+    let t0 = std::time::Instant::now();
+    for d in documents {
+        let d = d?;
+        let enc = tok
+            .encode(d.as_str(), false)
+            .map_err(|e| anyhow::anyhow!("document {docs}: {e}"))?;
+        tokens.extend_from_slice(enc.get_ids());
+        if let Some(e) = eos {
+            tokens.push(e);
+        }
+        docs += 1;
+        chars += d.len() as u64;
+        if chars - reported >= 64 << 20 {
+            reported = chars;
+            eprintln!(
+                "tokenize: {docs} documents, {} MB, {} tokens, {:.1} MB/s",
+                chars >> 20,
+                tokens.len(),
+                chars as f64 / 1e6 / t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let header = crate::data::TokenHeader {
+        width: if vocab <= 1 << 16 { 2 } else { 4 },
+        vocab,
+        tokenizer_sha256: sha256_hex(tokenizer_json),
+        eos,
+        documents: docs,
+        tokens: tokens.len() as u64,
+    };
+    Ok(Tokenized { header, tokens })
+}
+
+/// The end-of-sequence id: `--eos` (a token or an id), else config.json's `eos_token_id`, else
+/// the tokenizer's own end-of-text special token.
+pub fn eos_of(
+    tokenizer_json: &[u8],
+    config: Option<&serde_json::Value>,
+    given: Option<&str>,
+) -> anyhow::Result<Option<u32>> {
+    let tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+        .map_err(|e| anyhow::anyhow!("not a tokenizer.json: {e}"))?;
+    if let Some(g) = given {
+        if let Ok(id) = g.parse::<u32>() {
+            return Ok(Some(id));
+        }
+        return tok
+            .token_to_id(g)
+            .map(Some)
+            .ok_or_else(|| anyhow::anyhow!("--eos {g:?} is not a token of the tokenizer"));
+    }
+    if let Some(id) = config
+        .and_then(|c| c.get("eos_token_id"))
+        .and_then(|e| e.as_u64().or_else(|| e.as_array()?.first()?.as_u64()))
+    {
+        return Ok(Some(id as u32));
+    }
+    for t in [
+        "</s>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<|im_end|>",
+        "<eos>",
+    ] {
+        if let Some(id) = tok.token_to_id(t) {
+            return Ok(Some(id));
+        }
+    }
+    Ok(None)
+}
+
+/// The documents of `inputs`: a `.txt` file is one document, a `.jsonl` file one per line
+/// (the text in `field`).
+pub fn documents<'a>(
+    inputs: &'a [String],
+    field: &'a str,
+) -> impl Iterator<Item = anyhow::Result<String>> + 'a {
+    inputs.iter().flat_map(
+        move |path| -> Box<dyn Iterator<Item = anyhow::Result<String>>> {
+            if path.ends_with(".txt") {
+                Box::new(std::iter::once(
+                    std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{path}: {e}")),
+                ))
+            } else if path.ends_with(".jsonl") {
+                use std::io::BufRead;
+                let f = match std::fs::File::open(path) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        return Box::new(std::iter::once(Err(anyhow::anyhow!("{path}: {e}"))))
+                    }
+                };
+                let path = path.clone();
+                Box::new(
+                    std::io::BufReader::new(f)
+                        .lines()
+                        .enumerate()
+                        .filter(|(_, l)| l.as_ref().map(|l| !l.trim().is_empty()).unwrap_or(true))
+                        .map(move |(i, l)| {
+                            let l = l.map_err(|e| anyhow::anyhow!("{path}:{}: {e}", i + 1))?;
+                            let v: serde_json::Value = serde_json::from_str(&l)
+                                .map_err(|e| anyhow::anyhow!("{path}:{}: not JSON: {e}", i + 1))?;
+                            v.get(field)
+                                .and_then(|t| t.as_str())
+                                .map(str::to_string)
+                                .ok_or_else(|| {
+                                    anyhow::anyhow!("{path}:{}: no string field {field:?}", i + 1)
+                                })
+                        }),
+                )
+            } else {
+                Box::new(std::iter::once(Err(anyhow::anyhow!(
+                    "{path}: neither .txt (a document per file) nor .jsonl (a document per line)"
+                ))))
+            }
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `tokenizers` crate reading the fixture's tokenizer.json gives the ids Python's
+    /// `tokenizers` gave for the same text, and the stream round-trips through its header.
+    #[test]
+    fn tokenize_gives_pythons_ids_and_a_stream_that_reads_back() {
+        let dir = crate::model::llama_tests::fixtures();
+        let tok = std::fs::read(dir.join("tokenizer.json")).unwrap();
+        let want: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tokenized.json")).unwrap()).unwrap();
+        let text = want["text"].as_str().unwrap().to_string();
+        let ids: Vec<u32> = want["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect();
+        let t = tokenize(&tok, Some(0), [Ok(text.clone()), Ok(text)].into_iter()).unwrap();
+        let mut expect = ids.clone();
+        expect.push(0);
+        expect.extend(&ids);
+        expect.push(0);
+        assert_eq!(t.tokens, expect);
+        assert_eq!((t.header.width, t.header.documents), (2, 2));
+        let bytes = t.header.encode(&t.tokens);
+        let (h, back) = crate::data::TokenHeader::decode("t", &bytes)
+            .unwrap()
+            .unwrap();
+        assert_eq!((h, back), (t.header.clone(), t.tokens.clone()));
+        let e = crate::data::TokenHeader::decode("t", &bytes[..bytes.len() - 2]).unwrap_err();
+        assert!(e.to_string().contains("the header says"), "{e}");
+    }
+}
