@@ -104,6 +104,26 @@ enum Cmd {
         #[arg(long, default_value_t = 300)]
         steps: u64,
     },
+    /// Tokens/s training a Hugging Face model directory (default: set-up's SmolLM2-135M) at
+    /// world 1 and data-parallel 2 against PyTorch eager (transformers + AdamW) with 1 and 2
+    /// threads, same batch and context.
+    HfStep {
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+        #[arg(long, default_value_t = 4)]
+        batch: u32,
+        #[arg(long, default_value_t = 128)]
+        ctx: u32,
+        /// Progress reports (steps) measured.
+        #[arg(long, default_value_t = 8)]
+        reports: usize,
+    },
+    /// Bytes each rank reads loading a Hugging Face model directory by plan at tensor_parallel 2
+    /// and pipeline_parallel 2, against the bytes it holds.
+    HfLoad {
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+    },
     /// (internal) one rank of `dp-step`'s bare loop.
     #[command(hide = true)]
     DpBareRank {
@@ -278,6 +298,7 @@ mod checkpoint;
 mod dashboard;
 mod diloco;
 mod gpu;
+mod hf;
 mod pipeline;
 mod tensor;
 mod training;
@@ -322,6 +343,13 @@ async fn main() -> anyhow::Result<()> {
             stop_rounds,
         } => training::recovery(rounds, node_rounds, stop_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::HfStep {
+            model,
+            batch,
+            ctx,
+            reports,
+        } => hf::hf_step(&smollm2_or(model)?, batch, ctx, reports).await,
+        Cmd::HfLoad { model } => hf::hf_load(&smollm2_or(model)?).await,
         Cmd::RestoreLayouts { d_model } => tensor::restore_layouts(d_model).await,
         Cmd::TpStep {
             world,
@@ -439,5 +467,16 @@ async fn main() -> anyhow::Result<()> {
             sizes_mib,
             iters,
         } => allreduce::rank(&etcd, world, rank, &sizes_mib, iters).await,
+    }
+}
+
+/// `--model`, else the SmolLM2-135M directory scripts/setup.sh converts.
+fn smollm2_or(model: Option<std::path::PathBuf>) -> anyhow::Result<std::path::PathBuf> {
+    match model {
+        Some(m) => Ok(std::fs::canonicalize(&m)
+            .map_err(|e| anyhow::anyhow!("--model {}: {e}", m.display()))?),
+        None => std::env::var("DUCTILE_SMOLLM2")
+            .map(std::path::PathBuf::from)
+            .map_err(|_| anyhow::anyhow!("give --model DIR, or run scripts/setup.sh and source its env.sh (DUCTILE_SMOLLM2)")),
     }
 }

@@ -246,3 +246,170 @@ pub fn manifest(
         extra: serde_json::Value::Null,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file of f32 tensors `(name, shape)`, filled with their element index.
+    fn file(tensors: &[(&str, Vec<u64>)]) -> Vec<u8> {
+        let mut header = serde_json::Map::new();
+        let mut at = 0u64;
+        for (n, s) in tensors {
+            let b = 4 * s.iter().product::<u64>();
+            header.insert(
+                n.to_string(),
+                serde_json::json!({"dtype": "F32", "shape": s, "data_offsets": [at, at + b]}),
+            );
+            at += b;
+        }
+        let h = serde_json::to_vec(&header).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend(h);
+        for (_, s) in tensors {
+            out.extend((0..s.iter().product::<u64>()).flat_map(|i| (i as f32).to_le_bytes()));
+        }
+        out
+    }
+
+    fn dir(name: &str, files: &[(&str, Vec<u8>)]) -> Bucket {
+        let d = std::env::temp_dir().join(format!("ductile-hf-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        for (f, b) in files {
+            std::fs::write(d.join(f), b).unwrap();
+        }
+        Bucket::open(&format!("file://{}", d.display())).unwrap()
+    }
+
+    fn index(map: &[(&str, &str)]) -> Vec<u8> {
+        let m: serde_json::Map<String, serde_json::Value> = map
+            .iter()
+            .map(|(t, f)| (t.to_string(), serde_json::Value::String(f.to_string())))
+            .collect();
+        serde_json::to_vec(&serde_json::json!({"metadata": {}, "weight_map": m})).unwrap()
+    }
+
+    fn wanted() -> Vec<(String, Vec<u64>)> {
+        vec![
+            ("a.weight".into(), vec![4, 3]),
+            ("b.weight".into(), vec![5]),
+        ]
+    }
+
+    /// Sharded weights read into a manifest whose chunks cover every wanted tensor at its
+    /// bytes; each thing wrong with a directory is an error naming the file and the tensor.
+    #[tokio::test]
+    async fn a_directory_reads_or_fails_naming_the_file_and_the_tensor() {
+        let good = dir(
+            "good",
+            &[
+                (
+                    "model.safetensors.index.json",
+                    index(&[
+                        ("a.weight", "one.safetensors"),
+                        ("b.weight", "two.safetensors"),
+                    ]),
+                ),
+                ("one.safetensors", file(&[("a.weight", vec![4, 3])])),
+                (
+                    "two.safetensors",
+                    file(&[("b.weight", vec![5]), ("extra", vec![2])]),
+                ),
+            ],
+        );
+        let t = tensors(&good).await.unwrap();
+        let m = manifest(&good.url, &t, &wanted()).unwrap();
+        m.validate().unwrap();
+        assert_eq!(m.order, vec!["a.weight", "b.weight"]);
+        assert_eq!(m.tensors["b.weight"].chunks[0].object, "two.safetensors");
+
+        let missing_shard = dir(
+            "missing",
+            &[
+                (
+                    "model.safetensors.index.json",
+                    index(&[
+                        ("a.weight", "one.safetensors"),
+                        ("b.weight", "two.safetensors"),
+                    ]),
+                ),
+                ("one.safetensors", file(&[("a.weight", vec![4, 3])])),
+            ],
+        );
+        let e = tensors(&missing_shard).await.unwrap_err().to_string();
+        assert!(
+            e.contains("two.safetensors: the weight file is missing"),
+            "{e}"
+        );
+
+        let misshapen = dir(
+            "shape",
+            &[(
+                "model.safetensors",
+                file(&[("a.weight", vec![3, 4]), ("b.weight", vec![5])]),
+            )],
+        );
+        let t = tensors(&misshapen).await.unwrap();
+        let e = manifest(&misshapen.url, &t, &wanted())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.safetensors: tensor a.weight has shape [3, 4]"),
+            "{e}"
+        );
+
+        let lacking = dir(
+            "lacking",
+            &[("model.safetensors", file(&[("a.weight", vec![4, 3])]))],
+        );
+        let t = tensors(&lacking).await.unwrap();
+        let e = manifest(&lacking.url, &t, &wanted())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no tensor b.weight"), "{e}");
+
+        let mut cut = file(&[("a.weight", vec![4, 3]), ("b.weight", vec![5])]);
+        cut.truncate(cut.len() - 4);
+        let cut = dir("cut", &[("model.safetensors", cut)]);
+        let e = tensors(&cut).await.unwrap_err().to_string();
+        assert!(
+            e.contains("model.safetensors: tensor b.weight") && e.contains("cut"),
+            "{e}"
+        );
+
+        let garbage = dir(
+            "garbage",
+            &[(
+                "model.safetensors",
+                b"not a safetensors file at all".to_vec(),
+            )],
+        );
+        let e = tensors(&garbage).await.unwrap_err().to_string();
+        assert!(e.contains("model.safetensors"), "{e}");
+    }
+
+    /// A large tensor is cut into row blocks of at most CHUNK_BYTES, back to back.
+    #[test]
+    fn large_tensors_are_cut_into_row_blocks() {
+        let t = FileTensor {
+            file: "m.safetensors".into(),
+            dtype: Dtype::F32,
+            shape: vec![1000, 600],
+            range: [100, 100 + 4 * 600_000],
+        };
+        let files = BTreeMap::from([("w".to_string(), t)]);
+        let m = manifest("file:///x", &files, &[("w".into(), vec![1000, 600])]).unwrap();
+        let c = &m.tensors["w"].chunks;
+        assert!(
+            c.len() > 2
+                && c.iter()
+                    .all(|c| c.byte_range[1] - c.byte_range[0] <= CHUNK_BYTES)
+        );
+        assert_eq!(c[0].byte_range[0], 100);
+        assert!(c
+            .windows(2)
+            .all(|w| w[0].byte_range[1] == w[1].byte_range[0]));
+        assert_eq!(c.last().unwrap().byte_range[1], 100 + 4 * 600_000);
+    }
+}

@@ -104,6 +104,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{job}/events", get(events))
         .route("/v1/jobs/{job}/series", get(series))
         .route("/v1/jobs/{job}/checkpoints", get(checkpoints))
+        .route("/v1/jobs/{job}/spec", get(job_spec))
         .route("/v1/jobs/{job}/plan", get(plan))
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}/drain", post(drain).delete(undrain))
@@ -383,6 +384,15 @@ async fn job_status(
         Some(v) => Ok(Json(v)),
         // not in this replica's view: ask etcd (a job submitted a moment ago, or none)
         None => Ok(Json(view(&st.store, &job).await?)),
+    }
+}
+
+/// The job's spec as stored (with what the daemon filled in at submit: a Hugging Face
+/// model's config.json).
+async fn job_spec(State(st): State<AppState>, Path(job): Path<String>) -> ApiResult<Json<JobSpec>> {
+    match st.store.spec(&job).await? {
+        Some(s) => Ok(Json(s.0)),
+        None => Err(ApiError::not_found(&job)),
     }
 }
 

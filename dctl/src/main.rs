@@ -1,5 +1,6 @@
 //! dctl: submit, scale, status, nodes, drain, stop, events, watch, checkpoints, plan, plot.
 
+mod export;
 mod plot;
 
 use std::path::PathBuf;
@@ -98,6 +99,20 @@ enum Cmd {
     },
     /// List a job's checkpoints: step, time, size, world size and layout, state.
     Checkpoints { job: String },
+    /// Write a committed checkpoint of a `model = "hf"` job as a Hugging Face directory
+    /// (safetensors, config.json, the tokenizer's files) that transformers loads as it is.
+    Export {
+        job: String,
+        /// The committed step (default: the latest).
+        #[arg(long)]
+        step: Option<u64>,
+        /// Where the directory goes (file:// or s3://).
+        #[arg(long)]
+        out: String,
+        /// Weight files past this size are cut into shards with an index.
+        #[arg(long, default_value_t = 5120)]
+        max_shard_mb: u64,
+    },
     /// The plan the daemon would publish for JOB at `--world N` ranks (layout, stage
     /// boundaries, modelled memory per rank and step time, the runners-up); changes nothing.
     Plan {
@@ -624,6 +639,26 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 out(&v);
             } else {
                 print_plan(&v);
+            }
+        }
+        Cmd::Export {
+            job,
+            step,
+            out: dest,
+            max_shard_mb,
+        } => {
+            let v = c
+                .call(Method::GET, &format!("/v1/jobs/{job}/spec"), None)
+                .await?;
+            let spec: JobSpec = serde_json::from_value(v)?;
+            let (step, files) = export::export(&spec, step, &dest, max_shard_mb).await?;
+            if json {
+                out(&serde_json::json!({"job": job, "step": step, "out": dest, "files": files}));
+            } else {
+                println!(
+                    "exported job {job} at step {step} to {dest}: {}",
+                    files.join(", ")
+                );
             }
         }
         Cmd::Checkpoints { job } => {

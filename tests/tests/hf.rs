@@ -57,6 +57,21 @@ fn corpus(dir: &Path, model: &Path, docs: usize) -> (String, u64) {
     (out, tokens)
 }
 
+/// Run a Python script with the set-up's torch venv; its stdout.
+fn torch_python(script: &str, args: &[&Path]) -> String {
+    let py =
+        std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh)");
+    let o = std::process::Command::new(py)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
 /// SHA-256 of a model directory's weights as ductile hashes a job's final weights (each
 /// tensor's f32 bytes, in name order), computed by Python's safetensors.
 fn directory_weights_sha256(model: &Path) -> String {
@@ -93,7 +108,8 @@ fn hf_job(name: &str, desired: u32, model: &Path, data: &str, steps: u64, extra:
 /// deterministic mode a dp2×tp2 run through a kill and resizes 4 → 2 → 4, a pipeline of two
 /// stages and a data-parallel run at 2 end with the same weights, every sample used once;
 /// loaded by plan at dp1×tp2 with a learning rate too small to move a weight, the final
-/// weights are the directory's, bit for bit; `init = "random"` starts elsewhere.
+/// weights are the directory's, bit for bit (and so are DiLoCo's and async's), and the export
+/// of its checkpoint gives transformers' reference logits; `init = "random"` starts elsewhere.
 #[test]
 fn hf_llama_trains_from_its_directory_at_every_layout_bitwise_equal() {
     let model = fixtures().join("llama");
@@ -134,8 +150,10 @@ fn hf_llama_trains_from_its_directory_at_every_layout_bitwise_equal() {
     assert!(v.is_empty(), "{v:#?}");
 
     // loaded by plan, gathered whole: the directory's bytes
-    c.submit(
-        &hf_job(
+    let ck = c.dir.path().join("frozen-ck");
+    c.submit(&format!(
+        "{}[checkpoint]\nurl = \"file://{}\"\ninterval = 3\nkeep = 2\n",
+        hf_job(
             "frozen",
             2,
             &model,
@@ -144,12 +162,63 @@ fn hf_llama_trains_from_its_directory_at_every_layout_bitwise_equal() {
             "lr = 1e-30\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1",
         )
         .replace("lr = 3e-3\n", ""),
-    );
+        ck.display()
+    ));
     let frozen = c.wait_done("frozen", S(120));
     assert_eq!(
         frozen.final_weights_sha256.unwrap(),
         directory_weights_sha256(&model),
         "the weights loaded by plan at tp 2 are not the directory's"
+    );
+    // DiLoCo's and async's replicas start from the directory too
+    let want = directory_weights_sha256(&model);
+    for (name, extra) in [
+        (
+            "frozen-diloco",
+            "sync = \"diloco\"\n[training.diloco]\ninner_steps = 2\n",
+        ),
+        ("frozen-async", "sync = \"async\"\n"),
+    ] {
+        c.submit(
+            &hf_job(
+                name,
+                2,
+                &model,
+                &data,
+                4,
+                &format!("lr = 1e-30\nstrategy = \"data-parallel\"\n{extra}"),
+            )
+            .replace("lr = 3e-3\n", ""),
+        );
+        let done = c.wait_done(name, S(120));
+        assert_eq!(done.final_weights_sha256.unwrap(), want, "{name}");
+    }
+    // its checkpoint (saved as two tensor slices), exported, is the model transformers loads
+    let out = c.dir.path().join("frozen-export");
+    c.dctl_ok(&[
+        "export",
+        "frozen",
+        "--out",
+        &format!("file://{}", out.display()),
+    ]);
+    let said = torch_python(
+        r#"
+import sys, torch
+from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+ref = load_file(sys.argv[2] + "/reference.safetensors")
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, attn_implementation="sdpa")
+with torch.no_grad():
+    logits = m(input_ids=ref["input_ids"][:, :16]).logits
+d = (logits - ref["logits"]).abs().max() / ref["logits"].abs().max()
+print(float(d))
+"#,
+        &[out.as_path(), model.as_path()],
+    );
+    let d: f64 = said.trim().parse().unwrap();
+    assert!(
+        d < 1e-5,
+        "transformers' logits from the export differ by {d:e}"
     );
 
     c.submit(&hf_job(
@@ -262,5 +331,127 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
                 "tie_word_embeddings = true",
             ),
         ],
+    );
+}
+
+/// SmolLM2-135M-Instruct (9 query and 3 KV heads: tensor_parallel 3) fine-tunes on a pattern
+/// through a worker's kill; `dctl export` of its last checkpoint, cut into shards, is a
+/// directory transformers loads, whose loss on held-out text of the pattern is lower than the
+/// original model's.
+#[test]
+fn smollm2_fine_tunes_at_tp3_through_a_kill_and_exports_what_transformers_loads() {
+    let model = PathBuf::from(
+        std::env::var("DUCTILE_SMOLLM2").expect("DUCTILE_SMOLLM2 (scripts/setup.sh)"),
+    );
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let dir = c.dir.path();
+    let cities = [
+        ("Spain", "Madrid"),
+        ("France", "Paris"),
+        ("Italy", "Rome"),
+        ("Germany", "Berlin"),
+        ("Portugal", "Lisbon"),
+        ("Austria", "Vienna"),
+        ("Greece", "Athens"),
+        ("Norway", "Oslo"),
+        ("Sweden", "Stockholm"),
+        ("Poland", "Warsaw"),
+        ("Ireland", "Dublin"),
+        ("Hungary", "Budapest"),
+    ];
+    let doc = |i: usize| {
+        let (a, b) = cities[i % cities.len()];
+        format!(
+            "Record {i}: the city of {b} is the capital of {a}, and {a} has {b} as its capital."
+        )
+    };
+    let jsonl = dir.join("train.jsonl");
+    let lines: Vec<String> = (0..400)
+        .map(|i| serde_json::json!({ "text": doc(i) }).to_string())
+        .collect();
+    std::fs::write(&jsonl, lines.join("\n")).unwrap();
+    let held_out: String = (1000..1012).map(doc).collect::<Vec<_>>().join(" ");
+    let data = format!("file://{}/train.tok", dir.display());
+    let o = std::process::Command::new(bin("ductile-worker"))
+        .args(["tokenize", "--tokenizer"])
+        .arg(&model)
+        .arg("--input")
+        .arg(&jsonl)
+        .args(["--out", &data])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ck = dir.join("ck");
+    c.submit(&format!(
+        "name = \"smol\"\nmin = 1\nmax = 3\ndesired = 3\nrestart_budget = 20\n[training]\nmodel = \"hf\"\nmodel_path = \"file://{}\"\ndataset = \"{data}\"\nglobal_batch = 6\nlr = 2e-4\nseed = 3\nmax_steps = 24\nstrategy = \"hybrid\"\ntensor_parallel = 3\npipeline_parallel = 1\nmodel_config = {{ ctx = 48 }}\n[checkpoint]\nurl = \"file://{}\"\ninterval = 8\nkeep = 2\n",
+        model.display(),
+        ck.display()
+    ));
+    let v = c.wait_world("smol", 3, S(120));
+    assert_eq!(v.layout.unwrap().to_string(), "dp1×pp1×tp3");
+    c.wait_step("smol", 9, S(600));
+    // a member of the tensor group dies: its slices have no other holder, so the group
+    // re-forms (its agent restarts it) from the step-8 checkpoint
+    let victim = v.members.iter().find(|m| m.tp_rank == 1).unwrap();
+    let before = c.status("smol").generation;
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &victim.pid.unwrap().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    c.wait_for(S(180), "the group re-formed after the kill", || {
+        let s = c.status("smol");
+        (s.generation > before && s.world_size == 3).then_some(())
+    });
+    let done = c.wait_done("smol", S(900));
+    assert_eq!(done.step, 24);
+    let out = dir.join("export");
+    let said = c.dctl_ok(&[
+        "export",
+        "smol",
+        "--out",
+        &format!("file://{}", out.display()),
+        "--max-shard-mb",
+        "200",
+    ]);
+    assert!(said.contains("at step 24"), "{said}");
+    assert!(
+        out.join("model.safetensors.index.json").exists(),
+        "540 MB in shards of 200"
+    );
+    assert!(out.join("tokenizer.json").exists());
+    std::fs::write(dir.join("held_out.txt"), &held_out).unwrap();
+    let said = torch_python(
+        r#"
+import sys, torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+text = open(sys.argv[3]).read()
+ids = torch.tensor([Tokenizer.from_file(sys.argv[2] + "/tokenizer.json").encode(text, add_special_tokens=False).ids])
+def loss(d):
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    with torch.no_grad():
+        lg = m(input_ids=ids).logits
+    return float(torch.nn.functional.cross_entropy(lg[0, :-1], ids[0, 1:]))
+print(loss(sys.argv[1]), loss(sys.argv[2]))
+"#,
+        &[
+            model.as_path(),
+            out.as_path(),
+            dir.join("held_out.txt").as_path(),
+        ],
+    );
+    let l: Vec<f64> = said
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    assert!(
+        l[1] < l[0] * 0.9,
+        "held-out loss {} after fine-tuning, {} before",
+        l[1],
+        l[0]
     );
 }

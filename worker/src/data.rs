@@ -70,7 +70,7 @@ impl TokenHeader {
         let body = &rest[4 + n..];
         let w = h.width as usize;
         anyhow::ensure!(
-            (w == 2 || w == 4) && body.len() % w == 0,
+            (w == 2 || w == 4) && body.len().is_multiple_of(w),
             "dataset {url}: {} bytes of tokens of width {w} (2 or 4)",
             body.len()
         );
@@ -155,7 +155,7 @@ impl Dataset {
                     Some((h, t)) => (Some(h), t),
                     None => {
                         anyhow::ensure!(
-                            bytes.len() % 2 == 0,
+                            bytes.len().is_multiple_of(2),
                             "dataset {url}: not a u16 token stream (an odd number of bytes) nor a stream from `ductile-worker tokenize`"
                         );
                         let t = bytes

@@ -327,3 +327,63 @@ mod tests {
         assert!(e.to_string().contains("the header says"), "{e}");
     }
 }
+
+/// A model directory (or an exported checkpoint) loaded whole on the CPU: the model with its
+/// weights, its checked config, and its tokenizer when it has one.
+pub fn load_whole(
+    url: &str,
+    rt: &tokio::runtime::Handle,
+) -> anyhow::Result<(
+    crate::model::Model,
+    ductile_cluster::hf::HfConfig,
+    Option<tokenizers::Tokenizer>,
+)> {
+    let dir = open(url)?;
+    let config = rt.block_on(self::config(&dir))?;
+    let c =
+        ductile_cluster::hf::HfConfig::parse(&config).map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+    let ctx = c.max_positions.min(2048);
+    let spec: ductile_cluster::records::TrainingSpec = serde_json::from_value(serde_json::json!({
+        "model": "hf", "model_path": url, "hf_config": config, "model_config": {"ctx": ctx},
+        "dataset": "file:///unused", "global_batch": 1,
+    }))?;
+    let data = crate::data::Dataset::Tokens {
+        tokens: Vec::new(),
+        ctx: ctx as usize,
+        vocab: c.vocab as usize,
+        header: None,
+    };
+    let model = crate::model::Model::new(&spec, &data, tch::Device::Cpu)?;
+    let wanted: Vec<(String, Vec<u64>)> = model
+        .params()
+        .iter()
+        .map(|(n, p)| (n.clone(), p.size().iter().map(|d| *d as u64).collect()))
+        .collect();
+    let weights = rt.block_on(read_whole(&dir, &wanted))?;
+    for (n, mut p) in model.params() {
+        tch::no_grad(|| p.copy_(&weights[&n]));
+    }
+    let tok = match rt.block_on(tokenizer_bytes(&dir))? {
+        Some(b) => Some(
+            tokenizers::Tokenizer::from_bytes(&b)
+                .map_err(|e| anyhow::anyhow!("{url}/tokenizer.json: {e}"))?,
+        ),
+        None => None,
+    };
+    Ok((model, c, tok))
+}
+
+/// `ductile-worker generate`: the prompt's greedy continuation (decoded).
+pub fn generate(url: &str, prompt: &str, n: usize) -> anyhow::Result<String> {
+    let rt = tokio::runtime::Runtime::new()?;
+    let (model, c, tok) = load_whole(url, rt.handle())?;
+    let tok =
+        tok.ok_or_else(|| anyhow::anyhow!("{url}: no tokenizer.json to encode the prompt"))?;
+    let ids = tok
+        .encode(prompt, false)
+        .map_err(|e| anyhow::anyhow!("encoding the prompt: {e}"))?;
+    let eos = c.eos_token_id.map(|e| e as u32);
+    let out = model.generate(ids.get_ids(), n, eos)?;
+    tok.decode(&out, true)
+        .map_err(|e| anyhow::anyhow!("decoding: {e}"))
+}

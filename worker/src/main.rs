@@ -16,6 +16,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Greedy continuation of a prompt by a Hugging Face model directory or an exported
+    /// checkpoint (file://, s3:// or a path), on the CPU, with a key/value cache.
+    Generate {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long, default_value_t = 32)]
+        max_new_tokens: usize,
+    },
     /// Encode text with a model's tokenizer.json into a token stream a job trains on.
     Tokenize {
         /// A tokenizer.json, or a model directory holding one (file://, s3:// or a path).
@@ -59,6 +69,30 @@ enum Cmd {
 fn main() {
     ductile_cluster::service::init_logging(ductile_cluster::service::LogFormat::Plain);
     match Cli::parse().cmd {
+        Some(Cmd::Generate {
+            model,
+            prompt,
+            max_new_tokens,
+        }) => {
+            let url = if model.contains("://") {
+                model
+            } else {
+                match std::fs::canonicalize(&model) {
+                    Ok(p) => format!("file://{}", p.display()),
+                    Err(e) => {
+                        eprintln!("ductile-worker generate: {model}: {e}");
+                        std::process::exit(1);
+                    }
+                }
+            };
+            match ductile_worker::hf::generate(&url, &prompt, max_new_tokens) {
+                Ok(text) => println!("{prompt}{text}"),
+                Err(e) => {
+                    eprintln!("ductile-worker generate: {e:#}");
+                    std::process::exit(1);
+                }
+            }
+        }
         Some(Cmd::Tokenize {
             tokenizer,
             input,

@@ -48,6 +48,11 @@ trait Network: Send {
     fn split_rules(&self) -> Arch;
     /// Why `tp` members cannot split it, with its actual sizes, if they cannot.
     fn check_tp(&self, tp: u32) -> Result<(), String>;
+    /// Greedy decoding's step on the whole model: the logits of the last of `ids` (`[1, t]`,
+    /// the positions after the `cache`'s), each layer's keys and values appended to `cache`.
+    fn decode(&self, _ids: &Tensor, _cache: &mut Vec<(Tensor, Tensor)>) -> anyhow::Result<Tensor> {
+        anyhow::bail!("this model does not generate text")
+    }
 }
 
 pub struct Model {
@@ -176,6 +181,33 @@ impl Model {
                 Ok(())
             }
         }
+    }
+
+    /// Greedy continuation of `prompt` (token ids) with a key/value cache: up to `n` new ids,
+    /// stopping after `eos`.
+    pub fn generate(&self, prompt: &[u32], n: usize, eos: Option<u32>) -> anyhow::Result<Vec<u32>> {
+        anyhow::ensure!(!prompt.is_empty(), "an empty prompt");
+        let dev = self.vs.device();
+        let mut cache = Vec::new();
+        let mut out = Vec::new();
+        let mut ids = Tensor::from_slice(&prompt.iter().map(|t| *t as i64).collect::<Vec<_>>())
+            .to_device(dev)
+            .unsqueeze(0);
+        tch::no_grad(|| -> anyhow::Result<()> {
+            for _ in 0..n {
+                let logits = self.net.decode(&ids, &mut cache)?;
+                let next = logits.argmax(-1, false).int64_value(&[]) as u32;
+                out.push(next);
+                if Some(next) == eos {
+                    break;
+                }
+                ids = Tensor::from_slice(&[next as i64])
+                    .to_device(dev)
+                    .unsqueeze(0);
+            }
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// Sum over the batch of each sample's loss of the whole model, whatever its tensor group

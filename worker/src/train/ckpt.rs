@@ -942,10 +942,32 @@ impl Trainer {
                 return Ok(r);
             }
         }
-        if self.spec.model == ModelKind::Hf && self.spec.init == Init::Pretrained {
+        if self.pretrained() {
             return self.load_pretrained(arc, need);
         }
         Ok(Ok(()))
+    }
+
+    /// Whether a cold start with no committed checkpoint takes the model directory's weights
+    /// (`model = "hf"`, `init = "pretrained"`).
+    pub(super) fn pretrained(&self) -> bool {
+        self.spec.model == ModelKind::Hf && self.spec.init == Init::Pretrained
+    }
+
+    /// [`Trainer::load_pretrained`] of the whole model on every member (DiLoCo's and async's
+    /// replicas).
+    pub(super) fn load_pretrained_whole(
+        &mut self,
+        arc: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> anyhow::Result<Result<(), CommError>> {
+        let units = self.units();
+        let need: Vec<_> = g
+            .members
+            .iter()
+            .flat_map(|m| self.parts_of(m.rank, &[0..units]))
+            .collect();
+        self.load_pretrained(arc, &need)
     }
 
     /// Load the parameters from the model directory (`model_path`) by plan: every rank reads

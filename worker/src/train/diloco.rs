@@ -427,8 +427,9 @@ impl Diloco {
         Ok(Ok(()))
     }
 
-    /// No member holds a round's state: every member starts from the seed, or from the latest
-    /// checkpoint (its global weights, outer momentum and the round's untrained work).
+    /// No member holds a round's state: every member starts from the latest checkpoint (its
+    /// global weights, outer momentum and the round's untrained work), else from the model
+    /// directory's weights (`init = "pretrained"`), else from the seed.
     fn diloco_cold_start(
         &mut self,
         t: &mut Trainer,
@@ -448,6 +449,14 @@ impl Diloco {
             if let Err(e) = restored {
                 return Ok(Err(e));
             }
+        }
+        if t.restored_extra.is_none() && t.pretrained() {
+            // no commit: the model directory's weights, which the rounds then start from
+            if let Err(e) = t.load_pretrained_whole(comm, g)? {
+                return Ok(Err(e));
+            }
+            *self = Diloco::new(&t.params, t.spec.diloco.fragments);
+            self.holds = true;
         }
         let Some(x) = t.restored_extra.take().map(|x| x["diloco"].clone()) else {
             self.plan_round(t, g.world_size, &vec![1.0; g.world_size as usize], true);
