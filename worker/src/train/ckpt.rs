@@ -653,13 +653,17 @@ impl Trainer {
         arc: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> anyhow::Result<Result<(), CommError>> {
+        let need = self.whole_need(g);
+        self.restore(arc, &need)
+    }
+
+    /// Every member's need of the whole model (the replicas of DiLoCo and async).
+    fn whole_need(&self, g: &Generation) -> Vec<Part> {
         let units = self.units();
-        let need: Vec<_> = g
-            .members
+        g.members
             .iter()
             .flat_map(|m| self.parts_of(m.rank, &[0..units]))
-            .collect();
-        self.restore(arc, &need)
+            .collect()
     }
 
     /// Restore what `need` says each rank needs (whole tensors or regions of them) through the
@@ -961,12 +965,7 @@ impl Trainer {
         arc: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> anyhow::Result<Result<(), CommError>> {
-        let units = self.units();
-        let need: Vec<_> = g
-            .members
-            .iter()
-            .flat_map(|m| self.parts_of(m.rank, &[0..units]))
-            .collect();
+        let need = self.whole_need(g);
         self.load_pretrained(arc, &need)
     }
 
