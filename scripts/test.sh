@@ -4,7 +4,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-bash scripts/setup.sh
+bash scripts/setup.sh --tests
 # shellcheck disable=SC1091
 source "${DUCTILE_CACHE:-$HOME/.cache/ductile}/env.sh"
 cargo build --workspace --bins --locked
