@@ -387,3 +387,60 @@ pub fn generate(url: &str, prompt: &str, n: usize) -> anyhow::Result<String> {
     tok.decode(&out, true)
         .map_err(|e| anyhow::anyhow!("decoding: {e}"))
 }
+
+#[cfg(test)]
+mod stream_tests {
+    use super::*;
+    use crate::data::{Dataset, TokenHeader};
+
+    /// A job's stream must come from its model's tokenizer and stay inside its vocabulary; a
+    /// bare stream, another tokenizer's, or an id past the vocabulary is refused, naming why
+    /// (and the position).
+    #[test]
+    fn a_stream_from_another_tokenizer_or_past_the_vocabulary_is_refused() {
+        let dir = crate::model::llama_tests::fixtures().join("llama");
+        let spec = crate::model::llama_tests::spec_for(&dir, 4);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let sha = sha256_hex(&std::fs::read(dir.join("tokenizer.json")).unwrap());
+        let stream = |sha: &str, tokens: Vec<u32>, header: bool| {
+            let h = TokenHeader {
+                width: 2,
+                vocab: 300,
+                tokenizer_sha256: sha.to_string(),
+                eos: Some(0),
+                documents: 1,
+                tokens: tokens.len() as u64,
+            };
+            let bytes = if header {
+                h.encode(&tokens)
+            } else {
+                tokens
+                    .iter()
+                    .flat_map(|t| (*t as u16).to_le_bytes())
+                    .collect()
+            };
+            Dataset::from_bytes("file:///d.tok", &bytes, spec.model, 4).unwrap()
+        };
+        let ok: Vec<u32> = (0..40).map(|i| i * 7 % 300).collect();
+        check_stream(&spec, &stream(&sha, ok.clone(), true), rt.handle()).unwrap();
+        let e = check_stream(&spec, &stream(&sha, ok.clone(), false), rt.handle()).unwrap_err();
+        assert!(
+            e.to_string().contains("no header naming its tokenizer"),
+            "{e}"
+        );
+        let e = check_stream(&spec, &stream("0ther", ok.clone(), true), rt.handle()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("made by a tokenizer of SHA-256 0ther"),
+            "{e}"
+        );
+        let mut past = ok;
+        past[17] = 300;
+        let e = check_stream(&spec, &stream(&sha, past, true), rt.handle()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("token 300 at position 17 is outside the model's vocabulary of 300"),
+            "{e}"
+        );
+    }
+}
