@@ -125,24 +125,35 @@ pub async fn hf_step(model: &Path, batch: u32, ctx: u32, reports: usize) -> anyh
     Ok(())
 }
 
-/// The bytes each rank read loading `model` by plan at `layout` (tensor_parallel or
-/// pipeline_parallel 2), against the bytes it holds, from the workers' own report.
+/// The bytes each rank read loading `model` by plan at tensor_parallel 2, pipeline_parallel 2
+/// and tensor_parallel 3, against the bytes it holds, from the workers' own report (a layout the
+/// model cannot take is said so and skipped).
 pub async fn hf_load(model: &Path) -> anyhow::Result<()> {
     let dir = TempDir::new("hfload");
     let data = stream(dir.path(), model, 400)?;
-    for (name, extra) in [
-        (
-            "tp2",
-            "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\nmax_steps = 1",
-        ),
+    let hybrid = |tp: u32| {
+        format!(
+            "strategy = \"hybrid\"\ntensor_parallel = {tp}\npipeline_parallel = 1\nmax_steps = 1"
+        )
+    };
+    for (name, world, extra) in [
+        ("tp2", 2, hybrid(2)),
         (
             "pp2",
-            "strategy = \"pipeline\"\npipeline_parallel = 2\nmax_steps = 1",
+            2,
+            "strategy = \"pipeline\"\npipeline_parallel = 2\nmax_steps = 1".to_string(),
         ),
+        ("tp3", 3, hybrid(3)),
     ] {
-        let c = Cluster::start(Spec::default().agents(1, 2));
-        let spec = hf_job(2, model, &data, 4, 32, extra).replace("max_steps = 1000000\n", "");
-        c.submit(&spec);
+        let c = Cluster::start(Spec::default().agents(1, world));
+        let spec = hf_job(world, model, &data, 6, 32, &extra).replace("max_steps = 1000000\n", "");
+        let path = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&path, spec)?;
+        let (ok, _, err) = c.dctl(&["submit", path.to_str().unwrap()]);
+        if !ok {
+            println!("hf-load {name}: the model cannot take it ({})", err.trim());
+            continue;
+        }
         let done = c.wait_done("bench", Duration::from_secs(600));
         anyhow::ensure!(done.step == 1, "the job did not finish its step");
         let logs = c.logs();

@@ -70,17 +70,20 @@ impl Optimizer {
                 eps,
                 weight_decay,
             } => {
+                // PyTorch's single-tensor AdamW, in place where it can be (two temporaries
+                // of a parameter's size, not eight: the update is memory-bound)
                 let t = step as i32 + 1;
                 let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
                 let mut p = p.shallow_clone();
                 let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
-                let m = &mut self.state[2 * i];
-                let _ = m.g_mul_scalar_(beta1).g_add_(&(g * (1.0 - beta1)));
-                let m_hat = &*m / c1;
+                let _ = self.state[2 * i].lerp_(g, 1.0 - beta1);
                 let v = &mut self.state[2 * i + 1];
-                let _ = v.g_mul_scalar_(beta2).g_add_(&(g.square() * (1.0 - beta2)));
-                let v_hat = &*v / c2;
-                let _ = p.g_sub_(&(m_hat / (v_hat.sqrt() + eps) * lr));
+                let _ = v.g_mul_scalar_(beta2).addcmul_(&(g * (1.0 - beta2)), g);
+                let mut denom = v.sqrt();
+                let _ = denom.g_div_scalar_(c2.sqrt()).g_add_scalar_(eps);
+                let mut u = &self.state[2 * i] / &denom;
+                let _ = u.g_mul_scalar_(lr / c1);
+                let _ = p.g_sub_(&u);
             }
         })
     }
