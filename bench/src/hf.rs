@@ -72,18 +72,7 @@ fn stream(dir: &Path, model: &Path, n: usize) -> anyhow::Result<String> {
         .collect();
     std::fs::write(&jsonl, text.join("\n"))?;
     let out = format!("file://{}/bench.tok", dir.display());
-    let o = Command::new(bin("ductile-worker"))
-        .args(["tokenize", "--tokenizer"])
-        .arg(model)
-        .arg("--input")
-        .arg(&jsonl)
-        .args(["--out", &out])
-        .output()?;
-    anyhow::ensure!(
-        o.status.success(),
-        "tokenize: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    tokenize(model, &jsonl, &out);
     Ok(out)
 }
 

@@ -187,6 +187,16 @@ impl Bucket {
         r.bytes().await.map_err(self.err(key, "get"))
     }
 
+    /// An object's bytes, or `None` when there is no such object (any other failure is an
+    /// error, never an absence).
+    pub async fn get_if_exists(&self, key: &str) -> Result<Option<Bytes>, BucketError> {
+        match self.get(key).await {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// An object's metadata (its size).
     pub async fn head(&self, key: &str) -> Result<ObjectMeta, BucketError> {
         self.store

@@ -13,6 +13,9 @@ use std::collections::BTreeMap;
 use crate::bucket::Bucket;
 use crate::format::{ChunkEntry, Dtype, Manifest, ObjectEntry, TensorEntry, TensorKind};
 
+/// The first bytes of a weight file read at once: its length prefix and, mostly, its header.
+const HEAD_GUESS: u64 = 256 << 10;
+
 /// At most this many bytes per chunk (a tensor's rows are cut into blocks of about this size),
 /// so a rank that holds part of a tensor reads little beyond it.
 pub const CHUNK_BYTES: u64 = 1 << 20;
@@ -43,8 +46,12 @@ fn dtype_of(s: &str) -> Option<Dtype> {
 /// The safetensors files of the directory: the index's (each once, in name order) or
 /// `model.safetensors`.
 pub async fn weight_files(dir: &Bucket) -> anyhow::Result<Vec<String>> {
-    match dir.get("model.safetensors.index.json").await {
-        Ok(b) => {
+    let index = dir
+        .get_if_exists("model.safetensors.index.json")
+        .await
+        .map_err(|e| anyhow::anyhow!("{}/model.safetensors.index.json: {e}", dir.url))?;
+    match index {
+        Some(b) => {
             let v: serde_json::Value = serde_json::from_slice(&b).map_err(|e| {
                 anyhow::anyhow!("{}/model.safetensors.index.json: not JSON: {e}", dir.url)
             })?;
@@ -76,11 +83,7 @@ pub async fn weight_files(dir: &Bucket) -> anyhow::Result<Vec<String>> {
             }
             Ok(files)
         }
-        Err(e) if e.is_not_found() => Ok(vec!["model.safetensors".to_string()]),
-        Err(e) => Err(anyhow::anyhow!(
-            "{}/model.safetensors.index.json: {e}",
-            dir.url
-        )),
+        None => Ok(vec!["model.safetensors".to_string()]),
     }
 }
 
@@ -93,41 +96,37 @@ pub async fn read_header(dir: &Bucket, file: &str) -> anyhow::Result<Vec<(String
         Err(e) => anyhow::bail!("{at}: {e}"),
     };
     anyhow::ensure!(size >= 8, "{at}: {size} bytes, not a safetensors file");
+    // one GET holds the header of almost every file; a longer header takes a second
     let first = dir
-        .get_ranges(file, std::slice::from_ref(&(0..8)))
+        .get_ranges(file, std::slice::from_ref(&(0..size.min(HEAD_GUESS))))
         .await
-        .map_err(|e| anyhow::anyhow!("{at}: {e}"))?;
-    let n = u64::from_le_bytes(first[0][..8].try_into().unwrap());
+        .map_err(|e| anyhow::anyhow!("{at}: {e}"))?
+        .remove(0);
+    let n = u64::from_le_bytes(first[..8].try_into().unwrap());
     anyhow::ensure!(
         n <= 100 << 20 && 8 + n <= size,
         "{at}: a header of {n} bytes in a file of {size} (not a safetensors file, or a cut one)"
     );
-    let head = dir
-        .get_ranges(file, std::slice::from_ref(&(8..8 + n)))
-        .await
-        .map_err(|e| anyhow::anyhow!("{at}: {e}"))?;
-    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&head[0])
-        .map_err(|e| anyhow::anyhow!("{at}: the header is not JSON: {e}"))?;
+    let head = if 8 + n <= first.len() as u64 {
+        first.slice(8..8 + n as usize)
+    } else {
+        dir.get_ranges(file, std::slice::from_ref(&(8..8 + n)))
+            .await
+            .map_err(|e| anyhow::anyhow!("{at}: {e}"))?
+            .remove(0)
+    };
+    // the header as the safetensors crate reads it (dtypes, shapes, offsets typed); where the
+    // bytes lie in this file is checked here, since only the header was read
+    let meta: safetensors::tensor::Metadata = serde_json::from_slice(&head)
+        .map_err(|e| anyhow::anyhow!("{at}: not a safetensors header: {e}"))?;
     let base = 8 + n;
     let mut out = Vec::new();
-    for (name, t) in v {
-        if name == "__metadata__" {
-            continue;
-        }
+    for (name, info) in meta.tensors() {
         let bad = |why: String| anyhow::anyhow!("{at}: tensor {name}: {why}");
-        let dt = t.get("dtype").and_then(|d| d.as_str()).unwrap_or("?");
-        let dtype = dtype_of(dt).ok_or_else(|| bad(format!("dtype {dt} is not read")))?;
-        let shape: Vec<u64> = t
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<u64>>>())
-            .ok_or_else(|| bad("no shape".into()))?;
-        let offs: Vec<u64> = t
-            .get("data_offsets")
-            .and_then(|s| s.as_array())
-            .and_then(|a| a.iter().map(|d| d.as_u64()).collect::<Option<Vec<u64>>>())
-            .filter(|o| o.len() == 2)
-            .ok_or_else(|| bad("no data_offsets".into()))?;
+        let dt = format!("{:?}", info.dtype);
+        let dtype = dtype_of(&dt).ok_or_else(|| bad(format!("dtype {dt} is not read")))?;
+        let shape: Vec<u64> = info.shape.iter().map(|d| *d as u64).collect();
+        let offs = [info.data_offsets.0 as u64, info.data_offsets.1 as u64];
         let want = shape
             .iter()
             .try_fold(dtype.size(), |a, d| a.checked_mul(*d))

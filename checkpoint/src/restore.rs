@@ -154,16 +154,12 @@ pub async fn fetch_in(
     let mut by_object: BTreeMap<String, Vec<(usize, String, ChunkEntry)>> = BTreeMap::new();
     for (i, (name, k)) in chunks.iter().enumerate() {
         let c = m.tensors[name].chunks[*k].clone();
-        by_object
-            .entry(format!("{dir}/{}", c.object))
-            .or_default()
-            .push((i, name.clone(), c));
-    }
-    if dir.is_empty() {
-        by_object = by_object
-            .into_iter()
-            .map(|(k, v)| (k.trim_start_matches('/').to_string(), v))
-            .collect();
+        let key = if dir.is_empty() {
+            c.object.clone()
+        } else {
+            format!("{dir}/{}", c.object)
+        };
+        by_object.entry(key).or_default().push((i, name.clone(), c));
     }
     let parts = if bucket.is_local() {
         4 * concurrency
@@ -204,12 +200,14 @@ pub async fn fetch_in(
                 if bytes.len() != want {
                     return Err(corrupt(format!("{} bytes, expected {want}", bytes.len())));
                 }
-                let crc = if verify { crc32c(&bytes) } else { c.crc32c };
-                if crc != c.crc32c {
-                    return Err(corrupt(format!(
-                        "CRC32C mismatch in bytes {}..{}: {crc:08x}, the manifest says {:08x}",
-                        c.byte_range[0], c.byte_range[1], c.crc32c
-                    )));
+                if verify {
+                    let crc = crc32c(&bytes);
+                    if crc != c.crc32c {
+                        return Err(corrupt(format!(
+                            "CRC32C mismatch in bytes {}..{}: {crc:08x}, the manifest says {:08x}",
+                            c.byte_range[0], c.byte_range[1], c.crc32c
+                        )));
+                    }
                 }
                 out.push((i, bytes));
             }

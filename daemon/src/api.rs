@@ -309,9 +309,9 @@ async fn read_hf_config(spec: &mut JobSpec) -> ApiResult<()> {
     let refuse = |why: String| ClusterError::invalid("training.model_path", why);
     let bucket = ductile_checkpoint::Bucket::open(url.trim_end_matches('/'))
         .map_err(|e| refuse(e.to_string()))?;
-    let body = match bucket.get("config.json").await {
-        Ok(b) => b,
-        Err(e) if e.is_not_found() => {
+    let body = match bucket.get_if_exists("config.json").await {
+        Ok(Some(b)) => b,
+        Ok(None) => {
             return Err(refuse(format!(
                 "{url} has no config.json (not a Hugging Face model directory)"
             ))

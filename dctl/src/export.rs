@@ -60,7 +60,7 @@ fn place(dst: &mut [u8], full: &[u64], offsets: &[u64], shape: &[u64], e: u64, s
 }
 
 /// A whole tensor: name, safetensors dtype, shape, bytes.
-type Whole = (String, &'static str, Vec<u64>, Vec<u8>);
+type Whole = (String, safetensors::Dtype, Vec<u64>, Vec<u8>);
 
 /// The parameters of checkpoint `m`, whole, in name order.
 async fn parameters(bucket: &Bucket, m: &Manifest) -> anyhow::Result<Vec<Whole>> {
@@ -76,14 +76,14 @@ async fn parameters(bucket: &Bucket, m: &Manifest) -> anyhow::Result<Vec<Whole>>
     let got = fetch(bucket, m, &refs, 8)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut out: BTreeMap<String, (&'static str, Vec<u64>, Vec<u8>)> = BTreeMap::new();
+    let mut out: BTreeMap<String, (safetensors::Dtype, Vec<u64>, Vec<u8>)> = BTreeMap::new();
     for ((name, k), bytes) in refs.iter().zip(got) {
         let t = &m.tensors[name];
         let e = t.dtype.size();
         let dtype = match t.dtype {
-            ductile_checkpoint::format::Dtype::F32 => "F32",
-            ductile_checkpoint::format::Dtype::BF16 => "BF16",
-            ductile_checkpoint::format::Dtype::F16 => "F16",
+            ductile_checkpoint::format::Dtype::F32 => safetensors::Dtype::F32,
+            ductile_checkpoint::format::Dtype::BF16 => safetensors::Dtype::BF16,
+            ductile_checkpoint::format::Dtype::F16 => safetensors::Dtype::F16,
             other => anyhow::bail!("parameter {name} is {other:?}, not a float"),
         };
         let entry = out.entry(name.clone()).or_insert_with(|| {
@@ -96,32 +96,23 @@ async fn parameters(bucket: &Bucket, m: &Manifest) -> anyhow::Result<Vec<Whole>>
     Ok(out.into_iter().map(|(n, (d, s, b))| (n, d, s, b)).collect())
 }
 
-fn safetensors_file(tensors: &[&Whole]) -> Vec<u8> {
-    let mut header = serde_json::Map::new();
-    header.insert(
-        "__metadata__".into(),
-        serde_json::json!({"format": "pt", "written_by": "dctl export"}),
-    );
-    let mut at = 0u64;
-    for (name, dtype, shape, bytes) in tensors {
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, at + bytes.len() as u64]}),
-        );
-        at += bytes.len() as u64;
-    }
-    let mut h = serde_json::to_vec(&header).expect("a header serialises");
-    // the data starts 8-byte aligned, as the safetensors writers do
-    while !h.len().is_multiple_of(8) {
-        h.push(b' ');
-    }
-    let mut out = Vec::with_capacity(8 + h.len() + at as usize);
-    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
-    out.extend_from_slice(&h);
-    for (_, _, _, b) in tensors {
-        out.extend_from_slice(b);
-    }
-    out
+/// A safetensors file of `tensors` (the `safetensors` crate's writer, `format = pt` in its
+/// metadata, which transformers' loader asks for).
+fn safetensors_file(tensors: &[&Whole]) -> anyhow::Result<Vec<u8>> {
+    let views = tensors
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            let shape = shape.iter().map(|d| *d as usize).collect();
+            let view = safetensors::tensor::TensorView::new(*dtype, shape, bytes)
+                .map_err(|e| anyhow::anyhow!("tensor {name}: {e:?}"))?;
+            Ok((name.as_str(), view))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let meta = std::collections::HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("written_by".to_string(), "dctl export".to_string()),
+    ]);
+    safetensors::serialize(views, &Some(meta)).map_err(|e| anyhow::anyhow!("safetensors: {e:?}"))
 }
 
 /// What `dctl export` wrote: (step, files).
@@ -192,7 +183,7 @@ pub async fn export(
         size += n;
     }
     if shards.len() == 1 {
-        written.push(put("model.safetensors".into(), safetensors_file(&shards[0])).await?);
+        written.push(put("model.safetensors".into(), safetensors_file(&shards[0])?).await?);
     } else {
         let total: u64 = params.iter().map(|p| p.3.len() as u64).sum();
         let mut map = serde_json::Map::new();
@@ -202,7 +193,7 @@ pub async fn export(
             for p in s {
                 map.insert(p.0.clone(), serde_json::Value::String(name.clone()));
             }
-            written.push(put(name, safetensors_file(s)).await?);
+            written.push(put(name, safetensors_file(s)?).await?);
         }
         let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": map});
         written.push(
@@ -229,10 +220,12 @@ pub async fn export(
     let src_url = t.model_path.clone().unwrap_or_default();
     let src = Bucket::open(src_url.trim_end_matches('/'))?;
     for f in COPIED {
-        match src.get(f).await {
-            Ok(b) => written.push(put(f.to_string(), b.to_vec()).await?),
-            Err(e) if e.is_not_found() => {}
-            Err(e) => anyhow::bail!("reading {src_url}/{f}: {e}"),
+        let got = src
+            .get_if_exists(f)
+            .await
+            .map_err(|e| anyhow::anyhow!("reading {src_url}/{f}: {e}"))?;
+        if let Some(b) = got {
+            written.push(put(f.to_string(), b.to_vec()).await?);
         }
     }
     Ok((m.step, written))

@@ -1619,3 +1619,26 @@ pub fn training_toml(
         "name = \"{name}\"\nmin = {min}\nmax = {max}\ndesired = {desired}\n{extra}\n[training]\nmodel = \"{model}\"\ndataset = \"{dataset}\"\nglobal_batch = 32\nlr = 3e-3\nseed = 7\n"
     )
 }
+
+/// `ductile-worker tokenize --tokenizer MODEL --input JSONL --out OUT`: the tokens written.
+pub fn tokenize(model: &Path, jsonl: &Path, out: &str) -> u64 {
+    let o = Command::new(bin("ductile-worker"))
+        .args(["tokenize", "--tokenizer"])
+        .arg(model)
+        .arg("--input")
+        .arg(jsonl)
+        .args(["--out", out])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "tokenize: {said} {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    said.split(" tokens of")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("tokenize said {said}"))
+}

@@ -34,26 +34,7 @@ fn corpus(dir: &Path, model: &Path, docs: usize) -> (String, u64) {
     }
     std::fs::write(&jsonl, text).unwrap();
     let out = format!("file://{}/corpus.tok", dir.display());
-    let o = std::process::Command::new(bin("ductile-worker"))
-        .args(["tokenize", "--tokenizer"])
-        .arg(model)
-        .arg("--input")
-        .arg(&jsonl)
-        .args(["--out", &out])
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(
-        o.status.success(),
-        "tokenize: {said} {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let tokens: u64 = said
-        .split(" tokens of")
-        .next()
-        .and_then(|s| s.rsplit(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("tokenize said {said}"));
+    let tokens = tokenize(model, &jsonl, &out);
     (out, tokens)
 }
 
@@ -75,8 +56,6 @@ fn torch_python(script: &str, args: &[&Path]) -> String {
 /// SHA-256 of a model directory's weights as ductile hashes a job's final weights (each
 /// tensor's f32 bytes, in name order), computed by Python's safetensors.
 fn directory_weights_sha256(model: &Path) -> String {
-    let py =
-        std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh)");
     let script = r#"
 import glob, hashlib, sys
 from safetensors.numpy import load_file
@@ -88,13 +67,7 @@ for n in sorted(t):
     h.update(t[n].astype("<f4").tobytes())
 print(h.hexdigest())
 "#;
-    let o = std::process::Command::new(py)
-        .args(["-c", script])
-        .arg(model)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8(o.stdout).unwrap().trim().to_string()
+    torch_python(script, &[model]).trim().to_string()
 }
 
 fn hf_job(name: &str, desired: u32, model: &Path, data: &str, steps: u64, extra: &str) -> String {
@@ -375,15 +348,7 @@ fn smollm2_fine_tunes_at_tp3_through_a_kill_and_exports_what_transformers_loads(
     std::fs::write(&jsonl, lines.join("\n")).unwrap();
     let held_out: String = (1000..1012).map(doc).collect::<Vec<_>>().join(" ");
     let data = format!("file://{}/train.tok", dir.display());
-    let o = std::process::Command::new(bin("ductile-worker"))
-        .args(["tokenize", "--tokenizer"])
-        .arg(&model)
-        .arg("--input")
-        .arg(&jsonl)
-        .args(["--out", &data])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    tokenize(&model, &jsonl, &data);
     let ck = dir.join("ck");
     c.submit(&format!(
         "name = \"smol\"\nmin = 1\nmax = 3\ndesired = 3\nrestart_budget = 20\n[training]\nmodel = \"hf\"\nmodel_path = \"file://{}\"\ndataset = \"{data}\"\nglobal_batch = 6\nlr = 2e-4\nseed = 3\nmax_steps = 24\nstrategy = \"hybrid\"\ntensor_parallel = 3\npipeline_parallel = 1\nmodel_config = {{ ctx = 48 }}\n[checkpoint]\nurl = \"file://{}\"\ninterval = 8\nkeep = 2\n",

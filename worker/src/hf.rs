@@ -18,18 +18,27 @@ pub fn open(url: &str) -> anyhow::Result<Bucket> {
 
 /// Its `config.json`, as JSON.
 pub async fn config(dir: &Bucket) -> anyhow::Result<serde_json::Value> {
-    let b = dir.get("config.json").await.map_err(|e| {
-        if e.is_not_found() {
-            anyhow::anyhow!(
-                "{}: no config.json (not a Hugging Face model directory)",
-                dir.url
-            )
-        } else {
-            anyhow::anyhow!("{}/config.json: {e}", dir.url)
-        }
-    })?;
-    serde_json::from_slice(&b)
-        .map_err(|e| anyhow::anyhow!("{}/config.json: not JSON: {e}", dir.url))
+    config_if_exists(dir).await?.ok_or_else(|| {
+        anyhow::anyhow!(
+            "{}: no config.json (not a Hugging Face model directory)",
+            dir.url
+        )
+    })
+}
+
+/// Its `config.json`, as JSON, if it has one.
+async fn config_if_exists(dir: &Bucket) -> anyhow::Result<Option<serde_json::Value>> {
+    let at = format!("{}/config.json", dir.url);
+    match dir
+        .get_if_exists("config.json")
+        .await
+        .map_err(|e| anyhow::anyhow!("{at}: {e}"))?
+    {
+        Some(b) => Ok(Some(
+            serde_json::from_slice(&b).map_err(|e| anyhow::anyhow!("{at}: not JSON: {e}"))?,
+        )),
+        None => Ok(None),
+    }
 }
 
 /// SHA-256 of `tokenizer.json`'s bytes, hex.
@@ -42,10 +51,24 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// The directory's `tokenizer.json`, if it has one.
 pub async fn tokenizer_bytes(dir: &Bucket) -> anyhow::Result<Option<bytes::Bytes>> {
-    match dir.get("tokenizer.json").await {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.is_not_found() => Ok(None),
-        Err(e) => Err(anyhow::anyhow!("{}/tokenizer.json: {e}", dir.url)),
+    dir.get_if_exists("tokenizer.json")
+        .await
+        .map_err(|e| anyhow::anyhow!("{}/tokenizer.json: {e}", dir.url))
+}
+
+/// A `tokenizer.json`, parsed, with the SHA-256 of its bytes (what token streams record).
+pub struct TokenizerFile {
+    pub tok: tokenizers::Tokenizer,
+    pub sha256: String,
+}
+
+impl TokenizerFile {
+    pub fn from_bytes(json: &[u8]) -> anyhow::Result<TokenizerFile> {
+        Ok(TokenizerFile {
+            tok: tokenizers::Tokenizer::from_bytes(json)
+                .map_err(|e| anyhow::anyhow!("not a tokenizer.json: {e}"))?,
+            sha256: sha256_hex(json),
+        })
     }
 }
 
@@ -92,7 +115,13 @@ pub fn check_stream(
     data: &crate::data::Dataset,
     rt: &tokio::runtime::Handle,
 ) -> anyhow::Result<()> {
-    let crate::data::Dataset::Tokens { tokens, header, .. } = data else {
+    let crate::data::Dataset::Tokens {
+        tokens,
+        header,
+        vocab: seen,
+        ..
+    } = data
+    else {
         anyhow::bail!(
             "dataset {}: a Hugging Face model trains on tokens",
             spec.dataset
@@ -116,7 +145,13 @@ pub fn check_stream(
             h.tokenizer_sha256
         );
     }
-    if let Some(p) = tokens.iter().position(|t| *t as u64 >= vocab) {
+    // the stream's largest id is known from its opening: only a stream past the vocabulary is
+    // walked again, for the first offending position
+    if *seen as u64 > vocab {
+        let p = tokens
+            .iter()
+            .position(|t| *t as u64 >= vocab)
+            .expect("an id past the vocabulary");
         anyhow::bail!(
             "dataset {}: token {} at position {p} is outside the model's vocabulary of {vocab} (config.json's vocab_size)",
             spec.dataset,
@@ -126,10 +161,10 @@ pub fn check_stream(
     Ok(())
 }
 
-/// `tokenizer.json`'s bytes from `url`: a `tokenizer.json` (file:// or s3://, or a local path),
-/// or a model directory holding one; with the directory's `config.json` when there is one (its
+/// The tokenizer at `url`: a `tokenizer.json` (file:// or s3://, or a local path), or a model
+/// directory holding one; with the directory's `config.json` when there is one (its
 /// `eos_token_id`).
-pub async fn tokenizer_at(url: &str) -> anyhow::Result<(bytes::Bytes, Option<serde_json::Value>)> {
+pub async fn tokenizer_at(url: &str) -> anyhow::Result<(TokenizerFile, Option<serde_json::Value>)> {
     let url = if url.contains("://") {
         url.to_string()
     } else {
@@ -137,21 +172,18 @@ pub async fn tokenizer_at(url: &str) -> anyhow::Result<(bytes::Bytes, Option<ser
         format!("file://{}", p.display())
     };
     let url = url.trim_end_matches('/');
-    if let Some(dir) = url.strip_suffix("/tokenizer.json") {
-        let b = open(dir)?;
-        let tok = b
-            .get("tokenizer.json")
-            .await
-            .map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
-        return Ok((tok, None));
-    }
-    let dir = open(url)?;
-    let tok = tokenizer_bytes(&dir)
+    let (dir, is_file) = match url.strip_suffix("/tokenizer.json") {
+        Some(d) => (open(d)?, true),
+        None => (open(url)?, false),
+    };
+    let bytes = tokenizer_bytes(&dir)
         .await?
         .ok_or_else(|| anyhow::anyhow!("{url}: no tokenizer.json there"))?;
-    let config = match dir.get("config.json").await {
-        Ok(b) => serde_json::from_slice(&b).ok(),
-        Err(_) => None,
+    let tok = TokenizerFile::from_bytes(&bytes).map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+    let config = if is_file {
+        None
+    } else {
+        config_if_exists(&dir).await?
     };
     Ok((tok, config))
 }
@@ -165,12 +197,11 @@ pub struct Tokenized {
 /// Encode documents with a `tokenizer.json` (no special tokens added; `eos` appended after
 /// each document), reporting progress on stderr for long inputs.
 pub fn tokenize(
-    tokenizer_json: &[u8],
+    t: &TokenizerFile,
     eos: Option<u32>,
     documents: impl Iterator<Item = anyhow::Result<String>>,
 ) -> anyhow::Result<Tokenized> {
-    let tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-        .map_err(|e| anyhow::anyhow!("not a tokenizer.json: {e}"))?;
+    let tok = &t.tok;
     let vocab = tok.get_vocab_size(true) as u64;
     let mut tokens: Vec<u32> = Vec::new();
     let (mut docs, mut chars, mut reported) = (0u64, 0u64, 0u64);
@@ -199,7 +230,7 @@ pub fn tokenize(
     let header = crate::data::TokenHeader {
         width: if vocab <= 1 << 16 { 2 } else { 4 },
         vocab,
-        tokenizer_sha256: sha256_hex(tokenizer_json),
+        tokenizer_sha256: t.sha256.clone(),
         eos,
         documents: docs,
         tokens: tokens.len() as u64,
@@ -210,12 +241,10 @@ pub fn tokenize(
 /// The end-of-sequence id: `--eos` (a token or an id), else config.json's `eos_token_id`, else
 /// the tokenizer's own end-of-text special token.
 pub fn eos_of(
-    tokenizer_json: &[u8],
+    tok: &tokenizers::Tokenizer,
     config: Option<&serde_json::Value>,
     given: Option<&str>,
 ) -> anyhow::Result<Option<u32>> {
-    let tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-        .map_err(|e| anyhow::anyhow!("not a tokenizer.json: {e}"))?;
     if let Some(g) = given {
         if let Ok(id) = g.parse::<u32>() {
             return Ok(Some(id));
@@ -292,42 +321,6 @@ pub fn documents<'a>(
     )
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The `tokenizers` crate reading the fixture's tokenizer.json gives the ids Python's
-    /// `tokenizers` gave for the same text, and the stream round-trips through its header.
-    #[test]
-    fn tokenize_gives_pythons_ids_and_a_stream_that_reads_back() {
-        let dir = crate::model::llama_tests::fixtures();
-        let tok = std::fs::read(dir.join("tokenizer.json")).unwrap();
-        let want: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("tokenized.json")).unwrap()).unwrap();
-        let text = want["text"].as_str().unwrap().to_string();
-        let ids: Vec<u32> = want["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_u64().unwrap() as u32)
-            .collect();
-        let t = tokenize(&tok, Some(0), [Ok(text.clone()), Ok(text)].into_iter()).unwrap();
-        let mut expect = ids.clone();
-        expect.push(0);
-        expect.extend(&ids);
-        expect.push(0);
-        assert_eq!(t.tokens, expect);
-        assert_eq!((t.header.width, t.header.documents), (2, 2));
-        let bytes = t.header.encode(&t.tokens);
-        let (h, back) = crate::data::TokenHeader::decode("t", &bytes)
-            .unwrap()
-            .unwrap();
-        assert_eq!((h, back), (t.header.clone(), t.tokens.clone()));
-        let e = crate::data::TokenHeader::decode("t", &bytes[..bytes.len() - 2]).unwrap_err();
-        assert!(e.to_string().contains("the header says"), "{e}");
-    }
-}
-
 /// A model directory (or an exported checkpoint) loaded whole on the CPU: the model with its
 /// weights, its checked config, and its tokenizer when it has one.
 pub fn load_whole(
@@ -365,8 +358,9 @@ pub fn load_whole(
     }
     let tok = match rt.block_on(tokenizer_bytes(&dir))? {
         Some(b) => Some(
-            tokenizers::Tokenizer::from_bytes(&b)
-                .map_err(|e| anyhow::anyhow!("{url}/tokenizer.json: {e}"))?,
+            TokenizerFile::from_bytes(&b)
+                .map_err(|e| anyhow::anyhow!("{url}/tokenizer.json: {e}"))?
+                .tok,
         ),
         None => None,
     };
@@ -442,5 +436,42 @@ mod stream_tests {
                 .contains("token 300 at position 17 is outside the model's vocabulary of 300"),
             "{e}"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `tokenizers` crate reading the fixture's tokenizer.json gives the ids Python's
+    /// `tokenizers` gave for the same text, and the stream round-trips through its header.
+    #[test]
+    fn tokenize_gives_pythons_ids_and_a_stream_that_reads_back() {
+        let dir = crate::model::llama_tests::fixtures();
+        let tok =
+            TokenizerFile::from_bytes(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+        let want: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tokenized.json")).unwrap()).unwrap();
+        let text = want["text"].as_str().unwrap().to_string();
+        let ids: Vec<u32> = want["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect();
+        let t = tokenize(&tok, Some(0), [Ok(text.clone()), Ok(text)].into_iter()).unwrap();
+        let mut expect = ids.clone();
+        expect.push(0);
+        expect.extend(&ids);
+        expect.push(0);
+        assert_eq!(t.tokens, expect);
+        assert_eq!((t.header.width, t.header.documents), (2, 2));
+        let bytes = t.header.encode(&t.tokens);
+        let (h, back) = crate::data::TokenHeader::decode("t", &bytes)
+            .unwrap()
+            .unwrap();
+        assert_eq!((h, back), (t.header.clone(), t.tokens.clone()));
+        let e = crate::data::TokenHeader::decode("t", &bytes[..bytes.len() - 2]).unwrap_err();
+        assert!(e.to_string().contains("the header says"), "{e}");
     }
 }

@@ -248,7 +248,7 @@ fn tokenize(
     use ductile_worker::hf;
     let rt = tokio::runtime::Runtime::new()?;
     let (tok, config) = rt.block_on(hf::tokenizer_at(tokenizer))?;
-    let eos = hf::eos_of(&tok, config.as_ref(), eos)?;
+    let eos = hf::eos_of(&tok.tok, config.as_ref(), eos)?;
     let t = hf::tokenize(&tok, eos, hf::documents(input, field))?;
     let bytes = t.header.encode(&t.tokens);
     let (dir, name) = out

@@ -50,9 +50,36 @@ fn rms(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     w * (x * (var + eps).rsqrt())
 }
 
-fn rotate_half(x: &Tensor) -> Tensor {
+/// `x` (`[b, heads, t, head_dim]`) rotated by the angles' `cos` and `sin` (`[t, head_dim]`),
+/// rotate-half style.
+fn rope_apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let half = x.size()[x.dim() - 1] / 2;
-    Tensor::cat(&[-x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1)
+    let rotated = Tensor::cat(&[-x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1);
+    x * cos + rotated * sin
+}
+
+/// `[b, t, width]` as heads of `hd`: `[b, width / hd, t, hd]`.
+fn split_heads(x: &Tensor, hd: i64) -> Tensor {
+    let (b, t, w) = x.size3().unwrap();
+    x.view([b, t, w / hd, hd]).transpose(1, 2)
+}
+
+/// Scaled dot-product attention of `q` over `k`, `v` (each KV head shared by `rep` query
+/// heads), causal or not: the heads' outputs merged, `[b, t, heads · hd]`.
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, rep: i64, causal: bool) -> Tensor {
+    let (b, h, t, hd) = q.size4().unwrap();
+    let (k, v) = if rep > 1 {
+        (
+            k.repeat_interleave_self_int(rep, 1, None),
+            v.repeat_interleave_self_int(rep, 1, None),
+        )
+    } else {
+        (k.shallow_clone(), v.shallow_clone())
+    };
+    Tensor::scaled_dot_product_attention::<Tensor>(q, &k, &v, None, 0.0, causal, None, false)
+        .transpose(1, 2)
+        .contiguous()
+        .view([b, t, h * hd])
 }
 
 impl Llama {
@@ -122,6 +149,14 @@ impl Llama {
         }
     }
 
+    /// The head's weight: `lm_head`'s, or the tied embedding's.
+    fn head_weight(&self) -> &Tensor {
+        match &self.lm_head {
+            Some(l) => &l.ws,
+            None => &self.embed.ws,
+        }
+    }
+
     /// cos and sin of the rotary angles at positions `0..t`, `[t, head_dim]`.
     fn rope(&self, t: i64, device: tch::Device) -> (Tensor, Tensor) {
         let pos = Tensor::arange(t, (Kind::Float, device));
@@ -151,26 +186,9 @@ impl Llama {
             .zip(&ks)
             .zip(&vs)
             .map(|((q, k), v)| {
-                let (b, t, wq) = q.size3().unwrap();
-                let heads = |x: &Tensor, w: i64| x.view([b, t, w / hd, hd]).transpose(1, 2);
-                let wkv = k.size()[2];
-                let (q, k, v) = (heads(q, wq), heads(k, wkv), heads(v, wkv));
-                let q = &q * cos + rotate_half(&q) * sin;
-                let k = &k * cos + rotate_half(&k) * sin;
-                let (k, v) = if rep > 1 {
-                    (
-                        k.repeat_interleave_self_int(rep, 1, None),
-                        v.repeat_interleave_self_int(rep, 1, None),
-                    )
-                } else {
-                    (k, v)
-                };
-                Tensor::scaled_dot_product_attention::<Tensor>(
-                    &q, &k, &v, None, 0.0, true, None, false,
-                )
-                .transpose(1, 2)
-                .contiguous()
-                .view([b, t, wq])
+                let q = rope_apply(&split_heads(q, hd), cos, sin);
+                let k = rope_apply(&split_heads(k, hd), cos, sin);
+                attend(&q, &k, &split_heads(v, hd), rep, true)
             })
             .collect();
         let y = p.row(&l.o, &ys, c.n_head * hd)?;
@@ -232,11 +250,8 @@ impl Network for Llama {
                 let (cos, sin) = rope.get_or_insert_with(|| self.rope(t, h.device()));
                 h = self.layer(&self.layers[u - 1], &h, cos, sin, p)?;
             } else {
-                let w = match &self.lm_head {
-                    Some(l) => &l.ws,
-                    None => &self.embed.ws,
-                };
-                h = p.head(w, &rms(&h, &self.norm, self.c.norm_eps), self.c.vocab);
+                let x = rms(&h, &self.norm, self.c.norm_eps);
+                h = p.head(self.head_weight(), &x, self.c.vocab);
             }
         }
         Ok(h)
@@ -269,55 +284,26 @@ impl Network for Llama {
         let mut h = self.embed.ws.index_select(0, &ids.view([-1])).unsqueeze(0);
         for (i, l) in self.layers.iter().enumerate() {
             let a = rms(&h, &l.input_layernorm, eps);
-            let heads = |x: Tensor| x.view([1, t, -1, hd]).transpose(1, 2);
-            let (q, k, v) = (
-                heads(a.apply(&l.q)),
-                heads(a.apply(&l.k)),
-                heads(a.apply(&l.v)),
-            );
-            let q = &q * &cos + rotate_half(&q) * &sin;
-            let k = &k * &cos + rotate_half(&k) * &sin;
+            let q = rope_apply(&split_heads(&a.apply(&l.q), hd), &cos, &sin);
+            let k = rope_apply(&split_heads(&a.apply(&l.k), hd), &cos, &sin);
+            let v = split_heads(&a.apply(&l.v), hd);
             let (k, v) = match cache.get(i) {
                 Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2), Tensor::cat(&[pv, &v], 2)),
                 None => (k, v),
             };
+            let y = attend(&q, &k, &v, rep, t > 1);
             if i < cache.len() {
-                cache[i] = (k.shallow_clone(), v.shallow_clone());
+                cache[i] = (k, v);
             } else {
-                cache.push((k.shallow_clone(), v.shallow_clone()));
+                cache.push((k, v));
             }
-            let (k, v) = if rep > 1 {
-                (
-                    k.repeat_interleave_self_int(rep, 1, None),
-                    v.repeat_interleave_self_int(rep, 1, None),
-                )
-            } else {
-                (k, v)
-            };
-            // the prompt attends causally; a new token attends to everything before it
-            let y = Tensor::scaled_dot_product_attention::<Tensor>(
-                &q,
-                &k,
-                &v,
-                None,
-                0.0,
-                t > 1,
-                None,
-                false,
-            )
-            .transpose(1, 2)
-            .contiguous()
-            .view([1, t, c.n_head * hd]);
+            // (the prompt attends causally; a new token to everything before it)
             let x1 = h + y.apply(&l.o);
             let m = rms(&x1, &l.post_attention_layernorm, eps);
             h = &x1 + (m.apply(&l.gate).silu() * m.apply(&l.up)).apply(&l.down);
         }
         let last = rms(&h.narrow(1, t - 1, 1), &self.norm, eps);
-        let w = match &self.lm_head {
-            Some(l) => &l.ws,
-            None => &self.embed.ws,
-        };
-        Ok(last.matmul(&w.tr()).view([-1]))
+        Ok(last.matmul(&self.head_weight().tr()).view([-1]))
     }
 
     fn check_tp(&self, tp: u32) -> Result<(), String> {
@@ -336,9 +322,8 @@ pub(crate) mod tests {
     use std::path::PathBuf;
 
     use ductile_cluster::records::TrainingSpec;
-    use tch::{Device, Tensor};
+    use tch::Tensor;
 
-    use crate::data::Dataset;
     use crate::model::{Model, Tape};
     use crate::SEEDED;
 
@@ -362,33 +347,12 @@ pub(crate) mod tests {
         .unwrap()
     }
 
-    pub(crate) fn tokens(ctx: usize, vocab: usize) -> Dataset {
-        Dataset::Tokens {
-            tokens: Vec::new(),
-            ctx,
-            vocab,
-            header: None,
-        }
-    }
-
     /// The fixture's model with its weights, and its reference tensors.
     pub(crate) fn load(name: &str) -> (Model, safetensors_owned::Reference) {
         let dir = fixtures().join(name);
-        let spec = spec_for(&dir, 16);
-        let m = Model::new(&spec, &tokens(16, 300), Device::Cpu).unwrap();
         let rt = tokio::runtime::Runtime::new().unwrap();
-        let wanted: Vec<(String, Vec<u64>)> = m
-            .params()
-            .iter()
-            .map(|(n, p)| (n.clone(), p.size().iter().map(|d| *d as u64).collect()))
-            .collect();
-        let bucket = crate::hf::open(&format!("file://{}", dir.display())).unwrap();
-        let w = rt
-            .block_on(crate::hf::read_whole(&bucket, &wanted))
-            .unwrap();
-        for (n, mut p) in m.params() {
-            tch::no_grad(|| p.copy_(&w[&n]));
-        }
+        let (m, _, _) =
+            crate::hf::load_whole(&format!("file://{}", dir.display()), rt.handle()).unwrap();
         (
             m,
             safetensors_owned::read(&dir.join("reference.safetensors")),

@@ -718,8 +718,7 @@ impl Trainer {
         }
         if candidates.is_empty() {
             if rank == 0 {
-                let from = if self.spec.model == ModelKind::Hf && self.spec.init == Init::Pretrained
-                {
+                let from = if self.pretrained() {
                     "the model directory's weights"
                 } else {
                     "the seed"
