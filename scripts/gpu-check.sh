@@ -25,6 +25,9 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 log() { printf '\n[gpu-check] %s\n' "$*"; }
 fail() { printf '\n[gpu-check] FAILED: %s\n' "$*" >&2; exit 1; }
+# GPU_CHECK_STEPS="2 6" runs only those steps (5 needs 3's checkpoint), to rerun what failed
+steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6} "
+want() { [[ "$steps" == *" $1 "* ]]; }
 
 if [ "${1:-}" = pack ]; then
   bash scripts/setup.sh
@@ -41,6 +44,23 @@ if [ "${1:-}" = pack ]; then
     strip -o "gpu-bin/stage/$b" "$dir/$b"
   done
   cp "$(command -v etcd)" gpu-bin/stage/etcd
+  # step 6's model: the transformers Llama fixture (setup.sh --tests makes it) and the sha256 of
+  # its weights as final_weights_sha256 computes it (names sorted, little-endian f32)
+  if [ -n "${DUCTILE_HF_FIXTURES:-}" ] && [ -n "${DUCTILE_TORCH_PYTHON:-}" ]; then
+    cp -r "$DUCTILE_HF_FIXTURES/llama" gpu-bin/stage/hf-llama
+    "$DUCTILE_TORCH_PYTHON" -c '
+import glob, hashlib, sys
+from safetensors.numpy import load_file
+t = {}
+for f in sorted(glob.glob(sys.argv[1] + "/model*.safetensors")):
+    t.update(load_file(f))
+h = hashlib.sha256()
+for n in sorted(t):
+    h.update(t[n].astype("<f4").tobytes())
+print(h.hexdigest())' gpu-bin/stage/hf-llama >gpu-bin/stage/hf-llama.sha256
+  else
+    echo "no Hugging Face fixture (run scripts/setup.sh --tests): step 6 will be skipped" >&2
+  fi
   tar czf gpu-bin/ductile-gpu.tar.gz -C gpu-bin/stage .
   rm -rf gpu-bin/stage
   ls -la gpu-bin
@@ -88,10 +108,13 @@ wait_for() {
 }
 field() { dctl status "$job" --json | py "import json,sys; v=json.load(sys.stdin); print($1)"; }
 
+if want 1; then
 log "1. NCCL: the conformance suite on CUDA tensors (world 1: what needs two ranks runs on TCP in CI) and figures (ductile-bench nccl)"
 ductile-bench nccl | tee "$work/nccl.txt"
 grep -q "conformance suite on CUDA tensors (world 1" "$work/nccl.txt" || fail "the NCCL conformance suite did not pass"
 grep -q "pinned host staging), self-test: ok" "$work/nccl.txt" || fail "the TCP staging self-test did not pass"
+
+fi
 
 etcd_port=$(free_port); peer_port=$(free_port); api_port=$(free_port)
 etcd_url="http://127.0.0.1:$etcd_port"
@@ -115,6 +138,7 @@ start_agent() { # NAME EXTRA...
 }
 ductile-worker synth-data --kind tokens --out "file://$work/tokens.bin" --seed 7 --size 400000 >/dev/null
 
+if want 2; then
 log "2. a GPT on cuda:0 with NCCL (world 1): SIGKILL its worker, recover, finish"
 start_agent gpu-a --gpus 0
 sleep 1
@@ -195,11 +219,8 @@ inner_steps = 10" "pipe1|strategy = \"pipeline\""; do
   [ "$backend" = nccl ] || fail "auto chose $backend for $job on a GPU of its own"
 done
 kill -TERM "${agent_pid[gpu-a]}"; sleep 3
+fi
 
-log "3. three workers sharing the GPU over TCP (deterministic): kill, shrink, grow back, checkpoint; bitwise equal to an uninterrupted run"
-start_agent gpu-b --gpus 0 --gpu-slots-per-device 3
-sleep 1
-dctl nodes
 # a deterministic GPT job: NAME MIN MAX STEPS CHECKPOINT-DIR INTERVAL KEEP
 det_job() {
   cat >"$work/$1.toml" <<JOB
@@ -225,6 +246,11 @@ keep = $7
 JOB
   dctl submit "$work/$1.toml"
 }
+if want 3; then
+log "3. three workers sharing the GPU over TCP (deterministic): kill, shrink, grow back, checkpoint; bitwise equal to an uninterrupted run"
+start_agent gpu-b --gpus 0 --gpu-slots-per-device 3
+sleep 1
+dctl nodes
 job=ref
 det_job ref 1 3 200 ckpt-ref 40 2
 wait_for 300 "reference job succeeded" "v['state'] == 'Succeeded'"
@@ -249,10 +275,15 @@ echo "elastic run (killed, shrank, grew back): final weights sha256 $el_sha"
 [ -n "$ref_sha" ] && [ "$ref_sha" = "$el_sha" ] || fail "weights differ: $ref_sha vs $el_sha"
 echo "bitwise equal: yes"
 kill -TERM "${agent_pid[gpu-b]}"; sleep 3
+fi
 
+if want 4; then
 log "4. figures: ductile-bench gpu-step"
 ductile-bench gpu-step | tee "$work/gpu-step.txt"
+fi
 
+if want 5; then
+want 3 || fail "step 5 restores step 3's checkpoint: run 3 with it"
 log "5. another device kind and size: the GPU job's checkpoint restores on 2 CPU workers, and theirs back on the GPU"
 start_agent cpu-c --gpus off --cpu-slots 2
 start_agent gpu-d --gpus 0
@@ -271,4 +302,105 @@ det_job ongpu 1 1 240 ckpt-elastic 20 5
 wait_for 240 "the GPU job restored the CPU checkpoint and finished" "v['state'] == 'Succeeded'"
 grep -q "at step 220 " "$work/agent-gpu-d.log" || fail "the GPU worker did not start from the CPU job's step 220"
 echo "cross-device restore: GPU step 200 -> 2 CPU workers -> step 220 -> 1 GPU worker -> step 240: ok"
+kill -TERM "${agent_pid[cpu-c]}" "${agent_pid[gpu-d]}"; sleep 3
+fi
+
+if want 6; then
+log "6. a Hugging Face Llama (the transformers fixture: GQA, Llama 3.1 RoPE, 16 weight files) on cuda:0: loaded by plan, NCCL world 1 with a kill, tensor parallel 2 over TCP on two slots of the GPU with a kill; bitwise equal across layouts; exported"
+model="$bin/hf-llama"
+[ -f "$model/config.json" ] || fail "no $model: pack where scripts/setup.sh --tests made the Hugging Face fixtures"
+py "
+import json
+words = 'elastic training keeps going when a node dies Madrid Spain capital the of is step sample'.split()
+with open('$work/hf.jsonl', 'w') as f:
+    for i in range(600):
+        f.write(json.dumps({'text': ' '.join(words[(i * 7 + k * k * 3 + k) % len(words)] for k in range(12)) + f' {i}.'}) + '\\n')
+"
+ductile-worker tokenize --tokenizer "file://$model" --input "$work/hf.jsonl" --out "file://$work/hf.tok"
+# NAME MIN DESIRED STEPS LR EXTRA-TRAINING-LINES: a deterministic job on the fixture
+hf_job() {
+  cat >"$work/$1.toml" <<JOB
+name = "$1"
+min = $2
+max = $3
+desired = $3
+restart_budget = 5
+[training]
+model = "hf"
+model_path = "file://$model"
+init = "pretrained"
+dataset = "file://$work/hf.tok"
+global_batch = 32
+lr = $5
+seed = 7
+max_steps = $4
+model_config = { ctx = 16 }
+deterministic = true
+logical_shards = 4
+tensor_slices = 2
+$6
+[checkpoint]
+url = "file://$work/ckpt-$1"
+interval = 10
+keep = 2
+JOB
+  dctl submit "$work/$1.toml"
+}
+start_agent hf-a --gpus 0
+sleep 1
+job=hffrozen
+hf_job hffrozen 1 1 3 1e-30 'comm = "nccl"'
+wait_for 180 "job hffrozen succeeded" "v['state'] == 'Succeeded'"
+frozen_sha=$(field "v.get('final_weights_sha256')")
+echo "loaded by plan on cuda:0, 3 steps at lr 1e-30: sha256 $frozen_sha, the directory's $(cat "$model.sha256")"
+[ "$frozen_sha" = "$(cat "$model.sha256")" ] || fail "the weights loaded on the GPU are not the directory's"
+job=hfnccl
+hf_job hfnccl 1 1 80 3e-3 'comm = "nccl"'
+wait_for 180 "job hfnccl past step 20 on the GPU" "v['step'] >= 20 and v['state'] == 'Running'"
+victim=$(field "v['members'][0]['pid']")
+echo "SIGKILL worker $victim at step $(field "v['step']"), loss $(field "v.get('loss')")"
+kill -9 "$victim"
+wait_for 300 "job hfnccl succeeded" "v['state'] == 'Succeeded'"
+backend=$(dctl events "$job" --json | tail -1 | py "import json,sys; print(json.loads(sys.stdin.read()).get('backend'))")
+nccl_sha=$(field "v.get('final_weights_sha256')")
+echo "hfnccl: backend $backend, final loss $(field "v.get('loss')"), eval_loss $(field "v.get('eval_loss')"), final sha256 $nccl_sha"
+[ "$backend" = nccl ] || fail "hfnccl ran on $backend"
+dctl export hfnccl --out "file://$work/hf-export"
+ls -la "$work/hf-export"
+if python3 -c 'import safetensors' 2>/dev/null; then
+  export_sha=$(python3 -c '
+import glob, hashlib, sys
+from safetensors.torch import load_file
+t = {}
+for f in sorted(glob.glob(sys.argv[1] + "/model*.safetensors")):
+    t.update(load_file(f))
+h = hashlib.sha256()
+for n in sorted(t):
+    h.update(t[n].float().contiguous().numpy().astype("<f4").tobytes())
+print(h.hexdigest())' "$work/hf-export")
+  echo "export: sha256 $export_sha"
+  [ "$export_sha" = "$nccl_sha" ] || fail "the export is not the trained weights"
+else
+  echo "export: python3 here has no safetensors module: weights not compared"
+fi
+kill -TERM "${agent_pid[hf-a]}"; sleep 3
+start_agent hf-b --gpus 0 --gpu-slots-per-device 2
+sleep 1
+job=hftp
+hf_job hftp 2 2 80 3e-3 'strategy = "hybrid"
+tensor_parallel = 2
+pipeline_parallel = 1'
+wait_for 180 "job hftp at world 2 past step 20" "v['world_size'] == 2 and v['step'] >= 20"
+echo "hftp: layout $(field "v.get('layout')"), backend $(dctl events "$job" --json | tail -1 | py "import json,sys; print(json.loads(sys.stdin.read()).get('backend'))")"
+victim=$(field "v['members'][1]['pid']")
+echo "SIGKILL worker $victim (tensor rank 1) at step $(field "v['step']")"
+kill -9 "$victim"
+wait_for 300 "job hftp succeeded" "v['state'] == 'Succeeded'"
+tp_sha=$(field "v.get('final_weights_sha256')")
+dctl events hftp | tail -4
+echo "hftp (dp1xtp2 over TCP, killed): final loss $(field "v.get('loss')"), sha256 $tp_sha; hfnccl (world 1, NCCL, killed): $nccl_sha"
+[ "$tp_sha" = "$nccl_sha" ] || fail "the Llama's weights differ between tensor parallel 2 and world 1 on the GPU"
+echo "bitwise equal across layouts on cuda:0: yes"
+kill -TERM "${agent_pid[hf-b]}"; sleep 3
+fi
 log "all GPU checks passed"
