@@ -14,7 +14,10 @@
 #        DiLoCo job and a pipeline job with comm = "auto", which must pick NCCL and finish;
 #     3. three workers sharing the GPU over TCP (deterministic): one is killed, the job shrinks,
 #        grows back, checkpoints, and ends bitwise equal to an uninterrupted run;
-#     4. ductile-bench gpu-step: the elastic CUDA step against a bare tch loop, checkpoint stall.
+#     4. ductile-bench gpu-step: the elastic CUDA step against a bare tch loop, checkpoint stall;
+#     5. a checkpoint restored across device kinds and sizes (GPU -> 2 CPU workers -> GPU);
+#     6. Hugging Face Llama and GPT-2 fixtures on cuda:0 (NCCL, and TP 2 over TCP), bitwise
+#        equal across layouts through kills, exported. GPU_CHECK_STEPS="6" runs only step 6.
 #   It exits non-zero on any failure.
 #
 # Environment: TORCH_LIB (default: the torch/lib of `python3 -c 'import torch'`), DUCTILE_BIN_DIR
@@ -44,10 +47,11 @@ if [ "${1:-}" = pack ]; then
     strip -o "gpu-bin/stage/$b" "$dir/$b"
   done
   cp "$(command -v etcd)" gpu-bin/stage/etcd
-  # step 6's model: the transformers Llama fixture (setup.sh --tests makes it) and the sha256 of
-  # its weights as final_weights_sha256 computes it (names sorted, little-endian f32)
+  # step 6's models: the transformers Llama and GPT-2 fixtures (setup.sh --tests makes them), and
+  # the sha256 of the Llama's weights as final_weights_sha256 computes it (names sorted, f32 LE)
   if [ -n "${DUCTILE_HF_FIXTURES:-}" ] && [ -n "${DUCTILE_TORCH_PYTHON:-}" ]; then
     cp -r "$DUCTILE_HF_FIXTURES/llama" gpu-bin/stage/hf-llama
+    cp -r "$DUCTILE_HF_FIXTURES/gpt2" gpu-bin/stage/hf-gpt2
     "$DUCTILE_TORCH_PYTHON" -c '
 import glob, hashlib, sys
 from safetensors.numpy import load_file
@@ -306,9 +310,7 @@ kill -TERM "${agent_pid[cpu-c]}" "${agent_pid[gpu-d]}"; sleep 3
 fi
 
 if want 6; then
-log "6. a Hugging Face Llama (the transformers fixture: GQA, Llama 3.1 RoPE, 16 weight files) on cuda:0: loaded by plan, NCCL world 1 with a kill, tensor parallel 2 over TCP on two slots of the GPU with a kill; bitwise equal across layouts; exported"
-model="$bin/hf-llama"
-[ -f "$model/config.json" ] || fail "no $model: pack where scripts/setup.sh --tests made the Hugging Face fixtures"
+log "6. Hugging Face models (the transformers fixtures: a Llama with GQA, Llama 3.1 RoPE and 16 weight files; a GPT-2 with Conv1D weights in the Hub's legacy names) on cuda:0: loaded by plan, NCCL world 1 with a kill, tensor parallel 2 over TCP on two slots of the GPU with a kill; bitwise equal across layouts; exported"
 py "
 import json
 words = 'elastic training keeps going when a node dies Madrid Spain capital the of is step sample'.split()
@@ -316,8 +318,7 @@ with open('$work/hf.jsonl', 'w') as f:
     for i in range(600):
         f.write(json.dumps({'text': ' '.join(words[(i * 7 + k * k * 3 + k) % len(words)] for k in range(12)) + f' {i}.'}) + '\\n')
 "
-ductile-worker tokenize --tokenizer "file://$model" --input "$work/hf.jsonl" --out "file://$work/hf.tok"
-# NAME MIN DESIRED STEPS LR EXTRA-TRAINING-LINES: a deterministic job on the fixture
+# NAME MIN DESIRED STEPS LR EXTRA-TRAINING-LINES: a deterministic job on the fixture $model
 hf_job() {
   cat >"$work/$1.toml" <<JOB
 name = "$1"
@@ -329,12 +330,12 @@ restart_budget = 5
 model = "hf"
 model_path = "file://$model"
 init = "pretrained"
-dataset = "file://$work/hf.tok"
+dataset = "file://$work/$fx.tok"
 global_batch = 32
 lr = $5
 seed = 7
 max_steps = $4
-model_config = { ctx = 16 }
+model_config = { ctx = 16$model_extra }
 deterministic = true
 logical_shards = 4
 tensor_slices = 2
@@ -346,27 +347,36 @@ keep = 2
 JOB
   dctl submit "$work/$1.toml"
 }
-start_agent hf-a --gpus 0
+for fx in llama gpt2; do
+model="$bin/hf-$fx"
+[ -f "$model/config.json" ] || fail "no $model: pack where scripts/setup.sh --tests made the Hugging Face fixtures"
+# GPT-2's config.json asks for dropout, which ductile trains without when the job says so
+model_extra=$([ "$fx" = gpt2 ] && echo ', dropout = "off"' || true)
+echo "--- $fx"
+ductile-worker tokenize --tokenizer "file://$model" --input "$work/hf.jsonl" --out "file://$work/$fx.tok"
+start_agent "hf-a-$fx" --gpus 0
 sleep 1
-job=hffrozen
-hf_job hffrozen 1 1 3 1e-30 'comm = "nccl"'
-wait_for 180 "job hffrozen succeeded" "v['state'] == 'Succeeded'"
-frozen_sha=$(field "v.get('final_weights_sha256')")
-echo "loaded by plan on cuda:0, 3 steps at lr 1e-30: sha256 $frozen_sha, the directory's $(cat "$model.sha256")"
-[ "$frozen_sha" = "$(cat "$model.sha256")" ] || fail "the weights loaded on the GPU are not the directory's"
-job=hfnccl
-hf_job hfnccl 1 1 80 3e-3 'comm = "nccl"'
-wait_for 180 "job hfnccl past step 20 on the GPU" "v['step'] >= 20 and v['state'] == 'Running'"
+if [ -f "$model.sha256" ]; then
+  job=${fx}frozen
+  hf_job "$job" 1 1 3 1e-30 'comm = "nccl"'
+  wait_for 180 "job $job succeeded" "v['state'] == 'Succeeded'"
+  frozen_sha=$(field "v.get('final_weights_sha256')")
+  echo "loaded by plan on cuda:0, 3 steps at lr 1e-30: sha256 $frozen_sha, the directory's $(cat "$model.sha256")"
+  [ "$frozen_sha" = "$(cat "$model.sha256")" ] || fail "the weights loaded on the GPU are not the directory's"
+fi
+job=${fx}nccl
+hf_job "$job" 1 1 80 3e-3 'comm = "nccl"'
+wait_for 180 "job $job past step 20 on the GPU" "v['step'] >= 20 and v['state'] == 'Running'"
 victim=$(field "v['members'][0]['pid']")
 echo "SIGKILL worker $victim at step $(field "v['step']"), loss $(field "v.get('loss')")"
 kill -9 "$victim"
-wait_for 300 "job hfnccl succeeded" "v['state'] == 'Succeeded'"
+wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
 backend=$(dctl events "$job" --json | tail -1 | py "import json,sys; print(json.loads(sys.stdin.read()).get('backend'))")
 nccl_sha=$(field "v.get('final_weights_sha256')")
-echo "hfnccl: backend $backend, final loss $(field "v.get('loss')"), eval_loss $(field "v.get('eval_loss')"), final sha256 $nccl_sha"
-[ "$backend" = nccl ] || fail "hfnccl ran on $backend"
-dctl export hfnccl --out "file://$work/hf-export"
-ls -la "$work/hf-export"
+echo "$job: backend $backend, final loss $(field "v.get('loss')"), final sha256 $nccl_sha"
+[ "$backend" = nccl ] || fail "$job ran on $backend"
+dctl export "$job" --out "file://$work/$fx-export"
+ls -la "$work/$fx-export"
 if python3 -c 'import safetensors' 2>/dev/null; then
   export_sha=$(python3 -c '
 import glob, hashlib, sys
@@ -377,30 +387,31 @@ for f in sorted(glob.glob(sys.argv[1] + "/model*.safetensors")):
 h = hashlib.sha256()
 for n in sorted(t):
     h.update(t[n].float().contiguous().numpy().astype("<f4").tobytes())
-print(h.hexdigest())' "$work/hf-export")
+print(h.hexdigest())' "$work/$fx-export")
   echo "export: sha256 $export_sha"
   [ "$export_sha" = "$nccl_sha" ] || fail "the export is not the trained weights"
 else
   echo "export: python3 here has no safetensors module: weights not compared"
 fi
-kill -TERM "${agent_pid[hf-a]}"; sleep 3
-start_agent hf-b --gpus 0 --gpu-slots-per-device 2
+kill -TERM "${agent_pid[hf-a-$fx]}"; sleep 3
+start_agent "hf-b-$fx" --gpus 0 --gpu-slots-per-device 2
 sleep 1
-job=hftp
-hf_job hftp 2 2 80 3e-3 'strategy = "hybrid"
+job=${fx}tp
+hf_job "$job" 2 2 80 3e-3 'strategy = "hybrid"
 tensor_parallel = 2
 pipeline_parallel = 1'
-wait_for 180 "job hftp at world 2 past step 20" "v['world_size'] == 2 and v['step'] >= 20"
-echo "hftp: layout $(field "v.get('layout')"), backend $(dctl events "$job" --json | tail -1 | py "import json,sys; print(json.loads(sys.stdin.read()).get('backend'))")"
+wait_for 180 "job $job at world 2 past step 20" "v['world_size'] == 2 and v['step'] >= 20"
+echo "$job: layout $(field "v.get('layout')"), backend $(dctl events "$job" --json | tail -1 | py "import json,sys; print(json.loads(sys.stdin.read()).get('backend'))")"
 victim=$(field "v['members'][1]['pid']")
 echo "SIGKILL worker $victim (tensor rank 1) at step $(field "v['step']")"
 kill -9 "$victim"
-wait_for 300 "job hftp succeeded" "v['state'] == 'Succeeded'"
+wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
 tp_sha=$(field "v.get('final_weights_sha256')")
-dctl events hftp | tail -4
-echo "hftp (dp1xtp2 over TCP, killed): final loss $(field "v.get('loss')"), sha256 $tp_sha; hfnccl (world 1, NCCL, killed): $nccl_sha"
-[ "$tp_sha" = "$nccl_sha" ] || fail "the Llama's weights differ between tensor parallel 2 and world 1 on the GPU"
-echo "bitwise equal across layouts on cuda:0: yes"
-kill -TERM "${agent_pid[hf-b]}"; sleep 3
+dctl events "$job" | tail -4
+echo "$job (dp1xtp2 over TCP, killed): final loss $(field "v.get('loss')"), sha256 $tp_sha; ${fx}nccl (world 1, NCCL, killed): $nccl_sha"
+[ "$tp_sha" = "$nccl_sha" ] || fail "the $fx weights differ between tensor parallel 2 and world 1 on the GPU"
+echo "$fx: bitwise equal across layouts on cuda:0: yes"
+kill -TERM "${agent_pid[hf-b-$fx]}"; sleep 3
+done
 fi
 log "all GPU checks passed"

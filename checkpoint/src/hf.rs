@@ -168,6 +168,16 @@ pub async fn tensors(dir: &Bucket) -> anyhow::Result<BTreeMap<String, FileTensor
     Ok(all)
 }
 
+/// The tensor the model calls `name` in the directory's files: by that name, or, for a model
+/// saved before transformers prefixed its base model's names (the GPT-2 checkpoints on the Hub:
+/// `h.0.attn.c_attn.weight` for `transformer.h.0.attn.c_attn.weight`), without the prefix.
+pub fn lookup<'a>(files: &'a BTreeMap<String, FileTensor>, name: &str) -> Option<&'a FileTensor> {
+    files.get(name).or_else(|| {
+        name.strip_prefix("transformer.")
+            .and_then(|bare| files.get(bare))
+    })
+}
+
 /// The manifest of `wanted` (name, shape), in that order, over the directory's files: each
 /// tensor cut into row blocks of at most [`CHUNK_BYTES`]. A wanted tensor the files lack, or
 /// hold with another shape, is an error naming it and its file.
@@ -179,8 +189,7 @@ pub fn manifest(
     let mut tensors = BTreeMap::new();
     let mut objects: BTreeMap<String, u64> = BTreeMap::new();
     for (name, shape) in wanted {
-        let t = files
-            .get(name)
+        let t = lookup(files, name)
             .ok_or_else(|| anyhow::anyhow!("{url}: the weight files hold no tensor {name}"))?;
         anyhow::ensure!(
             &t.shape == shape,

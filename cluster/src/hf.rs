@@ -6,6 +6,11 @@
 //!
 //! Both spellings of the rotary settings are read: `rope_theta` and `rope_scaling` at the top
 //! level (transformers 4) and `rope_parameters` (transformers 5).
+//!
+//! Dropout is not implemented (ductile's elastic runs are bitwise reproducible, and a dropout
+//! mask would have to be drawn alike at every layout). A non-zero dropout in config.json (GPT-2
+//! ships `resid_pdrop = 0.1`) is refused unless the job says `model_config.dropout = "off"`:
+//! then the model trains without it, as torchtitan trains ([`HfConfig::parse_without_dropout`]).
 
 use serde_json::Value;
 
@@ -15,6 +20,20 @@ pub enum Family {
     /// `LlamaForCausalLM` (Llama 2, 3, 3.1/3.2, TinyLlama, SmolLM), `MistralForCausalLM`,
     /// `Qwen2ForCausalLM`: RMSNorm, rotate-half RoPE, SwiGLU, grouped-query attention.
     Llama,
+    /// `GPT2LMHeadModel`: LayerNorm, learned positions, fused Q/K/V in Conv1D layout (weights
+    /// stored `[in, out]`), `gelu_new`, biases everywhere, a tied head.
+    Gpt2,
+}
+
+/// The MLP's activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// SwiGLU's SiLU (the Llama family).
+    Silu,
+    /// GPT-2's `gelu_new` (= `gelu_pytorch_tanh`): the tanh approximation.
+    GeluTanh,
+    /// The exact (erf) GELU (`gelu`).
+    Gelu,
 }
 
 /// Llama 3.1's frequency-dependent RoPE scaling (`rope_type = "llama3"`).
@@ -32,6 +51,7 @@ pub struct HfConfig {
     /// `architectures[0]`, as written.
     pub architecture: String,
     pub family: Family,
+    pub act: Act,
     pub vocab: i64,
     pub d_model: i64,
     pub n_layer: i64,
@@ -62,8 +82,18 @@ fn refuse(key: &str, value: &Value, why: &str) -> String {
 }
 
 impl HfConfig {
-    /// Read and check a `config.json`'s contents.
+    /// Read and check a `config.json`'s contents for training: a non-zero dropout is refused.
     pub fn parse(v: &Value) -> Result<HfConfig, String> {
+        Self::parse_with(v, false)
+    }
+
+    /// Read and check a `config.json`'s contents, its dropout keys accepted and not applied
+    /// (a job's `model_config.dropout = "off"`; inference, which applies none).
+    pub fn parse_without_dropout(v: &Value) -> Result<HfConfig, String> {
+        Self::parse_with(v, true)
+    }
+
+    fn parse_with(v: &Value, dropout_off: bool) -> Result<HfConfig, String> {
         let obj = v
             .as_object()
             .ok_or_else(|| "config.json is not a JSON object".to_string())?;
@@ -102,12 +132,30 @@ impl HfConfig {
                 Some(x) => Err(refuse(k, x, "must be true or false")),
             }
         };
+        let no_dropout = |keys: &[&str]| -> Result<(), String> {
+            for k in keys {
+                if let Some(x) = float(k)? {
+                    if x != 0.0 && !dropout_off {
+                        return Err(refuse(
+                            k,
+                            &obj[*k],
+                            "dropout is not implemented: set model_config = { dropout = \"off\", ... } in the job to train without it, or 0.0 here",
+                        ));
+                    }
+                }
+            }
+            Ok(())
+        };
         let (family, qkv_default) = match arch {
             "LlamaForCausalLM" | "MistralForCausalLM" => (Family::Llama, false),
             "Qwen2ForCausalLM" => (Family::Llama, true),
+            "GPT2LMHeadModel" => {
+                no_dropout(&["resid_pdrop", "embd_pdrop", "attn_pdrop"])?;
+                return Self::gpt2(obj, arch, &int, &float, &flag);
+            }
             other => {
                 return Err(format!(
-                    "config.json: architectures[0] = {other:?} is not implemented (known: \"LlamaForCausalLM\", \"MistralForCausalLM\", \"Qwen2ForCausalLM\")"
+                    "config.json: architectures[0] = {other:?} is not implemented (known: \"LlamaForCausalLM\", \"MistralForCausalLM\", \"Qwen2ForCausalLM\", \"GPT2LMHeadModel\")"
                 ))
             }
         };
@@ -127,13 +175,7 @@ impl HfConfig {
                 return Err(refuse("pretraining_tp", x, "only 1 is implemented"));
             }
         }
-        for k in ["attention_dropout", "hidden_dropout"] {
-            if let Some(x) = float(k)? {
-                if x != 0.0 {
-                    return Err(refuse(k, &obj[k], "dropout is not implemented (0.0 only)"));
-                }
-            }
-        }
+        no_dropout(&["attention_dropout", "hidden_dropout"])?;
         // attention biases: Qwen2 always has Q/K/V biases; Llama's `attention_bias` puts one on
         // Q, K, V and O; Mistral has none
         let attention_bias = flag("attention_bias", false)?;
@@ -227,6 +269,7 @@ impl HfConfig {
         let c = HfConfig {
             architecture: arch.to_string(),
             family,
+            act: Act::Silu,
             vocab: need("vocab_size")?,
             d_model,
             n_layer: need("num_hidden_layers")?,
@@ -252,17 +295,98 @@ impl HfConfig {
                 })
             }),
         };
-        for (k, v, hi) in [
-            ("vocab_size", c.vocab, 1 << 24),
-            ("hidden_size", c.d_model, 1 << 17),
-            ("num_hidden_layers", c.n_layer, 1 << 10),
-            ("num_attention_heads", c.n_head, 1 << 10),
-            ("intermediate_size", c.intermediate, 1 << 19),
-        ] {
+        c.check_sizes([
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        ])?;
+        Ok(c)
+    }
+
+    /// Sizes past what ductile allocates are refused, by their keys in this family's spelling.
+    fn check_sizes(&self, keys: [&str; 5]) -> Result<(), String> {
+        let hi = [1 << 24, 1 << 17, 1 << 10, 1 << 10, 1 << 19];
+        let v = [
+            self.vocab,
+            self.d_model,
+            self.n_layer,
+            self.n_head,
+            self.intermediate,
+        ];
+        for ((k, v), hi) in keys.iter().zip(v).zip(hi) {
             if v > hi {
                 return Err(format!("config.json: {k} = {v} is over {hi}"));
             }
         }
+        Ok(())
+    }
+
+    /// `GPT2LMHeadModel`'s config.json (its own key names: `n_embd`, `n_layer`, `n_head`,
+    /// `n_inner`, `n_positions`, `layer_norm_epsilon`, `activation_function`).
+    fn gpt2(
+        obj: &serde_json::Map<String, Value>,
+        arch: &str,
+        int: &dyn Fn(&str) -> Result<Option<i64>, String>,
+        float: &dyn Fn(&str) -> Result<Option<f64>, String>,
+        flag: &dyn Fn(&str, bool) -> Result<bool, String>,
+    ) -> Result<HfConfig, String> {
+        let need = |k: &str| -> Result<i64, String> {
+            int(k)?.ok_or_else(|| format!("config.json: {k} is missing (architecture {arch})"))
+        };
+        let act = match obj.get("activation_function") {
+            None => Act::GeluTanh,
+            Some(Value::String(s)) if s == "gelu_new" || s == "gelu_pytorch_tanh" => Act::GeluTanh,
+            Some(Value::String(s)) if s == "gelu" => Act::Gelu,
+            Some(x) => {
+                return Err(refuse(
+                    "activation_function",
+                    x,
+                    "only \"gelu_new\", \"gelu_pytorch_tanh\" and \"gelu\" are implemented",
+                ))
+            }
+        };
+        for (k, want) in [
+            ("scale_attn_weights", true),
+            ("scale_attn_by_inverse_layer_idx", false),
+            ("add_cross_attention", false),
+        ] {
+            if flag(k, want)? != want {
+                return Err(refuse(k, &obj[k], &format!("only {want} is implemented")));
+            }
+        }
+        let d_model = need("n_embd")?;
+        let n_head = need("n_head")?;
+        if d_model % n_head != 0 {
+            return Err(format!(
+                "config.json: n_embd = {d_model} does not divide into n_head = {n_head}"
+            ));
+        }
+        let c = HfConfig {
+            architecture: arch.to_string(),
+            family: Family::Gpt2,
+            act,
+            vocab: need("vocab_size")?,
+            d_model,
+            n_layer: need("n_layer")?,
+            n_head,
+            n_kv_head: n_head,
+            head_dim: d_model / n_head,
+            intermediate: int("n_inner")?.unwrap_or(4 * d_model),
+            max_positions: int("n_positions")?.unwrap_or(1024),
+            norm_eps: float("layer_norm_epsilon")?.unwrap_or(1e-5),
+            rope_theta: 0.0,
+            rope_llama3: None,
+            tied: flag("tie_word_embeddings", true)?,
+            qkv_bias: true,
+            o_bias: true,
+            mlp_bias: true,
+            initializer_range: float("initializer_range")?.unwrap_or(0.02),
+            sliding_window: None,
+            eos_token_id: obj.get("eos_token_id").and_then(|e| e.as_i64()),
+        };
+        c.check_sizes(["vocab_size", "n_embd", "n_layer", "n_head", "n_inner"])?;
         Ok(c)
     }
 
@@ -287,6 +411,16 @@ impl HfConfig {
 
     /// Parameters, exactly.
     pub fn params(&self) -> i64 {
+        if self.family == Family::Gpt2 {
+            let (d, f) = (self.d_model, self.intermediate);
+            let layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d;
+            let embed = self.vocab * d;
+            return self.n_layer * layer
+                + embed
+                + self.max_positions * d
+                + 2 * d
+                + if self.tied { 0 } else { embed };
+        }
         let (d, hd) = (self.d_model, self.head_dim);
         let q = d * self.n_head * hd;
         let kv = 2 * d * self.n_kv_head * hd;
@@ -364,6 +498,47 @@ mod tests {
             let e = HfConfig::parse(&c).unwrap_err();
             assert!(e.contains(want), "{k}: {e}");
         }
+        let mut gpt2 = json!({
+            "architectures": ["GPT2LMHeadModel"], "vocab_size": 100, "n_embd": 32, "n_layer": 2,
+            "n_head": 4, "n_positions": 64, "activation_function": "gelu_new",
+            "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+        });
+        let e = HfConfig::parse(&gpt2).unwrap_err();
+        assert!(
+            e.contains("resid_pdrop = 0.1") && e.contains("dropout = \"off\""),
+            "{e}"
+        );
+        let c = HfConfig::parse_without_dropout(&gpt2).unwrap();
+        assert_eq!(
+            (c.family, c.act, c.head_dim, c.intermediate, c.tied),
+            (Family::Gpt2, Act::GeluTanh, 8, 128, true)
+        );
+        // wte, wpe, 2 × (ln_1, c_attn, c_proj, ln_2, c_fc, c_proj), ln_f
+        assert_eq!(
+            c.params(),
+            100 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32
+        );
+        for (k, v, want) in [
+            (
+                "activation_function",
+                json!("relu"),
+                "activation_function = \"relu\"",
+            ),
+            ("scale_attn_by_inverse_layer_idx", json!(true), "only false"),
+            ("add_cross_attention", json!(true), "only false"),
+        ] {
+            let mut g = gpt2.clone();
+            g[k] = v;
+            let e = HfConfig::parse_without_dropout(&g).unwrap_err();
+            assert!(e.contains(want), "{k}: {e}");
+        }
+        gpt2["n_head"] = json!(5);
+        let e = HfConfig::parse_without_dropout(&gpt2).unwrap_err();
+        assert!(
+            e.contains("n_embd = 32 does not divide into n_head = 5"),
+            "{e}"
+        );
+
         let mut m = llama();
         m["architectures"] = json!(["MistralForCausalLM"]);
         m["sliding_window"] = json!(16);

@@ -611,20 +611,7 @@ impl TrainingSpec {
     /// A Hugging Face model's context (`model_config = { ctx = N }`, default 2048 or the
     /// model's `max_position_embeddings` if shorter).
     pub fn hf_ctx(&self) -> Result<i64> {
-        #[derive(Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct HfModelConfig {
-            ctx: Option<i64>,
-        }
-        let c: HfModelConfig = match &self.model_config {
-            None => HfModelConfig { ctx: None },
-            Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
-                ClusterError::invalid(
-                    "training.model_config",
-                    format!("{e} (model \"hf\" takes only ctx: the rest is config.json's)"),
-                )
-            })?,
-        };
+        let c = self.hf_model_config()?;
         let max = self.hf_config().ok().map(|h| h.max_positions);
         let ctx = c.ctx.unwrap_or(max.unwrap_or(2048).min(2048));
         if !(1..=1 << 20).contains(&ctx) {
@@ -636,6 +623,29 @@ impl TrainingSpec {
         Ok(ctx)
     }
 
+    /// A Hugging Face model's `model_config`: `ctx`, and `dropout = "off"` (train without the
+    /// dropout config.json asks for, which ductile does not implement).
+    fn hf_model_config(&self) -> Result<HfModelConfig> {
+        let c: HfModelConfig = match &self.model_config {
+            None => HfModelConfig::default(),
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
+                ClusterError::invalid(
+                    "training.model_config",
+                    format!("{e} (model \"hf\" takes ctx and dropout = \"off\": the rest is config.json's)"),
+                )
+            })?,
+        };
+        match c.dropout.as_deref() {
+            None | Some("off") => Ok(c),
+            Some(other) => Err(ClusterError::invalid(
+                "training.model_config.dropout",
+                format!(
+                    "{other:?}: only \"off\" (train without config.json's dropout) is implemented"
+                ),
+            )),
+        }
+    }
+
     /// A Hugging Face model's checked `config.json` (the daemon fills `hf_config` in at submit).
     pub fn hf_config(&self) -> Result<crate::hf::HfConfig> {
         let v = self.hf_config.as_ref().ok_or_else(|| {
@@ -644,8 +654,12 @@ impl TrainingSpec {
                 "missing: the daemon reads model_path's config.json at submit",
             )
         })?;
-        let c = crate::hf::HfConfig::parse(v)
-            .map_err(|e| ClusterError::invalid("training.model_path", e))?;
+        let parsed = if self.hf_model_config()?.dropout.is_some() {
+            crate::hf::HfConfig::parse_without_dropout(v)
+        } else {
+            crate::hf::HfConfig::parse(v)
+        };
+        let c = parsed.map_err(|e| ClusterError::invalid("training.model_path", e))?;
         if c.params() > MAX_MODEL_PARAMS {
             return Err(ClusterError::invalid(
                 "training.model_path",
@@ -892,6 +906,14 @@ impl JobSpec {
             Ok(())
         }
     }
+}
+
+/// A Hugging Face model's `model_config` (the rest of its configuration is config.json's).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct HfModelConfig {
+    ctx: Option<i64>,
+    dropout: Option<String>,
 }
 
 impl TrainingSpec {

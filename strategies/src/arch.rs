@@ -3,7 +3,7 @@
 //! parallel layouts it cannot take. The daemon plans with it and the worker maps its
 //! parameters to units and slices with it, so both sides read one description of a model.
 
-use ductile_cluster::hf::HfConfig;
+use ductile_cluster::hf::{Family, HfConfig};
 use ductile_cluster::records::{GptConfig, MlpConfig, ModelKind, TrainingSpec};
 
 use crate::pipeline::Unit;
@@ -43,9 +43,11 @@ pub fn of(t: &TrainingSpec) -> Result<Box<dyn Architecture>, String> {
     })
 }
 
-/// A Hugging Face model of the Llama family, with Hugging Face's parameter names: `embed`
+/// A Hugging Face model, with Hugging Face's parameter names. The Llama family: `embed`
 /// (`model.embed_tokens`), layers `layers.0..` (`model.layers.{i}`), `head` (`model.norm`,
-/// `lm_head`; a tied model's head is the embedding).
+/// `lm_head`; a tied model's head is the embedding). GPT-2: `embed` (`transformer.wte`,
+/// `transformer.wpe`), `layers.{i}` (`transformer.h.{i}`), `head` (`transformer.ln_f`, and
+/// `lm_head` when untied).
 pub struct Hf {
     pub config: HfConfig,
     pub ctx: u64,
@@ -53,15 +55,23 @@ pub struct Hf {
 
 impl Hf {
     /// The units' names and parameter prefixes.
-    pub fn unit_names(layers: u64) -> Vec<(String, Vec<String>)> {
-        let mut v = vec![("embed".to_string(), vec!["model.embed_tokens".to_string()])];
-        for i in 0..layers {
-            v.push((format!("layers.{i}"), vec![format!("model.layers.{i}")]));
+    pub fn unit_names(c: &HfConfig) -> Vec<(String, Vec<String>)> {
+        let (embed, layer, norm): (&[&str], &str, &str) = match c.family {
+            Family::Llama => (&["model.embed_tokens"], "model.layers", "model.norm"),
+            Family::Gpt2 => (
+                &["transformer.wte", "transformer.wpe"],
+                "transformer.h",
+                "transformer.ln_f",
+            ),
+        };
+        let mut v = vec![(
+            "embed".to_string(),
+            embed.iter().map(|p| p.to_string()).collect(),
+        )];
+        for i in 0..c.n_layer {
+            v.push((format!("layers.{i}"), vec![format!("{layer}.{i}")]));
         }
-        v.push((
-            "head".into(),
-            vec!["model.norm".to_string(), "lm_head".to_string()],
-        ));
+        v.push(("head".into(), vec![norm.to_string(), "lm_head".to_string()]));
         v
     }
 }
@@ -76,13 +86,19 @@ impl Architecture for Hf {
             c.head_dim as u64,
             c.intermediate as u64,
         );
-        let layer_params = d * hd * (2 * hq + 2 * hkv) + 3 * d * f + 2 * d;
-        Hf::unit_names(c.n_layer as u64)
+        let (layer_params, embed_params) = match c.family {
+            Family::Llama => (d * hd * (2 * hq + 2 * hkv) + 3 * d * f + 2 * d, vocab * d),
+            Family::Gpt2 => (
+                4 * d * d + 2 * d * f + 9 * d + f,
+                (vocab + c.max_positions as u64) * d,
+            ),
+        };
+        Hf::unit_names(c)
             .into_iter()
             .enumerate()
             .map(|(i, (name, prefixes))| {
                 let (params, flops, stash) = if i == 0 {
-                    (vocab * d, (2 * ctx * d) as f64, 4 * ctx * d)
+                    (embed_params, (2 * ctx * d) as f64, 4 * ctx * d)
                 } else if i as i64 <= c.n_layer {
                     (
                         layer_params,
@@ -90,8 +106,9 @@ impl Architecture for Hf {
                         4 * (8 * ctx * d + 4 * ctx * f + 2 * hq * ctx * ctx),
                     )
                 } else {
+                    let norm = if c.family == Family::Gpt2 { 2 * d } else { d };
                     (
-                        if c.tied { d } else { vocab * d + d },
+                        if c.tied { norm } else { vocab * d + norm },
                         6.0 * (d * vocab * ctx) as f64,
                         4 * (2 * ctx * vocab + ctx * d),
                     )
@@ -117,9 +134,13 @@ impl Architecture for Hf {
     }
 
     fn split_rules(&self) -> Arch {
-        Arch::Llama {
-            heads: self.config.n_head as u64,
-            kv_heads: self.config.n_kv_head as u64,
+        let heads = self.config.n_head as u64;
+        match self.config.family {
+            Family::Llama => Arch::Llama {
+                heads,
+                kv_heads: self.config.n_kv_head as u64,
+            },
+            Family::Gpt2 => Arch::Gpt2 { heads },
         }
     }
 

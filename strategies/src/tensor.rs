@@ -9,6 +9,10 @@
 //!   second linear are split by input columns (row-parallel), the MLP's first linear by output
 //!   rows (column-parallel). Layer norms, the position embedding and the biases added after a
 //!   row-parallel layer's reduce are replicated.
+//! - GPT-2 (Hugging Face's `GPT2LMHeadModel`, Conv1D weights stored `[in, out]`): as the GPT,
+//!   on the stored layout: the fused `c_attn` is split by heads along its columns (each of Q,
+//!   K and V), `c_fc` by columns (its output), both `c_proj` by rows (their input); `wte` (and
+//!   an untied `lm_head`) by vocabulary rows.
 //! - MLP: hidden layers pair up, column-parallel then row-parallel (`l0` rows, `l1` columns,
 //!   `l2` rows, ...); an unpaired last hidden layer and the output layer are replicated.
 //!
@@ -33,6 +37,20 @@ pub enum Split {
     HeadRows {
         blocks: u64,
     },
+    /// Dimension 1 holds `blocks` equal blocks (a Conv1D's fused Q, K, V), each split by heads.
+    HeadCols {
+        blocks: u64,
+    },
+}
+
+impl Split {
+    /// The dimension it splits (0 when replicated).
+    pub fn dim(self) -> usize {
+        match self {
+            Split::Cols | Split::HeadCols { .. } => 1,
+            Split::Replicated | Split::Rows | Split::HeadRows { .. } => 0,
+        }
+    }
 }
 
 /// What a job's model is, for the split rules.
@@ -48,6 +66,10 @@ pub enum Arch {
     Llama {
         heads: u64,
         kv_heads: u64,
+    },
+    /// GPT-2 (Hugging Face names, Conv1D layouts).
+    Gpt2 {
+        heads: u64,
     },
 }
 
@@ -68,6 +90,15 @@ pub fn split_of(arch: Arch, name: &str) -> Split {
             ("q_proj", _) | ("k_proj", _) | ("v_proj", _) => Split::Rows,
             ("gate_proj", _) | ("up_proj", _) => Split::Rows,
             ("o_proj", "weight") | ("down_proj", "weight") => Split::Cols,
+            _ => Split::Replicated,
+        },
+        Arch::Gpt2 { .. } => match (last, field) {
+            ("wte", _) | ("lm_head", _) => Split::Rows,
+            ("c_attn", "weight") => Split::HeadCols { blocks: 3 },
+            ("c_attn", _) => Split::HeadRows { blocks: 3 },
+            ("c_fc", "weight") => Split::Cols,
+            ("c_fc", _) => Split::Rows,
+            ("c_proj", "weight") => Split::Rows,
             _ => Split::Replicated,
         },
         Arch::Mlp { layers } => {
@@ -102,16 +133,17 @@ pub fn held_ranges(
         Split::Replicated => None,
         Split::Rows => Some((0, vec![split_range(shape[0], tp, rank)])),
         Split::Cols => Some((1, vec![split_range(shape[1], tp, rank)])),
-        Split::HeadRows { blocks } => {
+        Split::HeadRows { blocks } | Split::HeadCols { blocks } => {
             let heads = match arch {
-                Arch::Gpt { heads } => heads,
+                Arch::Gpt { heads } | Arch::Gpt2 { heads } => heads,
                 Arch::Mlp { .. } | Arch::Llama { .. } => 1,
             };
-            let width = shape[0] / blocks;
+            let dim = split.dim();
+            let width = shape[dim] / blocks;
             let hd = width / heads;
             let r = split_range(heads, tp, rank);
             Some((
-                0,
+                dim,
                 (0..blocks)
                     .map(|b| b * width + r.start * hd..b * width + r.end * hd)
                     .collect(),
@@ -142,7 +174,12 @@ pub fn held_regions(arch: Arch, name: &str, shape: &[u64], tp: u32, rank: u32) -
 pub fn check_tp(arch: Arch, d_model: u64, vocab: u64, hidden: u64, tp: u32) -> Result<(), String> {
     let tp64 = tp as u64;
     match arch {
-        Arch::Gpt { heads } => {
+        Arch::Gpt { heads } | Arch::Gpt2 { heads } => {
+            if hidden < tp64 {
+                return Err(format!(
+                    "the MLP's width {hidden} is narrower than tensor_parallel = {tp}"
+                ));
+            }
             if heads % tp64 != 0 {
                 return Err(format!(
                     "n_head = {heads} does not split into tensor_parallel = {tp} (heads are indivisible)"
@@ -213,6 +250,48 @@ mod tests {
         for (name, want) in cases {
             assert_eq!(split_of(GPT, name), want, "{name}");
         }
+    }
+
+    /// GPT-2's Conv1D weights are `[in, out]`: the same Megatron split on the other dimension.
+    #[test]
+    fn gpt2_splits_its_conv1d_layouts_as_megatron_does() {
+        let a = Arch::Gpt2 { heads: 4 };
+        let cases = [
+            ("transformer.wte.weight", Split::Rows),
+            ("transformer.wpe.weight", Split::Replicated),
+            ("transformer.h.0.ln_1.weight", Split::Replicated),
+            (
+                "transformer.h.0.attn.c_attn.weight",
+                Split::HeadCols { blocks: 3 },
+            ),
+            (
+                "transformer.h.0.attn.c_attn.bias",
+                Split::HeadRows { blocks: 3 },
+            ),
+            ("transformer.h.0.attn.c_proj.weight", Split::Rows),
+            ("transformer.h.0.attn.c_proj.bias", Split::Replicated),
+            ("transformer.h.11.mlp.c_fc.weight", Split::Cols),
+            ("transformer.h.11.mlp.c_fc.bias", Split::Rows),
+            ("transformer.h.11.mlp.c_proj.weight", Split::Rows),
+            ("transformer.h.11.mlp.c_proj.bias", Split::Replicated),
+            ("transformer.ln_f.bias", Split::Replicated),
+            ("lm_head.weight", Split::Rows),
+        ];
+        for (name, want) in cases {
+            assert_eq!(split_of(a, name), want, "{name}");
+        }
+        // a member's c_attn columns are its heads in each of Q, K and V
+        let b = held_regions(a, "transformer.h.0.attn.c_attn.weight", &[32, 96], 2, 1);
+        assert_eq!(
+            b.iter()
+                .map(|r| (r[0].clone(), r[1].clone()))
+                .collect::<Vec<_>>(),
+            vec![(0..32, 16..32), (0..32, 48..64), (0..32, 80..96)]
+        );
+        assert!(check_tp(a, 32, 67, 128, 2).is_ok());
+        assert!(check_tp(a, 32, 67, 128, 3)
+            .unwrap_err()
+            .contains("n_head = 4"));
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! Hugging Face models (issue 31): a Llama directory written by transformers
-//! (tests/hf/make_fixtures.py, run by scripts/setup.sh) trains with ductile from its own
-//! weights, loaded by plan, at every layout, bit for bit the same through a kill and resizes;
-//! and what ductile cannot honour is refused at submit.
+//! Hugging Face models (issue 31): Llama and GPT-2 directories written by transformers
+//! (tests/hf/make_fixtures.py, run by scripts/setup.sh) train with ductile from their own
+//! weights, loaded by plan, at every layout, bit for bit the same through a kill and resizes,
+//! and export back to directories transformers loads; what ductile cannot honour is refused
+//! at submit.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -68,6 +69,27 @@ for n in sorted(t):
 print(h.hexdigest())
 "#;
     torch_python(script, &[model]).trim().to_string()
+}
+
+/// How far the logits transformers computes from the exported directory `out` are from the
+/// fixture `model`'s reference logits (relative to their largest magnitude).
+fn export_logits_error(out: &Path, model: &Path) -> f64 {
+    let said = torch_python(
+        r#"
+import sys, torch
+from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+ref = load_file(sys.argv[2] + "/reference.safetensors")
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, attn_implementation="sdpa")
+m.eval()
+with torch.no_grad():
+    logits = m(input_ids=ref["input_ids"][:, :16]).logits
+d = (logits - ref["logits"]).abs().max() / ref["logits"].abs().max()
+print(float(d))
+"#,
+        &[out, model],
+    );
+    said.trim().parse().unwrap()
 }
 
 fn hf_job(name: &str, desired: u32, model: &Path, data: &str, steps: u64, extra: &str) -> String {
@@ -174,21 +196,7 @@ fn hf_llama_trains_from_its_directory_at_every_layout_bitwise_equal() {
         "--out",
         &format!("file://{}", out.display()),
     ]);
-    let said = torch_python(
-        r#"
-import sys, torch
-from transformers import AutoModelForCausalLM
-from safetensors.torch import load_file
-ref = load_file(sys.argv[2] + "/reference.safetensors")
-m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, attn_implementation="sdpa")
-with torch.no_grad():
-    logits = m(input_ids=ref["input_ids"][:, :16]).logits
-d = (logits - ref["logits"]).abs().max() / ref["logits"].abs().max()
-print(float(d))
-"#,
-        &[out.as_path(), model.as_path()],
-    );
-    let d: f64 = said.trim().parse().unwrap();
+    let d = export_logits_error(&out, &model);
     assert!(
         d < 1e-5,
         "transformers' logits from the export differ by {d:e}"
@@ -282,6 +290,7 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
     let job = |m: &Path, extra: &str| hf_job("bad", 1, m, data, 10, extra);
     let llama = fixtures().join("llama");
     let qwen = fixtures().join("qwen2");
+    let gpt2 = fixtures().join("gpt2");
     assert_refused(
         &c,
         &[
@@ -303,7 +312,103 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
                 job(&qwen, "strategy = \"pipeline\"\npipeline_parallel = 2"),
                 "tie_word_embeddings = true",
             ),
+            // GPT-2's stock dropout, unless the job turns it off
+            (
+                job(&gpt2, ""),
+                "resid_pdrop = 0.1: dropout is not implemented",
+            ),
+            (
+                job(&gpt2, "").replace("ctx = 16", "ctx = 16, dropout = \"on\""),
+                "training.model_config.dropout",
+            ),
+            (
+                job(&gpt2, "strategy = \"pipeline\"\npipeline_parallel = 2")
+                    .replace("ctx = 16", "ctx = 16, dropout = \"off\""),
+                "tie_word_embeddings = true",
+            ),
         ],
+    );
+}
+
+/// GPT-2 in the Hub's legacy layout (no `transformer.` prefix, mask buffers beside the
+/// weights; config.json with dropout 0.1, turned off by the job) loads by plan at
+/// dp1×tp2 (the fused Conv1D Q/K/V split by heads along its columns), checkpoints as tensor
+/// slices and exports to a directory transformers loads with the reference logits; in
+/// deterministic mode dp2×tp2 through a kill ends with the bits of a data-parallel run.
+#[test]
+fn gpt2_loads_by_plan_trains_tensor_parallel_through_a_kill_bitwise_and_exports() {
+    let model = fixtures().join("gpt2");
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(1, 4)
+    });
+    let (data, _) = corpus(c.dir.path(), &model, 300);
+    let job = |name: &str, desired: u32, steps: u64, extra: &str| {
+        hf_job(name, desired, &model, &data, steps, extra)
+            .replace("ctx = 16", "ctx = 16, dropout = \"off\"")
+    };
+    let ck = c.dir.path().join("frozen-ck");
+    c.submit(&format!(
+        "{}[checkpoint]\nurl = \"file://{}\"\ninterval = 3\nkeep = 2\n",
+        job(
+            "frozen",
+            2,
+            3,
+            "lr = 1e-30\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1",
+        )
+        .replace("lr = 3e-3\n", ""),
+        ck.display()
+    ));
+    let v = c.wait_world("frozen", 2, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp1×pp1×tp2");
+    let before = c.wait_done("frozen", S(120)).loss.unwrap();
+    let out = c.dir.path().join("frozen-export");
+    c.dctl_ok(&[
+        "export",
+        "frozen",
+        "--out",
+        &format!("file://{}", out.display()),
+    ]);
+    let d = export_logits_error(&out, &model);
+    assert!(
+        d < 1e-5,
+        "transformers' logits from the export differ by {d:e}"
+    );
+
+    let det = "deterministic = true\nlogical_shards = 4\ntensor_slices = 2";
+    c.submit(&job(
+        "tp",
+        4,
+        40,
+        &format!("{det}\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1"),
+    ));
+    let v = c.wait_world("tp", 4, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp1×tp2");
+    c.wait_step("tp", 10, S(120));
+    let victim = v
+        .members
+        .iter()
+        .find(|m| m.dp_rank == 1 && m.tp_rank == 1)
+        .unwrap();
+    kill_and_reform(&c, "tp", victim.pid.unwrap(), 3);
+    let tp = c.wait_done("tp", S(300));
+    c.submit(&job(
+        "dp",
+        2,
+        40,
+        &format!("{det}\nstrategy = \"data-parallel\""),
+    ));
+    let dp = c.wait_done("dp", S(300));
+    assert_eq!(
+        tp.final_weights_sha256.unwrap(),
+        dp.final_weights_sha256.unwrap(),
+        "dp2×tp2 through a kill against data parallel 2"
+    );
+    // (the last loss the tensor-parallel run reported: it ran long enough to report again)
+    assert!(
+        tp.loss.unwrap() < before - 0.1,
+        "training lowered the loss from the directory's model's {before}: {:?}",
+        tp.loss
     );
 }
 

@@ -333,11 +333,13 @@ pub fn load_whole(
 )> {
     let dir = open(url)?;
     let config = rt.block_on(self::config(&dir))?;
-    let c =
-        ductile_cluster::hf::HfConfig::parse(&config).map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+    // (inference applies no dropout: the config's dropout keys do not matter here)
+    let c = ductile_cluster::hf::HfConfig::parse_without_dropout(&config)
+        .map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
     let ctx = c.max_positions.min(2048);
     let spec: ductile_cluster::records::TrainingSpec = serde_json::from_value(serde_json::json!({
-        "model": "hf", "model_path": url, "hf_config": config, "model_config": {"ctx": ctx},
+        "model": "hf", "model_path": url, "hf_config": config,
+        "model_config": {"ctx": ctx, "dropout": "off"},
         "dataset": "file:///unused", "global_batch": 1,
     }))?;
     let data = crate::data::Dataset::Tokens {

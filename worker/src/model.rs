@@ -1,5 +1,5 @@
 //! Models, defined with tch, each a [`Network`]: the built-in GPT ([`gpt`]) and MLP ([`mlp`]),
-//! and the Llama family of Hugging Face models ([`llama`]).
+//! and Hugging Face models: the Llama family ([`llama`]) and GPT-2 ([`gpt2`]).
 //! Initialised from the job's seed, so every rank builds the same weights. A model runs whole,
 //! or as a member of a tensor group on its slices of the split layers (`tp`): one forward
 //! serves both.
@@ -12,6 +12,7 @@ use tch::Tensor;
 use crate::data::Dataset;
 
 mod gpt;
+mod gpt2;
 mod llama;
 #[cfg(test)]
 pub(crate) use llama::tests as llama_tests;
@@ -93,7 +94,14 @@ impl Model {
                 let c = spec.hf_config()?;
                 // the dataset was checked against the model's vocabulary when it was opened
                 debug_assert!(*vocab as i64 <= c.vocab);
-                Box::new(llama::Llama::new(&root, &c, *ctx as i64))
+                match c.family {
+                    ductile_cluster::hf::Family::Llama => {
+                        Box::new(llama::Llama::new(&root, &c, *ctx as i64))
+                    }
+                    ductile_cluster::hf::Family::Gpt2 => {
+                        Box::new(gpt2::Gpt2::new(&root, &c, *ctx as i64))
+                    }
+                }
             }
             (m, _) => anyhow::bail!(
                 "model {m:?} does not fit its dataset (gpt and hf need tokens, mlp a regression set)"

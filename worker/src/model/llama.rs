@@ -388,13 +388,15 @@ pub(crate) mod tests {
         d / b.abs().max().double_value(&[]).max(1e-30)
     }
 
-    /// ductile's Llama and Qwen2 give transformers' logits, loss and every gradient (fp32,
-    /// 1e-5 relative) on the fixtures' weights: GQA, Llama 3.1 RoPE scaling, sharded weight
-    /// files, Q/K/V biases and a tied head.
+    /// ductile's Llama, Qwen2 and GPT-2 give transformers' logits, loss and every gradient
+    /// (fp32, 1e-5 relative) on the fixtures' weights, and greedy decoding with the key/value
+    /// cache continues a prompt with transformers' ids: GQA, Llama 3.1 RoPE scaling, sharded
+    /// weight files, Q/K/V biases, tied heads, GPT-2's Conv1D weights read from the Hub's
+    /// legacy names.
     #[test]
-    fn llama_and_qwen2_match_transformers_logits_loss_and_gradients() {
+    fn llama_qwen2_and_gpt2_match_transformers_logits_loss_gradients_and_greedy_ids() {
         let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
-        for name in ["llama", "qwen2"] {
+        for name in ["llama", "qwen2", "gpt2"] {
             let (m, r) = load(name);
             let ids = &r["input_ids"];
             let (x, y) = (
@@ -427,6 +429,19 @@ pub(crate) mod tests {
             }
             let theirs = r.keys().filter(|k| k.starts_with("grad.")).count();
             assert_eq!(n, theirs, "{name}: the same parameters as transformers");
+            let prompt: Vec<u32> = Vec::<i64>::try_from(ids.get(0).narrow(0, 0, 5))
+                .unwrap()
+                .into_iter()
+                .map(|i| i as u32)
+                .collect();
+            let want: Vec<i64> = Vec::<i64>::try_from(&r["greedy"]).unwrap();
+            let got: Vec<i64> = m
+                .generate(&prompt, want.len(), None)
+                .unwrap()
+                .into_iter()
+                .map(i64::from)
+                .collect();
+            assert_eq!(got, want, "{name}: greedy ids");
         }
     }
 

@@ -303,7 +303,9 @@ impl Par<'_> {
                 .into_iter()
                 .zip(xs)
                 .map(|((off, len), x)| {
-                    let y = x.matmul(&l.ws.narrow(0, off, len).tr());
+                    // (contiguous: a no-op for a linear layer's rows; a Conv1D's columns are
+                    // copied out, so the slice's layout is the same at every group size)
+                    let y = x.matmul(&l.ws.narrow(0, off, len).contiguous().tr());
                     match &l.bs {
                         Some(b) => y + b.narrow(0, off, len),
                         None => y,
@@ -360,7 +362,7 @@ impl Par<'_> {
                     .zip(xs)
                     .map(|((off, len), a)| {
                         let proj = |k: i64| {
-                            a.matmul(&w.narrow(0, k * block + off, len).tr())
+                            a.matmul(&w.narrow(0, k * block + off, len).contiguous().tr())
                                 + bias.narrow(0, k * block + off, len)
                         };
                         [proj(0), proj(1), proj(2)]
@@ -544,6 +546,26 @@ mod tests {
         hf("Qwen2ForCausalLM", true)
     }
 
+    /// A small GPT-2 (tied head, Conv1D layouts) with an MLP of 50 (uneven over 4 members).
+    fn gpt2() -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        let s = spec(serde_json::json!({
+            "model": "hf", "model_path": "file:///unused", "model_config": {"ctx": 8},
+            "hf_config": {"architectures": ["GPT2LMHeadModel"], "vocab_size": 67, "n_embd": 32,
+                "n_layer": 2, "n_head": 4, "n_inner": 50, "n_positions": 8,
+                "initializer_range": 0.2},
+            "dataset": "file:///unused", "global_batch": 3, "seed": 13,
+        }));
+        let (_, d, x, y) = gpt();
+        (s, d, x, y)
+    }
+
+    fn gpt2_sliced() -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        let (mut s, d, x, y) = gpt2();
+        s.deterministic = true;
+        s.tensor_slices = Some(4);
+        (s, d, x, y)
+    }
+
     fn llama_sliced() -> (TrainingSpec, Dataset, Tensor, Tensor) {
         let (mut s, d, x, y) = llama();
         s.deterministic = true;
@@ -614,11 +636,7 @@ mod tests {
     fn slice_of(arch: Arch, name: &str, t: &Tensor, tp: u32, rank: u32) -> Tensor {
         let shape: Vec<u64> = t.size().iter().map(|d| *d as u64).collect();
         let boxes = held_regions(arch, name, &shape, tp, rank);
-        let dim = if split_of(arch, name) == ductile_strategies::tensor::Split::Cols {
-            1
-        } else {
-            0
-        };
+        let dim = split_of(arch, name).dim() as i64;
         let pieces: Vec<Tensor> = boxes
             .iter()
             .map(|b| {
@@ -690,6 +708,14 @@ mod tests {
         matches_the_unsplit_model(&llama, &[1, 2], 60).await;
         matches_the_unsplit_model(&qwen2_tied, &[1, 2], 70).await;
         the_same_bits_at_every_group_size_of(&llama_sliced, &[2], 80).await;
+    }
+
+    /// GPT-2's fused Q/K/V split along the columns of its Conv1D weight, each of Q, K and V
+    /// by heads; with logical slices, the same bits at every group size.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tensor_parallel_gpt2_computes_the_unsplit_models_loss_and_gradients() {
+        matches_the_unsplit_model(&gpt2, &[1, 2, 4], 90).await;
+        the_same_bits_at_every_group_size(&gpt2_sliced, 100).await;
     }
 
     fn gpt_sliced() -> (TrainingSpec, Dataset, Tensor, Tensor) {

@@ -334,7 +334,7 @@ mod tests {
     use super::*;
     use crate::data::Dataset;
     use crate::model::Model;
-    use ductile_strategies::tensor::{held_regions, split_of, Arch, Split};
+    use ductile_strategies::tensor::{held_regions, split_of, Arch};
     use tch::Device;
 
     async fn mesh(n: u32, generation: u64) -> Vec<Arc<dyn Communicator>> {
@@ -362,7 +362,7 @@ mod tests {
                 }
                 Holding {
                     boxes: held_regions(arch, name, shape, tp, rank % tp),
-                    dim: usize::from(split_of(arch, name) == Split::Cols),
+                    dim: split_of(arch, name).dim(),
                 }
             })
             .collect()

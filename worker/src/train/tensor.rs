@@ -13,7 +13,7 @@ use ductile_cluster::records::{Generation, Member};
 use ductile_comm::{CommError, Communicator, Group};
 use ductile_strategies::mesh::Mesh;
 use ductile_strategies::redistribute::{self, Part};
-use ductile_strategies::tensor::{held_regions, split_of, Split};
+use ductile_strategies::tensor::{held_ranges, held_regions, split_of, Split};
 use tch::Tensor;
 
 use super::reshard::{holding_parts, holds_unit, move_state, Holding};
@@ -38,7 +38,7 @@ impl Trainer {
                 let shape: Vec<u64> = self.shapes[i].iter().map(|d| *d as u64).collect();
                 Holding {
                     boxes: held_regions(arch, name, &shape, tp, k),
-                    dim: usize::from(split_of(arch, name) == Split::Cols),
+                    dim: split_of(arch, name).dim(),
                 }
             })
             .collect();
@@ -298,12 +298,19 @@ impl Trainer {
                         out.push(((t, b[0].start, b[0].end - b[0].start), v));
                     }
                 }
-                Split::Cols => {
+                split @ (Split::Cols | Split::HeadCols { .. }) => {
+                    // every member's columns (one range, or one per Q, K, V block), in the
+                    // order its local tensor holds them
+                    let mut cols: Vec<(usize, Range<u64>)> = Vec::new();
                     let shapes: Vec<Vec<i64>> = (0..tp)
                         .map(|j| {
-                            let c = ductile_strategies::split_range(full[1] as u64, tp, j);
+                            let shape: Vec<u64> = full.iter().map(|d| *d as u64).collect();
+                            let ranges = held_ranges(arch, split, &shape, tp, j)
+                                .map(|(_, r)| r)
+                                .unwrap_or_default();
                             let mut s = full.clone();
-                            s[1] = (c.end - c.start) as i64;
+                            s[1] = ranges.iter().map(|r| (r.end - r.start) as i64).sum();
+                            cols.extend(ranges.into_iter().map(|r| (j as usize, r)));
                             s
                         })
                         .collect();
@@ -311,10 +318,18 @@ impl Trainer {
                     let rows = ductile_strategies::split_range(full[0] as u64, tp, k);
                     if rows.end > rows.start {
                         let n = (rows.end - rows.start) as i64;
-                        let pieces: Vec<Tensor> = all
-                            .iter()
-                            .map(|p| p.narrow(0, rows.start as i64, n))
-                            .collect();
+                        let mut pieces: Vec<(u64, Tensor)> = Vec::new();
+                        let mut at = vec![0i64; tp as usize];
+                        for (j, r) in cols {
+                            let w = (r.end - r.start) as i64;
+                            pieces.push((
+                                r.start,
+                                all[j].narrow(0, rows.start as i64, n).narrow(1, at[j], w),
+                            ));
+                            at[j] += w;
+                        }
+                        pieces.sort_by_key(|(c, _)| *c);
+                        let pieces: Vec<Tensor> = pieces.into_iter().map(|(_, p)| p).collect();
                         out.push((
                             (t, rows.start, rows.end - rows.start),
                             Tensor::cat(&pieces, 1),
