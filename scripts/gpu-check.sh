@@ -16,8 +16,8 @@
 #        grows back, checkpoints, and ends bitwise equal to an uninterrupted run;
 #     4. ductile-bench gpu-step: the elastic CUDA step against a bare tch loop, checkpoint stall;
 #     5. a checkpoint restored across device kinds and sizes (GPU -> 2 CPU workers -> GPU);
-#     6. Hugging Face Llama and GPT-2 fixtures on cuda:0 (NCCL, and TP 2 over TCP), bitwise
-#        equal across layouts through kills, exported. GPU_CHECK_STEPS="6" runs only step 6.
+#     6. Hugging Face Llama and GPT-2 fixtures on cuda:0 (NCCL; TP 2 and two pipeline stages
+#        over TCP), bitwise equal across layouts through kills, exported. GPU_CHECK_STEPS="6" runs only step 6.
 #   It exits non-zero on any failure.
 #
 # Environment: TORCH_LIB (default: the torch/lib of `python3 -c 'import torch'`), DUCTILE_BIN_DIR
@@ -410,6 +410,13 @@ tp_sha=$(field "v.get('final_weights_sha256')")
 dctl events "$job" | tail -4
 echo "$job (dp1xtp2 over TCP, killed): final loss $(field "v.get('loss')"), sha256 $tp_sha; ${fx}nccl (world 1, NCCL, killed): $nccl_sha"
 [ "$tp_sha" = "$nccl_sha" ] || fail "the $fx weights differ between tensor parallel 2 and world 1 on the GPU"
+job=${fx}pp
+hf_job "$job" 2 2 80 3e-3 'strategy = "pipeline"
+pipeline_parallel = 2'
+wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
+pp_sha=$(field "v.get('final_weights_sha256')")
+echo "$job (dp1xpp2 over TCP$([ "$fx" = gpt2 ] && echo ', the tied embedding on both stages')): final loss $(field "v.get('loss')"), sha256 $pp_sha"
+[ "$pp_sha" = "$nccl_sha" ] || fail "the $fx weights differ between two pipeline stages and world 1 on the GPU"
 echo "$fx: bitwise equal across layouts on cuda:0: yes"
 kill -TERM "${agent_pid[hf-b-$fx]}"; sleep 3
 done

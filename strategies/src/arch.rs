@@ -29,6 +29,13 @@ pub trait Architecture: Send + Sync {
     fn check_layout(&self, _pp: u32, _tp: u32) -> Result<(), String> {
         Ok(())
     }
+    /// A parameter one unit owns that another unit uses too (a head tied to the embedding):
+    /// its name and the other unit. A stage holding the other unit holds a copy of it (as
+    /// Megatron's last stage holds the word embeddings); the two copies' gradients are summed
+    /// between the stages before every update, so they stay the same bits.
+    fn shared(&self) -> Option<(String, usize)> {
+        None
+    }
 }
 
 /// The architecture of a job's model, its configuration checked.
@@ -106,9 +113,10 @@ impl Architecture for Hf {
                         4 * (8 * ctx * d + 4 * ctx * f + 2 * hq * ctx * ctx),
                     )
                 } else {
+                    // (a tied head's stage holds a copy of the embedding: see `shared`)
                     let norm = if c.family == Family::Gpt2 { 2 * d } else { d };
                     (
-                        if c.tied { norm } else { vocab * d + norm },
+                        vocab * d + norm,
                         6.0 * (d * vocab * ctx) as f64,
                         4 * (2 * ctx * vocab + ctx * d),
                     )
@@ -155,14 +163,15 @@ impl Architecture for Hf {
         )
     }
 
-    fn check_layout(&self, pp: u32, _tp: u32) -> Result<(), String> {
-        if pp > 1 && self.config.tied {
-            return Err(format!(
-                "{} ties its head to its embedding (tie_word_embeddings = true): pipeline stages would hold the one matrix on the first and the last stage; train it with pipeline_parallel = 1 (data and tensor parallel split it)",
-                self.config.architecture
-            ));
-        }
-        Ok(())
+    fn shared(&self) -> Option<(String, usize)> {
+        let c = &self.config;
+        c.tied.then(|| {
+            let embed = match c.family {
+                Family::Llama => "model.embed_tokens.weight",
+                Family::Gpt2 => "transformer.wte.weight",
+            };
+            (embed.to_string(), c.n_layer as usize + 1)
+        })
     }
 }
 

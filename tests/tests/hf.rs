@@ -258,8 +258,8 @@ fn hf_llama_trains_from_its_directory_at_every_layout_bitwise_equal() {
 
 /// What ductile cannot honour is refused at submit, naming the key and value (or the file),
 /// and nothing is stored: no config.json, an unknown architecture, a RoPE type it lacks, a
-/// context past the model's, a tensor_parallel that does not divide the KV heads, pipeline
-/// stages for a tied model.
+/// context past the model's, a tensor_parallel that does not divide the KV heads, GPT-2's
+/// dropout (unless the job turns it off), a dropout setting other than "off".
 #[test]
 fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
     let c = Cluster::start(Spec::default().agents(1, 1));
@@ -289,7 +289,6 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
     let data = "file:///unused.tok";
     let job = |m: &Path, extra: &str| hf_job("bad", 1, m, data, 10, extra);
     let llama = fixtures().join("llama");
-    let qwen = fixtures().join("qwen2");
     let gpt2 = fixtures().join("gpt2");
     assert_refused(
         &c,
@@ -308,10 +307,6 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
                 job(&llama, "strategy = \"hybrid\"\ntensor_parallel = 4"),
                 "num_key_value_heads = 2",
             ),
-            (
-                job(&qwen, "strategy = \"pipeline\"\npipeline_parallel = 2"),
-                "tie_word_embeddings = true",
-            ),
             // GPT-2's stock dropout, unless the job turns it off
             (
                 job(&gpt2, ""),
@@ -321,11 +316,6 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
                 job(&gpt2, "").replace("ctx = 16", "ctx = 16, dropout = \"on\""),
                 "training.model_config.dropout",
             ),
-            (
-                job(&gpt2, "strategy = \"pipeline\"\npipeline_parallel = 2")
-                    .replace("ctx = 16", "ctx = 16, dropout = \"off\""),
-                "tie_word_embeddings = true",
-            ),
         ],
     );
 }
@@ -334,9 +324,11 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
 /// weights; config.json with dropout 0.1, turned off by the job) loads by plan at
 /// dp1×tp2 (the fused Conv1D Q/K/V split by heads along its columns), checkpoints as tensor
 /// slices and exports to a directory transformers loads with the reference logits; in
-/// deterministic mode dp2×tp2 through a kill ends with the bits of a data-parallel run.
+/// deterministic mode dp2×tp2 through a kill, and dp2×pp2 through a kill (the tied embedding
+/// on the first and the last stage, their gradients summed between them), end with the bits
+/// of a data-parallel run.
 #[test]
-fn gpt2_loads_by_plan_trains_tensor_parallel_through_a_kill_bitwise_and_exports() {
+fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_and_exports() {
     let model = fixtures().join("gpt2");
     let c = Cluster::start(Spec {
         restart_backoff_ms: 300,
@@ -376,10 +368,12 @@ fn gpt2_loads_by_plan_trains_tensor_parallel_through_a_kill_bitwise_and_exports(
     );
 
     let det = "deterministic = true\nlogical_shards = 4\ntensor_slices = 2";
+    // (long enough for a kill to land mid-run: the model is tiny)
+    let steps = 200;
     c.submit(&job(
         "tp",
         4,
-        40,
+        steps,
         &format!("{det}\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1"),
     ));
     let v = c.wait_world("tp", 4, S(60));
@@ -393,16 +387,38 @@ fn gpt2_loads_by_plan_trains_tensor_parallel_through_a_kill_bitwise_and_exports(
     kill_and_reform(&c, "tp", victim.pid.unwrap(), 3);
     let tp = c.wait_done("tp", S(300));
     c.submit(&job(
+        "pp",
+        4,
+        steps,
+        &format!("{det}\nstrategy = \"pipeline\"\npipeline_parallel = 2"),
+    ));
+    let v = c.wait_world("pp", 4, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp2×tp1");
+    c.wait_step("pp", 10, S(120));
+    let victim = v
+        .members
+        .iter()
+        .find(|m| m.dp_rank == 0 && m.pp_stage == 1)
+        .unwrap();
+    kill_and_reform(&c, "pp", victim.pid.unwrap(), 3);
+    let pp = c.wait_done("pp", S(300));
+    c.submit(&job(
         "dp",
         2,
-        40,
+        steps,
         &format!("{det}\nstrategy = \"data-parallel\""),
     ));
     let dp = c.wait_done("dp", S(300));
+    let reference = dp.final_weights_sha256.clone().unwrap();
     assert_eq!(
         tp.final_weights_sha256.unwrap(),
-        dp.final_weights_sha256.unwrap(),
+        reference,
         "dp2×tp2 through a kill against data parallel 2"
+    );
+    assert_eq!(
+        pp.final_weights_sha256.unwrap(),
+        reference,
+        "dp2×pp2 (a tied head on two stages) through a kill against data parallel 2"
     );
     // (the last loss the tensor-parallel run reported: it ran long enough to report again)
     assert!(

@@ -68,6 +68,9 @@ pub struct Trainer {
     /// The model's units (pipeline blocks) by name, and each parameter's unit.
     unit_names: Vec<String>,
     param_unit: Vec<usize>,
+    /// The other unit a parameter is used by, if any (a head tied to the embedding): a stage
+    /// holding that unit holds the parameter too.
+    param_also: Vec<Option<usize>>,
     /// The chunks of units whose parameters and optimizer state this rank holds at `step`.
     held: Vec<std::ops::Range<usize>>,
     /// Bytes of state received from peers when joining the current generation.
@@ -177,9 +180,9 @@ impl Trainer {
             Err(_) => None,
         };
         let order = Order::new(data.len(), spec.seed);
-        let unit_list = ductile_strategies::arch::of(&spec)
-            .map_err(|e| anyhow::anyhow!(e))?
-            .units();
+        let arch = ductile_strategies::arch::of(&spec).map_err(|e| anyhow::anyhow!(e))?;
+        let unit_list = arch.units();
+        let shared = arch.shared();
         anyhow::ensure!(
             unit_list.len() == model.units(),
             "the planner counts {} units in this model, the worker {}",
@@ -194,6 +197,15 @@ impl Trainer {
                     .ok_or_else(|| anyhow::anyhow!("parameter {n} belongs to no unit"))
             })
             .collect::<anyhow::Result<Vec<usize>>>()?;
+        let param_also: Vec<Option<usize>> = model
+            .params()
+            .iter()
+            .map(|(n, _)| {
+                shared
+                    .as_ref()
+                    .and_then(|(name, u)| (name == n).then_some(*u))
+            })
+            .collect();
         let units = unit_list.len();
         let mesh_tls = if spec.mesh_tls {
             let t = ductile_comm::mesh_tls::MeshTls::from_env()?.ok_or_else(|| {
@@ -233,6 +245,7 @@ impl Trainer {
             flags: (false, false),
             unit_names: unit_list.into_iter().map(|u| u.name).collect(),
             param_unit,
+            param_also,
             // a new process holds the seed's state, at step 0
             held: vec![0..units],
             received: 0,

@@ -48,10 +48,17 @@ impl Trainer {
             .collect()
     }
 
+    /// Whether a rank holding the units in `chunks` holds parameter `i`: its own unit's, or
+    /// a copy for another unit that uses it (a tied head).
+    pub(super) fn holds_param(&self, chunks: &[Range<usize>], i: usize) -> bool {
+        holds_unit(chunks, self.param_unit[i])
+            || self.param_also[i].is_some_and(|u| holds_unit(chunks, u))
+    }
+
     /// Parameter indices of the units in `chunks`, in index order.
     pub(super) fn params_in(&self, chunks: &[Range<usize>]) -> Vec<usize> {
         (0..self.params.len())
-            .filter(|i| holds_unit(chunks, self.param_unit[*i]))
+            .filter(|i| self.holds_param(chunks, *i))
             .collect()
     }
 
@@ -59,18 +66,25 @@ impl Trainer {
     /// their storage; every other unit's is released (an empty tensor of the same kind), so
     /// a stage holds its own layers only.
     pub(super) fn hold_only(&mut self, keep: &[Range<usize>]) {
-        self.resize_units(|u| !holds_unit(keep, u), false);
+        let release: Vec<bool> = (0..self.params.len())
+            .map(|i| !self.holds_param(keep, i))
+            .collect();
+        self.resize_params(&release, false);
     }
 
     /// Give the units `want` their storage back (zeros) where it was released, before they
     /// are received or restored.
     pub(super) fn allocate(&mut self, want: &[Range<usize>]) {
-        self.resize_units(|u| holds_unit(want, u), true);
+        let grow: Vec<bool> = (0..self.params.len())
+            .map(|i| self.holds_param(want, i))
+            .collect();
+        self.resize_params(&grow, true);
     }
 
-    fn resize_units(&mut self, which: impl Fn(usize) -> bool, grow: bool) {
+    /// Release (or, with `grow`, give back) the storage of the parameters `which` marks.
+    fn resize_params(&mut self, which: &[bool], grow: bool) {
         for i in 0..self.params.len() {
-            if !which(self.param_unit[i]) {
+            if !which[i] {
                 continue;
             }
             let p = self.params[i].shallow_clone();
@@ -116,7 +130,7 @@ impl Trainer {
     /// (tensor parallelism would slice them).
     pub(super) fn parts_of(&self, rank: u32, chunks: &[Range<usize>]) -> Vec<Part> {
         (0..self.params.len() + self.opt.state.len())
-            .filter(|t| holds_unit(chunks, self.param_unit[self.param_of(*t)]))
+            .filter(|t| self.holds_param(chunks, self.param_of(*t)))
             .map(|t| {
                 let shape: Vec<u64> = self.shapes[self.param_of(t)]
                     .iter()

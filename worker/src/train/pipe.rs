@@ -189,6 +189,29 @@ impl Trainer {
         out
     }
 
+    /// The parameter of `which` (this stage's) that another stage holds too, and that stage:
+    /// a tied head's embedding, when its two units are on different stages of `g`.
+    fn shared_with(&self, g: &Generation, stage: u32, which: &[usize]) -> Option<(usize, u32)> {
+        let units = self.units() as u32;
+        let p = g.layout.pipeline_parallel.max(1);
+        let stage_of = |u: usize| {
+            (0..p).find(|s| {
+                g.stage_chunks(*s, units)
+                    .iter()
+                    .any(|r| r.contains(&(u as u32)))
+            })
+        };
+        which.iter().find_map(|&i| {
+            let also = self.param_also[i]?;
+            let (a, b) = (stage_of(self.param_unit[i])?, stage_of(also)?);
+            match (a == b, stage == a) {
+                (true, _) => None,
+                (false, true) => Some((i, b)),
+                (false, false) => Some((i, a)),
+            }
+        })
+    }
+
     /// The gradients of `which`, in one flat tensor (a copy: the next zeroing leaves it be).
     fn flat_of(&self, which: &[usize]) -> Tensor {
         if which.is_empty() {
@@ -246,9 +269,17 @@ impl Trainer {
             let v = ((bounds.len() - 1) as u32 / p).max(1);
             let last_chunk = v * p - 1;
             let mine: Vec<Range<usize>> = self.units_of(g, me);
+            // (a parameter two of this stage's chunks hold, a tied head's, is listed with the
+            // first: its gradient is complete after that chunk's backward, which runs last)
+            let mut listed = std::collections::BTreeSet::new();
             let which_of: Vec<Vec<usize>> = mine
                 .iter()
-                .map(|r| self.params_in(std::slice::from_ref(r)))
+                .map(|r| {
+                    self.params_in(std::slice::from_ref(r))
+                        .into_iter()
+                        .filter(|i| listed.insert(*i))
+                        .collect()
+                })
                 .collect();
             which = which_of.concat();
             let mbs = self.micro_plan(dp, me.dp_rank, p);
@@ -357,6 +388,25 @@ impl Trainer {
             outbox.finish()?;
             if !self.spec.deterministic {
                 shards.push((0, self.flat_of(&which)));
+            }
+            // a parameter the first and the last stage both hold (a head tied to the
+            // embedding): each adds the other's gradient to its own, logical shard by shard,
+            // so both copies take the same update (a + b and b + a are the same bits)
+            if let Some((i, other)) = self.shared_with(g, stage, &which) {
+                let peer = mesh.stage_peer(c, other);
+                let at: i64 = which
+                    .iter()
+                    .take_while(|j| **j != i)
+                    .map(|j| self.params[*j].numel() as i64)
+                    .sum();
+                let n = self.params[i].numel() as i64;
+                for (_, s) in shards.iter_mut() {
+                    let mut mine = s.narrow(0, at, n);
+                    let sent = comm.place(&mine.contiguous());
+                    let theirs = comm.zeros(&[n], mine.kind());
+                    comm.exchange(&[(peer, &sent)], &[(peer, &theirs)])?;
+                    mine += theirs.into_tensor();
+                }
             }
             if first && counts {
                 ledger_line(

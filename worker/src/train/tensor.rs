@@ -16,7 +16,7 @@ use ductile_strategies::redistribute::{self, Part};
 use ductile_strategies::tensor::{held_ranges, held_regions, split_of, Split};
 use tch::Tensor;
 
-use super::reshard::{holding_parts, holds_unit, move_state, Holding};
+use super::reshard::{holding_parts, move_state, Holding};
 use super::Trainer;
 
 impl Trainer {
@@ -29,7 +29,7 @@ impl Trainer {
             .iter()
             .enumerate()
             .map(|(i, name)| {
-                if !holds_unit(chunks, self.param_unit[i]) {
+                if !self.holds_param(chunks, i) {
                     return Holding {
                         boxes: Vec::new(),
                         dim: 0,
