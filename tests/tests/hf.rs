@@ -386,11 +386,16 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         .unwrap();
     kill_and_reform(&c, "tp", victim.pid.unwrap(), 3);
     let tp = c.wait_done("tp", S(300));
-    c.submit(&job(
-        "pp",
-        4,
-        steps,
-        &format!("{det}\nstrategy = \"pipeline\"\npipeline_parallel = 2"),
+    let pp_ck = c.dir.path().join("pp-ck");
+    c.submit(&format!(
+        "{}[checkpoint]\nurl = \"file://{}\"\ninterval = 50\nkeep = 2\n",
+        job(
+            "pp",
+            4,
+            steps,
+            &format!("{det}\nstrategy = \"pipeline\"\npipeline_parallel = 2"),
+        ),
+        pp_ck.display()
     ));
     let v = c.wait_world("pp", 4, S(60));
     assert_eq!(v.layout.unwrap().to_string(), "dp2×pp2×tp1");
@@ -416,9 +421,23 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         "dp2×tp2 through a kill against data parallel 2"
     );
     assert_eq!(
-        pp.final_weights_sha256.unwrap(),
+        pp.final_weights_sha256.clone().unwrap(),
         reference,
         "dp2×pp2 (a tied head on two stages) through a kill against data parallel 2"
+    );
+    // its last checkpoint, saved by two stages that both hold the embedding, exports it once:
+    // the trained weights
+    let out = c.dir.path().join("pp-export");
+    c.dctl_ok(&[
+        "export",
+        "pp",
+        "--out",
+        &format!("file://{}", out.display()),
+    ]);
+    assert_eq!(
+        directory_weights_sha256(&out),
+        reference,
+        "the export of the pp run"
     );
     // (the last loss the tensor-parallel run reported: it ran long enough to report again)
     assert!(
