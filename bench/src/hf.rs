@@ -15,16 +15,23 @@ use crate::training::throughput;
 const EAGER: &str = r#"
 import sys, time, torch
 from transformers import AutoModelForCausalLM
+import contextlib
 d, threads, batch, ctx, steps, warm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+precision, recompute = sys.argv[7], sys.argv[8]
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
 m.train()
+if recompute == "full":
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+cast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
 v = m.config.vocab_size
 x = torch.randint(0, v, (batch, ctx + 1))
 def step():
-    loss = torch.nn.functional.cross_entropy(m(input_ids=x[:, :-1]).logits.reshape(-1, v), x[:, 1:].reshape(-1))
+    with cast():
+        logits = m(input_ids=x[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, v), x[:, 1:].reshape(-1))
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -44,11 +51,19 @@ fn python() -> anyhow::Result<String> {
     })
 }
 
-fn eager(model: &Path, threads: u32, batch: u32, ctx: u32, steps: u32) -> anyhow::Result<f64> {
+fn eager(
+    model: &Path,
+    threads: u32,
+    batch: u32,
+    ctx: u32,
+    steps: u32,
+    modes: [&str; 2],
+) -> anyhow::Result<f64> {
     let o = Command::new(python()?)
         .args(["-c", EAGER])
         .arg(model)
         .args([threads, batch, ctx, steps, 2].map(|n| n.to_string()))
+        .args(modes)
         .env("HF_HUB_OFFLINE", "1")
         .output()?;
     anyhow::ensure!(
@@ -84,26 +99,40 @@ fn hf_job(world: u32, model: &Path, data: &str, batch: u32, ctx: u32, extra: &st
 }
 
 /// Tokens/s training `model` with ductile at world 1 and data-parallel 2 (one torch thread per
-/// CPU slot) against PyTorch eager with 1 and 2 threads, same batch and context.
-pub async fn hf_step(model: &Path, batch: u32, ctx: u32, reports: usize) -> anyhow::Result<()> {
+/// CPU slot) against PyTorch eager with 1 and 2 threads, same batch and context, both in
+/// `precision` and with `recompute` (`activation_checkpointing`).
+pub async fn hf_step(
+    model: &Path,
+    batch: u32,
+    ctx: u32,
+    reports: usize,
+    precision: &str,
+    recompute: &str,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        ["fp32", "bf16"].contains(&precision) && ["none", "full"].contains(&recompute),
+        "--precision is fp32 or bf16, --activation-checkpointing none or full"
+    );
+    let extra = format!("precision = \"{precision}\"\nactivation_checkpointing = \"{recompute}\"");
     let dir = TempDir::new("hfstep");
     let data = stream(dir.path(), model, 4000)?;
     let mut ours = Vec::new();
     for world in [1u32, 2] {
         let c = Cluster::start(Spec::default().agents(1, world));
-        c.submit(&hf_job(world, model, &data, batch, ctx, ""));
+        c.submit(&hf_job(world, model, &data, batch, ctx, &extra));
         c.wait_world("bench", world, Duration::from_secs(120));
         let mut sps = throughput(&c, 3, reports, Duration::from_secs(900)).await;
         anyhow::ensure!(!sps.is_empty(), "no throughput reported:\n{}", c.logs());
         ours.push(median(&mut sps) * ctx as f64);
     }
+    let modes = [precision, recompute];
     let theirs = [
-        eager(model, 1, batch, ctx, reports as u32)?,
-        eager(model, 2, batch, ctx, reports as u32)?,
+        eager(model, 1, batch, ctx, reports as u32, modes)?,
+        eager(model, 2, batch, ctx, reports as u32, modes)?,
     ];
     for (i, (o, t)) in ours.iter().zip(theirs).enumerate() {
         println!(
-            "hf-step, {} (batch {batch} x {ctx}), {}: ductile {o:.1} tokens/s, PyTorch eager ({} thread{}) {t:.1} tokens/s, ratio {:.3}",
+            "hf-step, {} (batch {batch} x {ctx}, {precision}, activation checkpointing {recompute}), {}: ductile {o:.1} tokens/s, PyTorch eager ({} thread{}) {t:.1} tokens/s, ratio {:.3}",
             model.display(),
             if i == 0 { "world 1" } else { "data-parallel 2" },
             i + 1,

@@ -117,6 +117,13 @@ enum Cmd {
         /// Progress reports (steps) measured.
         #[arg(long, default_value_t = 8)]
         reports: usize,
+        /// `precision` of both sides: fp32, or bf16 (PyTorch: autocast to bfloat16).
+        #[arg(long, default_value = "fp32")]
+        precision: String,
+        /// `activation_checkpointing` of both sides: none, or full (PyTorch: transformers'
+        /// gradient checkpointing).
+        #[arg(long, default_value = "none")]
+        activation_checkpointing: String,
     },
     /// Bytes each rank reads loading a Hugging Face model directory by plan at tensor_parallel 2
     /// and pipeline_parallel 2, against the bytes it holds.
@@ -348,7 +355,19 @@ async fn main() -> anyhow::Result<()> {
             batch,
             ctx,
             reports,
-        } => hf::hf_step(&smollm2_or(model)?, batch, ctx, reports).await,
+            precision,
+            activation_checkpointing,
+        } => {
+            hf::hf_step(
+                &smollm2_or(model)?,
+                batch,
+                ctx,
+                reports,
+                &precision,
+                &activation_checkpointing,
+            )
+            .await
+        }
         Cmd::HfLoad { model } => hf::hf_load(&smollm2_or(model)?).await,
         Cmd::RestoreLayouts { d_model } => tensor::restore_layouts(d_model).await,
         Cmd::TpStep {

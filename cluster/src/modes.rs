@@ -154,6 +154,26 @@ named! {
 }
 
 named! {
+    /// What the model's matrix products compute in: `"fp32"`, or `"bf16"` (operands cast to
+    /// bfloat16, as PyTorch's autocast does; the weights, their gradients, the optimizer state,
+    /// the residual stream, the norms and the loss stay f32).
+    Precision in "training.precision", default Fp32 {
+        Fp32 = "fp32",
+        Bf16 = "bf16",
+    }
+}
+
+named! {
+    /// Recomputing activations in the backward pass: `"none"` keeps what every block's
+    /// backward needs; `"full"` keeps only each transformer block's input and runs the block
+    /// again in the backward (about a third more compute, a block's activations held at once).
+    ActivationCheckpointing in "training.activation_checkpointing", default Off {
+        Off = "none",
+        Full = "full",
+    }
+}
+
+named! {
     /// The pipeline schedule.
     Schedule in "training.schedule", default OneFOneB {
         OneFOneB = "1f1b",

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 
 use crate::keys::validate_name;
 pub use crate::modes::{
-    CommChoice, Init, ModelKind, OptimizerKind, Quantize, Schedule, Strategy, SyncMode,
+    ActivationCheckpointing, CommChoice, Init, ModelKind, OptimizerKind, Precision, Quantize,
+    Schedule, Strategy, SyncMode,
 };
 use crate::{ClusterError, Result};
 
@@ -445,6 +446,15 @@ pub struct TrainingSpec {
     /// The pipeline schedule: `"1f1b"` (default) or `"gpipe"`.
     #[serde(default)]
     pub schedule: Schedule,
+    /// `"none"` (default) or `"full"`: recompute each transformer block in the backward pass,
+    /// keeping only its input (the planner counts the activations so kept and the extra
+    /// forward).
+    #[serde(default)]
+    pub activation_checkpointing: ActivationCheckpointing,
+    /// `"fp32"` (default) or `"bf16"`: matrix products in bfloat16, f32 master weights and
+    /// optimizer state (`model = "hf"`).
+    #[serde(default)]
+    pub precision: Precision,
     /// Plan as if each slot had this much memory (GiB); default: no memory bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_per_slot_gib: Option<f64>,
@@ -1051,6 +1061,23 @@ impl TrainingSpec {
                     "must be a positive number of GiB",
                 ));
             }
+        }
+        if self.precision == Precision::Bf16 && self.model != ModelKind::Hf {
+            return Err(ClusterError::invalid(
+                "training.precision",
+                format!(
+                    "\"bf16\" is implemented for model = \"hf\" (the Llama family, GPT-2); model is {:?}",
+                    self.model.as_str()
+                ),
+            ));
+        }
+        if self.model == ModelKind::Mlp
+            && self.activation_checkpointing == ActivationCheckpointing::Full
+        {
+            return Err(ClusterError::invalid(
+                "training.activation_checkpointing",
+                "\"full\" recomputes transformer blocks; model \"mlp\" has none",
+            ));
         }
         match self.model {
             ModelKind::Gpt => self.gpt_config().map(|_| ())?,
@@ -2011,6 +2038,13 @@ keep = 3
         assert!(
             err(&format!("{base}[checkpoint]\nurl = \"http://x\"\n")).contains("checkpoint.url")
         );
+        // bf16 products are for the Hugging Face models; recomputation for transformer blocks
+        assert!(JobSpec::from_toml(&t("activation_checkpointing = \"full\"\n")).is_ok());
+        assert!(err(&t("precision = \"bf16\"\n")).contains("training.precision"));
+        assert!(err(&t("precision = \"fp16\"\n")).contains("\"fp16\" is unknown"));
+        let e = err(&t("activation_checkpointing = \"full\"\n").replace("gpt", "mlp"));
+        assert!(e.contains("training.activation_checkpointing"), "{e}");
+        assert!(err(&t("activation_checkpointing = \"selective\"\n")).contains("is unknown"));
     }
 }
 

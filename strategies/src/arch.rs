@@ -4,7 +4,9 @@
 //! parameters to units and slices with it, so both sides read one description of a model.
 
 use ductile_cluster::hf::{Family, HfConfig};
-use ductile_cluster::records::{GptConfig, MlpConfig, ModelKind, TrainingSpec};
+use ductile_cluster::records::{
+    ActivationCheckpointing, GptConfig, MlpConfig, ModelKind, TrainingSpec,
+};
 
 use crate::pipeline::Unit;
 use crate::tensor::{self, Arch, Split};
@@ -38,8 +40,49 @@ pub trait Architecture: Send + Sync {
     }
 }
 
-/// The architecture of a job's model, its configuration checked.
+/// The architecture of a job's model, its configuration checked (with
+/// `activation_checkpointing = "full"`, its blocks as recomputed: [`Recomputed`]).
 pub fn of(t: &TrainingSpec) -> Result<Box<dyn Architecture>, String> {
+    let arch = plain(t)?;
+    Ok(match t.activation_checkpointing {
+        ActivationCheckpointing::Off => arch,
+        ActivationCheckpointing::Full => Box::new(Recomputed(arch)),
+    })
+}
+
+/// A transformer whose blocks (every unit between the embedding and the head) are recomputed
+/// in the backward pass: a block keeps only its input for the backward, and costs one more
+/// forward (8 rather than 6 FLOPs per parameter and token).
+pub struct Recomputed(pub Box<dyn Architecture>);
+
+impl Architecture for Recomputed {
+    fn units(&self) -> Vec<Unit> {
+        let mut us = self.0.units();
+        let n = us.len();
+        for i in 1..n.saturating_sub(1) {
+            us[i].stash_bytes = us[i - 1].out_bytes;
+            us[i].flops *= 4.0 / 3.0;
+        }
+        us
+    }
+    fn tensor_synced_units(&self) -> usize {
+        self.0.tensor_synced_units()
+    }
+    fn split_rules(&self) -> Arch {
+        self.0.split_rules()
+    }
+    fn check_tp(&self, tp: u32) -> Result<(), String> {
+        self.0.check_tp(tp)
+    }
+    fn check_layout(&self, pp: u32, tp: u32) -> Result<(), String> {
+        self.0.check_layout(pp, tp)
+    }
+    fn shared(&self) -> Option<(String, usize)> {
+        self.0.shared()
+    }
+}
+
+fn plain(t: &TrainingSpec) -> Result<Box<dyn Architecture>, String> {
     Ok(match t.model {
         ModelKind::Gpt => Box::new(Gpt(t.gpt_config().map_err(|e| e.to_string())?)),
         ModelKind::Mlp => Box::new(Mlp(t.mlp_config().map_err(|e| e.to_string())?)),

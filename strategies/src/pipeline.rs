@@ -472,6 +472,28 @@ mod tests {
         .unwrap()
     }
 
+    /// Recomputed blocks keep only their inputs for the backward (less memory per stage) and
+    /// run their forward again (more compute); the embedding and the head are as they were.
+    #[test]
+    fn activation_checkpointing_trades_stashed_activations_for_a_second_forward() {
+        let t = gpt("pipeline", Degree::Fixed(2), 4);
+        let mut r = t.clone();
+        r.activation_checkpointing = ductile_cluster::records::ActivationCheckpointing::Full;
+        let (p, q) = (plan(&t, 2).unwrap(), plan(&r, 2).unwrap());
+        for (a, b) in p.stages.iter().zip(&q.stages) {
+            assert!(b.memory_bytes < a.memory_bytes, "{a:?} vs {b:?}");
+            assert!(b.compute_s > a.compute_s, "{a:?} vs {b:?}");
+        }
+        let (plain, rec) = (
+            crate::arch::of(&t).unwrap().units(),
+            crate::arch::of(&r).unwrap().units(),
+        );
+        assert_eq!(rec[0], plain[0]);
+        assert_eq!(rec[5], plain[5]);
+        assert_eq!(rec[2].stash_bytes, plain[1].out_bytes);
+        assert!((rec[2].flops / plain[2].flops - 4.0 / 3.0).abs() < 1e-12);
+    }
+
     #[test]
     fn interleaving_cuts_two_chunks_per_stage_and_shrinks_the_bubble() {
         let mut t = gpt("pipeline", Degree::Fixed(2), 4); // 6 units

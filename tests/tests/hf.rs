@@ -325,8 +325,9 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
 /// dp1×tp2 (the fused Conv1D Q/K/V split by heads along its columns), checkpoints as tensor
 /// slices and exports to a directory transformers loads with the reference logits; in
 /// deterministic mode dp2×tp2 through a kill, and dp2×pp2 through a kill (the tied embedding
-/// on the first and the last stage, their gradients summed between them), end with the bits
-/// of a data-parallel run.
+/// on the first and the last stage, their gradients summed between them; every block
+/// recomputed in the backward: `activation_checkpointing = "full"`), end with the bits of a
+/// data-parallel run; so do bf16 runs at tp2 and dp2 (`precision = "bf16"`).
 #[test]
 fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_and_exports() {
     let model = fixtures().join("gpt2");
@@ -393,7 +394,7 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
             "pp",
             4,
             steps,
-            &format!("{det}\nstrategy = \"pipeline\"\npipeline_parallel = 2"),
+            &format!("{det}\nstrategy = \"pipeline\"\npipeline_parallel = 2\nactivation_checkpointing = \"full\""),
         ),
         pp_ck.display()
     ));
@@ -424,6 +425,37 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         pp.final_weights_sha256.clone().unwrap(),
         reference,
         "dp2×pp2 (a tied head on two stages) through a kill against data parallel 2"
+    );
+    // bf16 products: a tensor-parallel run and a data-parallel one end with the same bits,
+    // and train
+    for (name, extra) in [
+        (
+            "bf16tp",
+            "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1",
+        ),
+        ("bf16dp", "strategy = \"data-parallel\""),
+    ] {
+        c.submit(&job(
+            name,
+            2,
+            steps,
+            &format!("{det}\nprecision = \"bf16\"\n{extra}"),
+        ));
+    }
+    let (a, b) = (c.wait_done("bf16tp", S(300)), c.wait_done("bf16dp", S(300)));
+    assert_eq!(
+        a.final_weights_sha256, b.final_weights_sha256,
+        "bf16 at tp2 and dp2"
+    );
+    assert_ne!(
+        a.final_weights_sha256.unwrap(),
+        reference,
+        "bf16 is not f32"
+    );
+    assert!(
+        a.loss.unwrap() < before - 0.1,
+        "bf16 training lowered the loss from {before}: {:?}",
+        a.loss
     );
     // its last checkpoint, saved by two stages that both hold the embedding, exports it once:
     // the trained weights

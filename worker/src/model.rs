@@ -63,6 +63,11 @@ pub struct Model {
     shard: Option<Shard>,
     /// Deterministic mode's logical slices per split layer (`tensor_slices`).
     slices: Option<u32>,
+    /// `precision = "bf16"`: the parallel layers' matrix products in bfloat16.
+    bf16: bool,
+    /// Activation checkpointing: every block (the units between the first and the last) runs
+    /// without gradients forward and again in the backward.
+    recompute: bool,
 }
 
 impl Model {
@@ -115,6 +120,9 @@ impl Model {
             net,
             shard: None,
             slices: spec.tensor_slices.filter(|_| spec.deterministic),
+            recompute: spec.activation_checkpointing
+                == ductile_cluster::records::ActivationCheckpointing::Full,
+            bf16: spec.precision == ductile_cluster::records::Precision::Bf16,
         })
     }
 
@@ -164,12 +172,42 @@ impl Model {
         input: &Tensor,
         tape: &mut Tape,
     ) -> Result<Tensor, CommError> {
-        self.net.forward(a, b, input, &mut self.par(tape))
+        let _compute = tp::Compute::new(self.bf16);
+        if !self.recompute {
+            return self.net.forward(a, b, input, &mut self.par(tape));
+        }
+        // activation checkpointing: each block runs without gradients (its collectives all
+        // the same), keeping only its input; the units around the blocks run as they are
+        let block = |u: usize| u > 0 && u + 1 < self.units();
+        let mut h = input.shallow_clone();
+        let mut u = a;
+        while u < b {
+            if block(u) {
+                let x = h;
+                let y = tch::no_grad(|| {
+                    self.net
+                        .forward(u, u + 1, &x.detach(), &mut self.par(&mut Tape::default()))
+                })?;
+                h = tape.recomputed(u, &x, y);
+                u += 1;
+            } else {
+                let e = (u + 1..b).find(|k| block(*k)).unwrap_or(b);
+                h = self.net.forward(u, e, &h, &mut self.par(tape))?;
+                u = e;
+            }
+        }
+        Ok(h)
+    }
+
+    /// Whether blocks are recomputed in the backward (`activation_checkpointing = "full"`).
+    pub fn recomputes(&self) -> bool {
+        self.recompute
     }
 
     /// Sum over the batch of each sample's loss, from the network's output (in a tensor
     /// group every member gets the same loss).
     pub fn loss(&self, out: &Tensor, y: &Tensor, tape: &mut Tape) -> Result<Tensor, CommError> {
+        let _compute = tp::Compute::new(self.bf16);
         self.net.loss(out, y, &mut self.par(tape))
     }
 
@@ -182,13 +220,13 @@ impl Model {
         out: &Tensor,
         grad: Option<&Tensor>,
     ) -> Result<(), CommError> {
-        match &self.shard {
-            Some(s) => tape.backward(out, grad, &s.group),
-            None => {
-                tp::backward_with(out, grad);
-                Ok(())
-            }
-        }
+        // (a recomputed block runs in the precision it ran in)
+        let _compute = tp::Compute::new(self.bf16);
+        let group = self.shard.as_ref().map(|s| &s.group);
+        let mut rerun = |u: usize, x: &Tensor, inner: &mut Tape| {
+            self.net.forward(u, u + 1, x, &mut self.par(inner))
+        };
+        tape.backward(out, grad, group, &mut rerun)
     }
 
     /// Greedy continuation of `prompt` (token ids) with a key/value cache: up to `n` new ids,
@@ -222,6 +260,7 @@ impl Model {
     /// (evaluation, and the local steps of DiLoCo and async; so / global batch gives the exact
     /// mean).
     pub fn loss_sum(&self, x: &Tensor, y: &Tensor) -> Tensor {
+        let _compute = tp::Compute::new(self.bf16);
         let whole = "the whole model does not communicate";
         let out = self
             .net

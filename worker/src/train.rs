@@ -435,8 +435,22 @@ impl Trainer {
         for chunk in idx.chunks(micro.max(1)) {
             let (x, y) = self.data.batch(chunk);
             let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
-            let l = self.model.loss_sum(&x, &y) / n;
-            l.backward();
+            let l = if self.model.recomputes() {
+                // through the tape: its blocks run again in the backward
+                let solo = "a data-parallel model does not communicate inside itself";
+                let mut tape = crate::model::Tape::default();
+                let out = self
+                    .model
+                    .forward(0, self.units(), &x, &mut tape)
+                    .expect(solo);
+                let l = self.model.loss(&out, &y, &mut tape).expect(solo) / n;
+                self.model.backward(tape, &l, None).expect(solo);
+                l
+            } else {
+                let l = self.model.loss_sum(&x, &y) / n;
+                l.backward();
+                l
+            };
             loss += l.double_value(&[]) * n;
         }
         (idx, loss)

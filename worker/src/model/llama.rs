@@ -55,6 +55,8 @@ fn rms(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 fn rope_apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let half = x.size()[x.dim() - 1] / 2;
     let rotated = Tensor::cat(&[-x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1);
+    // (in the activations' kind, as transformers does: bf16 stays bf16)
+    let (cos, sin) = (cos.to_kind(x.kind()), sin.to_kind(x.kind()));
     x * cos + rotated * sin
 }
 

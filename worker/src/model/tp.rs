@@ -89,7 +89,13 @@ struct Cut {
     leaves: Vec<Tensor>,
     /// The leaves' gradients are gathered over the slices and folded (an f cut).
     fold_grads: bool,
+    /// A recomputed unit (activation checkpointing): its index and its input, kept without
+    /// its graph; the unit ran without gradients and its output is the leaf.
+    rerun: Option<(usize, Tensor)>,
 }
+
+/// Runs unit `u` again on its input (a leaf that wants gradients), its cuts on the tape given.
+pub type Rerun<'a> = dyn FnMut(usize, &Tensor, &mut Tape) -> Result<Tensor, CommError> + 'a;
 
 /// The cuts of one forward pass, for its backward.
 #[derive(Default)]
@@ -108,6 +114,20 @@ impl Tape {
             sources: vec![x.shallow_clone()],
             leaves: vec![leaf.shallow_clone()],
             fold_grads: false,
+            rerun: None,
+        });
+        leaf
+    }
+
+    /// Unit `unit` ran on `input` without gradients and gave `out`: its output as a leaf, and
+    /// a cut that runs the unit again in the backward (activation checkpointing).
+    pub(super) fn recomputed(&mut self, unit: usize, input: &Tensor, out: Tensor) -> Tensor {
+        let leaf = out.set_requires_grad(true);
+        self.cuts.push(Cut {
+            sources: vec![input.shallow_clone()],
+            leaves: vec![leaf.shallow_clone()],
+            fold_grads: false,
+            rerun: Some((unit, input.detach())),
         });
         leaf
     }
@@ -125,6 +145,7 @@ impl Tape {
             sources: vec![x.shallow_clone()],
             leaves: leaves.iter().map(|l| l.shallow_clone()).collect(),
             fold_grads: true,
+            rerun: None,
         });
         leaves
     }
@@ -142,18 +163,21 @@ impl Tape {
             sources: parts,
             leaves: vec![leaf.shallow_clone()],
             fold_grads: false,
+            rerun: None,
         });
         Ok(leaf)
     }
 
     /// Backward from `out` (a scalar loss when `grad` is `None`, else an activation with the
-    /// gradient `grad`), then through every cut in reverse order. Parameter gradients
-    /// accumulate as with `backward()`.
+    /// gradient `grad`), then through every cut in reverse order (a recomputed unit runs again
+    /// through `rerun`, and its backward with it). Parameter gradients accumulate as with
+    /// `backward()`. `group` is the tensor group, for the cuts of split layers.
     pub fn backward(
         self,
         out: &Tensor,
         grad: Option<&Tensor>,
-        group: &Group,
+        group: Option<&Group>,
+        rerun: &mut Rerun,
     ) -> Result<(), CommError> {
         backward_with(out, grad);
         for c in self.cuts.into_iter().rev() {
@@ -162,7 +186,19 @@ impl Tape {
                 // the same on every member: nothing downstream used this cut
                 continue;
             }
-            if c.fold_grads {
+            if let Some((unit, input)) = &c.rerun {
+                let x = input
+                    .detach()
+                    .set_requires_grad(c.sources[0].requires_grad());
+                let mut inner = Tape::default();
+                let y = rerun(*unit, &x, &mut inner)?;
+                inner.backward(&y, Some(&grads[0]), group, rerun)?;
+                let g = x.grad();
+                if g.defined() {
+                    backward_with(&c.sources[0], Some(&g));
+                }
+            } else if c.fold_grads {
+                let group = group.expect("a split layer's cut has its tensor group");
                 let local: Vec<Tensor> = grads
                     .iter()
                     .zip(&c.leaves)
@@ -265,6 +301,50 @@ impl Model {
     }
 }
 
+thread_local! {
+    /// Whether this thread's matrix products run in bf16 (`precision = "bf16"`): set by the
+    /// model around each pass it runs ([`Compute`]).
+    static LOW: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While alive, the parallel layers' matrix products on this thread compute in bf16 (when
+/// `bf16`): the operands cast to bfloat16, as PyTorch's autocast does for `linear`; a
+/// row-parallel layer's partials and the logits come back to f32 before they are summed, so
+/// the residual stream, the norms and the loss stay f32, and so do the weights (the casts are
+/// in the graph: their gradients arrive in f32).
+pub(super) struct Compute(bool);
+
+impl Compute {
+    pub(super) fn new(bf16: bool) -> Compute {
+        Compute(LOW.with(|l| l.replace(bf16)))
+    }
+}
+
+impl Drop for Compute {
+    fn drop(&mut self) {
+        LOW.with(|l| l.set(self.0));
+    }
+}
+
+fn low() -> bool {
+    LOW.with(|l| l.get())
+}
+
+/// `x · wᵀ (+ b)` with bf16 operands (and result).
+fn low_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let k = Kind::BFloat16;
+    let y = x.to_kind(k).matmul(&w.to_kind(k).tr());
+    match b {
+        Some(b) => y + b.to_kind(k),
+        None => y,
+    }
+}
+
+/// A bf16 result back in f32.
+fn wide(t: Tensor) -> Tensor {
+    t.to_kind(Kind::Float)
+}
+
 /// How a forward pass runs its layers: the whole model, or this member's slices of the split
 /// layers through its tensor group, with the collectives' cuts on a [`Tape`]. The model's
 /// forward is written once over it, as Megatron's parallel layers are (each layer is its math
@@ -297,7 +377,21 @@ impl Par<'_> {
     /// each slice's outputs.
     pub(super) fn column(&self, l: &nn::Linear, xs: &[Tensor], n: i64) -> Vec<Tensor> {
         match self {
+            Par::Whole if low() => xs
+                .iter()
+                .map(|x| low_linear(x, &l.ws, l.bs.as_ref()))
+                .collect(),
             Par::Whole => xs.iter().map(|x| x.apply(l)).collect(),
+            Par::Split(s, _) if low() => s
+                .local(n)
+                .into_iter()
+                .zip(xs)
+                .map(|((off, len), x)| {
+                    let w = l.ws.narrow(0, off, len).contiguous();
+                    let b = l.bs.as_ref().map(|b| b.narrow(0, off, len));
+                    low_linear(x, &w, b.as_ref())
+                })
+                .collect(),
             Par::Split(s, _) => s
                 .local(n)
                 .into_iter()
@@ -324,13 +418,27 @@ impl Par<'_> {
         n: i64,
     ) -> Result<Tensor, CommError> {
         match self {
+            Par::Whole if low() => {
+                let y = wide(low_linear(&xs[0], &l.ws, None));
+                Ok(match &l.bs {
+                    Some(b) => y + b,
+                    None => y,
+                })
+            }
             Par::Whole => Ok(xs[0].apply(l)),
             Par::Split(s, tape) => {
                 let parts: Vec<Tensor> = s
                     .local(n)
                     .into_iter()
                     .zip(xs)
-                    .map(|((off, len), x)| x.matmul(&l.ws.narrow(1, off, len).contiguous().tr()))
+                    .map(|((off, len), x)| {
+                        let w = l.ws.narrow(1, off, len).contiguous();
+                        if low() {
+                            wide(low_linear(x, &w, None))
+                        } else {
+                            x.matmul(&w.tr())
+                        }
+                    })
                     .collect();
                 let sum = tape.g(parts, s)?;
                 Ok(match &l.bs {
@@ -348,7 +456,12 @@ impl Par<'_> {
             Par::Whole => xs
                 .iter()
                 .map(|x| {
-                    let mut qkv = x.apply(l).split(c, 2).into_iter();
+                    let y = if low() {
+                        low_linear(x, &l.ws, l.bs.as_ref())
+                    } else {
+                        x.apply(l)
+                    };
+                    let mut qkv = y.split(c, 2).into_iter();
                     let mut next = || qkv.next().expect("three parts");
                     [next(), next(), next()]
                 })
@@ -362,8 +475,13 @@ impl Par<'_> {
                     .zip(xs)
                     .map(|((off, len), a)| {
                         let proj = |k: i64| {
-                            a.matmul(&w.narrow(0, k * block + off, len).contiguous().tr())
-                                + bias.narrow(0, k * block + off, len)
+                            let w = w.narrow(0, k * block + off, len).contiguous();
+                            let b = bias.narrow(0, k * block + off, len);
+                            if low() {
+                                low_linear(a, &w, Some(&b))
+                            } else {
+                                a.matmul(&w.tr()) + b
+                            }
                         };
                         [proj(0), proj(1), proj(2)]
                     })
@@ -404,6 +522,7 @@ impl Par<'_> {
     /// logits (the whole model's: all of them).
     pub(super) fn head(&mut self, weight: &Tensor, x: &Tensor, vocab: i64) -> Tensor {
         match self {
+            Par::Whole if low() => wide(low_linear(x, weight, None)),
             Par::Whole => x.matmul(&weight.tr()),
             Par::Split(s, tape) => {
                 let xs = tape.f(x, s);
@@ -411,7 +530,14 @@ impl Par<'_> {
                     .local(vocab)
                     .into_iter()
                     .zip(&xs)
-                    .map(|((off, len), x)| x.matmul(&weight.narrow(0, off, len).tr()))
+                    .map(|((off, len), x)| {
+                        let w = weight.narrow(0, off, len);
+                        if low() {
+                            wide(low_linear(x, &w, None))
+                        } else {
+                            x.matmul(&w.tr())
+                        }
+                    })
                     .collect();
                 Tensor::cat(&logits, -1)
             }
@@ -716,6 +842,99 @@ mod tests {
     async fn tensor_parallel_gpt2_computes_the_unsplit_models_loss_and_gradients() {
         matches_the_unsplit_model(&gpt2, &[1, 2, 4], 90).await;
         the_same_bits_at_every_group_size(&gpt2_sliced, 100).await;
+    }
+
+    /// With `activation_checkpointing = "full"` (blocks run without gradients, then again in
+    /// the backward), the loss and every gradient are the bits of the run that keeps the
+    /// activations: the whole model, and members of a tensor group of 2 (the recomputed
+    /// blocks' collectives included). GPT-2 (a tied head), the Llama and the built-in GPT.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn recomputed_blocks_give_the_same_loss_and_gradients_bit_for_bit() {
+        let recomputed = |make: fn() -> (TrainingSpec, Dataset, Tensor, Tensor)| {
+            move || {
+                let (mut s, d, x, y) = make();
+                s.activation_checkpointing =
+                    ductile_cluster::records::ActivationCheckpointing::Full;
+                (s, d, x, y)
+            }
+        };
+        let whole = |make: &dyn Fn() -> (TrainingSpec, Dataset, Tensor, Tensor)| {
+            let (s, d, x, y) = make();
+            let m = Model::new(&s, &d, Device::Cpu).unwrap();
+            let mut tape = Tape::default();
+            let out = m.forward(0, m.units(), &x, &mut tape).unwrap();
+            let loss = m.loss(&out, &y, &mut tape).unwrap();
+            let cuts = tape.len();
+            m.backward(tape, &loss, None).unwrap();
+            (loss.double_value(&[]), grads(&m), cuts)
+        };
+        for (i, make) in [gpt2 as fn() -> _, llama, gpt].into_iter().enumerate() {
+            let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+            let r = recomputed(make);
+            let (l0, g0, cuts0) = whole(&make);
+            let (l1, g1, cuts1) = whole(&r);
+            assert_eq!(cuts0, 0, "the whole model keeps its graph");
+            assert!(cuts1 > 0, "the blocks were recomputed");
+            assert_eq!(l0.to_bits(), l1.to_bits(), "model {i}: loss");
+            for (n, g) in &g0 {
+                assert!(g.equal(&g1[n]), "model {i}: gradient of {n}");
+            }
+            let gen = 110 + 2 * i as u64;
+            let a = run_tp(&mesh(2, gen).await, &make);
+            let b = run_tp(&mesh(2, gen + 1).await, &r);
+            for (rank, ((la, ga, _), (lb, gb, _))) in a.iter().zip(&b).enumerate() {
+                assert_eq!(la.to_bits(), lb.to_bits(), "model {i} rank {rank}: loss");
+                for (n, g) in ga {
+                    assert!(g.equal(&gb[n]), "model {i} rank {rank}: gradient of {n}");
+                }
+            }
+        }
+    }
+
+    fn gpt2_bf16() -> (TrainingSpec, Dataset, Tensor, Tensor) {
+        let (mut s, d, x, y) = gpt2_sliced();
+        s.precision = ductile_cluster::records::Precision::Bf16;
+        (s, d, x, y)
+    }
+
+    /// `precision = "bf16"`: the loss and gradients stay near f32's (bf16 products, f32 sums,
+    /// norms and loss), the weights' gradients arrive in f32, and with logical slices the bits
+    /// are the same at every tensor-parallel group size.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bf16_products_stay_near_f32_and_give_the_same_bits_at_every_group_size() {
+        for (i, make) in [gpt2 as fn() -> _, llama].into_iter().enumerate() {
+            let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+            let run = |bf16: bool| {
+                let (mut s, d, x, y) = make();
+                if bf16 {
+                    s.precision = ductile_cluster::records::Precision::Bf16;
+                }
+                let m = Model::new(&s, &d, Device::Cpu).unwrap();
+                let mut tape = Tape::default();
+                let out = m.forward(0, m.units(), &x, &mut tape).unwrap();
+                let loss = m.loss(&out, &y, &mut tape).unwrap();
+                m.backward(tape, &loss, None).unwrap();
+                (loss.double_value(&[]), grads(&m))
+            };
+            let ((l32, g32), (l16, g16)) = (run(false), run(true));
+            assert_ne!(
+                l32.to_bits(),
+                l16.to_bits(),
+                "model {i}: bf16 computed in bf16"
+            );
+            assert!(
+                (l16 - l32).abs() < 2e-2 * l32.abs(),
+                "model {i}: {l16} vs {l32}"
+            );
+            for (n, a) in &g32 {
+                let b = &g16[n];
+                assert_eq!(b.kind(), Kind::Float, "{n}: an f32 gradient");
+                let cos = (a * b).sum(Kind::Double).double_value(&[])
+                    / (a.norm().double_value(&[]) * b.norm().double_value(&[])).max(1e-30);
+                assert!(cos > 0.99, "model {i}: gradient of {n}: cosine {cos}");
+            }
+        }
+        the_same_bits_at_every_group_size(&gpt2_bf16, 120).await;
     }
 
     fn gpt_sliced() -> (TrainingSpec, Dataset, Tensor, Tensor) {
