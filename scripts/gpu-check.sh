@@ -17,7 +17,9 @@
 #     4. ductile-bench gpu-step: the elastic CUDA step against a bare tch loop, checkpoint stall;
 #     5. a checkpoint restored across device kinds and sizes (GPU -> 2 CPU workers -> GPU);
 #     6. Hugging Face Llama and GPT-2 fixtures on cuda:0 (NCCL; TP 2 and two pipeline stages
-#        over TCP), bitwise equal across layouts through kills, exported. GPU_CHECK_STEPS="6" runs only step 6.
+#        over TCP), bitwise equal across layouts through kills, exported;
+#     7. figures: SmolLM2-135M's architecture training on cuda:0 in fp32 and bf16 (tokens/s,
+#        MFU), against PyTorch eager where the machine has transformers. GPU_CHECK_STEPS="6 7" runs only those.
 #   It exits non-zero on any failure.
 #
 # Environment: TORCH_LIB (default: the torch/lib of `python3 -c 'import torch'`), DUCTILE_BIN_DIR
@@ -29,7 +31,7 @@ cd "$root"
 log() { printf '\n[gpu-check] %s\n' "$*"; }
 fail() { printf '\n[gpu-check] FAILED: %s\n' "$*" >&2; exit 1; }
 # GPU_CHECK_STEPS="2 6" runs only those steps (5 needs 3's checkpoint), to rerun what failed
-steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6} "
+steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6 7} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 
 if [ "${1:-}" = pack ]; then
@@ -64,6 +66,12 @@ for n in sorted(t):
 print(h.hexdigest())' gpu-bin/stage/hf-llama >gpu-bin/stage/hf-llama.sha256
   else
     echo "no Hugging Face fixture (run scripts/setup.sh --tests): step 6 will be skipped" >&2
+  fi
+  # step 7's model: SmolLM2-135M's config.json and tokenizer.json (its architecture, trained
+  # from random weights: the weights stay here)
+  if [ -n "${DUCTILE_SMOLLM2:-}" ]; then
+    mkdir -p gpu-bin/stage/hf-smollm2
+    cp "$DUCTILE_SMOLLM2/config.json" "$DUCTILE_SMOLLM2/tokenizer.json" gpu-bin/stage/hf-smollm2/
   fi
   tar czf gpu-bin/ductile-gpu.tar.gz -C gpu-bin/stage .
   rm -rf gpu-bin/stage
@@ -420,5 +428,96 @@ echo "$job (dp1xpp2 over TCP$([ "$fx" = gpt2 ] && echo ', the tied embedding on 
 echo "$fx: bitwise equal across layouts on cuda:0: yes"
 kill -TERM "${agent_pid[hf-b-$fx]}"; sleep 3
 done
+fi
+if want 7; then
+log "7. figures: SmolLM2-135M's architecture (random weights) training on cuda:0, fp32 and bf16, tokens/s and MFU (6·N·tokens/s over the H100's dense peak: 67 TFLOP/s fp32, 989 bf16), against PyTorch eager (transformers + AdamW) where this machine has transformers"
+model="$bin/hf-smollm2"
+[ -f "$model/config.json" ] || fail "no $model: pack where scripts/setup.sh --tests made SmolLM2"
+batch=${GPU_HF_BATCH:-8}
+ctx=${GPU_HF_CTX:-1024}
+py "
+import json
+words = 'elastic training keeps going when a node dies Madrid Spain capital the of is step sample'.split()
+with open('$work/smol.jsonl', 'w') as f:
+    for i in range(20000):
+        f.write(json.dumps({'text': ' '.join(words[(i * 7 + k * k * 3 + k) % len(words)] for k in range(24)) + f' {i}.'}) + '\\n')
+"
+ductile-worker tokenize --tokenizer "file://$model" --input "$work/smol.jsonl" --out "file://$work/smol.tok"
+params=$(py "
+import json; c = json.load(open('$model/config.json'))
+d, l, v, f = c['hidden_size'], c['num_hidden_layers'], c['vocab_size'], c['intermediate_size']
+h, kv = c['num_attention_heads'], c['num_key_value_heads']; hd = d // h
+print(v * d + l * (d * hd * (2 * h + 2 * kv) + 3 * d * f + 2 * d) + d)")
+echo "SmolLM2-135M: $params parameters, batch $batch x $ctx"
+start_agent gpu-h --gpus 0
+sleep 1
+for prec in fp32 bf16; do
+  job=smol$prec
+  cat >"$work/$job.toml" <<JOB
+name = "$job"
+min = 1
+max = 1
+desired = 1
+[training]
+model = "hf"
+model_path = "file://$model"
+init = "random"
+dataset = "file://$work/smol.tok"
+global_batch = $batch
+lr = 1e-4
+seed = 1
+max_steps = 100000
+comm = "nccl"
+precision = "$prec"
+model_config = { ctx = $ctx }
+JOB
+  dctl submit "$work/$job.toml"
+  wait_for 240 "job $job past step 10" "v['step'] >= 10"
+  s0=$(field "v['step']"); t0=$(date +%s.%N)
+  sleep 20
+  s1=$(field "v['step']"); t1=$(date +%s.%N)
+  py "
+tok = ($s1 - $s0) * $batch * $ctx / ($t1 - $t0)
+peak = {'fp32': 67e12, 'bf16': 989e12}['$prec']
+print(f'ductile $prec: {tok:.0f} tokens/s ({$s1 - $s0} steps in {$t1 - $t0:.1f} s), MFU {6 * $params * tok / peak * 100:.1f}%')"
+  dctl stop "$job" >/dev/null
+  wait_for 60 "job $job stopped" "v['state'] in ('Stopped', 'Succeeded', 'Failed')"
+done
+kill -TERM "${agent_pid[gpu-h]}"; sleep 2
+if python3 -c 'import transformers' 2>/dev/null; then
+  for prec in fp32 bf16; do
+    python3 - "$model" "$batch" "$ctx" "$prec" "$params" <<'PY'
+import contextlib, sys, time, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+d, batch, ctx, prec, params = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+cfg = AutoConfig.from_pretrained(d)
+torch.manual_seed(0)
+m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().cuda().train()
+opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+x = torch.randint(0, cfg.vocab_size, (batch, ctx + 1), device="cuda")
+cast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if prec == "bf16" else contextlib.nullcontext
+def step():
+    with cast():
+        logits = m(input_ids=x[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+for _ in range(5):
+    step()
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+n = 30
+for _ in range(n):
+    step()
+torch.cuda.synchronize()
+tok = batch * ctx * n / (time.perf_counter() - t0)
+peak = {"fp32": 67e12, "bf16": 989e12}[prec]
+print(f"PyTorch eager {prec}: {tok:.0f} tokens/s, MFU {6 * params * tok / peak * 100:.1f}%")
+PY
+  done
+else
+  echo "PyTorch eager: this machine's python3 has no transformers module (not compared)"
+fi
 fi
 log "all GPU checks passed"

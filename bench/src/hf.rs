@@ -124,6 +124,24 @@ pub async fn hf_step(
         let mut sps = throughput(&c, 3, reports, Duration::from_secs(900)).await;
         anyhow::ensure!(!sps.is_empty(), "no throughput reported:\n{}", c.logs());
         ours.push(median(&mut sps) * ctx as f64);
+        // the workers' peak resident memory so far (Linux: VmHWM)
+        let peaks: Vec<String> = c
+            .status("bench")
+            .members
+            .iter()
+            .filter_map(|m| m.pid)
+            .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+            .filter_map(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmHWM:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            })
+            .map(|kb| format!("{:.0} MiB", kb as f64 / 1024.0))
+            .collect();
+        println!(
+            "hf-step: world {world}, {precision}, activation checkpointing {recompute}: workers' peak resident memory {}",
+            peaks.join(", ")
+        );
     }
     let modes = [precision, recompute];
     let theirs = [

@@ -1541,6 +1541,27 @@ pub fn kill_and_reform(
     (v, g)
 }
 
+/// SIGKILL worker `pid` of `job` where a free slot can take its place: wait for the failure's
+/// generation (state from peers), then for `world` workers running.
+pub fn kill_and_replace(c: &Cluster, job: &str, pid: u32, world: u32) -> JobView {
+    let before = c.history(job).last().map(|g| g.number).unwrap_or(0);
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let g = c.wait_for(
+        Duration::from_secs(30),
+        "the generation after a kill",
+        || c.history(job).into_iter().find(|g| g.number > before),
+    );
+    assert_eq!(
+        (g.reason, g.state_source),
+        (
+            ductile_cluster::records::Reason::Failure,
+            ductile_cluster::records::StateSource::Peers
+        ),
+        "{g:?}"
+    );
+    c.wait_world(job, world, Duration::from_secs(60))
+}
+
 /// Load `url` in headless Chromium (Debian's `chromium`, installed by scripts/setup.sh) with a
 /// fresh profile under `profile`, a virtual-time budget of `budget_ms` (it runs only while
 /// nothing is pending) and `args` (`--dump-dom`, `--screenshot=...`); its stdout. Bounded: 90 s.

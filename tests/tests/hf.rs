@@ -327,13 +327,14 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
 /// deterministic mode dp2×tp2 through a kill, and dp2×pp2 through a kill (the tied embedding
 /// on the first and the last stage, their gradients summed between them; every block
 /// recomputed in the backward: `activation_checkpointing = "full"`), end with the bits of a
-/// data-parallel run; so do bf16 runs at tp2 and dp2 (`precision = "bf16"`).
+/// data-parallel run, and so does dp2×pp2×tp2; so do bf16 runs at tp2 and dp2
+/// (`precision = "bf16"`).
 #[test]
 fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_and_exports() {
     let model = fixtures().join("gpt2");
     let c = Cluster::start(Spec {
         restart_backoff_ms: 300,
-        ..Spec::default().agents(1, 4)
+        ..Spec::default().agents(2, 4)
     });
     let (data, _) = corpus(c.dir.path(), &model, 300);
     let job = |name: &str, desired: u32, steps: u64, extra: &str| {
@@ -368,7 +369,8 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         "transformers' logits from the export differ by {d:e}"
     );
 
-    let det = "deterministic = true\nlogical_shards = 4\ntensor_slices = 2";
+    // (8 logical shards: the dp2×pp2×tp2 run may grow to 8 ranks)
+    let det = "deterministic = true\nlogical_shards = 8\ntensor_slices = 2";
     // (long enough for a kill to land mid-run: the model is tiny)
     let steps = 200;
     c.submit(&job(
@@ -385,7 +387,8 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         .iter()
         .find(|m| m.dp_rank == 1 && m.tp_rank == 1)
         .unwrap();
-    kill_and_reform(&c, "tp", victim.pid.unwrap(), 3);
+    // (a free slot of the 8 takes the killed one's place at once: it receives its state from peers)
+    kill_and_replace(&c, "tp", victim.pid.unwrap(), 4);
     let tp = c.wait_done("tp", S(300));
     let pp_ck = c.dir.path().join("pp-ck");
     c.submit(&format!(
@@ -406,8 +409,21 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         .iter()
         .find(|m| m.dp_rank == 0 && m.pp_stage == 1)
         .unwrap();
-    kill_and_reform(&c, "pp", victim.pid.unwrap(), 3);
+    kill_and_replace(&c, "pp", victim.pid.unwrap(), 4);
     let pp = c.wait_done("pp", S(300));
+    // all three at once: the tied embedding's two stages are tensor-parallel too
+    c.submit(
+        &job(
+            "3d",
+            8,
+            steps,
+            &format!("{det}\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2"),
+        )
+        .replace("max = 4", "max = 8"),
+    );
+    let v = c.wait_world("3d", 8, S(90));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp2×tp2");
+    let three = c.wait_done("3d", S(400));
     c.submit(&job(
         "dp",
         2,
@@ -425,6 +441,11 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         pp.final_weights_sha256.clone().unwrap(),
         reference,
         "dp2×pp2 (a tied head on two stages) through a kill against data parallel 2"
+    );
+    assert_eq!(
+        three.final_weights_sha256.unwrap(),
+        reference,
+        "dp2×pp2×tp2 against data parallel 2"
     );
     // bf16 products: a tensor-parallel run and a data-parallel one end with the same bits,
     // and train

@@ -16,6 +16,7 @@ use ductile_strategies::tensor::{self, Arch};
 use tch::nn::{self, Init};
 use tch::Tensor;
 
+use super::llama::split_heads;
 use super::tp::Par;
 use super::Network;
 
@@ -94,20 +95,10 @@ pub(super) struct Gpt2 {
     ctx: i64,
 }
 
-/// `[b, t, width]` as heads of `hd`: `[b, width / hd, t, hd]`.
-fn split_heads(x: &Tensor, hd: i64) -> Tensor {
-    let (b, t, w) = x.size3().unwrap();
-    x.view([b, t, w / hd, hd]).transpose(1, 2)
-}
-
-/// Scaled dot-product attention (scale 1/√head_dim, GPT-2's `scale_attn_weights`), the heads'
-/// outputs merged: `[b, t, heads · hd]`.
+/// Scaled dot-product attention (scale 1/√head_dim, GPT-2's `scale_attn_weights`; one KV
+/// head per query head), the heads' outputs merged: `[b, t, heads · hd]`.
 fn attend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
-    let (b, h, t, hd) = q.size4().unwrap();
-    Tensor::scaled_dot_product_attention::<Tensor>(q, k, v, None, 0.0, causal, None, false)
-        .transpose(1, 2)
-        .contiguous()
-        .view([b, t, h * hd])
+    super::llama::attend(q, k, v, 1, causal)
 }
 
 impl Gpt2 {

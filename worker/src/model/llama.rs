@@ -61,14 +61,14 @@ fn rope_apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 }
 
 /// `[b, t, width]` as heads of `hd`: `[b, width / hd, t, hd]`.
-fn split_heads(x: &Tensor, hd: i64) -> Tensor {
+pub(super) fn split_heads(x: &Tensor, hd: i64) -> Tensor {
     let (b, t, w) = x.size3().unwrap();
     x.view([b, t, w / hd, hd]).transpose(1, 2)
 }
 
 /// Scaled dot-product attention of `q` over `k`, `v` (each KV head shared by `rep` query
 /// heads), causal or not: the heads' outputs merged, `[b, t, heads · hd]`.
-fn attend(q: &Tensor, k: &Tensor, v: &Tensor, rep: i64, causal: bool) -> Tensor {
+pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, rep: i64, causal: bool) -> Tensor {
     let (b, h, t, hd) = q.size4().unwrap();
     let (k, v) = if rep > 1 {
         (
