@@ -83,10 +83,7 @@ impl Trainer {
 
     /// Release (or, with `grow`, give back) the storage of the parameters `which` marks.
     fn resize_params(&mut self, which: &[bool], grow: bool) {
-        for i in 0..self.params.len() {
-            if !which[i] {
-                continue;
-            }
+        for (i, _) in which.iter().enumerate().filter(|(_, w)| **w) {
             let p = self.params[i].shallow_clone();
             let full = self.shapes[i].iter().product::<i64>() as usize;
             if (p.numel() == full) == grow {
