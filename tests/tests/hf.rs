@@ -324,8 +324,9 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
 /// weights; config.json with dropout 0.1, turned off by the job) loads by plan at
 /// dp1×tp2 (the fused Conv1D Q/K/V split by heads along its columns), checkpoints as tensor
 /// slices and exports to a directory transformers loads with the reference logits; in
-/// deterministic mode dp2×tp2 through a kill, and dp2×pp2 through a kill (the tied embedding
-/// on the first and the last stage, their gradients summed between them; every block
+/// deterministic mode dp2×tp2 through a kill, and dp2×pp2 through a kill and a restart of
+/// every worker from its checkpoint (the tied embedding on the first and the last stage,
+/// their gradients summed between them; every block
 /// recomputed in the backward: `activation_checkpointing = "full"`), end with the bits of a
 /// data-parallel run, and so does dp2×pp2×tp2; so do bf16 runs at tp2 and dp2
 /// (`precision = "bf16"`).
@@ -392,7 +393,7 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
     let tp = c.wait_done("tp", S(300));
     let pp_ck = c.dir.path().join("pp-ck");
     c.submit(&format!(
-        "{}[checkpoint]\nurl = \"file://{}\"\ninterval = 50\nkeep = 2\n",
+        "{}[checkpoint]\nurl = \"file://{}\"\ninterval = 20\nkeep = 2\n",
         job(
             "pp",
             4,
@@ -410,6 +411,18 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         .find(|m| m.dp_rank == 0 && m.pp_stage == 1)
         .unwrap();
     kill_and_replace(&c, "pp", victim.pid.unwrap(), 4);
+    // then every worker at once: the new ones restore from the last commit, the last stage
+    // its copy of the embedding from what the first stage wrote
+    let v = c.wait_step("pp", 45, S(120));
+    let last_gen = c.history("pp").last().unwrap().number;
+    for m in &v.members {
+        unsafe { libc::kill(m.pid.unwrap() as i32, libc::SIGKILL) };
+    }
+    // (no process that held state is left: whatever the leader's generations say while the
+    // failures arrive one by one, the restarted workers can only restore the last commit)
+    c.wait_for(S(60), "a generation after the restart", || {
+        c.history("pp").into_iter().find(|g| g.number > last_gen)
+    });
     let pp = c.wait_done("pp", S(300));
     // all three at once: the tied embedding's two stages are tensor-parallel too
     c.submit(
