@@ -1411,6 +1411,18 @@ impl Generation {
             .map(|k| self.stage_boundaries[k]..self.stage_boundaries[k + 1])
             .collect()
     }
+
+    /// The stage holding unit `unit` of a model of `units` (0 without stages).
+    pub fn stage_of(&self, unit: u32, units: u32) -> u32 {
+        let p = self.layout.pipeline_parallel.max(1);
+        (0..p)
+            .find(|s| {
+                self.stage_chunks(*s, units)
+                    .iter()
+                    .any(|c| c.contains(&unit))
+            })
+            .unwrap_or(0)
+    }
 }
 
 fn is_zero<T: Default + PartialEq>(n: &T) -> bool {

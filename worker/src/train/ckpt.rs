@@ -344,10 +344,7 @@ impl Trainer {
         let per = self.opt.state.len() / params.max(1);
         let (p, dp) = (g.layout.pipeline_parallel, g.layout.data_parallel);
         let of_param = |i: usize| -> Vec<u32> {
-            let u = self.param_unit[i] as u32;
-            let stage = (0..p)
-                .find(|s| g.stage_chunks(*s, units).iter().any(|c| c.contains(&u)))
-                .unwrap_or(0);
+            let stage = g.stage_of(self.param_unit[i] as u32, units);
             (0..dp).map(|d| d * p + stage).collect()
         };
         let mut owners: Vec<Vec<u32>> = (0..params).map(of_param).collect();

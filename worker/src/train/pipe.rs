@@ -193,17 +193,12 @@ impl Trainer {
     /// a tied head's embedding, when its two units are on different stages of `g`.
     fn shared_with(&self, g: &Generation, stage: u32, which: &[usize]) -> Option<(usize, u32)> {
         let units = self.units() as u32;
-        let p = g.layout.pipeline_parallel.max(1);
-        let stage_of = |u: usize| {
-            (0..p).find(|s| {
-                g.stage_chunks(*s, units)
-                    .iter()
-                    .any(|r| r.contains(&(u as u32)))
-            })
-        };
         which.iter().find_map(|&i| {
             let also = self.param_also[i]?;
-            let (a, b) = (stage_of(self.param_unit[i])?, stage_of(also)?);
+            let (a, b) = (
+                g.stage_of(self.param_unit[i] as u32, units),
+                g.stage_of(also as u32, units),
+            );
             match (a == b, stage == a) {
                 (true, _) => None,
                 (false, true) => Some((i, b)),
