@@ -127,6 +127,11 @@ if [ "${1:-}" = "--tests" ]; then
       || { log "converting $smol_gguf failed"; exit 1; }
     mv "$smollm2.partial" "$smollm2"
   fi
+  # pyarrow: the tests write Parquet as Hugging Face datasets ship it (tokenize reads it)
+  if ! "$tv/bin/python" -c 'import pyarrow' 2>/dev/null; then
+    log "installing pyarrow 22 into $tv"
+    "$tv/bin/pip" install -q --disable-pip-version-check 'pyarrow==22.*'
+  fi
 fi
 
 cat > "$cache/env.sh" <<ENV

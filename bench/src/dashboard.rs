@@ -62,6 +62,10 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             t_ms: 1_795_000_000_000 + step * 40,
             loss: Some(round4(1.5 + 4.0 / (1.0 + step as f64 / 1000.0))),
             sps: Some(round4(1000.0 + (step % 97) as f64)),
+            // an eval every 500 steps, carried by the reports after it
+            eval_step: (step >= 500).then_some(step / 500 * 500),
+            eval_loss: (step >= 500)
+                .then(|| round4(1.7 + 4.0 / (1.0 + (step / 500 * 500) as f64 / 1000.0))),
             generation,
             world: a.ranks,
             rank_ms: (0..a.ranks)

@@ -99,6 +99,33 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         stop_rounds: usize,
     },
+    /// `ductile-worker tokenize` against Python tokenizers' batch encoding of the same JSONL
+    /// (the Python sources of the test venv, cut into ~4 KiB documents): tokens/s, peak memory.
+    Tokenize {
+        /// A directory with tokenizer.json (default: set-up's SmolLM2-135M).
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+        #[arg(long, default_value_t = 32)]
+        mib: u64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
+    /// Steady step time reading a sharded corpus from local files, then from the S3 test
+    /// server, with each rank's data wait.
+    DataStep {
+        #[arg(long, default_value_t = 4_000_000)]
+        tokens: u64,
+        #[arg(long, default_value_t = 262_144)]
+        shard_tokens: u64,
+        #[arg(long, default_value_t = 2)]
+        world: u32,
+        /// Rank reports (one per 2 s) measured.
+        #[arg(long, default_value_t = 8)]
+        reports: usize,
+        /// Runs in this order: file, s3, or file+s3 (files, the S3 server running idle).
+        #[arg(long, value_delimiter = ',', default_value = "file,s3,file,s3")]
+        stores: Vec<String>,
+    },
     /// Step time of the elastic loop against a bare tch loop with the same all-reduce.
     DpStep {
         #[arg(long, default_value_t = 300)]
@@ -303,6 +330,7 @@ fn median(v: &mut [f64]) -> f64 {
 mod allreduce;
 mod checkpoint;
 mod dashboard;
+mod data;
 mod diloco;
 mod gpu;
 mod hf;
@@ -350,6 +378,14 @@ async fn main() -> anyhow::Result<()> {
             stop_rounds,
         } => training::recovery(rounds, node_rounds, stop_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::Tokenize { model, mib, runs } => data::tokenize(&smollm2_or(model)?, mib, runs),
+        Cmd::DataStep {
+            tokens,
+            shard_tokens,
+            world,
+            reports,
+            stores,
+        } => data::step(tokens, shard_tokens, world, reports, &stores).await,
         Cmd::HfStep {
             model,
             batch,

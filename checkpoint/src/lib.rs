@@ -11,6 +11,7 @@
 //! This crate does not link libtorch: tensors cross it as bytes, the worker copies them.
 
 pub mod bucket;
+pub mod dataset;
 pub mod format;
 pub mod hf;
 pub mod plan;

@@ -35,6 +35,9 @@ pub struct MemberView {
     pub step_ms: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute_ms: Option<f64>,
+    /// Its mean wait for data per step (ms), over the same report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_ms: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -79,9 +82,12 @@ pub struct JobView {
     /// Bytes the workers sent each other per committed sample (current generation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes_per_sample: Option<f64>,
-    /// At the end: the final weights' mean loss on the dataset's first 256 samples.
+    /// The latest eval loss (the eval split's first `eval_samples` samples; without a split,
+    /// the final weights' on the dataset's first 256) and the step it was computed at.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_step: Option<u64>,
     /// Async: the staleness of the updates applied (mean, max), the updates dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staleness_mean: Option<f64>,

@@ -281,6 +281,9 @@ impl AgentPolicy {
         let mut urls = Vec::new();
         if let Some(t) = &spec.training {
             urls.push(("training.dataset", t.dataset.as_str()));
+            if let Some(e) = &t.eval_dataset {
+                urls.push(("training.eval_dataset", e.as_str()));
+            }
         }
         if let Some(c) = &spec.checkpoint {
             urls.push(("checkpoint.url", c.url.as_str()));
@@ -394,7 +397,22 @@ pub struct TrainingSpec {
     /// workers build exactly the model the submit checked). Written by the daemon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hf_config: Option<serde_json::Value>,
+    /// file:// or s3://: one token stream, a prefix ending in `/` holding `index.json` and
+    /// its shards, a bare u16 stream (read whole), or a safetensors regression set (`mlp`).
     pub dataset: String,
+    /// A held-out token dataset (any form `dataset` takes) for the eval loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_dataset: Option<String>,
+    /// Or: this fraction of the dataset's samples, cut from its end (by sample index, the
+    /// index's last shards), held out of training for the eval loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_fraction: Option<f64>,
+    /// Evaluate every N committed steps (synchronous jobs), on the job's current layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_every: Option<u64>,
+    /// The eval loss is the mean over the eval split's first M samples (default 256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_samples: Option<u64>,
     pub global_batch: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_steps: Option<u64>,
@@ -927,6 +945,66 @@ struct HfModelConfig {
 }
 
 impl TrainingSpec {
+    /// The eval split's keys: one source (a dataset or a fraction), a cadence that needs one,
+    /// synchronous training for a cadence, token models only.
+    fn validate_eval(&self) -> Result<()> {
+        let bad = |k: &str, m: String| Err(ClusterError::invalid(k, m));
+        if let Some(u) = &self.eval_dataset {
+            if !(u.starts_with("file://") || u.starts_with("s3://")) {
+                return bad(
+                    "training.eval_dataset",
+                    format!("{u:?} must be a file:// or s3:// URL"),
+                );
+            }
+            if self.eval_fraction.is_some() {
+                return bad(
+                    "training.eval_fraction",
+                    "give eval_dataset or eval_fraction, not both".into(),
+                );
+            }
+        }
+        if let Some(f) = self.eval_fraction {
+            if !(f > 0.0 && f < 1.0) {
+                return bad("training.eval_fraction", format!("{f} must be in (0, 1)"));
+            }
+        }
+        let split = self.eval_dataset.is_some() || self.eval_fraction.is_some();
+        if split && self.model == ModelKind::Mlp {
+            return bad(
+                if self.eval_dataset.is_some() {
+                    "training.eval_dataset"
+                } else {
+                    "training.eval_fraction"
+                },
+                "is for token models (gpt, hf)".into(),
+            );
+        }
+        if let Some(n) = self.eval_every {
+            if n == 0 {
+                return bad("training.eval_every", "must be at least 1".into());
+            }
+            if !split {
+                return bad(
+                    "training.eval_every",
+                    "needs a held-out split: eval_dataset or eval_fraction".into(),
+                );
+            }
+            if self.sync != SyncMode::Allreduce {
+                return bad(
+                    "training.eval_every",
+                    format!(
+                        "is for synchronous training (sync = \"allreduce\"); a {} job reports the eval loss of its final weights",
+                        self.sync.as_str()
+                    ),
+                );
+            }
+        }
+        if self.eval_samples == Some(0) {
+            return bad("training.eval_samples", "must be at least 1".into());
+        }
+        Ok(())
+    }
+
     fn validate(&self, max: u32) -> Result<()> {
         if self.tensor_parallel != Degree::Fixed(1) {
             let why = if !self.strategy.tensor_split() {
@@ -1127,6 +1205,7 @@ impl TrainingSpec {
                 format!("{:?} must be a file:// or s3:// URL", self.dataset),
             ));
         }
+        self.validate_eval()?;
         if self.global_batch == 0 {
             return Err(ClusterError::invalid(
                 "training.global_batch",
@@ -1887,9 +1966,12 @@ pub struct Progress {
     /// (rank 0's count times the world size: the exchanges are symmetric).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes_per_sample: Option<f64>,
-    /// At the end: the final weights' mean loss on the dataset's first 256 samples.
+    /// The eval loss: the mean loss on the eval split's first `eval_samples` samples (without
+    /// a split: the dataset's first 256), at `eval_step` (at the end: the final weights').
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_step: Option<u64>,
     /// Async: the staleness of the updates applied (mean, max) and the updates dropped for
     /// being staler than the bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1913,6 +1995,10 @@ pub struct RankStats {
     pub step_ms: f64,
     /// Mean time per step this rank spent computing (not waiting for its peers), ms.
     pub compute_ms: f64,
+    /// Mean time per step this rank waited for its data (a read the read-ahead had not done
+    /// yet), ms: a slow store shows here.
+    #[serde(default)]
+    pub data_ms: f64,
     pub updated_at_ms: u64,
 }
 
@@ -2057,6 +2143,36 @@ keep = 3
         let e = err(&t("activation_checkpointing = \"full\"\n").replace("gpt", "mlp"));
         assert!(e.contains("training.activation_checkpointing"), "{e}");
         assert!(err(&t("activation_checkpointing = \"selective\"\n")).contains("is unknown"));
+        // the eval split: one source, a cadence that has one, synchronous jobs, token models
+        assert!(JobSpec::from_toml(&t(
+            "eval_fraction = 0.05\neval_every = 10\neval_samples = 64\n"
+        ))
+        .is_ok());
+        assert!(
+            JobSpec::from_toml(&t("eval_dataset = \"s3://b/eval/\"\neval_every = 10\n")).is_ok()
+        );
+        let e = err(&t("eval_dataset = \"s3://b/e\"\neval_fraction = 0.1\n"));
+        assert!(
+            e.contains("training.eval_fraction") && e.contains("not both"),
+            "{e}"
+        );
+        assert!(err(&t("eval_fraction = 1.0\n")).contains("must be in (0, 1)"));
+        assert!(err(&t("eval_dataset = \"/e\"\n")).contains("training.eval_dataset"));
+        let e = err(&t("eval_every = 10\n"));
+        assert!(
+            e.contains("training.eval_every") && e.contains("held-out split"),
+            "{e}"
+        );
+        assert!(err(&t("eval_fraction = 0.1\neval_every = 0\n")).contains("at least 1"));
+        assert!(
+            err(&t("eval_fraction = 0.1\neval_samples = 0\n")).contains("training.eval_samples")
+        );
+        let e = err(&t(
+            "eval_fraction = 0.1\neval_every = 5\nsync = \"diloco\"\n",
+        ));
+        assert!(e.contains("synchronous training"), "{e}");
+        let e = err(&t("eval_fraction = 0.1\n").replace("gpt", "mlp"));
+        assert!(e.contains("token models"), "{e}");
     }
 }
 
@@ -2095,6 +2211,19 @@ mod policy_tests {
             .check(&train("file:///var/lib/ductile/../../etc/shadow"))
             .unwrap_err();
         assert!(why.contains("without . or .."), "{why}");
+        // a held-out dataset is checked as the dataset is (a prefix of shards too)
+        let with_eval = |url: &str| {
+            spec(&format!(
+                "[training]\nmodel = \"gpt\"\ndataset = \"file:///var/lib/ductile/data/corpus/\"\neval_dataset = \"{url}\"\nglobal_batch = 8\n"
+            ))
+        };
+        assert_eq!(
+            p.check(&with_eval("file:///var/lib/ductile/data/eval/")),
+            Ok(())
+        );
+        let (field, why) = p.check(&with_eval("file:///etc/eval/")).unwrap_err();
+        assert_eq!(field, "training.eval_dataset");
+        assert!(why.contains("outside the agent's allowed_paths"), "{why}");
         let (field, _) = p.check(&spec("command = [\"sh\"]\n")).unwrap_err();
         assert_eq!(field, "command");
         let (field, _) = p

@@ -37,6 +37,11 @@ pub struct Point {
     pub loss: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sps: Option<f32>,
+    /// The latest eval loss as of this report, and the step it was computed at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_step: Option<u64>,
     pub generation: u64,
     pub world: u32,
     /// Each rank's mean step time (ms), by rank; empty when not reported.
@@ -181,6 +186,9 @@ fn merge(a: Point, b: Point) -> Point {
         t_ms: b.t_ms,
         loss: mean(a.loss, b.loss),
         sps: mean(a.sps, b.sps),
+        // the later eval (an eval loss is a measurement at its step, not averaged)
+        eval_loss: b.eval_loss.or(a.eval_loss),
+        eval_step: b.eval_step.or(a.eval_step),
         generation: b.generation,
         world: b.world,
         rank_ms,
@@ -198,6 +206,8 @@ mod tests {
             t_ms: step * 10,
             loss: Some(round4(10.0 / (step + 1) as f64)),
             sps: Some(100.0),
+            eval_loss: None,
+            eval_step: None,
             generation,
             world: 4,
             rank_ms: vec![10.0, 12.5, 11.0, 30.0],

@@ -201,6 +201,8 @@ async fn submit(
     ductile_strategies::pipeline::check_job(&spec)
         .map_err(|(field, reason)| ClusterError::invalid(field, reason))?;
     check_policies(&st, &spec)?;
+    // (after the allow-lists: the daemon reads only where the job may read)
+    check_datasets(&spec).await?;
     if let Some(ck) = &spec.checkpoint {
         if let Some(n) = ck.restore_step {
             check_restore_step(&ck.url, n).await?;
@@ -323,6 +325,71 @@ async fn read_hf_config(spec: &mut JobSpec) -> ApiResult<()> {
         .map_err(|e| refuse(format!("{url}/config.json is not JSON: {e}")))?;
     t.hf_config = Some(v);
     spec.validate()?;
+    Ok(())
+}
+
+/// A sharded dataset (a prefix ending in `/`, as `dataset` or `eval_dataset`) is checked at
+/// submit: its index reads and holds together, every shard is there and as long as the index
+/// says, and for a Hugging Face model the index's tokenizer is the model's `tokenizer.json`.
+/// What is wrong is a 400 naming the field and the shard; a store that does not answer, a 502.
+async fn check_datasets(spec: &JobSpec) -> ApiResult<()> {
+    let Some(t) = spec.training.as_ref() else {
+        return Ok(());
+    };
+    let mut model_sha: Option<String> = None;
+    for (field, url) in [
+        ("training.dataset", Some(&t.dataset)),
+        ("training.eval_dataset", t.eval_dataset.as_ref()),
+    ] {
+        let Some(url) = url.filter(|u| u.ends_with('/')) else {
+            continue;
+        };
+        let opened = match ductile_checkpoint::dataset::open_prefix(url).await {
+            Ok(o) => o,
+            Err(ductile_checkpoint::dataset::DatasetError::Invalid(m)) => {
+                return Err(ClusterError::invalid(field, m).into())
+            }
+            Err(ductile_checkpoint::dataset::DatasetError::Store(m)) => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    format!("{field}: dataset store: {m}"),
+                ))
+            }
+        };
+        if t.model == ductile_cluster::modes::ModelKind::Hf {
+            if model_sha.is_none() {
+                let dir = t.model_path.clone().unwrap_or_default();
+                let bucket = ductile_checkpoint::Bucket::open(dir.trim_end_matches('/'))
+                    .map_err(|e| ClusterError::invalid("training.model_path", e.to_string()))?;
+                match bucket.get_if_exists("tokenizer.json").await {
+                    Ok(Some(b)) => {
+                        use sha2::Digest;
+                        let h = sha2::Sha256::digest(&b);
+                        model_sha = Some(h.iter().map(|x| format!("{x:02x}")).collect());
+                    }
+                    // no tokenizer to compare with: the workers check what they can
+                    Ok(None) => model_sha = Some(String::new()),
+                    Err(e) => {
+                        return Err(store_unavailable(
+                            &dir,
+                            format!("reading tokenizer.json: {e}"),
+                        ))
+                    }
+                }
+            }
+            let sha = model_sha.as_deref().unwrap_or("");
+            if !sha.is_empty() && sha != opened.index.tokenizer_sha256 {
+                return Err(ClusterError::invalid(
+                    field,
+                    format!(
+                        "{url} was made by a tokenizer of SHA-256 {}, but the model's tokenizer.json is {sha}: tokenize it again with the model's tokenizer",
+                        opened.index.tokenizer_sha256
+                    ),
+                )
+                .into());
+            }
+        }
+    }
     Ok(())
 }
 
@@ -753,6 +820,7 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
                 spare: m.spare,
                 step_ms: obs.rank_stats.get(&m.rank).map(|s| s.step_ms),
                 compute_ms: obs.rank_stats.get(&m.rank).map(|s| s.compute_ms),
+                data_ms: obs.rank_stats.get(&m.rank).map(|s| s.data_ms),
             })
             .collect(),
         _ => Vec::new(),
@@ -779,6 +847,7 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         round: progress.and_then(|p| p.round),
         bytes_per_sample: progress.and_then(|p| p.bytes_per_sample),
         eval_loss: progress.and_then(|p| p.eval_loss),
+        eval_step: progress.and_then(|p| p.eval_step),
         staleness_mean: progress.and_then(|p| p.staleness_mean),
         staleness_max: progress.and_then(|p| p.staleness_max),
         dropped_updates: progress.and_then(|p| p.dropped_updates),
@@ -918,8 +987,11 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
     let restore = Family::<JobLabel, FGauge>::default();
     let rank_step = Family::<RankLabels, FGauge>::default();
     let rank_compute = Family::<RankLabels, FGauge>::default();
+    let rank_data = Family::<RankLabels, FGauge>::default();
     let sync_mode = Family::<SyncLabels, Gauge>::default();
     let loss = Family::<JobLabel, FGauge>::default();
+    let eval_loss = Family::<JobLabel, FGauge>::default();
+    let eval_step = Family::<JobLabel, Gauge>::default();
     let sps = Family::<JobLabel, FGauge>::default();
     let rounds = Family::<JobLabel, Gauge>::default();
     let bytes_per_sample = Family::<JobLabel, FGauge>::default();
@@ -944,6 +1016,7 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
             };
             rank_step.get_or_create(&l).set(s.step_ms / 1e3);
             rank_compute.get_or_create(&l).set(s.compute_ms / 1e3);
+            rank_data.get_or_create(&l).set(s.data_ms / 1e3);
         }
         generation.get_or_create(&job).set(v.generation as i64);
         step.get_or_create(&job).set(v.step as i64);
@@ -957,6 +1030,12 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         }
         if let Some(x) = v.loss {
             loss.get_or_create(&job).set(x);
+        }
+        if let Some(x) = v.eval_loss {
+            eval_loss.get_or_create(&job).set(x);
+        }
+        if let Some(x) = v.eval_step {
+            eval_step.get_or_create(&job).set(x as i64);
         }
         if let Some(x) = v.samples_per_sec {
             sps.get_or_create(&job).set(x);
@@ -1031,6 +1110,16 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         loss,
     );
     reg.register(
+        "ductile_job_eval_loss",
+        "Latest eval loss: the mean loss on the job's held-out split (eval_dataset or eval_fraction), at ductile_job_eval_step",
+        eval_loss,
+    );
+    reg.register(
+        "ductile_job_eval_step",
+        "The step the latest eval loss was computed at",
+        eval_step,
+    );
+    reg.register(
         "ductile_job_samples_per_second",
         "Samples trained (applied, in async mode) per second, as rank 0 last reported",
         sps,
@@ -1069,6 +1158,11 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         "ductile_rank_compute_seconds",
         "Mean time per step each rank spent computing (not waiting for its peers): a straggler's is longer",
         rank_compute,
+    );
+    reg.register(
+        "ductile_rank_data_wait_seconds",
+        "Mean time per step each rank waited for its data (what the read-ahead had not fetched yet): a slow store shows here",
+        rank_data,
     );
     reg.register(
         "ductile_job_world_size",

@@ -89,6 +89,8 @@ pub fn point_of(obs: &JobObs, series: &Series) -> Option<Point> {
         t_ms: p.updated_at_ms,
         loss: p.loss.map(round4),
         sps: p.samples_per_sec.map(round4),
+        eval_loss: p.eval_loss.map(round4),
+        eval_step: p.eval_step,
         generation: p.generation,
         world,
         rank_ms: if ranks.len() == world as usize {
@@ -258,6 +260,7 @@ mod tests {
                 step,
                 step_ms: 10.0 + rank as f64,
                 compute_ms: 5.0,
+                data_ms: 0.5,
                 updated_at_ms: 0,
             };
             store

@@ -234,12 +234,27 @@ fn print_job(v: &JobView) {
         println!("weights     sha256 {h}");
     }
     if let Some(l) = v.eval_loss {
-        println!("eval loss   {l:.4} (the final weights on the dataset's first 256 samples)");
+        match v.eval_step {
+            Some(s) => println!("eval loss   {l:.4} at step {s}"),
+            None => println!(
+                "eval loss   {l:.4} (the final weights on the dataset's first 256 samples)"
+            ),
+        }
     }
     if !v.members.is_empty() {
         println!(
-            "\n{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8} {:>9} {:>11}",
-            "RANK", "NODE", "SLOT", "PID", "DP", "STAGE", "TP", "UNITS", "STEP_MS", "COMPUTE_MS"
+            "\n{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8} {:>9} {:>11} {:>8}",
+            "RANK",
+            "NODE",
+            "SLOT",
+            "PID",
+            "DP",
+            "STAGE",
+            "TP",
+            "UNITS",
+            "STEP_MS",
+            "COMPUTE_MS",
+            "DATA_MS"
         );
         let ms = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
         for m in &v.members {
@@ -260,7 +275,7 @@ fn print_job(v: &JobView) {
                 )
             };
             println!(
-                "{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8} {:>9} {:>11}",
+                "{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8} {:>9} {:>11} {:>8}",
                 m.rank,
                 m.node,
                 m.slot,
@@ -270,7 +285,8 @@ fn print_job(v: &JobView) {
                 m.tp_rank,
                 units,
                 ms(m.step_ms),
-                ms(m.compute_ms)
+                ms(m.compute_ms),
+                ms(m.data_ms)
             );
         }
     }

@@ -16,6 +16,10 @@ pub enum Metric {
     Throughput,
     #[value(name = "step_time", alias = "step-time")]
     StepTime,
+    /// The held-out eval loss, one point per eval (at the step it was computed), with the
+    /// training loss beside it.
+    #[value(name = "eval_loss", alias = "eval-loss")]
+    EvalLoss,
 }
 
 impl Metric {
@@ -24,6 +28,7 @@ impl Metric {
             Metric::Loss => "loss",
             Metric::Throughput => "samples/s",
             Metric::StepTime => "step time per rank (ms)",
+            Metric::EvalLoss => "eval loss",
         }
     }
 }
@@ -46,6 +51,24 @@ pub fn curves(s: &SeriesView, metric: Metric) -> Vec<(String, Vec<(f64, f64)>)> 
                 .map(|r| (format!("rank {r}"), one(&|p| p.rank_ms.get(r).copied())))
                 .filter(|(_, c)| !c.is_empty())
                 .collect()
+        }
+        Metric::EvalLoss => {
+            // each eval once, at its own step (later reports carry it on)
+            let mut evals: Vec<(f64, f64)> = Vec::new();
+            for p in &s.points {
+                if let (Some(at), Some(l)) = (p.eval_step, p.eval_loss) {
+                    if evals.last().is_none_or(|e| e.0 != at as f64) && l.is_finite() {
+                        evals.push((at as f64, l as f64));
+                    }
+                }
+            }
+            if evals.is_empty() {
+                return vec![];
+            }
+            vec![
+                ("eval loss".into(), evals),
+                ("loss".into(), one(&|p| p.loss)),
+            ]
         }
     }
 }
@@ -238,6 +261,9 @@ mod tests {
             t_ms: step,
             loss: Some(5.0 / (1.0 + step as f32)),
             sps: Some(100.0 + step as f32),
+            // an eval at steps 10 and 20, carried by the later reports
+            eval_step: (step >= 10).then_some(step.min(20) / 10 * 10),
+            eval_loss: (step >= 10).then(|| 6.0 / (1.0 + step.min(20) as f32)),
             generation,
             world: ranks as u32,
             rank_ms: (0..ranks).map(|r| 10.0 + r as f32).collect(),
@@ -277,6 +303,36 @@ mod tests {
             4 + 4 + 2
         );
         assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
+        // each eval once, at its step, with the training loss beside it
+        let curves = curves(&s, Metric::EvalLoss);
+        assert_eq!(curves[0].0, "eval loss");
+        let f = |x: f32| x as f64;
+        assert_eq!(
+            curves[0].1,
+            vec![(10.0, f(6.0 / 11.0)), (20.0, f(6.0 / 21.0))]
+        );
+        assert_eq!(curves[1].1.len(), 4);
+        let eval = dir.join("eval.svg");
+        assert_eq!(
+            plot(&s, Metric::EvalLoss, &eval, Format::Svg).unwrap(),
+            2 + 4
+        );
+        assert!(std::fs::read_to_string(&eval)
+            .unwrap()
+            .contains("j: eval loss"));
+        let none = SeriesView {
+            points: s
+                .points
+                .iter()
+                .map(|p| Point {
+                    eval_loss: None,
+                    eval_step: None,
+                    ..p.clone()
+                })
+                .collect(),
+            ..s.clone()
+        };
+        assert!(plot(&none, Metric::EvalLoss, &eval, Format::Svg).is_err());
         let err = Format::of(&dir.join("x.jpg")).unwrap_err();
         assert!(err.to_string().contains(".svg or .png"), "{err}");
         let empty = SeriesView {

@@ -153,7 +153,12 @@ impl Reporter {
                 staleness_mean: p.staleness_mean.or(x.staleness_mean),
                 staleness_max: p.staleness_max.or(x.staleness_max),
                 dropped_updates: p.dropped_updates.or(x.dropped_updates),
-                eval_loss: p.eval_loss,
+                eval_loss: p.eval_loss.or(x.eval_loss),
+                eval_step: if p.eval_loss.is_some() {
+                    p.eval_step
+                } else {
+                    x.eval_step
+                },
                 ..p
             },
             None => p,

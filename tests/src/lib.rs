@@ -1626,6 +1626,65 @@ pub fn synth_to(url: &str, kind: &str, size: u64, env: &[(String, String)]) -> S
     url.to_string()
 }
 
+/// A synthetic token corpus of `size` tokens written as shards of `shard_tokens` and their
+/// `index.json` under `prefix` (file:// or s3://, ending in `/`).
+pub fn synth_shards(
+    prefix: &str,
+    size: u64,
+    shard_tokens: u64,
+    env: &[(String, String)],
+) -> String {
+    let out = Command::new(bin("ductile-worker"))
+        .args([
+            "synth-data",
+            "--kind",
+            "tokens",
+            "--out",
+            prefix,
+            "--seed",
+            "7",
+        ])
+        .args([
+            "--size",
+            &size.to_string(),
+            "--shard-tokens",
+            &shard_tokens.to_string(),
+        ])
+        .envs(env.iter().cloned())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "synth-data failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    prefix.to_string()
+}
+
+/// `ductile-worker tokenize` of `inputs` into `out` with extra `args`: its `--json` summary.
+pub fn tokenize_with(
+    model: &Path,
+    inputs: &[&Path],
+    out: &str,
+    args: &[&str],
+) -> serde_json::Value {
+    let o = Command::new(bin("ductile-worker"))
+        .args(["tokenize", "--json", "--tokenizer"])
+        .arg(model)
+        .arg("--input")
+        .args(inputs)
+        .args(["--out", out])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "tokenize: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
 /// A training job spec in TOML.
 pub fn training_toml(
     name: &str,

@@ -17,6 +17,17 @@ fn load(profile: &Path, url: &str, arg: &str) -> String {
     chromium(profile, 15_000, &args, url).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// The value of `attr` on the page's `<body>` in a serialized DOM.
+fn body_attr(dom: &str, attr: &str) -> String {
+    let at = dom.find("<body").expect("a body");
+    let tag = &dom[at..at + dom[at..].find('>').unwrap()];
+    let k = format!("{attr}=\"");
+    let v = tag
+        .find(&k)
+        .unwrap_or_else(|| panic!("body has no {attr}: {tag}"));
+    tag[v + k.len()..][..tag[v + k.len()..].find('"').unwrap()].to_string()
+}
+
 /// The value of `attr` on the element with id `id` in a serialized DOM.
 fn attr(dom: &str, id: &str, attr: &str) -> String {
     let at = dom
@@ -48,7 +59,7 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     });
     let data = synth(c.dir.path(), "tokens", 60_000);
     c.submit(&format!(
-        "{}max_steps = 100000\n",
+        "{}max_steps = 100000\neval_fraction = 0.05\neval_every = 20\neval_samples = 32\n",
         training_toml("d1", 1, 4, 4, "gpt", &data, "restart_budget = 0")
     ));
     let v = c.wait_world("d1", 4, S(30));
@@ -167,6 +178,33 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         dom.contains("node1") && dom.contains("node2"),
         "nodes listed"
     );
+    // the held-out loss beside the training loss
+    let evals: usize = attr(&dom, "loss-chart", "data-eval-points")
+        .parse()
+        .unwrap();
+    assert!(evals >= 2, "{evals} eval points drawn");
+    // at 1400 × 1000 the page fits the window, and every generation's label is drawn where
+    // no other covers it (the browser's own boxes)
+    let fit = chromium(
+        profile.path(),
+        15_000,
+        &["--hide-scrollbars", "--window-size=1400,1000", "--dump-dom"],
+        &url,
+    )
+    .unwrap();
+    let (page, window): (u32, u32) = (
+        body_attr(&fit, "data-page-width").parse().unwrap(),
+        body_attr(&fit, "data-window-width").parse().unwrap(),
+    );
+    assert!(
+        page <= window,
+        "the page is {page} px wide in a window of {window}"
+    );
+    for chart in ["loss-chart", "sps-chart"] {
+        assert_eq!(attr(&fit, chart, "data-label-overlaps"), "0", "{chart}");
+        let labels: usize = attr(&fit, chart, "data-labels").parse().unwrap();
+        assert_eq!(labels, numbers.len(), "{chart}: every generation labelled");
+    }
     // without a token the page asks for one and shows no job
     let bare = load(profile.path(), &format!("{}/", c.endpoint()), "--dump-dom");
     assert!(bare.contains("needs the read-only token"), "{bare}");
@@ -190,6 +228,7 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         ("loss", "loss.svg"),
         ("throughput", "throughput.png"),
         ("step_time", "step_time.png"),
+        ("eval_loss", "eval_loss.svg"),
     ] {
         let path = out.join(file);
         let _ = std::fs::remove_file(&path);
@@ -203,6 +242,8 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     for label in ["g1 start", "g2 failure", "g3 drain", "g4 scale", "d1: loss"] {
         assert!(svg.contains(label), "{label} missing from the SVG");
     }
+    let svg = std::fs::read_to_string(out.join("eval_loss.svg")).unwrap();
+    assert!(svg.contains("eval loss"), "the eval curve is named");
     let (ok, _, err) = c.dctl(&["plot", "d1", "--out", "/tmp/x.gif"]);
     assert!(!ok && err.contains(".svg or .png"), "{err}");
 }
@@ -254,7 +295,7 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
     let data = synth(c.dir.path(), "tokens", 60_000);
     let url = format!("file://{}/ckpt", c.dir.path().display());
     let spec = format!(
-        "{}max_steps = 100000\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\nkeep = 2\n",
+        "{}max_steps = 100000\neval_fraction = 0.05\neval_every = 10\neval_samples = 16\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\nkeep = 2\n",
         training_toml(
             "m1",
             1,
@@ -285,6 +326,7 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
     let body = scrape("a restore and rank figures", &|b| {
         b.contains("ductile_checkpoint_restore_seconds{job=\"m1\"}")
             && b.contains("ductile_rank_step_seconds{")
+            && b.contains("ductile_job_eval_loss{job=\"m1\"}")
     });
     let exported = |n: &str| {
         body.lines().any(|l| {

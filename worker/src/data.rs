@@ -12,6 +12,9 @@
 use ductile_cluster::records::ModelKind;
 use tch::{Kind, Tensor};
 
+pub mod stream;
+pub use stream::{ShardEntry, ShardIndex, Stream};
+
 /// The magic bytes that open a token stream with a header.
 pub const TOKENS_MAGIC: &[u8; 8] = b"DUCTOK01";
 
@@ -30,6 +33,9 @@ pub struct TokenHeader {
     pub eos: Option<u32>,
     pub documents: u64,
     pub tokens: u64,
+    /// SHA-256 of the token bytes that follow, hex (a shard's index says the same).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
 }
 
 impl TokenHeader {
@@ -101,6 +107,11 @@ pub enum Dataset {
         /// The stream's header, if it has one.
         header: Option<TokenHeader>,
     },
+    /// A stream read by range, samples fetched as they are wanted (see [`stream`]).
+    Stream {
+        stream: Stream,
+        ctx: usize,
+    },
     Regression {
         x: Tensor,
         y: Tensor,
@@ -137,6 +148,17 @@ impl Dataset {
         ctx: usize,
         rt: &tokio::runtime::Handle,
     ) -> anyhow::Result<Dataset> {
+        if matches!(model, ModelKind::Gpt | ModelKind::Hf) {
+            if let Some(stream) = Stream::open(url, ctx, rt)? {
+                return Ok(Dataset::Stream { stream, ctx });
+            }
+            anyhow::ensure!(
+                !url.ends_with('/'),
+                "dataset {url}: a prefix without an index"
+            );
+        }
+        // a bare u16 stream (no header to say its vocabulary: read whole, the quickstart's
+        // small format) or a safetensors regression dataset
         let bytes = rt
             .block_on(ductile_checkpoint::store::read_ranged(url, 8 << 20))
             .map_err(|e| anyhow::anyhow!("dataset: {e}"))?;
@@ -206,9 +228,46 @@ impl Dataset {
         }
     }
 
+    /// A token dataset's vocabulary (a stream's header's; a bare stream's largest id + 1) and
+    /// context length.
+    pub fn token_shape(&self) -> Option<(usize, usize)> {
+        match self {
+            Dataset::Tokens { vocab, ctx, .. } => Some((*vocab, *ctx)),
+            Dataset::Stream { stream, ctx } => Some((stream.header().vocab as usize, *ctx)),
+            Dataset::Regression { .. } => None,
+        }
+    }
+
+    /// The header of a token stream, if it has one.
+    pub fn header(&self) -> Option<&TokenHeader> {
+        match self {
+            Dataset::Tokens { header, .. } => header.as_ref(),
+            Dataset::Stream { stream, .. } => Some(stream.header()),
+            Dataset::Regression { .. } => None,
+        }
+    }
+
+    /// The time batches waited for a stream's reads since the last call (zero for data held
+    /// in memory).
+    pub fn take_waited(&self) -> std::time::Duration {
+        match self {
+            Dataset::Stream { stream, .. } => stream.take_waited(),
+            _ => std::time::Duration::ZERO,
+        }
+    }
+
+    /// Fetch these samples in the background: what this rank will want in the next steps
+    /// (a no-op for data held in memory).
+    pub fn prefetch(&self, samples: Vec<u64>) {
+        if let Dataset::Stream { stream, .. } = self {
+            stream.prefetch(samples)
+        }
+    }
+
     pub fn len(&self) -> u64 {
         match self {
             Dataset::Tokens { tokens, ctx, .. } => ((tokens.len() - 1) / ctx) as u64,
+            Dataset::Stream { stream, .. } => stream.len(),
             Dataset::Regression { x, .. } => x.size()[0] as u64,
         }
     }
@@ -217,9 +276,37 @@ impl Dataset {
         self.len() == 0
     }
 
-    /// The batch of these sample indices: (inputs, targets).
+    /// The batch of these sample indices: (inputs, targets). A stream's read that fails after
+    /// its retries, or a token past the vocabulary, ends the worker with the error (naming the
+    /// shard and offset): a step never trains on less than its samples.
     pub fn batch(&self, idx: &[u64]) -> (Tensor, Tensor) {
-        match self {
+        match self.try_batch(idx) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("ductile-worker: {e:#}");
+                tracing::error!("{e:#}");
+                std::process::exit(1);
+            }
+        }
+    }
+
+    /// [`Dataset::batch`], its read errors returned.
+    pub fn try_batch(&self, idx: &[u64]) -> anyhow::Result<(Tensor, Tensor)> {
+        Ok(match self {
+            Dataset::Stream { stream, ctx } => {
+                let got = stream.samples(idx)?;
+                let mut x = Vec::with_capacity(idx.len() * ctx);
+                let mut y = Vec::with_capacity(idx.len() * ctx);
+                for s in &got {
+                    x.extend(s[..*ctx].iter().map(|t| *t as i64));
+                    y.extend(s[1..].iter().map(|t| *t as i64));
+                }
+                let n = idx.len() as i64;
+                (
+                    Tensor::from_slice(&x).view([n, *ctx as i64]),
+                    Tensor::from_slice(&y).view([n, *ctx as i64]),
+                )
+            }
             Dataset::Tokens { tokens, ctx, .. } => {
                 let mut x = Vec::with_capacity(idx.len() * ctx);
                 let mut y = Vec::with_capacity(idx.len() * ctx);
@@ -238,7 +325,7 @@ impl Dataset {
                 let i = Tensor::from_slice(&idx.iter().map(|v| *v as i64).collect::<Vec<_>>());
                 (x.index_select(0, &i), y.index_select(0, &i))
             }
-        }
+        })
     }
 }
 
@@ -262,11 +349,41 @@ pub fn permutation(n: u64, seed: u64, epoch: u64) -> Vec<u64> {
     p
 }
 
-/// Maps global positions to sample indices, caching the current epoch's permutation.
+/// Above this many samples an epoch's order is computed, not stored: a seeded Feistel
+/// permutation of the sample indices (cycle-walked into `[0, n)`), O(1) memory whatever the
+/// dataset's size. At or below it, the stored Fisher–Yates permutation (the order of every run
+/// so far, kept so their checkpoints resume in the same order).
+pub const STORED_ORDER_MAX: u64 = 1 << 22;
+
+/// The Feistel permutation of `[0, n)` for `epoch`: position → sample.
+pub fn feistel(n: u64, seed: u64, epoch: u64, position: u64) -> u64 {
+    debug_assert!(position < n);
+    // an even number of bits covering n: two halves of `half` bits
+    let bits = (64 - (n - 1).leading_zeros()).max(2);
+    let half = bits.div_ceil(2);
+    let mask = (1u64 << half) - 1;
+    let key = mix(seed ^ mix(epoch.wrapping_add(0x0fe1_57e1)));
+    let mut x = position;
+    loop {
+        let (mut l, mut r) = (x >> half, x & mask);
+        for round in 0..4u64 {
+            let f = mix(key ^ mix(r ^ (round << 56))) & mask;
+            (l, r) = (r, l ^ f);
+        }
+        x = (l << half) | r;
+        // the domain is under 4n: a walk ends after a few steps on average
+        if x < n {
+            return x;
+        }
+    }
+}
+
+/// Maps global positions to sample indices, caching the stored permutations of the current
+/// and the next epoch (a read-ahead crosses epochs).
 pub struct Order {
     n: u64,
     seed: u64,
-    cached: Option<(u64, Vec<u64>)>,
+    cached: Vec<(u64, Vec<u64>)>,
 }
 
 impl Order {
@@ -274,15 +391,32 @@ impl Order {
         Order {
             n,
             seed,
-            cached: None,
+            cached: Vec::new(),
         }
     }
     pub fn sample(&mut self, position: u64) -> u64 {
         let epoch = position / self.n;
-        if self.cached.as_ref().map(|c| c.0) != Some(epoch) {
-            self.cached = Some((epoch, permutation(self.n, self.seed, epoch)));
+        if self.n > STORED_ORDER_MAX {
+            return feistel(self.n, self.seed, epoch, position % self.n);
         }
-        self.cached.as_ref().unwrap().1[(position % self.n) as usize]
+        let i = match self.cached.iter().position(|c| c.0 == epoch) {
+            Some(i) => i,
+            None => {
+                if self.cached.len() == 2 {
+                    // keep the later epoch: positions only move forward
+                    let older = if self.cached[0].0 < self.cached[1].0 {
+                        0
+                    } else {
+                        1
+                    };
+                    self.cached.remove(older);
+                }
+                self.cached
+                    .push((epoch, permutation(self.n, self.seed, epoch)));
+                self.cached.len() - 1
+            }
+        };
+        self.cached[i].1[(position % self.n) as usize]
     }
 }
 
@@ -301,6 +435,38 @@ mod tests {
         let mut o = Order::new(10, 3);
         let first: Vec<u64> = (0..10).map(|p| o.sample(p)).collect();
         assert_eq!(first, permutation(10, 3, 0));
+        // two epochs interleaved (a read-ahead across the boundary) keep their orders
+        let mixed: Vec<u64> = (0..10)
+            .flat_map(|p| [o.sample(p), o.sample(10 + p)])
+            .collect();
+        let second = permutation(10, 3, 1);
+        assert_eq!(
+            mixed,
+            (0..10)
+                .flat_map(|p| [first[p], second[p]])
+                .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn the_computed_order_is_a_seeded_permutation_of_every_size() {
+        for n in [1u64, 2, 3, 5, 64, 1000, 4097] {
+            let mut seen: Vec<u64> = (0..n).map(|p| feistel(n, 9, 0, p)).collect();
+            let order = seen.clone();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>(), "n = {n}");
+            let again: Vec<u64> = (0..n).map(|p| feistel(n, 9, 0, p)).collect();
+            assert_eq!(order, again, "seeded");
+            if n > 5 {
+                let other: Vec<u64> = (0..n).map(|p| feistel(n, 9, 1, p)).collect();
+                assert_ne!(order, other, "epochs differ");
+                assert_ne!(order, (0..n).collect::<Vec<_>>(), "shuffled");
+            }
+        }
+        // past the stored bound, Order computes it
+        let n = STORED_ORDER_MAX + 3;
+        let mut o = Order::new(n, 4);
+        assert_eq!(o.sample(n + 7), feistel(n, 4, 1, 7));
     }
 }
 

@@ -115,18 +115,12 @@ pub fn check_stream(
     data: &crate::data::Dataset,
     rt: &tokio::runtime::Handle,
 ) -> anyhow::Result<()> {
-    let crate::data::Dataset::Tokens {
-        tokens,
-        header,
-        vocab: seen,
-        ..
-    } = data
-    else {
-        anyhow::bail!(
-            "dataset {}: a Hugging Face model trains on tokens",
-            spec.dataset
-        );
-    };
+    anyhow::ensure!(
+        data.token_shape().is_some(),
+        "dataset {}: a Hugging Face model trains on tokens",
+        spec.dataset
+    );
+    let header = data.header();
     let vocab = spec.hf_config()?.vocab as u64;
     let url = spec.model_path.clone().unwrap_or_default();
     let Some(h) = header else {
@@ -145,9 +139,18 @@ pub fn check_stream(
             h.tokenizer_sha256
         );
     }
+    let (tokens, seen) = match data {
+        // a stream read by range checks each sample's ids as it reads them
+        crate::data::Dataset::Stream { stream, .. } => {
+            stream.limit_vocab(vocab);
+            return Ok(());
+        }
+        crate::data::Dataset::Tokens { tokens, vocab, .. } => (tokens, *vocab),
+        crate::data::Dataset::Regression { .. } => unreachable!("checked above"),
+    };
     // the stream's largest id is known from its opening: only a stream past the vocabulary is
     // walked again, for the first offending position
-    if *seen as u64 > vocab {
+    if seen as u64 > vocab {
         let p = tokens
             .iter()
             .position(|t| *t as u64 >= vocab)
@@ -188,56 +191,6 @@ pub async fn tokenizer_at(url: &str) -> anyhow::Result<(TokenizerFile, Option<se
     Ok((tok, config))
 }
 
-/// What `ductile-worker tokenize` writes: the stream's header and its tokens.
-pub struct Tokenized {
-    pub header: crate::data::TokenHeader,
-    pub tokens: Vec<u32>,
-}
-
-/// Encode documents with a `tokenizer.json` (no special tokens added; `eos` appended after
-/// each document), reporting progress on stderr for long inputs.
-pub fn tokenize(
-    t: &TokenizerFile,
-    eos: Option<u32>,
-    documents: impl Iterator<Item = anyhow::Result<String>>,
-) -> anyhow::Result<Tokenized> {
-    let tok = &t.tok;
-    let vocab = tok.get_vocab_size(true) as u64;
-    let mut tokens: Vec<u32> = Vec::new();
-    let (mut docs, mut chars, mut reported) = (0u64, 0u64, 0u64);
-    let t0 = std::time::Instant::now();
-    for d in documents {
-        let d = d?;
-        let enc = tok
-            .encode(d.as_str(), false)
-            .map_err(|e| anyhow::anyhow!("document {docs}: {e}"))?;
-        tokens.extend_from_slice(enc.get_ids());
-        if let Some(e) = eos {
-            tokens.push(e);
-        }
-        docs += 1;
-        chars += d.len() as u64;
-        if chars - reported >= 64 << 20 {
-            reported = chars;
-            eprintln!(
-                "tokenize: {docs} documents, {} MB, {} tokens, {:.1} MB/s",
-                chars >> 20,
-                tokens.len(),
-                chars as f64 / 1e6 / t0.elapsed().as_secs_f64()
-            );
-        }
-    }
-    let header = crate::data::TokenHeader {
-        width: if vocab <= 1 << 16 { 2 } else { 4 },
-        vocab,
-        tokenizer_sha256: t.sha256.clone(),
-        eos,
-        documents: docs,
-        tokens: tokens.len() as u64,
-    };
-    Ok(Tokenized { header, tokens })
-}
-
 /// The end-of-sequence id: `--eos` (a token or an id), else config.json's `eos_token_id`, else
 /// the tokenizer's own end-of-text special token.
 pub fn eos_of(
@@ -272,53 +225,6 @@ pub fn eos_of(
         }
     }
     Ok(None)
-}
-
-/// The documents of `inputs`: a `.txt` file is one document, a `.jsonl` file one per line
-/// (the text in `field`).
-pub fn documents<'a>(
-    inputs: &'a [String],
-    field: &'a str,
-) -> impl Iterator<Item = anyhow::Result<String>> + 'a {
-    inputs.iter().flat_map(
-        move |path| -> Box<dyn Iterator<Item = anyhow::Result<String>>> {
-            if path.ends_with(".txt") {
-                Box::new(std::iter::once(
-                    std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{path}: {e}")),
-                ))
-            } else if path.ends_with(".jsonl") {
-                use std::io::BufRead;
-                let f = match std::fs::File::open(path) {
-                    Ok(f) => f,
-                    Err(e) => {
-                        return Box::new(std::iter::once(Err(anyhow::anyhow!("{path}: {e}"))))
-                    }
-                };
-                let path = path.clone();
-                Box::new(
-                    std::io::BufReader::new(f)
-                        .lines()
-                        .enumerate()
-                        .filter(|(_, l)| l.as_ref().map(|l| !l.trim().is_empty()).unwrap_or(true))
-                        .map(move |(i, l)| {
-                            let l = l.map_err(|e| anyhow::anyhow!("{path}:{}: {e}", i + 1))?;
-                            let v: serde_json::Value = serde_json::from_str(&l)
-                                .map_err(|e| anyhow::anyhow!("{path}:{}: not JSON: {e}", i + 1))?;
-                            v.get(field)
-                                .and_then(|t| t.as_str())
-                                .map(str::to_string)
-                                .ok_or_else(|| {
-                                    anyhow::anyhow!("{path}:{}: no string field {field:?}", i + 1)
-                                })
-                        }),
-                )
-            } else {
-                Box::new(std::iter::once(Err(anyhow::anyhow!(
-                    "{path}: neither .txt (a document per file) nor .jsonl (a document per line)"
-                ))))
-            }
-        },
-    )
 }
 
 /// A model directory (or an exported checkpoint) loaded whole on the CPU: the model with its
@@ -406,6 +312,7 @@ mod stream_tests {
                 eos: Some(0),
                 documents: 1,
                 tokens: tokens.len() as u64,
+                sha256: None,
             };
             let bytes = if header {
                 h.encode(&tokens)
@@ -461,18 +368,28 @@ mod tests {
             .iter()
             .map(|i| i.as_u64().unwrap() as u32)
             .collect();
-        let t = tokenize(&tok, Some(0), [Ok(text.clone()), Ok(text)].into_iter()).unwrap();
+        let (tokens, ends) =
+            crate::tokenize::encode(&tok, Some(0), vec![text.clone(), text]).unwrap();
         let mut expect = ids.clone();
         expect.push(0);
         expect.extend(&ids);
         expect.push(0);
-        assert_eq!(t.tokens, expect);
-        assert_eq!((t.header.width, t.header.documents), (2, 2));
-        let bytes = t.header.encode(&t.tokens);
+        assert_eq!(tokens, expect);
+        assert_eq!(ends, vec![ids.len() + 1, 2 * ids.len() + 2]);
+        let header = crate::data::TokenHeader {
+            width: 2,
+            vocab: 300,
+            tokenizer_sha256: tok.sha256.clone(),
+            eos: Some(0),
+            documents: 2,
+            tokens: tokens.len() as u64,
+            sha256: None,
+        };
+        let bytes = header.encode(&tokens);
         let (h, back) = crate::data::TokenHeader::decode("t", &bytes)
             .unwrap()
             .unwrap();
-        assert_eq!((h, back), (t.header.clone(), t.tokens.clone()));
+        assert_eq!((h, back), (header, tokens));
         let e = crate::data::TokenHeader::decode("t", &bytes[..bytes.len() - 2]).unwrap_err();
         assert!(e.to_string().contains("the header says"), "{e}");
     }

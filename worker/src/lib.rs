@@ -15,6 +15,7 @@ pub mod model;
 pub mod nccl;
 pub mod optim;
 pub mod synth;
+pub mod tokenize;
 pub mod train;
 
 /// libtorch's random generator is global to the process: unit tests that seed it take turns.

@@ -31,15 +31,24 @@ enum Cmd {
         /// A tokenizer.json, or a model directory holding one (file://, s3:// or a path).
         #[arg(long)]
         tokenizer: String,
-        /// .txt files (a document each) and .jsonl files (a document per line).
+        /// .txt files (a document each), .jsonl files (a document per line) and .parquet files
+        /// (a document per row), read in this order.
         #[arg(long, num_args = 1.., required = true)]
         input: Vec<String>,
-        /// Where the stream goes (file:// or s3://).
+        /// Where the stream goes (file:// or s3://); a prefix ending in `/`: shards of
+        /// --shard-tokens tokens and their index.json there.
         #[arg(long)]
         out: String,
-        /// The JSON field holding a .jsonl line's text.
+        /// The JSON field of a .jsonl line, or the string column of a .parquet file, holding
+        /// the text.
         #[arg(long, default_value = "text")]
         field: String,
+        /// Tokens per shard when --out is a prefix.
+        #[arg(long, default_value_t = 1 << 27)]
+        shard_tokens: u64,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
         /// The token appended after each document (a token or an id); default: config.json's
         /// eos_token_id, else the tokenizer's end-of-text token.
         #[arg(long)]
@@ -63,6 +72,10 @@ enum Cmd {
         /// Vocabulary size (tokens).
         #[arg(long, default_value_t = 64)]
         vocab: u16,
+        /// Tokens per shard, when --out is a prefix ending in `/` (tokens: shards and an
+        /// index.json, written as they are generated).
+        #[arg(long, default_value_t = 1 << 24)]
+        shard_tokens: u64,
     },
 }
 
@@ -99,8 +112,18 @@ fn main() {
             out,
             field,
             eos,
+            shard_tokens,
+            json,
         }) => {
-            if let Err(e) = tokenize(&tokenizer, &input, &out, &field, eos.as_deref()) {
+            if let Err(e) = tokenize(
+                &tokenizer,
+                &input,
+                &out,
+                &field,
+                eos.as_deref(),
+                shard_tokens,
+                json,
+            ) {
                 eprintln!("ductile-worker tokenize: {e:#}");
                 std::process::exit(1);
             }
@@ -111,9 +134,12 @@ fn main() {
             seed,
             size,
             vocab,
+            shard_tokens,
         }) => {
             let r = match kind.as_str() {
-                "tokens" => ductile_worker::synth::tokens(&out, seed, size as usize, vocab),
+                "tokens" => {
+                    ductile_worker::synth::tokens(&out, seed, size as usize, vocab, shard_tokens)
+                }
                 "regression" => ductile_worker::synth::regression(&out, seed, size as i64, 16, 4),
                 other => Err(anyhow::anyhow!(
                     "unknown kind {other:?} (tokens, regression)"
@@ -244,28 +270,29 @@ fn tokenize(
     out: &str,
     field: &str,
     eos: Option<&str>,
+    shard_tokens: u64,
+    json: bool,
 ) -> anyhow::Result<()> {
     use ductile_worker::hf;
     let rt = tokio::runtime::Runtime::new()?;
     let (tok, config) = rt.block_on(hf::tokenizer_at(tokenizer))?;
     let eos = hf::eos_of(&tok.tok, config.as_ref(), eos)?;
-    let t = hf::tokenize(&tok, eos, hf::documents(input, field))?;
-    let bytes = t.header.encode(&t.tokens);
-    let (dir, name) = out
-        .rsplit_once('/')
-        .ok_or_else(|| anyhow::anyhow!("--out {out}: not a URL of a file"))?;
-    let b =
-        ductile_checkpoint::Bucket::open(dir).map_err(|e| anyhow::anyhow!("--out {out}: {e}"))?;
-    rt.block_on(b.put(name, bytes::Bytes::from(bytes)))
-        .map_err(|e| anyhow::anyhow!("--out {out}: {e}"))?;
-    println!(
-        "{out}: {} documents, {} tokens of {} bytes (vocabulary {}, eos {:?}, tokenizer sha256 {})",
-        t.header.documents,
-        t.header.tokens,
-        t.header.width,
-        t.header.vocab,
-        t.header.eos,
-        t.header.tokenizer_sha256
-    );
+    let s = ductile_worker::tokenize::run(&tok, eos, input, field, out, shard_tokens, &rt)?;
+    if json {
+        println!("{}", serde_json::to_string(&s)?);
+    } else {
+        println!(
+            "{out}: {} documents, {} tokens of {} bytes in {} shard(s) (vocabulary {}, eos {:?}, tokenizer sha256 {}); {:.0} tokens/s, peak RSS {:.0} MiB",
+            s.documents,
+            s.tokens,
+            s.width,
+            s.shards,
+            s.vocab,
+            s.eos,
+            s.tokenizer_sha256,
+            s.tokens_per_s,
+            s.peak_rss_mib
+        );
+    }
     Ok(())
 }

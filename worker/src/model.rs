@@ -77,38 +77,38 @@ impl Model {
         tch::manual_seed(spec.seed as i64);
         let mut vs = nn::VarStore::new(tch::Device::Cpu);
         let root = vs.root();
-        let net: Box<dyn Network> = match (spec.model, data) {
-            (ModelKind::Gpt, Dataset::Tokens { vocab, ctx, .. }) => {
+        let net: Box<dyn Network> = match (spec.model, data.token_shape(), data) {
+            (ModelKind::Gpt, Some((vocab, ctx)), _) => {
                 let g = spec.gpt_config()?;
-                let vocab = (*vocab as i64).max(g.vocab);
+                let vocab = (vocab as i64).max(g.vocab);
                 Box::new(gpt::Gpt::new(
                     &root,
                     g.d_model,
                     g.n_layer,
                     g.n_head,
                     vocab,
-                    *ctx as i64,
+                    ctx as i64,
                 ))
             }
-            (ModelKind::Mlp, Dataset::Regression { x, y }) => {
+            (ModelKind::Mlp, _, Dataset::Regression { x, y }) => {
                 let (d_in, d_out) = (x.size()[1], y.size()[1]);
                 let m = spec.mlp_config()?;
                 Box::new(mlp::Mlp::new(&root, d_in, m.hidden, m.layers, d_out))
             }
-            (ModelKind::Hf, Dataset::Tokens { vocab, ctx, .. }) => {
+            (ModelKind::Hf, Some((_, ctx)), _) => {
                 let c = spec.hf_config()?;
                 // the dataset was checked against the model's vocabulary when it was opened
-                debug_assert!(*vocab as i64 <= c.vocab);
+                // (a stream's tokens as they are read)
                 match c.family {
                     ductile_cluster::hf::Family::Llama => {
-                        Box::new(llama::Llama::new(&root, &c, *ctx as i64))
+                        Box::new(llama::Llama::new(&root, &c, ctx as i64))
                     }
                     ductile_cluster::hf::Family::Gpt2 => {
-                        Box::new(gpt2::Gpt2::new(&root, &c, *ctx as i64))
+                        Box::new(gpt2::Gpt2::new(&root, &c, ctx as i64))
                     }
                 }
             }
-            (m, _) => anyhow::bail!(
+            (m, _, _) => anyhow::bail!(
                 "model {m:?} does not fit its dataset (gpt and hf need tokens, mlp a regression set)"
             ),
         };

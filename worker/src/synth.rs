@@ -6,8 +6,10 @@ use tch::{Kind, Tensor};
 use crate::data::mix;
 
 /// A seeded Markov source over `vocab` tokens: each token has four likely successors, so a
-/// model's loss falls well below log(vocab).
-pub fn tokens(url: &str, seed: u64, n: usize, vocab: u16) -> anyhow::Result<()> {
+/// model's loss falls well below log(vocab). `url` a file: a bare u16 stream (the quickstart's);
+/// a prefix ending in `/`: shards of `shard_tokens` with their index (header: the vocabulary,
+/// tokenizer "synthetic"), written as they are generated (memory: one shard).
+pub fn tokens(url: &str, seed: u64, n: usize, vocab: u16, shard_tokens: u64) -> anyhow::Result<()> {
     let mut state = mix(seed);
     let mut next = |m: u64| {
         state = mix(state);
@@ -17,25 +19,56 @@ pub fn tokens(url: &str, seed: u64, n: usize, vocab: u16) -> anyhow::Result<()> 
         .map(|_| [0; 4].map(|_| next(vocab as u64) as u16))
         .collect();
     let mut t = next(vocab as u64) as u16;
-    let mut out = Vec::with_capacity(n * 2);
-    for _ in 0..n {
-        out.extend_from_slice(&t.to_le_bytes());
-        // 90%: one of the four successors (weighted 4:3:2:1), else any token
-        t = if next(10) < 9 {
-            let r = next(10);
-            succ[t as usize][if r < 4 {
-                0
-            } else if r < 7 {
-                1
-            } else if r < 9 {
-                2
+    let mut emit = |count: usize, out: &mut Vec<u32>| {
+        for _ in 0..count {
+            out.push(t as u32);
+            // 90%: one of the four successors (weighted 4:3:2:1), else any token
+            t = if next(10) < 9 {
+                let r = next(10);
+                succ[t as usize][if r < 4 {
+                    0
+                } else if r < 7 {
+                    1
+                } else if r < 9 {
+                    2
+                } else {
+                    3
+                }]
             } else {
-                3
-            }]
-        } else {
-            next(vocab as u64) as u16
+                next(vocab as u64) as u16
+            };
+        }
+    };
+    if url.ends_with('/') {
+        let rt = tokio::runtime::Runtime::new()?;
+        let header = crate::data::TokenHeader {
+            width: 2,
+            vocab: vocab as u64,
+            tokenizer_sha256: "synthetic".into(),
+            eos: None,
+            documents: 0,
+            tokens: 0,
+            sha256: None,
         };
+        let mut sink = crate::tokenize::Sink::new(url, header, shard_tokens)?;
+        let mut left = n;
+        let mut buf = Vec::new();
+        while left > 0 {
+            let k = left.min(1 << 22);
+            buf.clear();
+            emit(k, &mut buf);
+            sink.add(&rt, std::mem::take(&mut buf), vec![])?;
+            left -= k;
+        }
+        sink.finish(&rt)?;
+        return Ok(());
     }
+    let mut toks = Vec::with_capacity(n);
+    emit(n, &mut toks);
+    let out: Vec<u8> = toks
+        .iter()
+        .flat_map(|t| (*t as u16).to_le_bytes())
+        .collect();
     write(url, out)
 }
 

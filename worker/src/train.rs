@@ -40,6 +40,7 @@ pub mod asynch;
 pub mod ckpt;
 pub mod diloco;
 pub mod driver;
+mod eval;
 pub mod pipe;
 pub mod reshard;
 mod tensor;
@@ -56,6 +57,10 @@ pub struct Trainer {
     /// Where the model, the optimizer state and the batches live.
     dev: Device,
     data: Dataset,
+    /// Samples of `data` training draws from (its first; the rest are an `eval_fraction`).
+    train_samples: u64,
+    /// The held-out samples the eval loss is computed on, if the job has a split.
+    eval: Option<eval::EvalSet>,
     order: Order,
     model: Model,
     params: Vec<Tensor>,
@@ -86,10 +91,17 @@ pub struct Trainer {
     tp_held: (u32, u32),
     /// The `extra` of the checkpoint the last restore read.
     restored_extra: Option<serde_json::Value>,
+    /// The latest eval: (step, loss).
+    last_eval: Option<(u64, f64)>,
+    /// What the read-ahead was last asked for: this rank's places in a batch, and the last
+    /// step asked.
+    ahead: (Vec<(u64, u64)>, u64),
 }
 
 /// Samples of the final evaluation loss.
-const EVAL_SAMPLES: u64 = 256;
+const EVAL_SAMPLES: u64 = eval::DEFAULT_EVAL_SAMPLES;
+/// The most steps whose samples a streamed dataset's read-ahead fetches before they are wanted.
+const READ_AHEAD_STEPS: u64 = 64;
 
 fn sha256_params(params: &[Tensor]) -> String {
     let mut h = Sha256::new();
@@ -179,7 +191,8 @@ impl Trainer {
             }
             Err(_) => None,
         };
-        let order = Order::new(data.len(), spec.seed);
+        let (train_samples, eval) = eval::EvalSet::of(&spec, &data, &rt)?;
+        let order = Order::new(train_samples, spec.seed);
         let arch = ductile_strategies::arch::of(&spec).map_err(|e| anyhow::anyhow!(e))?;
         let unit_list = arch.units();
         let shared = arch.shared();
@@ -235,6 +248,8 @@ impl Trainer {
             cell,
             dev,
             data,
+            train_samples,
+            eval,
             order,
             model,
             params,
@@ -252,6 +267,8 @@ impl Trainer {
             shapes,
             tp_held: (1, 0),
             restored_extra: None,
+            last_eval: None,
+            ahead: (Vec::new(), 0),
         })
     }
 
@@ -472,23 +489,28 @@ impl Trainer {
             step: self.step,
             step_ms: since.elapsed().as_secs_f64() * 1e3 / n,
             compute_ms: self.computed.as_secs_f64() * 1e3 / n,
+            data_ms: self.data.take_waited().as_secs_f64() * 1e3 / n,
             updated_at_ms: now_ms(),
         });
         self.computed = Duration::ZERO;
     }
 
-    /// The final weights' mean loss on the dataset's first [`EVAL_SAMPLES`] samples (a fixed
-    /// set, the same for every mode and layout), when this rank holds the whole model.
+    /// The final weights' mean loss on the eval split's first `eval_samples` samples, or
+    /// without a split on the dataset's first [`EVAL_SAMPLES`] (a fixed set, the same for
+    /// every mode and layout), when this rank holds the whole model.
     fn eval_loss(&mut self) -> Option<f64> {
         if self.model.sliced() || self.tp_held.0 > 1 {
             return None;
         }
-        let n = (self.data.len() as u64).min(EVAL_SAMPLES);
-        let idx: Vec<u64> = (0..n).collect();
+        let (data, idx) = match &self.eval {
+            Some(e) => (e.data(&self.data), e.samples()),
+            None => (&self.data, (0..self.data.len().min(EVAL_SAMPLES)).collect()),
+        };
+        let n = idx.len() as u64;
         let mut sum = 0.0;
         tch::no_grad(|| {
             for chunk in idx.chunks(64) {
-                let (x, y) = self.data.batch(chunk);
+                let (x, y) = data.batch(chunk);
                 let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
                 sum += self.model.loss_sum(&x, &y).double_value(&[]);
             }
@@ -533,6 +555,46 @@ impl Trainer {
                 }
             })
             .collect()
+    }
+
+    /// Ask a streamed dataset for this rank's samples of the steps ahead: those at the same
+    /// places `(start, len)` in their global batches as this step's. Asked in windows (when
+    /// fewer than half the window is left, the next half): a shard's samples of several steps
+    /// then come in one coalesced read, not one read a step. The window is up to
+    /// [`READ_AHEAD_STEPS`] steps, less when that many would not fit in half the read-ahead's
+    /// budget.
+    fn read_ahead(&mut self, within: &[(u64, u64)]) {
+        if !matches!(self.data, Dataset::Stream { .. }) {
+            return;
+        }
+        let per_step: u64 = within.iter().map(|w| w.1).sum::<u64>().max(1);
+        let ctx = self.data.token_shape().map_or(1, |s| s.1 as u64 + 1);
+        let fits = (crate::data::stream::budget_bytes() as u64 / 8) / (per_step * ctx).max(1);
+        let window = fits.clamp(2, READ_AHEAD_STEPS);
+        let (ref asked, until) = self.ahead;
+        let from = if asked.as_slice() == within && until > self.step {
+            if until >= self.step + window / 2 {
+                return;
+            }
+            until + 1
+        } else {
+            self.step + 1
+        };
+        let to = self.step + window;
+        let b = self.spec.global_batch as u64;
+        let end = self.run_positions();
+        let mut want = Vec::new();
+        for j in from..=to {
+            for &(start, len) in within {
+                for p in (j * b + start..j * b + start + len).take_while(|p| *p < end) {
+                    want.push(self.order.sample(p));
+                }
+            }
+        }
+        self.ahead = (within.to_vec(), to);
+        if !want.is_empty() {
+            self.data.prefetch(want);
+        }
     }
 
     /// The global batch cut into the job's logical shards (deterministic mode).
@@ -629,6 +691,10 @@ impl Trainer {
         let flat = if self.spec.deterministic {
             let shards = self.logical_shards();
             let v = shards.len() as u64;
+            let ahead: Vec<(u64, u64)> = split_range(v, world, rank)
+                .map(|k| (shards[k as usize].start, shards[k as usize].len))
+                .collect();
+            self.read_ahead(&ahead);
             let mut mine = Vec::new();
             for k in split_range(v, world, rank) {
                 self.zero_grads();
@@ -641,6 +707,7 @@ impl Trainer {
         } else {
             self.zero_grads();
             let share = split_batch(b, world)[rank as usize];
+            self.read_ahead(&[(share.start, share.len)]);
             let l = self.accumulate(share, g, rank);
             let flat = self.flat_grads(l, g.number);
             self.computed_for(rank, t0);

@@ -47,6 +47,13 @@ impl Mode for Allreduce {
         } else {
             t.train_step(comm.as_ref(), g, me.rank)?
         };
+        if t.spec.eval_every.is_some_and(|e| t.step % e == 0) && t.eval.is_some() {
+            let l = t.eval_on_layout(comm, g, me)?;
+            t.last_eval = Some((t.step, l));
+            if me.rank == 0 {
+                println!("eval at step {}: loss {l:.5}", t.step);
+            }
+        }
         Ok(Worked {
             steps: 1,
             commit: Some(Commit {

@@ -358,7 +358,8 @@ impl Trainer {
     /// `diloco`, `async`; the other is null).
     fn extra_state(&self, g: &Generation, mode: &dyn Mode) -> serde_json::Value {
         let b = self.spec.global_batch as u64;
-        let n = self.data.len() as u64;
+        // the samples training draws from (an eval_fraction's tail is not among them)
+        let n = self.train_samples;
         let pos = self.step * b;
         let mut x = serde_json::json!({
             "step": self.step,
@@ -369,7 +370,11 @@ impl Trainer {
                 "global_batch": b,
                 "dataset": self.spec.dataset,
                 "dataset_samples": n,
-                "order": "sample(p) = permutation(seed, p / dataset_samples)[p % dataset_samples]",
+                "order": if n > crate::data::STORED_ORDER_MAX {
+                    "sample(p) = feistel(dataset_samples, seed, p / dataset_samples, p % dataset_samples)"
+                } else {
+                    "sample(p) = permutation(seed, p / dataset_samples)[p % dataset_samples]"
+                },
             },
             "rng": {
                 "seed": self.spec.seed,

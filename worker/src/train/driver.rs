@@ -268,7 +268,7 @@ impl Driver {
             "training"
         );
         self.mode.begin(&mut self.t, arc, g, me.rank);
-        let trained = self.train(g, arc, me, pipelined);
+        let trained = self.train(g, arc, me);
         if let Err(e) = self.mode.end(&mut self.t, arc, trained) {
             return Ok(Outcome::Reform(e));
         }
@@ -281,7 +281,6 @@ impl Driver {
         g: &Generation,
         comm: &Arc<dyn Communicator>,
         me: &Member,
-        pipelined: bool,
     ) -> Result<(), CommError> {
         let rank = me.rank;
         let (t, mode) = (&mut self.t, &mut self.mode);
@@ -318,6 +317,8 @@ impl Driver {
                         samples_per_sec: Some(sps),
                         updated_at_ms: super::now_ms(),
                         bytes_per_sample: (committed > 0).then(|| bytes / committed as f64),
+                        eval_loss: t.last_eval.map(|e| e.1),
+                        eval_step: t.last_eval.map(|e| e.0),
                         ..Default::default()
                     };
                     mode.report(t, &mut p);
@@ -328,7 +329,9 @@ impl Driver {
                     since = Instant::now();
                 }
             }
-            if !pipelined && rank_steps > 0 && rank_since.elapsed() >= Duration::from_secs(2) {
+            // (a pipeline rank's compute is its stages' forward and backward, a tensor group's
+            // collectives inside them included; not the waits for its neighbours)
+            if rank_steps > 0 && rank_since.elapsed() >= Duration::from_secs(2) {
                 t.report_rank(g, rank, rank_since, rank_steps);
                 (rank_since, rank_steps) = (Instant::now(), 0);
             }
@@ -356,6 +359,8 @@ impl Driver {
         if rank == 0 {
             let sha = sha256_params(&t.params);
             let eval = t.eval_loss();
+            // with a split, the final weights' eval is an eval at the last step
+            let eval_step = (eval.is_some() && t.eval.is_some()).then_some(t.step);
             let mut p = Progress {
                 generation: g.number,
                 step: t.step,
@@ -363,6 +368,7 @@ impl Driver {
                 done: true,
                 final_weights_sha256: Some(sha.clone()),
                 eval_loss: eval,
+                eval_step,
                 ..Default::default()
             };
             // the mode's own figures as of the run's end (DiLoCo's last round, async's

@@ -278,6 +278,10 @@ impl Trainer {
                 .collect();
             which = which_of.concat();
             let mbs = self.micro_plan(dp, me.dp_rank, p);
+            if stage == 0 || mine.iter().any(|r| r.end == units) {
+                let ahead: Vec<(u64, u64)> = mbs.iter().map(|(s, l, _)| (*s, *l)).collect();
+                self.read_ahead(&ahead);
+            }
             let m = mbs.len() as u32;
             let ops = stage_ops(self.spec.schedule, p, m, stage);
             let (first, last) = (stage == 0, stage + 1 == p);
@@ -329,6 +333,8 @@ impl Trainer {
                             mail.recv(comm.as_ref(), prev, want, &shape)?
                                 .set_requires_grad(true)
                         };
+                        // compute time: from the input being here to the output sent
+                        let t0 = std::time::Instant::now();
                         let r = &mine[j as usize];
                         let mut tape = crate::model::Tape::default();
                         let out = self.model.forward(r.start, r.end, &input, &mut tape)?;
@@ -345,6 +351,7 @@ impl Trainer {
                             inputs[key(i, j)] = Some(input);
                         }
                         tapes[key(i, j)] = Some(tape);
+                        self.computed += t0.elapsed();
                     }
                     Op::Bwd(i, j) => {
                         let k = j * p + stage;
@@ -356,10 +363,12 @@ impl Trainer {
                             let want = Msg::Grad { mb: i, chunk: k };
                             Some(mail.recv(comm.as_ref(), next, want, &shape)?)
                         };
+                        let t0 = std::time::Instant::now();
                         self.model.backward(tape, &out, grad.as_ref())?;
                         if let Some(input) = inputs[key(i, j)].take() {
                             outbox.send(input.grad().contiguous(), prev);
                         }
+                        self.computed += t0.elapsed();
                         if let Some(sh) = mbs[i as usize].2 {
                             let parts = captured
                                 .entry(sh)
