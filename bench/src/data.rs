@@ -150,6 +150,17 @@ print(n)
     Ok(())
 }
 
+/// A process's CPU time (user + system) so far, seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // the fields after the command's closing parenthesis: utime and stime are the 12th and 13th
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
 /// The median rank step time (ms) and data wait (ms) of job "bench" over `n` reports after
 /// step `after`.
 async fn steady(c: &Cluster, after: u64, n: usize) -> (f64, f64) {
@@ -197,8 +208,19 @@ pub async fn step(
             training_toml("bench", 1, world, world, "gpt", &prefix, "")
         ));
         c.wait_world("bench", world, Duration::from_secs(120));
+        // the S3 server shares this machine's cores with the workers: its CPU time while the
+        // steps are measured is what it cost them
+        let server = c.s3.as_ref().and_then(|s| s.proc.as_ref()).map(|p| p.pid());
+        let (cpu0, t0) = (server.map(cpu_seconds), Instant::now());
         let (ms, wait) = steady(&c, 20, reports).await;
-        println!("  {store:<7} step {ms:.2} ms, data wait {wait:.3} ms per step");
+        let server_cpu = match (server, cpu0) {
+            (Some(pid), Some(a)) => format!(
+                ", the S3 server used {:.1}% of a core",
+                (cpu_seconds(pid) - a) / t0.elapsed().as_secs_f64() * 100.0
+            ),
+            _ => String::new(),
+        };
+        println!("  {store:<7} step {ms:.2} ms, data wait {wait:.3} ms per step{server_cpu}");
         rows.push((store, ms, wait));
     }
     let of = |s: &str| {

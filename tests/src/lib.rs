@@ -1603,18 +1603,15 @@ pub fn assert_loss_fell(early: &JobView, later: &JobView) {
 
 /// Write a synthetic dataset to `url` (file:// or s3://, with `env` for the store).
 pub fn synth_to(url: &str, kind: &str, size: u64, env: &[(String, String)]) -> String {
+    synth_with(url, kind, size, &[], env)
+}
+
+/// `ductile-worker synth-data` (seed 7) with extra `args`; returns `url`.
+fn synth_with(url: &str, kind: &str, size: u64, args: &[&str], env: &[(String, String)]) -> String {
     let out = Command::new(bin("ductile-worker"))
-        .args([
-            "synth-data",
-            "--kind",
-            kind,
-            "--out",
-            url,
-            "--seed",
-            "7",
-            "--size",
-            &size.to_string(),
-        ])
+        .args(["synth-data", "--kind", kind, "--out", url, "--seed", "7"])
+        .args(["--size", &size.to_string()])
+        .args(args)
         .envs(env.iter().cloned())
         .output()
         .unwrap();
@@ -1634,31 +1631,13 @@ pub fn synth_shards(
     shard_tokens: u64,
     env: &[(String, String)],
 ) -> String {
-    let out = Command::new(bin("ductile-worker"))
-        .args([
-            "synth-data",
-            "--kind",
-            "tokens",
-            "--out",
-            prefix,
-            "--seed",
-            "7",
-        ])
-        .args([
-            "--size",
-            &size.to_string(),
-            "--shard-tokens",
-            &shard_tokens.to_string(),
-        ])
-        .envs(env.iter().cloned())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "synth-data failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    prefix.to_string()
+    synth_with(
+        prefix,
+        "tokens",
+        size,
+        &["--shard-tokens", &shard_tokens.to_string()],
+        env,
+    )
 }
 
 /// `ductile-worker tokenize` of `inputs` into `out` with extra `args`: its `--json` summary.
@@ -1683,6 +1662,28 @@ pub fn tokenize_with(
         String::from_utf8_lossy(&o.stderr)
     );
     serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// The set-up's transformers fixtures (`DUCTILE_HF_FIXTURES`, made by scripts/setup.sh).
+pub fn hf_fixtures() -> PathBuf {
+    PathBuf::from(std::env::var("DUCTILE_HF_FIXTURES").expect(
+        "DUCTILE_HF_FIXTURES is not set: run scripts/setup.sh and source ~/.cache/ductile/env.sh",
+    ))
+}
+
+/// Run a Python script with the set-up's torch venv (`DUCTILE_TORCH_PYTHON`); its stdout.
+pub fn torch_python<A: AsRef<std::ffi::OsStr>>(script: &str, args: &[A]) -> String {
+    let py =
+        std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh)");
+    let o = Command::new(py)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
 }
 
 /// A training job spec in TOML.

@@ -5,7 +5,6 @@
 //! over a gigabyte of tokens. Real etcd, S3 (moto), daemons, agents and workers.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ductile_cluster::records::StateSource;
@@ -149,27 +148,6 @@ fn training_a_sharded_s3_corpus_is_read_exactly_once_through_layouts_and_a_cold_
     );
 }
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(std::env::var("DUCTILE_HF_FIXTURES").expect(
-        "DUCTILE_HF_FIXTURES is not set: run scripts/setup.sh and source ~/.cache/ductile/env.sh",
-    ))
-}
-
-/// Run a Python script with the set-up's torch venv; its stdout.
-fn torch_python(script: &str, args: &[&str]) -> String {
-    let py =
-        std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh)");
-    let o = std::process::Command::new(py)
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8(o.stdout).unwrap()
-}
-
 fn texts(n: usize, salt: usize) -> Vec<String> {
     let words = [
         "elastic", "training", "keeps", "going", "when", "a", "node", "dies", "Madrid", "Spain",
@@ -193,7 +171,7 @@ fn texts(n: usize, salt: usize) -> Vec<String> {
 /// same stream; a corpus from another tokenizer is refused at submit.
 #[test]
 fn training_the_eval_loss_on_the_layout_equals_transformers_on_the_final_weights() {
-    let model = fixtures().join("llama");
+    let model = hf_fixtures().join("llama");
     let c = Cluster::start(Spec::default().agents(2, 2));
     let dir = c.dir.path();
     let jsonl = dir.join("corpus.jsonl");

@@ -11,12 +11,6 @@ use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(std::env::var("DUCTILE_HF_FIXTURES").expect(
-        "DUCTILE_HF_FIXTURES is not set: run scripts/setup.sh and source ~/.cache/ductile/env.sh",
-    ))
-}
-
 /// A corpus of `docs` JSON lines, tokenized with the model's tokenizer by `ductile-worker
 /// tokenize`: the stream's URL and its token count.
 fn corpus(dir: &Path, model: &Path, docs: usize) -> (String, u64) {
@@ -37,21 +31,6 @@ fn corpus(dir: &Path, model: &Path, docs: usize) -> (String, u64) {
     let out = format!("file://{}/corpus.tok", dir.display());
     let tokens = tokenize(model, &jsonl, &out);
     (out, tokens)
-}
-
-/// Run a Python script with the set-up's torch venv; its stdout.
-fn torch_python(script: &str, args: &[&Path]) -> String {
-    let py =
-        std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh)");
-    let o = std::process::Command::new(py)
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8(o.stdout).unwrap()
 }
 
 /// SHA-256 of a model directory's weights as ductile hashes a job's final weights (each
@@ -107,7 +86,7 @@ fn hf_job(name: &str, desired: u32, model: &Path, data: &str, steps: u64, extra:
 /// of its checkpoint gives transformers' reference logits; `init = "random"` starts elsewhere.
 #[test]
 fn hf_llama_trains_from_its_directory_at_every_layout_bitwise_equal() {
-    let model = fixtures().join("llama");
+    let model = hf_fixtures().join("llama");
     let ledger = TempDir::new("hf-ledger");
     let c = ledger_cluster(&ledger);
     let (data, tokens) = corpus(c.dir.path(), &model, 600);
@@ -267,9 +246,10 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
     let write = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> PathBuf {
         let d = dir.join(name);
         std::fs::create_dir_all(&d).unwrap();
-        let mut v: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(fixtures().join("llama/config.json")).unwrap())
-                .unwrap();
+        let mut v: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(hf_fixtures().join("llama/config.json")).unwrap(),
+        )
+        .unwrap();
         edit(&mut v);
         std::fs::write(d.join("config.json"), v.to_string()).unwrap();
         d
@@ -288,8 +268,8 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
     );
     let data = "file:///unused.tok";
     let job = |m: &Path, extra: &str| hf_job("bad", 1, m, data, 10, extra);
-    let llama = fixtures().join("llama");
-    let gpt2 = fixtures().join("gpt2");
+    let llama = hf_fixtures().join("llama");
+    let gpt2 = hf_fixtures().join("gpt2");
     assert_refused(
         &c,
         &[
@@ -332,7 +312,7 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
 /// (`precision = "bf16"`).
 #[test]
 fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_and_exports() {
-    let model = fixtures().join("gpt2");
+    let model = hf_fixtures().join("gpt2");
     let c = Cluster::start(Spec {
         restart_backoff_ms: 300,
         ..Spec::default().agents(2, 4)

@@ -56,28 +56,42 @@ impl TokenHeader {
         out
     }
 
-    /// A stream's header and tokens; `None` for a bare u16 stream (no magic).
-    pub fn decode(url: &str, bytes: &[u8]) -> anyhow::Result<Option<(TokenHeader, Vec<u32>)>> {
-        let Some(rest) = bytes.strip_prefix(TOKENS_MAGIC.as_slice()) else {
+    /// A stream's header from its first bytes (`what` names the stream in errors), and the
+    /// byte offset of its first token; `None`: no magic, not a stream with a header.
+    pub fn parse(what: &str, first: &[u8]) -> anyhow::Result<Option<(TokenHeader, u64)>> {
+        let Some(rest) = first.strip_prefix(TOKENS_MAGIC.as_slice()) else {
             return Ok(None);
         };
         anyhow::ensure!(
             rest.len() >= 4,
-            "dataset {url}: a token stream cut inside its header"
+            "{what}: a token stream cut inside its header"
         );
         let n = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
         anyhow::ensure!(
             rest.len() >= 4 + n,
-            "dataset {url}: a header of {n} bytes in a stream of {} bytes",
-            bytes.len()
+            "{what}: a header of {n} bytes, longer than the {} bytes read",
+            rest.len() - 4
         );
         let h: TokenHeader = serde_json::from_slice(&rest[4..4 + n])
-            .map_err(|e| anyhow::anyhow!("dataset {url}: unreadable token stream header: {e}"))?;
-        let body = &rest[4 + n..];
+            .map_err(|e| anyhow::anyhow!("{what}: unreadable token stream header: {e}"))?;
+        anyhow::ensure!(
+            h.width == 2 || h.width == 4,
+            "{what}: token width {} (2 or 4)",
+            h.width
+        );
+        Ok(Some((h, (12 + n) as u64)))
+    }
+
+    /// A stream's header and tokens; `None` for a bare u16 stream (no magic).
+    pub fn decode(url: &str, bytes: &[u8]) -> anyhow::Result<Option<(TokenHeader, Vec<u32>)>> {
+        let Some((h, at)) = TokenHeader::parse(&format!("dataset {url}"), bytes)? else {
+            return Ok(None);
+        };
+        let body = &bytes[at as usize..];
         let w = h.width as usize;
         anyhow::ensure!(
-            (w == 2 || w == 4) && body.len().is_multiple_of(w),
-            "dataset {url}: {} bytes of tokens of width {w} (2 or 4)",
+            body.len().is_multiple_of(w),
+            "dataset {url}: {} bytes of tokens of width {w}",
             body.len()
         );
         anyhow::ensure!(

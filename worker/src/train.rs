@@ -93,15 +93,15 @@ pub struct Trainer {
     restored_extra: Option<serde_json::Value>,
     /// The latest eval: (step, loss).
     last_eval: Option<(u64, f64)>,
-    /// What the read-ahead was last asked for: this rank's places in a batch, and the last
-    /// step asked.
-    ahead: (Vec<(u64, u64)>, u64),
+    /// What the read-ahead was last asked for: this rank's places in a batch, the step that
+    /// asked, and the last step asked for.
+    ahead: (Vec<(u64, u64)>, u64, u64),
 }
 
 /// Samples of the final evaluation loss.
 const EVAL_SAMPLES: u64 = eval::DEFAULT_EVAL_SAMPLES;
 /// The most steps whose samples a streamed dataset's read-ahead fetches before they are wanted.
-const READ_AHEAD_STEPS: u64 = 64;
+const READ_AHEAD_STEPS: u64 = 256;
 
 fn sha256_params(params: &[Tensor]) -> String {
     let mut h = Sha256::new();
@@ -268,7 +268,7 @@ impl Trainer {
             tp_held: (1, 0),
             restored_extra: None,
             last_eval: None,
-            ahead: (Vec::new(), 0),
+            ahead: (Vec::new(), 0, 0),
         })
     }
 
@@ -571,8 +571,9 @@ impl Trainer {
         let ctx = self.data.token_shape().map_or(1, |s| s.1 as u64 + 1);
         let fits = (crate::data::stream::budget_bytes() as u64 / 8) / (per_step * ctx).max(1);
         let window = fits.clamp(2, READ_AHEAD_STEPS);
-        let (ref asked, until) = self.ahead;
-        let from = if asked.as_slice() == within && until > self.step {
+        let (ref asked, since, until) = self.ahead;
+        // (a step before the last request's: a cold start went back; ask anew)
+        let from = if asked.as_slice() == within && until > self.step && self.step >= since {
             if until >= self.step + window / 2 {
                 return;
             }
@@ -591,7 +592,7 @@ impl Trainer {
                 }
             }
         }
-        self.ahead = (within.to_vec(), to);
+        self.ahead = (within.to_vec(), self.step, to);
         if !want.is_empty() {
             self.data.prefetch(want);
         }

@@ -94,13 +94,16 @@ async fn read_ranges(
     let mut merged: Vec<std::ops::Range<u64>> = Vec::new();
     for r in ranges {
         match merged.last_mut() {
-            Some(m) if r.start <= m.end + gap => m.end = m.end.max(r.end),
+            // (a merged request stays under MAX_REQUEST: what is in flight stays bounded)
+            Some(m) if r.start <= m.end + gap && r.end - m.start <= MAX_REQUEST => {
+                m.end = m.end.max(r.end)
+            }
             _ => merged.push(r.clone()),
         }
     }
     let got: Vec<bytes::Bytes> = futures_util::stream::iter(merged.iter().cloned())
         .map(|r| async move { store.get_range(path, r).await })
-        .buffered(10)
+        .buffered(REQUESTS_PER_SHARD)
         .try_collect()
         .await?;
     Ok(ranges
@@ -115,15 +118,21 @@ async fn read_ranges(
 }
 
 /// Ranges of a shard closer than this are read in one request (`DUCTILE_DATA_COALESCE_KB`,
-/// default 1 MiB, as object_store's own `get_ranges`): fewer requests, at the price of reading
-/// the gaps.
+/// default 256 KiB: about what a request costs in transfer time): fewer requests, at the price
+/// of reading the gaps.
 fn coalesce_bytes() -> u64 {
     std::env::var("DUCTILE_DATA_COALESCE_KB")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(1024)
+        .unwrap_or(256)
         << 10
 }
+
+/// The longest request a merge makes, the requests in flight per shard, the shards read at
+/// once: at most 4 × 4 × 4 MiB in flight.
+const MAX_REQUEST: u64 = 4 << 20;
+const REQUESTS_PER_SHARD: usize = 4;
+const SHARDS_AT_ONCE: usize = 4;
 
 /// The read-ahead's byte budget: `DUCTILE_DATA_BUDGET_MB` (default 64) MiB.
 pub fn budget_bytes() -> usize {
@@ -132,31 +141,6 @@ pub fn budget_bytes() -> usize {
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(64)
         << 20
-}
-
-/// A stream's header from its first bytes: (header, byte offset of the first token).
-fn parse_header(url: &str, first: &[u8]) -> anyhow::Result<Option<(TokenHeader, u64)>> {
-    let Some(rest) = first.strip_prefix(super::TOKENS_MAGIC.as_slice()) else {
-        return Ok(None);
-    };
-    anyhow::ensure!(
-        rest.len() >= 4,
-        "{url}: a token stream cut inside its header"
-    );
-    let n = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
-    anyhow::ensure!(
-        rest.len() >= 4 + n,
-        "{url}: a header of {n} bytes, longer than the {} bytes read",
-        rest.len() - 4
-    );
-    let h: TokenHeader = serde_json::from_slice(&rest[4..4 + n])
-        .map_err(|e| anyhow::anyhow!("{url}: unreadable token stream header: {e}"))?;
-    anyhow::ensure!(
-        h.width == 2 || h.width == 4,
-        "{url}: token width {} (2 or 4)",
-        h.width
-    );
-    Ok(Some((h, (12 + n) as u64)))
 }
 
 /// The largest header read ahead of knowing its length.
@@ -210,7 +194,7 @@ impl Stream {
                 let (s, p) = (store.clone(), path.clone());
                 async move { s.get_range(&p, 0..size.min(HEADER_READ)).await }
             }))?;
-            let Some((h, body)) = parse_header(&format!("dataset {url}"), &first)? else {
+            let Some((h, body)) = TokenHeader::parse(&format!("dataset {url}"), &first)? else {
                 return Ok(None);
             };
             let w = h.width as u64;
@@ -400,7 +384,7 @@ impl Inner {
             async move { st.get_range(&p, 0..end).await }
         })
         .await?;
-        let Some((h, body)) = parse_header(&what, &first)? else {
+        let Some((h, body)) = TokenHeader::parse(&what, &first)? else {
             anyhow::bail!(
                 "{what}: not a token stream from `ductile-worker tokenize` (no DUCTOK01 header)"
             );
@@ -499,7 +483,7 @@ impl Inner {
                 }
                 anyhow::Ok(out)
             }))
-            .buffer_unordered(8)
+            .buffer_unordered(SHARDS_AT_ONCE)
             .try_collect::<Vec<_>>()
             .await
         })

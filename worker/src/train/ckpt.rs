@@ -1107,6 +1107,18 @@ impl Trainer {
                 );
             }
         }
+        // the order is over the samples training draws from: the same number, or the cursor
+        // lands elsewhere (a dataset rewritten in place, another eval_fraction)
+        if let Some(n) = x["data_cursor"]["dataset_samples"].as_u64() {
+            if n != self.train_samples {
+                anyhow::bail!(
+                    "checkpoint step {} at {} was saved drawing from {n} samples of the dataset, this job draws from {} (the dataset changed, or training.eval_fraction): its data position would not resume this run; change checkpoint.url, or the dataset or eval_fraction back",
+                    m.step,
+                    ck.bucket.url,
+                    self.train_samples
+                );
+            }
+        }
         Ok(())
     }
 }

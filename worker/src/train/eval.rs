@@ -12,16 +12,15 @@
 //! whole world gives every rank the mean. Nothing of training's state changes (no gradient,
 //! no random draw, no sample of the training order), so deterministic training keeps its bits.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use ductile_cluster::records::{Generation, Member, TrainingSpec};
 use ductile_comm::{CommError, Communicator, ReduceOp};
-use ductile_strategies::mesh::{Coords, Mesh};
+use ductile_strategies::mesh::Mesh;
 use ductile_strategies::split_range;
 use tch::{Kind, Tensor};
 
-use super::pipe::Outbox;
+use super::pipe::{Outbox, Place};
 use super::Trainer;
 use crate::data::Dataset;
 
@@ -117,26 +116,17 @@ impl Trainer {
         if !me.spare {
             let p = g.layout.pipeline_parallel.max(1);
             let dp = g.layout.data_parallel.max(1);
-            let stage = me.pp_stage;
-            let units = self.units();
-            let bounds: Vec<usize> = if g.stage_boundaries.len() >= 2 {
-                g.stage_boundaries.iter().map(|x| *x as usize).collect()
-            } else {
-                vec![0, units]
-            };
-            let v = ((bounds.len() - 1) as u32 / p).max(1);
-            let last_chunk = v * p - 1;
-            let mine: Vec<Range<usize>> = self.units_of(g, me);
-            let mesh = Mesh::new(&g.layout);
-            let c = Coords {
-                dp: me.dp_rank,
+            let Place {
                 stage,
-                tp: me.tp_rank,
-            };
-            let (prev, next) = (
-                mesh.stage_peer(c, (stage + p - 1) % p),
-                mesh.stage_peer(c, (stage + 1) % p),
-            );
+                units,
+                bounds,
+                last_chunk,
+                mine,
+                c,
+                prev,
+                next,
+                ..
+            } = self.pipeline_place(g, me);
             let share = split_range(count, dp, me.dp_rank);
             let idx: Vec<u64> = share.map(|i| all[i as usize]).collect();
             let outbox = Outbox::new(comm.clone());

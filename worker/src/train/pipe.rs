@@ -152,7 +152,63 @@ impl Drop for Outbox {
 /// completes).
 type Micro = (u64, u64, Option<u64>);
 
+/// Where a member works in a generation's pipeline.
+pub(super) struct Place {
+    pub stage: u32,
+    /// The model's units.
+    pub units: usize,
+    /// The model's chunks: chunk k holds units `[bounds[k], bounds[k+1])`; a stage holds chunks
+    /// stage, stage + p, ... (its local chunk j is global j·p + stage).
+    pub bounds: Vec<usize>,
+    /// Chunks per stage.
+    pub v: u32,
+    pub last_chunk: u32,
+    /// This member's chunks of units.
+    pub mine: Vec<Range<usize>>,
+    pub mesh: Mesh,
+    pub c: Coords,
+    /// The ranks of the previous and the next stage in its replica (the members of the same
+    /// place in their tensor groups).
+    pub prev: u32,
+    pub next: u32,
+}
+
 impl Trainer {
+    /// Where `me` (not a spare) works in `g`'s pipeline (one stage when `g` has none).
+    pub(super) fn pipeline_place(&self, g: &Generation, me: &Member) -> Place {
+        let p = g.layout.pipeline_parallel.max(1);
+        let stage = me.pp_stage;
+        let units = self.units();
+        let bounds: Vec<usize> = if g.stage_boundaries.len() >= 2 {
+            g.stage_boundaries.iter().map(|x| *x as usize).collect()
+        } else {
+            vec![0, units]
+        };
+        let v = ((bounds.len() - 1) as u32 / p).max(1);
+        let mesh = Mesh::new(&g.layout);
+        let c = Coords {
+            dp: me.dp_rank,
+            stage,
+            tp: me.tp_rank,
+        };
+        let (prev, next) = (
+            mesh.stage_peer(c, (stage + p - 1) % p),
+            mesh.stage_peer(c, (stage + 1) % p),
+        );
+        Place {
+            stage,
+            units,
+            bounds,
+            v,
+            last_chunk: v * p - 1,
+            mine: self.units_of(g, me),
+            mesh,
+            c,
+            prev,
+            next,
+        }
+    }
+
     fn micro_plan(&self, dp: u32, d: u32, p: u32) -> Vec<Micro> {
         let b = self.spec.global_batch as u64;
         let mut out = Vec::new();
@@ -252,18 +308,18 @@ impl Trainer {
         let mut which = Vec::new();
         let mut reduced = Vec::new();
         if !me.spare {
-            let stage = me.pp_stage;
-            let units = self.units();
-            // the model's chunks: chunk k holds units [bounds[k], bounds[k+1]); this stage
-            // holds chunks stage, stage + p, ... (local chunk j is global j·p + stage)
-            let bounds: Vec<usize> = if g.stage_boundaries.len() >= 2 {
-                g.stage_boundaries.iter().map(|x| *x as usize).collect()
-            } else {
-                vec![0, units]
-            };
-            let v = ((bounds.len() - 1) as u32 / p).max(1);
-            let last_chunk = v * p - 1;
-            let mine: Vec<Range<usize>> = self.units_of(g, me);
+            let Place {
+                stage,
+                units,
+                bounds,
+                v,
+                last_chunk,
+                mine,
+                mesh,
+                c,
+                prev,
+                next,
+            } = self.pipeline_place(g, me);
             // (a parameter two of this stage's chunks hold, a tied head's, is listed with the
             // first: its gradient is complete after that chunk's backward, which runs last)
             let mut listed = std::collections::BTreeSet::new();
@@ -285,18 +341,6 @@ impl Trainer {
             let m = mbs.len() as u32;
             let ops = stage_ops(self.spec.schedule, p, m, stage);
             let (first, last) = (stage == 0, stage + 1 == p);
-            // a stage's peers in the replica are the members of the same place in their
-            // tensor groups
-            let mesh = Mesh::new(&g.layout);
-            let c = Coords {
-                dp: me.dp_rank,
-                stage,
-                tp: me.tp_rank,
-            };
-            let (prev, next) = (
-                mesh.stage_peer(c, (stage + p - 1) % p),
-                mesh.stage_peer(c, (stage + 1) % p),
-            );
             let counts = Mesh::counts_loss(c);
             let mut tapes: Vec<Option<crate::model::Tape>> = (0..m * v).map(|_| None).collect();
             self.zero_grads();
