@@ -896,7 +896,8 @@ else:
     assert!(!agent_logs(&c).contains("FALLING BACK"));
 }
 
-/// A checkpoint saved with another seed (or dataset, or global batch) does not resume a job:
+/// A checkpoint saved with another seed (or dataset, or global batch, or drawing from another
+/// number of samples: an eval_fraction cut off since) does not resume a job:
 /// its data position would not mean the same samples. The job says which field differs.
 #[test]
 fn training_a_checkpoint_of_another_data_order_is_refused_naming_the_field() {
@@ -918,4 +919,21 @@ fn training_a_checkpoint_of_another_data_order_is_refused_naming_the_field() {
             .any(|l| l.contains("job=d2") && l.contains("joined generation")),
         "d2 trained on a checkpoint of another data order"
     );
+    // the same dataset URL, but a held-out tail cut off: the order is over fewer samples
+    let tokens = synth(c.dir.path(), "tokens", 20_000);
+    let url = format!("file://{}/ckpt-e", c.dir.path().display());
+    let gpt = |name: &str, extra: &str| {
+        format!(
+            "{}max_steps = 20\n{extra}\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\n",
+            training_toml(name, 1, 2, 2, "gpt", &tokens, "restart_budget = 20")
+        )
+    };
+    c.submit(&gpt("e1", ""));
+    c.wait_done("e1", S(120));
+    c.submit(&gpt("e2", "eval_fraction = 0.1").replace("max_steps = 20", "max_steps = 40"));
+    c.wait_for(S(90), "the refusal", || {
+        agent_logs(&c)
+            .contains("was saved drawing from 624 samples of the dataset, this job draws from 561")
+            .then_some(())
+    });
 }
