@@ -20,6 +20,8 @@
 #        over TCP), bitwise equal across layouts through kills, exported;
 #     7. figures: SmolLM2-135M's architecture training on cuda:0 in fp32 and bf16 (tokens/s,
 #        MFU), against PyTorch eager where the machine has transformers. GPU_CHECK_STEPS="6 7" runs only those.
+#     8. a PyTorch DDP script as a runtime = "torchrun" job on cuda:0 with NCCL: the script
+#        SIGKILLed, the world restarts from its checkpoint, the job succeeds.
 #   It exits non-zero on any failure.
 #
 # Environment: TORCH_LIB (default: the torch/lib of `python3 -c 'import torch'`), DUCTILE_BIN_DIR
@@ -31,7 +33,7 @@ cd "$root"
 log() { printf '\n[gpu-check] %s\n' "$*"; }
 fail() { printf '\n[gpu-check] FAILED: %s\n' "$*" >&2; exit 1; }
 # GPU_CHECK_STEPS="2 6" runs only those steps (5 needs 3's checkpoint), to rerun what failed
-steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6 7} "
+steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 
 if [ "${1:-}" = pack ]; then
@@ -519,5 +521,37 @@ PY
 else
   echo "PyTorch eager: this machine's python3 has no transformers module (not compared)"
 fi
+fi
+if want 8; then
+log "8. a PyTorch DDP script (examples/torchrun/ddp_train.py, NCCL on cuda:LOCAL_RANK) as a runtime = \"torchrun\" job: SIGKILL the script, the world restarts from its checkpoint, the job succeeds"
+pyexe=$(command -v python3)
+start_agent gpu-t --gpus 0 --allowed-commands "$pyexe" --allowed-paths "$work,$root/examples"
+sleep 1
+job=torchrun1
+mkdir -p "$work/trckpt"
+cat >"$work/$job.toml" <<JOB
+name = "$job"
+runtime = "torchrun"
+command = ["$pyexe", "$root/examples/torchrun/ddp_train.py", "--backend", "nccl", "--steps", "400", "--step-sleep", "0.01", "--ckpt-dir", "$work/trckpt", "--step-log", "$work/tr-steps.log", "--sha-out", "$work/tr.sha", "--env-out", "$work/tr-env.json"]
+min = 1
+max = 1
+desired = 1
+restart_budget = 2
+[torchrun]
+grace_s = 5
+JOB
+dctl submit "$work/$job.toml"
+wait_for 180 "the script past step 100 on the GPU" "sum(1 for _ in open('$work/tr-steps.log')) >= 100 if __import__('os').path.exists('$work/tr-steps.log') else False"
+victim=$(field "v['members'][0].get('program_pid')")
+[ -n "$victim" ] && [ "$victim" != None ] || fail "no program_pid in the job's status"
+t_kill=$(date +%s.%N)
+kill -9 "$victim"
+wait_for 120 "a step by the restarted script" "any(l.split()[1] != '$victim' and float(l.split()[0]) > $t_kill for l in open('$work/tr-steps.log'))"
+back=$(py "print(min(float(l.split()[0]) for l in open('$work/tr-steps.log') if l.split()[1] != '$victim' and float(l.split()[0]) > $t_kill) - $t_kill)")
+wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
+echo "torchrun1: SIGKILL of the script (pid $victim): next step of the restarted world after $(py "print(round($back, 3))") s; $(grep -c . "$work/tr-steps.log") steps logged; final sha256 $(cat "$work/tr.sha")"
+py "import json; e = json.load(open('$work/tr-env.json')); assert 'CUDA_VISIBLE_DEVICES' in e and 'LOCAL_RANK' in e, e" || fail "the script's environment lacks CUDA_VISIBLE_DEVICES or LOCAL_RANK"
+dctl events "$job" | tail -3
+kill -TERM "${agent_pid[gpu-t]}"; sleep 2
 fi
 log "all GPU checks passed"

@@ -127,6 +127,14 @@ if [ "${1:-}" = "--tests" ]; then
       || { log "converting $smol_gguf failed"; exit 1; }
     mv "$smollm2.partial" "$smollm2"
   fi
+  # the repository's `ductile` Python module (python/: what torchrun jobs' scripts import),
+  # installed with pip as a user installs it, again whenever its files change
+  py_sum=$(cat "$here/../python/pyproject.toml" "$here/../python/ductile/"*.py | sha256sum | cut -c1-12)
+  if [ "$(cat "$tv/.ductile-module" 2>/dev/null)" != "$py_sum" ]; then
+    log "installing the ductile Python module (python/) into $tv"
+    "$tv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
+    echo "$py_sum" > "$tv/.ductile-module"
+  fi
   # pyarrow: the tests write Parquet as Hugging Face datasets ship it (tokenize reads it)
   if ! "$tv/bin/python" -c 'import pyarrow' 2>/dev/null; then
     log "installing pyarrow 22 into $tv"

@@ -489,14 +489,29 @@ impl Agent {
             return;
         }
         let dev = &self.node.devices[key.1 as usize];
-        let mut cmd = tokio::process::Command::new(&spec.command[0]);
-        cmd.args(&spec.command[1..]);
+        let own_dir = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.to_path_buf()));
+        // a torchrun job's program runs under `ductile-worker launch`, which follows the
+        // generations, gives it torchrun's environment and restarts it in each new world
+        let torchrun = spec.runtime == Runtime::Torchrun;
+        let mut cmd = if torchrun {
+            let launcher = own_dir
+                .as_ref()
+                .map(|d| d.join("ductile-worker"))
+                .filter(|p| p.exists())
+                .unwrap_or_else(|| "ductile-worker".into());
+            let mut c = tokio::process::Command::new(launcher);
+            c.arg("launch");
+            c
+        } else {
+            let mut c = tokio::process::Command::new(&spec.command[0]);
+            c.args(&spec.command[1..]);
+            c
+        };
         cmd.envs(&spec.env);
         // `ductile-worker` resolves next to the agent first.
-        if let Some(dir) = std::env::current_exe()
-            .ok()
-            .and_then(|p| p.parent().map(|d| d.to_path_buf()))
-        {
+        if let Some(dir) = &own_dir {
             let path = std::env::var("PATH").unwrap_or_default();
             cmd.env("PATH", format!("{}:{path}", dir.display()));
         }
@@ -521,6 +536,20 @@ impl Agent {
                     .unwrap_or_else(|_| self.cfg.advertise_host.clone()),
             )
             .env("DUCTILE_DEVICE_INDEX", dev.index.to_string());
+        if torchrun {
+            // each slot's GPU (empty for a CPU slot): a torchrun program's CUDA_VISIBLE_DEVICES
+            // lists the node's GPUs of its generation in local-rank order
+            let gpus: Vec<String> = self
+                .node
+                .devices
+                .iter()
+                .map(|d| match d.kind {
+                    DeviceKind::Gpu => d.index.to_string(),
+                    DeviceKind::Cpu => String::new(),
+                })
+                .collect();
+            cmd.env("DUCTILE_NODE_GPUS", gpus.join(","));
+        }
         // the job's own etcd user (etcd auth on), never this agent's credentials: every
         // DUCTILE_ETCD_* the agent was given is replaced or removed
         let job_user = j
@@ -631,7 +660,14 @@ impl Agent {
         }
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let exits = self.exits_tx.clone();
-        let grace = self.cfg.stop_grace;
+        // a torchrun launcher gives its program the job's grace itself, then exits
+        let grace = if torchrun {
+            self.cfg
+                .stop_grace
+                .max(Duration::from_secs(spec.torchrun_settings().grace_s + 5))
+        } else {
+            self.cfg.stop_grace
+        };
         let k2 = key.clone();
         tokio::spawn(async move {
             let status = tokio::select! {

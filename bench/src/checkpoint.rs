@@ -268,6 +268,7 @@ async fn put_generation(store: &Store, job: &str, number: u64) -> anyhow::Result
         stage_boundaries: Vec::new(),
         plan_us: 0,
         handover: false,
+        failures: 0,
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

@@ -89,6 +89,16 @@ enum Cmd {
         #[arg(long, default_value_t = 4)]
         world: u32,
     },
+    /// A PyTorch DDP script (examples/torchrun/ddp_train.py, gloo) at 4 CPU workers: SIGKILL
+    /// a worker, time to the restarted world's next step, under torchrun itself and under
+    /// ductile's runtime = "torchrun"; and ductile's dctl scale to the first step at the new size.
+    TorchrunRecovery {
+        #[arg(long, default_value_t = 8)]
+        rounds: usize,
+        /// Measure ductile only.
+        #[arg(long)]
+        skip_torchrun: bool,
+    },
     /// Recovery time of elastic training: worker kills and node losses, 4 CPU workers.
     Recovery {
         #[arg(long, default_value_t = 10)]
@@ -336,6 +346,7 @@ mod gpu;
 mod hf;
 mod pipeline;
 mod tensor;
+mod torchrun;
 mod training;
 
 #[tokio::main]
@@ -378,6 +389,10 @@ async fn main() -> anyhow::Result<()> {
             stop_rounds,
         } => training::recovery(rounds, node_rounds, stop_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::TorchrunRecovery {
+            rounds,
+            skip_torchrun,
+        } => torchrun::recovery(rounds, skip_torchrun).await,
         Cmd::Tokenize { model, mib, runs } => data::tokenize(&smollm2_or(model)?, mib, runs),
         Cmd::DataStep {
             tokens,

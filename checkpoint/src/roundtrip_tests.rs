@@ -69,6 +69,7 @@ async fn set_generation(store: &Store, job: &str, number: u64) {
         stage_boundaries: Vec::new(),
         plan_us: 0,
         handover: false,
+        failures: 0,
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

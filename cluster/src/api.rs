@@ -12,6 +12,10 @@ pub struct MemberView {
     pub rank: u32,
     /// The worker's process id on its node, once its agent reported it.
     pub pid: Option<u32>,
+    /// A torchrun job's program (the script its launcher `pid` runs in this generation), once
+    /// it started: what torchrun calls the worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_pid: Option<u32>,
     /// Coordinates in the generation's layout.
     #[serde(default)]
     pub dp_rank: u32,

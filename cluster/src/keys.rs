@@ -262,6 +262,11 @@ impl Keys {
     pub fn first_step(&self, job: &str, generation: u64) -> String {
         format!("{}first_step", self.rendezvous(job, generation))
     }
+    /// Where a torchrun job's rank 0 hosts the c10d store in one generation (`MASTER_ADDR`,
+    /// `MASTER_PORT`), as its launcher publishes it.
+    pub fn master(&self, job: &str, generation: u64) -> String {
+        format!("{}master", self.rendezvous(job, generation))
+    }
     /// Fault reports of one generation: workers whose communicator failed without a newer
     /// generation to go to.
     pub fn faults(&self, job: &str, generation: u64) -> String {

@@ -102,6 +102,21 @@ impl Strategy {
 }
 
 named! {
+    /// What a job's workers run: ductile's own trainer (`ductile-worker`), or the job's own
+    /// program under torchrun's worker contract, restarted at every generation.
+    Runtime in "runtime", default Ductile {
+        Ductile = "ductile",
+        Torchrun = "torchrun",
+    }
+}
+
+impl Runtime {
+    pub fn is_ductile(&self) -> bool {
+        *self == Runtime::Ductile
+    }
+}
+
+named! {
     /// The built-in models, or a Hugging Face-format directory (`model_path`).
     ModelKind in "training.model", default Gpt {
         Gpt = "gpt",

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use crate::keys::validate_name;
 pub use crate::modes::{
     ActivationCheckpointing, CommChoice, Init, ModelKind, OptimizerKind, Precision, Quantize,
-    Schedule, Strategy, SyncMode,
+    Runtime, Schedule, Strategy, SyncMode,
 };
 use crate::{ClusterError, Result};
 
@@ -223,6 +223,51 @@ impl AgentPolicy {
         Ok(())
     }
 
+    /// A torchrun job's program under restricted commands: a Python interpreter runs a script
+    /// file under `allowed_paths` (absolute, or relative to a checked `torchrun.workdir`), or an
+    /// installed module (`-m`); inline code (`-c`) would run anything. The working directory is
+    /// checked too.
+    fn check_program(&self, spec: &JobSpec) -> Result<(), (String, String)> {
+        let workdir = spec.torchrun.as_ref().and_then(|t| t.workdir.clone());
+        if let Some(w) = &workdir {
+            self.check_location("torchrun.workdir", w)?;
+        }
+        if !is_python(&spec.command[0]) {
+            return Ok(());
+        }
+        if let Some(i) = spec.command.iter().position(|a| a == "-c") {
+            return Err((
+                format!("command[{i}]"),
+                "inline Python (-c) runs code no allow-list sees; name a script under allowed_paths"
+                    .into(),
+            ));
+        }
+        if let Some(script) = python_script(&spec.command) {
+            let i = spec.command.iter().position(|a| a == script).unwrap_or(1);
+            let field = format!("command[{i}]");
+            if script.starts_with('/') {
+                return Ok(()); // checked with every absolute argument
+            }
+            match &workdir {
+                Some(_) => {
+                    let p = std::path::Path::new(script);
+                    if p.components().any(|c| {
+                        matches!(c, std::path::Component::ParentDir | std::path::Component::RootDir)
+                    }) {
+                        return Err((field, format!("{script:?} must stay inside torchrun.workdir")));
+                    }
+                }
+                None => {
+                    return Err((
+                        field,
+                        format!("{script:?} is a relative path: set torchrun.workdir (checked against allowed_paths) or name the script by its absolute path"),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Whether a job may run under this policy; the error names the spec's field and why.
     pub fn check(&self, spec: &JobSpec) -> Result<(), (String, String)> {
         let any_command = self.allowed_commands.iter().any(|c| c == "*");
@@ -270,6 +315,9 @@ impl AgentPolicy {
                     self.check_location(&format!("command[{}]", i + 1), loc)?;
                 }
             }
+            if spec.runtime == Runtime::Torchrun {
+                self.check_program(spec)?;
+            }
         }
         if spec.training.as_ref().is_some_and(|t| t.mesh_tls) && !self.mesh_tls {
             return Err((
@@ -287,6 +335,11 @@ impl AgentPolicy {
         }
         if let Some(c) = &spec.checkpoint {
             urls.push(("checkpoint.url", c.url.as_str()));
+        }
+        if let Some(t) = &spec.torchrun {
+            if let Some(u) = &t.checkpoint_url {
+                urls.push(("torchrun.checkpoint_url", u.as_str()));
+            }
         }
         for (field, url) in urls {
             if url.starts_with("file://") || url.starts_with("s3://") {
@@ -345,9 +398,15 @@ fn default_stall_timeout_s() -> u64 {
 #[serde(deny_unknown_fields)]
 pub struct JobSpec {
     pub name: String,
-    /// The worker program and its arguments; `ductile-worker` when omitted.
+    /// The worker program and its arguments; `ductile-worker` when omitted. With
+    /// `runtime = "torchrun"`, the job's own program (`["python3", "train.py", ...]`).
     #[serde(default = "default_command")]
     pub command: Vec<String>,
+    /// `ductile` (the built-in trainer, `[training]`) or `torchrun` (the job's own program
+    /// under torchrun's worker contract: every generation stops the old world and starts the
+    /// new one; `[torchrun]`).
+    #[serde(default, skip_serializing_if = "Runtime::is_ductile")]
+    pub runtime: Runtime,
     pub min: u32,
     pub max: u32,
     pub desired: u32,
@@ -373,6 +432,84 @@ pub struct JobSpec {
     pub training: Option<TrainingSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<CheckpointSpec>,
+    /// `runtime = "torchrun"`: how its program is run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub torchrun: Option<TorchrunSpec>,
+}
+
+/// The `[torchrun]` section of a `runtime = "torchrun"` job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TorchrunSpec {
+    /// When a generation replaces the workers: SIGTERM, this long, then SIGKILL.
+    #[serde(default = "TorchrunSpec::default_grace_s")]
+    pub grace_s: u64,
+    /// Handed to the program as `DUCTILE_CHECKPOINT_URL` (file:// or s3://; checked against
+    /// the agents' allow-lists like any location a job names).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_url: Option<String>,
+    /// The program's working directory (absolute); the agent's own when left out. Where the
+    /// agents restrict commands, a relative script path needs it (it is checked against
+    /// `allowed_paths`, and the script is found there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// A Python program (`python3 script.py ...`, `python3 -m module ...`) starts in an
+    /// interpreter that imported torch while the previous world trained (runpy runs the script
+    /// in it as `python3` would): a generation's workers start in tenths of a second, not the
+    /// seconds an import of torch takes. Off: every generation starts the command afresh.
+    #[serde(default = "TorchrunSpec::default_warm_start")]
+    pub warm_start: bool,
+    /// A planned drain (`dctl drain`, an agent's SIGTERM, a spot notice) of a node the job runs
+    /// on: `ductile.preempted()` turns true on every rank this long before the generation
+    /// without the node replaces the workers (bounded by the node's drain timeout); 0: off.
+    #[serde(default = "TorchrunSpec::default_drain_notice_s")]
+    pub drain_notice_s: u64,
+}
+
+impl Default for TorchrunSpec {
+    fn default() -> Self {
+        TorchrunSpec {
+            grace_s: Self::default_grace_s(),
+            checkpoint_url: None,
+            workdir: None,
+            warm_start: Self::default_warm_start(),
+            drain_notice_s: Self::default_drain_notice_s(),
+        }
+    }
+}
+
+impl TorchrunSpec {
+    fn default_grace_s() -> u64 {
+        30
+    }
+    fn default_warm_start() -> bool {
+        true
+    }
+    fn default_drain_notice_s() -> u64 {
+        10
+    }
+}
+
+/// The script a Python command runs (`python3 [-u] script.py ...` → `script.py`), if the
+/// command is a Python interpreter running a file.
+pub fn python_script(command: &[String]) -> Option<&str> {
+    if !is_python(command.first()?) {
+        return None;
+    }
+    command[1..]
+        .iter()
+        .find(|a| !a.starts_with('-'))
+        .map(String::as_str)
+        .filter(|_| !command[1..].iter().any(|a| a == "-m" || a == "-c"))
+}
+
+/// Whether `program` is a Python interpreter (`python`, `python3`, `python3.12`, a venv's).
+pub fn is_python(program: &str) -> bool {
+    std::path::Path::new(program)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("python"))
+        .is_some_and(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
 }
 
 /// The `[training]` section: what the worker trains. Validated here; used by the worker.
@@ -875,6 +1012,7 @@ impl JobSpec {
         if let Some(t) = &self.training {
             t.validate(self.max)?;
         }
+        self.validate_runtime()?;
         if let Some(c) = &self.checkpoint {
             if !(c.url.starts_with("s3://") || c.url.starts_with("file://")) {
                 return Err(ClusterError::invalid(
@@ -921,6 +1059,84 @@ impl JobSpec {
             }
         }
         Ok(())
+    }
+
+    /// `runtime` and its section agree: a torchrun job names its own program and has no
+    /// `[training]` or `[checkpoint]` (its program trains and saves); `[torchrun]` only with it.
+    fn validate_runtime(&self) -> Result<()> {
+        match self.runtime {
+            Runtime::Ductile => {
+                if self.torchrun.is_some() {
+                    return Err(ClusterError::invalid(
+                        "torchrun",
+                        "is for runtime = \"torchrun\" jobs (this job runs the built-in trainer)",
+                    ));
+                }
+            }
+            Runtime::Torchrun => {
+                if is_worker(&self.command[0]) {
+                    return Err(ClusterError::invalid(
+                        "command",
+                        "a runtime = \"torchrun\" job runs its own program (command = [\"python3\", \"train.py\", ...]), not ductile-worker",
+                    ));
+                }
+                if self.training.is_some() {
+                    return Err(ClusterError::invalid(
+                        "training",
+                        "is the built-in trainer's; a runtime = \"torchrun\" job's program trains itself",
+                    ));
+                }
+                if self.checkpoint.is_some() {
+                    return Err(ClusterError::invalid(
+                        "checkpoint",
+                        "is the built-in trainer's; a torchrun job's program saves its own (torchrun.checkpoint_url is handed to it as DUCTILE_CHECKPOINT_URL)",
+                    ));
+                }
+                let t = self.torchrun.clone().unwrap_or_default();
+                if t.drain_notice_s > 3600 {
+                    return Err(ClusterError::invalid(
+                        "torchrun.drain_notice_s",
+                        "must be at most 3600 seconds (0 turns the notice off)",
+                    ));
+                }
+                if t.grace_s > 3600 {
+                    return Err(ClusterError::invalid(
+                        "torchrun.grace_s",
+                        "must be at most 3600 seconds",
+                    ));
+                }
+                if let Some(u) = &t.checkpoint_url {
+                    if !(u.starts_with("s3://") || u.starts_with("file://")) {
+                        return Err(ClusterError::invalid(
+                            "torchrun.checkpoint_url",
+                            format!("{u:?} must be s3://... or file://..."),
+                        ));
+                    }
+                }
+                if let Some(w) = &t.workdir {
+                    let p = std::path::Path::new(w);
+                    if !p.is_absolute()
+                        || p.components().any(|c| {
+                            matches!(
+                                c,
+                                std::path::Component::ParentDir | std::path::Component::CurDir
+                            )
+                        })
+                    {
+                        return Err(ClusterError::invalid(
+                            "torchrun.workdir",
+                            format!("{w:?} must be an absolute path without . or .."),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The `[torchrun]` settings of a torchrun job (its defaults when the section is left out).
+    pub fn torchrun_settings(&self) -> TorchrunSpec {
+        self.torchrun.clone().unwrap_or_default()
     }
 
     /// Whether `n` is an acceptable size for this job (`dctl scale`).
@@ -1472,6 +1688,10 @@ pub struct Generation {
     /// removes them once every member joined (the layers moved).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub handover: bool,
+    /// How many of the job's generations so far, this one included, were formed after a
+    /// failure (a torchrun job's `TORCHELASTIC_RESTART_COUNT`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failures: u32,
 }
 
 impl Generation {
@@ -1738,6 +1958,9 @@ pub enum FaultKind {
     Aborted,
     Invalid,
     Unavailable,
+    /// A torchrun job's program exited by itself (an error, a signal) while its world still
+    /// stood: the first such exit is the root cause, as torchrun reports it.
+    Exited,
     /// A kind this version does not know (a newer worker's).
     #[serde(other)]
     Other,
@@ -2185,6 +2408,123 @@ mod policy_tests {
             "name = \"p\"\nmin = 1\nmax = 1\ndesired = 1\n{extra}"
         ))
         .unwrap()
+    }
+
+    /// A torchrun job under restricted commands: its interpreter must be allowed, its script
+    /// under allowed_paths (absolute, or relative inside a checked workdir), no inline code;
+    /// its checkpoint_url and workdir are locations like any other.
+    #[test]
+    fn a_torchrun_job_s_program_and_paths_are_checked() {
+        let p = AgentPolicy {
+            allowed_commands: vec!["/v/bin/python3".into()],
+            allowed_paths: vec!["/srv/jobs".into()],
+            ..AgentPolicy::default()
+        };
+        let job = |command: &str, torchrun: &str| {
+            spec(&format!(
+                "runtime = \"torchrun\"\ncommand = {command}\n[torchrun]\n{torchrun}"
+            ))
+        };
+        let ok = |c: &str, t: &str| p.check(&job(c, t));
+        assert_eq!(
+            ok(r#"["/v/bin/python3", "/srv/jobs/t.py", "--x", "1"]"#, ""),
+            Ok(())
+        );
+        assert_eq!(
+            ok(r#"["/v/bin/python3", "t.py"]"#, "workdir = \"/srv/jobs/a\""),
+            Ok(())
+        );
+        assert_eq!(ok(r#"["/v/bin/python3", "-m", "pkg.train"]"#, ""), Ok(()));
+        let refused = |c: &str, t: &str, field: &str, why: &str| {
+            let (f, w) = ok(c, t).unwrap_err();
+            assert_eq!(f, field, "{w}");
+            assert!(w.contains(why), "{w}");
+        };
+        refused(
+            r#"["python3", "/srv/jobs/t.py"]"#,
+            "",
+            "command",
+            "allowed_commands",
+        );
+        refused(
+            r#"["/v/bin/python3", "/opt/t.py"]"#,
+            "",
+            "command[1]",
+            "outside",
+        );
+        refused(
+            r#"["/v/bin/python3", "-c", "import os"]"#,
+            "",
+            "command[1]",
+            "inline Python",
+        );
+        refused(
+            r#"["/v/bin/python3", "t.py"]"#,
+            "",
+            "command[1]",
+            "torchrun.workdir",
+        );
+        refused(
+            r#"["/v/bin/python3", "../t.py"]"#,
+            "workdir = \"/srv/jobs\"",
+            "command[1]",
+            "inside torchrun.workdir",
+        );
+        refused(
+            r#"["/v/bin/python3", "t.py"]"#,
+            "workdir = \"/home/u\"",
+            "torchrun.workdir",
+            "outside",
+        );
+        refused(
+            r#"["/v/bin/python3", "/srv/jobs/t.py"]"#,
+            "checkpoint_url = \"file:///tmp/c\"",
+            "torchrun.checkpoint_url",
+            "outside",
+        );
+    }
+
+    /// `runtime` and its section agree; a torchrun job names its program and leaves
+    /// `[training]` and `[checkpoint]` to the built-in trainer.
+    #[test]
+    fn a_torchrun_spec_is_validated() {
+        let err = |extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"p\"\nmin = 1\nmax = 1\ndesired = 1\n{extra}"
+            ))
+            .unwrap_err()
+            .to_string()
+        };
+        let t = spec("runtime = \"torchrun\"\ncommand = [\"python3\", \"/t.py\"]\n");
+        assert_eq!(t.torchrun_settings(), TorchrunSpec::default());
+        assert_eq!(
+            (
+                t.torchrun_settings().grace_s,
+                t.torchrun_settings().warm_start
+            ),
+            (30, true)
+        );
+        assert!(err("runtime = \"torchrun\"\n").contains("not ductile-worker"));
+        assert!(err("runtime = \"torch\"\n").contains("\"torchrun\""));
+        assert!(err("[torchrun]\ngrace_s = 1\n").contains("is for runtime = \"torchrun\""));
+        let tr = "runtime = \"torchrun\"\ncommand = [\"python3\", \"/t.py\"]\n";
+        assert!(err(&format!(
+            "{tr}[training]\nmodel = \"mlp\"\ndataset = \"file:///d\"\nglobal_batch = 8\n"
+        ))
+        .contains("trains itself"));
+        assert!(err(&format!("{tr}[checkpoint]\nurl = \"file:///c\"\n")).contains("checkpoint_url"));
+        assert!(err(&format!("{tr}[torchrun]\nworkdir = \"rel\"\n")).contains("absolute"));
+        assert!(err(&format!("{tr}[torchrun]\ncheckpoint_url = \"/c\"\n")).contains("s3://"));
+        assert!(err(&format!("{tr}[torchrun]\ngrace = 3\n")).contains("unknown field"));
+        assert_eq!(
+            python_script(&["python3".into(), "-u".into(), "a.py".into()]),
+            Some("a.py")
+        );
+        assert_eq!(
+            python_script(&["python3".into(), "-m".into(), "m".into()]),
+            None
+        );
+        assert!(is_python("/v/bin/python3.11") && !is_python("pythonic"));
     }
 
     #[test]

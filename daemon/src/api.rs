@@ -812,6 +812,11 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
                     .get(&(m.node.clone(), m.slot))
                     .filter(|w| w.state == WorkerState::Running)
                     .map(|w| w.pid),
+                program_pid: obs
+                    .joined
+                    .get(&m.rank)
+                    .filter(|_| spec.runtime == Runtime::Torchrun)
+                    .map(|j| j.pid),
                 dp_rank: m.dp_rank,
                 pp_stage: m.pp_stage,
                 tp_rank: m.tp_rank,

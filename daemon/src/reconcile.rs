@@ -194,9 +194,17 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
     let (Some(spec), Some((g, _))) = (&obs.spec, &obs.generation) else {
         return NotNeeded;
     };
-    let Some(ck) = spec.checkpoint.as_ref().filter(|c| c.drain_wait_s > 0) else {
-        return NotNeeded;
+    // a torchrun job's program saves its own checkpoints: the request is its notice
+    // (`ductile.preempted()`), and the drain waits `drain_notice_s` for it to save
+    let torchrun = spec.runtime == Runtime::Torchrun;
+    let wait_s = match &spec.checkpoint {
+        Some(ck) => ck.drain_wait_s,
+        None if torchrun => spec.torchrun_settings().drain_notice_s,
+        None => 0,
     };
+    if wait_s == 0 {
+        return NotNeeded;
+    }
     if obs.stop_requested || obs.status.as_ref().is_some_and(|s| s.state.is_terminal()) {
         return NotNeeded;
     }
@@ -218,7 +226,7 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
         .map(|m| m.node.as_str())
         .filter(|n| fleet.nodes.contains_key(*n) && fleet.is_draining(n))
         .collect();
-    if leaving.is_empty() || !obs.progress.as_ref().is_some_and(|p| p.step > 0) {
+    if leaving.is_empty() || !(torchrun || obs.progress.as_ref().is_some_and(|p| p.step > 0)) {
         return NotNeeded;
     }
     let id = format!("drain-g{}", g.number);
@@ -229,6 +237,13 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
                 id,
                 until_ms: r.deadline_ms,
             },
+            _ if torchrun => NoTime {
+                detail: format!(
+                    "the program was told of the drain (ductile.preempted()) {:.1} s before",
+                    r.deadline_ms.saturating_sub(r.requested_at_ms) as f64 / 1000.0
+                ),
+                id,
+            },
             _ => NoTime {
                 detail: format!(
                     "the checkpoint asked for at the drain did not commit within {:.1} s",
@@ -238,7 +253,7 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
             },
         };
     }
-    let mut deadline = now + ck.drain_wait_s * 1000;
+    let mut deadline = now + wait_s * 1000;
     for n in &leaving {
         if let Some(d) = fleet.drain_deadlines.get(*n).copied() {
             deadline = deadline.min(d.saturating_sub(DRAIN_MARGIN_MS));
@@ -709,6 +724,7 @@ fn build(
             )
         },
         fault_retries,
+        failures: cur.map(|g| g.failures).unwrap_or(0) + u32::from(reason == Reason::Failure),
     };
     let mut st = status(
         &spec.name,
@@ -819,8 +835,12 @@ fn faults(
         .values()
         .filter(|f| f.generation == g.number && f.rank < world)
         .collect();
+    // the built-in trainer reports its steps; a torchrun job's program only when it calls
+    // `ductile.report` (once it has, its generations are held to the same bound)
+    let reports_steps =
+        spec.training.is_some() || (spec.runtime == Runtime::Torchrun && obs.progress.is_some());
     let stalled = spec.stall_timeout_s > 0
-        && spec.training.is_some()
+        && reports_steps
         && !obs.progress.as_ref().is_some_and(|p| p.done)
         && obs
             .stalled_ms
@@ -829,6 +849,83 @@ fn faults(
         return None;
     }
     let reporters: BTreeSet<u32> = reports.iter().map(|f| f.rank).collect();
+    // A torchrun job's program exited by itself (an error, a signal) while its world stood:
+    // its peers' programs fail after it (a closed connection) or hang in a collective. The
+    // first exit is the root cause, as torchrun reports it. While the job's restart budget
+    // lasts, the world restarts at the same size (torchrun's restart; `failures` counts them);
+    // then the root cause's slot is left out (the world shrinks), and the job fails when that
+    // leaves fewer than `min`.
+    if let Some(first) = reports
+        .iter()
+        .filter(|f| f.kind == FaultKind::Exited)
+        .min_by_key(|f| (f.at_ms, f.rank))
+    {
+        // a program killed by a signal names itself: it is the root cause beyond doubt;
+        // otherwise the others' reports may still come with an earlier exit
+        let certain = first.suspects.contains(&first.rank);
+        if !certain && reporters.len() < world as usize && obs.faults_seen_ms < FAULT_GRACE_MS {
+            return Some(Decision::Nothing);
+        }
+        let m = g.members.iter().find(|m| m.rank == first.rank)?;
+        let why = format!(
+            "rank {}'s program failed first: {}",
+            first.rank,
+            first.error.chars().take(400).collect::<String>()
+        );
+        let triggered_at = first.at_ms.min(now);
+        if g.failures < spec.restart_budget {
+            let chosen: Vec<(String, u32)> = {
+                let mut ms = g.members.clone();
+                ms.sort_by_key(|m| m.rank);
+                ms.into_iter().map(|m| (m.node, m.slot)).collect()
+            };
+            return Some(build(
+                spec,
+                obs,
+                fleet,
+                (&chosen, &[]),
+                chosen.len(),
+                (
+                    Reason::Failure,
+                    format!(
+                        "{why}; the world restarts (restart {} of {})",
+                        g.failures + 1,
+                        spec.restart_budget
+                    ),
+                ),
+                triggered_at,
+                now,
+                0,
+            ));
+        }
+        if world <= spec.min {
+            return Some(Decision::Status(status(
+                &spec.name,
+                JobState::Failed,
+                Some(g),
+                obs.status.as_ref(),
+                format!(
+                    "{why}; the restart budget ({}) is used up and without it fewer than min = {} workers remain",
+                    spec.restart_budget, spec.min
+                ),
+                now,
+            )));
+        }
+        return Some(Decision::Exclude(vec![(
+            m.node.clone(),
+            m.slot,
+            SlotHealth {
+                failed_at_ms: triggered_at,
+                generation: g.number,
+                exit: format!(
+                    "{why}; the restart budget ({}) is used up: left out",
+                    spec.restart_budget
+                ),
+                will_restart: false,
+                excluded: true,
+            },
+        )]));
+    }
     let mut named: BTreeMap<u32, Vec<&FaultReport>> = BTreeMap::new();
     for f in &reports {
         for s in f.suspects.iter().filter(|s| **s < world && **s != f.rank) {
@@ -957,6 +1054,7 @@ pub(crate) fn test_generation(number: u64, members: &[(&str, u32)]) -> Generatio
         stage_boundaries: Vec::new(),
         plan_us: 0,
         handover: false,
+        failures: 0,
         resume_step: 0,
         state_source: StateSource::Seed,
         desired: members.len() as u32,
@@ -1515,6 +1613,160 @@ mod tests {
         assert_eq!(g.state_source, StateSource::Peers);
         assert!(g.detail.contains("excluded"), "{}", g.detail);
         assert_eq!(g.fault_retries, 0);
+    }
+
+    fn torchrun_spec(n: u32) -> JobSpec {
+        JobSpec::from_toml(&format!(
+            "name = \"j\"\nruntime = \"torchrun\"\ncommand = [\"python3\", \"/s/t.py\"]\nmin = 1\nmax = {n}\ndesired = {n}\n[torchrun]\ndrain_notice_s = 6\n"
+        ))
+        .unwrap()
+    }
+
+    /// A torchrun job's programs exited one after the other (the first raised, the others
+    /// lost their connections): once all reported, or the grace after the first report (at
+    /// once when the first was killed by a signal: it names itself), the first exit is the
+    /// root cause. While the restart budget lasts the world restarts at its size (counted in
+    /// `failures`: `TORCHELASTIC_RESTART_COUNT`); then the root cause's slot is left out, and
+    /// the job fails when that would leave fewer than `min`.
+    #[test]
+    fn a_torchrun_job_s_first_program_exit_is_the_root_cause() {
+        let start = |budget: u32, min: u32| {
+            let mut spec = torchrun_spec(3);
+            spec.restart_budget = budget;
+            spec.min = min;
+            let mut obs = JobObs {
+                spec: Some(spec),
+                ..Default::default()
+            };
+            let f = fleet(&[("a", 3)]);
+            let g = step(&mut obs, &f, 10).unwrap();
+            assert_eq!(g.failures, 0);
+            (obs, f, g)
+        };
+        let exited = |g: &Generation, rank: u32, at_ms: u64, error: &str| FaultReport {
+            at_ms,
+            error: error.into(),
+            ..report(g.number, rank, "exited", &[])
+        };
+        let (mut obs, f, g) = start(2, 1);
+        obs.faults = [
+            (
+                0,
+                exited(
+                    &g,
+                    0,
+                    900,
+                    "exit code 1: RuntimeError: Connection closed by peer",
+                ),
+            ),
+            (2, exited(&g, 2, 400, "exit code 1: ValueError: boom")),
+        ]
+        .into();
+        obs.faults_seen_ms = 100;
+        assert!(
+            matches!(plan(&obs, &f, 20), Decision::Nothing),
+            "rank 1 may still report"
+        );
+        obs.faults_seen_ms = FAULT_GRACE_MS + 1;
+        let g2 = step(&mut obs, &f, 30).expect("the world restarts");
+        assert_eq!(
+            (g2.reason, g2.world_size, g2.failures),
+            (Reason::Failure, 3, 1)
+        );
+        assert_eq!(slots(&g2), slots(&g), "the same members at the same ranks");
+        assert!(
+            g2.detail.contains("rank 2's program failed first: exit code 1: ValueError: boom; the world restarts (restart 1 of 2)"),
+            "{}",
+            g2.detail
+        );
+        // a program killed by a signal names itself: decided at once, without the others
+        obs.faults = [(
+            1,
+            FaultReport {
+                suspects: vec![1],
+                ..exited(&g2, 1, 50, "killed by signal 9")
+            },
+        )]
+        .into();
+        obs.faults_seen_ms = 0;
+        let g3 = step(&mut obs, &f, 40).expect("restarted at once");
+        assert_eq!((g3.failures, g3.world_size), (2, 3));
+        // the budget used up: the root cause is left out, not restarted
+        obs.faults = [(
+            0,
+            FaultReport {
+                suspects: vec![0],
+                ..exited(&g3, 0, 60, "killed by signal 9")
+            },
+        )]
+        .into();
+        let Decision::Exclude(out) = plan(&obs, &f, 50) else {
+            panic!("left out")
+        };
+        let (n, s, h) = &out[0];
+        assert_eq!((n.as_str(), *s), ("a", 0));
+        assert!(h.excluded && !h.will_restart, "{h:?}");
+        assert!(
+            h.exit.contains("restart budget (2) is used up"),
+            "{}",
+            h.exit
+        );
+        obs.failed.insert((n.clone(), *s), h.clone());
+        obs.faults.clear();
+        let g4 = step(&mut obs, &f, 60).unwrap();
+        assert_eq!((g4.world_size, g4.failures), (2, 3));
+        // and below min, the job fails with the reason
+        let (mut obs, f, g) = start(0, 3);
+        obs.faults = [(
+            1,
+            FaultReport {
+                suspects: vec![1],
+                ..exited(&g, 1, 50, "exit code 1: OSError: disk full")
+            },
+        )]
+        .into();
+        match plan(&obs, &f, 20) {
+            Decision::Status(st) => {
+                assert_eq!(st.state, JobState::Failed);
+                assert!(
+                    st.message.contains("OSError: disk full") && st.message.contains("min = 3"),
+                    "{}",
+                    st.message
+                );
+            }
+            d => panic!("{d:?}"),
+        }
+    }
+
+    /// A planned drain of a node a torchrun job runs on: the request is the programs' notice
+    /// (`ductile.preempted()`), and the re-formation waits `drain_notice_s` for them to save,
+    /// whether or not they report progress.
+    #[test]
+    fn a_torchrun_job_is_told_of_a_drain_before_its_world_re_forms() {
+        use DrainCheckpoint::*;
+        let mut obs = JobObs {
+            spec: Some(torchrun_spec(2)),
+            ..Default::default()
+        };
+        let mut f = fleet(&[("a", 1), ("b", 1)]);
+        step(&mut obs, &f, 0).unwrap();
+        f.nodes.get_mut("b").unwrap().draining = true;
+        let Ask(req) = drain_checkpoint(&obs, &f, 1_000) else {
+            panic!("a planned drain tells the programs")
+        };
+        assert_eq!(req.deadline_ms, 7_000);
+        obs.checkpoint_request = Some(req);
+        assert!(matches!(
+            drain_checkpoint(&obs, &f, 5_000),
+            Wait {
+                until_ms: 7_000,
+                ..
+            }
+        ));
+        let NoTime { detail, .. } = drain_checkpoint(&obs, &f, 7_000) else {
+            panic!("the notice's time is up")
+        };
+        assert!(detail.contains("ductile.preempted()"), "{detail}");
     }
 
     #[test]

@@ -279,7 +279,11 @@ fn print_job(v: &JobView) {
                 m.rank,
                 m.node,
                 m.slot,
-                m.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+                // a torchrun job's program (what torchrun calls the worker), else the worker
+                m.program_pid
+                    .or(m.pid)
+                    .map(|p| p.to_string())
+                    .unwrap_or_else(|| "-".into()),
                 m.dp_rank,
                 stage,
                 m.tp_rank,

@@ -50,6 +50,11 @@ impl GenCell {
             .unwrap_or(0)
     }
 
+    /// The newest generation seen, if any.
+    pub fn latest(&self) -> Option<Generation> {
+        self.latest.lock().unwrap().clone()
+    }
+
     /// The newest generation, once there is one newer than `than`.
     pub fn wait_newer(&self, than: u64) -> Generation {
         let mut l = self.latest.lock().unwrap();
@@ -110,6 +115,7 @@ mod tests {
             stage_boundaries: Vec::new(),
             plan_us: 0,
             handover: false,
+            failures: 0,
         }
     }
 

@@ -56,6 +56,9 @@ enum Cmd {
     },
     /// Run as a worker (the default; the agent sets the DUCTILE_* environment).
     Run,
+    /// Run a `runtime = "torchrun"` job's program through its generations under torchrun's
+    /// worker contract (the agent starts this; the program is the job's `command`).
+    Launch,
     /// Write a small synthetic dataset with a learnable structure.
     SynthData {
         /// tokens (u16 stream from a seeded Markov source) or regression (safetensors x, y from a teacher network)
@@ -152,7 +155,43 @@ fn main() {
             println!("wrote {kind} dataset to {out}");
         }
         None | Some(Cmd::Run) => run(),
+        Some(Cmd::Launch) => launch(),
     }
+}
+
+/// A torchrun job's worker: `ductile_runtime::launch`.
+fn launch() {
+    let env = match ductile_runtime::WorkerEnv::from_env() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("ductile-worker: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let code = rt.block_on(async move {
+        let cancel = ductile_cluster::service::shutdown_on_signals();
+        let backend =
+            match ductile_cluster::connect_etcd_with(&env.etcd, Duration::from_secs(30)).await {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!(
+                        "ductile-worker: cannot reach etcd at {}: {}",
+                        env.etcd.endpoints,
+                        ductile_cluster::service::error_chain(&e)
+                    );
+                    return 1;
+                }
+            };
+        ductile_runtime::launch::run(env, backend, cancel).await
+    });
+    // the launcher's background tasks (watches) end with the process
+    rt.shutdown_timeout(Duration::from_millis(200));
+    std::process::exit(code);
 }
 
 fn run() {

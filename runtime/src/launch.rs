@@ -1,0 +1,1020 @@
+//! `ductile-worker launch`: the worker of a `runtime = "torchrun"` job. It follows the job's
+//! generations like any worker and, in each one that includes its slot, runs the job's own
+//! program under torchrun's worker contract (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... as
+//! `torch.distributed.run` documents them): rank 0's launcher picks a free port on its host for
+//! the program's c10d store and publishes it in the generation's rendezvous space, the others
+//! read it. A newer generation stops the program (SIGTERM, `grace_s`, SIGKILL) and starts it in
+//! the new world; the program resumes from its own checkpoint.
+//!
+//! When the program exits by itself with an error (or a signal), its launcher reports the
+//! generation failed (`FaultKind::Exited`, the error file's message) and waits for the leader's
+//! answer, as a built-in worker whose communicator failed does: the leader takes the first
+//! exit as the root cause (torchrun's rule), excludes that slot (its agent restarts it within
+//! the job's budget, the message is the reason shown) and re-forms the others. A program that
+//! exits 0 ends this worker with `EXIT_DONE`; the job succeeds when a generation's members all
+//! did.
+//!
+//! The program gets an allow-listed environment: torchrun's variables, the job's `env`, the
+//! node's locale, paths and NCCL/CUDA settings, never the launcher's etcd credentials. The
+//! `ductile` Python module (python/ in the repository) talks to its launcher through
+//! `DUCTILE_CONTROL` (a Unix datagram socket: `ductile.report(step=, loss=, samples=)` feeds
+//! progress, the chart history and stall detection) and `DUCTILE_PREEMPT_FILE` (present once a
+//! planned drain is coming: `ductile.preempted()`).
+//!
+//! Warm start: a Python program (`python3 script.py ...`, `python3 -m module ...`) is run in a
+//! standby interpreter that imported torch beforehand; the launcher hands it the generation's
+//! environment and arguments on stdin and it runs the script with `runpy`, as `python3` would.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ductile_cluster::records::*;
+use ductile_cluster::{KvBackend, Store};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use crate::report::Reporter;
+use crate::{GenCell, WorkerEnv, EXIT_DONE, EXIT_FENCED, EXIT_TERMINATED};
+
+/// How long a rank waits for rank 0's launcher to publish where the c10d store listens.
+const MASTER_WAIT: Duration = Duration::from_secs(60);
+/// How long a launcher waits for the first generation that includes its slot.
+const FIRST_GENERATION_WAIT: Duration = Duration::from_secs(60);
+/// A standby interpreter is started this long after a program starts (its own imports come
+/// first), or at its first report.
+const STANDBY_DELAY: Duration = Duration::from_secs(5);
+
+/// What the standby interpreter imports before it is needed: torch, its distributed and data
+/// packages, torchelastic's `@record`, and `torch._dynamo`, which torch 2.x's optimizers import
+/// on their first construction (0.8 s alone on this machine). A module that is not there is
+/// skipped.
+const PRELOAD: &str = "torch,torch.distributed,torch.nn.parallel,torch.utils.data,\
+torch.distributed.elastic.multiprocessing.errors,torch._dynamo";
+
+/// What the standby interpreter runs: import what a PyTorch program imports, then wait on stdin
+/// for the generation's environment and arguments, and run the program as `python3` would.
+const STANDBY: &str = r#"
+import importlib, json, os, runpy, sys
+for _m in os.environ.pop("DUCTILE_PRELOAD", "").split(","):
+    if _m:
+        try:
+            importlib.import_module(_m)
+        except Exception:
+            pass
+_line = sys.stdin.readline()
+if not _line:
+    sys.exit(0)
+_req = json.loads(_line)
+sys.stdin.close()
+sys.stdin = open(os.devnull)
+os.environ.update(_req["env"])
+_argv = _req["argv"]
+del _line, _req, _m
+if _argv[0] == "-m":
+    sys.argv = [_argv[1]] + _argv[2:]
+    sys.path[0] = os.getcwd()
+    runpy.run_module(_argv[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = _argv
+    sys.path[0] = os.path.dirname(os.path.abspath(_argv[0]))
+    runpy.run_path(_argv[0], run_name="__main__")
+"#;
+
+/// Environment names a program inherits from the node (the agent's environment), besides
+/// torchrun's, the job's `env` and the launcher's own: locale, paths, and the NCCL/CUDA settings
+/// an operator gives a node. Nothing else passes (no etcd credentials, no `DUCTILE_*`).
+const INHERITED: &[&str] = &[
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "TMPDIR",
+    "TERM",
+    "LD_LIBRARY_PATH",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "CUDA_HOME",
+    "CUDA_VISIBLE_DEVICES",
+];
+const INHERITED_PREFIXES: &[&str] = &["LC_", "NCCL_"];
+
+/// The program's environment that does not change between generations.
+fn base_env(spec: &JobSpec, dir: &Path, settings: &TorchrunSpec) -> BTreeMap<String, String> {
+    let mut env: BTreeMap<String, String> = std::env::vars()
+        .filter(|(k, _)| {
+            INHERITED.contains(&k.as_str()) || INHERITED_PREFIXES.iter().any(|p| k.starts_with(p))
+        })
+        .collect();
+    // the node's S3 credentials, only for a job whose program writes its checkpoints there
+    if settings
+        .checkpoint_url
+        .as_deref()
+        .is_some_and(|u| u.starts_with("s3://"))
+    {
+        env.extend(std::env::vars().filter(|(k, _)| k.starts_with("AWS_")));
+    }
+    env.extend(spec.env.clone());
+    // torchrun's default with more than one process per node, unless the job says otherwise
+    env.entry("OMP_NUM_THREADS".into())
+        .or_insert_with(|| "1".into());
+    env.entry("TORCH_NCCL_ASYNC_ERROR_HANDLING".into())
+        .or_insert_with(|| "1".into());
+    env.insert(
+        "DUCTILE_CONTROL".into(),
+        dir.join("control.sock").display().to_string(),
+    );
+    env.insert(
+        "DUCTILE_PREEMPT_FILE".into(),
+        dir.join("preempted").display().to_string(),
+    );
+    if let Some(u) = &settings.checkpoint_url {
+        env.insert("DUCTILE_CHECKPOINT_URL".into(), u.clone());
+    }
+    env.insert("DUCTILE_JOB".into(), spec.name.clone());
+    env
+}
+
+/// torchrun's variables for this slot in generation `g` (`master`: rank 0's host and port).
+pub fn torchrun_env(
+    env: &WorkerEnv,
+    spec: &JobSpec,
+    g: &Generation,
+    master: (&str, u16),
+    error_file: &Path,
+    node_gpus: &[Option<u32>],
+) -> BTreeMap<String, String> {
+    let me = g
+        .member(&env.node, env.slot)
+        .expect("the caller checked membership");
+    let mut ranks: Vec<&Member> = g.members.iter().collect();
+    ranks.sort_by_key(|m| m.rank);
+    // nodes in the order of their first rank (torchrun's GROUP_RANK: the agent's rank)
+    let mut nodes: Vec<&str> = Vec::new();
+    for m in &ranks {
+        if !nodes.contains(&m.node.as_str()) {
+            nodes.push(&m.node);
+        }
+    }
+    let local: Vec<&&Member> = ranks.iter().filter(|m| m.node == env.node).collect();
+    let local_rank = local.iter().position(|m| m.rank == me.rank).unwrap_or(0);
+    let group_rank = nodes.iter().position(|n| *n == env.node).unwrap_or(0);
+    let mut out = BTreeMap::new();
+    let mut put = |k: &str, v: String| {
+        out.insert(k.to_string(), v);
+    };
+    put("RANK", me.rank.to_string());
+    put("LOCAL_RANK", local_rank.to_string());
+    put("WORLD_SIZE", g.world_size.to_string());
+    put("LOCAL_WORLD_SIZE", local.len().to_string());
+    put("GROUP_RANK", group_rank.to_string());
+    put("GROUP_WORLD_SIZE", nodes.len().to_string());
+    put("ROLE_RANK", me.rank.to_string());
+    put("ROLE_WORLD_SIZE", g.world_size.to_string());
+    put("ROLE_NAME", "default".into());
+    put("MASTER_ADDR", master.0.to_string());
+    put("MASTER_PORT", master.1.to_string());
+    put("TORCHELASTIC_RUN_ID", spec.name.clone());
+    put("TORCHELASTIC_RESTART_COUNT", g.failures.to_string());
+    put("TORCHELASTIC_MAX_RESTARTS", spec.restart_budget.to_string());
+    put("TORCHELASTIC_ERROR_FILE", error_file.display().to_string());
+    put("TORCHELASTIC_USE_AGENT_STORE", "False".into());
+    // what torchrun's agent forwards to its workers (its default --signals-to-handle)
+    put(
+        "TORCHELASTIC_SIGNALS_TO_HANDLE",
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT".into(),
+    );
+    put("DUCTILE_GENERATION", g.number.to_string());
+    // GPU slots: this node's GPUs of the generation in local-rank order, so that
+    // cuda:LOCAL_RANK is this slot's GPU (what torchrun scripts index), when they are distinct;
+    // otherwise (slots sharing a GPU) this slot's GPU alone
+    let gpus: Vec<Option<u32>> = local
+        .iter()
+        .map(|m| node_gpus.get(m.slot as usize).copied().flatten())
+        .collect();
+    if let Some(Some(own)) = node_gpus.get(env.slot as usize) {
+        let distinct = gpus.iter().all(|g| g.is_some())
+            && (0..gpus.len()).all(|i| !gpus[..i].contains(&gpus[i]));
+        let visible = if distinct {
+            gpus.iter()
+                .map(|g| g.unwrap().to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        } else {
+            own.to_string()
+        };
+        put("CUDA_VISIBLE_DEVICES", visible);
+        if !distinct {
+            out.insert("LOCAL_RANK".into(), "0".into());
+        }
+    }
+    out
+}
+
+/// The message of a torchelastic error file (`{"message": {"message": ...}}` as `@record`
+/// writes it, or `{"message": "..."}`).
+pub fn error_file_message(text: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let m = v.get("message")?;
+    let s = match m {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Object(o) => o.get("message")?.as_str()?.to_string(),
+        _ => return None,
+    };
+    let s = s.trim().to_string();
+    (!s.is_empty()).then_some(s)
+}
+
+/// A Python command the standby interpreter can run: its arguments after the interpreter
+/// (`script.py args...`, `-m module args...`), when it takes no interpreter options.
+fn warm_args(command: &[String]) -> Option<Vec<String>> {
+    if !is_python(command.first()?) {
+        return None;
+    }
+    let rest = &command[1..];
+    match rest.first().map(String::as_str) {
+        Some("-m") if rest.len() >= 2 => Some(rest.to_vec()),
+        Some(a) if !a.starts_with('-') => Some(rest.to_vec()),
+        _ => None,
+    }
+}
+
+/// A started program (or standby interpreter), its stderr's last line kept.
+struct Program {
+    child: Child,
+    pid: u32,
+    last_line: Arc<Mutex<Option<String>>>,
+}
+
+impl Program {
+    fn spawn(mut cmd: Command, what: &str) -> anyhow::Result<Program> {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        // its own process group (stopping it reaches its children: data loader workers), and
+        // it dies with this launcher
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+                nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start {what}: {e}"))?;
+        let pid = child.id().unwrap_or(0);
+        let last_line = Arc::new(Mutex::new(None));
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(out).lines();
+                while let Ok(Some(l)) = lines.next_line().await {
+                    println!("{l}");
+                }
+            });
+        }
+        if let Some(err) = child.stderr.take() {
+            let last = last_line.clone();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(err).lines();
+                while let Ok(Some(l)) = lines.next_line().await {
+                    eprintln!("{l}");
+                    if !l.trim().is_empty() {
+                        *last.lock().unwrap() = Some(l.trim().chars().take(400).collect());
+                    }
+                }
+            });
+        }
+        Ok(Program {
+            child,
+            pid,
+            last_line,
+        })
+    }
+
+    /// SIGTERM to its process group, `grace`, then SIGKILL.
+    async fn stop(&mut self, grace: Duration) {
+        let pg = Pid::from_raw(self.pid as i32);
+        let _ = killpg(pg, Signal::SIGTERM);
+        if tokio::time::timeout(grace, self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = killpg(pg, Signal::SIGKILL);
+            let _ = self.child.kill().await;
+            let _ = self.child.wait().await;
+        }
+        // what its children left behind
+        let _ = killpg(pg, Signal::SIGKILL);
+    }
+}
+
+/// How the program of one generation ended.
+enum Outcome {
+    /// It exited 0.
+    Done,
+    /// It failed by itself: the message (the error file's, else its last line on stderr), and
+    /// whether a signal killed it (then it is the root cause beyond doubt).
+    Failed(String, bool),
+    /// A newer generation replaced it (stopped).
+    Replaced,
+    /// This launcher was told to stop (SIGTERM from its agent).
+    Stopped,
+}
+
+struct Launcher {
+    env: WorkerEnv,
+    spec: JobSpec,
+    settings: TorchrunSpec,
+    store: Store,
+    cell: Arc<GenCell>,
+    reporter: Reporter,
+    dir: PathBuf,
+    base: BTreeMap<String, String>,
+    node_gpus: Vec<Option<u32>>,
+    host: String,
+    standby: Option<Program>,
+    requests: Arc<Mutex<Option<CheckpointRequest>>>,
+    control: tokio::net::UnixDatagram,
+    cancel: CancellationToken,
+}
+
+/// Run a torchrun job's program through the job's generations; the worker's exit code.
+pub async fn run(env: WorkerEnv, backend: Arc<dyn KvBackend>, cancel: CancellationToken) -> i32 {
+    match Launcher::new(env, backend, cancel).await {
+        Ok(mut l) => {
+            let code = l.run().await;
+            if let Some(mut s) = l.standby.take() {
+                s.stop(Duration::from_millis(200)).await;
+            }
+            let _ = std::fs::remove_dir_all(&l.dir);
+            code
+        }
+        Err(e) => {
+            eprintln!("ductile-worker: {e:#}");
+            1
+        }
+    }
+}
+
+impl Launcher {
+    async fn new(
+        env: WorkerEnv,
+        backend: Arc<dyn KvBackend>,
+        cancel: CancellationToken,
+    ) -> anyhow::Result<Launcher> {
+        let store = Store::new(backend, ductile_cluster::Keys::new(&env.prefix));
+        let spec = match store.spec(&env.job).await {
+            Ok(Some((s, _))) => s,
+            Ok(None) => anyhow::bail!("job {:?} has no spec", env.job),
+            Err(e) => anyhow::bail!("cannot read the job spec: {e}"),
+        };
+        if spec.runtime != Runtime::Torchrun {
+            anyhow::bail!(
+                "job {:?} is not a runtime = \"torchrun\" job: `launch` runs only those",
+                env.job
+            );
+        }
+        let settings = spec.torchrun_settings();
+        let dir = std::env::temp_dir().join(format!(
+            "ductile-{}-{}-{}-{}",
+            env.job,
+            env.node,
+            env.slot,
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| anyhow::anyhow!("cannot make {}: {e}", dir.display()))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        let control = tokio::net::UnixDatagram::bind(dir.join("control.sock")).map_err(|e| {
+            anyhow::anyhow!("cannot bind the control socket in {}: {e}", dir.display())
+        })?;
+        let cell = Arc::new(GenCell::default());
+        crate::watch_generations(store.clone(), env.job.clone(), cell.clone(), cancel.clone());
+        let requests = Arc::new(Mutex::new(None));
+        crate::watch_checkpoint_requests(
+            store.clone(),
+            env.job.clone(),
+            requests.clone(),
+            &tokio::runtime::Handle::current(),
+        );
+        let node_gpus = std::env::var("DUCTILE_NODE_GPUS")
+            .unwrap_or_default()
+            .split(',')
+            .map(|s| s.parse().ok())
+            .collect();
+        let host = std::env::var("DUCTILE_COMM_HOST").unwrap_or_else(|_| "127.0.0.1".into());
+        let reporter = Reporter {
+            store: store.clone(),
+            rt: tokio::runtime::Handle::current(),
+            job: env.job.clone(),
+            node: env.node.clone(),
+            slot: env.slot,
+            cell: cell.clone(),
+        };
+        let base = base_env(&spec, &dir, &settings);
+        Ok(Launcher {
+            env,
+            spec,
+            settings,
+            store,
+            cell,
+            reporter,
+            dir,
+            base,
+            node_gpus,
+            host,
+            standby: None,
+            requests,
+            control,
+            cancel,
+        })
+    }
+
+    fn workdir(&self) -> PathBuf {
+        self.settings
+            .workdir
+            .as_ref()
+            .map(PathBuf::from)
+            .or_else(|| std::env::current_dir().ok())
+            .unwrap_or_else(|| "/".into())
+    }
+
+    /// A standby interpreter for a Python program (warm start), started now.
+    fn start_standby(&mut self) {
+        if !self.settings.warm_start || self.standby.is_some() {
+            return;
+        }
+        let Some(_) = warm_args(&self.spec.command) else {
+            return;
+        };
+        let mut cmd = Command::new(&self.spec.command[0]);
+        cmd.arg("-c")
+            .arg(STANDBY)
+            .env_clear()
+            .envs(&self.base)
+            .env("DUCTILE_PRELOAD", PRELOAD)
+            .current_dir(self.workdir())
+            .stdin(Stdio::piped());
+        match Program::spawn(cmd, "the standby interpreter") {
+            Ok(p) => self.standby = Some(p),
+            Err(e) => tracing::warn!(error = %e, "no warm start: the program starts afresh"),
+        }
+    }
+
+    /// Start the program for one generation, in the standby interpreter when there is one.
+    async fn start_program(
+        &mut self,
+        gen_env: &BTreeMap<String, String>,
+    ) -> anyhow::Result<Program> {
+        if let (Some(mut s), Some(argv)) = (self.standby.take(), warm_args(&self.spec.command)) {
+            if s.child.try_wait().ok().flatten().is_none() {
+                let req = serde_json::json!({ "env": gen_env, "argv": argv });
+                let mut line = serde_json::to_vec(&req)?;
+                line.push(b'\n');
+                if let Some(mut stdin) = s.child.stdin.take() {
+                    if stdin.write_all(&line).await.is_ok() && stdin.flush().await.is_ok() {
+                        drop(stdin);
+                        return Ok(s);
+                    }
+                }
+            }
+            tracing::warn!("the standby interpreter is gone: starting the program afresh");
+            s.stop(Duration::from_millis(100)).await;
+        }
+        let mut cmd = Command::new(&self.spec.command[0]);
+        cmd.args(&self.spec.command[1..])
+            .env_clear()
+            .envs(&self.base)
+            .envs(gen_env)
+            .current_dir(self.workdir())
+            .stdin(Stdio::null());
+        Program::spawn(cmd, &format!("{:?}", self.spec.command[0]))
+    }
+
+    /// The newest generation, waiting (bounded) for one at or past this worker's own.
+    async fn newest(&self) -> Option<Generation> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(g) = self
+                .cell
+                .latest()
+                .filter(|g| g.number >= self.env.generation)
+            {
+                return Some(g);
+            }
+            if t0.elapsed() > FIRST_GENERATION_WAIT || self.cancel.is_cancelled() {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Where generation `g`'s c10d store listens: rank 0 picks a free port on its host and
+    /// publishes it; the others wait for it (None: a newer generation came, or it never did).
+    async fn master(&self, g: &Generation, rank: u32) -> anyhow::Result<Option<(String, u16)>> {
+        let key = self.store.keys.master(&self.env.job, g.number);
+        if rank == 0 {
+            let port = std::net::TcpListener::bind(("0.0.0.0", 0))
+                .and_then(|l| l.local_addr())
+                .map_err(|e| anyhow::anyhow!("cannot find a free port for the c10d store: {e}"))?
+                .port();
+            let v = serde_json::json!({ "addr": self.host, "port": port });
+            let mut delay = Duration::from_millis(50);
+            for i in 0.. {
+                match self.store.put_json(&key, &v, None).await {
+                    Ok(_) => break,
+                    Err(e) if i >= 20 => {
+                        anyhow::bail!("cannot publish the c10d store's address: {e}")
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(1));
+                    }
+                }
+            }
+            return Ok(Some((self.host.clone(), port)));
+        }
+        let t0 = Instant::now();
+        loop {
+            if self.cell.newest() > g.number || self.cancel.is_cancelled() {
+                return Ok(None);
+            }
+            match self.store.backend.get(&key).await {
+                Ok(Some(kv)) => {
+                    let v: serde_json::Value = serde_json::from_slice(&kv.value)
+                        .map_err(|e| anyhow::anyhow!("rank 0's c10d address is unreadable: {e}"))?;
+                    let addr = v["addr"].as_str().unwrap_or_default().to_string();
+                    let port = v["port"].as_u64().unwrap_or(0) as u16;
+                    return Ok(Some((addr, port)));
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot read rank 0's c10d address; retrying"),
+            }
+            if t0.elapsed() > MASTER_WAIT {
+                anyhow::bail!(
+                    "rank 0 of generation {} did not publish its c10d address within {} s",
+                    g.number,
+                    MASTER_WAIT.as_secs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    async fn run(&mut self) -> i32 {
+        self.start_standby();
+        let mut last_run: u64 = 0;
+        loop {
+            let Some(g) = self.newest().await else {
+                if self.cancel.is_cancelled() {
+                    return EXIT_TERMINATED;
+                }
+                eprintln!(
+                    "ductile-worker: no generation of job {:?} includes this slot within {} s",
+                    self.env.job,
+                    FIRST_GENERATION_WAIT.as_secs()
+                );
+                return 1;
+            };
+            if g.number == last_run {
+                // this generation's program already ran and failed: wait for the leader's answer
+                tokio::select! {
+                    _ = self.cancel.cancelled() => return EXIT_TERMINATED,
+                    _ = tokio::time::sleep(Duration::from_millis(20)) => continue,
+                }
+            }
+            let Some(me) = g.member(&self.env.node, self.env.slot).cloned() else {
+                println!(
+                    "generation {} does not include {}/{}: leaving",
+                    g.number, self.env.node, self.env.slot
+                );
+                return EXIT_FENCED;
+            };
+            last_run = g.number;
+            let master = match self.master(&g, me.rank).await {
+                Ok(Some(m)) => m,
+                Ok(None) if self.cancel.is_cancelled() => return EXIT_TERMINATED,
+                Ok(None) => continue,
+                Err(e) => {
+                    eprintln!("ductile-worker: {e:#}");
+                    return 1;
+                }
+            };
+            if self.cell.newest() > g.number {
+                continue;
+            }
+            let error_file = self.dir.join(format!("error-g{}.json", g.number));
+            let _ = std::fs::remove_file(&error_file);
+            let _ = std::fs::remove_file(self.dir.join("preempted"));
+            let gen_env = torchrun_env(
+                &self.env,
+                &self.spec,
+                &g,
+                (&master.0, master.1),
+                &error_file,
+                &self.node_gpus,
+            );
+            let mut program = match self.start_program(&gen_env).await {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("ductile-worker: {e:#}");
+                    return 1;
+                }
+            };
+            println!(
+                "generation {}: started {:?} as rank {} of {} (pid {}, c10d store at {}:{})",
+                g.number, self.spec.command, me.rank, g.world_size, program.pid, master.0, master.1
+            );
+            let join = JoinRecord {
+                node: self.env.node.clone(),
+                slot: self.env.slot,
+                rank: me.rank,
+                pid: program.pid,
+                joined_at_ms: now_ms(),
+                ..Default::default()
+            };
+            let (store, key) = (
+                self.store.clone(),
+                self.store
+                    .keys
+                    .joined_rank(&self.env.job, g.number, me.rank),
+            );
+            tokio::spawn(async move {
+                for i in 0..20u64 {
+                    if store.put_json(&key, &join, None).await.is_ok() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100 * (i + 1).min(10))).await;
+                }
+            });
+            let outcome = self.supervise(&g, me.rank, &mut program, &error_file).await;
+            match outcome {
+                Outcome::Done => {
+                    println!("generation {}: the program finished (exit 0)", g.number);
+                    return EXIT_DONE;
+                }
+                Outcome::Replaced => continue,
+                Outcome::Stopped => return EXIT_TERMINATED,
+                Outcome::Failed(msg, killed) => {
+                    if self.cell.newest() > g.number {
+                        continue; // the world changed under it: the next generation
+                    }
+                    let (reporter, g2, msg2) = (self.reporter.clone(), g.clone(), msg.clone());
+                    let wait = tokio::task::spawn_blocking(move || {
+                        // a program killed by a signal names itself: no other exit caused it
+                        let suspects = if killed { vec![me.rank] } else { Vec::new() };
+                        reporter.failed_generation(&g2, me.rank, FaultKind::Exited, suspects, msg2)
+                    });
+                    tokio::select! {
+                        r = wait => match r {
+                            Ok(Ok(())) => continue,
+                            Ok(Err(e)) => {
+                                eprintln!("ductile-worker: {msg} ({e:#})");
+                                return 1;
+                            }
+                            Err(e) => {
+                                eprintln!("ductile-worker: {msg} (the fault report failed: {e})");
+                                return 1;
+                            }
+                        },
+                        _ = self.cancel.cancelled() => return EXIT_TERMINATED,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Watch the program of generation `g` until it ends, a newer generation replaces it, or
+    /// this launcher is stopped; meanwhile relay its reports and the drain notice.
+    async fn supervise(
+        &mut self,
+        g: &Generation,
+        rank: u32,
+        program: &mut Program,
+        error_file: &Path,
+    ) -> Outcome {
+        let started = Instant::now();
+        let grace = Duration::from_secs(self.settings.grace_s);
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        let mut buf = vec![0u8; 4096];
+        let mut progress = ProgressRelay::new(g.number);
+        let mut noticed = false;
+        loop {
+            tokio::select! {
+                status = program.child.wait() => {
+                    let status = match status {
+                        Ok(s) => s,
+                        Err(e) => return Outcome::Failed(format!("cannot wait for the program: {e}"), false),
+                    };
+                    if status.success() {
+                        if rank == 0 {
+                            progress.flush(&self.reporter);
+                        }
+                        return Outcome::Done;
+                    }
+                    // its last lines are still in the pipe
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    use std::os::unix::process::ExitStatusExt;
+                    let how = match (status.code(), status.signal()) {
+                        (Some(c), _) => format!("exit code {c}"),
+                        (None, Some(s)) => format!("killed by signal {s}"),
+                        _ => "exited".into(),
+                    };
+                    let said = std::fs::read_to_string(error_file)
+                        .ok()
+                        .and_then(|t| error_file_message(&t))
+                        .or_else(|| program.last_line.lock().unwrap().clone());
+                    let msg = match said {
+                        Some(m) if status.code().is_some() => format!("{how}: {}", m.chars().take(400).collect::<String>()),
+                        _ => how,
+                    };
+                    eprintln!("generation {}: rank {rank}'s program failed ({msg})", g.number);
+                    return Outcome::Failed(msg, status.signal().is_some());
+                }
+                _ = self.cancel.cancelled() => {
+                    // the agent stops this worker (fenced, drained, the job ended): the program
+                    // is told first, then gets its grace
+                    let _ = std::fs::write(self.dir.join("preempted"), b"stopping\n");
+                    program.stop(grace).await;
+                    return Outcome::Stopped;
+                }
+                r = self.control.recv(&mut buf) => {
+                    if let Ok(n) = r {
+                        if rank == 0 {
+                            progress.take(&buf[..n], &self.reporter);
+                        }
+                        if self.standby.is_none() {
+                            self.start_standby();
+                        }
+                    }
+                }
+                _ = tick.tick() => {
+                    if self.cell.newest() > g.number {
+                        program.stop(grace).await;
+                        return Outcome::Replaced;
+                    }
+                    if !noticed {
+                        let req = self.requests.lock().unwrap().clone();
+                        if let Some(r) = req.filter(|r| r.generation >= g.number) {
+                            noticed = true;
+                            println!("generation {}: a planned drain is coming ({}): ductile.preempted() is true", g.number, r.reason);
+                            let _ = std::fs::write(self.dir.join("preempted"), format!("{}\n", r.reason));
+                        }
+                    }
+                    if rank == 0 {
+                        progress.tick(&self.reporter);
+                    }
+                    if self.standby.is_none() && started.elapsed() > STANDBY_DELAY {
+                        self.start_standby();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rank 0's reports (`ductile.report`) turned into the job's progress: at most one write a
+/// second, the first of a generation at once (its first step).
+struct ProgressRelay {
+    generation: u64,
+    last: Option<Progress>,
+    written: Option<Instant>,
+    dirty: bool,
+    first_step: bool,
+    /// (when, samples) of the reports in the rate's window
+    window: std::collections::VecDeque<(Instant, f64)>,
+}
+
+impl ProgressRelay {
+    fn new(generation: u64) -> Self {
+        ProgressRelay {
+            generation,
+            last: None,
+            written: None,
+            dirty: false,
+            first_step: false,
+            window: Default::default(),
+        }
+    }
+
+    fn take(&mut self, datagram: &[u8], reporter: &Reporter) {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(datagram) else {
+            return;
+        };
+        let Some(step) = v.get("step").and_then(|s| s.as_u64()) else {
+            return;
+        };
+        let now = Instant::now();
+        if let Some(n) = v.get("samples").and_then(|s| s.as_f64()) {
+            self.window.push_back((now, n));
+        }
+        while self.window.len() > 2
+            && now.duration_since(self.window[0].0) > Duration::from_secs(10)
+        {
+            self.window.pop_front();
+        }
+        let rate = match (self.window.front(), self.window.len()) {
+            (Some((t0, _)), n) if n >= 2 && now.duration_since(*t0).as_secs_f64() > 0.0 => {
+                let s: f64 = self.window.iter().skip(1).map(|(_, n)| n).sum();
+                Some(s / now.duration_since(*t0).as_secs_f64())
+            }
+            _ => None,
+        };
+        self.last = Some(Progress {
+            generation: self.generation,
+            step,
+            loss: v
+                .get("loss")
+                .and_then(|l| l.as_f64())
+                .filter(|l| l.is_finite()),
+            samples_per_sec: rate,
+            updated_at_ms: now_ms(),
+            ..Default::default()
+        });
+        self.dirty = true;
+        if !self.first_step {
+            self.first_step = true;
+            reporter.first_step(self.generation);
+            self.flush(reporter);
+        }
+    }
+
+    fn tick(&mut self, reporter: &Reporter) {
+        if self.dirty
+            && self
+                .written
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+        {
+            self.flush(reporter);
+        }
+    }
+
+    fn flush(&mut self, reporter: &Reporter) {
+        if let (true, Some(p)) = (self.dirty, self.last.clone()) {
+            reporter.progress(p);
+            self.written = Some(Instant::now());
+            self.dirty = false;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gen(members: &[(&str, u32)]) -> Generation {
+        Generation {
+            job: "j".into(),
+            number: 4,
+            members: members
+                .iter()
+                .enumerate()
+                .map(|(r, (n, s))| Member {
+                    node: n.to_string(),
+                    slot: *s,
+                    rank: r as u32,
+                    ..Default::default()
+                })
+                .collect(),
+            world_size: members.len() as u32,
+            layout: Layout::data_parallel(members.len() as u32),
+            resume_step: 0,
+            state_source: StateSource::Seed,
+            desired: 4,
+            reason: Reason::Failure,
+            detail: String::new(),
+            triggered_at_ms: 0,
+            published_at_ms: 0,
+            backend: Default::default(),
+            fault_retries: 0,
+            stage_boundaries: Vec::new(),
+            plan_us: 0,
+            handover: false,
+            failures: 2,
+        }
+    }
+
+    fn worker(node: &str, slot: u32) -> WorkerEnv {
+        WorkerEnv {
+            job: "j".into(),
+            node: node.into(),
+            slot,
+            generation: 1,
+            etcd: ductile_cluster::access::EtcdAccess::default(),
+            prefix: "/t".into(),
+            device: "cpu".into(),
+        }
+    }
+
+    /// torchrun's variables, as `torch.distributed.run` sets them for two nodes of two.
+    #[test]
+    fn torchrun_variables_follow_the_generation() {
+        let spec = JobSpec::from_toml(
+            "name = \"j\"\nruntime = \"torchrun\"\ncommand = [\"python3\", \"t.py\"]\nmin = 1\nmax = 4\ndesired = 4\nrestart_budget = 5\n",
+        )
+        .unwrap();
+        let g = gen(&[("b", 0), ("a", 1), ("b", 1), ("a", 0)]);
+        let e = torchrun_env(
+            &worker("a", 0),
+            &spec,
+            &g,
+            ("10.0.0.2", 29500),
+            Path::new("/x/e.json"),
+            &[Some(3), Some(5)],
+        );
+        let v = |k: &str| e[k].as_str();
+        assert_eq!((v("RANK"), v("WORLD_SIZE")), ("3", "4"));
+        // node a holds ranks 1 and 3: this is its second local rank; node b came first
+        assert_eq!((v("LOCAL_RANK"), v("LOCAL_WORLD_SIZE")), ("1", "2"));
+        assert_eq!((v("GROUP_RANK"), v("GROUP_WORLD_SIZE")), ("1", "2"));
+        assert_eq!(
+            (v("ROLE_RANK"), v("ROLE_WORLD_SIZE"), v("ROLE_NAME")),
+            ("3", "4", "default")
+        );
+        assert_eq!((v("MASTER_ADDR"), v("MASTER_PORT")), ("10.0.0.2", "29500"));
+        assert_eq!(v("TORCHELASTIC_RESTART_COUNT"), "2");
+        assert_eq!(v("TORCHELASTIC_MAX_RESTARTS"), "5");
+        assert_eq!(v("TORCHELASTIC_RUN_ID"), "j");
+        assert_eq!(v("TORCHELASTIC_ERROR_FILE"), "/x/e.json");
+        // local rank 0 is slot 1 (GPU 5), local rank 1 this slot (GPU 3): cuda:1 is its GPU
+        assert_eq!(v("CUDA_VISIBLE_DEVICES"), "5,3");
+        // slots sharing one GPU: that GPU alone, as cuda:0
+        let e = torchrun_env(
+            &worker("a", 0),
+            &spec,
+            &g,
+            ("h", 1),
+            Path::new("/e"),
+            &[Some(0), Some(0)],
+        );
+        assert_eq!(
+            (e["CUDA_VISIBLE_DEVICES"].as_str(), e["LOCAL_RANK"].as_str()),
+            ("0", "0")
+        );
+        // CPU slots: no CUDA_VISIBLE_DEVICES of ours
+        let e = torchrun_env(
+            &worker("b", 1),
+            &spec,
+            &g,
+            ("h", 1),
+            Path::new("/e"),
+            &[None, None],
+        );
+        assert!(!e.contains_key("CUDA_VISIBLE_DEVICES"));
+        assert_eq!(
+            (
+                e["RANK"].as_str(),
+                e["LOCAL_RANK"].as_str(),
+                e["GROUP_RANK"].as_str()
+            ),
+            ("2", "1", "0")
+        );
+    }
+
+    #[test]
+    fn error_files_as_torch_writes_them() {
+        let rec = r#"{"message": {"message": "ValueError: boom at step 7", "extraInfo": {"py_callstack": "Traceback...", "timestamp": "1"}}}"#;
+        assert_eq!(
+            error_file_message(rec).as_deref(),
+            Some("ValueError: boom at step 7")
+        );
+        assert_eq!(
+            error_file_message(r#"{"message": "plain"}"#).as_deref(),
+            Some("plain")
+        );
+        assert_eq!(error_file_message("not json"), None);
+        assert_eq!(error_file_message(r#"{"message": ""}"#), None);
+    }
+
+    #[test]
+    fn warm_start_takes_scripts_and_modules_only() {
+        let c = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            warm_args(&c(&["python3", "t.py", "--x"])),
+            Some(c(&["t.py", "--x"]))
+        );
+        assert_eq!(
+            warm_args(&c(&["/v/bin/python3.11", "-m", "pkg.train"])),
+            Some(c(&["-m", "pkg.train"]))
+        );
+        assert_eq!(
+            warm_args(&c(&["python3", "-u", "t.py"])),
+            None,
+            "interpreter options: a cold start"
+        );
+        assert_eq!(warm_args(&c(&["bash", "run.sh"])), None);
+        assert_eq!(warm_args(&c(&["python3"])), None);
+    }
+}

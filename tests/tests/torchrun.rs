@@ -1,0 +1,437 @@
+//! Users' own PyTorch scripts (issue 33): a DDP script written as PyTorch's tutorials write
+//! them (`examples/torchrun/ddp_train.py`) runs as a `runtime = "torchrun"` job with real
+//! PyTorch on CPU (gloo): through a SIGKILL of a worker, an agent's loss and `dctl scale`, from
+//! its own checkpoints; the error file's message of a worker that raises is the reason shown;
+//! and at a fixed size it ends with the same weights as under `torchrun` itself. Real etcd,
+//! daemon, agents, launchers and Python workers.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ductile_cluster::records::{JobState, Reason};
+use ductile_tests::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn python() -> String {
+    std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh --tests)")
+}
+
+fn script() -> PathBuf {
+    repo_root().join("examples/torchrun/ddp_train.py")
+}
+
+/// Agent flags: the torch venv's interpreter is the one allowed command, the script's
+/// directory and the temporary directories the allowed paths.
+fn policy() -> Vec<String> {
+    vec![
+        "--allowed-commands".into(),
+        python(),
+        "--allowed-paths".into(),
+        format!(
+            "{},{}",
+            std::env::temp_dir().display(),
+            repo_root().join("examples").display()
+        ),
+    ]
+}
+
+fn start_agent(c: &mut Cluster, name: &str, slots: u32) {
+    let p = policy();
+    let extra: Vec<&str> = p.iter().map(String::as_str).collect();
+    c.start_agent(name, slots, &extra);
+}
+
+/// A torchrun job running the DDP script with `args`.
+fn job_toml(
+    name: &str,
+    (min, max, desired): (u32, u32, u32),
+    extra: &str,
+    args: &[String],
+) -> String {
+    let mut command = vec![python(), script().display().to_string()];
+    command.extend(args.iter().cloned());
+    let command: Vec<String> = command.iter().map(|a| format!("{a:?}")).collect();
+    format!(
+        "name = \"{name}\"\nruntime = \"torchrun\"\ncommand = [{}]\nmin = {min}\nmax = {max}\ndesired = {desired}\n{extra}\n",
+        command.join(", ")
+    )
+}
+
+/// Rank 0's step log: (time, pid, world, step) per completed step.
+fn step_log(path: &Path) -> Vec<(f64, u32, u32, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((
+                f.first()?.parse().ok()?,
+                f.get(1)?.parse().ok()?,
+                f.get(2)?.parse().ok()?,
+                f.get(3)?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// Every agent's whole log (their workers' lines are in them).
+fn agent_logs(c: &Cluster) -> String {
+    c.agents
+        .values()
+        .map(|a| std::fs::read_to_string(&a.log).unwrap_or_default())
+        .collect()
+}
+
+fn events(c: &Cluster, job: &str) -> String {
+    c.dctl_ok(&["events", job])
+}
+
+/// The DDP script at 4 workers on two nodes: a worker SIGKILLed (its slot has no restart left:
+/// the world re-forms at 3 and the script resumes from its own checkpoint), an agent lost (2),
+/// scaled to 2 while a new node joins, then `dctl scale` back to 4; a planned drain tells the
+/// script first (it saves, so at most one step repeats); it finishes every step and the job
+/// succeeds. Progress comes from `ductile.report`.
+#[test]
+fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default()
+    });
+    start_agent(&mut c, "node1", 2);
+    start_agent(&mut c, "node2", 2);
+    let dir = TempDir::new("torchrun-ddp");
+    let ckpt = dir.path().join("ckpt");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let log = dir.path().join("steps.log");
+    let sha = dir.path().join("sha");
+    let steps = 1500u64;
+    let args: Vec<String> = [
+        "--steps",
+        &steps.to_string(),
+        "--ckpt-every",
+        "10",
+        "--step-sleep",
+        "0.03",
+        "--step-log",
+        &log.display().to_string(),
+        "--sha-out",
+        &sha.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    c.submit(&job_toml(
+        "ddp",
+        (1, 4, 4),
+        &format!(
+            "restart_budget = 0\n[torchrun]\ngrace_s = 5\ndrain_notice_s = 3\ncheckpoint_url = \"file://{}\"",
+            ckpt.display()
+        ),
+        &args,
+    ));
+    let v = c.wait_world("ddp", 4, S(120));
+    let v = c.wait_for(S(120), "the script's first reports", || {
+        let s = c.status("ddp");
+        (s.step >= 25
+            && s.members.iter().all(|m| m.program_pid.is_some())
+            && s.generation == v.generation)
+            .then_some(s)
+    });
+    assert!(v.loss.is_some_and(|l| l.is_finite()), "{v:?}");
+    assert!(
+        v.samples_per_sec.is_some(),
+        "the report's samples give a rate: {v:?}"
+    );
+
+    // 1. SIGKILL the script of rank 3: no restart left for its slot, the world re-forms at 3
+    let victim = v.members.iter().find(|m| m.rank == 3).unwrap().clone();
+    let before = step_log(&log);
+    let last_before = before.last().unwrap().3;
+    // the script, not its launcher (`pid`): what torchrun calls the worker
+    let (script, launcher) = (victim.program_pid.unwrap(), victim.pid.unwrap());
+    assert_ne!(script, launcher);
+    unsafe { libc::kill(script as i32, libc::SIGKILL) };
+    let g = c.wait_for(S(60), "the generation after the kill", || {
+        c.history("ddp")
+            .into_iter()
+            .find(|g| g.number > v.generation)
+    });
+    assert_eq!(g.reason, Reason::Failure, "{g:?}");
+    assert!(
+        g.detail
+            .contains("rank 3's program failed first: killed by signal 9"),
+        "{}",
+        g.detail
+    );
+    assert_eq!(g.failures, 1);
+    let v3 = c.wait_world("ddp", 3, S(60));
+    let at3 = c.wait_for(S(120), "steps at world 3", || {
+        let l = step_log(&log);
+        l.iter().find(|e| e.2 == 3).copied()
+    });
+    // resumed from its own checkpoint: at most 10 steps back, never from the start
+    assert!(
+        at3.3 + 10 >= last_before && at3.3 > 1 && at3.3 <= last_before + 1,
+        "first step at world 3: {at3:?}, last before the kill {last_before}"
+    );
+    assert!(
+        agent_logs(&c).contains(&format!("resumed from step {} at world size 3", at3.3 - 1)),
+        "the script said it resumed from its checkpoint"
+    );
+
+    // 2. an agent lost: its launchers and scripts die with it; the lease lapses, 2 remain
+    c.wait_step("ddp", at3.3 + 10, S(60));
+    c.agents.get_mut("node2").unwrap().kill();
+    let v2 = c.wait_world("ddp", 2, S(60));
+    assert!(v2.generation > v3.generation);
+    assert!(v2.members.iter().all(|m| m.node == "node1"), "{v2:?}");
+    c.wait_for(S(120), "steps at world 2", || {
+        step_log(&log).iter().any(|e| e.2 == 2).then_some(())
+    });
+
+    // 3. held at 2 while a node joins, then scaled back to 4
+    c.dctl_ok(&["scale", "ddp", "2"]);
+    start_agent(&mut c, "node3", 2);
+    c.wait_for(S(30), "node3 registered", || {
+        c.dctl_ok(&["nodes"]).contains("node3").then_some(())
+    });
+    std::thread::sleep(S(2));
+    assert_eq!(
+        c.status("ddp").world_size,
+        2,
+        "desired 2: the new node waits"
+    );
+    let scaled_at = step_log(&log).len();
+    c.dctl_ok(&["scale", "ddp", "4"]);
+    let v4 = c.wait_world("ddp", 4, S(60));
+    assert_eq!(c.history("ddp").last().unwrap().reason, Reason::Scale);
+    assert_eq!(v4.members.iter().filter(|m| m.node == "node3").count(), 2);
+    c.wait_for(S(120), "steps at world 4 again", || {
+        step_log(&log)[scaled_at..]
+            .iter()
+            .any(|e| e.2 == 4)
+            .then_some(())
+    });
+
+    // 4. a planned drain of node3: the scripts are told (ductile.preempted(): rank 0 saves at
+    // every step from then on) before the world re-forms at 2, so at most one step repeats
+    let drained_at = step_log(&log).len();
+    c.dctl_ok(&["drain", "node3"]);
+    let v2 = c.wait_world("ddp", 2, S(60));
+    let g = c.history("ddp").last().cloned().unwrap();
+    assert_eq!(g.reason, Reason::Drain, "{g:?}");
+    assert!(g.detail.contains("ductile.preempted()"), "{}", g.detail);
+    let (prev, first) = c.wait_for(S(120), "steps after the drain", || {
+        let l = step_log(&log);
+        let i = (drained_at..l.len()).find(|i| l[*i].2 == 2)?;
+        Some((l[i - 1], l[i]))
+    });
+    assert_eq!(prev.2, 4);
+    assert!(
+        first.3 >= prev.3,
+        "resumed at step {} after step {} ran: the notice's save",
+        first.3,
+        prev.3
+    );
+    assert!(agent_logs(&c).contains("a planned drain is coming"));
+    assert!(v2.members.iter().all(|m| m.node == "node1"));
+    c.dctl_ok(&["drain", "node3", "--undo"]);
+    c.wait_world("ddp", 4, S(60));
+
+    let done = c.wait_done("ddp", S(300));
+    assert_eq!(done.state, JobState::Succeeded, "{}", done.message);
+    assert!(
+        done.message.contains("all workers finished"),
+        "{}",
+        done.message
+    );
+    let l = step_log(&log);
+    assert_eq!(l.last().unwrap().3, steps, "every step ran");
+    assert_eq!(l.last().unwrap().2, 4, "the last steps at world 4");
+    assert_eq!(std::fs::read_to_string(&sha).unwrap().trim().len(), 64);
+    let ev = events(&c, "ddp");
+    assert!(
+        ev.contains("killed by signal 9") && ev.contains("node node2 was lost"),
+        "{ev}"
+    );
+}
+
+/// At a fixed size the script ends with the same weights under ductile (run in the standby
+/// interpreter) as under `torchrun` itself (same arguments, no failure), and saw every variable
+/// torchrun gives and no credential of the node's; a worker that raises (started afresh:
+/// `warm_start = false`): its error file's message is the failure shown by `dctl status` and
+/// `dctl events`, the world restarts within the budget, `TORCHELASTIC_RESTART_COUNT` says 1,
+/// and the job succeeds. A job naming a script outside
+/// the agents' allowed paths, or inline Python, is refused at submit.
+#[test]
+fn training_torchrun_same_weights_as_torchrun_and_the_error_file_shown() {
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        // the node's settings a script must not see
+        agent_env: vec![
+            ("AWS_SECRET_ACCESS_KEY".into(), "node-secret".into()),
+            ("NODE_OPERATOR_SETTING".into(), "x".into()),
+        ],
+        ..Spec::default()
+    });
+    start_agent(&mut c, "node1", 2);
+    c.wait_for(S(30), "node1 registered", || {
+        c.dctl_ok(&["nodes"]).contains("node1").then_some(())
+    });
+    // refused at submit: a script outside the allowed paths, inline Python
+    let outside = job_toml("outside", (1, 1, 1), "", &[])
+        .replace(&script().display().to_string(), "/opt/elsewhere/train.py");
+    let inline = format!(
+        "name = \"inline\"\nruntime = \"torchrun\"\ncommand = [{:?}, \"-c\", \"print(1)\"]\nmin = 1\nmax = 1\ndesired = 1\n",
+        python()
+    );
+    let relative = format!(
+        "name = \"relative\"\nruntime = \"torchrun\"\ncommand = [{:?}, \"train.py\"]\nmin = 1\nmax = 1\ndesired = 1\n",
+        python()
+    );
+    assert_refused(
+        &c,
+        &[
+            (outside.as_str(), "outside the agent's allowed_paths"),
+            (inline.as_str(), "inline Python (-c)"),
+            (relative.as_str(), "set torchrun.workdir"),
+        ],
+    );
+    let dir = TempDir::new("torchrun-same");
+    let common = |sha: &Path| -> Vec<String> {
+        [
+            "--steps",
+            "60",
+            "--sha-out",
+            &sha.display().to_string(),
+            "--env-out",
+            &sha.with_extension("env").display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    // under torchrun itself
+    let ref_sha = dir.path().join("torchrun.sha");
+    let out = std::process::Command::new(python())
+        .args([
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+        ])
+        .arg(script())
+        .args(common(&ref_sha))
+        .env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "torchrun: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // and under ductile
+    let our_sha = dir.path().join("ductile.sha");
+    c.submit(&job_toml("same", (2, 2, 2), "", &common(&our_sha)));
+    let v = c.wait_done("same", S(180));
+    assert_eq!(v.state, JobState::Succeeded, "{}", v.message);
+    let (a, b) = (
+        std::fs::read_to_string(&ref_sha).unwrap(),
+        std::fs::read_to_string(&our_sha).unwrap(),
+    );
+    assert_eq!(a.trim().len(), 64);
+    assert_eq!(a, b, "the same weights under torchrun and ductile");
+    assert!(
+        agent_logs(&c).contains("as rank 1 of 2"),
+        "the launcher's start line"
+    );
+    // torchrun's worker contract: every name torchrun gave its workers, none of the launcher's
+    // etcd credentials or the agent's other settings
+    let names = |p: PathBuf| -> Vec<String> {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let (theirs, ours) = (
+        names(ref_sha.with_extension("env")),
+        names(our_sha.with_extension("env")),
+    );
+    // what torchrun added to the environment it was started with (this test's)
+    let mut given: Vec<String> = std::env::vars().map(|(k, _)| k).collect();
+    given.push("TORCH_DISABLE_SHARE_RDZV_TCP_STORE".into()); // the test's, above
+    let added: Vec<&String> = theirs.iter().filter(|k| !given.contains(k)).collect();
+    assert!(added.len() >= 18, "torchrun's own variables: {added:?}");
+    for k in added {
+        assert!(ours.contains(k), "torchrun sets {k}; ours: {ours:?}");
+    }
+    assert!(
+        ours.iter().all(|k| !k.starts_with("DUCTILE_ETCD")
+            && !k.starts_with("AWS_")
+            && k != "NODE_OPERATOR_SETTING"),
+        "no etcd credentials, no S3 credentials without an S3 checkpoint_url: {ours:?}"
+    );
+    for k in [
+        "DUCTILE_CONTROL",
+        "DUCTILE_PREEMPT_FILE",
+        "TORCHELASTIC_ERROR_FILE",
+        "RANK",
+    ] {
+        assert!(ours.contains(&k.to_string()), "{k}: {ours:?}");
+    }
+
+    // a worker raises at step 15 (restart count 0 only): @record writes the error file
+    let ckpt = dir.path().join("ckpt");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let mut args = common(&dir.path().join("raise.sha"));
+    args.extend(
+        [
+            "--fail-rank",
+            "1",
+            "--fail-at-step",
+            "15",
+            "--ckpt-dir",
+            &ckpt.display().to_string(),
+            "--step-sleep",
+            "0.1",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    // (started afresh each generation, not in a standby interpreter: the cold path)
+    c.submit(&job_toml(
+        "raise",
+        (1, 2, 2),
+        "restart_budget = 1\n[torchrun]\nwarm_start = false",
+        &args,
+    ));
+    let first = c.wait_world("raise", 2, S(120)).generation;
+    let g = c.wait_for(S(120), "the generation after the error", || {
+        c.history("raise").into_iter().find(|g| g.number > first)
+    });
+    let msg = "ValueError: injected failure on rank 1 at step 15";
+    assert_eq!(g.reason, Reason::Failure);
+    assert!(
+        g.detail.contains(msg) && g.detail.contains("rank 1's program failed first"),
+        "{}",
+        g.detail
+    );
+    let status = c.wait_for(S(30), "dctl status showing the error", || {
+        let out = c.dctl_ok(&["status", "raise"]);
+        out.contains(msg).then_some(out)
+    });
+    let ev = events(&c, "raise");
+    assert!(ev.contains(msg), "dctl events: {ev}");
+    // the slot is restarted (budget 1) and rejoins: the restart count is 1, no raise again
+    let done = c.wait_done("raise", S(240));
+    assert_eq!(
+        done.state,
+        JobState::Succeeded,
+        "{} / {status}",
+        done.message
+    );
+    let h = c.history("raise");
+    assert!(h.last().unwrap().failures >= 1, "{h:?}");
+    assert!(
+        h.iter().filter(|g| g.reason == Reason::Failure).count() == 1,
+        "one failure: {h:?}"
+    );
+}
