@@ -251,24 +251,8 @@ pub async fn run(mib: u64, stores: &[String], iters: usize) -> anyhow::Result<()
 
 async fn put_generation(store: &Store, job: &str, number: u64) -> anyhow::Result<()> {
     let g = Generation {
-        job: job.into(),
-        number,
-        members: vec![],
         world_size: 1,
-        layout: Layout::data_parallel(1),
-        resume_step: 0,
-        state_source: StateSource::Seed,
-        desired: 1,
-        reason: Reason::Start,
-        detail: String::new(),
-        triggered_at_ms: 0,
-        published_at_ms: 0,
-        backend: Default::default(),
-        fault_retries: 0,
-        stage_boundaries: Vec::new(),
-        plan_us: 0,
-        handover: false,
-        failures: 0,
+        ..Generation::data_parallel(job, number, &[])
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

@@ -52,24 +52,11 @@ fn contents(ts: &[TensorMeta]) -> Vec<Vec<u8>> {
 
 async fn set_generation(store: &Store, job: &str, number: u64) {
     let g = Generation {
-        job: job.into(),
-        number,
-        members: vec![],
         world_size: 4,
         layout: Layout::data_parallel(4),
-        resume_step: 0,
         state_source: StateSource::Peers,
         desired: 4,
-        reason: Reason::Start,
-        detail: String::new(),
-        triggered_at_ms: 0,
-        published_at_ms: 0,
-        backend: Default::default(),
-        fault_retries: 0,
-        stage_boundaries: Vec::new(),
-        plan_us: 0,
-        handover: false,
-        failures: 0,
+        ..Generation::data_parallel(job, number, &[])
     };
     store
         .put_json(&store.keys.generation(job), &g, None)

@@ -1695,6 +1695,49 @@ pub struct Generation {
 }
 
 impl Generation {
+    /// A data-parallel generation of `job` whose members are (node, slot) in rank order, started
+    /// from the seed, with nothing else said (tests, benches, tools).
+    pub fn data_parallel(job: &str, number: u64, members: &[(&str, u32)]) -> Generation {
+        let world = members.len() as u32;
+        Generation {
+            job: job.into(),
+            number,
+            members: members
+                .iter()
+                .enumerate()
+                .map(|(r, (n, s))| Member {
+                    node: n.to_string(),
+                    slot: *s,
+                    rank: r as u32,
+                    dp_rank: r as u32,
+                    ..Default::default()
+                })
+                .collect(),
+            world_size: world,
+            layout: Layout::data_parallel(world.max(1)),
+            resume_step: 0,
+            state_source: StateSource::Seed,
+            desired: world.max(1),
+            reason: Reason::Start,
+            detail: String::new(),
+            triggered_at_ms: 0,
+            published_at_ms: 0,
+            backend: Backend::Tcp,
+            fault_retries: 0,
+            stage_boundaries: Vec::new(),
+            plan_us: 0,
+            handover: false,
+            failures: 0,
+        }
+    }
+
+    /// The members' (node, slot) in rank order (the same world again).
+    pub fn slots_in_rank_order(&self) -> Vec<(String, u32)> {
+        let mut ms: Vec<&Member> = self.members.iter().collect();
+        ms.sort_by_key(|m| m.rank);
+        ms.into_iter().map(|m| (m.node.clone(), m.slot)).collect()
+    }
+
     /// The chunks of units stage `stage` holds, in order; `units` is the model's count
     /// (every unit without stages). The boundaries cut the model into contiguous chunks and
     /// stage s holds chunks s, s + p, s + 2p, ... (one chunk per stage, or two with

@@ -874,27 +874,18 @@ fn faults(
         );
         let triggered_at = first.at_ms.min(now);
         if g.failures < spec.restart_budget {
-            let chosen: Vec<(String, u32)> = {
-                let mut ms = g.members.clone();
-                ms.sort_by_key(|m| m.rank);
-                ms.into_iter().map(|m| (m.node, m.slot)).collect()
-            };
-            return Some(build(
+            let detail = format!(
+                "{why}; the world restarts (restart {} of {})",
+                g.failures + 1,
+                spec.restart_budget
+            );
+            return Some(same_members(
                 spec,
                 obs,
                 fleet,
-                (&chosen, &[]),
-                chosen.len(),
-                (
-                    Reason::Failure,
-                    format!(
-                        "{why}; the world restarts (restart {} of {})",
-                        g.failures + 1,
-                        spec.restart_budget
-                    ),
-                ),
-                triggered_at,
-                now,
+                g,
+                detail,
+                (triggered_at, now),
                 0,
             ));
         }
@@ -1002,69 +993,55 @@ fn faults(
             now,
         )));
     }
-    let chosen: Vec<(String, u32)> = {
-        let mut ms = g.members.clone();
-        ms.sort_by_key(|m| m.rank);
-        ms.into_iter().map(|m| (m.node, m.slot)).collect()
-    };
     let triggered_at = reports
         .iter()
         .map(|f| f.at_ms)
         .min()
         .unwrap_or(now)
         .min(now);
-    Some(build(
+    let detail = format!(
+        "generation {} failed ({what}); re-forming the same members (try {retries} of {})",
+        g.number, spec.fault_retries
+    );
+    Some(same_members(
+        spec,
+        obs,
+        fleet,
+        g,
+        detail,
+        (triggered_at, now),
+        retries,
+    ))
+}
+
+/// `g`'s members again at their ranks, under a new generation formed after a failure.
+fn same_members(
+    spec: &JobSpec,
+    obs: &JobObs,
+    fleet: &Fleet,
+    g: &Generation,
+    detail: String,
+    (triggered_at, now): (u64, u64),
+    retries: u32,
+) -> Decision {
+    let chosen = g.slots_in_rank_order();
+    build(
         spec,
         obs,
         fleet,
         (&chosen, &[]),
         chosen.len(),
-        (
-            Reason::Failure,
-            format!(
-                "generation {} failed ({what}); re-forming the same members (try {retries} of {})",
-                g.number, spec.fault_retries
-            ),
-        ),
+        (Reason::Failure, detail),
         triggered_at,
         now,
         retries,
-    ))
+    )
 }
 
 /// A generation of job `j` with these (node, slot) members in rank order, for tests.
 #[cfg(test)]
 pub(crate) fn test_generation(number: u64, members: &[(&str, u32)]) -> Generation {
-    Generation {
-        job: "j".into(),
-        number,
-        members: members
-            .iter()
-            .enumerate()
-            .map(|(r, (n, s))| Member {
-                node: n.to_string(),
-                slot: *s,
-                rank: r as u32,
-                dp_rank: r as u32,
-                ..Default::default()
-            })
-            .collect(),
-        world_size: members.len() as u32,
-        layout: Layout::data_parallel(members.len() as u32),
-        stage_boundaries: Vec::new(),
-        plan_us: 0,
-        handover: false,
-        failures: 0,
-        resume_step: 0,
-        state_source: StateSource::Seed,
-        desired: members.len() as u32,
-        reason: Reason::Start,
-        detail: String::new(),
-        triggered_at_ms: 0,
-        published_at_ms: 0,
-        backend: Backend::Tcp,
-        fault_retries: 0,
-    }
+    Generation::data_parallel("j", number, members)
 }
 
 #[cfg(test)]

@@ -97,26 +97,7 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     fn gen(number: u64) -> Generation {
-        Generation {
-            job: "j".into(),
-            number,
-            members: Vec::new(),
-            world_size: 0,
-            layout: ductile_cluster::records::Layout::data_parallel(1),
-            resume_step: 0,
-            state_source: ductile_cluster::records::StateSource::Seed,
-            desired: 1,
-            reason: ductile_cluster::records::Reason::Start,
-            detail: String::new(),
-            triggered_at_ms: 0,
-            published_at_ms: 0,
-            backend: Default::default(),
-            fault_retries: 0,
-            stage_boundaries: Vec::new(),
-            plan_us: 0,
-            handover: false,
-            failures: 0,
-        }
+        Generation::data_parallel("j", number, &[])
     }
 
     #[test]

@@ -384,13 +384,8 @@ impl Launcher {
             );
         }
         let settings = spec.torchrun_settings();
-        let dir = std::env::temp_dir().join(format!(
-            "ductile-{}-{}-{}-{}",
-            env.job,
-            env.node,
-            env.slot,
-            std::process::id()
-        ));
+        // short: the control socket's path must fit a Unix socket address (108 bytes)
+        let dir = std::env::temp_dir().join(format!("ductile-launch-{}", std::process::id()));
         std::fs::create_dir_all(&dir)
             .map_err(|e| anyhow::anyhow!("cannot make {}: {e}", dir.display()))?;
         {
@@ -876,33 +871,8 @@ mod tests {
 
     fn gen(members: &[(&str, u32)]) -> Generation {
         Generation {
-            job: "j".into(),
-            number: 4,
-            members: members
-                .iter()
-                .enumerate()
-                .map(|(r, (n, s))| Member {
-                    node: n.to_string(),
-                    slot: *s,
-                    rank: r as u32,
-                    ..Default::default()
-                })
-                .collect(),
-            world_size: members.len() as u32,
-            layout: Layout::data_parallel(members.len() as u32),
-            resume_step: 0,
-            state_source: StateSource::Seed,
-            desired: 4,
-            reason: Reason::Failure,
-            detail: String::new(),
-            triggered_at_ms: 0,
-            published_at_ms: 0,
-            backend: Default::default(),
-            fault_retries: 0,
-            stage_boundaries: Vec::new(),
-            plan_us: 0,
-            handover: false,
             failures: 2,
+            ..Generation::data_parallel("j", 4, members)
         }
     }
 

@@ -159,35 +159,49 @@ fn main() {
     }
 }
 
-/// A torchrun job's worker: `ductile_runtime::launch`.
-fn launch() {
-    let env = match ductile_runtime::WorkerEnv::from_env() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("ductile-worker: {e:#}");
-            std::process::exit(2);
-        }
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
+/// The agent's environment for this worker, or exit 2 saying what is missing.
+fn worker_env() -> ductile_runtime::WorkerEnv {
+    ductile_runtime::WorkerEnv::from_env().unwrap_or_else(|e| {
+        eprintln!("ductile-worker: {e:#}");
+        std::process::exit(2);
+    })
+}
+
+/// A worker's async runtime (two threads: the watches and reports; the work is on its own).
+fn worker_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .expect("tokio runtime");
+        .expect("tokio runtime")
+}
+
+/// etcd as the agent's environment names it, or the exit code after saying why not.
+async fn connect(
+    env: &ductile_runtime::WorkerEnv,
+) -> Result<Arc<dyn ductile_cluster::KvBackend>, i32> {
+    ductile_cluster::connect_etcd_with(&env.etcd, Duration::from_secs(30))
+        .await
+        .map_err(|e| {
+            eprintln!(
+                "ductile-worker: cannot reach etcd at {}: {}",
+                env.etcd.endpoints,
+                ductile_cluster::service::error_chain(&e)
+            );
+            1
+        })
+}
+
+/// A torchrun job's worker: `ductile_runtime::launch`.
+fn launch() {
+    let env = worker_env();
+    let rt = worker_runtime();
     let code = rt.block_on(async move {
         let cancel = ductile_cluster::service::shutdown_on_signals();
-        let backend =
-            match ductile_cluster::connect_etcd_with(&env.etcd, Duration::from_secs(30)).await {
-                Ok(b) => b,
-                Err(e) => {
-                    eprintln!(
-                        "ductile-worker: cannot reach etcd at {}: {}",
-                        env.etcd.endpoints,
-                        ductile_cluster::service::error_chain(&e)
-                    );
-                    return 1;
-                }
-            };
-        ductile_runtime::launch::run(env, backend, cancel).await
+        match connect(&env).await {
+            Ok(backend) => ductile_runtime::launch::run(env, backend, cancel).await,
+            Err(code) => code,
+        }
     });
     // the launcher's background tasks (watches) end with the process
     rt.shutdown_timeout(Duration::from_millis(200));
@@ -195,13 +209,7 @@ fn launch() {
 }
 
 fn run() {
-    let env = match ductile_runtime::WorkerEnv::from_env() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("ductile-worker: {e:#}");
-            std::process::exit(2);
-        }
-    };
+    let env = worker_env();
     // a slot whose device is not there fails now, saying what is missing, before any etcd work
     if let Err(e) =
         ductile_worker::device::parse(&env.device).and_then(ductile_worker::device::check)
@@ -212,25 +220,13 @@ fn run() {
         );
         std::process::exit(ductile_runtime::EXIT_UNUSABLE);
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = worker_runtime();
     let code = rt.block_on(async move {
         let cancel = ductile_cluster::service::shutdown_on_signals();
-        let backend =
-            match ductile_cluster::connect_etcd_with(&env.etcd, Duration::from_secs(30)).await {
-                Ok(b) => b,
-                Err(e) => {
-                    eprintln!(
-                        "ductile-worker: cannot reach etcd at {}: {}",
-                        env.etcd.endpoints,
-                        ductile_cluster::service::error_chain(&e)
-                    );
-                    return 1;
-                }
-            };
+        let backend = match connect(&env).await {
+            Ok(b) => b,
+            Err(code) => return code,
+        };
         let store =
             ductile_cluster::Store::new(backend.clone(), ductile_cluster::Keys::new(&env.prefix));
         let spec = match store.spec(&env.job).await {
