@@ -104,10 +104,8 @@ const INHERITED: &[&str] = &[
     "VIRTUAL_ENV",
     "PYTHONPATH",
     "PYTHONHOME",
-    "CUDA_HOME",
-    "CUDA_VISIBLE_DEVICES",
 ];
-const INHERITED_PREFIXES: &[&str] = &["LC_", "NCCL_"];
+const INHERITED_PREFIXES: &[&str] = &["LC_", "NCCL_", "CUDA_"];
 
 /// The program's environment that does not change between generations.
 fn base_env(spec: &JobSpec, dir: &Path, settings: &TorchrunSpec) -> BTreeMap<String, String> {
