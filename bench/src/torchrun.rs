@@ -54,15 +54,7 @@ impl StepLog {
         let mut out = Vec::new();
         while let Some(i) = self.partial.find('\n') {
             let line: String = self.partial.drain(..=i).collect();
-            let f: Vec<&str> = line.split_whitespace().collect();
-            let parsed = (|| {
-                Some((
-                    f.first()?.parse().ok()?,
-                    f.get(1)?.parse().ok()?,
-                    f.get(2)?.parse().ok()?,
-                    f.get(3)?.parse().ok()?,
-                ))
-            })();
+            let parsed = step_log_line(&line);
             if let Some(e) = parsed {
                 out.push(e);
             }
@@ -117,11 +109,6 @@ fn unix_now() -> f64 {
         .as_secs_f64()
 }
 
-fn python() -> anyhow::Result<String> {
-    std::env::var("DUCTILE_TORCH_PYTHON")
-        .map_err(|_| anyhow::anyhow!("DUCTILE_TORCH_PYTHON is not set: run scripts/setup.sh --tests and source ~/.cache/ductile/env.sh"))
-}
-
 fn script_args(dir: &Path, log: &Path) -> Vec<String> {
     [
         "--steps",
@@ -164,7 +151,7 @@ fn summary(name: &str, xs: &[f64], failed: usize) -> String {
 }
 
 pub async fn recovery(rounds: usize, skip_torchrun: bool) -> anyhow::Result<()> {
-    let py = python()?;
+    let py = torch_python_bin();
     let script = repo_root().join("examples/torchrun/ddp_train.py");
     let bound = Duration::from_secs(60);
 
@@ -223,20 +210,9 @@ pub async fn recovery(rounds: usize, skip_torchrun: bool) -> anyhow::Result<()> 
 
     // ductile: one agent with 4 slots, the same script and arguments
     let mut c = Cluster::start(Spec::default());
-    c.start_agent(
-        "node1",
-        4,
-        &[
-            "--allowed-commands",
-            &py,
-            "--allowed-paths",
-            &format!(
-                "{},{}",
-                std::env::temp_dir().display(),
-                repo_root().join("examples").display()
-            ),
-        ],
-    );
+    let flags = torchrun_agent_flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    c.start_agent("node1", 4, &flags);
     let dir = TempDir::new("bench-ductile-torchrun");
     std::fs::create_dir_all(dir.path().join("ckpt"))?;
     let log = dir.path().join("steps.log");

@@ -849,73 +849,8 @@ fn faults(
         return None;
     }
     let reporters: BTreeSet<u32> = reports.iter().map(|f| f.rank).collect();
-    // A torchrun job's program exited by itself (an error, a signal) while its world stood:
-    // its peers' programs fail after it (a closed connection) or hang in a collective. The
-    // first exit is the root cause, as torchrun reports it. While the job's restart budget
-    // lasts, the world restarts at the same size (torchrun's restart; `failures` counts them);
-    // then the root cause's slot is left out (the world shrinks), and the job fails when that
-    // leaves fewer than `min`.
-    if let Some(first) = reports
-        .iter()
-        .filter(|f| f.kind == FaultKind::Exited)
-        .min_by_key(|f| (f.at_ms, f.rank))
-    {
-        // a program killed by a signal names itself: it is the root cause beyond doubt;
-        // otherwise the others' reports may still come with an earlier exit
-        let certain = first.suspects.contains(&first.rank);
-        if !certain && reporters.len() < world as usize && obs.faults_seen_ms < FAULT_GRACE_MS {
-            return Some(Decision::Nothing);
-        }
-        let m = g.members.iter().find(|m| m.rank == first.rank)?;
-        let why = format!(
-            "rank {}'s program failed first: {}",
-            first.rank,
-            first.error.chars().take(400).collect::<String>()
-        );
-        let triggered_at = first.at_ms.min(now);
-        if g.failures < spec.restart_budget {
-            let detail = format!(
-                "{why}; the world restarts (restart {} of {})",
-                g.failures + 1,
-                spec.restart_budget
-            );
-            return Some(same_members(
-                spec,
-                obs,
-                fleet,
-                g,
-                detail,
-                (triggered_at, now),
-                0,
-            ));
-        }
-        if world <= spec.min {
-            return Some(Decision::Status(status(
-                &spec.name,
-                JobState::Failed,
-                Some(g),
-                obs.status.as_ref(),
-                format!(
-                    "{why}; the restart budget ({}) is used up and without it fewer than min = {} workers remain",
-                    spec.restart_budget, spec.min
-                ),
-                now,
-            )));
-        }
-        return Some(Decision::Exclude(vec![(
-            m.node.clone(),
-            m.slot,
-            SlotHealth {
-                failed_at_ms: triggered_at,
-                generation: g.number,
-                exit: format!(
-                    "{why}; the restart budget ({}) is used up: left out",
-                    spec.restart_budget
-                ),
-                will_restart: false,
-                excluded: true,
-            },
-        )]));
+    if let Some(d) = program_exit(spec, g, obs, fleet, &reports, now) {
+        return Some(d);
     }
     let mut named: BTreeMap<u32, Vec<&FaultReport>> = BTreeMap::new();
     for f in &reports {
@@ -981,17 +916,16 @@ fn faults(
         None => format!("no step for {} s", obs.stalled_ms.unwrap_or(0) / 1000),
     };
     if retries > spec.fault_retries {
-        return Some(Decision::Status(status(
-            &spec.name,
-            JobState::Failed,
-            Some(g),
-            obs.status.as_ref(),
+        return Some(failed(
+            spec,
+            g,
+            obs,
             format!(
                 "generation {} failed ({what}) after {} re-formation(s) in a row without a step: giving up",
                 g.number, g.fault_retries
             ),
             now,
-        )));
+        ));
     }
     let triggered_at = reports
         .iter()
@@ -1011,6 +945,94 @@ fn faults(
         detail,
         (triggered_at, now),
         retries,
+    ))
+}
+
+/// A torchrun job's program exited by itself (an error, a signal) while its world stood:
+/// its peers' programs fail after it (a closed connection) or hang in a collective. The
+/// first exit is the root cause, as torchrun reports it. While the job's restart budget
+/// lasts, the world restarts at the same size (torchrun's restart; `failures` counts them);
+/// then the root cause's slot is left out (the world shrinks), and the job fails when that
+/// leaves fewer than `min`.
+fn program_exit(
+    spec: &JobSpec,
+    g: &Generation,
+    obs: &JobObs,
+    fleet: &Fleet,
+    reports: &[&FaultReport],
+    now: u64,
+) -> Option<Decision> {
+    let first = reports
+        .iter()
+        .filter(|f| f.kind == FaultKind::Exited)
+        .min_by_key(|f| (f.at_ms, f.rank))?;
+    // a program killed by a signal names itself: it is the root cause beyond doubt;
+    // otherwise the others' reports may still come with an earlier exit
+    let certain = first.suspects.contains(&first.rank);
+    let reporters: BTreeSet<u32> = reports.iter().map(|f| f.rank).collect();
+    if !certain && reporters.len() < g.world_size as usize && obs.faults_seen_ms < FAULT_GRACE_MS {
+        return Some(Decision::Nothing);
+    }
+    let m = g.members.iter().find(|m| m.rank == first.rank)?;
+    let why = format!(
+        "rank {}'s program failed first: {}",
+        first.rank,
+        first.error.chars().take(400).collect::<String>()
+    );
+    let triggered_at = first.at_ms.min(now);
+    if g.failures < spec.restart_budget {
+        let detail = format!(
+            "{why}; the world restarts (restart {} of {})",
+            g.failures + 1,
+            spec.restart_budget
+        );
+        return Some(same_members(
+            spec,
+            obs,
+            fleet,
+            g,
+            detail,
+            (triggered_at, now),
+            0,
+        ));
+    }
+    if g.world_size <= spec.min {
+        return Some(failed(
+            spec,
+            g,
+            obs,
+            format!(
+                "{why}; the restart budget ({}) is used up and without it fewer than min = {} workers remain",
+                spec.restart_budget, spec.min
+            ),
+            now,
+        ));
+    }
+    Some(Decision::Exclude(vec![(
+        m.node.clone(),
+        m.slot,
+        SlotHealth {
+            failed_at_ms: triggered_at,
+            generation: g.number,
+            exit: format!(
+                "{why}; the restart budget ({}) is used up: left out",
+                spec.restart_budget
+            ),
+            will_restart: false,
+            excluded: true,
+        },
+    )]))
+}
+
+/// The job fails with `message` (its current generation `g`).
+fn failed(spec: &JobSpec, g: &Generation, obs: &JobObs, message: String, now: u64) -> Decision {
+    Decision::Status(status(
+        &spec.name,
+        JobState::Failed,
+        Some(g),
+        obs.status.as_ref(),
+        message,
+        now,
     ))
 }
 

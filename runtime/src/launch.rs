@@ -332,7 +332,6 @@ struct Launcher {
     env: WorkerEnv,
     spec: JobSpec,
     settings: TorchrunSpec,
-    store: Store,
     cell: Arc<GenCell>,
     reporter: Reporter,
     dir: PathBuf,
@@ -421,7 +420,6 @@ impl Launcher {
             env,
             spec,
             settings,
-            store,
             cell,
             reporter,
             dir,
@@ -517,7 +515,7 @@ impl Launcher {
     /// Where generation `g`'s c10d store listens: rank 0 picks a free port on its host and
     /// publishes it; the others wait for it (None: a newer generation came, or it never did).
     async fn master(&self, g: &Generation, rank: u32) -> anyhow::Result<Option<(String, u16)>> {
-        let key = self.store.keys.master(&self.env.job, g.number);
+        let key = self.reporter.store.keys.master(&self.env.job, g.number);
         if rank == 0 {
             let port = std::net::TcpListener::bind(("0.0.0.0", 0))
                 .and_then(|l| l.local_addr())
@@ -526,7 +524,7 @@ impl Launcher {
             let v = serde_json::json!({ "addr": self.host, "port": port });
             let mut delay = Duration::from_millis(50);
             for i in 0.. {
-                match self.store.put_json(&key, &v, None).await {
+                match self.reporter.store.put_json(&key, &v, None).await {
                     Ok(_) => break,
                     Err(e) if i >= 20 => {
                         anyhow::bail!("cannot publish the c10d store's address: {e}")
@@ -544,7 +542,7 @@ impl Launcher {
             if self.cell.newest() > g.number || self.cancel.is_cancelled() {
                 return Ok(None);
             }
-            match self.store.backend.get(&key).await {
+            match self.reporter.store.backend.get(&key).await {
                 Ok(Some(kv)) => {
                     let v: serde_json::Value = serde_json::from_slice(&kv.value)
                         .map_err(|e| anyhow::anyhow!("rank 0's c10d address is unreadable: {e}"))?;
@@ -638,20 +636,7 @@ impl Launcher {
                 joined_at_ms: now_ms(),
                 ..Default::default()
             };
-            let (store, key) = (
-                self.store.clone(),
-                self.store
-                    .keys
-                    .joined_rank(&self.env.job, g.number, me.rank),
-            );
-            tokio::spawn(async move {
-                for i in 0..20u64 {
-                    if store.put_json(&key, &join, None).await.is_ok() {
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100 * (i + 1).min(10))).await;
-                }
-            });
+            self.reporter.joined(g.number, me.rank, join, None);
             let outcome = self.supervise(&g, me.rank, &mut program, &error_file).await;
             match outcome {
                 Outcome::Done => {

@@ -102,8 +102,9 @@ impl Reporter {
 
     /// This rank joined generation `gnum`: its join record (retried, bounded, while the
     /// generation is current: the leader records the re-formation once every rank joined),
-    /// then the weights it joined with (`step:sha256`, the tests' and benches' view).
-    pub fn joined(&self, gnum: u64, rank: u32, join: JoinRecord, weights: String) {
+    /// then the weights it joined with (`step:sha256`, the tests' and benches' view), if it
+    /// holds any (a torchrun job's launcher does not).
+    pub fn joined(&self, gnum: u64, rank: u32, join: JoinRecord, weights: Option<String>) {
         let (store, job, cell) = (self.store.clone(), self.job.clone(), self.cell.clone());
         self.rt.spawn(async move {
             let key = store.keys.joined_rank(&job, gnum, rank);
@@ -117,14 +118,12 @@ impl Reporter {
                     Err(_) => tokio::time::sleep(Duration::from_millis(250 * (i + 1).min(8) as u64)).await,
                 }
             }
-            let _ = store
-                .backend
-                .put(
-                    &store.keys.weights_of(&job, gnum, rank),
-                    weights.into_bytes(),
-                    None,
-                )
-                .await;
+            if let Some(w) = weights {
+                let _ = store
+                    .backend
+                    .put(&store.keys.weights_of(&job, gnum, rank), w.into_bytes(), None)
+                    .await;
+            }
         });
     }
 

@@ -1671,11 +1671,42 @@ pub fn hf_fixtures() -> PathBuf {
     ))
 }
 
+/// The set-up's torch venv interpreter (`DUCTILE_TORCH_PYTHON`).
+pub fn torch_python_bin() -> String {
+    std::env::var("DUCTILE_TORCH_PYTHON")
+        .expect("DUCTILE_TORCH_PYTHON is not set: run scripts/setup.sh --tests and source ~/.cache/ductile/env.sh")
+}
+
+/// Agent flags for torchrun jobs running `examples/torchrun/ddp_train.py`: the torch venv's
+/// interpreter the one allowed command; the temporary directories and the examples the
+/// allowed paths.
+pub fn torchrun_agent_flags() -> Vec<String> {
+    vec![
+        "--allowed-commands".into(),
+        torch_python_bin(),
+        "--allowed-paths".into(),
+        format!(
+            "{},{}",
+            std::env::temp_dir().display(),
+            repo_root().join("examples").display()
+        ),
+    ]
+}
+
+/// One line of `ddp_train.py --step-log`: (unix time, pid, world size, step).
+pub fn step_log_line(line: &str) -> Option<(f64, u32, u32, u64)> {
+    let mut f = line.split_whitespace();
+    Some((
+        f.next()?.parse().ok()?,
+        f.next()?.parse().ok()?,
+        f.next()?.parse().ok()?,
+        f.next()?.parse().ok()?,
+    ))
+}
+
 /// Run a Python script with the set-up's torch venv (`DUCTILE_TORCH_PYTHON`); its stdout.
 pub fn torch_python<A: AsRef<std::ffi::OsStr>>(script: &str, args: &[A]) -> String {
-    let py =
-        std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh)");
-    let o = Command::new(py)
+    let o = Command::new(torch_python_bin())
         .arg("-c")
         .arg(script)
         .args(args)

@@ -13,31 +13,12 @@ use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
-fn python() -> String {
-    std::env::var("DUCTILE_TORCH_PYTHON").expect("DUCTILE_TORCH_PYTHON (scripts/setup.sh --tests)")
-}
-
 fn script() -> PathBuf {
     repo_root().join("examples/torchrun/ddp_train.py")
 }
 
-/// Agent flags: the torch venv's interpreter is the one allowed command, the script's
-/// directory and the temporary directories the allowed paths.
-fn policy() -> Vec<String> {
-    vec![
-        "--allowed-commands".into(),
-        python(),
-        "--allowed-paths".into(),
-        format!(
-            "{},{}",
-            std::env::temp_dir().display(),
-            repo_root().join("examples").display()
-        ),
-    ]
-}
-
 fn start_agent(c: &mut Cluster, name: &str, slots: u32) {
-    let p = policy();
+    let p = torchrun_agent_flags();
     let extra: Vec<&str> = p.iter().map(String::as_str).collect();
     c.start_agent(name, slots, &extra);
 }
@@ -49,7 +30,7 @@ fn job_toml(
     extra: &str,
     args: &[String],
 ) -> String {
-    let mut command = vec![python(), script().display().to_string()];
+    let mut command = vec![torch_python_bin(), script().display().to_string()];
     command.extend(args.iter().cloned());
     let command: Vec<String> = command.iter().map(|a| format!("{a:?}")).collect();
     format!(
@@ -63,15 +44,7 @@ fn step_log(path: &Path) -> Vec<(f64, u32, u32, u64)> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            Some((
-                f.first()?.parse().ok()?,
-                f.get(1)?.parse().ok()?,
-                f.get(2)?.parse().ok()?,
-                f.get(3)?.parse().ok()?,
-            ))
-        })
+        .filter_map(step_log_line)
         .collect()
 }
 
@@ -284,11 +257,11 @@ fn training_torchrun_same_weights_as_torchrun_and_the_error_file_shown() {
         .replace(&script().display().to_string(), "/opt/elsewhere/train.py");
     let inline = format!(
         "name = \"inline\"\nruntime = \"torchrun\"\ncommand = [{:?}, \"-c\", \"print(1)\"]\nmin = 1\nmax = 1\ndesired = 1\n",
-        python()
+        torch_python_bin()
     );
     let relative = format!(
         "name = \"relative\"\nruntime = \"torchrun\"\ncommand = [{:?}, \"train.py\"]\nmin = 1\nmax = 1\ndesired = 1\n",
-        python()
+        torch_python_bin()
     );
     assert_refused(
         &c,
@@ -314,7 +287,7 @@ fn training_torchrun_same_weights_as_torchrun_and_the_error_file_shown() {
     };
     // under torchrun itself
     let ref_sha = dir.path().join("torchrun.sha");
-    let out = std::process::Command::new(python())
+    let out = std::process::Command::new(torch_python_bin())
         .args([
             "-m",
             "torch.distributed.run",

@@ -430,7 +430,7 @@ impl Trainer {
         } else {
             format!("{}:{}", self.step, hash)
         };
-        self.reports.joined(g.number, rank, join, weights);
+        self.reports.joined(g.number, rank, join, Some(weights));
     }
 
     /// Forward and backward of the mean loss over the samples at `positions` (in
