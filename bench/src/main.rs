@@ -99,6 +99,17 @@ enum Cmd {
         #[arg(long)]
         skip_torchrun: bool,
     },
+    /// TorchFT replica groups (examples/torchft/train_ddp.py, torchft 0.2.0, gloo) against
+    /// TorchFT's own torchft_lighthouse and against ductiled's lighthouse, side by side: a group
+    /// SIGKILLed and relaunched, time to the survivors' next commit and to the relaunched
+    /// group's first (healed) commit; then the lighthouse (ductile: its leader) SIGKILLed.
+    TorchftRecovery {
+        #[arg(long, default_value_t = 6)]
+        rounds: usize,
+        /// The script's collective and manager timeout (`--timeout-s`), for both lighthouses.
+        #[arg(long, default_value_t = 5.0)]
+        timeout_s: f64,
+    },
     /// Recovery time of elastic training: worker kills and node losses, 4 CPU workers.
     Recovery {
         #[arg(long, default_value_t = 10)]
@@ -329,6 +340,21 @@ enum Cmd {
     },
 }
 
+/// `NAME: median X s (min, max) over N round(s), F without recovery` (or that none recovered).
+fn recovery_summary(name: &str, xs: &[f64], failed: usize) -> String {
+    let mut v = xs.to_vec();
+    if v.is_empty() {
+        return format!("{name}: no recovery in {failed} round(s)");
+    }
+    let max = v.iter().cloned().fold(0.0, f64::max);
+    let min = v.iter().cloned().fold(f64::MAX, f64::min);
+    format!(
+        "{name}: median {:.2} s (min {min:.2}, max {max:.2}) over {} round(s), {failed} without recovery",
+        median(&mut v),
+        xs.len()
+    )
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if v.is_empty() {
@@ -346,6 +372,7 @@ mod gpu;
 mod hf;
 mod pipeline;
 mod tensor;
+mod torchft;
 mod torchrun;
 mod training;
 
@@ -393,6 +420,7 @@ async fn main() -> anyhow::Result<()> {
             rounds,
             skip_torchrun,
         } => torchrun::recovery(rounds, skip_torchrun).await,
+        Cmd::TorchftRecovery { rounds, timeout_s } => torchft::recovery(rounds, timeout_s).await,
         Cmd::Tokenize { model, mib, runs } => data::tokenize(&smollm2_or(model)?, mib, runs),
         Cmd::DataStep {
             tokens,

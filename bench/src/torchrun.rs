@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use ductile_tests::*;
 
-use crate::median;
+use crate::{median, recovery_summary as summary};
 
 /// Training between two kills (a failure every few seconds is not what either system is for:
 /// ductile's launchers start their next standby interpreter once the program reports).
@@ -134,20 +134,6 @@ fn children(pid: u32) -> Vec<u32> {
         .split_whitespace()
         .filter_map(|p| p.parse().ok())
         .collect()
-}
-
-fn summary(name: &str, xs: &[f64], failed: usize) -> String {
-    let mut v = xs.to_vec();
-    if v.is_empty() {
-        return format!("{name}: no recovery in {failed} round(s)");
-    }
-    let max = v.iter().cloned().fold(0.0, f64::max);
-    let min = v.iter().cloned().fold(f64::MAX, f64::min);
-    format!(
-        "{name}: median {:.2} s (min {min:.2}, max {max:.2}) over {} round(s), {failed} without recovery",
-        median(&mut v),
-        xs.len()
-    )
 }
 
 pub async fn recovery(rounds: usize, skip_torchrun: bool) -> anyhow::Result<()> {

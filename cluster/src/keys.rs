@@ -302,6 +302,31 @@ impl Keys {
         format!("{}/election", self.prefix)
     }
 
+    /// TorchFT's lighthouse (ductiled `--torchft-listen`): every room under this prefix.
+    pub fn torchft_rooms(&self) -> String {
+        format!("{}/torchft/", self.prefix)
+    }
+    /// A room's replica's last heartbeat. Replica ids come from clients: hex-encoded.
+    pub fn torchft_heartbeat(&self, room: &str, replica_id: &str) -> String {
+        format!("{}{room}/hb/{}", self.torchft_rooms(), hex(replica_id))
+    }
+    /// A replica waiting in a `Quorum` call.
+    pub fn torchft_join(&self, room: &str, replica_id: &str) -> String {
+        format!("{}{room}/join/{}", self.torchft_rooms(), hex(replica_id))
+    }
+    /// The last quorum a room was issued.
+    pub fn torchft_quorum(&self, room: &str) -> String {
+        format!("{}{room}/quorum", self.torchft_rooms())
+    }
+    /// The first quorum issued under `quorum_id` (created where absent only).
+    pub fn torchft_issued(&self, room: &str, quorum_id: i64) -> String {
+        format!("{}{quorum_id:020}", self.torchft_issued_all(room))
+    }
+    /// Every quorum id a room was issued.
+    pub fn torchft_issued_all(&self, room: &str) -> String {
+        format!("{}{room}/quorums/", self.torchft_rooms())
+    }
+
     /// Parse a key under this prefix back into what it names.
     pub fn parse(&self, key: &str) -> KeyKind {
         let Some(rest) = key
@@ -383,6 +408,19 @@ impl Keys {
             _ => KeyKind::Other,
         }
     }
+}
+
+/// A client's string as a key segment: its bytes in lowercase hex.
+pub fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+/// [`hex`] undone (a malformed segment decodes to what its whole pairs hold).
+pub fn unhex(s: &str) -> String {
+    let bytes: Vec<u8> = (0..s.len() / 2)
+        .filter_map(|i| u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// Names of nodes and jobs become key segments: keep them to a safe alphabet.

@@ -109,6 +109,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}/drain", post(drain).delete(undrain))
         .route("/v1/leader", get(leader))
+        .route("/v1/torchft", get(torchft))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/", get(dashboard))
@@ -779,6 +780,11 @@ async fn leader(State(st): State<AppState>) -> ApiResult<Json<serde_json::Value>
     Ok(Json(
         serde_json::json!({ "leader": leader, "this_replica": st.id, "this_replica_leads": st.is_leader.load(Ordering::SeqCst) }),
     ))
+}
+
+/// TorchFT's lighthouse: each room's last quorum and the recent ones (`dctl torchft`).
+async fn torchft(State(st): State<AppState>) -> ApiResult<Json<serde_json::Value>> {
+    Ok(Json(crate::lighthouse::report(&st.store, 20).await?))
 }
 
 /// The status view of one job, read from etcd (two requests: its control and live keys): what

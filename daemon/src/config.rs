@@ -67,6 +67,29 @@ pub struct Cli {
     /// How long to wait for etcd at start-up, in seconds.
     #[arg(long, env = "DUCTILE_ETCD_WAIT")]
     pub etcd_wait: Option<u64>,
+    /// Serve TorchFT's lighthouse (gRPC `torchft.LighthouseService`) on this address: every
+    /// replica serves it, the leader decides the quorums.
+    #[arg(long, env = "DUCTILE_TORCHFT_LISTEN")]
+    pub torchft_listen: Option<String>,
+    /// The lighthouse's `min_replicas` (as `torchft_lighthouse --min_replicas`).
+    #[arg(long, env = "DUCTILE_TORCHFT_MIN_REPLICAS")]
+    pub torchft_min_replicas: Option<u64>,
+    /// How long a quorum waits for heartbeating stragglers, in ms (`--join_timeout_ms`).
+    #[arg(long, env = "DUCTILE_TORCHFT_JOIN_TIMEOUT_MS")]
+    pub torchft_join_timeout_ms: Option<u64>,
+    /// How often the leader looks for a quorum while waiting, in ms (`--quorum_tick_ms`).
+    #[arg(long, env = "DUCTILE_TORCHFT_QUORUM_TICK_MS")]
+    pub torchft_quorum_tick_ms: Option<u64>,
+    /// How long without a heartbeat a replica counts as dead, in ms (`--heartbeat_timeout_ms`).
+    #[arg(long, env = "DUCTILE_TORCHFT_HEARTBEAT_TIMEOUT_MS")]
+    pub torchft_heartbeat_timeout_ms: Option<u64>,
+}
+
+/// The TorchFT lighthouse's address and options.
+#[derive(Clone, Debug)]
+pub struct TorchftConfig {
+    pub listen: String,
+    pub opt: crate::lighthouse::LighthouseOpt,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -86,6 +109,11 @@ pub struct FileConfig {
     pub id: Option<String>,
     pub log_format: Option<LogFormat>,
     pub etcd_wait: Option<u64>,
+    pub torchft_listen: Option<String>,
+    pub torchft_min_replicas: Option<u64>,
+    pub torchft_join_timeout_ms: Option<u64>,
+    pub torchft_quorum_tick_ms: Option<u64>,
+    pub torchft_heartbeat_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -108,6 +136,8 @@ pub struct Config {
     pub id: String,
     pub log_format: LogFormat,
     pub etcd_wait: Duration,
+    /// TorchFT's lighthouse, when `torchft_listen` is given.
+    pub torchft: Option<TorchftConfig>,
 }
 
 /// A token from its file (trimmed) when one is named, else from the environment variable `env`.
@@ -205,6 +235,30 @@ impl Config {
                 .or(file.log_format)
                 .unwrap_or(LogFormat::Plain),
             etcd_wait: Duration::from_secs(cli.etcd_wait.or(file.etcd_wait).unwrap_or(30)),
+            torchft: cli.torchft_listen.or(file.torchft_listen).map(|listen| {
+                let d = crate::lighthouse::LighthouseOpt::default();
+                TorchftConfig {
+                    listen,
+                    opt: crate::lighthouse::LighthouseOpt {
+                        min_replicas: cli
+                            .torchft_min_replicas
+                            .or(file.torchft_min_replicas)
+                            .unwrap_or(d.min_replicas),
+                        join_timeout_ms: cli
+                            .torchft_join_timeout_ms
+                            .or(file.torchft_join_timeout_ms)
+                            .unwrap_or(d.join_timeout_ms),
+                        quorum_tick_ms: cli
+                            .torchft_quorum_tick_ms
+                            .or(file.torchft_quorum_tick_ms)
+                            .unwrap_or(d.quorum_tick_ms),
+                        heartbeat_timeout_ms: cli
+                            .torchft_heartbeat_timeout_ms
+                            .or(file.torchft_heartbeat_timeout_ms)
+                            .unwrap_or(d.heartbeat_timeout_ms),
+                    },
+                }
+            }),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -236,6 +290,16 @@ impl Config {
         self.listen
             .parse::<std::net::SocketAddr>()
             .map_err(|e| anyhow::anyhow!("invalid listen address {:?}: {e}", self.listen))?;
+        if let Some(tf) = &self.torchft {
+            tf.listen.parse::<std::net::SocketAddr>().map_err(|e| {
+                anyhow::anyhow!("invalid torchft_listen address {:?}: {e}", tf.listen)
+            })?;
+            if tf.opt.quorum_tick_ms == 0 || tf.opt.heartbeat_timeout_ms == 0 {
+                anyhow::bail!(
+                    "invalid torchft_quorum_tick_ms/torchft_heartbeat_timeout_ms: must be above 0"
+                );
+            }
+        }
         Ok(())
     }
 }

@@ -44,6 +44,7 @@ pub async fn run_replica(
     cfg: LeaderConfig,
     view: ClusterView,
     is_leader: Arc<AtomicBool>,
+    leader_key_tx: watch::Sender<Option<LeaderKey>>,
     cancel: CancellationToken,
 ) {
     let mut backoff = Duration::from_millis(200);
@@ -104,6 +105,7 @@ pub async fn run_replica(
         )]);
         cfg.beat.store(now_ms(), Ordering::SeqCst);
         is_leader.store(true, Ordering::SeqCst);
+        leader_key_tx.send_replace(Some(leader_key.clone()));
         let lead_cancel = lease_cancel.child_token();
         tokio::select! {
             r = lead(store.clone(), leader_key.clone(), cfg.clone(), view.clone(), lead_cancel.clone()) => {
@@ -120,6 +122,7 @@ pub async fn run_replica(
             }
         }
         is_leader.store(false, Ordering::SeqCst);
+        leader_key_tx.send_replace(None);
         ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Status(
             "standby",
         )]);

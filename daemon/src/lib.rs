@@ -6,6 +6,7 @@ pub mod api;
 pub mod assign;
 pub mod config;
 pub mod leader;
+pub mod lighthouse;
 pub mod observe;
 pub mod reconcile;
 pub mod series;
@@ -68,11 +69,32 @@ pub async fn run(
         beat: beat.clone(),
         job_users: cfg.etcd.has_user(),
     };
+    let (leader_key_tx, leader_key_rx) = tokio::sync::watch::channel(None);
+    let lighthouse = match &cfg.torchft {
+        Some(tf) => {
+            let listener = tokio::net::TcpListener::bind(&tf.listen)
+                .await
+                .map_err(|e| {
+                    anyhow::anyhow!("cannot listen on {} (--torchft-listen): {e}", tf.listen)
+                })?;
+            tracing::info!(listen = %listener.local_addr()?, "TorchFT lighthouse listening");
+            Some(tokio::spawn(lighthouse::serve(
+                store.clone(),
+                tf.opt.clone(),
+                listener,
+                leader_key_rx,
+                cfg.id.clone(),
+                cancel.clone(),
+            )))
+        }
+        None => None,
+    };
     let replica = tokio::spawn(leader::run_replica(
         store,
         lcfg,
         view,
         is_leader.clone(),
+        leader_key_tx,
         cancel.clone(),
     ));
     ductile_cluster::service::sd_notify(&[
@@ -107,6 +129,9 @@ pub async fn run(
     cancel.cancelled().await;
     ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Stopping]);
     let _ = replica.await;
+    if let Some(l) = lighthouse {
+        l.await??;
+    }
     server.await??;
     Ok(())
 }

@@ -1,7 +1,8 @@
-//! dctl: submit, scale, status, nodes, drain, stop, events, watch, checkpoints, plan, plot.
+//! dctl: submit, scale, status, nodes, drain, stop, events, watch, checkpoints, plan, plot, torchft (and torchft-relay).
 
 mod export;
 mod plot;
+mod relay;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -99,6 +100,21 @@ enum Cmd {
     },
     /// List a job's checkpoints: step, time, size, world size and layout, state.
     Checkpoints { job: String },
+    /// TorchFT's lighthouse (ductiled --torchft-listen): the last quorum (id, members, their
+    /// step, who issued it), who waits and heartbeats, and the recent quorum ids.
+    Torchft,
+    /// One local address for TorchFT's TORCHFT_LIGHTHOUSE in front of every ductiled replica
+    /// serving the lighthouse: each connection goes to the first replica that accepts, so a
+    /// replica's death costs the calls in flight only (`Manager(quorum_retries=N)` retries
+    /// them). Needs no token.
+    TorchftRelay {
+        /// Where TorchFT connects (TORCHFT_LIGHTHOUSE=http://THIS).
+        #[arg(long, default_value = "127.0.0.1:29510")]
+        listen: String,
+        /// The replicas' --torchft-listen addresses, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        to: Vec<String>,
+    },
     /// Write a committed checkpoint of a `model = "hf"` job as a Hugging Face directory
     /// (safetensors, config.json, the tokenizer's files) that transformers loads as it is.
     Export {
@@ -369,6 +385,9 @@ fn print_generation(g: &Generation) {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Cmd::TorchftRelay { listen, to } = &cli.cmd {
+        return relay::run(listen, to.clone()).await;
+    }
     let file: FileConfig = match std::env::var_os("HOME")
         .map(|h| PathBuf::from(h).join(".config/ductile/dctl.toml"))
     {
@@ -681,6 +700,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
+        Cmd::TorchftRelay { listen, to } => relay::run(&listen, to).await?,
+        Cmd::Torchft => {
+            let v = c.call(Method::GET, "/v1/torchft", None).await?;
+            if json {
+                out(&v);
+            } else {
+                print_torchft(&v);
+            }
+        }
         Cmd::Checkpoints { job } => {
             let v = c
                 .call(Method::GET, &format!("/v1/jobs/{job}/checkpoints"), None)
@@ -879,5 +907,55 @@ mod checkpoint_tests {
         assert_eq!(super::utc(1_795_000_000_000), "2026-11-18 11:06:40");
         assert_eq!(super::human_bytes(512), "512 B");
         assert_eq!(super::human_bytes(3 << 20), "3.0 MiB");
+    }
+}
+
+/// `dctl torchft`'s table.
+fn print_torchft(v: &serde_json::Value) {
+    let rooms = v["rooms"].as_array().cloned().unwrap_or_default();
+    if rooms.is_empty() {
+        println!("no TorchFT lighthouse room yet (no replica has called ductiled's lighthouse)");
+    }
+    for r in rooms {
+        let room = r["room"].as_str().unwrap_or("?");
+        match r["quorum"].as_object() {
+            Some(q) => {
+                println!(
+                    "room {room}: quorum {} issued by {} ({})",
+                    q["quorum_id"],
+                    q["issued_by"].as_str().unwrap_or("?"),
+                    q["reason"].as_str().unwrap_or("")
+                );
+                println!("  {:<48} {:>8} {:>6}  ADDRESS", "REPLICA", "STEP", "WORLD");
+                for m in q["participants"].as_array().cloned().unwrap_or_default() {
+                    println!(
+                        "  {:<48} {:>8} {:>6}  {}",
+                        m["replica_id"].as_str().unwrap_or("?"),
+                        m["step"],
+                        m["world_size"],
+                        m["address"].as_str().unwrap_or("")
+                    );
+                }
+            }
+            None => println!("room {room}: no quorum yet"),
+        }
+        let waiting = r["waiting"].as_array().map_or(0, |w| w.len());
+        let beating = r["heartbeats_ms_ago"].as_object().map_or(0, |h| h.len());
+        println!("  waiting for a quorum: {waiting}; heartbeating: {beating}");
+        for q in r["issued"].as_array().cloned().unwrap_or_default() {
+            let members: Vec<String> = q["members"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|m| m.as_str().map(String::from))
+                .collect();
+            println!(
+                "  quorum {:>4} by {}: {}",
+                q["quorum_id"],
+                q["issued_by"].as_str().unwrap_or("?"),
+                members.join(", ")
+            );
+        }
     }
 }

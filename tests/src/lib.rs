@@ -964,6 +964,9 @@ pub struct Spec {
     pub api_tls: bool,
     /// The agents have a mesh TLS certificate (jobs with `mesh_tls` can run).
     pub mesh_tls: bool,
+    /// The daemons serve TorchFT's lighthouse (`--torchft-listen` on a free port each), with
+    /// these extra flags (`--torchft-min-replicas 2`, ...).
+    pub torchft: Option<Vec<String>>,
 }
 
 impl Default for Spec {
@@ -981,6 +984,7 @@ impl Default for Spec {
             secure_etcd: false,
             api_tls: false,
             mesh_tls: false,
+            torchft: None,
         }
     }
 }
@@ -997,6 +1001,8 @@ pub struct Cluster {
     pub spec: Spec,
     pub daemons: Vec<Proc>,
     pub daemon_ports: Vec<u16>,
+    /// Each daemon's TorchFT lighthouse port (`Spec::torchft`).
+    pub torchft_ports: Vec<u16>,
     pub agents: BTreeMap<String, Proc>,
     pub s3: Option<S3>,
     pub s3_proxy: Option<Proxy>,
@@ -1034,6 +1040,7 @@ impl Cluster {
             spec: spec.clone(),
             daemons: vec![],
             daemon_ports: vec![],
+            torchft_ports: vec![],
             agents: BTreeMap::new(),
             s3,
             s3_proxy,
@@ -1068,6 +1075,12 @@ impl Cluster {
             "--id".into(),
             format!("daemon{i}"),
         ]);
+        if let Some(flags) = &self.spec.torchft {
+            let tf = free_port();
+            args.extend(["--torchft-listen".into(), format!("127.0.0.1:{tf}")]);
+            args.extend(flags.iter().cloned());
+            self.torchft_ports.push(tf);
+        }
         match (&self.pki, self.spec.api_tls) {
             (Some(pki), true) => args.extend([
                 "--tls-cert".into(),
@@ -1753,4 +1766,74 @@ pub fn tokenize(model: &Path, jsonl: &Path, out: &str) -> u64 {
         .and_then(|s| s.rsplit(' ').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("tokenize said {said}"))
+}
+
+/// One committed step of `examples/torchft/train_ddp.py --log`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TorchftCommit {
+    pub time: f64,
+    pub group: u32,
+    pub pid: u32,
+    pub step: u64,
+    pub quorum: i64,
+    pub participants: u32,
+    pub healed: bool,
+}
+
+/// Every commit a replica group's log holds, in order.
+pub fn torchft_commits(log: &Path) -> Vec<TorchftCommit> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let time = f.next()?.parse().ok()?;
+            let kv: BTreeMap<&str, &str> = f.filter_map(|x| x.split_once('=')).collect();
+            Some(TorchftCommit {
+                time,
+                group: kv.get("group")?.parse().ok()?,
+                pid: kv.get("pid")?.parse().ok()?,
+                step: kv.get("step")?.parse().ok()?,
+                quorum: kv.get("quorum")?.parse().ok()?,
+                participants: kv.get("participants")?.parse().ok()?,
+                healed: *kv.get("healed")? == "1",
+            })
+        })
+        .collect()
+}
+
+/// A TorchFT replica group of one process running `examples/torchft/train_ddp.py` against the
+/// lighthouse at `lighthouse` (`http://HOST:PORT`): its commits go to `{dir}/{tag}.log`, its
+/// final weights' SHA-256 to `{dir}/g{group}.sha`.
+pub fn torchft_group(
+    dir: &Path,
+    tag: &str,
+    group: u32,
+    lighthouse: &str,
+    steps: u64,
+    extra: &[&str],
+) -> Proc {
+    let mut args = vec![
+        repo_root()
+            .join("examples/torchft/train_ddp.py")
+            .display()
+            .to_string(),
+        "--steps".into(),
+        steps.to_string(),
+        "--log".into(),
+        dir.join(format!("{tag}.log")).display().to_string(),
+        "--sha-out".into(),
+        dir.join(format!("g{group}.sha")).display().to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::start(
+        tag,
+        Path::new(&torch_python_bin()),
+        &args,
+        &[
+            ("TORCHFT_LIGHTHOUSE".into(), lighthouse.into()),
+            ("REPLICA_GROUP_ID".into(), group.to_string()),
+            ("OMP_NUM_THREADS".into(), "1".into()),
+        ],
+        dir.join(format!("{tag}.out")),
+    )
 }

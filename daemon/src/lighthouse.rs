@@ -1,0 +1,1215 @@
+//! TorchFT's lighthouse, served by every ductiled replica (`--torchft-listen HOST:PORT`).
+//!
+//! TorchFT's training loops ask a lighthouse for a quorum every step (`Quorum`) and heartbeat
+//! to it (`Heartbeat`); its own `torchft_lighthouse` is one process holding that state in
+//! memory, a single point of failure. Here the state lives in etcd, under
+//! `{prefix}/torchft/{room}/`:
+//! - `hb/{id}`: a replica's last heartbeat (wall-clock ms of the replica that received it;
+//!   written at most every `heartbeat_timeout_ms / 5` per replica, so a flood of heartbeats
+//!   costs memory lookups, not etcd writes);
+//! - `join/{id}`: a replica waiting in a `Quorum` call (its `QuorumMember` and when it joined);
+//! - `quorum`: the last quorum issued; `quorums/{quorum_id}`: the first quorum issued under each
+//!   id (created only where absent: one id, one member set, ever).
+//!
+//! Any replica takes a call: it writes the heartbeat or the join and, for `Quorum`, waits (on
+//! its watch of the prefix) for a quorum issued after its join that holds the requester, as
+//! TorchFT's lighthouse answers. Only the leader decides, by TorchFT's rules
+//! ([`quorum_compute`]), and writes the quorum in one transaction fenced on its leader key and
+//! on the revisions it read: a replica that lost leadership mid-decision writes nothing, and
+//! two leaders can never issue two different quorums under one id. A replica's death costs
+//! its own connections only; a leader's death stops decisions until the next election.
+//!
+//! Ids from clients become key segments hex-encoded, and are bounded in length; so are a
+//! room's replicas and the calls waiting at once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ductile_cluster::keys::unhex;
+use ductile_cluster::kv::{Compare, KeyValue, LeaderKey, Op, Txn};
+use ductile_cluster::records::now_ms;
+use ductile_cluster::watch::{watch_prefix, Snapshot};
+use ductile_cluster::Store;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{watch, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+/// TorchFT's wire format (proto/torchft.proto).
+pub mod pb {
+    tonic::include_proto!("torchft");
+}
+
+use pb::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
+
+/// The room every client of the lighthouse shares: one quorum, as with `torchft_lighthouse`.
+pub const DEFAULT_ROOM: &str = "default";
+/// The longest replica id, address or store address taken.
+pub const MAX_ID_LEN: usize = 512;
+/// The most `data` a member may carry.
+pub const MAX_DATA_LEN: usize = 16 * 1024;
+/// The most replicas (heartbeating or joined) one room holds; more are refused.
+pub const MAX_REPLICAS: usize = 1024;
+/// The most `Quorum` calls one replica keeps waiting at once.
+pub const MAX_WAITING: usize = 4096;
+/// The longest a `Quorum` call waits here (TorchFT's clients give up sooner, with their own
+/// timeout).
+pub const MAX_WAIT: Duration = Duration::from_secs(3600);
+
+/// TorchFT's lighthouse options (`torchft_lighthouse`'s flags, same defaults).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LighthouseOpt {
+    pub min_replicas: u64,
+    pub join_timeout_ms: u64,
+    pub quorum_tick_ms: u64,
+    pub heartbeat_timeout_ms: u64,
+}
+
+impl Default for LighthouseOpt {
+    fn default() -> Self {
+        LighthouseOpt {
+            min_replicas: 1,
+            join_timeout_ms: 60_000,
+            quorum_tick_ms: 100,
+            heartbeat_timeout_ms: 5_000,
+        }
+    }
+}
+
+/// A `QuorumMember` as etcd keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub replica_id: String,
+    pub address: String,
+    pub store_address: String,
+    pub step: i64,
+    pub world_size: u64,
+    pub shrink_only: bool,
+    #[serde(default)]
+    pub data: String,
+    #[serde(default)]
+    pub commit_failures: i64,
+}
+
+impl From<pb::QuorumMember> for Member {
+    fn from(m: pb::QuorumMember) -> Self {
+        Member {
+            replica_id: m.replica_id,
+            address: m.address,
+            store_address: m.store_address,
+            step: m.step,
+            world_size: m.world_size,
+            shrink_only: m.shrink_only,
+            data: m.data,
+            commit_failures: m.commit_failures,
+        }
+    }
+}
+
+impl From<&Member> for pb::QuorumMember {
+    fn from(m: &Member) -> Self {
+        pb::QuorumMember {
+            replica_id: m.replica_id.clone(),
+            address: m.address.clone(),
+            store_address: m.store_address.clone(),
+            step: m.step,
+            world_size: m.world_size,
+            shrink_only: m.shrink_only,
+            data: m.data.clone(),
+            commit_failures: m.commit_failures,
+        }
+    }
+}
+
+/// A replica waiting for a quorum.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Join {
+    pub member: Member,
+    pub joined_ms: u64,
+}
+
+/// A replica's last heartbeat.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Beat {
+    pub at_ms: u64,
+}
+
+/// A quorum as issued.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuorumRecord {
+    pub quorum_id: i64,
+    pub participants: Vec<Member>,
+    pub created_ms: u64,
+    /// The ductiled replica (leader) that issued it.
+    pub issued_by: String,
+    /// Why it formed (TorchFT's explanation: fast, or valid with how many healthy).
+    pub reason: String,
+}
+
+impl QuorumRecord {
+    pub fn ids(&self) -> Vec<&str> {
+        self.participants
+            .iter()
+            .map(|p| p.replica_id.as_str())
+            .collect()
+    }
+    pub fn to_pb(&self) -> pb::Quorum {
+        pb::Quorum {
+            quorum_id: self.quorum_id,
+            participants: self.participants.iter().map(Into::into).collect(),
+            created: Some(prost_types::Timestamp {
+                seconds: (self.created_ms / 1000) as i64,
+                nanos: ((self.created_ms % 1000) * 1_000_000) as i32,
+            }),
+        }
+    }
+}
+
+/// Where a room's keys live (`Keys::torchft_*`).
+#[derive(Clone, Debug)]
+pub struct RoomKeys {
+    keys: ductile_cluster::Keys,
+    room: String,
+}
+
+/// The prefix under which every room lives.
+pub fn torchft_prefix(store: &Store) -> String {
+    store.keys.torchft_rooms()
+}
+
+impl RoomKeys {
+    pub fn new(store: &Store, room: &str) -> Self {
+        RoomKeys {
+            keys: store.keys.clone(),
+            room: room.to_string(),
+        }
+    }
+    pub fn hb(&self, id: &str) -> String {
+        self.keys.torchft_heartbeat(&self.room, id)
+    }
+    pub fn join(&self, id: &str) -> String {
+        self.keys.torchft_join(&self.room, id)
+    }
+    pub fn quorum(&self) -> String {
+        self.keys.torchft_quorum(&self.room)
+    }
+    pub fn issued(&self, quorum_id: i64) -> String {
+        self.keys.torchft_issued(&self.room, quorum_id)
+    }
+}
+
+/// One room as a snapshot holds it, with the revisions a fenced write compares.
+#[derive(Clone, Debug, Default)]
+pub struct RoomState {
+    /// replica id → (its join, the join key's mod revision)
+    pub participants: BTreeMap<String, (Join, i64)>,
+    /// replica id → last heartbeat (wall-clock ms)
+    pub heartbeats: BTreeMap<String, u64>,
+    /// hb key's replica id → (key, mod revision) for garbage collection
+    pub hb_keys: BTreeMap<String, (String, i64)>,
+    /// The last quorum and its key's mod revision.
+    pub prev: Option<(QuorumRecord, i64)>,
+    /// replica id → when its manager's port was found closed (wall-clock ms): dead until it
+    /// heartbeats again.
+    pub dead: HashMap<String, u64>,
+}
+
+/// Every room under the prefix, decoded from a snapshot. Undecodable values are skipped with
+/// a warning (they are not ductile's writes).
+pub fn rooms(prefix: &str, snap: &Snapshot) -> BTreeMap<String, RoomState> {
+    let mut out: BTreeMap<String, RoomState> = BTreeMap::new();
+    for (key, kv) in snap.kvs.range(prefix.to_string()..) {
+        let Some(rest) = key.strip_prefix(prefix) else {
+            break;
+        };
+        let parts: Vec<&str> = rest.split('/').collect();
+        match parts.as_slice() {
+            [room, "hb", _] => {
+                if let Some(b) = decode::<Beat>(kv) {
+                    let r = out.entry(room.to_string()).or_default();
+                    let id = unhex(parts[2]);
+                    r.heartbeats.insert(id.clone(), b.at_ms);
+                    r.hb_keys.insert(id, (key.clone(), kv.mod_revision));
+                }
+            }
+            [room, "join", _] => {
+                if let Some(j) = decode::<Join>(kv) {
+                    out.entry(room.to_string())
+                        .or_default()
+                        .participants
+                        .insert(j.member.replica_id.clone(), (j, kv.mod_revision));
+                }
+            }
+            [room, "quorum"] => {
+                if let Some(q) = decode::<QuorumRecord>(kv) {
+                    out.entry(room.to_string()).or_default().prev = Some((q, kv.mod_revision));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+fn decode<T: serde::de::DeserializeOwned>(kv: &KeyValue) -> Option<T> {
+    match serde_json::from_slice(&kv.value) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::warn!(key = %kv.key, error = %e, "undecodable lighthouse record; skipped");
+            None
+        }
+    }
+}
+
+/// TorchFT's quorum rule (its lighthouse's `quorum_compute`), on wall-clock milliseconds: the
+/// members of a new quorum, sorted by replica id, or why there is none yet.
+pub fn quorum_compute(
+    now_ms: u64,
+    st: &RoomState,
+    opt: &LighthouseOpt,
+) -> (Option<Vec<Member>>, String) {
+    let healthy = |id: &str| {
+        st.heartbeats.get(id).is_some_and(|&at| {
+            now_ms.saturating_sub(at) < opt.heartbeat_timeout_ms
+                && st.dead.get(id).is_none_or(|&d| at > d)
+        })
+    };
+    let healthy_replicas = st.heartbeats.keys().filter(|id| healthy(id)).count();
+    let healthy_participants: Vec<&Join> = st
+        .participants
+        .values()
+        .map(|(j, _)| j)
+        .filter(|j| healthy(&j.member.replica_id))
+        .collect();
+    // BTreeMap order: sorted by replica id
+    let mut candidates: Vec<Member> = healthy_participants
+        .iter()
+        .map(|j| j.member.clone())
+        .collect();
+    let shrink_only = healthy_participants.iter().any(|j| j.member.shrink_only);
+    let metadata = format!(
+        "[{}/{} participants healthy][{} heartbeating][shrink_only={}]",
+        healthy_participants.len(),
+        st.participants.len(),
+        healthy_replicas,
+        shrink_only
+    );
+    if let Some((prev, _)) = &st.prev {
+        if shrink_only {
+            candidates.retain(|c| {
+                prev.participants
+                    .iter()
+                    .any(|p| p.replica_id == c.replica_id)
+            });
+        }
+        let fast = prev.participants.iter().all(|p| {
+            healthy_participants
+                .iter()
+                .any(|j| j.member.replica_id == p.replica_id)
+        });
+        if fast {
+            return (Some(candidates), format!("fast quorum {metadata}"));
+        }
+    }
+    if (healthy_participants.len() as u64) < opt.min_replicas {
+        return (
+            None,
+            format!(
+                "not ready: {} participants, min_replicas {} {metadata}",
+                healthy_participants.len(),
+                opt.min_replicas
+            ),
+        );
+    }
+    if healthy_participants.len() <= healthy_replicas / 2 {
+        return (
+            None,
+            format!(
+                "not ready: {} participants, need more than half of {} healthy {metadata}",
+                healthy_participants.len(),
+                healthy_replicas
+            ),
+        );
+    }
+    let all_joined = healthy_participants.len() == healthy_replicas;
+    let first = healthy_participants
+        .iter()
+        .map(|j| j.joined_ms)
+        .min()
+        .unwrap_or(now_ms);
+    if !all_joined && now_ms.saturating_sub(first) < opt.join_timeout_ms {
+        return (
+            None,
+            format!(
+                "valid with {} participants, waiting for {} healthy stragglers {metadata}",
+                healthy_participants.len(),
+                healthy_replicas - healthy_participants.len()
+            ),
+        );
+    }
+    (Some(candidates), format!("valid quorum {metadata}"))
+}
+
+/// What the leader writes for a quorum that formed: the quorum, its id's first issue where
+/// the members changed, and every join cleared (TorchFT clears the participants), all
+/// conditional on its leadership and on the revisions it decided from.
+pub fn quorum_txn(
+    keys: &RoomKeys,
+    st: &RoomState,
+    members: Vec<Member>,
+    reason: String,
+    leader: &LeaderKey,
+    issued_by: &str,
+    now_ms: u64,
+) -> (Txn, QuorumRecord) {
+    let prev = st.prev.as_ref().map(|(q, _)| q);
+    let ids: Vec<&str> = members.iter().map(|m| m.replica_id.as_str()).collect();
+    let changed = prev.is_none_or(|p| p.ids() != ids);
+    let quorum_id = prev.map_or(0, |p| p.quorum_id) + i64::from(changed);
+    let record = QuorumRecord {
+        quorum_id,
+        participants: members,
+        created_ms: now_ms,
+        issued_by: issued_by.to_string(),
+        reason,
+    };
+    let mut compares = vec![
+        Compare::CreateRevision(leader.key.clone(), leader.create_revision),
+        match &st.prev {
+            Some((_, rev)) => Compare::ModRevision(keys.quorum(), *rev),
+            None => Compare::Absent(keys.quorum()),
+        },
+    ];
+    let value = serde_json::to_vec(&record).expect("a quorum encodes");
+    let mut ops = vec![Op::put(keys.quorum(), value.clone())];
+    if changed {
+        compares.push(Compare::Absent(keys.issued(quorum_id)));
+        ops.push(Op::put(keys.issued(quorum_id), value));
+    }
+    for (id, (_, rev)) in &st.participants {
+        compares.push(Compare::ModRevision(keys.join(id), *rev));
+        ops.push(Op::Delete { key: keys.join(id) });
+    }
+    (Txn { compares, ops }, record)
+}
+
+/// The lighthouse's shared parts: the store, the watch of every room, the options.
+#[derive(Clone)]
+pub struct Lighthouse {
+    store: Store,
+    opt: LighthouseOpt,
+    snap: watch::Receiver<Arc<Snapshot>>,
+    prefix: String,
+    /// replica id → when this replica last wrote its heartbeat
+    written: Arc<Mutex<HashMap<String, Instant>>>,
+    waiting: Arc<Semaphore>,
+}
+
+impl Lighthouse {
+    /// Starts watching the rooms; until `cancel`.
+    pub fn new(store: Store, opt: LighthouseOpt, cancel: CancellationToken) -> Self {
+        let prefix = torchft_prefix(&store);
+        let snap = watch_prefix(store.backend.clone(), prefix.clone(), cancel);
+        Lighthouse {
+            store,
+            opt,
+            snap,
+            prefix,
+            written: Arc::new(Mutex::new(HashMap::new())),
+            waiting: Arc::new(Semaphore::new(MAX_WAITING)),
+        }
+    }
+
+    fn room(&self) -> (String, RoomKeys) {
+        (
+            DEFAULT_ROOM.to_string(),
+            RoomKeys::new(&self.store, DEFAULT_ROOM),
+        )
+    }
+
+    /// A snapshot that has listed at least once (bounded: etcd unreachable is an error).
+    async fn synced(&self) -> Result<Arc<Snapshot>, Status> {
+        let mut rx = self.snap.clone();
+        match tokio::time::timeout(
+            Duration::from_secs(10),
+            ductile_cluster::watch::synced(&mut rx),
+        )
+        .await
+        {
+            Ok(s) if s.revision > 0 => Ok(s),
+            _ => Err(Status::unavailable(
+                "the lighthouse cannot read etcd (no listing of its rooms in 10 s)",
+            )),
+        }
+    }
+
+    /// A new replica id is refused once the room holds `MAX_REPLICAS`.
+    fn admit(&self, snap: &Snapshot, room: &str, id: &str) -> Result<(), Status> {
+        let rooms = rooms(&self.prefix, snap);
+        let Some(r) = rooms.get(room) else {
+            return Ok(());
+        };
+        let known = r.heartbeats.contains_key(id) || r.participants.contains_key(id);
+        if !known && r.heartbeats.len().max(r.participants.len()) >= MAX_REPLICAS {
+            return Err(Status::resource_exhausted(format!(
+                "the lighthouse room {room:?} already holds {MAX_REPLICAS} replicas"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes a heartbeat unless this replica wrote one for `id` within a fifth of the
+    /// heartbeat timeout.
+    async fn beat(&self, keys: &RoomKeys, id: &str, force: bool) -> Result<(), Status> {
+        let every = Duration::from_millis((self.opt.heartbeat_timeout_ms / 5).max(1));
+        {
+            let mut w = self.written.lock().expect("heartbeat map");
+            let now = Instant::now();
+            if !force && w.get(id).is_some_and(|t| now.duration_since(*t) < every) {
+                return Ok(());
+            }
+            if w.len() >= 4 * MAX_REPLICAS {
+                w.retain(|_, t| now.duration_since(*t) < every);
+            }
+            w.insert(id.to_string(), now);
+        }
+        let value = serde_json::to_vec(&Beat { at_ms: now_ms() }).expect("a beat encodes");
+        match self.store.backend.put(&keys.hb(id), value, None).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // not written: the next heartbeat tries again
+                self.written.lock().expect("heartbeat map").remove(id);
+                Err(Status::unavailable(format!(
+                    "the lighthouse cannot write to etcd: {e}"
+                )))
+            }
+        }
+    }
+
+    async fn join(&self, keys: &RoomKeys, member: &Member) -> Result<i64, Status> {
+        let value = serde_json::to_vec(&Join {
+            member: member.clone(),
+            joined_ms: now_ms(),
+        })
+        .expect("a join encodes");
+        self.beat(keys, &member.replica_id, true).await?;
+        self.store
+            .backend
+            .put(&keys.join(&member.replica_id), value, None)
+            .await
+            .map_err(|e| Status::unavailable(format!("the lighthouse cannot write to etcd: {e}")))
+    }
+
+    /// The Quorum call: join, then wait for a quorum issued after the join that holds the
+    /// requester; one that does not, and the requester joins again (as TorchFT's lighthouse).
+    pub async fn quorum(&self, member: Member) -> Result<QuorumRecord, Status> {
+        check_member(&member)?;
+        let _permit = self.waiting.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "this lighthouse replica already has {MAX_WAITING} quorum calls waiting"
+            ))
+        })?;
+        let (room, keys) = self.room();
+        let snap = self.synced().await?;
+        self.admit(&snap, &room, &member.replica_id)?;
+        let mut rx = self.snap.clone();
+        let mut joined_at = self.join(&keys, &member).await?;
+        // a caller that goes away (its process died, it gave up) leaves the participants, as
+        // its join is deleted unless a quorum or a new join replaced it
+        let mut guard = JoinGuard {
+            store: self.store.clone(),
+            key: keys.join(&member.replica_id),
+            revision: joined_at,
+            done: false,
+        };
+        let deadline = tokio::time::Instant::now() + MAX_WAIT;
+        loop {
+            {
+                let snap = rx.borrow_and_update().clone();
+                if let Some(kv) = snap.kvs.get(&keys.quorum()) {
+                    if kv.mod_revision > joined_at {
+                        if let Some(q) = decode::<QuorumRecord>(kv) {
+                            if q.participants
+                                .iter()
+                                .any(|p| p.replica_id == member.replica_id)
+                            {
+                                guard.done = true;
+                                return Ok(q);
+                            }
+                            joined_at = self.join(&keys, &member).await?;
+                            guard.revision = joined_at;
+                        }
+                    }
+                }
+            }
+            tokio::select! {
+                r = rx.changed() => if r.is_err() {
+                    return Err(Status::unavailable("the lighthouse is shutting down"));
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(Status::deadline_exceeded(format!(
+                        "no quorum holding {} within {} s", member.replica_id, MAX_WAIT.as_secs()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// The Heartbeat call.
+    pub async fn heartbeat(&self, replica_id: &str) -> Result<(), Status> {
+        check_id("replica_id", replica_id)?;
+        let (room, keys) = self.room();
+        let known = self
+            .written
+            .lock()
+            .expect("heartbeat map")
+            .contains_key(replica_id);
+        if !known {
+            let snap = self.synced().await?;
+            self.admit(&snap, &room, replica_id)?;
+        }
+        self.beat(&keys, replica_id, false).await
+    }
+
+    /// The leader's loop: decide every room on every change and every quorum tick, with
+    /// writes fenced on `leader`; until `cancel` (leadership lost).
+    pub async fn decide(&self, leader: LeaderKey, issued_by: String, cancel: CancellationToken) {
+        let mut rx = self.snap.clone();
+        let tick = Duration::from_millis(self.opt.quorum_tick_ms.max(1));
+        let mut last_gc = Instant::now();
+        let mut last_reason: HashMap<String, String> = HashMap::new();
+        let dead: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
+        let found = Arc::new(tokio::sync::Notify::new());
+        let mut probed: HashMap<String, Instant> = HashMap::new();
+        loop {
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep(tick) => {}
+                _ = found.notified() => {}
+                _ = cancel.cancelled() => return,
+            }
+            let snap = rx.borrow_and_update().clone();
+            if snap.revision == 0 {
+                continue;
+            }
+            let now = now_ms();
+            for (room, mut st) in rooms(&self.prefix, &snap) {
+                if st.participants.is_empty() {
+                    continue;
+                }
+                let keys = RoomKeys::new(&self.store, &room);
+                st.dead = dead.lock().expect("dead map").clone();
+                let (met, reason) = quorum_compute(now, &st, &self.opt);
+                let Some(members) = met else {
+                    // the previous quorum's members that hold it up: is their process gone?
+                    for m in probe_targets(&st) {
+                        let again = probed
+                            .get(&m.replica_id)
+                            .is_none_or(|t| t.elapsed() >= PROBE_EVERY);
+                        if again && probed.len() < 4 * MAX_REPLICAS {
+                            probed.insert(m.replica_id.clone(), Instant::now());
+                            tokio::spawn(probe(m, dead.clone(), found.clone()));
+                        }
+                    }
+                    if last_reason.get(&room) != Some(&reason) {
+                        tracing::debug!(%room, %reason, "no quorum yet");
+                        last_reason.insert(room.clone(), reason);
+                    }
+                    continue;
+                };
+                let (txn, record) =
+                    quorum_txn(&keys, &st, members, reason, &leader, &issued_by, now);
+                match self.store.backend.txn(txn).await {
+                    Ok(o) if o.succeeded => {
+                        tracing::debug!(quorum_id = record.quorum_id, members = ?record.ids(), "quorum issued");
+                        if st.prev.as_ref().map(|(p, _)| p.quorum_id) != Some(record.quorum_id) {
+                            tracing::info!(%room, quorum_id = record.quorum_id, members = ?record.ids(), reason = %record.reason, "torchft quorum");
+                        }
+                    }
+                    // a join or the quorum moved meanwhile, or leadership is gone: decide
+                    // again from the next snapshot (a deposed leader's cancel comes next)
+                    Ok(_) => tracing::debug!(%room, "quorum write fenced; deciding again"),
+                    Err(e) => {
+                        tracing::warn!(%room, error = %e, "quorum write failed; deciding again")
+                    }
+                }
+            }
+            if last_gc.elapsed() >= Duration::from_secs(10) {
+                last_gc = Instant::now();
+                probed.retain(|_, t| t.elapsed() < Duration::from_secs(60));
+                let hb_lapse = self.opt.heartbeat_timeout_ms;
+                dead.lock()
+                    .expect("dead map")
+                    .retain(|_, at| now.saturating_sub(*at) < 2 * hb_lapse + 60_000);
+                self.collect(&snap, now).await;
+            }
+        }
+    }
+
+    /// Forget replicas whose heartbeat lapsed long ago (ten timeouts, at least a minute).
+    async fn collect(&self, snap: &Snapshot, now: u64) {
+        let stale = (10 * self.opt.heartbeat_timeout_ms).max(60_000);
+        for (room, st) in rooms(&self.prefix, snap) {
+            let keys = RoomKeys::new(&self.store, &room);
+            for (id, (key, rev)) in &st.hb_keys {
+                if now.saturating_sub(st.heartbeats[id]) < stale {
+                    continue;
+                }
+                let mut compares = vec![Compare::ModRevision(key.clone(), *rev)];
+                let mut ops = vec![Op::Delete { key: key.clone() }];
+                if let Some((_, jrev)) = st.participants.get(id) {
+                    compares.push(Compare::ModRevision(keys.join(id), *jrev));
+                    ops.push(Op::Delete { key: keys.join(id) });
+                }
+                if let Err(e) = self.store.backend.txn(Txn { compares, ops }).await {
+                    tracing::debug!(error = %e, "lighthouse clean-up failed; next time");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The gRPC service, with requests bounded in size.
+    pub fn service(&self) -> LighthouseServiceServer<Lighthouse> {
+        LighthouseServiceServer::new(self.clone())
+            .max_decoding_message_size(4 * MAX_ID_LEN + MAX_DATA_LEN + 1024)
+    }
+}
+
+/// What `GET /v1/torchft` (`dctl torchft`) shows: per room, the last quorum (id, members with
+/// their step, who issued it and why), the replicas waiting and heartbeating, and the last
+/// `recent` quorum ids issued with their members. Read from etcd (an error is an error).
+pub async fn report(store: &Store, recent: usize) -> ductile_cluster::Result<serde_json::Value> {
+    let prefix = store.keys.torchft_rooms();
+    let (kvs, revision) = store.backend.list(&prefix).await?;
+    let snap = Snapshot {
+        revision,
+        kvs: kvs.iter().map(|kv| (kv.key.clone(), kv.clone())).collect(),
+        relists: 0,
+    };
+    let now = now_ms();
+    let mut out = vec![];
+    for (room, st) in rooms(&prefix, &snap) {
+        let issued_prefix = store.keys.torchft_issued_all(&room);
+        let issued: Vec<serde_json::Value> = kvs
+            .iter()
+            .filter(|kv| kv.key.starts_with(&issued_prefix))
+            .filter_map(|kv| decode::<QuorumRecord>(kv))
+            .rev()
+            .take(recent)
+            .map(|q| serde_json::json!({"quorum_id": q.quorum_id, "members": q.ids(), "created_ms": q.created_ms, "issued_by": q.issued_by}))
+            .collect();
+        out.push(serde_json::json!({
+            "room": room,
+            "quorum": st.prev.as_ref().map(|(q, _)| q),
+            "waiting": st.participants.keys().collect::<Vec<_>>(),
+            "heartbeats_ms_ago": st.heartbeats.iter().map(|(k, v)| (k.clone(), now.saturating_sub(*v))).collect::<BTreeMap<_, _>>(),
+            "issued": issued,
+        }));
+    }
+    Ok(serde_json::json!({ "rooms": out }))
+}
+
+/// Deletes a `Quorum` caller's join when the call ends without a quorum (dropped: the client
+/// went away), unless something rewrote the key since.
+struct JoinGuard {
+    store: Store,
+    key: String,
+    revision: i64,
+    done: bool,
+}
+
+impl Drop for JoinGuard {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        tracing::debug!(key = %self.key, "a quorum caller went away; clearing its join");
+        let store = self.store.clone();
+        let txn = Txn {
+            compares: vec![Compare::ModRevision(self.key.clone(), self.revision)],
+            ops: vec![Op::Delete {
+                key: self.key.clone(),
+            }],
+        };
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if let Err(e) = store.backend.txn(txn).await {
+                    tracing::debug!(error = %e, "could not clear a departed caller's join; the next quorum clears it");
+                }
+            });
+        }
+    }
+}
+
+/// How often one member's port is probed while it holds a quorum up.
+pub const PROBE_EVERY: Duration = Duration::from_millis(200);
+
+/// The previous quorum's members that heartbeat (as far as etcd knows) but have not joined:
+/// what a quorum waits for.
+pub fn probe_targets(st: &RoomState) -> Vec<Member> {
+    let Some((prev, _)) = &st.prev else {
+        return vec![];
+    };
+    prev.participants
+        .iter()
+        .filter(|m| !st.participants.contains_key(&m.replica_id))
+        .filter(|m| {
+            // heartbeating, and not already found dead since its last heartbeat
+            st.heartbeats
+                .get(&m.replica_id)
+                .is_some_and(|hb| st.dead.get(&m.replica_id).is_none_or(|d| hb > d))
+        })
+        .cloned()
+        .collect()
+}
+
+/// A member whose manager's port refuses connections is dead: its process is gone (a host
+/// that is gone refuses nothing, and its heartbeats lapse as TorchFT's do). Marked dead at
+/// the probe's time; a heartbeat after it revives the member.
+async fn probe(m: Member, dead: Arc<Mutex<HashMap<String, u64>>>, found: Arc<tokio::sync::Notify>) {
+    let addr = m
+        .address
+        .trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .trim_end_matches('/')
+        .to_string();
+    let at = now_ms();
+    match tokio::time::timeout(
+        Duration::from_millis(500),
+        tokio::net::TcpStream::connect(&addr),
+    )
+    .await
+    {
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+            tracing::info!(replica = %m.replica_id, %addr, "a quorum member's manager refuses connections: its process is gone; it leaves the quorum without waiting for its heartbeat to lapse");
+            dead.lock().expect("dead map").insert(m.replica_id, at);
+            found.notify_one();
+        }
+        _ => {}
+    }
+}
+
+fn check_id(field: &str, v: &str) -> Result<(), Status> {
+    if v.len() > MAX_ID_LEN {
+        return Err(Status::invalid_argument(format!(
+            "{field} is {} bytes long; at most {MAX_ID_LEN}",
+            v.len()
+        )));
+    }
+    Ok(())
+}
+
+fn check_member(m: &Member) -> Result<(), Status> {
+    if m.replica_id.is_empty() {
+        return Err(Status::invalid_argument("requester.replica_id is empty"));
+    }
+    check_id("requester.replica_id", &m.replica_id)?;
+    check_id("requester.address", &m.address)?;
+    check_id("requester.store_address", &m.store_address)?;
+    if m.data.len() > MAX_DATA_LEN {
+        return Err(Status::invalid_argument(format!(
+            "requester.data is {} bytes long; at most {MAX_DATA_LEN}",
+            m.data.len()
+        )));
+    }
+    if m.step < 0 {
+        return Err(Status::invalid_argument(format!(
+            "requester.step is {}; steps are not negative",
+            m.step
+        )));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl LighthouseService for Lighthouse {
+    async fn quorum(
+        &self,
+        request: Request<pb::LighthouseQuorumRequest>,
+    ) -> Result<Response<pb::LighthouseQuorumResponse>, Status> {
+        let requester = request
+            .into_inner()
+            .requester
+            .ok_or_else(|| Status::invalid_argument("missing requester"))?;
+        let q = Lighthouse::quorum(self, requester.into()).await?;
+        Ok(Response::new(pb::LighthouseQuorumResponse {
+            quorum: Some(q.to_pb()),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::LighthouseHeartbeatRequest>,
+    ) -> Result<Response<pb::LighthouseHeartbeatResponse>, Status> {
+        let id = request.into_inner().replica_id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument("replica_id is empty"));
+        }
+        Lighthouse::heartbeat(self, &id).await?;
+        Ok(Response::new(pb::LighthouseHeartbeatResponse {}))
+    }
+}
+
+/// Serves the lighthouse on `listener` and decides quorums whenever `leader` holds this
+/// replica's leader key; until `cancel`.
+pub async fn serve(
+    store: Store,
+    opt: LighthouseOpt,
+    listener: tokio::net::TcpListener,
+    mut leader: watch::Receiver<Option<LeaderKey>>,
+    id: String,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    let lh = Lighthouse::new(store, opt, cancel.clone());
+    let decider = {
+        let lh = lh.clone();
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            loop {
+                let key = leader.borrow_and_update().clone();
+                let lead = cancel.child_token();
+                let run = async {
+                    if let Some(k) = key {
+                        lh.decide(k, id.clone(), lead.clone()).await
+                    } else {
+                        std::future::pending::<()>().await
+                    }
+                };
+                tokio::select! {
+                    _ = run => {}
+                    r = leader.changed() => if r.is_err() { lead.cancel(); return },
+                    _ = cancel.cancelled() => return,
+                }
+                lead.cancel();
+            }
+        })
+    };
+    let c = cancel.clone();
+    let r = tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(256)
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .add_service(lh.service())
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener),
+            async move { c.cancelled().await },
+        )
+        .await;
+    decider.abort();
+    r.map_err(|e| anyhow::anyhow!("the TorchFT lighthouse server failed: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_cluster::keys::hex;
+
+    fn member(id: &str, step: i64) -> Member {
+        Member {
+            replica_id: id.into(),
+            address: format!("http://{id}"),
+            store_address: format!("{id}:1"),
+            step,
+            world_size: 1,
+            shrink_only: false,
+            data: String::new(),
+            commit_failures: 0,
+        }
+    }
+
+    fn state(joined: &[(&str, u64)], beats: &[(&str, u64)], prev: Option<&[&str]>) -> RoomState {
+        let mut st = RoomState::default();
+        for (id, at) in joined {
+            st.participants.insert(
+                id.to_string(),
+                (
+                    Join {
+                        member: member(id, 1),
+                        joined_ms: *at,
+                    },
+                    1,
+                ),
+            );
+        }
+        for (id, at) in beats {
+            st.heartbeats.insert(id.to_string(), *at);
+        }
+        st.prev = prev.map(|ids| {
+            (
+                QuorumRecord {
+                    quorum_id: 7,
+                    participants: ids.iter().map(|i| member(i, 1)).collect(),
+                    created_ms: 0,
+                    issued_by: "x".into(),
+                    reason: String::new(),
+                },
+                3,
+            )
+        });
+        st
+    }
+
+    fn ids(m: &Option<Vec<Member>>) -> Option<Vec<String>> {
+        m.as_ref()
+            .map(|v| v.iter().map(|m| m.replica_id.clone()).collect())
+    }
+
+    #[test]
+    fn torchft_quorum_rules() {
+        let opt = LighthouseOpt {
+            min_replicas: 2,
+            join_timeout_ms: 10_000,
+            ..Default::default()
+        };
+        let now = 100_000;
+        // below min_replicas: none
+        let st = state(&[("a", now)], &[("a", now)], None);
+        assert_eq!(quorum_compute(now, &st, &opt).0, None);
+        // every heartbeating replica joined: at once, sorted by id
+        let st = state(&[("b", now), ("a", now)], &[("a", now), ("b", now)], None);
+        assert_eq!(
+            ids(&quorum_compute(now, &st, &opt).0),
+            Some(vec!["a".into(), "b".into()])
+        );
+        // a healthy straggler is waited for until the join timeout
+        let beats = [("a", now), ("b", now), ("c", now)];
+        let st = state(&[("a", now - 1000), ("b", now)], &beats, None);
+        let (m, why) = quorum_compute(now, &st, &opt);
+        assert_eq!(m, None, "{why}");
+        let st = state(&[("a", now - 10_000), ("b", now)], &beats, None);
+        assert_eq!(
+            ids(&quorum_compute(now, &st, &opt).0),
+            Some(vec!["a".into(), "b".into()])
+        );
+        // a lapsed heartbeat is not healthy: neither waited for nor a member
+        let beats = [("a", now), ("b", now), ("c", now - 5_000)];
+        let st = state(&[("a", now), ("b", now), ("c", now)], &beats, None);
+        assert_eq!(
+            ids(&quorum_compute(now, &st, &opt).0),
+            Some(vec!["a".into(), "b".into()])
+        );
+        // split brain: no more than half of the healthy replicas is not enough
+        let beats = [("a", now), ("b", now), ("c", now), ("d", now)];
+        let st = state(&[("a", now - 60_000), ("b", now)], &beats, None);
+        assert_eq!(quorum_compute(now, &st, &opt).0, None);
+        // fast quorum: every previous member is back, at once (even below min)
+        let opt3 = LighthouseOpt {
+            min_replicas: 3,
+            ..opt.clone()
+        };
+        let st = state(
+            &[("a", now), ("b", now)],
+            &[("a", now), ("b", now), ("c", now)],
+            Some(&["a", "b"]),
+        );
+        assert_eq!(
+            ids(&quorum_compute(now, &st, &opt3).0),
+            Some(vec!["a".into(), "b".into()])
+        );
+        // shrink_only keeps the previous members only
+        let mut st = state(
+            &[("a", now - 60_000), ("b", now), ("c", now)],
+            &[("a", now), ("b", now), ("c", now)],
+            Some(&["a", "b", "x"]),
+        );
+        st.participants.get_mut("a").unwrap().0.member.shrink_only = true;
+        assert_eq!(
+            ids(&quorum_compute(now, &st, &opt).0),
+            Some(vec!["a".into(), "b".into()])
+        );
+    }
+
+    #[tokio::test]
+    async fn a_quorum_id_moves_only_with_its_members_and_every_write_is_fenced() {
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            ductile_cluster::Keys::new("/t"),
+        );
+        let keys = RoomKeys::new(&store, DEFAULT_ROOM);
+        let leader = LeaderKey {
+            name: "e".into(),
+            key: "/t/election/1".into(),
+            create_revision: 5,
+            lease: 1,
+        };
+        let st = state(&[("a", 1), ("b", 1)], &[], Some(&["a", "b"]));
+        let (txn, rec) = quorum_txn(
+            &keys,
+            &st,
+            vec![member("a", 2), member("b", 2)],
+            "r".into(),
+            &leader,
+            "me",
+            9,
+        );
+        assert_eq!(rec.quorum_id, 7, "same members, same id");
+        assert!(!txn
+            .ops
+            .iter()
+            .any(|o| matches!(o, Op::Put { key, .. } if key == &keys.issued(7))));
+        assert!(txn
+            .compares
+            .contains(&Compare::CreateRevision(leader.key.clone(), 5)));
+        assert!(txn
+            .compares
+            .contains(&Compare::ModRevision(keys.quorum(), 3)));
+        assert!(txn
+            .compares
+            .contains(&Compare::ModRevision(keys.join("a"), 1)));
+        let (txn, rec) = quorum_txn(
+            &keys,
+            &st,
+            vec![member("a", 2)],
+            "r".into(),
+            &leader,
+            "me",
+            9,
+        );
+        assert_eq!(rec.quorum_id, 8, "a member left: the id moves");
+        assert!(txn.compares.contains(&Compare::Absent(keys.issued(8))));
+        assert_eq!(
+            txn.ops
+                .iter()
+                .filter(|o| matches!(o, Op::Delete { .. }))
+                .count(),
+            2
+        );
+        // ids with any bytes survive the key encoding
+        assert_eq!(unhex(&hex("train_ddp_0:1b2/ä")), "train_ddp_0:1b2/ä");
+    }
+
+    /// Raw gRPC bodies that are not TorchFT's messages get an error status, never a panic and
+    /// never a wait.
+    #[tokio::test]
+    async fn malformed_requests_are_refused() {
+        use http_body_util::BodyExt;
+        use prost::Message;
+        use tower::ServiceExt;
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            ductile_cluster::Keys::new("/t"),
+        );
+        let cancel = CancellationToken::new();
+        let lh = Lighthouse::new(store, LighthouseOpt::default(), cancel.clone());
+        let frame = |msg: &[u8]| {
+            let mut f = vec![0u8];
+            f.extend((msg.len() as u32).to_be_bytes());
+            f.extend(msg);
+            f
+        };
+        let no_requester = pb::LighthouseQuorumRequest { requester: None }.encode_to_vec();
+        let bodies = [
+            ("Quorum", frame(&[0xff; 9])),
+            ("Quorum", vec![1, 2, 3]),
+            ("Quorum", frame(&no_requester)),
+            ("Quorum", frame(&vec![0u8; 1 << 20])),
+            ("Heartbeat", frame(&[0x0a, 0x80])),
+        ];
+        for (method, body) in bodies {
+            let req = http::Request::builder()
+                .method("POST")
+                .uri(format!("/torchft.LighthouseService/{method}"))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(http_body_util::Full::new(bytes::Bytes::from(body.clone())))
+                .unwrap();
+            let resp = tokio::time::timeout(Duration::from_secs(5), lh.service().oneshot(req))
+                .await
+                .expect("answered at once")
+                .unwrap();
+            let head = resp.headers().get("grpc-status").cloned();
+            let collected = resp.into_body().collect().await.unwrap();
+            let status = head
+                .or_else(|| {
+                    collected
+                        .trailers()
+                        .and_then(|t| t.get("grpc-status").cloned())
+                })
+                .expect("a grpc-status");
+            assert_ne!(
+                status,
+                "0",
+                "{method} {:?} was accepted",
+                &body[..body.len().min(12)]
+            );
+        }
+        cancel.cancel();
+    }
+
+    /// Two replicas ask through the service; only a leader's decisions answer them, and a
+    /// deposed leader's key decides nothing.
+    #[tokio::test]
+    async fn quorum_calls_are_answered_by_the_leaders_decision_only() {
+        let backend: Arc<dyn ductile_cluster::KvBackend> =
+            Arc::new(ductile_cluster::memory::MemoryBackend::new());
+        let store = Store::new(backend.clone(), ductile_cluster::Keys::new("/t"));
+        let cancel = CancellationToken::new();
+        let opt = LighthouseOpt {
+            min_replicas: 2,
+            ..Default::default()
+        };
+        let lh = Lighthouse::new(store.clone(), opt, cancel.clone());
+        let ask = |id: &'static str| {
+            let lh = lh.clone();
+            tokio::spawn(async move { lh.quorum(member(id, 3)).await })
+        };
+        let (a, b) = (ask("a"), ask("b"));
+        // a key that no longer leads (never created at that revision) writes nothing
+        let stale = LeaderKey {
+            name: "e".into(),
+            key: "/t/election/x".into(),
+            create_revision: 99,
+            lease: 1,
+        };
+        let deposed = cancel.child_token();
+        tokio::spawn({
+            let lh = lh.clone();
+            let d = deposed.clone();
+            async move { lh.decide(stale, "old".into(), d).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !a.is_finished() && !b.is_finished(),
+            "a deposed leader answered"
+        );
+        deposed.cancel();
+        let lease = backend.grant(30).await.unwrap();
+        let key = backend
+            .campaign("/t/election", b"me".to_vec(), lease)
+            .await
+            .unwrap();
+        tokio::spawn({
+            let lh = lh.clone();
+            let c = cancel.clone();
+            async move { lh.decide(key, "me".into(), c).await }
+        });
+        let qa = tokio::time::timeout(Duration::from_secs(10), a)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let qb = tokio::time::timeout(Duration::from_secs(10), b)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(qa, qb);
+        assert_eq!(
+            (qa.quorum_id, qa.ids(), qa.issued_by.as_str()),
+            (1, vec!["a", "b"], "me")
+        );
+        // malformed requests are refused, not waited on
+        let mut bad = member("c", 1);
+        bad.replica_id = "x".repeat(MAX_ID_LEN + 1);
+        assert_eq!(
+            lh.quorum(bad).await.unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+        assert_eq!(
+            lh.quorum(member("", 1)).await.unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+        cancel.cancel();
+    }
+}
