@@ -24,6 +24,22 @@ import torch
 import torch.nn as nn
 from torch.distributed import TCPStore
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft.checkpointing.http_transport import HTTPTransport
+
+
+class AnnouncedHTTPTransport(HTTPTransport):
+    """TorchFT's HTTP checkpoint transport (what a healing group fetches live state from),
+    announced at `host` rather than at `socket.gethostname()`, which its peers may not resolve
+    (a host without /etc/hosts or DNS for its own name): the group's store address, which its
+    launcher already made reachable."""
+
+    def __init__(self, host: str, timeout: timedelta) -> None:
+        self._host = host  # before the server starts: it logs its address
+        super().__init__(timeout=timeout, num_chunks=0)
+
+    def address(self) -> str:
+        port = self._server.socket.getsockname()[1]
+        return f"http://{self._host}:{port}/checkpoint/"
 
 
 def main() -> None:
@@ -85,6 +101,7 @@ def main() -> None:
         world_size=world,
         hostname=store_addr,
         quorum_retries=a.quorum_retries,
+        checkpoint_transport=AnnouncedHTTPTransport(store_addr, timedelta(seconds=a.timeout_s)),
     )
     net = DistributedDataParallel(manager, model) if a.ddp else model
     opt = Optimizer(manager, inner)
