@@ -494,7 +494,7 @@ impl Agent {
             .and_then(|p| p.parent().map(|d| d.to_path_buf()));
         // a torchrun job's program runs under `ductile-worker launch`, which follows the
         // generations, gives it torchrun's environment and restarts it in each new world
-        let torchrun = spec.runtime == Runtime::Torchrun;
+        let torchrun = spec.runtime.runs_program();
         let mut cmd = if torchrun {
             let launcher = own_dir
                 .as_ref()

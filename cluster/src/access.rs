@@ -324,6 +324,12 @@ pub fn job_grants(keys: &Keys, job: &str) -> Vec<Grant> {
             prefix: true,
             write: true,
         },
+        // where the TorchFT lighthouse is served (a torchft job's launchers relay to it)
+        Grant {
+            key: keys.lighthouses(),
+            prefix: true,
+            write: false,
+        },
     ]
 }
 
@@ -458,9 +464,10 @@ mod tests {
     fn a_jobs_grants_stop_at_its_own_keys() {
         let k = Keys::default();
         let g = job_grants(&k, "a");
-        assert!(g
-            .iter()
-            .all(|g| g.key.contains("/a/") || g.key.ends_with("/a/checkpoint")));
+        // its own keys, and read-only where the lighthouse is served
+        assert!(g.iter().all(|g| g.key.contains("/a/")
+            || g.key.ends_with("/a/checkpoint")
+            || (g.key == k.lighthouses() && !g.write)));
         // prefixes end with '/', so job "a" does not reach job "ab"
         assert!(g.iter().filter(|g| g.prefix).all(|g| g.key.ends_with('/')));
         assert!(g

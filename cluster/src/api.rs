@@ -33,6 +33,12 @@ pub struct MemberView {
     pub stage_chunks: Vec<[u32; 2]>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub spare: bool,
+    /// `runtime = "torchft"`: its replica group (`REPLICA_GROUP_ID`) and the generation the
+    /// group's programs started in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_group: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_since: Option<u64>,
     /// Its mean wall time per step and compute time per step (ms) over its last report, in
     /// the current generation: a straggler computes longer than its peers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -99,6 +105,37 @@ pub struct JobView {
     pub staleness_max: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dropped_updates: Option<u64>,
+    /// `runtime = "torchft"`: the last quorum the lighthouse issued in the job's room.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub torchft: Option<TorchftQuorumView>,
+}
+
+/// A torchft job's last quorum (`dctl status`): who is in it, at what step, who heals from whom.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TorchftQuorumView {
+    pub quorum_id: i64,
+    pub created_ms: u64,
+    /// The ductiled replica that issued it, and why it formed.
+    pub issued_by: String,
+    pub reason: String,
+    pub members: Vec<TorchftMemberView>,
+    /// The members behind the quorum's highest step, each with the member it heals from (as
+    /// TorchFT's managers assign it for their group rank 0).
+    pub healing: Vec<TorchftHealView>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TorchftMemberView {
+    pub replica_id: String,
+    pub step: i64,
+    pub world_size: u64,
+    pub address: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TorchftHealView {
+    pub replica_id: String,
+    pub from: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

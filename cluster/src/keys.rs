@@ -28,6 +28,9 @@
 //! `assign/{node}/`, which the leader derives from `jobs/` and rewrites only when what that
 //! node runs changes, so an agent wakes only for changes that concern its node.
 //! {prefix}/election                            daemon leader election
+//! {prefix}/lighthouses/{replica}               where a ductiled replica serves TorchFT's
+//!                                              lighthouse, under the replica's lease
+//! {prefix}/torchft/{room}/...                  TorchFT lighthouse state (daemon/src/lighthouse.rs)
 //! ```
 
 /// The default prefix under which ductile keeps all its keys.
@@ -267,6 +270,11 @@ impl Keys {
     pub fn master(&self, job: &str, generation: u64) -> String {
         format!("{}master", self.rendezvous(job, generation))
     }
+    /// Where a torchft job's replica group hosts its c10d store (`MASTER_ADDR`, `MASTER_PORT`)
+    /// from the generation it started in, as the launcher of its first slot publishes it.
+    pub fn torchft_master(&self, job: &str, generation: u64, group: u32) -> String {
+        format!("{}torchft-group-{group}", self.rendezvous(job, generation))
+    }
     /// Fault reports of one generation: workers whose communicator failed without a newer
     /// generation to go to.
     pub fn faults(&self, job: &str, generation: u64) -> String {
@@ -300,6 +308,15 @@ impl Keys {
     }
     pub fn election(&self) -> String {
         format!("{}/election", self.prefix)
+    }
+
+    /// Where each ductiled replica serves TorchFT's lighthouse (`{"addr": "HOST:PORT"}`, under
+    /// the replica's lease): what a torchft job's launchers connect to.
+    pub fn lighthouses(&self) -> String {
+        format!("{}/lighthouses/", self.prefix)
+    }
+    pub fn lighthouse(&self, replica: &str) -> String {
+        format!("{}{replica}", self.lighthouses())
     }
 
     /// TorchFT's lighthouse (ductiled `--torchft-listen`): every room under this prefix.

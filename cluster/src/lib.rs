@@ -16,6 +16,7 @@ pub mod lease;
 pub mod memory;
 pub mod modes;
 pub mod records;
+pub mod relay;
 pub mod series;
 pub mod service;
 pub mod store;

@@ -102,17 +102,24 @@ impl Strategy {
 }
 
 named! {
-    /// What a job's workers run: ductile's own trainer (`ductile-worker`), or the job's own
-    /// program under torchrun's worker contract, restarted at every generation.
+    /// What a job's workers run: ductile's own trainer (`ductile-worker`), the job's own
+    /// program under torchrun's worker contract, restarted at every generation, or the job's
+    /// own TorchFT program in replica groups that live through the others' failures.
     Runtime in "runtime", default Ductile {
         Ductile = "ductile",
         Torchrun = "torchrun",
+        Torchft = "torchft",
     }
 }
 
 impl Runtime {
     pub fn is_ductile(&self) -> bool {
         *self == Runtime::Ductile
+    }
+
+    /// The job runs its own program under `ductile-worker launch` (torchrun or torchft).
+    pub fn runs_program(&self) -> bool {
+        matches!(self, Runtime::Torchrun | Runtime::Torchft)
     }
 }
 

@@ -315,7 +315,7 @@ impl AgentPolicy {
                     self.check_location(&format!("command[{}]", i + 1), loc)?;
                 }
             }
-            if spec.runtime == Runtime::Torchrun {
+            if spec.runtime.runs_program() {
                 self.check_program(spec)?;
             }
         }
@@ -432,9 +432,23 @@ pub struct JobSpec {
     pub training: Option<TrainingSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<CheckpointSpec>,
-    /// `runtime = "torchrun"`: how its program is run.
+    /// `runtime = "torchrun"` or `"torchft"`: how its program is run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torchrun: Option<TorchrunSpec>,
+    /// `runtime = "torchft"`: how its slots form TorchFT replica groups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub torchft: Option<TorchftSpec>,
+}
+
+/// The `[torchft]` section of a `runtime = "torchft"` job.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TorchftSpec {
+    /// Slots per replica group, cut from one node's slots in slot order (a group never spans
+    /// nodes); 0 or left out: each node's slots of the job form one group. With N, a group
+    /// runs only with all N of its slots, and `min`, `max` and `desired` are multiples of N.
+    #[serde(default)]
+    pub group_size: u32,
 }
 
 /// The `[torchrun]` section of a `runtime = "torchrun"` job.
@@ -1064,32 +1078,53 @@ impl JobSpec {
     /// `runtime` and its section agree: a torchrun job names its own program and has no
     /// `[training]` or `[checkpoint]` (its program trains and saves); `[torchrun]` only with it.
     fn validate_runtime(&self) -> Result<()> {
+        if self.torchft.is_some() && self.runtime != Runtime::Torchft {
+            return Err(ClusterError::invalid(
+                "torchft",
+                "is for runtime = \"torchft\" jobs",
+            ));
+        }
         match self.runtime {
             Runtime::Ductile => {
                 if self.torchrun.is_some() {
                     return Err(ClusterError::invalid(
                         "torchrun",
-                        "is for runtime = \"torchrun\" jobs (this job runs the built-in trainer)",
+                        "is for runtime = \"torchrun\" and \"torchft\" jobs (this job runs the built-in trainer)",
                     ));
                 }
             }
-            Runtime::Torchrun => {
+            Runtime::Torchrun | Runtime::Torchft => {
+                let n = self.torchft_group_size();
+                if n > 0 {
+                    for (field, v) in [
+                        ("min", self.min),
+                        ("max", self.max),
+                        ("desired", self.desired),
+                    ] {
+                        if v % n != 0 {
+                            return Err(ClusterError::invalid(
+                                field,
+                                format!("{v} is not a multiple of torchft.group_size = {n}: a replica group runs only whole"),
+                            ));
+                        }
+                    }
+                }
                 if is_worker(&self.command[0]) {
                     return Err(ClusterError::invalid(
                         "command",
-                        "a runtime = \"torchrun\" job runs its own program (command = [\"python3\", \"train.py\", ...]), not ductile-worker",
+                        format!("a runtime = \"{}\" job runs its own program (command = [\"python3\", \"train.py\", ...]), not ductile-worker", self.runtime),
                     ));
                 }
                 if self.training.is_some() {
                     return Err(ClusterError::invalid(
                         "training",
-                        "is the built-in trainer's; a runtime = \"torchrun\" job's program trains itself",
+                        format!("is the built-in trainer's; a runtime = \"{}\" job's program trains itself", self.runtime),
                     ));
                 }
                 if self.checkpoint.is_some() {
                     return Err(ClusterError::invalid(
                         "checkpoint",
-                        "is the built-in trainer's; a torchrun job's program saves its own (torchrun.checkpoint_url is handed to it as DUCTILE_CHECKPOINT_URL)",
+                        format!("is the built-in trainer's; a {} job's program saves its own (torchrun.checkpoint_url is handed to it as DUCTILE_CHECKPOINT_URL)", self.runtime),
                     ));
                 }
                 let t = self.torchrun.clone().unwrap_or_default();
@@ -1137,6 +1172,11 @@ impl JobSpec {
     /// The `[torchrun]` settings of a torchrun job (its defaults when the section is left out).
     pub fn torchrun_settings(&self) -> TorchrunSpec {
         self.torchrun.clone().unwrap_or_default()
+    }
+
+    /// A torchft job's `[torchft] group_size` (0: a node's slots form one group).
+    pub fn torchft_group_size(&self) -> u32 {
+        self.torchft.as_ref().map(|t| t.group_size).unwrap_or(0)
     }
 
     /// Whether `n` is an acceptable size for this job (`dctl scale`).
@@ -1559,10 +1599,23 @@ pub struct Member {
     pub tp_rank: u32,
     #[serde(default, skip_serializing_if = "is_false")]
     pub spare: bool,
+    /// `runtime = "torchft"`: the member's replica group (`REPLICA_GROUP_ID`), kept while the
+    /// group lives; the leader gives a new group the smallest number no live group holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_group: Option<u32>,
+    /// `runtime = "torchft"`: the generation in which the member's group last started. A
+    /// group's programs are restarted exactly when this moves (its members changed, or one of
+    /// its programs failed); the other groups keep running through the new generation.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub group_since: u64,
 }
 
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A parallel degree in a job spec: `"auto"` (the planner chooses per world size) or a fixed
@@ -2525,6 +2578,54 @@ mod policy_tests {
             "torchrun.checkpoint_url",
             "outside",
         );
+    }
+
+    /// A torchft job: its program, `[torchrun]` for how it is run, `[torchft]` for its groups,
+    /// whose size divides the job's sizes.
+    #[test]
+    fn a_torchft_spec_is_validated() {
+        let job = |sizes: &str, extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"f\"\n{sizes}\nruntime = \"torchft\"\ncommand = [\"python3\", \"/t.py\"]\n{extra}"
+            ))
+        };
+        let ok = job(
+            "min = 2\nmax = 6\ndesired = 4",
+            "[torchrun]\ngrace_s = 5\n[torchft]\ngroup_size = 2\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (ok.torchft_group_size(), ok.torchrun_settings().grace_s),
+            (2, 5)
+        );
+        assert!(ok.runtime.runs_program());
+        let none = job("min = 1\nmax = 3\ndesired = 3", "").unwrap();
+        assert_eq!(none.torchft_group_size(), 0);
+        let e = job(
+            "min = 2\nmax = 6\ndesired = 3",
+            "[torchft]\ngroup_size = 2\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("desired") && e.contains("multiple of torchft.group_size"),
+            "{e}"
+        );
+        let e = JobSpec::from_toml(
+            "name = \"f\"\nmin = 1\nmax = 1\ndesired = 1\nruntime = \"torchft\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("runtime = \"torchft\" job runs its own program"),
+            "{e}"
+        );
+        let e = job("min = 1\nmax = 1\ndesired = 1", "[torchft]\ngroups = 2\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field"), "{e}");
+        let e = JobSpec::from_toml("name = \"f\"\nmin = 1\nmax = 1\ndesired = 1\nruntime = \"torchrun\"\ncommand = [\"python3\", \"/t.py\"]\n[torchft]\ngroup_size = 1\n").unwrap_err().to_string();
+        assert!(e.contains("is for runtime = \"torchft\""), "{e}");
     }
 
     /// `runtime` and its section agree; a torchrun job names its program and leaves

@@ -448,11 +448,15 @@ async fn job_status(
     Path(job): Path<String>,
 ) -> ApiResult<Json<JobView>> {
     let snaps = current(&st)?;
-    match cached_obs(&st, &snaps, &job).and_then(|o| job_view(&job, &o)) {
-        Some(v) => Ok(Json(v)),
+    let mut v = match cached_obs(&st, &snaps, &job).and_then(|o| job_view(&job, &o)) {
+        Some(v) => v,
         // not in this replica's view: ask etcd (a job submitted a moment ago, or none)
-        None => Ok(Json(view(&st.store, &job).await?)),
+        None => view(&st.store, &job).await?,
+    };
+    if v.members.iter().any(|m| m.replica_group.is_some()) {
+        v.torchft = crate::lighthouse::job_quorum(&st.store, &job).await?;
     }
+    Ok(Json(v))
 }
 
 /// The job's spec as stored (with what the daemon filled in at submit: a Hugging Face
@@ -821,7 +825,7 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
                 program_pid: obs
                     .joined
                     .get(&m.rank)
-                    .filter(|_| spec.runtime == Runtime::Torchrun)
+                    .filter(|_| spec.runtime.runs_program())
                     .map(|j| j.pid),
                 dp_rank: m.dp_rank,
                 pp_stage: m.pp_stage,
@@ -829,6 +833,8 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
                 stage_units: chunks_of(g, m).first().copied(),
                 stage_chunks: chunks_of(g, m),
                 spare: m.spare,
+                replica_group: m.replica_group,
+                group_since: m.replica_group.map(|_| m.group_since),
                 step_ms: obs.rank_stats.get(&m.rank).map(|s| s.step_ms),
                 compute_ms: obs.rank_stats.get(&m.rank).map(|s| s.compute_ms),
                 data_ms: obs.rank_stats.get(&m.rank).map(|s| s.data_ms),
@@ -862,6 +868,7 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         staleness_mean: progress.and_then(|p| p.staleness_mean),
         staleness_max: progress.and_then(|p| p.staleness_max),
         dropped_updates: progress.and_then(|p| p.dropped_updates),
+        torchft: None,
         last_reformation: status.and_then(|s| s.last_reformation.as_ref()).map(|r| {
             ReformationView {
                 generation: r.generation,

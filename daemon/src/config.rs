@@ -71,6 +71,10 @@ pub struct Cli {
     /// replica serves it, the leader decides the quorums.
     #[arg(long, env = "DUCTILE_TORCHFT_LISTEN")]
     pub torchft_listen: Option<String>,
+    /// Where torchft jobs' launchers reach this replica's lighthouse (HOST:PORT), published in
+    /// etcd; the listen address when it names a host (required with 0.0.0.0 or [::]).
+    #[arg(long, env = "DUCTILE_TORCHFT_ADVERTISE")]
+    pub torchft_advertise: Option<String>,
     /// The lighthouse's `min_replicas` (as `torchft_lighthouse --min_replicas`).
     #[arg(long, env = "DUCTILE_TORCHFT_MIN_REPLICAS")]
     pub torchft_min_replicas: Option<u64>,
@@ -89,6 +93,8 @@ pub struct Cli {
 #[derive(Clone, Debug)]
 pub struct TorchftConfig {
     pub listen: String,
+    /// What the launchers connect to (`--torchft-advertise`, else the listen address).
+    pub advertise: Option<String>,
     pub opt: crate::lighthouse::LighthouseOpt,
 }
 
@@ -110,6 +116,7 @@ pub struct FileConfig {
     pub log_format: Option<LogFormat>,
     pub etcd_wait: Option<u64>,
     pub torchft_listen: Option<String>,
+    pub torchft_advertise: Option<String>,
     pub torchft_min_replicas: Option<u64>,
     pub torchft_join_timeout_ms: Option<u64>,
     pub torchft_quorum_tick_ms: Option<u64>,
@@ -239,6 +246,7 @@ impl Config {
                 let d = crate::lighthouse::LighthouseOpt::default();
                 TorchftConfig {
                     listen,
+                    advertise: cli.torchft_advertise.or(file.torchft_advertise),
                     opt: crate::lighthouse::LighthouseOpt {
                         min_replicas: cli
                             .torchft_min_replicas

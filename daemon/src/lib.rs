@@ -77,11 +77,22 @@ pub async fn run(
                 .map_err(|e| {
                     anyhow::anyhow!("cannot listen on {} (--torchft-listen): {e}", tf.listen)
                 })?;
-            tracing::info!(listen = %listener.local_addr()?, "TorchFT lighthouse listening");
+            let local = listener.local_addr()?;
+            tracing::info!(listen = %local, "TorchFT lighthouse listening");
+            let advertise = match &tf.advertise {
+                Some(a) => a.clone(),
+                None if !local.ip().is_unspecified() => local.to_string(),
+                None => anyhow::bail!(
+                    "--torchft-listen {} names no host: give --torchft-advertise HOST:PORT (where torchft jobs' launchers reach this replica)",
+                    tf.listen
+                ),
+            };
             Some(tokio::spawn(lighthouse::serve(
                 store.clone(),
                 tf.opt.clone(),
                 listener,
+                advertise,
+                Duration::from_secs(cfg.election_ttl.max(2) as u64),
                 leader_key_rx,
                 cfg.id.clone(),
                 cancel.clone(),

@@ -43,8 +43,115 @@ pub mod pb {
 
 use pb::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 
-/// The room every client of the lighthouse shares: one quorum, as with `torchft_lighthouse`.
+/// The room of clients that name no job: one quorum, as with `torchft_lighthouse`.
 pub const DEFAULT_ROOM: &str = "default";
+
+/// A torchft job's room: its launchers' relays open each connection with
+/// `DUCTILE-ROOM {job}\n` ([`ductile_cluster::relay`]), so every job has quorums of its own.
+pub fn job_room(job: &str) -> String {
+    format!("job-{job}")
+}
+
+/// The room a connection named (its preamble), as tonic hands it to each request.
+#[derive(Clone, Debug, Default)]
+pub struct RoomInfo(pub Option<String>);
+
+/// An accepted connection and the room its preamble named.
+pub struct RoomConn {
+    stream: tokio::net::TcpStream,
+    room: Option<String>,
+}
+
+impl tonic::transport::server::Connected for RoomConn {
+    type ConnectInfo = RoomInfo;
+    fn connect_info(&self) -> RoomInfo {
+        RoomInfo(self.room.clone())
+    }
+}
+
+impl tokio::io::AsyncRead for RoomConn {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for RoomConn {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// Reads a connection's room preamble, if it starts with one (bounded: a client that sends
+/// nothing for 10 s, or a preamble that is not a job name, is closed).
+async fn read_preamble(mut stream: tokio::net::TcpStream) -> std::io::Result<RoomConn> {
+    use tokio::io::AsyncReadExt;
+    let magic = ductile_cluster::relay::ROOM_PREAMBLE;
+    let mut head = vec![0u8; magic.len()];
+    let t0 = tokio::time::Instant::now();
+    loop {
+        let n = tokio::time::timeout_at(t0 + Duration::from_secs(10), stream.peek(&mut head))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no request"))??;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if !magic.starts_with(&head[..n]) {
+            return Ok(RoomConn { stream, room: None });
+        }
+        if n == magic.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    stream.read_exact(&mut head).await?;
+    while line.len() <= 256 {
+        tokio::time::timeout_at(t0 + Duration::from_secs(10), stream.read_exact(&mut b))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no preamble"))??;
+        if b[0] == b'\n' {
+            let job = String::from_utf8(line)
+                .map_err(|_| std::io::Error::other("the room preamble is not UTF-8"))?;
+            ductile_cluster::keys::validate_name("job", &job)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            return Ok(RoomConn {
+                stream,
+                room: Some(job_room(&job)),
+            });
+        }
+        line.push(b[0]);
+    }
+    Err(std::io::Error::other("the room preamble is too long"))
+}
+
+/// The room of a request: its connection's, else the default one.
+fn room_of<T>(req: &Request<T>) -> String {
+    req.extensions()
+        .get::<RoomInfo>()
+        .and_then(|r| r.0.clone())
+        .unwrap_or_else(|| DEFAULT_ROOM.to_string())
+}
 /// The longest replica id, address or store address taken.
 pub const MAX_ID_LEN: usize = 512;
 /// The most `data` a member may carry.
@@ -401,8 +508,8 @@ pub struct Lighthouse {
     opt: LighthouseOpt,
     snap: watch::Receiver<Arc<Snapshot>>,
     prefix: String,
-    /// replica id → when this replica last wrote its heartbeat
-    written: Arc<Mutex<HashMap<String, Instant>>>,
+    /// (room, replica id) → when this replica last wrote its heartbeat
+    written: Arc<Mutex<HashMap<(String, String), Instant>>>,
     waiting: Arc<Semaphore>,
 }
 
@@ -421,11 +528,8 @@ impl Lighthouse {
         }
     }
 
-    fn room(&self) -> (String, RoomKeys) {
-        (
-            DEFAULT_ROOM.to_string(),
-            RoomKeys::new(&self.store, DEFAULT_ROOM),
-        )
+    fn room(&self, room: &str) -> (String, RoomKeys) {
+        (room.to_string(), RoomKeys::new(&self.store, room))
     }
 
     /// A snapshot that has listed at least once (bounded: etcd unreachable is an error).
@@ -445,8 +549,17 @@ impl Lighthouse {
     }
 
     /// A new replica id is refused once the room holds `MAX_REPLICAS`.
+    /// A replica id another room holds (another job's) is refused.
     fn admit(&self, snap: &Snapshot, room: &str, id: &str) -> Result<(), Status> {
         let rooms = rooms(&self.prefix, snap);
+        if let Some((other, _)) = rooms.iter().find(|(name, r)| {
+            name.as_str() != room
+                && (r.heartbeats.contains_key(id) || r.participants.contains_key(id))
+        }) {
+            return Err(Status::permission_denied(format!(
+                "replica id {id:?} belongs to the lighthouse room {other:?}, not {room:?}"
+            )));
+        }
         let Some(r) = rooms.get(room) else {
             return Ok(());
         };
@@ -463,23 +576,24 @@ impl Lighthouse {
     /// heartbeat timeout.
     async fn beat(&self, keys: &RoomKeys, id: &str, force: bool) -> Result<(), Status> {
         let every = Duration::from_millis((self.opt.heartbeat_timeout_ms / 5).max(1));
+        let wkey = (keys.room.clone(), id.to_string());
         {
             let mut w = self.written.lock().expect("heartbeat map");
             let now = Instant::now();
-            if !force && w.get(id).is_some_and(|t| now.duration_since(*t) < every) {
+            if !force && w.get(&wkey).is_some_and(|t| now.duration_since(*t) < every) {
                 return Ok(());
             }
             if w.len() >= 4 * MAX_REPLICAS {
                 w.retain(|_, t| now.duration_since(*t) < every);
             }
-            w.insert(id.to_string(), now);
+            w.insert(wkey.clone(), now);
         }
         let value = serde_json::to_vec(&Beat { at_ms: now_ms() }).expect("a beat encodes");
         match self.store.backend.put(&keys.hb(id), value, None).await {
             Ok(_) => Ok(()),
             Err(e) => {
                 // not written: the next heartbeat tries again
-                self.written.lock().expect("heartbeat map").remove(id);
+                self.written.lock().expect("heartbeat map").remove(&wkey);
                 Err(Status::unavailable(format!(
                     "the lighthouse cannot write to etcd: {e}"
                 )))
@@ -503,14 +617,14 @@ impl Lighthouse {
 
     /// The Quorum call: join, then wait for a quorum issued after the join that holds the
     /// requester; one that does not, and the requester joins again (as TorchFT's lighthouse).
-    pub async fn quorum(&self, member: Member) -> Result<QuorumRecord, Status> {
+    pub async fn quorum(&self, room: &str, member: Member) -> Result<QuorumRecord, Status> {
         check_member(&member)?;
         let _permit = self.waiting.clone().try_acquire_owned().map_err(|_| {
             Status::resource_exhausted(format!(
                 "this lighthouse replica already has {MAX_WAITING} quorum calls waiting"
             ))
         })?;
-        let (room, keys) = self.room();
+        let (room, keys) = self.room(room);
         let snap = self.synced().await?;
         self.admit(&snap, &room, &member.replica_id)?;
         let mut rx = self.snap.clone();
@@ -557,14 +671,14 @@ impl Lighthouse {
     }
 
     /// The Heartbeat call.
-    pub async fn heartbeat(&self, replica_id: &str) -> Result<(), Status> {
+    pub async fn heartbeat(&self, room: &str, replica_id: &str) -> Result<(), Status> {
         check_id("replica_id", replica_id)?;
-        let (room, keys) = self.room();
+        let (room, keys) = self.room(room);
         let known = self
             .written
             .lock()
             .expect("heartbeat map")
-            .contains_key(replica_id);
+            .contains_key(&(room.clone(), replica_id.to_string()));
         if !known {
             let snap = self.synced().await?;
             self.admit(&snap, &room, replica_id)?;
@@ -829,11 +943,12 @@ impl LighthouseService for Lighthouse {
         &self,
         request: Request<pb::LighthouseQuorumRequest>,
     ) -> Result<Response<pb::LighthouseQuorumResponse>, Status> {
+        let room = room_of(&request);
         let requester = request
             .into_inner()
             .requester
             .ok_or_else(|| Status::invalid_argument("missing requester"))?;
-        let q = Lighthouse::quorum(self, requester.into()).await?;
+        let q = Lighthouse::quorum(self, &room, requester.into()).await?;
         Ok(Response::new(pb::LighthouseQuorumResponse {
             quorum: Some(q.to_pb()),
         }))
@@ -843,25 +958,36 @@ impl LighthouseService for Lighthouse {
         &self,
         request: Request<pb::LighthouseHeartbeatRequest>,
     ) -> Result<Response<pb::LighthouseHeartbeatResponse>, Status> {
+        let room = room_of(&request);
         let id = request.into_inner().replica_id;
         if id.is_empty() {
             return Err(Status::invalid_argument("replica_id is empty"));
         }
-        Lighthouse::heartbeat(self, &id).await?;
+        Lighthouse::heartbeat(self, &room, &id).await?;
         Ok(Response::new(pb::LighthouseHeartbeatResponse {}))
     }
 }
 
 /// Serves the lighthouse on `listener` and decides quorums whenever `leader` holds this
 /// replica's leader key; until `cancel`.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     store: Store,
     opt: LighthouseOpt,
     listener: tokio::net::TcpListener,
+    advertise: String,
+    election_ttl: Duration,
     mut leader: watch::Receiver<Option<LeaderKey>>,
     id: String,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
+    tokio::spawn(announce(
+        store.clone(),
+        id.clone(),
+        advertise,
+        election_ttl,
+        cancel.clone(),
+    ));
     let lh = Lighthouse::new(store, opt, cancel.clone());
     let decider = {
         let lh = lh.clone();
@@ -886,18 +1012,165 @@ pub async fn serve(
             }
         })
     };
+    // each connection's room preamble is read off the accept loop (bounded), then the
+    // connection goes to tonic
+    let (conn_tx, conn_rx) = tokio::sync::mpsc::channel::<std::io::Result<RoomConn>>(64);
+    let accept = {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, peer) = tokio::select! {
+                    r = listener.accept() => match r {
+                        Ok(a) => a,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the lighthouse cannot accept; retrying");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    },
+                    _ = cancel.cancelled() => return,
+                };
+                let _ = stream.set_nodelay(true);
+                let tx = conn_tx.clone();
+                tokio::spawn(async move {
+                    match read_preamble(stream).await {
+                        Ok(c) => {
+                            let _ = tx.send(Ok(c)).await;
+                        }
+                        Err(e) => {
+                            tracing::debug!(%peer, error = %e, "lighthouse connection closed")
+                        }
+                    }
+                });
+            }
+        })
+    };
     let c = cancel.clone();
     let r = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(256)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .add_service(lh.service())
         .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener),
+            tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(conn_rx),
             async move { c.cancelled().await },
         )
         .await;
+    accept.abort();
     decider.abort();
     r.map_err(|e| anyhow::anyhow!("the TorchFT lighthouse server failed: {e}"))
+}
+
+/// A torchft job's last quorum, as `dctl status` shows it (None before the first).
+pub async fn job_quorum(
+    store: &Store,
+    job: &str,
+) -> ductile_cluster::Result<Option<ductile_cluster::api::TorchftQuorumView>> {
+    use ductile_cluster::api::{TorchftHealView, TorchftMemberView, TorchftQuorumView};
+    let keys = RoomKeys::new(store, &job_room(job));
+    let Some(kv) = store.backend.get(&keys.quorum()).await? else {
+        return Ok(None);
+    };
+    let q: QuorumRecord = serde_json::from_slice(&kv.value).map_err(|e| {
+        ductile_cluster::ClusterError::invalid("torchft quorum", format!("undecodable: {e}"))
+    })?;
+    let healing = healing(&q)
+        .into_iter()
+        .map(|(dst, src)| TorchftHealView {
+            replica_id: dst,
+            from: src,
+        })
+        .collect();
+    Ok(Some(TorchftQuorumView {
+        quorum_id: q.quorum_id,
+        created_ms: q.created_ms,
+        issued_by: q.issued_by.clone(),
+        reason: q.reason.clone(),
+        members: q
+            .participants
+            .iter()
+            .map(|p| TorchftMemberView {
+                replica_id: p.replica_id.clone(),
+                step: p.step,
+                world_size: p.world_size,
+                address: p.address.clone(),
+            })
+            .collect(),
+        healing,
+    }))
+}
+
+/// Who heals from whom in a quorum, as TorchFT's managers assign it for group rank 0 (with its
+/// default `init_sync`): participants in replica-id order; those behind the highest step (at
+/// step 0, all but the first at it) heal, the i-th of them from the (i mod n)-th of the n others.
+pub fn healing(q: &QuorumRecord) -> Vec<(String, String)> {
+    let mut ps: Vec<&Member> = q.participants.iter().collect();
+    ps.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
+    let Some(max) = ps.iter().map(|p| p.step).max() else {
+        return Vec::new();
+    };
+    let primary = ps
+        .iter()
+        .find(|p| p.step == max)
+        .map(|p| p.replica_id.clone());
+    let behind =
+        |p: &Member| p.step != max || (max == 0 && Some(&p.replica_id) != primary.as_ref());
+    let dst: Vec<&Member> = ps.iter().copied().filter(|p| behind(p)).collect();
+    let src: Vec<&Member> = ps.iter().copied().filter(|p| !behind(p)).collect();
+    if src.is_empty() {
+        return Vec::new();
+    }
+    dst.iter()
+        .enumerate()
+        .map(|(i, d)| (d.replica_id.clone(), src[i % src.len()].replica_id.clone()))
+        .collect()
+}
+
+/// Publishes where this replica serves the lighthouse (`lighthouses/{id}`) under a lease of
+/// its own, again whenever the lease is replaced; revoked when `cancel` fires.
+async fn announce(
+    store: Store,
+    id: String,
+    addr: String,
+    ttl: Duration,
+    cancel: CancellationToken,
+) {
+    let keeper = match ductile_cluster::lease::LeaseKeeper::start(
+        store.backend.clone(),
+        ttl.as_secs().max(2) as i64,
+        cancel.clone(),
+    )
+    .await
+    {
+        Ok(k) => k,
+        Err(e) => {
+            tracing::warn!(error = %e, "the lighthouse's address is not published: no lease");
+            return;
+        }
+    };
+    let key = store.keys.lighthouse(&id);
+    let value = serde_json::to_vec(&serde_json::json!({ "addr": addr })).expect("encodes");
+    let mut rx = keeper.subscribe();
+    let mut published: Option<u64> = None;
+    loop {
+        let lease = *rx.borrow_and_update();
+        if published != Some(lease.epoch) {
+            match store.backend.put(&key, value.clone(), Some(lease.id)).await {
+                Ok(_) => {
+                    tracing::info!(%addr, "TorchFT lighthouse address published");
+                    published = Some(lease.epoch);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot publish the lighthouse's address; retrying")
+                }
+            }
+        }
+        tokio::select! {
+            r = rx.changed() => if r.is_err() { break },
+            _ = tokio::time::sleep(Duration::from_secs(1)), if published != Some(lease.epoch) => {}
+            _ = cancel.cancelled() => break,
+        }
+    }
+    keeper.join().await;
 }
 
 #[cfg(test)]
@@ -1152,7 +1425,7 @@ mod tests {
         let lh = Lighthouse::new(store.clone(), opt, cancel.clone());
         let ask = |id: &'static str| {
             let lh = lh.clone();
-            tokio::spawn(async move { lh.quorum(member(id, 3)).await })
+            tokio::spawn(async move { lh.quorum(DEFAULT_ROOM, member(id, 3)).await })
         };
         let (a, b) = (ask("a"), ask("b"));
         // a key that no longer leads (never created at that revision) writes nothing
@@ -1203,11 +1476,14 @@ mod tests {
         let mut bad = member("c", 1);
         bad.replica_id = "x".repeat(MAX_ID_LEN + 1);
         assert_eq!(
-            lh.quorum(bad).await.unwrap_err().code(),
+            lh.quorum(DEFAULT_ROOM, bad).await.unwrap_err().code(),
             tonic::Code::InvalidArgument
         );
         assert_eq!(
-            lh.quorum(member("", 1)).await.unwrap_err().code(),
+            lh.quorum(DEFAULT_ROOM, member("", 1))
+                .await
+                .unwrap_err()
+                .code(),
             tonic::Code::InvalidArgument
         );
         cancel.cancel();

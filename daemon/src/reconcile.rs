@@ -196,7 +196,7 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
     };
     // a torchrun job's program saves its own checkpoints: the request is its notice
     // (`ductile.preempted()`), and the drain waits `drain_notice_s` for it to save
-    let torchrun = spec.runtime == Runtime::Torchrun;
+    let torchrun = spec.runtime.runs_program();
     let wait_s = match &spec.checkpoint {
         Some(ck) => ck.drain_wait_s,
         None if torchrun => spec.torchrun_settings().drain_notice_s,
@@ -658,9 +658,31 @@ fn build(
                 pp_stage: c.map(|c| c.stage).unwrap_or(0),
                 tp_rank: c.map(|c| c.tp).unwrap_or(0),
                 spare: c.is_none(),
+                ..Default::default()
             }
         })
         .collect();
+    let mut members = members;
+    if spec.runtime == Runtime::Torchft {
+        // the groups whose program exited in the current generation start again
+        let restart: BTreeSet<(String, u32)> = cur
+            .map(|g| {
+                obs.faults
+                    .values()
+                    .filter(|f| f.generation == g.number && f.kind == FaultKind::Exited)
+                    .map(|f| (f.node.clone(), f.slot))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let number = cur.map(|g| g.number).unwrap_or(0).max(obs.last_number) + 1;
+        torchft_groups(
+            spec.torchft_group_size(),
+            cur,
+            &mut members,
+            &restart,
+            number,
+        );
+    }
     let mut detail = if layout.pipeline_parallel > 1 || layout.tensor_parallel > 1 {
         format!("{detail}; {layout}")
     } else {
@@ -739,6 +761,74 @@ fn build(
         generation,
         status: st,
         debounce: matches!(reason, Reason::Start | Reason::Join),
+    }
+}
+
+/// A torchft member's group: one node's slots, cut into `group_size` (0: all of them).
+fn group_key(m: &Member, group_size: u32) -> (String, u32) {
+    (m.node.clone(), m.slot.checked_div(group_size).unwrap_or(0))
+}
+
+/// Each member's TorchFT replica group (`replica_group`, `group_since`) in a generation
+/// numbered `number` that follows `cur`. A group that `cur` had with the same slots, none of
+/// which is in `restart`, keeps its number and its start (its programs keep running); any
+/// other group (new, changed, or one of its programs exited) starts in this generation, under
+/// its old number when it had one and otherwise the smallest number no group holds.
+pub(crate) fn torchft_groups(
+    group_size: u32,
+    cur: Option<&Generation>,
+    members: &mut [Member],
+    restart: &BTreeSet<(String, u32)>,
+    number: u64,
+) {
+    type Slots = BTreeSet<(String, u32)>;
+    let groups = |ms: &[Member]| -> BTreeMap<(String, u32), Slots> {
+        let mut out: BTreeMap<(String, u32), Slots> = BTreeMap::new();
+        for m in ms {
+            out.entry(group_key(m, group_size))
+                .or_default()
+                .insert((m.node.clone(), m.slot));
+        }
+        out
+    };
+    let before: BTreeMap<(String, u32), (Slots, Option<u32>, u64)> = cur
+        .map(|g| {
+            groups(&g.members)
+                .into_iter()
+                .map(|(k, slots)| {
+                    let m = g
+                        .members
+                        .iter()
+                        .find(|m| group_key(m, group_size) == k)
+                        .expect("a group has a member");
+                    (k, (slots, m.replica_group, m.group_since))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let now = groups(members);
+    let mut ids: BTreeMap<(String, u32), u32> = BTreeMap::new();
+    let mut since: BTreeMap<(String, u32), u64> = BTreeMap::new();
+    for (k, slots) in &now {
+        if let Some((old, Some(id), started)) = before.get(k) {
+            ids.insert(k.clone(), *id);
+            let kept = old == slots && slots.iter().all(|s| !restart.contains(s));
+            since.insert(k.clone(), if kept { *started } else { number });
+        }
+    }
+    let mut taken: BTreeSet<u32> = ids.values().copied().collect();
+    for k in now.keys() {
+        if !ids.contains_key(k) {
+            let id = (0..).find(|i| !taken.contains(i)).expect("a free number");
+            taken.insert(id);
+            ids.insert(k.clone(), id);
+            since.insert(k.clone(), number);
+        }
+    }
+    for m in members.iter_mut() {
+        let k = group_key(m, group_size);
+        m.replica_group = ids.get(&k).copied();
+        m.group_since = since.get(&k).copied().unwrap_or(number);
     }
 }
 
@@ -838,7 +928,7 @@ fn faults(
     // the built-in trainer reports its steps; a torchrun job's program only when it calls
     // `ductile.report` (once it has, its generations are held to the same bound)
     let reports_steps =
-        spec.training.is_some() || (spec.runtime == Runtime::Torchrun && obs.progress.is_some());
+        spec.training.is_some() || (spec.runtime.runs_program() && obs.progress.is_some());
     let stalled = spec.stall_timeout_s > 0
         && reports_steps
         && !obs.progress.as_ref().is_some_and(|p| p.done)
@@ -968,7 +1058,9 @@ fn program_exit(
         .min_by_key(|f| (f.at_ms, f.rank))?;
     // a program killed by a signal names itself: it is the root cause beyond doubt;
     // otherwise the others' reports may still come with an earlier exit
-    let certain = first.suspects.contains(&first.rank);
+    // (a torchft group's exit concerns that group alone: the others keep training, and report
+    // nothing)
+    let certain = first.suspects.contains(&first.rank) || spec.runtime == Runtime::Torchft;
     let reporters: BTreeSet<u32> = reports.iter().map(|f| f.rank).collect();
     if !certain && reporters.len() < g.world_size as usize && obs.faults_seen_ms < FAULT_GRACE_MS {
         return Some(Decision::Nothing);
@@ -1612,6 +1704,53 @@ mod tests {
         assert_eq!(g.state_source, StateSource::Peers);
         assert!(g.detail.contains("excluded"), "{}", g.detail);
         assert_eq!(g.fault_retries, 0);
+    }
+
+    /// TorchFT groups keep their number and start through generations that leave them
+    /// unchanged; a group whose program exited restarts; a new group takes the smallest free
+    /// number; with a group size, a node's slots are cut into groups.
+    #[test]
+    fn torchft_groups_keep_their_number_and_restart_alone() {
+        let of = |g: &[Member]| -> Vec<(String, u32, Option<u32>, u64)> {
+            g.iter()
+                .map(|m| (m.node.clone(), m.slot, m.replica_group, m.group_since))
+                .collect()
+        };
+        let none = BTreeSet::new();
+        let mut g1 = test_generation(1, &[("a", 0), ("b", 0), ("c", 0)]);
+        torchft_groups(0, None, &mut g1.members, &none, 1);
+        let e = |n: &str, id: u32, since: u64| (n.to_string(), 0, Some(id), since);
+        assert_eq!(
+            of(&g1.members),
+            vec![e("a", 0, 1), e("b", 1, 1), e("c", 2, 1)]
+        );
+        // b's program exited: b restarts under its number, a and c keep running
+        let mut g2 = test_generation(2, &[("a", 0), ("b", 0), ("c", 0)]);
+        let restart: BTreeSet<(String, u32)> = [("b".to_string(), 0)].into();
+        torchft_groups(0, Some(&g1), &mut g2.members, &restart, 2);
+        assert_eq!(
+            of(&g2.members),
+            vec![e("a", 0, 1), e("b", 1, 2), e("c", 2, 1)]
+        );
+        // a leaves (scale down), then d comes: d takes the number a left
+        let mut g3 = test_generation(3, &[("b", 0), ("c", 0)]);
+        torchft_groups(0, Some(&g2), &mut g3.members, &none, 3);
+        assert_eq!(of(&g3.members), vec![e("b", 1, 2), e("c", 2, 1)]);
+        let mut g4 = test_generation(4, &[("b", 0), ("c", 0), ("d", 0)]);
+        torchft_groups(0, Some(&g3), &mut g4.members, &none, 4);
+        assert_eq!(
+            of(&g4.members),
+            vec![e("b", 1, 2), e("c", 2, 1), e("d", 0, 4)]
+        );
+        // group_size 2: a node's four slots are two groups; losing slot 3 restarts its group
+        let mut h1 = test_generation(1, &[("a", 0), ("a", 1), ("a", 2), ("a", 3)]);
+        torchft_groups(2, None, &mut h1.members, &none, 1);
+        let ids: Vec<Option<u32>> = h1.members.iter().map(|m| m.replica_group).collect();
+        assert_eq!(ids, vec![Some(0), Some(0), Some(1), Some(1)]);
+        let mut h2 = test_generation(2, &[("a", 0), ("a", 1), ("a", 2)]);
+        torchft_groups(2, Some(&h1), &mut h2.members, &none, 2);
+        let since: Vec<u64> = h2.members.iter().map(|m| m.group_since).collect();
+        assert_eq!(since, vec![1, 1, 2]);
     }
 
     fn torchrun_spec(n: u32) -> JobSpec {

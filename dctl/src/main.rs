@@ -2,7 +2,6 @@
 
 mod export;
 mod plot;
-mod relay;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -114,6 +113,10 @@ enum Cmd {
         /// The replicas' --torchft-listen addresses, comma-separated.
         #[arg(long, value_delimiter = ',', required = true)]
         to: Vec<String>,
+        /// Put the connections' calls in this job's lighthouse room (what a runtime = "torchft"
+        /// job's launchers do); without it, the shared default room.
+        #[arg(long)]
+        job: Option<String>,
     },
     /// Write a committed checkpoint of a `model = "hf"` job as a Hugging Face directory
     /// (safetensors, config.json, the tokenizer's files) that transformers loads as it is.
@@ -248,6 +251,40 @@ fn print_job(v: &JobView) {
     }
     if let Some(h) = &v.final_weights_sha256 {
         println!("weights     sha256 {h}");
+    }
+    if let Some(q) = &v.torchft {
+        println!(
+            "quorum      {} of {} replica group(s), issued by {} ({})",
+            q.quorum_id,
+            q.members.len(),
+            q.issued_by,
+            q.reason
+        );
+        for m in &q.members {
+            println!(
+                "            {} at step {} (world {}, {})",
+                m.replica_id, m.step, m.world_size, m.address
+            );
+        }
+        for h in &q.healing {
+            println!("            {} heals from {}", h.replica_id, h.from);
+        }
+    }
+    let groups: Vec<String> = v
+        .members
+        .iter()
+        .filter_map(|m| {
+            m.replica_group.map(|g| {
+                format!(
+                    "rank {} group {g} since generation {}",
+                    m.rank,
+                    m.group_since.unwrap_or(0)
+                )
+            })
+        })
+        .collect();
+    if !groups.is_empty() {
+        println!("groups      {}", groups.join("; "));
     }
     if let Some(l) = v.eval_loss {
         match v.eval_step {
@@ -385,8 +422,8 @@ fn print_generation(g: &Generation) {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    if let Cmd::TorchftRelay { listen, to } = &cli.cmd {
-        return relay::run(listen, to.clone()).await;
+    if let Cmd::TorchftRelay { listen, to, job } = &cli.cmd {
+        return ductile_cluster::relay::run(listen, to.clone(), job.clone()).await;
     }
     let file: FileConfig = match std::env::var_os("HOME")
         .map(|h| PathBuf::from(h).join(".config/ductile/dctl.toml"))
@@ -700,7 +737,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
-        Cmd::TorchftRelay { listen, to } => relay::run(&listen, to).await?,
+        Cmd::TorchftRelay { .. } => unreachable!("handled before the API's token is read"),
         Cmd::Torchft => {
             let v = c.call(Method::GET, "/v1/torchft", None).await?;
             if json {

@@ -45,8 +45,10 @@ class AnnouncedHTTPTransport(HTTPTransport):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--log", required=True, help="append one line per committed step")
-    p.add_argument("--sha-out")
+    p.add_argument(
+        "--log", required=True, help="append one line per committed step ({group}: the group)"
+    )
+    p.add_argument("--sha-out", help="the final weights' SHA-256 ({group}: the group)")
     p.add_argument("--ddp", action="store_true", help="torchft's DistributedDataParallel")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--min-replicas", type=int, default=1)
@@ -67,6 +69,9 @@ def main() -> None:
     a = p.parse_args()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
+    a.log = a.log.replace("{group}", str(group))
+    if a.sha_out:
+        a.sha_out = a.sha_out.replace("{group}", str(group))
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

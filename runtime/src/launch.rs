@@ -21,6 +21,17 @@
 //! progress, the chart history and stall detection) and `DUCTILE_PREEMPT_FILE` (present once a
 //! planned drain is coming: `ductile.preempted()`).
 //!
+//! `runtime = "torchft"`: the program runs in TorchFT replica groups (the leader gives each
+//! member its `replica_group` and the generation its group started in, `group_since`). A
+//! group's launchers run it under torchrun's contract within the group (`RANK` is the rank in
+//! the group), with `REPLICA_GROUP_ID`, `NUM_REPLICA_GROUPS` and `TORCHFT_LIGHTHOUSE` (this
+//! launcher's relay to every ductiled replica's lighthouse, in the job's room); the launcher of
+//! the group's first slot hosts the group's c10d store, as torchrun's agent does
+//! (`TORCHELASTIC_USE_AGENT_STORE=True`): TorchFT's Manager never hosts one. A new generation
+//! that leaves the group as it was (same members, same `group_since`) does not touch the
+//! program: the other groups' failures, joins and departures go by it, and TorchFT's quorum
+//! takes them in.
+//!
 //! Warm start: a Python program (`python3 script.py ...`, `python3 -m module ...`) is run in a
 //! standby interpreter that imported torch beforehand; the launcher hands it the generation's
 //! environment and arguments on stdin and it runs the script with `runpy`, as `python3` would.
@@ -106,6 +117,16 @@ const INHERITED: &[&str] = &[
     "PYTHONHOME",
 ];
 const INHERITED_PREFIXES: &[&str] = &["LC_", "NCCL_", "CUDA_"];
+
+/// What hosts a torchft group's c10d store: `torch.distributed.TCPStore` as the master, as
+/// torchrun's agent hosts it for its workers; it lives until its launcher stops it.
+const STORE_HOST: &str = r#"
+import sys, threading
+from torch.distributed import TCPStore
+_s = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False)
+print(f"c10d store for the replica group listening on {sys.argv[1]}:{sys.argv[2]}", flush=True)
+threading.Event().wait()
+"#;
 
 /// The program's environment that does not change between generations.
 fn base_env(spec: &JobSpec, dir: &Path, settings: &TorchrunSpec) -> BTreeMap<String, String> {
@@ -233,6 +254,94 @@ pub fn error_file_message(text: &str) -> Option<String> {
     (!s.is_empty()).then_some(s)
 }
 
+/// A torchft member's replica group in `g`: its members in slot order (ranks 0.. within the
+/// group), or None when `g` does not give `me` a group.
+pub fn torchft_group(g: &Generation, me: &Member) -> Option<Vec<Member>> {
+    let id = me.replica_group?;
+    let mut group: Vec<Member> = g
+        .members
+        .iter()
+        .filter(|m| m.replica_group == Some(id))
+        .cloned()
+        .collect();
+    group.sort_by_key(|m| m.slot);
+    Some(group)
+}
+
+/// The environment of a torchft member: torchrun's variables within its group (a world of
+/// the group's members), the group's store, and TorchFT's variables.
+#[allow(clippy::too_many_arguments)]
+pub fn torchft_env(
+    env: &WorkerEnv,
+    spec: &JobSpec,
+    g: &Generation,
+    group: &[Member],
+    master: (&str, u16),
+    error_file: &Path,
+    node_gpus: &[Option<u32>],
+    lighthouse: &str,
+) -> BTreeMap<String, String> {
+    let mut world = g.clone();
+    world.members = group
+        .iter()
+        .enumerate()
+        .map(|(r, m)| Member {
+            rank: r as u32,
+            ..m.clone()
+        })
+        .collect();
+    world.world_size = group.len() as u32;
+    let mut out = torchrun_env(env, spec, &world, master, error_file, node_gpus);
+    let groups: std::collections::BTreeSet<u32> =
+        g.members.iter().filter_map(|m| m.replica_group).collect();
+    let id = group.first().and_then(|m| m.replica_group).unwrap_or(0);
+    let n = (groups.len() as u32).max(groups.iter().max().map(|m| m + 1).unwrap_or(1));
+    out.insert("TORCHELASTIC_USE_AGENT_STORE".into(), "True".into());
+    out.insert("REPLICA_GROUP_ID".into(), id.to_string());
+    out.insert("NUM_REPLICA_GROUPS".into(), n.to_string());
+    out.insert("TORCHFT_LIGHTHOUSE".into(), lighthouse.to_string());
+    out
+}
+
+/// Starts this launcher's relay to the TorchFT lighthouse (every ductiled replica that
+/// publishes one under `lighthouses/`, read again for each connection; calls in the job's
+/// room); `TORCHFT_LIGHTHOUSE` for the program.
+async fn start_relay(store: &Store, job: &str) -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen for the lighthouse relay: {e}"))?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let store = store.clone();
+    let upstreams: ductile_cluster::relay::Upstreams = Arc::new(move || {
+        let store = store.clone();
+        Box::pin(async move {
+            let prefix = store.keys.lighthouses();
+            match tokio::time::timeout(Duration::from_secs(5), store.backend.list(&prefix)).await {
+                Ok(Ok((kvs, _))) => kvs
+                    .iter()
+                    .filter_map(|kv| serde_json::from_slice::<serde_json::Value>(&kv.value).ok())
+                    .filter_map(|v| v["addr"].as_str().map(str::to_string))
+                    .collect(),
+                Ok(Err(e)) => {
+                    eprintln!("torchft-relay: cannot read where the lighthouse is served: {e}");
+                    Vec::new()
+                }
+                Err(_) => {
+                    eprintln!("torchft-relay: etcd did not list the lighthouses within 5 s");
+                    Vec::new()
+                }
+            }
+        })
+    });
+    let room = Some(job.to_string());
+    tokio::spawn(async move {
+        if let Err(e) = ductile_cluster::relay::serve(listener, upstreams, room).await {
+            eprintln!("torchft-relay: stopped: {e:#}");
+        }
+    });
+    Ok(url)
+}
+
 /// A Python command the standby interpreter can run: its arguments after the interpreter
 /// (`script.py args...`, `-m module args...`), when it takes no interpreter options.
 fn warm_args(command: &[String]) -> Option<Vec<String>> {
@@ -342,6 +451,10 @@ struct Launcher {
     requests: Arc<Mutex<Option<CheckpointRequest>>>,
     control: tokio::net::UnixDatagram,
     cancel: CancellationToken,
+    /// `runtime = "torchft"`: `TORCHFT_LIGHTHOUSE` (this launcher's relay, in the job's room).
+    lighthouse: Option<String>,
+    /// `runtime = "torchft"`, the group's first slot: the process hosting its c10d store.
+    store_host: Option<Program>,
 }
 
 /// Run a torchrun job's program through the job's generations; the worker's exit code.
@@ -374,9 +487,9 @@ impl Launcher {
             Ok(None) => anyhow::bail!("job {:?} has no spec", env.job),
             Err(e) => anyhow::bail!("cannot read the job spec: {e}"),
         };
-        if spec.runtime != Runtime::Torchrun {
+        if !spec.runtime.runs_program() {
             anyhow::bail!(
-                "job {:?} is not a runtime = \"torchrun\" job: `launch` runs only those",
+                "job {:?} is not a runtime = \"torchrun\" or \"torchft\" job: `launch` runs only those",
                 env.job
             );
         }
@@ -416,6 +529,11 @@ impl Launcher {
             cell: cell.clone(),
         };
         let base = base_env(&spec, &dir, &settings);
+        let lighthouse = if spec.runtime == Runtime::Torchft {
+            Some(start_relay(&store, &env.job).await?)
+        } else {
+            None
+        };
         Ok(Launcher {
             env,
             spec,
@@ -430,7 +548,34 @@ impl Launcher {
             requests,
             control,
             cancel,
+            lighthouse,
+            store_host: None,
         })
+    }
+
+    /// Whether `g` supersedes the program this launcher runs as `me`: for torchrun, any newer
+    /// generation; for torchft, a newer one that changes `me`'s group (or leaves it out).
+    fn superseded(&self, g: &Generation, me: &Member) -> Option<Generation> {
+        let latest = self.cell.latest().filter(|l| l.number > g.number)?;
+        if self.spec.runtime != Runtime::Torchft {
+            return Some(latest);
+        }
+        let kept = latest
+            .member(&self.env.node, self.env.slot)
+            .filter(|m| m.replica_group == me.replica_group && m.group_since == me.group_since)
+            .is_some();
+        if kept {
+            None
+        } else {
+            Some(latest)
+        }
+    }
+
+    /// Stops the group's c10d store, if this launcher hosts one.
+    async fn stop_store_host(&mut self) {
+        if let Some(mut s) = self.store_host.take() {
+            s.stop(Duration::from_millis(200)).await;
+        }
     }
 
     fn workdir(&self) -> PathBuf {
@@ -512,15 +657,40 @@ impl Launcher {
         }
     }
 
-    /// Where generation `g`'s c10d store listens: rank 0 picks a free port on its host and
-    /// publishes it; the others wait for it (None: a newer generation came, or it never did).
-    async fn master(&self, g: &Generation, rank: u32) -> anyhow::Result<Option<(String, u16)>> {
-        let key = self.reporter.store.keys.master(&self.env.job, g.number);
-        if rank == 0 {
+    /// Where the program's c10d store listens: the host (rank 0; a torchft group's first slot)
+    /// picks a free port on its host and publishes it at `key` (a torchft group's host also
+    /// starts the store); the others wait for it (None: a newer generation superseded `me`, or
+    /// this launcher is stopping).
+    async fn master(
+        &mut self,
+        g: &Generation,
+        me: &Member,
+        key: String,
+        host: bool,
+    ) -> anyhow::Result<Option<(String, u16)>> {
+        if host {
             let port = std::net::TcpListener::bind(("0.0.0.0", 0))
                 .and_then(|l| l.local_addr())
                 .map_err(|e| anyhow::anyhow!("cannot find a free port for the c10d store: {e}"))?
                 .port();
+            if self.spec.runtime == Runtime::Torchft {
+                self.stop_store_host().await;
+                let python = if is_python(&self.spec.command[0]) {
+                    self.spec.command[0].clone()
+                } else {
+                    "python3".to_string()
+                };
+                let mut cmd = Command::new(python);
+                cmd.arg("-c")
+                    .arg(STORE_HOST)
+                    .arg(&self.host)
+                    .arg(port.to_string())
+                    .env_clear()
+                    .envs(&self.base)
+                    .current_dir(self.workdir())
+                    .stdin(Stdio::null());
+                self.store_host = Some(Program::spawn(cmd, "the replica group's c10d store")?);
+            }
             let v = serde_json::json!({ "addr": self.host, "port": port });
             let mut delay = Duration::from_millis(50);
             for i in 0.. {
@@ -539,7 +709,7 @@ impl Launcher {
         }
         let t0 = Instant::now();
         loop {
-            if self.cell.newest() > g.number || self.cancel.is_cancelled() {
+            if self.superseded(g, me).is_some() || self.cancel.is_cancelled() {
                 return Ok(None);
             }
             match self.reporter.store.backend.get(&key).await {
@@ -555,7 +725,7 @@ impl Launcher {
             }
             if t0.elapsed() > MASTER_WAIT {
                 anyhow::bail!(
-                    "rank 0 of generation {} did not publish its c10d address within {} s",
+                    "the c10d store's host in generation {} did not publish its address within {} s",
                     g.number,
                     MASTER_WAIT.as_secs()
                 );
@@ -568,7 +738,7 @@ impl Launcher {
         self.start_standby();
         let mut last_run: u64 = 0;
         loop {
-            let Some(g) = self.newest().await else {
+            let Some(mut g) = self.newest().await else {
                 if self.cancel.is_cancelled() {
                     return EXIT_TERMINATED;
                 }
@@ -586,15 +756,48 @@ impl Launcher {
                     _ = tokio::time::sleep(Duration::from_millis(20)) => continue,
                 }
             }
-            let Some(me) = g.member(&self.env.node, self.env.slot).cloned() else {
+            let Some(mut me) = g.member(&self.env.node, self.env.slot).cloned() else {
                 println!(
                     "generation {} does not include {}/{}: leaving",
                     g.number, self.env.node, self.env.slot
                 );
+                self.stop_store_host().await;
                 return EXIT_FENCED;
             };
             last_run = g.number;
-            let master = match self.master(&g, me.rank).await {
+            // a torchft member runs in its replica group, once the group is whole
+            let group = match &self.lighthouse {
+                None => None,
+                Some(_) => {
+                    let size = self.spec.torchft_group_size() as usize;
+                    match torchft_group(&g, &me) {
+                        Some(gr) if size == 0 || gr.len() == size => Some(gr),
+                        other => {
+                            println!(
+                                "generation {}: replica group {:?} has {} of its {size} slots: waiting for the rest",
+                                g.number,
+                                me.replica_group,
+                                other.map(|o| o.len()).unwrap_or(0)
+                            );
+                            continue;
+                        }
+                    }
+                }
+            };
+            let (key, host) = match (&group, me.replica_group) {
+                (Some(gr), Some(id)) => (
+                    self.reporter
+                        .store
+                        .keys
+                        .torchft_master(&self.env.job, me.group_since, id),
+                    gr.first().is_some_and(|f| f.slot == me.slot),
+                ),
+                _ => (
+                    self.reporter.store.keys.master(&self.env.job, g.number),
+                    me.rank == 0,
+                ),
+            };
+            let master = match self.master(&g, &me, key, host).await {
                 Ok(Some(m)) => m,
                 Ok(None) if self.cancel.is_cancelled() => return EXIT_TERMINATED,
                 Ok(None) => continue,
@@ -603,20 +806,32 @@ impl Launcher {
                     return 1;
                 }
             };
-            if self.cell.newest() > g.number {
+            if self.superseded(&g, &me).is_some() {
                 continue;
             }
             let error_file = self.dir.join(format!("error-g{}.json", g.number));
             let _ = std::fs::remove_file(&error_file);
             let _ = std::fs::remove_file(self.dir.join("preempted"));
-            let gen_env = torchrun_env(
-                &self.env,
-                &self.spec,
-                &g,
-                (&master.0, master.1),
-                &error_file,
-                &self.node_gpus,
-            );
+            let gen_env = match (&group, &self.lighthouse) {
+                (Some(gr), Some(lh)) => torchft_env(
+                    &self.env,
+                    &self.spec,
+                    &g,
+                    gr,
+                    (&master.0, master.1),
+                    &error_file,
+                    &self.node_gpus,
+                    lh,
+                ),
+                _ => torchrun_env(
+                    &self.env,
+                    &self.spec,
+                    &g,
+                    (&master.0, master.1),
+                    &error_file,
+                    &self.node_gpus,
+                ),
+            };
             let mut program = match self.start_program(&gen_env).await {
                 Ok(p) => p,
                 Err(e) => {
@@ -625,8 +840,18 @@ impl Launcher {
                 }
             };
             println!(
-                "generation {}: started {:?} as rank {} of {} (pid {}, c10d store at {}:{})",
-                g.number, self.spec.command, me.rank, g.world_size, program.pid, master.0, master.1
+                "generation {}: started {:?} as rank {} of {}{} (pid {}, c10d store at {}:{})",
+                g.number,
+                self.spec.command,
+                gen_env.get("RANK").map(String::as_str).unwrap_or("?"),
+                gen_env.get("WORLD_SIZE").map(String::as_str).unwrap_or("?"),
+                gen_env
+                    .get("REPLICA_GROUP_ID")
+                    .map(|r| format!(" in replica group {r}"))
+                    .unwrap_or_default(),
+                program.pid,
+                master.0,
+                master.1
             );
             let join = JoinRecord {
                 node: self.env.node.clone(),
@@ -637,7 +862,14 @@ impl Launcher {
                 ..Default::default()
             };
             self.reporter.joined(g.number, me.rank, join, None);
-            let outcome = self.supervise(&g, me.rank, &mut program, &error_file).await;
+            let outcome = self
+                .supervise(&mut g, &mut me, &mut program, &error_file)
+                .await;
+            // (a torchft program may have run on through newer generations)
+            last_run = g.number;
+            if !matches!(outcome, Outcome::Done) {
+                self.stop_store_host().await;
+            }
             match outcome {
                 Outcome::Done => {
                     println!("generation {}: the program finished (exit 0)", g.number);
@@ -646,7 +878,7 @@ impl Launcher {
                 Outcome::Replaced => continue,
                 Outcome::Stopped => return EXIT_TERMINATED,
                 Outcome::Failed(msg, killed) => {
-                    if self.cell.newest() > g.number {
+                    if self.superseded(&g, &me).is_some() {
                         continue; // the world changed under it: the next generation
                     }
                     let (reporter, g2, msg2) = (self.reporter.clone(), g.clone(), msg.clone());
@@ -678,11 +910,12 @@ impl Launcher {
     /// this launcher is stopped; meanwhile relay its reports and the drain notice.
     async fn supervise(
         &mut self,
-        g: &Generation,
-        rank: u32,
+        g: &mut Generation,
+        me: &mut Member,
         program: &mut Program,
         error_file: &Path,
     ) -> Outcome {
+        let mut rank = me.rank;
         let started = Instant::now();
         let grace = Duration::from_secs(self.settings.grace_s);
         let mut tick = tokio::time::interval(Duration::from_millis(20));
@@ -739,9 +972,30 @@ impl Launcher {
                     }
                 }
                 _ = tick.tick() => {
-                    if self.cell.newest() > g.number {
+                    if self.superseded(g, me).is_some() {
                         program.stop(grace).await;
                         return Outcome::Replaced;
+                    }
+                    // a torchft group that a newer generation keeps as it was runs on in it
+                    if let Some(latest) = self.cell.latest().filter(|l| l.number > g.number) {
+                        if let Some(m) = latest.member(&self.env.node, self.env.slot).cloned() {
+                            *me = m;
+                            rank = me.rank;
+                            *g = latest;
+                            let join = JoinRecord {
+                                node: self.env.node.clone(),
+                                slot: self.env.slot,
+                                rank,
+                                pid: program.pid,
+                                joined_at_ms: now_ms(),
+                                ..Default::default()
+                            };
+                            self.reporter.joined(g.number, rank, join, None);
+                            println!(
+                                "generation {}: replica group {:?} runs on unchanged (pid {})",
+                                g.number, me.replica_group, program.pid
+                            );
+                        }
                     }
                     if !noticed {
                         let req = self.requests.lock().unwrap().clone();

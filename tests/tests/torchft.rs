@@ -271,3 +271,255 @@ fn now_s() -> f64 {
         .unwrap()
         .as_secs_f64()
 }
+
+/// `runtime = "torchft"`: ductile launches TorchFT's DDP loop as 3 replica groups (one per
+/// node's slot), each with its c10d store hosted by its launcher and `TORCHFT_LIGHTHOUSE` its
+/// launcher's relay into the job's own room. A SIGKILLed group is restarted alone (the others'
+/// programs keep their pids), heals from a live peer and rejoins the quorum; `dctl status`
+/// shows the quorum; another job's replica id is refused; `dctl scale` removes a group without
+/// touching the others; the groups end with equal weights and the job succeeds.
+#[test]
+fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        torchft: Some(vec![
+            "--torchft-min-replicas".into(),
+            "2".into(),
+            "--torchft-join-timeout-ms".into(),
+            "10000".into(),
+        ]),
+        ..Default::default()
+    });
+    let flags = torchrun_agent_flags();
+    let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+    for n in ["node1", "node2", "node3"] {
+        c.start_agent(n, 1, &extra);
+    }
+    let dir = TempDir::new("torchft-job");
+    let d = dir.path();
+    let log_path = d.join("commits.log");
+    let steps = 900u64;
+    let command: Vec<String> = [
+        torch_python_bin(),
+        repo_root()
+            .join("examples/torchft/train_ddp.py")
+            .display()
+            .to_string(),
+        "--steps".into(),
+        steps.to_string(),
+        "--step-sleep".into(),
+        "0.03".into(),
+        "--min-replicas".into(),
+        "2".into(),
+        "--log".into(),
+        log_path.display().to_string(),
+        "--sha-out".into(),
+        d.join("g{group}.sha").display().to_string(),
+    ]
+    .iter()
+    .map(|a| format!("{a:?}"))
+    .collect();
+    c.submit(&format!(
+        "name = \"ft\"\nruntime = \"torchft\"\ncommand = [{}]\nmin = 1\nmax = 3\ndesired = 3\n[torchrun]\ngrace_s = 5\n",
+        command.join(", ")
+    ));
+    let log = || torchft_commits(&log_path);
+    let agents = || {
+        c.agents
+            .values()
+            .map(|a| std::fs::read_to_string(&a.log).unwrap_or_default())
+            .collect::<String>()
+    };
+    let v = c.wait_world("ft", 3, Duration::from_secs(120));
+    let mut groups: Vec<u32> = v.members.iter().filter_map(|m| m.replica_group).collect();
+    groups.sort();
+    assert_eq!(groups, vec![0, 1, 2], "{v:?}");
+    let three = c.wait_for_opt(Duration::from_secs(180), || {
+        let l = log();
+        (0..3u32)
+            .all(|g| {
+                l.iter()
+                    .any(|x| x.group == g && x.step >= 40 && x.participants == 3)
+            })
+            .then_some(())
+    });
+    assert!(
+        three.is_some(),
+        "three groups committing together:\n{}",
+        agents()
+    );
+    // each group is one process, started by its launcher: one pid per group so far
+    let pid_of = |g: u32| -> Vec<u32> {
+        let mut p: Vec<u32> = log()
+            .iter()
+            .filter(|x| x.group == g)
+            .map(|x| x.pid)
+            .collect();
+        p.dedup();
+        p
+    };
+    let v = c.status("ft");
+    for m in &v.members {
+        let g = m.replica_group.unwrap();
+        assert_eq!(pid_of(g), vec![m.program_pid.unwrap()], "{m:?}");
+    }
+    // dctl status shows the job's quorum, from its own room
+    let q = c.wait_for(Duration::from_secs(10), "the quorum in the status", || {
+        c.status("ft").torchft.filter(|q| q.members.len() == 3)
+    });
+    assert!(
+        q.members
+            .iter()
+            .all(|m| m.replica_id.starts_with("train_ddp_")),
+        "{q:?}"
+    );
+    let text = c.dctl_ok(&["status", "ft"]);
+    assert!(
+        text.contains("quorum") && text.contains("replica group"),
+        "{text}"
+    );
+
+    // another room (the default one, without the job's preamble) cannot use the job's ids
+    let foreign = q.members[0].replica_id.clone();
+    let out = std::process::Command::new(torch_python_bin())
+        .args([
+            "-c",
+            "import sys\nfrom datetime import timedelta\nfrom torchft._torchft import LighthouseClient\n\
+             c = LighthouseClient(sys.argv[1], connect_timeout=timedelta(seconds=5))\n\
+             try:\n    c.heartbeat(sys.argv[2])\n    print('accepted')\nexcept Exception as e:\n    print('refused:', e)\n",
+            &format!("http://127.0.0.1:{}", c.torchft_ports[0]),
+            &foreign,
+        ])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("refused") && said.contains("belongs to the lighthouse room"),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // SIGKILL group 1's program: it alone restarts; the others keep their processes
+    let victim = v
+        .members
+        .iter()
+        .find(|m| m.replica_group == Some(1))
+        .unwrap();
+    let survivors: Vec<(u32, u32)> = v
+        .members
+        .iter()
+        .filter(|m| m.replica_group != Some(1))
+        .map(|m| (m.replica_group.unwrap(), m.program_pid.unwrap()))
+        .collect();
+    let step_at_kill = log().iter().map(|x| x.step).max().unwrap();
+    let killed_at = now_s();
+    unsafe { libc::kill(victim.program_pid.unwrap() as i32, libc::SIGKILL) };
+    let back = c.wait_for_opt(Duration::from_secs(90), || {
+        let l = log();
+        let survived = survivors.iter().all(|(g, _)| {
+            l.iter()
+                .any(|x| x.group == *g && x.time > killed_at && x.participants == 2)
+        });
+        let healed = l
+            .iter()
+            .find(|x| x.group == 1 && x.time > killed_at && x.healed)?
+            .clone();
+        let rejoined = l
+            .iter()
+            .any(|x| x.group == 1 && x.time > healed.time && x.participants == 3);
+        (survived && rejoined).then_some(healed)
+    });
+    let healed = back.unwrap_or_else(|| panic!("group 1 back and healed:\n{}", agents()));
+    assert_ne!(healed.pid, victim.program_pid.unwrap(), "a new process");
+    assert!(
+        healed.step > step_at_kill,
+        "healed at {} (killed at {step_at_kill})",
+        healed.step
+    );
+    for (g, pid) in &survivors {
+        assert_eq!(pid_of(*g), vec![*pid], "group {g} was never restarted");
+    }
+    // the generation after the kill restarted group 1 alone
+    let h = c.history("ft");
+    let g = h
+        .iter()
+        .find(|g| g.number > v.generation)
+        .expect("a generation after the kill");
+    assert_eq!(g.reason, ductile_cluster::records::Reason::Failure, "{g:?}");
+    for m in &g.members {
+        let was = v
+            .members
+            .iter()
+            .find(|o| o.node == m.node && o.slot == m.slot)
+            .unwrap();
+        if m.replica_group == Some(1) {
+            assert_eq!(m.group_since, g.number, "{m:?}");
+        } else {
+            assert_eq!(Some(m.group_since), was.group_since, "{m:?}");
+        }
+    }
+    eprintln!(
+        "group 1 killed at step {step_at_kill}; back and healed at step {} after {:.2} s",
+        healed.step,
+        healed.time - killed_at
+    );
+
+    // dctl scale 2: one group leaves, the other two keep their processes and go on as two
+    let before = c.status("ft");
+    c.dctl_ok(&["scale", "ft", "2"]);
+    let after = c.wait_world("ft", 2, Duration::from_secs(60));
+    let scaled_at = now_s();
+    for m in &after.members {
+        let was = before
+            .members
+            .iter()
+            .find(|o| o.node == m.node && o.slot == m.slot)
+            .unwrap();
+        assert_eq!(m.replica_group, was.replica_group);
+        assert_eq!(m.group_since, was.group_since, "{m:?}");
+    }
+    let kept: Vec<(u32, u32)> = after
+        .members
+        .iter()
+        .map(|m| {
+            let g = m.replica_group.unwrap();
+            (g, *pid_of(g).last().unwrap())
+        })
+        .collect();
+    let two = c.wait_for_opt(Duration::from_secs(60), || {
+        let l = log();
+        kept.iter()
+            .all(|(g, pid)| {
+                l.iter().any(|x| {
+                    x.group == *g && x.pid == *pid && x.time > scaled_at && x.participants == 2
+                })
+            })
+            .then_some(())
+    });
+    assert!(
+        two.is_some(),
+        "the two groups going on as two:\n{}",
+        agents()
+    );
+
+    // the job ends; the groups that finished hold equal weights
+    let done = c.wait_done("ft", Duration::from_secs(240));
+    assert_eq!(
+        done.state,
+        ductile_cluster::records::JobState::Succeeded,
+        "{done:?}"
+    );
+    let shas: Vec<String> = kept
+        .iter()
+        .map(|(g, _)| {
+            std::fs::read_to_string(d.join(format!("g{g}.sha")))
+                .unwrap_or_else(|e| panic!("group {g}'s weights: {e}"))
+        })
+        .collect();
+    assert!(shas.windows(2).all(|w| w[0] == w[1]), "{shas:?}");
+    for (g, pid) in &kept {
+        let l = log();
+        let last = l.iter().filter(|x| x.group == *g).last().unwrap();
+        assert_eq!((last.pid, last.step), (*pid, steps), "group {g}");
+    }
+}
