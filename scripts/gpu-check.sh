@@ -22,6 +22,9 @@
 #        MFU), against PyTorch eager where the machine has transformers. GPU_CHECK_STEPS="6 7" runs only those.
 #     8. a PyTorch DDP script as a runtime = "torchrun" job on cuda:0 with NCCL: the script
 #        SIGKILLed, the world restarts from its checkpoint, the job succeeds.
+#   9. a TorchFT script (examples/torchft/train_ddp.py --device cuda, torchft 0.2.0 carried as
+#      wheels) as a runtime = "torchft" job of two replica groups sharing cuda:0 (gloo between
+#      them): one group's program SIGKILLed is restarted alone, heals and rejoins; equal weights.
 #   It exits non-zero on any failure.
 #
 # Environment: TORCH_LIB (default: the torch/lib of `python3 -c 'import torch'`), DUCTILE_BIN_DIR
@@ -33,7 +36,7 @@ cd "$root"
 log() { printf '\n[gpu-check] %s\n' "$*"; }
 fail() { printf '\n[gpu-check] FAILED: %s\n' "$*" >&2; exit 1; }
 # GPU_CHECK_STEPS="2 6" runs only those steps (5 needs 3's checkpoint), to rerun what failed
-steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8} "
+steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 
 if [ "${1:-}" = pack ]; then
@@ -74,6 +77,18 @@ print(h.hexdigest())' gpu-bin/stage/hf-llama >gpu-bin/stage/hf-llama.sha256
   if [ -n "${DUCTILE_SMOLLM2:-}" ]; then
     mkdir -p gpu-bin/stage/hf-smollm2
     cp "$DUCTILE_SMOLLM2/config.json" "$DUCTILE_SMOLLM2/tokenizer.json" gpu-bin/stage/hf-smollm2/
+  fi
+  # step 9's torchft 0.2.0 and what it imports, as wheels for the GPU machine's Python (3.12;
+  # it reaches no registry): installed there with --no-index into a directory of their own
+  if [ -n "${DUCTILE_TORCH_PYTHON:-}" ]; then
+    "$DUCTILE_TORCH_PYTHON" -m pip download -q -d gpu-bin/stage/torchft-wheels --only-binary=:all: \
+      --python-version "${GPU_PYTHON_VERSION:-3.12}" --platform manylinux2014_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform any torchft==0.2.0 --no-deps \
+      && "$DUCTILE_TORCH_PYTHON" -m pip download -q -d gpu-bin/stage/torchft-wheels --only-binary=:all: \
+      --python-version "${GPU_PYTHON_VERSION:-3.12}" --platform manylinux2014_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform any "opentelemetry-exporter-otlp-proto-http>=1.39.0" \
+      "opentelemetry-sdk>=1.39.0" "opentelemetry-api>=1.39.0" \
+      || echo "torchft's wheels could not be downloaded: step 9 will be skipped" >&2
   fi
   tar czf gpu-bin/ductile-gpu.tar.gz -C gpu-bin/stage .
   rm -rf gpu-bin/stage
@@ -139,7 +154,9 @@ pids+=($!)
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token"
 export DCTL_ENDPOINT="http://127.0.0.1:$api_port" DCTL_TOKEN="$(cat "$work/token")"
 sleep 1
-ductiled --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --insecure-http --election-ttl 3 >"$work/daemon.log" 2>&1 &
+tf_port=$(free_port)
+ductiled --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --insecure-http --election-ttl 3 \
+  --torchft-listen "127.0.0.1:$tf_port" >"$work/daemon.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do dctl nodes >/dev/null 2>&1 && break; sleep 0.2; done
 declare -A agent_pid
@@ -553,5 +570,61 @@ echo "torchrun1: SIGKILL of the script (pid $victim): next step of the restarted
 py "import json; e = json.load(open('$work/tr-env.json')); assert 'CUDA_VISIBLE_DEVICES' in e and 'LOCAL_RANK' in e, e" || fail "the script's environment lacks CUDA_VISIBLE_DEVICES or LOCAL_RANK"
 dctl events "$job" | tail -3
 kill -TERM "${agent_pid[gpu-t]}"; sleep 2
+fi
+if want 9; then
+if [ ! -d "$bin/torchft-wheels" ]; then
+  log "9. skipped: no torchft wheels were packed"
+else
+log "9. a TorchFT script as a runtime = \"torchft\" job: two replica groups on cuda:0, one group's program SIGKILLed and restarted alone, healed, equal weights"
+# (a wheel is a zip: without pip, unpacking it into the directory installs it as --target does)
+python3 -m pip install -q --no-index --no-deps --target "$work/pydeps" "$bin"/torchft-wheels/*.whl 2>/dev/null \
+  || for w in "$bin"/torchft-wheels/*.whl; do python3 -m zipfile -e "$w" "$work/pydeps" || fail "cannot unpack $w"; done
+PYTHONPATH="$work/pydeps" python3 -c "import torchft" || fail "the carried torchft does not import"
+pyexe=$(command -v python3)
+old_pythonpath=${PYTHONPATH:-}
+export PYTHONPATH="$work/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+for a in gpu-f1 gpu-f2; do
+  start_agent "$a" --gpus 0 --allowed-commands "$pyexe" --allowed-paths "$work,$root/examples"
+done
+export PYTHONPATH="$old_pythonpath"
+sleep 1
+job=torchft1
+cat >"$work/$job.toml" <<JOB
+name = "$job"
+runtime = "torchft"
+command = ["$pyexe", "$root/examples/torchft/train_ddp.py", "--device", "cuda", "--steps", "500", "--step-sleep", "0.01", "--min-replicas", "1", "--log", "$work/ft.log", "--sha-out", "$work/ft-g{group}.sha"]
+min = 1
+max = 2
+desired = 2
+restart_budget = 2
+[torchrun]
+grace_s = 5
+JOB
+dctl submit "$work/$job.toml"
+commits() { py "import os; print(open('$work/ft.log').read() if os.path.exists('$work/ft.log') else '')"; }
+ftq() { commits | py "import sys; L=[dict(kv.split('=',1) for kv in l.split()[1:]) | {'t': float(l.split()[0])} for l in sys.stdin if l.strip()]; print($1)"; }
+t0=$SECONDS
+until [ "$(ftq "sum(1 for c in L if c['participants']=='2' and int(c['step'])>=50)")" -ge 2 ] 2>/dev/null; do
+  [ $((SECONDS - t0)) -lt 240 ] || { tail -30 "$work"/agent-gpu-f*.log; fail "two groups committing together on the GPU: not within 240 s"; }
+  sleep 0.5
+done
+victim=$(field "[m for m in v['members'] if m.get('replica_group') == 1][0].get('program_pid')")
+other=$(field "[m for m in v['members'] if m.get('replica_group') == 0][0].get('program_pid')")
+t_kill=$(date +%s.%N)
+kill -9 "$victim"
+t0=$SECONDS
+until [ "$(ftq "sum(1 for c in L if c['group']=='1' and c['pid']!='$victim' and c['t']>$t_kill and c['healed']=='1')")" -ge 1 ] 2>/dev/null; do
+  [ $((SECONDS - t0)) -lt 120 ] || { tail -30 "$work"/agent-gpu-f*.log; fail "group 1 back and healed: not within 120 s"; }
+  sleep 0.2
+done
+back=$(ftq "round(min(c['t'] for c in L if c['group']=='1' and c['pid']!='$victim' and c['t']>$t_kill) - $t_kill, 3)")
+surv=$(ftq "round(min([c['t'] for c in L if c['group']=='0' and c['t']>$t_kill and c['participants']=='1'] or [0]) - $t_kill, 3)")
+wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
+[ "$(ftq "sorted(set(c['pid'] for c in L if c['group']=='0'))")" = "['$other']" ] || fail "group 0 was restarted: $(ftq "sorted(set(c['pid'] for c in L if c['group']=='0'))")"
+cmp -s "$work/ft-g0.sha" "$work/ft-g1.sha" || fail "the groups' weights differ: $(cat "$work"/ft-g*.sha)"
+echo "torchft1: group 1's program (pid $victim) SIGKILLed on cuda:0: group 0 (pid $other, never restarted) committed alone ${surv} s later; group 1 restarted by ductile, first commit healed ${back} s after the kill; both groups ended with sha256 $(cat "$work/ft-g0.sha")"
+dctl events "$job" | tail -4
+for a in gpu-f1 gpu-f2; do kill -TERM "${agent_pid[$a]}"; done; sleep 2
+fi
 fi
 log "all GPU checks passed"

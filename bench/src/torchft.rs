@@ -9,6 +9,10 @@
 //! (healed from a live peer). Then the lighthouse itself is SIGKILLed (ductile: the leading
 //! replica): TorchFT's stops every group; ductile's longest pause between commits is printed.
 //!
+//! Then the same script as a `runtime = "torchft"` job on that cluster (three agents of one
+//! slot each, the groups launched by ductile): per round one group's program is SIGKILLed and
+//! ductile restarts that group alone; the same two times are measured.
+//!
 //! A survivor blocked in an all-reduce with the dead peer drops its step only after the
 //! script's collective timeout (`--timeout-s`, 5 s by default as in the script): whichever
 //! lighthouse, its next commit comes no sooner.
@@ -19,13 +23,6 @@ use std::time::{Duration, Instant};
 use ductile_tests::*;
 
 use crate::median;
-
-fn now_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
 
 async fn until<T>(
     limit: Duration,
@@ -166,6 +163,140 @@ async fn rounds(
     Ok((groups, fig))
 }
 
+/// The job rounds: `runtime = "torchft"` on `c` (three agents of one slot), each round one
+/// group's program SIGKILLed, ductile restarting it.
+async fn job_rounds(
+    c: &mut Cluster,
+    dir: &Path,
+    n: usize,
+    timeout_s: f64,
+) -> anyhow::Result<Figures> {
+    let flags = torchrun_agent_flags();
+    let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+    for a in ["ft-node1", "ft-node2", "ft-node3"] {
+        c.start_agent(a, 1, &extra);
+    }
+    let log_of = |g: u32| torchft_commits(&dir.join(format!("g{g}.log")));
+    let command: Vec<String> = [
+        torch_python_bin(),
+        repo_root()
+            .join("examples/torchft/train_ddp.py")
+            .display()
+            .to_string(),
+        "--steps".into(),
+        "10000000".into(),
+        "--step-sleep".into(),
+        "0.02".into(),
+        "--min-replicas".into(),
+        "1".into(),
+        "--timeout-s".into(),
+        timeout_s.to_string(),
+        "--log".into(),
+        dir.join("g{group}.log").display().to_string(),
+    ]
+    .iter()
+    .map(|a| format!("{a:?}"))
+    .collect();
+    c.submit(&format!(
+        "name = \"ftbench\"\nruntime = \"torchft\"\ncommand = [{}]\nmin = 1\nmax = 3\ndesired = 3\nrestart_budget = 1000\n[torchrun]\ngrace_s = 2\n",
+        command.join(", ")
+    ));
+    let mut fig = Figures {
+        survivors: vec![],
+        healed: vec![],
+        failed: 0,
+    };
+    let together = |fresh: f64| {
+        let t = now_s();
+        (0..3u32)
+            .all(|g| {
+                log_of(g)
+                    .last()
+                    .is_some_and(|x| x.participants == 3 && t - x.time < fresh)
+            })
+            .then_some(())
+    };
+    until(
+        Duration::from_secs(180),
+        "the job's three groups committing together",
+        || together(1.0),
+    )
+    .await?;
+    for r in 0..n {
+        let v = (r % 3) as u32;
+        let st = c.status("ftbench");
+        let Some(pid) = st
+            .members
+            .iter()
+            .find(|m| m.replica_group == Some(v))
+            .and_then(|m| m.program_pid)
+        else {
+            println!("  job round {}: group {v} has no program", r + 1);
+            fig.failed += 1;
+            continue;
+        };
+        let quorum_before = log_of((v + 1) % 3).last().map_or(-1, |x| x.quorum);
+        let killed = now_s();
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let s = until(
+            Duration::from_secs(60),
+            "survivors' commit under a new quorum",
+            || {
+                (0..3u32)
+                    .filter(|&g| g != v)
+                    .filter_map(|g| {
+                        log_of(g)
+                            .into_iter()
+                            .find(|x| x.time > killed && x.quorum != quorum_before)
+                    })
+                    .map(|x| x.time)
+                    .reduce(f64::min)
+            },
+        )
+        .await;
+        let h = until(
+            Duration::from_secs(60),
+            "the restarted group's first commit",
+            || {
+                log_of(v)
+                    .into_iter()
+                    .find(|x| x.time > killed && x.pid != pid)
+                    .map(|x| x.time)
+            },
+        )
+        .await;
+        match (s, h) {
+            (Ok(s), Ok(h)) => {
+                println!(
+                    "  job round {}: group {v}'s program killed: survivors commit {:.2} s later, ductile's restart of the group {:.2} s later (healed)",
+                    r + 1,
+                    s - killed,
+                    h - killed
+                );
+                fig.survivors.push(s - killed);
+                fig.healed.push(h - killed);
+            }
+            (s, h) => {
+                println!(
+                    "  job round {}: no recovery: {:?} {:?}",
+                    r + 1,
+                    s.err(),
+                    h.err()
+                );
+                fig.failed += 1;
+            }
+        }
+        let _ = until(
+            Duration::from_secs(60),
+            "three groups together again",
+            || together(1.0),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    Ok(fig)
+}
+
 /// The longest pause between two commits of group 0's log in [from - 1, from + span], and
 /// whether any commit came more than a second after `from`.
 fn pause_after(dir: &Path, from: f64, span: f64) -> (f64, bool) {
@@ -247,6 +378,10 @@ pub async fn recovery(n: usize, timeout_s: f64) -> anyhow::Result<()> {
     let (o_pause, o_went_on) = pause_after(dir2.path(), killed, watch);
     drop(groups);
 
+    // the same script as a runtime = "torchft" job on the replica left
+    let dir3 = TempDir::new("torchft-bench-job");
+    let j = job_rounds(&mut c, dir3.path(), n, timeout_s).await?;
+
     println!(
         "{}",
         summary(
@@ -268,6 +403,15 @@ pub async fn recovery(n: usize, timeout_s: f64) -> anyhow::Result<()> {
     println!(
         "{}",
         summary(
+            "ductile job       ",
+            "group SIGKILL → survivors' next commit",
+            &j.survivors,
+            j.failed
+        )
+    );
+    println!(
+        "{}",
+        summary(
             "torchft_lighthouse",
             "group SIGKILL → relaunched group's first commit (healed)",
             &t.healed,
@@ -281,6 +425,15 @@ pub async fn recovery(n: usize, timeout_s: f64) -> anyhow::Result<()> {
             "group SIGKILL → relaunched group's first commit (healed)",
             &o.healed,
             o.failed
+        )
+    );
+    println!(
+        "{}",
+        summary(
+            "ductile job       ",
+            "group SIGKILL → ductile's restart of the group, first commit (healed)",
+            &j.healed,
+            j.failed
         )
     );
     let went = |on: bool, pause: f64| {

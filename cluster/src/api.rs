@@ -189,4 +189,7 @@ pub struct SeriesView {
     pub marks: Vec<crate::series::Mark>,
     /// Points the stored series holds (before `from` and `every`).
     pub stored_points: usize,
+    /// `runtime = "torchft"`: the job's quorums, oldest first (the lighthouse keeps the last 256).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quorums: Vec<crate::series::QuorumMark>,
 }

@@ -59,6 +59,21 @@ fn is_one(n: &u32) -> bool {
     *n == 1
 }
 
+/// A TorchFT quorum of a `runtime = "torchft"` job, drawn as a marker at its highest step (the
+/// API adds the job room's quorums to the chart history; the leader's series does not hold
+/// them).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QuorumMark {
+    pub quorum_id: i64,
+    /// When the lighthouse issued it, ms since the epoch.
+    pub at_ms: u64,
+    /// The highest step among its members (where the groups train on from).
+    pub step: u64,
+    pub members: u32,
+    /// How many of its members heal from another.
+    pub healing: u32,
+}
+
 /// A generation, drawn as a vertical marker at the step it resumed from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Mark {

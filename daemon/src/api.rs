@@ -2,8 +2,7 @@
 //! etcd, where the leader's reconciler picks them up.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
@@ -42,7 +41,8 @@ pub struct AppState {
     pub metrics_need_token: bool,
     /// GET calls need no token (plain HTTP on loopback only: the config checks).
     pub reads_without_token: bool,
-    pub is_leader: Arc<AtomicBool>,
+    /// This replica's leader key while it leads.
+    pub leader: tokio::sync::watch::Receiver<Option<ductile_cluster::kv::LeaderKey>>,
     pub id: String,
 }
 
@@ -102,6 +102,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{job}/scale", post(scale))
         .route("/v1/jobs/{job}/stop", post(stop))
         .route("/v1/jobs/{job}/events", get(events))
+        .route("/v1/jobs/{job}/quorums", get(quorums))
         .route("/v1/jobs/{job}/series", get(series))
         .route("/v1/jobs/{job}/checkpoints", get(checkpoints))
         .route("/v1/jobs/{job}/spec", get(job_spec))
@@ -607,8 +608,13 @@ async fn series(
     Query(q): Query<SeriesQuery>,
 ) -> ApiResult<Json<SeriesView>> {
     let snaps = current(&st)?;
+    let torchft;
     let mut s = match cached_obs(&st, &snaps, &job) {
         Some(obs) => {
+            torchft = obs
+                .spec
+                .as_ref()
+                .is_some_and(|s| s.runtime == Runtime::Torchft);
             let mut s = crate::series::stored(&st.store, &snaps.jobs, &job).map_err(|e| {
                 ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -623,9 +629,10 @@ async fn series(
             s
         }
         None => {
-            if st.store.spec(&job).await?.is_none() {
+            let Some((spec, _)) = st.store.spec(&job).await? else {
                 return Err(ApiError::not_found(&job));
-            }
+            };
+            torchft = spec.runtime == Runtime::Torchft;
             st.store
                 .get_json(&st.store.keys.series(&job), "job series")
                 .await?
@@ -635,12 +642,58 @@ async fn series(
     };
     let stored_points = s.points.len();
     let points = s.query(q.from, q.every);
+    // a torchft job's quorums, from its lighthouse room
+    let quorums = if torchft {
+        crate::lighthouse::job_quorums(&st.store, &job, -1)
+            .await?
+            .into_iter()
+            .map(|v| ductile_cluster::series::QuorumMark {
+                quorum_id: v.quorum_id,
+                at_ms: v.created_ms,
+                step: v
+                    .members
+                    .iter()
+                    .map(|m| m.step.max(0) as u64)
+                    .max()
+                    .unwrap_or(0),
+                members: v.members.len() as u32,
+                healing: v.healing.len() as u32,
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     Ok(Json(SeriesView {
         job,
         points,
         marks: std::mem::take(&mut s.marks),
         stored_points,
+        quorums,
     }))
+}
+
+#[derive(Deserialize)]
+struct QuorumsQuery {
+    #[serde(default = "QuorumsQuery::all")]
+    after: i64,
+}
+
+impl QuorumsQuery {
+    fn all() -> i64 {
+        -1
+    }
+}
+
+/// A torchft job's quorums past `after` (a quorum id), oldest first: `dctl events`.
+async fn quorums(
+    State(st): State<AppState>,
+    Path(job): Path<String>,
+    Query(q): Query<QuorumsQuery>,
+) -> ApiResult<Json<Vec<ductile_cluster::api::TorchftQuorumView>>> {
+    ductile_cluster::keys::validate_name("job", &job)?;
+    Ok(Json(
+        crate::lighthouse::job_quorums(&st.store, &job, q.after).await?,
+    ))
 }
 
 #[derive(Deserialize)]
@@ -782,7 +835,7 @@ async fn leader(State(st): State<AppState>) -> ApiResult<Json<serde_json::Value>
         .await?
         .map(|v| String::from_utf8_lossy(&v).into_owned());
     Ok(Json(
-        serde_json::json!({ "leader": leader, "this_replica": st.id, "this_replica_leads": st.is_leader.load(Ordering::SeqCst) }),
+        serde_json::json!({ "leader": leader, "this_replica": st.id, "this_replica_leads": st.leader.borrow().is_some() }),
     ))
 }
 
@@ -969,7 +1022,7 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
     }
     let mut reg = Registry::default();
     let is_leader = Gauge::<i64>::default();
-    is_leader.set(st.is_leader.load(Ordering::SeqCst) as i64);
+    is_leader.set(st.leader.borrow().is_some() as i64);
     reg.register(
         "ductile_daemon_is_leader",
         "1 if this replica leads",

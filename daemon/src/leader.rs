@@ -6,7 +6,7 @@
 //! never publish.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,7 +43,6 @@ pub async fn run_replica(
     store: Store,
     cfg: LeaderConfig,
     view: ClusterView,
-    is_leader: Arc<AtomicBool>,
     leader_key_tx: watch::Sender<Option<LeaderKey>>,
     cancel: CancellationToken,
 ) {
@@ -104,7 +103,6 @@ pub async fn run_replica(
             "leader",
         )]);
         cfg.beat.store(now_ms(), Ordering::SeqCst);
-        is_leader.store(true, Ordering::SeqCst);
         leader_key_tx.send_replace(Some(leader_key.clone()));
         let lead_cancel = lease_cancel.child_token();
         tokio::select! {
@@ -121,7 +119,6 @@ pub async fn run_replica(
                 tracing::info!("resigned leadership");
             }
         }
-        is_leader.store(false, Ordering::SeqCst);
         leader_key_tx.send_replace(None);
         ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Status(
             "standby",

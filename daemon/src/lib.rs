@@ -13,7 +13,7 @@ pub mod series;
 pub mod tls;
 pub mod view;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +27,9 @@ pub async fn run(
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let store = Store::new(backend, Keys::new(&cfg.prefix));
-    let is_leader = Arc::new(AtomicBool::new(false));
+    // this replica's leader key while it leads: the API's `/v1/leader`, the watchdog and the
+    // lighthouse's decisions all read it
+    let (leader_key_tx, leader_key_rx) = tokio::sync::watch::channel(None);
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.listen))?;
@@ -41,7 +43,7 @@ pub async fn run(
         read_token: cfg.read_token.clone(),
         metrics_need_token: cfg.metrics_need_token,
         reads_without_token: cfg.reads_without_token,
-        is_leader: is_leader.clone(),
+        leader: leader_key_rx.clone(),
         id: cfg.id.clone(),
     });
     let c = cancel.clone();
@@ -69,7 +71,6 @@ pub async fn run(
         beat: beat.clone(),
         job_users: cfg.etcd.has_user(),
     };
-    let (leader_key_tx, leader_key_rx) = tokio::sync::watch::channel(None);
     let lighthouse = match &cfg.torchft {
         Some(tf) => {
             let listener = tokio::net::TcpListener::bind(&tf.listen)
@@ -93,7 +94,7 @@ pub async fn run(
                 listener,
                 advertise,
                 Duration::from_secs(cfg.election_ttl.max(2) as u64),
-                leader_key_rx,
+                leader_key_rx.clone(),
                 cfg.id.clone(),
                 cancel.clone(),
             )))
@@ -104,7 +105,6 @@ pub async fn run(
         store,
         lcfg,
         view,
-        is_leader.clone(),
         leader_key_tx,
         cancel.clone(),
     ));
@@ -121,7 +121,7 @@ pub async fn run(
                     _ = tokio::time::sleep(every.min(Duration::from_secs(1))) => {}
                     _ = c.cancelled() => return,
                 }
-                let leading = is_leader.load(Ordering::SeqCst);
+                let leading = leader_key_rx.borrow().is_some();
                 let age = Duration::from_millis(
                     ductile_cluster::records::now_ms().saturating_sub(beat.load(Ordering::SeqCst)),
                 );

@@ -156,6 +156,10 @@ fn room_of<T>(req: &Request<T>) -> String {
 pub const MAX_ID_LEN: usize = 512;
 /// The most `data` a member may carry.
 pub const MAX_DATA_LEN: usize = 16 * 1024;
+/// The quorum ids a room keeps in its history (`quorums/`: `dctl events`, the chart, the
+/// check that no id had two member sets); older ones are deleted by the leader's clean-up.
+pub const MAX_ISSUED_KEPT: usize = 256;
+
 /// The most replicas (heartbeating or joined) one room holds; more are refused.
 pub const MAX_REPLICAS: usize = 1024;
 /// The most `Quorum` calls one replica keeps waiting at once.
@@ -511,6 +515,9 @@ pub struct Lighthouse {
     /// (room, replica id) → when this replica last wrote its heartbeat
     written: Arc<Mutex<HashMap<(String, String), Instant>>>,
     waiting: Arc<Semaphore>,
+    /// The rooms as the last snapshot decoded (its revision): the leader's ticks, the admission
+    /// of new ids and the clean-up share one decode per snapshot.
+    decoded: Arc<Mutex<(i64, Arc<BTreeMap<String, RoomState>>)>>,
 }
 
 impl Lighthouse {
@@ -525,7 +532,17 @@ impl Lighthouse {
             prefix,
             written: Arc::new(Mutex::new(HashMap::new())),
             waiting: Arc::new(Semaphore::new(MAX_WAITING)),
+            decoded: Arc::new(Mutex::new((0, Arc::default()))),
         }
+    }
+
+    /// The rooms of `snap`, decoded once per snapshot revision.
+    fn rooms_of(&self, snap: &Snapshot) -> Arc<BTreeMap<String, RoomState>> {
+        let mut d = self.decoded.lock().expect("decoded rooms");
+        if d.0 != snap.revision || snap.revision == 0 {
+            *d = (snap.revision, Arc::new(rooms(&self.prefix, snap)));
+        }
+        d.1.clone()
     }
 
     fn room(&self, room: &str) -> (String, RoomKeys) {
@@ -551,7 +568,7 @@ impl Lighthouse {
     /// A new replica id is refused once the room holds `MAX_REPLICAS`.
     /// A replica id another room holds (another job's) is refused.
     fn admit(&self, snap: &Snapshot, room: &str, id: &str) -> Result<(), Status> {
-        let rooms = rooms(&self.prefix, snap);
+        let rooms = self.rooms_of(snap);
         if let Some((other, _)) = rooms.iter().find(|(name, r)| {
             name.as_str() != room
                 && (r.heartbeats.contains_key(id) || r.participants.contains_key(id))
@@ -708,10 +725,11 @@ impl Lighthouse {
                 continue;
             }
             let now = now_ms();
-            for (room, mut st) in rooms(&self.prefix, &snap) {
+            for (room, st) in self.rooms_of(&snap).iter() {
                 if st.participants.is_empty() {
                     continue;
                 }
+                let (room, mut st) = (room.clone(), st.clone());
                 let keys = RoomKeys::new(&self.store, &room);
                 st.dead = dead.lock().expect("dead map").clone();
                 let (met, reason) = quorum_compute(now, &st, &self.opt);
@@ -764,8 +782,25 @@ impl Lighthouse {
     /// Forget replicas whose heartbeat lapsed long ago (ten timeouts, at least a minute).
     async fn collect(&self, snap: &Snapshot, now: u64) {
         let stale = (10 * self.opt.heartbeat_timeout_ms).max(60_000);
-        for (room, st) in rooms(&self.prefix, snap) {
-            let keys = RoomKeys::new(&self.store, &room);
+        for (room, st) in self.rooms_of(snap).iter() {
+            let keys = RoomKeys::new(&self.store, room);
+            // the quorum ids issued: the last MAX_ISSUED_KEPT stay (new ids only grow, from the
+            // `quorum` key, so a pruned id is never issued again)
+            let issued = keys.keys.torchft_issued_all(room);
+            let ids: Vec<&String> = snap
+                .kvs
+                .range(issued.clone()..)
+                .map(|(k, _)| k)
+                .take_while(|k| k.starts_with(&issued))
+                .collect();
+            if ids.len() > MAX_ISSUED_KEPT {
+                for k in &ids[..ids.len() - MAX_ISSUED_KEPT] {
+                    if let Err(e) = self.store.backend.delete(k).await {
+                        tracing::debug!(error = %e, "lighthouse clean-up failed; next time");
+                        return;
+                    }
+                }
+            }
             for (id, (key, rev)) in &st.hb_keys {
                 if now.saturating_sub(st.heartbeats[id]) < stale {
                     continue;
@@ -1065,7 +1100,6 @@ pub async fn job_quorum(
     store: &Store,
     job: &str,
 ) -> ductile_cluster::Result<Option<ductile_cluster::api::TorchftQuorumView>> {
-    use ductile_cluster::api::{TorchftHealView, TorchftMemberView, TorchftQuorumView};
     let keys = RoomKeys::new(store, &job_room(job));
     let Some(kv) = store.backend.get(&keys.quorum()).await? else {
         return Ok(None);
@@ -1073,14 +1107,48 @@ pub async fn job_quorum(
     let q: QuorumRecord = serde_json::from_slice(&kv.value).map_err(|e| {
         ductile_cluster::ClusterError::invalid("torchft quorum", format!("undecodable: {e}"))
     })?;
-    let healing = healing(&q)
+    Ok(Some(quorum_view(&q)))
+}
+
+/// A torchft job's quorums with an id past `after`, oldest first (`dctl events`, the chart):
+/// the first quorum issued under each id, as its room keeps them (the last
+/// [`MAX_ISSUED_KEPT`]).
+pub async fn job_quorums(
+    store: &Store,
+    job: &str,
+    after: i64,
+) -> ductile_cluster::Result<Vec<ductile_cluster::api::TorchftQuorumView>> {
+    let keys = RoomKeys::new(store, &job_room(job));
+    let (kvs, _) = store
+        .backend
+        .list(&keys.keys.torchft_issued_all(&keys.room))
+        .await?;
+    let mut out = Vec::new();
+    for kv in &kvs {
+        let q: QuorumRecord = serde_json::from_slice(&kv.value).map_err(|e| {
+            ductile_cluster::ClusterError::invalid(
+                "torchft quorum",
+                format!("{} is undecodable: {e}", kv.key),
+            )
+        })?;
+        if q.quorum_id > after {
+            out.push(quorum_view(&q));
+        }
+    }
+    Ok(out)
+}
+
+/// A quorum as the API shows it.
+pub fn quorum_view(q: &QuorumRecord) -> ductile_cluster::api::TorchftQuorumView {
+    use ductile_cluster::api::{TorchftHealView, TorchftMemberView, TorchftQuorumView};
+    let healing = healing(q)
         .into_iter()
         .map(|(dst, src)| TorchftHealView {
             replica_id: dst,
             from: src,
         })
         .collect();
-    Ok(Some(TorchftQuorumView {
+    TorchftQuorumView {
         quorum_id: q.quorum_id,
         created_ms: q.created_ms,
         issued_by: q.issued_by.clone(),
@@ -1096,7 +1164,7 @@ pub async fn job_quorum(
             })
             .collect(),
         healing,
-    }))
+    }
 }
 
 /// Who heals from whom in a quorum, as TorchFT's managers assign it for group rank 0 (with its

@@ -77,6 +77,10 @@ enum Cmd {
         job: String,
         #[arg(long)]
         follow: bool,
+        /// With --json, a torchft job's quorums too, as `{"torchft_quorum": ...}` lines between
+        /// the generations (the text always shows them).
+        #[arg(long)]
+        quorums: bool,
     },
     /// Follow a job's step, loss (with a sparkline of the recent loss), throughput and
     /// generation until it ends (Ctrl-C to leave).
@@ -421,6 +425,33 @@ fn print_generation(g: &Generation) {
     );
 }
 
+fn print_quorum(q: &ductile_cluster::api::TorchftQuorumView) {
+    let members: Vec<String> = q
+        .members
+        .iter()
+        .map(|m| format!("{}@{}", m.replica_id, m.step))
+        .collect();
+    let healing: Vec<String> = q
+        .healing
+        .iter()
+        .map(|h| format!("{} from {}", h.replica_id, h.from))
+        .collect();
+    println!(
+        "quorum {:<4} torchft   world {:<3} at {:.3}  issued by {} ({}){}  [{}]",
+        q.quorum_id,
+        q.members.len(),
+        q.created_ms as f64 / 1000.0,
+        q.issued_by,
+        q.reason,
+        if healing.is_empty() {
+            String::new()
+        } else {
+            format!("; healing: {}", healing.join(", "))
+        },
+        members.join(" ")
+    );
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Cmd::TorchftRelay { listen, to, job } = &cli.cmd {
         return ductile_cluster::relay::run(listen, to.clone(), job.clone()).await;
@@ -683,13 +714,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let n = plot::plot(&s, metric, &file, format)?;
             if json {
                 out(&serde_json::json!({
-                    "job": job, "out": file, "points": n, "generations": s.marks.len()
+                    "job": job, "out": file, "points": n, "generations": s.marks.len(),
+                    "quorums": s.quorums.len()
                 }));
             } else {
                 println!(
-                    "wrote {}: {n} points, {} generation marker(s)",
+                    "wrote {}: {n} points, {} generation marker(s), {} quorum marker(s)",
                     file.display(),
-                    s.marks.len()
+                    s.marks.len(),
+                    s.quorums.len()
                 );
             }
         }
@@ -756,8 +789,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 print_checkpoints(&v);
             }
         }
-        Cmd::Events { job, follow } => {
+        Cmd::Events {
+            job,
+            follow,
+            quorums: quorums_json,
+        } => {
             let mut after = 0;
+            let mut after_q: i64 = -1;
+            // a torchft job's quorums go between its generations, by time
+            let torchft = {
+                let spec: ductile_cluster::records::JobSpec = serde_json::from_value(
+                    c.call(Method::GET, &format!("/v1/jobs/{job}/spec"), None)
+                        .await?,
+                )?;
+                spec.runtime == ductile_cluster::records::Runtime::Torchft
+            };
             loop {
                 let v = c
                     .call(
@@ -767,13 +813,46 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     )
                     .await?;
                 let gens: Vec<Generation> = serde_json::from_value(v)?;
-                for g in &gens {
-                    if json {
-                        println!("{}", serde_json::to_string(g)?);
-                    } else {
-                        print_generation(g);
+                let quorums: Vec<ductile_cluster::api::TorchftQuorumView> = if torchft
+                    && (!json || quorums_json)
+                {
+                    serde_json::from_value(
+                        c.call(
+                            Method::GET,
+                            &format!("/v1/jobs/{job}/quorums?after={after_q}"),
+                            None,
+                        )
+                        .await?,
+                    )?
+                } else {
+                    Vec::new()
+                };
+                let mut order: Vec<(u64, Option<&Generation>, Option<&_>)> = gens
+                    .iter()
+                    .map(|g| (g.published_at_ms, Some(g), None))
+                    .chain(quorums.iter().map(|q| (q.created_ms, None, Some(q))))
+                    .collect();
+                order.sort_by_key(|(t, _, _)| *t);
+                for (_, g, q) in order {
+                    match (g, q) {
+                        (Some(g), _) => {
+                            if json {
+                                println!("{}", serde_json::to_string(g)?);
+                            } else {
+                                print_generation(g);
+                            }
+                            after = after.max(g.number);
+                        }
+                        (None, Some(q)) => {
+                            if json {
+                                println!("{}", serde_json::json!({ "torchft_quorum": q }));
+                            } else {
+                                print_quorum(q);
+                            }
+                            after_q = after_q.max(q.quorum_id);
+                        }
+                        _ => {}
                     }
-                    after = after.max(g.number);
                 }
                 if !follow {
                     break;

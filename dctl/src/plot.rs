@@ -103,7 +103,8 @@ fn draw<DB: DrawingBackend>(
         .points
         .iter()
         .map(|p| p.step as f64)
-        .chain(s.marks.iter().map(|m| m.step as f64));
+        .chain(s.marks.iter().map(|m| m.step as f64))
+        .chain(s.quorums.iter().map(|q| q.step as f64));
     let (x0, x1) = steps.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
     let x1 = if x1 <= x0 { x0 + 1.0 } else { x1 };
     let vals = lines.iter().flat_map(|(_, c)| c.iter().map(|(_, v)| *v));
@@ -145,6 +146,32 @@ fn draw<DB: DrawingBackend>(
                 format!("g{} {}{reform}", m.generation, m.reason),
                 (x, y),
                 ("sans-serif", 13).into_font().color(&c),
+            )))
+            .map_err(e)?;
+    }
+    // a torchft job's quorums: dotted, labelled at the bottom
+    for (i, q) in s.quorums.iter().enumerate() {
+        let x = q.step as f64;
+        let c = RGBColor(110, 110, 130);
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(x, y0), (x, y1)],
+                2,
+                4,
+                c.stroke_width(1),
+            ))
+            .map_err(e)?;
+        let healing = if q.healing > 0 {
+            format!(" ({} healing)", q.healing)
+        } else {
+            String::new()
+        };
+        let y = y0 + (y1 - y0) * (0.04 + 0.06 * (i % 3) as f64);
+        chart
+            .draw_series(std::iter::once(Text::new(
+                format!("q{} ×{}{healing}", q.quorum_id, q.members),
+                (x, y),
+                ("sans-serif", 12).into_font().color(&c),
             )))
             .map_err(e)?;
     }
@@ -284,6 +311,13 @@ mod tests {
             points: vec![p(0, 1, 3), p(10, 1, 3), p(20, 2, 2), p(30, 2, 2)],
             marks: vec![m(1, Reason::Start, 0), m(2, Reason::Failure, 15)],
             stored_points: 4,
+            quorums: vec![ductile_cluster::series::QuorumMark {
+                quorum_id: 7,
+                at_ms: 0,
+                step: 25,
+                members: 2,
+                healing: 1,
+            }],
         }
     }
 
@@ -296,6 +330,8 @@ mod tests {
         assert_eq!(plot(&s, Metric::Loss, &svg, Format::Svg).unwrap(), 4);
         let text = std::fs::read_to_string(&svg).unwrap();
         assert!(text.contains("g1 start 0.25 s") && text.contains("g2 failure 0.25 s"));
+        // a torchft job's quorums are markers too
+        assert!(text.contains("q7 ×2 (1 healing)"), "{text}");
         assert!(text.contains("j: loss"));
         let png = dir.join("steps.png");
         assert_eq!(

@@ -26,6 +26,12 @@ from torch.distributed import TCPStore
 from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 from torchft.checkpointing.http_transport import HTTPTransport
 
+try:
+    # under a ductile launcher: each commit feeds `dctl status`, the charts and stall detection
+    import ductile
+except ImportError:
+    ductile = None
+
 
 class AnnouncedHTTPTransport(HTTPTransport):
     """TorchFT's HTTP checkpoint transport (what a healing group fetches live state from),
@@ -51,6 +57,9 @@ def main() -> None:
     p.add_argument("--sha-out", help="the final weights' SHA-256 ({group}: the group)")
     p.add_argument("--ddp", action="store_true", help="torchft's DistributedDataParallel")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument(
+        "--device", default="cpu", help="cpu, or cuda (cuda:0 of what CUDA_VISIBLE_DEVICES shows)"
+    )
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument(
         "--quorum-retries",
@@ -81,7 +90,8 @@ def main() -> None:
         store_addr, store_port, rank, world = "127.0.0.1", own_store.port, 0, 1
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    dev = torch.device(a.device)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(dev)
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def state_dict():
@@ -115,8 +125,8 @@ def main() -> None:
     while manager.current_step() < a.steps:
         step = manager.current_step()
         g = torch.Generator().manual_seed(step)
-        x = torch.randn(16, 32, generator=g)
-        y = torch.randn(16, 8, generator=g)
+        x = torch.randn(16, 32, generator=g).to(dev)
+        y = torch.randn(16, 8, generator=g).to(dev)
         opt.zero_grad()
         loss = nn.functional.mse_loss(net(x), y)
         loss.backward()
@@ -133,12 +143,14 @@ def main() -> None:
                 f"healed={int(manager._healing)} loss={loss.item():.6f}\n"
             )
             last = now
+            if ductile is not None:
+                ductile.report(step=now, loss=loss.item(), samples=16 * manager.num_participants())
         if a.step_sleep:
             time.sleep(a.step_sleep)
     if a.sha_out:
         h = hashlib.sha256()
         for t in model.state_dict().values():
-            h.update(t.detach().contiguous().numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
         with open(a.sha_out, "w") as f:
             f.write(h.hexdigest() + "\n")
     manager.shutdown(wait=False)

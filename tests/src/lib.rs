@@ -1318,17 +1318,8 @@ impl Cluster {
     }
 
     /// Poll `f` until it returns Some, or give up after `limit` (None).
-    pub fn wait_for_opt<T>(&self, limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-        let t0 = Instant::now();
-        loop {
-            if let Some(v) = f() {
-                return Some(v);
-            }
-            if t0.elapsed() >= limit {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+    pub fn wait_for_opt<T>(&self, limit: Duration, f: impl FnMut() -> Option<T>) -> Option<T> {
+        poll(limit, Duration::from_millis(100), f)
     }
 
     /// Wait until the job's current generation has `world` members, all with a worker pid.
@@ -1766,6 +1757,28 @@ pub fn tokenize(model: &Path, jsonl: &Path, out: &str) -> u64 {
         .and_then(|s| s.rsplit(' ').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("tokenize said {said}"))
+}
+
+/// Calls `f` every `every` until it finds something, or `limit` passes (None).
+pub fn poll<T>(limit: Duration, every: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if t0.elapsed() >= limit {
+            return None;
+        }
+        std::thread::sleep(every);
+    }
+}
+
+/// Unix time in seconds, the clock of `examples/torchft/train_ddp.py`'s commit log.
+pub fn now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
 }
 
 /// One committed step of `examples/torchft/train_ddp.py --log`.

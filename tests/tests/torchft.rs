@@ -3,31 +3,25 @@
 //! and a real etcd, with real replica groups training on CPU (gloo).
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ductile_tests::*;
 
-/// Waits (bounded) until `f` finds what it looks for in the groups' logs.
+/// Waits (bounded) until `f` finds what it looks for in the groups' logs; the groups' log
+/// tails are the failure's message.
 fn wait_commits<T>(
     limit: Duration,
     what: &str,
     procs: &[&Proc],
-    mut f: impl FnMut() -> Option<T>,
+    f: impl FnMut() -> Option<T>,
 ) -> T {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        if t0.elapsed() > limit {
-            let tails: Vec<String> = procs
-                .iter()
-                .map(|p| format!("--- {}:\n{}", p.name, p.log_tail(15)))
-                .collect();
-            panic!("{what}: not within {limit:?}\n{}", tails.join("\n"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    poll(limit, Duration::from_millis(50), f).unwrap_or_else(|| {
+        let tails: Vec<String> = procs
+            .iter()
+            .map(|p| format!("--- {}:\n{}", p.name, p.log_tail(15)))
+            .collect();
+        panic!("{what}: not within {limit:?}\n{}", tails.join("\n"));
+    })
 }
 
 /// The quorums each daemon logged as issued: quorum id → member ids.
@@ -265,13 +259,6 @@ print("\n".join(errors))
     }
 }
 
-fn now_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
 /// `runtime = "torchft"`: ductile launches TorchFT's DDP loop as 3 replica groups (one per
 /// node's slot), each with its c10d store hosted by its launcher and `TORCHFT_LIGHTHOUSE` its
 /// launcher's relay into the job's own room. A SIGKILLed group is restarted alone (the others'
@@ -458,6 +445,31 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
             assert_eq!(Some(m.group_since), was.group_since, "{m:?}");
         }
     }
+    // the quorums are in `dctl events` (between the generations, with who healed from whom)
+    // and in the chart history
+    let ev = c.dctl_ok(&["events", "ft"]);
+    let quorum_lines: Vec<&str> = ev.lines().filter(|l| l.starts_with("quorum ")).collect();
+    assert!(quorum_lines.len() >= 2, "{ev}");
+    assert!(ev.lines().any(|l| l.starts_with("gen ")), "{ev}");
+    assert!(
+        quorum_lines
+            .iter()
+            .any(|l| l.contains("healing: train_ddp_1")),
+        "{ev}"
+    );
+    let evj = c.dctl_ok(&["events", "ft", "--json", "--quorums"]);
+    assert!(
+        evj.lines().any(|l| l.contains("\"torchft_quorum\"")),
+        "{evj}"
+    );
+    let svg = d.join("ft.svg");
+    let plotted = c.dctl_ok(&["plot", "ft", "--out", svg.to_str().unwrap(), "--json"]);
+    let p: serde_json::Value = serde_json::from_str(plotted.trim()).unwrap();
+    assert!(p["quorums"].as_u64().unwrap() >= 2, "{plotted}");
+    assert!(
+        std::fs::read_to_string(&svg).unwrap().contains("q"),
+        "quorum markers drawn"
+    );
     eprintln!(
         "group 1 killed at step {step_at_kill}; back and healed at step {} after {:.2} s",
         healed.step,
@@ -522,4 +534,150 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
         let last = l.iter().filter(|x| x.group == *g).last().unwrap();
         assert_eq!((last.pid, last.step), (*pid, steps), "group {g}");
     }
+}
+
+/// `[torchft] group_size = 2`: two nodes of two slots are two replica groups of two processes
+/// each (torchrun's contract inside the group: `RANK` 0 and 1, the group's c10d store hosted by
+/// its first slot's launcher). SIGKILL the second rank of one group: that group alone restarts
+/// (both its processes), heals and rejoins; the other group's processes keep their pids.
+#[test]
+fn training_torchft_job_groups_of_two_slots_restart_as_a_group() {
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        torchft: Some(vec!["--torchft-min-replicas".into(), "1".into()]),
+        ..Default::default()
+    });
+    let flags = torchrun_agent_flags();
+    let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+    for n in ["node1", "node2"] {
+        c.start_agent(n, 2, &extra);
+    }
+    let dir = TempDir::new("torchft-job2");
+    let d = dir.path();
+    let log_path = d.join("commits.log");
+    let command: Vec<String> = [
+        torch_python_bin(),
+        repo_root()
+            .join("examples/torchft/train_ddp.py")
+            .display()
+            .to_string(),
+        "--steps".into(),
+        "500".into(),
+        "--step-sleep".into(),
+        "0.03".into(),
+        "--log".into(),
+        log_path.display().to_string(),
+        "--sha-out".into(),
+        d.join("g{group}.sha").display().to_string(),
+    ]
+    .iter()
+    .map(|a| format!("{a:?}"))
+    .collect();
+    c.submit(&format!(
+        "name = \"ft2\"\nruntime = \"torchft\"\ncommand = [{}]\nmin = 2\nmax = 4\ndesired = 4\n[torchrun]\ngrace_s = 3\n[torchft]\ngroup_size = 2\n",
+        command.join(", ")
+    ));
+    let log = || torchft_commits(&log_path);
+    let agents = || {
+        c.agents
+            .values()
+            .map(|a| std::fs::read_to_string(&a.log).unwrap_or_default())
+            .collect::<String>()
+    };
+    let v = c.wait_world("ft2", 4, Duration::from_secs(120));
+    // each node's two slots are one group
+    for m in &v.members {
+        let peer = v
+            .members
+            .iter()
+            .find(|o| o.node == m.node && o.slot != m.slot)
+            .unwrap();
+        assert_eq!(m.replica_group, peer.replica_group, "{v:?}");
+    }
+    let together = c.wait_for_opt(Duration::from_secs(180), || {
+        let l = log();
+        // both ranks of both groups commit together (4 processes, 2 per group)
+        let pids: std::collections::BTreeSet<(u32, u32)> = l
+            .iter()
+            .filter(|x| x.step >= 30 && x.participants == 2)
+            .map(|x| (x.group, x.pid))
+            .collect();
+        (pids.len() == 4).then_some(())
+    });
+    assert!(
+        together.is_some(),
+        "two groups of two committing:\n{}",
+        agents()
+    );
+    let v = c.status("ft2");
+    let victim = v
+        .members
+        .iter()
+        .filter(|m| m.replica_group == Some(0))
+        .max_by_key(|m| m.slot)
+        .unwrap()
+        .clone();
+    let others: Vec<u32> = v
+        .members
+        .iter()
+        .filter(|m| m.replica_group == Some(1))
+        .map(|m| m.program_pid.unwrap())
+        .collect();
+    let group0: Vec<u32> = v
+        .members
+        .iter()
+        .filter(|m| m.replica_group == Some(0))
+        .map(|m| m.program_pid.unwrap())
+        .collect();
+    let killed_at = now_s();
+    unsafe { libc::kill(victim.program_pid.unwrap() as i32, libc::SIGKILL) };
+    // group 0 comes back as two new processes, healed, and commits with group 1 again
+    let back = c.wait_for_opt(Duration::from_secs(120), || {
+        let l = log();
+        let new: std::collections::BTreeSet<u32> = l
+            .iter()
+            .filter(|x| x.group == 0 && x.time > killed_at && !group0.contains(&x.pid))
+            .map(|x| x.pid)
+            .collect();
+        let healed = l
+            .iter()
+            .any(|x| x.group == 0 && x.time > killed_at && x.healed);
+        let rejoined = l.iter().any(|x| {
+            x.group == 0 && x.time > killed_at && !group0.contains(&x.pid) && x.participants == 2
+        });
+        (new.len() == 2 && healed && rejoined).then_some(())
+    });
+    assert!(
+        back.is_some(),
+        "group 0 restarted whole and healed:\n{}",
+        agents()
+    );
+    let v2 = c.status("ft2");
+    for m in &v2.members {
+        let was = v
+            .members
+            .iter()
+            .find(|o| o.node == m.node && o.slot == m.slot)
+            .unwrap();
+        if m.replica_group == Some(0) {
+            assert!(m.group_since > was.group_since, "{m:?}");
+        } else {
+            assert_eq!(m.group_since, was.group_since, "{m:?}");
+        }
+    }
+    let done = c.wait_done("ft2", Duration::from_secs(240));
+    assert_eq!(
+        done.state,
+        ductile_cluster::records::JobState::Succeeded,
+        "{done:?}"
+    );
+    // group 1's two processes were never restarted
+    let l = log();
+    let g1: std::collections::BTreeSet<u32> =
+        l.iter().filter(|x| x.group == 1).map(|x| x.pid).collect();
+    assert_eq!(g1, others.iter().copied().collect(), "group 1's processes");
+    let shas: Vec<String> = (0..2)
+        .map(|g| std::fs::read_to_string(d.join(format!("g{g}.sha"))).unwrap())
+        .collect();
+    assert_eq!(shas[0], shas[1], "equal weights");
 }
