@@ -177,12 +177,7 @@ async fn job_rounds(
         c.start_agent(a, 1, &extra);
     }
     let log_of = |g: u32| torchft_commits(&dir.join(format!("g{g}.log")));
-    let command: Vec<String> = [
-        torch_python_bin(),
-        repo_root()
-            .join("examples/torchft/train_ddp.py")
-            .display()
-            .to_string(),
+    let args: Vec<String> = [
         "--steps".into(),
         "10000000".into(),
         "--step-sleep".into(),
@@ -194,12 +189,12 @@ async fn job_rounds(
         "--log".into(),
         dir.join("g{group}.log").display().to_string(),
     ]
-    .iter()
-    .map(|a| format!("{a:?}"))
-    .collect();
-    c.submit(&format!(
-        "name = \"ftbench\"\nruntime = \"torchft\"\ncommand = [{}]\nmin = 1\nmax = 3\ndesired = 3\nrestart_budget = 1000\n[torchrun]\ngrace_s = 2\n",
-        command.join(", ")
+    .to_vec();
+    c.submit(&torchft_job_toml(
+        "ftbench",
+        (1, 3, 3),
+        &args,
+        "restart_budget = 1000\n[torchrun]\ngrace_s = 2",
     ));
     let mut fig = Figures {
         survivors: vec![],

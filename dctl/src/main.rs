@@ -813,20 +813,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     )
                     .await?;
                 let gens: Vec<Generation> = serde_json::from_value(v)?;
-                let quorums: Vec<ductile_cluster::api::TorchftQuorumView> = if torchft
-                    && (!json || quorums_json)
-                {
-                    serde_json::from_value(
-                        c.call(
-                            Method::GET,
-                            &format!("/v1/jobs/{job}/quorums?after={after_q}"),
-                            None,
-                        )
-                        .await?,
-                    )?
-                } else {
-                    Vec::new()
-                };
+                let quorums: Vec<ductile_cluster::api::TorchftQuorumView> =
+                    if torchft && (!json || quorums_json) {
+                        serde_json::from_value(
+                            c.call(
+                                Method::GET,
+                                &format!("/v1/jobs/{job}/quorums?after={after_q}"),
+                                None,
+                            )
+                            .await?,
+                        )?
+                    } else {
+                        Vec::new()
+                    };
                 let mut order: Vec<(u64, Option<&Generation>, Option<&_>)> = gens
                     .iter()
                     .map(|g| (g.published_at_ms, Some(g), None))

@@ -1337,6 +1337,14 @@ impl Cluster {
         )
     }
 
+    /// Every agent's whole log (their workers' lines are in them).
+    pub fn agent_logs(&self) -> String {
+        self.agents
+            .values()
+            .map(|a| std::fs::read_to_string(&a.log).unwrap_or_default())
+            .collect()
+    }
+
     /// The job's generations, oldest first (`dctl events JOB --json`).
     pub fn history(&self, job: &str) -> Vec<ductile_cluster::records::Generation> {
         self.dctl_ok(&["events", job, "--json"])
@@ -1814,6 +1822,36 @@ pub fn torchft_commits(log: &Path) -> Vec<TorchftCommit> {
         .collect()
 }
 
+/// `examples/torchft/train_ddp.py`, TorchFT's DDP example loop.
+pub fn torchft_script() -> String {
+    repo_root()
+        .join("examples/torchft/train_ddp.py")
+        .display()
+        .to_string()
+}
+
+/// A `runtime = "torchft"` job `name` of `sizes` (min, max, desired) running the torchft
+/// example with `args` under the test venv's interpreter; `extra` follows (sections).
+pub fn torchft_job_toml(
+    name: &str,
+    sizes: (u32, u32, u32),
+    args: &[String],
+    extra: &str,
+) -> String {
+    let command: Vec<String> = [torch_python_bin(), torchft_script()]
+        .iter()
+        .chain(args)
+        .map(|a| format!("{a:?}"))
+        .collect();
+    format!(
+        "name = \"{name}\"\nruntime = \"torchft\"\ncommand = [{}]\nmin = {}\nmax = {}\ndesired = {}\n{extra}\n",
+        command.join(", "),
+        sizes.0,
+        sizes.1,
+        sizes.2
+    )
+}
+
 /// A TorchFT replica group of one process running `examples/torchft/train_ddp.py` against the
 /// lighthouse at `lighthouse` (`http://HOST:PORT`): its commits go to `{dir}/{tag}.log`, its
 /// final weights' SHA-256 to `{dir}/g{group}.sha`.
@@ -1826,10 +1864,7 @@ pub fn torchft_group(
     extra: &[&str],
 ) -> Proc {
     let mut args = vec![
-        repo_root()
-            .join("examples/torchft/train_ddp.py")
-            .display()
-            .to_string(),
+        torchft_script(),
         "--steps".into(),
         steps.to_string(),
         "--log".into(),

@@ -286,12 +286,7 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
     let d = dir.path();
     let log_path = d.join("commits.log");
     let steps = 900u64;
-    let command: Vec<String> = [
-        torch_python_bin(),
-        repo_root()
-            .join("examples/torchft/train_ddp.py")
-            .display()
-            .to_string(),
+    let args: Vec<String> = [
         "--steps".into(),
         steps.to_string(),
         "--step-sleep".into(),
@@ -303,20 +298,15 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
         "--sha-out".into(),
         d.join("g{group}.sha").display().to_string(),
     ]
-    .iter()
-    .map(|a| format!("{a:?}"))
-    .collect();
-    c.submit(&format!(
-        "name = \"ft\"\nruntime = \"torchft\"\ncommand = [{}]\nmin = 1\nmax = 3\ndesired = 3\n[torchrun]\ngrace_s = 5\n",
-        command.join(", ")
+    .to_vec();
+    c.submit(&torchft_job_toml(
+        "ft",
+        (1, 3, 3),
+        &args,
+        "[torchrun]\ngrace_s = 5",
     ));
     let log = || torchft_commits(&log_path);
-    let agents = || {
-        c.agents
-            .values()
-            .map(|a| std::fs::read_to_string(&a.log).unwrap_or_default())
-            .collect::<String>()
-    };
+    let agents = || c.agent_logs();
     let v = c.wait_world("ft", 3, Duration::from_secs(120));
     let mut groups: Vec<u32> = v.members.iter().filter_map(|m| m.replica_group).collect();
     groups.sort();
@@ -555,12 +545,7 @@ fn training_torchft_job_groups_of_two_slots_restart_as_a_group() {
     let dir = TempDir::new("torchft-job2");
     let d = dir.path();
     let log_path = d.join("commits.log");
-    let command: Vec<String> = [
-        torch_python_bin(),
-        repo_root()
-            .join("examples/torchft/train_ddp.py")
-            .display()
-            .to_string(),
+    let args: Vec<String> = [
         "--steps".into(),
         "500".into(),
         "--step-sleep".into(),
@@ -570,20 +555,15 @@ fn training_torchft_job_groups_of_two_slots_restart_as_a_group() {
         "--sha-out".into(),
         d.join("g{group}.sha").display().to_string(),
     ]
-    .iter()
-    .map(|a| format!("{a:?}"))
-    .collect();
-    c.submit(&format!(
-        "name = \"ft2\"\nruntime = \"torchft\"\ncommand = [{}]\nmin = 2\nmax = 4\ndesired = 4\n[torchrun]\ngrace_s = 3\n[torchft]\ngroup_size = 2\n",
-        command.join(", ")
+    .to_vec();
+    c.submit(&torchft_job_toml(
+        "ft2",
+        (2, 4, 4),
+        &args,
+        "[torchrun]\ngrace_s = 3\n[torchft]\ngroup_size = 2",
     ));
     let log = || torchft_commits(&log_path);
-    let agents = || {
-        c.agents
-            .values()
-            .map(|a| std::fs::read_to_string(&a.log).unwrap_or_default())
-            .collect::<String>()
-    };
+    let agents = || c.agent_logs();
     let v = c.wait_world("ft2", 4, Duration::from_secs(120));
     // each node's two slots are one group
     for m in &v.members {

@@ -48,14 +48,6 @@ fn step_log(path: &Path) -> Vec<(f64, u32, u32, u64)> {
         .collect()
 }
 
-/// Every agent's whole log (their workers' lines are in them).
-fn agent_logs(c: &Cluster) -> String {
-    c.agents
-        .values()
-        .map(|a| std::fs::read_to_string(&a.log).unwrap_or_default())
-        .collect()
-}
-
 fn events(c: &Cluster, job: &str) -> String {
     c.dctl_ok(&["events", job])
 }
@@ -149,7 +141,8 @@ fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
         "first step at world 3: {at3:?}, last before the kill {last_before}"
     );
     assert!(
-        agent_logs(&c).contains(&format!("resumed from step {} at world size 3", at3.3 - 1)),
+        c.agent_logs()
+            .contains(&format!("resumed from step {} at world size 3", at3.3 - 1)),
         "the script said it resumed from its checkpoint"
     );
 
@@ -207,7 +200,7 @@ fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
         first.3,
         prev.3
     );
-    assert!(agent_logs(&c).contains("a planned drain is coming"));
+    assert!(c.agent_logs().contains("a planned drain is coming"));
     assert!(v2.members.iter().all(|m| m.node == "node1"));
     c.dctl_ok(&["drain", "node3", "--undo"]);
     c.wait_world("ddp", 4, S(60));
@@ -319,7 +312,7 @@ fn training_torchrun_same_weights_as_torchrun_and_the_error_file_shown() {
     assert_eq!(a.trim().len(), 64);
     assert_eq!(a, b, "the same weights under torchrun and ductile");
     assert!(
-        agent_logs(&c).contains("as rank 1 of 2"),
+        c.agent_logs().contains("as rank 1 of 2"),
         "the launcher's start line"
     );
     // torchrun's worker contract: every name torchrun gave its workers, none of the launcher's
