@@ -504,6 +504,48 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
         agents()
     );
 
+    // dctl scale 3: a group comes back on the free slot, under the number no live group
+    // holds; it heals and the three commit together, the other two still in their processes
+    let before = c.status("ft");
+    let gone: u32 = (0..3)
+        .find(|g| !before.members.iter().any(|m| m.replica_group == Some(*g)))
+        .unwrap();
+    let grown_at = now_s();
+    c.dctl_ok(&["scale", "ft", "3"]);
+    let three = c.wait_world("ft", 3, Duration::from_secs(60));
+    let added = three
+        .members
+        .iter()
+        .find(|m| {
+            !before
+                .members
+                .iter()
+                .any(|o| o.node == m.node && o.slot == m.slot)
+        })
+        .expect("a member added");
+    assert_eq!(added.replica_group, Some(gone), "{three:?}");
+    let joined = c.wait_for_opt(Duration::from_secs(90), || {
+        let l = log();
+        l.iter()
+            .find(|x| x.group == gone && x.time > grown_at && x.participants == 3)
+            .map(|x| (x.step, x.time))
+    });
+    let (joined_step, joined_t) = joined.unwrap_or_else(|| {
+        panic!(
+            "the added group committing with the other two:\n{}",
+            agents()
+        )
+    });
+    eprintln!(
+        "scaled to 3: group {gone} committed with the other two at step {joined_step} (of {steps}), {:.2} s after dctl scale",
+        joined_t - grown_at
+    );
+    for (g, pid) in &kept {
+        assert_eq!(pid_of(*g).last(), Some(pid), "group {g} kept its process");
+    }
+    let mut kept = kept;
+    kept.push((gone, added.program_pid.unwrap_or(0)));
+
     // the job ends; the groups that finished hold equal weights
     let done = c.wait_done("ft", Duration::from_secs(240));
     assert_eq!(
@@ -519,10 +561,14 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
         })
         .collect();
     assert!(shas.windows(2).all(|w| w[0] == w[1]), "{shas:?}");
-    for (g, pid) in &kept {
+    for (g, _) in &kept {
         let l = log();
         let last = l.iter().filter(|x| x.group == *g).last().unwrap();
-        assert_eq!((last.pid, last.step), (*pid, steps), "group {g}");
+        assert_eq!(last.step, steps, "group {g}");
+        // the groups that stayed ended in the process they had before the scale-up
+        if let Some((_, pid)) = kept[..2].iter().find(|(k, _)| k == g) {
+            assert_eq!(last.pid, *pid, "group {g}");
+        }
     }
 }
 
