@@ -163,7 +163,7 @@ declare -A agent_pid
 start_agent() { # NAME EXTRA...
   local name=$1; shift
   ductile-agent --etcd "$etcd_url" --node "$name" --lease-ttl 3 --advertise-host 127.0.0.1 \
-    --restart-backoff-ms 2000 --allowed-paths "$work" "$@" >>"$work/agent-$name.log" 2>&1 &
+    --restart-backoff-ms 2000 --allowed-paths "$work,$bin" "$@" >>"$work/agent-$name.log" 2>&1 &
   pids+=($!)
   agent_pid[$name]=$!
 }

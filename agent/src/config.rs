@@ -104,6 +104,21 @@ pub struct Cli {
     /// arguments may be, comma-separated; `*` for any (the default).
     #[arg(long, env = "DUCTILE_ALLOWED_S3_PREFIXES", value_delimiter = ',')]
     pub allowed_s3_prefixes: Option<Vec<String>>,
+    /// Python modules a job may run with `python -m` while commands are restricted,
+    /// comma-separated (`torch.distributed.run`, `pkg.*`, `*`); default none.
+    #[arg(long, env = "DUCTILE_ALLOWED_MODULES", value_delimiter = ',')]
+    pub allowed_modules: Option<Vec<String>>,
+    /// Roots a job's script and workdir must really lie under (symlinks resolved), apart from
+    /// where jobs write; default: allowed_paths.
+    #[arg(long, env = "DUCTILE_ALLOWED_CODE_PATHS", value_delimiter = ',')]
+    pub allowed_code_paths: Option<Vec<String>>,
+    /// The longest torchrun.grace_s a job may ask for, in seconds (default 120).
+    #[arg(long, env = "DUCTILE_MAX_GRACE_S")]
+    pub max_grace_s: Option<u64>,
+    /// A directory of per-job credentials for users' programs: `JOB.env` (KEY=VALUE lines of
+    /// AWS_* names) is given to that job's programs; the agent's own are never given.
+    #[arg(long, env = "DUCTILE_JOB_CREDENTIALS_DIR")]
+    pub job_credentials_dir: Option<PathBuf>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -132,6 +147,10 @@ pub struct FileConfig {
     pub allowed_commands: Option<Vec<String>>,
     pub allowed_paths: Option<Vec<String>>,
     pub allowed_s3_prefixes: Option<Vec<String>>,
+    pub allowed_modules: Option<Vec<String>>,
+    pub allowed_code_paths: Option<Vec<String>>,
+    pub max_grace_s: Option<u64>,
+    pub job_credentials_dir: Option<PathBuf>,
 }
 
 /// Which GPUs a node offers.
@@ -195,6 +214,8 @@ pub struct Config {
     pub advertise_host: String,
     /// What this agent agrees to run (published in its node record).
     pub policy: AgentPolicy,
+    /// Per-job credentials for users' programs (`JOB.env` files); see [`crate::secrets`].
+    pub job_credentials_dir: Option<PathBuf>,
 }
 
 /// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
@@ -367,8 +388,18 @@ impl Config {
                         .or(file.allowed_s3_prefixes)
                         .unwrap_or(d.allowed_s3_prefixes),
                     mesh_tls: mesh_tls.is_some(),
+                    allowed_modules: cli
+                        .allowed_modules
+                        .or(file.allowed_modules)
+                        .unwrap_or(d.allowed_modules),
+                    allowed_code_paths: cli
+                        .allowed_code_paths
+                        .or(file.allowed_code_paths)
+                        .unwrap_or(d.allowed_code_paths),
+                    max_grace_s: cli.max_grace_s.or(file.max_grace_s).unwrap_or(d.max_grace_s),
                 }
             },
+            job_credentials_dir: cli.job_credentials_dir.or(file.job_credentials_dir),
         };
         cfg.validate()?;
         Ok(cfg)

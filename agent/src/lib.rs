@@ -8,6 +8,7 @@
 //! that loop, so it vouches for the actor itself.
 
 pub mod config;
+pub mod secrets;
 pub mod devices;
 pub mod writer;
 
@@ -24,7 +25,7 @@ use ductile_cluster::records::*;
 use ductile_cluster::store::{decode, encode};
 use ductile_cluster::watch::{synced, watch_prefix, Snapshot};
 use ductile_cluster::{Keys, Store};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::BufReader;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -102,6 +103,10 @@ impl Agent {
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
         let store = Store::new(backend.clone(), Keys::new(&cfg.prefix));
+        // what a launcher that died leaves of its program comes here (see sweep_orphans)
+        if let Err(e) = ductile_runtime::reap::become_subreaper() {
+            tracing::warn!(error = %e, "not a child subreaper: processes a dead launcher leaves are not swept");
+        }
         let lease_cancel = CancellationToken::new();
         let keeper =
             LeaseKeeper::start(backend.clone(), cfg.lease_ttl, lease_cancel.clone()).await?;
@@ -207,6 +212,7 @@ impl Agent {
                 _ = tick.tick() => {
                     // this loop never waits on etcd: a ping says the actor is turning
                     ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Watchdog]);
+                    agent.sweep_orphans();
                 }
             }
             agent.reconcile();
@@ -442,7 +448,10 @@ impl Agent {
                     .finished
                     .get(&key)
                     .is_some_and(|gen| *gen >= j.generation);
-                if !self.children.contains_key(&key)
+                // a slot still held by a worker (of any job: a fenced program in its grace
+                // keeps its GPU) gets its next worker once that one has exited
+                let busy = self.children.keys().any(|(_, s)| *s == m.slot);
+                if !busy
                     && !self.failed.contains_key(&key)
                     && !finished
                     && m.slot < self.node.slots()
@@ -455,6 +464,17 @@ impl Agent {
             if let Some(j) = self.jobs.get(&key.0).cloned() {
                 self.spawn(key, &j, rank);
             }
+        }
+    }
+
+    /// Kills what a launcher that died left of its program's processes (re-parented here:
+    /// this agent is a child subreaper), so that no process of a job outlives it.
+    fn sweep_orphans(&mut self) {
+        let tracked: std::collections::BTreeSet<i32> =
+            self.children.values().map(|c| c.pid as i32).collect();
+        let n = ductile_runtime::reap::sweep_orphans(&tracked);
+        if n > 0 {
+            tracing::warn!(killed = n, "killed processes a dead launcher left running");
         }
     }
 
@@ -478,8 +498,13 @@ impl Agent {
     fn spawn(&mut self, key: SlotKey, j: &NodeAssignment, rank: u32) {
         let spec = &j.spec;
         // what this agent's policy refuses never starts (the daemon refuses it at submit too,
-        // but an agent does not take that on trust)
-        if let Err((field, reason)) = self.cfg.policy.check(spec) {
+        // but an agent does not take that on trust), the real paths included (on this node: a
+        // symlink under an allowed root can point anywhere)
+        let policy = &self.cfg.policy;
+        if let Err((field, reason)) = policy
+            .check(spec)
+            .and_then(|_| policy.check_real_paths(spec))
+        {
             tracing::error!(job = %key.0, slot = key.1, %field, %reason, "refused by this agent's policy");
             let exit = format!(
                 "refused by agent {}'s policy: {field}: {reason}",
@@ -509,6 +534,12 @@ impl Agent {
             c.args(&spec.command[1..]);
             c
         };
+        if torchrun {
+            // a user's program runs under the launcher: it inherits nothing of the agent's
+            // but locale, paths and the node's NCCL/CUDA settings (no credentials)
+            cmd.env_clear()
+                .envs(std::env::vars().filter(|(k, _)| secrets::inherited(k)));
+        }
         cmd.envs(&spec.env);
         // `ductile-worker` resolves next to the agent first.
         if let Some(dir) = &own_dir {
@@ -568,6 +599,44 @@ impl Agent {
         cmd.env_remove("DUCTILE_ETCD_PASSWORD_FILE")
             .env_remove("DUCTILE_ETCD_WORKER_CERT")
             .env_remove("DUCTILE_ETCD_WORKER_KEY");
+        // a launcher's secrets (the job's etcd password, the job's credentials for its
+        // programs) come on an inherited pipe, not in an environment its program can read
+        let mut secrets_fd = None;
+        if torchrun {
+            let program_env = match &self.cfg.job_credentials_dir {
+                Some(dir) => match secrets::job_credentials(dir, &key.0) {
+                    Ok(c) => c,
+                    Err(why) => {
+                        tracing::error!(job = %key.0, slot = key.1, %why, "the job's credentials file is unusable");
+                        let exit = format!("agent {}: job credentials: {why}", self.node.name);
+                        self.fail_for_good(key, j.generation, exit);
+                        return;
+                    }
+                },
+                None => Default::default(),
+            };
+            let payload = serde_json::json!({
+                "etcd_password": job_user.as_ref().map(|(_, p)| p.expose().to_string()),
+                "program_env": program_env,
+            });
+            match secrets::pipe_with(payload.to_string().as_bytes()) {
+                Ok(fd) => {
+                    cmd.env("DUCTILE_ETCD_PASSWORD", "")
+                        .env("DUCTILE_SECRETS_FD", secrets::SECRETS_FD.to_string());
+                    secrets_fd = Some(fd);
+                }
+                Err(e) => {
+                    tracing::error!(job = %key.0, slot = key.1, error = %e, "cannot hand the launcher its secrets");
+                    let exit = format!("agent {}: cannot hand the launcher its secrets: {e}", self.node.name);
+                    self.fail_for_good(key, j.generation, exit);
+                    return;
+                }
+            }
+        }
+        let secrets_raw = secrets_fd.as_ref().map(|f| {
+            use std::os::fd::AsRawFd;
+            f.as_raw_fd()
+        });
         // the node's mesh certificate, for a job whose mesh runs over TLS (its policy check
         // above made sure this agent has one)
         for (name, file) in [
@@ -594,7 +663,7 @@ impl Agent {
         // The worker dies with its agent (a lost node takes its workers with it) and gets a
         // process group of its own, so stopping it reaches its children too.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 // capabilities the agent holds in its ambient set (to switch users) do not
                 // pass to a job's code
                 nix::libc::prctl(
@@ -606,10 +675,15 @@ impl Agent {
                 );
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
+                if let Some(fd) = secrets_raw {
+                    secrets::install_in_child(fd)?;
+                }
                 Ok(())
             });
         }
-        let mut child = match cmd.spawn() {
+        let spawned = cmd.spawn();
+        drop(secrets_fd);
+        let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(job = %key.0, slot = key.1, command = ?spec.command, error = %e, "cannot start worker");
@@ -642,7 +716,10 @@ impl Agent {
                 let (job, slot) = key.clone();
                 let last = (name == "stderr").then(|| last_words.clone());
                 let h = tokio::spawn(async move {
-                    let mut lines = BufReader::new(s).lines();
+                    let mut lines = ductile_cluster::lines::BoundedLines::new(
+                        BufReader::new(s),
+                        ductile_cluster::lines::MAX_LINE,
+                    );
                     while let Ok(Some(line)) = lines.next_line().await {
                         tracing::info!(target: "worker", job = %job, slot, pid, stream = name, "{line}");
                         // the worker's own last words: its fatal errors start with its name

@@ -355,6 +355,8 @@ pub async fn recovery(n: usize, timeout_s: f64) -> anyhow::Result<()> {
                 "100",
                 "--torchft-join-timeout-ms",
                 "10000",
+                // the hand-launched groups use the shared room, as with torchft_lighthouse
+                "--torchft-default-room",
             ]
             .map(String::from)
             .to_vec(),

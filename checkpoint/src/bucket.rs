@@ -16,6 +16,15 @@ use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
 use crate::store::{open_multipart, StoreError};
 use crate::Location;
 
+/// What [`Bucket::get_capped`] found.
+#[derive(Debug)]
+pub enum Capped {
+    Absent,
+    /// Longer than the cap: its size.
+    TooLarge(u64),
+    Bytes(Bytes),
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("{url}/{key}: {op} failed: {source}")]
 pub struct BucketError {
@@ -195,6 +204,26 @@ impl Bucket {
             Err(e) if e.is_not_found() => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// An object's bytes if it is at most `max` long: what a reader that must not be made to
+    /// hold an arbitrary object (the daemon, reading what a job names) asks for. The object's
+    /// size is asked first, and no more than `max` bytes are read even if it grew since.
+    pub async fn get_capped(&self, key: &str, max: u64) -> Result<Capped, BucketError> {
+        let meta = match self.head(key).await {
+            Ok(m) => m,
+            Err(e) if e.is_not_found() => return Ok(Capped::Absent),
+            Err(e) => return Err(e),
+        };
+        if meta.size > max {
+            return Ok(Capped::TooLarge(meta.size));
+        }
+        let b = self
+            .store
+            .get_range(&self.path(key), 0..meta.size)
+            .await
+            .map_err(self.err(key, "get"))?;
+        Ok(Capped::Bytes(b))
     }
 
     /// An object's metadata (its size).

@@ -81,7 +81,10 @@ impl ShardIndex {
                     s.name
                 ));
             }
-            sum += s.tokens;
+            sum = match sum.checked_add(s.tokens) {
+                Some(v) => v,
+                None => return bad("the shards' token counts overflow".into()),
+            };
         }
         if sum != self.tokens {
             return bad(format!(
@@ -132,15 +135,29 @@ pub struct Opened {
     pub paths: Vec<Path>,
 }
 
+/// The largest shard index read (64 MiB: half a million shards).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+
 /// Read and check the index under `url` (a prefix ending in `/`), then HEAD every shard (16 at
 /// a time): each must be there, as long as the index says.
 pub async fn open_prefix(url: &str) -> Result<Opened, DatasetError> {
     let index_url = format!("{url}{INDEX_NAME}");
     let (store, index_path) = crate::store::open(&index_url)
         .map_err(|e| DatasetError::Invalid(format!("dataset {url}: {e}")))?;
+    // bounded: whoever reads it (the daemon at submit, every worker) holds it whole
+    let size = retried(&format!("dataset {index_url}"), || {
+        let (s, p) = (store.clone(), index_path.clone());
+        async move { s.head(&p).await.map(|m| m.size) }
+    })
+    .await?;
+    if size > MAX_INDEX_BYTES {
+        return Err(DatasetError::Invalid(format!(
+            "dataset {index_url}: the index is {size} bytes, past the {MAX_INDEX_BYTES} ductile reads"
+        )));
+    }
     let bytes = retried(&format!("dataset {index_url}"), || {
         let (s, p) = (store.clone(), index_path.clone());
-        async move { s.get(&p).await?.bytes().await }
+        async move { s.get_range(&p, 0..size).await }
     })
     .await?;
     let index: ShardIndex = serde_json::from_slice(&bytes).map_err(|e| {

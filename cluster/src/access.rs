@@ -185,14 +185,24 @@ impl EtcdAccess {
         let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
         let a = EtcdAccess {
             endpoints: var("DUCTILE_ETCD").ok_or("DUCTILE_ETCD is not set")?,
+            ..Self::from_env_unchecked()
+        };
+        a.validate()?;
+        Ok(a)
+    }
+
+    /// The environment's settings as they are, unvalidated (a launcher's password comes on a
+    /// descriptor: see `ductile_runtime::Secrets`).
+    pub fn from_env_unchecked() -> Self {
+        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
+        EtcdAccess {
+            endpoints: var("DUCTILE_ETCD").unwrap_or_default(),
             ca: var("DUCTILE_ETCD_CA").map(PathBuf::from),
             cert: var("DUCTILE_ETCD_CERT").map(PathBuf::from),
             key: var("DUCTILE_ETCD_KEY").map(PathBuf::from),
             user: var("DUCTILE_ETCD_USER"),
             password: var("DUCTILE_ETCD_PASSWORD").map(Secret::new),
-        };
-        a.validate()?;
-        Ok(a)
+        }
     }
 
     /// The environment of a worker that reaches etcd as `job_user` (None: etcd without auth)

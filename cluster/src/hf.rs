@@ -319,6 +319,25 @@ impl HfConfig {
             if v > hi {
                 return Err(format!("config.json: {k} = {v} is over {hi}"));
             }
+            if v < 1 {
+                return Err(format!("config.json: {k} = {v} must be at least 1"));
+            }
+        }
+        // bounded too, so that no size product wraps (the parameter and memory checks rely
+        // on them): head_dim and the position table
+        for (k, v, hi) in [
+            ("head_dim", self.head_dim, 1i64 << 13),
+            ("max_position_embeddings / n_positions", self.max_positions, 1 << 24),
+            ("num_key_value_heads", self.n_kv_head, 1 << 10),
+        ] {
+            if !(1..=hi).contains(&v) {
+                return Err(format!("config.json: {k} = {v} must be in 1..={hi}"));
+            }
+        }
+        if let Some(w) = self.sliding_window {
+            if w < 1 {
+                return Err(format!("config.json: sliding_window = {w} must be at least 1"));
+            }
         }
         Ok(())
     }
@@ -470,6 +489,29 @@ mod tests {
         let mut q = llama();
         q["architectures"] = json!(["Qwen2ForCausalLM"]);
         assert!(HfConfig::parse(&q).unwrap().qkv_bias);
+    }
+
+    /// Sizes whose products would wrap (to 0 or below, passing the parameter and memory
+    /// checks) are refused, naming the key.
+    #[test]
+    fn sizes_that_would_wrap_are_refused() {
+        for (k, v, want) in [
+            ("head_dim", json!(1i64 << 40), "head_dim = 1099511627776 must be in"),
+            ("head_dim", json!(-8), "head_dim = -8"),
+            ("max_position_embeddings", json!(1i64 << 50), "max_position_embeddings"),
+            ("vocab_size", json!(0), "vocab_size = 0"),
+        ] {
+            let mut c = llama();
+            c[k] = v;
+            let e = HfConfig::parse(&c).unwrap_err();
+            assert!(e.contains(want), "{k}: {e}");
+        }
+        let gpt2 = json!({
+            "architectures": ["GPT2LMHeadModel"], "vocab_size": 100, "n_embd": 32, "n_layer": 2,
+            "n_head": 4, "n_positions": 1i64 << 60, "activation_function": "gelu_new",
+        });
+        let e = HfConfig::parse_without_dropout(&gpt2).unwrap_err();
+        assert!(e.contains("n_positions = 1152921504606846976"), "{e}");
     }
 
     #[test]

@@ -180,6 +180,11 @@ impl Keys {
     pub fn mesh_key(&self, job: &str) -> String {
         format!("{}/jobs/{job}/mesh_key", self.prefix)
     }
+    /// A torchft job's lighthouse key (32 random bytes, hex), written at submit: its launchers
+    /// prove they hold it to enter the job's lighthouse room (see [`crate::relay`]).
+    pub fn lighthouse_key(&self, job: &str) -> String {
+        format!("{}/jobs/{job}/lighthouse_key", self.prefix)
+    }
     /// The etcd user the job's workers connect as ([`crate::records::JobAccess`]), made by
     /// the leader when etcd has auth on.
     pub fn access(&self, job: &str) -> String {
@@ -330,6 +335,11 @@ impl Keys {
     /// A replica waiting in a `Quorum` call.
     pub fn torchft_join(&self, room: &str, replica_id: &str) -> String {
         format!("{}{room}/join/{}", self.torchft_rooms(), hex(replica_id))
+    }
+    /// Moved by every join and every join's withdrawal: what a quorum decision is fenced on,
+    /// one compare whatever the room's size.
+    pub fn torchft_joins(&self, room: &str) -> String {
+        format!("{}{room}/joins", self.torchft_rooms())
     }
     /// The last quorum a room was issued.
     pub fn torchft_quorum(&self, room: &str) -> String {

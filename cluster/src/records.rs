@@ -82,6 +82,21 @@ pub struct AgentPolicy {
     /// The agent has a mesh TLS certificate (`mesh_tls_*`): it can run `mesh_tls` jobs.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub mesh_tls: bool,
+    /// Python modules a job's interpreter may run with `-m` while commands are restricted
+    /// (`torch.distributed.run`, `pkg.*` for a package and what is under it, `*` for any);
+    /// empty (the default): none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_modules: Vec<String>,
+    /// Roots a job's script and `torchrun.workdir` must really lie under (after symlinks are
+    /// resolved, at spawn) while commands are restricted; empty (the default): `allowed_paths`.
+    /// Set it where jobs may write under `allowed_paths`, so that what a job wrote never runs
+    /// as another job's code.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_code_paths: Vec<String>,
+    /// The longest `torchrun.grace_s` this agent gives a fenced program (it keeps its slot, and
+    /// its GPU, that long).
+    #[serde(default = "AgentPolicy::default_max_grace_s")]
+    pub max_grace_s: u64,
 }
 
 impl Default for AgentPolicy {
@@ -91,6 +106,9 @@ impl Default for AgentPolicy {
             allowed_paths: vec!["/var/lib/ductile".into()],
             allowed_s3_prefixes: AgentPolicy::any_s3(),
             mesh_tls: false,
+            allowed_modules: Vec::new(),
+            allowed_code_paths: Vec::new(),
+            max_grace_s: AgentPolicy::default_max_grace_s(),
         }
     }
 }
@@ -143,6 +161,11 @@ pub const JOB_ENV_ALLOWED: &[&str] = &[
     "NCCL_MIN_NCHANNELS",
     "NCCL_MAX_NCHANNELS",
     "DUCTILE_COMM_BIND",
+    // TorchFT's own tuning: retries and timeouts of its Manager's calls
+    "TORCHFT_QUORUM_RETRIES",
+    "TORCHFT_TIMEOUT_SEC",
+    "TORCHFT_QUORUM_TIMEOUT_SEC",
+    "TORCHFT_CONNECT_TIMEOUT_SEC",
 ];
 
 /// Whether `program` (a job's command[0]) is ductile's worker.
@@ -166,6 +189,64 @@ fn named_locations(arg: &str) -> Vec<&str> {
 impl AgentPolicy {
     fn any_s3() -> Vec<String> {
         vec!["*".into()]
+    }
+    pub fn default_max_grace_s() -> u64 {
+        120
+    }
+
+    /// Where a job's code may lie: `allowed_code_paths`, else `allowed_paths`.
+    pub fn code_roots(&self) -> &[String] {
+        if self.allowed_code_paths.is_empty() {
+            &self.allowed_paths
+        } else {
+            &self.allowed_code_paths
+        }
+    }
+
+    /// At spawn, on this node: the real paths (symlinks resolved) of a program job's
+    /// `torchrun.workdir` and script lie under the code roots (`allowed_code_paths`, else
+    /// `allowed_paths`); a check of the text alone lets a symlink under an allowed root point
+    /// anywhere. Nothing is checked while commands are unrestricted.
+    pub fn check_real_paths(&self, spec: &JobSpec) -> Result<(), (String, String)> {
+        if !spec.runtime.runs_program() || self.allowed_commands.iter().any(|c| c == "*") {
+            return Ok(());
+        }
+        let roots = self.code_roots();
+        let under = |field: &str, p: &std::path::Path| -> Result<std::path::PathBuf, (String, String)> {
+            let real = std::fs::canonicalize(p).map_err(|e| {
+                (field.to_string(), format!("{}: cannot be resolved on this node: {e}", p.display()))
+            })?;
+            let root_real = |r: &String| std::fs::canonicalize(r).unwrap_or_else(|_| r.into());
+            if roots.iter().any(|r| r == "/" || real.starts_with(root_real(r))) {
+                Ok(real)
+            } else {
+                Err((
+                    field.to_string(),
+                    format!(
+                        "{} resolves to {}, outside the agent's {} {roots:?}",
+                        p.display(),
+                        real.display(),
+                        if self.allowed_code_paths.is_empty() { "allowed_paths" } else { "allowed_code_paths" }
+                    ),
+                ))
+            }
+        };
+        let workdir = spec.torchrun.as_ref().and_then(|t| t.workdir.clone());
+        let wd = match &workdir {
+            Some(w) => Some(under("torchrun.workdir", std::path::Path::new(w.trim_start_matches("file://")))?),
+            None => None,
+        };
+        let Some(script) = python_script(&spec.command) else {
+            return Ok(());
+        };
+        let i = python_script_index(&spec.command).unwrap_or(1);
+        let p = std::path::Path::new(script);
+        let full = match (&wd, p.is_absolute()) {
+            (_, true) => p.to_path_buf(),
+            (Some(w), false) => w.join(p),
+            (None, false) => p.to_path_buf(),
+        };
+        under(&format!("command[{i}]"), &full).map(|_| ())
     }
 
     /// Whether `url` (file://, s3://, or a plain absolute path) lies under the allow-lists.
@@ -235,18 +316,53 @@ impl AgentPolicy {
         if !is_python(&spec.command[0]) {
             return Ok(());
         }
-        if let Some(i) = spec.command.iter().position(|a| a == "-c") {
-            return Err((
-                format!("command[{i}]"),
-                "inline Python (-c) runs code no allow-list sees; name a script under allowed_paths"
-                    .into(),
-            ));
+        use crate::pycmd::PyMain;
+        let parsed = crate::pycmd::parse(&spec.command[1..])
+            .map_err(|(i, why)| (format!("command[{i}]"), why))?;
+        for (i, opt, value) in &parsed.options {
+            // a warnings filter's category is imported: -W action::pkg.Category runs pkg
+            if *opt == 'W' && value.as_deref().is_some_and(|v| {
+                v.split(':').nth(2).is_some_and(|c| c.contains('.'))
+            }) {
+                return Err((
+                    format!("command[{i}]"),
+                    "a -W filter whose category names a module imports that module; only built-in categories may be named".into(),
+                ));
+            }
         }
-        if let Some(script) = python_script(&spec.command) {
-            let i = spec.command.iter().position(|a| a == script).unwrap_or(1);
+        let script = match &parsed.main {
+            PyMain::Inline(i) => {
+                return Err((
+                    format!("command[{i}]"),
+                    "inline Python (-c) runs code no allow-list sees; name a script under allowed_paths"
+                        .into(),
+                ))
+            }
+            PyMain::Stdin(i) => {
+                return Err((
+                    format!("command[{}]", (*i).max(1)),
+                    "the interpreter would read its program from standard input; name a script under allowed_paths".into(),
+                ))
+            }
+            PyMain::Module(i, m) => {
+                if crate::pycmd::module_allowed(&self.allowed_modules, m) {
+                    return Ok(());
+                }
+                return Err((
+                    format!("command[{i}]"),
+                    format!(
+                        "module {m:?} (-m) is not in the agent's allowed_modules {:?}",
+                        self.allowed_modules
+                    ),
+                ));
+            }
+            PyMain::Script(i, s) => (*i, s.as_str()),
+        };
+        {
+            let (i, script) = script;
             let field = format!("command[{i}]");
             if script.starts_with('/') {
-                return Ok(()); // checked with every absolute argument
+                return self.check_location(&field, script);
             }
             match &workdir {
                 Some(_) => {
@@ -319,6 +435,18 @@ impl AgentPolicy {
                 self.check_program(spec)?;
             }
         }
+        if spec.runtime.runs_program() {
+            let grace = spec.torchrun_settings().grace_s;
+            if grace > self.max_grace_s {
+                return Err((
+                    "torchrun.grace_s".into(),
+                    format!(
+                        "{grace} s is past the agent's max_grace_s ({} s): a fenced program keeps its slot that long",
+                        self.max_grace_s
+                    ),
+                ));
+            }
+        }
         if spec.training.as_ref().is_some_and(|t| t.mesh_tls) && !self.mesh_tls {
             return Err((
                 "training.mesh_tls".into(),
@@ -331,6 +459,10 @@ impl AgentPolicy {
             urls.push(("training.dataset", t.dataset.as_str()));
             if let Some(e) = &t.eval_dataset {
                 urls.push(("training.eval_dataset", e.as_str()));
+            }
+            if let Some(m) = &t.model_path {
+                // the daemon reads config.json and tokenizer.json there at submit
+                self.check_location("training.model_path", m)?;
             }
         }
         if let Some(c) = &spec.checkpoint {
@@ -507,14 +639,18 @@ impl TorchrunSpec {
 /// The script a Python command runs (`python3 [-u] script.py ...` → `script.py`), if the
 /// command is a Python interpreter running a file.
 pub fn python_script(command: &[String]) -> Option<&str> {
+    python_script_index(command).map(|i| command[i].as_str())
+}
+
+/// The index in `command` of the script a Python command runs (see [`crate::pycmd`]).
+pub fn python_script_index(command: &[String]) -> Option<usize> {
     if !is_python(command.first()?) {
         return None;
     }
-    command[1..]
-        .iter()
-        .find(|a| !a.starts_with('-'))
-        .map(String::as_str)
-        .filter(|_| !command[1..].iter().any(|a| a == "-m" || a == "-c"))
+    match crate::pycmd::parse(&command[1..]).ok()?.main {
+        crate::pycmd::PyMain::Script(i, _) => Some(i),
+        _ => None,
+    }
 }
 
 /// Whether `program` is a Python interpreter (`python`, `python3`, `python3.12`, a venv's).
@@ -2530,12 +2666,68 @@ mod policy_tests {
             ok(r#"["/v/bin/python3", "t.py"]"#, "workdir = \"/srv/jobs/a\""),
             Ok(())
         );
-        assert_eq!(ok(r#"["/v/bin/python3", "-m", "pkg.train"]"#, ""), Ok(()));
         let refused = |c: &str, t: &str, field: &str, why: &str| {
             let (f, w) = ok(c, t).unwrap_err();
             assert_eq!(f, field, "{w}");
             assert!(w.contains(why), "{w}");
         };
+        // modules: none unless the operator allows them
+        refused(
+            r#"["/v/bin/python3", "-m", "pkg.train"]"#,
+            "",
+            "command[2]",
+            "allowed_modules",
+        );
+        let with_modules = AgentPolicy {
+            allowed_modules: vec!["pkg.*".into(), "torch.distributed.run".into()],
+            ..p.clone()
+        };
+        for c in [
+            r#"["/v/bin/python3", "-m", "pkg.train"]"#,
+            r#"["/v/bin/python3", "-u", "-mtorch.distributed.run", "/srv/jobs/t.py"]"#,
+        ] {
+            assert_eq!(with_modules.check(&job(c, "")), Ok(()), "{c}");
+        }
+        let (f, w) = with_modules
+            .check(&job(r#"["/v/bin/python3", "-m", "timeit", "import os"]"#, ""))
+            .unwrap_err();
+        assert_eq!(f, "command[2]");
+        assert!(w.contains("\"timeit\" (-m) is not in the agent's allowed_modules"), "{w}");
+        // inline code in every form CPython takes it (what a hostile tenant tried)
+        for (c, field) in [
+            (r#"["/v/bin/python3", "-cimport os"]"#, "command[1]"),
+            (r#"["/v/bin/python3", "-Ic", "import os"]"#, "command[1]"),
+            (r#"["/v/bin/python3", "-u", "-BIc", "import os"]"#, "command[2]"),
+            (r#"["/v/bin/python3", "-W", "ignore", "-c", "x"]"#, "command[3]"),
+        ] {
+            refused(c, "", field, "inline Python (-c)");
+        }
+        refused(r#"["/v/bin/python3", "-"]"#, "", "command[1]", "standard input");
+        refused(r#"["/v/bin/python3", "-u"]"#, "", "command[1]", "standard input");
+        refused(
+            r#"["/v/bin/python3", "-Wignore::evil.Warning", "/srv/jobs/t.py"]"#,
+            "",
+            "command[1]",
+            "imports that module",
+        );
+        refused(r#"["/v/bin/python3", "-Z", "/srv/jobs/t.py"]"#, "", "command[1]", "not an option");
+        // the script after options is the one checked; arguments after it are the script's
+        assert_eq!(
+            ok(r#"["/v/bin/python3", "-u", "-W", "ignore", "/srv/jobs/t.py", "-c", "x"]"#, ""),
+            Ok(())
+        );
+        refused(
+            r#"["/v/bin/python3", "-u", "/opt/t.py"]"#,
+            "",
+            "command[2]",
+            "outside",
+        );
+        refused(
+            r#"["/v/bin/python3", "/srv/jobs/t.py"]"#,
+            "grace_s = 3000",
+            "torchrun.grace_s",
+            "max_grace_s",
+        );
         refused(
             r#"["python3", "/srv/jobs/t.py"]"#,
             "",
@@ -2578,6 +2770,89 @@ mod policy_tests {
             "torchrun.checkpoint_url",
             "outside",
         );
+    }
+
+    /// A model directory is a location like any other: the daemon reads it at submit, so a
+    /// `model_path` outside the allow-lists is refused before anything is read there.
+    #[test]
+    fn a_model_path_is_checked_against_the_allow_lists() {
+        let p = AgentPolicy {
+            allowed_s3_prefixes: vec!["s3://models/ok".into()],
+            ..AgentPolicy::default()
+        };
+        let hf = |path: &str| {
+            let mut s = spec("[training]\nmodel = \"mlp\"\ndataset = \"file:///var/lib/ductile/d.bin\"\nglobal_batch = 8\n");
+            s.training.as_mut().unwrap().model_path = Some(path.into());
+            s
+        };
+        assert_eq!(p.check(&hf("file:///var/lib/ductile/models/smol")), Ok(()));
+        assert_eq!(p.check(&hf("s3://models/ok/smol")), Ok(()));
+        for (path, why) in [
+            ("file:///etc/ductile", "outside the agent's allowed_paths"),
+            ("/root/.aws", "outside the agent's allowed_paths"),
+            ("s3://other-tenant/model", "outside the agent's allowed_s3_prefixes"),
+            ("file:///var/lib/ductile/../../etc", "without . or .."),
+        ] {
+            let (f, w) = p.check(&hf(path)).unwrap_err();
+            assert_eq!(f, "training.model_path", "{path}");
+            assert!(w.contains(why), "{path}: {w}");
+        }
+    }
+
+    /// At spawn the real paths count: a script or workdir under an allowed root that is a
+    /// symlink to elsewhere is refused; `allowed_code_paths`, when set, is where code must lie.
+    #[test]
+    fn a_program_s_real_paths_are_checked_at_spawn() {
+        let base = std::env::temp_dir().join(format!("ductile-realpath-{}", std::process::id()));
+        let (jobs, code, outside) = (base.join("jobs"), base.join("code"), base.join("outside"));
+        for d in [&jobs, &code, &outside] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        std::fs::write(outside.join("evil.py"), "").unwrap();
+        std::fs::write(code.join("t.py"), "").unwrap();
+        std::fs::write(jobs.join("w.py"), "").unwrap();
+        std::os::unix::fs::symlink(outside.join("evil.py"), jobs.join("t.py")).unwrap();
+        std::os::unix::fs::symlink(&outside, jobs.join("wd")).unwrap();
+        let p = AgentPolicy {
+            allowed_commands: vec!["/v/bin/python3".into()],
+            allowed_paths: vec![jobs.display().to_string()],
+            ..AgentPolicy::default()
+        };
+        let job = |command: String, workdir: Option<&std::path::Path>| {
+            let w = workdir
+                .map(|w| format!("workdir = {:?}\n", w.display().to_string()))
+                .unwrap_or_default();
+            spec(&format!(
+                "runtime = \"torchrun\"\ncommand = [\"/v/bin/python3\", {command:?}]\n[torchrun]\n{w}"
+            ))
+        };
+        let s = job(jobs.join("w.py").display().to_string(), None);
+        assert_eq!(p.check(&s), Ok(()));
+        assert_eq!(p.check_real_paths(&s), Ok(()));
+        // the text is under the root, the file is not
+        let link = job(jobs.join("t.py").display().to_string(), None);
+        assert_eq!(p.check(&link), Ok(()));
+        let (f, w) = p.check_real_paths(&link).unwrap_err();
+        assert_eq!(f, "command[1]");
+        assert!(w.contains("evil.py") && w.contains("outside the agent's allowed_paths"), "{w}");
+        let wd = job("evil.py".into(), Some(&jobs.join("wd")));
+        assert_eq!(p.check(&wd), Ok(()));
+        assert_eq!(p.check_real_paths(&wd).unwrap_err().0, "torchrun.workdir");
+        // code roots apart from data roots
+        let split = AgentPolicy {
+            allowed_paths: vec![jobs.display().to_string(), code.display().to_string()],
+            allowed_code_paths: vec![code.display().to_string()],
+            ..p.clone()
+        };
+        let (f, w) = split
+            .check_real_paths(&job(jobs.join("w.py").display().to_string(), None))
+            .unwrap_err();
+        assert_eq!(f, "command[1]");
+        assert!(w.contains("allowed_code_paths"), "{w}");
+        assert!(split
+            .check_real_paths(&job(code.join("t.py").display().to_string(), None))
+            .is_ok());
+        std::fs::remove_dir_all(&base).unwrap();
     }
 
     /// A torchft job: its program, `[torchrun]` for how it is run, `[torchft]` for its groups,
@@ -2793,7 +3068,7 @@ mod policy_tests {
             allowed_commands: vec!["*".into()],
             allowed_paths: vec!["/".into()],
             allowed_s3_prefixes: vec!["*".into()],
-            mesh_tls: false,
+            ..AgentPolicy::default()
         };
         assert_eq!(
             open.check(&spec("command = [\"sh\"]\nenv = { LD_PRELOAD = \"x\" }\n")),

@@ -16,6 +16,81 @@ use tokio::net::{TcpListener, TcpStream};
 
 /// What a connection that names its lighthouse room starts with (then the job, then `\n`).
 pub const ROOM_PREAMBLE: &[u8] = b"DUCTILE-ROOM ";
+/// The lighthouse's answer to a room preamble: a fresh nonce (hex), then `\n`.
+pub const NONCE_PREAMBLE: &[u8] = b"DUCTILE-NONCE ";
+
+/// A job's lighthouse room and the key that opens it (`jobs/{job}/lighthouse_key`).
+#[derive(Clone)]
+pub struct RoomKey {
+    pub job: String,
+    pub key: Vec<u8>,
+}
+
+impl std::fmt::Debug for RoomKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RoomKey({}, ...)", self.job)
+    }
+}
+
+/// What proves a client holds `key` for `job`'s room, for the lighthouse's `nonce`: HMAC-SHA256
+/// over the room and the nonce, hex. A nonce is fresh for each connection, so a proof seen on
+/// the wire opens nothing later.
+pub fn room_proof(key: &[u8], job: &str, nonce: &str) -> String {
+    let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+    let tag = ring::hmac::sign(&k, format!("ductile-lighthouse-room\n{job}\n{nonce}").as_bytes());
+    tag.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether `proof` is `room_proof(key, job, nonce)` (compared in constant time).
+pub fn room_proof_ok(key: &[u8], job: &str, nonce: &str, proof: &str) -> bool {
+    let Some(tag) = (0..proof.len())
+        .step_by(2)
+        .map(|i| proof.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+        .collect::<Option<Vec<u8>>>()
+    else {
+        return false;
+    };
+    let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+    ring::hmac::verify(
+        &k,
+        format!("ductile-lighthouse-room\n{job}\n{nonce}").as_bytes(),
+        &tag,
+    )
+    .is_ok()
+}
+
+/// The client's side of entering a room on `up`: the preamble, the lighthouse's nonce (read
+/// within 5 s, at most 128 bytes), the proof. Then the connection is the room's gRPC stream.
+pub async fn enter_room(up: &mut TcpStream, room: &RoomKey) -> anyhow::Result<()> {
+    use tokio::io::AsyncReadExt;
+    let mut pre = ROOM_PREAMBLE.to_vec();
+    pre.extend_from_slice(room.job.as_bytes());
+    pre.push(b'\n');
+    up.write_all(&pre).await?;
+    let mut line = Vec::new();
+    let read = async {
+        let mut b = [0u8; 1];
+        while line.len() <= 128 {
+            up.read_exact(&mut b).await?;
+            if b[0] == b'\n' {
+                return Ok::<_, std::io::Error>(());
+            }
+            line.push(b[0]);
+        }
+        Err(std::io::Error::other("the lighthouse's nonce line is too long"))
+    };
+    tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .map_err(|_| anyhow::anyhow!("the lighthouse sent no nonce within 5 s"))??;
+    let nonce = line
+        .strip_prefix(NONCE_PREAMBLE)
+        .and_then(|n| std::str::from_utf8(n).ok())
+        .ok_or_else(|| anyhow::anyhow!("the lighthouse answered the room preamble with no nonce"))?;
+    let mut proof = room_proof(&room.key, &room.job, nonce).into_bytes();
+    proof.push(b'\n');
+    up.write_all(&proof).await?;
+    Ok(())
+}
 
 /// A boxed future.
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
@@ -58,7 +133,7 @@ pub async fn connect(
 pub async fn serve(
     listener: TcpListener,
     upstreams: Upstreams,
-    room: Option<String>,
+    room: Option<RoomKey>,
 ) -> anyhow::Result<()> {
     let last = Arc::new(AtomicUsize::new(0));
     loop {
@@ -80,11 +155,9 @@ pub async fn serve(
                 eprintln!("torchft-relay: now relaying to {}", list[i]);
             }
             last.store(i, Ordering::Relaxed);
-            if let Some(job) = &room {
-                let mut pre = ROOM_PREAMBLE.to_vec();
-                pre.extend_from_slice(job.as_bytes());
-                pre.push(b'\n');
-                if up.write_all(&pre).await.is_err() {
+            if let Some(r) = &room {
+                if let Err(e) = enter_room(&mut up, r).await {
+                    eprintln!("torchft-relay: cannot enter job {}'s lighthouse room at {}: {e:#}; closing {peer}", r.job, list[i]);
                     return;
                 }
             }
@@ -93,12 +166,18 @@ pub async fn serve(
     }
 }
 
-/// `dctl torchft-relay`: listen on `listen`, relay to `upstreams` (in the job's room if given).
-pub async fn run(listen: &str, upstreams: Vec<String>, job: Option<String>) -> anyhow::Result<()> {
+/// `dctl torchft-relay`: listen on `listen`, relay to `upstreams` (in the job's room if given,
+/// with the room's key).
+pub async fn run(
+    listen: &str,
+    upstreams: Vec<String>,
+    room: Option<RoomKey>,
+) -> anyhow::Result<()> {
     anyhow::ensure!(!upstreams.is_empty(), "give --to HOST:PORT[,HOST:PORT...]");
-    if let Some(j) = &job {
-        crate::keys::validate_name("job", j)?;
+    if let Some(r) = &room {
+        crate::keys::validate_name("job", &r.job)?;
     }
+    let job = room.as_ref().map(|r| r.job.clone());
     let listener = TcpListener::bind(listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
@@ -110,5 +189,5 @@ pub async fn run(listen: &str, upstreams: Vec<String>, job: Option<String>) -> a
             .map(|j| format!(" (job {j}'s room)"))
             .unwrap_or_default()
     );
-    serve(listener, fixed(upstreams), job).await
+    serve(listener, fixed(upstreams), room).await
 }

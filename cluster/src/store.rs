@@ -158,6 +158,13 @@ impl Store {
             });
         }
         ops.push(Op::put(key.clone(), encode(spec)));
+        if spec.runtime == crate::records::Runtime::Torchft {
+            // a fresh key for each run: its launchers enter its lighthouse room with it
+            ops.push(Op::put(
+                self.keys.lighthouse_key(&spec.name),
+                crate::access::new_password()?.expose().as_bytes().to_vec(),
+            ));
+        }
         let out = self.backend.txn(Txn { compares, ops }).await?;
         if !out.succeeded {
             return Err(ClusterError::Conflict {

@@ -179,7 +179,11 @@ async fn auth(
             ),
         )
         .into_response(),
-        Ok(_) => next.run(req).await,
+        Ok(scope) => {
+            let mut req = req;
+            req.extensions_mut().insert(scope);
+            next.run(req).await
+        }
     }
 }
 
@@ -199,11 +203,18 @@ async fn submit(
     } else {
         JobSpec::from_json(&body)?
     };
+    // the allow-lists first: the daemon reads only where the job may read (its model
+    // directory, its datasets, its checkpoints), and nothing before that
+    check_policies(&st, &spec)?;
+    check_checkpoint_owner(&st, &spec).await?;
     read_hf_config(&mut spec).await?;
     ductile_strategies::pipeline::check_job(&spec)
         .map_err(|(field, reason)| ClusterError::invalid(field, reason))?;
-    check_policies(&st, &spec)?;
-    // (after the allow-lists: the daemon reads only where the job may read)
+    {
+        let snaps = current(&st)?;
+        let nodes = fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;
+        check_memory(&spec, nodes.values())?;
+    }
     check_datasets(&spec).await?;
     if let Some(ck) = &spec.checkpoint {
         if let Some(n) = ck.restore_step {
@@ -224,7 +235,6 @@ async fn submit(
 fn check_policies(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
     let snaps = current(st)?;
     let nodes = fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;
-    check_memory(spec, nodes.values())?;
     let mut refusal = None;
     for (name, node) in nodes {
         match node.policy.as_ref().map(|p| p.check(spec)) {
@@ -260,32 +270,95 @@ fn check_memory<'a>(
     else {
         return Ok(());
     };
+    // the job needs `min` slots that fit, not one
     let mut largest: Option<(u64, String)> = None;
+    let (mut fit, mut any) = (0u64, false);
     for n in nodes {
         for d in &n.devices {
+            any = true;
             let Some(mb) = d.memory_mb else {
                 return Ok(());
             };
-            if mb << 20 >= need {
-                return Ok(());
+            if mb.saturating_mul(1 << 20) >= need {
+                fit += 1;
             }
             if largest.as_ref().is_none_or(|(l, _)| mb > *l) {
                 largest = Some((mb, format!("{} of node {}", d.name, n.name)));
             }
         }
     }
+    if !any || fit >= u64::from(spec.min) {
+        return Ok(());
+    }
     match largest {
         None => Ok(()),
         Some((mb, which)) => Err(ClusterError::invalid(
             "training.model_config",
             format!(
-                "the job needs about {:.1} GiB per slot (parameters, gradients and optimizer state at the layout that splits them most) and no live slot has that much: the largest is {which}, {:.1} GiB",
+                "the job needs about {:.1} GiB per slot (parameters, gradients and optimizer state at the layout that splits them most) on at least min = {} slots, and {fit} live slot(s) have that much: the largest is {which}, {:.1} GiB",
                 need as f64 / (1u64 << 30) as f64,
+                spec.min,
                 mb as f64 / 1024.0
             ),
         )
         .into()),
     }
+}
+
+/// The most the daemon reads of a model's `config.json` at submit (a few KiB in practice).
+const MAX_CONFIG_JSON: u64 = 1 << 20;
+/// The most it reads of a model's `tokenizer.json` (Llama 3's is 9 MB).
+const MAX_TOKENIZER_JSON: u64 = 64 << 20;
+
+/// A job's checkpoint URL is its own: one equal to, inside, or around the URL of another job
+/// that has not finished is refused at submit (that job's retention would delete this one's
+/// commits, or this one's another's). Resubmitting a job under its own name keeps its URL.
+async fn check_checkpoint_owner(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
+    let mine: Vec<(&str, &str)> = [
+        spec.checkpoint.as_ref().map(|c| ("checkpoint.url", c.url.as_str())),
+        spec.torchrun
+            .as_ref()
+            .and_then(|t| t.checkpoint_url.as_deref())
+            .map(|u| ("torchrun.checkpoint_url", u)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if mine.is_empty() {
+        return Ok(());
+    }
+    let norm = |u: &str| format!("{}/", u.trim_end_matches('/'));
+    for other in st.store.specs().await? {
+        let name = other.name.clone();
+        if name == spec.name {
+            continue;
+        }
+        let finished = st
+            .store
+            .status(&name)
+            .await?
+            .is_some_and(|(s, _)| s.state.is_terminal());
+        if finished {
+            continue;
+        }
+        let theirs = [
+            other.checkpoint.as_ref().map(|c| c.url.clone()),
+            other.torchrun.as_ref().and_then(|t| t.checkpoint_url.clone()),
+        ];
+        for (field, url) in &mine {
+            for t in theirs.iter().flatten() {
+                let (a, b) = (norm(url), norm(t));
+                if a.starts_with(&b) || b.starts_with(&a) {
+                    return Err(ClusterError::invalid(
+                        *field,
+                        format!("{url} is job {name:?}'s checkpoint location ({t}) or overlaps it: each job needs a location of its own"),
+                    )
+                    .into());
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The checkpoint store at `url`; what fails there is a 502 that names it.
@@ -313,11 +386,18 @@ async fn read_hf_config(spec: &mut JobSpec) -> ApiResult<()> {
     let refuse = |why: String| ClusterError::invalid("training.model_path", why);
     let bucket = ductile_checkpoint::Bucket::open(url.trim_end_matches('/'))
         .map_err(|e| refuse(e.to_string()))?;
-    let body = match bucket.get_if_exists("config.json").await {
-        Ok(Some(b)) => b,
-        Ok(None) => {
+    use ductile_checkpoint::bucket::Capped;
+    let body = match bucket.get_capped("config.json", MAX_CONFIG_JSON).await {
+        Ok(Capped::Bytes(b)) => b,
+        Ok(Capped::Absent) => {
             return Err(refuse(format!(
                 "{url} has no config.json (not a Hugging Face model directory)"
+            ))
+            .into())
+        }
+        Ok(Capped::TooLarge(n)) => {
+            return Err(refuse(format!(
+                "{url}/config.json is {n} bytes: a model's config.json is at most {MAX_CONFIG_JSON} (the daemon reads no more at submit)"
             ))
             .into())
         }
@@ -363,14 +443,22 @@ async fn check_datasets(spec: &JobSpec) -> ApiResult<()> {
                 let dir = t.model_path.clone().unwrap_or_default();
                 let bucket = ductile_checkpoint::Bucket::open(dir.trim_end_matches('/'))
                     .map_err(|e| ClusterError::invalid("training.model_path", e.to_string()))?;
-                match bucket.get_if_exists("tokenizer.json").await {
-                    Ok(Some(b)) => {
+                use ductile_checkpoint::bucket::Capped;
+                match bucket.get_capped("tokenizer.json", MAX_TOKENIZER_JSON).await {
+                    Ok(Capped::Bytes(b)) => {
                         use sha2::Digest;
                         let h = sha2::Sha256::digest(&b);
                         model_sha = Some(h.iter().map(|x| format!("{x:02x}")).collect());
                     }
+                    Ok(Capped::TooLarge(n)) => {
+                        return Err(ClusterError::invalid(
+                            "training.model_path",
+                            format!("{dir}/tokenizer.json is {n} bytes, past the {MAX_TOKENIZER_JSON} the daemon reads at submit"),
+                        )
+                        .into())
+                    }
                     // no tokenizer to compare with: the workers check what they can
-                    Ok(None) => model_sha = Some(String::new()),
+                    Ok(Capped::Absent) => model_sha = Some(String::new()),
                     Err(e) => {
                         return Err(store_unavailable(
                             &dir,
@@ -462,9 +550,22 @@ async fn job_status(
 
 /// The job's spec as stored (with what the daemon filled in at submit: a Hugging Face
 /// model's config.json).
-async fn job_spec(State(st): State<AppState>, Path(job): Path<String>) -> ApiResult<Json<JobSpec>> {
+/// A job's spec; its `env` values (what an operator may have put credentials in) only to the
+/// admin token: the read-only token, which dashboard URLs carry, sees the names alone.
+async fn job_spec(
+    State(st): State<AppState>,
+    axum::Extension(scope): axum::Extension<Scope>,
+    Path(job): Path<String>,
+) -> ApiResult<Json<JobSpec>> {
     match st.store.spec(&job).await? {
-        Some(s) => Ok(Json(s.0)),
+        Some((mut s, _)) => {
+            if scope != Scope::Admin {
+                for v in s.env.values_mut() {
+                    *v = "(hidden from the read-only token)".into();
+                }
+            }
+            Ok(Json(s))
+        }
         None => Err(ApiError::not_found(&job)),
     }
 }

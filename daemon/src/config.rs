@@ -87,6 +87,10 @@ pub struct Cli {
     /// How long without a heartbeat a replica counts as dead, in ms (`--heartbeat_timeout_ms`).
     #[arg(long, env = "DUCTILE_TORCHFT_HEARTBEAT_TIMEOUT_MS")]
     pub torchft_heartbeat_timeout_ms: Option<u64>,
+    /// Serve the shared default room to clients that name no job (as `torchft_lighthouse`
+    /// does; unauthenticated, so off unless an operator turns it on for a trusted network).
+    #[arg(long, env = "DUCTILE_TORCHFT_DEFAULT_ROOM")]
+    pub torchft_default_room: bool,
 }
 
 /// The TorchFT lighthouse's address and options.
@@ -121,6 +125,7 @@ pub struct FileConfig {
     pub torchft_join_timeout_ms: Option<u64>,
     pub torchft_quorum_tick_ms: Option<u64>,
     pub torchft_heartbeat_timeout_ms: Option<u64>,
+    pub torchft_default_room: Option<bool>,
 }
 
 #[derive(Debug)]
@@ -264,6 +269,8 @@ impl Config {
                             .torchft_heartbeat_timeout_ms
                             .or(file.torchft_heartbeat_timeout_ms)
                             .unwrap_or(d.heartbeat_timeout_ms),
+                        default_room: cli.torchft_default_room
+                            || file.torchft_default_room.unwrap_or(d.default_room),
                     },
                 }
             }),

@@ -52,20 +52,25 @@ pub fn job_room(job: &str) -> String {
     format!("job-{job}")
 }
 
-/// The room a connection named (its preamble), as tonic hands it to each request.
+/// The room a connection entered (its preamble), as tonic hands it to each request: the room,
+/// the most replicas it may hold (a job's group count), or why every call is refused.
 #[derive(Clone, Debug, Default)]
-pub struct RoomInfo(pub Option<String>);
+pub struct RoomInfo {
+    pub room: Option<String>,
+    pub limit: Option<usize>,
+    pub denied: Option<String>,
+}
 
 /// An accepted connection and the room its preamble named.
 pub struct RoomConn {
     stream: tokio::net::TcpStream,
-    room: Option<String>,
+    info: RoomInfo,
 }
 
 impl tonic::transport::server::Connected for RoomConn {
     type ConnectInfo = RoomInfo;
     fn connect_info(&self) -> RoomInfo {
-        RoomInfo(self.room.clone())
+        self.info.clone()
     }
 }
 
@@ -101,9 +106,59 @@ impl tokio::io::AsyncWrite for RoomConn {
     }
 }
 
-/// Reads a connection's room preamble, if it starts with one (bounded: a client that sends
-/// nothing for 10 s, or a preamble that is not a job name, is closed).
-async fn read_preamble(mut stream: tokio::net::TcpStream) -> std::io::Result<RoomConn> {
+/// Whether `job`'s room may be entered now: the job exists, runs TorchFT and has not finished;
+/// its lighthouse key and how many replica groups it may have. What is wrong, in words.
+async fn room_key(store: &Store, job: &str) -> Result<(Vec<u8>, usize), String> {
+    let read = async {
+        let spec = match store.spec(job).await {
+            Ok(Some((s, _))) => s,
+            Ok(None) => return Err("no such job".to_string()),
+            Err(e) => return Err(format!("cannot read the job: {e}")),
+        };
+        if spec.runtime != ductile_cluster::records::Runtime::Torchft {
+            return Err(format!("job {job:?} is not a runtime = \"torchft\" job"));
+        }
+        match store.status(job).await {
+            Ok(Some((st, _))) if st.state.is_terminal() => {
+                return Err(format!("job {job:?} has ended ({:?})", st.state))
+            }
+            Ok(_) => {}
+            Err(e) => return Err(format!("cannot read the job's status: {e}")),
+        }
+        let key = match store.backend.get(&store.keys.lighthouse_key(job)).await {
+            Ok(Some(kv)) => kv.value,
+            Ok(None) => return Err(format!("job {job:?} has no lighthouse key (submit it again)")),
+            Err(e) => return Err(format!("cannot read the job's lighthouse key: {e}")),
+        };
+        let groups = match spec.torchft_group_size() {
+            0 => spec.max as usize,
+            n => (spec.max / n) as usize,
+        };
+        Ok((key, groups.max(1)))
+    };
+    tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .unwrap_or_else(|_| Err("etcd did not answer within 5 s".into()))
+}
+
+/// A fresh nonce (32 random bytes, hex).
+fn nonce() -> std::io::Result<String> {
+    ductile_cluster::access::new_password()
+        .map(|s| s.expose().to_string())
+        .map_err(|e| std::io::Error::other(e.to_string()))
+}
+
+/// Reads a connection's room preamble and the client's proof that it holds the job's
+/// lighthouse key, answering the preamble with a fresh nonce ([`ductile_cluster::relay`]);
+/// bounded: a client that sends nothing for 10 s, or a preamble that is not a job name, is
+/// closed. A room that may not be entered (unknown or finished job, a wrong proof), or no room
+/// while the default room is off, still reaches tonic, where every call is refused with
+/// `PERMISSION_DENIED` naming why.
+async fn read_preamble(
+    mut stream: tokio::net::TcpStream,
+    store: Store,
+    default_room: bool,
+) -> std::io::Result<RoomConn> {
     use tokio::io::AsyncReadExt;
     let magic = ductile_cluster::relay::ROOM_PREAMBLE;
     let mut head = vec![0u8; magic.len()];
@@ -116,7 +171,17 @@ async fn read_preamble(mut stream: tokio::net::TcpStream) -> std::io::Result<Roo
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
         if !magic.starts_with(&head[..n]) {
-            return Ok(RoomConn { stream, room: None });
+            let denied = (!default_room).then(|| {
+                "the lighthouse's default room is off: a torchft job's launchers enter the job's own room (an operator turns the default room on with ductiled --torchft-default-room)".to_string()
+            });
+            return Ok(RoomConn {
+                stream,
+                info: RoomInfo {
+                    room: None,
+                    limit: None,
+                    denied,
+                },
+            });
         }
         if n == magic.len() {
             break;
@@ -135,9 +200,44 @@ async fn read_preamble(mut stream: tokio::net::TcpStream) -> std::io::Result<Roo
                 .map_err(|_| std::io::Error::other("the room preamble is not UTF-8"))?;
             ductile_cluster::keys::validate_name("job", &job)
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
+            use tokio::io::AsyncWriteExt;
+            let n = nonce()?;
+            let mut out = ductile_cluster::relay::NONCE_PREAMBLE.to_vec();
+            out.extend_from_slice(n.as_bytes());
+            out.push(b'\n');
+            stream.write_all(&out).await?;
+            let mut proof = Vec::new();
+            loop {
+                tokio::time::timeout_at(t0 + Duration::from_secs(10), stream.read_exact(&mut b))
+                    .await
+                    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no proof"))??;
+                if b[0] == b'\n' {
+                    break;
+                }
+                if proof.len() >= 128 {
+                    return Err(std::io::Error::other("the room proof is too long"));
+                }
+                proof.push(b[0]);
+            }
+            let proof = String::from_utf8_lossy(&proof).into_owned();
+            let room = job_room(&job);
+            let (limit, denied) = match room_key(&store, &job).await {
+                Ok((key, groups)) => {
+                    if ductile_cluster::relay::room_proof_ok(&key, &job, &n, &proof) {
+                        (Some(groups), None)
+                    } else {
+                        (None, Some(format!("lighthouse room {room:?}: the proof of job {job:?}'s lighthouse key did not match")))
+                    }
+                }
+                Err(why) => (None, Some(format!("lighthouse room {room:?}: {why}"))),
+            };
             return Ok(RoomConn {
                 stream,
-                room: Some(job_room(&job)),
+                info: RoomInfo {
+                    room: Some(room),
+                    limit,
+                    denied,
+                },
             });
         }
         line.push(b[0]);
@@ -145,17 +245,24 @@ async fn read_preamble(mut stream: tokio::net::TcpStream) -> std::io::Result<Roo
     Err(std::io::Error::other("the room preamble is too long"))
 }
 
-/// The room of a request: its connection's, else the default one.
-fn room_of<T>(req: &Request<T>) -> String {
-    req.extensions()
-        .get::<RoomInfo>()
-        .and_then(|r| r.0.clone())
-        .unwrap_or_else(|| DEFAULT_ROOM.to_string())
+/// The room of a request and the most replicas it may hold: its connection's, else the
+/// default one; a connection that could not enter a room is refused, saying why.
+fn room_of<T>(req: &Request<T>) -> Result<(String, Option<usize>), Status> {
+    let info = req.extensions().get::<RoomInfo>().cloned().unwrap_or_default();
+    if let Some(why) = info.denied {
+        return Err(Status::permission_denied(why));
+    }
+    Ok((
+        info.room.unwrap_or_else(|| DEFAULT_ROOM.to_string()),
+        info.limit,
+    ))
 }
 /// The longest replica id, address or store address taken.
 pub const MAX_ID_LEN: usize = 512;
-/// The most `data` a member may carry.
-pub const MAX_DATA_LEN: usize = 16 * 1024;
+/// The most `data` a member may carry (TorchFT 0.2.0 sends none or a few bytes of JSON).
+pub const MAX_DATA_LEN: usize = 4 * 1024;
+/// The most connections whose room preamble is being read at once.
+pub const MAX_PREAMBLES: usize = 1024;
 /// The quorum ids a room keeps in its history (`quorums/`: `dctl events`, the chart, the
 /// check that no id had two member sets); older ones are deleted by the leader's clean-up.
 pub const MAX_ISSUED_KEPT: usize = 256;
@@ -175,6 +282,8 @@ pub struct LighthouseOpt {
     pub join_timeout_ms: u64,
     pub quorum_tick_ms: u64,
     pub heartbeat_timeout_ms: u64,
+    /// Clients that name no job get the shared default room (unauthenticated); off: refused.
+    pub default_room: bool,
 }
 
 impl Default for LighthouseOpt {
@@ -184,6 +293,7 @@ impl Default for LighthouseOpt {
             join_timeout_ms: 60_000,
             quorum_tick_ms: 100,
             heartbeat_timeout_ms: 5_000,
+            default_room: false,
         }
     }
 }
@@ -256,6 +366,11 @@ pub struct QuorumRecord {
     pub issued_by: String,
     /// Why it formed (TorchFT's explanation: fast, or valid with how many healthy).
     pub reason: String,
+    /// The joins it consumed: every join whose key's revision is at or below this one (TorchFT
+    /// clears the participants with each quorum; here the record says so in one key, and the
+    /// consumed joins are deleted later in bounded batches).
+    #[serde(default)]
+    pub joins_through: i64,
 }
 
 impl QuorumRecord {
@@ -302,6 +417,9 @@ impl RoomKeys {
     pub fn join(&self, id: &str) -> String {
         self.keys.torchft_join(&self.room, id)
     }
+    pub fn joins(&self) -> String {
+        self.keys.torchft_joins(&self.room)
+    }
     pub fn quorum(&self) -> String {
         self.keys.torchft_quorum(&self.room)
     }
@@ -321,6 +439,11 @@ pub struct RoomState {
     pub hb_keys: BTreeMap<String, (String, i64)>,
     /// The last quorum and its key's mod revision.
     pub prev: Option<(QuorumRecord, i64)>,
+    /// The mod revision of the room's `joins` key (0: absent): a decision's one fence on
+    /// every join it read.
+    pub joins_rev: i64,
+    /// Join keys the last quorum consumed (key, mod revision), for the clean-up.
+    pub consumed: Vec<(String, i64)>,
     /// replica id → when its manager's port was found closed (wall-clock ms): dead until it
     /// heartbeats again.
     pub dead: HashMap<String, u64>,
@@ -330,6 +453,7 @@ pub struct RoomState {
 /// a warning (they are not ductile's writes).
 pub fn rooms(prefix: &str, snap: &Snapshot) -> BTreeMap<String, RoomState> {
     let mut out: BTreeMap<String, RoomState> = BTreeMap::new();
+    let mut join_keys: BTreeMap<(String, String), String> = BTreeMap::new();
     for (key, kv) in snap.kvs.range(prefix.to_string()..) {
         let Some(rest) = key.strip_prefix(prefix) else {
             break;
@@ -345,12 +469,18 @@ pub fn rooms(prefix: &str, snap: &Snapshot) -> BTreeMap<String, RoomState> {
                 }
             }
             [room, "join", _] => {
-                if let Some(j) = decode::<Join>(kv) {
-                    out.entry(room.to_string())
-                        .or_default()
-                        .participants
-                        .insert(j.member.replica_id.clone(), (j, kv.mod_revision));
+                let r = out.entry(room.to_string()).or_default();
+                match decode::<Join>(kv) {
+                    Some(j) => {
+                        join_keys.insert((room.to_string(), j.member.replica_id.clone()), key.clone());
+                        r.participants
+                            .insert(j.member.replica_id.clone(), (j, kv.mod_revision));
+                    }
+                    None => r.consumed.push((key.clone(), kv.mod_revision)),
                 }
+            }
+            [room, "joins"] => {
+                out.entry(room.to_string()).or_default().joins_rev = kv.mod_revision;
             }
             [room, "quorum"] => {
                 if let Some(q) = decode::<QuorumRecord>(kv) {
@@ -358,6 +488,24 @@ pub fn rooms(prefix: &str, snap: &Snapshot) -> BTreeMap<String, RoomState> {
                 }
             }
             _ => {}
+        }
+    }
+    // the joins the last quorum consumed are no participants any more
+    for (room, r) in out.iter_mut() {
+        let Some(through) = r.prev.as_ref().map(|(q, _)| q.joins_through) else {
+            continue;
+        };
+        let gone: Vec<(String, i64)> = r
+            .participants
+            .iter()
+            .filter(|(_, (_, rev))| *rev <= through)
+            .map(|(id, (_, rev))| (id.clone(), *rev))
+            .collect();
+        for (id, rev) in gone {
+            r.participants.remove(&id);
+            if let Some(k) = join_keys.remove(&(room.clone(), id)) {
+                r.consumed.push((k, rev));
+            }
         }
     }
     out
@@ -484,6 +632,7 @@ pub fn quorum_txn(
         created_ms: now_ms,
         issued_by: issued_by.to_string(),
         reason,
+        joins_through: st.joins_rev,
     };
     let mut compares = vec![
         Compare::CreateRevision(leader.key.clone(), leader.create_revision),
@@ -498,10 +647,12 @@ pub fn quorum_txn(
         compares.push(Compare::Absent(keys.issued(quorum_id)));
         ops.push(Op::put(keys.issued(quorum_id), value));
     }
-    for (id, (_, rev)) in &st.participants {
-        compares.push(Compare::ModRevision(keys.join(id), *rev));
-        ops.push(Op::Delete { key: keys.join(id) });
-    }
+    // one fence on every join read (each join and withdrawal moves `joins`), and the joins
+    // consumed by the record itself: the transaction's size does not grow with the room
+    compares.push(match st.joins_rev {
+        0 => Compare::Absent(keys.joins()),
+        rev => Compare::ModRevision(keys.joins(), rev),
+    });
     (Txn { compares, ops }, record)
 }
 
@@ -567,7 +718,13 @@ impl Lighthouse {
 
     /// A new replica id is refused once the room holds `MAX_REPLICAS`.
     /// A replica id another room holds (another job's) is refused.
-    fn admit(&self, snap: &Snapshot, room: &str, id: &str) -> Result<(), Status> {
+    fn admit(
+        &self,
+        snap: &Snapshot,
+        room: &str,
+        id: &str,
+        limit: Option<usize>,
+    ) -> Result<(), Status> {
         let rooms = self.rooms_of(snap);
         if let Some((other, _)) = rooms.iter().find(|(name, r)| {
             name.as_str() != room
@@ -585,6 +742,22 @@ impl Lighthouse {
             return Err(Status::resource_exhausted(format!(
                 "the lighthouse room {room:?} already holds {MAX_REPLICAS} replicas"
             )));
+        }
+        // a job's room: at most two live replicas per replica group it may have (a group's
+        // replica id is new with each start of its program, and the last one's heartbeat
+        // lapses only after the heartbeat timeout)
+        if let Some(groups) = limit.filter(|_| !known) {
+            let now = now_ms();
+            let live = r
+                .heartbeats
+                .values()
+                .filter(|at| now.saturating_sub(**at) < self.opt.heartbeat_timeout_ms)
+                .count();
+            if live >= 2 * groups {
+                return Err(Status::resource_exhausted(format!(
+                    "the lighthouse room {room:?} already holds {live} live replicas, twice its job's {groups} replica group(s)"
+                )));
+            }
         }
         Ok(())
     }
@@ -625,16 +798,34 @@ impl Lighthouse {
         })
         .expect("a join encodes");
         self.beat(keys, &member.replica_id, true).await?;
+        let txn = Txn {
+            compares: vec![],
+            ops: vec![
+                Op::put(keys.join(&member.replica_id), value),
+                Op::put(keys.joins(), b"{}".to_vec()),
+            ],
+        };
         self.store
             .backend
-            .put(&keys.join(&member.replica_id), value, None)
+            .txn(txn)
             .await
+            .map(|o| o.revision)
             .map_err(|e| Status::unavailable(format!("the lighthouse cannot write to etcd: {e}")))
     }
 
     /// The Quorum call: join, then wait for a quorum issued after the join that holds the
     /// requester; one that does not, and the requester joins again (as TorchFT's lighthouse).
     pub async fn quorum(&self, room: &str, member: Member) -> Result<QuorumRecord, Status> {
+        self.quorum_limited(room, member, None).await
+    }
+
+    /// [`Lighthouse::quorum`] in a room that holds at most `limit` replicas.
+    pub async fn quorum_limited(
+        &self,
+        room: &str,
+        member: Member,
+        limit: Option<usize>,
+    ) -> Result<QuorumRecord, Status> {
         check_member(&member)?;
         let _permit = self.waiting.clone().try_acquire_owned().map_err(|_| {
             Status::resource_exhausted(format!(
@@ -643,13 +834,14 @@ impl Lighthouse {
         })?;
         let (room, keys) = self.room(room);
         let snap = self.synced().await?;
-        self.admit(&snap, &room, &member.replica_id)?;
+        self.admit(&snap, &room, &member.replica_id, limit)?;
         let mut rx = self.snap.clone();
         let mut joined_at = self.join(&keys, &member).await?;
         // a caller that goes away (its process died, it gave up) leaves the participants, as
         // its join is deleted unless a quorum or a new join replaced it
         let mut guard = JoinGuard {
             store: self.store.clone(),
+            joins: keys.joins(),
             key: keys.join(&member.replica_id),
             revision: joined_at,
             done: false,
@@ -689,6 +881,16 @@ impl Lighthouse {
 
     /// The Heartbeat call.
     pub async fn heartbeat(&self, room: &str, replica_id: &str) -> Result<(), Status> {
+        self.heartbeat_limited(room, replica_id, None).await
+    }
+
+    /// [`Lighthouse::heartbeat`] in a room that holds at most `limit` replicas.
+    pub async fn heartbeat_limited(
+        &self,
+        room: &str,
+        replica_id: &str,
+        limit: Option<usize>,
+    ) -> Result<(), Status> {
         check_id("replica_id", replica_id)?;
         let (room, keys) = self.room(room);
         let known = self
@@ -698,7 +900,7 @@ impl Lighthouse {
             .contains_key(&(room.clone(), replica_id.to_string()));
         if !known {
             let snap = self.synced().await?;
-            self.admit(&snap, &room, replica_id)?;
+            self.admit(&snap, &room, replica_id, limit)?;
         }
         self.beat(&keys, replica_id, false).await
     }
@@ -713,6 +915,7 @@ impl Lighthouse {
         let dead: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
         let found = Arc::new(tokio::sync::Notify::new());
         let mut probed: HashMap<String, Instant> = HashMap::new();
+        let mut collecting: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             tokio::select! {
                 r = rx.changed() => if r.is_err() { return },
@@ -774,16 +977,50 @@ impl Lighthouse {
                 dead.lock()
                     .expect("dead map")
                     .retain(|_, at| now.saturating_sub(*at) < 2 * hb_lapse + 60_000);
-                self.collect(&snap, now).await;
+                // off the deciding loop: a slow clean-up never delays a quorum
+                if collecting.as_ref().is_none_or(|h: &tokio::task::JoinHandle<()>| h.is_finished()) {
+                    let (lh, snap) = (self.clone(), snap.clone());
+                    collecting = Some(tokio::spawn(async move { lh.collect(&snap, now).await }));
+                }
             }
         }
     }
 
-    /// Forget replicas whose heartbeat lapsed long ago (ten timeouts, at least a minute).
+    /// Forget replicas whose heartbeat lapsed long ago (ten timeouts, at least a minute), the
+    /// joins quorums consumed, the oldest quorum ids past `MAX_ISSUED_KEPT`, and every key of
+    /// a job's room once the job has ended or is gone; in transactions of bounded size.
     async fn collect(&self, snap: &Snapshot, now: u64) {
         let stale = (10 * self.opt.heartbeat_timeout_ms).max(60_000);
+        let mut batch = Batch::new(self.store.clone());
         for (room, st) in self.rooms_of(snap).iter() {
             let keys = RoomKeys::new(&self.store, room);
+            if let Some(job) = room.strip_prefix("job-") {
+                let ended = match self.store.status(job).await {
+                    Ok(Some((s, _))) => s.state.is_terminal(),
+                    Ok(None) => matches!(self.store.spec(job).await, Ok(None)),
+                    Err(_) => false,
+                };
+                if ended {
+                    let prefix = format!("{}{room}/", torchft_prefix(&self.store));
+                    tracing::info!(%room, "the room's job has ended: its lighthouse records go");
+                    if let Err(e) = self.store.backend.txn(Txn {
+                        compares: vec![],
+                        ops: vec![Op::DeletePrefix { prefix }],
+                    }).await {
+                        tracing::debug!(error = %e, "lighthouse clean-up failed; next time");
+                        return;
+                    }
+                    continue;
+                }
+            }
+            for (key, rev) in &st.consumed {
+                if !batch
+                    .add(vec![Compare::ModRevision(key.clone(), *rev)], vec![Op::Delete { key: key.clone() }])
+                    .await
+                {
+                    return;
+                }
+            }
             // the quorum ids issued: the last MAX_ISSUED_KEPT stay (new ids only grow, from the
             // `quorum` key, so a pruned id is never issued again)
             let issued = keys.keys.torchft_issued_all(room);
@@ -795,8 +1032,7 @@ impl Lighthouse {
                 .collect();
             if ids.len() > MAX_ISSUED_KEPT {
                 for k in &ids[..ids.len() - MAX_ISSUED_KEPT] {
-                    if let Err(e) = self.store.backend.delete(k).await {
-                        tracing::debug!(error = %e, "lighthouse clean-up failed; next time");
+                    if !batch.add(vec![], vec![Op::Delete { key: k.to_string() }]).await {
                         return;
                     }
                 }
@@ -810,19 +1046,70 @@ impl Lighthouse {
                 if let Some((_, jrev)) = st.participants.get(id) {
                     compares.push(Compare::ModRevision(keys.join(id), *jrev));
                     ops.push(Op::Delete { key: keys.join(id) });
+                    ops.push(Op::put(keys.joins(), b"{}".to_vec()));
                 }
-                if let Err(e) = self.store.backend.txn(Txn { compares, ops }).await {
-                    tracing::debug!(error = %e, "lighthouse clean-up failed; next time");
+                if !batch.add(compares, ops).await {
                     return;
                 }
             }
         }
+        batch.flush().await;
     }
 
     /// The gRPC service, with requests bounded in size.
     pub fn service(&self) -> LighthouseServiceServer<Lighthouse> {
         LighthouseServiceServer::new(self.clone())
             .max_decoding_message_size(4 * MAX_ID_LEN + MAX_DATA_LEN + 1024)
+    }
+}
+
+/// Clean-up writes gathered into transactions of at most [`Batch::MAX_OPS`] compares and
+/// operations (etcd's `--max-txn-ops` is 128 by default). A batch whose compare fails (a key
+/// moved meanwhile) is dropped whole: the next clean-up decides again from a newer snapshot.
+struct Batch {
+    store: Store,
+    compares: Vec<Compare>,
+    ops: Vec<Op>,
+}
+
+impl Batch {
+    const MAX_OPS: usize = 100;
+
+    fn new(store: Store) -> Self {
+        Batch {
+            store,
+            compares: Vec::new(),
+            ops: Vec::new(),
+        }
+    }
+
+    /// Adds one change; false when a write failed (the clean-up stops until next time).
+    async fn add(&mut self, compares: Vec<Compare>, ops: Vec<Op>) -> bool {
+        if self.compares.len() + self.ops.len() + compares.len() + ops.len() > Self::MAX_OPS
+            && !self.flush().await
+        {
+            return false;
+        }
+        self.compares.extend(compares);
+        self.ops.extend(ops);
+        true
+    }
+
+    async fn flush(&mut self) -> bool {
+        if self.ops.is_empty() {
+            return true;
+        }
+        let txn = Txn {
+            compares: std::mem::take(&mut self.compares),
+            ops: std::mem::take(&mut self.ops),
+        };
+        match self.store.backend.txn(txn).await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::debug!(error = %e, "lighthouse clean-up failed; next time");
+                false
+            }
+        }
     }
 }
 
@@ -864,6 +1151,7 @@ pub async fn report(store: &Store, recent: usize) -> ductile_cluster::Result<ser
 /// went away), unless something rewrote the key since.
 struct JoinGuard {
     store: Store,
+    joins: String,
     key: String,
     revision: i64,
     done: bool,
@@ -878,9 +1166,12 @@ impl Drop for JoinGuard {
         let store = self.store.clone();
         let txn = Txn {
             compares: vec![Compare::ModRevision(self.key.clone(), self.revision)],
-            ops: vec![Op::Delete {
-                key: self.key.clone(),
-            }],
+            ops: vec![
+                Op::Delete {
+                    key: self.key.clone(),
+                },
+                Op::put(self.joins.clone(), b"{}".to_vec()),
+            ],
         };
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
@@ -978,12 +1269,12 @@ impl LighthouseService for Lighthouse {
         &self,
         request: Request<pb::LighthouseQuorumRequest>,
     ) -> Result<Response<pb::LighthouseQuorumResponse>, Status> {
-        let room = room_of(&request);
+        let (room, limit) = room_of(&request)?;
         let requester = request
             .into_inner()
             .requester
             .ok_or_else(|| Status::invalid_argument("missing requester"))?;
-        let q = Lighthouse::quorum(self, &room, requester.into()).await?;
+        let q = Lighthouse::quorum_limited(self, &room, requester.into(), limit).await?;
         Ok(Response::new(pb::LighthouseQuorumResponse {
             quorum: Some(q.to_pb()),
         }))
@@ -993,12 +1284,12 @@ impl LighthouseService for Lighthouse {
         &self,
         request: Request<pb::LighthouseHeartbeatRequest>,
     ) -> Result<Response<pb::LighthouseHeartbeatResponse>, Status> {
-        let room = room_of(&request);
+        let (room, limit) = room_of(&request)?;
         let id = request.into_inner().replica_id;
         if id.is_empty() {
             return Err(Status::invalid_argument("replica_id is empty"));
         }
-        Lighthouse::heartbeat(self, &room, &id).await?;
+        Lighthouse::heartbeat_limited(self, &room, &id, limit).await?;
         Ok(Response::new(pb::LighthouseHeartbeatResponse {}))
     }
 }
@@ -1050,6 +1341,8 @@ pub async fn serve(
     // each connection's room preamble is read off the accept loop (bounded), then the
     // connection goes to tonic
     let (conn_tx, conn_rx) = tokio::sync::mpsc::channel::<std::io::Result<RoomConn>>(64);
+    let preambles = Arc::new(Semaphore::new(MAX_PREAMBLES));
+    let (pre_store, default_room) = (lh.store.clone(), lh.opt.default_room);
     let accept = {
         let cancel = cancel.clone();
         tokio::spawn(async move {
@@ -1067,8 +1360,15 @@ pub async fn serve(
                 };
                 let _ = stream.set_nodelay(true);
                 let tx = conn_tx.clone();
+                // preambles read at once are bounded; past that a connection is closed at once
+                let Ok(permit) = preambles.clone().try_acquire_owned() else {
+                    tracing::warn!(%peer, "lighthouse: {MAX_PREAMBLES} connections are already being admitted; closing");
+                    continue;
+                };
+                let (store, default_room) = (pre_store.clone(), default_room);
                 tokio::spawn(async move {
-                    match read_preamble(stream).await {
+                    let _permit = permit;
+                    match read_preamble(stream, store, default_room).await {
                         Ok(c) => {
                             let _ = tx.send(Ok(c)).await;
                         }
@@ -1284,10 +1584,12 @@ mod tests {
                     created_ms: 0,
                     issued_by: "x".into(),
                     reason: String::new(),
+                    joins_through: 0,
                 },
                 3,
             )
         });
+        st.joins_rev = 2;
         st
     }
 
@@ -1395,9 +1697,13 @@ mod tests {
         assert!(txn
             .compares
             .contains(&Compare::ModRevision(keys.quorum(), 3)));
+        // one fence on every join, and the joins consumed by the record: no per-participant
+        // compare or delete
         assert!(txn
             .compares
-            .contains(&Compare::ModRevision(keys.join("a"), 1)));
+            .contains(&Compare::ModRevision(keys.joins(), 2)));
+        assert_eq!(rec.joins_through, 2);
+        assert!(!txn.ops.iter().any(|o| matches!(o, Op::Delete { .. })));
         let (txn, rec) = quorum_txn(
             &keys,
             &st,
@@ -1409,13 +1715,14 @@ mod tests {
         );
         assert_eq!(rec.quorum_id, 8, "a member left: the id moves");
         assert!(txn.compares.contains(&Compare::Absent(keys.issued(8))));
-        assert_eq!(
-            txn.ops
-                .iter()
-                .filter(|o| matches!(o, Op::Delete { .. }))
-                .count(),
-            2
-        );
+        assert_eq!((txn.compares.len(), txn.ops.len()), (4, 2));
+        // whatever the room's size
+        let many: Vec<(String, u64)> = (0..500).map(|i| (format!("r{i}"), 1)).collect();
+        let many: Vec<(&str, u64)> = many.iter().map(|(i, t)| (i.as_str(), *t)).collect();
+        let big = state(&many, &many, Some(&["a"]));
+        let members: Vec<Member> = many.iter().map(|(i, _)| member(i, 2)).collect();
+        let (txn, _) = quorum_txn(&keys, &big, members, "r".into(), &leader, "me", 9);
+        assert_eq!((txn.compares.len(), txn.ops.len()), (4, 2));
         // ids with any bytes survive the key encoding
         assert_eq!(unhex(&hex("train_ddp_0:1b2/ä")), "train_ddp_0:1b2/ä");
     }

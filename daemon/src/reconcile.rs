@@ -370,6 +370,21 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
             }
         }
     }
+    // a torchft job of `group_size` N runs whole groups only: a group's N slots on one node
+    // (slots kN..kN+N), all of them free; a partial group would wait for its missing rank
+    let group_size = match spec.runtime {
+        Runtime::Torchft => spec.torchft_group_size() as usize,
+        _ => 0,
+    };
+    let mut partial_groups = 0;
+    if group_size > 1 {
+        let mut per_group: BTreeMap<(String, u32), usize> = BTreeMap::new();
+        for (n, s) in &candidates {
+            *per_group.entry((n.clone(), *s / group_size as u32)).or_default() += 1;
+        }
+        partial_groups = per_group.values().filter(|c| **c < group_size).count();
+        candidates.retain(|(n, s)| per_group[&(n.clone(), *s / group_size as u32)] == group_size);
+    }
     let target = spec.desired.clamp(spec.min, spec.max) as usize;
     if candidates.len() < spec.min as usize {
         let mut msg = format!(
@@ -377,6 +392,11 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
             candidates.len(),
             spec.min
         );
+        if partial_groups > 0 {
+            msg.push_str(&format!(
+                " in whole replica groups of {group_size} ({partial_groups} group(s) lack a free slot)"
+            ));
+        }
         if held_elsewhere > 0 {
             msg.push_str(&format!(" ({held_elsewhere} more held by other jobs)"));
         }
@@ -431,6 +451,9 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         chosen.push(c.clone());
     }
 
+    if group_size > 1 {
+        whole_groups(&mut chosen, &candidates, group_size, target);
+    }
     let old: BTreeSet<(String, u32)> = cur
         .map(|g| g.members.iter().map(|m| (m.node.clone(), m.slot)).collect())
         .unwrap_or_default();
@@ -762,6 +785,35 @@ fn build(
         status: st,
         debounce: matches!(reason, Reason::Start | Reason::Join),
     }
+}
+
+/// `chosen` cut to whole torchft groups of `size` (slots kN..kN+N of one node): a group chosen
+/// in part is completed from `candidates` (all whole groups) while `target` allows, else dropped;
+/// the order of first appearance is kept, slots in order within a group.
+fn whole_groups(
+    chosen: &mut Vec<(String, u32)>,
+    candidates: &[(String, u32)],
+    size: usize,
+    target: usize,
+) {
+    let key = |(n, s): &(String, u32)| (n.clone(), *s / size as u32);
+    let mut order: Vec<(String, u32)> = Vec::new();
+    for c in chosen.iter() {
+        if !order.contains(&key(c)) {
+            order.push(key(c));
+        }
+    }
+    let mut out = Vec::new();
+    for g in order {
+        if out.len() + size > target {
+            break;
+        }
+        let slots: Vec<(String, u32)> = candidates.iter().filter(|c| key(c) == g).cloned().collect();
+        if slots.len() == size {
+            out.extend(slots);
+        }
+    }
+    *chosen = out;
 }
 
 /// A torchft member's group: one node's slots, cut into `group_size` (0: all of them).
@@ -1751,6 +1803,56 @@ mod tests {
         torchft_groups(2, Some(&h1), &mut h2.members, &none, 2);
         let since: Vec<u64> = h2.members.iter().map(|m| m.group_since).collect();
         assert_eq!(since, vec![1, 1, 2]);
+    }
+
+    /// A torchft job of `group_size` 2 is planned in whole groups: a node's odd slot, a group
+    /// with a failed slot, or a node of three slots never gives a partial group, and a job
+    /// that cannot have `min` in whole groups waits, saying why.
+    #[test]
+    fn torchft_jobs_are_planned_in_whole_groups() {
+        let ft = |min: u32, max: u32, desired: u32| {
+            JobSpec::from_toml(&format!(
+                "name = \"j\"\nruntime = \"torchft\"\ncommand = [\"python3\", \"/s/t.py\"]\nmin = {min}\nmax = {max}\ndesired = {desired}\n[torchft]\ngroup_size = 2\n"
+            ))
+            .unwrap()
+        };
+        let mut obs = JobObs {
+            spec: Some(ft(2, 6, 6)),
+            ..Default::default()
+        };
+        // a: 3 slots (one whole group and a lone slot), b: 2 slots
+        let f = fleet(&[("a", 3), ("b", 2)]);
+        let g = step(&mut obs, &f, 10).unwrap();
+        let held: Vec<(String, u32)> = g.members.iter().map(|m| (m.node.clone(), m.slot)).collect();
+        let pairs = |v: &[(&str, u32)]| -> Vec<(String, u32)> {
+            v.iter().map(|(n, s)| (n.to_string(), *s)).collect()
+        };
+        assert_eq!(held, pairs(&[("a", 0), ("a", 1), ("b", 0), ("b", 1)]));
+        // b/1 fails: its whole group leaves, a's group runs on
+        obs.failed.insert(
+            ("b".into(), 1),
+            SlotHealth {
+                failed_at_ms: 20,
+                generation: g.number,
+                exit: "exit code 1".into(),
+                will_restart: false,
+                excluded: false,
+            },
+        );
+        let g2 = step(&mut obs, &f, 30).unwrap();
+        let held: Vec<(String, u32)> = g2.members.iter().map(|m| (m.node.clone(), m.slot)).collect();
+        assert_eq!(held, pairs(&[("a", 0), ("a", 1)]));
+        assert!(g2.members.iter().all(|m| m.replica_group == Some(0)));
+        // min 4 now needs two whole groups, and only one can be had: waiting, and why
+        let mut waiting = JobObs {
+            spec: Some(ft(4, 6, 6)),
+            failed: obs.failed.clone(),
+            ..Default::default()
+        };
+        assert!(step(&mut waiting, &f, 40).is_none());
+        let st = waiting.status.clone().unwrap();
+        assert_eq!(st.state, JobState::Waiting);
+        assert!(st.message.contains("whole replica groups of 2"), "{}", st.message);
     }
 
     fn torchrun_spec(n: u32) -> JobSpec {

@@ -1,5 +1,47 @@
 //! dctl: submit, scale, status, nodes, drain, stop, events, watch, checkpoints, plan, plot, torchft (and torchft-relay).
 
+/// Everything dctl prints goes through [`clean`]: job names, messages, program output and
+/// lighthouse clients' replica ids come from tenants and network clients, and a terminal
+/// control sequence among them would act on the operator's terminal.
+macro_rules! println {
+    () => { crate::out("\n") };
+    ($($t:tt)*) => { crate::out(&format!("{}\n", crate::clean(&format!($($t)*)))) };
+}
+
+/// Writes to standard output; a reader that went away (`dctl status | head`) ends dctl
+/// quietly, as other command-line tools end, rather than with a panic.
+pub fn out(s: &str) {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    if let Err(e) = o.write_all(s.as_bytes()).and_then(|_| o.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+    }
+}
+macro_rules! eprintln {
+    () => { ::std::eprintln!() };
+    ($($t:tt)*) => { ::std::eprintln!("{}", crate::clean(&format!($($t)*))) };
+}
+
+/// `s` with its control characters (but newline and tab) shown as `\u{..}` escapes.
+pub fn clean(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    std::borrow::Cow::Owned(
+        s.chars()
+            .map(|c| {
+                if c.is_control() && c != '\n' && c != '\t' {
+                    c.escape_unicode().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
+}
+
 mod export;
 mod plot;
 
@@ -118,9 +160,13 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', required = true)]
         to: Vec<String>,
         /// Put the connections' calls in this job's lighthouse room (what a runtime = "torchft"
-        /// job's launchers do); without it, the shared default room.
-        #[arg(long)]
+        /// job's launchers do), with --key-file; without it, the default room (which a replica
+        /// serves only with --torchft-default-room).
+        #[arg(long, requires = "key_file")]
         job: Option<String>,
+        /// The job's lighthouse key (`jobs/JOB/lighthouse_key` in etcd), for --job.
+        #[arg(long)]
+        key_file: Option<std::path::PathBuf>,
     },
     /// Write a committed checkpoint of a `model = "hf"` job as a Hugging Face directory
     /// (safetensors, config.json, the tokenizer's files) that transformers loads as it is.
@@ -453,8 +499,25 @@ fn print_quorum(q: &ductile_cluster::api::TorchftQuorumView) {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    if let Cmd::TorchftRelay { listen, to, job } = &cli.cmd {
-        return ductile_cluster::relay::run(listen, to.clone(), job.clone()).await;
+    if let Cmd::TorchftRelay {
+        listen,
+        to,
+        job,
+        key_file,
+    } = &cli.cmd
+    {
+        let room = match (job, key_file) {
+            (Some(job), Some(f)) => Some(ductile_cluster::relay::RoomKey {
+                job: job.clone(),
+                key: std::fs::read_to_string(f)
+                    .map_err(|e| anyhow::anyhow!("cannot read --key-file {}: {e}", f.display()))?
+                    .trim()
+                    .as_bytes()
+                    .to_vec(),
+            }),
+            _ => None,
+        };
+        return ductile_cluster::relay::run(listen, to.clone(), room).await;
     }
     let file: FileConfig = match std::env::var_os("HOME")
         .map(|h| PathBuf::from(h).join(".config/ductile/dctl.toml"))
@@ -1012,6 +1075,16 @@ fn utc(ms: u64) -> String {
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+#[cfg(test)]
+mod clean_tests {
+    #[test]
+    fn control_characters_are_shown_not_sent() {
+        assert_eq!(super::clean("ok\tline\n"), "ok\tline\n");
+        assert_eq!(super::clean("a\x1b[2Jb\x07"), "a\\u{1b}[2Jb\\u{7}");
+        assert_eq!(super::clean("\u{9b}31m"), "\\u{9b}31m");
+    }
 }
 
 #[cfg(test)]

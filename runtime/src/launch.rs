@@ -46,7 +46,7 @@ use ductile_cluster::records::*;
 use ductile_cluster::{KvBackend, Store};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
@@ -118,6 +118,11 @@ const INHERITED: &[&str] = &[
 ];
 const INHERITED_PREFIXES: &[&str] = &["LC_", "NCCL_", "CUDA_"];
 
+/// Whether a program inherits the node's variable `k` (see [`INHERITED`]).
+pub fn node_inherited(k: &str) -> bool {
+    INHERITED.contains(&k) || INHERITED_PREFIXES.iter().any(|p| k.starts_with(p))
+}
+
 /// What hosts a torchft group's c10d store: `torch.distributed.TCPStore` as the master, as
 /// torchrun's agent hosts it for its workers; it lives until its launcher stops it.
 const STORE_HOST: &str = r#"
@@ -128,22 +133,25 @@ print(f"c10d store for the replica group listening on {sys.argv[1]}:{sys.argv[2]
 threading.Event().wait()
 "#;
 
-/// The program's environment that does not change between generations.
-fn base_env(spec: &JobSpec, dir: &Path, settings: &TorchrunSpec) -> BTreeMap<String, String> {
+/// The program's environment that does not change between generations: the node's locale,
+/// paths and NCCL/CUDA settings, a private `HOME` and `TMPDIR` (in the launcher's own
+/// directory: nothing one job plants there, a `.pth` in a user site, a poisoned cache, reaches
+/// another), no user site directory, the job's `env`, and the credentials the operator
+/// configured for this job (`secrets`: never the node's own).
+fn base_env(
+    spec: &JobSpec,
+    dir: &Path,
+    settings: &TorchrunSpec,
+    secrets: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = std::env::vars()
-        .filter(|(k, _)| {
-            INHERITED.contains(&k.as_str()) || INHERITED_PREFIXES.iter().any(|p| k.starts_with(p))
-        })
+        .filter(|(k, _)| node_inherited(k))
         .collect();
-    // the node's S3 credentials, only for a job whose program writes its checkpoints there
-    if settings
-        .checkpoint_url
-        .as_deref()
-        .is_some_and(|u| u.starts_with("s3://"))
-    {
-        env.extend(std::env::vars().filter(|(k, _)| k.starts_with("AWS_")));
-    }
+    env.insert("HOME".into(), dir.join("home").display().to_string());
+    env.insert("TMPDIR".into(), dir.join("tmp").display().to_string());
+    env.insert("PYTHONNOUSERSITE".into(), "1".into());
     env.extend(spec.env.clone());
+    env.extend(secrets.clone());
     // torchrun's default with more than one process per node, unless the job says otherwise
     env.entry("OMP_NUM_THREADS".into())
         .or_insert_with(|| "1".into());
@@ -240,6 +248,46 @@ pub fn torchrun_env(
     out
 }
 
+/// A directory of this launcher's own under `base` (0700, made anew: never one that was there).
+fn fresh_dir(base: &Path) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    for i in 0..100u32 {
+        let dir = base.join(format!(
+            "ductile-launch-{}-{:x}",
+            std::process::id(),
+            nanos.wrapping_add(i.wrapping_mul(0x9e37_79b9))
+        ));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => anyhow::bail!("cannot make {}: {e}", dir.display()),
+        }
+    }
+    anyhow::bail!("cannot make a directory of its own under {}", base.display())
+}
+
+/// The program's error file, if it is a regular file (a FIFO or a device there would block or
+/// never end), read up to 64 KiB.
+fn read_error_file(path: &Path) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK | nix::libc::O_NOFOLLOW)
+        .open(path)
+        .ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut buf = Vec::new();
+    f.take(64 << 10).read_to_end(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf).into_owned())
+}
+
 /// The message of a torchelastic error file (`{"message": {"message": ...}}` as `@record`
 /// writes it, or `{"message": "..."}`).
 pub fn error_file_message(text: &str) -> Option<String> {
@@ -300,8 +348,25 @@ pub fn torchft_env(
     out.insert("REPLICA_GROUP_ID".into(), id.to_string());
     out.insert("NUM_REPLICA_GROUPS".into(), n.to_string());
     out.insert("TORCHFT_LIGHTHOUSE".into(), lighthouse.to_string());
+    // a lighthouse call that broke with its replica (a ductiled leader SIGKILLed) is tried
+    // again, through this launcher's relay, on a live one: without it torchft 0.2.0's manager
+    // leaves its ranks waiting out the whole quorum timeout (60 s), and the job's groups then
+    // restart. TorchFT sleeps quorum_timeout / (retries + 1) before each retry: 120 make that
+    // half a second at its default timeout. It reads this over the Manager's own argument;
+    // the job's env may set it.
+    if !spec.env.contains_key(TORCHFT_QUORUM_RETRIES) {
+        out.insert(
+            TORCHFT_QUORUM_RETRIES.into(),
+            DEFAULT_QUORUM_RETRIES.to_string(),
+        );
+    }
     out
 }
+
+/// TorchFT's override of its Manager's `quorum_retries`.
+pub const TORCHFT_QUORUM_RETRIES: &str = "TORCHFT_QUORUM_RETRIES";
+/// What a torchft job's programs get unless the job's env says otherwise.
+pub const DEFAULT_QUORUM_RETRIES: u32 = 120;
 
 /// Starts this launcher's relay to the TorchFT lighthouse (every ductiled replica that
 /// publishes one under `lighthouses/`, read again for each connection; calls in the job's
@@ -311,6 +376,7 @@ async fn start_relay(store: &Store, job: &str) -> anyhow::Result<String> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for the lighthouse relay: {e}"))?;
     let url = format!("http://{}", listener.local_addr()?);
+    let key_store = store.clone();
     let store = store.clone();
     let upstreams: ductile_cluster::relay::Upstreams = Arc::new(move || {
         let store = store.clone();
@@ -333,7 +399,18 @@ async fn start_relay(store: &Store, job: &str) -> anyhow::Result<String> {
             }
         })
     });
-    let room = Some(job.to_string());
+    // the job's lighthouse key, written at submit: it opens the job's room and no other
+    let key = match key_store.backend.get(&key_store.keys.lighthouse_key(job)).await {
+        Ok(Some(kv)) => kv.value,
+        Ok(None) => anyhow::bail!(
+            "job {job:?} has no lighthouse key (jobs/{job}/lighthouse_key): submitted before rooms were authenticated? submit it again"
+        ),
+        Err(e) => anyhow::bail!("cannot read the job's lighthouse key: {e}"),
+    };
+    let room = Some(ductile_cluster::relay::RoomKey {
+        job: job.to_string(),
+        key,
+    });
     tokio::spawn(async move {
         if let Err(e) = ductile_cluster::relay::serve(listener, upstreams, room).await {
             eprintln!("torchft-relay: stopped: {e:#}");
@@ -380,9 +457,10 @@ impl Program {
             .map_err(|e| anyhow::anyhow!("cannot start {what}: {e}"))?;
         let pid = child.id().unwrap_or(0);
         let last_line = Arc::new(Mutex::new(None));
+        use ductile_cluster::lines::{BoundedLines, MAX_LINE};
         if let Some(out) = child.stdout.take() {
             tokio::spawn(async move {
-                let mut lines = BufReader::new(out).lines();
+                let mut lines = BoundedLines::new(BufReader::new(out), MAX_LINE);
                 while let Ok(Some(l)) = lines.next_line().await {
                     println!("{l}");
                 }
@@ -391,7 +469,7 @@ impl Program {
         if let Some(err) = child.stderr.take() {
             let last = last_line.clone();
             tokio::spawn(async move {
-                let mut lines = BufReader::new(err).lines();
+                let mut lines = BoundedLines::new(BufReader::new(err), MAX_LINE);
                 while let Ok(Some(l)) = lines.next_line().await {
                     eprintln!("{l}");
                     if !l.trim().is_empty() {
@@ -459,12 +537,18 @@ struct Launcher {
 
 /// Run a torchrun job's program through the job's generations; the worker's exit code.
 pub async fn run(env: WorkerEnv, backend: Arc<dyn KvBackend>, cancel: CancellationToken) -> i32 {
+    if let Err(e) = crate::reap::contain_descendants() {
+        eprintln!("ductile-worker: cannot contain the program's processes (prctl): {e}");
+        return 1;
+    }
     match Launcher::new(env, backend, cancel).await {
         Ok(mut l) => {
             let code = l.run().await;
             if let Some(mut s) = l.standby.take() {
                 s.stop(Duration::from_millis(200)).await;
             }
+            l.stop_store_host().await;
+            l.sweep(false).await;
             let _ = std::fs::remove_dir_all(&l.dir);
             code
         }
@@ -494,13 +578,12 @@ impl Launcher {
             );
         }
         let settings = spec.torchrun_settings();
-        // short: the control socket's path must fit a Unix socket address (108 bytes)
-        let dir = std::env::temp_dir().join(format!("ductile-launch-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| anyhow::anyhow!("cannot make {}: {e}", dir.display()))?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        // short: the control socket's path must fit a Unix socket address (108 bytes); made
+        // anew (a stale directory of an earlier process with this pid is left alone), 0700
+        let dir = fresh_dir(&std::env::temp_dir())?;
+        for sub in ["home", "tmp"] {
+            std::fs::create_dir(dir.join(sub))
+                .map_err(|e| anyhow::anyhow!("cannot make {}/{sub}: {e}", dir.display()))?;
         }
         let control = tokio::net::UnixDatagram::bind(dir.join("control.sock")).map_err(|e| {
             anyhow::anyhow!("cannot bind the control socket in {}: {e}", dir.display())
@@ -528,7 +611,15 @@ impl Launcher {
             slot: env.slot,
             cell: cell.clone(),
         };
-        let base = base_env(&spec, &dir, &settings);
+        let base = base_env(&spec, &dir, &settings, &env.program_secrets);
+        if settings
+            .checkpoint_url
+            .as_deref()
+            .is_some_and(|u| u.starts_with("s3://"))
+            && !env.program_secrets.contains_key("AWS_SECRET_ACCESS_KEY")
+        {
+            println!("the job's program gets no S3 credentials: the operator configures them per job (the agent's job_credentials_dir), never the node's");
+        }
         let lighthouse = if spec.runtime == Runtime::Torchft {
             Some(start_relay(&store, &env.job).await?)
         } else {
@@ -568,6 +659,35 @@ impl Launcher {
             None
         } else {
             Some(latest)
+        }
+    }
+
+    /// Kills every process the program left behind (see [`crate::reap`]); the standby
+    /// interpreter and the group's store host are kept when `keep_own`. False when one would
+    /// not die within the bound: then the slot is not reused.
+    async fn sweep(&mut self, keep_own: bool) -> bool {
+        let mut keep = std::collections::BTreeSet::new();
+        if keep_own {
+            for p in [&self.standby, &self.store_host].into_iter().flatten() {
+                keep.insert(p.pid as i32);
+            }
+        }
+        let r = tokio::task::spawn_blocking(move || crate::reap::sweep(&keep, Duration::from_secs(5)))
+            .await;
+        match r {
+            Ok((0, _)) => true,
+            Ok((n, left)) if left.is_empty() => {
+                println!("killed {n} process(es) the program left running");
+                true
+            }
+            Ok((_, left)) => {
+                eprintln!("ductile-worker: processes {left:?} of the previous program would not die within 5 s: this slot is busy");
+                false
+            }
+            Err(e) => {
+                eprintln!("ductile-worker: the sweep of the program's processes failed: {e}");
+                false
+            }
         }
     }
 
@@ -867,6 +987,10 @@ impl Launcher {
                 .await;
             // (a torchft program may have run on through newer generations)
             last_run = g.number;
+            // what the program left running ends with it, before anything starts again
+            if !self.sweep(true).await {
+                return 1;
+            }
             if !matches!(outcome, Outcome::Done) {
                 self.stop_store_host().await;
             }
@@ -943,8 +1067,7 @@ impl Launcher {
                         (None, Some(s)) => format!("killed by signal {s}"),
                         _ => "exited".into(),
                     };
-                    let said = std::fs::read_to_string(error_file)
-                        .ok()
+                    let said = read_error_file(error_file)
                         .and_then(|t| error_file_message(&t))
                         .or_else(|| program.last_line.lock().unwrap().clone());
                     let msg = match said {
@@ -1122,6 +1245,7 @@ mod tests {
             etcd: ductile_cluster::access::EtcdAccess::default(),
             prefix: "/t".into(),
             device: "cpu".into(),
+            program_secrets: Default::default(),
         }
     }
 

@@ -11,6 +11,7 @@
 
 pub mod cell;
 pub mod launch;
+pub mod reap;
 pub mod report;
 
 use std::sync::Arc;
@@ -57,6 +58,48 @@ pub struct WorkerEnv {
     pub etcd: ductile_cluster::access::EtcdAccess,
     pub prefix: String,
     pub device: String,
+    /// What the agent handed this worker through an inherited descriptor rather than the
+    /// environment (a launcher's: see [`Secrets`]): the job's credentials for its programs.
+    pub program_secrets: std::collections::BTreeMap<String, String>,
+}
+
+/// Secrets an agent hands a launcher on the descriptor `DUCTILE_SECRETS_FD` (a pipe it wrote
+/// and closed), never in its environment: a launcher's environment is readable by its program
+/// (`/proc/PPID/environ`) and by anything else of its uid. Read once at start and closed.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Secrets {
+    /// The job's etcd password (etcd auth on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_password: Option<String>,
+    /// Credentials the operator configured for the job's programs (`AWS_*`).
+    #[serde(default)]
+    pub program_env: std::collections::BTreeMap<String, String>,
+}
+
+/// The descriptor number secrets arrive on (the agent moves the pipe's read end there).
+pub const SECRETS_FD: i32 = 3;
+
+impl Secrets {
+    /// Reads and closes `DUCTILE_SECRETS_FD` if the agent gave one (at most 64 KiB).
+    pub fn take_from_fd() -> anyhow::Result<Option<Secrets>> {
+        let Ok(v) = std::env::var("DUCTILE_SECRETS_FD") else {
+            return Ok(None);
+        };
+        let fd: i32 = v
+            .parse()
+            .map_err(|_| anyhow::anyhow!("DUCTILE_SECRETS_FD={v:?} is not a descriptor"))?;
+        use std::io::Read;
+        use std::os::fd::FromRawFd;
+        // SAFETY: the agent opened this descriptor for this process alone; it is read here once
+        let f = unsafe { std::fs::File::from_raw_fd(fd) };
+        let mut buf = Vec::new();
+        f.take(64 << 10)
+            .read_to_end(&mut buf)
+            .map_err(|e| anyhow::anyhow!("cannot read the secrets descriptor {fd}: {e}"))?;
+        let s: Secrets = serde_json::from_slice(&buf)
+            .map_err(|e| anyhow::anyhow!("the secrets descriptor {fd} holds no secrets record: {e}"))?;
+        Ok(Some(s))
+    }
 }
 
 impl WorkerEnv {
@@ -73,14 +116,25 @@ impl WorkerEnv {
             v.parse()
                 .map_err(|_| anyhow::anyhow!("{name}={v:?} is not a number"))
         }
+        let secrets = Secrets::take_from_fd()?;
+        // the user is named in the environment; a launcher's password comes on the descriptor
+        let mut etcd = ductile_cluster::access::EtcdAccess::from_env_unchecked();
+        if let Some(p) = secrets.as_ref().and_then(|s| s.etcd_password.clone()) {
+            etcd.password = Some(ductile_cluster::access::Secret::new(p));
+        }
+        let etcd = (if etcd.endpoints.is_empty() {
+            Err("DUCTILE_ETCD is not set".to_string())
+        } else {
+            etcd.validate().map(|_| etcd)
+        })
+        .map_err(|e| anyhow::anyhow!("{e}: ductile-worker is started by ductile-agent, which sets it"));
         Ok(WorkerEnv {
+            program_secrets: secrets.map(|s| s.program_env).unwrap_or_default(),
             job: var("DUCTILE_JOB")?,
             node: var("DUCTILE_NODE")?,
             slot: num("DUCTILE_SLOT")?,
             generation: num("DUCTILE_GENERATION")?,
-            etcd: ductile_cluster::access::EtcdAccess::from_env().map_err(|e| {
-                anyhow::anyhow!("{e}: ductile-worker is started by ductile-agent, which sets it")
-            })?,
+            etcd: etcd?,
             prefix: std::env::var("DUCTILE_PREFIX")
                 .unwrap_or_else(|_| ductile_cluster::keys::DEFAULT_PREFIX.into()),
             device: std::env::var("DUCTILE_DEVICE").unwrap_or_else(|_| "cpu".into()),

@@ -1167,9 +1167,15 @@ impl Cluster {
             args.extend(["--allowed-commands".into(), "ductile-worker,sleep".into()]);
         }
         if !extra.contains(&"--allowed-paths") {
+            // and the models set-up made, which jobs name as their model_path
+            let models = ["DUCTILE_HF_FIXTURES", "DUCTILE_SMOLLM2"]
+                .iter()
+                .filter_map(|v| std::env::var(v).ok())
+                .map(|p| format!(",{p}"))
+                .collect::<String>();
             args.extend([
                 "--allowed-paths".into(),
-                std::env::temp_dir().display().to_string(),
+                format!("{}{models}", std::env::temp_dir().display()),
             ]);
         }
         if let (Some(pki), true) = (&self.pki, self.spec.mesh_tls) {

@@ -266,8 +266,9 @@ fn hf_directories_ductile_cannot_train_are_refused_at_submit() {
                 serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
         },
     );
-    let data = "file:///unused.tok";
-    let job = |m: &Path, extra: &str| hf_job("bad", 1, m, data, 10, extra);
+    // under the agents' allowed paths: the allow-lists are checked before anything is read
+    let data = format!("file://{}/unused.tok", std::env::temp_dir().display());
+    let job = |m: &Path, extra: &str| hf_job("bad", 1, m, &data, 10, extra);
     let llama = hf_fixtures().join("llama");
     let gpt2 = hf_fixtures().join("gpt2");
     assert_refused(

@@ -51,7 +51,12 @@ fn issued(logs: &str) -> Vec<(i64, String)> {
 fn training_torchft_groups_keep_stepping_through_a_kill_a_heal_and_the_leaders_death() {
     let mut c = Cluster::start(Spec {
         daemons: 2,
-        torchft: Some(vec!["--torchft-min-replicas".into(), "2".into()]),
+        torchft: Some(vec![
+            "--torchft-min-replicas".into(),
+            "2".into(),
+            // hand-launched groups, as with torchft_lighthouse: the shared room
+            "--torchft-default-room".into(),
+        ]),
         ..Default::default()
     });
     let leader = c.wait_for(Duration::from_secs(15), "a leader", || c.leader());
@@ -356,24 +361,90 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
         "{text}"
     );
 
-    // another room (the default one, without the job's preamble) cannot use the job's ids
+    // a hostile client: without a room (the default room is off), or naming the job's room
+    // without its key (a relay with a wrong key), every call is refused, naming why
     let foreign = q.members[0].replica_id.clone();
-    let out = std::process::Command::new(torch_python_bin())
+    let hostile = |url: &str| -> String {
+        let out = std::process::Command::new(torch_python_bin())
+            .args([
+                "-c",
+                "import sys\nfrom datetime import timedelta\nfrom torchft._torchft import LighthouseClient\n\
+                 c = LighthouseClient(sys.argv[1], connect_timeout=timedelta(seconds=5))\n\
+                 try:\n    c.heartbeat(sys.argv[2])\n    print('accepted')\nexcept Exception as e:\n    print('refused:', e)\n",
+                url,
+                &foreign,
+            ])
+            .output()
+            .unwrap();
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let said = hostile(&format!("http://127.0.0.1:{}", c.torchft_ports[0]));
+    assert!(
+        said.contains("refused") && said.contains("default room is off"),
+        "{said}"
+    );
+    let wrong_key = d.join("wrong.key");
+    std::fs::write(&wrong_key, "00112233").unwrap();
+    let relay_port = free_port();
+    let _relay = Proc::start(
+        "hostile-relay",
+        &bin("dctl"),
+        &[
+            "torchft-relay".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{relay_port}"),
+            "--to".into(),
+            format!("127.0.0.1:{}", c.torchft_ports[0]),
+            "--job".into(),
+            "ft".into(),
+            "--key-file".into(),
+            wrong_key.display().to_string(),
+        ],
+        &[],
+        d.join("hostile-relay.log"),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let said = hostile(&format!("http://127.0.0.1:{relay_port}"));
+    assert!(
+        said.contains("refused") && said.contains("did not match"),
+        "{said}"
+    );
+    // chaos: for 4 s a hostile client naming the job's room floods it (200 fat joins with
+    // step 2^40 and shrink_only, heartbeats as fast as it can); nothing of it is accepted and
+    // the job's three groups keep committing together
+    let flood_from = now_s();
+    let flood = std::process::Command::new(torch_python_bin())
         .args([
             "-c",
-            "import sys\nfrom datetime import timedelta\nfrom torchft._torchft import LighthouseClient\n\
-             c = LighthouseClient(sys.argv[1], connect_timeout=timedelta(seconds=5))\n\
-             try:\n    c.heartbeat(sys.argv[2])\n    print('accepted')\nexcept Exception as e:\n    print('refused:', e)\n",
-            &format!("http://127.0.0.1:{}", c.torchft_ports[0]),
-            &foreign,
+            "import sys, threading, time\nfrom datetime import timedelta\nfrom torchft._torchft import LighthouseClient\n\
+             url, secs = sys.argv[1], float(sys.argv[2])\n\
+             n = {'ok': 0, 'refused': 0}\n\
+             def fat(i):\n    c = LighthouseClient(url, connect_timeout=timedelta(seconds=5))\n    try:\n        c.quorum(replica_id=f'evil_{i}', timeout=timedelta(seconds=2), address='http://x', store_address='x:1', step=2**40, world_size=1, shrink_only=True, data={'x': 'y' * 3000})\n        n['ok'] += 1\n    except Exception:\n        n['refused'] += 1\n\
+             ts = [threading.Thread(target=fat, args=(i,)) for i in range(200)]\n\
+             [t.start() for t in ts]\n\
+             c = LighthouseClient(url, connect_timeout=timedelta(seconds=5))\n\
+             end = time.time() + secs\n\
+             while time.time() < end:\n    try:\n        c.heartbeat('evil_hb'); n['ok'] += 1\n    except Exception:\n        n['refused'] += 1\n\
+             [t.join() for t in ts]\n\
+             print(f\"accepted={n['ok']} refused={n['refused']}\")\n",
+            &format!("http://127.0.0.1:{relay_port}"),
+            "4",
         ])
         .output()
         .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
+    let said = String::from_utf8_lossy(&flood.stdout);
+    assert!(said.contains("accepted=0 "), "{said}{}", String::from_utf8_lossy(&flood.stderr));
+    let during: Vec<TorchftCommit> = log()
+        .into_iter()
+        .filter(|x| x.time >= flood_from && x.time <= flood_from + 4.0)
+        .collect();
     assert!(
-        said.contains("refused") && said.contains("belongs to the lighthouse room"),
-        "{said}{}",
-        String::from_utf8_lossy(&out.stderr)
+        (0..3u32).all(|g| during.iter().any(|x| x.group == g && x.participants == 3)),
+        "the groups committed as three during the flood: {said}"
     );
 
     // SIGKILL group 1's program: it alone restarts; the others keep their processes
@@ -706,4 +777,82 @@ fn training_torchft_job_groups_of_two_slots_restart_as_a_group() {
         .map(|g| std::fs::read_to_string(d.join(format!("g{g}.sha"))).unwrap())
         .collect();
     assert_eq!(shas[0], shas[1], "equal weights");
+}
+
+/// A `runtime = "torchft"` job outlives its leader ductiled (issue 46, item 4): two replicas
+/// serve the lighthouse, three groups train, the leader is SIGKILLed; the standby leads and
+/// issues the next quorum within the election TTL and a few ticks, and no group restarts (the
+/// same pids commit before and after, and no generation follows the kill).
+#[test]
+fn training_torchft_job_goes_on_through_its_leader_s_death() {
+    let mut c = Cluster::start(Spec {
+        daemons: 2,
+        restart_backoff_ms: 300,
+        torchft: Some(vec!["--torchft-min-replicas".into(), "2".into()]),
+        ..Default::default()
+    });
+    let flags = torchrun_agent_flags();
+    let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+    for n in ["node1", "node2", "node3"] {
+        c.start_agent(n, 1, &extra);
+    }
+    let dir = TempDir::new("torchft-leader");
+    let d = dir.path();
+    let log_path = d.join("commits.log");
+    let args: Vec<String> = [
+        "--steps",
+        "100000",
+        "--step-sleep",
+        "0.03",
+        "--min-replicas",
+        "2",
+        "--log",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([log_path.display().to_string()])
+    .collect();
+    c.submit(&torchft_job_toml(
+        "ft",
+        (3, 3, 3),
+        &args,
+        "[torchrun]\ngrace_s = 5",
+    ));
+    let log = || torchft_commits(&log_path);
+    c.wait_world("ft", 3, Duration::from_secs(120));
+    let started = c.wait_for_opt(Duration::from_secs(180), || {
+        let l = log();
+        (0..3u32)
+            .all(|g| l.iter().any(|x| x.group == g && x.step >= 30 && x.participants == 3))
+            .then_some(())
+    });
+    assert!(started.is_some(), "three groups committing:\n{}", c.agent_logs());
+    let pids = |from: f64| -> std::collections::BTreeSet<u32> {
+        log().iter().filter(|x| x.time >= from).map(|x| x.pid).collect()
+    };
+    let before = pids(0.0);
+    let generation = c.status("ft").generation;
+    let t_kill = now_s();
+    let (_, _, took) = c.kill_leader();
+    // the groups go on committing as three
+    let after = c.wait_for_opt(Duration::from_secs(30), || {
+        let l = log();
+        (0..3u32)
+            .all(|g| l.iter().any(|x| x.group == g && x.time > t_kill + 1.0 && x.participants == 3))
+            .then_some(())
+    });
+    let l = log();
+    let mut times: Vec<f64> = l.iter().filter(|x| x.group == 0).map(|x| x.time).collect();
+    times.sort_by(f64::total_cmp);
+    let gap = times
+        .windows(2)
+        .filter(|w| w[1] > t_kill - 1.0)
+        .map(|w| w[1] - w[0])
+        .fold(0.0, f64::max);
+    println!("leader killed: standby led after {took:?}; longest pause between group 0's commits {gap:.2} s");
+    assert!(after.is_some(), "commits as three after the leader's death:\n{}", c.logs());
+    assert!(gap < 5.0, "longest pause {gap:.2} s (election TTL 2 s)");
+    assert_eq!(pids(t_kill + 1.0), before, "no group restarted");
+    assert_eq!(c.status("ft").generation, generation, "no generation after the kill");
+    c.dctl_ok(&["stop", "ft"]);
 }

@@ -392,8 +392,17 @@ pub fn run(
     rt: &tokio::runtime::Runtime,
 ) -> anyhow::Result<Summary> {
     let vocab = t.tok.get_vocab_size(true) as u64;
+    // the width holds the largest id, not the count: added tokens can sit past the count
+    let largest = t
+        .tok
+        .get_vocab(true)
+        .values()
+        .copied()
+        .max()
+        .map_or(0, u64::from)
+        .max(vocab.saturating_sub(1));
     let header = TokenHeader {
-        width: if vocab <= 1 << 16 { 2 } else { 4 },
+        width: if largest < 1 << 16 { 2 } else { 4 },
         vocab,
         tokenizer_sha256: t.sha256.clone(),
         eos,

@@ -199,7 +199,7 @@ impl Stream {
             };
             let w = h.width as u64;
             anyhow::ensure!(
-                size == body + h.tokens * w,
+                h.tokens.checked_mul(w).and_then(|b| b.checked_add(body)) == Some(size),
                 "dataset {url}: {} bytes of tokens, the header says {} tokens of {w} bytes (a cut or padded stream)",
                 size - body.min(size),
                 h.tokens
@@ -399,10 +399,14 @@ impl Inner {
             want.width
         );
         anyhow::ensure!(
-            h.tokens == shard.tokens && body + h.tokens * h.width as u64 == shard.bytes,
+            h.tokens == shard.tokens
+                && h.tokens
+                    .checked_mul(h.width as u64)
+                    .and_then(|b| b.checked_add(body))
+                    == Some(shard.bytes),
             "{what}: its header says {} tokens in {} bytes, the index {} tokens in {} bytes",
             h.tokens,
-            body + h.tokens * h.width as u64,
+            body.saturating_add(h.tokens.saturating_mul(h.width as u64)),
             shard.tokens,
             shard.bytes
         );
