@@ -119,6 +119,10 @@ pub struct Cli {
     /// AWS_* names) is given to that job's programs; the agent's own are never given.
     #[arg(long, env = "DUCTILE_JOB_CREDENTIALS_DIR")]
     pub job_credentials_dir: Option<PathBuf>,
+    /// The CA (PEM) of the lighthouse replicas' TLS certificates (ductiled
+    /// --torchft-tls-cert): torchft jobs' launchers then speak TLS to them.
+    #[arg(long, env = "DUCTILE_TORCHFT_CA")]
+    pub torchft_ca: Option<PathBuf>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -151,6 +155,7 @@ pub struct FileConfig {
     pub allowed_code_paths: Option<Vec<String>>,
     pub max_grace_s: Option<u64>,
     pub job_credentials_dir: Option<PathBuf>,
+    pub torchft_ca: Option<PathBuf>,
 }
 
 /// Which GPUs a node offers.
@@ -216,6 +221,8 @@ pub struct Config {
     pub policy: AgentPolicy,
     /// Per-job credentials for users' programs (`JOB.env` files); see [`crate::secrets`].
     pub job_credentials_dir: Option<PathBuf>,
+    /// The lighthouse replicas' CA: torchft launchers speak TLS to them.
+    pub torchft_ca: Option<PathBuf>,
 }
 
 /// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
@@ -400,6 +407,7 @@ impl Config {
                 }
             },
             job_credentials_dir: cli.job_credentials_dir.or(file.job_credentials_dir),
+            torchft_ca: cli.torchft_ca.or(file.torchft_ca),
         };
         cfg.validate()?;
         Ok(cfg)

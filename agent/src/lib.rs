@@ -580,6 +580,11 @@ impl Agent {
                 })
                 .collect();
             cmd.env("DUCTILE_NODE_GPUS", gpus.join(","));
+            // the lighthouse replicas' CA, for a torchft launcher's relay
+            match &self.cfg.torchft_ca {
+                Some(ca) => cmd.env("DUCTILE_TORCHFT_CA", ca),
+                None => cmd.env_remove("DUCTILE_TORCHFT_CA"),
+            };
         }
         // the job's own etcd user (etcd auth on), never this agent's credentials: every
         // DUCTILE_ETCD_* the agent was given is replaced or removed

@@ -11,8 +11,62 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+/// A byte stream to a lighthouse replica: plain TCP, or TLS over it.
+pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// TLS to the lighthouse replicas (ductiled `--torchft-tls-cert`), checked against `ca` (PEM):
+/// the replica's certificate must name the host the relay connects to.
+pub fn client_tls(ca: &std::path::Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca)
+        .map_err(|e| anyhow::anyhow!("cannot read the lighthouse CA {}: {e}", ca.display()))?
+    {
+        let c = c.map_err(|e| anyhow::anyhow!("the lighthouse CA {} is not PEM: {e}", ca.display()))?;
+        roots
+            .add(c)
+            .map_err(|e| anyhow::anyhow!("the lighthouse CA {}: {e}", ca.display()))?;
+    }
+    anyhow::ensure!(!roots.is_empty(), "the lighthouse CA {} holds no certificate", ca.display());
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| anyhow::anyhow!("TLS: {e}"))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(Arc::new(cfg))
+}
+
+/// `tcp` to `addr` (HOST:PORT), in TLS when `tls` is given (bounded: 5 s for the handshake).
+async fn secure(
+    tcp: TcpStream,
+    addr: &str,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+) -> anyhow::Result<Box<dyn Io>> {
+    let Some(cfg) = tls else {
+        return Ok(Box::new(tcp));
+    };
+    let host = addr
+        .rsplit_once(':')
+        .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
+        .unwrap_or(addr);
+    let name = rustls::pki_types::ServerName::try_from(host.to_string())
+        .map_err(|e| anyhow::anyhow!("{host} is no TLS server name: {e}"))?;
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio_rustls::TlsConnector::from(cfg.clone()).connect(name, tcp),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("TLS handshake with {addr}: no answer within 5 s"))?
+    .map_err(|e| anyhow::anyhow!("TLS handshake with {addr}: {e}"))?;
+    Ok(Box::new(s))
+}
 
 /// What a connection that names its lighthouse room starts with (then the job, then `\n`).
 pub const ROOM_PREAMBLE: &[u8] = b"DUCTILE-ROOM ";
@@ -61,7 +115,7 @@ pub fn room_proof_ok(key: &[u8], job: &str, nonce: &str, proof: &str) -> bool {
 
 /// The client's side of entering a room on `up`: the preamble, the lighthouse's nonce (read
 /// within 5 s, at most 128 bytes), the proof. Then the connection is the room's gRPC stream.
-pub async fn enter_room(up: &mut TcpStream, room: &RoomKey) -> anyhow::Result<()> {
+pub async fn enter_room(up: &mut dyn Io, room: &RoomKey) -> anyhow::Result<()> {
     use tokio::io::AsyncReadExt;
     let mut pre = ROOM_PREAMBLE.to_vec();
     pre.extend_from_slice(room.job.as_bytes());
@@ -134,12 +188,14 @@ pub async fn serve(
     listener: TcpListener,
     upstreams: Upstreams,
     room: Option<RoomKey>,
+    tls: Option<Arc<rustls::ClientConfig>>,
 ) -> anyhow::Result<()> {
     let last = Arc::new(AtomicUsize::new(0));
     loop {
         let (mut client, peer) = listener.accept().await?;
         let _ = client.set_nodelay(true);
-        let (upstreams, last, room) = (upstreams.clone(), last.clone(), room.clone());
+        let (upstreams, last, room, tls) =
+            (upstreams.clone(), last.clone(), room.clone(), tls.clone());
         tokio::spawn(async move {
             let list = upstreams().await;
             if list.is_empty() {
@@ -147,16 +203,23 @@ pub async fn serve(
                 return;
             }
             let start = last.load(Ordering::Relaxed) % list.len();
-            let Some((i, mut up)) = connect(&list, start, Duration::from_secs(2)).await else {
+            let Some((i, tcp)) = connect(&list, start, Duration::from_secs(2)).await else {
                 eprintln!("torchft-relay: no lighthouse replica accepts; closing {peer}");
                 return;
+            };
+            let mut up = match secure(tcp, &list[i], tls.as_ref()).await {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("torchft-relay: {e:#}; closing {peer}");
+                    return;
+                }
             };
             if i != start {
                 eprintln!("torchft-relay: now relaying to {}", list[i]);
             }
             last.store(i, Ordering::Relaxed);
             if let Some(r) = &room {
-                if let Err(e) = enter_room(&mut up, r).await {
+                if let Err(e) = enter_room(up.as_mut(), r).await {
                     eprintln!("torchft-relay: cannot enter job {}'s lighthouse room at {}: {e:#}; closing {peer}", r.job, list[i]);
                     return;
                 }
@@ -172,7 +235,9 @@ pub async fn run(
     listen: &str,
     upstreams: Vec<String>,
     room: Option<RoomKey>,
+    ca: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
+    let tls = ca.map(client_tls).transpose()?;
     anyhow::ensure!(!upstreams.is_empty(), "give --to HOST:PORT[,HOST:PORT...]");
     if let Some(r) = &room {
         crate::keys::validate_name("job", &r.job)?;
@@ -189,5 +254,5 @@ pub async fn run(
             .map(|j| format!(" (job {j}'s room)"))
             .unwrap_or_default()
     );
-    serve(listener, fixed(upstreams), room).await
+    serve(listener, fixed(upstreams), room, tls).await
 }

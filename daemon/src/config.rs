@@ -91,6 +91,12 @@ pub struct Cli {
     /// does; unauthenticated, so off unless an operator turns it on for a trusted network).
     #[arg(long, env = "DUCTILE_TORCHFT_DEFAULT_ROOM")]
     pub torchft_default_room: bool,
+    /// Serve the lighthouse over TLS with this certificate chain (PEM; with
+    /// --torchft-tls-key): the launchers' relays speak TLS to it (their agents' --torchft-ca).
+    #[arg(long, env = "DUCTILE_TORCHFT_TLS_CERT")]
+    pub torchft_tls_cert: Option<PathBuf>,
+    #[arg(long, env = "DUCTILE_TORCHFT_TLS_KEY")]
+    pub torchft_tls_key: Option<PathBuf>,
 }
 
 /// The TorchFT lighthouse's address and options.
@@ -100,6 +106,8 @@ pub struct TorchftConfig {
     /// What the launchers connect to (`--torchft-advertise`, else the listen address).
     pub advertise: Option<String>,
     pub opt: crate::lighthouse::LighthouseOpt,
+    /// TLS (certificate chain, key) for the lighthouse's connections.
+    pub tls: Option<(PathBuf, PathBuf)>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -126,6 +134,8 @@ pub struct FileConfig {
     pub torchft_quorum_tick_ms: Option<u64>,
     pub torchft_heartbeat_timeout_ms: Option<u64>,
     pub torchft_default_room: Option<bool>,
+    pub torchft_tls_cert: Option<PathBuf>,
+    pub torchft_tls_key: Option<PathBuf>,
 }
 
 #[derive(Debug)]
@@ -187,6 +197,14 @@ impl Config {
             (Some(c), Some(k)) => Some((c, k)),
             (None, None) => None,
             _ => anyhow::bail!("invalid tls_cert/tls_key: give both or neither"),
+        };
+        let torchft_tls = match (
+            cli.torchft_tls_cert.clone().or(file.torchft_tls_cert.clone()),
+            cli.torchft_tls_key.clone().or(file.torchft_tls_key.clone()),
+        ) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => anyhow::bail!("invalid torchft_tls_cert/torchft_tls_key: give both or neither"),
         };
         let insecure_http = cli.insecure_http || file.insecure_http.unwrap_or(false);
         let listen = cli
@@ -251,6 +269,7 @@ impl Config {
                 let d = crate::lighthouse::LighthouseOpt::default();
                 TorchftConfig {
                     listen,
+                    tls: torchft_tls.clone(),
                     advertise: cli.torchft_advertise.or(file.torchft_advertise),
                     opt: crate::lighthouse::LighthouseOpt {
                         min_replicas: cli

@@ -88,6 +88,15 @@ pub async fn run(
                     tf.listen
                 ),
             };
+            let tls = match &tf.tls {
+                Some((cert, key)) => {
+                    // the relays speak raw bytes inside TLS: no ALPN
+                    let mut c = (*tls::server_config(cert, key)?).clone();
+                    c.alpn_protocols.clear();
+                    Some(Arc::new(c))
+                }
+                None => None,
+            };
             Some(tokio::spawn(lighthouse::serve(
                 store.clone(),
                 tf.opt.clone(),
@@ -96,6 +105,7 @@ pub async fn run(
                 Duration::from_secs(cfg.election_ttl.max(2) as u64),
                 leader_key_rx.clone(),
                 cfg.id.clone(),
+                tls,
                 cancel.clone(),
             )))
         }

@@ -61,9 +61,11 @@ pub struct RoomInfo {
     pub denied: Option<String>,
 }
 
-/// An accepted connection and the room its preamble named.
+/// An accepted connection (plain TCP, or TLS over it) and the room its preamble named; what
+/// was read of it to tell whether it starts with a preamble and is not one comes first.
 pub struct RoomConn {
-    stream: tokio::net::TcpStream,
+    stream: Box<dyn ductile_cluster::relay::Io>,
+    prefix: Vec<u8>,
     info: RoomInfo,
 }
 
@@ -80,6 +82,12 @@ impl tokio::io::AsyncRead for RoomConn {
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            buf.put_slice(&self.prefix[..n]);
+            self.prefix.drain(..n);
+            return std::task::Poll::Ready(Ok(()));
+        }
         std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }
@@ -155,27 +163,36 @@ fn nonce() -> std::io::Result<String> {
 /// while the default room is off, still reaches tonic, where every call is refused with
 /// `PERMISSION_DENIED` naming why.
 async fn read_preamble(
-    mut stream: tokio::net::TcpStream,
+    mut stream: Box<dyn ductile_cluster::relay::Io>,
     store: Store,
     default_room: bool,
 ) -> std::io::Result<RoomConn> {
     use tokio::io::AsyncReadExt;
     let magic = ductile_cluster::relay::ROOM_PREAMBLE;
-    let mut head = vec![0u8; magic.len()];
     let t0 = tokio::time::Instant::now();
-    loop {
-        let n = tokio::time::timeout_at(t0 + Duration::from_secs(10), stream.peek(&mut head))
-            .await
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no request"))??;
+    // the first bytes, until they are the preamble's or cannot be (then they are gRPC's, and
+    // go to tonic first)
+    let mut head = Vec::with_capacity(magic.len());
+    let mut chunk = vec![0u8; magic.len()];
+    while head.len() < magic.len() {
+        let want = magic.len() - head.len();
+        let n = tokio::time::timeout_at(
+            t0 + Duration::from_secs(10),
+            stream.read(&mut chunk[..want]),
+        )
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no request"))??;
         if n == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        if !magic.starts_with(&head[..n]) {
+        head.extend_from_slice(&chunk[..n]);
+        if !magic.starts_with(&head) {
             let denied = (!default_room).then(|| {
                 "the lighthouse's default room is off: a torchft job's launchers enter the job's own room (an operator turns the default room on with ductiled --torchft-default-room)".to_string()
             });
             return Ok(RoomConn {
                 stream,
+                prefix: head,
                 info: RoomInfo {
                     room: None,
                     limit: None,
@@ -183,14 +200,9 @@ async fn read_preamble(
                 },
             });
         }
-        if n == magic.len() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let mut line = Vec::new();
     let mut b = [0u8; 1];
-    stream.read_exact(&mut head).await?;
     while line.len() <= 256 {
         tokio::time::timeout_at(t0 + Duration::from_secs(10), stream.read_exact(&mut b))
             .await
@@ -233,6 +245,7 @@ async fn read_preamble(
             };
             return Ok(RoomConn {
                 stream,
+                prefix: Vec::new(),
                 info: RoomInfo {
                     room: Some(room),
                     limit,
@@ -1305,6 +1318,7 @@ pub async fn serve(
     election_ttl: Duration,
     mut leader: watch::Receiver<Option<LeaderKey>>,
     id: String,
+    tls: Option<Arc<rustls::ServerConfig>>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     tokio::spawn(announce(
@@ -1365,9 +1379,28 @@ pub async fn serve(
                     tracing::warn!(%peer, "lighthouse: {MAX_PREAMBLES} connections are already being admitted; closing");
                     continue;
                 };
-                let (store, default_room) = (pre_store.clone(), default_room);
+                let (store, default_room, tls) = (pre_store.clone(), default_room, tls.clone());
                 tokio::spawn(async move {
                     let _permit = permit;
+                    // TLS first when the replica serves it (the handshake bounded with the
+                    // preamble: 10 s in all)
+                    let stream: Box<dyn ductile_cluster::relay::Io> = match tls {
+                        None => Box::new(stream),
+                        Some(cfg) => {
+                            let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(stream);
+                            match tokio::time::timeout(Duration::from_secs(10), accept).await {
+                                Ok(Ok(s)) => Box::new(s),
+                                Ok(Err(e)) => {
+                                    tracing::debug!(%peer, error = %e, "lighthouse TLS handshake failed");
+                                    return;
+                                }
+                                Err(_) => {
+                                    tracing::debug!(%peer, "lighthouse TLS handshake: no answer in 10 s");
+                                    return;
+                                }
+                            }
+                        }
+                    };
                     match read_preamble(stream, store, default_room).await {
                         Ok(c) => {
                             let _ = tx.send(Ok(c)).await;

@@ -167,6 +167,9 @@ enum Cmd {
         /// The job's lighthouse key (`jobs/JOB/lighthouse_key` in etcd), for --job.
         #[arg(long)]
         key_file: Option<std::path::PathBuf>,
+        /// Speak TLS to the replicas (ductiled --torchft-tls-cert), checked against this CA.
+        #[arg(long)]
+        ca: Option<std::path::PathBuf>,
     },
     /// Write a committed checkpoint of a `model = "hf"` job as a Hugging Face directory
     /// (safetensors, config.json, the tokenizer's files) that transformers loads as it is.
@@ -504,6 +507,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         to,
         job,
         key_file,
+        ca,
     } = &cli.cmd
     {
         let room = match (job, key_file) {
@@ -517,7 +521,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }),
             _ => None,
         };
-        return ductile_cluster::relay::run(listen, to.clone(), room).await;
+        return ductile_cluster::relay::run(listen, to.clone(), room, ca.as_deref()).await;
     }
     let file: FileConfig = match std::env::var_os("HOME")
         .map(|h| PathBuf::from(h).join(".config/ductile/dctl.toml"))

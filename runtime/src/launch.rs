@@ -411,8 +411,13 @@ async fn start_relay(store: &Store, job: &str) -> anyhow::Result<String> {
         job: job.to_string(),
         key,
     });
+    // TLS to the replicas when the node's agent names their CA (`torchft_ca`)
+    let tls = match std::env::var_os("DUCTILE_TORCHFT_CA").filter(|v| !v.is_empty()) {
+        Some(ca) => Some(ductile_cluster::relay::client_tls(std::path::Path::new(&ca))?),
+        None => None,
+    };
     tokio::spawn(async move {
-        if let Err(e) = ductile_cluster::relay::serve(listener, upstreams, room).await {
+        if let Err(e) = ductile_cluster::relay::serve(listener, upstreams, room, tls).await {
             eprintln!("torchft-relay: stopped: {e:#}");
         }
     });

@@ -780,24 +780,35 @@ fn training_torchft_job_groups_of_two_slots_restart_as_a_group() {
 }
 
 /// A `runtime = "torchft"` job outlives its leader ductiled (issue 46, item 4): two replicas
-/// serve the lighthouse, three groups train, the leader is SIGKILLed; the standby leads and
-/// issues the next quorum within the election TTL and a few ticks, and no group restarts (the
-/// same pids commit before and after, and no generation follows the kill).
+/// serve the lighthouse over TLS, three groups train, the leader is SIGKILLed; the standby
+/// leads and issues the next quorum within the election TTL and a few ticks, and no group
+/// restarts (the same pids commit before and after, and no generation follows the kill).
 #[test]
 fn training_torchft_job_goes_on_through_its_leader_s_death() {
+    let dir = TempDir::new("torchft-leader");
+    let d = dir.path();
+    // the lighthouse over TLS (the certificate names 127.0.0.1), the agents trusting its CA
+    let pki = make_pki(d);
+    let p = |f: &str| pki.join(f).display().to_string();
     let mut c = Cluster::start(Spec {
         daemons: 2,
         restart_backoff_ms: 300,
-        torchft: Some(vec!["--torchft-min-replicas".into(), "2".into()]),
+        torchft: Some(vec![
+            "--torchft-min-replicas".into(),
+            "2".into(),
+            "--torchft-tls-cert".into(),
+            p("api.pem"),
+            "--torchft-tls-key".into(),
+            p("api-key.pem"),
+        ]),
         ..Default::default()
     });
-    let flags = torchrun_agent_flags();
+    let mut flags = torchrun_agent_flags();
+    flags.extend(["--torchft-ca".to_string(), p("ca.pem")]);
     let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
     for n in ["node1", "node2", "node3"] {
         c.start_agent(n, 1, &extra);
     }
-    let dir = TempDir::new("torchft-leader");
-    let d = dir.path();
     let log_path = d.join("commits.log");
     let args: Vec<String> = [
         "--steps",

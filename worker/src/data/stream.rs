@@ -323,8 +323,12 @@ impl Stream {
     /// The tokens of these samples, `ctx + 1` each, in order: from what the read-ahead holds,
     /// the rest read now.
     pub fn samples(&self, idx: &[u64]) -> anyhow::Result<Vec<Arc<[u32]>>> {
-        let missing = self.inner.missing(idx);
-        let got: HashMap<u64, Arc<[u32]>> = if missing.is_empty() {
+        // what the read-ahead holds is taken (its handles) together with what it lacks: the
+        // samples read next may evict held ones (the read-ahead's thread, or this step's own
+        // samples when one step's tokens exceed the budget), and a sample counted as held must
+        // not be lost in between
+        let (held, missing) = self.inner.split(idx);
+        let mut got: HashMap<u64, Arc<[u32]>> = if missing.is_empty() {
             HashMap::new()
         } else {
             let t0 = std::time::Instant::now();
@@ -335,18 +339,18 @@ impl Stream {
             );
             got
         };
-        let mut c = self.inner.cache.lock().unwrap();
-        for (k, v) in &got {
-            c.insert(*k, v.clone());
+        {
+            let mut c = self.inner.cache.lock().unwrap();
+            for (k, v) in &got {
+                c.insert(*k, v.clone());
+            }
         }
+        got.extend(held);
         idx.iter()
             .map(|k| {
-                got.get(k)
-                    .cloned()
-                    .or_else(|| c.held.get(k).cloned())
-                    .ok_or_else(|| {
-                        anyhow::anyhow!("dataset {}: sample {k} was not read", self.inner.url)
-                    })
+                got.get(k).cloned().ok_or_else(|| {
+                    anyhow::anyhow!("dataset {}: sample {k} was not read", self.inner.url)
+                })
             })
             .collect()
     }
@@ -354,15 +358,25 @@ impl Stream {
 
 impl Inner {
     fn missing(&self, want: &[u64]) -> Vec<u64> {
+        self.split(want).1
+    }
+
+    /// Of `want`, the samples held now (their handles) and the ones to read (sorted, once).
+    fn split(&self, want: &[u64]) -> (HashMap<u64, Arc<[u32]>>, Vec<u64>) {
         let c = self.cache.lock().unwrap();
-        let mut m: Vec<u64> = want
-            .iter()
-            .copied()
-            .filter(|k| !c.held.contains_key(k))
-            .collect();
+        let mut held = HashMap::new();
+        let mut m = Vec::new();
+        for k in want {
+            match c.held.get(k) {
+                Some(v) => {
+                    held.insert(*k, v.clone());
+                }
+                None => m.push(*k),
+            }
+        }
         m.sort_unstable();
         m.dedup();
-        m
+        (held, m)
     }
 
     /// (shard, sample within it) of global sample k.
@@ -656,6 +670,28 @@ mod tests {
             e.contains("is not a plain file name under the prefix"),
             "{e}"
         );
+    }
+
+    /// A step whose samples' tokens exceed the read-ahead's budget still gets every sample:
+    /// the held ones it counted on are not lost to the eviction its own reads cause.
+    #[test]
+    fn a_step_larger_than_the_budget_gets_every_sample() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let all = tokens(10_000);
+        let d = dir("over-budget");
+        let url = write(&d, &all, 1000, true);
+        let ctx = 16usize;
+        let s = Stream::open(&url, ctx, rt.handle()).unwrap().unwrap();
+        // a budget of 5 samples' tokens; 3 of them held, then a step of 12 (9 read now)
+        s.inner.cache.lock().unwrap().budget = 5 * (ctx + 1);
+        assert!(s.samples(&[0, 1, 2]).is_ok());
+        let idx: Vec<u64> = (0..12).collect();
+        let got = s.samples(&idx).unwrap();
+        for (k, v) in idx.iter().zip(&got) {
+            let a = *k as usize * ctx;
+            assert_eq!(v.to_vec(), all[a..a + ctx + 1].to_vec(), "sample {k}");
+        }
+        assert!(s.inner.cache.lock().unwrap().tokens <= 5 * (ctx + 1));
     }
 
     /// The samples held stay within the byte budget, however many are read.
