@@ -203,13 +203,26 @@ async fn submit(
     } else {
         JobSpec::from_json(&body)?
     };
-    // the allow-lists first: the daemon reads only where the job may read (its model
-    // directory, its datasets, its checkpoints), and nothing before that
+    // what the spec alone shows first (a Hugging Face model's layout needs its config.json:
+    // checked once that is read), then the allow-lists: the daemon reads only where the job may
+    // read (its model directory, its datasets, its checkpoints), and nothing before that
+    let check_job = |spec: &JobSpec| {
+        ductile_strategies::pipeline::check_job(spec)
+            .map_err(|(field, reason)| ClusterError::invalid(field, reason))
+    };
+    let hf = spec
+        .training
+        .as_ref()
+        .is_some_and(|t| t.model == ductile_cluster::modes::ModelKind::Hf);
+    if !hf {
+        check_job(&spec)?;
+    }
     check_policies(&st, &spec)?;
     check_checkpoint_owner(&st, &spec).await?;
     read_hf_config(&mut spec).await?;
-    ductile_strategies::pipeline::check_job(&spec)
-        .map_err(|(field, reason)| ClusterError::invalid(field, reason))?;
+    if hf {
+        check_job(&spec)?;
+    }
     {
         let snaps = current(&st)?;
         let nodes = fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;

@@ -866,4 +866,10 @@ fn training_torchft_job_goes_on_through_its_leader_s_death() {
     assert_eq!(pids(t_kill + 1.0), before, "no group restarted");
     assert_eq!(c.status("ft").generation, generation, "no generation after the kill");
     c.dctl_ok(&["stop", "ft"]);
+    // the ended job's room goes with it (the leader's clean-up, every 10 s)
+    c.wait_for(Duration::from_secs(40), "the ended job's lighthouse room deleted", || {
+        let v: serde_json::Value = c.get_json("/v1/torchft");
+        let rooms = v["rooms"].as_array()?.clone();
+        (!rooms.iter().any(|r| r["room"] == "job-ft")).then_some(())
+    });
 }
