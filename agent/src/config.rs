@@ -403,7 +403,10 @@ impl Config {
                         .allowed_code_paths
                         .or(file.allowed_code_paths)
                         .unwrap_or(d.allowed_code_paths),
-                    max_grace_s: cli.max_grace_s.or(file.max_grace_s).unwrap_or(d.max_grace_s),
+                    max_grace_s: cli
+                        .max_grace_s
+                        .or(file.max_grace_s)
+                        .unwrap_or(d.max_grace_s),
                 }
             },
             job_credentials_dir: cli.job_credentials_dir.or(file.job_credentials_dir),

@@ -8,8 +8,8 @@
 //! that loop, so it vouches for the actor itself.
 
 pub mod config;
-pub mod secrets;
 pub mod devices;
+pub mod secrets;
 pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
@@ -632,7 +632,10 @@ impl Agent {
                 }
                 Err(e) => {
                     tracing::error!(job = %key.0, slot = key.1, error = %e, "cannot hand the launcher its secrets");
-                    let exit = format!("agent {}: cannot hand the launcher its secrets: {e}", self.node.name);
+                    let exit = format!(
+                        "agent {}: cannot hand the launcher its secrets: {e}",
+                        self.node.name
+                    );
                     self.fail_for_good(key, j.generation, exit);
                     return;
                 }

@@ -27,7 +27,13 @@ pub const PROGRAM_CREDENTIAL_NAMES: &[&str] = &[
 /// set for the agent) are not among them.
 pub fn inherited(k: &str) -> bool {
     ductile_runtime::launch::node_inherited(k)
-        || ["RUST_LOG", "RUST_BACKTRACE", "DUCTILE_COMM_HOST", "DUCTILE_LOG_FORMAT"].contains(&k)
+        || [
+            "RUST_LOG",
+            "RUST_BACKTRACE",
+            "DUCTILE_COMM_HOST",
+            "DUCTILE_LOG_FORMAT",
+        ]
+        .contains(&k)
 }
 
 /// The job's credentials for its programs from `dir/JOB.env`: none when there is no such file;
@@ -119,6 +125,8 @@ mod tests {
         let e = job_credentials(&dir, "b").unwrap_err();
         assert!(e.contains("b.env line 1: LD_PRELOAD is not among"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
-        assert!(inherited("PATH") && inherited("NCCL_DEBUG") && !inherited("AWS_SECRET_ACCESS_KEY"));
+        assert!(
+            inherited("PATH") && inherited("NCCL_DEBUG") && !inherited("AWS_SECRET_ACCESS_KEY")
+        );
     }
 }

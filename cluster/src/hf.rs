@@ -327,7 +327,11 @@ impl HfConfig {
         // on them): head_dim and the position table
         for (k, v, hi) in [
             ("head_dim", self.head_dim, 1i64 << 13),
-            ("max_position_embeddings / n_positions", self.max_positions, 1 << 24),
+            (
+                "max_position_embeddings / n_positions",
+                self.max_positions,
+                1 << 24,
+            ),
             ("num_key_value_heads", self.n_kv_head, 1 << 10),
         ] {
             if !(1..=hi).contains(&v) {
@@ -336,7 +340,9 @@ impl HfConfig {
         }
         if let Some(w) = self.sliding_window {
             if w < 1 {
-                return Err(format!("config.json: sliding_window = {w} must be at least 1"));
+                return Err(format!(
+                    "config.json: sliding_window = {w} must be at least 1"
+                ));
             }
         }
         Ok(())
@@ -496,9 +502,17 @@ mod tests {
     #[test]
     fn sizes_that_would_wrap_are_refused() {
         for (k, v, want) in [
-            ("head_dim", json!(1i64 << 40), "head_dim = 1099511627776 must be in"),
+            (
+                "head_dim",
+                json!(1i64 << 40),
+                "head_dim = 1099511627776 must be in",
+            ),
             ("head_dim", json!(-8), "head_dim = -8"),
-            ("max_position_embeddings", json!(1i64 << 50), "max_position_embeddings"),
+            (
+                "max_position_embeddings",
+                json!(1i64 << 50),
+                "max_position_embeddings",
+            ),
             ("vocab_size", json!(0), "vocab_size = 0"),
         ] {
             let mut c = llama();

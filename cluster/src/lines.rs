@@ -86,7 +86,11 @@ mod tests {
         input.extend_from_slice(b"\nnext\n");
         let got = all(&input, 100).await;
         assert_eq!(got.len(), 2);
-        assert!(got[0].starts_with(std::str::from_utf8(&long[..50]).unwrap()), "{}", got[0]);
+        assert!(
+            got[0].starts_with(std::str::from_utf8(&long[..50]).unwrap()),
+            "{}",
+            got[0]
+        );
         assert!(got[0].ends_with(std::str::from_utf8(&long[10_000 - 50..]).unwrap()));
         assert!(got[0].contains("…[9900 bytes cut]…"), "{}", got[0]);
         assert_eq!(got[1], "next");

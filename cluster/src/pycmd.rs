@@ -121,7 +121,10 @@ pub fn parse(args: &[String]) -> Result<PyCommand, (usize, String)> {
                 break;
             }
             if !FLAGS.contains(&c) {
-                return Err((at, format!("-{c} (in {a:?}) is not an option CPython knows")));
+                return Err((
+                    at,
+                    format!("-{c} (in {a:?}) is not an option CPython knows"),
+                ));
             }
             options.push((at, c, None));
             k += 1;
@@ -189,16 +192,25 @@ mod tests {
 
     #[test]
     fn scripts_modules_and_stdin() {
-        assert_eq!(main_of(&["t.py", "-c", "x"]), PyMain::Script(1, "t.py".into()));
+        assert_eq!(
+            main_of(&["t.py", "-c", "x"]),
+            PyMain::Script(1, "t.py".into())
+        );
         assert_eq!(main_of(&["-u", "t.py"]), PyMain::Script(2, "t.py".into()));
         assert_eq!(
             main_of(&["-W", "ignore", "/s/t.py"]),
             PyMain::Script(3, "/s/t.py".into())
         );
         assert_eq!(main_of(&["--", "-c"]), PyMain::Script(2, "-c".into()));
-        assert_eq!(main_of(&["-m", "timeit", "x"]), PyMain::Module(2, "timeit".into()));
+        assert_eq!(
+            main_of(&["-m", "timeit", "x"]),
+            PyMain::Module(2, "timeit".into())
+        );
         assert_eq!(main_of(&["-mtimeit"]), PyMain::Module(1, "timeit".into()));
-        assert_eq!(main_of(&["-Im", "timeit"]), PyMain::Module(2, "timeit".into()));
+        assert_eq!(
+            main_of(&["-Im", "timeit"]),
+            PyMain::Module(2, "timeit".into())
+        );
         assert_eq!(main_of(&["-"]), PyMain::Stdin(1));
         assert_eq!(main_of(&["-u"]), PyMain::Stdin(1));
         assert_eq!(main_of(&[]), PyMain::Stdin(0));

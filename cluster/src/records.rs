@@ -212,28 +212,42 @@ impl AgentPolicy {
             return Ok(());
         }
         let roots = self.code_roots();
-        let under = |field: &str, p: &std::path::Path| -> Result<std::path::PathBuf, (String, String)> {
-            let real = std::fs::canonicalize(p).map_err(|e| {
-                (field.to_string(), format!("{}: cannot be resolved on this node: {e}", p.display()))
-            })?;
-            let root_real = |r: &String| std::fs::canonicalize(r).unwrap_or_else(|_| r.into());
-            if roots.iter().any(|r| r == "/" || real.starts_with(root_real(r))) {
-                Ok(real)
-            } else {
-                Err((
-                    field.to_string(),
-                    format!(
-                        "{} resolves to {}, outside the agent's {} {roots:?}",
-                        p.display(),
-                        real.display(),
-                        if self.allowed_code_paths.is_empty() { "allowed_paths" } else { "allowed_code_paths" }
-                    ),
-                ))
-            }
-        };
+        let under =
+            |field: &str, p: &std::path::Path| -> Result<std::path::PathBuf, (String, String)> {
+                let real = std::fs::canonicalize(p).map_err(|e| {
+                    (
+                        field.to_string(),
+                        format!("{}: cannot be resolved on this node: {e}", p.display()),
+                    )
+                })?;
+                let root_real = |r: &String| std::fs::canonicalize(r).unwrap_or_else(|_| r.into());
+                if roots
+                    .iter()
+                    .any(|r| r == "/" || real.starts_with(root_real(r)))
+                {
+                    Ok(real)
+                } else {
+                    Err((
+                        field.to_string(),
+                        format!(
+                            "{} resolves to {}, outside the agent's {} {roots:?}",
+                            p.display(),
+                            real.display(),
+                            if self.allowed_code_paths.is_empty() {
+                                "allowed_paths"
+                            } else {
+                                "allowed_code_paths"
+                            }
+                        ),
+                    ))
+                }
+            };
         let workdir = spec.torchrun.as_ref().and_then(|t| t.workdir.clone());
         let wd = match &workdir {
-            Some(w) => Some(under("torchrun.workdir", std::path::Path::new(w.trim_start_matches("file://")))?),
+            Some(w) => Some(under(
+                "torchrun.workdir",
+                std::path::Path::new(w.trim_start_matches("file://")),
+            )?),
             None => None,
         };
         let Some(script) = python_script(&spec.command) else {
@@ -321,9 +335,11 @@ impl AgentPolicy {
             .map_err(|(i, why)| (format!("command[{i}]"), why))?;
         for (i, opt, value) in &parsed.options {
             // a warnings filter's category is imported: -W action::pkg.Category runs pkg
-            if *opt == 'W' && value.as_deref().is_some_and(|v| {
-                v.split(':').nth(2).is_some_and(|c| c.contains('.'))
-            }) {
+            if *opt == 'W'
+                && value
+                    .as_deref()
+                    .is_some_and(|v| v.split(':').nth(2).is_some_and(|c| c.contains('.')))
+            {
                 return Err((
                     format!("command[{i}]"),
                     "a -W filter whose category names a module imports that module; only built-in categories may be named".into(),
@@ -2689,31 +2705,61 @@ mod policy_tests {
             assert_eq!(with_modules.check(&job(c, "")), Ok(()), "{c}");
         }
         let (f, w) = with_modules
-            .check(&job(r#"["/v/bin/python3", "-m", "timeit", "import os"]"#, ""))
+            .check(&job(
+                r#"["/v/bin/python3", "-m", "timeit", "import os"]"#,
+                "",
+            ))
             .unwrap_err();
         assert_eq!(f, "command[2]");
-        assert!(w.contains("\"timeit\" (-m) is not in the agent's allowed_modules"), "{w}");
+        assert!(
+            w.contains("\"timeit\" (-m) is not in the agent's allowed_modules"),
+            "{w}"
+        );
         // inline code in every form CPython takes it (what a hostile tenant tried)
         for (c, field) in [
             (r#"["/v/bin/python3", "-cimport os"]"#, "command[1]"),
             (r#"["/v/bin/python3", "-Ic", "import os"]"#, "command[1]"),
-            (r#"["/v/bin/python3", "-u", "-BIc", "import os"]"#, "command[2]"),
-            (r#"["/v/bin/python3", "-W", "ignore", "-c", "x"]"#, "command[3]"),
+            (
+                r#"["/v/bin/python3", "-u", "-BIc", "import os"]"#,
+                "command[2]",
+            ),
+            (
+                r#"["/v/bin/python3", "-W", "ignore", "-c", "x"]"#,
+                "command[3]",
+            ),
         ] {
             refused(c, "", field, "inline Python (-c)");
         }
-        refused(r#"["/v/bin/python3", "-"]"#, "", "command[1]", "standard input");
-        refused(r#"["/v/bin/python3", "-u"]"#, "", "command[1]", "standard input");
+        refused(
+            r#"["/v/bin/python3", "-"]"#,
+            "",
+            "command[1]",
+            "standard input",
+        );
+        refused(
+            r#"["/v/bin/python3", "-u"]"#,
+            "",
+            "command[1]",
+            "standard input",
+        );
         refused(
             r#"["/v/bin/python3", "-Wignore::evil.Warning", "/srv/jobs/t.py"]"#,
             "",
             "command[1]",
             "imports that module",
         );
-        refused(r#"["/v/bin/python3", "-Z", "/srv/jobs/t.py"]"#, "", "command[1]", "not an option");
+        refused(
+            r#"["/v/bin/python3", "-Z", "/srv/jobs/t.py"]"#,
+            "",
+            "command[1]",
+            "not an option",
+        );
         // the script after options is the one checked; arguments after it are the script's
         assert_eq!(
-            ok(r#"["/v/bin/python3", "-u", "-W", "ignore", "/srv/jobs/t.py", "-c", "x"]"#, ""),
+            ok(
+                r#"["/v/bin/python3", "-u", "-W", "ignore", "/srv/jobs/t.py", "-c", "x"]"#,
+                ""
+            ),
             Ok(())
         );
         refused(
@@ -2790,7 +2836,10 @@ mod policy_tests {
         for (path, why) in [
             ("file:///etc/ductile", "outside the agent's allowed_paths"),
             ("/root/.aws", "outside the agent's allowed_paths"),
-            ("s3://other-tenant/model", "outside the agent's allowed_s3_prefixes"),
+            (
+                "s3://other-tenant/model",
+                "outside the agent's allowed_s3_prefixes",
+            ),
             ("file:///var/lib/ductile/../../etc", "without . or .."),
         ] {
             let (f, w) = p.check(&hf(path)).unwrap_err();
@@ -2834,7 +2883,10 @@ mod policy_tests {
         assert_eq!(p.check(&link), Ok(()));
         let (f, w) = p.check_real_paths(&link).unwrap_err();
         assert_eq!(f, "command[1]");
-        assert!(w.contains("evil.py") && w.contains("outside the agent's allowed_paths"), "{w}");
+        assert!(
+            w.contains("evil.py") && w.contains("outside the agent's allowed_paths"),
+            "{w}"
+        );
         let wd = job("evil.py".into(), Some(&jobs.join("wd")));
         assert_eq!(p.check(&wd), Ok(()));
         assert_eq!(p.check_real_paths(&wd).unwrap_err().0, "torchrun.workdir");

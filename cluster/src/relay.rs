@@ -27,12 +27,17 @@ pub fn client_tls(ca: &std::path::Path) -> anyhow::Result<Arc<rustls::ClientConf
     for c in CertificateDer::pem_file_iter(ca)
         .map_err(|e| anyhow::anyhow!("cannot read the lighthouse CA {}: {e}", ca.display()))?
     {
-        let c = c.map_err(|e| anyhow::anyhow!("the lighthouse CA {} is not PEM: {e}", ca.display()))?;
+        let c =
+            c.map_err(|e| anyhow::anyhow!("the lighthouse CA {} is not PEM: {e}", ca.display()))?;
         roots
             .add(c)
             .map_err(|e| anyhow::anyhow!("the lighthouse CA {}: {e}", ca.display()))?;
     }
-    anyhow::ensure!(!roots.is_empty(), "the lighthouse CA {} holds no certificate", ca.display());
+    anyhow::ensure!(
+        !roots.is_empty(),
+        "the lighthouse CA {} holds no certificate",
+        ca.display()
+    );
     let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -91,7 +96,10 @@ impl std::fmt::Debug for RoomKey {
 /// the wire opens nothing later.
 pub fn room_proof(key: &[u8], job: &str, nonce: &str) -> String {
     let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
-    let tag = ring::hmac::sign(&k, format!("ductile-lighthouse-room\n{job}\n{nonce}").as_bytes());
+    let tag = ring::hmac::sign(
+        &k,
+        format!("ductile-lighthouse-room\n{job}\n{nonce}").as_bytes(),
+    );
     tag.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -99,7 +107,11 @@ pub fn room_proof(key: &[u8], job: &str, nonce: &str) -> String {
 pub fn room_proof_ok(key: &[u8], job: &str, nonce: &str, proof: &str) -> bool {
     let Some(tag) = (0..proof.len())
         .step_by(2)
-        .map(|i| proof.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+        .map(|i| {
+            proof
+                .get(i..i + 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        })
         .collect::<Option<Vec<u8>>>()
     else {
         return false;
@@ -131,7 +143,9 @@ pub async fn enter_room(up: &mut dyn Io, room: &RoomKey) -> anyhow::Result<()> {
             }
             line.push(b[0]);
         }
-        Err(std::io::Error::other("the lighthouse's nonce line is too long"))
+        Err(std::io::Error::other(
+            "the lighthouse's nonce line is too long",
+        ))
     };
     tokio::time::timeout(Duration::from_secs(5), read)
         .await
@@ -139,7 +153,9 @@ pub async fn enter_room(up: &mut dyn Io, room: &RoomKey) -> anyhow::Result<()> {
     let nonce = line
         .strip_prefix(NONCE_PREAMBLE)
         .and_then(|n| std::str::from_utf8(n).ok())
-        .ok_or_else(|| anyhow::anyhow!("the lighthouse answered the room preamble with no nonce"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!("the lighthouse answered the room preamble with no nonce")
+        })?;
     let mut proof = room_proof(&room.key, &room.job, nonce).into_bytes();
     proof.push(b'\n');
     up.write_all(&proof).await?;

@@ -328,7 +328,9 @@ const MAX_TOKENIZER_JSON: u64 = 64 << 20;
 /// commits, or this one's another's). Resubmitting a job under its own name keeps its URL.
 async fn check_checkpoint_owner(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
     let mine: Vec<(&str, &str)> = [
-        spec.checkpoint.as_ref().map(|c| ("checkpoint.url", c.url.as_str())),
+        spec.checkpoint
+            .as_ref()
+            .map(|c| ("checkpoint.url", c.url.as_str())),
         spec.torchrun
             .as_ref()
             .and_then(|t| t.checkpoint_url.as_deref())
@@ -356,7 +358,10 @@ async fn check_checkpoint_owner(st: &AppState, spec: &JobSpec) -> ApiResult<()> 
         }
         let theirs = [
             other.checkpoint.as_ref().map(|c| c.url.clone()),
-            other.torchrun.as_ref().and_then(|t| t.checkpoint_url.clone()),
+            other
+                .torchrun
+                .as_ref()
+                .and_then(|t| t.checkpoint_url.clone()),
         ];
         for (field, url) in &mine {
             for t in theirs.iter().flatten() {

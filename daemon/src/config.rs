@@ -199,7 +199,9 @@ impl Config {
             _ => anyhow::bail!("invalid tls_cert/tls_key: give both or neither"),
         };
         let torchft_tls = match (
-            cli.torchft_tls_cert.clone().or(file.torchft_tls_cert.clone()),
+            cli.torchft_tls_cert
+                .clone()
+                .or(file.torchft_tls_cert.clone()),
             cli.torchft_tls_key.clone().or(file.torchft_tls_key.clone()),
         ) {
             (Some(c), Some(k)) => Some((c, k)),

@@ -135,7 +135,11 @@ async fn room_key(store: &Store, job: &str) -> Result<(Vec<u8>, usize), String> 
         }
         let key = match store.backend.get(&store.keys.lighthouse_key(job)).await {
             Ok(Some(kv)) => kv.value,
-            Ok(None) => return Err(format!("job {job:?} has no lighthouse key (submit it again)")),
+            Ok(None) => {
+                return Err(format!(
+                    "job {job:?} has no lighthouse key (submit it again)"
+                ))
+            }
             Err(e) => return Err(format!("cannot read the job's lighthouse key: {e}")),
         };
         let groups = match spec.torchft_group_size() {
@@ -261,7 +265,11 @@ async fn read_preamble(
 /// The room of a request and the most replicas it may hold: its connection's, else the
 /// default one; a connection that could not enter a room is refused, saying why.
 fn room_of<T>(req: &Request<T>) -> Result<(String, Option<usize>), Status> {
-    let info = req.extensions().get::<RoomInfo>().cloned().unwrap_or_default();
+    let info = req
+        .extensions()
+        .get::<RoomInfo>()
+        .cloned()
+        .unwrap_or_default();
     if let Some(why) = info.denied {
         return Err(Status::permission_denied(why));
     }
@@ -485,7 +493,8 @@ pub fn rooms(prefix: &str, snap: &Snapshot) -> BTreeMap<String, RoomState> {
                 let r = out.entry(room.to_string()).or_default();
                 match decode::<Join>(kv) {
                     Some(j) => {
-                        join_keys.insert((room.to_string(), j.member.replica_id.clone()), key.clone());
+                        join_keys
+                            .insert((room.to_string(), j.member.replica_id.clone()), key.clone());
                         r.participants
                             .insert(j.member.replica_id.clone(), (j, kv.mod_revision));
                     }
@@ -991,7 +1000,10 @@ impl Lighthouse {
                     .expect("dead map")
                     .retain(|_, at| now.saturating_sub(*at) < 2 * hb_lapse + 60_000);
                 // off the deciding loop: a slow clean-up never delays a quorum
-                if collecting.as_ref().is_none_or(|h: &tokio::task::JoinHandle<()>| h.is_finished()) {
+                if collecting
+                    .as_ref()
+                    .is_none_or(|h: &tokio::task::JoinHandle<()>| h.is_finished())
+                {
                     let (lh, snap) = (self.clone(), snap.clone());
                     collecting = Some(tokio::spawn(async move { lh.collect(&snap, now).await }));
                 }
@@ -1016,10 +1028,15 @@ impl Lighthouse {
                 if ended {
                     let prefix = format!("{}{room}/", torchft_prefix(&self.store));
                     tracing::info!(%room, "the room's job has ended: its lighthouse records go");
-                    if let Err(e) = self.store.backend.txn(Txn {
-                        compares: vec![],
-                        ops: vec![Op::DeletePrefix { prefix }],
-                    }).await {
+                    if let Err(e) = self
+                        .store
+                        .backend
+                        .txn(Txn {
+                            compares: vec![],
+                            ops: vec![Op::DeletePrefix { prefix }],
+                        })
+                        .await
+                    {
                         tracing::debug!(error = %e, "lighthouse clean-up failed; next time");
                         return;
                     }
@@ -1028,7 +1045,10 @@ impl Lighthouse {
             }
             for (key, rev) in &st.consumed {
                 if !batch
-                    .add(vec![Compare::ModRevision(key.clone(), *rev)], vec![Op::Delete { key: key.clone() }])
+                    .add(
+                        vec![Compare::ModRevision(key.clone(), *rev)],
+                        vec![Op::Delete { key: key.clone() }],
+                    )
                     .await
                 {
                     return;
@@ -1045,7 +1065,10 @@ impl Lighthouse {
                 .collect();
             if ids.len() > MAX_ISSUED_KEPT {
                 for k in &ids[..ids.len() - MAX_ISSUED_KEPT] {
-                    if !batch.add(vec![], vec![Op::Delete { key: k.to_string() }]).await {
+                    if !batch
+                        .add(vec![], vec![Op::Delete { key: k.to_string() }])
+                        .await
+                    {
                         return;
                     }
                 }

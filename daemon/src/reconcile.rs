@@ -380,7 +380,9 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     if group_size > 1 {
         let mut per_group: BTreeMap<(String, u32), usize> = BTreeMap::new();
         for (n, s) in &candidates {
-            *per_group.entry((n.clone(), *s / group_size as u32)).or_default() += 1;
+            *per_group
+                .entry((n.clone(), *s / group_size as u32))
+                .or_default() += 1;
         }
         partial_groups = per_group.values().filter(|c| **c < group_size).count();
         candidates.retain(|(n, s)| per_group[&(n.clone(), *s / group_size as u32)] == group_size);
@@ -808,7 +810,8 @@ fn whole_groups(
         if out.len() + size > target {
             break;
         }
-        let slots: Vec<(String, u32)> = candidates.iter().filter(|c| key(c) == g).cloned().collect();
+        let slots: Vec<(String, u32)> =
+            candidates.iter().filter(|c| key(c) == g).cloned().collect();
         if slots.len() == size {
             out.extend(slots);
         }
@@ -1840,7 +1843,11 @@ mod tests {
             },
         );
         let g2 = step(&mut obs, &f, 30).unwrap();
-        let held: Vec<(String, u32)> = g2.members.iter().map(|m| (m.node.clone(), m.slot)).collect();
+        let held: Vec<(String, u32)> = g2
+            .members
+            .iter()
+            .map(|m| (m.node.clone(), m.slot))
+            .collect();
         assert_eq!(held, pairs(&[("a", 0), ("a", 1)]));
         assert!(g2.members.iter().all(|m| m.replica_group == Some(0)));
         // min 4 now needs two whole groups, and only one can be had: waiting, and why
@@ -1852,7 +1859,11 @@ mod tests {
         assert!(step(&mut waiting, &f, 40).is_none());
         let st = waiting.status.clone().unwrap();
         assert_eq!(st.state, JobState::Waiting);
-        assert!(st.message.contains("whole replica groups of 2"), "{}", st.message);
+        assert!(
+            st.message.contains("whole replica groups of 2"),
+            "{}",
+            st.message
+        );
     }
 
     fn torchrun_spec(n: u32) -> JobSpec {

@@ -267,7 +267,10 @@ fn fresh_dir(base: &Path) -> anyhow::Result<PathBuf> {
             Err(e) => anyhow::bail!("cannot make {}: {e}", dir.display()),
         }
     }
-    anyhow::bail!("cannot make a directory of its own under {}", base.display())
+    anyhow::bail!(
+        "cannot make a directory of its own under {}",
+        base.display()
+    )
 }
 
 /// The program's error file, if it is a regular file (a FIFO or a device there would block or
@@ -413,7 +416,9 @@ async fn start_relay(store: &Store, job: &str) -> anyhow::Result<String> {
     });
     // TLS to the replicas when the node's agent names their CA (`torchft_ca`)
     let tls = match std::env::var_os("DUCTILE_TORCHFT_CA").filter(|v| !v.is_empty()) {
-        Some(ca) => Some(ductile_cluster::relay::client_tls(std::path::Path::new(&ca))?),
+        Some(ca) => Some(ductile_cluster::relay::client_tls(std::path::Path::new(
+            &ca,
+        ))?),
         None => None,
     };
     tokio::spawn(async move {
@@ -677,8 +682,9 @@ impl Launcher {
                 keep.insert(p.pid as i32);
             }
         }
-        let r = tokio::task::spawn_blocking(move || crate::reap::sweep(&keep, Duration::from_secs(5)))
-            .await;
+        let r =
+            tokio::task::spawn_blocking(move || crate::reap::sweep(&keep, Duration::from_secs(5)))
+                .await;
         match r {
             Ok((0, _)) => true,
             Ok((n, left)) if left.is_empty() => {

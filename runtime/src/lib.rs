@@ -96,8 +96,9 @@ impl Secrets {
         f.take(64 << 10)
             .read_to_end(&mut buf)
             .map_err(|e| anyhow::anyhow!("cannot read the secrets descriptor {fd}: {e}"))?;
-        let s: Secrets = serde_json::from_slice(&buf)
-            .map_err(|e| anyhow::anyhow!("the secrets descriptor {fd} holds no secrets record: {e}"))?;
+        let s: Secrets = serde_json::from_slice(&buf).map_err(|e| {
+            anyhow::anyhow!("the secrets descriptor {fd} holds no secrets record: {e}")
+        })?;
         Ok(Some(s))
     }
 }
@@ -127,7 +128,9 @@ impl WorkerEnv {
         } else {
             etcd.validate().map(|_| etcd)
         })
-        .map_err(|e| anyhow::anyhow!("{e}: ductile-worker is started by ductile-agent, which sets it"));
+        .map_err(|e| {
+            anyhow::anyhow!("{e}: ductile-worker is started by ductile-agent, which sets it")
+        });
         Ok(WorkerEnv {
             program_secrets: secrets.map(|s| s.program_env).unwrap_or_default(),
             job: var("DUCTILE_JOB")?,

@@ -95,7 +95,10 @@ pub fn sweep_orphans(tracked: &BTreeSet<i32>) -> usize {
 
 /// Every live process's parent.
 fn parents() -> BTreeMap<i32, i32> {
-    stats().into_iter().map(|(pid, (ppid, _))| (pid, ppid)).collect()
+    stats()
+        .into_iter()
+        .map(|(pid, (ppid, _))| (pid, ppid))
+        .collect()
 }
 
 /// The descendants of `root`, leaving out the subtrees of `keep`.

@@ -20,9 +20,10 @@ fn two_hundred_participants_get_one_quorum_on_a_real_etcd() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let backend = ductile_cluster::connect_etcd_with(&etcd.access("t"), Duration::from_secs(10))
-            .await
-            .unwrap();
+        let backend =
+            ductile_cluster::connect_etcd_with(&etcd.access("t"), Duration::from_secs(10))
+                .await
+                .unwrap();
         let store = Store::new(backend.clone(), Keys::new("/lh"));
         // the leader key the decisions are fenced on, as the election writes it
         let key = "/lh/election/leader".to_string();

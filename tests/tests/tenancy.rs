@@ -115,7 +115,10 @@ fn a_hostile_tenant_is_refused_or_contained() {
         &c,
         &[
             (job("c1", &p(&["-cimport os"]), ""), "inline Python (-c)"),
-            (job("c2", &p(&["-Ic", "import os"]), ""), "inline Python (-c)"),
+            (
+                job("c2", &p(&["-Ic", "import os"]), ""),
+                "inline Python (-c)",
+            ),
             (
                 job("c3", &p(&["-m", "timeit", "import os"]), ""),
                 "\"timeit\" (-m) is not in the agent's allowed_modules",
@@ -133,15 +136,24 @@ fn a_hostile_tenant_is_refused_or_contained() {
     // private HOME and TMPDIR, no user site, no secret in its launcher's environment, no
     // inherited secrets descriptor; its setsid() child dies with it; its 1 MiB line is cut
     let a_out = d.join("a.json");
-    let ck = format!("s3://bucket/{}/a", d.display().to_string().trim_start_matches('/'));
-    c.submit(&job(
-        "a",
-        &p(&[&prog_s, &a_out.display().to_string(), "exit"]),
-        &format!("checkpoint_url = {ck:?}"),
-    ).replace("[torchrun]", "env = { RUST_LOG = \"debug\" }\n[torchrun]"));
+    let ck = format!(
+        "s3://bucket/{}/a",
+        d.display().to_string().trim_start_matches('/')
+    );
+    c.submit(
+        &job(
+            "a",
+            &p(&[&prog_s, &a_out.display().to_string(), "exit"]),
+            &format!("checkpoint_url = {ck:?}"),
+        )
+        .replace("[torchrun]", "env = { RUST_LOG = \"debug\" }\n[torchrun]"),
+    );
     // the read-only token (what dashboard URLs carry) sees env's names, not its values
     let shown: serde_json::Value = c.get_json("/v1/jobs/a/spec");
-    assert_eq!(shown["env"]["RUST_LOG"], "(hidden from the read-only token)", "{shown}");
+    assert_eq!(
+        shown["env"]["RUST_LOG"], "(hidden from the read-only token)",
+        "{shown}"
+    );
     let a = seen(&a_out, &c);
     let env = &a["env"];
     assert_eq!(env["AWS_SECRET_ACCESS_KEY"], "job-a-secret", "{env}");
@@ -150,7 +162,10 @@ fn a_hostile_tenant_is_refused_or_contained() {
     // (the launcher's own directory, removed when it ends)
     for (k, leaf) in [("HOME", "home"), ("TMPDIR", "tmp")] {
         let v = env[k].as_str().unwrap();
-        assert!(v.contains("/ductile-launch-") && v.ends_with(leaf), "{k}={v}");
+        assert!(
+            v.contains("/ductile-launch-") && v.ends_with(leaf),
+            "{k}={v}"
+        );
     }
     let launcher = a["launcher_environ"].as_str().unwrap();
     assert!(
@@ -161,7 +176,11 @@ fn a_hostile_tenant_is_refused_or_contained() {
     assert!(!env.to_string().contains("node-secret"));
     let v = c.wait_done("a", S(60));
     assert_eq!(v.state, JobState::Succeeded);
-    wait_dead(&c, a["escapee"].as_u64().unwrap() as u32, "job a's setsid() child killed");
+    wait_dead(
+        &c,
+        a["escapee"].as_u64().unwrap() as u32,
+        "job a's setsid() child killed",
+    );
     let logs = c.agent_logs();
     assert!(logs.contains("bytes cut]"), "a long line is cut");
     assert!(logs.contains("after the long line"));
@@ -192,7 +211,11 @@ fn a_hostile_tenant_is_refused_or_contained() {
     assert!(b_seen["env"].get("AWS_SECRET_ACCESS_KEY").is_none());
     // stopped: its setsid() child goes with it
     c.dctl_ok(&["stop", "b"]);
-    wait_dead(&c, b_seen["escapee"].as_u64().unwrap() as u32, "job b's setsid() child killed on stop");
+    wait_dead(
+        &c,
+        b_seen["escapee"].as_u64().unwrap() as u32,
+        "job b's setsid() child killed on stop",
+    );
 
     // its launcher SIGKILLed (no chance to sweep): the agent, a child subreaper, kills what
     // the program left
@@ -204,9 +227,15 @@ fn a_hostile_tenant_is_refused_or_contained() {
     ));
     let c_seen = seen(&c_out, &c);
     // (a member's pid is its launcher's; program_pid its program's)
-    let launcher = c.wait_for(S(10), "job c's launcher", || c.status("c").members.first()?.pid);
+    let launcher = c.wait_for(S(10), "job c's launcher", || {
+        c.status("c").members.first()?.pid
+    });
     unsafe { libc::kill(launcher as i32, libc::SIGKILL) };
-    wait_dead(&c, c_seen["escapee"].as_u64().unwrap() as u32, "job c's setsid() child killed after its launcher's death");
+    wait_dead(
+        &c,
+        c_seen["escapee"].as_u64().unwrap() as u32,
+        "job c's setsid() child killed after its launcher's death",
+    );
     c.dctl_ok(&["stop", "c"]);
 
     // a script whose real path is outside the allowed paths never starts
@@ -226,6 +255,9 @@ fn a_hostile_tenant_is_refused_or_contained() {
             .find(|g| g.detail.contains("resolves to"))
             .map(|g| g.detail)
     });
-    assert!(why.contains("evil.py") && why.contains("outside the agent's allowed_paths"), "{why}");
+    assert!(
+        why.contains("evil.py") && why.contains("outside the agent's allowed_paths"),
+        "{why}"
+    );
     assert!(!d.join("l.json").exists(), "nothing of it ran");
 }

@@ -437,7 +437,11 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
         .output()
         .unwrap();
     let said = String::from_utf8_lossy(&flood.stdout);
-    assert!(said.contains("accepted=0 "), "{said}{}", String::from_utf8_lossy(&flood.stderr));
+    assert!(
+        said.contains("accepted=0 "),
+        "{said}{}",
+        String::from_utf8_lossy(&flood.stderr)
+    );
     let during: Vec<TorchftCommit> = log()
         .into_iter()
         .filter(|x| x.time >= flood_from && x.time <= flood_from + 4.0)
@@ -834,12 +838,23 @@ fn training_torchft_job_goes_on_through_its_leader_s_death() {
     let started = c.wait_for_opt(Duration::from_secs(180), || {
         let l = log();
         (0..3u32)
-            .all(|g| l.iter().any(|x| x.group == g && x.step >= 30 && x.participants == 3))
+            .all(|g| {
+                l.iter()
+                    .any(|x| x.group == g && x.step >= 30 && x.participants == 3)
+            })
             .then_some(())
     });
-    assert!(started.is_some(), "three groups committing:\n{}", c.agent_logs());
+    assert!(
+        started.is_some(),
+        "three groups committing:\n{}",
+        c.agent_logs()
+    );
     let pids = |from: f64| -> std::collections::BTreeSet<u32> {
-        log().iter().filter(|x| x.time >= from).map(|x| x.pid).collect()
+        log()
+            .iter()
+            .filter(|x| x.time >= from)
+            .map(|x| x.pid)
+            .collect()
     };
     let before = pids(0.0);
     let generation = c.status("ft").generation;
@@ -849,7 +864,10 @@ fn training_torchft_job_goes_on_through_its_leader_s_death() {
     let after = c.wait_for_opt(Duration::from_secs(30), || {
         let l = log();
         (0..3u32)
-            .all(|g| l.iter().any(|x| x.group == g && x.time > t_kill + 1.0 && x.participants == 3))
+            .all(|g| {
+                l.iter()
+                    .any(|x| x.group == g && x.time > t_kill + 1.0 && x.participants == 3)
+            })
             .then_some(())
     });
     let l = log();
@@ -861,15 +879,27 @@ fn training_torchft_job_goes_on_through_its_leader_s_death() {
         .map(|w| w[1] - w[0])
         .fold(0.0, f64::max);
     println!("leader killed: standby led after {took:?}; longest pause between group 0's commits {gap:.2} s");
-    assert!(after.is_some(), "commits as three after the leader's death:\n{}", c.logs());
+    assert!(
+        after.is_some(),
+        "commits as three after the leader's death:\n{}",
+        c.logs()
+    );
     assert!(gap < 5.0, "longest pause {gap:.2} s (election TTL 2 s)");
     assert_eq!(pids(t_kill + 1.0), before, "no group restarted");
-    assert_eq!(c.status("ft").generation, generation, "no generation after the kill");
+    assert_eq!(
+        c.status("ft").generation,
+        generation,
+        "no generation after the kill"
+    );
     c.dctl_ok(&["stop", "ft"]);
     // the ended job's room goes with it (the leader's clean-up, every 10 s)
-    c.wait_for(Duration::from_secs(40), "the ended job's lighthouse room deleted", || {
-        let v: serde_json::Value = c.get_json("/v1/torchft");
-        let rooms = v["rooms"].as_array()?.clone();
-        (!rooms.iter().any(|r| r["room"] == "job-ft")).then_some(())
-    });
+    c.wait_for(
+        Duration::from_secs(40),
+        "the ended job's lighthouse room deleted",
+        || {
+            let v: serde_json::Value = c.get_json("/v1/torchft");
+            let rooms = v["rooms"].as_array()?.clone();
+            (!rooms.iter().any(|r| r["room"] == "job-ft")).then_some(())
+        },
+    );
 }
