@@ -217,17 +217,17 @@ async fn submit(
     if !hf {
         check_job(&spec)?;
     }
-    check_policies(&st, &spec)?;
+    let nodes = {
+        let snaps = current(&st)?;
+        fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes
+    };
+    check_policies(&nodes, &spec)?;
     check_checkpoint_owner(&st, &spec).await?;
     read_hf_config(&mut spec).await?;
     if hf {
         check_job(&spec)?;
     }
-    {
-        let snaps = current(&st)?;
-        let nodes = fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;
-        check_memory(&spec, nodes.values())?;
-    }
+    check_memory(&spec, nodes.values())?;
     check_datasets(&spec).await?;
     if let Some(ck) = &spec.checkpoint {
         if let Some(n) = ck.restore_step {
@@ -245,9 +245,10 @@ async fn submit(
 /// A job no live agent's policy allows is refused, naming the field and an agent's reason
 /// (agents from before policies, and a cluster with no agents yet, do not refuse: the agents
 /// check again before starting a worker).
-fn check_policies(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
-    let snaps = current(st)?;
-    let nodes = fleet_from(&st.store, &snaps.nodes, &snaps.drains).nodes;
+fn check_policies(
+    nodes: &BTreeMap<String, ductile_cluster::records::NodeRecord>,
+    spec: &JobSpec,
+) -> ApiResult<()> {
     let mut refusal = None;
     for (name, node) in nodes {
         match node.policy.as_ref().map(|p| p.check(spec)) {
@@ -327,44 +328,23 @@ const MAX_TOKENIZER_JSON: u64 = 64 << 20;
 /// that has not finished is refused at submit (that job's retention would delete this one's
 /// commits, or this one's another's). Resubmitting a job under its own name keeps its URL.
 async fn check_checkpoint_owner(st: &AppState, spec: &JobSpec) -> ApiResult<()> {
-    let mine: Vec<(&str, &str)> = [
-        spec.checkpoint
-            .as_ref()
-            .map(|c| ("checkpoint.url", c.url.as_str())),
-        spec.torchrun
-            .as_ref()
-            .and_then(|t| t.checkpoint_url.as_deref())
-            .map(|u| ("torchrun.checkpoint_url", u)),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    let mine = checkpoint_urls(spec);
     if mine.is_empty() {
         return Ok(());
     }
     let norm = |u: &str| format!("{}/", u.trim_end_matches('/'));
-    for other in st.store.specs().await? {
-        let name = other.name.clone();
-        if name == spec.name {
+    // every job's spec and status in one request (not the replica's view: a job submitted
+    // at another replica a moment ago counts)
+    let (kvs, _) = st.store.backend.list(&st.store.keys.jobs()).await?;
+    for (name, obs) in jobs_from_kvs(&st.store, kvs.iter()) {
+        let Some(other) = obs.spec.as_ref().filter(|_| name != spec.name) else {
+            continue;
+        };
+        if obs.status.as_ref().is_some_and(|s| s.state.is_terminal()) {
             continue;
         }
-        let finished = st
-            .store
-            .status(&name)
-            .await?
-            .is_some_and(|(s, _)| s.state.is_terminal());
-        if finished {
-            continue;
-        }
-        let theirs = [
-            other.checkpoint.as_ref().map(|c| c.url.clone()),
-            other
-                .torchrun
-                .as_ref()
-                .and_then(|t| t.checkpoint_url.clone()),
-        ];
         for (field, url) in &mine {
-            for t in theirs.iter().flatten() {
+            for (_, t) in checkpoint_urls(other) {
                 let (a, b) = (norm(url), norm(t));
                 if a.starts_with(&b) || b.starts_with(&a) {
                     return Err(ClusterError::invalid(
@@ -377,6 +357,22 @@ async fn check_checkpoint_owner(st: &AppState, spec: &JobSpec) -> ApiResult<()> 
         }
     }
     Ok(())
+}
+
+/// Where a job keeps checkpoints: (the spec's field, the URL).
+fn checkpoint_urls(spec: &JobSpec) -> Vec<(&'static str, &str)> {
+    [
+        spec.checkpoint
+            .as_ref()
+            .map(|c| ("checkpoint.url", c.url.as_str())),
+        spec.torchrun
+            .as_ref()
+            .and_then(|t| t.checkpoint_url.as_deref())
+            .map(|u| ("torchrun.checkpoint_url", u)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// The checkpoint store at `url`; what fails there is a 502 that names it.
