@@ -123,6 +123,11 @@ pub struct Cli {
     /// --torchft-tls-cert): torchft jobs' launchers then speak TLS to them.
     #[arg(long, env = "DUCTILE_TORCHFT_CA")]
     pub torchft_ca: Option<PathBuf>,
+    /// How programs' processes are contained: auto (a cgroup v2 of their own, under this
+    /// agent's cgroup, when it can be written; else the subreaper sweep), off (the sweep
+    /// only), or the absolute path of a delegated cgroup2 directory to use (required then).
+    #[arg(long, env = "DUCTILE_CGROUP")]
+    pub cgroup: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -156,6 +161,7 @@ pub struct FileConfig {
     pub max_grace_s: Option<u64>,
     pub job_credentials_dir: Option<PathBuf>,
     pub torchft_ca: Option<PathBuf>,
+    pub cgroup: Option<String>,
 }
 
 /// Which GPUs a node offers.
@@ -223,6 +229,8 @@ pub struct Config {
     pub job_credentials_dir: Option<PathBuf>,
     /// The lighthouse replicas' CA: torchft launchers speak TLS to them.
     pub torchft_ca: Option<PathBuf>,
+    /// How programs' processes are contained (see ductile_runtime::cgroup).
+    pub cgroup: ductile_runtime::cgroup::CgroupMode,
 }
 
 /// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
@@ -411,6 +419,10 @@ impl Config {
             },
             job_credentials_dir: cli.job_credentials_dir.or(file.job_credentials_dir),
             torchft_ca: cli.torchft_ca.or(file.torchft_ca),
+            cgroup: ductile_runtime::cgroup::CgroupMode::parse(
+                cli.cgroup.or(file.cgroup).as_deref().unwrap_or("auto"),
+            )
+            .map_err(|e| anyhow::anyhow!(e))?,
         };
         cfg.validate()?;
         Ok(cfg)

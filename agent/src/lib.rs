@@ -52,6 +52,9 @@ struct Exit {
     signal: Option<i32>,
     /// The worker's last `ductile-worker: ...` line on stderr (why it gave up), if any.
     last_words: Option<String>,
+    /// Its cgroup, when processes of it outlived a kill (stuck in the kernel): the slot
+    /// stays busy until it is empty and removed.
+    lingering: Option<(ductile_runtime::cgroup::Cgroup, String)>,
 }
 
 pub struct Agent {
@@ -77,6 +80,12 @@ pub struct Agent {
     /// This node's view of each active job with a slot on it, as the leader keeps it
     /// (`assign/{node}/`): an absent job is one whose workers here must stop.
     jobs: BTreeMap<String, NodeAssignment>,
+    /// The cgroup subtree its programs run in (None: the subreaper sweep only).
+    cgroups: Option<ductile_runtime::cgroup::Cgroups>,
+    /// Slots whose last program's cgroup still holds processes: no program starts there.
+    lingering: HashMap<u32, (ductile_runtime::cgroup::Cgroup, String)>,
+    /// A number for each program's cgroup name.
+    spawned: u64,
 }
 
 fn describe_exit(code: Option<i32>, signal: Option<i32>, last_words: Option<&str>) -> String {
@@ -115,8 +124,23 @@ impl Agent {
             .unwrap_or_default()
             .trim()
             .to_string();
+        // each program in a cgroup of its own where one can be had (see runtime::cgroup)
+        let cgroups = match ductile_runtime::cgroup::Cgroups::open(&cfg.cgroup) {
+            Ok(c) => c,
+            Err(why) if cfg.cgroup == ductile_runtime::cgroup::CgroupMode::Auto => {
+                tracing::info!(%why, "no cgroup for programs: their descendants are swept instead");
+                None
+            }
+            Err(why) => anyhow::bail!("invalid cgroup: {why}"),
+        };
+        let containment = match &cgroups {
+            Some(c) => format!("cgroup {}", c.base().display()),
+            None => "subreaper".to_string(),
+        };
+        tracing::info!(%containment, "programs' processes are contained");
         let node = NodeRecord {
             policy: Some(cfg.policy.clone()),
+            containment: Some(containment),
             ..NodeRecord::new(&cfg.node, &hostname, devices, std::process::id())
         };
         let (exits_tx, mut exits_rx) = mpsc::channel(256);
@@ -140,6 +164,9 @@ impl Agent {
             exits_tx,
             exclusions_seen: Default::default(),
             jobs: BTreeMap::new(),
+            cgroups,
+            lingering: HashMap::new(),
+            spawned: 0,
         };
         claim_node(&store, &agent.node, keeper.current().id, cfg.lease_ttl).await?;
         agent.register();
@@ -213,6 +240,7 @@ impl Agent {
                     // this loop never waits on etcd: a ping says the actor is turning
                     ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Watchdog]);
                     agent.sweep_orphans();
+                    agent.retry_lingering();
                 }
             }
             agent.reconcile();
@@ -232,6 +260,17 @@ impl Agent {
         watch_cancel.cancel();
         lease_cancel.cancel();
         keeper.join().await;
+        if let Some(cg) = agent.cgroups.take() {
+            let n = tokio::task::spawn_blocking(move || cg.remove_all(Duration::from_secs(5)))
+                .await
+                .unwrap_or(0);
+            if n > 0 {
+                tracing::warn!(
+                    killed = n,
+                    "killed programs' processes left in their cgroups"
+                );
+            }
+        }
         Ok(())
     }
 
@@ -450,7 +489,8 @@ impl Agent {
                     .is_some_and(|gen| *gen >= j.generation);
                 // a slot still held by a worker (of any job: a fenced program in its grace
                 // keeps its GPU) gets its next worker once that one has exited
-                let busy = self.children.keys().any(|(_, s)| *s == m.slot);
+                let busy = self.children.keys().any(|(_, s)| *s == m.slot)
+                    || self.lingering.contains_key(&m.slot);
                 if !busy
                     && !self.failed.contains_key(&key)
                     && !finished
@@ -476,6 +516,37 @@ impl Agent {
         if n > 0 {
             tracing::warn!(killed = n, "killed processes a dead launcher left running");
         }
+    }
+
+    /// Slots whose last program's cgroup did not empty: killed again, and freed (and the
+    /// node record says so) once empty and removed.
+    fn retry_lingering(&mut self) {
+        if self.lingering.is_empty() {
+            return;
+        }
+        let before = self.lingering.len();
+        self.lingering.retain(|slot, (cg, why)| match cg.destroy(Duration::from_millis(200)) {
+            Ok(()) => {
+                tracing::info!(slot, dir = %cg.dir().display(), "a busy slot's processes are gone: the slot is free");
+                false
+            }
+            Err(e) => {
+                *why = e;
+                true
+            }
+        });
+        if self.lingering.len() != before {
+            self.publish_busy();
+        }
+    }
+
+    fn publish_busy(&mut self) {
+        self.node.busy_slots = self
+            .lingering
+            .iter()
+            .map(|(s, (_, why))| (*s, why.clone()))
+            .collect();
+        self.register();
     }
 
     /// A slot whose worker cannot run here: reported with why, and not restarted.
@@ -665,6 +736,34 @@ impl Agent {
             // std drops the supplementary groups when it switches from root
             cmd.uid(*uid).gid(*gid);
         }
+        // its cgroup, which the child joins before it runs anything of the job's (through a
+        // descriptor this agent opened: the kernel checks the opener's rights)
+        self.spawned += 1;
+        let cg_name = format!("{}.{}.{}", key.0, key.1, self.spawned);
+        let cgroup = match self.cgroups.as_ref().map(|c| c.create(&cg_name)) {
+            None => None,
+            Some(Ok(cg)) => match cg.procs_file() {
+                Ok(f) => Some((cg, f)),
+                Err(e) => {
+                    let _ = cg.destroy(Duration::from_secs(1));
+                    let exit = format!(
+                        "agent {}: cannot move it into its cgroup: {e}",
+                        self.node.name
+                    );
+                    self.fail_for_good(key, j.generation, exit);
+                    return;
+                }
+            },
+            Some(Err(e)) => {
+                let exit = format!("agent {}: cannot create its cgroup: {e}", self.node.name);
+                self.fail_for_good(key, j.generation, exit);
+                return;
+            }
+        };
+        let procs_raw = cgroup.as_ref().map(|(_, f)| {
+            use std::os::fd::AsRawFd;
+            f.as_raw_fd()
+        });
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -681,6 +780,12 @@ impl Agent {
                     0,
                     0,
                 );
+                if let Some(fd) = procs_raw {
+                    // "0": the writing process itself
+                    if nix::libc::write(fd, b"0\n".as_ptr().cast(), 2) != 2 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
                 if let Some(fd) = secrets_raw {
@@ -691,9 +796,13 @@ impl Agent {
         }
         let spawned = cmd.spawn();
         drop(secrets_fd);
+        let cgroup = cgroup.map(|(cg, _)| cg);
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
+                if let Some(cg) = &cgroup {
+                    let _ = cg.destroy(Duration::from_secs(1));
+                }
                 tracing::error!(job = %key.0, slot = key.1, command = ?spec.command, error = %e, "cannot start worker");
                 let exit = format!("cannot start {:?}: {e}", spec.command[0]);
                 self.fail_for_good(key, j.generation, exit);
@@ -754,6 +863,7 @@ impl Agent {
             self.cfg.stop_grace
         };
         let k2 = key.clone();
+        let cg2 = cgroup.clone();
         tokio::spawn(async move {
             let status = tokio::select! {
                 s = child.wait() => s,
@@ -763,11 +873,32 @@ impl Agent {
                         Ok(s) => s,
                         Err(_) => {
                             let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                            if let Some(cg) = &cg2 {
+                                cg.kill();
+                            }
                             let _ = child.kill().await;
                             child.wait().await
                         }
                     }
                 }
+            };
+            // whatever of it is left (a setsid() daemon, a double fork) dies with it, whole;
+            // processes that do not die keep the slot busy
+            let lingering = match cg2 {
+                Some(cg) => {
+                    let (job, slot) = k2.clone();
+                    tokio::task::spawn_blocking(move || {
+                    let n = cg.pids().len();
+                    if n > 0 {
+                        tracing::warn!(job = %job, slot, processes = n, "killing what the program left in its cgroup");
+                    }
+                    cg.destroy(Duration::from_secs(10)).err().map(|why| (cg, why))
+                })
+                .await
+                .ok()
+                .flatten()
+                }
+                None => None,
             };
             use std::os::unix::process::ExitStatusExt;
             let (code, signal) = match status {
@@ -787,6 +918,7 @@ impl Agent {
                     code,
                     signal,
                     last_words,
+                    lingering,
                 })
                 .await;
         });
@@ -815,6 +947,11 @@ impl Agent {
     }
 
     fn on_exit(&mut self, exit: Exit) {
+        if let Some((cg, why)) = exit.lingering {
+            tracing::error!(job = %exit.key.0, slot = exit.key.1, %why, "the slot stays busy until its last program's processes are gone");
+            self.lingering.insert(exit.key.1, (cg, why));
+            self.publish_busy();
+        }
         let Some(child) = self.children.remove(&exit.key) else {
             return;
         };

@@ -225,6 +225,7 @@ pub async fn run(mib: u64, stores: &[String], iters: usize) -> anyhow::Result<()
                 1,
                 std::time::Duration::ZERO,
                 Some(&rec),
+                None,
             )
             .await;
         }

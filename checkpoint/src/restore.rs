@@ -40,6 +40,16 @@ pub async fn committed(
     bucket: &Bucket,
     latest: Option<&CheckpointRecord>,
 ) -> Result<Vec<CheckpointRecord>, BucketError> {
+    committed_for(bucket, latest, None).await
+}
+
+/// [`committed`], for `job`: a commit whose record names another job (one that used the
+/// location before) is never a candidate.
+pub async fn committed_for(
+    bucket: &Bucket,
+    latest: Option<&CheckpointRecord>,
+    job: Option<&str>,
+) -> Result<Vec<CheckpointRecord>, BucketError> {
     let mut out: BTreeMap<(u64, u64), CheckpointRecord> = BTreeMap::new();
     let keys: Vec<String> = bucket.list("").await?.into_iter().map(|(k, _)| k).collect();
     let superseded: std::collections::BTreeSet<&str> = keys
@@ -55,9 +65,14 @@ pub async fn committed(
         }
         match bucket.get(key).await {
             Ok(b) => match serde_json::from_slice::<CheckpointRecord>(&b) {
-                Ok(r) => {
-                    out.insert((r.step, r.generation), r);
-                }
+                Ok(r) => match (job, r.job.as_deref()) {
+                    (Some(me), Some(owner)) if owner != me => {
+                        tracing::debug!(object = %key, owner, "another job's commit: not a candidate")
+                    }
+                    _ => {
+                        out.insert((r.step, r.generation), r);
+                    }
+                },
                 Err(e) => {
                     tracing::warn!(object = %key, error = %e, "unreadable commit record skipped")
                 }

@@ -44,12 +44,27 @@ pub struct CheckpointInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<Layout>,
     pub objects: usize,
+    /// The job its commit record or manifest names (None: not known, or a record from before
+    /// jobs were named).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
 }
 
 struct Dir {
     objects: Vec<(String, ObjectMeta)>,
     /// Its commit (or superseded) record, where one was read and parsed.
     record: Option<CheckpointRecord>,
+    /// The job its record or manifest names.
+    job: Option<String>,
+}
+
+/// The largest manifest read only to learn which job an uncommitted attempt belongs to.
+const MAX_OWNER_MANIFEST: u64 = 64 << 20;
+
+/// Just the field of a manifest that names its job.
+#[derive(Deserialize)]
+struct ManifestOwner {
+    job: String,
 }
 
 async fn dirs(bucket: &Bucket) -> Result<BTreeMap<(u64, u64), Dir>, BucketError> {
@@ -64,6 +79,7 @@ async fn dirs(bucket: &Bucket) -> Result<BTreeMap<(u64, u64), Dir>, BucketError>
                 .or_insert_with(|| Dir {
                     objects: vec![],
                     record: None,
+                    job: None,
                 })
                 .objects
                 .push((key, meta));
@@ -123,6 +139,20 @@ async fn list_dirs(
                 state = CheckpointState::Committed;
             }
         }
+        d.job = rec.as_ref().and_then(|r| r.job.clone());
+        if rec.is_none() {
+            // an attempt that got as far as its manifest names its job there
+            let manifest_key = format!("{}/{MANIFEST}", attempt_dir(step, generation));
+            if d.objects.iter().any(|(k, _)| *k == manifest_key) {
+                if let crate::bucket::Capped::Bytes(b) =
+                    bucket.get_capped(&manifest_key, MAX_OWNER_MANIFEST).await?
+                {
+                    d.job = serde_json::from_slice::<ManifestOwner>(&b)
+                        .ok()
+                        .map(|m| m.job);
+                }
+            }
+        }
         d.record = rec.clone();
         let shards: Vec<&(String, ObjectMeta)> = d
             .objects
@@ -150,6 +180,7 @@ async fn list_dirs(
                 world_size: r.world_size,
                 layout: Some(r.layout),
                 objects: d.objects.len(),
+                job: d.job.clone(),
             },
             None => CheckpointInfo {
                 step,
@@ -160,6 +191,7 @@ async fn list_dirs(
                 world_size: world_from_names,
                 layout: None,
                 objects: d.objects.len(),
+                job: d.job.clone(),
             },
         });
     }
@@ -177,6 +209,8 @@ pub struct Retained {
     pub repaired: usize,
     /// Commits above etcd's latest, superseded: (step, generation).
     pub superseded: Vec<(u64, u64)>,
+    /// Directories another job wrote (its record or manifest says so), left alone.
+    pub foreign: Vec<(u64, u64)>,
 }
 
 /// Whether the `COMMIT` record of `rec` is in the store; a read error is an error, never an
@@ -202,11 +236,15 @@ pub async fn has_commit_record(
 /// history the job left by resuming from an earlier step, or an etcd restored from an older
 /// snapshot) are superseded, never counted nor deleted, and that happens before anything is
 /// deleted (a supersede that fails fails the pass); the latest is never deleted.
+///
+/// With `job`, a directory whose commit record or manifest names another job (one that used
+/// this location before) is that job's: never counted, superseded nor deleted (`foreign`).
 pub async fn retain(
     bucket: &Bucket,
     keep: usize,
     attempt_ttl: Duration,
     latest: Option<&CheckpointRecord>,
+    job: Option<&str>,
 ) -> Result<Retained, BucketError> {
     let mut r = Retained::default();
     // every etcd commit whose record is missing from the store gets it now
@@ -224,6 +262,15 @@ pub async fn retain(
         }
     }
     let (mut infos, all) = list_dirs(bucket, latest).await?;
+    if let Some(me) = job {
+        infos.retain(|i| match i.job.as_deref() {
+            Some(owner) if owner != me => {
+                r.foreign.push((i.step, i.generation));
+                false
+            }
+            _ => true,
+        });
+    }
     if let Some(l) = latest {
         // commits above etcd's latest: superseded, with the record the listing read (or what
         // it knows of one whose record does not parse)
@@ -233,6 +280,7 @@ pub async fn retain(
             .map(|i| match &all[&(i.step, i.generation)].record {
                 Some(rec) => rec.clone(),
                 None => CheckpointRecord {
+                    job: None,
                     step: i.step,
                     generation: i.generation,
                     manifest: format!("{}/{MANIFEST}", attempt_dir(i.step, i.generation)),

@@ -254,13 +254,13 @@ async fn retention_keeps_the_last_commits_and_drops_stale_attempts() {
     );
     assert_eq!(listed[0].state, crate::retention::CheckpointState::Attempt);
     // a fresh attempt survives (it may be in flight)
-    let r = crate::retention::retain(&bucket, 2, Duration::from_secs(3600), None)
+    let r = crate::retention::retain(&bucket, 2, Duration::from_secs(3600), None, None)
         .await
         .unwrap();
     assert_eq!(r.kept, vec![40, 30]);
     assert_eq!(r.deleted_commits, vec![20, 10]);
     assert!(r.deleted_attempts.is_empty());
-    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, None)
+    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, None, None)
         .await
         .unwrap();
     assert_eq!(r.deleted_attempts, vec![(50, 2)]);
@@ -271,6 +271,84 @@ async fn retention_keeps_the_last_commits_and_drops_stale_attempts() {
         .map(|i| i.step)
         .collect();
     assert_eq!(steps, vec![40, 30]);
+}
+
+/// A location another job used before: its commits (their records name it) are neither
+/// restored nor counted, superseded or deleted by this job's retention (issue 46, item 10).
+#[tokio::test]
+async fn another_job_s_commits_in_the_location_are_left_alone() {
+    let (store, bucket) = setup();
+    set_generation(&store, "j", 2).await;
+    let mut recs = Vec::new();
+    for step in [10, 20] {
+        recs.push(save(&store, &bucket, step, 2, 3).await.unwrap());
+    }
+    assert_eq!(recs[0].job.as_deref(), Some("j"));
+    // "other" committed steps 30 and 40 there, and left an attempt with its manifest
+    for (step, generation) in [(30u64, 7u64), (40, 7)] {
+        let dir = attempt_dir(step, generation);
+        let rec = CheckpointRecord {
+            job: Some("other".into()),
+            step,
+            generation,
+            manifest: format!("{dir}/{MANIFEST}"),
+            ..recs[1].clone()
+        };
+        bucket
+            .put(
+                &format!("{dir}/{}", shard_name(0, 1)),
+                Bytes::from_static(b"x"),
+            )
+            .await
+            .unwrap();
+        bucket
+            .put(
+                &format!("{dir}/{COMMIT}"),
+                Bytes::from(serde_json::to_vec(&rec).unwrap()),
+            )
+            .await
+            .unwrap();
+    }
+    let attempt = attempt_dir(50, 7);
+    bucket
+        .put(
+            &format!("{attempt}/{MANIFEST}"),
+            Bytes::from_static(br#"{"job": "other", "step": 50}"#),
+        )
+        .await
+        .unwrap();
+    // restore: j's newest is its own step 20, never other's 40
+    let mine = crate::restore::committed_for(&bucket, None, Some("j"))
+        .await
+        .unwrap();
+    assert_eq!(
+        mine.iter().map(|r| r.step).collect::<Vec<_>>(),
+        vec![20, 10]
+    );
+    // and with etcd's latest for j (20), other's later commits are not superseded either
+    let r = crate::retention::retain(&bucket, 1, Duration::ZERO, Some(&recs[1]), Some("j"))
+        .await
+        .unwrap();
+    assert_eq!(r.kept, vec![20]);
+    assert_eq!(r.deleted_commits, vec![10]);
+    assert!(r.superseded.is_empty(), "{:?}", r.superseded);
+    assert!(r.deleted_attempts.is_empty(), "{:?}", r.deleted_attempts);
+    assert_eq!(r.foreign, vec![(50, 7), (40, 7), (30, 7)]);
+    let listed = crate::retention::list(&bucket, None).await.unwrap();
+    assert_eq!(
+        listed
+            .iter()
+            .map(|i| (i.step, i.job.clone().unwrap_or_default()))
+            .collect::<Vec<_>>(),
+        vec![
+            (50, "other".to_string()),
+            (40, "other".into()),
+            (30, "other".into()),
+            (20, "j".into())
+        ]
+    );
+    // a caller that names no job (an operator's listing) still sees every commit
+    assert_eq!(committed(&bucket, None).await.unwrap()[0].step, 40);
 }
 
 /// A commit whose `COMMIT` record reads but does not parse is still a commit: retention does
@@ -293,7 +371,7 @@ async fn retention_never_takes_an_unparsable_commit_for_an_attempt() {
         listed[0].state,
         crate::retention::CheckpointState::Committed
     );
-    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, None)
+    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, None, None)
         .await
         .unwrap();
     assert!(r.deleted_attempts.is_empty(), "{:?}", r.deleted_attempts);
@@ -322,7 +400,7 @@ async fn retention_follows_etcd_s_lineage_over_commits_above_it() {
         .await
         .unwrap();
     let r15 = save(&store, &bucket, 15, 2, 2).await.unwrap();
-    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, Some(&r15))
+    let r = crate::retention::retain(&bucket, 2, Duration::ZERO, Some(&r15), None)
         .await
         .unwrap();
     assert_eq!(r.superseded, vec![(30, 2), (20, 2)]);
@@ -347,7 +425,7 @@ async fn retention_follows_etcd_s_lineage_over_commits_above_it() {
         contents(&tensors())
     );
     // a later pass changes nothing
-    let again = crate::retention::retain(&bucket, 2, Duration::ZERO, Some(&r15))
+    let again = crate::retention::retain(&bucket, 2, Duration::ZERO, Some(&r15), None)
         .await
         .unwrap();
     assert!(again.superseded.is_empty() && again.deleted_commits.is_empty());
@@ -369,7 +447,7 @@ async fn a_commit_whose_record_never_landed_is_repaired_not_deleted() {
         r20.unrecorded.iter().map(|r| r.step).collect::<Vec<_>>(),
         vec![10]
     );
-    let r = crate::retention::retain(&bucket, 5, Duration::ZERO, Some(&r20))
+    let r = crate::retention::retain(&bucket, 5, Duration::ZERO, Some(&r20), None)
         .await
         .unwrap();
     assert_eq!(r.repaired, 1);

@@ -460,6 +460,7 @@ pub async fn gather_and_commit(
         }
     }
     let rec = CheckpointRecord {
+        job: Some(c.job.to_string()),
         step,
         generation: c.generation,
         manifest: format!("{dir}/{MANIFEST}"),

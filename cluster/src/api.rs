@@ -157,6 +157,12 @@ pub struct NodeView {
     pub agent_pid: u32,
     pub reregistrations: u32,
     pub workers: Vec<NodeWorkerView>,
+    /// How the agent contains programs' processes (`cgroup DIR` or `subreaper`).
+    #[serde(default)]
+    pub containment: Option<String>,
+    /// Slots no program may start on, and why (a previous program's processes did not die).
+    #[serde(default)]
+    pub busy_slots: std::collections::BTreeMap<u32, String>,
 }
 
 /// Body of `POST /v1/jobs/{job}/scale`.

@@ -313,18 +313,18 @@ pub async fn prefix_watcher_follows_and_relists(b: Arc<dyn KvBackend>, ns: &str)
         .unwrap();
     let mut rx = crate::watch::watch_prefix(b.clone(), format!("{ns}/"), cancel.clone());
     let s = crate::watch::synced(&mut rx).await;
-    assert_eq!(s.kvs.len(), 1);
+    assert_eq!(s.kvs.size(), 1);
     b.put(&format!("{ns}/b"), b"2".to_vec(), None)
         .await
         .unwrap();
-    let s = timeout(Duration::from_secs(5), rx.wait_for(|s| s.kvs.len() == 2))
+    let s = timeout(Duration::from_secs(5), rx.wait_for(|s| s.kvs.size() == 2))
         .await
         .expect("put seen")
         .unwrap()
         .clone();
     assert_eq!(s.kvs[&format!("{ns}/b")].value, b"2");
     b.delete(&format!("{ns}/a")).await.unwrap();
-    timeout(Duration::from_secs(5), rx.wait_for(|s| s.kvs.len() == 1))
+    timeout(Duration::from_secs(5), rx.wait_for(|s| s.kvs.size() == 1))
         .await
         .expect("delete seen")
         .unwrap();

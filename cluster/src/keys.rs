@@ -160,6 +160,13 @@ impl Keys {
     pub fn live_job(&self, job: &str) -> String {
         format!("{}/live/{job}/", self.prefix)
     }
+    /// The job a key under `live/` belongs to (whatever follows its name: a job's etcd user
+    /// may write any key under its `live/{job}/`).
+    pub fn live_job_of<'a>(&self, key: &'a str) -> Option<&'a str> {
+        let rest = key.strip_prefix(&self.prefix)?.strip_prefix("/live/")?;
+        let (job, _) = rest.split_once('/')?;
+        (!job.is_empty()).then_some(job)
+    }
     pub fn jobs(&self) -> String {
         format!("{}/jobs/", self.prefix)
     }

@@ -64,6 +64,14 @@ pub struct NodeRecord {
     /// What this agent agrees to run (None: an agent from before policies).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<AgentPolicy>,
+    /// How the agent contains its programs' processes: `cgroup DIR` (each program in a cgroup
+    /// of its own under DIR, killed whole) or `subreaper` (the descendants' sweep).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub containment: Option<String>,
+    /// Slots no program may start on, and why: a previous program's processes did not die
+    /// (stuck in the kernel). The planner leaves them out until the agent clears them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub busy_slots: BTreeMap<u32, String>,
 }
 
 /// What an agent agrees to run: the worker programs (`allowed_commands`, matched against the
@@ -513,6 +521,8 @@ impl NodeRecord {
             drain_timeout_ms: None,
             reregistrations: 0,
             policy: None,
+            containment: None,
+            busy_slots: BTreeMap::new(),
         }
     }
     pub fn slots(&self) -> u32 {
@@ -2297,6 +2307,10 @@ pub struct JoinRecord {
 /// writes this record.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointRecord {
+    /// The job that wrote it (None: a record from before jobs were named in it). Retention and
+    /// restore leave another job's commits alone, even in a location the job now uses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
     pub step: u64,
     /// The generation whose workers wrote it.
     pub generation: u64,

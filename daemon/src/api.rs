@@ -231,7 +231,7 @@ async fn submit(
     check_datasets(&spec).await?;
     if let Some(ck) = &spec.checkpoint {
         if let Some(n) = ck.restore_step {
-            check_restore_step(&ck.url, n).await?;
+            check_restore_step(&ck.url, n, &spec.name).await?;
         }
     }
     st.store.submit(&spec).await?;
@@ -497,10 +497,10 @@ async fn check_datasets(spec: &JobSpec) -> ApiResult<()> {
     Ok(())
 }
 
-async fn check_restore_step(url: &str, n: u64) -> ApiResult<()> {
+async fn check_restore_step(url: &str, n: u64, job: &str) -> ApiResult<()> {
     let unavailable = |e: String| store_unavailable(url, format!("checking restore_step: {e}"));
     let bucket = ductile_checkpoint::Bucket::open(url).map_err(|e| unavailable(e.to_string()))?;
-    let committed: Vec<u64> = ductile_checkpoint::restore::committed(&bucket, None)
+    let committed: Vec<u64> = ductile_checkpoint::restore::committed_for(&bucket, None, Some(job))
         .await
         .map_err(|e| unavailable(e.to_string()))?
         .iter()
@@ -896,6 +896,8 @@ async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
                 devices: n.devices,
                 agent_pid: n.agent_pid,
                 reregistrations: n.reregistrations,
+                containment: n.containment,
+                busy_slots: n.busy_slots,
             })
             .collect(),
     ))

@@ -294,6 +294,7 @@ impl Leader {
             self.apply(name, obs, &mut fleet, (snap, live), now, &mut wake)
                 .await?;
         }
+        clean_ended_live(&self.store, &jobs, live).await;
         self.series.observe(&self.store, snap, &jobs);
         let (written, due) = self.series.flush(&self.store, &self.key, &jobs).await;
         if !written && !still_leader(&self.store, &self.key).await {
@@ -662,6 +663,58 @@ async fn forget_old_generations(store: &Store, snaps: &[&Snapshot], job: &str, c
     }
 }
 
+/// The most `live/` keys of ended jobs one pass deletes (the next pass goes on).
+const LIVE_CLEANED_PER_PASS: usize = 2000;
+
+/// An ended job's `live/{job}/` keys are of no more use but what its status shows: its
+/// progress (the final step and weights), its checkpoint figures and its last generation's
+/// joins. Everything else (rendezvous data, fault reports, shard reports, rank figures, what a
+/// job's etcd user wrote besides) is deleted, each key fenced on its revision (a job
+/// resubmitted under the same name meanwhile keeps what its new run wrote), in transactions
+/// of at most 100 operations.
+async fn clean_ended_live(store: &Store, jobs: &BTreeMap<String, JobObs>, live: &Snapshot) {
+    use ductile_cluster::kv::{Compare, Op};
+    let k = &store.keys;
+    let ended = |job: &str| {
+        jobs.get(job)
+            .filter(|o| o.status.as_ref().is_some_and(|s| s.state.is_terminal()))
+    };
+    let mut batch = crate::lighthouse::Batch::new(store.clone());
+    let mut n = 0;
+    for kv in live.kvs.values() {
+        let Some(obs) = k.live_job_of(&kv.key).and_then(ended) else {
+            continue;
+        };
+        let last = obs.generation.as_ref().map(|(g, _)| g.number);
+        let keep = match k.parse(&kv.key) {
+            KeyKind::Progress { .. } | KeyKind::CheckpointStats { .. } => true,
+            KeyKind::Joined { generation, .. } => Some(generation) == last,
+            _ => false,
+        };
+        if keep {
+            continue;
+        }
+        if !batch
+            .add(
+                vec![Compare::ModRevision(kv.key.clone(), kv.mod_revision)],
+                vec![Op::Delete {
+                    key: kv.key.clone(),
+                }],
+            )
+            .await
+        {
+            return;
+        }
+        n += 1;
+        if n >= LIVE_CLEANED_PER_PASS {
+            break;
+        }
+    }
+    if batch.flush().await && n > 0 {
+        tracing::debug!(keys = n, "deleted ended jobs' live keys");
+    }
+}
+
 async fn still_leader(store: &Store, leader: &LeaderKey) -> bool {
     match store.backend.get(&leader.key).await {
         Ok(Some(kv)) => kv.create_revision == leader.create_revision,
@@ -718,13 +771,15 @@ mod tests {
         // still shows the last run's final progress
         let jobs = Snapshot {
             revision: 10,
-            kvs: [kv(k.spec("j"), encode(&spec), 10)].into(),
-            relists: 0,
+            kvs: [kv(k.spec("j"), encode(&spec), 10)].into_iter().collect(),
+            ..Default::default()
         };
         let live = Snapshot {
             revision: 9,
-            kvs: [kv(k.progress("j"), encode(&done), 8)].into(),
-            relists: 0,
+            kvs: [kv(k.progress("j"), encode(&done), 8)]
+                .into_iter()
+                .collect(),
+            ..Default::default()
         };
         let obs = &jobs_from(&store, &[&jobs, &live])["j"];
         assert!(obs.progress.is_none());
@@ -758,8 +813,9 @@ mod tests {
                 kv(k.generation("j"), encode(&g3), 4),
                 kv(k.restarts("j"), encode(&2u32), 5),
             ]
-            .into(),
-            relists: 0,
+            .into_iter()
+            .collect(),
+            ..Default::default()
         };
         let obs = &jobs_from(&store, &[&jobs])["j"];
         let since = |n: &str| obs.member_since[&(n.to_string(), 0)];
@@ -773,7 +829,7 @@ mod tests {
         assert!(!c.member_since(0, 1) && c.member_since(0, 2));
         // history the leader no longer keeps breaks the run too
         let mut kvs = jobs.kvs.clone();
-        kvs.remove(&k.history_entry("j", 2));
+        kvs.remove_mut(&k.history_entry("j", 2));
         let jobs = Snapshot { kvs, ..jobs };
         let obs = &jobs_from(&store, &[&jobs])["j"];
         assert_eq!(obs.member_since[&("a".to_string(), 0)], 3);

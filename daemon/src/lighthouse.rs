@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use ductile_cluster::keys::unhex;
 use ductile_cluster::kv::{Compare, KeyValue, LeaderKey, Op, Txn};
 use ductile_cluster::records::now_ms;
-use ductile_cluster::watch::{watch_prefix, Snapshot};
+use ductile_cluster::watch::{watch_prefix, KvMap, Snapshot};
 use ductile_cluster::Store;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Semaphore};
@@ -474,49 +474,78 @@ pub struct RoomState {
 /// a warning (they are not ductile's writes).
 pub fn rooms(prefix: &str, snap: &Snapshot) -> BTreeMap<String, RoomState> {
     let mut out: BTreeMap<String, RoomState> = BTreeMap::new();
-    let mut join_keys: BTreeMap<(String, String), String> = BTreeMap::new();
+    // a room's keys are contiguous in key order (they share the prefix `{prefix}{room}/`)
+    let mut current: Option<(&str, Vec<(&String, &KeyValue)>)> = None;
     for (key, kv) in snap.kvs.range(prefix.to_string()..) {
         let Some(rest) = key.strip_prefix(prefix) else {
             break;
         };
+        let Some((room, _)) = rest.split_once('/') else {
+            continue;
+        };
+        match &mut current {
+            Some((r, entries)) if *r == room => entries.push((key, kv)),
+            _ => {
+                if let Some((r, entries)) = current.take() {
+                    out.insert(r.to_string(), room_from(prefix, r, entries));
+                }
+                current = Some((room, vec![(key, kv)]));
+            }
+        }
+    }
+    if let Some((r, entries)) = current {
+        out.insert(r.to_string(), room_from(prefix, r, entries));
+    }
+    out
+}
+
+/// One room, decoded from its keys in `kvs` (None: it has none).
+pub fn room(prefix: &str, room: &str, kvs: &KvMap) -> Option<RoomState> {
+    let start = format!("{prefix}{room}/");
+    let entries: Vec<(&String, &KeyValue)> = kvs
+        .range(start.clone()..)
+        .take_while(|(k, _)| k.starts_with(&start))
+        .collect();
+    (!entries.is_empty()).then(|| room_from(prefix, room, entries))
+}
+
+/// A room from its keys (all under `{prefix}{room}/`).
+fn room_from(prefix: &str, room: &str, entries: Vec<(&String, &KeyValue)>) -> RoomState {
+    let mut r = RoomState::default();
+    let mut join_keys: BTreeMap<String, String> = BTreeMap::new();
+    let base = format!("{prefix}{room}/");
+    for (key, kv) in entries {
+        let Some(rest) = key.strip_prefix(&base) else {
+            continue;
+        };
         let parts: Vec<&str> = rest.split('/').collect();
         match parts.as_slice() {
-            [room, "hb", _] => {
+            ["hb", id] => {
                 if let Some(b) = decode::<Beat>(kv) {
-                    let r = out.entry(room.to_string()).or_default();
-                    let id = unhex(parts[2]);
+                    let id = unhex(id);
                     r.heartbeats.insert(id.clone(), b.at_ms);
                     r.hb_keys.insert(id, (key.clone(), kv.mod_revision));
                 }
             }
-            [room, "join", _] => {
-                let r = out.entry(room.to_string()).or_default();
-                match decode::<Join>(kv) {
-                    Some(j) => {
-                        join_keys
-                            .insert((room.to_string(), j.member.replica_id.clone()), key.clone());
-                        r.participants
-                            .insert(j.member.replica_id.clone(), (j, kv.mod_revision));
-                    }
-                    None => r.consumed.push((key.clone(), kv.mod_revision)),
+            ["join", _] => match decode::<Join>(kv) {
+                Some(j) => {
+                    join_keys.insert(j.member.replica_id.clone(), key.clone());
+                    r.participants
+                        .insert(j.member.replica_id.clone(), (j, kv.mod_revision));
                 }
-            }
-            [room, "joins"] => {
-                out.entry(room.to_string()).or_default().joins_rev = kv.mod_revision;
-            }
-            [room, "quorum"] => {
+                None => r.consumed.push((key.clone(), kv.mod_revision)),
+            },
+            ["joins"] => r.joins_rev = kv.mod_revision,
+            ["quorum"] => {
                 if let Some(q) = decode::<QuorumRecord>(kv) {
-                    out.entry(room.to_string()).or_default().prev = Some((q, kv.mod_revision));
+                    r.prev = Some((q, kv.mod_revision));
                 }
             }
             _ => {}
         }
     }
     // the joins the last quorum consumed are no participants any more
-    for (room, r) in out.iter_mut() {
-        let Some(through) = r.prev.as_ref().map(|(q, _)| q.joins_through) else {
-            continue;
-        };
+    if let Some(through) = r.prev.as_ref().map(|(q, _)| q.joins_through) {
         let gone: Vec<(String, i64)> = r
             .participants
             .iter()
@@ -525,12 +554,12 @@ pub fn rooms(prefix: &str, snap: &Snapshot) -> BTreeMap<String, RoomState> {
             .collect();
         for (id, rev) in gone {
             r.participants.remove(&id);
-            if let Some(k) = join_keys.remove(&(room.clone(), id)) {
+            if let Some(k) = join_keys.remove(&id) {
                 r.consumed.push((k, rev));
             }
         }
     }
-    out
+    r
 }
 
 fn decode<T: serde::de::DeserializeOwned>(kv: &KeyValue) -> Option<T> {
@@ -688,10 +717,22 @@ pub struct Lighthouse {
     /// (room, replica id) → when this replica last wrote its heartbeat
     written: Arc<Mutex<HashMap<(String, String), Instant>>>,
     waiting: Arc<Semaphore>,
-    /// The rooms as the last snapshot decoded (its revision): the leader's ticks, the admission
-    /// of new ids and the clean-up share one decode per snapshot.
-    decoded: Arc<Mutex<(i64, Arc<BTreeMap<String, RoomState>>)>>,
+    /// The rooms as the newest snapshot decoded: the leader's ticks, the admission of new ids
+    /// and the clean-up share it, and a newer snapshot decodes again only the rooms whose keys
+    /// changed since.
+    decoded: Arc<Mutex<Decoded>>,
 }
+
+/// Decoded rooms, as of a snapshot's revision (of one listing).
+#[derive(Default)]
+struct Decoded {
+    revision: i64,
+    relists: u64,
+    rooms: Rooms,
+}
+
+/// Every room, each shared: a new decode copies pointers and re-decodes what changed.
+pub type Rooms = Arc<BTreeMap<String, Arc<RoomState>>>;
 
 impl Lighthouse {
     /// Starts watching the rooms; until `cancel`.
@@ -705,17 +746,54 @@ impl Lighthouse {
             prefix,
             written: Arc::new(Mutex::new(HashMap::new())),
             waiting: Arc::new(Semaphore::new(MAX_WAITING)),
-            decoded: Arc::new(Mutex::new((0, Arc::default()))),
+            decoded: Arc::new(Mutex::new(Decoded::default())),
         }
     }
 
-    /// The rooms of `snap`, decoded once per snapshot revision.
-    fn rooms_of(&self, snap: &Snapshot) -> Arc<BTreeMap<String, RoomState>> {
+    /// The rooms of `snap`: the rooms decoded from an earlier snapshot of the same listing,
+    /// with only those whose keys changed since decoded again (from the snapshot's change log);
+    /// everything when the log does not reach back (a re-list). An older snapshot than the
+    /// newest decoded is decoded whole, and not kept.
+    fn rooms_of(&self, snap: &Snapshot) -> Rooms {
         let mut d = self.decoded.lock().expect("decoded rooms");
-        if d.0 != snap.revision || snap.revision == 0 {
-            *d = (snap.revision, Arc::new(rooms(&self.prefix, snap)));
+        if snap.revision != 0 && d.revision == snap.revision && d.relists == snap.relists {
+            return d.rooms.clone();
         }
-        d.1.clone()
+        let whole = |snap: &Snapshot| -> Rooms {
+            Arc::new(
+                rooms(&self.prefix, snap)
+                    .into_iter()
+                    .map(|(k, v)| (k, Arc::new(v)))
+                    .collect(),
+            )
+        };
+        if snap.revision == 0 || (snap.relists == d.relists && snap.revision < d.revision) {
+            return whole(snap);
+        }
+        let rooms = match snap.changed_since(d.revision, d.relists) {
+            Some(changed) if d.revision != 0 => {
+                let touched: std::collections::BTreeSet<&str> = changed
+                    .iter()
+                    .filter_map(|k| k.strip_prefix(self.prefix.as_str())?.split_once('/'))
+                    .map(|(room, _)| room)
+                    .collect();
+                let mut rooms = (*d.rooms).clone();
+                for r in touched {
+                    match room(&self.prefix, r, &snap.kvs) {
+                        Some(st) => rooms.insert(r.to_string(), Arc::new(st)),
+                        None => rooms.remove(r),
+                    };
+                }
+                Arc::new(rooms)
+            }
+            _ => whole(snap),
+        };
+        *d = Decoded {
+            revision: snap.revision,
+            relists: snap.relists,
+            rooms: rooms.clone(),
+        };
+        rooms
     }
 
     fn room(&self, room: &str) -> (String, RoomKeys) {
@@ -954,7 +1032,7 @@ impl Lighthouse {
                 if st.participants.is_empty() {
                     continue;
                 }
-                let (room, mut st) = (room.clone(), st.clone());
+                let (room, mut st) = (room.clone(), RoomState::clone(st));
                 let keys = RoomKeys::new(&self.store, &room);
                 st.dead = dead.lock().expect("dead map").clone();
                 let (met, reason) = quorum_compute(now, &st, &self.opt);
@@ -1102,7 +1180,7 @@ impl Lighthouse {
 /// Clean-up writes gathered into transactions of at most [`Batch::MAX_OPS`] compares and
 /// operations (etcd's `--max-txn-ops` is 128 by default). A batch whose compare fails (a key
 /// moved meanwhile) is dropped whole: the next clean-up decides again from a newer snapshot.
-struct Batch {
+pub(crate) struct Batch {
     store: Store,
     compares: Vec<Compare>,
     ops: Vec<Op>,
@@ -1111,7 +1189,7 @@ struct Batch {
 impl Batch {
     const MAX_OPS: usize = 100;
 
-    fn new(store: Store) -> Self {
+    pub(crate) fn new(store: Store) -> Self {
         Batch {
             store,
             compares: Vec::new(),
@@ -1120,7 +1198,7 @@ impl Batch {
     }
 
     /// Adds one change; false when a write failed (the clean-up stops until next time).
-    async fn add(&mut self, compares: Vec<Compare>, ops: Vec<Op>) -> bool {
+    pub(crate) async fn add(&mut self, compares: Vec<Compare>, ops: Vec<Op>) -> bool {
         if self.compares.len() + self.ops.len() + compares.len() + ops.len() > Self::MAX_OPS
             && !self.flush().await
         {
@@ -1131,7 +1209,7 @@ impl Batch {
         true
     }
 
-    async fn flush(&mut self) -> bool {
+    pub(crate) async fn flush(&mut self) -> bool {
         if self.ops.is_empty() {
             return true;
         }
@@ -1158,7 +1236,7 @@ pub async fn report(store: &Store, recent: usize) -> ductile_cluster::Result<ser
     let snap = Snapshot {
         revision,
         kvs: kvs.iter().map(|kv| (kv.key.clone(), kv.clone())).collect(),
-        relists: 0,
+        ..Default::default()
     };
     let now = now_ms();
     let mut out = vec![];
@@ -1838,6 +1916,67 @@ mod tests {
                 &body[..body.len().min(12)]
             );
         }
+        cancel.cancel();
+    }
+
+    /// A new snapshot decodes again only the rooms whose keys changed (from its change log);
+    /// the others are shared as they were, and the result equals a whole decode.
+    #[tokio::test]
+    async fn rooms_are_decoded_again_only_where_their_keys_changed() {
+        let backend: Arc<dyn ductile_cluster::KvBackend> =
+            Arc::new(ductile_cluster::memory::MemoryBackend::new());
+        let store = Store::new(backend.clone(), ductile_cluster::Keys::new("/t"));
+        let cancel = CancellationToken::new();
+        let lh = Lighthouse::new(store.clone(), LighthouseOpt::default(), cancel.clone());
+        let mut rx = lh.snap.clone();
+        let at = |rev: i64| {
+            let mut rx = rx.clone();
+            async move {
+                tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|s| s.revision >= rev))
+                    .await
+                    .expect("the watch catches up")
+                    .unwrap()
+                    .clone()
+            }
+        };
+        let (_, k1) = lh.room("r1");
+        let (_, k2) = lh.room("r2");
+        lh.join(&k1, &member("a", 1)).await.unwrap();
+        let rev = lh.join(&k2, &member("b", 1)).await.unwrap();
+        let s1 = at(rev).await;
+        let before = lh.rooms_of(&s1);
+        assert_eq!(before.len(), 2);
+        let rev = lh.join(&k1, &member("c", 1)).await.unwrap();
+        let s2 = at(rev).await;
+        let after = lh.rooms_of(&s2);
+        assert!(
+            Arc::ptr_eq(&before["r2"], &after["r2"]),
+            "r2 was decoded again"
+        );
+        assert!(!Arc::ptr_eq(&before["r1"], &after["r1"]));
+        let whole = rooms(&lh.prefix, &s2);
+        for (name, r) in after.iter() {
+            let w = &whole[name];
+            assert_eq!(
+                r.participants.keys().collect::<Vec<_>>(),
+                w.participants.keys().collect::<Vec<_>>()
+            );
+            assert_eq!(r.joins_rev, w.joins_rev);
+        }
+        assert_eq!(after["r1"].participants.len(), 2);
+        // a room whose keys are all gone is gone; an older snapshot still decodes as it was
+        let gone = format!("{}r2/", lh.prefix);
+        backend.delete_prefix(&gone).await.unwrap();
+        let s3 = tokio::time::timeout(
+            Duration::from_secs(5),
+            rx.wait_for(|s| s.kvs.keys().all(|k| !k.starts_with(&gone))),
+        )
+        .await
+        .expect("the watch catches up")
+        .unwrap()
+        .clone();
+        assert!(!lh.rooms_of(&s3).contains_key("r2"));
+        assert!(lh.rooms_of(&s1).contains_key("r2"));
         cancel.cancel();
     }
 

@@ -144,7 +144,13 @@ pub fn overlay_live<'a>(
     let mut joined: BTreeMap<(String, u64), BTreeMap<u32, JoinRecord>> = BTreeMap::new();
     let mut faults: BTreeMap<(String, u64), BTreeMap<u32, FaultReport>> = BTreeMap::new();
     let mut ranks: BTreeMap<String, BTreeMap<u32, RankStats>> = BTreeMap::new();
+    let mut usage: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     for kv in kvs {
+        if let Some(job) = store.keys.live_job_of(&kv.key) {
+            let u = usage.entry(job).or_default();
+            u.0 += 1;
+            u.1 += (kv.key.len() + kv.value.len()) as u64;
+        }
         match store.keys.parse(&kv.key) {
             KeyKind::Joined {
                 job,
@@ -179,6 +185,7 @@ pub fn overlay_live<'a>(
         }
     }
     for (name, obs) in jobs.iter_mut() {
+        (obs.live_keys, obs.live_bytes) = usage.get(name.as_str()).copied().unwrap_or_default();
         if let Some(((g, _), r)) = obs.generation.as_ref().zip(ranks.remove(name)) {
             obs.rank_stats = r
                 .into_iter()

@@ -42,6 +42,9 @@ pub struct JobObs {
     pub access: Option<JobAccess>,
     /// Each rank's step figures in the current generation.
     pub rank_stats: BTreeMap<u32, RankStats>,
+    /// Keys and bytes (keys' and values') the job's workers hold under `live/{job}/`.
+    pub live_keys: u64,
+    pub live_bytes: u64,
     /// For each (node, slot) of the current generation, the first generation of its unbroken
     /// run of membership (from the history kept in etcd).
     pub member_since: BTreeMap<(String, u32), u64>,
@@ -296,6 +299,25 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
 }
 
 /// Decide what one job needs now.
+/// How many keys, and bytes, a job's workers may hold under `live/{job}/`: many times what
+/// they write (a few keys per rank per generation, a checkpoint's shard reports, each deleted
+/// once of no use), far below what would fill etcd.
+pub fn live_bound(spec: &JobSpec) -> (u64, u64) {
+    let ranks = spec.max.max(1) as u64;
+    (1024 + 64 * ranks, (32 << 20) + (1 << 20) * ranks)
+}
+
+/// Why the job's `live/` keys are past [`live_bound`], if they are.
+fn live_over_bound(spec: &JobSpec, obs: &JobObs) -> Option<String> {
+    let (keys, bytes) = live_bound(spec);
+    (obs.live_keys > keys || obs.live_bytes > bytes).then(|| {
+        format!(
+            "the job's workers wrote {} keys ({} bytes) under live/{}/ in etcd, past the bound of {keys} keys and {bytes} bytes for a job of at most {} ranks: failed, and its etcd user removed",
+            obs.live_keys, obs.live_bytes, spec.name, spec.max
+        )
+    })
+}
+
 pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     let Some(spec) = &obs.spec else {
         return Decision::Nothing;
@@ -316,6 +338,18 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
             cur,
             prev_status,
             "stopped by the operator".into(),
+            now,
+        ));
+    }
+    // what the job's etcd user may write is bounded: past the bound the job fails (its etcd
+    // user goes with it, and the clean-up of an ended job's live/ keys takes what it wrote)
+    if let Some(why) = live_over_bound(spec, obs) {
+        return want(status(
+            &spec.name,
+            JobState::Failed,
+            cur,
+            prev_status,
+            why,
             now,
         ));
     }
@@ -363,7 +397,10 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         }
         for slot in 0..node.slots() {
             let key = (name.clone(), slot);
-            if fleet.held.get(&key).is_some_and(|j| *j != spec.name) {
+            if fleet.held.get(&key).is_some_and(|j| *j != spec.name)
+                || node.busy_slots.contains_key(&slot)
+            {
+                // (a slot whose last program's processes did not die is held too)
                 held_elsewhere += 1;
             } else if !obs.failed.contains_key(&key) {
                 candidates.push(key);
@@ -1629,6 +1666,7 @@ mod tests {
         );
         // an interval checkpoint is not the one asked for
         let rec = |request: Option<&str>| CheckpointRecord {
+            job: None,
             step: 9,
             generation: 1,
             manifest: "m".into(),
@@ -1986,6 +2024,33 @@ mod tests {
                 );
             }
             d => panic!("{d:?}"),
+        }
+    }
+
+    /// What a job's etcd user holds under `live/{job}/` is bounded: past the bound (keys or
+    /// bytes) the job fails, saying so; at the bound it runs on.
+    #[test]
+    fn a_job_past_its_live_bound_fails() {
+        let mut obs = JobObs {
+            spec: Some(torchrun_spec(3)),
+            ..Default::default()
+        };
+        let f = fleet(&[("a", 3)]);
+        step(&mut obs, &f, 10).unwrap();
+        let (keys, bytes) = live_bound(obs.spec.as_ref().unwrap());
+        (obs.live_keys, obs.live_bytes) = (keys, bytes);
+        assert!(
+            !matches!(plan(&obs, &f, 20), Decision::Status(ref st) if st.state == JobState::Failed)
+        );
+        for (k, b) in [(keys + 1, 0), (0, bytes + 1)] {
+            (obs.live_keys, obs.live_bytes) = (k, b);
+            match plan(&obs, &f, 20) {
+                Decision::Status(st) => {
+                    assert_eq!(st.state, JobState::Failed);
+                    assert!(st.message.contains("past the bound of"), "{}", st.message);
+                }
+                d => panic!("{d:?}"),
+            }
         }
     }
 

@@ -237,7 +237,7 @@ mod tests {
         Snapshot {
             revision,
             kvs: kvs.into_iter().map(|kv| (kv.key.clone(), kv)).collect(),
-            relists: 0,
+            ..Default::default()
         }
     }
 

@@ -10,6 +10,7 @@
 //! `DUCTILE_PREFIX`, `DUCTILE_DEVICE` (`cpu` or `cuda:0`), `DUCTILE_DEVICE_INDEX`.
 
 pub mod cell;
+pub mod cgroup;
 pub mod launch;
 pub mod reap;
 pub mod report;

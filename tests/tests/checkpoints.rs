@@ -236,6 +236,7 @@ fn training_a_stale_writer_cannot_commit_even_where_conditional_writes_are_ignor
         }
         // the stale writer: its generation is gone
         let stale = CheckpointRecord {
+            job: None,
             step: later.step + 1_000,
             generation: old_gen,
             ..later.clone()
@@ -936,4 +937,69 @@ fn training_a_checkpoint_of_another_data_order_is_refused_naming_the_field() {
             .contains("was saved drawing from 624 samples of the dataset, this job draws from 561")
             .then_some(())
     });
+}
+
+/// A location another job used (issue 46, item 10): a job submitted later under another name
+/// with the same `checkpoint.url` (the first one has finished, so submit allows it) neither
+/// restores, overwrites nor deletes the first job's commits: it fails at its cold start, saying
+/// whose checkpoints are there and what to do. Real S3 server.
+#[test]
+fn training_a_job_leaves_another_job_s_commits_at_its_location_alone() {
+    let c = Cluster::start(Spec {
+        s3: true,
+        ..Spec::default().agents(1, 2)
+    });
+    let s3 = c.s3.as_ref().unwrap();
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let url = format!("s3://{}/jobs/shared", s3.bucket);
+    c.submit(&mlp_job("first", 2, &data, &url, 600, 100, ""));
+    let done = c.wait_done("first", S(120));
+    assert_eq!(done.state, JobState::Succeeded);
+    // an ended job's live/ keys are deleted (its rendezvous data, shard reports, rank
+    // figures) but what its status shows: progress, checkpoint figures, its last joins
+    let r = rt();
+    let store = r.block_on(c.store());
+    c.wait_for(S(30), "first's live/ keys cleaned", || {
+        let (kvs, _) = r
+            .block_on(store.backend.list(&store.keys.live_job("first")))
+            .unwrap();
+        let rest: Vec<&str> = kvs
+            .iter()
+            .map(|kv| kv.key.strip_prefix(&store.keys.live_job("first")).unwrap())
+            .filter(|k| *k != "progress" && *k != "checkpoint_stats" && !k.starts_with("joined/"))
+            .collect();
+        rest.is_empty().then_some(())
+    });
+    assert_eq!(
+        c.status("first").final_weights_sha256,
+        done.final_weights_sha256
+    );
+    assert!(stats(&c, "first").committed_total >= 3);
+    set_s3_env(&s3.env());
+    let bucket = Bucket::open(&url).unwrap();
+    let list = || r.block_on(committed(&bucket, None)).unwrap();
+    let firsts = list();
+    assert!(firsts.len() >= 3, "{firsts:?}");
+    for r in &firsts {
+        assert_eq!(r.job.as_deref(), Some("first"), "{r:?}");
+    }
+    c.submit(
+        &mlp_job("second", 2, &data, &url, 400, 100, "")
+            .replace("keep = 5", "keep = 1")
+            .replace("restart_budget = 20", "restart_budget = 1"),
+    );
+    let why = c.wait_for(S(120), "second refused at its cold start", || {
+        c.history("second")
+            .into_iter()
+            .find(|g| g.detail.contains("holds job \"first\"'s checkpoints"))
+            .map(|g| g.detail)
+    });
+    assert!(why.contains("a checkpoint.url of its own"), "{why}");
+    c.dctl_ok(&["stop", "second"]);
+    // every one of first's commits is still there, whole, and nothing of second's
+    assert_eq!(list(), firsts);
+    let m = r.block_on(load_manifest(&bucket, &firsts[0])).unwrap();
+    let all = plan::readers(&m, 1).remove(0);
+    r.block_on(fetch(&bucket, &m, &all, 4))
+        .expect("first's latest commit verifies");
 }

@@ -29,6 +29,8 @@ except OSError:
 escapee = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                            start_new_session=True)
 seen["escapee"] = escapee.pid
+with open("/proc/self/cgroup") as f:
+    seen["cgroup"] = f.read()
 with open(out + ".tmp", "w") as f:
     json.dump(seen, f)
 os.rename(out + ".tmp", out)
@@ -51,6 +53,51 @@ fn seen(path: &Path, c: &Cluster) -> serde_json::Value {
         std::fs::read_to_string(path).ok()
     });
     serde_json::from_str(&text).unwrap()
+}
+
+/// Whether this (root) process can make a cgroup v2 under its own, as the agent's `auto`
+/// probes; `Some(where)` when it can.
+fn cgroup_writable() -> Option<String> {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mount = mounts.lines().find_map(|l| {
+        let (pre, post) = l.split_once(" - ")?;
+        (post.split_whitespace().next()? == "cgroup2").then(|| pre.split_whitespace().nth(4))?
+    })?;
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let rel = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let dir = Path::new(mount)
+        .join(rel.trim_start_matches('/'))
+        .join(format!("tenancy-probe.{}", std::process::id()));
+    std::fs::create_dir(&dir).ok()?;
+    let ok = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("cgroup.procs"))
+        .is_ok();
+    let _ = std::fs::remove_dir(&dir);
+    ok.then(|| format!("{} is writable", dir.parent().unwrap().display()))
+}
+
+/// The program's own cgroup directory when the agent contains by cgroup (checked to be a
+/// cgroup of the agent's subtree, named for the job), else None.
+fn in_cgroup(seen: &serde_json::Value, containment: &str) -> Option<std::path::PathBuf> {
+    let base = containment.strip_prefix("cgroup ")?;
+    let line = seen["cgroup"].as_str().unwrap();
+    let rel = line
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or_else(|| panic!("no cgroup2 line in {line:?}"));
+    let leaf = Path::new(rel)
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let dir = Path::new(base).join(&leaf);
+    assert!(
+        rel.contains("/ductile-agent.") && dir.exists(),
+        "the program runs in cgroup {rel}, not one of {base}"
+    );
+    Some(dir)
 }
 
 fn wait_dead(c: &Cluster, pid: u32, what: &str) {
@@ -100,6 +147,18 @@ fn a_hostile_tenant_is_refused_or_contained() {
     c.wait_for(S(30), "node1 registered", || {
         c.dctl_ok(&["nodes"]).contains("node1").then_some(())
     });
+    // each program in a cgroup of its own wherever this machine lets a root process make one
+    // (the agent probes the same way), else the subreaper sweep
+    let nodes: serde_json::Value = c.get_json("/v1/nodes");
+    let containment = nodes[0]["containment"].as_str().unwrap().to_string();
+    let cgroup_root = cgroup_writable();
+    match &cgroup_root {
+        Some(why) => assert!(
+            containment.starts_with("cgroup ") && containment.contains("/ductile-agent."),
+            "{why}, but the agent contains programs by {containment}"
+        ),
+        None => assert_eq!(containment, "subreaper"),
+    }
     let p = |args: &[&str]| -> Vec<String> {
         std::iter::once(python.clone())
             .chain(args.iter().map(|s| s.to_string()))
@@ -174,8 +233,14 @@ fn a_hostile_tenant_is_refused_or_contained() {
     );
     assert_eq!(a["fd3"], "closed");
     assert!(!env.to_string().contains("node-secret"));
+    let program_cgroup = in_cgroup(&a, &containment);
     let v = c.wait_done("a", S(60));
     assert_eq!(v.state, JobState::Succeeded);
+    if let Some(dir) = &program_cgroup {
+        c.wait_for(S(15), "job a's cgroup removed", || {
+            (!dir.exists()).then_some(())
+        });
+    }
     wait_dead(
         &c,
         a["escapee"].as_u64().unwrap() as u32,
@@ -210,12 +275,18 @@ fn a_hostile_tenant_is_refused_or_contained() {
     // b gets no S3 credentials (none configured for it), never the node's
     assert!(b_seen["env"].get("AWS_SECRET_ACCESS_KEY").is_none());
     // stopped: its setsid() child goes with it
+    let b_cgroup = in_cgroup(&b_seen, &containment);
     c.dctl_ok(&["stop", "b"]);
     wait_dead(
         &c,
         b_seen["escapee"].as_u64().unwrap() as u32,
         "job b's setsid() child killed on stop",
     );
+    if let Some(dir) = &b_cgroup {
+        c.wait_for(S(15), "job b's cgroup removed", || {
+            (!dir.exists()).then_some(())
+        });
+    }
 
     // its launcher SIGKILLed (no chance to sweep): the agent, a child subreaper, kills what
     // the program left
@@ -237,6 +308,55 @@ fn a_hostile_tenant_is_refused_or_contained() {
         "job c's setsid() child killed after its launcher's death",
     );
     c.dctl_ok(&["stop", "c"]);
+
+    // what a job's etcd user writes under live/{job}/ is bounded (here written as any holder
+    // of job w's credentials could): past it the job fails, and once it has ended its live/
+    // keys are deleted but what its status shows
+    let w_out = d.join("w.json");
+    c.submit(&job(
+        "w",
+        &p(&[&prog_s, &w_out.display().to_string(), "wait"]),
+        "",
+    ));
+    seen(&w_out, &c);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = rt.block_on(c.store());
+    let junk = format!("{}junk/", store.keys.live_job("w"));
+    rt.block_on(async {
+        use ductile_cluster::kv::{Op, Txn};
+        for b in 0..12 {
+            let ops = (0..100)
+                .map(|i| Op::put(format!("{junk}{}", b * 100 + i), vec![b'x'; 64]))
+                .collect();
+            store
+                .backend
+                .txn(Txn {
+                    compares: vec![],
+                    ops,
+                })
+                .await
+                .unwrap();
+        }
+    });
+    let v = c.wait_for(S(30), "job w failed past its live/ bound", || {
+        Some(c.status("w")).filter(|v| v.state == JobState::Failed)
+    });
+    assert!(
+        v.message.contains("past the bound of 1088 keys"),
+        "{}",
+        v.message
+    );
+    c.wait_for(S(30), "job w's live/ keys deleted", || {
+        let (kvs, _) = rt
+            .block_on(store.backend.list(&store.keys.live_job("w")))
+            .unwrap();
+        kvs.iter()
+            .all(|kv| !kv.key.starts_with(&junk))
+            .then_some(())
+    });
 
     // a script whose real path is outside the allowed paths never starts
     let link = job(

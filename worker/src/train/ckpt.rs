@@ -591,7 +591,7 @@ impl Trainer {
                     })
                     .await;
                     let ttl = Duration::from_secs(spec.attempt_ttl_s);
-                    match ductile_checkpoint::retention::retain(&bucket, spec.keep as usize, ttl, Some(&rec)).await {
+                    match ductile_checkpoint::retention::retain(&bucket, spec.keep as usize, ttl, Some(&rec), Some(&job)).await {
                         Ok(r) if !r.deleted_commits.is_empty() || !r.deleted_attempts.is_empty() => {
                             tracing::info!(deleted = ?r.deleted_commits, attempts = ?r.deleted_attempts, aborted_uploads = r.aborted_uploads, "checkpoint retention")
                         }
@@ -702,6 +702,21 @@ impl Trainer {
                 bucket.url
             )
         })?;
+        // another job's commits at this location (it used the location and has finished):
+        // this job would neither restore them nor may it write over their directories (the
+        // same step and generation name the same objects), so it does not start here
+        let foreign: Vec<&CheckpointRecord> = candidates
+            .iter()
+            .filter(|c| c.job.as_deref().is_some_and(|j| j != self.env.job))
+            .collect();
+        if let Some(f) = foreign.first() {
+            let owner = f.job.clone().unwrap_or_default();
+            let steps: Vec<u64> = foreign.iter().map(|c| c.step).collect();
+            anyhow::bail!(
+                "checkpoint.url {} holds job {owner:?}'s checkpoints (steps {steps:?}): a job neither restores, overwrites nor deletes another job's checkpoints; give this job a checkpoint.url of its own, or submit it as {owner:?} to resume them",
+                bucket.url
+            );
+        }
         // the commits a pinned restore leaves behind (superseded once it succeeds)
         let mut after = Vec::new();
         if let Some(n) = pinned {
