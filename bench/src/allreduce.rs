@@ -19,12 +19,84 @@ fn busbw(world: u32, bytes: u64, secs: f64) -> f64 {
     2.0 * (world as f64 - 1.0) / world as f64 * bytes as f64 / secs / 1e9
 }
 
+/// PyTorch's gloo all-reduce at the same worlds and sizes (one process per rank on this
+/// machine, f32 tensors, a barrier before each timed call, the median of `iters` after a
+/// warm-up): the peer the TCP backend is measured against. One JSON line per cell.
+const GLOO: &str = r#"
+import json, os, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank(r, world, sizes, iters, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=r, world_size=world)
+    for mib in sizes:
+        t = torch.arange((mib << 20) // 4, dtype=torch.float32) % 13
+        times = []
+        for it in range(iters + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            if it > 0:
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        m = times[len(times) // 2]
+        if r == 0:
+            b = mib << 20
+            print(json.dumps({"backend": "gloo", "mode": "ring", "world": world, "bytes": b,
+                              "median_s": m, "busbw_gbps": 2 * (world - 1) / world * b / m / 1e9}), flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    world, iters, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    sizes = [int(x) for x in sys.argv[4].split(",")]
+    mp.spawn(rank, args=(world, sizes, iters, port), nprocs=world)
+"#;
+
+fn gloo_cells(
+    world: u32,
+    sizes_mib: &[u64],
+    iters: usize,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let dir = ductile_tests::TempDir::new("gloo");
+    let script = dir.path().join("gloo_allreduce.py");
+    std::fs::write(&script, GLOO)?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let sizes = sizes_mib
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let out = Command::new(ductile_tests::torch_python_bin())
+        .arg(&script)
+        .args([
+            world.to_string(),
+            iters.to_string(),
+            port.to_string(),
+            sizes,
+        ])
+        .stderr(Stdio::inherit())
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "gloo's all-reduce at world {world} failed: {}",
+        out.status
+    );
+    String::from_utf8(out.stdout)?
+        .lines()
+        .map(|l| Ok(serde_json::from_str(l)?))
+        .collect()
+}
+
 pub async fn run(
     worlds: &[u32],
     sizes_mib: &[u64],
     iters: usize,
     json: bool,
     mesh_tls: bool,
+    gloo: bool,
 ) -> anyhow::Result<()> {
     let dir = ductile_tests::TempDir::new("allreduce");
     let etcd = ductile_tests::Etcd::start(dir.path());
@@ -99,6 +171,25 @@ pub async fn run(
             }
             let st = c.wait()?;
             anyhow::ensure!(st.success(), "rank {r} of world {world} failed: {st}");
+        }
+        if gloo {
+            for mut v in gloo_cells(world, sizes_mib, iters)? {
+                if json {
+                    v["loopback_tcp_gbps"] = serde_json::json!(tcp);
+                    v["memcpy_gbps"] = serde_json::json!(mem);
+                    println!("{v}");
+                } else {
+                    println!(
+                        "{:<8} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
+                        "gloo",
+                        "ring",
+                        v["world"],
+                        v["bytes"].as_u64().unwrap() >> 20,
+                        v["median_s"].as_f64().unwrap(),
+                        v["busbw_gbps"].as_f64().unwrap()
+                    );
+                }
+            }
         }
     }
     Ok(())

@@ -43,6 +43,88 @@ for _ in range(steps):
 print(batch * ctx * steps / (time.perf_counter() - t0))
 "#;
 
+/// PyTorch DDP (gloo, one thread per rank) on the same model, global batch and context at
+/// world `argv[2]`: transformers' model, torch.optim.AdamW, each rank its share of the batch;
+/// prints per rank one JSON line: tokens/s of the whole world and its peak resident memory.
+const DDP: &str = r#"
+import json, os, resource, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+def rank(r, d, world, batch, ctx, steps, warm, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=r, world_size=world)
+    torch.manual_seed(r)
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+    m.train()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+    v = m.config.vocab_size
+    x = torch.randint(0, v, (batch // world, ctx + 1))
+    def step():
+        logits = ddp(input_ids=x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, v), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(warm):
+        step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"rank": r, "tokens_per_s": batch * ctx * steps / dt, "peak_mib": peak}), flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    d, world, batch, ctx, steps, warm, port = sys.argv[1], *map(int, sys.argv[2:8])
+    mp.spawn(rank, args=(d, world, batch, ctx, steps, warm, port), nprocs=world)
+"#;
+
+/// PyTorch DDP at `world`: (tokens/s, each rank's peak resident memory in MiB).
+fn ddp(
+    model: &Path,
+    world: u32,
+    batch: u32,
+    ctx: u32,
+    steps: u32,
+) -> anyhow::Result<(f64, Vec<f64>)> {
+    let dir = TempDir::new("ddp");
+    let script = dir.path().join("ddp_step.py");
+    std::fs::write(&script, DDP)?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let o = Command::new(python()?)
+        .arg(&script)
+        .arg(model)
+        .args([world, batch, ctx, steps, 2, port as u32].map(|n| n.to_string()))
+        .env("HF_HUB_OFFLINE", "1")
+        .output()?;
+    anyhow::ensure!(
+        o.status.success(),
+        "ddp: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // (the ranks' lines may interleave: read a stream of JSON values)
+    let rows: Vec<serde_json::Value> = serde_json::Deserializer::from_slice(&o.stdout)
+        .into_iter::<serde_json::Value>()
+        .filter_map(Result::ok)
+        .collect();
+    anyhow::ensure!(rows.len() == world as usize, "ddp printed {rows:?}");
+    let tps = rows
+        .iter()
+        .filter_map(|r| r["tokens_per_s"].as_f64())
+        .fold(f64::MAX, f64::min);
+    Ok((
+        tps,
+        rows.iter().filter_map(|r| r["peak_mib"].as_f64()).collect(),
+    ))
+}
+
 fn python() -> anyhow::Result<String> {
     std::env::var("DUCTILE_TORCH_PYTHON").map_err(|_| {
         anyhow::anyhow!(
@@ -117,6 +199,7 @@ pub async fn hf_step(
     let dir = TempDir::new("hfstep");
     let data = stream(dir.path(), model, 4000)?;
     let mut ours = Vec::new();
+    let mut our_peaks = Vec::new();
     for world in [1u32, 2] {
         let c = Cluster::start(Spec::default().agents(1, world));
         c.submit(&hf_job(world, model, &data, batch, ctx, &extra));
@@ -125,7 +208,7 @@ pub async fn hf_step(
         anyhow::ensure!(!sps.is_empty(), "no throughput reported:\n{}", c.logs());
         ours.push(median(&mut sps) * ctx as f64);
         // the workers' peak resident memory so far (Linux: VmHWM)
-        let peaks: Vec<String> = c
+        let peaks: Vec<f64> = c
             .status("bench")
             .members
             .iter()
@@ -136,18 +219,31 @@ pub async fn hf_step(
                     .find(|l| l.starts_with("VmHWM:"))
                     .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
             })
-            .map(|kb| format!("{:.0} MiB", kb as f64 / 1024.0))
+            .map(|kb| kb as f64 / 1024.0)
             .collect();
         println!(
             "hf-step: world {world}, {precision}, activation checkpointing {recompute}: workers' peak resident memory {}",
-            peaks.join(", ")
+            peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", ")
         );
+        our_peaks = peaks;
     }
     let modes = [precision, recompute];
     let theirs = [
         eager(model, 1, batch, ctx, reports as u32, modes)?,
         eager(model, 2, batch, ctx, reports as u32, modes)?,
     ];
+    // data parallel 2 against PyTorch DDP (fp32, no recompute: DDP's own configuration)
+    if precision == "fp32" && recompute == "none" {
+        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32)?;
+        println!(
+            "hf-step, data-parallel 2 against PyTorch DDP (gloo, 1 thread per rank), batch {batch} x {ctx}: ductile {:.1} tokens/s, DDP {tps:.1} tokens/s, ratio {:.3}; peak resident memory per rank ductile {}, DDP {} (ratio {:.3})",
+            ours[1],
+            ours[1] / tps,
+            our_peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", "),
+            peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", "),
+            our_peaks.iter().cloned().fold(0.0, f64::max) / peaks.iter().cloned().fold(0.0, f64::max).max(1.0)
+        );
+    }
     for (i, (o, t)) in ours.iter().zip(theirs).enumerate() {
         println!(
             "hf-step, {} (batch {batch} x {ctx}, {precision}, activation checkpointing {recompute}), {}: ductile {o:.1} tokens/s, PyTorch eager ({} thread{}) {t:.1} tokens/s, ratio {:.3}",
@@ -156,6 +252,106 @@ pub async fn hf_step(
             i + 1,
             if i == 0 { "" } else { "s" },
             o / t
+        );
+    }
+    Ok(())
+}
+
+/// Data parallel 2 against PyTorch DDP (gloo, one thread per rank) on `model`, fp32, the same
+/// global batch and context, in `rounds` alternating rounds (ductile, the baseline build's
+/// ductile when `baseline` names its binaries' directory, DDP): tokens/s and each rank's peak
+/// resident memory per round, then the medians and the pairwise ratios' medians.
+pub async fn ddp_step(
+    model: &Path,
+    batch: u32,
+    ctx: u32,
+    reports: usize,
+    rounds: usize,
+    baseline: Option<&Path>,
+) -> anyhow::Result<()> {
+    let dir = TempDir::new("ddpstep");
+    let data = stream(dir.path(), model, 4000)?;
+    let ours_dir = std::env::var_os("DUCTILE_BIN_DIR");
+    let mut runs: Vec<(&str, Option<std::ffi::OsString>)> = vec![("ductile", ours_dir.clone())];
+    if let Some(b) = baseline {
+        runs.push(("baseline", Some(b.as_os_str().to_owned())));
+    }
+    let mut rows: Vec<Vec<(f64, f64)>> = vec![Vec::new(); runs.len() + 1];
+    for round in 0..rounds {
+        for (i, (name, bins)) in runs.iter().enumerate() {
+            match bins {
+                Some(d) => std::env::set_var("DUCTILE_BIN_DIR", d),
+                None => std::env::remove_var("DUCTILE_BIN_DIR"),
+            }
+            let c = Cluster::start(Spec::default().agents(1, 2));
+            c.submit(&hf_job(2, model, &data, batch, ctx, ""));
+            c.wait_world("bench", 2, Duration::from_secs(120));
+            let mut sps = throughput(&c, 3, reports, Duration::from_secs(900)).await;
+            anyhow::ensure!(!sps.is_empty(), "no throughput reported:\n{}", c.logs());
+            let tps = median(&mut sps) * ctx as f64;
+            let peak = c
+                .status("bench")
+                .members
+                .iter()
+                .filter_map(|m| m.pid)
+                .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+                .filter_map(|s| {
+                    s.lines()
+                        .find(|l| l.starts_with("VmHWM:"))
+                        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                })
+                .map(|kb| kb as f64 / 1024.0)
+                .fold(0.0, f64::max);
+            println!(
+                "ddp-step round {round}: {name} {tps:.1} tokens/s, peak {peak:.0} MiB per rank"
+            );
+            rows[i].push((tps, peak));
+        }
+        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32)?;
+        let peak = peaks.iter().cloned().fold(0.0, f64::max);
+        println!(
+            "ddp-step round {round}: PyTorch DDP {tps:.1} tokens/s, peak {peak:.0} MiB per rank"
+        );
+        rows[runs.len()].push((tps, peak));
+    }
+    match ours_dir {
+        Some(d) => std::env::set_var("DUCTILE_BIN_DIR", d),
+        None => std::env::remove_var("DUCTILE_BIN_DIR"),
+    }
+    let med = |v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| {
+        median(&mut v.iter().map(f).collect::<Vec<_>>())
+    };
+    let ratio = |a: &[(f64, f64)], b: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| {
+        median(
+            &mut a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| f(x) / f(y))
+                .collect::<Vec<_>>(),
+        )
+    };
+    let names: Vec<&str> = runs.iter().map(|r| r.0).chain(["PyTorch DDP"]).collect();
+    for (n, r) in names.iter().zip(&rows) {
+        println!(
+            "ddp-step, {} (batch {batch} x {ctx}, fp32, world 2), median of {rounds}: {n} {:.1} tokens/s, peak {:.0} MiB per rank",
+            model.display(),
+            med(r, |x| x.0),
+            med(r, |x| x.1)
+        );
+    }
+    let ddp_rows = &rows[runs.len()];
+    for (i, n) in names.iter().enumerate().take(runs.len()) {
+        println!(
+            "ddp-step: {n} / PyTorch DDP, median of paired ratios: tokens/s {:.3}, peak memory {:.3}",
+            ratio(&rows[i], ddp_rows, |x| x.0),
+            ratio(&rows[i], ddp_rows, |x| x.1)
+        );
+    }
+    if runs.len() > 1 {
+        println!(
+            "ddp-step: ductile / baseline, median of paired ratios: tokens/s {:.3}, peak memory {:.3}",
+            ratio(&rows[0], &rows[1], |x| x.0),
+            ratio(&rows[0], &rows[1], |x| x.1)
         );
     }
     Ok(())

@@ -81,6 +81,10 @@ enum Cmd {
         /// Run the mesh over TLS (a job's `mesh_tls`), with certificates made for the run.
         #[arg(long)]
         mesh_tls: bool,
+        /// Also PyTorch's gloo all-reduce at the same worlds and sizes (the set-up's torch venv,
+        /// DUCTILE_TORCH_PYTHON), in the same sitting.
+        #[arg(long)]
+        gloo: bool,
     },
     /// What the mesh's authenticated hello costs per connection, and a mesh's formation time.
     MeshHello {
@@ -172,6 +176,25 @@ enum Cmd {
         /// gradient checkpointing).
         #[arg(long, default_value = "none")]
         activation_checkpointing: String,
+    },
+    /// Data parallel 2 against PyTorch DDP (gloo) on a Hugging Face model (default: the set-up's
+    /// SmolLM2-135M), fp32, in alternating rounds: tokens/s and peak resident memory per rank,
+    /// with the median of the paired ratios; `--baseline-bin-dir` adds another build's
+    /// binaries (a before/after in the same sitting).
+    DdpStep {
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+        #[arg(long, default_value_t = 4)]
+        batch: u32,
+        #[arg(long, default_value_t = 128)]
+        ctx: u32,
+        /// Progress reports (steps) measured per round.
+        #[arg(long, default_value_t = 4)]
+        reports: usize,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long)]
+        baseline_bin_dir: Option<std::path::PathBuf>,
     },
     /// Bytes each rank reads loading a Hugging Face model directory by plan at tensor_parallel 2
     /// and pipeline_parallel 2, against the bytes it holds.
@@ -409,7 +432,8 @@ async fn main() -> anyhow::Result<()> {
             iters,
             json,
             mesh_tls,
-        } => allreduce::run(&worlds, &sizes_mib, iters, json, mesh_tls).await,
+            gloo,
+        } => allreduce::run(&worlds, &sizes_mib, iters, json, mesh_tls, gloo).await,
         Cmd::Recovery {
             rounds,
             node_rounds,
@@ -448,6 +472,24 @@ async fn main() -> anyhow::Result<()> {
             .await
         }
         Cmd::HfLoad { model } => hf::hf_load(&smollm2_or(model)?).await,
+        Cmd::DdpStep {
+            model,
+            batch,
+            ctx,
+            reports,
+            rounds,
+            baseline_bin_dir,
+        } => {
+            hf::ddp_step(
+                &smollm2_or(model)?,
+                batch,
+                ctx,
+                reports,
+                rounds,
+                baseline_bin_dir.as_deref(),
+            )
+            .await
+        }
         Cmd::RestoreLayouts { d_model } => tensor::restore_layouts(d_model).await,
         Cmd::TpStep {
             world,

@@ -98,6 +98,10 @@ pub struct JobView {
     pub eval_loss: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_step: Option<u64>,
+    /// The global gradient norm of the last reported step, before clipping (jobs with
+    /// `max_grad_norm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
     /// Async: the staleness of the updates applied (mean, max), the updates dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staleness_mean: Option<f64>,

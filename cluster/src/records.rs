@@ -744,6 +744,17 @@ pub struct TrainingSpec {
     /// job's max size); default: max.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logical_shards: Option<u32>,
+    /// Data parallel: gradients are all-reduced in buckets of about this many MiB (whole
+    /// parameters, in order), each copied into one reused buffer and back: no whole-model
+    /// flat copy. Default 25 (PyTorch DDP's `bucket_cap_mb`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_mb: Option<u32>,
+    /// Clip the summed gradients to this global L2 norm before the optimizer step (PyTorch's
+    /// `clip_grad_norm_`: scaled by max / (norm + 1e-6) when the norm is larger). The norm is
+    /// taken over every parameter, in f64, in parameter order: in deterministic mode the same
+    /// value at every data-parallel world size. Data-parallel, all-reduce jobs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_grad_norm: Option<f64>,
     /// Communicator backend: `auto` (NCCL when every member has a GPU of its own, else TCP),
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
     #[serde(default)]
@@ -1642,6 +1653,28 @@ impl TrainingSpec {
                 "must be at least 1",
             ));
         }
+        if let Some(n) = self.max_grad_norm {
+            if !(n.is_finite() && n > 0.0) {
+                return Err(ClusterError::invalid(
+                    "training.max_grad_norm",
+                    format!("{n} is not a positive number"),
+                ));
+            }
+            if self.strategy != Strategy::DataParallel || self.sync != SyncMode::Allreduce {
+                return Err(ClusterError::invalid(
+                    "training.max_grad_norm",
+                    "clipping by global norm runs with strategy = \"data-parallel\" and sync = \"allreduce\" only (pipeline and tensor layouts, DiLoCo and async: not yet)",
+                ));
+            }
+        }
+        if let Some(b) = self.bucket_mb {
+            if !(1..=4096).contains(&b) {
+                return Err(ClusterError::invalid(
+                    "training.bucket_mb",
+                    format!("{b} is not between 1 and 4096 (MiB)"),
+                ));
+            }
+        }
         if let Some(v) = self.logical_shards {
             if v < max {
                 return Err(ClusterError::invalid(
@@ -2465,6 +2498,10 @@ pub struct Progress {
     pub staleness_max: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dropped_updates: Option<u64>,
+    /// The global L2 norm of the last committed step's summed gradients, before clipping
+    /// (jobs with `max_grad_norm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
 }
 
 /// One rank's step figures over its last report window (about 2 s), so a straggler shows:

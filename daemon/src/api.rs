@@ -1034,6 +1034,7 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         round: progress.and_then(|p| p.round),
         bytes_per_sample: progress.and_then(|p| p.bytes_per_sample),
         eval_loss: progress.and_then(|p| p.eval_loss),
+        grad_norm: progress.and_then(|p| p.grad_norm),
         eval_step: progress.and_then(|p| p.eval_step),
         staleness_mean: progress.and_then(|p| p.staleness_mean),
         staleness_max: progress.and_then(|p| p.staleness_max),
@@ -1179,6 +1180,7 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
     let sync_mode = Family::<SyncLabels, Gauge>::default();
     let loss = Family::<JobLabel, FGauge>::default();
     let eval_loss = Family::<JobLabel, FGauge>::default();
+    let grad_norm = Family::<JobLabel, FGauge>::default();
     let eval_step = Family::<JobLabel, Gauge>::default();
     let sps = Family::<JobLabel, FGauge>::default();
     let rounds = Family::<JobLabel, Gauge>::default();
@@ -1221,6 +1223,9 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         }
         if let Some(x) = v.eval_loss {
             eval_loss.get_or_create(&job).set(x);
+        }
+        if let Some(x) = v.grad_norm {
+            grad_norm.get_or_create(&job).set(x);
         }
         if let Some(x) = v.eval_step {
             eval_step.get_or_create(&job).set(x as i64);
@@ -1301,6 +1306,11 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         "ductile_job_eval_loss",
         "Latest eval loss: the mean loss on the job's held-out split (eval_dataset or eval_fraction), at ductile_job_eval_step",
         eval_loss,
+    );
+    reg.register(
+        "ductile_job_grad_norm",
+        "Global L2 norm of the last reported step's summed gradients, before clipping (jobs with max_grad_norm)",
+        grad_norm,
     );
     reg.register(
         "ductile_job_eval_step",

@@ -270,6 +270,63 @@ fn training_deterministic_mode_gives_bitwise_equal_weights_despite_kills_and_res
     assert_eq!(done.step, 2500);
 }
 
+/// Gradient clipping by global norm (issue 47, item 6), in deterministic mode: the clipped run
+/// ends with the same bits through a kill and resizes as at a fixed size (the norm is taken
+/// from the summed gradients, the same at every world size); the norm before clipping shows in
+/// `dctl status --json` and the metrics, and it was past the bound, so clipping acted.
+#[test]
+fn training_clipping_by_global_norm_gives_the_same_bits_through_kills_and_resizes() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let train = |name: &str, desired: u32| {
+        format!(
+            "{}max_steps = 1200\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\nmax_grad_norm = 0.05\n",
+            training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50")
+        )
+    };
+    c.submit(&train("fixed", 2));
+    let norm = c.wait_for(S(60), "a reported gradient norm", || {
+        c.status("fixed").grad_norm
+    });
+    assert!(norm > 0.05, "the norm {norm} never needed clipping");
+    let (_, metrics) = http("GET", &format!("{}/metrics", c.endpoint()), &[], b"").unwrap();
+    assert!(
+        metrics.contains("ductile_job_grad_norm{job=\"fixed\"}"),
+        "{metrics}"
+    );
+    let reference = c
+        .wait_done("fixed", S(120))
+        .final_weights_sha256
+        .expect("a final hash");
+    c.submit(&train("elastic", 4));
+    c.wait_world("elastic", 4, S(30));
+    c.wait_step("elastic", 150, S(60));
+    let v = c.status("elastic");
+    unsafe { libc::kill(v.members[3].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_step("elastic", 500, S(60));
+    c.dctl_ok(&["scale", "elastic", "1"]);
+    c.wait_step("elastic", 800, S(60));
+    c.dctl_ok(&["scale", "elastic", "3"]);
+    let done = c.wait_done("elastic", S(180));
+    assert_eq!(
+        done.final_weights_sha256.unwrap(),
+        reference,
+        "a clipped run's final weights differ from the uninterrupted run's"
+    );
+    // and it is refused where it does not run yet, naming the key
+    let bad = train("piped", 2).replace(
+        "max_grad_norm = 0.05",
+        "max_grad_norm = 0.05\nstrategy = \"pipeline\"",
+    );
+    let path = c.dir.path().join("piped.toml");
+    std::fs::write(&path, bad).unwrap();
+    let (ok, _, err) = c.dctl(&["submit", path.to_str().unwrap()]);
+    assert!(!ok && err.contains("training.max_grad_norm"), "{err}");
+}
+
 #[test]
 fn training_bad_training_specs_are_refused_before_any_worker_starts() {
     let c = Cluster::start(Spec::default().agents(1, 2));

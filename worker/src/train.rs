@@ -96,6 +96,10 @@ pub struct Trainer {
     /// What the read-ahead was last asked for: this rank's places in a batch, the step that
     /// asked, and the last step asked for.
     ahead: (Vec<(u64, u64)>, u64, u64),
+    /// The data-parallel step's gradient bucket, reused from step to step.
+    bucket: Option<Tensor>,
+    /// The last step's global gradient norm before clipping (jobs with `max_grad_norm`).
+    pub(crate) grad_norm: Option<f64>,
 }
 
 /// Samples of the final evaluation loss.
@@ -269,6 +273,8 @@ impl Trainer {
             restored_extra: None,
             last_eval: None,
             ahead: (Vec::new(), 0, 0),
+            bucket: None,
+            grad_norm: None,
         })
     }
 
@@ -613,23 +619,95 @@ impl Trainer {
     /// appended.
     fn flat_grads(&self, loss: Tensor, generation: u64) -> Tensor {
         let mut parts = self.grad_parts(0..self.params.len());
-        // the loss and the checkpoint flags ride along: every rank sees the same sums
+        parts.extend(self.riders(loss, generation));
+        Tensor::cat(&parts, 0).contiguous()
+    }
+
+    /// What rides along with a step's gradients, so every rank sees the same sums: the loss
+    /// (a [1] f32 tensor) and the checkpoint flags.
+    fn riders(&self, loss: Tensor, generation: u64) -> [Tensor; 2] {
         let (pending, busy) = self
             .ckpt
             .as_ref()
             .map(|c| c.flags(generation))
             .unwrap_or((0.0, 0.0));
-        parts.push(loss);
-        parts.push(if self.dev == Device::Cpu {
-            Tensor::from_slice(&[pending, busy])
-        } else {
-            // written by kernels: a host→device copy here would wait for the whole backward
-            let t = Tensor::zeros([2], (Kind::Float, self.dev));
-            let _ = t.get(0).fill_(pending as f64);
-            let _ = t.get(1).fill_(busy as f64);
-            t
-        });
-        Tensor::cat(&parts, 0).contiguous()
+        [
+            loss.to_kind(Kind::Float),
+            if self.dev == Device::Cpu {
+                Tensor::from_slice(&[pending, busy])
+            } else {
+                // written by kernels: a host→device copy here would wait for the whole backward
+                let t = Tensor::zeros([2], (Kind::Float, self.dev));
+                let _ = t.get(0).fill_(pending as f64);
+                let _ = t.get(1).fill_(busy as f64);
+                t
+            },
+        ]
+    }
+
+    /// Sums every parameter's gradient over the world in place, in buckets of about
+    /// `training.bucket_mb` (whole parameters, in order; the riders in the last): each bucket
+    /// is copied into one buffer, all-reduced, and copied back, so no whole-model copy of the
+    /// gradients is ever made. Returns the gradients (a parameter without one gets zeros) and
+    /// the summed riders (loss, pending, busy).
+    fn reduce_in_buckets(
+        &mut self,
+        comm: &dyn Communicator,
+        loss: Tensor,
+        generation: u64,
+    ) -> Result<(Vec<Tensor>, Tensor), CommError> {
+        let grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                if g.defined() {
+                    g
+                } else {
+                    p.zeros_like()
+                }
+            })
+            .collect();
+        let riders = Tensor::cat(&self.riders(loss, generation), 0);
+        let cap = (self.spec.bucket_mb.unwrap_or(25) as i64) << 20;
+        let buckets = buckets(grads.iter().map(|g| g.numel() as i64 * 4), cap);
+        let elems = |r: &std::ops::Range<usize>| -> i64 {
+            grads[r.clone()].iter().map(|g| g.numel() as i64).sum()
+        };
+        let largest = buckets.iter().map(elems).max().unwrap_or(0) + riders.numel() as i64;
+        let buf = match self.bucket.take() {
+            Some(b) if b.numel() as i64 >= largest && b.device() == self.dev => b,
+            _ => Tensor::empty([largest], (Kind::Float, self.dev)),
+        };
+        let mut summed = None;
+        for (i, r) in buckets.iter().enumerate() {
+            let mut parts: Vec<Tensor> = grads[r.clone()]
+                .iter()
+                .map(|g| g.reshape([-1]).to_kind(Kind::Float))
+                .collect();
+            let last = i + 1 == buckets.len();
+            if last {
+                parts.push(riders.shallow_clone());
+            }
+            let n: i64 = parts.iter().map(|p| p.numel() as i64).sum();
+            let view = buf.narrow(0, 0, n);
+            let _ = Tensor::cat_out(&view, &parts, 0);
+            let mut placed = comm.place(&view);
+            comm.all_reduce(&mut placed, ReduceOp::Sum)?;
+            let reduced = placed.into_tensor();
+            let mut at = 0;
+            for g in &grads[r.clone()] {
+                let k = g.numel() as i64;
+                let mut g = g.shallow_clone();
+                let _ = g.copy_(&reduced.narrow(0, at, k).view(g.size().as_slice()));
+                at += k;
+            }
+            if last {
+                summed = Some(reduced.narrow(0, at, riders.numel() as i64).copy());
+            }
+        }
+        self.bucket = Some(buf);
+        Ok((grads, summed.expect("at least one bucket")))
     }
 
     /// Forward and backward over `share` of step `self.step`; returns the summed loss / B as a
@@ -686,10 +764,12 @@ impl Trainer {
         g: &Generation,
         rank: u32,
     ) -> Result<f64, CommError> {
-        let b = self.spec.global_batch as u64;
         let world = comm.world();
         let t0 = Instant::now();
-        let flat = if self.spec.deterministic {
+        if !self.spec.deterministic {
+            return self.bucketed_step(comm, g, rank, t0);
+        }
+        let flat = {
             let shards = self.logical_shards();
             let v = shards.len() as u64;
             let ahead: Vec<(u64, u64)> = split_range(v, world, rank)
@@ -705,23 +785,6 @@ impl Trainer {
             self.computed_for(rank, t0);
             let mine: Vec<_> = mine.iter().map(|(k, t)| (*k, comm.place(t))).collect();
             comm.ordered_all_reduce(&mine, v)?.into_tensor()
-        } else {
-            self.zero_grads();
-            let share = split_batch(b, world)[rank as usize];
-            self.read_ahead(&[(share.start, share.len)]);
-            let l = self.accumulate(share, g, rank);
-            let flat = self.flat_grads(l, g.number);
-            self.computed_for(rank, t0);
-            if world > 1 && crate::faults::oversized_frame_now(rank, self.step) {
-                tracing::warn!(
-                    step = self.step,
-                    "fault injection: announcing an oversized frame to the next rank"
-                );
-                comm.inject_oversized_frame((rank + 1) % world)?;
-            }
-            let mut flat = comm.place(&flat);
-            comm.all_reduce(&mut flat, ReduceOp::Sum)?;
-            flat.into_tensor()
         };
         let n = flat.size()[0];
         // one device→host read of the three scalars riding along
@@ -736,13 +799,132 @@ impl Trainer {
             grads.push(flat.narrow(0, at, k).view(p.size().as_slice()));
             at += k;
         }
+        self.apply_step(g, rank, &grads);
+        Ok(loss)
+    }
+
+    /// The data-parallel step outside deterministic mode: this rank's share of the batch, its
+    /// gradients summed over the world in buckets ([`Trainer::reduce_in_buckets`]).
+    fn bucketed_step(
+        &mut self,
+        comm: &dyn Communicator,
+        g: &Generation,
+        rank: u32,
+        t0: Instant,
+    ) -> Result<f64, CommError> {
+        let (b, world) = (self.spec.global_batch as u64, comm.world());
+        self.zero_grads();
+        let share = split_batch(b, world)[rank as usize];
+        self.read_ahead(&[(share.start, share.len)]);
+        let l = self.accumulate(share, g, rank);
+        self.computed_for(rank, t0);
+        if world > 1 && crate::faults::oversized_frame_now(rank, self.step) {
+            tracing::warn!(
+                step = self.step,
+                "fault injection: announcing an oversized frame to the next rank"
+            );
+            comm.inject_oversized_frame((rank + 1) % world)?;
+        }
+        let (grads, riders) = self.reduce_in_buckets(comm, l, g.number)?;
+        // one device→host read of the three scalars that rode along
+        let tail = Vec::<f32>::try_from(riders.to_device(Device::Cpu))
+            .unwrap_or_else(|_| vec![f32::NAN, 0.0, 0.0]);
+        self.flags = (tail[1] > 0.0, tail[2] > 0.0);
+        self.apply_step(g, rank, &grads);
+        Ok(tail[0] as f64)
+    }
+
+    /// The optimizer's step with the summed gradients, recorded in the ledger; clipped first
+    /// to `max_grad_norm` when the job sets one.
+    fn apply_step(&mut self, g: &Generation, rank: u32, grads: &[Tensor]) {
+        if let Some(max) = self.spec.max_grad_norm {
+            self.grad_norm = Some(clip_grad_norm(grads, max));
+        }
         let lr = lr_at(self.spec.lr, self.step, self.spec.max_steps);
-        self.opt.step(&self.params, &grads, lr, self.step);
+        self.opt.step(&self.params, grads, lr, self.step);
         ledger_line(
             &mut self.ledger,
             serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true}),
         );
         self.step += 1;
-        Ok(loss)
+    }
+}
+
+/// The global L2 norm of `grads` (each tensor's sum of squares in f64, summed in order, then
+/// the square root: the same value wherever the same gradients are), and, when it exceeds
+/// `max`, every gradient scaled in place by max / (norm + 1e-6), as PyTorch's
+/// `clip_grad_norm_`. Returns the norm before clipping.
+pub(crate) fn clip_grad_norm(grads: &[Tensor], max: f64) -> f64 {
+    if grads.is_empty() {
+        return 0.0;
+    }
+    let squares: Vec<Tensor> = grads
+        .iter()
+        .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double))
+        .collect();
+    // one device→host read for the whole norm
+    let per: Vec<f64> =
+        Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu)).unwrap_or_default();
+    let norm = per.iter().sum::<f64>().sqrt();
+    let scale = max / (norm + 1e-6);
+    if scale < 1.0 {
+        for g in grads {
+            let mut g = g.shallow_clone();
+            let _ = g.g_mul_scalar_(scale);
+        }
+    }
+    norm
+}
+
+/// Consecutive ranges of items (of the given sizes, in bytes) of at most `cap` bytes each; an
+/// item larger than `cap` is a bucket alone. Never empty: no items make one empty bucket.
+pub(crate) fn buckets(sizes: impl Iterator<Item = i64>, cap: i64) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut acc, mut n) = (0usize, 0i64, 0usize);
+    for (i, s) in sizes.enumerate() {
+        if acc > 0 && acc + s > cap {
+            out.push(start..i);
+            start = i;
+            acc = 0;
+        }
+        acc += s;
+        n = i + 1;
+    }
+    out.push(start..n);
+    out
+}
+
+#[cfg(test)]
+mod bucket_tests {
+    use super::buckets;
+
+    #[test]
+    fn clipping_scales_to_the_global_norm_only_past_it() {
+        use tch::{Device, Kind, Tensor};
+        let g = || {
+            vec![
+                Tensor::from_slice(&[3.0f32, 0.0]),
+                Tensor::from_slice(&[0.0f32, 4.0]).to_kind(Kind::Float),
+            ]
+        };
+        // |g| = 5: under a max of 10 nothing moves
+        let a = g();
+        assert_eq!(super::clip_grad_norm(&a, 10.0), 5.0);
+        assert_eq!(Vec::<f32>::try_from(&a[0]).unwrap(), vec![3.0, 0.0]);
+        // past a max of 1, scaled by 1 / (5 + 1e-6), in place
+        let b = g();
+        assert_eq!(super::clip_grad_norm(&b, 1.0), 5.0);
+        let s = (1.0 / (5.0 + 1e-6)) as f32;
+        assert_eq!(Vec::<f32>::try_from(&b[1]).unwrap(), vec![0.0, 4.0 * s]);
+        let _ = Device::Cpu;
+    }
+
+    #[test]
+    fn buckets_hold_whole_items_up_to_the_cap() {
+        assert_eq!(buckets([10, 10, 10, 10].into_iter(), 25), vec![0..2, 2..4]);
+        // an item past the cap is a bucket alone
+        assert_eq!(buckets([5, 40, 5].into_iter(), 25), vec![0..1, 1..2, 2..3]);
+        assert_eq!(buckets([25, 25].into_iter(), 25), vec![0..1, 1..2]);
+        assert_eq!(buckets(std::iter::empty(), 25), vec![0..0]);
     }
 }

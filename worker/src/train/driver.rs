@@ -149,7 +149,13 @@ fn progress_line(p: &Progress, world: u32) -> String {
             p.step,
             p.dropped_updates.unwrap_or(0)
         ),
-        (None, None) => format!("step {} loss {loss:.4} samples/s {sps:.1} world {world}", p.step),
+        (None, None) => match p.grad_norm {
+            Some(n) => format!(
+                "step {} loss {loss:.4} grad norm {n:.4} samples/s {sps:.1} world {world}",
+                p.step
+            ),
+            None => format!("step {} loss {loss:.4} samples/s {sps:.1} world {world}", p.step),
+        },
     }
 }
 
@@ -319,6 +325,7 @@ impl Driver {
                         bytes_per_sample: (committed > 0).then(|| bytes / committed as f64),
                         eval_loss: t.last_eval.map(|e| e.1),
                         eval_step: t.last_eval.map(|e| e.0),
+                        grad_norm: t.grad_norm,
                         ..Default::default()
                     };
                     mode.report(t, &mut p);
