@@ -213,6 +213,36 @@ pub struct Retained {
     pub foreign: Vec<(u64, u64)>,
 }
 
+/// The job that committed the directory of (`step`, `generation`), if it holds a commit (or
+/// superseded) record naming one; a read error is an error, never an absence.
+pub async fn dir_owner(
+    bucket: &Bucket,
+    step: u64,
+    generation: u64,
+) -> Result<Option<String>, BucketError> {
+    let dir = attempt_dir(step, generation);
+    for (name, superseded) in [(COMMIT, false), (SUPERSEDED, true)] {
+        let b = match bucket.get(&format!("{dir}/{name}")).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => continue,
+            Err(e) => return Err(e),
+        };
+        let job = if superseded {
+            serde_json::from_slice::<SupersededRecord>(&b)
+                .ok()
+                .and_then(|s| s.record.job)
+        } else {
+            serde_json::from_slice::<CheckpointRecord>(&b)
+                .ok()
+                .and_then(|r| r.job)
+        };
+        if job.is_some() {
+            return Ok(job);
+        }
+    }
+    Ok(None)
+}
+
 /// Whether the `COMMIT` record of `rec` is in the store; a read error is an error, never an
 /// absence.
 pub async fn has_commit_record(

@@ -1035,19 +1035,35 @@ impl TrainingSpec {
     }
 
     /// The fewest bytes one slot must hold for this job at `max` ranks: f32 parameters,
-    /// gradients, the flat gradient buffer and the optimizer state (AdamW two tensors, SGD one;
-    /// DiLoCo two more: the global weights and their momentum), for the layout that splits the
-    /// model most (a data-parallel job holds it whole; a pipelined or tensor-parallel one as
-    /// few as 1/`max` of it). Activations come on top. None where the spec does not say.
+    /// gradients, the copies of the gradients the step reduces and the optimizer state (AdamW
+    /// two tensors, SGD one; DiLoCo two more: the global weights and their momentum), for the
+    /// layout that splits the model most (a data-parallel job holds it whole; a pipelined or
+    /// tensor-parallel one as few as 1/`max` of it). The reduced copies: none for a
+    /// data-parallel all-reduce step outside deterministic mode (it reduces in buckets of
+    /// `bucket_mb`, counted), one flat copy per logical shard a rank folds in deterministic
+    /// mode (at `max` ranks), one otherwise. Activations come on top. None where the spec does
+    /// not say.
     pub fn min_slot_bytes(&self, max: u32) -> Option<u64> {
         let params = self.approx_params()? as u64;
-        let copies = 3 + self.optimizer.states() as u64 + if self.is_diloco() { 2 } else { 0 };
-        let split = if self.strategy == Strategy::DataParallel {
-            1
+        let max = max.max(1) as u64;
+        let data_parallel = self.strategy == Strategy::DataParallel;
+        let bucketed = data_parallel && !self.deterministic && self.sync == SyncMode::Allreduce;
+        let reduced = if bucketed {
+            0
+        } else if self.deterministic && data_parallel {
+            (self.logical_shards.map_or(max, u64::from)).div_ceil(max)
         } else {
-            max.max(1) as u64
+            1
         };
-        Some(params * 4 * copies / split)
+        let copies =
+            2 + reduced + self.optimizer.states() as u64 + if self.is_diloco() { 2 } else { 0 };
+        let split = if data_parallel { 1 } else { max };
+        let bucket = if bucketed {
+            u64::from(self.bucket_mb.unwrap_or(25)) << 20
+        } else {
+            0
+        };
+        Some(params * 4 * copies / split + bucket)
     }
 
     /// The MLP's sizes, checked.
@@ -1108,6 +1124,13 @@ pub struct CheckpointSpec {
     /// commits from then on is its history; later cold starts read the latest as usual.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_step: Option<u64>,
+    /// Jobs (finished) whose commits at this location this job may restore: a run carried on
+    /// under another name, in any layout (list every job of the lineage whose commits are
+    /// there). Without it a job whose location holds another job's commits does not start.
+    /// Their commits are never counted, superseded or deleted by this job's retention, and
+    /// never written over.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume_from: Vec<String>,
 }
 
 impl CheckpointSpec {
@@ -1237,6 +1260,15 @@ impl JobSpec {
                     "checkpoint.restore_step",
                     "must be a committed step (at least 1); leave it out for the latest",
                 ));
+            }
+            for j in &c.resume_from {
+                validate_name("checkpoint.resume_from", j)?;
+                if *j == self.name {
+                    return Err(ClusterError::invalid(
+                        "checkpoint.resume_from",
+                        "names this job itself: leave it out (a job resumes its own commits)",
+                    ));
+                }
             }
             if c.drain_wait_s > 3600 {
                 return Err(ClusterError::invalid(
@@ -2595,6 +2627,35 @@ keep = 3
         // JSON round trip (the API's form)
         let j = serde_json::to_vec(&s).unwrap();
         assert_eq!(JobSpec::from_json(&j).unwrap(), s);
+    }
+
+    #[test]
+    fn the_memory_model_counts_what_each_step_reduces() {
+        let spec = |extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"a\"\nmin = 1\nmax = 2\ndesired = 2\n[training]\nmodel = \"mlp\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\noptimizer = \"adamw\"\nmodel_config = {{ hidden = 256, layers = 4 }}\n{extra}"
+            ))
+            .unwrap()
+            .training
+            .unwrap()
+        };
+        let p = (256 * 256 * 4 + 256 * 2 * 64) as u64;
+        // bucketed data parallel: parameters, gradients, AdamW's two states, one bucket
+        assert_eq!(spec("").min_slot_bytes(2), Some(p * 4 * 4 + (25 << 20)));
+        assert_eq!(
+            spec("bucket_mb = 1\n").min_slot_bytes(2),
+            Some(p * 4 * 4 + (1 << 20))
+        );
+        // deterministic: one flat copy per logical shard a rank folds at max ranks
+        assert_eq!(
+            spec("deterministic = true\nlogical_shards = 8\n").min_slot_bytes(2),
+            Some(p * 4 * 8)
+        );
+        // a pipelined job: one flat copy, split over max ranks
+        assert_eq!(
+            spec("strategy = \"pipeline\"\n").min_slot_bytes(2),
+            Some(p * 4 * 5 / 2)
+        );
     }
 
     #[test]

@@ -782,7 +782,11 @@ fn training_a_cold_start_that_cannot_list_the_store_does_not_start_from_the_seed
     assert!(done >= 10, "{done}");
     // the store goes away; a new job on the same URL cold-starts
     proxy.stop();
-    c.submit(&mlp_job("c9b", 2, &data, &url, 40, 10, ""));
+    // (c9b carries c9a's run on)
+    c.submit(
+        &mlp_job("c9b", 2, &data, &url, 40, 10, "")
+            .replace("keep = 5\n", "keep = 5\nresume_from = [\"c9a\"]\n"),
+    );
     let c9b = |c: &Cluster| -> Vec<String> {
         agent_logs(c)
             .lines()
@@ -907,7 +911,12 @@ fn training_a_checkpoint_of_another_data_order_is_refused_naming_the_field() {
     let url = format!("file://{}/ckpt-d", c.dir.path().display());
     c.submit(&mlp_job("d1", 2, &data, &url, 20, 10, ""));
     c.wait_done("d1", S(120));
-    c.submit(&mlp_job("d2", 2, &data, &url, 40, 10, "").replace("seed = 7", "seed = 8"));
+    // (d2 carries d1's run on: it may restore d1's commits)
+    c.submit(
+        &mlp_job("d2", 2, &data, &url, 40, 10, "")
+            .replace("seed = 7", "seed = 8")
+            .replace("keep = 5\n", "keep = 5\nresume_from = [\"d1\"]\n"),
+    );
     c.wait_for(S(90), "the refusal", || {
         agent_logs(&c)
             .contains("was saved with training.seed = 7, this job has 8")
@@ -931,7 +940,10 @@ fn training_a_checkpoint_of_another_data_order_is_refused_naming_the_field() {
     };
     c.submit(&gpt("e1", ""));
     c.wait_done("e1", S(120));
-    c.submit(&gpt("e2", "eval_fraction = 0.1").replace("max_steps = 20", "max_steps = 40"));
+    c.submit(
+        &(gpt("e2", "eval_fraction = 0.1").replace("max_steps = 20", "max_steps = 40")
+            + "resume_from = [\"e1\"]\n"),
+    );
     c.wait_for(S(90), "the refusal", || {
         agent_logs(&c)
             .contains("was saved drawing from 624 samples of the dataset, this job draws from 561")

@@ -227,10 +227,18 @@ fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
     let c = Cluster::start(Spec::default().agents(2, 2));
     let data = synth(c.dir.path(), "regression", 2_000);
     let ckpt = TempDir::new("pp-ckpt");
+    // (each job carries the run at the location on: checkpoint.resume_from names the jobs
+    // whose commits it may restore)
     let job = |name: &str, url: &str, steps: u64, desired: u32, strategy: &str| {
+        let lineage: Vec<String> = ["p1", "d1"]
+            .iter()
+            .filter(|j| **j != name)
+            .map(|j| format!("{j:?}"))
+            .collect();
         format!(
-            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\nstrategy = \"{strategy}\"\nmodel_config = {{ hidden = 64, layers = 3 }}\n[checkpoint]\nurl = \"{url}\"\ninterval = 50\n",
-            training_toml(name, 1, 4, desired, "mlp", &data, "")
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\nstrategy = \"{strategy}\"\nmodel_config = {{ hidden = 64, layers = 3 }}\n[checkpoint]\nurl = \"{url}\"\ninterval = 50\nresume_from = [{}]\n",
+            training_toml(name, 1, 4, desired, "mlp", &data, ""),
+            lineage.join(", ")
         )
     };
     let url = format!("file://{}/a", ckpt.path().display());

@@ -245,9 +245,16 @@ fn tensor_parallel_checkpoints_restore_into_other_layouts_bit_for_bit() {
     });
     let data = synth(c.dir.path(), "tokens", 20_000);
     let url = format!("s3://{}/jobs/tp", c.s3.as_ref().unwrap().bucket);
+    // (the later jobs carry tp's run on: checkpoint.resume_from lets them restore its
+    // commits at their location)
     let job = |name: &str, desired: u32, extra: &str| {
+        let adopt = match name {
+            "tp" => "",
+            "dp" => "resume_from = [\"tp\"]\n",
+            _ => "resume_from = [\"tp\", \"dp\"]\n",
+        };
         format!(
-            "{}max_steps = 60\n{extra}\n[checkpoint]\nurl = \"{url}\"\ninterval = 60\n",
+            "{}max_steps = 60\n{extra}\n[checkpoint]\nurl = \"{url}\"\ninterval = 60\n{adopt}",
             training_toml(name, 1, 4, desired, "gpt", &data, "")
         )
     };

@@ -540,7 +540,14 @@ impl Trainer {
         ck.saved_step = Some(step);
         ck.in_flight = Some(self.rt.spawn(async move {
             let t0 = Instant::now();
-            let r = write_shard(&store, &bucket, &job, step, gnum, &metas, &layout, data.clone(), opts).await;
+            // a directory of the same step and generation that another job committed (one
+            // whose run this job carried on) is never written over: this save is skipped
+            let owner = ductile_checkpoint::retention::dir_owner(&bucket, step, gnum).await;
+            let r = match owner {
+                Ok(Some(o)) if o != job => Err(format!("{} already holds job {o:?}'s commit of step {step}, generation {gnum}: not written over", ductile_checkpoint::format::attempt_dir(step, gnum))),
+                Err(e) => Err(format!("cannot tell whose {} is: {e}", ductile_checkpoint::format::attempt_dir(step, gnum))),
+                _ => write_shard(&store, &bucket, &job, step, gnum, &metas, &layout, data.clone(), opts).await.map_err(|e| e.to_string()),
+            };
             if let Ok(b) = data.try_into_mut() {
                 *pool.lock().unwrap() = Some(b.into());
             }
@@ -705,15 +712,20 @@ impl Trainer {
         // another job's commits at this location (it used the location and has finished):
         // this job would neither restore them nor may it write over their directories (the
         // same step and generation name the same objects), so it does not start here
+        let adopted = &ck.spec.resume_from;
         let foreign: Vec<&CheckpointRecord> = candidates
             .iter()
-            .filter(|c| c.job.as_deref().is_some_and(|j| j != self.env.job))
+            .filter(|c| {
+                c.job
+                    .as_deref()
+                    .is_some_and(|j| j != self.env.job && !adopted.iter().any(|a| a == j))
+            })
             .collect();
         if let Some(f) = foreign.first() {
             let owner = f.job.clone().unwrap_or_default();
             let steps: Vec<u64> = foreign.iter().map(|c| c.step).collect();
             anyhow::bail!(
-                "checkpoint.url {} holds job {owner:?}'s checkpoints (steps {steps:?}): a job neither restores, overwrites nor deletes another job's checkpoints; give this job a checkpoint.url of its own, or submit it as {owner:?} to resume them",
+                "checkpoint.url {} holds job {owner:?}'s checkpoints (steps {steps:?}): a job neither restores, overwrites nor deletes another job's checkpoints; give this job a checkpoint.url of its own, submit it as {owner:?} to resume them, or carry that run on with checkpoint.resume_from = [{owner:?}]",
                 bucket.url
             );
         }
@@ -721,7 +733,12 @@ impl Trainer {
         let mut after = Vec::new();
         if let Some(n) = pinned {
             let steps: Vec<u64> = candidates.iter().map(|c| c.step).collect();
-            after = candidates.iter().filter(|c| c.step > n).cloned().collect();
+            // (this job's own later commits: another job's are never superseded)
+            after = candidates
+                .iter()
+                .filter(|c| c.step > n && c.job.as_deref().is_none_or(|j| j == self.env.job))
+                .cloned()
+                .collect();
             candidates.retain(|c| c.step == n);
             if candidates.is_empty() {
                 anyhow::bail!(
