@@ -149,50 +149,38 @@ pub async fn run(
             for line in out.lines() {
                 let line = line?;
                 if r == 0 {
-                    let v: serde_json::Value = serde_json::from_str(&line)?;
-                    if json {
-                        // one object per cell; the machine's ceilings ride along in each
-                        let mut v = v.clone();
-                        v["loopback_tcp_gbps"] = serde_json::json!(tcp);
-                        v["memcpy_gbps"] = serde_json::json!(mem);
-                        println!("{v}");
-                    } else {
-                        println!(
-                            "{:<8} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
-                            v["backend"].as_str().unwrap(),
-                            v["mode"].as_str().unwrap(),
-                            v["world"],
-                            v["bytes"].as_u64().unwrap() >> 20,
-                            v["median_s"].as_f64().unwrap(),
-                            v["busbw_gbps"].as_f64().unwrap()
-                        );
-                    }
+                    print_cell(serde_json::from_str(&line)?, json, (tcp, mem));
                 }
             }
             let st = c.wait()?;
             anyhow::ensure!(st.success(), "rank {r} of world {world} failed: {st}");
         }
         if gloo {
-            for mut v in gloo_cells(world, sizes_mib, iters)? {
-                if json {
-                    v["loopback_tcp_gbps"] = serde_json::json!(tcp);
-                    v["memcpy_gbps"] = serde_json::json!(mem);
-                    println!("{v}");
-                } else {
-                    println!(
-                        "{:<8} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
-                        "gloo",
-                        "ring",
-                        v["world"],
-                        v["bytes"].as_u64().unwrap() >> 20,
-                        v["median_s"].as_f64().unwrap(),
-                        v["busbw_gbps"].as_f64().unwrap()
-                    );
-                }
+            for v in gloo_cells(world, sizes_mib, iters)? {
+                print_cell(v, json, (tcp, mem));
             }
         }
     }
     Ok(())
+}
+
+/// One cell, as a table row or (`json`) one object with the machine's ceilings riding along.
+fn print_cell(mut v: serde_json::Value, json: bool, (tcp, mem): (f64, f64)) {
+    if json {
+        v["loopback_tcp_gbps"] = serde_json::json!(tcp);
+        v["memcpy_gbps"] = serde_json::json!(mem);
+        println!("{v}");
+    } else {
+        println!(
+            "{:<8} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
+            v["backend"].as_str().unwrap_or("?"),
+            v["mode"].as_str().unwrap_or("?"),
+            v["world"],
+            v["bytes"].as_u64().unwrap_or(0) >> 20,
+            v["median_s"].as_f64().unwrap_or(f64::NAN),
+            v["busbw_gbps"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
 }
 
 pub async fn rank(

@@ -161,6 +161,22 @@ fn eager(
         .ok_or_else(|| anyhow::anyhow!("eager printed {s:?}"))
 }
 
+/// The peak resident memory so far (Linux: VmHWM), in MiB, of each member of job `bench`.
+fn peaks_mib(c: &Cluster) -> Vec<f64> {
+    c.status("bench")
+        .members
+        .iter()
+        .filter_map(|m| m.pid)
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map(|kb| kb as f64 / 1024.0)
+        .collect()
+}
+
 /// A token stream for `model` (its tokenizer): `n` lines of varied text.
 fn stream(dir: &Path, model: &Path, n: usize) -> anyhow::Result<String> {
     let jsonl = dir.join("bench.jsonl");
@@ -208,19 +224,7 @@ pub async fn hf_step(
         anyhow::ensure!(!sps.is_empty(), "no throughput reported:\n{}", c.logs());
         ours.push(median(&mut sps) * ctx as f64);
         // the workers' peak resident memory so far (Linux: VmHWM)
-        let peaks: Vec<f64> = c
-            .status("bench")
-            .members
-            .iter()
-            .filter_map(|m| m.pid)
-            .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
-            .filter_map(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmHWM:"))
-                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            })
-            .map(|kb| kb as f64 / 1024.0)
-            .collect();
+        let peaks = peaks_mib(&c);
         println!(
             "hf-step: world {world}, {precision}, activation checkpointing {recompute}: workers' peak resident memory {}",
             peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", ")
@@ -289,19 +293,7 @@ pub async fn ddp_step(
             let mut sps = throughput(&c, 3, reports, Duration::from_secs(900)).await;
             anyhow::ensure!(!sps.is_empty(), "no throughput reported:\n{}", c.logs());
             let tps = median(&mut sps) * ctx as f64;
-            let peak = c
-                .status("bench")
-                .members
-                .iter()
-                .filter_map(|m| m.pid)
-                .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
-                .filter_map(|s| {
-                    s.lines()
-                        .find(|l| l.starts_with("VmHWM:"))
-                        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                })
-                .map(|kb| kb as f64 / 1024.0)
-                .fold(0.0, f64::max);
+            let peak = peaks_mib(&c).into_iter().fold(0.0, f64::max);
             println!(
                 "ddp-step round {round}: {name} {tps:.1} tokens/s, peak {peak:.0} MiB per rank"
             );

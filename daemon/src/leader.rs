@@ -679,7 +679,7 @@ async fn clean_ended_live(store: &Store, jobs: &BTreeMap<String, JobObs>, live: 
         jobs.get(job)
             .filter(|o| o.status.as_ref().is_some_and(|s| s.state.is_terminal()))
     };
-    let mut batch = crate::lighthouse::Batch::new(store.clone());
+    let mut batch = crate::batch::Batch::new(store.clone());
     let mut n = 0;
     for kv in live.kvs.values() {
         let Some(obs) = k.live_job_of(&kv.key).and_then(ended) else {

@@ -4,6 +4,7 @@
 pub mod access;
 pub mod api;
 pub mod assign;
+pub mod batch;
 pub mod config;
 pub mod leader;
 pub mod lighthouse;

@@ -1094,7 +1094,7 @@ impl Lighthouse {
     /// a job's room once the job has ended or is gone; in transactions of bounded size.
     async fn collect(&self, snap: &Snapshot, now: u64) {
         let stale = (10 * self.opt.heartbeat_timeout_ms).max(60_000);
-        let mut batch = Batch::new(self.store.clone());
+        let mut batch = crate::batch::Batch::new(self.store.clone());
         for (room, st) in self.rooms_of(snap).iter() {
             let keys = RoomKeys::new(&self.store, room);
             if let Some(job) = room.strip_prefix("job-") {
@@ -1174,56 +1174,6 @@ impl Lighthouse {
     pub fn service(&self) -> LighthouseServiceServer<Lighthouse> {
         LighthouseServiceServer::new(self.clone())
             .max_decoding_message_size(4 * MAX_ID_LEN + MAX_DATA_LEN + 1024)
-    }
-}
-
-/// Clean-up writes gathered into transactions of at most [`Batch::MAX_OPS`] compares and
-/// operations (etcd's `--max-txn-ops` is 128 by default). A batch whose compare fails (a key
-/// moved meanwhile) is dropped whole: the next clean-up decides again from a newer snapshot.
-pub(crate) struct Batch {
-    store: Store,
-    compares: Vec<Compare>,
-    ops: Vec<Op>,
-}
-
-impl Batch {
-    const MAX_OPS: usize = 100;
-
-    pub(crate) fn new(store: Store) -> Self {
-        Batch {
-            store,
-            compares: Vec::new(),
-            ops: Vec::new(),
-        }
-    }
-
-    /// Adds one change; false when a write failed (the clean-up stops until next time).
-    pub(crate) async fn add(&mut self, compares: Vec<Compare>, ops: Vec<Op>) -> bool {
-        if self.compares.len() + self.ops.len() + compares.len() + ops.len() > Self::MAX_OPS
-            && !self.flush().await
-        {
-            return false;
-        }
-        self.compares.extend(compares);
-        self.ops.extend(ops);
-        true
-    }
-
-    pub(crate) async fn flush(&mut self) -> bool {
-        if self.ops.is_empty() {
-            return true;
-        }
-        let txn = Txn {
-            compares: std::mem::take(&mut self.compares),
-            ops: std::mem::take(&mut self.ops),
-        };
-        match self.store.backend.txn(txn).await {
-            Ok(_) => true,
-            Err(e) => {
-                tracing::debug!(error = %e, "lighthouse clean-up failed; next time");
-                false
-            }
-        }
     }
 }
 

@@ -547,6 +547,21 @@ impl Trainer {
         }
     }
 
+    /// Every parameter's gradient (the tensor itself), zeros where it has none.
+    pub(crate) fn grads_or_zeros(&self) -> Vec<Tensor> {
+        self.params
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                if g.defined() {
+                    g
+                } else {
+                    p.zeros_like()
+                }
+            })
+            .collect()
+    }
+
     /// The gradients of parameters `which`, each flattened (zeros where none).
     fn grad_parts(&self, which: impl IntoIterator<Item = usize>) -> Vec<Tensor> {
         which
@@ -656,18 +671,7 @@ impl Trainer {
         loss: Tensor,
         generation: u64,
     ) -> Result<(Vec<Tensor>, Tensor), CommError> {
-        let grads: Vec<Tensor> = self
-            .params
-            .iter()
-            .map(|p| {
-                let g = p.grad();
-                if g.defined() {
-                    g
-                } else {
-                    p.zeros_like()
-                }
-            })
-            .collect();
+        let grads = self.grads_or_zeros();
         let riders = Tensor::cat(&self.riders(loss, generation), 0);
         let cap = (self.spec.bucket_mb.unwrap_or(25) as i64) << 20;
         let buckets = buckets(grads.iter().map(|g| g.numel() as i64 * 4), cap);

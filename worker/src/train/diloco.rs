@@ -515,18 +515,7 @@ impl Diloco {
             return false;
         }
         let (idx, loss) = t.backward_on(&take);
-        let grads: Vec<Tensor> = t
-            .params
-            .iter()
-            .map(|p| {
-                let g = p.grad();
-                if g.defined() {
-                    g
-                } else {
-                    p.zeros_like()
-                }
-            })
-            .collect();
+        let grads = t.grads_or_zeros();
         let lr = lr_at(t.spec.lr, t.step, t.spec.max_steps);
         t.opt.step(&t.params, &grads, lr, t.step);
         t.step += 1;
