@@ -114,7 +114,11 @@ async fn list_dirs(
         let mut state = CheckpointState::Attempt;
         if d.objects.iter().any(|(k, _)| *k == superseded_key) {
             state = CheckpointState::Superseded;
-            let b = bucket.get(&superseded_key).await?;
+            // (listed, then deleted by a retention pass meanwhile: gone, not an error)
+            let b = match bucket.get(&superseded_key).await {
+                Err(e) if e.is_not_found() => continue,
+                r => r?,
+            };
             match serde_json::from_slice::<SupersededRecord>(&b) {
                 Ok(s) => rec = Some(s.record),
                 Err(e) => {
@@ -123,7 +127,10 @@ async fn list_dirs(
             }
         } else if d.objects.iter().any(|(k, _)| *k == commit_key) {
             state = CheckpointState::Committed;
-            let b = bucket.get(&commit_key).await?;
+            let b = match bucket.get(&commit_key).await {
+                Err(e) if e.is_not_found() => continue,
+                r => r?,
+            };
             match serde_json::from_slice::<CheckpointRecord>(&b) {
                 Ok(r) => rec = Some(r),
                 Err(e) => {
