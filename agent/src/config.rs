@@ -115,6 +115,10 @@ pub struct Cli {
     /// The longest torchrun.grace_s a job may ask for, in seconds (default 120).
     #[arg(long, env = "DUCTILE_MAX_GRACE_S")]
     pub max_grace_s: Option<u64>,
+    /// More environment names a job may set while commands are restricted, beyond the built-in
+    /// list, comma-separated: NAME or PREFIX* (DUCTILE_* stays reserved).
+    #[arg(long, env = "DUCTILE_ALLOWED_ENV", value_delimiter = ',')]
+    pub allowed_env: Option<Vec<String>>,
     /// A directory of per-job credentials for users' programs: `JOB.env` (KEY=VALUE lines of
     /// AWS_* names) is given to that job's programs; the agent's own are never given.
     #[arg(long, env = "DUCTILE_JOB_CREDENTIALS_DIR")]
@@ -159,6 +163,7 @@ pub struct FileConfig {
     pub allowed_modules: Option<Vec<String>>,
     pub allowed_code_paths: Option<Vec<String>>,
     pub max_grace_s: Option<u64>,
+    pub allowed_env: Option<Vec<String>>,
     pub job_credentials_dir: Option<PathBuf>,
     pub torchft_ca: Option<PathBuf>,
     pub cgroup: Option<String>,
@@ -415,6 +420,10 @@ impl Config {
                         .max_grace_s
                         .or(file.max_grace_s)
                         .unwrap_or(d.max_grace_s),
+                    allowed_env: cli
+                        .allowed_env
+                        .or(file.allowed_env)
+                        .unwrap_or(d.allowed_env),
                 }
             },
             job_credentials_dir: cli.job_credentials_dir.or(file.job_credentials_dir),

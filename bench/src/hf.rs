@@ -50,7 +50,7 @@ const DDP: &str = r#"
 import json, os, resource, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-def rank(r, d, world, batch, ctx, steps, warm, port):
+def rank(r, d, world, batch, ctx, steps, warm, port, zero):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=r, world_size=world)
@@ -58,7 +58,12 @@ def rank(r, d, world, batch, ctx, steps, warm, port):
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
     m.train()
     ddp = torch.nn.parallel.DistributedDataParallel(m)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+    if zero:
+        # ZeRO-1: each rank holds its partition of the AdamW state
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
     v = m.config.vocab_size
     x = torch.randint(0, v, (batch // world, ctx + 1))
     def step():
@@ -80,17 +85,19 @@ def rank(r, d, world, batch, ctx, steps, warm, port):
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    d, world, batch, ctx, steps, warm, port = sys.argv[1], *map(int, sys.argv[2:8])
-    mp.spawn(rank, args=(d, world, batch, ctx, steps, warm, port), nprocs=world)
+    d, world, batch, ctx, steps, warm, port, zero = sys.argv[1], *map(int, sys.argv[2:9])
+    mp.spawn(rank, args=(d, world, batch, ctx, steps, warm, port, zero), nprocs=world)
 "#;
 
-/// PyTorch DDP at `world`: (tokens/s, each rank's peak resident memory in MiB).
+/// PyTorch DDP at `world` (with `zero`, its optimizer a `ZeroRedundancyOptimizer`): (tokens/s,
+/// each rank's peak resident memory in MiB).
 fn ddp(
     model: &Path,
     world: u32,
     batch: u32,
     ctx: u32,
     steps: u32,
+    zero: bool,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
     let dir = TempDir::new("ddp");
     let script = dir.path().join("ddp_step.py");
@@ -101,7 +108,7 @@ fn ddp(
     let o = Command::new(python()?)
         .arg(&script)
         .arg(model)
-        .args([world, batch, ctx, steps, 2, port as u32].map(|n| n.to_string()))
+        .args([world, batch, ctx, steps, 2, port as u32, zero as u32].map(|n| n.to_string()))
         .env("HF_HUB_OFFLINE", "1")
         .output()?;
     anyhow::ensure!(
@@ -238,7 +245,7 @@ pub async fn hf_step(
     ];
     // data parallel 2 against PyTorch DDP (fp32, no recompute: DDP's own configuration)
     if precision == "fp32" && recompute == "none" {
-        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32)?;
+        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32, false)?;
         println!(
             "hf-step, data-parallel 2 against PyTorch DDP (gloo, 1 thread per rank), batch {batch} x {ctx}: ductile {:.1} tokens/s, DDP {tps:.1} tokens/s, ratio {:.3}; peak resident memory per rank ductile {}, DDP {} (ratio {:.3})",
             ours[1],
@@ -261,18 +268,37 @@ pub async fn hf_step(
     Ok(())
 }
 
-/// Data parallel 2 against PyTorch DDP (gloo, one thread per rank) on `model`, fp32, the same
-/// global batch and context, in `rounds` alternating rounds (ductile, the baseline build's
-/// ductile when `baseline` names its binaries' directory, DDP): tokens/s and each rank's peak
-/// resident memory per round, then the medians and the pairwise ratios' medians.
+/// Data parallel at `world` against PyTorch DDP (gloo, one thread per rank) on `model`, fp32,
+/// the same global batch and context, in `rounds` alternating rounds (ductile, the baseline
+/// build's ductile when `baseline` names its binaries' directory, DDP): tokens/s and each
+/// rank's peak resident memory per round, then the medians and the pairwise ratios' medians.
+/// With `sharding = "optimizer"` ductile shards its optimizer state (ZeRO-1) and DDP's
+/// optimizer is a `ZeroRedundancyOptimizer`.
+#[allow(clippy::too_many_arguments)]
 pub async fn ddp_step(
     model: &Path,
+    world: u32,
     batch: u32,
     ctx: u32,
     reports: usize,
     rounds: usize,
     baseline: Option<&Path>,
+    sharding: &str,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        ["none", "optimizer"].contains(&sharding),
+        "--sharding is none or optimizer"
+    );
+    anyhow::ensure!(
+        world >= 1 && batch >= world,
+        "--world must be at least 1 and at most --batch"
+    );
+    let zero = sharding == "optimizer";
+    let peer = if zero {
+        "PyTorch DDP + ZeroRedundancyOptimizer"
+    } else {
+        "PyTorch DDP"
+    };
     let dir = TempDir::new("ddpstep");
     let data = stream(dir.path(), model, 4000)?;
     let ours_dir = std::env::var_os("DUCTILE_BIN_DIR");
@@ -287,9 +313,18 @@ pub async fn ddp_step(
                 Some(d) => std::env::set_var("DUCTILE_BIN_DIR", d),
                 None => std::env::remove_var("DUCTILE_BIN_DIR"),
             }
-            let c = Cluster::start(Spec::default().agents(1, 2));
-            c.submit(&hf_job(2, model, &data, batch, ctx, ""));
-            c.wait_world("bench", 2, Duration::from_secs(120));
+            let c = Cluster::start(Spec::default().agents(1, world));
+            let extra = if zero {
+                // a sharded job keeps a checkpoint (never due here)
+                format!(
+                    "sharding = \"optimizer\"\n[checkpoint]\nurl = \"file://{}/ck-{round}-{i}\"\ninterval = 1000000",
+                    dir.path().display()
+                )
+            } else {
+                String::new()
+            };
+            c.submit(&hf_job(world, model, &data, batch, ctx, &extra));
+            c.wait_world("bench", world, Duration::from_secs(120));
             let mut sps = throughput(&c, 3, reports, Duration::from_secs(900)).await;
             anyhow::ensure!(!sps.is_empty(), "no throughput reported:\n{}", c.logs());
             let tps = median(&mut sps) * ctx as f64;
@@ -299,11 +334,9 @@ pub async fn ddp_step(
             );
             rows[i].push((tps, peak));
         }
-        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32)?;
+        let (tps, peaks) = ddp(model, world, batch, ctx, reports as u32, zero)?;
         let peak = peaks.iter().cloned().fold(0.0, f64::max);
-        println!(
-            "ddp-step round {round}: PyTorch DDP {tps:.1} tokens/s, peak {peak:.0} MiB per rank"
-        );
+        println!("ddp-step round {round}: {peer} {tps:.1} tokens/s, peak {peak:.0} MiB per rank");
         rows[runs.len()].push((tps, peak));
     }
     match ours_dir {
@@ -322,10 +355,10 @@ pub async fn ddp_step(
                 .collect::<Vec<_>>(),
         )
     };
-    let names: Vec<&str> = runs.iter().map(|r| r.0).chain(["PyTorch DDP"]).collect();
+    let names: Vec<&str> = runs.iter().map(|r| r.0).chain([peer]).collect();
     for (n, r) in names.iter().zip(&rows) {
         println!(
-            "ddp-step, {} (batch {batch} x {ctx}, fp32, world 2), median of {rounds}: {n} {:.1} tokens/s, peak {:.0} MiB per rank",
+            "ddp-step, {} (batch {batch} x {ctx}, fp32, world {world}, sharding {sharding}), median of {rounds}: {n} {:.1} tokens/s, peak {:.0} MiB per rank",
             model.display(),
             med(r, |x| x.0),
             med(r, |x| x.1)
@@ -334,7 +367,7 @@ pub async fn ddp_step(
     let ddp_rows = &rows[runs.len()];
     for (i, n) in names.iter().enumerate().take(runs.len()) {
         println!(
-            "ddp-step: {n} / PyTorch DDP, median of paired ratios: tokens/s {:.3}, peak memory {:.3}",
+            "ddp-step: {n} / {peer}, median of paired ratios: tokens/s {:.3}, peak memory {:.3}",
             ratio(&rows[i], ddp_rows, |x| x.0),
             ratio(&rows[i], ddp_rows, |x| x.1)
         );

@@ -177,13 +177,20 @@ enum Cmd {
         #[arg(long, default_value = "none")]
         activation_checkpointing: String,
     },
-    /// Data parallel 2 against PyTorch DDP (gloo) on a Hugging Face model (default: the set-up's
-    /// SmolLM2-135M), fp32, in alternating rounds: tokens/s and peak resident memory per rank,
-    /// with the median of the paired ratios; `--baseline-bin-dir` adds another build's
-    /// binaries (a before/after in the same sitting).
+    /// Data parallel (`--world`, default 2) against PyTorch DDP (gloo) on a Hugging Face model
+    /// (default: the set-up's SmolLM2-135M), fp32, in alternating rounds: tokens/s and peak
+    /// resident memory per rank, with the median of the paired ratios; `--baseline-bin-dir`
+    /// adds another build's binaries (a before/after in the same sitting); `--sharding
+    /// optimizer` runs ductile's ZeRO-1 against DDP with PyTorch's ZeroRedundancyOptimizer.
     DdpStep {
         #[arg(long)]
         model: Option<std::path::PathBuf>,
+        #[arg(long, default_value_t = 2)]
+        world: u32,
+        /// `none`, or `optimizer`: ductile's ZeRO-1 against DDP with PyTorch's
+        /// ZeroRedundancyOptimizer.
+        #[arg(long, default_value = "none")]
+        sharding: String,
         #[arg(long, default_value_t = 4)]
         batch: u32,
         #[arg(long, default_value_t = 128)]
@@ -474,6 +481,8 @@ async fn main() -> anyhow::Result<()> {
         Cmd::HfLoad { model } => hf::hf_load(&smollm2_or(model)?).await,
         Cmd::DdpStep {
             model,
+            world,
+            sharding,
             batch,
             ctx,
             reports,
@@ -482,11 +491,13 @@ async fn main() -> anyhow::Result<()> {
         } => {
             hf::ddp_step(
                 &smollm2_or(model)?,
+                world,
                 batch,
                 ctx,
                 reports,
                 rounds,
                 baseline_bin_dir.as_deref(),
+                &sharding,
             )
             .await
         }

@@ -244,6 +244,7 @@ pub fn manifest(
             data_parallel: 1,
             pipeline_parallel: 1,
             tensor_parallel: 1,
+            dp_shard: 1,
         },
         order: wanted.iter().map(|(n, _)| n.clone()).collect(),
         tensors,

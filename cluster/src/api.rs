@@ -56,6 +56,10 @@ pub struct ReformationView {
     pub reason: Reason,
     pub detail: String,
     pub seconds: f64,
+    /// From the triggering event to the new generation's first progress report (training
+    /// going again), once the leader saw one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_step_seconds: Option<f64>,
 }
 
 /// `dctl status JOB --json`.
@@ -73,6 +77,10 @@ pub struct JobView {
     pub stage_boundaries: Vec<u32>,
     pub members: Vec<MemberView>,
     pub step: u64,
+    /// When the latest progress report was written (unix ms); None: none yet (a script that
+    /// does not call `ductile.report` never reports).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_at_ms: Option<u64>,
     pub loss: Option<f64>,
     pub samples_per_sec: Option<f64>,
     pub last_reformation: Option<ReformationView>,

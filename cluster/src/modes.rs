@@ -166,6 +166,31 @@ impl OptimizerKind {
 }
 
 named! {
+    /// How the data-parallel ranks share the training state (`training.sharding`): each
+    /// parameter's optimizer state cut by rows over a shard group (`optimizer`, ZeRO-1), or
+    /// whole on every rank (`none`). `gradients` (ZeRO-2), `full` (ZeRO-3 / FSDP) and `auto`
+    /// are named so that a spec asking for them gets a clear refusal, not a parse error.
+    Sharding in "training.sharding", default None {
+        None = "none",
+        Optimizer = "optimizer",
+        Gradients = "gradients",
+        Full = "full",
+        Auto = "auto",
+    }
+}
+
+impl Sharding {
+    pub fn is_sharded(self) -> bool {
+        self != Sharding::None
+    }
+
+    /// For serde's `skip_serializing_if`.
+    pub fn is_none(&self) -> bool {
+        *self == Sharding::None
+    }
+}
+
+named! {
     /// The communicator a job asks for: NCCL where every member has a GPU of its own
     /// (`auto`), or one of them always.
     CommChoice in "training.comm", default Auto {

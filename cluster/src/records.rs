@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use crate::keys::validate_name;
 pub use crate::modes::{
     ActivationCheckpointing, CommChoice, Init, ModelKind, OptimizerKind, Precision, Quantize,
-    Runtime, Schedule, Strategy, SyncMode,
+    Runtime, Schedule, Sharding, Strategy, SyncMode,
 };
 use crate::{ClusterError, Result};
 
@@ -105,6 +105,11 @@ pub struct AgentPolicy {
     /// its GPU, that long).
     #[serde(default = "AgentPolicy::default_max_grace_s")]
     pub max_grace_s: u64,
+    /// More names a job's `env` may set while commands are restricted, beyond
+    /// [`JOB_ENV_ALLOWED`] and [`JOB_ENV_PATHS`]: names, or `PREFIX*` (the operator's
+    /// `allowed_env`); `DUCTILE_*` stays reserved whatever it says.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_env: Vec<String>,
 }
 
 impl Default for AgentPolicy {
@@ -117,6 +122,7 @@ impl Default for AgentPolicy {
             allowed_modules: Vec::new(),
             allowed_code_paths: Vec::new(),
             max_grace_s: AgentPolicy::default_max_grace_s(),
+            allowed_env: Vec::new(),
         }
     }
 }
@@ -174,7 +180,61 @@ pub const JOB_ENV_ALLOWED: &[&str] = &[
     "TORCHFT_TIMEOUT_SEC",
     "TORCHFT_QUORUM_TIMEOUT_SEC",
     "TORCHFT_CONNECT_TIMEOUT_SEC",
+    // Python's own switches that load nothing: unbuffered output (lines arrive as printed),
+    // encodings, hash seed, fault handler, no .pyc writes
+    "PYTHONUNBUFFERED",
+    "PYTHONIOENCODING",
+    "PYTHONUTF8",
+    "PYTHONHASHSEED",
+    "PYTHONFAULTHANDLER",
+    "PYTHONDONTWRITEBYTECODE",
+    // Hugging Face: offline switches, telemetry, progress bars, verbosity, timeouts
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HUB_DISABLE_TELEMETRY",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "HF_HUB_DISABLE_SYMLINKS_WARNING",
+    "HF_HUB_DISABLE_IMPLICIT_TOKEN",
+    "HF_HUB_ETAG_TIMEOUT",
+    "HF_HUB_DOWNLOAD_TIMEOUT",
+    "HF_HUB_VERBOSITY",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS",
+    "TRANSFORMERS_VERBOSITY",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS",
+    "DATASETS_VERBOSITY",
+    "TOKENIZERS_PARALLELISM",
+    // torch.distributed's and TensorFlow's diagnostics, gloo's interface
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "GLOO_SOCKET_IFNAME",
+    "TF_CPP_MIN_LOG_LEVEL",
+    "TF_ENABLE_ONEDNN_OPTS",
+    // experiment trackers off
+    "WANDB_DISABLED",
+    "WANDB_MODE",
 ];
+
+/// Names a job's `env` may set to a directory while commands are restricted, when the value
+/// lies under the agent's `allowed_paths` (caches of downloaded files and scratch space; not
+/// `HF_HOME`, whose `modules/` holds code that `trust_remote_code` imports).
+pub const JOB_ENV_PATHS: &[&str] = &[
+    "HF_HUB_CACHE",
+    "HF_DATASETS_CACHE",
+    "TRANSFORMERS_CACHE",
+    "TMPDIR",
+];
+
+/// Whether `name` matches one of an operator's `allowed_env` entries (`NAME` or `PREFIX*`).
+fn env_listed(list: &[String], name: &str) -> bool {
+    list.iter().any(|p| match p.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => p == name,
+    })
+}
 
 /// Whether `program` (a job's command[0]) is ductile's worker.
 fn is_worker(program: &str) -> bool {
@@ -437,16 +497,22 @@ impl AgentPolicy {
                 spec.allow_fault_injection
                     && (k == "DUCTILE_SLOWDOWN" || k.starts_with("DUCTILE_FAULT_"))
             };
-            if let Some(k) = spec
-                .env
-                .keys()
-                .find(|k| !JOB_ENV_ALLOWED.contains(&k.as_str()) && !injection(k))
-            {
+            for (k, v) in &spec.env {
+                if JOB_ENV_PATHS.contains(&k.as_str()) {
+                    self.check_location(&format!("env.{k}"), v)?;
+                    continue;
+                }
+                if JOB_ENV_ALLOWED.contains(&k.as_str())
+                    || injection(k)
+                    || (!k.starts_with("DUCTILE_") && env_listed(&self.allowed_env, k))
+                {
+                    continue;
+                }
                 let why = if k.starts_with("LD_") {
                     "the dynamic loader's variables would run other code inside an allowed command"
                         .to_string()
                 } else {
-                    format!("{k} is not among the names a job may set while allowed_commands is restricted (README: \"A job's environment\")")
+                    format!("{k} is not among the names a job may set while allowed_commands is restricted (README: \"A job's environment\"; the operator may add names with the agent's allowed_env)")
                 };
                 return Err((format!("env.{k}"), why));
             }
@@ -636,7 +702,16 @@ pub struct TorchrunSpec {
     /// without the node replaces the workers (bounded by the node's drain timeout); 0: off.
     #[serde(default = "TorchrunSpec::default_drain_notice_s")]
     pub drain_notice_s: u64,
+    /// Integrations the launcher loads into the Python program before its script runs
+    /// (`ductile.integrations`, [`INTEGRATIONS`]): `transformers` adds ductile's callback to
+    /// every `Trainer` (progress reports, a save on notice of a change of the world) and
+    /// resumes `trainer.train()` from the newest complete checkpoint of its `output_dir`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub integrations: Vec<String>,
 }
+
+/// The integrations a `[torchrun]` section may name.
+pub const INTEGRATIONS: &[&str] = &["transformers"];
 
 impl Default for TorchrunSpec {
     fn default() -> Self {
@@ -646,6 +721,7 @@ impl Default for TorchrunSpec {
             workdir: None,
             warm_start: Self::default_warm_start(),
             drain_notice_s: Self::default_drain_notice_s(),
+            integrations: Vec::new(),
         }
     }
 }
@@ -755,6 +831,18 @@ pub struct TrainingSpec {
     /// value at every data-parallel world size. Data-parallel, all-reduce jobs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_grad_norm: Option<f64>,
+    /// Data parallel: how the ranks share the training state. `optimizer` (ZeRO-1): each
+    /// rank holds the AdamW/SGD state of its rows of every parameter only (cut on dim 0 over its
+    /// shard group), steps those rows and all-gathers the updated rows; re-cut live at every
+    /// world size. Default `none`.
+    #[serde(default, skip_serializing_if = "Sharding::is_none")]
+    pub sharding: Sharding,
+    /// With `sharding`: shard within groups of this many data-parallel ranks and replicate
+    /// across the groups (HSDP: a rank's loss is made good by its replica). Default: every
+    /// data-parallel rank in one group. At a world size it does not divide, the group is the
+    /// largest divisor of the world below it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_group: Option<u32>,
     /// Communicator backend: `auto` (NCCL when every member has a GPU of its own, else TCP),
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
     #[serde(default)]
@@ -1055,15 +1143,21 @@ impl TrainingSpec {
         } else {
             1
         };
-        let copies =
-            2 + reduced + self.optimizer.states() as u64 + if self.is_diloco() { 2 } else { 0 };
+        let copies = 2 + reduced + if self.is_diloco() { 2 } else { 0 };
         let split = if data_parallel { 1 } else { max };
         let bucket = if bucketed {
             u64::from(self.bucket_mb.unwrap_or(25)) << 20
         } else {
             0
         };
-        Some(params * 4 * copies / split + bucket)
+        // a sharded job's optimizer state: its rows over the shard group
+        let shard = if self.sharding.is_sharded() {
+            self.shard_group.map_or(max, u64::from).clamp(1, max)
+        } else {
+            1
+        };
+        let opt = (params * 4 * self.optimizer.states() as u64).div_ceil(shard);
+        Some((params * 4 * copies + opt) / split + bucket)
     }
 
     /// The MLP's sizes, checked.
@@ -1221,6 +1315,12 @@ impl JobSpec {
         }
         if let Some(t) = &self.training {
             t.validate(self.max)?;
+            if t.sharding.is_sharded() && self.checkpoint.is_none() {
+                return Err(ClusterError::invalid(
+                    "training.sharding",
+                    "a sharded job needs a [checkpoint]: each shard of the optimizer state lives on its rank (and its shard group's replicas) only, and a shard that dies with its ranks is restored from the latest checkpoint",
+                ));
+            }
         }
         self.validate_runtime()?;
         if let Some(c) = &self.checkpoint {
@@ -1344,6 +1444,36 @@ impl JobSpec {
                         "torchrun.grace_s",
                         "must be at most 3600 seconds",
                     ));
+                }
+                if let Some(n) = t
+                    .integrations
+                    .iter()
+                    .find(|n| !INTEGRATIONS.contains(&n.as_str()))
+                {
+                    return Err(ClusterError::invalid(
+                        "torchrun.integrations",
+                        format!("{n:?} is unknown (known: {})", INTEGRATIONS.join(", ")),
+                    ));
+                }
+                if !t.integrations.is_empty() {
+                    let runs = crate::pycmd::parse(&self.command[1..]).ok().map(|c| c.main);
+                    let python = std::path::Path::new(&self.command[0])
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("python"));
+                    if !python
+                        || !matches!(
+                            runs,
+                            Some(
+                                crate::pycmd::PyMain::Script(..) | crate::pycmd::PyMain::Module(..)
+                            )
+                        )
+                    {
+                        return Err(ClusterError::invalid(
+                            "torchrun.integrations",
+                            "load into a Python program: the command must run a script or a module with a Python interpreter (python3 train.py ..., python3 -m pkg.train ...)",
+                        ));
+                    }
                 }
                 if let Some(u) = &t.checkpoint_url {
                     if !(u.starts_with("s3://") || u.starts_with("file://")) {
@@ -1699,6 +1829,37 @@ impl TrainingSpec {
                 ));
             }
         }
+        match self.sharding {
+            Sharding::None | Sharding::Optimizer => {}
+            other => {
+                return Err(ClusterError::invalid(
+                    "training.sharding",
+                    format!("\"{other}\" is not built yet: this version shards the optimizer state (\"optimizer\", ZeRO-1); gradients and parameters stay whole on every rank"),
+                ))
+            }
+        }
+        if self.sharding.is_sharded()
+            && (self.strategy != Strategy::DataParallel || self.sync != SyncMode::Allreduce)
+        {
+            return Err(ClusterError::invalid(
+                "training.sharding",
+                "sharding runs with strategy = \"data-parallel\" and sync = \"allreduce\" only (pipeline and tensor layouts, DiLoCo and async: not yet)",
+            ));
+        }
+        if let Some(n) = self.shard_group {
+            if !self.sharding.is_sharded() {
+                return Err(ClusterError::invalid(
+                    "training.shard_group",
+                    "needs training.sharding (a job without sharding holds the whole state on every rank)",
+                ));
+            }
+            if !(1..=max).contains(&n) {
+                return Err(ClusterError::invalid(
+                    "training.shard_group",
+                    format!("{n} is not between 1 and the job's max size {max}"),
+                ));
+            }
+        }
         if let Some(b) = self.bucket_mb {
             if !(1..=4096).contains(&b) {
                 return Err(ClusterError::invalid(
@@ -1807,6 +1968,9 @@ pub enum StateSource {
     /// No survivor: read the latest committed checkpoint of the job's checkpoint URL, if it
     /// holds one (a first start with an empty URL starts from the seed).
     Checkpoint,
+    /// The job's own program restores its state (torchrun and torchft jobs: the script's own
+    /// checkpoint, or TorchFT's healing from a live replica group).
+    Program,
 }
 
 /// One (node, slot) of a generation, its rank and its coordinates in the generation's layout
@@ -1898,19 +2062,32 @@ pub struct Layout {
     pub pipeline_parallel: u32,
     #[serde(default = "one")]
     pub tensor_parallel: u32,
+    /// The data-parallel ranks' shard group size (`training.sharding`): data-parallel rank d
+    /// holds shard d mod `dp_shard` of the sharded state, replicated over the
+    /// data_parallel / dp_shard groups (HSDP when both exceed 1). 1: nothing sharded.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub dp_shard: u32,
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 fn one() -> u32 {
     1
 }
 
-/// `dp2×pp2×tp1`.
+/// `dp2×pp2×tp1`; `dp4(shard2)×pp1×tp1`: shard groups of 2 (ZeRO), replicated twice.
 impl std::fmt::Display for Layout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "dp{}", self.data_parallel)?;
+        if self.dp_shard > 1 {
+            write!(f, "(shard{})", self.dp_shard)?;
+        }
         write!(
             f,
-            "dp{}×pp{}×tp{}",
-            self.data_parallel, self.pipeline_parallel, self.tensor_parallel
+            "×pp{}×tp{}",
+            self.pipeline_parallel, self.tensor_parallel
         )
     }
 }
@@ -1921,6 +2098,20 @@ impl Layout {
             data_parallel: n,
             pipeline_parallel: 1,
             tensor_parallel: 1,
+            dp_shard: 1,
+        }
+    }
+
+    /// Data parallel over `n` ranks with the state sharded in groups of up to `group` (the
+    /// largest divisor of `n` not above it, so every group is whole).
+    pub fn sharded(n: u32, group: u32) -> Layout {
+        let g = (1..=group.clamp(1, n.max(1)))
+            .rev()
+            .find(|d| n.is_multiple_of(*d))
+            .unwrap_or(1);
+        Layout {
+            dp_shard: g,
+            ..Layout::data_parallel(n)
         }
     }
 }
@@ -1972,6 +2163,42 @@ pub struct Generation {
     /// failure (a torchrun job's `TORCHELASTIC_RESTART_COUNT`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub failures: u32,
+    /// A torchrun or torchft world restarted after an early failure (a program that failed
+    /// soon after its generation started, before any progress report): its root cause and how
+    /// many such failures came in a row. The same one twice in a row is a crash loop: the job
+    /// fails with it instead of spending its restart budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_crash: Option<EarlyCrash>,
+}
+
+/// An early failure of a world's programs (see [`Generation::early_crash`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EarlyCrash {
+    /// The root cause's error, its digits blanked (pids, ports and times do not make two
+    /// failures different).
+    pub error: String,
+    /// Early failures in a row, this one included.
+    pub streak: u32,
+}
+
+impl EarlyCrash {
+    /// `error` with every run of digits replaced by `#`.
+    pub fn normalize(error: &str) -> String {
+        let mut out = String::with_capacity(error.len());
+        let mut digits = false;
+        for c in error.chars() {
+            if c.is_ascii_digit() {
+                if !digits {
+                    out.push('#');
+                }
+                digits = true;
+            } else {
+                out.push(c);
+                digits = false;
+            }
+        }
+        out
+    }
 }
 
 impl Generation {
@@ -2008,6 +2235,7 @@ impl Generation {
             plan_us: 0,
             handover: false,
             failures: 0,
+            early_crash: None,
         }
     }
 
@@ -2102,6 +2330,10 @@ pub struct Reformation {
     pub detail: String,
     /// From the triggering event to the last member joining the new generation.
     pub seconds: f64,
+    /// From the triggering event to the first progress report of the new generation the
+    /// leader saw (training going again); None until one comes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_step_seconds: Option<f64>,
 }
 
 /// A job's status, written by the leader.
@@ -2656,6 +2888,31 @@ keep = 3
             spec("strategy = \"pipeline\"\n").min_slot_bytes(2),
             Some(p * 4 * 5 / 2)
         );
+        // ZeRO-1 at max 2: AdamW's two states halved; in groups of 1, whole
+        let ck = "\n[checkpoint]\nurl = \"file:///ck\"\n";
+        assert_eq!(
+            spec(&format!("sharding = \"optimizer\"{ck}")).min_slot_bytes(2),
+            Some(p * 4 * 3 + (25 << 20))
+        );
+        assert_eq!(
+            spec(&format!("sharding = \"optimizer\"\nshard_group = 1{ck}")).min_slot_bytes(2),
+            Some(p * 4 * 4 + (25 << 20))
+        );
+    }
+
+    #[test]
+    fn a_sharded_layout_takes_whole_shard_groups_and_says_so() {
+        assert_eq!(Layout::sharded(4, 4).to_string(), "dp4(shard4)×pp1×tp1");
+        assert_eq!(Layout::sharded(4, 2).to_string(), "dp4(shard2)×pp1×tp1");
+        // 3 ranks in groups of up to 2: groups of 1, nothing sharded
+        assert_eq!(Layout::sharded(3, 2).dp_shard, 1);
+        assert_eq!(Layout::sharded(6, 4).dp_shard, 3);
+        assert_eq!(Layout::sharded(1, 8).to_string(), "dp1×pp1×tp1");
+        // an unsharded layout's record is unchanged (no dp_shard key)
+        let j = serde_json::to_string(&Layout::data_parallel(2)).unwrap();
+        assert!(!j.contains("dp_shard"), "{j}");
+        let back: Layout = serde_json::from_str(&j).unwrap();
+        assert_eq!(back.dp_shard, 1);
     }
 
     #[test]
@@ -3187,6 +3444,44 @@ mod policy_tests {
             p.check(&spec("env = { RUST_LOG = \"debug\", NCCL_DEBUG = \"INFO\", DUCTILE_COMM_BIND = \"0.0.0.0\" }\n")),
             Ok(())
         );
+        // what Python and Hugging Face users set, by default; cache directories under
+        // allowed_paths only; HF_HOME (its modules/ is imported code) and PYTHONWARNINGS (a
+        // filter imports its category's module) refused
+        assert_eq!(
+            p.check(&spec("env = { PYTHONUNBUFFERED = \"1\", HF_HUB_OFFLINE = \"1\", TOKENIZERS_PARALLELISM = \"false\", TRANSFORMERS_VERBOSITY = \"info\", HF_DATASETS_CACHE = \"/var/lib/ductile/hf\" }\n")),
+            Ok(())
+        );
+        for (k, v, says) in [
+            (
+                "HF_DATASETS_CACHE",
+                "/etc/hf",
+                "outside the agent's allowed_paths",
+            ),
+            ("HF_HOME", "/var/lib/ductile/hf", "allowed_env"),
+            ("PYTHONWARNINGS", "error::evil.Warning", "allowed_env"),
+        ] {
+            let (field, why) = p
+                .check(&spec(&format!("env = {{ {k} = \"{v}\" }}\n")))
+                .unwrap_err();
+            assert_eq!(field, format!("env.{k}"));
+            assert!(why.contains(says), "{k}: {why}");
+        }
+        // the operator's additions: names and prefixes, never DUCTILE_*
+        let more = AgentPolicy {
+            allowed_env: vec!["MY_FLAG".into(), "ACME_*".into(), "DUCTILE_*".into()],
+            ..p.clone()
+        };
+        assert_eq!(
+            more.check(&spec("env = { MY_FLAG = \"1\", ACME_LEVEL = \"3\" }\n")),
+            Ok(())
+        );
+        // (the spec's own check refuses it first; the agent's holds without it)
+        let mut reserved = spec("");
+        reserved
+            .env
+            .insert("DUCTILE_ETCD".into(), "http://evil".into());
+        assert!(more.check(&reserved).is_err());
+        assert!(more.check(&spec("env = { MY_FLAGS = \"1\" }\n")).is_err());
         // fault injection names in a job that allows fault injection (the spec refuses them
         // otherwise)
         assert_eq!(

@@ -283,6 +283,7 @@ mod tests {
                 data_parallel: 2,
                 pipeline_parallel: 1,
                 tensor_parallel: 1,
+                dp_shard: 1,
             },
             reform_s,
         };

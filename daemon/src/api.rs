@@ -1028,6 +1028,7 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
             .unwrap_or_default(),
         members,
         step: progress.map(|p| p.step).unwrap_or(0),
+        progress_at_ms: progress.map(|p| p.updated_at_ms),
         loss: progress.and_then(|p| p.loss),
         samples_per_sec: progress.and_then(|p| p.samples_per_sec),
         sync: spec.training.as_ref().map(|t| t.sync.to_string()),
@@ -1046,6 +1047,7 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
                 reason: r.reason,
                 detail: r.detail.clone(),
                 seconds: r.seconds,
+                first_step_seconds: r.first_step_seconds,
             }
         }),
         min: spec.min,

@@ -529,7 +529,18 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
                 reason: g.reason,
                 detail: g.detail.clone(),
                 seconds,
+                first_step_seconds: None,
             });
+        }
+        // when training went again: the first progress report of this generation
+        if let (Some(r), Some(p)) = (st.last_reformation.as_mut(), obs.progress.as_ref()) {
+            if r.generation == g.number
+                && p.generation == g.number
+                && r.first_step_seconds.is_none()
+            {
+                r.first_step_seconds =
+                    Some(p.updated_at_ms.saturating_sub(g.triggered_at_ms) as f64 / 1000.0);
+            }
         }
         return want(st);
     }
@@ -584,12 +595,15 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
     };
     let survivors = old.intersection(&new).count();
     // A planned departure (a scale-down, a drain) of members that are still alive: nobody
-    // failed. When they alone hold some layers, they stay one generation as spares to hand
-    // them over (a hand-over generation), and leave once every member joined it.
+    // failed. When they alone hold some layers (or shards of the optimizer state), they stay
+    // one generation as spares to hand them over (a hand-over generation), and leave once
+    // every member joined it.
     let mut leavers: Vec<(String, u32)> = Vec::new();
     if let (Some(g), Some(t)) = (
         cur,
-        spec.training.as_ref().filter(|t| t.strategy.pipelined()),
+        spec.training
+            .as_ref()
+            .filter(|t| t.strategy.pipelined() || t.sharding.is_sharded()),
     ) {
         let alive = |(n, s): &&(String, u32)| {
             fleet.nodes.contains_key(n) && !obs.failed.contains_key(&(n.clone(), *s))
@@ -656,6 +670,8 @@ fn build(
     let cur = obs.generation.as_ref().map(|(g, _)| g);
     let prev_status = obs.status.as_ref();
     let state_source = match (cur, survivors) {
+        // a script's state is its own business (its checkpoint, TorchFT's healing)
+        _ if spec.runtime.runs_program() => StateSource::Program,
         (Some(_), s) if s > 0 => StateSource::Peers,
         _ if spec.checkpoint.is_some() => StateSource::Checkpoint,
         _ => StateSource::Seed,
@@ -683,7 +699,15 @@ fn build(
                     }
                 }
             }
-            None => (Layout::data_parallel(world), Vec::new(), 0),
+            None => match spec.training.as_ref().filter(|t| t.sharding.is_sharded()) {
+                // the optimizer state cut over shard groups of the data-parallel ranks
+                Some(t) => (
+                    Layout::sharded(world, t.shard_group.unwrap_or(world)),
+                    Vec::new(),
+                    0,
+                ),
+                None => (Layout::data_parallel(world), Vec::new(), 0),
+            },
         };
     let mut state_source = state_source;
     // the layers whose only holders leave (handed over when the leavers stay as spares)
@@ -745,11 +769,12 @@ fn build(
             number,
         );
     }
-    let mut detail = if layout.pipeline_parallel > 1 || layout.tensor_parallel > 1 {
-        format!("{detail}; {layout}")
-    } else {
-        detail
-    };
+    let mut detail =
+        if layout.pipeline_parallel > 1 || layout.tensor_parallel > 1 || layout.dp_shard > 1 {
+            format!("{detail}; {layout}")
+        } else {
+            detail
+        };
     if !leavers.is_empty() {
         let names: Vec<String> = leavers.iter().map(|(n, s)| format!("{n}/{s}")).collect();
         detail = format!(
@@ -809,6 +834,7 @@ fn build(
         },
         fault_retries,
         failures: cur.map(|g| g.failures).unwrap_or(0) + u32::from(reason == Reason::Failure),
+        early_crash: None,
     };
     let mut st = status(
         &spec.name,
@@ -929,11 +955,25 @@ pub(crate) fn torchft_groups(
 /// holds every unit).
 fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Option<String> {
     let tp = g.layout.tensor_parallel.max(1);
+    let stays = |m: &Member| chosen.iter().any(|(n, s)| *n == m.node && *s == m.slot);
+    let shard = g.layout.dp_shard.max(1);
+    if shard > 1 {
+        // a shard of the optimizer state is lost when none of its replicas stays
+        let lost: Vec<String> = (0..shard)
+            .filter(|k| {
+                !g.members
+                    .iter()
+                    .any(|m| !m.spare && stays(m) && m.dp_rank % shard == *k)
+            })
+            .map(|k| k.to_string())
+            .collect();
+        return (!lost.is_empty())
+            .then(|| format!("optimizer state shards {} of {shard}", lost.join(", ")));
+    }
     if g.stage_boundaries.len() < 2 && tp == 1 {
         return None;
     }
     let units = ductile_strategies::arch::of(t).ok()?.units();
-    let stays = |m: &Member| chosen.iter().any(|(n, s)| *n == m.node && *s == m.slot);
     // a unit is lost when one of its tensor slices has no staying holder
     let lost: Vec<String> = (0..units.len() as u32)
         .flat_map(|u| (0..tp).map(move |k| (u, k)))
@@ -1130,6 +1170,22 @@ fn faults(
     ))
 }
 
+/// A program failure this soon after its generation was published, before any progress
+/// report, is an early one (a crash loop's mark).
+pub const CRASH_WINDOW_MS: u64 = 60_000;
+/// The longest back-off before restarting a world after early failures in a row.
+pub const CRASH_BACKOFF_MAX_MS: u64 = 30_000;
+
+/// The back-off before the restart after the `streak`-th early failure in a row: none after
+/// the first, then 1 s doubling up to [`CRASH_BACKOFF_MAX_MS`] (Kubernetes' CrashLoopBackOff,
+/// shorter: a world restart is cheap).
+pub fn crash_backoff_ms(streak: u32) -> u64 {
+    if streak <= 1 {
+        return 0;
+    }
+    (1_000u64 << (streak - 2).min(16)).min(CRASH_BACKOFF_MAX_MS)
+}
+
 /// A torchrun job's program exited by itself (an error, a signal) while its world stood:
 /// its peers' programs fail after it (a closed connection) or hang in a collective. The
 /// first exit is the root cause, as torchrun reports it. While the job's restart budget
@@ -1164,21 +1220,58 @@ fn program_exit(
         first.error.chars().take(400).collect::<String>()
     );
     let triggered_at = first.at_ms.min(now);
+    // an early failure: soon after the world started, before any progress report
+    let reported = obs
+        .progress
+        .as_ref()
+        .is_some_and(|p| p.generation == g.number);
+    // (a program killed by a signal was killed: no crash of its own)
+    let early = !reported
+        && !first.error.starts_with("killed by signal")
+        && first.at_ms.saturating_sub(g.published_at_ms) < CRASH_WINDOW_MS;
+    let error = EarlyCrash::normalize(&first.error);
+    if let (true, Some(prev)) = (early, &g.early_crash) {
+        if prev.error == error {
+            return Some(failed(
+                spec,
+                g,
+                obs,
+                format!(
+                    "{why}; the world failed the same way twice in a row, each time within {} s of starting and before any progress report: a crash loop, not restarted again ({} of {} restarts used)",
+                    CRASH_WINDOW_MS / 1000,
+                    g.failures,
+                    spec.restart_budget
+                ),
+                now,
+            ));
+        }
+    }
+    let crash = early.then(|| EarlyCrash {
+        streak: g.early_crash.as_ref().map_or(0, |c| c.streak) + 1,
+        error,
+    });
     if g.failures < spec.restart_budget {
+        // early failures in a row back off exponentially: none after the first, then 1 s,
+        // 2 s, 4 s, ... up to CRASH_BACKOFF_MAX_MS
+        let wait = crash.as_ref().map_or(0, |c| crash_backoff_ms(c.streak));
+        if now < triggered_at + wait {
+            return Some(Decision::Nothing);
+        }
+        let backed = if wait > 0 {
+            format!(" after a {:.0} s back-off", wait as f64 / 1000.0)
+        } else {
+            String::new()
+        };
         let detail = format!(
-            "{why}; the world restarts (restart {} of {})",
+            "{why}; the world restarts{backed} (restart {} of {})",
             g.failures + 1,
             spec.restart_budget
         );
-        return Some(same_members(
-            spec,
-            obs,
-            fleet,
-            g,
-            detail,
-            (triggered_at, now),
-            0,
-        ));
+        let mut d = same_members(spec, obs, fleet, g, detail, (triggered_at, now), 0);
+        if let Decision::Publish { generation, .. } = &mut d {
+            generation.early_crash = crash;
+        }
+        return Some(d);
     }
     if g.world_size <= spec.min {
         return Some(failed(
@@ -2057,6 +2150,77 @@ mod tests {
     /// A planned drain of a node a torchrun job runs on: the request is the programs' notice
     /// (`ductile.preempted()`), and the re-formation waits `drain_notice_s` for them to save,
     /// whether or not they report progress.
+    /// Early failures (no progress report, soon after the start): the same error twice in a
+    /// row fails the job; different ones back off 1 s, 2 s, ... before each restart; a kill
+    /// by a signal is no crash of the program's own.
+    #[test]
+    fn a_torchrun_crash_loop_backs_off_and_fails_on_the_same_error_twice() {
+        let mut spec = torchrun_spec(2);
+        spec.restart_budget = 20;
+        let mut obs = JobObs {
+            spec: Some(spec),
+            ..Default::default()
+        };
+        let f = fleet(&[("a", 2)]);
+        let g = step(&mut obs, &f, 10).unwrap();
+        let fail = |obs: &mut JobObs, g: &Generation, at: u64, error: &str| {
+            obs.faults = [(
+                0,
+                FaultReport {
+                    at_ms: at,
+                    error: error.into(),
+                    suspects: vec![0],
+                    ..report(g.number, 0, "exited", &[])
+                },
+            )]
+            .into();
+            obs.faults_seen_ms = FAULT_GRACE_MS + 1;
+        };
+        fail(
+            &mut obs,
+            &g,
+            20,
+            "exit code 1: ValueError: bad --lr (pid 41)",
+        );
+        let g2 = step(&mut obs, &f, 30).expect("the first early failure restarts at once");
+        assert_eq!(g2.early_crash.as_ref().unwrap().streak, 1);
+        // another error: a back-off of 1 s before the restart
+        fail(&mut obs, &g2, 40, "exit code 1: KeyError: 'x'");
+        assert!(matches!(plan(&obs, &f, 500), Decision::Nothing));
+        let g3 = step(&mut obs, &f, 1_100).expect("restarted after the back-off");
+        assert!(g3.detail.contains("after a 1 s back-off"), "{}", g3.detail);
+        assert_eq!(g3.early_crash.as_ref().unwrap().streak, 2);
+        // the same error again (other digits): a crash loop, the job fails
+        fail(&mut obs, &g3, 1_200, "exit code 1: KeyError: 'x'");
+        let Decision::Status(st) = plan(&obs, &f, 1_300) else {
+            panic!("the job fails")
+        };
+        assert_eq!(st.state, JobState::Failed);
+        assert!(st.message.contains("crash loop"), "{}", st.message);
+        assert_eq!(
+            EarlyCrash::normalize("pid 41 at 12:03"),
+            EarlyCrash::normalize("pid 7 at 1:9")
+        );
+        assert_eq!(
+            (
+                crash_backoff_ms(1),
+                crash_backoff_ms(2),
+                crash_backoff_ms(4),
+                crash_backoff_ms(40)
+            ),
+            (0, 1_000, 4_000, CRASH_BACKOFF_MAX_MS)
+        );
+        // a kill by a signal resets the streak and restarts at once
+        let mut obs2 = JobObs {
+            spec: obs.spec.clone(),
+            ..Default::default()
+        };
+        let h = step(&mut obs2, &f, 10).unwrap();
+        fail(&mut obs2, &h, 20, "killed by signal 9");
+        let h2 = step(&mut obs2, &f, 30).unwrap();
+        assert!(h2.early_crash.is_none());
+    }
+
     #[test]
     fn a_torchrun_job_is_told_of_a_drain_before_its_world_re_forms() {
         use DrainCheckpoint::*;

@@ -276,7 +276,11 @@ fn print_job(v: &JobView) {
         .samples_per_sec
         .map(|s| format!("{s:.1}"))
         .unwrap_or_else(|| "-".into());
-    println!("step        {}   loss {}   samples/s {}", v.step, loss, sps);
+    if v.progress_at_ms.is_none() {
+        println!("step        - (no progress reports yet; a job's own script reports with ductile.report or an integration)");
+    } else {
+        println!("step        {}   loss {}   samples/s {}", v.step, loss, sps);
+    }
     let opt = |x: Option<String>| x.unwrap_or_else(|| "-".into());
     match v.sync.as_deref() {
         Some("diloco") => println!(
@@ -294,8 +298,12 @@ fn print_job(v: &JobView) {
         _ => {}
     }
     if let Some(r) = &v.last_reformation {
+        let first = r
+            .first_step_seconds
+            .map(|f| format!("; training again {f:.3} s after"))
+            .unwrap_or_default();
         println!(
-            "last change generation {}: {} ({}) in {:.3} s",
+            "last change generation {}: {} ({}) in {:.3} s (members joined){first}",
             r.generation, r.reason, r.detail, r.seconds
         );
     }
@@ -1003,6 +1011,12 @@ async fn wait_until<T: serde::de::DeserializeOwned>(
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
+    // a closed pipe (`dctl status | head`) ends dctl quietly, as it does cat or ls: Rust
+    // ignores SIGPIPE by default, and println! would panic on the write error
+    // SAFETY: setting a signal's disposition to the default, before any thread writes
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     // reqwest is built without a default TLS provider (ring builds fast): install ring's
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();

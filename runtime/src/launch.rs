@@ -68,9 +68,26 @@ const STANDBY_DELAY: Duration = Duration::from_secs(5);
 const PRELOAD: &str = "torch,torch.distributed,torch.nn.parallel,torch.utils.data,\
 torch.distributed.elastic.multiprocessing.errors,torch._dynamo";
 
+/// The end of [`STANDBY`] and [`BOOT`]: run `_argv` (a script and its arguments, or `-m MODULE
+/// ...`) as `python3` would (`sys.argv`, `sys.path[0]`, `__main__`).
+macro_rules! run_main {
+    () => {
+        r#"if _argv[0] == "-m":
+    sys.argv = [_argv[1]] + _argv[2:]
+    sys.path[0] = os.getcwd()
+    runpy.run_module(_argv[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = _argv
+    sys.path[0] = os.path.dirname(os.path.abspath(_argv[0]))
+    runpy.run_path(_argv[0], run_name="__main__")
+"#
+    };
+}
+
 /// What the standby interpreter runs: import what a PyTorch program imports, then wait on stdin
 /// for the generation's environment and arguments, and run the program as `python3` would.
-const STANDBY: &str = r#"
+const STANDBY: &str = concat!(
+    r#"
 import importlib, json, os, runpy, sys
 for _m in os.environ.pop("DUCTILE_PRELOAD", "").split(","):
     if _m:
@@ -85,17 +102,52 @@ _req = json.loads(_line)
 sys.stdin.close()
 sys.stdin = open(os.devnull)
 os.environ.update(_req["env"])
+if os.environ.get("DUCTILE_INTEGRATIONS"):
+    import ductile.integrations
+    ductile.integrations.install()
 _argv = _req["argv"]
 del _line, _req, _m
-if _argv[0] == "-m":
-    sys.argv = [_argv[1]] + _argv[2:]
-    sys.path[0] = os.getcwd()
-    runpy.run_module(_argv[1], run_name="__main__", alter_sys=True)
-else:
-    sys.argv = _argv
-    sys.path[0] = os.path.dirname(os.path.abspath(_argv[0]))
-    runpy.run_path(_argv[0], run_name="__main__")
-"#;
+"#,
+    run_main!()
+);
+
+/// What a program with `[torchrun] integrations` runs when it starts afresh: the integrations
+/// installed (`ductile.integrations`), then the script or module, as `python3` would run it.
+const BOOT: &str = concat!(
+    r#"
+import os, runpy, sys
+import ductile.integrations
+ductile.integrations.install()
+_argv = sys.argv[1:]
+"#,
+    run_main!()
+);
+
+/// `command` (a Python interpreter running a script or a module) with [`BOOT`] in front of
+/// its script: `python3 [options] -c BOOT script.py args...` (or `... -c BOOT -m module
+/// args...`); None for any other command.
+pub fn boot_command(command: &[String]) -> Option<Vec<String>> {
+    use ductile_cluster::pycmd::{parse, PyMain};
+    let (opts, main): (&[String], Vec<String>) = match parse(command.get(1..)?).ok()?.main {
+        PyMain::Script(i, _) => (&command[1..i], command[i..].to_vec()),
+        PyMain::Module(i, name) => {
+            let start = if command[i] == name && command[i - 1] == "-m" {
+                i - 1
+            } else {
+                i
+            };
+            let mut main = vec!["-m".to_string(), name];
+            main.extend(command[i + 1..].iter().cloned());
+            (&command[1..start], main)
+        }
+        _ => return None,
+    };
+    let mut out = vec![command[0].clone()];
+    out.extend(opts.iter().cloned());
+    out.extend(["-c".to_string(), BOOT.to_string()]);
+    out.extend(main);
+    Some(out)
+}
 
 /// Environment names a program inherits from the node (the agent's environment), besides
 /// torchrun's, the job's `env` and the launcher's own: locale, paths, and the NCCL/CUDA settings
@@ -169,6 +221,12 @@ fn base_env(
         env.insert("DUCTILE_CHECKPOINT_URL".into(), u.clone());
     }
     env.insert("DUCTILE_JOB".into(), spec.name.clone());
+    if !settings.integrations.is_empty() {
+        env.insert(
+            "DUCTILE_INTEGRATIONS".into(),
+            settings.integrations.join(","),
+        );
+    }
     env
 }
 
@@ -760,8 +818,17 @@ impl Launcher {
             tracing::warn!("the standby interpreter is gone: starting the program afresh");
             s.stop(Duration::from_millis(100)).await;
         }
-        let mut cmd = Command::new(&self.spec.command[0]);
-        cmd.args(&self.spec.command[1..])
+        // with integrations, they are installed before the script runs
+        let command = match self.settings.integrations.is_empty() {
+            true => self.spec.command.clone(),
+            false => boot_command(&self.spec.command).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "torchrun.integrations need a Python command running a script or a module"
+                )
+            })?,
+        };
+        let mut cmd = Command::new(&command[0]);
+        cmd.args(&command[1..])
             .env_clear()
             .envs(&self.base)
             .envs(gen_env)
@@ -1358,5 +1425,24 @@ mod tests {
         );
         assert_eq!(warm_args(&c(&["bash", "run.sh"])), None);
         assert_eq!(warm_args(&c(&["python3"])), None);
+    }
+
+    #[test]
+    fn the_integrations_boot_goes_in_front_of_the_script_keeping_interpreter_options() {
+        let c = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            boot_command(&c(&["python3", "-u", "t.py", "--lr", "1"])),
+            Some(c(&["python3", "-u", "-c", BOOT, "t.py", "--lr", "1"]))
+        );
+        assert_eq!(
+            boot_command(&c(&["python3", "-m", "pkg.train", "--x"])),
+            Some(c(&["python3", "-c", BOOT, "-m", "pkg.train", "--x"]))
+        );
+        assert_eq!(
+            boot_command(&c(&["python3", "-B", "-mpkg.train"])),
+            Some(c(&["python3", "-B", "-c", BOOT, "-m", "pkg.train"]))
+        );
+        assert_eq!(boot_command(&c(&["python3", "-c", "print(1)"])), None);
+        assert_eq!(boot_command(&c(&["python3"])), None);
     }
 }

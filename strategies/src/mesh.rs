@@ -87,6 +87,7 @@ mod tests {
             data_parallel: 2,
             pipeline_parallel: 3,
             tensor_parallel: 2,
+            dp_shard: 1,
         });
         for r in 0..m.working() {
             let c = m.coords(r).unwrap();

@@ -381,6 +381,7 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
             data_parallel: c.dp,
             pipeline_parallel: c.pp,
             tensor_parallel: c.tp,
+            dp_shard: 1,
         };
         match model_step(t, arch.as_ref(), &us, world, c) {
             Ok(r) => scored.push((c, layout, r)),

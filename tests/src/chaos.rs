@@ -697,7 +697,7 @@ fn side_phase(cfg: &Config, rng: &mut Rng, report: &mut Report, side: Side) {
             // a slow recovery: what the processes said, for the report's reader
             println!(
                 "{name}: slow recovery after {kind}; the cluster's logs:{}",
-                c.logs()
+                c.log_tails()
             );
         }
         faults += 1;

@@ -1434,7 +1434,20 @@ impl Cluster {
         Store::new(b, Keys::new(&self.prefix))
     }
 
+    /// Every daemon's, agent's and etcd's whole log, for tests that look for a line: a tail
+    /// would lose early lines on a busy run.
     pub fn logs(&self) -> String {
+        self.daemons
+            .iter()
+            .chain(self.agents.values())
+            .chain(std::iter::once(&self.etcd.proc))
+            .map(|p| std::fs::read_to_string(&p.log).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The last lines of every process's log, headed by its name: what a failed test prints.
+    pub fn log_tails(&self) -> String {
         let mut s = String::new();
         let procs = self
             .daemons
@@ -1456,7 +1469,7 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("{}", self.logs());
+            eprintln!("{}", self.log_tails());
         }
         // agents first (their workers die with them), then daemons, then etcd
         self.agents.clear();

@@ -882,7 +882,7 @@ fn training_torchft_job_goes_on_through_its_leader_s_death() {
     assert!(
         after.is_some(),
         "commits as three after the leader's death:\n{}",
-        c.logs()
+        c.log_tails()
     );
     assert!(gap < 5.0, "longest pause {gap:.2} s (election TTL 2 s)");
     assert_eq!(pids(t_kill + 1.0), before, "no group restarted");

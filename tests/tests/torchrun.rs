@@ -403,3 +403,172 @@ fn training_torchrun_same_weights_as_torchrun_and_the_error_file_shown() {
         "one failure: {h:?}"
     );
 }
+
+/// A script that fails the same way at once (a typo in an argument) is a crash loop: after the
+/// second identical failure the job fails with its error, not after its whole restart budget;
+/// and the names Python and Hugging Face users set (`PYTHONUNBUFFERED`, `HF_HUB_OFFLINE`,
+/// `TOKENIZERS_PARALLELISM`) are allowed on a restricted agent and reach the program.
+#[test]
+fn training_torchrun_a_crash_loop_fails_fast_with_its_error_and_python_s_env_names_reach_the_program() {
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default()
+    });
+    start_agent(&mut c, "node1", 2);
+    let dir = TempDir::new("crash-loop");
+    let script = dir.path().join("typo.py");
+    std::fs::write(
+        &script,
+        "import os, sys\nprint('env', os.environ.get('PYTHONUNBUFFERED'), os.environ.get('HF_HUB_OFFLINE'), os.environ.get('TOKENIZERS_PARALLELISM'), file=sys.stderr, flush=True)\nraise ValueError(f\"--learning_rate: 'abc' is not a number (pid {os.getpid()})\")\n",
+    )
+    .unwrap();
+    let spec = format!(
+        "name = \"typo\"\nruntime = \"torchrun\"\ncommand = [{:?}, {:?}]\nmin = 1\nmax = 2\ndesired = 2\nrestart_budget = 20\nenv = {{ PYTHONUNBUFFERED = \"1\", HF_HUB_OFFLINE = \"1\", TOKENIZERS_PARALLELISM = \"false\" }}\n",
+        torch_python_bin(),
+        script.display().to_string()
+    );
+    c.submit(&spec);
+    let t0 = std::time::Instant::now();
+    let v = c.wait_for(S(120), "the job to fail", || {
+        Some(c.status("typo")).filter(|v| v.state.is_terminal())
+    });
+    let took = t0.elapsed();
+    assert_eq!(v.state, JobState::Failed, "{}", v.message);
+    assert!(
+        v.message.contains("crash loop")
+            && v.message
+                .contains("ValueError: --learning_rate: 'abc' is not a number"),
+        "{}",
+        v.message
+    );
+    let h = c.history("typo");
+    let failures = h.iter().filter(|g| g.reason == Reason::Failure).count();
+    assert_eq!(failures, 1, "one restart, not the budget of 20: {h:#?}");
+    println!(
+        "crash loop failed after {took:?} and {} generations",
+        h.len()
+    );
+    assert!(
+        c.logs().contains("env 1 1 false"),
+        "the program saw its env names"
+    );
+    // `dctl events typo | head -0`: a closed pipe ends dctl quietly, without a panic
+    let mut child = std::process::Command::new(bin("dctl"))
+        .args(["--endpoint", &c.endpoint(), "events", "typo"])
+        .env("DCTL_TOKEN", TOKEN)
+        .env("HOME", c.dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "dctl on a closed pipe: {err}");
+}
+
+/// Hugging Face's `Trainer`, unmodified (`examples/transformers/trainer_lm.py`: nothing in it
+/// knows ductile), as a job with `[torchrun] integrations = ["transformers"]`: its steps and
+/// losses show in `dctl status`; a SIGKILL restarts the world, which resumes from the newest
+/// complete checkpoint of its `output_dir` (not from step 0); `dctl scale 1` and `2` likewise;
+/// it ends `Succeeded` at `max_steps` with weights close to an uninterrupted run's (the same
+/// samples in every step at any world size; only the reduction order differs).
+#[test]
+fn training_torchrun_an_unmodified_hf_trainer_script_reports_resumes_and_ends_like_an_uninterrupted_run() {
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default()
+    });
+    start_agent(&mut c, "node1", 2);
+    let dir = TempDir::new("hf-trainer");
+    let script = repo_root().join("examples/transformers/trainer_lm.py");
+    let steps = 600u64;
+    let job = |name: &str, desired: u32, warm: bool| {
+        let out = dir.path().join(name);
+        format!(
+            "name = \"{name}\"\nruntime = \"torchrun\"\ncommand = [{:?}, {:?}, \"--output_dir\", {:?}, \"--max_steps\", \"{steps}\", \"--save_steps\", \"50\"]\nmin = 1\nmax = 2\ndesired = {desired}\nrestart_budget = 5\nenv = {{ HF_HUB_OFFLINE = \"1\", TOKENIZERS_PARALLELISM = \"false\", PYTHONUNBUFFERED = \"1\" }}\n[torchrun]\nintegrations = [\"transformers\"]\nwarm_start = {warm}\n",
+            torch_python_bin(),
+            script.display().to_string(),
+            out.display().to_string()
+        )
+    };
+    // the uninterrupted run (started afresh: the integrations' boot before the script)
+    c.submit(&job("ref", 2, false));
+    let done = c.wait_for(S(300), "the uninterrupted run's end", || {
+        Some(c.status("ref")).filter(|v| v.state.is_terminal())
+    });
+    assert_eq!(done.state, JobState::Succeeded, "{}", done.message);
+    assert_eq!(done.step, steps, "the integration reported the last step");
+
+    c.submit(&job("hf", 2, true));
+    let v = c.wait_for(S(120), "the Trainer's reports", || {
+        let s = c.status("hf");
+        (s.world_size == 2 && s.step >= 120 && s.members.iter().all(|m| m.program_pid.is_some()))
+            .then_some(s)
+    });
+    assert!(
+        v.progress_at_ms.is_some() && v.loss.is_some_and(|l| l.is_finite()),
+        "{v:?}"
+    );
+    // a SIGKILL: the world restarts and resumes from its newest complete checkpoint
+    let victim = v.members.iter().find(|m| m.rank == 1).unwrap();
+    unsafe { libc::kill(victim.program_pid.unwrap() as i32, libc::SIGKILL) };
+    // (the first report of the new generation: the re-formation's "training again" figure)
+    let resumed = c.wait_for(S(120), "reports after the restart", || {
+        let s = c.status("hf");
+        let r = s.last_reformation.clone()?;
+        (s.generation > v.generation && r.generation == s.generation)
+            .then_some(r.first_step_seconds)
+            .flatten()
+            .map(|first| (s, first))
+    });
+    println!(
+        "killed → first report of the restarted world: {:.2} s",
+        resumed.1
+    );
+    let resumed = resumed.0;
+    assert!(
+        resumed.step >= 100,
+        "resumed at step {}: from a checkpoint, not from 0",
+        resumed.step
+    );
+    assert!(
+        c.logs().contains("ductile: resuming from"),
+        "the integration resumed"
+    );
+    // resized to 1 and back to 2: each world resumes from the newest checkpoint
+    for world in [1u32, 2] {
+        let at = c.status("hf").step;
+        c.dctl_ok(&["scale", "hf", &world.to_string()]);
+        c.wait_world("hf", world, S(60));
+        c.wait_for(S(120), "steps at the new size", || {
+            let s = c.status("hf");
+            let reported = s
+                .last_reformation
+                .as_ref()
+                .is_some_and(|r| r.generation == s.generation && r.first_step_seconds.is_some());
+            (s.world_size == world && reported && s.step > at).then_some(())
+        });
+    }
+    let done = c.wait_for(S(300), "the elastic run's end", || {
+        Some(c.status("hf")).filter(|v| v.state.is_terminal())
+    });
+    assert_eq!(done.state, JobState::Succeeded, "{}", done.message);
+    assert_eq!(done.step, steps);
+    let diff = torch_python(
+        "import sys, torch\na = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])\nprint(max((a[k] - b[k]).abs().max().item() for k in a), max(a[k].abs().max().item() for k in a))",
+        &[
+            dir.path().join("ref/final.pt"),
+            dir.path().join("hf/final.pt"),
+        ],
+    );
+    let nums: Vec<f64> = diff
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    println!(
+        "largest weight difference from the uninterrupted run: {} (largest weight {})",
+        nums[0], nums[1]
+    );
+    assert!(nums[0] < 1e-4 * nums[1].max(1.0), "weights differ: {diff}");
+}

@@ -327,6 +327,149 @@ fn training_clipping_by_global_norm_gives_the_same_bits_through_kills_and_resize
     assert!(!ok && err.contains("training.max_grad_norm"), "{err}");
 }
 
+/// The final weights' and optimizer state's hashes rank 0 printed for `job`.
+fn final_hashes(c: &Cluster, job: &str) -> (String, String) {
+    let logs = c.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("finished at step") && l.contains(&format!("job={job} ")))
+        .unwrap_or_else(|| panic!("no final line of job {job}"));
+    let after = |key: &str| {
+        line.split(key)
+            .nth(1)
+            .and_then(|r| r.split([',', ' ']).next())
+            .unwrap_or_else(|| panic!("no {key:?} in {line}"))
+            .to_string()
+    };
+    (
+        after("final weights sha256 "),
+        after("optimizer state sha256 "),
+    )
+}
+
+/// ZeRO-1 (`sharding = "optimizer"`): each rank holds its rows of the AdamW state only. Through
+/// a SIGKILL (the lost shard read from the checkpoint), live re-cuts 4 → 3 → 1 → 2, and with
+/// `shard_group = 2` (HSDP) a kill made good by the shard's replica, each run ends with the
+/// weights and optimizer state of the unsharded run at a fixed world, bit for bit.
+#[test]
+fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_resizes() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = synth(c.dir.path(), "regression", 4_000);
+    let train = |name: &str, desired: u32, extra: &str| {
+        format!(
+            "{}max_steps = 4000\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\n{extra}\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 200\n",
+            training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50"),
+            c.dir.path().display()
+        )
+    };
+    c.submit(&train("whole", 2, ""));
+    c.wait_done("whole", S(180));
+    let reference = final_hashes(&c, "whole");
+    let g1 = c.history("whole")[0].clone();
+    let whole = rt.block_on(c.joins("whole", g1.number, g1.world_size))[0].state_bytes;
+
+    c.submit(&train("zero", 4, "sharding = \"optimizer\""));
+    let v = c.wait_world("zero", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp4(shard4)×pp1×tp1");
+    let g = c.history("zero")[0].clone();
+    let held: Vec<u64> = rt
+        .block_on(c.joins("zero", g.number, g.world_size))
+        .iter()
+        .map(|j| j.state_bytes)
+        .collect();
+    // parameters whole, a quarter of the two moments: half of what an unsharded rank holds
+    assert!(
+        held.iter().all(|b| *b * 10 < whole * 6),
+        "{held:?} vs {whole}"
+    );
+    c.wait_step("zero", 300, S(60));
+    let before = c.history("zero").last().unwrap().number;
+    unsafe { libc::kill(v.members[3].pid.unwrap() as i32, libc::SIGKILL) };
+    let restored = c.wait_for(S(60), "the lost shard restored from the checkpoint", || {
+        c.history("zero")
+            .into_iter()
+            .find(|g| g.number > before && g.state_source == StateSource::Checkpoint)
+    });
+    assert!(restored.world_size >= 3, "{restored:?}");
+    c.wait_world("zero", 4, S(60));
+    let before = c.history("zero").last().unwrap().number;
+    for world in [3u32, 1, 2] {
+        c.dctl_ok(&["scale", "zero", &world.to_string()]);
+        c.wait_world("zero", world, S(60));
+        c.wait_step("zero", c.status("zero").step + 150, S(60));
+    }
+    let h = c.history("zero");
+    assert!(
+        h.iter()
+            .filter(|g| g.number > before)
+            .all(|g| g.state_source != StateSource::Checkpoint),
+        "a resize re-cuts the shards in place: {h:#?}"
+    );
+    assert!(
+        h.iter()
+            .any(|g| g.layout.to_string() == "dp3(shard3)×pp1×tp1"),
+        "{h:#?}"
+    );
+    c.wait_done("zero", S(120));
+    assert_eq!(
+        final_hashes(&c, "zero"),
+        reference,
+        "the sharded run's final weights or optimizer state differ from the unsharded run's"
+    );
+
+    // HSDP: shard groups of 2, replicated twice; a kill loses no shard
+    c.submit(&train(
+        "hsdp",
+        4,
+        "sharding = \"optimizer\"\nshard_group = 2",
+    ));
+    let v = c.wait_world("hsdp", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp4(shard2)×pp1×tp1");
+    c.wait_step("hsdp", 300, S(60));
+    unsafe { libc::kill(v.members[1].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_step("hsdp", c.status("hsdp").step + 100, S(60));
+    c.wait_world("hsdp", 4, S(60));
+    c.wait_done("hsdp", S(120));
+    let h = c.history("hsdp");
+    // (the first generation's source is the checkpoint location, empty then)
+    assert!(
+        h.iter()
+            .skip(1)
+            .all(|g| g.state_source != StateSource::Checkpoint),
+        "the replica held the killed rank's shard: {h:#?}"
+    );
+    assert_eq!(final_hashes(&c, "hsdp"), reference);
+
+    // refused where it does not run, naming the key
+    for (extra, strip_ckpt, says) in [
+        ("sharding = \"full\"", false, "\"full\" is not built yet"),
+        (
+            "sharding = \"optimizer\"\nstrategy = \"pipeline\"",
+            false,
+            "sharding runs with strategy = \"data-parallel\"",
+        ),
+        (
+            "sharding = \"optimizer\"",
+            true,
+            "a sharded job needs a [checkpoint]",
+        ),
+        ("shard_group = 2", false, "training.shard_group"),
+    ] {
+        let mut spec = train("bad", 2, extra);
+        if strip_ckpt {
+            spec = spec[..spec.find("[checkpoint]").unwrap()].to_string();
+        }
+        let path = c.dir.path().join("bad.toml");
+        std::fs::write(&path, spec).unwrap();
+        let (ok, _, err) = c.dctl(&["submit", path.to_str().unwrap()]);
+        assert!(!ok && err.contains(says), "{extra}: {err}");
+    }
+}
+
 #[test]
 fn training_bad_training_specs_are_refused_before_any_worker_starts() {
     let c = Cluster::start(Spec::default().agents(1, 2));

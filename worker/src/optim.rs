@@ -57,45 +57,66 @@ impl Optimizer {
 
     /// Apply one update to parameter `i` only (a pipeline stage updates its own layers).
     pub fn update(&mut self, i: usize, p: &Tensor, g: &Tensor, lr: f64, step: u64) {
-        tch::no_grad(|| match self.kind {
-            Kind::Sgd { momentum } => {
-                let buf = &mut self.state[i];
-                let _ = buf.g_mul_scalar_(momentum).g_add_(g);
-                let mut p = p.shallow_clone();
-                let _ = p.g_sub_(&(&*buf * lr));
-            }
-            Kind::AdamW {
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            } => {
-                // PyTorch's single-tensor AdamW, in place where it can be (two temporaries
-                // of a parameter's size, not eight: the update is memory-bound)
-                let t = step as i32 + 1;
-                let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
-                let mut p = p.shallow_clone();
-                let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
-                let _ = self.state[2 * i].lerp_(g, 1.0 - beta1);
-                let v = &mut self.state[2 * i + 1];
-                let _ = v.g_mul_scalar_(beta2).addcmul_(&(g * (1.0 - beta2)), g);
-                let mut denom = v.sqrt();
-                let _ = denom.g_div_scalar_(c2.sqrt()).g_add_scalar_(eps);
-                let mut u = &self.state[2 * i] / &denom;
-                let _ = u.g_mul_scalar_(lr / c1);
-                let _ = p.g_sub_(&u);
-            }
-        })
+        let per = self.per();
+        let kind = &self.kind;
+        apply(
+            kind,
+            &mut self.state[per * i..per * (i + 1)],
+            p,
+            g,
+            lr,
+            step,
+        );
+    }
+
+    /// State tensors per parameter.
+    pub fn per(&self) -> usize {
+        match self.kind {
+            Kind::Sgd { .. } => 1,
+            Kind::AdamW { .. } => 2,
+        }
     }
 
     /// The state tensors of parameter `i`.
     pub fn state_of(&self, i: usize) -> Vec<&Tensor> {
-        let per = match self.kind {
-            Kind::Sgd { .. } => 1,
-            Kind::AdamW { .. } => 2,
-        };
+        let per = self.per();
         (0..per).map(|k| &self.state[per * i + k]).collect()
     }
+}
+
+/// One update of `p` (in place) with gradient `g` and `state` (the parameter's momentum buffer,
+/// or its two moments), all of one shape: elementwise, so a slice of rows updated alone gets
+/// the bits the whole tensor's update gives those rows.
+pub fn apply(kind: &Kind, state: &mut [Tensor], p: &Tensor, g: &Tensor, lr: f64, step: u64) {
+    tch::no_grad(|| match *kind {
+        Kind::Sgd { momentum } => {
+            let buf = &mut state[0];
+            let _ = buf.g_mul_scalar_(momentum).g_add_(g);
+            let mut p = p.shallow_clone();
+            let _ = p.g_sub_(&(&*buf * lr));
+        }
+        Kind::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            // PyTorch's single-tensor AdamW, in place where it can be (two temporaries
+            // of a parameter's size, not eight: the update is memory-bound)
+            let t = step as i32 + 1;
+            let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+            let mut p = p.shallow_clone();
+            let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+            let _ = state[0].lerp_(g, 1.0 - beta1);
+            let v = &mut state[1];
+            let _ = v.g_mul_scalar_(beta2).addcmul_(&(g * (1.0 - beta2)), g);
+            let mut denom = v.sqrt();
+            let _ = denom.g_div_scalar_(c2.sqrt()).g_add_scalar_(eps);
+            let mut u = &state[0] / &denom;
+            let _ = u.g_mul_scalar_(lr / c1);
+            let _ = p.g_sub_(&u);
+        }
+    })
 }
 
 /// Linear warm-up over the first 10 steps (or 10% of max_steps), then cosine decay to 10% of

@@ -89,6 +89,9 @@ pub struct Trainer {
     computed: Duration,
     /// The tensor layout of what this rank holds: (group size, its place in the group).
     tp_held: (u32, u32),
+    /// The shard of the optimizer state this rank holds (`training.sharding`): (shard group
+    /// size, its place in the group); (1, 0) whole.
+    pub(crate) shard_held: (u32, u32),
     /// The `extra` of the checkpoint the last restore read.
     restored_extra: Option<serde_json::Value>,
     /// The latest eval: (step, loss).
@@ -270,6 +273,7 @@ impl Trainer {
             received: 0,
             shapes,
             tp_held: (1, 0),
+            shard_held: (1, 0),
             restored_extra: None,
             last_eval: None,
             ahead: (Vec::new(), 0, 0),
@@ -764,14 +768,15 @@ impl Trainer {
 
     fn train_step(
         &mut self,
-        comm: &dyn Communicator,
+        arc: &Arc<dyn Communicator>,
         g: &Generation,
         rank: u32,
     ) -> Result<f64, CommError> {
+        let comm = arc.as_ref();
         let world = comm.world();
         let t0 = Instant::now();
         if !self.spec.deterministic {
-            return self.bucketed_step(comm, g, rank, t0);
+            return self.bucketed_step(arc, g, rank, t0);
         }
         let flat = {
             let shards = self.logical_shards();
@@ -803,7 +808,7 @@ impl Trainer {
             grads.push(flat.narrow(0, at, k).view(p.size().as_slice()));
             at += k;
         }
-        self.apply_step(g, rank, &grads);
+        self.apply_step(arc, g, rank, &grads)?;
         Ok(loss)
     }
 
@@ -811,11 +816,12 @@ impl Trainer {
     /// gradients summed over the world in buckets ([`Trainer::reduce_in_buckets`]).
     fn bucketed_step(
         &mut self,
-        comm: &dyn Communicator,
+        arc: &Arc<dyn Communicator>,
         g: &Generation,
         rank: u32,
         t0: Instant,
     ) -> Result<f64, CommError> {
+        let comm = arc.as_ref();
         let (b, world) = (self.spec.global_batch as u64, comm.world());
         self.zero_grads();
         let share = split_batch(b, world)[rank as usize];
@@ -834,23 +840,150 @@ impl Trainer {
         let tail = Vec::<f32>::try_from(riders.to_device(Device::Cpu))
             .unwrap_or_else(|_| vec![f32::NAN, 0.0, 0.0]);
         self.flags = (tail[1] > 0.0, tail[2] > 0.0);
-        self.apply_step(g, rank, &grads);
+        self.apply_step(arc, g, rank, &grads)?;
         Ok(tail[0] as f64)
     }
 
     /// The optimizer's step with the summed gradients, recorded in the ledger; clipped first
-    /// to `max_grad_norm` when the job sets one.
-    fn apply_step(&mut self, g: &Generation, rank: u32, grads: &[Tensor]) {
+    /// to `max_grad_norm` when the job sets one. A sharded rank steps its rows and the shard
+    /// group gathers them ([`Trainer::sharded_update`]).
+    fn apply_step(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        rank: u32,
+        grads: &[Tensor],
+    ) -> Result<(), CommError> {
         if let Some(max) = self.spec.max_grad_norm {
             self.grad_norm = Some(clip_grad_norm(grads, max));
         }
         let lr = lr_at(self.spec.lr, self.step, self.spec.max_steps);
-        self.opt.step(&self.params, grads, lr, self.step);
+        if self.shard_held.0 > 1 {
+            self.sharded_update(comm, g, grads, lr)?;
+        } else {
+            self.opt.step(&self.params, grads, lr, self.step);
+        }
         ledger_line(
             &mut self.ledger,
             serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true}),
         );
         self.step += 1;
+        Ok(())
+    }
+
+    /// ZeRO-1's update, bucket by bucket (whole parameters, about `bucket_mb` of them): this
+    /// rank steps its rows of each parameter (the rows its optimizer state holds) on copies,
+    /// the shard group all-gathers the bucket's updated rows (padded to the longest place's),
+    /// then the bucket's parameters and this rank's state are written. Elementwise, so the
+    /// bits equal the unsharded update's; what the step holds beyond the state is a bucket
+    /// times the shard group. A gather that fails before anything was written leaves the rank
+    /// at the step before; after, its parameters are part old and part new, so it stops
+    /// offering its state (`held` empty): the agreement takes it from the others, or from the
+    /// checkpoint.
+    fn sharded_update(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        grads: &[Tensor],
+        lr: f64,
+    ) -> Result<(), CommError> {
+        let (s, place) = self.shard_held;
+        let shapes = self.shapes.clone();
+        let rows = |i: usize, k: u32| {
+            let r = split_range(shapes[i][0] as u64, s, k);
+            (r.start as i64, (r.end - r.start) as i64)
+        };
+        let row_numel = |i: usize| shapes[i][1..].iter().product::<i64>();
+        // the shard group: consecutive data-parallel ranks (a data-parallel rank is its rank)
+        let grp = if s == comm.world() {
+            None
+        } else {
+            let me = g
+                .members
+                .iter()
+                .find(|m| m.rank == comm.rank())
+                .map(|m| m.dp_rank)
+                .unwrap_or(0);
+            let first = me - me % s;
+            Some(ductile_comm::Group::new(
+                comm.clone(),
+                (first..first + s).collect(),
+            )?)
+        };
+        let step = self.step;
+        let kind = self.params[0].kind();
+        let cap = (i64::from(self.spec.bucket_mb.unwrap_or(25)) << 20) / 4;
+        let per = self.opt.per();
+        let mut written = false;
+        for b in buckets(shapes.iter().map(|sh| sh.iter().product::<i64>()), cap) {
+            let size = |k: u32| -> i64 { b.clone().map(|i| rows(i, k).1 * row_numel(i)).sum() };
+            let longest = (0..s).map(size).max().unwrap_or(0);
+            if longest == 0 {
+                continue;
+            }
+            let mut updated = Vec::new();
+            let mut states = Vec::new();
+            for i in b.clone() {
+                let (at, n) = rows(i, place);
+                if n == 0 {
+                    continue;
+                }
+                let p = tch::no_grad(|| self.params[i].detach().narrow(0, at, n).copy());
+                let mut st: Vec<Tensor> = self.opt.state_of(i).iter().map(|t| t.copy()).collect();
+                let gr = grads[i].narrow(0, at, n);
+                crate::optim::apply(&self.opt.kind, &mut st, &p, &gr, lr, step);
+                updated.push(p.reshape([-1]));
+                states.push((i, st));
+            }
+            let pad = longest - size(place);
+            if pad > 0 || updated.is_empty() {
+                updated.push(Tensor::zeros([pad], (kind, self.dev)));
+            }
+            let mine = Tensor::cat(&updated, 0);
+            drop(updated);
+            let all: Result<Vec<Tensor>, CommError> = match &grp {
+                None => comm.all_gather(&comm.place(&mine)).map(|t| {
+                    let t = t.into_tensor();
+                    (0..s as i64).map(|k| t.get(k)).collect()
+                }),
+                Some(grp) => grp.all_gather(&mine),
+            };
+            let all = match all {
+                Ok(a) => a,
+                Err(e) => {
+                    if written {
+                        self.held = Vec::new();
+                        tracing::warn!(step, error = %e, "the sharded update's gather failed part way: this rank's parameters are mixed, it offers no state to the agreement");
+                    }
+                    return Err(e);
+                }
+            };
+            written = true;
+            tch::no_grad(|| {
+                for (k, flat) in all.iter().enumerate() {
+                    let mut off = 0;
+                    for i in b.clone() {
+                        let (at, n) = rows(i, k as u32);
+                        let len = n * row_numel(i);
+                        if len == 0 {
+                            continue;
+                        }
+                        let shape: Vec<i64> = std::iter::once(n)
+                            .chain(shapes[i][1..].iter().copied())
+                            .collect();
+                        let src = flat.narrow(0, off, len).view(shape.as_slice());
+                        self.params[i].detach().narrow(0, at, n).copy_(&src);
+                        off += len;
+                    }
+                }
+                for (i, st) in states {
+                    for (j, t) in st.into_iter().enumerate() {
+                        self.opt.state[per * i + j].copy_(&t);
+                    }
+                }
+            });
+        }
+        Ok(())
     }
 }
 

@@ -195,13 +195,15 @@ impl Trainer {
     ) -> anyhow::Result<Result<(), CommError>> {
         self.received = 0;
         let pend = pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
-        // [step, pending step, tensor group size and place of what it holds, then HELD_SLOTS
-        // (start, end) pairs of the chunks it holds]
+        // [step, pending step, tensor group size and place of what it holds, shard group size
+        // and place, then HELD_SLOTS (start, end) pairs of the chunks it holds]
         let mut row = vec![
             self.step as f64,
             pend,
             self.tp_held.0 as f64,
             self.tp_held.1 as f64,
+            self.shard_held.0 as f64,
+            self.shard_held.1 as f64,
         ];
         for k in 0..HELD_SLOTS {
             let r = self.held.get(k).cloned().unwrap_or(0..0);
@@ -216,7 +218,7 @@ impl Trainer {
             Err(e) => return Ok(Err(e)),
         };
         let held_by = |r: &[f64]| -> Vec<Range<usize>> {
-            r[4..]
+            r[6..]
                 .chunks(2)
                 .map(|c| c[0] as usize..c[1] as usize)
                 .collect()
@@ -240,7 +242,8 @@ impl Trainer {
                 );
             }
         }
-        if g.layout.tensor_parallel > 1 || rows.iter().any(|r| r[2] > 1.0) {
+        let sliced = |r: &Vec<f64>| r[2] > 1.0 || r[4] > 1.0;
+        if g.layout.tensor_parallel > 1 || g.layout.dp_shard > 1 || rows.iter().any(sliced) {
             return self.agree_tp(comm, g, &rows, &held_by, &|r| eff(r) == max, max);
         }
         let units = self.units();
@@ -351,7 +354,7 @@ impl Trainer {
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> Result<(), CommError> {
-        if self.tp_held.0 > 1 {
+        if self.tp_held.0 > 1 || self.shard_held.0 > 1 {
             return self.gather_tp_to_rank0(comm, g);
         }
         let held: Vec<Part> = g

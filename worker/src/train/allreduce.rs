@@ -42,10 +42,27 @@ impl Mode for Allreduce {
         g: &Generation,
         me: &Member,
     ) -> Result<Worked, CommError> {
+        if t.spec.sharding.is_sharded() && g.members.iter().any(|m| m.spare) {
+            // a sharded job's hand-over generation: the leaving ranks (the spares) handed their
+            // shards over in the agreement; nobody steps until the leader publishes the
+            // generation without them, once every member joined (it waits a bounded time)
+            if t.cell.newest() > g.number {
+                return Err(CommError::Aborted {
+                    generation: g.number,
+                    op: "hand-over",
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            return Ok(Worked {
+                steps: 0,
+                commit: None,
+                checkpoint: false,
+            });
+        }
         let loss = if pipelined(g) {
             t.pipe_step(comm, g, me, &mut self.pending)?
         } else {
-            t.train_step(comm.as_ref(), g, me.rank)?
+            t.train_step(comm, g, me.rank)?
         };
         if t.spec.eval_every.is_some_and(|e| t.step % e == 0) && t.eval.is_some() {
             let l = t.eval_on_layout(comm, g, me)?;

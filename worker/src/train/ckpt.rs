@@ -449,16 +449,22 @@ impl Trainer {
         let ck = self.ckpt.as_mut().unwrap();
         // the plan is kept while the world and rank stay (the state is updated in place)
         let same = |p: &StagePlan| p.reusable && (p.layout.world, p.layout.rank) == (world, rank);
-        if self.tp_held.0 <= 1 && !ck.plan.as_ref().is_some_and(same) {
+        let sliced = self.tp_held.0 > 1 || self.shard_held.0 > 1;
+        if !sliced && !ck.plan.as_ref().is_some_and(same) {
             let layout = match &ck.owners {
                 Some(o) => ShardLayout::by_owner(&ck.metas, o, world, rank),
                 None => ShardLayout::new(&ck.metas, world, rank),
             };
             ck.plan = Some(StagePlan::new(layout, &tensors, false, STAGE_CHUNK));
         }
-        if self.tp_held.0 > 1 {
-            // tensor groups: each member of replica 0 writes row ranges of the logical tensors
-            let parts = match self.tp_save_parts(g, rank) {
+        if sliced {
+            // tensor groups: each member of replica 0 writes row ranges of the logical tensors;
+            // shard groups: each member of group 0 its rows
+            let parts = match self.tp_held.0 > 1 {
+                true => self.tp_save_parts(g, rank),
+                false => Ok(self.shard_save_parts(g, rank)),
+            };
+            let parts = match parts {
                 Ok(p) => p,
                 Err(e) => {
                     eprintln!(

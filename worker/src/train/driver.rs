@@ -357,8 +357,8 @@ impl Driver {
     ) -> anyhow::Result<Outcome> {
         final_save(&mut self.t, self.mode.as_ref(), g, rank);
         let t = &mut self.t;
-        if pipelined {
-            // rank 0 gathers the other stages' layers for the hash over all of them
+        if pipelined || t.shard_held.0 > 1 {
+            // rank 0 gathers the other stages' layers (or shards) for the hash over all of them
             if let Err(e) = t.gather_to_rank0(comm, g) {
                 return Ok(Outcome::Reform(e));
             }

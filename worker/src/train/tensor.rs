@@ -21,8 +21,16 @@ use super::Trainer;
 
 impl Trainer {
     /// The holding of each state tensor (parameters, then optimizer states) of a rank that
-    /// holds the units in `chunks` as member `k` of tensor groups of `tp`.
-    pub(super) fn holdings_of(&self, chunks: &[Range<usize>], tp: u32, k: u32) -> Vec<Holding> {
+    /// holds the units in `chunks` as member `k` of tensor groups of `tp`, and place `place` of
+    /// shard groups of `shard` (`training.sharding`: its optimizer state holds its rows of each
+    /// parameter only, [`ductile_strategies::split_range`] of dim 0).
+    pub(super) fn holdings_of(
+        &self,
+        chunks: &[Range<usize>],
+        tp: u32,
+        k: u32,
+        (shard, place): (u32, u32),
+    ) -> Vec<Holding> {
         let arch = self.model.arch();
         let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
         let of_param: Vec<Holding> = names
@@ -45,9 +53,28 @@ impl Trainer {
         let per = self.opt.state.len() / self.params.len().max(1);
         let mut out = of_param.clone();
         for j in 0..self.params.len() * per {
-            out.push(of_param[j / per].clone());
+            let mut h = of_param[j / per].clone();
+            if shard > 1 {
+                // sharding runs without tensor slices: the box is the whole tensor's
+                for b in &mut h.boxes {
+                    let rows = ductile_strategies::split_range(b[0].end - b[0].start, shard, place);
+                    b[0] = b[0].start + rows.start..b[0].start + rows.end;
+                }
+                h.boxes.retain(|b| b[0].start < b[0].end);
+            }
+            out.push(h);
         }
         out
+    }
+
+    /// A member's place in `g`'s shard groups: (group size, its place), (1, 0) unsharded.
+    pub(super) fn shard_of(g: &Generation, m: &Member) -> (u32, u32) {
+        let s = g.layout.dp_shard.max(1);
+        if s > 1 && !m.spare {
+            (s, m.dp_rank % s)
+        } else {
+            (1, 0)
+        }
     }
 
     /// The tensor group of member `me` in `g` (none without tensor parallelism or for a spare).
@@ -84,7 +111,8 @@ impl Trainer {
     }
 
     /// The agreement of a generation where tensor slices move (see [`super::pipe`]'s
-    /// `agree`): `rows` are the members' [step, pending, tp, tp_rank, chunks...], `at` says
+    /// `agree`): `rows` are the members' [step, pending, tp, tp_rank, shard group,
+    /// place, chunks...], `at` says
     /// whether a row is up to date at step `max`. A cold start takes the seed's slices, then
     /// the latest checkpoint's if there is one; a slice no live rank holds makes every rank
     /// restore its slices from the checkpoint. The outer error stops the worker (no holder and
@@ -101,7 +129,9 @@ impl Trainer {
         let step = max as u64;
         let tp = g.layout.tensor_parallel.max(1);
         let me = g.members.iter().find(|m| m.rank == comm.rank()).unwrap();
-        let new_of = |m: &Member| self.holdings_of(&self.units_of(g, m), tp, m.tp_rank);
+        let new_of = |m: &Member| {
+            self.holdings_of(&self.units_of(g, m), tp, m.tp_rank, Self::shard_of(g, m))
+        };
         let need: Vec<Part> = g
             .members
             .iter()
@@ -112,7 +142,8 @@ impl Trainer {
             .enumerate()
             .filter(|(_, r)| at(r))
             .flat_map(|(rank, r)| {
-                let hs = self.holdings_of(&held_by(r), r[2] as u32, r[3] as u32);
+                let shard = (r[4] as u32, r[5] as u32);
+                let hs = self.holdings_of(&held_by(r), r[2] as u32, r[3] as u32, shard);
                 holding_parts(rank as u32, &hs)
             })
             .collect();
@@ -137,6 +168,7 @@ impl Trainer {
             self.install(fresh);
             self.held = self.units_of(g, me);
             self.tp_held = (tp, me.tp_rank);
+            self.shard_held = Self::shard_of(g, me);
             // (no pending step: the agreement took it before coming here)
             self.step = 0;
             match Self::tensor_group(comm, g, me) {
@@ -155,7 +187,7 @@ impl Trainer {
             .tensors()
             .into_iter()
             .map(|t| t.shallow_clone())
-            .zip(self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1))
+            .zip(self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1, self.shard_held))
             .collect();
         let t0 = std::time::Instant::now();
         let (fresh, bytes) = match move_state(comm, step, &elem, &old, &mine, &held, &need) {
@@ -173,13 +205,15 @@ impl Trainer {
         self.received = bytes as u64;
         self.held = self.units_of(g, me);
         self.tp_held = (tp, me.tp_rank);
+        self.shard_held = Self::shard_of(g, me);
         tracing::info!(
             step,
             bytes,
             tp,
             tp_rank = me.tp_rank,
+            shard = ?self.shard_held,
             ms = t0.elapsed().as_millis() as u64,
-            "tensor slices in place"
+            "tensor slices and shards in place"
         );
         if step == 0 {
             // a cold start: the seed's slices, unless the checkpoint holds a commit or the
@@ -197,13 +231,17 @@ impl Trainer {
         g: &Generation,
     ) -> Result<(), CommError> {
         let (tp, k) = self.tp_held;
+        let shard = |m: &Member| match self.shard_held.0 {
+            s if s > 1 && !m.spare => (s, m.dp_rank % s),
+            _ => (1, 0),
+        };
         let holdings: BTreeMap<u32, Vec<Holding>> = g
             .members
             .iter()
             .map(|m| {
                 (
                     m.rank,
-                    self.holdings_of(&self.units_of(g, m), tp, m.tp_rank),
+                    self.holdings_of(&self.units_of(g, m), tp, m.tp_rank, shard(m)),
                 )
             })
             .collect();
@@ -211,19 +249,19 @@ impl Trainer {
             .iter()
             .flat_map(|(r, hs)| holding_parts(*r, hs))
             .collect();
-        let whole = self.holdings_of(&[0..self.units()], 1, 0);
+        let whole = self.holdings_of(&[0..self.units()], 1, 0, (1, 0));
         let need = holding_parts(0, &whole);
         let me = comm.rank();
         let mine = if me == 0 {
             whole
         } else {
-            self.holdings_of(&self.held, tp, k)
+            self.holdings_of(&self.held, tp, k, self.shard_held)
         };
         let old: Vec<(Tensor, Holding)> = self
             .tensors()
             .into_iter()
             .map(|t| t.shallow_clone())
-            .zip(self.holdings_of(&self.held, tp, k))
+            .zip(self.holdings_of(&self.held, tp, k, self.shard_held))
             .collect();
         let (fresh, _) = move_state(
             comm,
@@ -240,6 +278,7 @@ impl Trainer {
             self.model.set_tensor_group(None);
             self.held = vec![0..self.units()];
             self.tp_held = (1, 0);
+            self.shard_held = (1, 0);
         }
         Ok(())
     }
@@ -276,7 +315,7 @@ impl Trainer {
             })?;
         let arch = self.model.arch();
         let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
-        let hs = self.holdings_of(&self.held, tp, k);
+        let hs = self.holdings_of(&self.held, tp, k, (1, 0));
         let tensors: Vec<Tensor> = self.tensors().iter().map(|t| t.shallow_clone()).collect();
         let mut out = Vec::new();
         for (t, h) in hs.iter().enumerate() {
@@ -345,6 +384,38 @@ impl Trainer {
 impl Trainer {
     /// This rank's holdings when it holds tensor slices (`None`: whole tensors).
     pub(super) fn slice_holdings(&self) -> Option<Vec<Holding>> {
-        (self.tp_held.0 > 1).then(|| self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1))
+        (self.tp_held.0 > 1 || self.shard_held.0 > 1)
+            .then(|| self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1, self.shard_held))
+    }
+
+    /// What this rank writes in a checkpoint of a sharded generation: the first replica of each
+    /// shard (shard group 0) writes its rows of every parameter and of its optimizer state,
+    /// so every row is written once and the manifest stays layout-free.
+    pub(super) fn shard_save_parts(&self, g: &Generation, rank: u32) -> Vec<RowChunk> {
+        let Some(me) = g.members.iter().find(|m| m.rank == rank) else {
+            return Vec::new();
+        };
+        let (s, place) = self.shard_held;
+        if me.spare || me.dp_rank / s != 0 {
+            return Vec::new();
+        }
+        let n = self.params.len();
+        let mut out = Vec::new();
+        for (t, local) in self.tensors().into_iter().enumerate() {
+            let i = self.param_of(t);
+            let rows = ductile_strategies::split_range(self.shapes[i][0] as u64, s, place);
+            if rows.is_empty() {
+                continue;
+            }
+            let len = rows.end - rows.start;
+            let v = if t < n {
+                local.narrow(0, rows.start as i64, len as i64)
+            } else {
+                // the optimizer state holds just these rows
+                local.shallow_clone()
+            };
+            out.push(((t, rows.start, len), v));
+        }
+        out
     }
 }

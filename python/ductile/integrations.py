@@ -1,0 +1,149 @@
+"""ductile's integrations with the training frameworks users bring.
+
+A ``runtime = "torchrun"`` job with ``[torchrun] integrations = ["transformers"]`` has its
+launcher call :func:`install` before the script runs (``DUCTILE_INTEGRATIONS`` names them), so an
+unmodified Hugging Face ``Trainer`` script:
+
+- reports each step (and each logged loss) to ductile: ``dctl status`` shows its progress;
+- saves a checkpoint at the next step when ductile gives notice that the world will change (a
+  drain, a spot notice, a ``dctl scale``): a planned change loses nothing;
+- resumes from the newest complete checkpoint in its ``output_dir`` when the script names none
+  (``trainer.train()`` with no ``resume_from_checkpoint``): a restarted world goes on where the
+  last checkpoint left it instead of starting from step 0.
+
+A script may do the same by hand: ``trainer.add_callback(ductile.integrations.DuctileCallback())``
+and ``trainer.train(resume_from_checkpoint=ductile.integrations.last_checkpoint(args.output_dir))``.
+Outside ductile every report is a no-op and nothing is resumed that the script did not ask for.
+"""
+
+import os
+import re
+import sys
+
+from . import in_ductile, preempted, report
+
+__all__ = ["install", "install_transformers", "last_checkpoint", "DuctileCallback"]
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# what the Trainer writes last in a checkpoint (after the weights, optimizer and RNG states)
+_COMPLETE = "trainer_state.json"
+
+
+def last_checkpoint(output_dir):
+    """The newest complete ``checkpoint-N`` directory under ``output_dir`` (its
+    ``trainer_state.json`` written), or None."""
+    if not output_dir or not os.path.isdir(output_dir):
+        return None
+    best = None
+    for name in os.listdir(output_dir):
+        m = _CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isfile(os.path.join(path, _COMPLETE)):
+            n = int(m.group(1))
+            if best is None or n > best[0]:
+                best = (n, path)
+    return best[1] if best else None
+
+
+def _callback_class():
+    from transformers import TrainerCallback
+
+    class DuctileCallback(TrainerCallback):
+        """Reports a ``Trainer``'s steps and losses to ductile, and saves at the next step
+        once ductile gives notice of a planned change of the world."""
+
+        def __init__(self):
+            self._last_step = None
+            self._saved_for_notice = False
+
+        def _samples(self, args, step):
+            per_step = (
+                args.per_device_train_batch_size
+                * max(1, args.gradient_accumulation_steps)
+                * max(1, args.world_size)
+            )
+            done = 0 if self._last_step is None else max(0, step - self._last_step)
+            self._last_step = step
+            return float(done * per_step) if done else None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._last_step = state.global_step
+            if state.is_world_process_zero and state.global_step > 0:
+                report(state.global_step)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                report(state.global_step, samples=self._samples(args, state.global_step))
+            if preempted() and not self._saved_for_notice:
+                # every rank sees the notice (the same file on each): the save is collective
+                self._saved_for_notice = True
+                control.should_save = True
+                print(
+                    f"ductile: notice of a change of the world: saving at step {state.global_step}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return control
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs and "loss" in logs:
+                report(state.global_step, loss=logs["loss"])
+
+    return DuctileCallback
+
+
+def __getattr__(name):
+    # `ductile.integrations.DuctileCallback` imports transformers only when asked for
+    if name == "DuctileCallback":
+        return _callback_class()
+    raise AttributeError(name)
+
+
+_installed = set()
+
+
+def install_transformers():
+    """Add a :class:`DuctileCallback` to every ``transformers.Trainer`` and resume from the
+    newest complete checkpoint of its ``output_dir`` when ``train()`` is given none."""
+    if "transformers" in _installed:
+        return
+    import transformers
+
+    cls = _callback_class()
+    trainer = transformers.Trainer
+    init, train = trainer.__init__, trainer.train
+
+    def __init__(self, *a, **kw):
+        init(self, *a, **kw)
+        if not any(isinstance(c, cls) for c in self.callback_handler.callbacks):
+            self.add_callback(cls())
+
+    def train_(self, resume_from_checkpoint=None, *a, **kw):
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            found = last_checkpoint(self.args.output_dir)
+            if found:
+                print(f"ductile: resuming from {found}", file=sys.stderr, flush=True)
+                resume_from_checkpoint = found
+            elif resume_from_checkpoint is False:
+                resume_from_checkpoint = None
+        return train(self, resume_from_checkpoint, *a, **kw)
+
+    trainer.__init__ = __init__
+    trainer.train = train_
+    _installed.add("transformers")
+
+
+_INTEGRATIONS = {"transformers": install_transformers}
+
+
+def install(names=None):
+    """Install the integrations ``names`` (default: ``DUCTILE_INTEGRATIONS``, comma-separated).
+    An unknown name, or a framework that is not installed, raises: a job that asked for an
+    integration does not run without it."""
+    if names is None:
+        names = [n for n in os.environ.get("DUCTILE_INTEGRATIONS", "").split(",") if n]
+    for n in names:
+        if n not in _INTEGRATIONS:
+            raise ValueError(f"ductile: unknown integration {n!r} (known: {', '.join(_INTEGRATIONS)})")
+        _INTEGRATIONS[n]()
+    return bool(names) and in_ductile()
