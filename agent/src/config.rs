@@ -132,6 +132,12 @@ pub struct Cli {
     /// only), or the absolute path of a delegated cgroup2 directory to use (required then).
     #[arg(long, env = "DUCTILE_CGROUP")]
     pub cgroup: Option<String>,
+    /// Where a torchrun or torchft job's programs run when the job names no
+    /// `torchrun.workdir`: WORK_ROOT/JOB, one per job on this node, kept across its generations
+    /// (a relative output path stays there). Keep it under allowed_paths. Default
+    /// /var/lib/ductile/work.
+    #[arg(long, env = "DUCTILE_WORK_ROOT")]
+    pub work_root: Option<PathBuf>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -167,6 +173,7 @@ pub struct FileConfig {
     pub job_credentials_dir: Option<PathBuf>,
     pub torchft_ca: Option<PathBuf>,
     pub cgroup: Option<String>,
+    pub work_root: Option<PathBuf>,
 }
 
 /// Which GPUs a node offers.
@@ -236,6 +243,8 @@ pub struct Config {
     pub torchft_ca: Option<PathBuf>,
     /// How programs' processes are contained (see ductile_runtime::cgroup).
     pub cgroup: ductile_runtime::cgroup::CgroupMode,
+    /// The root of the per-job working directories of programs (`work_root`).
+    pub work_root: PathBuf,
 }
 
 /// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
@@ -432,6 +441,10 @@ impl Config {
                 cli.cgroup.or(file.cgroup).as_deref().unwrap_or("auto"),
             )
             .map_err(|e| anyhow::anyhow!(e))?,
+            work_root: cli
+                .work_root
+                .or(file.work_root)
+                .unwrap_or_else(|| "/var/lib/ductile/work".into()),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -651,6 +651,8 @@ impl Agent {
                 })
                 .collect();
             cmd.env("DUCTILE_NODE_GPUS", gpus.join(","));
+            // where the job's programs run when it names no workdir: WORK_ROOT/JOB
+            cmd.env("DUCTILE_WORK_ROOT", &self.cfg.work_root);
             // the lighthouse replicas' CA, for a torchft launcher's relay
             match &self.cfg.torchft_ca {
                 Some(ca) => cmd.env("DUCTILE_TORCHFT_CA", ca),

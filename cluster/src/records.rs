@@ -2729,6 +2729,12 @@ pub struct CheckpointStats {
 pub struct Progress {
     pub generation: u64,
     pub step: u64,
+    /// A program's last `ductile.saved(step)` (it saved its own checkpoint at that step, after
+    /// a notice) and when it said so (unix ms): a resize's notice ends there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_at_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

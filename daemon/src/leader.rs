@@ -22,7 +22,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::observe::{control_from_kvs, fleet_from, overlay_live};
-use crate::reconcile::{drain_checkpoint, plan, Decision, DrainCheckpoint, Fleet, JobObs};
+use crate::reconcile::{
+    drain_checkpoint, plan, resize_notice, Decision, DrainCheckpoint, Fleet, JobObs,
+};
 use crate::view::ClusterView;
 
 /// What the leader loop needs to know.
@@ -442,11 +444,10 @@ impl Leader {
     async fn drain_checkpoint(
         &mut self,
         name: &str,
-        obs: &JobObs,
-        fleet: &Fleet,
+        wanted: DrainCheckpoint,
         ms: u64,
     ) -> (Option<u64>, Option<String>) {
-        match drain_checkpoint(obs, fleet, ms) {
+        match wanted {
             DrainCheckpoint::Ask(req) if self.asked.contains_key(&req.id) => {
                 (self.asked.get(&req.id).copied(), None)
             }
@@ -456,7 +457,7 @@ impl Leader {
                     Ok(_) => {
                         tracing::info!(job = %name, id = %req.id, reason = %req.reason,
                             wait_s = req.deadline_ms.saturating_sub(ms) as f64 / 1000.0,
-                            "planned drain: asked the workers for a checkpoint before re-forming");
+                            "planned change: asked the workers for a checkpoint (or a program for its save) before re-forming");
                         self.asked.insert(req.id.clone(), req.deadline_ms);
                     }
                     Err(e) => {
@@ -468,7 +469,7 @@ impl Leader {
             DrainCheckpoint::Wait { until_ms, .. } => (Some(until_ms), None),
             DrainCheckpoint::Committed { id, step } => {
                 if self.told.insert(id.clone()) {
-                    tracing::info!(job = %name, id = %id, step, "drain-time checkpoint committed; re-forming");
+                    tracing::info!(job = %name, id = %id, step, "the planned change's checkpoint is saved; re-forming");
                 }
                 (
                     None,
@@ -499,7 +500,15 @@ impl Leader {
     ) -> ductile_cluster::Result<()> {
         let ms = now_ms();
         let decision = plan(obs, fleet, ms);
-        let (hold_until_ms, note) = self.drain_checkpoint(name, obs, fleet, ms).await;
+        // a drain's checkpoint, or a torchrun job's notice of its resize
+        let noticed = |r: Reason| matches!(r, Reason::Drain | Reason::Scale);
+        let wanted = match &decision {
+            Decision::Publish { generation, .. } if generation.reason == Reason::Scale => {
+                resize_notice(obs, ms)
+            }
+            _ => drain_checkpoint(obs, fleet, ms),
+        };
+        let (hold_until_ms, note) = self.drain_checkpoint(name, wanted, ms).await;
         let store = self.store.clone();
         let fence = Fence {
             leader: Some(&self.key),
@@ -553,11 +562,11 @@ impl Leader {
                 mut status,
                 debounce,
             } => {
-                if let Some(n) = note.filter(|_| generation.reason == Reason::Drain) {
+                if let Some(n) = note.filter(|_| noticed(generation.reason)) {
                     generation.detail.push_str(&n);
                     status.message.push_str(&n);
                 }
-                if let Some(until) = hold_until_ms.filter(|_| generation.reason == Reason::Drain) {
+                if let Some(until) = hold_until_ms.filter(|_| noticed(generation.reason)) {
                     wake.at(now + Duration::from_millis(until.saturating_sub(ms)));
                     return Ok(());
                 }

@@ -234,6 +234,9 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
     }
     let id = format!("drain-g{}", g.number);
     if let Some(r) = obs.checkpoint_request.as_ref().filter(|r| r.id == id) {
+        if let Some(step) = program_saved(obs, r).filter(|_| torchrun) {
+            return Committed { id, step };
+        }
         return match obs.checkpoint.as_ref() {
             Some(c) if c.request.as_deref() == Some(id.as_str()) => Committed { id, step: c.step },
             _ if now < r.deadline_ms => Wait {
@@ -296,6 +299,70 @@ pub fn drain_checkpoint(obs: &JobObs, fleet: &Fleet, now: u64) -> DrainCheckpoin
         generation: g.number,
         deadline_ms: deadline,
     })
+}
+
+/// The step a program said it saved at (`ductile.saved`) after request `r` was made, in `r`'s
+/// generation.
+fn program_saved(obs: &JobObs, r: &CheckpointRequest) -> Option<u64> {
+    obs.progress
+        .as_ref()
+        .filter(|p| {
+            p.generation == r.generation && p.saved_at_ms.is_some_and(|t| t >= r.requested_at_ms)
+        })
+        .and_then(|p| p.saved_step)
+}
+
+/// A torchrun job's resize (`dctl scale`) restarts its world: its program gets a drain's
+/// notice first (`ductile.preempted()`; the transformers integration saves at the next step),
+/// and the new generation waits until the program says it saved (`ductile.saved`), at most
+/// `drain_notice_s`. Only for a program that reports progress in the current generation (it
+/// uses ductile's module): one that does not is resized at once. A pure function of what is
+/// observed, as [`drain_checkpoint`].
+pub fn resize_notice(obs: &JobObs, now: u64) -> DrainCheckpoint {
+    use DrainCheckpoint::*;
+    let (Some(spec), Some((g, _))) = (&obs.spec, &obs.generation) else {
+        return NotNeeded;
+    };
+    let wait_s = spec.torchrun_settings().drain_notice_s;
+    let reporting = obs
+        .progress
+        .as_ref()
+        .is_some_and(|p| p.generation == g.number);
+    if spec.runtime != Runtime::Torchrun
+        || wait_s == 0
+        || !reporting
+        || obs.stop_requested
+        || obs.faults.values().any(|f| f.generation == g.number)
+    {
+        return NotNeeded;
+    }
+    let id = format!("resize-g{}", g.number);
+    match obs.checkpoint_request.as_ref().filter(|r| r.id == id) {
+        Some(r) => match program_saved(obs, r) {
+            Some(step) => Committed { id, step },
+            None if now < r.deadline_ms => Wait {
+                id,
+                until_ms: r.deadline_ms,
+            },
+            None => NoTime {
+                detail: format!(
+                    "the program was told of the resize (ductile.preempted()) {:.1} s before and did not say it saved (ductile.saved)",
+                    r.deadline_ms.saturating_sub(r.requested_at_ms) as f64 / 1000.0
+                ),
+                id,
+            },
+        },
+        None => Ask(CheckpointRequest {
+            id,
+            reason: format!(
+                "resize to {} (dctl scale)",
+                spec.desired.clamp(spec.min, spec.max)
+            ),
+            requested_at_ms: now,
+            generation: g.number,
+            deadline_ms: now + wait_s * 1000,
+        }),
+    }
 }
 
 /// Decide what one job needs now.
@@ -2247,6 +2314,58 @@ mod tests {
             panic!("the notice's time is up")
         };
         assert!(detail.contains("ductile.preempted()"), "{detail}");
+    }
+
+    /// A torchrun job's resize gives its program the drain's notice when it reports progress:
+    /// the new generation waits for its `ductile.saved` (then goes ahead at once), at most
+    /// `drain_notice_s`; a program that never reported is resized at once.
+    #[test]
+    fn a_torchrun_resize_waits_for_the_program_s_save_after_its_notice() {
+        use DrainCheckpoint::*;
+        let mut obs = JobObs {
+            spec: Some(torchrun_spec(2)),
+            ..Default::default()
+        };
+        let f = fleet(&[("a", 2)]);
+        let g = step(&mut obs, &f, 0).unwrap();
+        assert_eq!(resize_notice(&obs, 1_000), NotNeeded, "no report yet");
+        obs.progress = Some(Progress {
+            generation: g.number,
+            step: 40,
+            updated_at_ms: 900,
+            ..Default::default()
+        });
+        let Ask(req) = resize_notice(&obs, 1_000) else {
+            panic!("the program is told first")
+        };
+        assert_eq!((req.id.as_str(), req.deadline_ms), ("resize-g1", 7_000));
+        obs.checkpoint_request = Some(req);
+        assert!(matches!(
+            resize_notice(&obs, 2_000),
+            Wait {
+                until_ms: 7_000,
+                ..
+            }
+        ));
+        // an earlier save does not count; the one after the notice does
+        obs.progress.as_mut().unwrap().saved_step = Some(30);
+        obs.progress.as_mut().unwrap().saved_at_ms = Some(500);
+        assert!(matches!(resize_notice(&obs, 2_000), Wait { .. }));
+        obs.progress.as_mut().unwrap().saved_step = Some(41);
+        obs.progress.as_mut().unwrap().saved_at_ms = Some(1_500);
+        assert_eq!(
+            resize_notice(&obs, 2_000),
+            Committed {
+                id: "resize-g1".into(),
+                step: 41
+            }
+        );
+        // without the save: the notice's time runs out
+        obs.progress.as_mut().unwrap().saved_at_ms = None;
+        let NoTime { detail, .. } = resize_notice(&obs, 7_000) else {
+            panic!("the time is up")
+        };
+        assert!(detail.contains("ductile.saved"), "{detail}");
     }
 
     #[test]

@@ -133,6 +133,9 @@ def main():
         preempted = ductile is not None and ductile.preempted()
         if path and rank == 0 and (step % args.ckpt_every == 0 or preempted or step == args.steps):
             save(path, model, opt, step)
+            if preempted and hasattr(ductile, "saved"):
+                # the change of the world need not wait out its notice
+                ductile.saved(step)
     if rank == 0:
         sha = weights_sha256(model)
         print(f"done: step {step}, world {world}, weights sha256 {sha}", flush=True)

@@ -11,7 +11,7 @@ import socket
 import time
 
 __version__ = "0.1.0"
-__all__ = ["report", "preempted", "checkpoint_url", "in_ductile"]
+__all__ = ["report", "saved", "preempted", "checkpoint_url", "in_ductile"]
 
 _sock = None
 
@@ -28,15 +28,20 @@ def report(step, loss=None, samples=None):
     (for the rate). Never blocks and never raises: a report the launcher cannot take is lost,
     the next one replaces it.
     """
-    global _sock
-    path = os.environ.get("DUCTILE_CONTROL")
-    if not path:
-        return
     msg = {"step": int(step), "t": time.time()}
     if loss is not None:
         msg["loss"] = float(loss)
     if samples is not None:
         msg["samples"] = float(samples)
+    _send(msg)
+
+
+def _send(msg):
+    """One datagram to the launcher; lost (never raised) when it cannot take it."""
+    global _sock
+    path = os.environ.get("DUCTILE_CONTROL")
+    if not path:
+        return
     try:
         if _sock is None:
             _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -46,8 +51,16 @@ def report(step, loss=None, samples=None):
         pass
 
 
+def saved(step):
+    """Tell ductile this job saved its checkpoint at ``step`` (rank 0, after the save is
+    complete): a resize or drain waiting for the notice's save goes ahead at once instead of
+    after ``drain_notice_s``. Never blocks and never raises."""
+    _send({"step": int(step), "saved": True, "t": time.time()})
+
+
 def preempted():
-    """True once a planned drain will stop this world: save now, SIGTERM follows."""
+    """True once a planned change will stop this world (a drain, a spot notice, a resize of a
+    torchrun job): save now (then :func:`saved`), SIGTERM follows."""
     path = os.environ.get("DUCTILE_PREEMPT_FILE")
     return bool(path) and os.path.exists(path)
 

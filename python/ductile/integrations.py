@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-from . import in_ductile, preempted, report
+from . import in_ductile, preempted, report, saved
 
 __all__ = ["install", "install_transformers", "last_checkpoint", "DuctileCallback"]
 
@@ -55,6 +55,8 @@ def _callback_class():
         def __init__(self):
             self._last_step = None
             self._saved_for_notice = False
+            # the last logged loss rides on every step's report
+            self._loss = None
 
         def _samples(self, args, step):
             per_step = (
@@ -73,7 +75,11 @@ def _callback_class():
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
-                report(state.global_step, samples=self._samples(args, state.global_step))
+                report(
+                    state.global_step,
+                    loss=self._loss,
+                    samples=self._samples(args, state.global_step),
+                )
             if preempted() and not self._saved_for_notice:
                 # every rank sees the notice (the same file on each): the save is collective
                 self._saved_for_notice = True
@@ -85,9 +91,15 @@ def _callback_class():
                 )
             return control
 
+        def on_save(self, args, state, control, **kwargs):
+            # the notice's save is complete: the change of the world need not wait longer
+            if self._saved_for_notice and state.is_world_process_zero:
+                saved(state.global_step)
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "loss" in logs:
-                report(state.global_step, loss=logs["loss"])
+                self._loss = float(logs["loss"])
+                report(state.global_step, loss=self._loss)
 
     return DuctileCallback
 

@@ -111,6 +111,30 @@ del _line, _req, _m
     run_main!()
 );
 
+/// Where job `job`'s program runs: its `torchrun.workdir`, else `DUCTILE_WORK_ROOT/JOB` (made
+/// here if need be: the job's slots on this node share it, across generations, so a relative
+/// output path lands in it and not in the agent's own directory).
+fn job_workdir(settings: &TorchrunSpec, job: &str) -> anyhow::Result<PathBuf> {
+    if let Some(w) = &settings.workdir {
+        return Ok(PathBuf::from(w));
+    }
+    let root = std::env::var_os("DUCTILE_WORK_ROOT")
+        .map(PathBuf::from)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "the agent gave no DUCTILE_WORK_ROOT and the job names no torchrun.workdir"
+            )
+        })?;
+    let dir = root.join(job);
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        anyhow::anyhow!(
+            "cannot make the job's working directory {}: {e} (the agent's work_root; or name torchrun.workdir)",
+            dir.display()
+        )
+    })?;
+    Ok(dir)
+}
+
 /// What a program with `[torchrun] integrations` runs when it starts afresh: the integrations
 /// installed (`ductile.integrations`), then the script or module, as `python3` would run it.
 const BOOT: &str = concat!(
@@ -590,6 +614,9 @@ struct Launcher {
     cell: Arc<GenCell>,
     reporter: Reporter,
     dir: PathBuf,
+    /// Where the program runs: `torchrun.workdir`, else WORK_ROOT/JOB (the agent's
+    /// `work_root`), made at start and kept across generations.
+    workdir: PathBuf,
     base: BTreeMap<String, String>,
     node_gpus: Vec<Option<u32>>,
     host: String,
@@ -679,6 +706,7 @@ impl Launcher {
             slot: env.slot,
             cell: cell.clone(),
         };
+        let workdir = job_workdir(&settings, &env.job)?;
         let base = base_env(&spec, &dir, &settings, &env.program_secrets);
         if settings
             .checkpoint_url
@@ -694,6 +722,7 @@ impl Launcher {
             None
         };
         Ok(Launcher {
+            workdir,
             env,
             spec,
             settings,
@@ -768,12 +797,7 @@ impl Launcher {
     }
 
     fn workdir(&self) -> PathBuf {
-        self.settings
-            .workdir
-            .as_ref()
-            .map(PathBuf::from)
-            .or_else(|| std::env::current_dir().ok())
-            .unwrap_or_else(|| "/".into())
+        self.workdir.clone()
     }
 
     /// A standby interpreter for a Python program (warm start), started now.
@@ -1202,7 +1226,7 @@ impl Launcher {
                         let req = self.requests.lock().unwrap().clone();
                         if let Some(r) = req.filter(|r| r.generation >= g.number) {
                             noticed = true;
-                            println!("generation {}: a planned drain is coming ({}): ductile.preempted() is true", g.number, r.reason);
+                            println!("generation {}: a planned change of the world is coming ({}): ductile.preempted() is true", g.number, r.reason);
                             let _ = std::fs::write(self.dir.join("preempted"), format!("{}\n", r.reason));
                         }
                     }
@@ -1228,6 +1252,8 @@ struct ProgressRelay {
     first_step: bool,
     /// (when, samples) of the reports in the rate's window
     window: std::collections::VecDeque<(Instant, f64)>,
+    /// The program's last `ductile.saved(step)`: (step, unix ms).
+    saved: Option<(u64, u64)>,
 }
 
 impl ProgressRelay {
@@ -1239,6 +1265,7 @@ impl ProgressRelay {
             dirty: false,
             first_step: false,
             window: Default::default(),
+            saved: None,
         }
     }
 
@@ -1250,6 +1277,10 @@ impl ProgressRelay {
             return;
         };
         let now = Instant::now();
+        let saved = v.get("saved").and_then(|s| s.as_bool()) == Some(true);
+        if saved {
+            self.saved = Some((step, now_ms()));
+        }
         if let Some(n) = v.get("samples").and_then(|s| s.as_f64()) {
             self.window.push_back((now, n));
         }
@@ -1274,9 +1305,15 @@ impl ProgressRelay {
                 .filter(|l| l.is_finite()),
             samples_per_sec: rate,
             updated_at_ms: now_ms(),
+            saved_step: self.saved.map(|s| s.0),
+            saved_at_ms: self.saved.map(|s| s.1),
             ..Default::default()
         });
         self.dirty = true;
+        if saved {
+            // the leader may be holding a resize for it
+            self.flush(reporter);
+        }
         if !self.first_step {
             self.first_step = true;
             reporter.first_step(self.generation);

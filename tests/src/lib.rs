@@ -1187,6 +1187,17 @@ impl Cluster {
                 args.extend([flag.to_string(), pki.join(file).display().to_string()]);
             }
         }
+        // programs' per-job working directories in the cluster's own directory
+        if !extra.contains(&"--work-root") {
+            args.extend([
+                "--work-root".to_string(),
+                self.dir
+                    .path()
+                    .join(format!("work-{name}"))
+                    .display()
+                    .to_string(),
+            ]);
+        }
         // CPU slots unless the caller names GPUs
         if !extra.contains(&"--gpus") {
             args.extend(["--gpus".to_string(), "off".to_string()]);

@@ -666,7 +666,8 @@ for o in m["objects"]:
 /// named in its header, once: a tensor-parallel member holds several of the fused `qkv`), and a
 /// PyTorch user reassembles each tensor from the manifest's chunks (`object`, `key`,
 /// `offsets`): the parameters of the job's last commit hash to its final weights.
-/// Data parallel, pipeline, tensor parallel, and pipeline × tensor parallel.
+/// Data parallel, pipeline, tensor parallel, pipeline × tensor parallel, and data parallel with
+/// the optimizer state sharded (alone and in replicated shard groups).
 #[test]
 fn training_python_safetensors_reassembles_every_layout_to_the_final_weights() {
     let c = Cluster::start(Spec::default().agents(1, 4));
@@ -717,6 +718,14 @@ print(h.hexdigest())
             4,
             "gpt",
             format!("strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2\n{gpt}"),
+        ),
+        // the optimizer state sharded (ZeRO-1), and in groups of 2 replicated twice (HSDP)
+        ("szero", 3, "mlp", "sharding = \"optimizer\"\n".to_string()),
+        (
+            "shsdp",
+            4,
+            "mlp",
+            "sharding = \"optimizer\"\nshard_group = 2\n".to_string(),
         ),
     ] {
         let dir = c.dir.path().join(format!("ckpt-{job}"));

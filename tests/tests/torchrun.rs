@@ -180,14 +180,15 @@ fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
             .then_some(())
     });
 
-    // 4. a planned drain of node3: the scripts are told (ductile.preempted(): rank 0 saves at
-    // every step from then on) before the world re-forms at 2, so at most one step repeats
+    // 4. a planned drain of node3: the scripts are told (ductile.preempted(): rank 0 saves,
+    // then says so with ductile.saved) and the world re-forms at 2 as soon as it saved, not
+    // drain_notice_s later: at most one step repeats
     let drained_at = step_log(&log).len();
     c.dctl_ok(&["drain", "node3"]);
     let v2 = c.wait_world("ddp", 2, S(60));
     let g = c.history("ddp").last().cloned().unwrap();
     assert_eq!(g.reason, Reason::Drain, "{g:?}");
-    assert!(g.detail.contains("ductile.preempted()"), "{}", g.detail);
+    assert!(g.detail.contains("committed first"), "{}", g.detail);
     let (prev, first) = c.wait_for(S(120), "steps after the drain", || {
         let l = step_log(&log);
         let i = (drained_at..l.len()).find(|i| l[*i].2 == 2)?;
@@ -200,7 +201,7 @@ fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
         first.3,
         prev.3
     );
-    assert!(c.agent_logs().contains("a planned drain is coming"));
+    assert!(c.agent_logs().contains("a planned change of the world is coming"));
     assert!(v2.members.iter().all(|m| m.node == "node1"));
     c.dctl_ok(&["drain", "node3", "--undo"]);
     c.wait_world("ddp", 4, S(60));
@@ -409,7 +410,8 @@ fn training_torchrun_same_weights_as_torchrun_and_the_error_file_shown() {
 /// and the names Python and Hugging Face users set (`PYTHONUNBUFFERED`, `HF_HUB_OFFLINE`,
 /// `TOKENIZERS_PARALLELISM`) are allowed on a restricted agent and reach the program.
 #[test]
-fn training_torchrun_a_crash_loop_fails_fast_with_its_error_and_python_s_env_names_reach_the_program() {
+fn training_torchrun_a_crash_loop_fails_fast_with_its_error_and_python_s_env_names_reach_the_program(
+) {
     let mut c = Cluster::start(Spec {
         restart_backoff_ms: 300,
         ..Spec::default()
@@ -419,7 +421,7 @@ fn training_torchrun_a_crash_loop_fails_fast_with_its_error_and_python_s_env_nam
     let script = dir.path().join("typo.py");
     std::fs::write(
         &script,
-        "import os, sys\nprint('env', os.environ.get('PYTHONUNBUFFERED'), os.environ.get('HF_HUB_OFFLINE'), os.environ.get('TOKENIZERS_PARALLELISM'), file=sys.stderr, flush=True)\nraise ValueError(f\"--learning_rate: 'abc' is not a number (pid {os.getpid()})\")\n",
+        "import os, sys\nopen('relative-output.txt', 'w').write(os.getcwd())\nprint('env', os.environ.get('PYTHONUNBUFFERED'), os.environ.get('HF_HUB_OFFLINE'), os.environ.get('TOKENIZERS_PARALLELISM'), file=sys.stderr, flush=True)\nraise ValueError(f\"--learning_rate: 'abc' is not a number (pid {os.getpid()})\")\n",
     )
     .unwrap();
     let spec = format!(
@@ -452,6 +454,9 @@ fn training_torchrun_a_crash_loop_fails_fast_with_its_error_and_python_s_env_nam
         c.logs().contains("env 1 1 false"),
         "the program saw its env names"
     );
+    // a relative output lands in the job's own working directory (the agent's work_root/JOB)
+    let wrote = c.dir.path().join("work-node1/typo/relative-output.txt");
+    assert!(wrote.exists(), "{} is missing", wrote.display());
     // `dctl events typo | head -0`: a closed pipe ends dctl quietly, without a panic
     let mut child = std::process::Command::new(bin("dctl"))
         .args(["--endpoint", &c.endpoint(), "events", "typo"])
@@ -474,7 +479,8 @@ fn training_torchrun_a_crash_loop_fails_fast_with_its_error_and_python_s_env_nam
 /// it ends `Succeeded` at `max_steps` with weights close to an uninterrupted run's (the same
 /// samples in every step at any world size; only the reduction order differs).
 #[test]
-fn training_torchrun_an_unmodified_hf_trainer_script_reports_resumes_and_ends_like_an_uninterrupted_run() {
+fn training_torchrun_an_unmodified_hf_trainer_script_reports_resumes_and_ends_like_an_uninterrupted_run(
+) {
     let mut c = Cluster::start(Spec {
         restart_backoff_ms: 300,
         ..Spec::default()
@@ -536,19 +542,27 @@ fn training_torchrun_an_unmodified_hf_trainer_script_reports_resumes_and_ends_li
         c.logs().contains("ductile: resuming from"),
         "the integration resumed"
     );
-    // resized to 1 and back to 2: each world resumes from the newest checkpoint
+    // resized to 1 and back to 2 with notice: the Trainer saves at its next step and says so
+    // (the integration's ductile.saved), the world re-forms then and resumes there: no step lost
     for world in [1u32, 2] {
         let at = c.status("hf").step;
         c.dctl_ok(&["scale", "hf", &world.to_string()]);
         c.wait_world("hf", world, S(60));
-        c.wait_for(S(120), "steps at the new size", || {
+        let g = c.history("hf").last().cloned().unwrap();
+        assert_eq!(g.reason, Reason::Scale, "{g:?}");
+        assert!(g.detail.contains("committed first"), "{}", g.detail);
+        let first = c.wait_for(S(120), "the first report at the new size", || {
             let s = c.status("hf");
             let reported = s
                 .last_reformation
                 .as_ref()
                 .is_some_and(|r| r.generation == s.generation && r.first_step_seconds.is_some());
-            (s.world_size == world && reported && s.step > at).then_some(())
+            (s.world_size == world && reported).then_some(s.step)
         });
+        assert!(
+            first >= at,
+            "resumed at step {first}, the scale came at step {at}"
+        );
     }
     let done = c.wait_for(S(300), "the elastic run's end", || {
         Some(c.status("hf")).filter(|v| v.state.is_terminal())

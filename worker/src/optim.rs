@@ -48,6 +48,17 @@ impl Optimizer {
         }
     }
 
+    /// The optimizer with its state not allocated yet (empty tensors): a sharded job's rank
+    /// allocates only its rows, once it knows its shard ([`crate::train::Trainer`]'s agreement).
+    pub fn unallocated(name: OptimizerKind, params: &[Tensor]) -> Optimizer {
+        let mut o = Optimizer::new(name, &[]);
+        o.state = params
+            .iter()
+            .flat_map(|p| (0..name.states()).map(|_| Tensor::empty([0], (p.kind(), p.device()))))
+            .collect();
+        o
+    }
+
     /// Apply one update. `step` is the 0-based index of the step being applied.
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64, step: u64) {
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {

@@ -92,6 +92,9 @@ pub struct Trainer {
     /// The shard of the optimizer state this rank holds (`training.sharding`): (shard group
     /// size, its place in the group); (1, 0) whole.
     pub(crate) shard_held: (u32, u32),
+    /// A sharded job's optimizer state is not allocated yet (a new process, before its first
+    /// agreement: it holds the seed's zeros, allocated as its shard of that generation).
+    opt_unallocated: bool,
     /// The `extra` of the checkpoint the last restore read.
     restored_extra: Option<serde_json::Value>,
     /// The latest eval: (step, loss).
@@ -184,7 +187,14 @@ impl Trainer {
         }
         let model = Model::new(&spec, &data, dev)?;
         let params: Vec<Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
-        let opt = Optimizer::new(spec.optimizer, &params);
+        // a sharded job's rank allocates its optimizer state's rows only, in its first
+        // agreement: the whole state never exists on one rank
+        let sharded = spec.sharding.is_sharded();
+        let opt = if sharded {
+            Optimizer::unallocated(spec.optimizer, &params)
+        } else {
+            Optimizer::new(spec.optimizer, &params)
+        };
         let shapes = params.iter().map(|p| p.size()).collect();
         let ledger = match std::env::var("DUCTILE_LEDGER_DIR") {
             Ok(dir) => {
@@ -274,6 +284,7 @@ impl Trainer {
             shapes,
             tp_held: (1, 0),
             shard_held: (1, 0),
+            opt_unallocated: sharded,
             restored_extra: None,
             last_eval: None,
             ahead: (Vec::new(), 0, 0),

@@ -102,6 +102,27 @@ impl Trainer {
         }
     }
 
+    /// A new process of a sharded job: the seed's optimizer state (zeros), allocated as its
+    /// shard of `g` (the whole of it when `g` is not sharded), which it then reports holding.
+    fn allocate_shard(&mut self, g: &Generation, rank: u32) {
+        let shard = g
+            .members
+            .iter()
+            .find(|m| m.rank == rank)
+            .map(|m| Self::shard_of(g, m))
+            .unwrap_or((1, 0));
+        let n = self.params.len();
+        let hs = self.holdings_of(&self.held.clone(), 1, 0, shard);
+        tch::no_grad(|| {
+            for (j, mut t) in self.opt.state.iter().map(|t| t.shallow_clone()).enumerate() {
+                let shape = hs[n + j].local_shape();
+                t.set_data(&Tensor::zeros(shape.as_slice(), (t.kind(), t.device())));
+            }
+        });
+        self.shard_held = shard;
+        self.opt_unallocated = false;
+    }
+
     /// Bytes of parameters and optimizer state this rank holds.
     pub(super) fn state_bytes(&self) -> u64 {
         self.params
@@ -194,6 +215,9 @@ impl Trainer {
         pending: &mut Option<Pending>,
     ) -> anyhow::Result<Result<(), CommError>> {
         self.received = 0;
+        if self.opt_unallocated {
+            self.allocate_shard(g, comm.rank());
+        }
         let pend = pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
         // [step, pending step, tensor group size and place of what it holds, shard group size
         // and place, then HELD_SLOTS (start, end) pairs of the chunks it holds]

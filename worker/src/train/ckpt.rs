@@ -105,9 +105,10 @@ impl Ckpt {
             crate::optim::Kind::Sgd { .. } => &["momentum_buffer"],
             crate::optim::Kind::AdamW { .. } => &["exp_avg", "exp_avg_sq"],
         };
-        for (i, t) in opt.state.iter().enumerate() {
+        // (a state tensor has its parameter's shape; a sharded job's is not allocated yet)
+        for i in 0..opt.state.len() {
             let name = format!("optimizer.{}.{}", names[i / per], suffix[i % per]);
-            metas.push(meta(name, t, TensorKind::OptimizerState));
+            metas.push(meta(name, &params[i / per], TensorKind::OptimizerState));
         }
         Ok(Ckpt {
             spec,
