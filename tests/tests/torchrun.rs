@@ -201,7 +201,9 @@ fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
         first.3,
         prev.3
     );
-    assert!(c.agent_logs().contains("a planned change of the world is coming"));
+    assert!(c
+        .agent_logs()
+        .contains("a planned change of the world is coming"));
     assert!(v2.members.iter().all(|m| m.node == "node1"));
     c.dctl_ok(&["drain", "node3", "--undo"]);
     c.wait_world("ddp", 4, S(60));
