@@ -231,17 +231,13 @@ impl Trainer {
         g: &Generation,
     ) -> Result<(), CommError> {
         let (tp, k) = self.tp_held;
-        let shard = |m: &Member| match self.shard_held.0 {
-            s if s > 1 && !m.spare => (s, m.dp_rank % s),
-            _ => (1, 0),
-        };
         let holdings: BTreeMap<u32, Vec<Holding>> = g
             .members
             .iter()
             .map(|m| {
                 (
                     m.rank,
-                    self.holdings_of(&self.units_of(g, m), tp, m.tp_rank, shard(m)),
+                    self.holdings_of(&self.units_of(g, m), tp, m.tp_rank, Self::shard_of(g, m)),
                 )
             })
             .collect();
