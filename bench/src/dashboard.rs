@@ -66,6 +66,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             eval_step: (step >= 500).then_some(step / 500 * 500),
             eval_loss: (step >= 500)
                 .then(|| round4(1.7 + 4.0 / (1.0 + (step / 500 * 500) as f64 / 1000.0))),
+            lr: Some(round4(3e-4 * (1.0 - step as f64 / 1e5))),
+            grad_norm: Some(round4(1.0 + (step % 13) as f64 / 10.0)),
             generation,
             world: a.ranks,
             rank_ms: (0..a.ranks)

@@ -233,7 +233,7 @@ fn bare_step(
         opt,
         params,
         &grads,
-        ductile_worker::optim::lr_at(lr, step, None),
+        ductile_cluster::recipe::LrPlan::new(lr, None, None).at(step),
         step,
     );
     Ok(())
@@ -252,7 +252,7 @@ pub async fn dp_bare_rank(etcd: &str, data: &str, rank: u32, steps: u64) -> anyh
         let data = Dataset::open(&spec.dataset, spec.model, ctx(&spec), &rt)?;
         let model = Model::new(&spec, &data, tch::Device::Cpu)?;
         let params: Vec<tch::Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
-        let mut opt = Optimizer::new(ductile_cluster::records::OptimizerKind::Adamw, &params);
+        let mut opt = Optimizer::new(&spec.optimizer, &params);
         let mut order = Order::new(data.len(), 7);
         let share = ductile_strategies::split_batch(32, 4)[rank as usize];
         let mut times = Vec::new();
@@ -335,7 +335,7 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
         let data = Dataset::open(&spec.dataset, spec.model, ctx(&spec), &rt)?;
         let model = Model::new(&spec, &data, dev)?;
         let params: Vec<tch::Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
-        let mut opt = Optimizer::new(ductile_cluster::records::OptimizerKind::Adamw, &params);
+        let mut opt = Optimizer::new(&spec.optimizer, &params);
         let bytes: i64 = params
             .iter()
             .chain(opt.state.iter())

@@ -110,6 +110,13 @@ pub struct JobView {
     /// `max_grad_norm`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_norm: Option<f64>,
+    /// The learning rate of the last reported step (the recipe's rate of that step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    /// The recipe, resolved (ductile's own trainer): the optimizer's settings and the
+    /// learning-rate schedule, every default filled in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<crate::recipe::Recipe>,
     /// Async: the staleness of the updates applied (mean, max), the updates dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staleness_mean: Option<f64>,

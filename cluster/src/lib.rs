@@ -17,6 +17,7 @@ pub mod lines;
 pub mod memory;
 pub mod modes;
 pub mod pycmd;
+pub mod recipe;
 pub mod records;
 pub mod relay;
 pub mod series;

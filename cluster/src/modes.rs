@@ -166,6 +166,29 @@ impl OptimizerKind {
 }
 
 named! {
+    /// The shape of the learning rate's decay after the warm-up (`training.lr_schedule.decay`):
+    /// to `min_lr` at `max_steps` by a half cosine, a line or one minus a square root; none; or
+    /// warmup-stable-decay (the peak held, then the last `decay_steps` decayed).
+    Decay in "training.lr_schedule.decay", default Cosine {
+        Cosine = "cosine",
+        Linear = "linear",
+        Sqrt = "sqrt",
+        Constant = "constant",
+        Wsd = "wsd",
+    }
+}
+
+named! {
+    /// The shape of a warmup-stable-decay schedule's last steps
+    /// (`training.lr_schedule.wsd_decay`).
+    WsdDecay in "training.lr_schedule.wsd_decay", default Linear {
+        Linear = "linear",
+        Cosine = "cosine",
+        Sqrt = "sqrt",
+    }
+}
+
+named! {
     /// How the data-parallel ranks share the training state (`training.sharding`): each
     /// parameter's optimizer state cut by rows over a shard group (`optimizer`, ZeRO-1), or
     /// whole on every rank (`none`). `gradients` (ZeRO-2), `full` (ZeRO-3 / FSDP) and `auto`

@@ -8,6 +8,7 @@ pub use crate::modes::{
     ActivationCheckpointing, CommChoice, Init, ModelKind, OptimizerKind, Precision, Quantize,
     Runtime, Schedule, Sharding, Strategy, SyncMode,
 };
+pub use crate::recipe::{LrSchedule, OptimizerSpec};
 use crate::{ClusterError, Result};
 
 /// Milliseconds since the Unix epoch, the time unit of every record.
@@ -805,10 +806,18 @@ pub struct TrainingSpec {
     pub global_batch: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_steps: Option<u64>,
+    /// The optimizer: a name (`"adamw"`, `"sgd"`) or a table with its name and settings
+    /// (`[training.optimizer]`: AdamW `betas`, `eps`, `weight_decay`; SGD `momentum`,
+    /// `nesterov`, `weight_decay`; `no_decay` name patterns).
     #[serde(default)]
-    pub optimizer: OptimizerKind,
+    pub optimizer: OptimizerSpec,
+    /// The peak learning rate.
     #[serde(default = "TrainingSpec::default_lr")]
     pub lr: f64,
+    /// The learning-rate schedule (`[training.lr_schedule]`); default: a warm-up of at most
+    /// 10 steps, then a cosine to a tenth of `lr` at `max_steps`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_schedule: Option<LrSchedule>,
     #[serde(default)]
     pub seed: u64,
     #[serde(default)]
@@ -1188,6 +1197,16 @@ impl TrainingSpec {
     fn default_lr() -> f64 {
         3e-4
     }
+
+    /// The learning rate of every step: `lr`, `max_steps` and `[training.lr_schedule]`.
+    pub fn lr_plan(&self) -> crate::recipe::LrPlan {
+        crate::recipe::LrPlan::new(self.lr, self.max_steps, self.lr_schedule.as_ref())
+    }
+
+    /// The recipe resolved (what checkpoints record and status shows).
+    pub fn recipe(&self) -> crate::recipe::Recipe {
+        crate::recipe::Recipe::new(&self.optimizer, self.lr_plan())
+    }
 }
 
 /// The `[checkpoint]` section.
@@ -1225,6 +1244,12 @@ pub struct CheckpointSpec {
     /// never written over.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub resume_from: Vec<String>,
+    /// Restore a checkpoint saved with another recipe (optimizer settings, learning rate,
+    /// schedule, max_steps): without it such a restore is refused, naming what differs (the
+    /// rate of every step is the recipe's function of the step, so a run resumed with another
+    /// recipe is another run).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_recipe_change: bool,
 }
 
 impl CheckpointSpec {
@@ -1898,6 +1923,16 @@ impl TrainingSpec {
                 "training.lr",
                 "must be a positive finite number",
             ));
+        }
+        self.optimizer.validate()?;
+        if !self.optimizer.no_decay.is_empty() && self.sync == SyncMode::Async {
+            return Err(ClusterError::invalid(
+                "training.optimizer.no_decay",
+                "async updates step the model as one flat vector: no_decay is for sync = \"allreduce\" and \"diloco\"",
+            ));
+        }
+        if let Some(sched) = &self.lr_schedule {
+            crate::recipe::validate_schedule(sched, self.lr, self.max_steps)?;
         }
         Ok(())
     }
@@ -2772,6 +2807,9 @@ pub struct Progress {
     /// (jobs with `max_grad_norm`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_norm: Option<f64>,
+    /// The learning rate the last committed step ran at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
 }
 
 /// One rank's step figures over its last report window (about 2 s), so a straggler shows:

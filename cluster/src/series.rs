@@ -42,6 +42,11 @@ pub struct Point {
     pub eval_loss: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_step: Option<u64>,
+    /// The learning rate and the gradient norm (before clipping) of the report's step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f32>,
     pub generation: u64,
     pub world: u32,
     /// Each rank's mean step time (ms), by rank; empty when not reported.
@@ -204,6 +209,9 @@ fn merge(a: Point, b: Point) -> Point {
         // the later eval (an eval loss is a measurement at its step, not averaged)
         eval_loss: b.eval_loss.or(a.eval_loss),
         eval_step: b.eval_step.or(a.eval_step),
+        // the rate of the point's step (the later report's)
+        lr: b.lr.or(a.lr),
+        grad_norm: mean(a.grad_norm, b.grad_norm),
         generation: b.generation,
         world: b.world,
         rank_ms,
@@ -223,6 +231,8 @@ mod tests {
             sps: Some(100.0),
             eval_loss: None,
             eval_step: None,
+            lr: None,
+            grad_norm: None,
             generation,
             world: 4,
             rank_ms: vec![10.0, 12.5, 11.0, 30.0],

@@ -1036,6 +1036,12 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         bytes_per_sample: progress.and_then(|p| p.bytes_per_sample),
         eval_loss: progress.and_then(|p| p.eval_loss),
         grad_norm: progress.and_then(|p| p.grad_norm),
+        lr: progress.and_then(|p| p.lr),
+        recipe: spec
+            .training
+            .as_ref()
+            .filter(|_| spec.runtime.is_ductile())
+            .map(|t| t.recipe()),
         eval_step: progress.and_then(|p| p.eval_step),
         staleness_mean: progress.and_then(|p| p.staleness_mean),
         staleness_max: progress.and_then(|p| p.staleness_max),
@@ -1183,6 +1189,7 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
     let loss = Family::<JobLabel, FGauge>::default();
     let eval_loss = Family::<JobLabel, FGauge>::default();
     let grad_norm = Family::<JobLabel, FGauge>::default();
+    let lr = Family::<JobLabel, FGauge>::default();
     let eval_step = Family::<JobLabel, Gauge>::default();
     let sps = Family::<JobLabel, FGauge>::default();
     let rounds = Family::<JobLabel, Gauge>::default();
@@ -1228,6 +1235,9 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         }
         if let Some(x) = v.grad_norm {
             grad_norm.get_or_create(&job).set(x);
+        }
+        if let Some(x) = v.lr {
+            lr.get_or_create(&job).set(x);
         }
         if let Some(x) = v.eval_step {
             eval_step.get_or_create(&job).set(x as i64);
@@ -1313,6 +1323,11 @@ async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Re
         "ductile_job_grad_norm",
         "Global L2 norm of the last reported step's summed gradients, before clipping (jobs with max_grad_norm)",
         grad_norm,
+    );
+    reg.register(
+        "ductile_job_lr",
+        "The learning rate the last reported step ran at (the recipe's rate of that step)",
+        lr,
     );
     reg.register(
         "ductile_job_eval_step",

@@ -91,6 +91,8 @@ pub fn point_of(obs: &JobObs, series: &Series) -> Option<Point> {
         sps: p.samples_per_sec.map(round4),
         eval_loss: p.eval_loss.map(round4),
         eval_step: p.eval_step,
+        lr: p.lr.map(|x| x as f32),
+        grad_norm: p.grad_norm.map(round4),
         generation: p.generation,
         world,
         rank_ms: if ranks.len() == world as usize {

@@ -355,6 +355,16 @@ fn print_job(v: &JobView) {
             ),
         }
     }
+    if let Some(r) = v.lr {
+        let norm = v
+            .grad_norm
+            .map(|n| format!(", grad norm {n:.4}"))
+            .unwrap_or_default();
+        println!("lr          {r:.4e} (the last reported step's){norm}");
+    }
+    if let Some(r) = &v.recipe {
+        println!("recipe      {}", recipe_line(r));
+    }
     if !v.members.is_empty() {
         println!(
             "\n{:<6} {:<20} {:<6} {:<8} {:<4} {:<6} {:<4} {:<8} {:>9} {:>11} {:>8}",
@@ -1163,5 +1173,69 @@ fn print_torchft(v: &serde_json::Value) {
                 members.join(", ")
             );
         }
+    }
+}
+
+/// The recipe in one line: the optimizer's settings, then the schedule.
+fn recipe_line(r: &ductile_cluster::recipe::Recipe) -> String {
+    let o = &r.optimizer;
+    let settings: Vec<String> = o
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter(|(k, v)| {
+                    *k != "name"
+                        && !(*k == "no_decay" && v.as_array().is_some_and(|a| a.is_empty()))
+                })
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect()
+        })
+        .unwrap_or_default();
+    let p = &r.lr_schedule;
+    let decay = match (p.decay, p.max_steps) {
+        (ductile_cluster::modes::Decay::Constant, _) | (_, None) => "then constant".to_string(),
+        (ductile_cluster::modes::Decay::Wsd, Some(m)) => format!(
+            "held, then {} over the last {} steps to {:.3e} at step {m}",
+            p.wsd_decay,
+            p.decay_steps.unwrap_or(0),
+            p.lr * p.min_lr_ratio
+        ),
+        (d, Some(m)) => format!("then {d} to {:.3e} at step {m}", p.lr * p.min_lr_ratio),
+    };
+    format!(
+        "{} ({}); lr {:.3e}, warm-up {} steps{}, {decay}",
+        o["name"].as_str().unwrap_or("?"),
+        settings.join(", "),
+        p.lr,
+        p.warmup_steps,
+        if p.warmup_from_zero { " from 0" } else { "" },
+    )
+}
+
+#[cfg(test)]
+mod recipe_tests {
+    use ductile_cluster::recipe::{LrPlan, LrSchedule, OptimizerSpec, Recipe};
+    use ductile_cluster::records::OptimizerKind;
+
+    #[test]
+    fn a_recipe_reads_as_one_line() {
+        let default = Recipe::new(
+            &OptimizerSpec::named(OptimizerKind::Adamw),
+            LrPlan::new(3e-4, Some(200), None),
+        );
+        assert_eq!(
+            super::recipe_line(&default),
+            "adamw (betas [0.9,0.95], eps 1e-8, weight_decay 0.01); lr 3.000e-4, warm-up 10 steps, then cosine to 3.000e-5 at step 200"
+        );
+        let wsd: LrSchedule =
+            toml::from_str("warmup_steps = 100\nwarmup_from_zero = true\ndecay = \"wsd\"\ndecay_steps = 50\nmin_lr = 0.0\n").unwrap();
+        let sgd = OptimizerSpec {
+            no_decay: vec!["bias".into()],
+            ..OptimizerSpec::named(OptimizerKind::Sgd)
+        };
+        assert_eq!(
+            super::recipe_line(&Recipe::new(&sgd, LrPlan::new(0.1, Some(1000), Some(&wsd)))),
+            "sgd (momentum 0.9, nesterov false, no_decay [\"bias\"], weight_decay 0.0); lr 1.000e-1, warm-up 100 steps from 0, held, then linear over the last 50 steps to 0.000e0 at step 1000"
+        );
     }
 }

@@ -291,6 +291,8 @@ mod tests {
             // an eval at steps 10 and 20, carried by the later reports
             eval_step: (step >= 10).then_some(step.min(20) / 10 * 10),
             eval_loss: (step >= 10).then(|| 6.0 / (1.0 + step.min(20) as f32)),
+            lr: None,
+            grad_norm: None,
             generation,
             world: ranks as u32,
             rank_ms: (0..ranks).map(|r| 10.0 + r as f32).collect(),

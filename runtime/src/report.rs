@@ -152,6 +152,8 @@ impl Reporter {
                 staleness_mean: p.staleness_mean.or(x.staleness_mean),
                 staleness_max: p.staleness_max.or(x.staleness_max),
                 dropped_updates: p.dropped_updates.or(x.dropped_updates),
+                grad_norm: p.grad_norm.or(x.grad_norm),
+                lr: p.lr.or(x.lr),
                 eval_loss: p.eval_loss.or(x.eval_loss),
                 eval_step: if p.eval_loss.is_some() {
                     p.eval_step

@@ -29,6 +29,54 @@ fn read(dir: &Path) -> Result<Vec<(String, serde_json::Value)>, String> {
     Ok(out)
 }
 
+/// One step of a run, as its ledger tells it: the samples its ranks computed (in rank order)
+/// and, from rank 0's line applying it, the learning rate it ran at and its loss. A step
+/// computed in several generations (a failure between) is the last generation's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRecord {
+    pub samples: Vec<u64>,
+    pub lr: f64,
+    pub loss: f64,
+}
+
+/// Every applied step of the run whose ledger is `dir`, by step.
+pub fn steps(dir: &Path) -> Result<BTreeMap<u64, StepRecord>, String> {
+    // (step, generation) → rank → samples; (step, generation) → rank 0's (lr, loss)
+    let mut idx: BTreeMap<(u64, u64), BTreeMap<u64, Vec<u64>>> = BTreeMap::new();
+    let mut applied: BTreeMap<(u64, u64), (f64, f64)> = BTreeMap::new();
+    for (_, v) in read(dir)? {
+        let (Some(g), Some(s), Some(r)) = (v["g"].as_u64(), v["s"].as_u64(), v["r"].as_u64())
+        else {
+            continue;
+        };
+        if let Some(list) = v["idx"].as_array() {
+            idx.entry((s, g))
+                .or_default()
+                .entry(r)
+                .or_default()
+                .extend(list.iter().filter_map(|x| x.as_u64()));
+        }
+        if v["applied"] == true && r == 0 {
+            let (Some(lr), Some(loss)) = (v["lr"].as_f64(), v["loss"].as_f64()) else {
+                return Err(format!(
+                    "step {s} generation {g}: an applied line without lr and loss: {v}"
+                ));
+            };
+            applied.insert((s, g), (lr, loss));
+        }
+    }
+    let mut out = BTreeMap::new();
+    for ((s, g), (lr, loss)) in applied {
+        let samples = idx
+            .get(&(s, g))
+            .map(|by_rank| by_rank.values().flatten().copied().collect())
+            .ok_or_else(|| format!("step {s} generation {g} was applied, no rank computed it"))?;
+        // later generations replace earlier ones (BTreeMap order: g ascending per step)
+        out.insert(s, StepRecord { samples, lr, loss });
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -912,7 +912,8 @@ else:
 
 /// A checkpoint saved with another seed (or dataset, or global batch, or drawing from another
 /// number of samples: an eval_fraction cut off since) does not resume a job:
-/// its data position would not mean the same samples. The job says which field differs.
+/// its data position would not mean the same samples. The job says which field differs. Nor
+/// does one saved with another recipe, unless checkpoint.allow_recipe_change says so.
 #[test]
 fn training_a_checkpoint_of_another_data_order_is_refused_naming_the_field() {
     let c = Cluster::start(Spec::default().agents(1, 2));
@@ -958,6 +959,32 @@ fn training_a_checkpoint_of_another_data_order_is_refused_naming_the_field() {
             .contains("was saved drawing from 624 samples of the dataset, this job draws from 561")
             .then_some(())
     });
+    // another recipe (issue 49): the rate and the update of every step would not be the run's;
+    // the job names what differs, and goes on only when its spec says it means it
+    // (a job's location is its own while it is not finished: e2 is stopped first)
+    let stop = |job: &str| {
+        c.dctl_ok(&["stop", job]);
+        c.wait_for(S(30), "stopped", || {
+            Some(c.status(job)).filter(|v| v.state.is_terminal())
+        });
+    };
+    stop("e2");
+    let wd = "optimizer = { name = \"adamw\", weight_decay = 0.05 }";
+    c.submit(&(gpt("e3", wd) + "resume_from = [\"e1\"]\n"));
+    c.wait_for(S(90), "the refusal", || {
+        agent_logs(&c)
+            .contains("saved with another recipe (optimizer.weight_decay: 0.01 in the checkpoint, 0.05 in this job)")
+            .then_some(())
+    });
+    assert!(!c
+        .logs()
+        .lines()
+        .any(|l| l.contains("job=e3") && l.contains("joined generation")));
+    stop("e3");
+    c.submit(&(gpt("e4", wd) + "resume_from = [\"e1\"]\nallow_recipe_change = true\n"));
+    let e4 = c.wait_done("e4", S(120));
+    assert_eq!(e4.step, 20, "e4 went on from e1's last commit");
+    assert!(agent_logs(&c).contains("restoring a checkpoint saved with another recipe"));
 }
 
 /// A location another job used (issue 46, item 10): a job submitted later under another name

@@ -156,6 +156,13 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     assert!(points >= after.points.len().min(5), "{points} points drawn");
     let sps: usize = attr(&dom, "sps-chart", "data-points").parse().unwrap();
     assert!(sps > 0);
+    // the learning rate of every reported step beside them, and in the job's title
+    let lr: usize = attr(&dom, "lr-chart", "data-points").parse().unwrap();
+    assert!(lr >= points.min(5), "{lr} learning-rate points drawn");
+    assert!(
+        dom.contains(", lr "),
+        "the job's title shows its learning rate"
+    );
     assert_eq!(
         generation_numbers(&attr(&dom, "loss-chart", "data-markers")),
         numbers

@@ -189,7 +189,12 @@ fn diloco_checkpoints_hold_the_rounds_and_a_cold_start_at_another_size_resumes_t
         format!(
             "{}[checkpoint]\nurl = \"file://{}\"\ninterval = 40\nkeep = 3\n",
             diloco_toml("d5", desired, &data, 60, "inner_steps = 10")
-                .replace("[training]\n", "[training]\ndeterministic = true\n"),
+                .replace("[training]\n", "[training]\ndeterministic = true\n")
+                // the inner optimizer with a recipe of the job's own (issue 49)
+                .replace(
+                    "optimizer = \"adamw\"\n",
+                    "optimizer = { name = \"adamw\", betas = [0.9, 0.99], weight_decay = 0.1, no_decay = [\"ln\"] }\nlr_schedule = { warmup_steps = 5, decay = \"linear\" }\n",
+                ),
             dir.display()
         )
     };
@@ -213,6 +218,10 @@ fn diloco_checkpoints_hold_the_rounds_and_a_cold_start_at_another_size_resumes_t
         ),
         "{x}"
     );
+    // the recipe, resolved, in the checkpoint (a restore compares it with the job's)
+    let r = &m["extra"]["recipe"];
+    assert_eq!(r["optimizer"]["weight_decay"], 0.1, "{r}");
+    assert_eq!(r["lr_schedule"]["decay"], "linear", "{r}");
     let names: Vec<&str> = m["order"]
         .as_array()
         .unwrap()

@@ -94,7 +94,11 @@ fn hf_llama_trains_from_its_directory_at_every_layout_bitwise_equal() {
     assert!(samples > 200, "{tokens} tokens");
 
     let steps = 120u64;
-    let det = "deterministic = true\nlogical_shards = 4\ntensor_slices = 2";
+    // with a recipe of the job's own (issue 49): AdamW's settings, no decay on the norms, a
+    // warm-up from 0 then a sqrt decay
+    let det = "deterministic = true\nlogical_shards = 4\ntensor_slices = 2\n\
+        optimizer = { name = \"adamw\", betas = [0.9, 0.98], eps = 1e-7, weight_decay = 0.1, no_decay = [\"norm\"] }\n\
+        lr_schedule = { warmup_steps = 12, warmup_from_zero = true, decay = \"sqrt\", min_lr = 3e-4 }";
     c.submit(&hf_job(
         "tp",
         4,
@@ -605,5 +609,122 @@ print(loss(sys.argv[1]), loss(sys.argv[2]))
         "held-out loss {} after fine-tuning, {} before",
         l[1],
         l[0]
+    );
+}
+
+/// The recipe a user copies from transformers' Trainer gives the Trainer's run (issue 49): the
+/// fixture Llama, the same samples in the same order (each step's, read from ductile's
+/// ledger), global batch 16 and the recipe (AdamW betas (0.9, 0.95), eps 1e-8, weight decay
+/// 0.1 with norms and biases excluded, clipping at 1.0, a linear warm-up from 0 over 10 steps
+/// then a cosine to 3e-4, no dropout). ductile runs it at data parallel 2 (deterministic);
+/// the Trainer in one process. The learning rate of every one of the 50 steps is the same
+/// number; each step's loss is within 1e-5 relative (float sums in another order:
+/// attention, the gradient's reduction, the norm in f64 here).
+#[test]
+fn hf_recipe_gives_the_trainer_s_learning_rates_and_losses_step_by_step() {
+    let model = hf_fixtures().join("llama");
+    let ledger = TempDir::new("recipe-ledger");
+    let c = ledger_cluster(&ledger);
+    // the fixture's tokenizer over a small corpus: ductile's token stream (header, then u16s)
+    let (data, tokens) = corpus(c.dir.path(), &model, 400);
+    let ctx = 16u64;
+    assert!((tokens - 1) / ctx >= 160, "{tokens} tokens");
+    let stream = PathBuf::from(data.strip_prefix("file://").unwrap());
+    let (steps, lr, warmup, min_lr) = (50u64, 3e-3, 10u64, 3e-4);
+    let recipe = format!(
+        "deterministic = true\nmax_grad_norm = 1.0\n\
+         optimizer = {{ name = \"adamw\", betas = [0.9, 0.95], eps = 1e-8, weight_decay = 0.1, no_decay = [\"norm\", \"bias\"] }}\n\
+         lr_schedule = {{ warmup_steps = {warmup}, warmup_from_zero = true, decay = \"cosine\", min_lr = {min_lr:e} }}\n"
+    );
+    c.submit(
+        &hf_job("recipe", 2, &model, &data, steps, &recipe)
+            .replace("min = 1\n", "min = 2\n")
+            .replace("global_batch = 32", "global_batch = 16"),
+    );
+    let done = c.wait_done("recipe", S(300));
+    // the recipe, resolved, in the job's status
+    let r = done.recipe.expect("the job's status shows its recipe");
+    assert_eq!(r.optimizer["weight_decay"], 0.1);
+    assert_eq!(r.optimizer["no_decay"], serde_json::json!(["norm", "bias"]));
+    assert_eq!(r.lr_schedule.warmup_steps, warmup);
+    let last = done
+        .lr
+        .expect("the job's status shows the last step's learning rate");
+    assert_eq!(last, r.lr_schedule.at(steps - 1));
+
+    let run = ductile_tests::ledger::steps(ledger.path()).unwrap();
+    assert_eq!(
+        run.len() as u64,
+        steps,
+        "every step applied once in the ledger"
+    );
+    let order: Vec<Vec<u64>> = run.values().map(|s| s.samples.clone()).collect();
+    assert!(order.iter().all(|s| s.len() == 16));
+    let spec = c.dir.path().join("trainer-run.json");
+    std::fs::write(
+        &spec,
+        serde_json::json!({
+            "model": model, "tokens": stream, "ctx": ctx, "batch": 16, "steps": order,
+            "lr": lr, "warmup_steps": warmup, "min_lr": min_lr, "betas": [0.9, 0.95],
+            "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0,
+            "out": c.dir.path().join("trainer-out"),
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let script = repo_root().join("tests/hf/trainer_recipe.py");
+    let o = std::process::Command::new(torch_python_bin())
+        .arg(&script)
+        .arg(&spec)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "the Trainer's run: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let said: serde_json::Value = serde_json::from_slice(
+        o.stdout
+            .rsplit(|b| *b == b'\n')
+            .find(|l| !l.is_empty())
+            .unwrap(),
+    )
+    .unwrap();
+    let (t_lr, t_loss) = (
+        said["lr"].as_array().unwrap(),
+        said["loss"].as_array().unwrap(),
+    );
+    assert_eq!(t_lr.len() as u64, steps);
+    assert_eq!(t_loss.len() as u64, steps);
+    // the same parameters are spared the decay (ductile's patterns, transformers' rule)
+    assert_eq!(
+        said["no_decay"],
+        serde_json::json!([
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.1.input_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight",
+            "model.norm.weight"
+        ])
+    );
+    let mut worst = 0f64;
+    for (s, (step, t)) in run.values().zip(t_lr.iter().zip(t_loss)).enumerate() {
+        let (want_lr, want_loss) = (t.0.as_f64().unwrap(), t.1.as_f64().unwrap());
+        assert_eq!(step.lr, want_lr, "the learning rate of step {s}");
+        let d = (step.loss - want_loss).abs() / want_loss.abs();
+        worst = worst.max(d);
+        assert!(
+            d < 1e-5,
+            "step {s}: ductile's loss {} against the Trainer's {want_loss} ({d:e} relative)",
+            step.loss
+        );
+    }
+    eprintln!("the largest relative loss difference over {steps} steps: {worst:e}");
+    assert!(
+        run[&(steps - 1)].loss < run[&0].loss * 0.9,
+        "the run learned: {} → {}",
+        run[&0].loss,
+        run[&(steps - 1)].loss
     );
 }

@@ -8,7 +8,11 @@ use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
 
-/// The pipeline promise end to end: a deterministic pipeline job (stages planned per world
+/// A recipe of the job's own (issue 49): SGD with Nesterov's momentum and weight decay but on
+/// the biases, a linear warm-up and decay to 0.
+const RECIPE: &str = "optimizer = { name = \"sgd\", momentum = 0.8, nesterov = true, weight_decay = 1e-4, no_decay = [\"bias\"] }\nlr_schedule = { warmup_steps = 50, decay = \"linear\", min_lr = 0.0 }\n";
+
+/// The pipeline promise end to end, with that recipe: a deterministic pipeline job (stages planned per world
 /// size) survives a SIGKILLed stage worker (survivors keep their processes and get the lost
 /// layers from the other replica, no checkpoint anywhere) and resizes 4 → 2 → 4 that change
 /// the number of stages; every sample is used exactly once, every replica of a layer holds the
@@ -22,7 +26,7 @@ fn pipeline_survives_kills_and_resizes_exactly_once_and_bitwise_equal_to_data_pa
     let steps = 1500u64;
     let train = |name: &str, desired: u32, strategy: &str| {
         format!(
-            "{}max_steps = {steps}\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\nstrategy = \"{strategy}\"\npipeline_parallel = \"auto\"\nmodel_config = {{ hidden = 256, layers = 3 }}\n",
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\nstrategy = \"{strategy}\"\npipeline_parallel = \"auto\"\nmodel_config = {{ hidden = 256, layers = 3 }}\n{RECIPE}",
             training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50")
         )
     };

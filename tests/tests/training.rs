@@ -270,10 +270,16 @@ fn training_deterministic_mode_gives_bitwise_equal_weights_despite_kills_and_res
     assert_eq!(done.step, 2500);
 }
 
-/// Gradient clipping by global norm (issue 47, item 6), in deterministic mode: the clipped run
-/// ends with the same bits through a kill and resizes as at a fixed size (the norm is taken
-/// from the summed gradients, the same at every world size); the norm before clipping shows in
-/// `dctl status --json` and the metrics, and it was past the bound, so clipping acted.
+/// A recipe other than the default (issue 49): AdamW's settings, no decay on biases, a
+/// warmup-stable-decay schedule.
+const RECIPE: &str = "optimizer = { name = \"adamw\", betas = [0.85, 0.99], eps = 1e-7, weight_decay = 0.05, no_decay = [\"bias\"] }\nlr_schedule = { warmup_steps = 100, decay = \"wsd\", decay_steps = 300, wsd_decay = \"sqrt\", min_lr = 1e-5 }\n";
+
+/// Gradient clipping by global norm (issue 47, item 6), in deterministic mode, with a recipe of
+/// the job's own (issue 49): the clipped run ends with the same bits through a kill and resizes
+/// as at a fixed size (the norm is taken from the summed gradients, the same at every world
+/// size; the rate of a step is the recipe's function of the step); the norm before clipping and
+/// the step's rate show in `dctl status --json` and the metrics, and the norm was past the
+/// bound, so clipping acted.
 #[test]
 fn training_clipping_by_global_norm_gives_the_same_bits_through_kills_and_resizes() {
     let c = Cluster::start(Spec {
@@ -283,7 +289,7 @@ fn training_clipping_by_global_norm_gives_the_same_bits_through_kills_and_resize
     let data = synth(c.dir.path(), "regression", 4_000);
     let train = |name: &str, desired: u32| {
         format!(
-            "{}max_steps = 1200\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\nmax_grad_norm = 0.05\n",
+            "{}max_steps = 1200\ndeterministic = true\nlogical_shards = 4\nmax_grad_norm = 0.05\n{RECIPE}",
             training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50")
         )
     };
@@ -296,6 +302,18 @@ fn training_clipping_by_global_norm_gives_the_same_bits_through_kills_and_resize
     assert!(
         metrics.contains("ductile_job_grad_norm{job=\"fixed\"}"),
         "{metrics}"
+    );
+    assert!(
+        metrics.contains("ductile_job_lr{job=\"fixed\"}"),
+        "{metrics}"
+    );
+    let v = c.status("fixed");
+    let recipe = v.recipe.expect("the recipe in the job's status");
+    assert_eq!(recipe.optimizer["betas"], serde_json::json!([0.85, 0.99]));
+    assert_eq!(
+        v.lr,
+        Some(recipe.lr_schedule.at(v.step - 1)),
+        "the last reported step's rate"
     );
     let reference = c
         .wait_done("fixed", S(120))
@@ -347,7 +365,9 @@ fn final_hashes(c: &Cluster, job: &str) -> (String, String) {
     )
 }
 
-/// ZeRO-1 (`sharding = "optimizer"`): each rank holds its rows of the AdamW state only. Through
+/// ZeRO-1 (`sharding = "optimizer"`), with a recipe of the job's own (issue 49): each rank holds
+/// its rows of the AdamW state only (and decays the rows of the parameters that take decay).
+/// Through
 /// a SIGKILL (the lost shard read from the checkpoint), live re-cuts 4 → 3 → 1 → 2, and with
 /// `shard_group = 2` (HSDP) a kill made good by the shard's replica, each run ends with the
 /// weights and optimizer state of the unsharded run at a fixed world, bit for bit.
@@ -361,7 +381,7 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
     let data = synth(c.dir.path(), "regression", 4_000);
     let train = |name: &str, desired: u32, extra: &str| {
         format!(
-            "{}max_steps = 4000\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\n{extra}\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 200\n",
+            "{}max_steps = 4000\ndeterministic = true\nlogical_shards = 4\n{RECIPE}{extra}\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 200\n",
             training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50"),
             c.dir.path().display()
         )
@@ -512,6 +532,35 @@ fn training_bad_training_specs_are_refused_before_any_worker_starts() {
                 training_toml("b7", 1, 2, 2, "gpt", "file:///d", "")
             ),
             "unknown field `n_layers`",
+        ),
+        // a bad recipe (issue 49), named by its key
+        (
+            format!(
+                "{}[training.optimizer]\nname = \"adamw\"\nweight_decay = -0.1\n",
+                training_toml("b8", 1, 2, 2, "gpt", "file:///d", "")
+            ),
+            "invalid training.optimizer.weight_decay: -0.1 is not a number at or above 0",
+        ),
+        (
+            format!(
+                "{}max_steps = 100\n[training.lr_schedule]\nwarmup_steps = 200\n",
+                training_toml("b9", 1, 2, 2, "gpt", "file:///d", "")
+            ),
+            "invalid training.lr_schedule.warmup_steps: 200 is past max_steps = 100",
+        ),
+        (
+            format!(
+                "{}max_steps = 100\n[training.lr_schedule]\ndecay = \"exponential\"\n",
+                training_toml("b10", 1, 2, 2, "gpt", "file:///d", "")
+            ),
+            "invalid training.lr_schedule.decay: \"exponential\" is unknown",
+        ),
+        (
+            format!(
+                "{}[training.optimizer]\nname = \"sgd\"\nbetas = [0.9, 0.99]\n",
+                training_toml("b11", 1, 2, 2, "gpt", "file:///d", "")
+            ),
+            "invalid training.optimizer.betas: is a setting of \"adamw\", not of \"sgd\"",
         ),
     ];
     assert_refused(&c, &cases);

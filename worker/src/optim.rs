@@ -2,61 +2,73 @@
 //! out here (not tch's C++ optimizers) so that their state is ordinary tensors that can be sent
 //! to a newcomer and hashed, and so the arithmetic order is fixed.
 
+use ductile_cluster::recipe::{AdamW, OptimizerSpec, Sgd};
 use ductile_cluster::records::OptimizerKind;
 use tch::Tensor;
 
+/// The optimizer and its settings (`training.optimizer`).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
-    Sgd {
-        momentum: f64,
-    },
-    AdamW {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-    },
+    Sgd(Sgd),
+    AdamW(AdamW),
+}
+
+impl Kind {
+    pub fn of(spec: &OptimizerSpec) -> Kind {
+        match spec.name {
+            OptimizerKind::Sgd => Kind::Sgd(spec.sgd()),
+            OptimizerKind::Adamw => Kind::AdamW(spec.adamw()),
+        }
+    }
 }
 
 pub struct Optimizer {
     pub kind: Kind,
     /// Per parameter: the momentum buffer (SGD) or the first and second moments (AdamW).
     pub state: Vec<Tensor>,
+    /// Per parameter: whether it takes weight decay (`no_decay`); every one when empty.
+    pub decay: Vec<bool>,
 }
 
 impl Optimizer {
-    pub fn new(name: OptimizerKind, params: &[Tensor]) -> Optimizer {
-        let zeros = |n: usize| {
-            params
+    pub fn new(spec: &OptimizerSpec, params: &[Tensor]) -> Optimizer {
+        let kind = Kind::of(spec);
+        let n = spec.states() as usize;
+        Optimizer {
+            kind,
+            state: params
                 .iter()
                 .flat_map(|p| (0..n).map(|_| p.zeros_like()).collect::<Vec<_>>())
-                .collect()
-        };
-        match name {
-            OptimizerKind::Sgd => Optimizer {
-                kind: Kind::Sgd { momentum: 0.9 },
-                state: zeros(1),
-            },
-            OptimizerKind::Adamw => Optimizer {
-                kind: Kind::AdamW {
-                    beta1: 0.9,
-                    beta2: 0.95,
-                    eps: 1e-8,
-                    weight_decay: 0.01,
-                },
-                state: zeros(2),
-            },
+                .collect(),
+            decay: Vec::new(),
         }
     }
 
     /// The optimizer with its state not allocated yet (empty tensors): a sharded job's rank
     /// allocates only its rows, once it knows its shard ([`crate::train::Trainer`]'s agreement).
-    pub fn unallocated(name: OptimizerKind, params: &[Tensor]) -> Optimizer {
-        let mut o = Optimizer::new(name, &[]);
+    pub fn unallocated(spec: &OptimizerSpec, params: &[Tensor]) -> Optimizer {
+        let mut o = Optimizer::new(spec, &[]);
         o.state = params
             .iter()
-            .flat_map(|p| (0..name.states()).map(|_| Tensor::empty([0], (p.kind(), p.device()))))
+            .flat_map(|p| (0..spec.states()).map(|_| Tensor::empty([0], (p.kind(), p.device()))))
             .collect();
         o
+    }
+
+    /// Which of the parameters `names` (in the optimizer's order) take weight decay: those
+    /// no `no_decay` pattern of `spec` names.
+    pub fn decaying<'a>(
+        mut self,
+        spec: &OptimizerSpec,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Optimizer {
+        self.decay = names.into_iter().map(|n| spec.decays(n)).collect();
+        self
+    }
+
+    /// Whether parameter `i` takes weight decay.
+    pub fn decays(&self, i: usize) -> bool {
+        self.decay.get(i).copied().unwrap_or(true)
     }
 
     /// Apply one update. `step` is the 0-based index of the step being applied.
@@ -69,9 +81,10 @@ impl Optimizer {
     /// Apply one update to parameter `i` only (a pipeline stage updates its own layers).
     pub fn update(&mut self, i: usize, p: &Tensor, g: &Tensor, lr: f64, step: u64) {
         let per = self.per();
-        let kind = &self.kind;
+        let (kind, decay) = (self.kind, self.decays(i));
         apply(
-            kind,
+            &kind,
+            decay,
             &mut self.state[per * i..per * (i + 1)],
             p,
             g,
@@ -83,8 +96,8 @@ impl Optimizer {
     /// State tensors per parameter.
     pub fn per(&self) -> usize {
         match self.kind {
-            Kind::Sgd { .. } => 1,
-            Kind::AdamW { .. } => 2,
+            Kind::Sgd(_) => 1,
+            Kind::AdamW(_) => 2,
         }
     }
 
@@ -97,27 +110,55 @@ impl Optimizer {
 
 /// One update of `p` (in place) with gradient `g` and `state` (the parameter's momentum buffer,
 /// or its two moments), all of one shape: elementwise, so a slice of rows updated alone gets
-/// the bits the whole tensor's update gives those rows.
-pub fn apply(kind: &Kind, state: &mut [Tensor], p: &Tensor, g: &Tensor, lr: f64, step: u64) {
+/// the bits the whole tensor's update gives those rows. `decay`: whether `p` takes the weight
+/// decay. PyTorch's single-tensor SGD and AdamW (dampening 0, not maximizing, no amsgrad).
+pub fn apply(
+    kind: &Kind,
+    decay: bool,
+    state: &mut [Tensor],
+    p: &Tensor,
+    g: &Tensor,
+    lr: f64,
+    step: u64,
+) {
     tch::no_grad(|| match *kind {
-        Kind::Sgd { momentum } => {
+        Kind::Sgd(Sgd {
+            momentum,
+            nesterov,
+            weight_decay,
+        }) => {
+            // L2 weight decay on the gradient, as torch.optim.SGD
+            let decayed;
+            let g = if decay && weight_decay != 0.0 {
+                decayed = g + p * weight_decay;
+                &decayed
+            } else {
+                g
+            };
             let buf = &mut state[0];
             let _ = buf.g_mul_scalar_(momentum).g_add_(g);
             let mut p = p.shallow_clone();
-            let _ = p.g_sub_(&(&*buf * lr));
+            if nesterov {
+                let d = g + &*buf * momentum;
+                let _ = p.g_sub_(&(d * lr));
+            } else {
+                let _ = p.g_sub_(&(&*buf * lr));
+            }
         }
-        Kind::AdamW {
+        Kind::AdamW(AdamW {
             beta1,
             beta2,
             eps,
             weight_decay,
-        } => {
+        }) => {
             // PyTorch's single-tensor AdamW, in place where it can be (two temporaries
             // of a parameter's size, not eight: the update is memory-bound)
             let t = step as i32 + 1;
             let (c1, c2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
             let mut p = p.shallow_clone();
-            let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+            if decay && weight_decay != 0.0 {
+                let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+            }
             let _ = state[0].lerp_(g, 1.0 - beta1);
             let v = &mut state[1];
             let _ = v.g_mul_scalar_(beta2).addcmul_(&(g * (1.0 - beta2)), g);
@@ -130,18 +171,49 @@ pub fn apply(kind: &Kind, state: &mut [Tensor], p: &Tensor, g: &Tensor, lr: f64,
     })
 }
 
-/// Linear warm-up over the first 10 steps (or 10% of max_steps), then cosine decay to 10% of
-/// `lr` at `max_steps` (constant after warm-up when there is no max_steps).
-pub fn lr_at(lr: f64, step: u64, max_steps: Option<u64>) -> f64 {
-    let warm = max_steps.map(|m| (m / 10).clamp(1, 10)).unwrap_or(10);
-    if step < warm {
-        return lr * (step + 1) as f64 / warm as f64;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(v: serde_json::Value) -> OptimizerSpec {
+        serde_json::from_value(v).unwrap()
     }
-    match max_steps {
-        Some(m) if m > warm => {
-            let f = ((step - warm) as f64 / (m - warm) as f64).min(1.0);
-            lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * f).cos()))
+
+    /// torch.optim.SGD(momentum=0.9, nesterov=True, weight_decay=0.1), worked by hand: the
+    /// decay added to the gradient, the buffer, the look-ahead; a parameter `no_decay` names
+    /// takes none.
+    #[test]
+    fn sgd_with_nesterov_and_weight_decay_is_torch_s_and_no_decay_spares_a_parameter() {
+        let s = spec(
+            serde_json::json!({"name": "sgd", "momentum": 0.9, "nesterov": true, "weight_decay": 0.1, "no_decay": ["bias"]}),
+        );
+        let p = [Tensor::from_slice(&[1.0f64]), Tensor::from_slice(&[1.0f64])];
+        let mut o = Optimizer::new(&s, &p).decaying(&s, ["w", "b.bias"]);
+        let g = [Tensor::from_slice(&[0.5f64]), Tensor::from_slice(&[0.5f64])];
+        for step in 0..2 {
+            o.step(&p, &g, 0.1, step);
         }
-        _ => lr,
+        // decayed: g' = 0.6, buf = 0.6, d = 1.14, p = 0.886; then g' = 0.5886,
+        // buf = 1.1286, d = 1.60434, p = 0.725566
+        assert!((p[0].double_value(&[0]) - 0.725566).abs() < 1e-12);
+        // spared: buf = 0.5, d = 0.95, p = 0.905; buf = 0.95, d = 1.355, p = 0.7695
+        assert!((p[1].double_value(&[0]) - 0.7695).abs() < 1e-12);
+    }
+
+    /// AdamW's decoupled decay: a parameter with no gradient shrinks by (1 - lr·wd) per step
+    /// unless `no_decay` names it.
+    #[test]
+    fn adamw_decays_only_the_parameters_no_decay_leaves() {
+        let s =
+            spec(serde_json::json!({"name": "adamw", "weight_decay": 0.5, "no_decay": ["norm"]}));
+        let p = [Tensor::from_slice(&[2.0f64]), Tensor::from_slice(&[2.0f64])];
+        let mut o = Optimizer::new(&s, &p).decaying(
+            &s,
+            ["layers.0.mlp.weight", "layers.0.input_layernorm.weight"],
+        );
+        let g = [Tensor::from_slice(&[0.0f64]), Tensor::from_slice(&[0.0f64])];
+        o.step(&p, &g, 0.1, 0);
+        assert_eq!(p[0].double_value(&[0]), 2.0 * (1.0 - 0.1 * 0.5));
+        assert_eq!(p[1].double_value(&[0]), 2.0);
     }
 }

@@ -30,7 +30,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::data::{Dataset, Order};
 use crate::model::Model;
-use crate::optim::{lr_at, Optimizer};
+use crate::optim::Optimizer;
 use ductile_runtime::report::Reporter;
 use ductile_runtime::{GenCell, WorkerEnv};
 
@@ -191,10 +191,14 @@ impl Trainer {
         // agreement: the whole state never exists on one rank
         let sharded = spec.sharding.is_sharded();
         let opt = if sharded {
-            Optimizer::unallocated(spec.optimizer, &params)
+            Optimizer::unallocated(&spec.optimizer, &params)
         } else {
-            Optimizer::new(spec.optimizer, &params)
-        };
+            Optimizer::new(&spec.optimizer, &params)
+        }
+        .decaying(
+            &spec.optimizer,
+            model.params().iter().map(|(n, _)| n.as_str()),
+        );
         let shapes = params.iter().map(|p| p.size()).collect();
         let ledger = match std::env::var("DUCTILE_LEDGER_DIR") {
             Ok(dir) => {
@@ -819,7 +823,7 @@ impl Trainer {
             grads.push(flat.narrow(0, at, k).view(p.size().as_slice()));
             at += k;
         }
-        self.apply_step(arc, g, rank, &grads)?;
+        self.apply_step(arc, g, rank, &grads, loss)?;
         Ok(loss)
     }
 
@@ -851,7 +855,7 @@ impl Trainer {
         let tail = Vec::<f32>::try_from(riders.to_device(Device::Cpu))
             .unwrap_or_else(|_| vec![f32::NAN, 0.0, 0.0]);
         self.flags = (tail[1] > 0.0, tail[2] > 0.0);
-        self.apply_step(arc, g, rank, &grads)?;
+        self.apply_step(arc, g, rank, &grads, tail[0] as f64)?;
         Ok(tail[0] as f64)
     }
 
@@ -864,11 +868,12 @@ impl Trainer {
         g: &Generation,
         rank: u32,
         grads: &[Tensor],
+        loss: f64,
     ) -> Result<(), CommError> {
         if let Some(max) = self.spec.max_grad_norm {
             self.grad_norm = Some(clip_grad_norm(grads, max));
         }
-        let lr = lr_at(self.spec.lr, self.step, self.spec.max_steps);
+        let lr = self.spec.lr_plan().at(self.step);
         if self.shard_held.0 > 1 {
             self.sharded_update(comm, g, grads, lr)?;
         } else {
@@ -876,7 +881,7 @@ impl Trainer {
         }
         ledger_line(
             &mut self.ledger,
-            serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true}),
+            serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true, "lr": lr, "loss": loss}),
         );
         self.step += 1;
         Ok(())
@@ -942,7 +947,15 @@ impl Trainer {
                 let p = tch::no_grad(|| self.params[i].detach().narrow(0, at, n).copy());
                 let mut st: Vec<Tensor> = self.opt.state_of(i).iter().map(|t| t.copy()).collect();
                 let gr = grads[i].narrow(0, at, n);
-                crate::optim::apply(&self.opt.kind, &mut st, &p, &gr, lr, step);
+                crate::optim::apply(
+                    &self.opt.kind,
+                    self.opt.decays(i),
+                    &mut st,
+                    &p,
+                    &gr,
+                    lr,
+                    step,
+                );
                 updated.push(p.reshape([-1]));
                 states.push((i, st));
             }

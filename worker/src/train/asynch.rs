@@ -67,7 +67,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::driver::{Commit, Mode, Worked};
 use super::{ledger_line, Trainer};
-use crate::optim::{lr_at, Optimizer};
+use crate::optim::Optimizer;
 
 /// The dispenser of positions (held by member 0; copies ride on its answers).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -493,15 +493,14 @@ struct ServerCfg {
 struct ApplyRules {
     batch: u64,
     global_batch: u64,
-    lr: f64,
-    max_steps: Option<u64>,
+    lr: ductile_cluster::recipe::LrPlan,
 }
 
 impl ApplyRules {
     fn apply(&self, owned: &mut Owned, grad: &[f32]) {
         let g = Tensor::from_slice(grad);
         let step = owned.version * self.batch / self.global_batch.max(1);
-        let lr = lr_at(self.lr, step, self.max_steps);
+        let lr = self.lr.at(step);
         owned
             .opt
             .step(&[owned.values.shallow_clone()], &[g], lr, owned.version);
@@ -924,8 +923,7 @@ impl Async {
                     let rules = ApplyRules {
                         batch: (t.spec.global_batch as u64).div_ceil(old_world.max(1) as u64),
                         global_batch: t.spec.global_batch as u64,
-                        lr: t.spec.lr,
-                        max_steps: t.spec.max_steps,
+                        lr: t.spec.lr_plan(),
                     };
                     for r in &pending {
                         // decided here already (queued behind an undecided one), or by member
@@ -1039,7 +1037,7 @@ impl Async {
         let mine = ranges(n, g.world_size as usize)[rank as usize].clone();
         let len = mine.len() as i64;
         let slice = values.narrow(0, mine.start as i64, len).copy();
-        let mut opt = Optimizer::new(t.spec.optimizer, &[slice.shallow_clone()]);
+        let mut opt = Optimizer::new(&t.spec.optimizer, &[slice.shallow_clone()]);
         tch::no_grad(|| {
             for (s, o) in opt.state.iter_mut().zip(&opt_full) {
                 s.copy_(&o.narrow(0, mine.start as i64, len));
@@ -1154,8 +1152,7 @@ impl Async {
             rules: ApplyRules {
                 batch: (t.spec.global_batch as u64).div_ceil(world as u64),
                 global_batch: t.spec.global_batch as u64,
-                lr: t.spec.lr,
-                max_steps: t.spec.max_steps,
+                lr: t.spec.lr_plan(),
             },
         };
         let server = {

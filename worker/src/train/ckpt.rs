@@ -102,8 +102,8 @@ impl Ckpt {
             .collect();
         let per = opt.state.len() / params.len().max(1);
         let suffix: &[&str] = match opt.kind {
-            crate::optim::Kind::Sgd { .. } => &["momentum_buffer"],
-            crate::optim::Kind::AdamW { .. } => &["exp_avg", "exp_avg_sq"],
+            crate::optim::Kind::Sgd(_) => &["momentum_buffer"],
+            crate::optim::Kind::AdamW(_) => &["exp_avg", "exp_avg_sq"],
         };
         // (a state tensor has its parameter's shape; a sharded job's is not allocated yet)
         for i in 0..opt.state.len() {
@@ -382,16 +382,12 @@ impl Trainer {
                 "note": "the models have no stochastic layers; the data order derives from (seed, epoch)",
             },
             "optimizer": {
-                "name": self.spec.optimizer,
+                "name": self.spec.optimizer.name,
                 "lr": self.spec.lr,
-                "schedule": "linear warm-up then cosine to 10% at max_steps",
                 "max_steps": self.spec.max_steps,
-                "hyper_parameters": match self.opt.kind {
-                    crate::optim::Kind::Sgd { momentum } => serde_json::json!({"momentum": momentum}),
-                    crate::optim::Kind::AdamW { beta1, beta2, eps, weight_decay } =>
-                        serde_json::json!({"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}),
-                },
             },
+            // what the rate of every step and the update are a function of, compared at restore
+            "recipe": self.spec.recipe(),
             "model": self.spec.model,
             "model_config": self.spec.model_config,
             "deterministic": self.spec.deterministic,
@@ -1156,6 +1152,22 @@ impl Trainer {
                     ck.bucket.url,
                     self.train_samples
                 );
+            }
+        }
+        // the rate of step S and the update are the recipe's: another recipe is another run
+        if let Some(was) = x.get("recipe").filter(|v| !v.is_null()) {
+            let differs = self.spec.recipe().differences(was);
+            if !differs.is_empty() {
+                if !ck.spec.allow_recipe_change {
+                    anyhow::bail!(
+                        "checkpoint step {} at {} was saved with another recipe ({}): resumed with this one, its steps would not run at the rates and with the updates of the run it continues; put the [training] keys back, or set checkpoint.allow_recipe_change = true to go on with the new recipe from step {}",
+                        m.step,
+                        ck.bucket.url,
+                        differs.join("; "),
+                        m.step
+                    );
+                }
+                tracing::warn!(step = m.step, differs = %differs.join("; "), "restoring a checkpoint saved with another recipe (checkpoint.allow_recipe_change)");
             }
         }
         Ok(())

@@ -39,7 +39,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::driver::{Commit, Mode, Worked};
 use super::{flat, flat_views, ledger_line, Trainer};
-use crate::optim::{lr_at, Optimizer};
+use crate::optim::Optimizer;
 
 /// What every member of a round agrees on (sent by the source of a generation's agreement).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -188,10 +188,13 @@ impl Diloco {
     /// checkpoint saves and restores as optimizer state.
     pub fn outer_optimizer(&self, spec: &TrainingSpec) -> Optimizer {
         Optimizer {
-            kind: crate::optim::Kind::Sgd {
+            kind: crate::optim::Kind::Sgd(ductile_cluster::recipe::Sgd {
                 momentum: spec.diloco.outer_momentum,
-            },
+                nesterov: true,
+                weight_decay: 0.0,
+            }),
             state: self.momentum.iter().map(|t| t.shallow_clone()).collect(),
+            decay: Vec::new(),
         }
     }
 
@@ -516,7 +519,7 @@ impl Diloco {
         }
         let (idx, loss) = t.backward_on(&take);
         let grads = t.grads_or_zeros();
-        let lr = lr_at(t.spec.lr, t.step, t.spec.max_steps);
+        let lr = t.spec.lr_plan().at(t.step);
         t.opt.step(&t.params, &grads, lr, t.step);
         t.step += 1;
         let round = self.meta.round;

@@ -149,13 +149,17 @@ fn progress_line(p: &Progress, world: u32) -> String {
             p.step,
             p.dropped_updates.unwrap_or(0)
         ),
-        (None, None) => match p.grad_norm {
-            Some(n) => format!(
-                "step {} loss {loss:.4} grad norm {n:.4} samples/s {sps:.1} world {world}",
+        (None, None) => {
+            let norm = p
+                .grad_norm
+                .map(|n| format!(" grad norm {n:.4}"))
+                .unwrap_or_default();
+            let lr = p.lr.map(|r| format!(" lr {r:.3e}")).unwrap_or_default();
+            format!(
+                "step {} loss {loss:.4}{norm}{lr} samples/s {sps:.1} world {world}",
                 p.step
-            ),
-            None => format!("step {} loss {loss:.4} samples/s {sps:.1} world {world}", p.step),
-        },
+            )
+        }
     }
 }
 
@@ -326,6 +330,7 @@ impl Driver {
                         eval_loss: t.last_eval.map(|e| e.1),
                         eval_step: t.last_eval.map(|e| e.0),
                         grad_norm: t.grad_norm,
+                        lr: t.step.checked_sub(1).map(|s| t.spec.lr_plan().at(s)),
                         ..Default::default()
                     };
                     mode.report(t, &mut p);
@@ -376,6 +381,9 @@ impl Driver {
                 final_weights_sha256: Some(sha.clone()),
                 eval_loss: eval,
                 eval_step,
+                // the last step's rate and norm (the loss is the last report's)
+                lr: t.step.checked_sub(1).map(|s| t.spec.lr_plan().at(s)),
+                grad_norm: t.grad_norm,
                 ..Default::default()
             };
             // the mode's own figures as of the run's end (DiLoCo's last round, async's

@@ -30,7 +30,6 @@ use tch::{Device, Kind, Tensor};
 use super::agree::Pending;
 use super::reshard::protocol;
 use super::{ledger_line, Trainer};
-use crate::optim::lr_at;
 
 /// Receives a step's point-to-point messages: each peer's arrive in the order it sends them
 /// ([`send_order`]), and those that come before the one asked for are kept aside (with
@@ -280,7 +279,7 @@ impl Trainer {
         generation: u64,
         rank: u32,
     ) {
-        let lr = lr_at(self.spec.lr, step, self.spec.max_steps);
+        let lr = self.spec.lr_plan().at(step);
         for (j, i) in which.iter().enumerate() {
             let p = self.params[*i].shallow_clone();
             self.opt.update(*i, &p, &grads[j], lr, step);
