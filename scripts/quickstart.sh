@@ -46,7 +46,7 @@ say "the dashboard (live curves, generations, members, nodes; read-only token): 
 declare -A agent_pid
 start_agent() {
   "$bin/ductile-agent" --etcd "$etcd_url" --node "$1" --cpu-slots 2 --lease-ttl 2 --gpus off --advertise-host 127.0.0.1 --restart-backoff-ms 1000 \
-    --allowed-paths "$work" >>"$work/$1.log" 2>&1 &
+    --allowed-paths "$work" --log-dir "$work/logs-$1" >>"$work/$1.log" 2>&1 &
   pids+=($!)
   agent_pid["$1"]=$!
 }

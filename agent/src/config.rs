@@ -138,6 +138,17 @@ pub struct Cli {
     /// /var/lib/ductile/work.
     #[arg(long, env = "DUCTILE_WORK_ROOT")]
     pub work_root: Option<PathBuf>,
+    /// Where every worker's and program's output is kept on this node: LOG_DIR/JOB/slot-S.log
+    /// (a mark opens each generation with the slot's rank), rotated past --log-max-mib to
+    /// slot-S.log.1. Default /var/lib/ductile/logs.
+    #[arg(long, env = "DUCTILE_LOG_DIR")]
+    pub log_dir: Option<PathBuf>,
+    /// A program's log file is rotated past this many MiB (one older file kept). Default 16.
+    #[arg(long, env = "DUCTILE_LOG_MAX_MIB")]
+    pub log_max_mib: Option<u64>,
+    /// A job's logs go once no process of it wrote for this many hours. Default 168 (a week).
+    #[arg(long, env = "DUCTILE_LOG_KEEP_HOURS")]
+    pub log_keep_hours: Option<u64>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -174,6 +185,9 @@ pub struct FileConfig {
     pub torchft_ca: Option<PathBuf>,
     pub cgroup: Option<String>,
     pub work_root: Option<PathBuf>,
+    pub log_dir: Option<PathBuf>,
+    pub log_max_mib: Option<u64>,
+    pub log_keep_hours: Option<u64>,
 }
 
 /// Which GPUs a node offers.
@@ -245,6 +259,10 @@ pub struct Config {
     pub cgroup: ductile_runtime::cgroup::CgroupMode,
     /// The root of the per-job working directories of programs (`work_root`).
     pub work_root: PathBuf,
+    /// Where programs' output is kept, per job and slot ([`crate::joblog`]).
+    pub log_dir: PathBuf,
+    pub log_max_bytes: u64,
+    pub log_keep: Duration,
 }
 
 /// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
@@ -445,6 +463,23 @@ impl Config {
                 .work_root
                 .or(file.work_root)
                 .unwrap_or_else(|| "/var/lib/ductile/work".into()),
+            log_dir: cli
+                .log_dir
+                .or(file.log_dir)
+                .unwrap_or_else(|| "/var/lib/ductile/logs".into()),
+            log_max_bytes: cli
+                .log_max_mib
+                .or(file.log_max_mib)
+                .unwrap_or(16)
+                .clamp(1, 4096)
+                << 20,
+            log_keep: Duration::from_secs(
+                cli.log_keep_hours
+                    .or(file.log_keep_hours)
+                    .unwrap_or(168)
+                    .max(1)
+                    * 3600,
+            ),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod devices;
+pub mod joblog;
 pub mod secrets;
 pub mod writer;
 
@@ -43,6 +44,8 @@ struct Child {
     generation: u64,
     stop: Option<oneshot::Sender<()>>,
     stopping: bool,
+    /// Where its output is kept on this node (none when the log file cannot be written).
+    log: Option<joblog::Shared>,
 }
 
 struct Exit {
@@ -84,6 +87,10 @@ pub struct Agent {
     cgroups: Option<ductile_runtime::cgroup::Cgroups>,
     /// Slots whose last program's cgroup still holds processes: no program starts there.
     lingering: HashMap<u32, (ductile_runtime::cgroup::Cgroup, String)>,
+    /// When the log directories were last collected ([`Agent::collect_logs`]).
+    logs_collected: Option<Instant>,
+    /// The log requests already being answered.
+    log_requests_seen: std::collections::BTreeSet<String>,
     /// A number for each program's cgroup name.
     spawned: u64,
 }
@@ -166,6 +173,8 @@ impl Agent {
             jobs: BTreeMap::new(),
             cgroups,
             lingering: HashMap::new(),
+            logs_collected: None,
+            log_requests_seen: Default::default(),
             spawned: 0,
         };
         claim_node(&store, &agent.node, keeper.current().id, cfg.lease_ttl).await?;
@@ -183,6 +192,12 @@ impl Agent {
         let mut drains_rx = watch_prefix(
             backend.clone(),
             store.keys.drain(&cfg.node),
+            watch_cancel.clone(),
+        );
+        // `dctl logs`: the daemons' requests for this node's programs' output
+        let mut logs_rx = watch_prefix(
+            backend.clone(),
+            store.keys.log_requests(&cfg.node),
             watch_cancel.clone(),
         );
         let mut lease_rx = keeper.subscribe();
@@ -216,6 +231,10 @@ impl Agent {
                     let snap = drains_rx.borrow_and_update().clone();
                     agent.on_drains(&snap);
                 },
+                r = logs_rx.changed() => if r.is_ok() {
+                    let snap = logs_rx.borrow_and_update().clone();
+                    agent.on_log_requests(&snap);
+                },
                 Some(exit) = exits_rx.recv() => agent.on_exit(exit),
                 r = lease_rx.changed() => if r.is_ok() {
                     let st = *lease_rx.borrow_and_update();
@@ -241,6 +260,7 @@ impl Agent {
                     ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Watchdog]);
                     agent.sweep_orphans();
                     agent.retry_lingering();
+                    agent.collect_logs();
                 }
             }
             agent.reconcile();
@@ -455,8 +475,18 @@ impl Agent {
                 Some(j) if j.generation < child.generation => true,
                 Some(j) => {
                     let ok = j.member_since(key.1, child.generation);
-                    if ok {
+                    if ok && j.generation != child.generation {
                         child.generation = j.generation;
+                        // the slot's rank in the generation it now serves opens its lines
+                        if let (Some(log), Some(m)) =
+                            (&child.log, j.slots.iter().find(|m| m.slot == key.1))
+                        {
+                            log.lock().unwrap_or_else(|e| e.into_inner()).mark(
+                                j.generation,
+                                m.rank,
+                                child.pid,
+                            );
+                        }
                     }
                     ok
                 }
@@ -515,6 +545,76 @@ impl Agent {
         let n = ductile_runtime::reap::sweep_orphans(&tracked);
         if n > 0 {
             tracing::warn!(killed = n, "killed processes a dead launcher left running");
+        }
+    }
+
+    /// Answer each new `dctl logs` request for this node (read off the actor, on the blocking
+    /// pool): the answer goes under the request's lease, and the request is deleted.
+    fn on_log_requests(&mut self, snap: &ductile_cluster::watch::Snapshot) {
+        self.log_requests_seen
+            .retain(|k| snap.kvs.contains_key(k.as_str()));
+        for (key, kv) in snap.kvs.iter() {
+            if !self.log_requests_seen.insert(key.clone()) {
+                continue;
+            }
+            let (store, root, key, value) = (
+                self.store.clone(),
+                self.cfg.log_dir.clone(),
+                key.clone(),
+                kv.value.clone(),
+            );
+            tokio::spawn(async move {
+                let id = key.rsplit('/').next().unwrap_or_default().to_string();
+                let req: ductile_cluster::records::LogRequest = match serde_json::from_slice(&value)
+                {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(key = %key, error = %e, "an unreadable log request: deleted");
+                        let _ = store.backend.delete(&key).await;
+                        return;
+                    }
+                };
+                let lease = req.lease;
+                let ans =
+                    match tokio::task::spawn_blocking(move || joblog::answer(&root, &req)).await {
+                        Ok(a) => a,
+                        Err(e) => ductile_cluster::records::LogAnswer {
+                            error: Some(format!("reading the log failed: {e}")),
+                            ..Default::default()
+                        },
+                    };
+                if let Err(e) = store
+                    .backend
+                    .put(&store.keys.log_answer(&id), encode(&ans), Some(lease))
+                    .await
+                {
+                    tracing::warn!(request = %id, error = %e, "cannot write the answer to a log request (its lease may have ended)");
+                }
+                let _ = store.backend.delete(&key).await;
+            });
+        }
+    }
+
+    /// Once an hour (and at start): the log directories of jobs no process of which wrote for
+    /// `log_keep` go, unless the job is still known here.
+    fn collect_logs(&mut self) {
+        if self
+            .logs_collected
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(3600))
+        {
+            return;
+        }
+        self.logs_collected = Some(Instant::now());
+        let known: std::collections::BTreeSet<String> = self
+            .jobs
+            .keys()
+            .cloned()
+            .chain(self.children.keys().map(|k| k.0.clone()))
+            .collect();
+        let (dir, keep) = (self.cfg.log_dir.clone(), self.cfg.log_keep);
+        let gone = joblog::collect(&dir, keep, &|j| known.contains(j));
+        if gone > 0 {
+            tracing::info!(jobs = gone, dir = %dir.display(), "deleted the logs of jobs idle past --log-keep-hours");
         }
     }
 
@@ -813,6 +913,23 @@ impl Agent {
         };
         let pid = child.id().unwrap_or(0);
         tracing::info!(job = %key.0, slot = key.1, pid, generation = j.generation, rank, "worker started");
+        let log = match joblog::SlotLog::open(
+            &self.cfg.log_dir,
+            &key.0,
+            key.1,
+            self.cfg.log_max_bytes,
+        ) {
+            Ok(l) => {
+                l.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .mark(j.generation, rank, pid);
+                Some(l)
+            }
+            Err(e) => {
+                tracing::warn!(job = %key.0, slot = key.1, dir = %self.cfg.log_dir.display(), error = %e, "cannot keep this worker's output in a log file (--log-dir): it goes to the agent's log only");
+                None
+            }
+        };
         let last_words = Arc::new(std::sync::Mutex::new(None::<String>));
         let mut stderr_done = None;
         for (stream, name) in [
@@ -834,6 +951,7 @@ impl Agent {
             if let Some(s) = stream {
                 let (job, slot) = key.clone();
                 let last = (name == "stderr").then(|| last_words.clone());
+                let file = log.clone();
                 let h = tokio::spawn(async move {
                     let mut lines = ductile_cluster::lines::BoundedLines::new(
                         BufReader::new(s),
@@ -841,6 +959,11 @@ impl Agent {
                     );
                     while let Ok(Some(line)) = lines.next_line().await {
                         tracing::info!(target: "worker", job = %job, slot, pid, stream = name, "{line}");
+                        if let Some(f) = &file {
+                            f.lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .line(name, &line);
+                        }
                         // the worker's own last words: its fatal errors start with its name
                         if let Some(l) = &last {
                             if line.starts_with("ductile-worker:") {
@@ -931,6 +1054,7 @@ impl Agent {
                 generation: j.generation,
                 stop: Some(stop_tx),
                 stopping: false,
+                log,
             },
         );
         let rec = WorkerRecord {

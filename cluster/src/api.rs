@@ -218,3 +218,26 @@ pub struct SeriesView {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub quorums: Vec<crate::series::QuorumMark>,
 }
+
+/// `GET /v1/jobs/{job}/logs` (`dctl logs`): what one slot's processes wrote, as its agent keeps
+/// it (`LOG_DIR/JOB/slot-S.log`: a `=== generation G rank R pid P ===` mark opens each
+/// generation the slot served; every other line `DATE TIME STREAM LINE`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogView {
+    pub job: String,
+    pub node: String,
+    pub slot: u32,
+    /// The rank asked for (none when the request named the node and slot).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
+    /// The generation the rank was looked up in (0 when the request named the node and slot).
+    pub generation: u64,
+    pub text: String,
+    /// Where a follow-up (`offset=`, with this `node` and `slot`) starts.
+    pub offset: u64,
+    /// Older lines were left out (an answer holds at most 512 KiB).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+    /// The file on the node.
+    pub file: String,
+}

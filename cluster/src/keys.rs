@@ -22,6 +22,9 @@
 //! {prefix}/live/{job}/checkpoint_stats         CheckpointStats, the workers' figures
 //! {prefix}/live/{job}/ranks/{rank}             RankStats: a rank's step and compute times
 //! {prefix}/assign/{node}/{job}                 NodeAssignment: the leader's per-node view
+//! {prefix}/logs/requests/{node}/{id}            LogRequest: a daemon asks an agent for a
+//!                                               slot's output (`dctl logs`), under a short lease
+//! {prefix}/logs/answers/{id}                    LogAnswer, under the request's lease
 //!
 //! `jobs/` holds control state; `live/` what workers write as they run, at up to 1 Hz per job,
 //! which only the leader and the API read. Agents watch neither: each watches only its own
@@ -320,6 +323,16 @@ impl Keys {
     }
     pub fn election(&self) -> String {
         format!("{}/election", self.prefix)
+    }
+    /// The log requests for `node`'s agent (what it watches).
+    pub fn log_requests(&self, node: &str) -> String {
+        format!("{}/logs/requests/{node}/", self.prefix)
+    }
+    pub fn log_request(&self, node: &str, id: &str) -> String {
+        format!("{}/logs/requests/{node}/{id}", self.prefix)
+    }
+    pub fn log_answer(&self, id: &str) -> String {
+        format!("{}/logs/answers/{id}", self.prefix)
     }
 
     /// Where each ductiled replica serves TorchFT's lighthouse (`{"addr": "HOST:PORT"}`, under

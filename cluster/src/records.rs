@@ -11,12 +11,44 @@ pub use crate::modes::{
 pub use crate::recipe::{LrSchedule, OptimizerSpec};
 use crate::{ClusterError, Result};
 
+/// `bytes` from the system's CSPRNG, as hex.
+pub fn random_hex(bytes: usize) -> String {
+    use ring::rand::SecureRandom;
+    let mut b = vec![0u8; bytes];
+    ring::rand::SystemRandom::new()
+        .fill(&mut b)
+        .expect("the system's random source");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 /// Milliseconds since the Unix epoch, the time unit of every record.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` (UTC) of milliseconds since the epoch.
+pub fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // civil-from-days (Howard Hinnant)
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -2689,14 +2721,9 @@ pub struct MeshKey {
 impl MeshKey {
     /// A fresh key for `generation`, from the system's CSPRNG.
     pub fn fresh(generation: u64) -> MeshKey {
-        use ring::rand::SecureRandom;
-        let mut b = [0u8; 32];
-        ring::rand::SystemRandom::new()
-            .fill(&mut b)
-            .expect("the system's random source");
         MeshKey {
             generation,
-            key: b.iter().map(|x| format!("{x:02x}")).collect(),
+            key: random_hex(32),
         }
     }
 
@@ -2810,6 +2837,47 @@ pub struct Progress {
     /// The learning rate the last committed step ran at.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
+}
+
+/// `dctl logs`: a daemon asks the agent of a node for what a slot's processes wrote (the
+/// agent's `LOG_DIR/JOB/slot-S.log`). Written under a lease of a few seconds that the answer
+/// shares, so neither outlives the question.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogRequest {
+    pub job: String,
+    pub slot: u32,
+    /// Only the lines of this generation (after its mark, before the next).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+    /// Only the last N lines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tail: Option<u32>,
+    /// What the file holds from this byte on (`--follow`: the previous answer's `offset`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    /// The lease the answer is written under.
+    pub lease: i64,
+}
+
+/// The agent's answer to a [`LogRequest`]: at most [`LogAnswer::MAX_BYTES`] of text.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LogAnswer {
+    pub text: String,
+    /// The file's length after what `text` holds: where a follow-up request starts.
+    pub offset: u64,
+    /// Older lines were left out to stay within the bound.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+    /// The file the lines came from, on the node.
+    pub file: String,
+    /// Why there is nothing (no such file: the slot's processes wrote nothing here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl LogAnswer {
+    /// An answer's text bound (etcd's requests stay well below their 1.5 MiB limit).
+    pub const MAX_BYTES: usize = 512 << 10;
 }
 
 /// One rank's step figures over its last report window (about 2 s), so a straggler shows:

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
@@ -106,6 +107,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{job}/series", get(series))
         .route("/v1/jobs/{job}/checkpoints", get(checkpoints))
         .route("/v1/jobs/{job}/spec", get(job_spec))
+        .route("/v1/jobs/{job}/logs", get(logs))
         .route("/v1/jobs/{job}/plan", get(plan))
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}/drain", post(drain).delete(undrain))
@@ -708,6 +710,154 @@ fn encode_now() -> Vec<u8> {
 }
 
 #[derive(Deserialize)]
+struct LogQuery {
+    /// The rank (default 0) in `generation` (default the latest) whose slot's output is read.
+    rank: Option<u32>,
+    generation: Option<u64>,
+    tail: Option<u32>,
+    /// A follow: the file of this node and slot, from this byte on.
+    offset: Option<u64>,
+    node: Option<String>,
+    slot: Option<u32>,
+}
+
+/// Whether `node`'s agent holds its registration (a node record under its lease).
+async fn node_registered(st: &AppState, node: &str) -> ApiResult<bool> {
+    Ok(st
+        .store
+        .backend
+        .get(&st.store.keys.node(node))
+        .await?
+        .is_some())
+}
+
+/// How long the daemon waits for an agent to answer a log request.
+const LOG_ANSWER_WAIT: Duration = Duration::from_secs(10);
+
+/// `dctl logs`: what the slot of `rank` in `generation` wrote (its agent's LOG_DIR/JOB/slot-S.log),
+/// asked of that node's agent through etcd (a request under a short lease; the agent answers
+/// under the same lease). The admin token only: programs' output may hold what they print.
+async fn logs(
+    State(st): State<AppState>,
+    axum::Extension(scope): axum::Extension<Scope>,
+    Path(job): Path<String>,
+    Query(q): Query<LogQuery>,
+) -> ApiResult<Json<ductile_cluster::api::LogView>> {
+    if scope != Scope::Admin {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "programs' output may hold what they print: logs are read with the admin token, not the read-only one",
+        ));
+    }
+    if st.store.spec(&job).await?.is_none() {
+        return Err(ApiError::not_found(&job));
+    }
+    let history = st.store.history(&job).await?;
+    let rank = q.rank.unwrap_or(0);
+    let (node, slot, generation) = match (q.node, q.slot) {
+        (Some(node), Some(slot)) => {
+            ductile_cluster::keys::validate_name("node", &node)?;
+            (node, slot, q.generation.unwrap_or(0))
+        }
+        _ => {
+            let g = match q.generation {
+                Some(n) => history.iter().find(|g| g.number == n).ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::NOT_FOUND,
+                        format!(
+                            "{job} has no generation {n} (it has {})",
+                            history
+                                .first()
+                                .zip(history.last())
+                                .map(|(a, b)| format!("{} to {}", a.number, b.number))
+                                .unwrap_or_else(|| "none yet".into())
+                        ),
+                    )
+                })?,
+                None => history.last().ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::NOT_FOUND,
+                        format!("{job} has no generation yet: no program ran"),
+                    )
+                })?,
+            };
+            let m = g.members.iter().find(|m| m.rank == rank).ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "generation {} of {job} has no rank {rank} (world {})",
+                        g.number, g.world_size
+                    ),
+                )
+            })?;
+            (m.node.clone(), m.slot, g.number)
+        }
+    };
+    let unavailable = |why: String| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, why);
+    if !node_registered(&st, &node).await? {
+        return Err(unavailable(format!(
+            "node {node} is not registered (its agent is gone): slot {slot}'s output is on its disk, in the agent's log directory under {job}/slot-{slot}.log"
+        )));
+    }
+    let lease = st
+        .store
+        .backend
+        .grant(LOG_ANSWER_WAIT.as_secs() as i64 + 5)
+        .await?;
+    let id = ductile_cluster::records::random_hex(16);
+    let req = ductile_cluster::records::LogRequest {
+        job: job.clone(),
+        slot,
+        generation: q.generation.filter(|_| q.offset.is_none()),
+        tail: q.tail,
+        offset: q.offset,
+        lease,
+    };
+    let body = serde_json::to_vec(&req)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    st.store
+        .backend
+        .put(&st.store.keys.log_request(&node, &id), body, Some(lease))
+        .await?;
+    let answer_key = st.store.keys.log_answer(&id);
+    let t0 = std::time::Instant::now();
+    let answer = loop {
+        if let Some(kv) = st.store.backend.get(&answer_key).await? {
+            break serde_json::from_slice::<ductile_cluster::records::LogAnswer>(&kv.value)
+                .map_err(|e| {
+                    unavailable(format!(
+                        "node {node}'s agent answered what is not a log answer: {e}"
+                    ))
+                });
+        }
+        if t0.elapsed() > LOG_ANSWER_WAIT {
+            break Err(unavailable(format!(
+                "node {node}'s agent did not answer within {} s (an agent older than dctl logs, or one that cannot reach etcd)",
+                LOG_ANSWER_WAIT.as_secs()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // the request and the answer go with their lease
+    let _ = st.store.backend.revoke(lease).await;
+    let a = answer?;
+    if let Some(e) = a.error {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, e));
+    }
+    Ok(Json(ductile_cluster::api::LogView {
+        job,
+        node,
+        slot,
+        rank: q.rank,
+        generation,
+        text: a.text,
+        offset: a.offset,
+        truncated: a.truncated,
+        file: a.file,
+    }))
+}
+
+#[derive(Deserialize)]
 struct SeriesQuery {
     #[serde(default)]
     from: u64,
@@ -915,13 +1065,7 @@ async fn drain(
         serde_json::from_slice(&body)
             .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("drain request: {e}")))?
     };
-    if st
-        .store
-        .backend
-        .get(&st.store.keys.node(&node))
-        .await?
-        .is_none()
-    {
+    if !node_registered(&st, &node).await? {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!("no live node named {node:?}"),

@@ -124,6 +124,24 @@ enum Cmd {
         #[arg(long)]
         quorums: bool,
     },
+    /// What a rank's worker or program wrote to stdout and stderr, as its node's agent keeps it
+    /// (each generation the slot served opens with `=== generation G rank R pid P ===`);
+    /// through the daemon, with the admin token.
+    Logs {
+        job: String,
+        /// The rank (default 0), in --generation (default the latest).
+        #[arg(long)]
+        rank: Option<u32>,
+        /// Only that generation's lines, and the rank's slot in it.
+        #[arg(long)]
+        generation: Option<u64>,
+        /// The last N lines.
+        #[arg(long)]
+        tail: Option<u32>,
+        /// Then print what the slot writes, as it comes, until the job ends (Ctrl-C to leave).
+        #[arg(long, short = 'f')]
+        follow: bool,
+    },
     /// Follow a job's step, loss (with a sparkline of the recent loss), throughput and
     /// generation until it ends (Ctrl-C to leave).
     Watch { job: String },
@@ -944,6 +962,68 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
+        Cmd::Logs {
+            job,
+            rank,
+            generation,
+            tail,
+            follow,
+        } => {
+            let mut query = vec![format!("rank={}", rank.unwrap_or(0))];
+            query.extend(generation.map(|g| format!("generation={g}")));
+            query.extend(tail.map(|n| format!("tail={n}")));
+            let v: ductile_cluster::api::LogView = serde_json::from_value(
+                c.call(
+                    Method::GET,
+                    &format!("/v1/jobs/{job}/logs?{}", query.join("&")),
+                    None,
+                )
+                .await?,
+            )?;
+            if json {
+                println!("{}", serde_json::to_string(&v)?);
+            } else {
+                if v.truncated {
+                    eprintln!("(older lines left out: an answer holds at most 512 KiB; the whole file is {} on node {})", v.file, v.node);
+                }
+                print!("{}", clean(&v.text));
+            }
+            let mut offset = v.offset;
+            // the same file from there on, until the job has ended and nothing more came
+            while follow {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let more: ductile_cluster::api::LogView = serde_json::from_value(
+                    c.call(
+                        Method::GET,
+                        &format!(
+                            "/v1/jobs/{job}/logs?node={}&slot={}&offset={offset}",
+                            v.node, v.slot
+                        ),
+                        None,
+                    )
+                    .await?,
+                )?;
+                if json {
+                    if !more.text.is_empty() {
+                        println!("{}", serde_json::to_string(&more)?);
+                    }
+                } else {
+                    print!("{}", clean(&more.text));
+                }
+                // piped (dctl logs -f | grep ...): each answer as it comes
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+                offset = more.offset;
+                if more.text.is_empty() {
+                    let s: JobView = serde_json::from_value(
+                        c.call(Method::GET, &format!("/v1/jobs/{job}"), None)
+                            .await?,
+                    )?;
+                    if s.state.is_terminal() {
+                        break;
+                    }
+                }
+            }
+        }
         Cmd::Watch { job } => {
             let mut last_gen = 0;
             let mut losses: std::collections::VecDeque<f64> = Default::default();
@@ -1085,24 +1165,7 @@ fn human_bytes(b: u64) -> String {
 
 /// `YYYY-MM-DD HH:MM:SS` (UTC) of milliseconds since the epoch.
 fn utc(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    // civil-from-days (Howard Hinnant)
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + (m <= 2) as i64;
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    ductile_cluster::records::utc(ms)
 }
 
 #[cfg(test)]

@@ -1187,6 +1187,17 @@ impl Cluster {
                 args.extend([flag.to_string(), pki.join(file).display().to_string()]);
             }
         }
+        // programs' logs, per job and slot, in the cluster's own directory
+        if !extra.contains(&"--log-dir") {
+            args.extend([
+                "--log-dir".to_string(),
+                self.dir
+                    .path()
+                    .join(format!("logs-{name}"))
+                    .display()
+                    .to_string(),
+            ]);
+        }
         // programs' per-job working directories in the cluster's own directory
         if !extra.contains(&"--work-root") {
             args.extend([

@@ -224,6 +224,57 @@ fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
         ev.contains("killed by signal 9") && ev.contains("node node2 was lost"),
         "{ev}"
     );
+    // the script's output, kept on its node per job and slot (issue 48): rank 0's file has the
+    // last generation's mark, then the script's last line
+    let last = c.history("ddp").last().unwrap().clone();
+    let m = last.members.iter().find(|m| m.rank == 0).unwrap();
+    let file = c
+        .dir
+        .path()
+        .join(format!("logs-{}", m.node))
+        .join("ddp")
+        .join(format!("slot-{}.log", m.slot));
+    let text = std::fs::read_to_string(&file).unwrap();
+    let mark = format!("=== generation {} rank 0 ", last.number);
+    let after = text
+        .rfind(&mark)
+        .map(|i| &text[i..])
+        .unwrap_or_else(|| panic!("no {mark:?} in {}:\n{text}", file.display()));
+    assert!(
+        after.contains(&format!(" stdout done: step {steps}, world 4")),
+        "{}:\n{after}",
+        file.display()
+    );
+    assert!(text.starts_with("=== generation "), "{text}");
+    // and through the daemon: dctl logs (rank 0 in the latest generation by default), one
+    // generation's lines, the last N, a follow of an ended job returns; the admin token only
+    let all = c.dctl_ok(&["logs", "ddp"]);
+    assert!(
+        all.contains(&mark) && all.contains(&format!(" stdout done: step {steps}, world 4")),
+        "{all}"
+    );
+    let first = c.history("ddp")[0].number;
+    let one = c.dctl_ok(&[
+        "logs",
+        "ddp",
+        "--rank",
+        "1",
+        "--generation",
+        &first.to_string(),
+    ]);
+    let lines: Vec<&str> = one.lines().collect();
+    assert!(
+        lines[0].starts_with(&format!("=== generation {first} rank 1 "))
+            && lines[1..].iter().all(|l| !l.starts_with("=== generation ")),
+        "{one}"
+    );
+    let tail = c.dctl_ok(&["logs", "ddp", "--tail", "2", "--follow"]);
+    assert_eq!(tail.lines().count(), 2, "{tail}");
+    assert!(tail.contains("done: step"), "{tail}");
+    let (ok, _, err) = c.dctl_as(READ_TOKEN, &["logs", "ddp"]);
+    assert!(!ok && err.contains("admin token"), "{err}");
+    let (ok, _, err) = c.dctl(&["logs", "ddp", "--rank", "9"]);
+    assert!(!ok && err.contains("has no rank 9"), "{err}");
 }
 
 /// At a fixed size the script ends with the same weights under ductile (run in the standby
