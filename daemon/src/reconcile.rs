@@ -506,6 +506,16 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         if held_elsewhere > 0 {
             msg.push_str(&format!(" ({held_elsewhere} more held by other jobs)"));
         }
+        // slots this job's own failures took out (no restart left): why, in the latest's words
+        let out: Vec<(&(String, u32), &SlotHealth)> =
+            obs.failed.iter().filter(|(_, h)| !h.will_restart).collect();
+        if let Some(((node, slot), h)) = out.iter().max_by_key(|(_, h)| h.failed_at_ms) {
+            msg.push_str(&format!(
+                "; {} slot(s) left out after their worker failed with no restart left (restart_budget), the latest {node}/{slot}: {}",
+                out.len(),
+                h.exit.chars().take(300).collect::<String>()
+            ));
+        }
         return want(status(
             &spec.name,
             JobState::Waiting,
@@ -1626,8 +1636,10 @@ mod tests {
             },
         );
         let d = plan(&obs, &f, 12);
+        // (and says which of its own slots failed out, and why)
         assert!(
-            matches!(&d, Decision::Status(s) if s.state == JobState::Waiting),
+            matches!(&d, Decision::Status(s) if s.state == JobState::Waiting
+                && s.message.contains("1 slot(s) left out after their worker failed with no restart left (restart_budget), the latest a/0: exit code 1")),
             "{d:?}"
         );
         apply(&mut obs, d);
