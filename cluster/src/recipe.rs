@@ -365,22 +365,36 @@ impl LrPlan {
 pub struct Recipe {
     pub optimizer: serde_json::Value,
     pub lr_schedule: LrPlan,
+    /// The job set `[training.lr_schedule]`. Without it the default schedule follows
+    /// `max_steps` (its warm-up and decay derive from it), as it always did: a run carried on
+    /// with a larger `max_steps` is not a change of recipe ([`Recipe::differences`]).
+    #[serde(default)]
+    pub schedule_given: bool,
 }
 
 impl Recipe {
-    pub fn new(optimizer: &OptimizerSpec, plan: LrPlan) -> Recipe {
+    pub fn new(optimizer: &OptimizerSpec, plan: LrPlan, schedule_given: bool) -> Recipe {
         Recipe {
             optimizer: optimizer.resolved(),
             lr_schedule: plan,
+            schedule_given,
         }
     }
 
     /// What differs between a recorded recipe (`was`, a checkpoint's) and this one, each as
-    /// `key: was → now`; empty when they are the same.
+    /// `key: was → now`; empty when they are the same. Between two default schedules, what
+    /// derives from `max_steps` (`max_steps`, `warmup_steps`) is left out: extending a run
+    /// that never set a schedule goes on as before.
     pub fn differences(&self, was: &serde_json::Value) -> Vec<String> {
         let now = serde_json::to_value(self).unwrap_or_default();
         let mut out = Vec::new();
         diff("", was, &now, &mut out);
+        if !self.schedule_given && !was["schedule_given"].as_bool().unwrap_or(false) {
+            out.retain(|d| {
+                !d.starts_with("lr_schedule.max_steps:")
+                    && !d.starts_with("lr_schedule.warmup_steps:")
+            });
+        }
         out
     }
 }
@@ -684,25 +698,38 @@ mod tests {
 
     #[test]
     fn a_recipe_names_what_differs_from_a_recorded_one() {
-        let a = Recipe::new(
-            &OptimizerSpec::named(OptimizerKind::Adamw),
-            LrPlan::new(1e-3, Some(100), None),
-        );
+        let adamw = OptimizerSpec::named(OptimizerKind::Adamw);
+        let a = Recipe::new(&adamw, LrPlan::new(1e-3, Some(100), None), false);
         let was = serde_json::to_value(&a).unwrap();
         assert!(a.differences(&was).is_empty());
+        // the default schedule follows max_steps, as it always did: only the setting differs
         let b = Recipe::new(
             &OptimizerSpec {
                 weight_decay: Some(0.1),
-                ..OptimizerSpec::named(OptimizerKind::Adamw)
+                ..adamw.clone()
             },
             LrPlan::new(1e-3, Some(200), None),
+            false,
         );
         let d = b.differences(&was);
-        assert_eq!(d.len(), 2, "{d:?}");
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert!(
+            d[0].starts_with("optimizer.weight_decay: 0.01 in the checkpoint, 0.1"),
+            "{d:?}"
+        );
+        // a schedule of the job's own: max_steps is part of it
+        let cos = LrSchedule {
+            warmup_steps: Some(10),
+            ..Default::default()
+        };
+        let c = Recipe::new(&adamw, LrPlan::new(1e-3, Some(100), Some(&cos)), true);
+        let was = serde_json::to_value(&c).unwrap();
+        let d =
+            Recipe::new(&adamw, LrPlan::new(1e-3, Some(200), Some(&cos)), true).differences(&was);
+        assert_eq!(d.len(), 1, "{d:?}");
         assert!(
             d[0].starts_with("lr_schedule.max_steps: 100 in the checkpoint, 200"),
             "{d:?}"
         );
-        assert!(d[1].starts_with("optimizer.weight_decay: 0.01"), "{d:?}");
     }
 }

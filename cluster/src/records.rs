@@ -1237,7 +1237,7 @@ impl TrainingSpec {
 
     /// The recipe resolved (what checkpoints record and status shows).
     pub fn recipe(&self) -> crate::recipe::Recipe {
-        crate::recipe::Recipe::new(&self.optimizer, self.lr_plan())
+        crate::recipe::Recipe::new(&self.optimizer, self.lr_plan(), self.lr_schedule.is_some())
     }
 }
 

@@ -1285,6 +1285,7 @@ mod recipe_tests {
         let default = Recipe::new(
             &OptimizerSpec::named(OptimizerKind::Adamw),
             LrPlan::new(3e-4, Some(200), None),
+            false,
         );
         assert_eq!(
             super::recipe_line(&default),
@@ -1297,7 +1298,11 @@ mod recipe_tests {
             ..OptimizerSpec::named(OptimizerKind::Sgd)
         };
         assert_eq!(
-            super::recipe_line(&Recipe::new(&sgd, LrPlan::new(0.1, Some(1000), Some(&wsd)))),
+            super::recipe_line(&Recipe::new(
+                &sgd,
+                LrPlan::new(0.1, Some(1000), Some(&wsd)),
+                true
+            )),
             "sgd (momentum 0.9, nesterov false, no_decay [\"bias\"], weight_decay 0.0); lr 1.000e-1, warm-up 100 steps from 0, held, then linear over the last 50 steps to 0.000e0 at step 1000"
         );
     }

@@ -302,7 +302,7 @@ fn training_every_metric_the_grafana_dashboard_queries_is_exported() {
     let data = synth(c.dir.path(), "tokens", 60_000);
     let url = format!("file://{}/ckpt", c.dir.path().display());
     let spec = format!(
-        "{}max_steps = 100000\neval_fraction = 0.05\neval_every = 10\neval_samples = 16\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\nkeep = 2\n",
+        "{}max_steps = 100000\neval_fraction = 0.05\neval_every = 10\neval_samples = 16\nmax_grad_norm = 1.0\n[checkpoint]\nurl = \"{url}\"\ninterval = 10\nkeep = 2\n",
         training_toml(
             "m1",
             1,
