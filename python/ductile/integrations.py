@@ -45,6 +45,26 @@ def last_checkpoint(output_dir):
     return best[1] if best else None
 
 
+def _agreed(flag):
+    """``flag`` raised on any rank, on every rank (one small all-reduce when the world has
+    more than one process); ``flag`` alone outside torch.distributed."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return flag
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return flag
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _callback_class():
     from transformers import TrainerCallback
 
@@ -80,8 +100,10 @@ def _callback_class():
                     loss=self._loss,
                     samples=self._samples(args, state.global_step),
                 )
-            if preempted() and not self._saved_for_notice:
-                # every rank sees the notice (the same file on each): the save is collective
+            # every rank sees the notice, each at its own moment; the save is collective (a
+            # rank alone in it waits for the others, which train on): the ranks agree on the
+            # step, as Accelerate's check_trigger does
+            if _agreed(preempted() and not self._saved_for_notice):
                 self._saved_for_notice = True
                 control.should_save = True
                 print(
