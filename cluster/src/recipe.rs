@@ -386,15 +386,18 @@ impl Recipe {
     /// derives from `max_steps` (`max_steps`, `warmup_steps`) is left out: extending a run
     /// that never set a schedule goes on as before.
     pub fn differences(&self, was: &serde_json::Value) -> Vec<String> {
-        let now = serde_json::to_value(self).unwrap_or_default();
-        let mut out = Vec::new();
-        diff("", was, &now, &mut out);
+        let (mut was, mut now) = (was.clone(), serde_json::to_value(self).unwrap_or_default());
         if !self.schedule_given && !was["schedule_given"].as_bool().unwrap_or(false) {
-            out.retain(|d| {
-                !d.starts_with("lr_schedule.max_steps:")
-                    && !d.starts_with("lr_schedule.warmup_steps:")
-            });
+            // what the default schedule derives from max_steps is not compared
+            for v in [&mut was, &mut now] {
+                if let Some(plan) = v["lr_schedule"].as_object_mut() {
+                    plan.remove("max_steps");
+                    plan.remove("warmup_steps");
+                }
+            }
         }
+        let mut out = Vec::new();
+        diff("", &was, &now, &mut out);
         out
     }
 }

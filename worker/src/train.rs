@@ -859,6 +859,11 @@ impl Trainer {
         Ok(tail[0] as f64)
     }
 
+    /// The rate the last applied step ran at (none before the first).
+    pub(crate) fn last_lr(&self) -> Option<f64> {
+        self.step.checked_sub(1).map(|s| self.spec.lr_plan().at(s))
+    }
+
     /// The optimizer's step with the summed gradients, recorded in the ledger; clipped first
     /// to `max_grad_norm` when the job sets one. A sharded rank steps its rows and the shard
     /// group gathers them ([`Trainer::sharded_update`]).

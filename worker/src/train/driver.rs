@@ -330,7 +330,7 @@ impl Driver {
                         eval_loss: t.last_eval.map(|e| e.1),
                         eval_step: t.last_eval.map(|e| e.0),
                         grad_norm: t.grad_norm,
-                        lr: t.step.checked_sub(1).map(|s| t.spec.lr_plan().at(s)),
+                        lr: t.last_lr(),
                         ..Default::default()
                     };
                     mode.report(t, &mut p);
@@ -382,7 +382,7 @@ impl Driver {
                 eval_loss: eval,
                 eval_step,
                 // the last step's rate and norm (the loss is the last report's)
-                lr: t.step.checked_sub(1).map(|s| t.spec.lr_plan().at(s)),
+                lr: t.last_lr(),
                 grad_norm: t.grad_norm,
                 ..Default::default()
             };
