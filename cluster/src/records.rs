@@ -1163,6 +1163,16 @@ impl TrainingSpec {
         }
     }
 
+    /// The model's units (the pipeline's blocks): its layers and the two ends.
+    pub fn approx_units(&self) -> u64 {
+        let layers = match self.model {
+            ModelKind::Hf => self.hf_config().ok().map(|c| c.n_layer),
+            ModelKind::Gpt => self.gpt_config().ok().map(|c| c.n_layer),
+            ModelKind::Mlp => self.mlp_config().ok().map(|c| c.layers - 1),
+        };
+        layers.map_or(1, |l| l.max(0) as u64 + 2)
+    }
+
     /// The fewest bytes one slot must hold for this job at `max` ranks: f32 parameters,
     /// gradients, the copies of the gradients the step reduces and the optimizer state (AdamW
     /// two tensors, SGD one; DiLoCo two more: the global weights and their momentum), for the
@@ -1198,6 +1208,14 @@ impl TrainingSpec {
             1
         };
         let opt = (params * 4 * self.optimizer.states() as u64).div_ceil(shard);
+        if self.sharding == Sharding::Full {
+            // rows of the parameters and their state; a unit's gathered parameters and
+            // gradients at a time (a block is at most the model's); the seed's whole weights
+            // while a new process starts
+            let rows = (params * 4).div_ceil(shard) + opt;
+            let units = self.approx_units().max(1);
+            return Some((rows + 4 * params * 4 / units).max(params * 4));
+        }
         Some((params * 4 * copies + opt) / split + bucket)
     }
 
@@ -1887,13 +1905,19 @@ impl TrainingSpec {
             }
         }
         match self.sharding {
-            Sharding::None | Sharding::Optimizer => {}
+            Sharding::None | Sharding::Optimizer | Sharding::Full => {}
             other => {
                 return Err(ClusterError::invalid(
                     "training.sharding",
-                    format!("\"{other}\" is not built yet: this version shards the optimizer state (\"optimizer\", ZeRO-1); gradients and parameters stay whole on every rank"),
+                    format!("\"{other}\" is not built yet: this version shards the optimizer state (\"optimizer\", ZeRO-1) or the parameters, gradients and optimizer state (\"full\", ZeRO-3 / FSDP)"),
                 ))
             }
+        }
+        if self.sharding == Sharding::Full && self.tensor_slices.is_some() {
+            return Err(ClusterError::invalid(
+                "training.tensor_slices",
+                "full sharding computes each unit whole: tensor_slices is for tensor-parallel layouts",
+            ));
         }
         if self.sharding.is_sharded()
             && (self.strategy != Strategy::DataParallel || self.sync != SyncMode::Allreduce)

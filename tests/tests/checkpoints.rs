@@ -727,6 +727,8 @@ print(h.hexdigest())
             "mlp",
             "sharding = \"optimizer\"\nshard_group = 2\n".to_string(),
         ),
+        // every parameter's rows too (full sharding: ZeRO-3 / FSDP), a fused Q/K/V included
+        ("sfull", 3, "gpt", format!("sharding = \"full\"\n{gpt}")),
     ] {
         let dir = c.dir.path().join(format!("ckpt-{job}"));
         let data = if model == "gpt" { &tok } else { &reg };

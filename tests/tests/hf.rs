@@ -445,6 +445,39 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         reference,
         "dp2×pp2×tp2 against data parallel 2"
     );
+    // full sharding (issue 47): the tied embedding's rows on four ranks, loaded from the
+    // directory by plan, through a kill, end with the bits of data parallel at 2 (both
+    // without tensor slices: full sharding computes each unit whole)
+    let det_whole = "deterministic = true\nlogical_shards = 8";
+    c.submit(&job(
+        "fsdp",
+        4,
+        steps,
+        &format!("{det_whole}\nstrategy = \"data-parallel\"\nsharding = \"full\"\n[checkpoint]\nurl = \"file://{}/fsdp-ck\"\ninterval = 20", c.dir.path().display()),
+    ));
+    let v = c.wait_world("fsdp", 4, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp4(shard4)×pp1×tp1");
+    c.wait_step("fsdp", 10, S(120));
+    // (a lost shard: every rank restores its rows from the last commit)
+    let last = c.history("fsdp").last().unwrap().number;
+    unsafe { libc::kill(v.members[3].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_for(S(60), "the generation after the kill", || {
+        c.history("fsdp").into_iter().find(|g| g.number > last)
+    });
+    c.wait_world("fsdp", 4, S(60));
+    let fsdp = c.wait_done("fsdp", S(300));
+    c.submit(&job(
+        "dp-whole",
+        2,
+        steps,
+        &format!("{det_whole}\nstrategy = \"data-parallel\""),
+    ));
+    let dp_whole = c.wait_done("dp-whole", S(300));
+    assert_eq!(
+        fsdp.final_weights_sha256, dp_whole.final_weights_sha256,
+        "GPT-2 fully sharded at 4 through a kill against data parallel 2"
+    );
+    assert_eq!(fsdp.eval_loss, dp_whole.eval_loss);
     // bf16 products: a tensor-parallel run and a data-parallel one end with the same bits,
     // and train
     for (name, extra) in [

@@ -447,26 +447,16 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
         4,
         "sharding = \"optimizer\"\nshard_group = 2",
     ));
-    let v = c.wait_world("hsdp", 4, S(30));
-    assert_eq!(v.layout.unwrap().to_string(), "dp4(shard2)×pp1×tp1");
-    c.wait_step("hsdp", 300, S(60));
-    unsafe { libc::kill(v.members[1].pid.unwrap() as i32, libc::SIGKILL) };
-    c.wait_step("hsdp", c.status("hsdp").step + 100, S(60));
-    c.wait_world("hsdp", 4, S(60));
-    c.wait_done("hsdp", S(120));
-    let h = c.history("hsdp");
-    // (the first generation's source is the checkpoint location, empty then)
-    assert!(
-        h.iter()
-            .skip(1)
-            .all(|g| g.state_source != StateSource::Checkpoint),
-        "the replica held the killed rank's shard: {h:#?}"
-    );
+    hsdp_kill_loses_no_shard(&c, 300, 100);
     assert_eq!(final_hashes(&c, "hsdp"), reference);
 
     // refused where it does not run, naming the key
     for (extra, strip_ckpt, says) in [
-        ("sharding = \"full\"", false, "\"full\" is not built yet"),
+        (
+            "sharding = \"gradients\"",
+            false,
+            "\"gradients\" is not built yet",
+        ),
         (
             "sharding = \"optimizer\"\nstrategy = \"pipeline\"",
             false,
@@ -488,6 +478,124 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
         let (ok, _, err) = c.dctl(&["submit", path.to_str().unwrap()]);
         assert!(!ok && err.contains(says), "{extra}: {err}");
     }
+}
+
+/// Job "hsdp" (4 ranks in shard groups of 2): a SIGKILL at step `at` loses no shard (the
+/// replica holds it: no generation restores from the checkpoint); it trains `then` steps more
+/// and ends.
+fn hsdp_kill_loses_no_shard(c: &Cluster, at: u64, then: u64) {
+    let v = c.wait_world("hsdp", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp4(shard2)×pp1×tp1");
+    c.wait_step("hsdp", at, S(60));
+    unsafe { libc::kill(v.members[1].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_step("hsdp", c.status("hsdp").step + then, S(60));
+    c.wait_world("hsdp", 4, S(60));
+    c.wait_done("hsdp", S(180));
+    let h = c.history("hsdp");
+    // (the first generation's source is the checkpoint location, empty then)
+    assert!(
+        h.iter()
+            .skip(1)
+            .all(|g| g.state_source != StateSource::Checkpoint),
+        "the replica held the killed rank's shard: {h:#?}"
+    );
+}
+
+/// Full sharding (issue 47: ZeRO-3 / FSDP): each rank holds its rows of every parameter, of
+/// the optimizer state and of the summed gradient, gathering one unit at a time. A
+/// deterministic GPT job with an eval split at world 4 holds about a quarter of an unsharded
+/// rank's state, loses a shard to a SIGKILL (restored from the checkpoint), is re-cut live
+/// 4 → 3 → 1 → 2, and ends with the unsharded run's weights and optimizer state, bit for bit,
+/// its evals equal too; HSDP (shard groups of 2) survives a kill from the replica; a cold
+/// restart at another shard size reads its rows from the checkpoint and goes on.
+#[test]
+fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_resizes() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    let train = |name: &str, desired: u32, steps: u64, extra: &str| {
+        format!(
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\neval_fraction = 0.05\neval_every = 50\neval_samples = 64\n{RECIPE}{extra}\n[training.model_config]\nd_model = 48\nn_layer = 3\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 40\n",
+            training_toml(name, 1, 4, desired, "gpt", &data, "restart_budget = 50"),
+            c.dir.path().display()
+        )
+    };
+    c.submit(&train("whole", 2, 400, ""));
+    let whole_done = c.wait_done("whole", S(180));
+    let reference = final_hashes(&c, "whole");
+    let g1 = c.history("whole")[0].clone();
+    let whole = rt.block_on(c.joins("whole", g1.number, g1.world_size))[0].state_bytes;
+
+    c.submit(&train("full", 4, 400, "sharding = \"full\""));
+    let v = c.wait_world("full", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp4(shard4)×pp1×tp1");
+    c.wait_step("full", 5, S(60));
+    let g = c.history("full")[0].clone();
+    let held: Vec<u64> = rt
+        .block_on(c.joins("full", g.number, g.world_size))
+        .iter()
+        .map(|j| j.state_bytes)
+        .collect();
+    // a quarter of the parameters and of their two moments (rows split unevenly: a little more)
+    assert!(
+        held.iter().all(|b| *b * 100 < whole * 30),
+        "{held:?} vs {whole}"
+    );
+    c.wait_step("full", 60, S(60));
+    let before = c.history("full").last().unwrap().number;
+    unsafe { libc::kill(v.members[2].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_for(S(60), "the lost shard restored from the checkpoint", || {
+        c.history("full")
+            .into_iter()
+            .find(|g| g.number > before && g.state_source == StateSource::Checkpoint)
+    });
+    c.wait_world("full", 4, S(60));
+    let before = c.history("full").last().unwrap().number;
+    for world in [3u32, 1, 2] {
+        c.dctl_ok(&["scale", "full", &world.to_string()]);
+        c.wait_world("full", world, S(60));
+        c.wait_step("full", c.status("full").step + 30, S(90));
+    }
+    let h = c.history("full");
+    assert!(
+        h.iter()
+            .filter(|g| g.number > before)
+            .all(|g| g.state_source != StateSource::Checkpoint),
+        "a resize re-cuts the shards in place: {h:#?}"
+    );
+    let done = c.wait_done("full", S(180));
+    assert_eq!(
+        final_hashes(&c, "full"),
+        reference,
+        "the fully sharded run's final weights or optimizer state differ from the unsharded run's"
+    );
+    assert_eq!(done.eval_loss, whole_done.eval_loss, "the final eval");
+
+    // HSDP: shard groups of 2, replicated twice; a kill loses no shard
+    c.submit(&train(
+        "hsdp",
+        4,
+        400,
+        "sharding = \"full\"\nshard_group = 2",
+    ));
+    hsdp_kill_loses_no_shard(&c, 60, 30);
+    assert_eq!(final_hashes(&c, "hsdp"), reference);
+
+    // a cold restart at another shard size: the rows of the world-4 commits, read at 3
+    c.submit(
+        &(train("again", 3, 480, "sharding = \"full\"").replace("ck-again", "ck-full")
+            + "resume_from = [\"full\"]\nallow_recipe_change = true\n"),
+    );
+    let v = c.wait_world("again", 3, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp3(shard3)×pp1×tp1");
+    let g = c.history("again")[0].clone();
+    let joins = rt.block_on(c.joins("again", g.number, g.world_size));
+    assert!(joins.iter().all(|j| j.step == 400), "{joins:?}");
+    let done = c.wait_done("again", S(180));
+    assert_eq!(done.step, 480);
 }
 
 #[test]

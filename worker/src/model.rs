@@ -199,6 +199,23 @@ impl Model {
         Ok(h)
     }
 
+    /// Unit `u` alone, whole (full sharding runs a model unit by unit, each with its gathered
+    /// parameters), in the job's precision.
+    pub fn unit_forward(&self, u: usize, input: &Tensor) -> Tensor {
+        let _compute = tp::Compute::new(self.bf16);
+        self.net
+            .forward(u, u + 1, input, &mut Par::Whole)
+            .expect("a whole unit does not communicate")
+    }
+
+    /// The summed loss of the network's output, whole (see [`Model::unit_forward`]).
+    pub fn whole_loss(&self, out: &Tensor, y: &Tensor) -> Tensor {
+        let _compute = tp::Compute::new(self.bf16);
+        self.net
+            .loss(out, y, &mut Par::Whole)
+            .expect("a whole loss does not communicate")
+    }
+
     /// Whether blocks are recomputed in the backward (`activation_checkpointing = "full"`).
     pub fn recomputes(&self) -> bool {
         self.recompute

@@ -41,6 +41,7 @@ pub mod ckpt;
 pub mod diloco;
 pub mod driver;
 mod eval;
+mod fsdp;
 pub mod pipe;
 pub mod reshard;
 mod tensor;
@@ -790,6 +791,9 @@ impl Trainer {
         let comm = arc.as_ref();
         let world = comm.world();
         let t0 = Instant::now();
+        if self.holds_param_rows() {
+            return self.full_step(arc, g, rank, t0);
+        }
         if !self.spec.deterministic {
             return self.bucketed_step(arc, g, rank, t0);
         }
@@ -915,22 +919,7 @@ impl Trainer {
             (r.start as i64, (r.end - r.start) as i64)
         };
         let row_numel = |i: usize| shapes[i][1..].iter().product::<i64>();
-        // the shard group: consecutive data-parallel ranks (a data-parallel rank is its rank)
-        let grp = if s == comm.world() {
-            None
-        } else {
-            let me = g
-                .members
-                .iter()
-                .find(|m| m.rank == comm.rank())
-                .map(|m| m.dp_rank)
-                .unwrap_or(0);
-            let first = me - me % s;
-            Some(ductile_comm::Group::new(
-                comm.clone(),
-                (first..first + s).collect(),
-            )?)
-        };
+        let grp = self.shard_group(comm, g)?;
         let step = self.step;
         let kind = self.params[0].kind();
         let cap = (i64::from(self.spec.bucket_mb.unwrap_or(25)) << 20) / 4;

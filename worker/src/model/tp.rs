@@ -891,6 +891,78 @@ mod tests {
         }
     }
 
+    /// Unit by unit (full sharding's step): each unit run again from its input, its gradients
+    /// taken with `run_backward` from its output's gradient, give the whole backward's loss
+    /// and gradients bit for bit (a tied parameter's two contributions summed, later unit
+    /// first). GPT-2 (tied), the Llama, the built-in GPT and the MLP.
+    #[test]
+    fn unit_by_unit_gradients_are_the_whole_backward_s_bit_for_bit() {
+        for (i, make) in [gpt2 as fn() -> _, llama, gpt, mlp].into_iter().enumerate() {
+            let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+            let (s, d, x, y) = make();
+            let m = Model::new(&s, &d, Device::Cpu).unwrap();
+            let out = m.loss_sum(&x, &y) / 3.0;
+            out.backward();
+            let g0 = grads(&m);
+            let params: Vec<(String, Tensor)> = m.params();
+            let units = m.units();
+            let mut acts = vec![x.shallow_clone()];
+            tch::no_grad(|| {
+                for u in 0..units - 1 {
+                    let h = m.unit_forward(u, acts.last().unwrap());
+                    acts.push(h);
+                }
+            });
+            let mut got: BTreeMap<String, Tensor> = BTreeMap::new();
+            let mut go: Option<Tensor> = None;
+            let mut loss1 = 0.0;
+            for u in (0..units).rev() {
+                let xin = acts.pop().unwrap();
+                let xin = if u > 0 {
+                    xin.detach().set_requires_grad(true)
+                } else {
+                    xin
+                };
+                let o = m.unit_forward(u, &xin);
+                let root = if u + 1 == units {
+                    let l = m.whole_loss(&o, &y) / 3.0;
+                    loss1 = l.double_value(&[]);
+                    l
+                } else {
+                    (&o * go.as_ref().unwrap()).sum(Kind::Float)
+                };
+                let mut wrt: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
+                if u > 0 {
+                    wrt.push(&xin);
+                }
+                let gs = Tensor::run_backward(&[&root], &wrt, false, false);
+                for (j, (n, _)) in params.iter().enumerate() {
+                    if gs[j].defined() {
+                        let prev = got.remove(n);
+                        got.insert(
+                            n.clone(),
+                            match prev {
+                                Some(p) => p + &gs[j],
+                                None => gs[j].shallow_clone(),
+                            },
+                        );
+                    }
+                }
+                if u > 0 {
+                    go = Some(gs[params.len()].shallow_clone());
+                }
+            }
+            assert_eq!(
+                loss1.to_bits(),
+                out.double_value(&[]).to_bits(),
+                "model {i}: loss"
+            );
+            for (n, g) in &g0 {
+                assert!(g.equal(&got[n]), "model {i}: gradient of {n}");
+            }
+        }
+    }
+
     fn gpt2_bf16() -> (TrainingSpec, Dataset, Tensor, Tensor) {
         let (mut s, d, x, y) = gpt2_sliced();
         s.precision = ductile_cluster::records::Precision::Bf16;

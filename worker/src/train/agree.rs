@@ -118,6 +118,19 @@ impl Trainer {
                 let shape = hs[n + j].local_shape();
                 t.set_data(&Tensor::zeros(shape.as_slice(), (t.kind(), t.device())));
             }
+            if self.fully_sharded() {
+                // full sharding: the seed's parameters too, cut to the shard's rows here (the
+                // seed is the same on every rank)
+                for (i, mut p) in self.params.iter().map(|t| t.shallow_clone()).enumerate() {
+                    let mine = match hs[i].boxes.first() {
+                        Some(b) => p
+                            .narrow(0, b[0].start as i64, (b[0].end - b[0].start) as i64)
+                            .copy(),
+                        None => Tensor::empty([0], (p.kind(), p.device())),
+                    };
+                    p.set_data(&mine);
+                }
+            }
         });
         self.shard_held = shard;
         self.opt_unallocated = false;

@@ -113,7 +113,20 @@ impl Trainer {
         let all = set.samples();
         let count = all.len() as u64;
         let mut sum = 0f64;
-        if !me.spare {
+        if !me.spare && self.holds_param_rows() {
+            let dp = g.layout.data_parallel.max(1);
+            let share = split_range(count, dp, me.dp_rank);
+            let idx: Vec<u64> = share.map(|i| all[i as usize]).collect();
+            let data = set.data(&self.data);
+            let batches = idx
+                .chunks(EVAL_MICRO as usize)
+                .map(|c| {
+                    let (x, y) = data.batch(c);
+                    (x.to_device(self.dev), y.to_device(self.dev))
+                })
+                .collect();
+            sum = self.full_eval_sum(comm, g, batches)?;
+        } else if !me.spare {
             let p = g.layout.pipeline_parallel.max(1);
             let dp = g.layout.data_parallel.max(1);
             let Place {

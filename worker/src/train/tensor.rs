@@ -51,18 +51,31 @@ impl Trainer {
             })
             .collect();
         let per = self.opt.state.len() / self.params.len().max(1);
-        let mut out = of_param.clone();
-        for j in 0..self.params.len() * per {
-            let mut h = of_param[j / per].clone();
-            if shard > 1 {
-                // sharding runs without tensor slices: the box is the whole tensor's
-                for b in &mut h.boxes {
-                    let rows = ductile_strategies::split_range(b[0].end - b[0].start, shard, place);
-                    b[0] = b[0].start + rows.start..b[0].start + rows.end;
-                }
-                h.boxes.retain(|b| b[0].start < b[0].end);
+        let rows = |i: usize, h: &Holding| {
+            if shard == 1 || h.boxes.is_empty() {
+                return h.clone();
             }
-            out.push(h);
+            // sharding runs without tensor slices: one box, the shard's rows of the whole
+            // tensor (not of each of a fused Q, K, V's blocks)
+            let mut b: Vec<Range<u64>> = self.shapes[i].iter().map(|d| 0..*d as u64).collect();
+            b[0] = ductile_strategies::split_range(b[0].end, shard, place);
+            Holding {
+                boxes: if b[0].is_empty() { Vec::new() } else { vec![b] },
+                dim: 0,
+            }
+        };
+        // full sharding cuts the parameters too
+        let mut out: Vec<Holding> = if self.fully_sharded() {
+            of_param
+                .iter()
+                .enumerate()
+                .map(|(i, h)| rows(i, h))
+                .collect()
+        } else {
+            of_param.clone()
+        };
+        for j in 0..self.params.len() * per {
+            out.push(rows(j / per, &of_param[j / per]));
         }
         out
     }
@@ -404,10 +417,11 @@ impl Trainer {
                 continue;
             }
             let len = rows.end - rows.start;
-            let v = if t < n {
+            let v = if t < n && !self.fully_sharded() {
                 local.narrow(0, rows.start as i64, len as i64)
             } else {
-                // the optimizer state holds just these rows
+                // the optimizer state (and under full sharding the parameter) holds just
+                // these rows
                 local.shallow_clone()
             };
             out.push(((t, rows.start, len), v));

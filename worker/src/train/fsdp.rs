@@ -1,0 +1,591 @@
+//! Full sharding (`training.sharding = "full"`: ZeRO-3, FSDP): each rank of a shard group
+//! holds its rows of every parameter, of the parameter's optimizer state, and of the summed
+//! gradient ([`ductile_strategies::split_range`] of dim 0, the same boxes ZeRO-1 cuts the state
+//! into, so the agreement, the checkpoints and the cold start move and read them as they do
+//! any other box). The whole model never exists on a rank between steps.
+//!
+//! The step runs the model unit by unit (the pipeline's units: the embeddings, each block, the
+//! head): forward, each unit's parameters are all-gathered over the shard group, the unit runs
+//! without gradients on every micro-batch of the rank, keeping only its input, and the
+//! parameters are released; backward, in reverse, each unit is gathered again, run again with
+//! gradients from its kept input and its output's gradient, and its parameters' gradients are
+//! reduced at once (reduce-scattered over the shard group; in deterministic mode folded over
+//! the logical shards in order, as the unsharded step's all-reduce folds them) while only that
+//! unit's are whole. The optimizer then steps the rank's rows alone. Every unit is recomputed
+//! (activation checkpointing at unit granularity is what keeps one unit's parameters whole at a
+//! time). A parameter two units use (a head tied to the embedding) is reduced once its last
+//! use in the backward is done, its contributions summed in the order the unsharded backward
+//! sums them.
+//!
+//! Gradients of a unit are taken with `torch.autograd.grad` (`run_backward`), so no `.grad`
+//! of the whole model is ever allocated; each is the same kernel's result as the unsharded
+//! backward's, and with the same folds the bits equal the unsharded data-parallel run's.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ductile_cluster::records::{Generation, Sharding};
+use ductile_comm::{CommError, Communicator, Group, ReduceOp};
+use ductile_strategies::{micro_batches, split_batch, split_range};
+use tch::{Device, Kind, Tensor};
+
+use super::{ledger_line, Trainer};
+
+/// What a rank computes in a step: its logical shards (deterministic mode) or its share,
+/// each as micro-batches of sample indices.
+struct Part {
+    /// The logical shard's index (deterministic mode; 0 otherwise).
+    k: u64,
+    micro: Vec<(Tensor, Tensor)>,
+}
+
+impl Trainer {
+    /// Whether the job shards its parameters too (`sharding = "full"`).
+    pub(crate) fn fully_sharded(&self) -> bool {
+        self.spec.sharding == Sharding::Full
+    }
+
+    /// Whether this rank holds rows of the parameters now (a full-sharding job whose shard
+    /// group has more than one member).
+    pub(crate) fn holds_param_rows(&self) -> bool {
+        self.fully_sharded() && self.shard_held.0 > 1
+    }
+
+    /// The shard group of this rank in `g` (consecutive data-parallel ranks; a data-parallel
+    /// rank is its rank): `None` when it is the whole world.
+    pub(super) fn shard_group(
+        &self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> Result<Option<Group>, CommError> {
+        let s = self.shard_held.0;
+        if s == comm.world() {
+            return Ok(None);
+        }
+        let me = g
+            .members
+            .iter()
+            .find(|m| m.rank == comm.rank())
+            .map(|m| m.dp_rank)
+            .unwrap_or(0);
+        let first = me - me % s;
+        Group::new(comm.clone(), (first..first + s).collect()).map(Some)
+    }
+
+    /// Rows of parameter `i` that place `k` of the shard group holds: (first, count).
+    fn rows(&self, i: usize, k: u32) -> (i64, i64) {
+        let r = split_range(self.shapes[i][0] as u64, self.shard_held.0, k);
+        (r.start as i64, (r.end - r.start) as i64)
+    }
+
+    fn row_numel(&self, i: usize) -> i64 {
+        self.shapes[i][1..].iter().product()
+    }
+
+    /// The parameters unit `u` uses (its own, and a tied one it shares).
+    fn unit_params(&self, u: usize) -> Vec<usize> {
+        (0..self.params.len())
+            .filter(|i| self.param_unit[*i] == u || self.param_also[*i] == Some(u))
+            .collect()
+    }
+
+    /// The unit whose backward is the last to use parameter `i` (the lowest that uses it).
+    fn done_at(&self, i: usize) -> usize {
+        self.param_also[i].map_or(self.param_unit[i], |a| a.min(self.param_unit[i]))
+    }
+
+    /// All-gather parameters `idx` whole over the shard group: each parameter's variable is
+    /// set to the whole tensor; returns what each held before (its rows), for
+    /// [`Trainer::release`].
+    fn gather_params(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        grp: &Option<Group>,
+        idx: &[usize],
+    ) -> Result<Vec<(usize, Tensor)>, CommError> {
+        if idx.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = self.shard_held.0;
+        let place = self.shard_held.1;
+        let size = |k: u32| -> i64 {
+            idx.iter()
+                .map(|i| self.rows(*i, k).1 * self.row_numel(*i))
+                .sum()
+        };
+        let longest = (0..s).map(size).max().unwrap_or(0);
+        let kind = self.params[idx[0]].kind();
+        let mut mine: Vec<Tensor> = idx
+            .iter()
+            .filter(|i| self.rows(**i, place).1 > 0)
+            .map(|i| self.params[*i].detach().reshape([-1]))
+            .collect();
+        let pad = longest - size(place);
+        if pad > 0 || mine.is_empty() {
+            mine.push(Tensor::zeros([pad], (kind, self.dev)));
+        }
+        let mine = Tensor::cat(&mine, 0);
+        let all: Vec<Tensor> = match grp {
+            None => {
+                let t = comm.all_gather(&comm.place(&mine))?.into_tensor();
+                (0..s as i64).map(|k| t.get(k)).collect()
+            }
+            Some(grp) => grp.all_gather(&mine)?,
+        };
+        let mut off = vec![0i64; s as usize];
+        let mut rests = Vec::with_capacity(idx.len());
+        for &i in idx {
+            let whole = Tensor::empty(self.shapes[i].as_slice(), (kind, self.dev));
+            for (k, flat) in all.iter().enumerate() {
+                let (at, n) = self.rows(i, k as u32);
+                if n == 0 {
+                    continue;
+                }
+                let len = n * self.row_numel(i);
+                let shape: Vec<i64> = std::iter::once(n)
+                    .chain(self.shapes[i][1..].iter().copied())
+                    .collect();
+                let src = flat.narrow(0, off[k], len).view(shape.as_slice());
+                tch::no_grad(|| whole.narrow(0, at, n).copy_(&src));
+                off[k] += len;
+            }
+            let rest = self.params[i].detach();
+            self.params[i].set_data(&whole);
+            rests.push((i, rest));
+        }
+        Ok(rests)
+    }
+
+    /// Put back the rows [`Trainer::gather_params`] took out: the whole tensors are freed.
+    fn release(&mut self, rests: Vec<(usize, Tensor)>) {
+        for (i, rest) in rests {
+            self.params[i].set_data(&rest);
+        }
+    }
+
+    /// This rank's samples of step `self.step`: its logical shards in deterministic mode, else
+    /// its share, in micro-batches, on the device; the ledger gets one line per part.
+    fn step_parts(&mut self, comm: &dyn Communicator, g: &Generation, rank: u32) -> Vec<Part> {
+        let world = comm.world();
+        let b = self.spec.global_batch as u64;
+        let shares: Vec<(u64, ductile_strategies::Share)> = if self.spec.deterministic {
+            let shards = self.logical_shards();
+            split_range(shards.len() as u64, world, rank)
+                .map(|k| (k, shards[k as usize]))
+                .collect()
+        } else {
+            vec![(0, split_batch(b, world)[rank as usize])]
+        };
+        let ahead: Vec<(u64, u64)> = shares.iter().map(|(_, s)| (s.start, s.len)).collect();
+        self.read_ahead(&ahead);
+        let base = self.step * b;
+        let mut parts = Vec::with_capacity(shares.len());
+        for (k, share) in shares {
+            let micro = self
+                .spec
+                .micro_batch
+                .map(|m| m as u64)
+                .unwrap_or(share.len.max(1));
+            let mut used = Vec::with_capacity(share.len as usize);
+            let mut mbs = Vec::new();
+            for (start, len) in micro_batches(share, micro) {
+                let idx: Vec<u64> = (start..start + len)
+                    .map(|p| self.order.sample(base + p))
+                    .collect();
+                used.extend_from_slice(&idx);
+                let (x, y) = self.data.batch(&idx);
+                mbs.push((x.to_device(self.dev), y.to_device(self.dev)));
+            }
+            ledger_line(
+                &mut self.ledger,
+                serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used}),
+            );
+            parts.push(Part { k, micro: mbs });
+        }
+        parts
+    }
+
+    /// The data-parallel step of a fully sharded rank (see the module's comment); returns the
+    /// step's mean loss.
+    pub(super) fn full_step(
+        &mut self,
+        arc: &Arc<dyn Communicator>,
+        g: &Generation,
+        rank: u32,
+        t0: Instant,
+    ) -> Result<f64, CommError> {
+        let comm = arc.as_ref();
+        let grp = self.shard_group(arc, g)?;
+        let b = self.spec.global_batch as f64;
+        let units = self.units();
+        let parts = self.step_parts(comm, g, rank);
+        // forward: each unit's input, per part and micro-batch (the last unit runs in the
+        // backward, with its loss)
+        let mut inputs: Vec<Vec<Vec<Tensor>>> = parts
+            .iter()
+            .map(|p| {
+                p.micro
+                    .iter()
+                    .map(|(x, _)| vec![x.shallow_clone()])
+                    .collect()
+            })
+            .collect();
+        for u in 0..units.saturating_sub(1) {
+            let idx = self.unit_params(u);
+            let rests = self.gather_params(arc, &grp, &idx)?;
+            tch::no_grad(|| {
+                for per in inputs.iter_mut() {
+                    for acts in per.iter_mut() {
+                        let y = self.model.unit_forward(u, acts.last().expect("an input"));
+                        acts.push(y);
+                    }
+                }
+            });
+            self.release(rests);
+        }
+        // backward, unit by unit in reverse
+        let mut outgrads: Vec<Vec<Option<Tensor>>> = parts
+            .iter()
+            .map(|p| p.micro.iter().map(|_| None).collect())
+            .collect();
+        let mut losses: Vec<Tensor> = parts
+            .iter()
+            .map(|_| Tensor::zeros([1], (Kind::Double, self.dev)))
+            .collect();
+        // a tied parameter's gradients from its later unit, per part and micro-batch
+        let mut later: BTreeMap<usize, Vec<VecDeque<Tensor>>> = BTreeMap::new();
+        let mut rows_grad: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
+        let mut sumsq: Vec<f64> = vec![0.0; self.params.len()];
+        for u in (0..units).rev() {
+            let idx = self.unit_params(u);
+            let rests = self.gather_params(arc, &grp, &idx)?;
+            // this unit's parameter gradients, per part
+            let mut acc: Vec<Vec<Option<Tensor>>> = parts
+                .iter()
+                .map(|_| idx.iter().map(|_| None).collect())
+                .collect();
+            for (p, part) in parts.iter().enumerate() {
+                for (m, (_, y)) in part.micro.iter().enumerate() {
+                    let x = inputs[p][m].pop().expect("the unit's input");
+                    let x = if u > 0 {
+                        x.detach().set_requires_grad(true)
+                    } else {
+                        x
+                    };
+                    let out = self.model.unit_forward(u, &x);
+                    let root = if u + 1 == units {
+                        let l = self.model.whole_loss(&out, y) / b;
+                        losses[p] = &losses[p] + l.detach().to_kind(Kind::Double).reshape([1]);
+                        l
+                    } else {
+                        let go = outgrads[p][m].take().expect("the output's gradient");
+                        (&out * &go).sum(Kind::Float)
+                    };
+                    let mut wrt: Vec<&Tensor> = idx.iter().map(|i| &self.params[*i]).collect();
+                    if u > 0 {
+                        wrt.push(&x);
+                    }
+                    let gs = Tensor::run_backward(&[&root], &wrt, false, false);
+                    drop(root);
+                    drop(out);
+                    for (j, &i) in idx.iter().enumerate() {
+                        let gr = if gs[j].defined() {
+                            gs[j].shallow_clone()
+                        } else {
+                            self.params[i].zeros_like()
+                        };
+                        if self.done_at(i) < u {
+                            // tied: its earlier unit sums it in
+                            later
+                                .entry(i)
+                                .or_insert_with(|| parts.iter().map(|_| VecDeque::new()).collect())
+                                [p]
+                                .push_back(gr);
+                            continue;
+                        }
+                        let prior = later.get_mut(&i).and_then(|l| l[p].pop_front());
+                        let a = acc[p][j].take();
+                        // the unsharded order: a later unit's contribution of this
+                        // micro-batch, then this unit's
+                        let a = match (a, prior) {
+                            (None, None) => gr,
+                            (None, Some(l)) => l + gr,
+                            (Some(a), None) => a + gr,
+                            (Some(a), Some(l)) => (a + l) + gr,
+                        };
+                        acc[p][j] = Some(a);
+                    }
+                    if u > 0 {
+                        outgrads[p][m] = Some(gs[idx.len()].shallow_clone());
+                    }
+                }
+            }
+            self.release(rests);
+            let done: Vec<usize> = (0..idx.len())
+                .filter(|j| self.done_at(idx[*j]) == u)
+                .collect();
+            if done.is_empty() {
+                continue;
+            }
+            let ids: Vec<usize> = done.iter().map(|j| idx[*j]).collect();
+            let per_part: Vec<Vec<Tensor>> = acc
+                .into_iter()
+                .map(|a| {
+                    done.iter()
+                        .map(|j| a[*j].as_ref().expect("a gradient").shallow_clone())
+                        .collect()
+                })
+                .collect();
+            self.reduce_unit(
+                arc,
+                &grp,
+                &parts,
+                &ids,
+                per_part,
+                &mut rows_grad,
+                &mut sumsq,
+            )?;
+        }
+        self.computed_for(rank, t0);
+        // the loss and the checkpoint flags, summed as the unsharded step's riders
+        let gen = g.number;
+        let riders: Vec<Tensor> = losses
+            .into_iter()
+            .map(|l| Tensor::cat(&self.riders(l.to_kind(Kind::Float), gen), 0))
+            .collect();
+        let summed = if self.spec.deterministic {
+            let v = self.logical_shards().len() as u64;
+            let mine: Vec<_> = parts
+                .iter()
+                .zip(&riders)
+                .map(|(p, r)| (p.k, comm.place(r)))
+                .collect();
+            comm.ordered_all_reduce(&mine, v)?.into_tensor()
+        } else {
+            let mut t = comm.place(&riders[0]);
+            comm.all_reduce(&mut t, ReduceOp::Sum)?;
+            t.into_tensor()
+        };
+        let tail = Vec::<f32>::try_from(summed.to_device(Device::Cpu))
+            .unwrap_or_else(|_| vec![f32::NAN, 0.0, 0.0]);
+        let loss = tail[0] as f64;
+        self.flags = (tail[1] > 0.0, tail[2] > 0.0);
+        self.full_update(arc, g, rank, &grp, rows_grad, sumsq, loss)?;
+        Ok(loss)
+    }
+
+    /// Sum parameters `ids`' gradients (`per_part[p][j]`: part p's gradient of `ids[j]`, whole)
+    /// over the world and keep this rank's rows in `rows_grad`. Deterministic mode folds the
+    /// logical shards in order (the unsharded step's fold, on these parameters) and notes each
+    /// parameter's sum of squares from the whole sum (the unsharded clipping's, bit for bit);
+    /// otherwise a shard group that is the world reduce-scatters, a smaller one (HSDP)
+    /// all-reduces and keeps its rows.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_unit(
+        &self,
+        comm: &Arc<dyn Communicator>,
+        grp: &Option<Group>,
+        parts: &[Part],
+        ids: &[usize],
+        per_part: Vec<Vec<Tensor>>,
+        rows_grad: &mut [Option<Tensor>],
+        sumsq: &mut [f64],
+    ) -> Result<(), CommError> {
+        let place = self.shard_held.1;
+        let s = self.shard_held.0;
+        let keep_rows = |whole: &Tensor, rows_grad: &mut [Option<Tensor>]| {
+            let mut at = 0;
+            for &i in ids {
+                let n = self.shapes[i].iter().product::<i64>();
+                let g = whole.narrow(0, at, n).view(self.shapes[i].as_slice());
+                let (r0, rn) = self.rows(i, place);
+                rows_grad[i] = Some(g.narrow(0, r0, rn).copy());
+                at += n;
+            }
+        };
+        if self.spec.deterministic {
+            let v = self.logical_shards().len() as u64;
+            let mine: Vec<_> = parts
+                .iter()
+                .zip(per_part)
+                .map(|(p, gs)| {
+                    let flat: Vec<Tensor> = gs.iter().map(|g| g.reshape([-1])).collect();
+                    (p.k, comm.place(&Tensor::cat(&flat, 0)))
+                })
+                .collect();
+            let whole = comm.ordered_all_reduce(&mine, v)?.into_tensor();
+            let mut at = 0;
+            let mut squares = Vec::with_capacity(ids.len());
+            for &i in ids {
+                let n = self.shapes[i].iter().product::<i64>();
+                let g = whole.narrow(0, at, n).view(self.shapes[i].as_slice());
+                squares.push(g.to_kind(Kind::Double).square().sum(Kind::Double));
+                at += n;
+            }
+            if self.spec.max_grad_norm.is_some() {
+                let per: Vec<f64> =
+                    Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
+                        .unwrap_or_default();
+                for (&i, q) in ids.iter().zip(per) {
+                    sumsq[i] = q;
+                }
+            }
+            keep_rows(&whole, rows_grad);
+            return Ok(());
+        }
+        let gs = per_part.into_iter().next().expect("one part");
+        match grp {
+            None => {
+                // [S, longest]: place k's rows of every parameter, padded
+                let size = |k: u32| -> i64 {
+                    ids.iter()
+                        .map(|i| self.rows(*i, k).1 * self.row_numel(*i))
+                        .sum()
+                };
+                let longest = (0..s).map(size).max().unwrap_or(0);
+                let mut pieces = Vec::new();
+                for k in 0..s {
+                    for (j, &i) in ids.iter().enumerate() {
+                        let (r0, rn) = self.rows(i, k);
+                        if rn > 0 {
+                            pieces.push(gs[j].narrow(0, r0, rn).reshape([-1]));
+                        }
+                    }
+                    let pad = longest - size(k);
+                    if pad > 0 {
+                        pieces.push(Tensor::zeros([pad], (Kind::Float, self.dev)));
+                    }
+                }
+                let packed = Tensor::cat(&pieces, 0).to_kind(Kind::Float);
+                drop(pieces);
+                let mine = comm.reduce_scatter(&comm.place(&packed))?.into_tensor();
+                let mut at = 0;
+                for &i in ids {
+                    let (_, rn) = self.rows(i, place);
+                    let len = rn * self.row_numel(i);
+                    let shape: Vec<i64> = std::iter::once(rn)
+                        .chain(self.shapes[i][1..].iter().copied())
+                        .collect();
+                    rows_grad[i] = Some(mine.narrow(0, at, len).view(shape.as_slice()).copy());
+                    at += len;
+                }
+            }
+            Some(_) => {
+                let flat: Vec<Tensor> = gs.iter().map(|g| g.reshape([-1])).collect();
+                let mut t = comm.place(&Tensor::cat(&flat, 0));
+                comm.all_reduce(&mut t, ReduceOp::Sum)?;
+                keep_rows(&t.into_tensor(), rows_grad);
+            }
+        }
+        Ok(())
+    }
+
+    /// The optimizer's step on this rank's rows: clipped first when the job sets
+    /// `max_grad_norm` (the global norm: in deterministic mode from each parameter's whole sum,
+    /// as the unsharded step computes it; otherwise from the shard group's rows).
+    #[allow(clippy::too_many_arguments)]
+    fn full_update(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        rank: u32,
+        grp: &Option<Group>,
+        rows_grad: Vec<Option<Tensor>>,
+        sumsq: Vec<f64>,
+        loss: f64,
+    ) -> Result<(), CommError> {
+        let grads: Vec<Tensor> = rows_grad
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| g.unwrap_or_else(|| self.params[i].zeros_like()))
+            .collect();
+        if let Some(max) = self.spec.max_grad_norm {
+            let total = if self.spec.deterministic {
+                sumsq.iter().sum::<f64>()
+            } else {
+                let squares: Vec<Tensor> = grads
+                    .iter()
+                    .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double))
+                    .collect();
+                let mine: f64 =
+                    Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
+                        .unwrap_or_default()
+                        .iter()
+                        .sum();
+                let all = comm.host().all_gather_f64(&[mine])?;
+                let members: Vec<u32> = match grp {
+                    Some(grp) => grp.members().to_vec(),
+                    None => (0..comm.world()).collect(),
+                };
+                members.iter().map(|r| all[*r as usize][0]).sum::<f64>()
+            };
+            let norm = total.sqrt();
+            let scale = max / (norm + 1e-6);
+            if scale < 1.0 {
+                for gr in &grads {
+                    let mut gr = gr.shallow_clone();
+                    let _ = gr.g_mul_scalar_(scale);
+                }
+            }
+            self.grad_norm = Some(norm);
+        }
+        let lr = self.spec.lr_plan().at(self.step);
+        let per = self.opt.per();
+        let step = self.step;
+        for (i, gr) in grads.iter().enumerate() {
+            if self.params[i].numel() == 0 {
+                continue;
+            }
+            let mut st: Vec<Tensor> = (0..per)
+                .map(|j| self.opt.state[per * i + j].shallow_clone())
+                .collect();
+            let p = self.params[i].detach();
+            crate::optim::apply(
+                &self.opt.kind,
+                self.opt.decays(i),
+                &mut st,
+                &p,
+                gr,
+                lr,
+                step,
+            );
+        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true, "lr": lr, "loss": loss}),
+        );
+        self.step += 1;
+        Ok(())
+    }
+
+    /// The summed loss over `batches` (this rank's eval samples) of a fully sharded rank:
+    /// every rank of the shard group runs the model unit by unit on its own samples, each
+    /// unit gathered once.
+    pub(super) fn full_eval_sum(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        mut batches: Vec<(Tensor, Tensor)>,
+    ) -> Result<f64, CommError> {
+        let grp = self.shard_group(comm, g)?;
+        let units = self.units();
+        let mut sum = 0.0;
+        for u in 0..units {
+            let ps = self.unit_params(u);
+            let rests = self.gather_params(comm, &grp, &ps)?;
+            tch::no_grad(|| {
+                for (h, y) in batches.iter_mut() {
+                    let out = self.model.unit_forward(u, h);
+                    if u + 1 == units {
+                        sum += self.model.whole_loss(&out, y).double_value(&[]);
+                    } else {
+                        *h = out;
+                    }
+                }
+            });
+            self.release(rests);
+        }
+        Ok(sum)
+    }
+}
