@@ -57,12 +57,23 @@ def rank(r, d, world, batch, ctx, steps, warm, port, zero):
     torch.manual_seed(r)
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
     m.train()
-    ddp = torch.nn.parallel.DistributedDataParallel(m)
-    if zero:
+    if zero == 2:
+        # FSDP2: fully_shard per decoder layer, then the root (torchtitan's wrapping)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        ddp = m
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+    elif zero == 1:
         # ZeRO-1: each rank holds its partition of the AdamW state
+        ddp = torch.nn.parallel.DistributedDataParallel(m)
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-5)
     else:
+        ddp = torch.nn.parallel.DistributedDataParallel(m)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
     v = m.config.vocab_size
     x = torch.randint(0, v, (batch // world, ctx + 1))
@@ -89,15 +100,16 @@ if __name__ == "__main__":
     mp.spawn(rank, args=(d, world, batch, ctx, steps, warm, port, zero), nprocs=world)
 "#;
 
-/// PyTorch DDP at `world` (with `zero`, its optimizer a `ZeroRedundancyOptimizer`): (tokens/s,
-/// each rank's peak resident memory in MiB).
+/// PyTorch DDP at `world` (`zero` 1: its optimizer a `ZeroRedundancyOptimizer`; 2: FSDP2,
+/// `fully_shard` per decoder layer, instead of DDP): (tokens/s, each rank's peak resident
+/// memory in MiB).
 fn ddp(
     model: &Path,
     world: u32,
     batch: u32,
     ctx: u32,
     steps: u32,
-    zero: bool,
+    zero: u32,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
     let dir = TempDir::new("ddp");
     let script = dir.path().join("ddp_step.py");
@@ -108,7 +120,7 @@ fn ddp(
     let o = Command::new(python()?)
         .arg(&script)
         .arg(model)
-        .args([world, batch, ctx, steps, 2, port as u32, zero as u32].map(|n| n.to_string()))
+        .args([world, batch, ctx, steps, 2, port as u32, zero].map(|n| n.to_string()))
         .env("HF_HUB_OFFLINE", "1")
         .output()?;
     anyhow::ensure!(
@@ -245,7 +257,7 @@ pub async fn hf_step(
     ];
     // data parallel 2 against PyTorch DDP (fp32, no recompute: DDP's own configuration)
     if precision == "fp32" && recompute == "none" {
-        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32, false)?;
+        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32, 0)?;
         println!(
             "hf-step, data-parallel 2 against PyTorch DDP (gloo, 1 thread per rank), batch {batch} x {ctx}: ductile {:.1} tokens/s, DDP {tps:.1} tokens/s, ratio {:.3}; peak resident memory per rank ductile {}, DDP {} (ratio {:.3})",
             ours[1],
@@ -273,7 +285,8 @@ pub async fn hf_step(
 /// build's ductile when `baseline` names its binaries' directory, DDP): tokens/s and each
 /// rank's peak resident memory per round, then the medians and the pairwise ratios' medians.
 /// With `sharding = "optimizer"` ductile shards its optimizer state (ZeRO-1) and DDP's
-/// optimizer is a `ZeroRedundancyOptimizer`.
+/// optimizer is a `ZeroRedundancyOptimizer`; with `"full"` ductile shards everything (ZeRO-3)
+/// and the peer is PyTorch FSDP2 (`fully_shard` per decoder layer).
 #[allow(clippy::too_many_arguments)]
 pub async fn ddp_step(
     model: &Path,
@@ -286,18 +299,17 @@ pub async fn ddp_step(
     sharding: &str,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
-        ["none", "optimizer"].contains(&sharding),
-        "--sharding is none or optimizer"
+        ["none", "optimizer", "full"].contains(&sharding),
+        "--sharding is none, optimizer or full"
     );
     anyhow::ensure!(
         world >= 1 && batch >= world,
         "--world must be at least 1 and at most --batch"
     );
-    let zero = sharding == "optimizer";
-    let peer = if zero {
-        "PyTorch DDP + ZeroRedundancyOptimizer"
-    } else {
-        "PyTorch DDP"
+    let (zero, peer) = match sharding {
+        "optimizer" => (1, "PyTorch DDP + ZeroRedundancyOptimizer"),
+        "full" => (2, "PyTorch FSDP2 (fully_shard per decoder layer)"),
+        _ => (0, "PyTorch DDP"),
     };
     let dir = TempDir::new("ddpstep");
     let data = stream(dir.path(), model, 4000)?;
@@ -314,10 +326,10 @@ pub async fn ddp_step(
                 None => std::env::remove_var("DUCTILE_BIN_DIR"),
             }
             let c = Cluster::start(Spec::default().agents(1, world));
-            let extra = if zero {
+            let extra = if zero > 0 {
                 // a sharded job keeps a checkpoint (never due here)
                 format!(
-                    "sharding = \"optimizer\"\n[checkpoint]\nurl = \"file://{}/ck-{round}-{i}\"\ninterval = 1000000",
+                    "sharding = \"{sharding}\"\n[checkpoint]\nurl = \"file://{}/ck-{round}-{i}\"\ninterval = 1000000",
                     dir.path().display()
                 )
             } else {

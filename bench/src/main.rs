@@ -181,14 +181,15 @@ enum Cmd {
     /// (default: the set-up's SmolLM2-135M), fp32, in alternating rounds: tokens/s and peak
     /// resident memory per rank, with the median of the paired ratios; `--baseline-bin-dir`
     /// adds another build's binaries (a before/after in the same sitting); `--sharding
-    /// optimizer` runs ductile's ZeRO-1 against DDP with PyTorch's ZeroRedundancyOptimizer.
+    /// optimizer` runs ductile's ZeRO-1 against DDP with PyTorch's ZeroRedundancyOptimizer,
+    /// `--sharding full` ductile's full sharding against PyTorch FSDP2.
     DdpStep {
         #[arg(long)]
         model: Option<std::path::PathBuf>,
         #[arg(long, default_value_t = 2)]
         world: u32,
-        /// `none`, or `optimizer`: ductile's ZeRO-1 against DDP with PyTorch's
-        /// ZeroRedundancyOptimizer.
+        /// `none`; `optimizer`: ductile's ZeRO-1 against DDP with PyTorch's
+        /// ZeroRedundancyOptimizer; `full`: ductile's full sharding against FSDP2.
         #[arg(long, default_value = "none")]
         sharding: String,
         #[arg(long, default_value_t = 4)]

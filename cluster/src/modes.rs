@@ -190,9 +190,10 @@ named! {
 
 named! {
     /// How the data-parallel ranks share the training state (`training.sharding`): each
-    /// parameter's optimizer state cut by rows over a shard group (`optimizer`, ZeRO-1), or
-    /// whole on every rank (`none`). `gradients` (ZeRO-2), `full` (ZeRO-3 / FSDP) and `auto`
-    /// are named so that a spec asking for them gets a clear refusal, not a parse error.
+    /// parameter's optimizer state cut by rows over a shard group (`optimizer`, ZeRO-1), its
+    /// summed gradient too (`gradients`, ZeRO-2), its parameters as well (`full`, ZeRO-3 /
+    /// FSDP), or whole on every rank (`none`). `auto` is named so that a spec asking for it
+    /// gets a clear refusal, not a parse error.
     Sharding in "training.sharding", default None {
         None = "none",
         Optimizer = "optimizer",

@@ -878,12 +878,12 @@ pub struct TrainingSpec {
     /// world size. Default `none`.
     #[serde(default, skip_serializing_if = "Sharding::is_none")]
     pub sharding: Sharding,
-    /// With `sharding`: shard within groups of this many data-parallel ranks and replicate
-    /// across the groups (HSDP: a rank's loss is made good by its replica). Default: every
-    /// data-parallel rank in one group. At a world size it does not divide, the group is the
-    /// largest divisor of the world below it.
+    /// With `sharding`: shard within groups of this many data-parallel ranks, or within each
+    /// node (`"node"`), and replicate across the groups (HSDP: a rank's loss is made good by
+    /// its replica). Default: every data-parallel rank in one group. At a world size it does
+    /// not divide, the group is the largest divisor of the world below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shard_group: Option<u32>,
+    pub shard_group: Option<ShardGroup>,
     /// Communicator backend: `auto` (NCCL when every member has a GPU of its own, else TCP),
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
     #[serde(default)]
@@ -1203,11 +1203,21 @@ impl TrainingSpec {
         };
         // a sharded job's optimizer state: its rows over the shard group
         let shard = if self.sharding.is_sharded() {
-            self.shard_group.map_or(max, u64::from).clamp(1, max)
+            // ("node": the nodes' sizes are not known at submit; counted as one group)
+            match self.shard_group {
+                Some(ShardGroup::Ranks(n)) => u64::from(n),
+                Some(ShardGroup::Node) | None => max,
+            }
+            .clamp(1, max)
         } else {
             1
         };
         let opt = (params * 4 * self.optimizer.states() as u64).div_ceil(shard);
+        if self.sharding == Sharding::Gradients {
+            // whole parameters; rows of the state; a unit's gradients at a time
+            let units = self.approx_units().max(1);
+            return Some(params * 4 + opt + 2 * params * 4 / units);
+        }
         if self.sharding == Sharding::Full {
             // rows of the parameters and their state; a unit's gathered parameters and
             // gradients at a time (a block is at most the model's); the seed's whole weights
@@ -1905,18 +1915,20 @@ impl TrainingSpec {
             }
         }
         match self.sharding {
-            Sharding::None | Sharding::Optimizer | Sharding::Full => {}
+            Sharding::None | Sharding::Optimizer | Sharding::Gradients | Sharding::Full => {}
             other => {
                 return Err(ClusterError::invalid(
                     "training.sharding",
-                    format!("\"{other}\" is not built yet: this version shards the optimizer state (\"optimizer\", ZeRO-1) or the parameters, gradients and optimizer state (\"full\", ZeRO-3 / FSDP)"),
+                    format!("\"{other}\" is not built yet: this version shards the optimizer state (\"optimizer\", ZeRO-1), the gradients too (\"gradients\", ZeRO-2) or the parameters as well (\"full\", ZeRO-3 / FSDP)"),
                 ))
             }
         }
-        if self.sharding == Sharding::Full && self.tensor_slices.is_some() {
+        if matches!(self.sharding, Sharding::Full | Sharding::Gradients)
+            && self.tensor_slices.is_some()
+        {
             return Err(ClusterError::invalid(
                 "training.tensor_slices",
-                "full sharding computes each unit whole: tensor_slices is for tensor-parallel layouts",
+                format!("\"{}\" sharding computes each unit whole: tensor_slices is for tensor-parallel layouts", self.sharding),
             ));
         }
         if self.sharding.is_sharded()
@@ -1927,18 +1939,20 @@ impl TrainingSpec {
                 "sharding runs with strategy = \"data-parallel\" and sync = \"allreduce\" only (pipeline and tensor layouts, DiLoCo and async: not yet)",
             ));
         }
-        if let Some(n) = self.shard_group {
+        if let Some(g) = self.shard_group {
             if !self.sharding.is_sharded() {
                 return Err(ClusterError::invalid(
                     "training.shard_group",
                     "needs training.sharding (a job without sharding holds the whole state on every rank)",
                 ));
             }
-            if !(1..=max).contains(&n) {
-                return Err(ClusterError::invalid(
-                    "training.shard_group",
-                    format!("{n} is not between 1 and the job's max size {max}"),
-                ));
+            if let ShardGroup::Ranks(n) = g {
+                if !(1..=max).contains(&n) {
+                    return Err(ClusterError::invalid(
+                        "training.shard_group",
+                        format!("{n} is not between 1 and the job's max size {max}"),
+                    ));
+                }
             }
         }
         if let Some(b) = self.bucket_mb {
@@ -2203,6 +2217,64 @@ impl Layout {
         Layout {
             dp_shard: g,
             ..Layout::data_parallel(n)
+        }
+    }
+}
+
+/// `training.shard_group`: groups of a number of data-parallel ranks, or the ranks of each node
+/// (`"node"`: the shard traffic stays inside a node, the replicas span the nodes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "ShardGroupRepr", into = "ShardGroupRepr")]
+pub enum ShardGroup {
+    Ranks(u32),
+    Node,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum ShardGroupRepr {
+    Ranks(u32),
+    Word(String),
+}
+
+impl TryFrom<ShardGroupRepr> for ShardGroup {
+    type Error = String;
+    fn try_from(r: ShardGroupRepr) -> std::result::Result<Self, String> {
+        match r {
+            ShardGroupRepr::Ranks(n) => Ok(ShardGroup::Ranks(n)),
+            ShardGroupRepr::Word(w) if w == "node" => Ok(ShardGroup::Node),
+            ShardGroupRepr::Word(w) => Err(format!(
+                "training.shard_group: {w:?} is neither a number of ranks nor \"node\""
+            )),
+        }
+    }
+}
+
+impl From<ShardGroup> for ShardGroupRepr {
+    fn from(g: ShardGroup) -> Self {
+        match g {
+            ShardGroup::Ranks(n) => ShardGroupRepr::Ranks(n),
+            ShardGroup::Node => ShardGroupRepr::Word("node".into()),
+        }
+    }
+}
+
+impl ShardGroup {
+    /// The shard group of a world whose members sit `per_node` to a node (in rank order,
+    /// each node's ranks consecutive): the number given, or for `"node"` the largest group
+    /// that fits inside every node (the greatest common divisor of the counts), so every
+    /// group lies within one node.
+    pub fn size(self, per_node: impl IntoIterator<Item = u32>) -> u32 {
+        fn gcd(a: u32, b: u32) -> u32 {
+            if b == 0 {
+                a
+            } else {
+                gcd(b, a % b)
+            }
+        }
+        match self {
+            ShardGroup::Ranks(n) => n,
+            ShardGroup::Node => per_node.into_iter().fold(0, gcd).max(1),
         }
     }
 }
@@ -3034,6 +3106,31 @@ keep = 3
             spec(&format!("sharding = \"optimizer\"\nshard_group = 1{ck}")).min_slot_bytes(2),
             Some(p * 4 * 4 + (25 << 20))
         );
+    }
+
+    #[test]
+    fn a_shard_group_is_a_number_of_ranks_or_the_node() {
+        let t = |v: &str| -> std::result::Result<TrainingSpec, String> {
+            serde_json::from_str(&format!(
+                r#"{{"model":"gpt","dataset":"file:///d","global_batch":8,"sharding":"full","shard_group":{v}}}"#
+            ))
+            .map_err(|e| e.to_string())
+        };
+        assert_eq!(t("2").unwrap().shard_group, Some(ShardGroup::Ranks(2)));
+        assert_eq!(t("\"node\"").unwrap().shard_group, Some(ShardGroup::Node));
+        let e = t("\"nodes\"").unwrap_err();
+        assert!(
+            e.contains("\"nodes\" is neither a number of ranks nor \"node\""),
+            "{e}"
+        );
+        // written back as given
+        let v = serde_json::to_value(t("\"node\"").unwrap()).unwrap();
+        assert_eq!(v["shard_group"], "node");
+        // within every node: 4 + 4 → 4; 4 + 2 → 2; 3 + 2 → 1
+        assert_eq!(ShardGroup::Node.size([4, 4]), 4);
+        assert_eq!(ShardGroup::Node.size([4, 2]), 2);
+        assert_eq!(ShardGroup::Node.size([3, 2]), 1);
+        assert_eq!(ShardGroup::Ranks(2).size([3, 2]), 2);
     }
 
     #[test]

@@ -746,6 +746,20 @@ fn build(
 ) -> Decision {
     let cur = obs.generation.as_ref().map(|(g, _)| g);
     let prev_status = obs.status.as_ref();
+    // shard groups within nodes: each node's ranks consecutive (in rank order within a node)
+    let node_groups = spec
+        .training
+        .as_ref()
+        .is_some_and(|t| t.sharding.is_sharded() && t.shard_group == Some(ShardGroup::Node));
+    let by_node: Vec<(String, u32)>;
+    let chosen = if node_groups {
+        let mut v = chosen.to_vec();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        by_node = v;
+        &by_node[..]
+    } else {
+        chosen
+    };
     let state_source = match (cur, survivors) {
         // a script's state is its own business (its checkpoint, TorchFT's healing)
         _ if spec.runtime.runs_program() => StateSource::Program,
@@ -779,7 +793,16 @@ fn build(
             None => match spec.training.as_ref().filter(|t| t.sharding.is_sharded()) {
                 // the optimizer state cut over shard groups of the data-parallel ranks
                 Some(t) => (
-                    Layout::sharded(world, t.shard_group.unwrap_or(world)),
+                    Layout::sharded(
+                        world,
+                        t.shard_group.map_or(world, |sg| {
+                            let mut per: BTreeMap<&str, u32> = BTreeMap::new();
+                            for (n, _) in chosen {
+                                *per.entry(n.as_str()).or_default() += 1;
+                            }
+                            sg.size(per.into_values())
+                        }),
+                    ),
                     Vec::new(),
                     0,
                 ),

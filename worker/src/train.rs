@@ -791,7 +791,7 @@ impl Trainer {
         let comm = arc.as_ref();
         let world = comm.world();
         let t0 = Instant::now();
-        if self.holds_param_rows() {
+        if self.reduces_per_unit() {
             return self.full_step(arc, g, rank, t0);
         }
         if !self.spec.deterministic {
@@ -884,7 +884,7 @@ impl Trainer {
         }
         let lr = self.spec.lr_plan().at(self.step);
         if self.shard_held.0 > 1 {
-            self.sharded_update(comm, g, grads, lr)?;
+            self.sharded_update(comm, g, grads, lr, false)?;
         } else {
             self.opt.step(&self.params, grads, lr, self.step);
         }
@@ -911,6 +911,7 @@ impl Trainer {
         g: &Generation,
         grads: &[Tensor],
         lr: f64,
+        rows_given: bool,
     ) -> Result<(), CommError> {
         let (s, place) = self.shard_held;
         let shapes = self.shapes.clone();
@@ -940,7 +941,12 @@ impl Trainer {
                 }
                 let p = tch::no_grad(|| self.params[i].detach().narrow(0, at, n).copy());
                 let mut st: Vec<Tensor> = self.opt.state_of(i).iter().map(|t| t.copy()).collect();
-                let gr = grads[i].narrow(0, at, n);
+                // (ZeRO-2 gives this rank's rows of the summed gradient alone)
+                let gr = if rows_given {
+                    grads[i].shallow_clone()
+                } else {
+                    grads[i].narrow(0, at, n)
+                };
                 crate::optim::apply(
                     &self.opt.kind,
                     self.opt.decays(i),

@@ -52,6 +52,12 @@ impl Trainer {
         self.fully_sharded() && self.shard_held.0 > 1
     }
 
+    /// Whether this rank's step runs unit by unit and keeps its rows of the summed gradient
+    /// only (`sharding = "gradients"` or `"full"`, a shard group of more than one).
+    pub(crate) fn reduces_per_unit(&self) -> bool {
+        matches!(self.spec.sharding, Sharding::Gradients | Sharding::Full) && self.shard_held.0 > 1
+    }
+
     /// The shard group of this rank in `g` (consecutive data-parallel ranks; a data-parallel
     /// rank is its rank): `None` when it is the whole world.
     pub(super) fn shard_group(
@@ -104,7 +110,8 @@ impl Trainer {
         grp: &Option<Group>,
         idx: &[usize],
     ) -> Result<Vec<(usize, Tensor)>, CommError> {
-        if idx.is_empty() {
+        if idx.is_empty() || !self.fully_sharded() {
+            // (ZeRO-2: the parameters are whole already)
             return Ok(Vec::new());
         }
         let s = self.shard_held.0;
@@ -531,9 +538,13 @@ impl Trainer {
             self.grad_norm = Some(norm);
         }
         let lr = self.spec.lr_plan().at(self.step);
+        if !self.fully_sharded() {
+            // ZeRO-2: the rows stepped, then gathered, as ZeRO-1's update
+            self.sharded_update(comm, g, &grads, lr, true)?;
+        }
         let per = self.opt.per();
         let step = self.step;
-        for (i, gr) in grads.iter().enumerate() {
+        for (i, gr) in grads.iter().enumerate().filter(|_| self.fully_sharded()) {
             if self.params[i].numel() == 0 {
                 continue;
             }
