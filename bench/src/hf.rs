@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use ductile_tests::*;
 
+use ductile_cluster::records::now_ms;
+
 use crate::median;
 use crate::training::throughput;
 
@@ -449,4 +451,134 @@ pub async fn hf_load(model: &Path) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// SmolLM2-360M's architecture (362 M parameters: 5.8 GB of fp32 weights, gradients and AdamW
+/// state per replica, random init, the 135M's tokenizer) trained fully sharded at world 4 on
+/// this machine, where four replicas do not fit: each rank's peak resident memory, then a
+/// SIGKILL of one rank (its shard has no replica: every rank reads its rows of the last commit)
+/// → the first step after, a `dctl scale 3` (the rows re-cut live: the leaver hands its rows
+/// over) → the first step at 3, and a `dctl scale 4` → the first step at 4.
+pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()> {
+    let dir = TempDir::new("fsdp360");
+    let model = dir.path().join("smollm2-360m-architecture");
+    std::fs::create_dir_all(&model)?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        tokenizer_from.join("config.json"),
+    )?)?;
+    for (k, v) in [
+        ("hidden_size", 960),
+        ("intermediate_size", 2560),
+        ("num_hidden_layers", 32),
+        ("num_attention_heads", 15),
+        ("num_key_value_heads", 5),
+    ] {
+        cfg[k] = v.into();
+    }
+    std::fs::write(model.join("config.json"), cfg.to_string())?;
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tokenizer_from.join(f), model.join(f))?;
+    }
+    let data = stream(dir.path(), &model, 2000)?;
+    // (the killed worker's slot restarts it after 30 s: the world trains at 3 meanwhile)
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 30_000,
+        ..Spec::default().agents(2, 2)
+    });
+    let extra = format!(
+        "init = \"random\"\nsharding = \"full\"\n[checkpoint]\nurl = \"file://{}/ck\"\ninterval = 3\nkeep = 1",
+        dir.path().display()
+    );
+    c.submit(&hf_job(4, &model, &data, 4, ctx, &extra));
+    let long = Duration::from_secs(1200);
+    c.wait_world("bench", 4, long);
+    // past the first commit (step 3)
+    let v = c.wait_step("bench", 4, long);
+    let last = c.history("bench").last().map(|g| g.number).unwrap_or(1);
+    let state: Vec<u64> = c
+        .joins("bench", last, 4)
+        .await
+        .iter()
+        .map(|j| j.state_bytes)
+        .collect();
+    let peaks = peaks_mib(&c);
+    println!(
+        "fsdp-elastic: SmolLM2-360M architecture, world 4, sharding full, batch 4 x {ctx}: {} per rank ({:.2} GB of parameters and AdamW state each; 5.8 GB per replica), peak resident memory {}",
+        v.layout.map(|l| l.to_string()).unwrap_or_default(),
+        state.iter().cloned().max().unwrap_or(0) as f64 / 1e9,
+        peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", ")
+    );
+    // a SIGKILL: the lost rows come from the last commit
+    let g = c.history("bench").last().unwrap().number;
+    let t0 = now_ms();
+    unsafe { libc::kill(v.members[3].pid.unwrap() as i32, libc::SIGKILL) };
+    let next = crate::training::generation(&c, g + 1).await?;
+    let t1 = first_step_within(&c, g + 1, long).await?;
+    println!(
+        "fsdp-elastic: SIGKILL of rank 3 → first step of generation {} (world {}, state from {:?}) after {:.1} s",
+        g + 1,
+        next.world_size,
+        next.state_source,
+        (t1 - t0) as f64 / 1000.0
+    );
+    // the slot's worker comes back: a join, its rows from the peers
+    let v = c.wait_world("bench", 4, long);
+    let t1 = first_step_within(&c, v.generation, long).await?;
+    let joined = crate::training::generation(&c, v.generation).await?;
+    println!(
+        "fsdp-elastic: the restarted worker joins → first step at world 4 (generation {}, state from {:?}) {:.1} s after the generation was published",
+        v.generation,
+        joined.state_source,
+        t1.saturating_sub(joined.published_at_ms) as f64 / 1000.0
+    );
+    c.wait_step("bench", c.status("bench").step + 2, long);
+    for world in [3u32, 4] {
+        let before = c.history("bench").last().unwrap().number;
+        let t0 = now_ms();
+        c.dctl_ok(&["scale", "bench", &world.to_string()]);
+        let v = c.wait_world("bench", world, long);
+        let h = c.history("bench");
+        let g = h
+            .iter()
+            .filter(|g| g.number > before)
+            .find(|g| g.world_size == world && !g.members.iter().any(|m| m.spare))
+            .map(|g| g.number)
+            .unwrap_or(v.generation);
+        let t1 = first_step_within(&c, g, long).await?;
+        let moved: Vec<String> = c
+            .joins("bench", g, world)
+            .await
+            .iter()
+            .map(|j| format!("{:.2}", j.received_bytes as f64 / 1e9))
+            .collect();
+        let sources: Vec<String> = h
+            .iter()
+            .filter(|x| x.number > before)
+            .map(|x| format!("{:?}", x.state_source))
+            .collect();
+        println!(
+            "fsdp-elastic: dctl scale {world} → first step at world {world} (generation {g}) after {:.1} s; state from {}; GB received per rank {}",
+            (t1 - t0) as f64 / 1000.0,
+            sources.join(" then "),
+            moved.join(", ")
+        );
+        c.wait_step("bench", c.status("bench").step + 1, long);
+    }
+    let peaks = peaks_mib(&c);
+    println!(
+        "fsdp-elastic: peak resident memory per rank over the run {}",
+        peaks
+            .iter()
+            .map(|p| format!("{p:.0} MiB"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+/// The first step of generation `g` of the bench job (its time, ms), waited for up to `limit`.
+async fn first_step_within(c: &Cluster, g: u64, limit: Duration) -> anyhow::Result<u64> {
+    tokio::time::timeout(limit, crate::training::first_step(c, g))
+        .await
+        .map_err(|_| anyhow::anyhow!("generation {g} took no step within {limit:?}"))
 }

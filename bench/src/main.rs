@@ -183,6 +183,16 @@ enum Cmd {
     /// adds another build's binaries (a before/after in the same sitting); `--sharding
     /// optimizer` runs ductile's ZeRO-1 against DDP with PyTorch's ZeroRedundancyOptimizer,
     /// `--sharding full` ductile's full sharding against PyTorch FSDP2.
+    /// SmolLM2-360M's architecture (random init: the set-up's SmolLM2-135M gives the config to
+    /// widen and the tokenizer) fully sharded at world 4 (four replicas do not fit this
+    /// machine): peak resident memory per rank, then a SIGKILL, a `dctl scale 3` and a
+    /// `dctl scale 4`, each with the time to the next first step.
+    FsdpElastic {
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+        #[arg(long, default_value_t = 64)]
+        ctx: u32,
+    },
     DdpStep {
         #[arg(long)]
         model: Option<std::path::PathBuf>,
@@ -480,6 +490,7 @@ async fn main() -> anyhow::Result<()> {
             .await
         }
         Cmd::HfLoad { model } => hf::hf_load(&smollm2_or(model)?).await,
+        Cmd::FsdpElastic { model, ctx } => hf::fsdp_elastic(&smollm2_or(model)?, ctx).await,
         Cmd::DdpStep {
             model,
             world,

@@ -113,6 +113,10 @@ pub struct JobView {
     /// The learning rate of the last reported step (the recipe's rate of that step).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
+    /// How the data-parallel ranks share the training state (`training.sharding`; `"auto"`
+    /// made concrete at submit); absent when every rank holds it whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharding: Option<crate::modes::Sharding>,
     /// The recipe, resolved (ductile's own trainer): the optimizer's settings and the
     /// learning-rate schedule, every default filled in.
     #[serde(default, skip_serializing_if = "Option::is_none")]

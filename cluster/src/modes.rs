@@ -192,8 +192,8 @@ named! {
     /// How the data-parallel ranks share the training state (`training.sharding`): each
     /// parameter's optimizer state cut by rows over a shard group (`optimizer`, ZeRO-1), its
     /// summed gradient too (`gradients`, ZeRO-2), its parameters as well (`full`, ZeRO-3 /
-    /// FSDP), or whole on every rank (`none`). `auto` is named so that a spec asking for it
-    /// gets a clear refusal, not a parse error.
+    /// FSDP), or whole on every rank (`none`); `auto` is made one of them at submit: the least
+    /// that fits the slots' memory (`TrainingSpec::resolve_auto_sharding`).
     Sharding in "training.sharding", default None {
         None = "none",
         Optimizer = "optimizer",

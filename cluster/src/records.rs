@@ -1163,6 +1163,60 @@ impl TrainingSpec {
         }
     }
 
+    /// `sharding = "auto"` made concrete: the least sharding (none, then optimizer, gradients,
+    /// full) whose state fits `cap` bytes a slot at `ranks` ranks (the daemon gives the job's
+    /// max, as its memory check does); full when none fits (the memory check then says what
+    /// is missing); none when no slot's memory is known. Returns what was chosen and why.
+    pub fn resolve_auto_sharding(&mut self, ranks: u32, cap: Option<u64>) -> Option<String> {
+        if self.sharding != Sharding::Auto {
+            return None;
+        }
+        let levels = [
+            Sharding::None,
+            Sharding::Optimizer,
+            Sharding::Gradients,
+            Sharding::Full,
+        ];
+        let need = |s: Sharding| {
+            let mut t = self.clone();
+            t.sharding = s;
+            t.min_slot_bytes(ranks)
+        };
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let (chosen, why) = match cap {
+            None => (
+                Sharding::None,
+                "no slot's memory is known (training.memory_per_slot_gib sets it)".to_string(),
+            ),
+            Some(cap) => match levels
+                .iter()
+                .find(|s| need(**s).is_none_or(|n| n <= cap))
+            {
+                Some(s) => (
+                    *s,
+                    format!(
+                        "about {:.2} GiB per slot at {ranks} rank(s), a slot has {:.2} GiB",
+                        gib(need(*s).unwrap_or(0)),
+                        gib(cap)
+                    ),
+                ),
+                None => (
+                    Sharding::Full,
+                    format!(
+                        "even fully sharded it needs about {:.2} GiB per slot at {ranks} rank(s), a slot has {:.2} GiB",
+                        gib(need(Sharding::Full).unwrap_or(0)),
+                        gib(cap)
+                    ),
+                ),
+            },
+        };
+        self.sharding = chosen;
+        if chosen == Sharding::None {
+            self.shard_group = None;
+        }
+        Some(format!("sharding \"auto\" chose \"{chosen}\": {why}"))
+    }
+
     /// The model's units (the pipeline's blocks): its layers and the two ends.
     pub fn approx_units(&self) -> u64 {
         let layers = match self.model {
@@ -1915,13 +1969,11 @@ impl TrainingSpec {
             }
         }
         match self.sharding {
-            Sharding::None | Sharding::Optimizer | Sharding::Gradients | Sharding::Full => {}
-            other => {
-                return Err(ClusterError::invalid(
-                    "training.sharding",
-                    format!("\"{other}\" is not built yet: this version shards the optimizer state (\"optimizer\", ZeRO-1), the gradients too (\"gradients\", ZeRO-2) or the parameters as well (\"full\", ZeRO-3 / FSDP)"),
-                ))
-            }
+            Sharding::None
+            | Sharding::Optimizer
+            | Sharding::Gradients
+            | Sharding::Full
+            | Sharding::Auto => {}
         }
         if matches!(self.sharding, Sharding::Full | Sharding::Gradients)
             && self.tensor_slices.is_some()
@@ -3106,6 +3158,55 @@ keep = 3
             spec(&format!("sharding = \"optimizer\"\nshard_group = 1{ck}")).min_slot_bytes(2),
             Some(p * 4 * 4 + (25 << 20))
         );
+    }
+
+    /// `sharding = "auto"`: the least sharding whose state fits the slot at the job's fewest
+    /// ranks; full (with the reason) when nothing fits; none when no slot's memory is known.
+    #[test]
+    fn auto_sharding_takes_the_least_that_fits() {
+        let spec = || {
+            JobSpec::from_toml(
+                "name = \"a\"\nmin = 4\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nsharding = \"auto\"\nmodel_config = { d_model = 256, n_layer = 8, n_head = 4, vocab = 1000 }\n[checkpoint]\nurl = \"file:///ck\"\n",
+            )
+            .unwrap()
+            .training
+            .unwrap()
+        };
+        let need = |s: Sharding| {
+            let mut t = spec();
+            t.sharding = s;
+            t.min_slot_bytes(4).unwrap()
+        };
+        let (none, opt, grads, full) = (
+            need(Sharding::None),
+            need(Sharding::Optimizer),
+            need(Sharding::Gradients),
+            need(Sharding::Full),
+        );
+        assert!(
+            none > opt && opt > grads && grads > full,
+            "{none} {opt} {grads} {full}"
+        );
+        for (cap, want) in [
+            (Some(none), Sharding::None),
+            (Some(none - 1), Sharding::Optimizer),
+            (Some(opt - 1), Sharding::Gradients),
+            (Some(grads - 1), Sharding::Full),
+            (None, Sharding::None),
+        ] {
+            let mut t = spec();
+            let said = t.resolve_auto_sharding(4, cap).unwrap();
+            assert_eq!(t.sharding, want, "{cap:?}: {said}");
+            assert!(said.contains(&format!("chose \"{want}\"")), "{said}");
+        }
+        let mut t = spec();
+        let said = t.resolve_auto_sharding(4, Some(full - 1)).unwrap();
+        assert_eq!(t.sharding, Sharding::Full);
+        assert!(said.contains("even fully sharded"), "{said}");
+        // a concrete choice is left as it is
+        let mut t = spec();
+        t.sharding = Sharding::Optimizer;
+        assert_eq!(t.resolve_auto_sharding(4, Some(1)), None);
     }
 
     #[test]

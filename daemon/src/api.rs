@@ -229,6 +229,7 @@ async fn submit(
     if hf {
         check_job(&spec)?;
     }
+    resolve_sharding(&mut spec, nodes.values());
     check_memory(&spec, nodes.values())?;
     check_datasets(&spec).await?;
     if let Some(ck) = &spec.checkpoint {
@@ -267,6 +268,33 @@ fn check_policies(
         )
         .into()),
         None => Ok(()),
+    }
+}
+
+/// `sharding = "auto"`: the least sharding that fits a slot, against `memory_per_slot_gib` or
+/// else the smallest live slot whose memory is known; the spec is stored with the choice.
+fn resolve_sharding<'a>(
+    spec: &mut JobSpec,
+    nodes: impl Iterator<Item = &'a ductile_cluster::records::NodeRecord>,
+) {
+    // (at the job's most ranks, as the memory check: the layout that splits the state most)
+    let ranks = spec.max;
+    let name = spec.name.clone();
+    let Some(t) = spec.training.as_mut() else {
+        return;
+    };
+    let cap = t
+        .memory_per_slot_gib
+        .map(|g| (g * (1u64 << 30) as f64) as u64)
+        .or_else(|| {
+            nodes
+                .flat_map(|n| n.devices.iter())
+                .filter_map(|d| d.memory_mb)
+                .min()
+                .map(|mb| mb.saturating_mul(1 << 20))
+        });
+    if let Some(said) = t.resolve_auto_sharding(ranks, cap) {
+        tracing::info!(job = %name, "{said}");
     }
 }
 
@@ -1186,6 +1214,11 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
             .as_ref()
             .filter(|_| spec.runtime.is_ductile())
             .map(|t| t.recipe()),
+        sharding: spec
+            .training
+            .as_ref()
+            .map(|t| t.sharding)
+            .filter(|s| s.is_sharded()),
         eval_step: progress.and_then(|p| p.eval_step),
         staleness_mean: progress.and_then(|p| p.staleness_mean),
         staleness_max: progress.and_then(|p| p.staleness_max),

@@ -286,6 +286,9 @@ fn print_job(v: &JobView) {
         };
         println!("layout      {}{b}", l);
     }
+    if let Some(s) = v.sharding {
+        println!("sharding    {s}");
+    }
     let loss = v
         .loss
         .map(|l| format!("{l:.4}"))

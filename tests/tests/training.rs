@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use ductile_cluster::records::{Reason, StateSource};
+use ductile_cluster::records::{Reason, Sharding, StateSource};
 use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
@@ -595,6 +595,32 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     c.wait_world("zero2", 3, S(60));
     c.wait_done("zero2", S(180));
     assert_eq!(final_hashes(&c, "zero2"), reference);
+
+    // sharding = "auto": the least that fits the slots' memory, chosen at submit (here a slot
+    // that holds the fully sharded state and not ZeRO-2's), shown by dctl status
+    let auto = train("auto", 4, 400, "sharding = \"auto\"");
+    let need = |s: Sharding| {
+        let mut t = ductile_cluster::records::JobSpec::from_toml(&auto)
+            .unwrap()
+            .training
+            .unwrap();
+        t.sharding = s;
+        t.min_slot_bytes(4).unwrap()
+    };
+    let cap = (need(Sharding::Full) + need(Sharding::Gradients)) / 2;
+    c.submit(&auto.replace(
+        "sharding = \"auto\"",
+        &format!(
+            "sharding = \"auto\"\nmemory_per_slot_gib = {}",
+            cap as f64 / (1u64 << 30) as f64
+        ),
+    ));
+    let v = c.wait_done("auto", S(120));
+    assert_eq!(v.sharding, Some(Sharding::Full));
+    assert!(c.logs().contains("sharding \"auto\" chose \"full\""));
+    let (_, out, _) = c.dctl(&["status", "auto"]);
+    assert!(out.contains("sharding    full"), "{out}");
+    assert_eq!(final_hashes(&c, "auto"), reference);
 
     // a cold restart at another shard size: the rows of the world-4 commits, read at 3
     c.submit(

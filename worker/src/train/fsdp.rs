@@ -32,6 +32,13 @@ use tch::{Device, Kind, Tensor};
 
 use super::{ledger_line, Trainer};
 
+/// A unit's parameters being gathered: on a thread of its own (the next unit's, while this one
+/// computes), or done.
+enum Pending {
+    Thread(std::thread::JoinHandle<Result<Vec<Tensor>, CommError>>),
+    Done(Result<Vec<Tensor>, CommError>),
+}
+
 /// What a rank computes in a step: its logical shards (deterministic mode) or its share,
 /// each as micro-batches of sample indices.
 struct Part {
@@ -110,9 +117,24 @@ impl Trainer {
         grp: &Option<Group>,
         idx: &[usize],
     ) -> Result<Vec<(usize, Tensor)>, CommError> {
+        let pending = self.start_gather(comm, grp, idx, false);
+        self.finish_gather(idx, pending)
+    }
+
+    /// Start the all-gather of parameters `idx` (each place's rows, padded to the longest
+    /// place's): on a thread of its own when `ahead` and the device is the CPU (the next
+    /// unit's gather while this one computes; the caller finishes it before its next
+    /// collective, so the communicator's calls keep one order on every rank), else at once.
+    /// Nothing for ZeRO-2 (whole parameters) or no parameters.
+    fn start_gather(
+        &self,
+        comm: &Arc<dyn Communicator>,
+        grp: &Option<Group>,
+        idx: &[usize],
+        ahead: bool,
+    ) -> Option<Pending> {
         if idx.is_empty() || !self.fully_sharded() {
-            // (ZeRO-2: the parameters are whole already)
-            return Ok(Vec::new());
+            return None;
         }
         let s = self.shard_held.0;
         let place = self.shard_held.1;
@@ -133,13 +155,42 @@ impl Trainer {
             mine.push(Tensor::zeros([pad], (kind, self.dev)));
         }
         let mine = Tensor::cat(&mine, 0);
-        let all: Vec<Tensor> = match grp {
-            None => {
-                let t = comm.all_gather(&comm.place(&mine))?.into_tensor();
-                (0..s as i64).map(|k| t.get(k)).collect()
+        let (comm, grp) = (comm.clone(), grp.clone());
+        let gather = move || -> Result<Vec<Tensor>, CommError> {
+            match &grp {
+                None => {
+                    let t = comm.all_gather(&comm.place(&mine))?.into_tensor();
+                    Ok((0..s as i64).map(|k| t.get(k)).collect())
+                }
+                Some(grp) => grp.all_gather(&mine),
             }
-            Some(grp) => grp.all_gather(&mine)?,
         };
+        Some(if ahead && self.dev == Device::Cpu {
+            Pending::Thread(std::thread::spawn(gather))
+        } else {
+            Pending::Done(gather())
+        })
+    }
+
+    /// Wait for a gather [`Trainer::start_gather`] started and set parameters `idx` to the
+    /// whole tensors; returns their rows, for [`Trainer::release`].
+    fn finish_gather(
+        &mut self,
+        idx: &[usize],
+        pending: Option<Pending>,
+    ) -> Result<Vec<(usize, Tensor)>, CommError> {
+        let Some(pending) = pending else {
+            return Ok(Vec::new());
+        };
+        let all = match pending {
+            Pending::Done(r) => r?,
+            Pending::Thread(h) => h.join().map_err(|_| CommError::Invalid {
+                op: "all_gather",
+                reason: "the thread gathering a unit's parameters panicked".into(),
+            })??,
+        };
+        let s = self.shard_held.0;
+        let kind = self.params[idx[0]].kind();
         let mut off = vec![0i64; s as usize];
         let mut rests = Vec::with_capacity(idx.len());
         for &i in idx {
@@ -238,9 +289,18 @@ impl Trainer {
                     .collect()
             })
             .collect();
+        // the units in the order they are gathered: forward, then backward; each unit's
+        // gather starts while the one before computes
+        let order: Vec<usize> = (0..units.saturating_sub(1))
+            .chain((0..units).rev())
+            .collect();
+        let mut next = self.start_gather(arc, &grp, &self.unit_params(order[0]), true);
+        let mut at = 0;
         for u in 0..units.saturating_sub(1) {
             let idx = self.unit_params(u);
-            let rests = self.gather_params(arc, &grp, &idx)?;
+            let rests = self.finish_gather(&idx, next.take())?;
+            at += 1;
+            next = self.start_gather(arc, &grp, &self.unit_params(order[at]), true);
             tch::no_grad(|| {
                 for per in inputs.iter_mut() {
                     for acts in per.iter_mut() {
@@ -266,7 +326,11 @@ impl Trainer {
         let mut sumsq: Vec<f64> = vec![0.0; self.params.len()];
         for u in (0..units).rev() {
             let idx = self.unit_params(u);
-            let rests = self.gather_params(arc, &grp, &idx)?;
+            let rests = self.finish_gather(&idx, next.take())?;
+            at += 1;
+            if let Some(&v) = order.get(at) {
+                next = self.start_gather(arc, &grp, &self.unit_params(v), true);
+            }
             // this unit's parameter gradients, per part
             let mut acc: Vec<Vec<Option<Tensor>>> = parts
                 .iter()
@@ -329,6 +393,18 @@ impl Trainer {
                 }
             }
             self.release(rests);
+            // the next unit's gather ends before this unit's reduction starts
+            if let Some(p) = next.take() {
+                next = Some(match p {
+                    Pending::Thread(h) => {
+                        Pending::Done(h.join().map_err(|_| CommError::Invalid {
+                            op: "all_gather",
+                            reason: "the thread gathering a unit's parameters panicked".into(),
+                        })?)
+                    }
+                    done => done,
+                });
+            }
             let done: Vec<usize> = (0..idx.len())
                 .filter(|j| self.done_at(idx[*j]) == u)
                 .collect();
