@@ -660,7 +660,7 @@ async fn plan(
     State(st): State<AppState>,
     Path(job): Path<String>,
     axum::extract::Query(q): axum::extract::Query<PlanQuery>,
-) -> ApiResult<Json<ductile_strategies::pipeline::Plan>> {
+) -> ApiResult<Json<serde_json::Value>> {
     let Some(spec) = st.store.spec(&job).await? else {
         return Err(ApiError::not_found(&job));
     };
@@ -682,6 +682,7 @@ async fn plan(
         ));
     }
     let (t, world) = (t.clone(), q.world);
+    let spec_t = t.clone();
     let planned =
         tokio::task::spawn_blocking(move || ductile_strategies::pipeline::plan(&t, world))
             .await
@@ -691,12 +692,54 @@ async fn plan(
                     format!("planning failed: {e}"),
                 )
             })?;
-    planned.map(Json).map_err(|e| {
+    let plan = planned.map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
             format!("job {job} at world {}: {e}", q.world),
         )
+    })?;
+    let mut v = serde_json::to_value(&plan)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the plan: {e}")))?;
+    sharding_candidates(&spec_t, world, &mut v);
+    Ok(Json(v))
+}
+
+/// A data-parallel all-reduce job's plan shows each sharding level's state per rank at the
+/// world (`sharding`: level, bytes, whether it is the job's), and a sharded job's layout its
+/// shard groups.
+fn sharding_candidates(t: &TrainingSpec, world: u32, v: &mut serde_json::Value) {
+    use ductile_cluster::modes::{Sharding, Strategy, SyncMode};
+    if t.strategy != Strategy::DataParallel || t.sync != SyncMode::Allreduce {
+        return;
+    }
+    let rows: Vec<serde_json::Value> = [
+        Sharding::None,
+        Sharding::Optimizer,
+        Sharding::Gradients,
+        Sharding::Full,
+    ]
+    .into_iter()
+    .map(|s| {
+        let mut x = t.clone();
+        x.sharding = s;
+        serde_json::json!({
+            "sharding": s,
+            "memory_bytes": x.min_slot_bytes(world),
+            "chosen": t.sharding == s,
+        })
     })
+    .collect();
+    v["sharding"] = serde_json::Value::Array(rows);
+    if t.sharding.is_sharded() {
+        let group = match t.shard_group {
+            Some(ShardGroup::Ranks(n)) => n,
+            // (the nodes' sizes are the generation's: a world in one group here)
+            Some(ShardGroup::Node) | None => world,
+        };
+        if let Ok(l) = serde_json::to_value(Layout::sharded(world, group)) {
+            v["layout"] = l;
+        }
+    }
 }
 
 /// What the job's checkpoint URL holds (committed checkpoints and attempts), newest first.

@@ -474,6 +474,21 @@ fn print_plan(p: &serde_json::Value) {
             s["compute_s"].as_f64().unwrap_or(0.0)
         );
     }
+    if let Some(levels) = p["sharding"].as_array() {
+        println!("\n{:<10} {:>14}", "SHARDING", "STATE_GIB/RANK");
+        for l in levels {
+            println!(
+                "{:<10} {:>14.3}{}",
+                l["sharding"].as_str().unwrap_or(""),
+                gib(&l["memory_bytes"]),
+                if l["chosen"].as_bool() == Some(true) {
+                    "   (this job)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
     let others = p["runners_up"].as_array().cloned().unwrap_or_default();
     if !others.is_empty() {
         println!("\nrunners-up:");

@@ -265,9 +265,15 @@ fn model_step(
             units: names.join(" + "),
             params,
             // a tensor group splits the parameters, their state, and (by heads and MLP
-            // columns) most of the activations kept for the backward pass
-            memory_bytes: params.div_ceil(tp as u64) * 4 * (2 + opt_states)
-                + stash.div_ceil(tp as u64) * micro * in_flight / v as u64,
+            // columns) most of the activations kept for the backward pass; a sharded
+            // data-parallel rank holds its share (the submit check's figure)
+            memory_bytes: match t.min_slot_bytes(world).filter(|_| t.sharding.is_sharded()) {
+                Some(b) => b,
+                None => {
+                    params.div_ceil(tp as u64) * 4 * (2 + opt_states)
+                        + stash.div_ceil(tp as u64) * micro * in_flight / v as u64
+                }
+            },
             compute_s: flops * per_replica as f64 / SLOT_FLOPS / tp as f64,
         });
     }

@@ -620,6 +620,21 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     assert!(c.logs().contains("sharding \"auto\" chose \"full\""));
     let (_, out, _) = c.dctl(&["status", "auto"]);
     assert!(out.contains("sharding    full"), "{out}");
+    // dctl plan: each level's state per rank at the world asked for, the job's marked
+    let plan: serde_json::Value =
+        serde_json::from_str(&c.dctl_ok(&["plan", "auto", "--world", "4", "--json"])).unwrap();
+    assert_eq!(plan["layout"]["dp_shard"], 4, "{plan}");
+    let levels = plan["sharding"].as_array().unwrap();
+    let bytes: Vec<u64> = levels
+        .iter()
+        .map(|l| l["memory_bytes"].as_u64().unwrap())
+        .collect();
+    assert!(bytes.windows(2).all(|w| w[0] > w[1]), "{plan}");
+    assert_eq!(levels[3]["sharding"], "full");
+    assert_eq!(levels[3]["chosen"], true);
+    assert!(c
+        .dctl_ok(&["plan", "auto", "--world", "4"])
+        .contains("   (this job)"));
     assert_eq!(final_hashes(&c, "auto"), reference);
 
     // a cold restart at another shard size: the rows of the world-4 commits, read at 3
