@@ -452,7 +452,11 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
 
     // refused where it does not run, naming the key
     for (extra, strip_ckpt, says) in [
-        ("sharding = \"auto\"", false, "\"auto\" is not built yet"),
+        (
+            "sharding = \"full\"\ntensor_slices = 4",
+            false,
+            "\"full\" sharding computes each unit whole",
+        ),
         (
             "sharding = \"optimizer\"\nstrategy = \"pipeline\"",
             false,
