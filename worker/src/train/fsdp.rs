@@ -39,6 +39,26 @@ enum Pending {
     Done(Result<Vec<Tensor>, CommError>),
 }
 
+impl Pending {
+    /// The gathered places' rows, once the gather is over.
+    fn wait(self) -> Result<Vec<Tensor>, CommError> {
+        match self {
+            Pending::Done(r) => r,
+            Pending::Thread(h) => joined(h)?,
+        }
+    }
+}
+
+/// A gather thread's result; its panic an error of its own.
+fn joined(
+    h: std::thread::JoinHandle<Result<Vec<Tensor>, CommError>>,
+) -> Result<Result<Vec<Tensor>, CommError>, CommError> {
+    h.join().map_err(|_| CommError::Invalid {
+        op: "all_gather",
+        reason: "the thread gathering a unit's parameters panicked".into(),
+    })
+}
+
 /// What a rank computes in a step: its logical shards (deterministic mode) or its share,
 /// each as micro-batches of sample indices.
 struct Part {
@@ -182,13 +202,7 @@ impl Trainer {
         let Some(pending) = pending else {
             return Ok(Vec::new());
         };
-        let all = match pending {
-            Pending::Done(r) => r?,
-            Pending::Thread(h) => h.join().map_err(|_| CommError::Invalid {
-                op: "all_gather",
-                reason: "the thread gathering a unit's parameters panicked".into(),
-            })??,
-        };
+        let all = pending.wait()?;
         let s = self.shard_held.0;
         let kind = self.params[idx[0]].kind();
         let mut off = vec![0i64; s as usize];
@@ -394,17 +408,10 @@ impl Trainer {
             }
             self.release(rests);
             // the next unit's gather ends before this unit's reduction starts
-            if let Some(p) = next.take() {
-                next = Some(match p {
-                    Pending::Thread(h) => {
-                        Pending::Done(h.join().map_err(|_| CommError::Invalid {
-                            op: "all_gather",
-                            reason: "the thread gathering a unit's parameters panicked".into(),
-                        })?)
-                    }
-                    done => done,
-                });
-            }
+            next = match next.take() {
+                Some(Pending::Thread(h)) => Some(Pending::Done(joined(h)?)),
+                other => other,
+            };
             let done: Vec<usize> = (0..idx.len())
                 .filter(|j| self.done_at(idx[*j]) == u)
                 .collect();
