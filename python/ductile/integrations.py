@@ -9,7 +9,8 @@ unmodified Hugging Face ``Trainer`` script:
   drain, a spot notice, a ``dctl scale``): a planned change loses nothing;
 - resumes from the newest complete checkpoint in its ``output_dir`` when the script names none
   (``trainer.train()`` with no ``resume_from_checkpoint``): a restarted world goes on where the
-  last checkpoint left it instead of starting from step 0.
+  last checkpoint left it instead of starting from step 0; a world restarted after its last
+  save (a rank that failed on its way out) ends there, with no step past ``max_steps``.
 
 A script may do the same by hand: ``trainer.add_callback(ductile.integrations.DuctileCallback())``
 and ``trainer.train(resume_from_checkpoint=ductile.integrations.last_checkpoint(args.output_dir))``.
@@ -158,6 +159,9 @@ def install_transformers():
             if found:
                 print(f"ductile: resuming from {found}", file=sys.stderr, flush=True)
                 resume_from_checkpoint = found
+                done = _finished(self, found)
+                if done is not None:
+                    return done
             elif resume_from_checkpoint is False:
                 resume_from_checkpoint = None
         return train(self, resume_from_checkpoint, *a, **kw)
@@ -165,6 +169,36 @@ def install_transformers():
     trainer.__init__ = __init__
     trainer.train = train_
     _installed.add("transformers")
+
+
+def _finished(trainer, checkpoint):
+    """When ``checkpoint`` already holds the run's last step (a world restarted after its final
+    save, e.g. a rank that failed on its way out): the checkpoint's weights and state loaded
+    and the ``TrainOutput`` returned, with no step taken. ``Trainer.train`` resumed there would
+    train one step past ``max_steps`` when ``max_steps`` is not a whole number of epochs (it
+    checks the limit only after a step). None when there are steps left to train."""
+    from transformers import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    if trainer.args.max_steps is None or trainer.args.max_steps <= 0:
+        # an epoch-bounded run resumed at its end trains no step: Trainer's own loop is exact
+        return None
+    state = TrainerState.load_from_json(os.path.join(checkpoint, _COMPLETE))
+    if state.global_step < trainer.args.max_steps:
+        return None
+    trainer._load_from_checkpoint(checkpoint)
+    trainer.state = state
+    print(
+        f"ductile: {checkpoint} is the run's last step ({state.global_step} of max_steps "
+        f"{trainer.args.max_steps}): its weights loaded, no step trained",
+        file=sys.stderr,
+        flush=True,
+    )
+    if trainer.is_world_process_zero():
+        report(state.global_step)
+    losses = [h["loss"] for h in state.log_history if "loss" in h]
+    loss = sum(losses) / len(losses) if losses else 0.0
+    return TrainOutput(state.global_step, loss, {"train_loss": loss})
 
 
 _INTEGRATIONS = {"transformers": install_transformers}

@@ -638,4 +638,38 @@ fn training_torchrun_an_unmodified_hf_trainer_script_reports_resumes_and_ends_li
         nums[0], nums[1]
     );
     assert!(nums[0] < 1e-4 * nums[1].max(1.0), "weights differ: {diff}");
+
+    // a world restarted after its last save (a rank that fails on its way out) finds a
+    // checkpoint at max_steps: it ends there with that checkpoint's weights, not a step past it
+    // (Trainer resumed there would take one: 600 steps is not a whole number of epochs)
+    let status = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(dir.path().join("hf"))
+        .arg(dir.path().join("again"))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    std::fs::remove_file(dir.path().join("again/final.pt")).unwrap();
+    c.submit(&job("again", 1, true));
+    let again = c.wait_for(S(120), "the restarted finished run's end", || {
+        Some(c.status("again")).filter(|v| v.state.is_terminal())
+    });
+    assert_eq!(again.state, JobState::Succeeded, "{}", again.message);
+    assert_eq!(again.step, steps, "no step past max_steps");
+    assert!(
+        c.logs().contains("is the run's last step"),
+        "the integration said why it trained nothing"
+    );
+    let same = torch_python(
+        "import sys, torch\na = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])\nprint(max((a[k] - b[k]).abs().max().item() for k in a))",
+        &[
+            dir.path().join("hf/final.pt"),
+            dir.path().join("again/final.pt"),
+        ],
+    );
+    assert_eq!(
+        same.trim().parse::<f64>().ok(),
+        Some(0.0),
+        "the last checkpoint's weights are the run's: {same}"
+    );
 }
