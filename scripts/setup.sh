@@ -88,6 +88,7 @@ DUCTILE_PY="$py" bash "$here/install-libtorch.sh"
 # wheel for Linux brings its CUDA libraries: about 5 GB, once), the fixtures made with them, and
 # SmolLM2-135M converted from PyPI's GGUF file. env.sh names them whenever they are there.
 tv="$cache/torch-venv"
+tfv="$cache/tf-venv"
 fx_sum=$(sha256sum "$here/../tests/hf/make_fixtures.py" | cut -c1-12)
 fixtures="$cache/hf-fixtures-$fx_sum"
 smol_sum=$(sha256sum "$here/../tests/hf/gguf_to_hf.py" | cut -c1-12)
@@ -147,6 +148,22 @@ if [ "${1:-}" = "--tests" ]; then
     "$tv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
     echo "$py_sum" > "$tv/.ductile-module"
   fi
+  # TensorFlow 2.20 (CPU) and Keras 2 (tf_keras: what MultiWorkerMirroredStrategy's model.fit
+  # runs on) in a venv of their own, for the runtime = "tf" tests (about 1.5 GB, once), with
+  # the ductile module as in the torch venv
+  if ! "$tfv/bin/python" -c 'import tensorflow, tf_keras, importlib.metadata as m; assert m.version("tensorflow-cpu").startswith("2.20.")' 2>/dev/null; then
+    log "installing tensorflow-cpu 2.20.0 and tf-keras 2.20.1 into $tfv"
+    rm -rf "$tfv"
+    "$py" -m venv "$tfv"
+    "$tfv/bin/pip" install -q --disable-pip-version-check tensorflow-cpu==2.20.0
+    # (tf-keras names the `tensorflow` wheel, a second copy of what tensorflow-cpu is)
+    "$tfv/bin/pip" install -q --disable-pip-version-check --no-deps tf-keras==2.20.1
+  fi
+  if [ "$(cat "$tfv/.ductile-module" 2>/dev/null)" != "$py_sum" ]; then
+    log "installing the ductile Python module (python/) into $tfv"
+    "$tfv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
+    echo "$py_sum" > "$tfv/.ductile-module"
+  fi
   # pyarrow: the tests write Parquet as Hugging Face datasets ship it (tokenize reads it)
   if ! "$tv/bin/python" -c 'import pyarrow' 2>/dev/null; then
     log "installing pyarrow 22 into $tv"
@@ -164,6 +181,7 @@ export LIBTORCH="$cache/libtorch-2.11.0"
 ENV
 # the tests' Python and Hugging Face directories, when set-up made them (--tests)
 if [ -x "$tv/bin/python" ]; then echo "export DUCTILE_TORCH_PYTHON=\"$tv/bin/python\"" >> "$cache/env.sh"; fi
+if [ -x "$tfv/bin/python" ]; then echo "export DUCTILE_TF_PYTHON=\"$tfv/bin/python\"" >> "$cache/env.sh"; fi
 if [ -f "$fixtures/COMPLETE" ]; then echo "export DUCTILE_HF_FIXTURES=\"$fixtures\"" >> "$cache/env.sh"; fi
 if [ -f "$smollm2/reference.json" ]; then echo "export DUCTILE_SMOLLM2=\"$smollm2\"" >> "$cache/env.sh"; fi
 log "ready: source $cache/env.sh"

@@ -285,6 +285,11 @@ impl Keys {
     pub fn master(&self, job: &str, generation: u64) -> String {
         format!("{}master", self.rendezvous(job, generation))
     }
+    /// Where rank `rank` of a tf job's program serves `tf.distribute`'s gRPC in one generation
+    /// (its entry in `TF_CONFIG`'s cluster), as its launcher publishes it.
+    pub fn tf_worker(&self, job: &str, generation: u64, rank: u32) -> String {
+        format!("{}tf-worker-{rank}", self.rendezvous(job, generation))
+    }
     /// Where a torchft job's replica group hosts its c10d store (`MASTER_ADDR`, `MASTER_PORT`)
     /// from the generation it started in, as the launcher of its first slot publishes it.
     pub fn torchft_master(&self, job: &str, generation: u64, group: u32) -> String {

@@ -103,12 +103,15 @@ impl Strategy {
 
 named! {
     /// What a job's workers run: ductile's own trainer (`ductile-worker`), the job's own
-    /// program under torchrun's worker contract, restarted at every generation, or the job's
-    /// own TorchFT program in replica groups that live through the others' failures.
+    /// program under torchrun's worker contract, restarted at every generation, the job's
+    /// own TorchFT program in replica groups that live through the others' failures, or the
+    /// job's own TensorFlow program (`tf.distribute`'s `TF_CONFIG`), restarted at every
+    /// generation as a torchrun program is.
     Runtime in "runtime", default Ductile {
         Ductile = "ductile",
         Torchrun = "torchrun",
         Torchft = "torchft",
+        Tf = "tf",
     }
 }
 
@@ -117,9 +120,9 @@ impl Runtime {
         *self == Runtime::Ductile
     }
 
-    /// The job runs its own program under `ductile-worker launch` (torchrun or torchft).
+    /// The job runs its own program under `ductile-worker launch` (torchrun, torchft or tf).
     pub fn runs_program(&self) -> bool {
-        matches!(self, Runtime::Torchrun | Runtime::Torchft)
+        matches!(self, Runtime::Torchrun | Runtime::Torchft | Runtime::Tf)
     }
 }
 

@@ -246,6 +246,9 @@ pub const JOB_ENV_ALLOWED: &[&str] = &[
     "GLOO_SOCKET_IFNAME",
     "TF_CPP_MIN_LOG_LEVEL",
     "TF_ENABLE_ONEDNN_OPTS",
+    // which Keras `tf.keras` is (Keras 2, `tf_keras`: what MultiWorkerMirroredStrategy's
+    // model.fit needs), loading nothing else
+    "TF_USE_LEGACY_KERAS",
     // experiment trackers off
     "WANDB_DISABLED",
     "WANDB_MODE",
@@ -708,7 +711,8 @@ pub struct TorchftSpec {
     pub group_size: u32,
 }
 
-/// The `[torchrun]` section of a `runtime = "torchrun"` job.
+/// The `[torchrun]` section of a job that runs its own program (`runtime = "torchrun"`,
+/// `"torchft"` or `"tf"`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TorchrunSpec {
@@ -738,13 +742,14 @@ pub struct TorchrunSpec {
     /// Integrations the launcher loads into the Python program before its script runs
     /// (`ductile.integrations`, [`INTEGRATIONS`]): `transformers` adds ductile's callback to
     /// every `Trainer` (progress reports, a save on notice of a change of the world) and
-    /// resumes `trainer.train()` from the newest complete checkpoint of its `output_dir`.
+    /// resumes `trainer.train()` from the newest complete checkpoint of its `output_dir`;
+    /// `keras` adds ductile's callback to every Keras `model.fit` (progress reports).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub integrations: Vec<String>,
 }
 
 /// The integrations a `[torchrun]` section may name.
-pub const INTEGRATIONS: &[&str] = &["transformers"];
+pub const INTEGRATIONS: &[&str] = &["transformers", "keras"];
 
 impl Default for TorchrunSpec {
     fn default() -> Self {
@@ -1533,11 +1538,11 @@ impl JobSpec {
                 if self.torchrun.is_some() {
                     return Err(ClusterError::invalid(
                         "torchrun",
-                        "is for runtime = \"torchrun\" and \"torchft\" jobs (this job runs the built-in trainer)",
+                        "is for runtime = \"torchrun\", \"torchft\" and \"tf\" jobs (this job runs the built-in trainer)",
                     ));
                 }
             }
-            Runtime::Torchrun | Runtime::Torchft => {
+            Runtime::Torchrun | Runtime::Torchft | Runtime::Tf => {
                 let n = self.torchft_group_size();
                 if n > 0 {
                     for (field, v) in [
@@ -1592,6 +1597,13 @@ impl JobSpec {
                     return Err(ClusterError::invalid(
                         "torchrun.integrations",
                         format!("{n:?} is unknown (known: {})", INTEGRATIONS.join(", ")),
+                    ));
+                }
+                if self.runtime == Runtime::Tf && t.integrations.iter().any(|n| n == "transformers")
+                {
+                    return Err(ClusterError::invalid(
+                        "torchrun.integrations",
+                        "\"transformers\" is for the PyTorch Trainer (runtime = \"torchrun\"); a tf job's Keras model.fit takes \"keras\"",
                     ));
                 }
                 if !t.integrations.is_empty() {
@@ -3690,6 +3702,24 @@ mod policy_tests {
         assert!(err(&format!("{tr}[torchrun]\nworkdir = \"rel\"\n")).contains("absolute"));
         assert!(err(&format!("{tr}[torchrun]\ncheckpoint_url = \"/c\"\n")).contains("s3://"));
         assert!(err(&format!("{tr}[torchrun]\ngrace = 3\n")).contains("unknown field"));
+        // a tf job: its program, the [torchrun] section's settings; Keras' integration, not
+        // the PyTorch Trainer's; no [training] or [torchft]
+        let tf = "runtime = \"tf\"\ncommand = [\"python3\", \"/t.py\"]\n";
+        let ok = spec(&format!(
+            "{tf}[torchrun]\nintegrations = [\"keras\"]\ngrace_s = 3\n"
+        ));
+        assert!(ok.runtime.runs_program());
+        assert_eq!(ok.torchrun_settings().integrations, ["keras"]);
+        assert!(err(&format!(
+            "{tf}[torchrun]\nintegrations = [\"transformers\"]\n"
+        ))
+        .contains("\"keras\""));
+        assert!(err(&format!(
+            "{tf}[training]\nmodel = \"mlp\"\ndataset = \"file:///d\"\nglobal_batch = 8\n"
+        ))
+        .contains("trains itself"));
+        assert!(err(&format!("{tf}[torchft]\ngroup_size = 1\n")).contains("runtime = \"torchft\""));
+        assert!(err("runtime = \"tf\"\n").contains("not ductile-worker"));
         assert_eq!(
             python_script(&["python3".into(), "-u".into(), "a.py".into()]),
             Some("a.py")

@@ -312,8 +312,9 @@ fn program_saved(obs: &JobObs, r: &CheckpointRequest) -> Option<u64> {
         .and_then(|p| p.saved_step)
 }
 
-/// A torchrun job's resize (`dctl scale`) restarts its world: its program gets a drain's
-/// notice first (`ductile.preempted()`; the transformers integration saves at the next step),
+/// A torchrun or tf job's resize (`dctl scale`) restarts its world: its program gets a drain's
+/// notice first (`ductile.preempted()`; the transformers integration saves at the next step,
+/// the keras one backs up through `BackupAndRestore`),
 /// and the new generation waits until the program says it saved (`ductile.saved`), at most
 /// `drain_notice_s`. Only for a program that reports progress in the current generation (it
 /// uses ductile's module): one that does not is resized at once. A pure function of what is
@@ -328,7 +329,7 @@ pub fn resize_notice(obs: &JobObs, now: u64) -> DrainCheckpoint {
         .progress
         .as_ref()
         .is_some_and(|p| p.generation == g.number);
-    if spec.runtime != Runtime::Torchrun
+    if !matches!(spec.runtime, Runtime::Torchrun | Runtime::Tf)
         || wait_s == 0
         || !reporting
         || obs.stop_requested

@@ -1,4 +1,4 @@
-"""ductile's helpers for PyTorch scripts run as ``runtime = "torchrun"`` jobs.
+"""ductile's helpers for scripts run as ``runtime = "torchrun"``, ``"torchft"`` or ``"tf"`` jobs.
 
 The script's launcher (``ductile-worker launch``) listens on a Unix datagram socket named by
 ``DUCTILE_CONTROL`` and creates the file named by ``DUCTILE_PREEMPT_FILE`` when a planned

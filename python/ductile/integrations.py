@@ -12,6 +12,10 @@ unmodified Hugging Face ``Trainer`` script:
   last checkpoint left it instead of starting from step 0; a world restarted after its last
   save (a rank that failed on its way out) ends there, with no step past ``max_steps``.
 
+A ``runtime = "tf"`` job with ``integrations = ["keras"]`` gets a callback in every Keras
+``model.fit`` that reports its steps and losses (its resumption is Keras' own
+``BackupAndRestore``).
+
 A script may do the same by hand: ``trainer.add_callback(ductile.integrations.DuctileCallback())``
 and ``trainer.train(resume_from_checkpoint=ductile.integrations.last_checkpoint(args.output_dir))``.
 Outside ductile every report is a no-op and nothing is resumed that the script did not ask for.
@@ -23,7 +27,7 @@ import sys
 
 from . import in_ductile, preempted, report, saved
 
-__all__ = ["install", "install_transformers", "last_checkpoint", "DuctileCallback"]
+__all__ = ["install", "install_keras", "install_transformers", "last_checkpoint", "DuctileCallback"]
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # what the Trainer writes last in a checkpoint (after the weights, optimizer and RNG states)
@@ -201,7 +205,120 @@ def _finished(trainer, checkpoint):
     return TrainOutput(state.global_step, loss, {"train_loss": loss})
 
 
-_INTEGRATIONS = {"transformers": install_transformers}
+def _keras_callback_class(keras):
+    import tensorflow as tf
+
+    class DuctileKerasCallback(keras.callbacks.Callback):
+        """Reports a Keras ``model.fit``'s steps (the optimizer's ``iterations``: a run
+        resumed by ``BackupAndRestore`` goes on from its backup's step) and losses to
+        ductile; once ductile gives notice of a planned change of the world, backs up at the
+        next step through the ``fit``'s ``BackupAndRestore`` callbacks (``backups``) and says
+        so (``ductile.saved``)."""
+
+        def __init__(self, backups=()):
+            super().__init__()
+            self._backups = list(backups)
+            self._noticed = False
+            self._agree = None
+
+        def on_train_begin(self, logs=None):
+            step = self._step()
+            if step:
+                report(step)
+
+        def on_train_batch_end(self, batch, logs=None):
+            loss = (logs or {}).get("loss")
+            step = self._step()
+            report(step, loss=None if loss is None else float(loss))
+            if self._backups and not self._noticed and self._agreed(preempted()):
+                self._noticed = True
+                for b in self._backups:
+                    b._backup(epoch=b._current_epoch, batch=batch)
+                print(
+                    f"ductile: notice of a change of the world: backed up at step {step}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if os.environ.get("RANK", "0") == "0":
+                    saved(step)
+
+        def _step(self):
+            try:
+                return int(self.model.optimizer.iterations.numpy())
+            except Exception:
+                return 0
+
+        def _agreed(self, flag):
+            """``flag`` raised on any worker, on every worker: one small all-reduce of the
+            model's strategy (a compiled function: about 2 ms a step between two CPU workers
+            on one host), each worker at the same batch."""
+            strategy = self.model.distribute_strategy
+            if strategy.num_replicas_in_sync <= 1:
+                return flag
+            if self._agree is None:
+
+                @tf.function
+                def agree(x):
+                    per_replica = strategy.run(lambda: tf.identity(x))
+                    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+                self._agree = agree
+            return int(self._agree(tf.constant(1 if flag else 0, tf.int32)).numpy()) > 0
+
+    return DuctileKerasCallback
+
+
+def install_keras():
+    """Add ductile's callback to every Keras ``model.fit``: Keras 2 (``tf_keras``, what
+    ``tf.keras`` is under ``TF_USE_LEGACY_KERAS=1``, and what ``MultiWorkerMirroredStrategy``'s
+    ``model.fit`` runs on) when it is installed, and Keras 3 (``keras``) unless the legacy
+    switch is on. A program that names no callback of ours gets one; one that does is left as
+    it is."""
+    if "keras" in _installed:
+        return
+    import importlib
+    import importlib.util
+
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
+    names = [n for n in ("tf_keras", "keras") if importlib.util.find_spec(n) is not None]
+    if legacy:
+        names = [n for n in names if n != "keras"]
+    if not names:
+        raise ImportError("the keras integration needs tf_keras or keras installed")
+    for name in names:
+        keras = importlib.import_module(name)
+        _patch_fit(keras, _keras_callback_class(keras))
+    _installed.add("keras")
+
+
+def _patch_fit(keras, cls):
+    fit = keras.Model.fit
+
+    def with_ours(callbacks):
+        callbacks = list(callbacks or [])
+        if not any(isinstance(c, cls) for c in callbacks):
+            # Keras 2's BackupAndRestore backs up on demand (``_backup``); Keras 3's does not
+            backups = [
+                c
+                for c in callbacks
+                if isinstance(c, keras.callbacks.BackupAndRestore) and hasattr(c, "_backup")
+            ]
+            callbacks.append(cls(backups))
+        return callbacks
+
+    def fit_(self, *a, **kw):
+        # callbacks is fit's sixth parameter (x, y, batch_size, epochs, verbose, callbacks)
+        if len(a) >= 6:
+            a = list(a)
+            a[5] = with_ours(a[5])
+        else:
+            kw["callbacks"] = with_ours(kw.get("callbacks"))
+        return fit(self, *a, **kw)
+
+    keras.Model.fit = fit_
+
+
+_INTEGRATIONS = {"transformers": install_transformers, "keras": install_keras}
 
 
 def install(names=None):

@@ -32,6 +32,14 @@
 //! program: the other groups' failures, joins and departures go by it, and TorchFT's quorum
 //! takes them in.
 //!
+//! `runtime = "tf"`: the program runs under `tf.distribute`'s contract. Every rank's launcher
+//! picks a free port on its host for the program's gRPC server and publishes it in the
+//! generation's rendezvous space; once all ranks' are there, each program gets `TF_CONFIG`
+//! (the cluster's `worker` list in rank order, its own `task`: `worker`, index = rank; worker 0
+//! is `MultiWorkerMirroredStrategy`'s chief), beside `RANK`, `WORLD_SIZE` and `LOCAL_RANK`.
+//! The world restarts at every generation as a torchrun world does; the program resumes from
+//! its own backup (Keras' `BackupAndRestore`).
+//!
 //! Warm start: a Python program (`python3 script.py ...`, `python3 -m module ...`) is run in a
 //! standby interpreter that imported torch beforehand; the launcher hands it the generation's
 //! environment and arguments on stdin and it runs the script with `runpy`, as `python3` would.
@@ -67,6 +75,12 @@ const STANDBY_DELAY: Duration = Duration::from_secs(5);
 /// skipped.
 const PRELOAD: &str = "torch,torch.distributed,torch.nn.parallel,torch.utils.data,\
 torch.distributed.elastic.multiprocessing.errors,torch._dynamo";
+
+/// What a tf job's standby interpreter imports: TensorFlow and Keras 2 (`tf_keras`, what
+/// `tf.keras` is under `TF_USE_LEGACY_KERAS=1`), 3 to 5 s of a program's start on this machine.
+/// `TF_CONFIG` is read when the program makes its strategy, after the generation's environment
+/// is in place.
+const PRELOAD_TF: &str = "tensorflow,tf_keras";
 
 /// The end of [`STANDBY`] and [`BOOT`]: run `_argv` (a script and its arguments, or `-m MODULE
 /// ...`) as `python3` would (`sys.argv`, `sys.path[0]`, `__main__`).
@@ -328,6 +342,26 @@ pub fn torchrun_env(
         }
     }
     out
+}
+
+/// A tf program's variables, made from torchrun's (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+/// `DUCTILE_GENERATION`, the GPUs stay): `TF_CONFIG` with the generation's `cluster` (every
+/// rank's gRPC address, in rank order) and this rank's `task`; no c10d store, so no
+/// `MASTER_*`, and no torchelastic names.
+pub fn tf_env(out: &mut BTreeMap<String, String>, cluster: &[(String, u16)], rank: u32) {
+    out.retain(|k, _| !k.starts_with("MASTER_") && !k.starts_with("TORCHELASTIC_"));
+    let workers: Vec<String> = cluster
+        .iter()
+        .map(|(a, p)| match a.contains(':') {
+            true => format!("[{a}]:{p}"),
+            false => format!("{a}:{p}"),
+        })
+        .collect();
+    let config = serde_json::json!({
+        "cluster": { "worker": workers },
+        "task": { "type": "worker", "index": rank },
+    });
+    out.insert("TF_CONFIG".into(), config.to_string());
 }
 
 /// A directory of this launcher's own under `base` (0700, made anew: never one that was there).
@@ -668,7 +702,7 @@ impl Launcher {
         };
         if !spec.runtime.runs_program() {
             anyhow::bail!(
-                "job {:?} is not a runtime = \"torchrun\" or \"torchft\" job: `launch` runs only those",
+                "job {:?} is not a runtime = \"torchrun\", \"torchft\" or \"tf\" job: `launch` runs only those",
                 env.job
             );
         }
@@ -813,7 +847,13 @@ impl Launcher {
             .arg(STANDBY)
             .env_clear()
             .envs(&self.base)
-            .env("DUCTILE_PRELOAD", PRELOAD)
+            .env(
+                "DUCTILE_PRELOAD",
+                match self.spec.runtime {
+                    Runtime::Tf => PRELOAD_TF,
+                    _ => PRELOAD,
+                },
+            )
             .current_dir(self.workdir())
             .stdin(Stdio::piped());
         match Program::spawn(cmd, "the standby interpreter") {
@@ -893,7 +933,7 @@ impl Launcher {
         if host {
             let port = std::net::TcpListener::bind(("0.0.0.0", 0))
                 .and_then(|l| l.local_addr())
-                .map_err(|e| anyhow::anyhow!("cannot find a free port for the c10d store: {e}"))?
+                .map_err(|e| anyhow::anyhow!("cannot find a free port for the program: {e}"))?
                 .port();
             if self.spec.runtime == Runtime::Torchft {
                 self.stop_store_host().await;
@@ -919,7 +959,7 @@ impl Launcher {
                 match self.reporter.store.put_json(&key, &v, None).await {
                     Ok(_) => break,
                     Err(e) if i >= 20 => {
-                        anyhow::bail!("cannot publish the c10d store's address: {e}")
+                        anyhow::bail!("cannot publish the program's address at {key}: {e}")
                     }
                     Err(_) => {
                         tokio::time::sleep(delay).await;
@@ -929,31 +969,73 @@ impl Launcher {
             }
             return Ok(Some((self.host.clone(), port)));
         }
+        self.read_address(g, me, &key, "the c10d store's host")
+            .await
+    }
+
+    /// The address `whose` launcher published at `key` in generation `g`, waited for (at most
+    /// [`MASTER_WAIT`]; None: a newer generation superseded `me`, or this launcher is stopping).
+    async fn read_address(
+        &self,
+        g: &Generation,
+        me: &Member,
+        key: &str,
+        whose: &str,
+    ) -> anyhow::Result<Option<(String, u16)>> {
         let t0 = Instant::now();
         loop {
             if self.superseded(g, me).is_some() || self.cancel.is_cancelled() {
                 return Ok(None);
             }
-            match self.reporter.store.backend.get(&key).await {
+            match self.reporter.store.backend.get(key).await {
                 Ok(Some(kv)) => {
                     let v: serde_json::Value = serde_json::from_slice(&kv.value)
-                        .map_err(|e| anyhow::anyhow!("rank 0's c10d address is unreadable: {e}"))?;
+                        .map_err(|e| anyhow::anyhow!("{whose}'s address is unreadable: {e}"))?;
                     let addr = v["addr"].as_str().unwrap_or_default().to_string();
                     let port = v["port"].as_u64().unwrap_or(0) as u16;
+                    if addr.is_empty() || port == 0 {
+                        anyhow::bail!("{whose}'s address is malformed: {v}");
+                    }
                     return Ok(Some((addr, port)));
                 }
                 Ok(None) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot read rank 0's c10d address; retrying"),
+                Err(e) => tracing::warn!(error = %e, "cannot read {whose}'s address; retrying"),
             }
             if t0.elapsed() > MASTER_WAIT {
                 anyhow::bail!(
-                    "the c10d store's host in generation {} did not publish its address within {} s",
+                    "{whose} in generation {} did not publish its address within {} s",
                     g.number,
                     MASTER_WAIT.as_secs()
                 );
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
+    }
+
+    /// A tf job's cluster in generation `g`: every rank's gRPC address in rank order, this
+    /// launcher's own published first (None as [`Self::read_address`]).
+    async fn tf_cluster(
+        &mut self,
+        g: &Generation,
+        me: &Member,
+    ) -> anyhow::Result<Option<Vec<(String, u16)>>> {
+        let keys = self.reporter.store.keys.clone();
+        let own = keys.tf_worker(&self.env.job, g.number, me.rank);
+        if self.master(g, me, own, true).await?.is_none() {
+            return Ok(None);
+        }
+        let mut cluster = Vec::with_capacity(g.world_size as usize);
+        for rank in 0..g.world_size {
+            let key = keys.tf_worker(&self.env.job, g.number, rank);
+            match self
+                .read_address(g, me, &key, &format!("rank {rank}'s TensorFlow server"))
+                .await?
+            {
+                Some(a) => cluster.push(a),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(cluster))
     }
 
     async fn run(&mut self) -> i32 {
@@ -1019,7 +1101,23 @@ impl Launcher {
                     me.rank == 0,
                 ),
             };
-            let master = match self.master(&g, &me, key, host).await {
+            let tf = match self.spec.runtime {
+                Runtime::Tf => match self.tf_cluster(&g, &me).await {
+                    Ok(Some(c)) => Some(c),
+                    Ok(None) if self.cancel.is_cancelled() => return EXIT_TERMINATED,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        eprintln!("ductile-worker: {e:#}");
+                        return 1;
+                    }
+                },
+                _ => None,
+            };
+            let master = match &tf {
+                Some(c) => Ok(c.first().cloned()),
+                None => self.master(&g, &me, key, host).await,
+            };
+            let master = match master {
                 Ok(Some(m)) => m,
                 Ok(None) if self.cancel.is_cancelled() => return EXIT_TERMINATED,
                 Ok(None) => continue,
@@ -1045,14 +1143,20 @@ impl Launcher {
                     &self.node_gpus,
                     lh,
                 ),
-                _ => torchrun_env(
-                    &self.env,
-                    &self.spec,
-                    &g,
-                    (&master.0, master.1),
-                    &error_file,
-                    &self.node_gpus,
-                ),
+                _ => {
+                    let mut e = torchrun_env(
+                        &self.env,
+                        &self.spec,
+                        &g,
+                        (&master.0, master.1),
+                        &error_file,
+                        &self.node_gpus,
+                    );
+                    if let Some(c) = &tf {
+                        tf_env(&mut e, c, me.rank);
+                    }
+                    e
+                }
             };
             let mut program = match self.start_program(&gen_env).await {
                 Ok(p) => p,
@@ -1062,7 +1166,7 @@ impl Launcher {
                 }
             };
             println!(
-                "generation {}: started {:?} as rank {} of {}{} (pid {}, c10d store at {}:{})",
+                "generation {}: started {:?} as rank {} of {}{} (pid {}, {} at {}:{})",
                 g.number,
                 self.spec.command,
                 gen_env.get("RANK").map(String::as_str).unwrap_or("?"),
@@ -1072,6 +1176,10 @@ impl Launcher {
                     .map(|r| format!(" in replica group {r}"))
                     .unwrap_or_default(),
                 program.pid,
+                match &tf {
+                    Some(_) => "TensorFlow's chief",
+                    None => "c10d store",
+                },
                 master.0,
                 master.1
             );
@@ -1426,6 +1534,37 @@ mod tests {
                 e["GROUP_RANK"].as_str()
             ),
             ("2", "1", "0")
+        );
+    }
+
+    #[test]
+    fn tf_config_lists_every_rank_s_server_in_rank_order_and_names_this_task() {
+        let spec = JobSpec::from_toml(
+            "name = \"j\"\nruntime = \"tf\"\ncommand = [\"python3\", \"t.py\"]\nmin = 1\nmax = 4\ndesired = 3\n",
+        )
+        .unwrap();
+        let g = gen(&[("a", 0), ("b", 0), ("a", 1)]);
+        let mut e = torchrun_env(&worker("a", 1), &spec, &g, ("h", 1), Path::new("/e"), &[]);
+        let cluster = [
+            ("10.0.0.1".to_string(), 4001),
+            ("10.0.0.2".to_string(), 4002),
+            ("fd00::3".to_string(), 4003),
+        ];
+        tf_env(&mut e, &cluster, 2);
+        let c: serde_json::Value = serde_json::from_str(&e["TF_CONFIG"]).unwrap();
+        assert_eq!(
+            c,
+            serde_json::json!({
+                "cluster": {"worker": ["10.0.0.1:4001", "10.0.0.2:4002", "[fd00::3]:4003"]},
+                "task": {"type": "worker", "index": 2},
+            })
+        );
+        assert_eq!((e["RANK"].as_str(), e["WORLD_SIZE"].as_str()), ("2", "3"));
+        assert_eq!(e["LOCAL_RANK"], "1");
+        assert!(
+            e.keys()
+                .all(|k| !k.starts_with("MASTER_") && !k.starts_with("TORCHELASTIC_")),
+            "no c10d store, no torchelastic: {e:?}"
         );
     }
 

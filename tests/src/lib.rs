@@ -1730,6 +1730,21 @@ pub fn torch_python_bin() -> String {
         .expect("DUCTILE_TORCH_PYTHON is not set: run scripts/setup.sh --tests and source ~/.cache/ductile/env.sh")
 }
 
+/// The set-up's TensorFlow venv interpreter (`DUCTILE_TF_PYTHON`: tensorflow-cpu and tf_keras).
+pub fn tf_python_bin() -> String {
+    std::env::var("DUCTILE_TF_PYTHON")
+        .expect("DUCTILE_TF_PYTHON is not set: run scripts/setup.sh --tests and source ~/.cache/ductile/env.sh")
+}
+
+/// Agent flags for tf jobs running `examples/tensorflow/keras_fit.py`: the TensorFlow venv's
+/// interpreter the one allowed command; the temporary directories and the examples the
+/// allowed paths.
+pub fn tf_agent_flags() -> Vec<String> {
+    let mut f = torchrun_agent_flags();
+    f[1] = tf_python_bin();
+    f
+}
+
 /// Agent flags for torchrun jobs running `examples/torchrun/ddp_train.py`: the torch venv's
 /// interpreter the one allowed command; the temporary directories and the examples the
 /// allowed paths.
