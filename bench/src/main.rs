@@ -103,6 +103,20 @@ enum Cmd {
         #[arg(long)]
         skip_torchrun: bool,
     },
+    /// Hugging Face's Trainer (examples/transformers/trainer_lm.py, gloo) at 2 CPU workers:
+    /// SIGKILL a worker, time to the restarted world's next step, under torchrun itself and
+    /// under ductile's runtime = "torchrun" with the transformers integration.
+    TrainerRecovery {
+        #[arg(long, default_value_t = 4)]
+        rounds: usize,
+    },
+    /// A Keras model.fit under MultiWorkerMirroredStrategy (examples/tensorflow/keras_fit.py)
+    /// at 2 CPU workers: SIGKILL a worker, time to the restarted world's next step, restarted
+    /// by hand (at once, fresh TF_CONFIG) and under ductile's runtime = "tf".
+    TfRecovery {
+        #[arg(long, default_value_t = 4)]
+        rounds: usize,
+    },
     /// TorchFT replica groups (examples/torchft/train_ddp.py, torchft 0.2.0, gloo) against
     /// TorchFT's own torchft_lighthouse and against ductiled's lighthouse, side by side: a group
     /// SIGKILLed and relaunched, time to the survivors' next commit and to the relaunched
@@ -412,6 +426,7 @@ mod diloco;
 mod gpu;
 mod hf;
 mod pipeline;
+mod programs;
 mod tensor;
 mod torchft;
 mod torchrun;
@@ -462,6 +477,8 @@ async fn main() -> anyhow::Result<()> {
             rounds,
             skip_torchrun,
         } => torchrun::recovery(rounds, skip_torchrun).await,
+        Cmd::TrainerRecovery { rounds } => programs::trainer(rounds).await,
+        Cmd::TfRecovery { rounds } => programs::tf(rounds).await,
         Cmd::TorchftRecovery { rounds, timeout_s } => torchft::recovery(rounds, timeout_s).await,
         Cmd::Tokenize { model, mib, runs } => data::tokenize(&smollm2_or(model)?, mib, runs),
         Cmd::DataStep {

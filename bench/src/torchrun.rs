@@ -19,19 +19,19 @@ use crate::{median, recovery_summary as summary};
 
 /// Training between two kills (a failure every few seconds is not what either system is for:
 /// ductile's launchers start their next standby interpreter once the program reports).
-const PAUSE: Duration = Duration::from_secs(8);
+pub(crate) const PAUSE: Duration = Duration::from_secs(8);
 
 /// Rank 0's step log, read as it grows: (unix time, pid, world, step) per step.
-struct StepLog {
+pub(crate) struct StepLog {
     path: PathBuf,
     offset: u64,
     partial: String,
     pids: BTreeSet<u32>,
-    last: Option<(f64, u32, u32, u64)>,
+    pub(crate) last: Option<(f64, u32, u32, u64)>,
 }
 
 impl StepLog {
-    fn new(path: &Path) -> StepLog {
+    pub(crate) fn new(path: &Path) -> StepLog {
         StepLog {
             path: path.to_path_buf(),
             offset: 0,
@@ -66,7 +66,7 @@ impl StepLog {
     }
 
     /// Wait (bounded) for `n` more steps; every step seen so far is "before".
-    async fn steps(&mut self, n: u64, limit: Duration) -> anyhow::Result<()> {
+    pub(crate) async fn steps(&mut self, n: u64, limit: Duration) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let mut seen = 0;
         while seen < n {
@@ -82,7 +82,7 @@ impl StepLog {
 
     /// Seconds from `t_kill` (unix time) to the first step by a process that did not step
     /// before (the restarted world), and its world size; None after `limit`.
-    async fn restarted(
+    pub(crate) async fn restarted(
         &mut self,
         t_kill: f64,
         limit: Duration,
@@ -102,7 +102,7 @@ impl StepLog {
     }
 }
 
-fn unix_now() -> f64 {
+pub(crate) fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -128,7 +128,7 @@ fn script_args(dir: &Path, log: &Path) -> Vec<String> {
 }
 
 /// The worker processes of a torchrun agent (its children).
-fn children(pid: u32) -> Vec<u32> {
+pub(crate) fn children(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
         .unwrap_or_default()
         .split_whitespace()

@@ -105,13 +105,15 @@ named! {
     /// What a job's workers run: ductile's own trainer (`ductile-worker`), the job's own
     /// program under torchrun's worker contract, restarted at every generation, the job's
     /// own TorchFT program in replica groups that live through the others' failures, or the
-    /// job's own TensorFlow program (`tf.distribute`'s `TF_CONFIG`), restarted at every
+    /// job's own TensorFlow program (`tf.distribute`'s `TF_CONFIG`), or the job's own Horovod
+    /// program (what `horovodrun`'s gloo launcher gives it), each restarted at every
     /// generation as a torchrun program is.
     Runtime in "runtime", default Ductile {
         Ductile = "ductile",
         Torchrun = "torchrun",
         Torchft = "torchft",
         Tf = "tf",
+        Horovod = "horovod",
     }
 }
 
@@ -120,9 +122,13 @@ impl Runtime {
         *self == Runtime::Ductile
     }
 
-    /// The job runs its own program under `ductile-worker launch` (torchrun, torchft or tf).
+    /// The job runs its own program under `ductile-worker launch` (torchrun, torchft, tf or
+    /// horovod).
     pub fn runs_program(&self) -> bool {
-        matches!(self, Runtime::Torchrun | Runtime::Torchft | Runtime::Tf)
+        matches!(
+            self,
+            Runtime::Torchrun | Runtime::Torchft | Runtime::Tf | Runtime::Horovod
+        )
     }
 }
 

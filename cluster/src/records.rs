@@ -712,7 +712,7 @@ pub struct TorchftSpec {
 }
 
 /// The `[torchrun]` section of a job that runs its own program (`runtime = "torchrun"`,
-/// `"torchft"` or `"tf"`).
+/// `"torchft"`, `"tf"` or `"horovod"`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TorchrunSpec {
@@ -1538,11 +1538,11 @@ impl JobSpec {
                 if self.torchrun.is_some() {
                     return Err(ClusterError::invalid(
                         "torchrun",
-                        "is for runtime = \"torchrun\", \"torchft\" and \"tf\" jobs (this job runs the built-in trainer)",
+                        "is for runtime = \"torchrun\", \"torchft\", \"tf\" and \"horovod\" jobs (this job runs the built-in trainer)",
                     ));
                 }
             }
-            Runtime::Torchrun | Runtime::Torchft | Runtime::Tf => {
+            Runtime::Torchrun | Runtime::Torchft | Runtime::Tf | Runtime::Horovod => {
                 let n = self.torchft_group_size();
                 if n > 0 {
                     for (field, v) in [

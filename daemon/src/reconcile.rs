@@ -312,7 +312,7 @@ fn program_saved(obs: &JobObs, r: &CheckpointRequest) -> Option<u64> {
         .and_then(|p| p.saved_step)
 }
 
-/// A torchrun or tf job's resize (`dctl scale`) restarts its world: its program gets a drain's
+/// A torchrun, tf or horovod job's resize (`dctl scale`) restarts its world: its program gets a drain's
 /// notice first (`ductile.preempted()`; the transformers integration saves at the next step,
 /// the keras one backs up through `BackupAndRestore`),
 /// and the new generation waits until the program says it saved (`ductile.saved`), at most
@@ -329,8 +329,10 @@ pub fn resize_notice(obs: &JobObs, now: u64) -> DrainCheckpoint {
         .progress
         .as_ref()
         .is_some_and(|p| p.generation == g.number);
-    if !matches!(spec.runtime, Runtime::Torchrun | Runtime::Tf)
-        || wait_s == 0
+    if !matches!(
+        spec.runtime,
+        Runtime::Torchrun | Runtime::Tf | Runtime::Horovod
+    ) || wait_s == 0
         || !reporting
         || obs.stop_requested
         || obs.faults.values().any(|f| f.generation == g.number)

@@ -40,6 +40,15 @@
 //! The world restarts at every generation as a torchrun world does; the program resumes from
 //! its own backup (Keras' `BackupAndRestore`).
 //!
+//! `runtime = "horovod"`: the program gets what `horovodrun`'s gloo launcher gives its workers.
+//! Rank 0's launcher hosts the generation's Horovod rendezvous server (Horovod's own
+//! `RendezvousHTTPServer`, run by the job's interpreter, initialised with the generation's slot
+//! plan: ranks, local and cross ranks by node) on a free port and publishes it as torchrun's
+//! `MASTER_PORT` is; every rank gets `HOROVOD_RANK`, `HOROVOD_SIZE`, `HOROVOD_LOCAL_*`,
+//! `HOROVOD_CROSS_*`, `HOROVOD_HOSTNAME`, `HOROVOD_GLOO_RENDEZVOUS_ADDR`/`_PORT`,
+//! `HOROVOD_CONTROLLER=gloo`, `HOROVOD_CPU_OPERATIONS=gloo` and `HOROVOD_GLOO_IFACE` (the
+//! interface of the node's `DUCTILE_COMM_HOST`). The world restarts at every generation.
+//!
 //! Warm start: a Python program (`python3 script.py ...`, `python3 -m module ...`) is run in a
 //! standby interpreter that imported torch beforehand; the launcher hands it the generation's
 //! environment and arguments on stdin and it runs the script with `runpy`, as `python3` would.
@@ -81,6 +90,9 @@ torch.distributed.elastic.multiprocessing.errors,torch._dynamo";
 /// `TF_CONFIG` is read when the program makes its strategy, after the generation's environment
 /// is in place.
 const PRELOAD_TF: &str = "tensorflow,tf_keras";
+
+/// What a horovod job's standby interpreter imports: torch and Horovod's PyTorch binding.
+const PRELOAD_HOROVOD: &str = "torch,torch.utils.data,horovod.torch";
 
 /// The end of [`STANDBY`] and [`BOOT`]: run `_argv` (a script and its arguments, or `-m MODULE
 /// ...`) as `python3` would (`sys.argv`, `sys.path[0]`, `__main__`).
@@ -222,6 +234,122 @@ _s = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=Fa
 print(f"c10d store for the replica group listening on {sys.argv[1]}:{sys.argv[2]}", flush=True)
 threading.Event().wait()
 "#;
+
+/// What hosts a horovod generation's rendezvous: Horovod's own HTTP rendezvous server (what
+/// `horovodrun --gloo` runs in its driver), initialised with the generation's slot plan
+/// (argv: host, port, the plan as JSON); it lives until its launcher stops it.
+const HOROVOD_HOST: &str = r#"
+import json, sys
+from horovod.runner.common.util.hosts import SlotInfo
+from horovod.runner.http.http_server import RendezvousHTTPServer, RendezvousHandler
+_httpd = RendezvousHTTPServer((sys.argv[1], int(sys.argv[2])), RendezvousHandler, 0)
+_httpd.init([SlotInfo(**s) for s in json.loads(sys.argv[3])])
+print(f"Horovod's rendezvous server for the generation listening on {sys.argv[1]}:{sys.argv[2]}", flush=True)
+_httpd.serve_forever()
+"#;
+
+/// A horovod generation's slot plan, in rank order, as `horovodrun` makes it from its hosts
+/// (nodes in the order of their first rank): each slot's node (`hostname`), rank, rank on its
+/// node (`local_rank`, `local_size`) and the node's index among the nodes that have that
+/// local rank (`cross_rank`, `cross_size`).
+pub fn horovod_plan(g: &Generation) -> Vec<serde_json::Value> {
+    let mut ranks: Vec<&Member> = g.members.iter().collect();
+    ranks.sort_by_key(|m| m.rank);
+    let mut nodes: Vec<&str> = Vec::new();
+    for m in &ranks {
+        if !nodes.contains(&m.node.as_str()) {
+            nodes.push(&m.node);
+        }
+    }
+    let local = |m: &Member| {
+        let on: Vec<u32> = ranks
+            .iter()
+            .filter(|o| o.node == m.node)
+            .map(|o| o.rank)
+            .collect();
+        (on.iter().position(|r| *r == m.rank).unwrap_or(0), on.len())
+    };
+    ranks
+        .iter()
+        .map(|m| {
+            let (local_rank, local_size) = local(m);
+            // the nodes having a slot at this local rank, in node order
+            let cross: Vec<&str> = nodes
+                .iter()
+                .copied()
+                .filter(|n| ranks.iter().filter(|o| o.node == *n).count() > local_rank)
+                .collect();
+            serde_json::json!({
+                "hostname": m.node,
+                "rank": m.rank,
+                "local_rank": local_rank,
+                "cross_rank": cross.iter().position(|n| *n == m.node).unwrap_or(0),
+                "size": ranks.len(),
+                "local_size": local_size,
+                "cross_size": cross.len(),
+            })
+        })
+        .collect()
+}
+
+/// A horovod program's variables, made from torchrun's (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+/// the GPUs stay): its slot of [`horovod_plan`], the rendezvous server at `rendezvous`, gloo as
+/// controller and CPU operations, and `iface` (the network interface of the node's address)
+/// as gloo's; no `MASTER_*`, no torchelastic names.
+pub fn horovod_env(
+    out: &mut BTreeMap<String, String>,
+    g: &Generation,
+    rank: u32,
+    rendezvous: (&str, u16),
+    iface: Option<&str>,
+) {
+    out.retain(|k, _| !k.starts_with("MASTER_") && !k.starts_with("TORCHELASTIC_"));
+    let plan = horovod_plan(g);
+    if let Some(slot) = plan.iter().find(|s| s["rank"] == rank) {
+        for (k, f) in [
+            ("HOROVOD_RANK", "rank"),
+            ("HOROVOD_SIZE", "size"),
+            ("HOROVOD_LOCAL_RANK", "local_rank"),
+            ("HOROVOD_LOCAL_SIZE", "local_size"),
+            ("HOROVOD_CROSS_RANK", "cross_rank"),
+            ("HOROVOD_CROSS_SIZE", "cross_size"),
+        ] {
+            out.insert(k.into(), slot[f].to_string());
+        }
+        out.insert(
+            "HOROVOD_HOSTNAME".into(),
+            slot["hostname"].as_str().unwrap_or_default().into(),
+        );
+    }
+    out.insert(
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR".into(),
+        rendezvous.0.to_string(),
+    );
+    out.insert(
+        "HOROVOD_GLOO_RENDEZVOUS_PORT".into(),
+        rendezvous.1.to_string(),
+    );
+    out.insert("HOROVOD_CONTROLLER".into(), "gloo".into());
+    out.insert("HOROVOD_CPU_OPERATIONS".into(), "gloo".into());
+    if let Some(i) = iface {
+        out.insert("HOROVOD_GLOO_IFACE".into(), i.into());
+    }
+}
+
+/// The network interface that has address `addr` on this host (gloo binds to an interface
+/// by name), or None.
+fn interface_of(addr: &str) -> Option<String> {
+    let want: std::net::IpAddr = addr.parse().ok()?;
+    nix::ifaddrs::getifaddrs().ok()?.find_map(|ifa| {
+        let a = ifa.address?;
+        let ip = match (a.as_sockaddr_in(), a.as_sockaddr_in6()) {
+            (Some(v4), _) => std::net::IpAddr::V4(v4.ip()),
+            (_, Some(v6)) => std::net::IpAddr::V6(v6.ip()),
+            _ => return None,
+        };
+        (ip == want).then(|| ifa.interface_name.clone())
+    })
+}
 
 /// The program's environment that does not change between generations: the node's locale,
 /// paths and NCCL/CUDA settings, a private `HOME` and `TMPDIR` (in the launcher's own
@@ -851,6 +979,7 @@ impl Launcher {
                 "DUCTILE_PRELOAD",
                 match self.spec.runtime {
                     Runtime::Tf => PRELOAD_TF,
+                    Runtime::Horovod => PRELOAD_HOROVOD,
                     _ => PRELOAD,
                 },
             )
@@ -953,6 +1082,23 @@ impl Launcher {
                     .stdin(Stdio::null());
                 self.store_host = Some(Program::spawn(cmd, "the replica group's c10d store")?);
             }
+            if self.spec.runtime == Runtime::Horovod {
+                self.stop_store_host().await;
+                let plan = serde_json::Value::Array(horovod_plan(g)).to_string();
+                let mut cmd = Command::new(&self.spec.command[0]);
+                cmd.arg("-c")
+                    .arg(HOROVOD_HOST)
+                    .arg(&self.host)
+                    .arg(port.to_string())
+                    .arg(plan)
+                    .env_clear()
+                    .envs(&self.base)
+                    .current_dir(self.workdir())
+                    .stdin(Stdio::null());
+                let host = Program::spawn(cmd, "the generation's Horovod rendezvous server")?;
+                self.store_host = Some(host);
+                self.wait_listening(port).await?;
+            }
             let v = serde_json::json!({ "addr": self.host, "port": port });
             let mut delay = Duration::from_millis(50);
             for i in 0.. {
@@ -971,6 +1117,35 @@ impl Launcher {
         }
         self.read_address(g, me, &key, "the c10d store's host")
             .await
+    }
+
+    /// Until the server this launcher hosts (`store_host`) accepts connections on `port` (at
+    /// most [`MASTER_WAIT`]): Horovod's workers do not wait for a rendezvous server that is not
+    /// there yet.
+    async fn wait_listening(&mut self, port: u16) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        loop {
+            if tokio::net::TcpStream::connect((self.host.as_str(), port))
+                .await
+                .is_ok()
+            {
+                return Ok(());
+            }
+            if let Some(h) = self.store_host.as_mut() {
+                if let Ok(Some(status)) = h.child.try_wait() {
+                    let said = h.last_line.lock().unwrap().clone().unwrap_or_default();
+                    anyhow::bail!("the Horovod rendezvous server exited ({status}): {said}");
+                }
+            }
+            if t0.elapsed() > MASTER_WAIT || self.cancel.is_cancelled() {
+                anyhow::bail!(
+                    "the Horovod rendezvous server did not listen on {}:{port} within {} s",
+                    self.host,
+                    MASTER_WAIT.as_secs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
     }
 
     /// The address `whose` launcher published at `key` in generation `g`, waited for (at most
@@ -1155,6 +1330,10 @@ impl Launcher {
                     if let Some(c) = &tf {
                         tf_env(&mut e, c, me.rank);
                     }
+                    if self.spec.runtime == Runtime::Horovod {
+                        let iface = interface_of(&master.0);
+                        horovod_env(&mut e, &g, me.rank, (&master.0, master.1), iface.as_deref());
+                    }
                     e
                 }
             };
@@ -1176,9 +1355,10 @@ impl Launcher {
                     .map(|r| format!(" in replica group {r}"))
                     .unwrap_or_default(),
                 program.pid,
-                match &tf {
-                    Some(_) => "TensorFlow's chief",
-                    None => "c10d store",
+                match (&tf, self.spec.runtime) {
+                    (Some(_), _) => "TensorFlow's chief",
+                    (None, Runtime::Horovod) => "Horovod's rendezvous",
+                    _ => "c10d store",
                 },
                 master.0,
                 master.1
@@ -1566,6 +1746,68 @@ mod tests {
                 .all(|k| !k.starts_with("MASTER_") && !k.starts_with("TORCHELASTIC_")),
             "no c10d store, no torchelastic: {e:?}"
         );
+    }
+
+    #[test]
+    fn horovod_gets_horovodrun_s_slot_plan_and_rendezvous() {
+        let spec = JobSpec::from_toml(
+            "name = \"j\"\nruntime = \"horovod\"\ncommand = [\"python3\", \"t.py\"]\nmin = 1\nmax = 4\ndesired = 3\n",
+        )
+        .unwrap();
+        // node b has ranks 0 and 2, node a rank 1: b is the first host
+        let g = gen(&[("b", 0), ("a", 0), ("b", 1)]);
+        let plan = horovod_plan(&g);
+        let row = |r: usize| {
+            let s = &plan[r];
+            (
+                s["hostname"].as_str().unwrap().to_string(),
+                [
+                    s["rank"].as_u64().unwrap(),
+                    s["local_rank"].as_u64().unwrap(),
+                    s["local_size"].as_u64().unwrap(),
+                    s["cross_rank"].as_u64().unwrap(),
+                    s["cross_size"].as_u64().unwrap(),
+                    s["size"].as_u64().unwrap(),
+                ],
+            )
+        };
+        assert_eq!(row(0), ("b".into(), [0, 0, 2, 0, 2, 3]));
+        assert_eq!(row(1), ("a".into(), [1, 0, 1, 1, 2, 3]));
+        // local rank 1 exists on b alone
+        assert_eq!(row(2), ("b".into(), [2, 1, 2, 0, 1, 3]));
+        let mut e = torchrun_env(&worker("b", 1), &spec, &g, ("h", 1), Path::new("/e"), &[]);
+        horovod_env(&mut e, &g, 2, ("10.0.0.5", 4242), Some("eth0"));
+        let v = |k: &str| e[k].as_str();
+        assert_eq!(
+            (
+                v("HOROVOD_RANK"),
+                v("HOROVOD_SIZE"),
+                v("HOROVOD_LOCAL_RANK")
+            ),
+            ("2", "3", "1")
+        );
+        assert_eq!(
+            (
+                v("HOROVOD_CROSS_RANK"),
+                v("HOROVOD_CROSS_SIZE"),
+                v("HOROVOD_HOSTNAME")
+            ),
+            ("0", "1", "b")
+        );
+        assert_eq!(
+            (
+                v("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
+                v("HOROVOD_GLOO_RENDEZVOUS_PORT"),
+                v("HOROVOD_GLOO_IFACE")
+            ),
+            ("10.0.0.5", "4242", "eth0")
+        );
+        assert_eq!(
+            (v("HOROVOD_CONTROLLER"), v("HOROVOD_CPU_OPERATIONS")),
+            ("gloo", "gloo")
+        );
+        assert!(e.keys().all(|k| !k.starts_with("MASTER_")), "{e:?}");
+        assert_eq!(interface_of("127.0.0.1").as_deref(), Some("lo"));
     }
 
     #[test]

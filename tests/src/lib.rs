@@ -1745,6 +1745,22 @@ pub fn tf_agent_flags() -> Vec<String> {
     f
 }
 
+/// The set-up's Horovod venv interpreter (`DUCTILE_HOROVOD_PYTHON`: torch 2.0.1 and horovod
+/// 0.28.1 built with gloo).
+pub fn horovod_python_bin() -> String {
+    std::env::var("DUCTILE_HOROVOD_PYTHON")
+        .expect("DUCTILE_HOROVOD_PYTHON is not set: run scripts/setup.sh --tests and source ~/.cache/ductile/env.sh")
+}
+
+/// Agent flags for horovod jobs running `examples/horovod/hvd_train.py`: the Horovod venv's
+/// interpreter the one allowed command; the temporary directories and the examples the
+/// allowed paths.
+pub fn horovod_agent_flags() -> Vec<String> {
+    let mut f = torchrun_agent_flags();
+    f[1] = horovod_python_bin();
+    f
+}
+
 /// Agent flags for torchrun jobs running `examples/torchrun/ddp_train.py`: the torch venv's
 /// interpreter the one allowed command; the temporary directories and the examples the
 /// allowed paths.
