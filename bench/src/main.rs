@@ -116,6 +116,10 @@ enum Cmd {
     TfRecovery {
         #[arg(long, default_value_t = 4)]
         rounds: usize,
+        /// The ductile job's min (2: the world waits for a failed slot's restart instead of
+        /// re-forming without it first).
+        #[arg(long, default_value_t = 1)]
+        min: u32,
     },
     /// TorchFT replica groups (examples/torchft/train_ddp.py, torchft 0.2.0, gloo) against
     /// TorchFT's own torchft_lighthouse and against ductiled's lighthouse, side by side: a group
@@ -478,7 +482,7 @@ async fn main() -> anyhow::Result<()> {
             skip_torchrun,
         } => torchrun::recovery(rounds, skip_torchrun).await,
         Cmd::TrainerRecovery { rounds } => programs::trainer(rounds).await,
-        Cmd::TfRecovery { rounds } => programs::tf(rounds).await,
+        Cmd::TfRecovery { rounds, min } => programs::tf(rounds, min).await,
         Cmd::TorchftRecovery { rounds, timeout_s } => torchft::recovery(rounds, timeout_s).await,
         Cmd::Tokenize { model, mib, runs } => data::tokenize(&smollm2_or(model)?, mib, runs),
         Cmd::DataStep {

@@ -276,7 +276,7 @@ fn tf_world(command: &[String], log_dir: &Path) -> anyhow::Result<Vec<Child>> {
         .collect()
 }
 
-pub async fn tf(rounds: usize) -> anyhow::Result<()> {
+pub async fn tf(rounds: usize, min: u32) -> anyhow::Result<()> {
     let py = tf_python_bin();
     let script = repo_root()
         .join("examples/tensorflow/keras_fit.py")
@@ -364,7 +364,7 @@ pub async fn tf(rounds: usize) -> anyhow::Result<()> {
     let log = dir.path().join("steps.log");
     let cmd = command(dir.path(), wrapper, &log);
     c.submit(&format!(
-        "name = \"bench\"\nruntime = \"tf\"\ncommand = [{}]\nmin = 1\nmax = 2\ndesired = 2\nrestart_budget = 1000\nenv = {{ TF_CPP_MIN_LOG_LEVEL = \"2\" }}\n[torchrun]\ngrace_s = 5\nintegrations = [\"keras\"]\n",
+        "name = \"bench\"\nruntime = \"tf\"\ncommand = [{}]\nmin = {min}\nmax = 2\ndesired = 2\nrestart_budget = 1000\nenv = {{ TF_CPP_MIN_LOG_LEVEL = \"2\" }}\n[torchrun]\ngrace_s = 5\nintegrations = [\"keras\"]\n",
         quoted(&cmd)
     ));
     let mut steps = StepLog::new(&log);
@@ -374,7 +374,7 @@ pub async fn tf(rounds: usize) -> anyhow::Result<()> {
     println!(
         "{}",
         summary(
-            "ductile runtime = \"tf\" + keras integration, SIGKILL of a worker → next step",
+            &format!("ductile runtime = \"tf\" (min {min}) + keras integration, SIGKILL of a worker → next step"),
             &ours,
             ours_failed
         )
