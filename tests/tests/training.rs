@@ -507,7 +507,8 @@ fn hsdp_kill_loses_no_shard(c: &Cluster, at: u64, then: u64) {
 /// deterministic GPT job with an eval split at world 4 holds about a quarter of an unsharded
 /// rank's state, loses a shard to a SIGKILL (restored from the checkpoint), is re-cut live
 /// 4 → 3 → 1 → 2, and ends with the unsharded run's weights and optimizer state, bit for bit,
-/// its evals equal too; HSDP (shard groups of 2) survives a kill from the replica; a cold
+/// its evals equal too, gradients clipped by global norm (`max_grad_norm`, acting: the norm
+/// is past it) in every run; HSDP (shard groups of 2) survives a kill from the replica; a cold
 /// restart at another shard size reads its rows from the checkpoint and goes on.
 #[test]
 fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_resizes() {
@@ -519,7 +520,7 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     let data = synth(c.dir.path(), "tokens", 60_000);
     let train = |name: &str, desired: u32, steps: u64, extra: &str| {
         format!(
-            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\neval_fraction = 0.05\neval_every = 50\neval_samples = 64\n{RECIPE}{extra}\n[training.model_config]\nd_model = 48\nn_layer = 3\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 40\n",
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\neval_fraction = 0.05\neval_every = 50\neval_samples = 64\nmax_grad_norm = 0.3\n{RECIPE}{extra}\n[training.model_config]\nd_model = 48\nn_layer = 3\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 40\n",
             training_toml(name, 1, 4, desired, "gpt", &data, "restart_budget = 50"),
             c.dir.path().display()
         )
@@ -533,7 +534,12 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     c.submit(&train("full", 4, 400, "sharding = \"full\""));
     let v = c.wait_world("full", 4, S(30));
     assert_eq!(v.layout.unwrap().to_string(), "dp4(shard4)×pp1×tp1");
-    c.wait_step("full", 5, S(60));
+    let norm = c.wait_step("full", 5, S(60)).grad_norm;
+    println!("the fully sharded run's gradient norm at step 5: {norm:?}");
+    assert!(
+        norm.is_some_and(|n| n > 0.3),
+        "clipping at 0.3 acts on the sharded gradients: {norm:?}"
+    );
     let g = c.history("full")[0].clone();
     let held: Vec<u64> = rt
         .block_on(c.joins("full", g.number, g.world_size))
