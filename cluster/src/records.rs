@@ -1176,6 +1176,10 @@ impl TrainingSpec {
         if self.sharding != Sharding::Auto {
             return None;
         }
+        // with strategy = "auto": sharded data parallelism first, the model split over pipeline
+        // or tensor layouts only where no sharding level fits (torchtitan's guidance: FSDP
+        // first)
+        let planned = self.strategy == Strategy::Auto;
         let levels = [
             Sharding::None,
             Sharding::Optimizer,
@@ -1185,6 +1189,9 @@ impl TrainingSpec {
         let need = |s: Sharding| {
             let mut t = self.clone();
             t.sharding = s;
+            if planned {
+                t.strategy = Strategy::DataParallel;
+            }
             t.min_slot_bytes(ranks)
         };
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -1205,6 +1212,14 @@ impl TrainingSpec {
                         gib(cap)
                     ),
                 ),
+                None if planned => (
+                    Sharding::None,
+                    format!(
+                        "data parallel needs about {:.2} GiB per slot at {ranks} rank(s) even fully sharded, a slot has {:.2} GiB: strategy \"auto\" splits the model over pipeline or tensor layouts instead",
+                        gib(need(Sharding::Full).unwrap_or(0)),
+                        gib(cap)
+                    ),
+                ),
                 None => (
                     Sharding::Full,
                     format!(
@@ -1218,8 +1233,16 @@ impl TrainingSpec {
         self.sharding = chosen;
         if chosen == Sharding::None {
             self.shard_group = None;
+        } else if planned {
+            self.strategy = Strategy::DataParallel;
         }
-        Some(format!("sharding \"auto\" chose \"{chosen}\": {why}"))
+        let strategy = match (planned, chosen.is_sharded()) {
+            (true, true) => " (strategy \"auto\": data parallel, sharded)",
+            _ => "",
+        };
+        Some(format!(
+            "sharding \"auto\" chose \"{chosen}\"{strategy}: {why}"
+        ))
     }
 
     /// The model's units (the pipeline's blocks): its layers and the two ends.
@@ -1973,7 +1996,11 @@ impl TrainingSpec {
                     format!("{n} is not a positive number"),
                 ));
             }
-            if self.strategy != Strategy::DataParallel || self.sync != SyncMode::Allreduce {
+            // (strategy = "auto" with sharding = "auto" may resolve to data parallel at submit,
+            // where the resolved spec is checked again)
+            let may_be_data_parallel = self.strategy == Strategy::DataParallel
+                || (self.strategy == Strategy::Auto && self.sharding == Sharding::Auto);
+            if !may_be_data_parallel || self.sync != SyncMode::Allreduce {
                 return Err(ClusterError::invalid(
                     "training.max_grad_norm",
                     "clipping by global norm runs with strategy = \"data-parallel\" and sync = \"allreduce\" only (pipeline and tensor layouts, DiLoCo and async: not yet)",
@@ -1995,8 +2022,12 @@ impl TrainingSpec {
                 format!("\"{}\" sharding computes each unit whole: tensor_slices is for tensor-parallel layouts", self.sharding),
             ));
         }
+        // (sharding = "auto" with strategy = "auto" is resolved at submit: data parallel with
+        // the least sharding that fits, else the planner's layouts unsharded)
+        let auto_both = self.sharding == Sharding::Auto && self.strategy == Strategy::Auto;
         if self.sharding.is_sharded()
             && (self.strategy != Strategy::DataParallel || self.sync != SyncMode::Allreduce)
+            && !(auto_both && self.sync == SyncMode::Allreduce)
         {
             return Err(ClusterError::invalid(
                 "training.sharding",
@@ -3219,6 +3250,40 @@ keep = 3
         let mut t = spec();
         t.sharding = Sharding::Optimizer;
         assert_eq!(t.resolve_auto_sharding(4, Some(1)), None);
+        // strategy = "auto": sharded data parallelism where a level fits, before the
+        // planner's pipeline and tensor layouts; unsharded and planned where none does
+        let planned = || {
+            JobSpec::from_toml(
+                "name = \"a\"\nmin = 4\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nstrategy = \"auto\"\nsharding = \"auto\"\nmodel_config = { d_model = 256, n_layer = 8, n_head = 4, vocab = 1000 }\n[checkpoint]\nurl = \"file:///ck\"\n",
+            )
+            .unwrap()
+            .training
+            .unwrap()
+        };
+        for (cap, want, strategy) in [
+            (none, Sharding::None, Strategy::Auto),
+            (grads - 1, Sharding::Full, Strategy::DataParallel),
+            (opt - 1, Sharding::Gradients, Strategy::DataParallel),
+            (full - 1, Sharding::None, Strategy::Auto),
+        ] {
+            let mut t = planned();
+            let said = t.resolve_auto_sharding(4, Some(cap)).unwrap();
+            assert_eq!((t.sharding, t.strategy), (want, strategy), "{cap}: {said}");
+            t.validate(4).unwrap();
+        }
+        let mut t = planned();
+        let said = t.resolve_auto_sharding(4, Some(full - 1)).unwrap();
+        assert!(
+            said.contains("pipeline or tensor layouts instead"),
+            "{said}"
+        );
+        // other strategies do not shard
+        let err = JobSpec::from_toml(
+            "name = \"a\"\nmin = 4\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nstrategy = \"hybrid\"\nsharding = \"auto\"\n[checkpoint]\nurl = \"file:///ck\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("training.sharding"), "{err}");
     }
 
     #[test]

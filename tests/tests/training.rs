@@ -627,6 +627,22 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     ));
     let v = c.wait_done("auto", S(120));
     assert_eq!(v.sharding, Some(Sharding::Full));
+    // with strategy = "auto" too: sharded data parallelism before pipeline or tensor layouts
+    let gib = cap as f64 / (1u64 << 30) as f64;
+    c.submit(&train(
+        "planned",
+        4,
+        400,
+        &format!("strategy = \"auto\"\nsharding = \"auto\"\nmemory_per_slot_gib = {gib}"),
+    ));
+    let p = c.wait_world("planned", 4, S(30));
+    assert_eq!(p.sharding, Some(Sharding::Full));
+    assert_eq!(p.layout.unwrap().to_string(), "dp4(shard4)×pp1×tp1");
+    assert!(c
+        .logs()
+        .contains("chose \"full\" (strategy \"auto\": data parallel, sharded)"));
+    c.wait_done("planned", S(180));
+    assert_eq!(final_hashes(&c, "planned"), reference);
     assert!(c.logs().contains("sharding \"auto\" chose \"full\""));
     let (_, out, _) = c.dctl(&["status", "auto"]);
     assert!(out.contains("sharding    full"), "{out}");
