@@ -66,6 +66,9 @@ pub struct Report {
     pub commits_verified: usize,
     pub final_sha256: Option<String>,
     pub reference_sha256: Option<String>,
+    /// The uninterrupted run's generations (`g{n} {reason} world {w} [{state_source}]`): one,
+    /// unless something re-formed even that run.
+    pub reference_generations: Vec<String>,
     /// Cold starts whose restored step was checked against etcd's latest commit.
     pub restores_checked: usize,
     /// The rollback's final weights (the same bits again).
@@ -101,6 +104,10 @@ impl Report {
             self.rollback_sha256.as_deref().map(|h| &h[..16]).unwrap_or("-"),
             self.reference_sha256.as_deref().map(|h| &h[..16]).unwrap_or("-"),
         );
+        s.push_str(&format!(
+            "the uninterrupted run's generations: {}\n",
+            self.reference_generations.join(", ")
+        ));
         for p in &self.phases {
             s.push_str(p);
             s.push('\n');
@@ -225,6 +232,18 @@ pub fn run(cfg: &Config) -> Report {
             try_status(&c, "reference").filter(|v| v.state == JobState::Succeeded)
         });
         report.reference_sha256 = done.final_weights_sha256;
+        // (a diagnosis, should the reference itself be the odd one out: CI once saw its bits
+        // differ from both the faulted run's and its rollback's, which agreed)
+        report.reference_generations = c
+            .history("reference")
+            .iter()
+            .map(|g| {
+                format!(
+                    "g{} {:?} world {} [{:?}]",
+                    g.number, g.reason, g.world_size, g.state_source
+                )
+            })
+            .collect();
     }
 
     let ledger = TempDir::new("chaos-ledger");
