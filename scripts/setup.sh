@@ -147,11 +147,15 @@ if [ "${1:-}" = "--tests" ]; then
   # the repository's `ductile` Python module (python/: what torchrun jobs' scripts import),
   # installed with pip as a user installs it, again whenever its files change
   py_sum=$(cat "$here/../python/pyproject.toml" "$here/../python/ductile/"*.py | sha256sum | cut -c1-12)
-  if [ "$(cat "$tv/.ductile-module" 2>/dev/null)" != "$py_sum" ]; then
-    log "installing the ductile Python module (python/) into $tv"
-    "$tv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
-    echo "$py_sum" > "$tv/.ductile-module"
-  fi
+  # (into venv $1, unless its recorded sum is this one)
+  install_module() {
+    if [ "$(cat "$1/.ductile-module" 2>/dev/null)" != "$py_sum" ]; then
+      log "installing the ductile Python module (python/) into $1"
+      "$1/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
+      echo "$py_sum" > "$1/.ductile-module"
+    fi
+  }
+  install_module "$tv"
   # TensorFlow 2.20 (CPU) and Keras 2 (tf_keras: what MultiWorkerMirroredStrategy's model.fit
   # runs on) in a venv of their own, for the runtime = "tf" tests (about 1.5 GB, once), with
   # the ductile module as in the torch venv
@@ -163,11 +167,7 @@ if [ "${1:-}" = "--tests" ]; then
     # (tf-keras names the `tensorflow` wheel, a second copy of what tensorflow-cpu is)
     "$tfv/bin/pip" install -q --disable-pip-version-check --no-deps tf-keras==2.20.1
   fi
-  if [ "$(cat "$tfv/.ductile-module" 2>/dev/null)" != "$py_sum" ]; then
-    log "installing the ductile Python module (python/) into $tfv"
-    "$tfv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
-    echo "$py_sum" > "$tfv/.ductile-module"
-  fi
+  install_module "$tfv"
   # Horovod 0.28.1 (PyPI's last release, 2023) built with gloo against torch 2.0.1 in a venv of
   # its own, for the runtime = "horovod" tests: it does not build against torch 2.1 or later
   # (its PyTorch extension compiles as C++14; torch's headers need C++17), nor with CMake 4
@@ -183,11 +183,7 @@ if [ "${1:-}" = "--tests" ]; then
       HOROVOD_WITHOUT_MXNET=1 HOROVOD_CMAKE="$hv/bin/cmake" MAKEFLAGS=-j"$(nproc)" \
       "$hv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-cache-dir horovod==0.28.1
   fi
-  if [ "$(cat "$hv/.ductile-module" 2>/dev/null)" != "$py_sum" ]; then
-    log "installing the ductile Python module (python/) into $hv"
-    "$hv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$here/../python"
-    echo "$py_sum" > "$hv/.ductile-module"
-  fi
+  install_module "$hv"
   # pyarrow: the tests write Parquet as Hugging Face datasets ship it (tokenize reads it)
   if ! "$tv/bin/python" -c 'import pyarrow' 2>/dev/null; then
     log "installing pyarrow 22 into $tv"

@@ -303,7 +303,7 @@ pub fn horovod_env(
     rendezvous: (&str, u16),
     iface: Option<&str>,
 ) {
-    out.retain(|k, _| !k.starts_with("MASTER_") && !k.starts_with("TORCHELASTIC_"));
+    drop_c10d_names(out);
     let plan = horovod_plan(g);
     if let Some(slot) = plan.iter().find(|s| s["rank"] == rank) {
         for (k, f) in [
@@ -472,12 +472,18 @@ pub fn torchrun_env(
     out
 }
 
+/// torchrun's variables a program without a c10d store does not get: `MASTER_*` and the
+/// torchelastic names.
+fn drop_c10d_names(out: &mut BTreeMap<String, String>) {
+    out.retain(|k, _| !k.starts_with("MASTER_") && !k.starts_with("TORCHELASTIC_"));
+}
+
 /// A tf program's variables, made from torchrun's (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 /// `DUCTILE_GENERATION`, the GPUs stay): `TF_CONFIG` with the generation's `cluster` (every
 /// rank's gRPC address, in rank order) and this rank's `task`; no c10d store, so no
 /// `MASTER_*`, and no torchelastic names.
 pub fn tf_env(out: &mut BTreeMap<String, String>, cluster: &[(String, u16)], rank: u32) {
-    out.retain(|k, _| !k.starts_with("MASTER_") && !k.starts_with("TORCHELASTIC_"));
+    drop_c10d_names(out);
     let workers: Vec<String> = cluster
         .iter()
         .map(|(a, p)| match a.contains(':') {
