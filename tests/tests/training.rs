@@ -677,6 +677,56 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     assert_eq!(done.step, 480);
 }
 
+/// Outside deterministic mode the data-parallel step all-reduces its gradients in buckets as
+/// the backward finishes them (issue 47 item 3), and full sharding reduce-scatters each unit
+/// while the unit before computes. At world 2 a sum is one addition (commutative), so both end
+/// with the bits of the deterministic run's ordered fold of two logical shards: the overlap
+/// changes when the sums run, never what they give.
+#[test]
+fn training_overlapped_reductions_end_with_the_ordered_fold_s_bits() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    // (a sharded job keeps a checkpoint: a shard lost with its rank comes from there)
+    let train = |name: &str, extra: &str| {
+        format!(
+            "{}max_steps = 60\nbucket_mb = 1\n{extra}\n[training.model_config]\nd_model = 128\nn_layer = 3\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 50\n",
+            training_toml(name, 2, 2, 2, "gpt", &data, ""),
+            c.dir.path().display()
+        )
+    };
+    c.submit(&train(
+        "ordered",
+        "deterministic = true\nlogical_shards = 2",
+    ));
+    let ordered_done = c.wait_done("ordered", S(180));
+    let reference = final_hashes(&c, "ordered");
+    for (name, extra) in [("buckets", ""), ("full", "sharding = \"full\"")] {
+        c.submit(&train(name, extra));
+        let done = c.wait_done(name, S(180));
+        assert_eq!(done.step, ordered_done.step);
+        assert_eq!(
+            final_hashes(&c, name),
+            reference,
+            "job {name}: the final weights or optimizer state differ from the ordered fold's"
+        );
+    }
+    let logs = c.logs();
+    let told = logs
+        .lines()
+        .find(|l| l.contains("job=buckets") && l.contains("as the backward finishes it"))
+        .expect("the bucketed job says how it reduces");
+    let n: u32 = told
+        .split("all-reduced in ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{told}"));
+    assert!(
+        n >= 2,
+        "a model of several MiB makes several 1 MiB buckets: {told}"
+    );
+}
+
 #[test]
 fn training_bad_training_specs_are_refused_before_any_worker_starts() {
     let c = Cluster::start(Spec::default().agents(1, 2));

@@ -216,6 +216,75 @@ impl Model {
             .expect("a whole loss does not communicate")
     }
 
+    /// Forward and backward of the whole model (not in a tensor group) on one micro-batch,
+    /// the backward unit by unit from the last: each unit's input is a leaf of its own, so
+    /// once unit `u`'s backward is over every parameter whose last use is in `u` holds its
+    /// gradient, and `done(u)` is called (a data-parallel step starts reducing those while the
+    /// units before still compute, as DDP's buckets do). Each unit's output gradient enters
+    /// through `sum(out · grad)`, whose backward is the gradient itself. Parameter gradients
+    /// accumulate as [`Model::backward`]'s do; with activation checkpointing the blocks run
+    /// without gradients and again in their backward. Returns the loss (the batch's sum /
+    /// `scale`), detached.
+    pub fn backward_by_unit(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        scale: f64,
+        mut done: impl FnMut(usize),
+    ) -> Tensor {
+        let units = self.units();
+        let block = |u: usize| self.recompute && u > 0 && u + 1 < units;
+        let mut ins: Vec<Tensor> = Vec::with_capacity(units);
+        let mut outs: Vec<Option<Tensor>> = Vec::with_capacity(units);
+        let mut h = x.shallow_clone();
+        for u in 0..units {
+            let xin = if u > 0 {
+                h.detach().set_requires_grad(true)
+            } else {
+                h
+            };
+            let out = if block(u) {
+                tch::no_grad(|| self.unit_forward(u, &xin))
+            } else {
+                self.unit_forward(u, &xin)
+            };
+            h = out.shallow_clone();
+            ins.push(xin);
+            outs.push((!block(u)).then_some(out));
+        }
+        let loss = self.whole_loss(&h, y) / scale;
+        drop(h);
+        let value = loss.detach();
+        let mut root = Some(loss);
+        let mut go: Option<Tensor> = None;
+        for u in (0..units).rev() {
+            let xin = ins.pop().expect("a unit's input");
+            let out = outs
+                .pop()
+                .flatten()
+                .unwrap_or_else(|| self.unit_forward(u, &xin));
+            let r = match root.take() {
+                Some(l) => l,
+                None => {
+                    let g = go.take().expect("the unit's output gradient");
+                    (&out * &g).sum(tch::Kind::Float)
+                }
+            };
+            drop(out);
+            if r.requires_grad() {
+                r.backward();
+            }
+            drop(r);
+            if u > 0 {
+                let gi = xin.grad();
+                go = Some(if gi.defined() { gi } else { xin.zeros_like() });
+            }
+            drop(xin);
+            done(u);
+        }
+        value
+    }
+
     /// Whether blocks are recomputed in the backward (`activation_checkpointing = "full"`).
     pub fn recomputes(&self) -> bool {
         self.recompute

@@ -42,6 +42,7 @@ pub mod diloco;
 pub mod driver;
 mod eval;
 mod fsdp;
+mod overlap;
 pub mod pipe;
 pub mod reshard;
 mod tensor;
@@ -844,9 +845,6 @@ impl Trainer {
         let (b, world) = (self.spec.global_batch as u64, comm.world());
         self.zero_grads();
         let share = split_batch(b, world)[rank as usize];
-        self.read_ahead(&[(share.start, share.len)]);
-        let l = self.accumulate(share, g, rank);
-        self.computed_for(rank, t0);
         if world > 1 && crate::faults::oversized_frame_now(rank, self.step) {
             tracing::warn!(
                 step = self.step,
@@ -854,6 +852,12 @@ impl Trainer {
             );
             comm.inject_oversized_frame((rank + 1) % world)?;
         }
+        if self.overlaps(world) {
+            return self.overlapped_step(arc, g, rank, t0, share);
+        }
+        self.read_ahead(&[(share.start, share.len)]);
+        let l = self.accumulate(share, g, rank);
+        self.computed_for(rank, t0);
         let (grads, riders) = self.reduce_in_buckets(comm, l, g.number)?;
         // one device→host read of the three scalars that rode along
         let tail = Vec::<f32>::try_from(riders.to_device(Device::Cpu))

@@ -963,6 +963,56 @@ mod tests {
         }
     }
 
+    /// [`Model::backward_by_unit`] (the overlapped data-parallel step's backward) gives the
+    /// whole backward's loss and gradients bit for bit, with and without activation
+    /// checkpointing, and calls back once per unit, last first, each time with more
+    /// parameters holding their gradients. GPT-2 (tied), the Llama, the built-in GPT, the MLP.
+    #[test]
+    fn backward_by_unit_gives_the_whole_backward_s_bits_and_calls_back_last_unit_first() {
+        for (i, make) in [gpt2 as fn() -> _, llama, gpt, mlp].into_iter().enumerate() {
+            for recompute in [false, true] {
+                let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+                let (mut s, d, x, y) = make();
+                if recompute {
+                    s.activation_checkpointing =
+                        ductile_cluster::records::ActivationCheckpointing::Full;
+                }
+                let whole = Model::new(&s, &d, Device::Cpu).unwrap();
+                let l0 = whole.loss_sum(&x, &y) / 3.0;
+                l0.backward();
+                let g0 = grads(&whole);
+                let m = Model::new(&s, &d, Device::Cpu).unwrap();
+                let params = m.params();
+                let mut calls = Vec::new();
+                let l1 = m.backward_by_unit(&x, &y, 3.0, |u| {
+                    let ready = params.iter().filter(|(_, p)| p.grad().defined()).count();
+                    calls.push((u, ready));
+                });
+                let units = m.units();
+                let order: Vec<usize> = calls.iter().map(|c| c.0).collect();
+                assert_eq!(order, (0..units).rev().collect::<Vec<_>>(), "model {i}");
+                assert!(
+                    calls.windows(2).all(|w| w[0].1 < w[1].1),
+                    "model {i}: every unit's backward readies parameters: {calls:?}"
+                );
+                assert_eq!(calls.last().unwrap().1, params.len(), "model {i}");
+                assert!(!l1.requires_grad());
+                assert_eq!(
+                    l1.double_value(&[]).to_bits(),
+                    l0.double_value(&[]).to_bits(),
+                    "model {i} (recompute {recompute}): loss"
+                );
+                let g1 = grads(&m);
+                for (n, g) in &g0 {
+                    assert!(
+                        g.equal(&g1[n]),
+                        "model {i} (recompute {recompute}): gradient of {n}"
+                    );
+                }
+            }
+        }
+    }
+
     fn gpt2_bf16() -> (TrainingSpec, Dataset, Tensor, Tensor) {
         let (mut s, d, x, y) = gpt2_sliced();
         s.precision = ductile_cluster::records::Precision::Bf16;

@@ -9,9 +9,12 @@
 //! without gradients on every micro-batch of the rank, keeping only its input, and the
 //! parameters are released; backward, in reverse, each unit is gathered again, run again with
 //! gradients from its kept input and its output's gradient, and its parameters' gradients are
-//! reduced at once (reduce-scattered over the shard group; in deterministic mode folded over
-//! the logical shards in order, as the unsharded step's all-reduce folds them) while only that
-//! unit's are whole. The optimizer then steps the rank's rows alone. Every unit is recomputed
+//! reduced (reduce-scattered over the shard group; in deterministic mode folded over the
+//! logical shards in order, as the unsharded step's all-reduce folds them) while the unit
+//! before computes; only the unit being computed and the one being reduced are whole. The
+//! gathers and the reductions run in one order on the step's [`CommQueue`] (a thread of
+//! their own on the CPU), each overlapping the computation, as FSDP's prefetch and its
+//! reduce-scatter stream do. The optimizer then steps the rank's rows alone. Every unit is recomputed
 //! (activation checkpointing at unit granularity is what keeps one unit's parameters whole at a
 //! time). A parameter two units use (a head tied to the embedding) is reduced once its last
 //! use in the backward is done, its contributions summed in the order the unsharded backward
@@ -30,41 +33,36 @@ use ductile_comm::{CommError, Communicator, Group, ReduceOp};
 use ductile_strategies::{micro_batches, split_batch, split_range};
 use tch::{Device, Kind, Tensor};
 
+use super::overlap::{CommQueue, Ticket};
 use super::{ledger_line, Trainer};
 
-/// A unit's parameters being gathered: on a thread of its own (the next unit's, while this one
-/// computes), or done.
-enum Pending {
-    Thread(std::thread::JoinHandle<Result<Vec<Tensor>, CommError>>),
-    Done(Result<Vec<Tensor>, CommError>),
+/// A unit's parameters being gathered on the step's [`CommQueue`] (the next unit's while this
+/// one computes): every place's rows, padded.
+type Gathering = Option<Ticket<Vec<Tensor>>>;
+
+/// How a unit's reduced gradients come back ([`Trainer::submit_reduce`]).
+enum How {
+    /// Folded over the logical shards in order (deterministic mode): whole.
+    Ordered,
+    /// Reduce-scattered over the shard group (the world): this place's rows, packed.
+    Scattered,
+    /// All-reduced over the world (HSDP: shard groups smaller than the world): whole.
+    Replicated,
 }
 
-impl Pending {
-    /// The gathered places' rows, once the gather is over.
-    fn wait(self) -> Result<Vec<Tensor>, CommError> {
-        match self {
-            Pending::Done(r) => r,
-            Pending::Thread(h) => joined(h)?,
-        }
-    }
-}
-
-/// A gather thread's result; its panic an error of its own.
-fn joined(
-    h: std::thread::JoinHandle<Result<Vec<Tensor>, CommError>>,
-) -> Result<Result<Vec<Tensor>, CommError>, CommError> {
-    h.join().map_err(|_| CommError::Invalid {
-        op: "all_gather",
-        reason: "the thread gathering a unit's parameters panicked".into(),
-    })
+/// A unit's gradients being reduced on the step's [`CommQueue`] while the unit before computes.
+struct Reducing {
+    ids: Vec<usize>,
+    how: How,
+    ticket: Ticket<Tensor>,
 }
 
 /// What a rank computes in a step: its logical shards (deterministic mode) or its share,
 /// each as micro-batches of sample indices.
-struct Part {
+pub(super) struct Part {
     /// The logical shard's index (deterministic mode; 0 otherwise).
     k: u64,
-    micro: Vec<(Tensor, Tensor)>,
+    pub(super) micro: Vec<(Tensor, Tensor)>,
 }
 
 impl Trainer {
@@ -124,7 +122,7 @@ impl Trainer {
     }
 
     /// The unit whose backward is the last to use parameter `i` (the lowest that uses it).
-    fn done_at(&self, i: usize) -> usize {
+    pub(super) fn done_at(&self, i: usize) -> usize {
         self.param_also[i].map_or(self.param_unit[i], |a| a.min(self.param_unit[i]))
     }
 
@@ -137,22 +135,22 @@ impl Trainer {
         grp: &Option<Group>,
         idx: &[usize],
     ) -> Result<Vec<(usize, Tensor)>, CommError> {
-        let pending = self.start_gather(comm, grp, idx, false);
+        let pending = self.start_gather(&CommQueue::inline(), comm, grp, idx);
         self.finish_gather(idx, pending)
     }
 
-    /// Start the all-gather of parameters `idx` (each place's rows, padded to the longest
-    /// place's): on a thread of its own when `ahead` and the device is the CPU (the next
-    /// unit's gather while this one computes; the caller finishes it before its next
-    /// collective, so the communicator's calls keep one order on every rank), else at once.
-    /// Nothing for ZeRO-2 (whole parameters) or no parameters.
+    /// Submit the all-gather of parameters `idx` (each place's rows, padded to the longest
+    /// place's) to `queue`: on the CPU it runs on the queue's thread (the next unit's gather
+    /// while this one computes), in the order of everything the step submits, so the
+    /// communicator's calls keep one order on every rank. Nothing for ZeRO-2 (whole
+    /// parameters) or no parameters.
     fn start_gather(
         &self,
+        queue: &CommQueue,
         comm: &Arc<dyn Communicator>,
         grp: &Option<Group>,
         idx: &[usize],
-        ahead: bool,
-    ) -> Option<Pending> {
+    ) -> Gathering {
         if idx.is_empty() || !self.fully_sharded() {
             return None;
         }
@@ -185,11 +183,7 @@ impl Trainer {
                 Some(grp) => grp.all_gather(&mine),
             }
         };
-        Some(if ahead && self.dev == Device::Cpu {
-            Pending::Thread(std::thread::spawn(gather))
-        } else {
-            Pending::Done(gather())
-        })
+        Some(queue.submit("all_gather", gather))
     }
 
     /// Wait for a gather [`Trainer::start_gather`] started and set parameters `idx` to the
@@ -197,7 +191,7 @@ impl Trainer {
     fn finish_gather(
         &mut self,
         idx: &[usize],
-        pending: Option<Pending>,
+        pending: Gathering,
     ) -> Result<Vec<(usize, Tensor)>, CommError> {
         let Some(pending) = pending else {
             return Ok(Vec::new());
@@ -238,7 +232,12 @@ impl Trainer {
 
     /// This rank's samples of step `self.step`: its logical shards in deterministic mode, else
     /// its share, in micro-batches, on the device; the ledger gets one line per part.
-    fn step_parts(&mut self, comm: &dyn Communicator, g: &Generation, rank: u32) -> Vec<Part> {
+    pub(super) fn step_parts(
+        &mut self,
+        comm: &dyn Communicator,
+        g: &Generation,
+        rank: u32,
+    ) -> Vec<Part> {
         let world = comm.world();
         let b = self.spec.global_batch as u64;
         let shares: Vec<(u64, ductile_strategies::Share)> = if self.spec.deterministic {
@@ -308,13 +307,16 @@ impl Trainer {
         let order: Vec<usize> = (0..units.saturating_sub(1))
             .chain((0..units).rev())
             .collect();
-        let mut next = self.start_gather(arc, &grp, &self.unit_params(order[0]), true);
+        // the step's collectives, in one order: gathers and reductions, each running while
+        // the step computes
+        let queue = CommQueue::for_device(self.dev)?;
+        let mut next = self.start_gather(&queue, arc, &grp, &self.unit_params(order[0]));
         let mut at = 0;
         for u in 0..units.saturating_sub(1) {
             let idx = self.unit_params(u);
             let rests = self.finish_gather(&idx, next.take())?;
             at += 1;
-            next = self.start_gather(arc, &grp, &self.unit_params(order[at]), true);
+            next = self.start_gather(&queue, arc, &grp, &self.unit_params(order[at]));
             tch::no_grad(|| {
                 for per in inputs.iter_mut() {
                     for acts in per.iter_mut() {
@@ -338,12 +340,13 @@ impl Trainer {
         let mut later: BTreeMap<usize, Vec<VecDeque<Tensor>>> = BTreeMap::new();
         let mut rows_grad: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
         let mut sumsq: Vec<f64> = vec![0.0; self.params.len()];
+        let mut reducing: Option<Reducing> = None;
         for u in (0..units).rev() {
             let idx = self.unit_params(u);
             let rests = self.finish_gather(&idx, next.take())?;
             at += 1;
             if let Some(&v) = order.get(at) {
-                next = self.start_gather(arc, &grp, &self.unit_params(v), true);
+                next = self.start_gather(&queue, arc, &grp, &self.unit_params(v));
             }
             // this unit's parameter gradients, per part
             let mut acc: Vec<Vec<Option<Tensor>>> = parts
@@ -407,11 +410,6 @@ impl Trainer {
                 }
             }
             self.release(rests);
-            // the next unit's gather ends before this unit's reduction starts
-            next = match next.take() {
-                Some(Pending::Thread(h)) => Some(Pending::Done(joined(h)?)),
-                other => other,
-            };
             let done: Vec<usize> = (0..idx.len())
                 .filter(|j| self.done_at(idx[*j]) == u)
                 .collect();
@@ -427,16 +425,17 @@ impl Trainer {
                         .collect()
                 })
                 .collect();
-            self.reduce_unit(
-                arc,
-                &grp,
-                &parts,
-                &ids,
-                per_part,
-                &mut rows_grad,
-                &mut sumsq,
-            )?;
+            // the unit after this one has been reduced meanwhile: keep its rows; this
+            // unit's reduction runs while the unit before computes
+            if let Some(r) = reducing.take() {
+                self.finish_reduce(r, &mut rows_grad, &mut sumsq)?;
+            }
+            reducing = Some(self.submit_reduce(&queue, arc, &grp, &parts, ids, per_part));
         }
+        if let Some(r) = reducing.take() {
+            self.finish_reduce(r, &mut rows_grad, &mut sumsq)?;
+        }
+        drop(queue);
         self.computed_for(rank, t0);
         // the loss and the checkpoint flags, summed as the unsharded step's riders
         let gen = g.number;
@@ -465,91 +464,105 @@ impl Trainer {
         Ok(loss)
     }
 
-    /// Sum parameters `ids`' gradients (`per_part[p][j]`: part p's gradient of `ids[j]`, whole)
-    /// over the world and keep this rank's rows in `rows_grad`. Deterministic mode folds the
-    /// logical shards in order (the unsharded step's fold, on these parameters) and notes each
-    /// parameter's sum of squares from the whole sum (the unsharded clipping's, bit for bit);
-    /// otherwise a shard group that is the world reduce-scatters, a smaller one (HSDP)
-    /// all-reduces and keeps its rows.
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_unit(
+    /// Submit the sum of parameters `ids`' gradients (`per_part[p][j]`: part p's gradient of
+    /// `ids[j]`, whole) over the world to `queue`. Deterministic mode folds the logical shards
+    /// in order (the unsharded step's fold, on these parameters); otherwise a shard group that
+    /// is the world reduce-scatters, a smaller one (HSDP) all-reduces. The packing is done
+    /// here, so the gradients are free once this returns; [`Trainer::finish_reduce`] keeps
+    /// this rank's rows.
+    fn submit_reduce(
         &self,
+        queue: &CommQueue,
         comm: &Arc<dyn Communicator>,
         grp: &Option<Group>,
         parts: &[Part],
-        ids: &[usize],
+        ids: Vec<usize>,
         per_part: Vec<Vec<Tensor>>,
-        rows_grad: &mut [Option<Tensor>],
-        sumsq: &mut [f64],
-    ) -> Result<(), CommError> {
-        let place = self.shard_held.1;
+    ) -> Reducing {
         let s = self.shard_held.0;
-        let keep_rows = |whole: &Tensor, rows_grad: &mut [Option<Tensor>]| {
-            let mut at = 0;
-            for &i in ids {
-                let n = self.shapes[i].iter().product::<i64>();
-                let g = whole.narrow(0, at, n).view(self.shapes[i].as_slice());
-                let (r0, rn) = self.rows(i, place);
-                rows_grad[i] = Some(g.narrow(0, r0, rn).copy());
-                at += n;
-            }
-        };
+        let comm = comm.clone();
         if self.spec.deterministic {
             let v = self.logical_shards().len() as u64;
-            let mine: Vec<_> = parts
+            let mine: Vec<(u64, Tensor)> = parts
                 .iter()
                 .zip(per_part)
                 .map(|(p, gs)| {
                     let flat: Vec<Tensor> = gs.iter().map(|g| g.reshape([-1])).collect();
-                    (p.k, comm.place(&Tensor::cat(&flat, 0)))
+                    (p.k, Tensor::cat(&flat, 0))
                 })
                 .collect();
-            let whole = comm.ordered_all_reduce(&mine, v)?.into_tensor();
-            let mut at = 0;
-            let mut squares = Vec::with_capacity(ids.len());
-            for &i in ids {
-                let n = self.shapes[i].iter().product::<i64>();
-                let g = whole.narrow(0, at, n).view(self.shapes[i].as_slice());
-                squares.push(g.to_kind(Kind::Double).square().sum(Kind::Double));
-                at += n;
-            }
-            if self.spec.max_grad_norm.is_some() {
-                let per: Vec<f64> =
-                    Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
-                        .unwrap_or_default();
-                for (&i, q) in ids.iter().zip(per) {
-                    sumsq[i] = q;
-                }
-            }
-            keep_rows(&whole, rows_grad);
-            return Ok(());
+            let ticket = queue.submit("ordered_all_reduce", move || {
+                let placed: Vec<_> = mine.iter().map(|(k, t)| (*k, comm.place(t))).collect();
+                Ok(comm.ordered_all_reduce(&placed, v)?.into_tensor())
+            });
+            return Reducing {
+                ids,
+                how: How::Ordered,
+                ticket,
+            };
         }
         let gs = per_part.into_iter().next().expect("one part");
-        match grp {
-            None => {
-                // [S, longest]: place k's rows of every parameter, padded
-                let size = |k: u32| -> i64 {
-                    ids.iter()
-                        .map(|i| self.rows(*i, k).1 * self.row_numel(*i))
-                        .sum()
-                };
-                let longest = (0..s).map(size).max().unwrap_or(0);
-                let mut pieces = Vec::new();
-                for k in 0..s {
-                    for (j, &i) in ids.iter().enumerate() {
-                        let (r0, rn) = self.rows(i, k);
-                        if rn > 0 {
-                            pieces.push(gs[j].narrow(0, r0, rn).reshape([-1]));
-                        }
-                    }
-                    let pad = longest - size(k);
-                    if pad > 0 {
-                        pieces.push(Tensor::zeros([pad], (Kind::Float, self.dev)));
-                    }
+        if grp.is_some() {
+            let flat: Vec<Tensor> = gs.iter().map(|g| g.reshape([-1])).collect();
+            let whole = Tensor::cat(&flat, 0);
+            let ticket = queue.submit("all_reduce", move || {
+                let mut t = comm.place(&whole);
+                comm.all_reduce(&mut t, ReduceOp::Sum)?;
+                Ok(t.into_tensor())
+            });
+            return Reducing {
+                ids,
+                how: How::Replicated,
+                ticket,
+            };
+        }
+        // [S, longest]: place k's rows of every parameter, padded
+        let size = |k: u32| -> i64 {
+            ids.iter()
+                .map(|i| self.rows(*i, k).1 * self.row_numel(*i))
+                .sum()
+        };
+        let longest = (0..s).map(size).max().unwrap_or(0);
+        let mut pieces = Vec::new();
+        for k in 0..s {
+            for (j, &i) in ids.iter().enumerate() {
+                let (r0, rn) = self.rows(i, k);
+                if rn > 0 {
+                    pieces.push(gs[j].narrow(0, r0, rn).reshape([-1]));
                 }
-                let packed = Tensor::cat(&pieces, 0).to_kind(Kind::Float);
-                drop(pieces);
-                let mine = comm.reduce_scatter(&comm.place(&packed))?.into_tensor();
+            }
+            let pad = longest - size(k);
+            if pad > 0 {
+                pieces.push(Tensor::zeros([pad], (Kind::Float, self.dev)));
+            }
+        }
+        let packed = Tensor::cat(&pieces, 0).to_kind(Kind::Float);
+        drop(pieces);
+        let ticket = queue.submit("reduce_scatter", move || {
+            Ok(comm.reduce_scatter(&comm.place(&packed))?.into_tensor())
+        });
+        Reducing {
+            ids,
+            how: How::Scattered,
+            ticket,
+        }
+    }
+
+    /// Wait for a reduction [`Trainer::submit_reduce`] submitted and keep this rank's rows of
+    /// each parameter's summed gradient in `rows_grad`; in deterministic mode with clipping,
+    /// note each parameter's sum of squares from the whole sum (the unsharded clipping's, bit
+    /// for bit).
+    fn finish_reduce(
+        &self,
+        r: Reducing,
+        rows_grad: &mut [Option<Tensor>],
+        sumsq: &mut [f64],
+    ) -> Result<(), CommError> {
+        let t = r.ticket.wait()?;
+        let ids = &r.ids;
+        let place = self.shard_held.1;
+        match r.how {
+            How::Scattered => {
                 let mut at = 0;
                 for &i in ids {
                     let (_, rn) = self.rows(i, place);
@@ -557,16 +570,36 @@ impl Trainer {
                     let shape: Vec<i64> = std::iter::once(rn)
                         .chain(self.shapes[i][1..].iter().copied())
                         .collect();
-                    rows_grad[i] = Some(mine.narrow(0, at, len).view(shape.as_slice()).copy());
+                    rows_grad[i] = Some(t.narrow(0, at, len).view(shape.as_slice()).copy());
                     at += len;
                 }
+                return Ok(());
             }
-            Some(_) => {
-                let flat: Vec<Tensor> = gs.iter().map(|g| g.reshape([-1])).collect();
-                let mut t = comm.place(&Tensor::cat(&flat, 0));
-                comm.all_reduce(&mut t, ReduceOp::Sum)?;
-                keep_rows(&t.into_tensor(), rows_grad);
+            How::Ordered if self.spec.max_grad_norm.is_some() => {
+                let mut at = 0;
+                let mut squares = Vec::with_capacity(ids.len());
+                for &i in ids {
+                    let n = self.shapes[i].iter().product::<i64>();
+                    let g = t.narrow(0, at, n).view(self.shapes[i].as_slice());
+                    squares.push(g.to_kind(Kind::Double).square().sum(Kind::Double));
+                    at += n;
+                }
+                let per: Vec<f64> =
+                    Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
+                        .unwrap_or_default();
+                for (&i, q) in ids.iter().zip(per) {
+                    sumsq[i] = q;
+                }
             }
+            How::Ordered | How::Replicated => {}
+        }
+        let mut at = 0;
+        for &i in ids {
+            let n = self.shapes[i].iter().product::<i64>();
+            let g = t.narrow(0, at, n).view(self.shapes[i].as_slice());
+            let (r0, rn) = self.rows(i, place);
+            rows_grad[i] = Some(g.narrow(0, r0, rn).copy());
+            at += n;
         }
         Ok(())
     }
