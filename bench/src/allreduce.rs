@@ -1,6 +1,9 @@
-//! `ductile-bench allreduce`: median time and bus bandwidth, 2(n-1)/n · bytes / time, of the TCP
-//! backend's all-reduce in both modes (ring; ordered, one logical shard per rank), one process
-//! per rank on this machine, and the loopback-TCP and memcpy ceilings.
+//! `ductile-bench allreduce`: median time and bus bandwidth of the TCP backend's collectives,
+//! one process per rank on this machine, and the loopback-TCP and memcpy ceilings: the
+//! all-reduce in both modes (ring; ordered, one logical shard per rank), 2(n-1)/n · bytes /
+//! time, and the sharded data-parallel step's all-gather and reduce-scatter on the same ring,
+//! (n-1)/n · bytes / time (nccl-tests' bus bandwidths; `bytes` the whole gathered tensor, the
+//! whole tensor scattered). With `--gloo`, PyTorch's gloo in the same cells.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
@@ -15,11 +18,25 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn busbw(world: u32, bytes: u64, secs: f64) -> f64 {
-    2.0 * (world as f64 - 1.0) / world as f64 * bytes as f64 / secs / 1e9
+/// Bus bandwidth in GB/s of collective `mode` over `bytes` (nccl-tests' factors: an
+/// all-reduce moves 2(n-1)/n of the tensor through each rank's link, an all-gather or a
+/// reduce-scatter (n-1)/n).
+fn busbw(mode: &str, world: u32, bytes: u64, secs: f64) -> f64 {
+    let n = world as f64;
+    let factor = match mode {
+        "all_gather" | "reduce_scatter" => (n - 1.0) / n,
+        _ => 2.0 * (n - 1.0) / n,
+    };
+    factor * bytes as f64 / secs / 1e9
 }
 
-/// PyTorch's gloo all-reduce at the same worlds and sizes (one process per rank on this
+/// The whole tensor of a sharded collective cell: `mib` MiB cut to world equal f32 pieces.
+fn sharded_bytes(mib: u64, world: u32) -> u64 {
+    (mib << 20) / (4 * world as u64) * 4 * world as u64
+}
+
+/// PyTorch's gloo all-reduce, all-gather (`all_gather_into_tensor`) and reduce-scatter
+/// (`reduce_scatter_tensor`) at the same worlds and sizes (one process per rank on this
 /// machine, f32 tensors, a barrier before each timed call, the median of `iters` after a
 /// warm-up): the peer the TCP backend is measured against. One JSON line per cell.
 const GLOO: &str = r#"
@@ -30,21 +47,33 @@ def rank(r, world, sizes, iters, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=r, world_size=world)
-    for mib in sizes:
-        t = torch.arange((mib << 20) // 4, dtype=torch.float32) % 13
+    def timed(op):
         times = []
         for it in range(iters + 1):
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(t)
+            op()
             if it > 0:
                 times.append(time.perf_counter() - t0)
         times.sort()
-        m = times[len(times) // 2]
+        return times[len(times) // 2]
+    def cell(mode, b, m, factor):
         if r == 0:
-            b = mib << 20
-            print(json.dumps({"backend": "gloo", "mode": "ring", "world": world, "bytes": b,
-                              "median_s": m, "busbw_gbps": 2 * (world - 1) / world * b / m / 1e9}), flush=True)
+            print(json.dumps({"backend": "gloo", "mode": mode, "world": world, "bytes": b,
+                              "median_s": m, "busbw_gbps": factor * b / m / 1e9}), flush=True)
+    for mib in sizes:
+        b = mib << 20
+        t = torch.arange(b // 4, dtype=torch.float32) % 13
+        cell("ring", b, timed(lambda: dist.all_reduce(t)), 2 * (world - 1) / world)
+        # the sharded step's collectives: the whole tensor cut into world equal pieces
+        piece = b // (4 * world)
+        whole = torch.arange(piece * world, dtype=torch.float32) % 13
+        mine = whole[r * piece:(r + 1) * piece].clone()
+        out = torch.empty(piece, dtype=torch.float32)
+        cell("all_gather", piece * world * 4,
+             timed(lambda: dist.all_gather_into_tensor(whole, mine)), (world - 1) / world)
+        cell("reduce_scatter", piece * world * 4,
+             timed(lambda: dist.reduce_scatter_tensor(out, whole)), (world - 1) / world)
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -81,7 +110,7 @@ fn gloo_cells(
         .output()?;
     anyhow::ensure!(
         out.status.success(),
-        "gloo's all-reduce at world {world} failed: {}",
+        "gloo's collectives at world {world} failed: {}",
         out.status
     );
     String::from_utf8(out.stdout)?
@@ -120,7 +149,7 @@ pub async fn run(
     if !json {
         println!("ceilings on this machine: loopback TCP {tcp:.2} GB/s (one stream), memcpy {mem:.2} GB/s");
         println!(
-            "{:<8} {:<8} {:<6} {:>9} {:>12} {:>12}",
+            "{:<8} {:<14} {:<6} {:>9} {:>12} {:>12}",
             "backend", "mode", "world", "MiB", "median_s", "busbw_GB/s"
         );
     }
@@ -172,7 +201,7 @@ fn print_cell(mut v: serde_json::Value, json: bool, (tcp, mem): (f64, f64)) {
         println!("{v}");
     } else {
         println!(
-            "{:<8} {:<8} {:<6} {:>9} {:>12.4} {:>12.2}",
+            "{:<8} {:<14} {:<6} {:>9} {:>12.4} {:>12.2}",
             v["backend"].as_str().unwrap_or("?"),
             v["mode"].as_str().unwrap_or("?"),
             v["world"],
@@ -208,26 +237,57 @@ pub async fn rank(
             let shard = raw.to_vec();
             let mut out = vec![0u8; bytes as usize];
             for mode in ["ring", "ordered"] {
-                let mut times = Vec::new();
-                for it in 0..=iters {
-                    comm.barrier()?;
-                    let t0 = Instant::now();
-                    match mode {
-                        "ring" => comm.all_reduce_bytes(raw, DType::F32)?,
-                        _ => comm.ordered_all_reduce_bytes(&[(rank as u64, &shard)], world as u64, &mut out, DType::F32)?,
-                    }
-                    if it > 0 {
-                        times.push(t0.elapsed().as_secs_f64());
-                    }
-                }
-                let m = median(times);
-                println!("{}", serde_json::json!({"backend": backend, "mode": mode, "world": world, "bytes": bytes, "median_s": m, "busbw_gbps": busbw(world, bytes, m)}));
+                let m = timed(&comm, iters, || match mode {
+                    "ring" => comm.all_reduce_bytes(raw, DType::F32),
+                    _ => comm.ordered_all_reduce_bytes(
+                        &[(rank as u64, &shard)],
+                        world as u64,
+                        &mut out,
+                        DType::F32,
+                    ),
+                })?;
+                println!("{}", serde_json::json!({"backend": backend, "mode": mode, "world": world, "bytes": bytes, "median_s": m, "busbw_gbps": busbw(mode, world, bytes, m)}));
             }
+            drop((buf, shard, out));
+            // the sharded step's collectives on the same ring: the whole tensor in world
+            // equal pieces, this rank's piece gathered / the whole reduced to this rank's piece
+            let whole = sharded_bytes(mib, world) as usize;
+            let piece = whole / world as usize;
+            let mine: Vec<u8> = (0..piece / 4)
+                .flat_map(|i| ((i % 13) as f32).to_le_bytes())
+                .collect();
+            let mut gathered = vec![0u8; whole];
+            let m = timed(&comm, iters, || comm.all_gather_bytes(&mine, &mut gathered))?;
+            println!("{}", serde_json::json!({"backend": backend, "mode": "all_gather", "world": world, "bytes": whole, "median_s": m, "busbw_gbps": busbw("all_gather", world, whole as u64, m)}));
+            let mut work = gathered;
+            let mut reduced = vec![0u8; piece];
+            let m = timed(&comm, iters, || {
+                comm.reduce_scatter_bytes(&mut work, &mut reduced, DType::F32)
+            })?;
+            println!("{}", serde_json::json!({"backend": backend, "mode": "reduce_scatter", "world": world, "bytes": whole, "median_s": m, "busbw_gbps": busbw("reduce_scatter", world, whole as u64, m)}));
         }
         Ok(())
     })
     .await??;
     Ok(())
+}
+
+/// The median of `iters` timed calls of `op` (after one warm-up), each after a barrier.
+fn timed(
+    comm: &TcpComm,
+    iters: usize,
+    mut op: impl FnMut() -> Result<(), ductile_comm::CommError>,
+) -> anyhow::Result<f64> {
+    let mut times = Vec::new();
+    for it in 0..=iters {
+        comm.barrier()?;
+        let t0 = Instant::now();
+        op()?;
+        if it > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times))
 }
 
 /// One loopback TCP stream's throughput, and memcpy's, in GB/s.

@@ -509,6 +509,40 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         "bf16 training lowered the loss from {before}: {:?}",
         a.loss
     );
+    // bf16 fully sharded (issue 47): each unit gathered in its f32 rows, its products in
+    // bf16, its gradients reduced in f32 onto f32 master rows; the bits of the unsharded bf16
+    // run
+    for (name, extra) in [
+        (
+            "bf16full",
+            format!(
+                "sharding = \"full\"\n[checkpoint]\nurl = \"file://{}/bf16full-ck\"\ninterval = 20",
+                c.dir.path().display()
+            ),
+        ),
+        ("bf16whole", String::new()),
+    ] {
+        c.submit(&job(
+            name,
+            2,
+            steps,
+            &format!("{det_whole}\nstrategy = \"data-parallel\"\nprecision = \"bf16\"\n{extra}"),
+        ));
+    }
+    let v = c.wait_world("bf16full", 2, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp1×tp1");
+    let (full, whole) = (
+        c.wait_done("bf16full", S(300)),
+        c.wait_done("bf16whole", S(300)),
+    );
+    assert_eq!(
+        full.final_weights_sha256, whole.final_weights_sha256,
+        "bf16 fully sharded at 2 against bf16 data parallel 2"
+    );
+    assert_ne!(
+        whole.final_weights_sha256, dp_whole.final_weights_sha256,
+        "bf16 is not f32"
+    );
     // its last checkpoint, saved by two stages that both hold the embedding, exports it once:
     // the trained weights
     let out = c.dir.path().join("pp-export");

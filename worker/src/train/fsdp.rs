@@ -309,7 +309,10 @@ impl Trainer {
             .collect();
         // the step's collectives, in one order: gathers and reductions, each running while
         // the step computes
-        let queue = CommQueue::for_device(self.dev)?;
+        // (a thread on the CPU whatever the cores: a unit's collectives wait on the peer more
+        // than they compute, and the thread hides that; measured against the gathers alone
+        // on a thread, 2 ranks on 2 cores: `ductile-bench ddp-step --sharding full`)
+        let queue = CommQueue::for_step(self.dev == Device::Cpu)?;
         let mut next = self.start_gather(&queue, arc, &grp, &self.unit_params(order[0]));
         let mut at = 0;
         for u in 0..units.saturating_sub(1) {

@@ -1,13 +1,18 @@
 //! Communication overlapped with computation: a step's collectives run in submission order on
 //! a thread of their own ([`CommQueue`]) while the step goes on computing, as DDP's reducer and
-//! FSDP's streams do. One queue and one order, so every rank calls the communicator in the same
-//! sequence; the step makes no collective call of its own while the queue lives.
+//! FSDP's streams do, or, where that thread would only take turns with the computation, each
+//! at the point it is submitted. One queue and one order, so every rank calls the
+//! communicator in the same sequence; the step makes no collective call of its own while the
+//! queue lives.
 //!
 //! The data-parallel step outside deterministic mode ([`Trainer::overlapped_step`]) runs its
 //! last micro-batch's backward unit by unit ([`crate::model::Model::backward_by_unit`]) and
 //! submits each bucket of gradients (whole parameters, about `training.bucket_mb`, in the order
-//! the backward finishes them) as soon as the last of its parameters has its gradient: the
-//! all-reduce of the head's bucket runs while the blocks below it compute.
+//! the backward finishes them) as soon as the last of its parameters has its gradient: with a
+//! spare core the all-reduce of the head's bucket runs while the blocks below it compute
+//! ([`Trainer::comm_thread`]); without one, each bucket is reduced as soon as it is complete,
+//! between two units' backwards. Full sharding's gathers and reduce-scatters use the same
+//! queue on a thread (`fsdp.rs`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -51,10 +56,10 @@ impl<T> Ticket<T> {
 }
 
 impl CommQueue {
-    /// A queue on a thread of its own on the CPU; on a GPU one that runs each collective
-    /// when it is submitted (NCCL's calls queue on the device's stream themselves).
-    pub(crate) fn for_device(dev: Device) -> Result<CommQueue, CommError> {
-        if dev == Device::Cpu {
+    /// A queue on a thread of its own (`threaded`, [`Trainer::comm_thread`]), else one that
+    /// runs each collective when it is submitted.
+    pub(crate) fn for_step(threaded: bool) -> Result<CommQueue, CommError> {
+        if threaded {
             CommQueue::new()
         } else {
             Ok(CommQueue::inline())
@@ -211,6 +216,26 @@ fn reduce_bucket(
 }
 
 impl Trainer {
+    /// Whether the data-parallel step's bucket all-reduces run on a thread of their own: on
+    /// the CPU, when this node has a core beyond one per rank of the job on it. A CPU slot
+    /// computes on one core (`set_num_threads(1)`), and a bucket's all-reduce is CPU work
+    /// (copies and sums) that on a core the ranks already fill only takes turns with the
+    /// backward: on 2 cores with 2 ranks the thread was 5% slower than reducing each bucket
+    /// in turn as the backward finishes it (`ductile-bench ddp-step`). On a GPU, NCCL's calls
+    /// queue on the device's stream and the communicator refuses a second thread's.
+    pub(super) fn comm_thread(&self, g: &Generation) -> bool {
+        if self.dev != Device::Cpu {
+            return false;
+        }
+        let here = g
+            .members
+            .iter()
+            .filter(|m| m.node == self.env.node)
+            .count()
+            .max(1);
+        std::thread::available_parallelism().is_ok_and(|n| n.get() > here)
+    }
+
     /// Whether the data-parallel step overlaps its all-reduce with the backward: outside
     /// deterministic mode (its ordered fold needs every logical shard first), on the CPU
     /// (NCCL's collectives queue on the device's stream; a GPU step keeps its reduction
@@ -259,13 +284,19 @@ impl Trainer {
             Some(t) if t.numel() as i64 >= largest && t.device() == self.dev => t,
             _ => Tensor::empty([largest], (Kind::Float, self.dev)),
         };
+        let threaded = self.comm_thread(g);
         if LOGGED.swap(g.number, Ordering::SeqCst) != g.number {
             tracing::info!(
                 generation = g.number,
                 buckets = plan.len(),
-                "gradients all-reduced in {} buckets of at most {} MiB, each as the backward finishes it",
+                "gradients all-reduced in {} buckets of at most {} MiB, each as the backward finishes it ({})",
                 plan.len(),
-                cap >> 20
+                cap >> 20,
+                if threaded {
+                    "on a communication thread, overlapping the backward"
+                } else {
+                    "in turn with the backward: no spare core on this node"
+                }
             );
         }
         let solo = "a data-parallel step does not communicate inside its model";
@@ -281,7 +312,7 @@ impl Trainer {
             self.model.backward(tape, &loss, None).expect(solo);
             acc += loss.detach().to_kind(Kind::Double).reshape([1]);
         }
-        let queue = CommQueue::new()?;
+        let queue = CommQueue::for_step(threaded)?;
         let mut tickets = Vec::with_capacity(plan.len());
         let mut grads: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
         let params: Vec<Tensor> = self.params.iter().map(|p| p.shallow_clone()).collect();
