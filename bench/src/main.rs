@@ -65,8 +65,9 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// All-reduce bus bandwidth of the TCP backend (ring and ordered modes), one process per rank,
-    /// with the machine's loopback-TCP and memcpy ceilings.
+    /// Bus bandwidth of the TCP backend's all-reduce (ring and ordered modes) and of the sharded
+    /// step's all-gather and reduce-scatter, one process per rank, with the machine's
+    /// loopback-TCP and memcpy ceilings.
     Allreduce {
         #[arg(long, value_delimiter = ',', default_value = "2,4")]
         worlds: Vec<u32>,

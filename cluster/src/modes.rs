@@ -213,6 +213,15 @@ named! {
 }
 
 impl Sharding {
+    /// The concrete levels, least sharding first (what `auto` chooses among, and what `dctl
+    /// plan` lists).
+    pub const LEVELS: [Sharding; 4] = [
+        Sharding::None,
+        Sharding::Optimizer,
+        Sharding::Gradients,
+        Sharding::Full,
+    ];
+
     pub fn is_sharded(self) -> bool {
         self != Sharding::None
     }

@@ -1180,12 +1180,6 @@ impl TrainingSpec {
         // or tensor layouts only where no sharding level fits (torchtitan's guidance: FSDP
         // first)
         let planned = self.strategy == Strategy::Auto;
-        let levels = [
-            Sharding::None,
-            Sharding::Optimizer,
-            Sharding::Gradients,
-            Sharding::Full,
-        ];
         let need = |s: Sharding| {
             let mut t = self.clone();
             t.sharding = s;
@@ -1200,7 +1194,7 @@ impl TrainingSpec {
                 Sharding::None,
                 "no slot's memory is known (training.memory_per_slot_gib sets it)".to_string(),
             ),
-            Some(cap) => match levels
+            Some(cap) => match Sharding::LEVELS
                 .iter()
                 .find(|s| need(**s).is_none_or(|n| n <= cap))
             {

@@ -712,23 +712,18 @@ fn sharding_candidates(t: &TrainingSpec, world: u32, v: &mut serde_json::Value) 
     if t.strategy != Strategy::DataParallel || t.sync != SyncMode::Allreduce {
         return;
     }
-    let rows: Vec<serde_json::Value> = [
-        Sharding::None,
-        Sharding::Optimizer,
-        Sharding::Gradients,
-        Sharding::Full,
-    ]
-    .into_iter()
-    .map(|s| {
-        let mut x = t.clone();
-        x.sharding = s;
-        serde_json::json!({
-            "sharding": s,
-            "memory_bytes": x.min_slot_bytes(world),
-            "chosen": t.sharding == s,
+    let rows: Vec<serde_json::Value> = Sharding::LEVELS
+        .into_iter()
+        .map(|s| {
+            let mut x = t.clone();
+            x.sharding = s;
+            serde_json::json!({
+                "sharding": s,
+                "memory_bytes": x.min_slot_bytes(world),
+                "chosen": t.sharding == s,
+            })
         })
-    })
-    .collect();
+        .collect();
     v["sharding"] = serde_json::Value::Array(rows);
     if t.sharding.is_sharded() {
         let group = match t.shard_group {

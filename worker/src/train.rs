@@ -852,7 +852,7 @@ impl Trainer {
             );
             comm.inject_oversized_frame((rank + 1) % world)?;
         }
-        if self.overlaps(world) {
+        if self.overlaps(g, world) {
             return self.overlapped_step(arc, g, rank, t0, share);
         }
         self.read_ahead(&[(share.start, share.len)]);

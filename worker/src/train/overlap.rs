@@ -5,14 +5,16 @@
 //! communicator in the same sequence; the step makes no collective call of its own while the
 //! queue lives.
 //!
-//! The data-parallel step outside deterministic mode ([`Trainer::overlapped_step`]) runs its
-//! last micro-batch's backward unit by unit ([`crate::model::Model::backward_by_unit`]) and
-//! submits each bucket of gradients (whole parameters, about `training.bucket_mb`, in the order
-//! the backward finishes them) as soon as the last of its parameters has its gradient: with a
-//! spare core the all-reduce of the head's bucket runs while the blocks below it compute
-//! ([`Trainer::comm_thread`]); without one, each bucket is reduced as soon as it is complete,
-//! between two units' backwards. Full sharding's gathers and reduce-scatters use the same
-//! queue on a thread (`fsdp.rs`).
+//! The data-parallel step outside deterministic mode ([`Trainer::overlapped_step`]), where the
+//! node has a core to spare for it ([`Trainer::comm_thread`]), runs its last micro-batch's
+//! backward unit by unit ([`crate::model::Model::backward_by_unit`]) and submits each bucket of
+//! gradients (whole parameters, about `training.bucket_mb`, in the order the backward finishes
+//! them) as soon as the last of its parameters has its gradient: the all-reduce of the head's
+//! bucket runs while the blocks below it compute. Without a spare core the buckets follow the
+//! whole backward ([`Trainer::reduce_in_buckets`]): a bucket reduced between two units'
+//! backwards would make each rank wait for the slowest once per bucket instead of once per
+//! step. Full sharding's gathers and reduce-scatters use the same queue on a thread
+//! (`fsdp.rs`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -216,13 +218,14 @@ fn reduce_bucket(
 }
 
 impl Trainer {
-    /// Whether the data-parallel step's bucket all-reduces run on a thread of their own: on
-    /// the CPU, when this node has a core beyond one per rank of the job on it. A CPU slot
+    /// Whether the data-parallel step's bucket all-reduces can run on a thread of their own:
+    /// on the CPU, when this node has a core beyond one per rank of the job on it. A CPU slot
     /// computes on one core (`set_num_threads(1)`), and a bucket's all-reduce is CPU work
-    /// (copies and sums) that on a core the ranks already fill only takes turns with the
-    /// backward: on 2 cores with 2 ranks the thread was 5% slower than reducing each bucket
-    /// in turn as the backward finishes it (`ductile-bench ddp-step`). On a GPU, NCCL's calls
-    /// queue on the device's stream and the communicator refuses a second thread's.
+    /// (copies and sums): on cores the ranks already fill the thread only takes turns with the
+    /// backward (on 2 cores with 2 ranks, 5% slower than the buckets after the backward;
+    /// reducing each bucket in turn between units' backwards, 1% slower: `ductile-bench
+    /// ddp-step`). On a GPU, NCCL's calls queue on the device's stream and the communicator
+    /// refuses a second thread's.
     pub(super) fn comm_thread(&self, g: &Generation) -> bool {
         if self.dev != Device::Cpu {
             return false;
@@ -237,15 +240,15 @@ impl Trainer {
     }
 
     /// Whether the data-parallel step overlaps its all-reduce with the backward: outside
-    /// deterministic mode (its ordered fold needs every logical shard first), on the CPU
-    /// (NCCL's collectives queue on the device's stream; a GPU step keeps its reduction
-    /// after the backward), with more than one rank, on a whole model.
-    pub(super) fn overlaps(&self, world: u32) -> bool {
+    /// deterministic mode (its ordered fold needs every logical shard first), with more than
+    /// one rank, on a whole model, where a communication thread has a core
+    /// ([`Trainer::comm_thread`]: the CPU only).
+    pub(super) fn overlaps(&self, g: &Generation, world: u32) -> bool {
         !self.spec.deterministic
-            && self.dev == Device::Cpu
             && world > 1
             && !self.model.sliced()
             && !self.params.is_empty()
+            && self.comm_thread(g)
     }
 
     /// The data-parallel step with its gradients' all-reduce overlapped with the backward
@@ -284,19 +287,13 @@ impl Trainer {
             Some(t) if t.numel() as i64 >= largest && t.device() == self.dev => t,
             _ => Tensor::empty([largest], (Kind::Float, self.dev)),
         };
-        let threaded = self.comm_thread(g);
         if LOGGED.swap(g.number, Ordering::SeqCst) != g.number {
             tracing::info!(
                 generation = g.number,
                 buckets = plan.len(),
-                "gradients all-reduced in {} buckets of at most {} MiB, each as the backward finishes it ({})",
+                "gradients all-reduced in {} buckets of at most {} MiB on a communication thread, each as soon as the backward finishes it",
                 plan.len(),
-                cap >> 20,
-                if threaded {
-                    "on a communication thread, overlapping the backward"
-                } else {
-                    "in turn with the backward: no spare core on this node"
-                }
+                cap >> 20
             );
         }
         let solo = "a data-parallel step does not communicate inside its model";
@@ -312,7 +309,7 @@ impl Trainer {
             self.model.backward(tape, &loss, None).expect(solo);
             acc += loss.detach().to_kind(Kind::Double).reshape([1]);
         }
-        let queue = CommQueue::for_step(threaded)?;
+        let queue = CommQueue::new()?;
         let mut tickets = Vec::with_capacity(plan.len());
         let mut grads: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
         let params: Vec<Tensor> = self.params.iter().map(|p| p.shallow_clone()).collect();
