@@ -732,6 +732,38 @@ fn training_overlapped_reductions_end_with_the_ordered_fold_s_bits() {
     }
 }
 
+/// Each rank decides by its own node's cores whether its buckets overlap the backward: a
+/// generation with one rank on a node of its own (a spare core: the communication thread) and
+/// two on another (none: the buckets after the backward) pairs the same buckets in the same
+/// order, and every rank holds the same weights. (Before the two schedules shared one bucket
+/// plan, such a generation summed one rank's head with another's embedding, silently.)
+#[test]
+fn training_ranks_with_and_without_a_spare_core_reduce_the_same_buckets() {
+    let c = Cluster::start(Spec {
+        agents: vec![("node1".into(), 1), ("node2".into(), 2)],
+        ..Spec::default()
+    });
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    c.submit(&format!(
+        "{}max_steps = 100000\nbucket_mb = 1\n[training.model_config]\nd_model = 128\nn_layer = 3\nn_head = 4\n",
+        training_toml("mixed", 3, 3, 3, "gpt", &data, "")
+    ));
+    let v = c.wait_world("mixed", 3, S(60));
+    c.wait_step("mixed", 40, S(120));
+    let w = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(c.weights("mixed", v.generation, 3));
+    assert!(w.windows(2).all(|x| x[0] == x[1]), "{w:?}");
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) == 2 {
+        let logs = c.logs();
+        let threaded = logs
+            .lines()
+            .filter(|l| l.contains("job=mixed") && l.contains("on a communication thread"))
+            .count();
+        assert_eq!(threaded, 1, "node1's rank alone has a spare core (of 2)");
+    }
+}
+
 #[test]
 fn training_bad_training_specs_are_refused_before_any_worker_starts() {
     let c = Cluster::start(Spec::default().agents(1, 2));

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use ductile_cluster::records::*;
 use ductile_cluster::Store;
-use ductile_comm::{CommError, Communicator, ReduceOp, Rendezvous, TcpComm, TcpConfig};
+use ductile_comm::{CommError, Communicator, Rendezvous, TcpComm, TcpConfig};
 use ductile_strategies::{micro_batches, split_batch, split_range, Share};
 use sha2::{Digest, Sha256};
 use tch::{Device, Kind, Tensor};
@@ -681,11 +681,15 @@ impl Trainer {
         ]
     }
 
-    /// Sums every parameter's gradient over the world in place, in buckets of about
-    /// `training.bucket_mb` (whole parameters, in order; the riders in the last): each bucket
-    /// is copied into one buffer, all-reduced, and copied back, so no whole-model copy of the
-    /// gradients is ever made. Returns the gradients (a parameter without one gets zeros) and
-    /// the summed riders (loss, pending, busy).
+    /// Sums every parameter's gradient over the world in place, after the whole backward, in
+    /// the buckets of [`Trainer::bucket_plan`] (whole parameters of about `training.bucket_mb`,
+    /// in the order the backward finishes them; the riders in the last): each bucket is copied
+    /// into one buffer, all-reduced, and copied back, so no whole-model copy of the gradients
+    /// is ever made. The same buckets in the same order as the overlapped step's
+    /// ([`Trainer::overlapped_step`]): the ranks of one generation may take either schedule
+    /// (each decides by its own node's cores), and their all-reduces still pair up. Returns
+    /// the gradients (a parameter without one gets zeros) and the summed riders (loss,
+    /// pending, busy).
     fn reduce_in_buckets(
         &mut self,
         comm: &dyn Communicator,
@@ -694,45 +698,18 @@ impl Trainer {
     ) -> Result<(Vec<Tensor>, Tensor), CommError> {
         let grads = self.grads_or_zeros();
         let riders = Tensor::cat(&self.riders(loss, generation), 0);
-        let cap = (self.spec.bucket_mb.unwrap_or(25) as i64) << 20;
-        let buckets = buckets(grads.iter().map(|g| g.numel() as i64 * 4), cap);
-        let elems = |r: &std::ops::Range<usize>| -> i64 {
-            grads[r.clone()].iter().map(|g| g.numel() as i64).sum()
-        };
-        let largest = buckets.iter().map(elems).max().unwrap_or(0) + riders.numel() as i64;
-        let buf = match self.bucket.take() {
-            Some(b) if b.numel() as i64 >= largest && b.device() == self.dev => b,
-            _ => Tensor::empty([largest], (Kind::Float, self.dev)),
-        };
+        let plan = self.bucket_plan();
+        let buf = self.bucket_buffer(&plan);
         let mut summed = None;
-        for (i, r) in buckets.iter().enumerate() {
-            let mut parts: Vec<Tensor> = grads[r.clone()]
-                .iter()
-                .map(|g| g.reshape([-1]).to_kind(Kind::Float))
-                .collect();
-            let last = i + 1 == buckets.len();
-            if last {
-                parts.push(riders.shallow_clone());
-            }
-            let n: i64 = parts.iter().map(|p| p.numel() as i64).sum();
-            let view = buf.narrow(0, 0, n);
-            let _ = Tensor::cat_out(&view, &parts, 0);
-            let mut placed = comm.place(&view);
-            comm.all_reduce(&mut placed, ReduceOp::Sum)?;
-            let reduced = placed.into_tensor();
-            let mut at = 0;
-            for g in &grads[r.clone()] {
-                let k = g.numel() as i64;
-                let mut g = g.shallow_clone();
-                let _ = g.copy_(&reduced.narrow(0, at, k).view(g.size().as_slice()));
-                at += k;
-            }
-            if last {
-                summed = Some(reduced.narrow(0, at, riders.numel() as i64).copy());
+        for (j, k) in plan.iter().enumerate() {
+            let gs: Vec<Tensor> = k.params.iter().map(|&i| grads[i].shallow_clone()).collect();
+            let ride = (j + 1 == plan.len()).then_some(&riders);
+            if let Some(r) = overlap::reduce_bucket(comm, &buf, &gs, ride)? {
+                summed = Some(r);
             }
         }
         self.bucket = Some(buf);
-        Ok((grads, summed.expect("at least one bucket")))
+        Ok((grads, summed.expect("the last bucket carries the riders")))
     }
 
     /// Forward and backward over `share` of step `self.step`; returns the summed loss / B as a

@@ -187,7 +187,7 @@ pub(crate) fn bucket_plan(
 
 /// All-reduce (sum) `grads` through `buf` (at least their length plus `riders`'): packed,
 /// reduced, and copied back in place; returns the summed riders, if any.
-fn reduce_bucket(
+pub(super) fn reduce_bucket(
     comm: &dyn Communicator,
     buf: &Tensor,
     grads: &[Tensor],
@@ -218,6 +218,38 @@ fn reduce_bucket(
 }
 
 impl Trainer {
+    /// The data-parallel step's buckets ([`bucket_plan`] of this model at `bucket_mb`): the
+    /// same on every rank, whichever schedule it takes.
+    pub(super) fn bucket_plan(&self) -> Vec<Bucket> {
+        let numels: Vec<i64> = self
+            .shapes
+            .iter()
+            .map(|s| s.iter().product::<i64>())
+            .collect();
+        let cap = i64::from(self.spec.bucket_mb.unwrap_or(25)) << 20;
+        bucket_plan(&numels, |i| self.done_at(i), cap)
+    }
+
+    /// The buffer the buckets of `plan` are packed into (the largest and the three riders),
+    /// kept from step to step.
+    pub(super) fn bucket_buffer(&mut self, plan: &[Bucket]) -> Tensor {
+        let largest = plan
+            .iter()
+            .map(|k| {
+                k.params
+                    .iter()
+                    .map(|i| self.shapes[*i].iter().product::<i64>())
+                    .sum::<i64>()
+            })
+            .max()
+            .unwrap_or(0)
+            + 3;
+        match self.bucket.take() {
+            Some(t) if t.numel() as i64 >= largest && t.device() == self.dev => t,
+            _ => Tensor::empty([largest], (Kind::Float, self.dev)),
+        }
+    }
+
     /// Whether the data-parallel step's bucket all-reduces can run on a thread of their own:
     /// on the CPU, when this node has a core beyond one per rank of the job on it. A CPU slot
     /// computes on one core (`set_num_threads(1)`), and a bucket's all-reduce is CPU work
@@ -270,23 +302,9 @@ impl Trainer {
             share.len
         );
         let b = self.spec.global_batch as f64;
-        let numels: Vec<i64> = self
-            .shapes
-            .iter()
-            .map(|s| s.iter().product::<i64>())
-            .collect();
+        let plan = self.bucket_plan();
+        let buf = self.bucket_buffer(&plan);
         let cap = i64::from(self.spec.bucket_mb.unwrap_or(25)) << 20;
-        let plan = bucket_plan(&numels, |i| self.done_at(i), cap);
-        let largest = plan
-            .iter()
-            .map(|k| k.params.iter().map(|i| numels[*i]).sum::<i64>())
-            .max()
-            .unwrap_or(0)
-            + 3;
-        let buf = match self.bucket.take() {
-            Some(t) if t.numel() as i64 >= largest && t.device() == self.dev => t,
-            _ => Tensor::empty([largest], (Kind::Float, self.dev)),
-        };
         if LOGGED.swap(g.number, Ordering::SeqCst) != g.number {
             tracing::info!(
                 generation = g.number,
