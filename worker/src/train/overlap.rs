@@ -154,8 +154,8 @@ pub(crate) struct Bucket {
 
 /// The buckets of an overlapped step: parameters in the order their gradients become final
 /// (by `done_at`, the last unit first; by index within a unit), cut greedily at `cap` bytes
-/// of f32 (a parameter larger than `cap` alone). The same on every rank: a function of the
-/// model's shapes only.
+/// of f32 (a parameter larger than `cap` alone: [`super::buckets`]; no parameters, one empty
+/// bucket for the riders). The same on every rank: a function of the model's shapes only.
 pub(crate) fn bucket_plan(
     numels: &[i64],
     done_at: impl Fn(usize) -> usize,
@@ -163,26 +163,16 @@ pub(crate) fn bucket_plan(
 ) -> Vec<Bucket> {
     let mut order: Vec<usize> = (0..numels.len()).collect();
     order.sort_by_key(|&i| (std::cmp::Reverse(done_at(i)), i));
-    let mut plan: Vec<Bucket> = Vec::new();
-    let mut bytes = 0i64;
-    for i in order {
-        let b = numels[i] * 4;
-        match plan.last_mut() {
-            Some(last) if bytes + b <= cap || last.params.is_empty() => {
-                last.params.push(i);
-                last.after = done_at(i);
-                bytes += b;
+    super::buckets(order.iter().map(|&i| numels[i] * 4), cap)
+        .into_iter()
+        .map(|r| {
+            let params = order[r].to_vec();
+            Bucket {
+                after: params.last().map_or(0, |&i| done_at(i)),
+                params,
             }
-            _ => {
-                plan.push(Bucket {
-                    params: vec![i],
-                    after: done_at(i),
-                });
-                bytes = b;
-            }
-        }
-    }
-    plan
+        })
+        .collect()
 }
 
 /// All-reduce (sum) `grads` through `buf` (at least their length plus `riders`'): packed,
@@ -268,7 +258,11 @@ impl Trainer {
             .filter(|m| m.node == self.env.node)
             .count()
             .max(1);
-        std::thread::available_parallelism().is_ok_and(|n| n.get() > here)
+        // (read once: on Linux it reads the affinity mask and the cgroup's quota files)
+        static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let cores =
+            *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        cores > here
     }
 
     /// Whether the data-parallel step overlaps its all-reduce with the backward: outside
