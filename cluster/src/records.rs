@@ -2019,13 +2019,29 @@ impl TrainingSpec {
         // (sharding = "auto" with strategy = "auto" is resolved at submit: data parallel with
         // the least sharding that fits, else the planner's layouts unsharded)
         let auto_both = self.sharding == Sharding::Auto && self.strategy == Strategy::Auto;
+        // stages and tensor groups shard the optimizer state over each (stage, tensor place)'s
+        // replicas (ZeRO-1, torchtitan's 2D/3D with the state sharded)
+        let over_stages = self.sharding == Sharding::Optimizer && self.strategy.pipelined();
+        if self.sharding.is_sharded() && self.sync != SyncMode::Allreduce {
+            return Err(ClusterError::invalid(
+                "training.sharding",
+                "sharding runs with sync = \"allreduce\" only (DiLoCo and async: not yet)",
+            ));
+        }
         if self.sharding.is_sharded()
-            && (self.strategy != Strategy::DataParallel || self.sync != SyncMode::Allreduce)
-            && !(auto_both && self.sync == SyncMode::Allreduce)
+            && self.strategy != Strategy::DataParallel
+            && !auto_both
+            && !over_stages
         {
             return Err(ClusterError::invalid(
                 "training.sharding",
-                "sharding runs with strategy = \"data-parallel\" and sync = \"allreduce\" only (pipeline and tensor layouts, DiLoCo and async: not yet)",
+                format!("pipeline and tensor layouts shard the optimizer state only (sharding = \"optimizer\", over each stage's replicas); \"{}\" runs with strategy = \"data-parallel\" (stages and tensor groups with sharded gradients or parameters: not yet)", self.sharding),
+            ));
+        }
+        if over_stages && self.shard_group == Some(ShardGroup::Node) {
+            return Err(ClusterError::invalid(
+                "training.shard_group",
+                "\"node\" groups a node's data-parallel ranks; pipeline and tensor layouts shard over each stage's replicas, which the planner spreads over nodes: give a number of replicas",
             ));
         }
         if let Some(g) = self.shard_group {

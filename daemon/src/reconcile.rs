@@ -817,9 +817,11 @@ fn build(
     let lost = cur
         .zip(spec.training.as_ref())
         .and_then(|(g, t)| lost_units(g, t, chosen));
+    let mut from_checkpoint = None;
     if let (Some(g), Some(lost), true) = (cur, &lost, survivors > 0 && leavers.is_empty()) {
         if spec.checkpoint.is_some() {
             state_source = StateSource::Checkpoint;
+            from_checkpoint = Some(lost.clone());
         } else {
             return Decision::Status(status(
                 &spec.name,
@@ -878,6 +880,10 @@ fn build(
         } else {
             detail
         };
+    if let Some(lost) = from_checkpoint {
+        detail =
+            format!("{detail}; {lost} lost their only holders: read from the latest checkpoint");
+    }
     if !leavers.is_empty() {
         let names: Vec<String> = leavers.iter().map(|(n, s)| format!("{n}/{s}")).collect();
         detail = format!(
@@ -1053,28 +1059,46 @@ pub(crate) fn torchft_groups(
     }
 }
 
-/// The model units of `g`'s pipeline that no member staying in `chosen` holds (in words), or
+/// The model units of `g`'s pipeline (and the shards of its optimizer state) that no member
+/// staying in `chosen` holds (in words), or
 /// None when every unit has a surviving holder (a generation without stages: every member
 /// holds every unit).
 fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Option<String> {
     let tp = g.layout.tensor_parallel.max(1);
     let stays = |m: &Member| chosen.iter().any(|(n, s)| *n == m.node && *s == m.slot);
     let shard = g.layout.dp_shard.max(1);
+    let pp = g.layout.pipeline_parallel.max(1);
+    let mut out = Vec::new();
     if shard > 1 {
-        // a shard of the optimizer state is lost when none of its replicas stays
-        let lost: Vec<String> = (0..shard)
-            .filter(|k| {
-                !g.members
-                    .iter()
-                    .any(|m| !m.spare && stays(m) && m.dp_rank % shard == *k)
+        // a shard of the optimizer state is lost when none of its replicas stays (under
+        // stages and tensor groups, each stage's and tensor place's shards)
+        let lost: Vec<String> = (0..pp)
+            .flat_map(|s| (0..tp).map(move |k| (s, k)))
+            .flat_map(|(s, k)| (0..shard).map(move |d| (s, k, d)))
+            .filter(|(s, k, d)| {
+                !g.members.iter().any(|m| {
+                    !m.spare
+                        && stays(m)
+                        && m.pp_stage == *s
+                        && m.tp_rank == *k
+                        && m.dp_rank % shard == *d
+                })
             })
-            .map(|k| k.to_string())
+            .map(|(s, k, d)| match (pp, tp) {
+                (1, 1) => d.to_string(),
+                (_, 1) => format!("{d} (stage {s})"),
+                _ => format!("{d} (stage {s}, tensor slice {k} of {tp})"),
+            })
             .collect();
-        return (!lost.is_empty())
-            .then(|| format!("optimizer state shards {} of {shard}", lost.join(", ")));
+        if !lost.is_empty() {
+            out.push(format!(
+                "optimizer state shards {} of {shard}",
+                lost.join(", ")
+            ));
+        }
     }
     if g.stage_boundaries.len() < 2 && tp == 1 {
-        return None;
+        return (!out.is_empty()).then(|| out.join("; "));
     }
     let units = ductile_strategies::arch::of(t).ok()?.units();
     // a unit is lost when one of its tensor slices has no staying holder
@@ -1099,7 +1123,10 @@ fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Opt
             }
         })
         .collect();
-    (!lost.is_empty()).then(|| format!("layers {}", lost.join(", ")))
+    if !lost.is_empty() {
+        out.push(format!("layers {}", lost.join(", ")));
+    }
+    (!out.is_empty()).then(|| out.join("; "))
 }
 
 /// Slot records that exclude `ranks` of `g`, saying who could not reach each.

@@ -70,6 +70,17 @@ impl Mesh {
             .collect()
     }
 
+    /// The shard group of the rank at `c` when its stage's replicas shard the optimizer state
+    /// in groups of `shard` (`Layout::dp_shard`): the replicas `[dp − dp mod shard, + shard)`
+    /// of its stage and tensor place, in replica order (its place in it: `dp mod shard`).
+    pub fn shard_group(&self, c: Coords, shard: u32) -> Vec<u32> {
+        let shard = shard.clamp(1, self.dp.max(1));
+        let first = c.dp - c.dp % shard;
+        (first..(first + shard).min(self.dp))
+            .map(|dp| self.rank(Coords { dp, ..c }))
+            .collect()
+    }
+
     /// Whether the rank at `c` counts its tensor group's loss and samples (the group's members
     /// compute the same loss over the same samples: one of them counts them).
     pub fn counts_loss(c: Coords) -> bool {
@@ -99,6 +110,10 @@ mod tests {
             assert_eq!(m.coords(m.stage_peer(c, 2)).unwrap().stage, 2);
         }
         assert_eq!(m.coords(12), None, "rank 12 is a spare");
+        // shard groups of 2 replicas (all of them here), and of 1
+        let c = m.coords(7).unwrap();
+        assert_eq!(m.shard_group(c, 2), vec![1, 7]);
+        assert_eq!(m.shard_group(c, 1), vec![7]);
         assert_eq!(
             m.coords(7),
             Some(Coords {

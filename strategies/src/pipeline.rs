@@ -14,7 +14,8 @@ pub mod schedule;
 pub use check::check_job;
 pub use schedule::*;
 
-use ductile_cluster::records::{Degree, Layout, Strategy, TrainingSpec};
+use ductile_cluster::modes::Sharding;
+use ductile_cluster::records::{Degree, Layout, ShardGroup, Strategy, TrainingSpec};
 
 use crate::arch::Architecture;
 use serde::Serialize;
@@ -266,11 +267,15 @@ fn model_step(
             params,
             // a tensor group splits the parameters, their state, and (by heads and MLP
             // columns) most of the activations kept for the backward pass; a sharded
-            // data-parallel rank holds its share (the submit check's figure)
+            // data-parallel rank holds its share (the submit check's figure); stages and
+            // tensor groups with the optimizer state sharded (ZeRO-1) hold their rows of it
+            // over the shard group of their replicas
             memory_bytes: match t.min_slot_bytes(world).filter(|_| t.sharding.is_sharded()) {
-                Some(b) => b,
-                None => {
-                    params.div_ceil(tp as u64) * 4 * (2 + opt_states)
+                Some(b) if !(t.sharding == Sharding::Optimizer && t.strategy.pipelined()) => b,
+                _ => {
+                    let slice = params.div_ceil(tp as u64) * 4;
+                    slice * 2
+                        + (slice * opt_states).div_ceil(dp_shard(t, dp) as u64)
                         + stash.div_ceil(tp as u64) * micro * in_flight / v as u64
                 }
             },
@@ -317,6 +322,22 @@ fn model_step(
 }
 
 /// The plan for job `t` at `world` ranks.
+/// The shard group of a pipeline or tensor layout's optimizer state over `dp` replicas
+/// (`sharding = "optimizer"`, ZeRO-1: each (stage, tensor place) shards over its replicas, in
+/// groups of `shard_group` of them, else all): the largest divisor of `dp` not above the group,
+/// so every group is whole; 1 unsharded.
+pub fn dp_shard(t: &TrainingSpec, dp: u32) -> u32 {
+    if t.sharding != Sharding::Optimizer || !t.strategy.pipelined() {
+        return 1;
+    }
+    let group = match t.shard_group {
+        Some(ShardGroup::Ranks(n)) => n,
+        // (refused at submit for stages and tensor groups)
+        Some(ShardGroup::Node) | None => dp,
+    };
+    Layout::sharded(dp, group).dp_shard
+}
+
 pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
     if world == 0 {
         return Err("a world has at least one rank".into());
@@ -387,7 +408,7 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
             data_parallel: c.dp,
             pipeline_parallel: c.pp,
             tensor_parallel: c.tp,
-            dp_shard: 1,
+            dp_shard: dp_shard(t, c.dp),
         };
         match model_step(t, arch.as_ref(), &us, world, c) {
             Ok(r) => scored.push((c, layout, r)),
@@ -477,6 +498,31 @@ mod tests {
             "pipeline_parallel": pp,
         }))
         .unwrap()
+    }
+
+    /// `sharding = "optimizer"` with stages: each stage's replicas shard its optimizer state
+    /// (the layout says the shard group), and each stage plans the smaller share of it.
+    #[test]
+    fn stages_shard_their_optimizer_state_over_their_replicas() {
+        let mut t = gpt("pipeline", Degree::Fixed(2), 4);
+        let whole = plan(&t, 8).unwrap();
+        assert_eq!(whole.layout.to_string(), "dp4×pp2×tp1");
+        t.sharding = Sharding::Optimizer;
+        let p = plan(&t, 8).unwrap();
+        assert_eq!(p.layout.to_string(), "dp4(shard4)×pp2×tp1");
+        for (a, b) in whole.stages.iter().zip(&p.stages) {
+            // AdamW's two states of the stage, three quarters of them gone
+            let state = a.params * 4 * 2;
+            assert_eq!(a.memory_bytes - b.memory_bytes, state - state.div_ceil(4));
+        }
+        t.shard_group = Some(ShardGroup::Ranks(3));
+        assert_eq!(
+            plan(&t, 8).unwrap().layout.to_string(),
+            "dp4(shard2)×pp2×tp1"
+        );
+        // data parallel keeps its own shard groups (the daemon's), not the planner's
+        t.strategy = Strategy::DataParallel;
+        assert_eq!(dp_shard(&t, 8), 1);
     }
 
     /// Recomputed blocks keep only their inputs for the backward (less memory per stage) and

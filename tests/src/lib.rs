@@ -1839,6 +1839,26 @@ pub fn tokenize(model: &Path, jsonl: &Path, out: &str) -> u64 {
         .unwrap_or_else(|| panic!("tokenize said {said}"))
 }
 
+/// The final weights' and optimizer state's hashes rank 0 printed for `job`.
+pub fn final_hashes(c: &Cluster, job: &str) -> (String, String) {
+    let logs = c.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("finished at step") && l.contains(&format!("job={job} ")))
+        .unwrap_or_else(|| panic!("no final line of job {job}"));
+    let after = |key: &str| {
+        line.split(key)
+            .nth(1)
+            .and_then(|r| r.split([',', ' ']).next())
+            .unwrap_or_else(|| panic!("no {key:?} in {line}"))
+            .to_string()
+    };
+    (
+        after("final weights sha256 "),
+        after("optimizer state sha256 "),
+    )
+}
+
 /// Calls `f` every `every` until it finds something, or `limit` passes (None).
 pub fn poll<T>(limit: Duration, every: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let t0 = Instant::now();

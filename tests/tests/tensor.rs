@@ -363,3 +363,124 @@ fn deterministic_tensor_parallelism_ends_bitwise_equal_to_data_parallel() {
         "the pipeline of tensor groups ends elsewhere than the data-parallel run"
     );
 }
+
+/// ZeRO-1 under stages and tensor groups (`sharding = "optimizer"` with `strategy = "hybrid"`):
+/// each (stage, tensor place) shards its optimizer state over its replicas. A job at
+/// dp2(shard2)×pp2×tp2 holds about half an unsharded rank's state; through a SIGKILL (the lost
+/// shard read from the checkpoint), a scale to 4 (the leavers hand their shards over: the
+/// state whole on each stage's one replica) and back to 8 (re-cut in place), it ends with the
+/// weights and optimizer state of the unsharded data-parallel run, bit for bit; its last
+/// checkpoint restores into another layout and shard size (dp3(shard3)×pp1×tp2) with the same
+/// bits; stages alone (dp2(shard2)×pp2×tp1) end with them too.
+#[test]
+fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_parallel_bits() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 4)
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = synth(c.dir.path(), "tokens", 30_000);
+    let steps = 240u64;
+    let job = |name: &str, desired: u32, extra: &str| {
+        // (the last job carries z's run on: it restores z's last commit at z's location)
+        let (adopt, at) = match name {
+            "back" => ("resume_from = [\"z\"]\n", "z"),
+            _ => ("", name),
+        };
+        format!(
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 8\ntensor_slices = 2\n{extra}\nmodel_config = {{ d_model = 64, n_layer = 2, n_head = 4, ctx = 32 }}\n[checkpoint]\nurl = \"file://{}/ck-{}\"\ninterval = 40\n{adopt}",
+            training_toml(name, 1, 8, desired, "gpt", &data, "restart_budget = 50"),
+            c.dir.path().display(),
+            at
+        )
+    };
+    c.submit(&job("dp", 2, "strategy = \"data-parallel\""));
+    c.wait_done("dp", S(300));
+    let reference = final_hashes(&c, "dp");
+    let g = c.history("dp")[0].clone();
+    let whole = rt.block_on(c.joins("dp", g.number, g.world_size))[0].state_bytes;
+
+    let hybrid = "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2\nsharding = \"optimizer\"";
+    c.submit(&job("z", 8, hybrid));
+    let v = c.wait_world("z", 8, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
+    let g = c.history("z")[0].clone();
+    let held: Vec<u64> = rt
+        .block_on(c.joins("z", g.number, g.world_size))
+        .iter()
+        .map(|j| j.state_bytes)
+        .collect();
+    // a quarter of the parameters (a stage's tensor slice) and half of its two moments: an
+    // eighth of the whole state and a bit (the replicated norms and biases)
+    assert!(held.iter().all(|b| *b * 4 < whole), "{held:?} vs {whole}");
+    c.wait_step("z", 60, S(120));
+    // the second replica's member at stage 0, tensor place 1: its shard has no other holder
+    let victim = v
+        .members
+        .iter()
+        .find(|m| m.dp_rank == 1 && m.pp_stage == 0 && m.tp_rank == 1)
+        .unwrap();
+    let before = c.history("z").last().unwrap().number;
+    unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
+    let restored = c.wait_for(S(90), "the lost shard restored from the checkpoint", || {
+        c.history("z")
+            .into_iter()
+            .find(|g| g.number > before && g.state_source == StateSource::Checkpoint)
+    });
+    assert!(
+        restored
+            .detail
+            .contains("optimizer state shards 1 (stage 0, tensor slice 1 of 2) of 2"),
+        "{restored:?}"
+    );
+    c.wait_world("z", 8, S(90));
+    c.wait_step("z", c.status("z").step + 30, S(120));
+    let before = c.history("z").last().unwrap().number;
+    c.dctl_ok(&["scale", "z", "4"]);
+    let v = c.wait_world("z", 4, S(90));
+    assert_eq!(v.layout.unwrap().to_string(), "dp1×pp2×tp2");
+    c.wait_step("z", c.status("z").step + 30, S(120));
+    c.dctl_ok(&["scale", "z", "8"]);
+    let v = c.wait_world("z", 8, S(90));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
+    c.wait_done("z", S(300));
+    let h = c.history("z");
+    assert!(
+        h.iter()
+            .filter(|g| g.number > before)
+            .all(|g| g.state_source != StateSource::Checkpoint),
+        "the resizes re-cut the shards in place: {h:#?}"
+    );
+    assert_eq!(
+        final_hashes(&c, "z"),
+        reference,
+        "the sharded pipeline of tensor groups ends elsewhere than the data-parallel run"
+    );
+
+    // stages alone (tensor places of one): whole tensors' rows
+    c.submit(&job(
+        "pp",
+        4,
+        "strategy = \"pipeline\"\npipeline_parallel = 2\nsharding = \"optimizer\"",
+    ));
+    c.wait_done("pp", S(300));
+    assert_eq!(c.history("pp")[0].layout.to_string(), "dp2(shard2)×pp2×tp1");
+    assert_eq!(final_hashes(&c, "pp"), reference);
+
+    // a cold start at another layout and shard size reads z's last commit
+    c.submit(&job(
+        "back",
+        6,
+        "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\nsharding = \"optimizer\"",
+    ));
+    let back = c.wait_done("back", S(120));
+    assert_eq!(back.step, steps);
+    assert_eq!(
+        c.history("back")[0].layout.to_string(),
+        "dp3(shard3)×pp1×tp2"
+    );
+    assert!(c
+        .logs()
+        .contains(&format!("restored checkpoint step {steps}")));
+    assert_eq!(final_hashes(&c, "back"), reference);
+}

@@ -345,26 +345,6 @@ fn training_clipping_by_global_norm_gives_the_same_bits_through_kills_and_resize
     assert!(!ok && err.contains("training.max_grad_norm"), "{err}");
 }
 
-/// The final weights' and optimizer state's hashes rank 0 printed for `job`.
-fn final_hashes(c: &Cluster, job: &str) -> (String, String) {
-    let logs = c.logs();
-    let line = logs
-        .lines()
-        .find(|l| l.contains("finished at step") && l.contains(&format!("job={job} ")))
-        .unwrap_or_else(|| panic!("no final line of job {job}"));
-    let after = |key: &str| {
-        line.split(key)
-            .nth(1)
-            .and_then(|r| r.split([',', ' ']).next())
-            .unwrap_or_else(|| panic!("no {key:?} in {line}"))
-            .to_string()
-    };
-    (
-        after("final weights sha256 "),
-        after("optimizer state sha256 "),
-    )
-}
-
 /// ZeRO-1 (`sharding = "optimizer"`), with a recipe of the job's own (issue 49): each rank holds
 /// its rows of the AdamW state only (and decays the rows of the parameters that take decay).
 /// Through
@@ -458,9 +438,14 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
             "\"full\" sharding computes each unit whole",
         ),
         (
-            "sharding = \"optimizer\"\nstrategy = \"pipeline\"",
+            "sharding = \"full\"\nstrategy = \"pipeline\"",
             false,
-            "sharding runs with strategy = \"data-parallel\"",
+            "pipeline and tensor layouts shard the optimizer state only",
+        ),
+        (
+            "sharding = \"optimizer\"\nstrategy = \"pipeline\"\nshard_group = \"node\"",
+            false,
+            "pipeline and tensor layouts shard over each stage's replicas",
         ),
         (
             "sharding = \"optimizer\"",

@@ -886,7 +886,7 @@ impl Trainer {
     /// at the step before; after, its parameters are part old and part new, so it stops
     /// offering its state (`held` empty): the agreement takes it from the others, or from the
     /// checkpoint.
-    fn sharded_update(
+    pub(super) fn sharded_update(
         &mut self,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
@@ -895,7 +895,9 @@ impl Trainer {
         rows_given: bool,
     ) -> Result<(), CommError> {
         let (s, place) = self.shard_held;
-        let shapes = self.shapes.clone();
+        // the local tensors' shapes: a tensor slice's under tensor groups, empty for another
+        // stage's parameter (no rows, nothing to step)
+        let shapes: Vec<Vec<i64>> = self.params.iter().map(|p| p.size()).collect();
         let rows = |i: usize, k: u32| {
             let r = split_range(shapes[i][0] as u64, s, k);
             (r.start as i64, (r.end - r.start) as i64)

@@ -42,7 +42,7 @@ impl Mode for Allreduce {
         g: &Generation,
         me: &Member,
     ) -> Result<Worked, CommError> {
-        if t.spec.sharding.is_sharded() && g.members.iter().any(|m| m.spare) {
+        if t.spec.sharding.is_sharded() && g.handover {
             // a sharded job's hand-over generation: the leaving ranks (the spares) handed their
             // shards over in the agreement; nobody steps until the leader publishes the
             // generation without them, once every member joined (it waits a bounded time)

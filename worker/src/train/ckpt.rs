@@ -455,9 +455,10 @@ impl Trainer {
             ck.plan = Some(StagePlan::new(layout, &tensors, false, STAGE_CHUNK));
         }
         if sliced {
-            // tensor groups: each member of replica 0 writes row ranges of the logical tensors;
-            // shard groups: each member of group 0 its rows
-            let parts = match self.tp_held.0 > 1 {
+            // tensor groups and stages: each member of replica 0 writes row ranges of the
+            // logical tensors (of shard group 0, its rows of the optimizer state); shard groups
+            // of data-parallel ranks: each member of group 0 its rows
+            let parts = match self.tp_held.0 > 1 || g.layout.pipeline_parallel > 1 {
                 true => self.tp_save_parts(g, rank),
                 false => Ok(self.shard_save_parts(g, rank)),
             };

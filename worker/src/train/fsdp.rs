@@ -30,6 +30,7 @@ use std::time::Instant;
 
 use ductile_cluster::records::{Generation, Sharding};
 use ductile_comm::{CommError, Communicator, Group, ReduceOp};
+use ductile_strategies::mesh::Mesh;
 use ductile_strategies::{micro_batches, split_batch, split_range};
 use tch::{Device, Kind, Tensor};
 
@@ -83,7 +84,8 @@ impl Trainer {
         matches!(self.spec.sharding, Sharding::Gradients | Sharding::Full) && self.shard_held.0 > 1
     }
 
-    /// The shard group of this rank in `g` (consecutive data-parallel ranks; a data-parallel
+    /// The shard group of this rank in `g` (consecutive data-parallel ranks of its stage and
+    /// tensor place, [`Mesh::shard_group`]; without stages or tensor groups a data-parallel
     /// rank is its rank): `None` when it is the whole world.
     pub(super) fn shard_group(
         &self,
@@ -94,14 +96,17 @@ impl Trainer {
         if s == comm.world() {
             return Ok(None);
         }
-        let me = g
-            .members
-            .iter()
-            .find(|m| m.rank == comm.rank())
-            .map(|m| m.dp_rank)
-            .unwrap_or(0);
-        let first = me - me % s;
-        Group::new(comm.clone(), (first..first + s).collect()).map(Some)
+        let mesh = Mesh::new(&g.layout);
+        let ranks = match mesh.coords(comm.rank()) {
+            Some(c) => mesh.shard_group(c, s),
+            None => {
+                return Err(CommError::Invalid {
+                    op: "shard group",
+                    reason: format!("rank {} is a spare of generation {}", comm.rank(), g.number),
+                })
+            }
+        };
+        Group::new(comm.clone(), ranks).map(Some)
     }
 
     /// Rows of parameter `i` that place `k` of the shard group holds: (first, count).

@@ -291,6 +291,33 @@ impl Trainer {
         self.step = step + 1;
     }
 
+    /// [`Trainer::apply`] with the optimizer state sharded over the stage's replicas (ZeRO-1):
+    /// this rank steps its rows of its stage's parameters and the shard group all-gathers
+    /// them ([`Trainer::sharded_update`]).
+    fn apply_sharded(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        p: &Pending,
+        rank: u32,
+    ) -> Result<(), CommError> {
+        let lr = self.spec.lr_plan().at(p.step);
+        // (another stage's parameters are empty here: no rows to step)
+        let mut grads: Vec<Tensor> = (0..self.params.len())
+            .map(|_| Tensor::zeros([0], (Kind::Float, self.dev)))
+            .collect();
+        for (j, i) in p.params.iter().enumerate() {
+            grads[*i] = p.grads[j].shallow_clone();
+        }
+        self.sharded_update(comm, g, &grads, lr, false)?;
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": p.generation, "s": p.step, "r": rank, "applied": true}),
+        );
+        self.step = p.step + 1;
+        Ok(())
+    }
+
     /// One step of a pipeline generation (spares only join the commit).
     pub(super) fn pipe_step(
         &mut self,
@@ -501,13 +528,23 @@ impl Trainer {
                 loss = f64::try_from(acc.to_device(Device::Cpu)).unwrap_or(f64::NAN);
             }
         }
-        // the commit: loss and checkpoint flags over the whole world
-        *pending = Some(Pending {
+        // the commit: loss and checkpoint flags over the whole world. A step whose commit
+        // fails is kept pending (the next agreement applies it if the commit went through
+        // elsewhere), except where the optimizer state is sharded: its update needs the shard
+        // group, so such a rank is behind and takes its stage's state from a holder
+        let sharded = self.shard_held.0 > 1;
+        let mut kept = None;
+        let p = Pending {
             step: self.step,
             generation: g.number,
             params: which.clone(),
             grads: reduced,
-        });
+        };
+        if sharded {
+            kept = Some(p);
+        } else {
+            *pending = Some(p);
+        }
         let (pending_ck, busy) = self
             .ckpt
             .as_ref()
@@ -518,8 +555,13 @@ impl Trainer {
             .host()
             .sum_f64(&[loss, pending_ck as f64, busy as f64])?;
         self.flags = (v[1] > 0.0, v[2] > 0.0);
-        let p = pending.take().unwrap();
-        self.apply(&p.params, &p.grads, p.step, p.generation, rank);
+        match kept {
+            Some(p) => self.apply_sharded(comm, g, &p, rank)?,
+            None => {
+                let p = pending.take().unwrap();
+                self.apply(&p.params, &p.grads, p.step, p.generation, rank);
+            }
+        }
         // the other stages' copies are stale from this step on: release them
         let held = self.held.clone();
         self.hold_only(&held);

@@ -55,14 +55,17 @@ impl Trainer {
             if shard == 1 || h.boxes.is_empty() {
                 return h.clone();
             }
-            // sharding runs without tensor slices: one box, the shard's rows of the whole
-            // tensor (not of each of a fused Q, K, V's blocks)
-            let mut b: Vec<Range<u64>> = self.shapes[i].iter().map(|d| 0..*d as u64).collect();
-            b[0] = ductile_strategies::split_range(b[0].end, shard, place);
-            Holding {
-                boxes: if b[0].is_empty() { Vec::new() } else { vec![b] },
-                dim: 0,
+            if tp == 1 {
+                // whole tensors: one box, the shard's rows of the tensor (not of each of a
+                // fused Q, K, V's blocks)
+                let mut b: Vec<Range<u64>> = self.shapes[i].iter().map(|d| 0..*d as u64).collect();
+                b[0] = ductile_strategies::split_range(b[0].end, shard, place);
+                return Holding {
+                    boxes: if b[0].is_empty() { Vec::new() } else { vec![b] },
+                    dim: 0,
+                };
             }
+            shard_rows(h, shard, place)
         };
         // full sharding cuts the parameters too
         let mut out: Vec<Holding> = if self.fully_sharded() {
@@ -297,11 +300,14 @@ impl Trainer {
 pub(super) type RowChunk = ((usize, u64, u64), Tensor);
 
 impl Trainer {
-    /// What this rank writes in a checkpoint of a tensor-parallel generation: the members of
-    /// replica 0 write, each its row ranges of the logical tensors (the manifest stays
-    /// layout-free). Row-split tensors (and each of Q, K, V) are the member's own rows; a
-    /// replicated tensor is written by the group's first member; a column-split one is
-    /// gathered over the group and each member writes its share of the rows, whole.
+    /// What this rank writes in a checkpoint of a generation with stages or tensor groups:
+    /// the members of replica 0 write the parameters, and the optimizer state too unless it
+    /// is sharded over the stage's replicas, where each member of shard group 0 writes its
+    /// rows; each writes row ranges of the logical tensors (the manifest stays layout-free).
+    /// Row-split tensors (and each of Q, K, V) are the member's own rows; a replicated tensor
+    /// is written by the group's first member; a column-split one is gathered over the group
+    /// (the rows the member holds: every member of a group holds the same ones) and each
+    /// member writes its share of those rows, whole.
     pub(super) fn tp_save_parts(
         &self,
         g: &Generation,
@@ -310,80 +316,89 @@ impl Trainer {
         let Some(me) = g.members.iter().find(|m| m.rank == rank) else {
             return Ok(Vec::new());
         };
-        if me.spare || me.dp_rank != 0 {
+        let s = self.shard_held.0;
+        if me.spare || me.dp_rank / s != 0 {
             return Ok(Vec::new());
         }
         let (tp, k) = self.tp_held;
-        let grp = self
-            .model
-            .tensor_shard()
-            .map(|s| s.group.clone())
-            .ok_or_else(|| CommError::Invalid {
-                op: "checkpoint",
-                reason: "a tensor-parallel rank without its tensor group".into(),
-            })?;
+        let grp = match tp > 1 {
+            true => Some(
+                self.model
+                    .tensor_shard()
+                    .map(|s| s.group.clone())
+                    .ok_or_else(|| CommError::Invalid {
+                        op: "checkpoint",
+                        reason: "a tensor-parallel rank without its tensor group".into(),
+                    })?,
+            ),
+            false => None,
+        };
         let arch = self.model.arch();
         let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
-        let hs = self.holdings_of(&self.held, tp, k, (1, 0));
+        let n = self.params.len();
+        let hs = self.holdings_of(&self.held, tp, k, self.shard_held);
         let tensors: Vec<Tensor> = self.tensors().iter().map(|t| t.shallow_clone()).collect();
         let mut out = Vec::new();
         for (t, h) in hs.iter().enumerate() {
-            if h.boxes.is_empty() {
+            // (replica 0 alone writes what is not sharded: the parameters under ZeRO-1)
+            if h.boxes.is_empty() || (t < n && me.dp_rank != 0) {
                 continue;
             }
             let i = self.param_of(t);
             let full = &self.shapes[i];
             let local = &tensors[t];
-            match split_of(arch, &names[i]) {
-                Split::Replicated => {
-                    if k == 0 {
-                        out.push(((t, 0, full[0] as u64), local.shallow_clone()));
-                    }
+            let split = match (grp.as_ref(), split_of(arch, &names[i])) {
+                (Some(grp), split @ (Split::Cols | Split::HeadCols { .. })) => Some((grp, split)),
+                (_, Split::Replicated) if k != 0 => continue,
+                _ => None,
+            };
+            let Some((grp, split)) = split else {
+                // the boxes hold whole rows: each as it is
+                for b in &h.boxes {
+                    let v = h.view(local, b).expect("a held box");
+                    out.push(((t, b[0].start, b[0].end - b[0].start), v));
                 }
-                Split::Rows | Split::HeadRows { .. } => {
-                    for b in &h.boxes {
-                        let v = h.view(local, b).expect("a held box");
-                        out.push(((t, b[0].start, b[0].end - b[0].start), v));
-                    }
+                continue;
+            };
+            // every member's columns (one range, or one per Q, K, V block), in the order its
+            // local tensor holds them, of the rows the group's members hold
+            let held_rows = h.boxes[0][0].clone();
+            let mut cols: Vec<(usize, Range<u64>)> = Vec::new();
+            let shapes: Vec<Vec<i64>> = (0..tp)
+                .map(|j| {
+                    let shape: Vec<u64> = full.iter().map(|d| *d as u64).collect();
+                    let ranges = held_ranges(arch, split, &shape, tp, j)
+                        .map(|(_, r)| r)
+                        .unwrap_or_default();
+                    let mut s = full.clone();
+                    s[0] = (held_rows.end - held_rows.start) as i64;
+                    s[1] = ranges.iter().map(|r| (r.end - r.start) as i64).sum();
+                    cols.extend(ranges.into_iter().map(|r| (j as usize, r)));
+                    s
+                })
+                .collect();
+            let all = grp.all_gather_shaped(&local.contiguous(), &shapes)?;
+            let rows = ductile_strategies::split_range(held_rows.end - held_rows.start, tp, k);
+            if rows.end > rows.start {
+                let count = (rows.end - rows.start) as i64;
+                let mut pieces: Vec<(u64, Tensor)> = Vec::new();
+                let mut at = vec![0i64; tp as usize];
+                for (j, r) in cols {
+                    let w = (r.end - r.start) as i64;
+                    pieces.push((
+                        r.start,
+                        all[j]
+                            .narrow(0, rows.start as i64, count)
+                            .narrow(1, at[j], w),
+                    ));
+                    at[j] += w;
                 }
-                split @ (Split::Cols | Split::HeadCols { .. }) => {
-                    // every member's columns (one range, or one per Q, K, V block), in the
-                    // order its local tensor holds them
-                    let mut cols: Vec<(usize, Range<u64>)> = Vec::new();
-                    let shapes: Vec<Vec<i64>> = (0..tp)
-                        .map(|j| {
-                            let shape: Vec<u64> = full.iter().map(|d| *d as u64).collect();
-                            let ranges = held_ranges(arch, split, &shape, tp, j)
-                                .map(|(_, r)| r)
-                                .unwrap_or_default();
-                            let mut s = full.clone();
-                            s[1] = ranges.iter().map(|r| (r.end - r.start) as i64).sum();
-                            cols.extend(ranges.into_iter().map(|r| (j as usize, r)));
-                            s
-                        })
-                        .collect();
-                    let all = grp.all_gather_shaped(&local.contiguous(), &shapes)?;
-                    let rows = ductile_strategies::split_range(full[0] as u64, tp, k);
-                    if rows.end > rows.start {
-                        let n = (rows.end - rows.start) as i64;
-                        let mut pieces: Vec<(u64, Tensor)> = Vec::new();
-                        let mut at = vec![0i64; tp as usize];
-                        for (j, r) in cols {
-                            let w = (r.end - r.start) as i64;
-                            pieces.push((
-                                r.start,
-                                all[j].narrow(0, rows.start as i64, n).narrow(1, at[j], w),
-                            ));
-                            at[j] += w;
-                        }
-                        pieces.sort_by_key(|(c, _)| *c);
-                        let pieces: Vec<Tensor> = pieces.into_iter().map(|(_, p)| p).collect();
-                        out.push((
-                            (t, rows.start, rows.end - rows.start),
-                            Tensor::cat(&pieces, 1),
-                        ));
-                    }
-                }
+                pieces.sort_by_key(|(c, _)| *c);
+                let pieces: Vec<Tensor> = pieces.into_iter().map(|(_, p)| p).collect();
+                out.push((
+                    (t, held_rows.start + rows.start, rows.end - rows.start),
+                    Tensor::cat(&pieces, 1),
+                ));
             }
         }
         Ok(out)
@@ -427,5 +442,77 @@ impl Trainer {
             out.push(((t, rows.start, len), v));
         }
         out
+    }
+}
+
+/// The shard's rows of a tensor slice: rows `split_range(local rows, shard, place)` of the
+/// local tensor `h` describes (its boxes laid along `h.dim`), as boxes of the logical tensor
+/// in the same order, so the local tensor of the result is those rows of the slice's. Along
+/// dim 0 the rows fall in the boxes they cross (a fused Q, K, V slice's blocks); along another
+/// dim every box keeps those rows.
+pub(super) fn shard_rows(h: &Holding, shard: u32, place: u32) -> Holding {
+    let local = h.local_shape();
+    let r = ductile_strategies::split_range(local[0].max(0) as u64, shard, place);
+    let mut boxes = Vec::new();
+    let mut at = 0u64;
+    for b in &h.boxes {
+        let mut nb = b.clone();
+        if h.dim == 0 {
+            let len = b[0].end - b[0].start;
+            let (lo, hi) = (r.start.max(at), r.end.min(at + len));
+            at += len;
+            if lo >= hi {
+                continue;
+            }
+            nb[0] = b[0].start + lo - (at - len)..b[0].start + hi - (at - len);
+        } else {
+            if r.is_empty() {
+                continue;
+            }
+            nb[0] = b[0].start + r.start..b[0].start + r.end;
+        }
+        boxes.push(nb);
+    }
+    Holding { boxes, dim: h.dim }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shard_of_a_slice_is_its_rows_of_the_slice_s_boxes() {
+        // a fused Q, K, V slice: three blocks of 4 rows along dim 0 (rows 4..8 of each 16)
+        let qkv = Holding {
+            boxes: (0..3u64)
+                .map(|b| vec![b * 16 + 4..b * 16 + 8, 0..8])
+                .collect(),
+            dim: 0,
+        };
+        assert_eq!(qkv.local_shape(), vec![12, 8]);
+        let second = shard_rows(&qkv, 2, 1);
+        assert_eq!(
+            second.boxes,
+            vec![vec![22..24, 0..8], vec![36..40, 0..8]],
+            "local rows 6..12: the last two rows of K's block and V's whole"
+        );
+        assert_eq!(second.local_shape(), vec![6, 8]);
+        let first = shard_rows(&qkv, 2, 0);
+        assert_eq!(first.boxes, vec![vec![4..8, 0..8], vec![20..22, 0..8]]);
+        // a column slice (two blocks along dim 1): every block keeps the shard's rows
+        let cols = Holding {
+            boxes: vec![vec![0..10, 2..4], vec![0..10, 6..8]],
+            dim: 1,
+        };
+        let third = shard_rows(&cols, 3, 2);
+        assert_eq!(third.boxes, vec![vec![6..10, 2..4], vec![6..10, 6..8]]);
+        assert_eq!(third.local_shape(), vec![4, 4]);
+        // more places than rows: the first holds nothing (split_range's cut)
+        let row = Holding {
+            boxes: vec![vec![3..4]],
+            dim: 0,
+        };
+        assert!(shard_rows(&row, 2, 0).boxes.is_empty());
+        assert_eq!(shard_rows(&row, 2, 1).boxes, vec![vec![3..4]]);
     }
 }
