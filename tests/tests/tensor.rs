@@ -412,6 +412,7 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
         .collect();
     // a quarter of the parameters (a stage's tensor slice) and half of its two moments: an
     // eighth of the whole state and a bit (the replicated norms and biases)
+    println!("state bytes per rank: unsharded data parallel {whole}, dp2(shard2)×pp2×tp2 {held:?}");
     assert!(held.iter().all(|b| *b * 4 < whole), "{held:?} vs {whole}");
     c.wait_step("z", 60, S(120));
     // the second replica's member at stage 0, tensor place 1: its shard has no other holder

@@ -178,11 +178,10 @@ impl Model {
         }
         // activation checkpointing: each block runs without gradients (its collectives all
         // the same), keeping only its input; the units around the blocks run as they are
-        let block = |u: usize| u > 0 && u + 1 < self.units();
         let mut h = input.shallow_clone();
         let mut u = a;
         while u < b {
-            if block(u) {
+            if self.is_block(u) {
                 let x = h;
                 let y = tch::no_grad(|| {
                     self.net
@@ -191,7 +190,7 @@ impl Model {
                 h = tape.recomputed(u, &x, y);
                 u += 1;
             } else {
-                let e = (u + 1..b).find(|k| block(*k)).unwrap_or(b);
+                let e = (u + 1..b).find(|k| self.is_block(*k)).unwrap_or(b);
                 h = self.net.forward(u, e, &h, &mut self.par(tape))?;
                 u = e;
             }
@@ -216,6 +215,12 @@ impl Model {
             .expect("a whole loss does not communicate")
     }
 
+    /// Whether unit `u` is a block (not the embeddings, the first unit, nor the head, the
+    /// last): the units activation checkpointing recomputes.
+    fn is_block(&self, u: usize) -> bool {
+        u > 0 && u + 1 < self.units()
+    }
+
     /// Forward and backward of the whole model (not in a tensor group) on one micro-batch,
     /// the backward unit by unit from the last: each unit's input is a leaf of its own, so
     /// once unit `u`'s backward is over every parameter whose last use is in `u` holds its
@@ -233,7 +238,7 @@ impl Model {
         mut done: impl FnMut(usize),
     ) -> Tensor {
         let units = self.units();
-        let block = |u: usize| self.recompute && u > 0 && u + 1 < units;
+        let block = |u: usize| self.recompute && self.is_block(u);
         let mut ins: Vec<Tensor> = Vec::with_capacity(units);
         let mut outs: Vec<Option<Tensor>> = Vec::with_capacity(units);
         let mut h = x.shallow_clone();

@@ -830,7 +830,7 @@ impl Trainer {
             comm.inject_oversized_frame((rank + 1) % world)?;
         }
         if self.overlaps(g, world) {
-            return self.overlapped_step(arc, g, rank, t0, share);
+            return self.overlapped_step(arc, g, rank, t0);
         }
         self.read_ahead(&[(share.start, share.len)]);
         let l = self.accumulate(share, g, rank);
