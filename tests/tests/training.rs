@@ -749,6 +749,48 @@ fn training_ranks_with_and_without_a_spare_core_reduce_the_same_buckets() {
     }
 }
 
+/// Ranks of two builds that cut their gradient buckets differently would add one rank's head
+/// to another's embedding without an error (node2's workers plan as builds before the one-plan
+/// fix did: `DUCTILE_FAULT_OLD_BUCKET_PLAN`). Each agreement compares the ranks' digests of
+/// what their collectives sum, so they stop at their first, naming the ranks, and no step is
+/// trained on mismatched sums.
+#[test]
+fn training_ranks_of_two_builds_stop_rather_than_sum_mismatched_buckets() {
+    let c = Cluster::start(Spec {
+        agents: vec![("node1".into(), 1), ("node2".into(), 1)],
+        ..Spec::default()
+    });
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    c.submit(&format!(
+        "{}max_steps = 200\nbucket_mb = 1\n[training.model_config]\nd_model = 128\nn_layer = 3\nn_head = 4\n",
+        training_toml(
+            "two",
+            2,
+            2,
+            2,
+            "gpt",
+            &data,
+            "restart_budget = 1\nallow_fault_injection = true\nenv = { DUCTILE_FAULT_OLD_BUCKET_PLAN = \"node2\" }"
+        )
+    ));
+    let said = c.wait_for(S(120), "the ranks' refusal", || {
+        c.logs()
+            .lines()
+            .find(|l| l.contains("job=two") && l.contains("gradient buckets otherwise than rank"))
+            .map(str::to_string)
+    });
+    assert!(
+        said.contains("do all nodes run the same ductile-worker build"),
+        "{said}"
+    );
+    println!("{said}");
+    assert_eq!(
+        c.status("two").step,
+        0,
+        "nothing was trained on mismatched sums"
+    );
+}
+
 #[test]
 fn training_bad_training_specs_are_refused_before_any_worker_starts() {
     let c = Cluster::start(Spec::default().agents(1, 2));

@@ -12,6 +12,8 @@
 //! `DUCTILE_FAULT_EXIT_MID_DECIDE=POSITIONS[:EVERY]`: async: member 0, recording the decision
 //! that takes the positions applied to POSITIONS (or POSITIONS + k·EVERY) or beyond, sends it to
 //! one owner only and exits (once per crossing: the owner that got it carries the count on).
+//! `DUCTILE_FAULT_OLD_BUCKET_PLAN=NODE`: the workers on node NODE cut their gradient buckets in
+//! parameter order, as builds before the one-plan fix did: a fleet running two builds.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,6 +23,7 @@ static OVERSIZED_FRAME: OnceLock<Option<(u32, u64)>> = OnceLock::new();
 static SLOWDOWN: OnceLock<Option<(u32, f64)>> = OnceLock::new();
 static EXIT_BETWEEN_EXCHANGES: OnceLock<Option<(u32, Every)>> = OnceLock::new();
 static EXIT_MID_DECIDE: OnceLock<Option<Every>> = OnceLock::new();
+static OLD_BUCKET_PLAN: OnceLock<Option<String>> = OnceLock::new();
 
 /// A point (a round, a count of positions) and, optionally, the period it repeats at.
 #[derive(Clone, Copy, Debug)]
@@ -111,7 +114,21 @@ pub fn init(allowed: bool) -> anyhow::Result<()> {
         Err(_) => None,
     };
     let _ = EXIT_MID_DECIDE.set(mid);
+    let old = match std::env::var("DUCTILE_FAULT_OLD_BUCKET_PLAN") {
+        Ok(_) if !allowed => {
+            tracing::warn!("DUCTILE_FAULT_OLD_BUCKET_PLAN is set but the job does not allow_fault_injection: ignored");
+            None
+        }
+        Ok(node) => Some(node),
+        Err(_) => None,
+    };
+    let _ = OLD_BUCKET_PLAN.set(old);
     Ok(())
+}
+
+/// Whether the workers on `node` cut their gradient buckets as an older build did.
+pub fn old_bucket_plan(node: &str) -> bool {
+    matches!(OLD_BUCKET_PLAN.get(), Some(Some(n)) if n == node)
 }
 
 /// How much longer rank `rank` waits after computing for `computed` (a straggler), if at all.

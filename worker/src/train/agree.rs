@@ -35,6 +35,26 @@ pub struct Pending {
 /// Chunks of units a rank may hold: one per stage, two with `interleaved-1f1b`.
 const HELD_SLOTS: usize = 2;
 
+/// The ranks whose plan digest (at `at` in each agreement row) differs from rank `me`'s, in
+/// words, if any: their collectives would sum other tensors than this rank's.
+fn plan_mismatch(rows: &[Vec<f64>], at: usize, me: u32) -> Option<String> {
+    let mine = rows.get(me as usize)?.get(at).copied();
+    let hex = |d: Option<f64>| d.map_or("none".into(), |d| format!("{:012x}", d as u64));
+    let odd: Vec<String> = rows
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.get(at).copied() != mine)
+        .map(|(k, r)| format!("rank {k} ({})", hex(r.get(at).copied())))
+        .collect();
+    (!odd.is_empty()).then(|| {
+        format!(
+            "{} cut the model or its gradient buckets otherwise than rank {me} ({}): their all-reduces would add one rank's tensors to another's. Stopping rather than training on mismatched sums: do all nodes run the same ductile-worker build?",
+            odd.join(", "),
+            hex(mine)
+        )
+    })
+}
+
 impl Trainer {
     /// The chunks of units a member holds in generation `g` (every unit without stages;
     /// none for a spare).
@@ -233,7 +253,8 @@ impl Trainer {
         }
         let pend = pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
         // [step, pending step, tensor group size and place of what it holds, shard group size
-        // and place, then HELD_SLOTS (start, end) pairs of the chunks it holds]
+        // and place, then HELD_SLOTS (start, end) pairs of the chunks it holds, then the
+        // digest of what its collectives sum (Trainer::plan_digest)]
         let mut row = vec![
             self.step as f64,
             pend,
@@ -250,12 +271,17 @@ impl Trainer {
             self.held.len() <= HELD_SLOTS,
             "a rank holds at most {HELD_SLOTS} chunks"
         );
+        let digest_at = row.len();
+        row.push(self.plan_digest());
         let rows = match super::gather_rows(comm.as_ref(), &row) {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
+        if let Some(e) = plan_mismatch(&rows, digest_at, comm.rank()) {
+            anyhow::bail!("generation {}: {e}", g.number);
+        }
         let held_by = |r: &[f64]| -> Vec<Range<usize>> {
-            r[6..]
+            r[6..digest_at]
                 .chunks(2)
                 .map(|c| c[0] as usize..c[1] as usize)
                 .collect()
@@ -413,5 +439,33 @@ impl Trainer {
         }
         self.exchange(comm, &plan.moves, step, &BTreeMap::new())
             .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan_mismatch;
+
+    #[test]
+    fn a_rank_whose_plan_digest_differs_is_named() {
+        let rows = vec![vec![3.0, 7.0], vec![3.0, 7.0], vec![3.0, 9.0]];
+        assert_eq!(
+            plan_mismatch(&rows, 1, 0)
+                .as_deref()
+                .map(|s| s.starts_with("rank 2 (000000000009) cut the model")),
+            Some(true)
+        );
+        // rank 2 sees both others differ from its own
+        let e = plan_mismatch(&rows, 1, 2).unwrap();
+        assert!(
+            e.starts_with("rank 0 (000000000007), rank 1 (000000000007)"),
+            "{e}"
+        );
+        assert!(plan_mismatch(&rows[..2], 1, 1).is_none());
+        // a row without the digest (an older build's) differs too
+        let short = vec![vec![3.0, 7.0], vec![3.0]];
+        assert!(plan_mismatch(&short, 1, 0)
+            .unwrap()
+            .contains("rank 1 (none)"));
     }
 }

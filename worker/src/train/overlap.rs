@@ -216,7 +216,46 @@ impl Trainer {
             .map(|s| s.iter().product::<i64>())
             .collect();
         let cap = i64::from(self.spec.bucket_mb.unwrap_or(25)) << 20;
+        if crate::faults::old_bucket_plan(&self.env.node) {
+            // (fault injection) a build before the one-plan fix: parameters in index order
+            return bucket_plan(&numels, |_| 0, cap);
+        }
         bucket_plan(&numels, |i| self.done_at(i), cap)
+    }
+
+    /// A digest of what the ranks' collectives sum by position, beyond the step: each
+    /// parameter's name, shape and units, and the data-parallel step's buckets (which
+    /// parameters each sums, in order). Ranks whose builds cut the model or its buckets
+    /// differently would add one rank's tensor to another's without an error (a sum of two
+    /// lengths that match is still a sum), so the agreement compares it. 48 bits: exact in
+    /// the agreement's f64 row.
+    pub(super) fn plan_digest(&self) -> f64 {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for (i, (name, _)) in self.model.params().iter().enumerate() {
+            h.update((name.len() as u64).to_le_bytes());
+            h.update(name.as_bytes());
+            h.update((self.shapes[i].len() as u64).to_le_bytes());
+            for d in &self.shapes[i] {
+                h.update(d.to_le_bytes());
+            }
+            h.update((self.param_unit[i] as u64).to_le_bytes());
+            h.update(
+                self.param_also[i]
+                    .map_or(u64::MAX, |u| u as u64)
+                    .to_le_bytes(),
+            );
+        }
+        for b in self.bucket_plan() {
+            h.update((b.params.len() as u64).to_le_bytes());
+            for i in &b.params {
+                h.update((*i as u64).to_le_bytes());
+            }
+        }
+        let d = h.finalize();
+        let mut x = [0u8; 8];
+        x[..6].copy_from_slice(&d[..6]);
+        u64::from_le_bytes(x) as f64
     }
 
     /// The buffer the buckets of `plan` are packed into (the largest and the three riders),
