@@ -66,6 +66,18 @@ fi
 for ((i = 0; i < ${#required[@]}; i += 2)); do
   [ -e "${required[$i]}" ] || { log "${required[$i]} is still missing after apt-get install ${required[$((i + 1))]}"; exit 1; }
 done
+# Horovod 0.28.1 resolves this host's own name for its process sets' gloo device, whatever
+# HOROVOD_GLOO_IFACE says (GlooContext::InitializeForProcessSet): where the name resolves to
+# nothing (no /etc/hosts line names it), hvd.init() aborts. libnss-myhostname makes the host's
+# name resolve to its own addresses (it adds "myhostname" to /etc/nsswitch.conf's hosts line).
+host_name=$(uname -n)
+if ! getent hosts "$host_name" >/dev/null 2>&1; then
+  log "this host's name ($host_name) does not resolve, and Horovod's gloo needs it to: apt-get install libnss-myhostname"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends libnss-myhostname >/dev/null
+  getent hosts "$host_name" >/dev/null 2>&1 || { log "$host_name still does not resolve after installing libnss-myhostname: name it in /etc/hosts (127.0.1.1 $host_name)"; exit 1; }
+fi
 # Debian's python3 from here on: the venvs and pip downloads must not depend on another Python
 # that happens to be first on PATH
 py=/usr/bin/python3
