@@ -73,13 +73,9 @@ fn pair<A: FromStr, B: FromStr>(
     form: &str,
     allowed: bool,
 ) -> anyhow::Result<Option<(A, B)>> {
-    let Ok(s) = std::env::var(name) else {
+    let Some(s) = single(name, allowed) else {
         return Ok(None);
     };
-    if !allowed {
-        tracing::warn!("{name} is set but the job does not allow_fault_injection: ignored");
-        return Ok(None);
-    }
     let bad = || anyhow::anyhow!("{name}={s:?} is not {form}");
     let (a, b) = s.split_once(':').ok_or_else(bad)?;
     Ok(Some((
@@ -103,27 +99,25 @@ pub fn init(allowed: bool) -> anyhow::Result<()> {
         "RANK:ROUND[:EVERY]",
         allowed,
     )?);
-    let mid = match std::env::var("DUCTILE_FAULT_EXIT_MID_DECIDE") {
-        Ok(_) if !allowed => {
-            tracing::warn!("DUCTILE_FAULT_EXIT_MID_DECIDE is set but the job does not allow_fault_injection: ignored");
-            None
-        }
-        Ok(s) => Some(s.parse().map_err(|_| {
+    let mid = match single("DUCTILE_FAULT_EXIT_MID_DECIDE", allowed) {
+        Some(s) => Some(s.parse().map_err(|_| {
             anyhow::anyhow!("DUCTILE_FAULT_EXIT_MID_DECIDE={s:?} is not POSITIONS[:EVERY]")
         })?),
-        Err(_) => None,
+        None => None,
     };
     let _ = EXIT_MID_DECIDE.set(mid);
-    let old = match std::env::var("DUCTILE_FAULT_OLD_BUCKET_PLAN") {
-        Ok(_) if !allowed => {
-            tracing::warn!("DUCTILE_FAULT_OLD_BUCKET_PLAN is set but the job does not allow_fault_injection: ignored");
-            None
-        }
-        Ok(node) => Some(node),
-        Err(_) => None,
-    };
-    let _ = OLD_BUCKET_PLAN.set(old);
+    let _ = OLD_BUCKET_PLAN.set(single("DUCTILE_FAULT_OLD_BUCKET_PLAN", allowed));
     Ok(())
+}
+
+/// The variable `name` as it is; none when unset, or set without `allowed` (with a warning).
+fn single(name: &str, allowed: bool) -> Option<String> {
+    let s = std::env::var(name).ok()?;
+    if !allowed {
+        tracing::warn!("{name} is set but the job does not allow_fault_injection: ignored");
+        return None;
+    }
+    Some(s)
 }
 
 /// Whether the workers on `node` cut their gradient buckets as an older build did.

@@ -302,10 +302,9 @@ impl Trainer {
         rank: u32,
     ) -> Result<(), CommError> {
         let lr = self.spec.lr_plan().at(p.step);
-        // (another stage's parameters are empty here: no rows to step)
-        let mut grads: Vec<Tensor> = (0..self.params.len())
-            .map(|_| Tensor::zeros([0], (Kind::Float, self.dev)))
-            .collect();
+        // (another stage's parameters are empty here: no rows to step, so their undefined
+        // gradients are never read)
+        let mut grads: Vec<Tensor> = (0..self.params.len()).map(|_| Tensor::new()).collect();
         for (j, i) in p.params.iter().enumerate() {
             grads[*i] = p.grads[j].shallow_clone();
         }
@@ -532,19 +531,18 @@ impl Trainer {
         // fails is kept pending (the next agreement applies it if the commit went through
         // elsewhere), except where the optimizer state is sharded: its update needs the shard
         // group, so such a rank is behind and takes its stage's state from a holder
-        let sharded = self.shard_held.0 > 1;
-        let mut kept = None;
         let p = Pending {
             step: self.step,
             generation: g.number,
             params: which.clone(),
             grads: reduced,
         };
-        if sharded {
-            kept = Some(p);
+        let kept = if self.shard_held.0 > 1 {
+            Some(p)
         } else {
             *pending = Some(p);
-        }
+            None
+        };
         let (pending_ck, busy) = self
             .ckpt
             .as_ref()
