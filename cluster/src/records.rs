@@ -873,8 +873,9 @@ pub struct TrainingSpec {
     pub bucket_mb: Option<u32>,
     /// Clip the summed gradients to this global L2 norm before the optimizer step (PyTorch's
     /// `clip_grad_norm_`: scaled by max / (norm + 1e-6) when the norm is larger). The norm is
-    /// taken over every parameter, in f64, in parameter order: in deterministic mode the same
-    /// value at every data-parallel world size. Data-parallel, all-reduce jobs.
+    /// taken over every parameter (every stage's, tensor slice's and shard's), in f64, in
+    /// parameter order: in deterministic mode the same value at every world size and layout.
+    /// All-reduce jobs (not DiLoCo or async).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_grad_norm: Option<f64>,
     /// Data parallel: how the ranks share the training state. `optimizer` (ZeRO-1): each
@@ -1990,14 +1991,12 @@ impl TrainingSpec {
                     format!("{n} is not a positive number"),
                 ));
             }
-            // (strategy = "auto" with sharding = "auto" may resolve to data parallel at submit,
-            // where the resolved spec is checked again)
-            let may_be_data_parallel = self.strategy == Strategy::DataParallel
-                || (self.strategy == Strategy::Auto && self.sharding == Sharding::Auto);
-            if !may_be_data_parallel || self.sync != SyncMode::Allreduce {
+            // (every layout of the all-reduce step: data parallel, sharded, stages, tensor
+            // groups; the norm over all of them)
+            if self.sync != SyncMode::Allreduce {
                 return Err(ClusterError::invalid(
                     "training.max_grad_norm",
-                    "clipping by global norm runs with strategy = \"data-parallel\" and sync = \"allreduce\" only (pipeline and tensor layouts, DiLoCo and async: not yet)",
+                    "clipping by global norm runs with sync = \"allreduce\" only (DiLoCo and async: not yet)",
                 ));
             }
         }
@@ -3172,6 +3171,32 @@ keep = 3
         // JSON round trip (the API's form)
         let j = serde_json::to_vec(&s).unwrap();
         assert_eq!(JobSpec::from_json(&j).unwrap(), s);
+    }
+
+    /// Clipping by global norm runs at every layout of the all-reduce step (data parallel,
+    /// sharded, stages, tensor groups) and is refused, naming the key, with DiLoCo and async.
+    #[test]
+    fn clipping_runs_at_every_all_reduce_layout() {
+        let spec = |extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"a\"\nmin = 1\nmax = 8\ndesired = 8\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nmax_grad_norm = 1.0\n{extra}\n[checkpoint]\nurl = \"file:///ck\"\n"
+            ))
+        };
+        for ok in [
+            "",
+            "sharding = \"full\"",
+            "strategy = \"pipeline\"\npipeline_parallel = 2",
+            "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2\nsharding = \"optimizer\"",
+        ] {
+            assert!(spec(ok).is_ok(), "{ok}: {:?}", spec(ok).err());
+        }
+        for sync in ["diloco", "async"] {
+            let e = spec(&format!("sync = \"{sync}\"")).unwrap_err().to_string();
+            assert!(
+                e.contains("training.max_grad_norm") && e.contains("DiLoCo"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -356,7 +356,9 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
     );
 
     // (8 logical shards: the dp2×pp2×tp2 run may grow to 8 ranks)
-    let det = "deterministic = true\nlogical_shards = 8\ntensor_slices = 2";
+    // (clipped by global norm: the norm over the tied head's two stages and the tensor
+    // slices is the data-parallel run's, so the bits are too)
+    let det = "deterministic = true\nlogical_shards = 8\ntensor_slices = 2\nmax_grad_norm = 0.01";
     // (long enough for a kill to land mid-run: the model is tiny)
     let steps = 200;
     c.submit(&job(
@@ -431,7 +433,7 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
     let dp = c.wait_done("dp", S(300));
     let reference = dp.final_weights_sha256.clone().unwrap();
     assert_eq!(
-        tp.final_weights_sha256.unwrap(),
+        tp.final_weights_sha256.clone().unwrap(),
         reference,
         "dp2×tp2 through a kill against data parallel 2"
     );
@@ -441,10 +443,19 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
         "dp2×pp2 (a tied head on two stages) through a kill against data parallel 2"
     );
     assert_eq!(
-        three.final_weights_sha256.unwrap(),
+        three.final_weights_sha256.clone().unwrap(),
         reference,
         "dp2×pp2×tp2 against data parallel 2"
     );
+    println!("the last step's gradient norm: {:?}", dp.grad_norm);
+    assert!(
+        dp.grad_norm.is_some_and(|n| n > 0.01),
+        "clipping acts: {:?}",
+        dp.grad_norm
+    );
+    for (name, run) in [("dp2×tp2", &tp), ("dp2×pp2", &pp), ("dp2×pp2×tp2", &three)] {
+        assert_eq!(run.grad_norm, dp.grad_norm, "{name}'s last gradient norm");
+    }
     // full sharding (issue 47): the tied embedding's rows on four ranks, loaded from the
     // directory by plan, through a kill, end with the bits of data parallel at 2 (both
     // without tensor slices: full sharding computes each unit whole)

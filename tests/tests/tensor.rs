@@ -371,9 +371,12 @@ fn deterministic_tensor_parallelism_ends_bitwise_equal_to_data_parallel() {
 /// state whole on each stage's one replica) and back to 8 (re-cut in place), it ends with the
 /// weights and optimizer state of the unsharded data-parallel run, bit for bit; its last
 /// checkpoint restores into another layout and shard size (dp3(shard3)×pp1×tp2) with the same
-/// bits; stages alone (dp2(shard2)×pp2×tp1) end with them too.
+/// bits; stages alone (dp2(shard2)×pp2×tp1) end with them too. Every run clips its gradients
+/// by global norm (`max_grad_norm`, acting at the last step): the norm over stages, tensor
+/// slices and shards is the data-parallel run's, bit for bit.
 #[test]
 fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_parallel_bits() {
+    const MAX_NORM: f64 = 0.1;
     let c = Cluster::start(Spec {
         restart_backoff_ms: 300,
         ..Spec::default().agents(2, 4)
@@ -388,14 +391,19 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
             _ => ("", name),
         };
         format!(
-            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 8\ntensor_slices = 2\n{extra}\nmodel_config = {{ d_model = 64, n_layer = 2, n_head = 4, ctx = 32 }}\n[checkpoint]\nurl = \"file://{}/ck-{}\"\ninterval = 40\n{adopt}",
+            "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 8\ntensor_slices = 2\nmax_grad_norm = {MAX_NORM}\n{extra}\nmodel_config = {{ d_model = 64, n_layer = 2, n_head = 4, ctx = 32 }}\n[checkpoint]\nurl = \"file://{}/ck-{}\"\ninterval = 40\n{adopt}",
             training_toml(name, 1, 8, desired, "gpt", &data, "restart_budget = 50"),
             c.dir.path().display(),
             at
         )
     };
     c.submit(&job("dp", 2, "strategy = \"data-parallel\""));
-    c.wait_done("dp", S(300));
+    let dp_norm = c.wait_done("dp", S(300)).grad_norm;
+    println!("the data-parallel run's last gradient norm: {dp_norm:?}");
+    assert!(
+        dp_norm.is_some_and(|n| n > MAX_NORM),
+        "clipping at {MAX_NORM} acts on the last step: {dp_norm:?}"
+    );
     let reference = final_hashes(&c, "dp");
     let g = c.history("dp")[0].clone();
     let whole = rt.block_on(c.joins("dp", g.number, g.world_size))[0].state_bytes;
@@ -444,7 +452,11 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
     c.dctl_ok(&["scale", "z", "8"]);
     let v = c.wait_world("z", 8, S(90));
     assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
-    c.wait_done("z", S(300));
+    let z_norm = c.wait_done("z", S(300)).grad_norm;
+    assert_eq!(
+        z_norm, dp_norm,
+        "the global norm over stages, tensor slices and shards is the data-parallel run's"
+    );
     let h = c.history("z");
     assert!(
         h.iter()
@@ -464,7 +476,7 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
         4,
         "strategy = \"pipeline\"\npipeline_parallel = 2\nsharding = \"optimizer\"",
     ));
-    c.wait_done("pp", S(300));
+    assert_eq!(c.wait_done("pp", S(300)).grad_norm, dp_norm);
     assert_eq!(c.history("pp")[0].layout.to_string(), "dp2(shard2)×pp2×tp1");
     assert_eq!(final_hashes(&c, "pp"), reference);
 

@@ -42,6 +42,7 @@ pub mod diloco;
 pub mod driver;
 mod eval;
 mod fsdp;
+mod norm;
 mod overlap;
 pub mod pipe;
 pub mod reshard;
@@ -861,7 +862,11 @@ impl Trainer {
         loss: f64,
     ) -> Result<(), CommError> {
         if let Some(max) = self.spec.max_grad_norm {
-            self.grad_norm = Some(clip_grad_norm(grads, max));
+            // every parameter whole here: every piece is this rank's
+            let all: Vec<usize> = (0..grads.len()).collect();
+            let norm = norm::row_norm(&self.norm_row(&all, grads, |_, _| true));
+            norm::clip_to(grads, norm, max);
+            self.grad_norm = Some(norm);
         }
         let lr = self.spec.lr_plan().at(self.step);
         if self.shard_held.0 > 1 {
@@ -994,32 +999,6 @@ impl Trainer {
     }
 }
 
-/// The global L2 norm of `grads` (each tensor's sum of squares in f64, summed in order, then
-/// the square root: the same value wherever the same gradients are), and, when it exceeds
-/// `max`, every gradient scaled in place by max / (norm + 1e-6), as PyTorch's
-/// `clip_grad_norm_`. Returns the norm before clipping.
-pub(crate) fn clip_grad_norm(grads: &[Tensor], max: f64) -> f64 {
-    if grads.is_empty() {
-        return 0.0;
-    }
-    let squares: Vec<Tensor> = grads
-        .iter()
-        .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double))
-        .collect();
-    // one device→host read for the whole norm
-    let per: Vec<f64> =
-        Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu)).unwrap_or_default();
-    let norm = per.iter().sum::<f64>().sqrt();
-    let scale = max / (norm + 1e-6);
-    if scale < 1.0 {
-        for g in grads {
-            let mut g = g.shallow_clone();
-            let _ = g.g_mul_scalar_(scale);
-        }
-    }
-    norm
-}
-
 /// Consecutive ranges of items (of the given sizes, in bytes) of at most `cap` bytes each; an
 /// item larger than `cap` is a bucket alone. Never empty: no items make one empty bucket.
 pub(crate) fn buckets(sizes: impl Iterator<Item = i64>, cap: i64) -> Vec<std::ops::Range<usize>> {
@@ -1041,27 +1020,6 @@ pub(crate) fn buckets(sizes: impl Iterator<Item = i64>, cap: i64) -> Vec<std::op
 #[cfg(test)]
 mod bucket_tests {
     use super::buckets;
-
-    #[test]
-    fn clipping_scales_to_the_global_norm_only_past_it() {
-        use tch::{Device, Kind, Tensor};
-        let g = || {
-            vec![
-                Tensor::from_slice(&[3.0f32, 0.0]),
-                Tensor::from_slice(&[0.0f32, 4.0]).to_kind(Kind::Float),
-            ]
-        };
-        // |g| = 5: under a max of 10 nothing moves
-        let a = g();
-        assert_eq!(super::clip_grad_norm(&a, 10.0), 5.0);
-        assert_eq!(Vec::<f32>::try_from(&a[0]).unwrap(), vec![3.0, 0.0]);
-        // past a max of 1, scaled by 1 / (5 + 1e-6), in place
-        let b = g();
-        assert_eq!(super::clip_grad_norm(&b, 1.0), 5.0);
-        let s = (1.0 / (5.0 + 1e-6)) as f32;
-        assert_eq!(Vec::<f32>::try_from(&b[1]).unwrap(), vec![0.0, 4.0 * s]);
-        let _ = Device::Cpu;
-    }
 
     #[test]
     fn buckets_hold_whole_items_up_to_the_cap() {

@@ -652,13 +652,7 @@ impl Trainer {
                 members.iter().map(|r| all[*r as usize][0]).sum::<f64>()
             };
             let norm = total.sqrt();
-            let scale = max / (norm + 1e-6);
-            if scale < 1.0 {
-                for gr in &grads {
-                    let mut gr = gr.shallow_clone();
-                    let _ = gr.g_mul_scalar_(scale);
-                }
-            }
+            super::norm::clip_to(&grads, norm, max);
             self.grad_norm = Some(norm);
         }
         let lr = self.spec.lr_plan().at(self.step);

@@ -332,6 +332,8 @@ impl Trainer {
         let mut loss = 0f64;
         let mut which = Vec::new();
         let mut reduced = Vec::new();
+        // `max_grad_norm`: this rank's pieces of the norm (replica 0 counts them)
+        let mut norm_row = Vec::new();
         if !me.spare {
             let Place {
                 stage,
@@ -526,6 +528,25 @@ impl Trainer {
             if last && counts {
                 loss = f64::try_from(acc.to_device(Device::Cpu)).unwrap_or(f64::NAN);
             }
+            if self.spec.max_grad_norm.is_some() && me.dp_rank == 0 {
+                // a replicated parameter is counted by tensor place 0, a tied one by the stage
+                // of its own unit
+                norm_row = self.norm_row(&which, &reduced, |i, replicated| {
+                    (!replicated || me.tp_rank == 0)
+                        && super::reshard::holds_unit(&mine, self.param_unit[i])
+                });
+            }
+        }
+        if let Some(max) = self.spec.max_grad_norm {
+            // every rank (spares too) adds its row: the norm over every stage, tensor place
+            // and shard, the same on every rank; the reduced gradients are clipped before they
+            // are applied or kept pending
+            if norm_row.is_empty() {
+                norm_row = vec![0.0; self.norm_slots()];
+            }
+            let norm = super::norm::row_norm(&comm.host().sum_f64(&norm_row)?);
+            super::norm::clip_to(&reduced, norm, max);
+            self.grad_norm = Some(norm);
         }
         // the commit: loss and checkpoint flags over the whole world. A step whose commit
         // fails is kept pending (the next agreement applies it if the commit went through
