@@ -1278,8 +1278,10 @@ impl TrainingSpec {
         } else {
             0
         };
-        // a sharded job's optimizer state: its rows over the shard group
-        let shard = if self.sharding.is_sharded() {
+        // a sharded job's optimizer state: its rows over the shard group (a data-parallel
+        // job's; the layout that splits a pipelined job most has one replica per stage, so its
+        // state is whole there)
+        let shard = if self.sharding.is_sharded() && data_parallel {
             // ("node": the nodes' sizes are not known at submit; counted as one group)
             match self.shard_group {
                 Some(ShardGroup::Ranks(n)) => u64::from(n),
@@ -3224,6 +3226,12 @@ keep = 3
         // a pipelined job: one flat copy, split over max ranks
         assert_eq!(
             spec("strategy = \"pipeline\"\n").min_slot_bytes(2),
+            Some(p * 4 * 5 / 2)
+        );
+        // sharded over its replicas: the same least (two stages of one replica each)
+        assert_eq!(
+            spec("strategy = \"pipeline\"\nsharding = \"optimizer\"\n[checkpoint]\nurl = \"file:///ck\"\n")
+                .min_slot_bytes(2),
             Some(p * 4 * 5 / 2)
         );
         // ZeRO-1 at max 2: AdamW's two states halved; in groups of 1, whole
