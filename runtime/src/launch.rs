@@ -351,6 +351,21 @@ fn interface_of(addr: &str) -> Option<String> {
     })
 }
 
+/// Why a Horovod program cannot run on a host of this `name`, if it cannot: Horovod 0.28.1
+/// makes its process sets' gloo device from the host's name, whatever `HOROVOD_GLOO_IFACE`
+/// says, so `hvd.init()` aborts where the name does not resolve.
+fn horovod_host_check(name: &str) -> Result<(), String> {
+    use std::net::ToSocketAddrs;
+    let why = match (name, 0u16).to_socket_addrs() {
+        Ok(a) if a.len() > 0 => return Ok(()),
+        Ok(_) => "no address".to_string(),
+        Err(e) => e.to_string(),
+    };
+    Err(format!(
+        "this node's name {name:?} does not resolve ({why}): Horovod's hvd.init() makes its process sets from the host's name whatever HOROVOD_GLOO_IFACE says, and would abort (\"Unable to find address for: {name}\"). Name the host in /etc/hosts, or install libnss-myhostname (scripts/setup.sh does where the name does not resolve)"
+    ))
+}
+
 /// The program's environment that does not change between generations: the node's locale,
 /// paths and NCCL/CUDA settings, a private `HOME` and `TMPDIR` (in the launcher's own
 /// directory: nothing one job plants there, a `.pth` in a user site, a poisoned cache, reaches
@@ -1220,6 +1235,21 @@ impl Launcher {
     }
 
     async fn run(&mut self) -> i32 {
+        if self.spec.runtime == Runtime::Horovod {
+            // (gethostname's answer, on Linux)
+            match std::fs::read_to_string("/proc/sys/kernel/hostname") {
+                Ok(name) => {
+                    if let Err(e) = horovod_host_check(name.trim()) {
+                        // a clear error rather than the program's abort in every generation
+                        eprintln!("ductile-worker: {e}");
+                        return 1;
+                    }
+                }
+                Err(e) => eprintln!(
+                    "ductile-worker: this node's name could not be read from /proc/sys/kernel/hostname ({e}), so whether it resolves (Horovod's hvd.init() needs it to) was not checked"
+                ),
+            }
+        }
         self.start_standby();
         let mut last_run: u64 = 0;
         loop {
@@ -1636,6 +1666,20 @@ impl ProgressRelay {
 
 #[cfg(test)]
 mod tests {
+    /// A Horovod program is not started where the host's name does not resolve: the reason
+    /// and the fix, not gloo's abort.
+    #[test]
+    fn a_horovod_host_must_resolve_its_own_name() {
+        super::horovod_host_check("localhost").unwrap();
+        let e = super::horovod_host_check("no-such-host.invalid").unwrap_err();
+        assert!(
+            e.contains("\"no-such-host.invalid\" does not resolve")
+                && e.contains("/etc/hosts")
+                && e.contains("libnss-myhostname"),
+            "{e}"
+        );
+    }
+
     use super::*;
 
     fn gen(members: &[(&str, u32)]) -> Generation {
