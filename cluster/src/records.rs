@@ -1177,6 +1177,26 @@ impl TrainingSpec {
         if self.sharding != Sharding::Auto {
             return None;
         }
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        if matches!(self.strategy, Strategy::Pipeline | Strategy::Hybrid) {
+            // stages and tensor groups: the planner decides at every world size, keeping each
+            // layout's optimizer state whole where its stages fit a slot and sharding it over
+            // the stage's replicas (ZeRO-1) where they do not; the slot's memory it plans
+            // against is the spec's, else the smallest live slot's, kept in the spec
+            if self.memory_per_slot_gib.is_none() {
+                self.memory_per_slot_gib = cap.map(gib);
+            }
+            return Some(match self.memory_per_slot_gib {
+                Some(m) => format!(
+                    "sharding \"auto\" with strategy \"{}\": each layout's stages hold their optimizer state whole where they fit {m:.2} GiB per slot, else shard it over their replicas",
+                    self.strategy
+                ),
+                None => format!(
+                    "sharding \"auto\" with strategy \"{}\": no slot's memory is known (training.memory_per_slot_gib sets it), so the stages hold their optimizer state whole",
+                    self.strategy
+                ),
+            });
+        }
         // with strategy = "auto": sharded data parallelism first, the model split over pipeline
         // or tensor layouts only where no sharding level fits (torchtitan's guidance: FSDP
         // first)
@@ -1189,7 +1209,6 @@ impl TrainingSpec {
             }
             t.min_slot_bytes(ranks)
         };
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let (chosen, why) = match cap {
             None => (
                 Sharding::None,
@@ -2022,7 +2041,10 @@ impl TrainingSpec {
         let auto_both = self.sharding == Sharding::Auto && self.strategy == Strategy::Auto;
         // stages and tensor groups shard the optimizer state over each (stage, tensor place)'s
         // replicas (ZeRO-1, torchtitan's 2D/3D with the state sharded)
-        let over_stages = self.sharding == Sharding::Optimizer && self.strategy.pipelined();
+        // ("auto" with stages: the planner shards a layout's optimizer state over its
+        // replicas where its stages do not fit the slots unsharded)
+        let over_stages = matches!(self.sharding, Sharding::Optimizer | Sharding::Auto)
+            && self.strategy.pipelined();
         if self.sharding.is_sharded() && self.sync != SyncMode::Allreduce {
             return Err(ClusterError::invalid(
                 "training.sharding",
@@ -3320,13 +3342,36 @@ keep = 3
             said.contains("pipeline or tensor layouts instead"),
             "{said}"
         );
-        // other strategies do not shard
-        let err = JobSpec::from_toml(
-            "name = \"a\"\nmin = 4\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nstrategy = \"hybrid\"\nsharding = \"auto\"\n[checkpoint]\nurl = \"file:///ck\"\n",
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("training.sharding"), "{err}");
+        // stages and tensor groups: left to the planner, layout by layout, against the slot's
+        // memory (the spec's, else the one given, kept in the spec)
+        let staged = |extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"a\"\nmin = 4\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nstrategy = \"hybrid\"\nsharding = \"auto\"\n{extra}\n[checkpoint]\nurl = \"file:///ck\"\n",
+            ))
+        };
+        let mut t = staged("").unwrap().training.unwrap();
+        let said = t.resolve_auto_sharding(4, Some(3 << 30)).unwrap();
+        assert_eq!(
+            (t.sharding, t.memory_per_slot_gib),
+            (Sharding::Auto, Some(3.0))
+        );
+        assert!(
+            said.contains("whole where they fit 3.00 GiB per slot"),
+            "{said}"
+        );
+        t.validate(4).unwrap();
+        let mut t = staged("memory_per_slot_gib = 1.5")
+            .unwrap()
+            .training
+            .unwrap();
+        t.resolve_auto_sharding(4, Some(3 << 30)).unwrap();
+        assert_eq!(t.memory_per_slot_gib, Some(1.5));
+        let mut t = staged("").unwrap().training.unwrap();
+        let said = t.resolve_auto_sharding(4, None).unwrap();
+        assert!(said.contains("no slot's memory is known"), "{said}");
+        // (a node's ranks are not a stage's replicas)
+        let err = staged("shard_group = \"node\"").unwrap_err().to_string();
+        assert!(err.contains("training.shard_group"), "{err}");
     }
 
     #[test]

@@ -166,6 +166,7 @@ fn model_step(
     us: &[Unit],
     world: u32,
     c: &Candidate,
+    shard: u32,
 ) -> Result<(Vec<u32>, Vec<StagePlan>, u32, f64), String> {
     let (dp, pp, tp) = (c.dp, c.pp, c.tp);
     if tp > 1 {
@@ -271,11 +272,11 @@ fn model_step(
             // tensor groups with the optimizer state sharded (ZeRO-1) hold their rows of it
             // over the shard group of their replicas
             memory_bytes: match t.min_slot_bytes(world).filter(|_| t.sharding.is_sharded()) {
-                Some(b) if !(t.sharding == Sharding::Optimizer && t.strategy.pipelined()) => b,
+                Some(b) if !(over_replicas(t.sharding) && t.strategy.pipelined()) => b,
                 _ => {
                     let slice = params.div_ceil(tp as u64) * 4;
                     slice * 2
-                        + (slice * opt_states).div_ceil(dp_shard(t, dp) as u64)
+                        + (slice * opt_states).div_ceil(shard as u64)
                         + stash.div_ceil(tp as u64) * micro * in_flight / v as u64
                 }
             },
@@ -321,13 +322,18 @@ fn model_step(
     Ok((b, stages, m, pipeline + p2p + allreduce + tensor))
 }
 
-/// The plan for job `t` at `world` ranks.
+/// Whether a pipeline or tensor layout may shard its optimizer state over each stage's
+/// replicas: `"optimizer"` always, `"auto"` where a layout's stages do not fit unsharded.
+fn over_replicas(s: Sharding) -> bool {
+    matches!(s, Sharding::Optimizer | Sharding::Auto)
+}
+
 /// The shard group of a pipeline or tensor layout's optimizer state over `dp` replicas
 /// (`sharding = "optimizer"`, ZeRO-1: each (stage, tensor place) shards over its replicas, in
 /// groups of `shard_group` of them, else all): the largest divisor of `dp` not above the group,
 /// so every group is whole; 1 unsharded.
 pub fn dp_shard(t: &TrainingSpec, dp: u32) -> u32 {
-    if t.sharding != Sharding::Optimizer || !t.strategy.pipelined() {
+    if !over_replicas(t.sharding) || !t.strategy.pipelined() {
         return 1;
     }
     let group = match t.shard_group {
@@ -338,6 +344,7 @@ pub fn dp_shard(t: &TrainingSpec, dp: u32) -> u32 {
     Layout::sharded(dp, group).dp_shard
 }
 
+/// The plan for job `t` at `world` ranks.
 pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
     if world == 0 {
         return Err("a world has at least one rank".into());
@@ -404,15 +411,33 @@ pub fn plan(t: &TrainingSpec, world: u32) -> Result<Plan, String> {
     let mut scored = Vec::new();
     let mut refused = Vec::new();
     for c in &cands {
-        let layout = Layout {
-            data_parallel: c.dp,
-            pipeline_parallel: c.pp,
-            tensor_parallel: c.tp,
-            dp_shard: dp_shard(t, c.dp),
+        let group = dp_shard(t, c.dp);
+        // sharding = "auto" with stages: the optimizer state whole where the layout's stages
+        // fit the slots (memory_per_slot_gib), else sharded over each stage's replicas
+        let tries: &[u32] = if t.sharding == Sharding::Auto && group > 1 {
+            &[1, group]
+        } else {
+            &[group]
         };
-        match model_step(t, arch.as_ref(), &us, world, c) {
-            Ok(r) => scored.push((c, layout, r)),
-            Err(e) => refused.push(RunnerUp {
+        let mut outcome = None;
+        for &shard in tries {
+            let layout = Layout {
+                data_parallel: c.dp,
+                pipeline_parallel: c.pp,
+                tensor_parallel: c.tp,
+                dp_shard: shard,
+            };
+            match model_step(t, arch.as_ref(), &us, world, c, shard) {
+                Ok(r) => {
+                    outcome = Some(Ok((layout, r)));
+                    break;
+                }
+                Err(e) => outcome = Some(Err((layout, e))),
+            }
+        }
+        match outcome.expect("at least one shard size is tried") {
+            Ok((layout, r)) => scored.push((c, layout, r)),
+            Err((layout, e)) => refused.push(RunnerUp {
                 layout: layout.to_string(),
                 step_time_s: None,
                 max_memory_bytes: None,
@@ -523,6 +548,47 @@ mod tests {
         // data parallel keeps its own shard groups (the daemon's), not the planner's
         t.strategy = Strategy::DataParallel;
         assert_eq!(dp_shard(&t, 8), 1);
+    }
+
+    /// `sharding = "auto"` with stages: a layout keeps its optimizer state whole where its
+    /// stages fit the slot (`memory_per_slot_gib`) and shards it over each stage's replicas
+    /// where only that fits; where neither fits, the layout is refused; one replica per stage
+    /// has nothing to shard over.
+    #[test]
+    fn auto_shards_a_layout_s_optimizer_state_only_where_its_stages_do_not_fit() {
+        let mut t = gpt("pipeline", Degree::Fixed(2), 4);
+        let most = |p: &Plan| p.stages.iter().map(|s| s.memory_bytes).max().unwrap();
+        let whole = most(&plan(&t, 8).unwrap());
+        t.sharding = Sharding::Optimizer;
+        let sharded = most(&plan(&t, 8).unwrap());
+        assert!(sharded < whole, "{sharded} vs {whole}");
+        t.sharding = Sharding::Auto;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        for (cap, want) in [
+            (whole, Some("dp4×pp2×tp1")),
+            (whole - 1, Some("dp4(shard4)×pp2×tp1")),
+            (sharded, Some("dp4(shard4)×pp2×tp1")),
+            (sharded - 1, None),
+        ] {
+            t.memory_per_slot_gib = Some(gib(cap));
+            let got = plan(&t, 8);
+            assert_eq!(
+                got.as_ref().ok().map(|p| p.layout.to_string()),
+                want.map(String::from),
+                "{cap}: {got:?}"
+            );
+            if let Ok(p) = got {
+                assert!(most(&p) <= cap);
+            }
+        }
+        // two ranks: one replica per stage, nothing to shard over
+        let mut u = gpt("pipeline", Degree::Fixed(2), 4);
+        let two = most(&plan(&u, 2).unwrap());
+        u.sharding = Sharding::Auto;
+        u.memory_per_slot_gib = Some(gib(two));
+        assert_eq!(plan(&u, 2).unwrap().layout.to_string(), "dp1×pp2×tp1");
+        u.memory_per_slot_gib = Some(gib(two - 1));
+        assert!(plan(&u, 2).is_err());
     }
 
     /// Recomputed blocks keep only their inputs for the backward (less memory per stage) and

@@ -4,7 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use ductile_cluster::records::StateSource;
+use ductile_cluster::modes::Sharding;
+use ductile_cluster::records::{JobSpec, StateSource};
 use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
@@ -371,7 +372,9 @@ fn deterministic_tensor_parallelism_ends_bitwise_equal_to_data_parallel() {
 /// state whole on each stage's one replica) and back to 8 (re-cut in place), it ends with the
 /// weights and optimizer state of the unsharded data-parallel run, bit for bit; its last
 /// checkpoint restores into another layout and shard size (dp3(shard3)×pp1×tp2) with the same
-/// bits; stages alone (dp2(shard2)×pp2×tp1) end with them too. Every run clips its gradients
+/// bits; stages alone end with them too, with `sharding = "auto"` sharded (dp2(shard2)×pp2×tp1)
+/// where the slots hold only the sharded state and whole (dp2×pp2×tp1) where they hold all of
+/// it. Every run clips its gradients
 /// by global norm (`max_grad_norm`, acting at the last step): the norm over stages, tensor
 /// slices and shards is the data-parallel run's, bit for bit.
 #[test]
@@ -470,15 +473,40 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
         "the sharded pipeline of tensor groups ends elsewhere than the data-parallel run"
     );
 
-    // stages alone (tensor places of one): whole tensors' rows
+    // stages alone (tensor places of one): whole tensors' rows. With sharding = "auto" and
+    // slots that hold the stages' sharded state but not their whole state, the planner
+    // shards it (the figures are its own, for this job at 4 ranks)
+    let staged = "strategy = \"pipeline\"\npipeline_parallel = 2";
+    let most = |sharding: Sharding| {
+        let mut t = JobSpec::from_toml(&job("pp", 4, staged))
+            .unwrap()
+            .training
+            .unwrap();
+        t.sharding = sharding;
+        let p = ductile_strategies::pipeline::plan(&t, 4).unwrap();
+        p.stages.iter().map(|s| s.memory_bytes).max().unwrap()
+    };
+    let (whole, sharded) = (most(Sharding::None), most(Sharding::Optimizer));
+    assert!(sharded < whole, "{sharded} vs {whole}");
+    let cap = sharded as f64 / (1u64 << 30) as f64;
     c.submit(&job(
         "pp",
         4,
-        "strategy = \"pipeline\"\npipeline_parallel = 2\nsharding = \"optimizer\"",
+        &format!("{staged}\nsharding = \"auto\"\nmemory_per_slot_gib = {cap}"),
     ));
     assert_eq!(c.wait_done("pp", S(300)).grad_norm, dp_norm);
     assert_eq!(c.history("pp")[0].layout.to_string(), "dp2(shard2)×pp2×tp1");
     assert_eq!(final_hashes(&c, "pp"), reference);
+    // slots that hold the whole state: the same layout unsharded
+    let cap = whole as f64 / (1u64 << 30) as f64;
+    c.submit(&job(
+        "roomy",
+        4,
+        &format!("{staged}\nsharding = \"auto\"\nmemory_per_slot_gib = {cap}"),
+    ));
+    c.wait_done("roomy", S(300));
+    assert_eq!(c.history("roomy")[0].layout.to_string(), "dp2×pp2×tp1");
+    assert_eq!(final_hashes(&c, "roomy"), reference);
 
     // a cold start at another layout and shard size reads z's last commit
     c.submit(&job(
