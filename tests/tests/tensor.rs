@@ -14,7 +14,8 @@ const S: fn(u64) -> Duration = Duration::from_secs;
 /// (the survivors re-plan to dp1×tp2 with a spare and move the slices among themselves: no
 /// process restarts, no checkpoint) and through resizes 4 → 2 → 4; after each change the
 /// replicas of each slice hold the same bytes, the loss falls, and the ledger shows every
-/// sample used exactly once per epoch.
+/// sample used exactly once per epoch. Its gradients are clipped by global norm
+/// (`max_grad_norm`), the norm over both slices on every rank.
 #[test]
 fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree() {
     let ledger = TempDir::new("tp-ledger");
@@ -58,7 +59,7 @@ fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree(
     let data = synth(c.dir.path(), "tokens", 50_000);
     let steps = 700u64;
     c.submit(&format!(
-        "{}max_steps = {steps}\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\n",
+        "{}max_steps = {steps}\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\nmax_grad_norm = 1.0\n",
         training_toml("tp", 1, 4, 4, "gpt", &data, "restart_budget = 20")
     ));
     let plan: serde_json::Value =
@@ -135,6 +136,13 @@ fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree(
     let done = c.wait_done("tp", S(300));
     assert_eq!(done.step, steps);
     assert!(done.final_weights_sha256.is_some());
+    // clipped by the norm over both slices (the replicas agreeing above: every rank clipped
+    // by the same norm)
+    assert!(
+        done.grad_norm.is_some_and(|n| n.is_finite() && n > 0.0),
+        "{:?}",
+        done.grad_norm
+    );
     let h = c.history("tp");
     assert!(h.iter().all(|g| g.layout.tensor_parallel == 2), "{h:?}");
     let dps: BTreeSet<u32> = h.iter().map(|g| g.layout.data_parallel).collect();
