@@ -1279,6 +1279,24 @@ impl TrainingSpec {
     /// mode (at `max` ranks), one otherwise. Activations come on top. None where the spec does
     /// not say.
     pub fn min_slot_bytes(&self, max: u32) -> Option<u64> {
+        if self.sharding == Sharding::Auto {
+            // not made concrete yet: the least of what it may become (a data-parallel job
+            // any level; stages the optimizer state's, whole where they split most; strategy
+            // "auto" sharded data parallelism or the planner's layouts unsharded)
+            let as_ = |strategy: Strategy, sharding: Sharding| {
+                let mut t = self.clone();
+                (t.strategy, t.sharding) = (strategy, sharding);
+                t.min_slot_bytes(max)
+            };
+            return match self.strategy {
+                Strategy::DataParallel => as_(Strategy::DataParallel, Sharding::Full),
+                Strategy::Auto => as_(Strategy::DataParallel, Sharding::Full)
+                    .into_iter()
+                    .chain(as_(Strategy::Auto, Sharding::None))
+                    .min(),
+                s => as_(s, Sharding::Optimizer),
+            };
+        }
         let params = self.approx_params()? as u64;
         let max = max.max(1) as u64;
         let data_parallel = self.strategy == Strategy::DataParallel;
@@ -3250,14 +3268,23 @@ keep = 3
             spec("strategy = \"pipeline\"\n").min_slot_bytes(2),
             Some(p * 4 * 5 / 2)
         );
-        // sharded over its replicas: the same least (two stages of one replica each)
+        // sharded over its replicas: the same least (two stages of one replica each); so with
+        // "auto", which the planner makes concrete layout by layout
+        for sharding in ["optimizer", "auto"] {
+            assert_eq!(
+                spec(&format!("strategy = \"pipeline\"\nsharding = \"{sharding}\"\n[checkpoint]\nurl = \"file:///ck\"\n"))
+                    .min_slot_bytes(2),
+                Some(p * 4 * 5 / 2)
+            );
+        }
+        // "auto" before submit makes it concrete: the least it may become (data parallel:
+        // fully sharded)
+        let ck = "\n[checkpoint]\nurl = \"file:///ck\"\n";
         assert_eq!(
-            spec("strategy = \"pipeline\"\nsharding = \"optimizer\"\n[checkpoint]\nurl = \"file:///ck\"\n")
-                .min_slot_bytes(2),
-            Some(p * 4 * 5 / 2)
+            spec(&format!("sharding = \"auto\"{ck}")).min_slot_bytes(2),
+            spec(&format!("sharding = \"full\"{ck}")).min_slot_bytes(2)
         );
         // ZeRO-1 at max 2: AdamW's two states halved; in groups of 1, whole
-        let ck = "\n[checkpoint]\nurl = \"file:///ck\"\n";
         assert_eq!(
             spec(&format!("sharding = \"optimizer\"{ck}")).min_slot_bytes(2),
             Some(p * 4 * 3 + (25 << 20))

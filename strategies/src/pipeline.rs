@@ -272,7 +272,7 @@ fn model_step(
             // tensor groups with the optimizer state sharded (ZeRO-1) hold their rows of it
             // over the shard group of their replicas
             memory_bytes: match t.min_slot_bytes(world).filter(|_| t.sharding.is_sharded()) {
-                Some(b) if !(over_replicas(t.sharding) && t.strategy.pipelined()) => b,
+                Some(b) if !over_replicas(t) => b,
                 _ => {
                     let slice = params.div_ceil(tp as u64) * 4;
                     slice * 2
@@ -322,10 +322,16 @@ fn model_step(
     Ok((b, stages, m, pipeline + p2p + allreduce + tensor))
 }
 
-/// Whether a pipeline or tensor layout may shard its optimizer state over each stage's
-/// replicas: `"optimizer"` always, `"auto"` where a layout's stages do not fit unsharded.
-fn over_replicas(s: Sharding) -> bool {
-    matches!(s, Sharding::Optimizer | Sharding::Auto)
+/// Whether the job's pipeline or tensor layouts may shard their optimizer state over each
+/// stage's replicas: `"optimizer"` always, `"auto"` (with strategy pipeline or hybrid) where a
+/// layout's stages do not fit unsharded. (`"auto"` with strategy `"auto"` is made concrete at
+/// submit, before it is planned for a world.)
+fn over_replicas(t: &TrainingSpec) -> bool {
+    match t.sharding {
+        Sharding::Optimizer => t.strategy.pipelined(),
+        Sharding::Auto => matches!(t.strategy, Strategy::Pipeline | Strategy::Hybrid),
+        _ => false,
+    }
 }
 
 /// The shard group of a pipeline or tensor layout's optimizer state over `dp` replicas
@@ -333,7 +339,7 @@ fn over_replicas(s: Sharding) -> bool {
 /// groups of `shard_group` of them, else all): the largest divisor of `dp` not above the group,
 /// so every group is whole; 1 unsharded.
 pub fn dp_shard(t: &TrainingSpec, dp: u32) -> u32 {
-    if !over_replicas(t.sharding) || !t.strategy.pipelined() {
+    if !over_replicas(t) {
         return 1;
     }
     let group = match t.shard_group {
