@@ -355,7 +355,8 @@ enum Cmd {
         #[arg(long, default_value_t = 64)]
         ctx: i64,
     },
-    /// Steady-state step time of a GPT at world 4: data parallel, 2 stages, 4 stages.
+    /// Steady-state step time of a GPT at world 4: data parallel, 2 stages (also clipped by
+    /// global norm), 4 stages.
     PipelineStep {
         #[arg(long, default_value_t = 8)]
         micro_batches: u32,

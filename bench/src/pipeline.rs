@@ -372,6 +372,14 @@ pub async fn step(micro_batches: u32) -> anyhow::Result<()> {
             ),
         ));
     }
+    // clipping by global norm: the norm's row summed over the world each step
+    rows.push((
+        "2 stages, clipped".to_string(),
+        format!(
+            "{}max_steps = 1000000\nstrategy = \"pipeline\"\npipeline_parallel = 2\npipeline_micro_batches = {micro_batches}\nmax_grad_norm = 1.0\n{GPT4}",
+            training_toml("bench", 1, 4, 4, "gpt", "DATA", "")
+        ),
+    ));
     rows.push((
         "2 stages, interleaved".to_string(),
         format!(

@@ -22,21 +22,20 @@ use super::Trainer;
 impl Trainer {
     /// Each parameter's pieces, in parameter order: a piece is its boxes of the logical
     /// tensor, and the flag says whether the parameter is replicated over a tensor group.
-    fn norm_pieces(&self) -> Vec<(Vec<Vec<Region>>, bool)> {
+    fn norm_pieces(&self, names: &[String]) -> Vec<(Vec<Vec<Region>>, bool)> {
         let k = self.model.tensor_shard().map_or(1, |s| s.slices());
         let arch = self.model.arch();
-        self.model
-            .params()
-            .into_iter()
+        names
+            .iter()
             .enumerate()
-            .map(|(i, (name, _))| {
+            .map(|(i, name)| {
                 let shape: Vec<u64> = self.shapes[i].iter().map(|d| *d as u64).collect();
-                let replicated = split_of(arch, &name) == Split::Replicated;
+                let replicated = split_of(arch, name) == Split::Replicated;
                 let pieces = if k == 1 || replicated {
                     vec![vec![shape.iter().map(|d| 0..*d).collect()]]
                 } else {
                     (0..k)
-                        .map(|s| held_regions(arch, &name, &shape, k, s))
+                        .map(|s| held_regions(arch, name, &shape, k, s))
                         .collect()
                 };
                 (pieces, replicated)
@@ -55,9 +54,9 @@ impl Trainer {
         counts: impl Fn(usize, bool) -> bool,
     ) -> Vec<f64> {
         let arch = self.model.arch();
-        let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
+        let names = self.param_names();
         let (tp, place) = self.tp_held;
-        let pieces = self.norm_pieces();
+        let pieces = self.norm_pieces(&names);
         let mut start = Vec::with_capacity(pieces.len());
         let mut slots = 0;
         for (p, _) in &pieces {
@@ -81,6 +80,14 @@ impl Trainer {
                     .iter()
                     .map(|b| match &holding {
                         Some(h) => h.view(g, b),
+                        // (a whole parameter: the gradient itself)
+                        None if b
+                            .iter()
+                            .zip(&shape)
+                            .all(|(r, d)| r.start == 0 && r.end == *d) =>
+                        {
+                            Some(g.shallow_clone())
+                        }
                         None => Some(region_of(g, b)),
                     })
                     .collect();
@@ -88,16 +95,22 @@ impl Trainer {
                     continue;
                 };
                 // a piece of several boxes (a slice of a fused Q/K/V): its boxes' sums, in order
-                let mut sum = Tensor::zeros([], (Kind::Double, g.device()));
+                let mut sum: Option<Tensor> = None;
                 for v in views {
-                    sum += v
+                    let q = v
                         .contiguous()
                         .to_kind(Kind::Double)
                         .square()
                         .sum(Kind::Double);
+                    sum = Some(match sum {
+                        Some(a) => a + q,
+                        None => q,
+                    });
                 }
-                at.push(start[i] + s);
-                squares.push(sum);
+                if let Some(sum) = sum {
+                    at.push(start[i] + s);
+                    squares.push(sum);
+                }
             }
         }
         if !squares.is_empty() {
@@ -114,7 +127,15 @@ impl Trainer {
 
     /// The number of slots of [`Trainer::norm_row`].
     pub(super) fn norm_slots(&self) -> usize {
-        self.norm_pieces().iter().map(|(p, _)| p.len()).sum()
+        self.norm_pieces(&self.param_names())
+            .iter()
+            .map(|(p, _)| p.len())
+            .sum()
+    }
+
+    /// The parameters' names, in parameter order.
+    fn param_names(&self) -> Vec<String> {
+        self.model.params().into_iter().map(|(n, _)| n).collect()
     }
 }
 
