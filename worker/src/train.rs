@@ -864,7 +864,7 @@ impl Trainer {
         if let Some(max) = self.spec.max_grad_norm {
             // every parameter whole here: every piece is this rank's
             let all: Vec<usize> = (0..grads.len()).collect();
-            let norm = norm::row_norm(&self.norm_row(&all, grads, |_, _| true));
+            let norm = norm::row_norm(&self.norm_row(g, &all, grads, |_, _| true));
             norm::clip_to(grads, norm, max);
             self.grad_norm = Some(norm);
         }

@@ -48,11 +48,6 @@ pub struct Shard {
 }
 
 impl Shard {
-    /// The logical slices split layers are computed in (K).
-    pub fn slices(&self) -> u32 {
-        self.slices
-    }
-
     /// This member's slices of a dimension of `n`: (offset in its local tensor, length).
     fn local(&self, n: i64) -> Vec<(i64, i64)> {
         let (tp, r) = (self.group.size(), self.group.rank());

@@ -12,6 +12,7 @@
 //! others add zeros, so the row is exact. With the same K the norm, and so the clipped
 //! update, has the same bits at every layout.
 
+use ductile_cluster::records::Generation;
 use ductile_strategies::redistribute::Region;
 use ductile_strategies::tensor::{held_regions, split_of, Split};
 use tch::{Device, Kind, Tensor};
@@ -22,8 +23,7 @@ use super::Trainer;
 impl Trainer {
     /// Each parameter's pieces, in parameter order: a piece is its boxes of the logical
     /// tensor, and the flag says whether the parameter is replicated over a tensor group.
-    fn norm_pieces(&self, names: &[String]) -> Vec<(Vec<Vec<Region>>, bool)> {
-        let k = self.model.tensor_shard().map_or(1, |s| s.slices());
+    fn norm_pieces(&self, names: &[String], k: u32) -> Vec<(Vec<Vec<Region>>, bool)> {
         let arch = self.model.arch();
         names
             .iter()
@@ -49,6 +49,7 @@ impl Trainer {
     /// elsewhere.
     pub(super) fn norm_row(
         &self,
+        g: &Generation,
         which: &[usize],
         grads: &[Tensor],
         counts: impl Fn(usize, bool) -> bool,
@@ -56,7 +57,7 @@ impl Trainer {
         let arch = self.model.arch();
         let names = self.param_names();
         let (tp, place) = self.tp_held;
-        let pieces = self.norm_pieces(&names);
+        let pieces = self.norm_pieces(&names, self.norm_slices(g));
         let mut start = Vec::with_capacity(pieces.len());
         let mut slots = 0;
         for (p, _) in &pieces {
@@ -126,11 +127,23 @@ impl Trainer {
     }
 
     /// The number of slots of [`Trainer::norm_row`].
-    pub(super) fn norm_slots(&self) -> usize {
-        self.norm_pieces(&self.param_names())
+    pub(super) fn norm_slots(&self, g: &Generation) -> usize {
+        self.norm_pieces(&self.param_names(), self.norm_slices(g))
             .iter()
             .map(|(p, _)| p.len())
             .sum()
+    }
+
+    /// The logical slices the norm cuts a split parameter into in `g`: the model's (K, as
+    /// `Model::set_tensor_group` counts them: deterministic `tensor_slices` where they split
+    /// over the generation's tensor groups, else the group size). From the job and the layout
+    /// alone, so every rank's row has the same slots, a spare's too.
+    fn norm_slices(&self, g: &Generation) -> u32 {
+        let tp = g.layout.tensor_parallel.max(1);
+        match self.spec.tensor_slices.filter(|_| self.spec.deterministic) {
+            Some(k) if k % tp == 0 => k,
+            _ => tp,
+        }
     }
 
     /// The parameters' names, in parameter order.

@@ -531,7 +531,7 @@ impl Trainer {
             if self.spec.max_grad_norm.is_some() && me.dp_rank == 0 {
                 // a replicated parameter is counted by tensor place 0, a tied one by the stage
                 // of its own unit
-                norm_row = self.norm_row(&which, &reduced, |i, replicated| {
+                norm_row = self.norm_row(g, &which, &reduced, |i, replicated| {
                     (!replicated || me.tp_rank == 0)
                         && super::reshard::holds_unit(&mine, self.param_unit[i])
                 });
@@ -542,7 +542,7 @@ impl Trainer {
             // and shard, the same on every rank; the reduced gradients are clipped before they
             // are applied or kept pending
             if norm_row.is_empty() {
-                norm_row = vec![0.0; self.norm_slots()];
+                norm_row = vec![0.0; self.norm_slots(g)];
             }
             let norm = super::norm::row_norm(&comm.host().sum_f64(&norm_row)?);
             super::norm::clip_to(&reduced, norm, max);
