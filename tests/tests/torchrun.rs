@@ -111,8 +111,7 @@ fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
 
     // 1. SIGKILL the script of rank 3: no restart left for its slot, the world re-forms at 3
     let victim = v.members.iter().find(|m| m.rank == 3).unwrap().clone();
-    let before = step_log(&log);
-    let last_before = before.last().unwrap().3;
+    let read_before_kill = step_log(&log).last().unwrap().3;
     // the script, not its launcher (`pid`): what torchrun calls the worker
     let (script, launcher) = (victim.program_pid.unwrap(), victim.pid.unwrap());
     assert_ne!(script, launcher);
@@ -135,6 +134,18 @@ fn training_torchrun_a_ddp_script_survives_a_kill_an_agent_loss_and_a_scale() {
         let l = step_log(&log);
         l.iter().find(|e| e.2 == 3).copied()
     });
+    // the last step world 4 finished: read after the kill, as rank 0 may finish (and checkpoint)
+    // a step between the read above and the signal
+    let last_before = step_log(&log)
+        .iter()
+        .filter(|e| e.2 == 4)
+        .map(|e| e.3)
+        .max()
+        .unwrap();
+    assert!(
+        last_before >= read_before_kill,
+        "{last_before} < {read_before_kill}"
+    );
     // resumed from its own checkpoint: at most 10 steps back, never from the start
     assert!(
         at3.3 + 10 >= last_before && at3.3 > 1 && at3.3 <= last_before + 1,
