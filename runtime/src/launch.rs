@@ -1666,12 +1666,14 @@ impl ProgressRelay {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// A Horovod program is not started where the host's name does not resolve: the reason
     /// and the fix, not gloo's abort.
     #[test]
     fn a_horovod_host_must_resolve_its_own_name() {
-        super::horovod_host_check("localhost").unwrap();
-        let e = super::horovod_host_check("no-such-host.invalid").unwrap_err();
+        horovod_host_check("localhost").unwrap();
+        let e = horovod_host_check("no-such-host.invalid").unwrap_err();
         assert!(
             e.contains("\"no-such-host.invalid\" does not resolve")
                 && e.contains("/etc/hosts")
@@ -1679,8 +1681,6 @@ mod tests {
             "{e}"
         );
     }
-
-    use super::*;
 
     fn gen(members: &[(&str, u32)]) -> Generation {
         Generation {

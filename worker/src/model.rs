@@ -20,7 +20,7 @@ mod mlp;
 mod tp;
 use ductile_strategies::tensor::Arch;
 use tp::Par;
-pub use tp::{Shard, Tape};
+pub use tp::{logical_slices, Shard, Tape};
 
 /// The context length of a token model (`model_config.ctx`: a GPT's default 32, a Hugging Face
 /// model's 2048 or its maximum; the spec was checked at submission).

@@ -32,6 +32,16 @@ use tch::{Kind, Tensor};
 
 use super::Model;
 
+/// The logical slices a split layer runs in over a tensor group of `tp`: the job's
+/// (deterministic `tensor_slices`) where they split evenly over the group, else one per member
+/// (the planner only picks group sizes that divide them).
+pub fn logical_slices(job_slices: Option<u32>, tp: u32) -> u32 {
+    match job_slices {
+        Some(k) if k % tp == 0 => k,
+        _ => tp,
+    }
+}
+
 /// A member's view of its tensor group. Split layers are computed in `slices` logical slices
 /// (K: the group size, or in deterministic mode the job's `tensor_slices`, a multiple of it);
 /// this member computes slices `first .. first + per`, and every sum over slices (a
@@ -275,10 +285,7 @@ impl Model {
             let (tp, rank) = (group.size(), group.rank());
             // the job's logical slices where they split evenly over the group, else one per
             // member (the planner only picks group sizes that divide them)
-            let slices = match self.slices {
-                Some(k) if k % tp == 0 => k,
-                _ => tp,
-            };
+            let slices = logical_slices(self.slices, tp);
             let per = slices / tp;
             Shard {
                 group,

@@ -72,10 +72,8 @@ impl Trainer {
                 continue;
             }
             let shape: Vec<u64> = self.shapes[i].iter().map(|d| *d as u64).collect();
-            let holding = (tp > 1).then(|| Holding {
-                boxes: held_regions(arch, &names[i], &shape, tp, place),
-                dim: split_of(arch, &names[i]).dim(),
-            });
+            let holding =
+                (tp > 1).then(|| Holding::of_tensor_place(arch, &names[i], &shape, tp, place));
             for (s, boxes) in ps.iter().enumerate() {
                 let views: Option<Vec<Tensor>> = boxes
                     .iter()
@@ -128,9 +126,13 @@ impl Trainer {
 
     /// The number of slots of [`Trainer::norm_row`].
     pub(super) fn norm_slots(&self, g: &Generation) -> usize {
-        self.norm_pieces(&self.param_names(), self.norm_slices(g))
+        let (arch, k) = (self.model.arch(), self.norm_slices(g) as usize);
+        self.param_names()
             .iter()
-            .map(|(p, _)| p.len())
+            .map(|name| match split_of(arch, name) {
+                Split::Replicated => 1,
+                _ => k,
+            })
             .sum()
     }
 
@@ -139,11 +141,10 @@ impl Trainer {
     /// over the generation's tensor groups, else the group size). From the job and the layout
     /// alone, so every rank's row has the same slots, a spare's too.
     fn norm_slices(&self, g: &Generation) -> u32 {
-        let tp = g.layout.tensor_parallel.max(1);
-        match self.spec.tensor_slices.filter(|_| self.spec.deterministic) {
-            Some(k) if k % tp == 0 => k,
-            _ => tp,
-        }
+        crate::model::logical_slices(
+            self.spec.tensor_slices.filter(|_| self.spec.deterministic),
+            g.layout.tensor_parallel.max(1),
+        )
     }
 
     /// The parameters' names, in parameter order.

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use ductile_comm::{CommError, Communicator, DevTensor};
 use ductile_strategies::redistribute::{self, intersect, Move, Part, Region};
+use ductile_strategies::tensor::{held_regions, split_of, Arch};
 use tch::{Kind, Tensor};
 
 /// A protocol error of this generation's communicator, naming the peer.
@@ -105,6 +106,16 @@ pub struct Holding {
 }
 
 impl Holding {
+    /// What tensor place `place` of a group of `tp` holds of parameter `name` (of logical
+    /// `shape`): its boxes as `strategies::tensor` cuts them, laid along the split's dimension
+    /// (the whole tensor where the parameter is replicated).
+    pub fn of_tensor_place(arch: Arch, name: &str, shape: &[u64], tp: u32, place: u32) -> Holding {
+        Holding {
+            boxes: held_regions(arch, name, shape, tp, place),
+            dim: split_of(arch, name).dim(),
+        }
+    }
+
     /// The shape of the local tensor.
     pub fn local_shape(&self) -> Vec<i64> {
         if self.boxes.is_empty() {
@@ -334,7 +345,6 @@ mod tests {
     use super::*;
     use crate::data::Dataset;
     use crate::model::Model;
-    use ductile_strategies::tensor::{held_regions, split_of, Arch};
     use tch::Device;
 
     async fn mesh(n: u32, generation: u64) -> Vec<Arc<dyn Communicator>> {
@@ -360,10 +370,7 @@ mod tests {
                         dim: 0,
                     };
                 }
-                Holding {
-                    boxes: held_regions(arch, name, shape, tp, rank % tp),
-                    dim: split_of(arch, name).dim(),
-                }
+                Holding::of_tensor_place(arch, name, shape, tp, rank % tp)
             })
             .collect()
     }

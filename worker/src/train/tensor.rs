@@ -13,7 +13,7 @@ use ductile_cluster::records::{Generation, Member};
 use ductile_comm::{CommError, Communicator, Group};
 use ductile_strategies::mesh::Mesh;
 use ductile_strategies::redistribute::{self, Part};
-use ductile_strategies::tensor::{held_ranges, held_regions, split_of, Split};
+use ductile_strategies::tensor::{held_ranges, split_of, Split};
 use tch::Tensor;
 
 use super::reshard::{holding_parts, move_state, Holding};
@@ -44,10 +44,7 @@ impl Trainer {
                     };
                 }
                 let shape: Vec<u64> = self.shapes[i].iter().map(|d| *d as u64).collect();
-                Holding {
-                    boxes: held_regions(arch, name, &shape, tp, k),
-                    dim: split_of(arch, name).dim(),
-                }
+                Holding::of_tensor_place(arch, name, &shape, tp, k)
             })
             .collect();
         let per = self.opt.state.len() / self.params.len().max(1);
