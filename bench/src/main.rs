@@ -316,6 +316,20 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// A live re-cut of row-sharded state over loopback (4 ranks in this process → 3, as a
+    /// fully sharded job's survivors re-cut after a loss): the time and the process's peak
+    /// resident growth over the old and new state, with the moves in rounds of `--chunk-mib`
+    /// per pair of ranks against all in one round, in the same sitting; and loopback's time to
+    /// move a quarter of the state (one rank's share) as one buffer, for scale.
+    ReshardTransfer {
+        /// The state's size in MiB (f32, 8 tensors of 1024 columns).
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, default_value_t = 64)]
+        chunk_mib: u64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Pipeline re-plan recovery: SIGKILL one of 4 workers of a pipeline job → first step in
     /// the new layout, with detection, planning, communicator formation and layer movement
     /// timed apart.
@@ -537,6 +551,11 @@ async fn main() -> anyhow::Result<()> {
             .await
         }
         Cmd::RestoreLayouts { d_model } => tensor::restore_layouts(d_model).await,
+        Cmd::ReshardTransfer {
+            mib,
+            chunk_mib,
+            runs,
+        } => tensor::reshard_transfer(mib, chunk_mib, runs).await,
         Cmd::TpStep {
             world,
             d_model,

@@ -243,3 +243,123 @@ pub async fn restore_layouts(d_model: u32) -> anyhow::Result<()> {
     println!("\nmost read by one rank against what it holds: {worst:.2}x");
     Ok(())
 }
+
+/// The process's resident memory now and its peak since the last reset (Linux: VmRSS, VmHWM),
+/// in bytes.
+fn rss() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib = |key: &str| -> u64 {
+        s.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (kib("VmRSS:"), kib("VmHWM:"))
+}
+
+/// `reshard-transfer`: see the command's help.
+pub async fn reshard_transfer(mib: u64, chunk_mib: u64, runs: usize) -> anyhow::Result<()> {
+    use ductile_strategies::split_range;
+    use ductile_worker::train::reshard::{move_state_in_process, Holding};
+    use std::collections::BTreeMap;
+    use tch::{Device, Kind, Tensor};
+    let (tensors, cols) = (8u64, 1024u64);
+    let rows = (mib << 20) / 4 / cols / tensors;
+    let holding = |world: u32, rank: u32| -> Vec<Holding> {
+        (0..tensors)
+            .map(|_| {
+                let r = if rank < world {
+                    split_range(rows, world, rank)
+                } else {
+                    0..0
+                };
+                Holding {
+                    boxes: if r.is_empty() {
+                        Vec::new()
+                    } else {
+                        vec![vec![r, 0..cols]]
+                    },
+                    dim: 0,
+                }
+            })
+            .collect()
+    };
+    let all = |world: u32| -> BTreeMap<u32, Vec<Holding>> {
+        (0..4).map(|r| (r, holding(world, r))).collect()
+    };
+    let (old_h, new_h) = (all(4), all(3));
+    let elem = vec![4u64; tensors as usize];
+    println!(
+        "reshard-transfer: {mib} MiB of f32 state ({tensors} tensors of {rows}×{cols}) row-sharded over 4 ranks in one process, re-cut to 3 over loopback TCP"
+    );
+    println!(
+        "{:<22} {:>4} {:>9} {:>16} {:>8}",
+        "moves", "run", "seconds", "peak growth MiB", "rounds"
+    );
+    let mut figures: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
+    let mut generation = 1;
+    for run in 0..runs {
+        for (label, chunk) in [
+            ("one round", u64::MAX / 8),
+            ("rounds of chunk", (chunk_mib << 20) / 4),
+        ] {
+            let comms = ductile_comm::tcp::loopback_mesh(4, "rt", generation).await?;
+            generation += 1;
+            let local: Vec<Vec<Tensor>> = (0..4u32)
+                .map(|r| {
+                    old_h[&r]
+                        .iter()
+                        .map(|h| {
+                            Tensor::ones(h.local_shape().as_slice(), (Kind::Float, Device::Cpu))
+                        })
+                        .collect()
+                })
+                .collect();
+            // the growth over what is resident before: the new state (the floor any re-cut
+            // needs, as the old is still held), then the transfer's own buffers
+            let before = rss().0;
+            let _ = std::fs::write("/proc/self/clear_refs", "5");
+            let t0 = std::time::Instant::now();
+            let out = move_state_in_process(&comms, 1, chunk, &elem, &local, &old_h, &new_h)?;
+            let secs = t0.elapsed().as_secs_f64();
+            let over = rss().1.saturating_sub(before) as f64 / (1 << 20) as f64;
+            let rounds = out[0].1.rounds;
+            drop(out);
+            drop(local);
+            println!("{label:<22} {run:>4} {secs:>9.3} {over:>16.0} {rounds:>8}");
+            figures.entry(label).or_default().push((secs, over));
+        }
+    }
+    // loopback's own time to move one rank's share (a quarter) as one buffer, for scale
+    let comms = ductile_comm::tcp::loopback_mesh(2, "rq", generation).await?;
+    let quarter = Tensor::ones([((mib << 20) / 16) as i64], (Kind::Float, Device::Cpu));
+    let t0 = std::time::Instant::now();
+    std::thread::scope(|s| {
+        let (a, b) = (&comms[0], &comms[1]);
+        let q = a.place(&quarter);
+        let buf = b.zeros(&[quarter.numel() as i64], Kind::Float);
+        let h = s.spawn(move || a.send(&q, 1));
+        b.recv(&buf, 0)?;
+        h.join().expect("the sender")
+    })?;
+    let quarter_secs = t0.elapsed().as_secs_f64();
+    let median = |v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| {
+        let mut x: Vec<f64> = v.iter().map(f).collect();
+        x.sort_by(|a, b| a.total_cmp(b));
+        x[x.len() / 2]
+    };
+    let (one, chunked) = (&figures["one round"], &figures["rounds of chunk"]);
+    println!(
+        "medians: one round {:.3} s, peak +{:.0} MiB; rounds of {chunk_mib} MiB {:.3} s, peak +{:.0} MiB (the new state alone: +{mib} MiB); time ratio (rounds / one) {:.2}×, peak ratio {:.2}×; a quarter of the state ({} MiB) over loopback as one buffer: {quarter_secs:.3} s",
+        median(one, |x| x.0),
+        median(one, |x| x.1),
+        median(chunked, |x| x.0),
+        median(chunked, |x| x.1),
+        median(chunked, |x| x.0) / median(one, |x| x.0),
+        median(chunked, |x| x.1) / median(one, |x| x.1).max(1.0),
+        mib / 4,
+    );
+    Ok(())
+}

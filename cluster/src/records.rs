@@ -871,6 +871,11 @@ pub struct TrainingSpec {
     /// flat copy. Default 25 (PyTorch DDP's `bucket_cap_mb`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bucket_mb: Option<u32>,
+    /// Live state moves (a resize's re-cut, a joiner's share, a restore's point-to-point part)
+    /// go in rounds of at most this many KiB per pair of ranks, so their buffers stay bounded
+    /// however much state moves. Default 65536 (64 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer_chunk_kib: Option<u32>,
     /// Clip the summed gradients to this global L2 norm before the optimizer step (PyTorch's
     /// `clip_grad_norm_`: scaled by max / (norm + 1e-6) when the norm is larger). The norm is
     /// taken over every parameter (every stage's, tensor slice's and shard's), in f64, in
@@ -2109,6 +2114,14 @@ impl TrainingSpec {
                 ));
             }
         }
+        if let Some(k) = self.transfer_chunk_kib {
+            if !(1..=(4 << 20)).contains(&k) {
+                return Err(ClusterError::invalid(
+                    "training.transfer_chunk_kib",
+                    format!("{k} is not between 1 and 4194304 (KiB: 4 GiB)"),
+                ));
+            }
+        }
         if let Some(v) = self.logical_shards {
             if v < max {
                 return Err(ClusterError::invalid(
@@ -3236,6 +3249,33 @@ keep = 3
             let e = spec(&format!("sync = \"{sync}\"")).unwrap_err().to_string();
             assert!(
                 e.contains("training.max_grad_norm") && e.contains("DiLoCo"),
+                "{e}"
+            );
+        }
+    }
+
+    /// Live state moves' chunk: a size in KiB between 1 and 4 GiB, the key named otherwise.
+    #[test]
+    fn a_transfer_chunk_is_a_size_in_kib() {
+        let spec = |extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"a\"\nmin = 1\nmax = 2\ndesired = 2\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\n{extra}\n"
+            ))
+        };
+        assert_eq!(spec("").unwrap().training.unwrap().transfer_chunk_kib, None);
+        for k in [1u32, 65536, 4 << 20] {
+            let t = spec(&format!("transfer_chunk_kib = {k}"))
+                .unwrap()
+                .training
+                .unwrap();
+            assert_eq!(t.transfer_chunk_kib, Some(k));
+        }
+        for k in ["0", "4194305"] {
+            let e = spec(&format!("transfer_chunk_kib = {k}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("training.transfer_chunk_kib") && e.contains(k),
                 "{e}"
             );
         }

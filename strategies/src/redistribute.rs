@@ -327,6 +327,82 @@ pub fn plan(
     Ok(out)
 }
 
+/// `r` cut into regions of at most `max` elements (at least one each), in row-major order: along
+/// its outermost dimension of more than one index, whole rows at a time where a row fits, else
+/// row by row, each cut the same way.
+pub fn split_region(r: &Region, max: u64) -> Vec<Region> {
+    let max = max.max(1);
+    if elements(r) <= max {
+        return vec![r.clone()];
+    }
+    let d = r
+        .iter()
+        .position(|x| x.end - x.start > 1)
+        .expect("a region of more than one element has a dimension of more than one index");
+    let inner: u64 = r[d + 1..].iter().map(|x| x.end - x.start).product();
+    let mut out = Vec::new();
+    if inner <= max {
+        let step = max / inner;
+        let mut at = r[d].start;
+        while at < r[d].end {
+            let mut piece = r.clone();
+            piece[d] = at..(at + step).min(r[d].end);
+            at = piece[d].end;
+            out.push(piece);
+        }
+    } else {
+        for i in r[d].clone() {
+            let mut row = r.clone();
+            row[d] = i..i + 1;
+            out.extend(split_region(&row, max));
+        }
+    }
+    out
+}
+
+/// A transfer's moves in rounds: each move cut into pieces of at most `max` elements, then each
+/// (sender, receiver) pair's pieces, in order, packed into chunks of at most `max` elements;
+/// round k holds every pair's k-th chunk, the pairs in the order of their first move. Each
+/// round is one exchange, so a pair's buffers never exceed `max` elements however much it
+/// moves. The same moves give the same rounds on every rank.
+pub fn rounds(moves: &[Move], max: u64) -> Vec<Vec<Move>> {
+    let max = max.max(1);
+    let mut pairs: Vec<((u32, u32), Vec<Vec<Move>>)> = Vec::new();
+    for m in moves {
+        let at = match pairs.iter().position(|(p, _)| *p == (m.from, m.to)) {
+            Some(i) => i,
+            None => {
+                pairs.push(((m.from, m.to), vec![Vec::new()]));
+                pairs.len() - 1
+            }
+        };
+        let chunks = &mut pairs[at].1;
+        for region in split_region(&m.region, max) {
+            let n = elements(&region);
+            let last = chunks.last().expect("a pair has a chunk");
+            let filled: u64 = last.iter().map(|m| elements(&m.region)).sum();
+            if !last.is_empty() && filled + n > max {
+                chunks.push(Vec::new());
+            }
+            chunks.last_mut().expect("a pair has a chunk").push(Move {
+                region,
+                ..m.clone()
+            });
+        }
+    }
+    let count = pairs.iter().map(|(_, c)| c.len()).max().unwrap_or(0);
+    (0..count)
+        .map(|k| {
+            pairs
+                .iter()
+                .filter_map(|(_, c)| c.get(k))
+                .flatten()
+                .cloned()
+                .collect()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,6 +413,81 @@ mod tests {
             .into_iter()
             .flat_map(|x| x.collect::<Vec<_>>())
             .collect()
+    }
+
+    /// Moves cut into rounds: no pair moves more than the chunk in a round, every element of
+    /// every move goes exactly once, in each move's row-major order, and a pair's rounds keep
+    /// its moves' order.
+    #[test]
+    fn a_transfer_moves_in_rounds_of_at_most_a_chunk_per_pair() {
+        let shape = [5u64, 20];
+        let mv = |region: Region, from: u32, to: u32| Move {
+            tensor: 0,
+            region,
+            from,
+            to,
+            via: None,
+        };
+        let moves = vec![
+            mv(vec![0..5, 0..7], 0, 1),  // 35: rows of 7
+            mv(vec![0..2, 7..20], 0, 1), // rows of 13 > 8: each row cut
+            mv(vec![3..4, 7..9], 2, 1),  // 2: fits
+            mv(vec![4..5, 10..11], 0, 1),
+        ];
+        // a region cut: row-major, every piece at most 8, together the region
+        let pieces = split_region(&moves[1].region, 8);
+        assert_eq!(
+            pieces,
+            vec![
+                vec![0..1, 7..15],
+                vec![0..1, 15..20],
+                vec![1..2, 7..15],
+                vec![1..2, 15..20]
+            ]
+        );
+        assert_eq!(split_region(&moves[0].region, 8).len(), 5);
+        assert_eq!(split_region(&moves[0].region, 14), {
+            vec![vec![0..2, 0..7], vec![2..4, 0..7], vec![4..5, 0..7]]
+        });
+        assert_eq!(split_region(&vec![2..9], 100), vec![vec![2..9]]);
+        let r = rounds(&moves, 8);
+        // pair (0, 1): 5 rows of 7, 4 pieces of 8/5, 1 element: packed 7 | 7 | 7 | 7 | 7 | 8 |
+        // 5 | 8 | 5+1
+        let of = |k: usize, p: (u32, u32)| -> Vec<Region> {
+            r[k].iter()
+                .filter(|m| (m.from, m.to) == p)
+                .map(|m| m.region.clone())
+                .collect()
+        };
+        assert_eq!(r.len(), 9);
+        assert_eq!(of(0, (2, 1)), vec![vec![3..4, 7..9]]);
+        assert!((1..9).all(|k| of(k, (2, 1)).is_empty()));
+        assert_eq!(of(8, (0, 1)), vec![vec![1..2, 15..20], vec![4..5, 10..11]]);
+        // the pairs in the order of their first move, in every round
+        assert_eq!((r[0][0].from, r[0][1].from), (0, 2));
+        for k in 0..r.len() {
+            let n: u64 = of(k, (0, 1)).iter().map(elements).sum();
+            assert!(n <= 8 && n > 0, "round {k}: {n}");
+        }
+        // every element once, in order
+        let flat: Vec<u64> = (0..r.len())
+            .flat_map(|k| of(k, (0, 1)))
+            .flat_map(|x| cells(&shape, &x))
+            .collect();
+        let want: Vec<u64> = [&moves[0], &moves[1], &moves[3]]
+            .iter()
+            .flat_map(|m| cells(&shape, &m.region))
+            .collect();
+        assert_eq!(flat, want);
+        // a chunk that holds everything: one round, the moves as they are, by pair
+        let by_pair = vec![
+            moves[0].clone(),
+            moves[1].clone(),
+            moves[3].clone(),
+            moves[2].clone(),
+        ];
+        assert_eq!(rounds(&moves, 1 << 20), vec![by_pair]);
+        assert!(rounds(&[], 8).is_empty());
     }
 
     #[test]

@@ -419,7 +419,9 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
     let g = c.history("dp")[0].clone();
     let whole = rt.block_on(c.joins("dp", g.number, g.world_size))[0].state_bytes;
 
-    let hybrid = "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2\nsharding = \"optimizer\"";
+    // its live moves in rounds of 1 KiB per pair of ranks (the default, 64 MiB, moves this
+    // model in one)
+    let hybrid = "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2\nsharding = \"optimizer\"\ntransfer_chunk_kib = 1";
     c.submit(&job("z", 8, hybrid));
     let v = c.wait_world("z", 8, S(60));
     assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
@@ -463,6 +465,34 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
     c.dctl_ok(&["scale", "z", "8"]);
     let v = c.wait_world("z", 8, S(90));
     assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
+    // the re-cuts moved more than a chunk in many rounds: in each, at most 1 KiB (and its
+    // header) from each of the 7 peers
+    let moved: Vec<(u64, u64)> = c
+        .agent_logs()
+        .lines()
+        .filter(|l| l.contains("tensor slices and shards in place") && l.contains("job=z"))
+        .map(|l| {
+            let field = |k: &str| -> u64 {
+                let v = l
+                    .split(&format!(" {k}="))
+                    .nth(1)
+                    .unwrap_or_else(|| panic!("{l}"));
+                v.split(|ch: char| !ch.is_ascii_digit())
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            };
+            (field("bytes"), field("rounds"))
+        })
+        .collect();
+    assert!(
+        moved.iter().any(|(b, r)| *r > 1 && *b > 1024)
+            && moved
+                .iter()
+                .all(|(b, r)| *b <= *r * 7 * (1024 + 24 + 8 * 256)),
+        "bytes and rounds of each rank's moves: {moved:?}"
+    );
     let z_norm = c.wait_done("z", S(300)).grad_norm;
     assert_eq!(
         z_norm, dp_norm,

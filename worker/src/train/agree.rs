@@ -19,7 +19,7 @@ use ductile_comm::{CommError, Communicator};
 use ductile_strategies::redistribute::{self, relative, whole, Move, Part, Region};
 use tch::Tensor;
 
-use super::reshard::{holds_unit, region_of, state_view, transfer};
+use super::reshard::{holds_unit, region_of, state_view, transfer, Received, TRANSFER_CHUNK_BYTES};
 use super::Trainer;
 
 /// A reduced gradient waiting for its step's commit.
@@ -196,6 +196,16 @@ impl Trainer {
             .collect()
     }
 
+    /// The most elements (state moves as f32) one pair of ranks moves in one round of a state
+    /// transfer: `training.transfer_chunk_kib`, else [`TRANSFER_CHUNK_BYTES`].
+    pub(super) fn transfer_chunk(&self) -> u64 {
+        let bytes = self
+            .spec
+            .transfer_chunk_kib
+            .map_or(TRANSFER_CHUNK_BYTES, |k| u64::from(k) << 10);
+        (bytes / 4).max(1)
+    }
+
     /// Element sizes of the state tensors, for [`redistribute::plan`].
     pub(super) fn elem_sizes(&self) -> Vec<u64> {
         self.tensors()
@@ -213,7 +223,7 @@ impl Trainer {
         moves: &[Move],
         step: u64,
         read: &BTreeMap<usize, (Region, Tensor)>,
-    ) -> Result<usize, CommError> {
+    ) -> Result<Received, CommError> {
         let state: Vec<Tensor> = self
             .tensors()
             .into_iter()
@@ -226,6 +236,7 @@ impl Trainer {
             comm,
             moves,
             step,
+            self.transfer_chunk(),
             |m| {
                 Ok(match m.via {
                     None => view(m.tensor, &m.region),
@@ -390,18 +401,19 @@ impl Trainer {
             .map_err(|e| anyhow::anyhow!("state transfer plan at step {step}: {e}"))?;
         let t0 = std::time::Instant::now();
         self.allocate(&mine);
-        let bytes = match self.exchange(comm, &plan.moves, step, &BTreeMap::new()) {
+        let got = match self.exchange(comm, &plan.moves, step, &BTreeMap::new()) {
             Ok(b) => b,
             Err(e) => return Ok(Err(e)),
         };
         self.step = step;
-        self.received = bytes as u64;
+        self.received = got.bytes as u64;
         self.hold_only(&mine);
         self.held = mine;
-        if bytes > 0 {
+        if got.bytes > 0 {
             tracing::info!(
                 step,
-                bytes,
+                bytes = got.bytes,
+                rounds = got.rounds,
                 tensors = plan.moves.iter().filter(|m| m.to == comm.rank()).count(),
                 ms = t0.elapsed().as_millis() as u64,
                 "received layers"

@@ -967,6 +967,7 @@ impl Trainer {
             read.insert(c, (chunk.region.clone(), src));
         }
         self.exchange(arc, &p.moves, m.step, &read)
+            .map(|got| got.bytes)
     }
 
     /// A cold start's state: the latest committed checkpoint's when the job has one, else

@@ -176,17 +176,20 @@ impl Holding {
 
 /// Build this rank's tensors for `new` (one holding per logical tensor) from `old` (its local
 /// tensors with their holdings). `held` and `need` list every rank's old and new boxes (the
-/// same lists on every rank); `elem` the element size of each logical tensor. Returns the new
-/// tensors and the bytes received.
+/// same lists on every rank); `elem` the element size of each logical tensor; `chunk` the most
+/// elements a pair moves in one round ([`transfer`]). Returns the new tensors and what was
+/// received.
+#[allow(clippy::too_many_arguments)]
 pub fn move_state(
     comm: &Arc<dyn Communicator>,
     step: u64,
+    chunk: u64,
     elem: &[u64],
     old: &[(Tensor, Holding)],
     new: &[Holding],
     held: &[Part],
     need: &[Part],
-) -> Result<(Vec<Tensor>, usize), CommError> {
+) -> Result<(Vec<Tensor>, Received), CommError> {
     let me = comm.rank();
     let plan = redistribute::plan(elem, held, &[], need).map_err(|e| CommError::Invalid {
         op: "state transfer",
@@ -210,10 +213,11 @@ pub fn move_state(
             }
         }
     });
-    let bytes = transfer(
+    let got = transfer(
         comm,
         &plan.moves,
         step,
+        chunk,
         |m| {
             let (t, h) = &old[m.tensor];
             h.view(t, &m.region).ok_or_else(|| CommError::Invalid {
@@ -240,22 +244,53 @@ pub fn move_state(
                 })
         },
     )?;
-    Ok((fresh, bytes))
+    Ok((fresh, got))
 }
 
-/// Carry out the point-to-point moves of a redistribution plan: per peer, this rank sends what
-/// it serves (`source` of each move: a view of its state, or of a checkpoint chunk it read),
-/// flattened into one tensor on the device, and receives its own from each sender, written into
-/// the `target` views once checked. Each pair's header (step, sizes) goes first on the host
-/// face; then every send and receive of this rank is one exchange on the device face (issued
-/// together, so no two ranks wait on each other; the pairs in the order of their first move,
-/// the same on every rank). Returns the bytes received.
+/// What a transfer brought this rank: bytes (headers included), and the rounds it took (every
+/// rank takes the same number).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Received {
+    pub bytes: usize,
+    pub rounds: usize,
+}
+
+/// The most bytes one pair of ranks moves in one round of a state transfer, unless the job
+/// sets `training.transfer_chunk_kib`: each round's buffers are at most this per peer.
+pub const TRANSFER_CHUNK_BYTES: u64 = 64 << 20;
+
+/// Carry out the point-to-point moves of a redistribution plan, in rounds of at most `chunk`
+/// elements per pair of ranks ([`redistribute::rounds`]: a large move is cut, so no buffer
+/// holds more than a chunk per peer however much state moves). In each round, per peer, this
+/// rank sends what it serves (`source` of each move: a view of its state, or of a checkpoint
+/// chunk it read), flattened into one tensor on the device, and receives its own from each
+/// sender, written into the `target` views once checked. Each pair's header (step, sizes) goes
+/// first on the host face; then every send and receive of this rank is one exchange on the
+/// device face (issued together, so no two ranks wait on each other; the pairs in the order of
+/// their first move, the same on every rank).
 pub fn transfer(
     comm: &Arc<dyn Communicator>,
     moves: &[Move],
     step: u64,
+    chunk: u64,
     source: impl Fn(&Move) -> Result<Tensor, CommError>,
     target: impl Fn(&Move) -> Result<Tensor, CommError>,
+) -> Result<Received, CommError> {
+    let mut got = Received::default();
+    for round in redistribute::rounds(moves, chunk) {
+        got.bytes += transfer_round(comm, &round, step, &source, &target)?;
+        got.rounds += 1;
+    }
+    Ok(got)
+}
+
+/// One round of [`transfer`]: returns the bytes received.
+fn transfer_round(
+    comm: &Arc<dyn Communicator>,
+    moves: &[Move],
+    step: u64,
+    source: &impl Fn(&Move) -> Result<Tensor, CommError>,
+    target: &impl Fn(&Move) -> Result<Tensor, CommError>,
 ) -> Result<usize, CommError> {
     let me = comm.rank();
     let mut pairs: Vec<(u32, u32)> = Vec::new();
@@ -293,7 +328,7 @@ pub fn transfer(
     let mut bytes = 0;
     for &(from, _) in pairs.iter().filter(|p| p.1 == me) {
         let targets = of((from, me))
-            .map(&target)
+            .map(target)
             .collect::<Result<Vec<Tensor>, CommError>>()?;
         for t in &targets {
             float(t, from)?;
@@ -322,6 +357,38 @@ pub fn transfer(
         }
     });
     Ok(bytes)
+}
+
+/// [`move_state`] for every rank of an in-process mesh at once (`comms[r]` is rank r, holding
+/// `local[r]` as `old[r]`), one thread per rank: tests' and benchmarks' re-cuts.
+pub fn move_state_in_process(
+    comms: &[Arc<dyn Communicator>],
+    step: u64,
+    chunk: u64,
+    elem: &[u64],
+    local: &[Vec<Tensor>],
+    old: &BTreeMap<u32, Vec<Holding>>,
+    new: &BTreeMap<u32, Vec<Holding>>,
+) -> Result<Vec<(Vec<Tensor>, Received)>, CommError> {
+    let (held, need) = (all_parts(old), all_parts(new));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let r = c.rank();
+                let mine: Vec<(Tensor, Holding)> = local[r as usize]
+                    .iter()
+                    .map(|t| t.shallow_clone())
+                    .zip(old[&r].clone())
+                    .collect();
+                let (new, held, need) = (&new[&r], &held, &need);
+                s.spawn(move || move_state(c, step, chunk, elem, &mine, new, held, need))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("a rank's thread"))
+            .collect()
+    })
 }
 
 /// A rank's holdings as parts of the state tensors, tensor by tensor.
@@ -377,7 +444,7 @@ mod tests {
 
     /// Live moves through dp × tp layouts of 4 ranks: after each, every rank holds exactly its
     /// slices of every parameter (the bits of the full tensors), and a layout that does not
-    /// change moves nothing.
+    /// change moves nothing; in rounds of a few elements (moves cut mid-row) as in one.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn slices_move_between_any_two_tensor_parallel_layouts() {
         let model = {
@@ -423,31 +490,22 @@ mod tests {
                     .collect()
             })
             .collect();
-        for (step, next) in [(1u64, (1u32, 4u32)), (2, (3, 1)), (3, (2, 2)), (4, (2, 2))] {
+        let one = TRANSFER_CHUNK_BYTES / 4;
+        for (step, next, chunk) in [
+            (1u64, (1u32, 4u32), 7u64),
+            (2, (3, 1), one),
+            (3, (2, 2), 5),
+            (4, (2, 2), 7),
+        ] {
             let all = |(dp, tp): (u32, u32)| -> BTreeMap<u32, Vec<Holding>> {
                 (0..4)
                     .map(|r| (r, holdings(arch, &names, dp, tp, r)))
                     .collect()
             };
             let (old_h, new_h) = (all(layout), all(next));
-            let (held, need) = (all_parts(&old_h), all_parts(&new_h));
-            let out: Vec<(Vec<Tensor>, usize)> = std::thread::scope(|s| {
-                let hs: Vec<_> = comms
-                    .iter()
-                    .map(|c| {
-                        let r = c.rank();
-                        let old: Vec<(Tensor, Holding)> = local[r as usize]
-                            .iter()
-                            .map(|t| t.shallow_clone())
-                            .zip(old_h[&r].clone())
-                            .collect();
-                        let (new, held, need, elem) = (&new_h[&r], &held, &need, &elem);
-                        s.spawn(move || move_state(c, step, elem, &old, new, held, need).unwrap())
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
-            for (r, (tensors, bytes)) in out.iter().enumerate() {
+            let out =
+                move_state_in_process(&comms, step, chunk, &elem, &local, &old_h, &new_h).unwrap();
+            for (r, (tensors, got)) in out.iter().enumerate() {
                 for (i, t) in tensors.iter().enumerate() {
                     let want = expect(&new_h[&(r as u32)][i], &full[i].1);
                     assert!(
@@ -457,8 +515,28 @@ mod tests {
                     );
                 }
                 if next == layout {
-                    assert_eq!(*bytes, 0, "nothing moves when the layout stays");
+                    assert_eq!(
+                        *got,
+                        Received::default(),
+                        "nothing moves when the layout stays"
+                    );
                 }
+                assert_eq!(
+                    got.rounds, out[0].1.rounds,
+                    "every rank takes the same rounds"
+                );
+            }
+            let rounds = out[0].1.rounds;
+            if next != layout {
+                // a chunk of a few elements: many rounds; a large one: one
+                assert!(
+                    if chunk == one {
+                        rounds == 1
+                    } else {
+                        rounds > 10
+                    },
+                    "{rounds} rounds"
+                );
             }
             if next == (3, 1) {
                 assert!(out[3].0.iter().all(|t| t.numel() == 0), "rank 3 is a spare");

@@ -203,7 +203,8 @@ impl Trainer {
             .zip(self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1, self.shard_held))
             .collect();
         let t0 = std::time::Instant::now();
-        let (fresh, bytes) = match move_state(comm, step, &elem, &old, &mine, &held, &need) {
+        let chunk = self.transfer_chunk();
+        let (fresh, got) = match move_state(comm, step, chunk, &elem, &old, &mine, &held, &need) {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
@@ -215,13 +216,14 @@ impl Trainer {
         };
         self.model.set_tensor_group(group);
         self.step = step;
-        self.received = bytes as u64;
+        self.received = got.bytes as u64;
         self.held = self.units_of(g, me);
         self.tp_held = (tp, me.tp_rank);
         self.shard_held = Self::shard_of(g, me);
         tracing::info!(
             step,
-            bytes,
+            bytes = got.bytes,
+            rounds = got.rounds,
             tp,
             tp_rank = me.tp_rank,
             shard = ?self.shard_held,
@@ -275,6 +277,7 @@ impl Trainer {
         let (fresh, _) = move_state(
             comm,
             self.step,
+            self.transfer_chunk(),
             &self.elem_sizes(),
             &old,
             &mine,
