@@ -1334,12 +1334,12 @@ impl TrainingSpec {
             1
         };
         let opt = (params * 4 * self.optimizer.states() as u64).div_ceil(shard);
-        if self.sharding == Sharding::Gradients {
+        if self.sharding == Sharding::Gradients && data_parallel {
             // whole parameters; rows of the state; a unit's gradients at a time
             let units = self.approx_units().max(1);
             return Some(params * 4 + opt + 2 * params * 4 / units);
         }
-        if self.sharding == Sharding::Full {
+        if self.sharding == Sharding::Full && data_parallel {
             // rows of the parameters and their state; a unit's gathered parameters and
             // gradients at a time (a block is at most the model's); the seed's whole weights
             // while a new process starts
@@ -2053,6 +2053,7 @@ impl TrainingSpec {
         }
         if matches!(self.sharding, Sharding::Full | Sharding::Gradients)
             && self.tensor_slices.is_some()
+            && !self.strategy.pipelined()
         {
             return Err(ClusterError::invalid(
                 "training.tensor_slices",
@@ -2063,11 +2064,14 @@ impl TrainingSpec {
         // the least sharding that fits, else the planner's layouts unsharded)
         let auto_both = self.sharding == Sharding::Auto && self.strategy == Strategy::Auto;
         // stages and tensor groups shard the optimizer state over each (stage, tensor place)'s
-        // replicas (ZeRO-1, torchtitan's 2D/3D with the state sharded)
+        // replicas (ZeRO-1, torchtitan's 2D/3D with the state sharded), and with "gradients"
+        // the summed gradient too (each replica receives its rows of it alone)
         // ("auto" with stages: the planner shards a layout's optimizer state over its
         // replicas where its stages do not fit the slots unsharded)
-        let over_stages = matches!(self.sharding, Sharding::Optimizer | Sharding::Auto)
-            && self.strategy.pipelined();
+        let over_stages = matches!(
+            self.sharding,
+            Sharding::Optimizer | Sharding::Gradients | Sharding::Auto
+        ) && self.strategy.pipelined();
         if self.sharding.is_sharded() && self.sync != SyncMode::Allreduce {
             return Err(ClusterError::invalid(
                 "training.sharding",
@@ -2081,7 +2085,7 @@ impl TrainingSpec {
         {
             return Err(ClusterError::invalid(
                 "training.sharding",
-                format!("pipeline and tensor layouts shard the optimizer state only (sharding = \"optimizer\", over each stage's replicas); \"{}\" runs with strategy = \"data-parallel\" (stages and tensor groups with sharded gradients or parameters: not yet)", self.sharding),
+                format!("pipeline and tensor layouts shard the optimizer state and the summed gradients over each stage's replicas (sharding = \"optimizer\" or \"gradients\"), not the parameters: a stage runs every micro-batch of a step on its whole parameters, so sharding them between steps would not lower its peak; \"{}\" runs with strategy = \"data-parallel\"", self.sharding),
             ));
         }
         if over_stages && self.shard_group == Some(ShardGroup::Node) {
@@ -3252,6 +3256,49 @@ keep = 3
                 "{e}"
             );
         }
+    }
+
+    /// Stages and tensor groups shard the optimizer state ("optimizer") and the summed
+    /// gradients ("gradients") over their replicas, with logical tensor slices too, and count
+    /// their memory alike (a stage accumulates its micro-batches' gradients whole); "full" is
+    /// refused with the reason.
+    #[test]
+    fn stages_shard_the_state_and_the_summed_gradients_not_the_parameters() {
+        let with = |layout: &str, extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"a\"\nmin = 1\nmax = 8\ndesired = 8\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\n{layout}\n{extra}\n[checkpoint]\nurl = \"file:///ck\"\n"
+            ))
+        };
+        let spec = |extra: &str| {
+            with(
+                "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2",
+                extra,
+            )
+        };
+        let bytes = |level: &str| {
+            spec(&format!(
+                "sharding = \"{level}\"\ndeterministic = true\ntensor_slices = 2"
+            ))
+            .unwrap()
+            .training
+            .unwrap()
+            .min_slot_bytes(8)
+        };
+        assert!(bytes("gradients").is_some());
+        assert_eq!(bytes("gradients"), bytes("optimizer"));
+        let e = spec("sharding = \"full\"").unwrap_err().to_string();
+        assert!(
+            e.contains("training.sharding") && e.contains("not the parameters"),
+            "{e}"
+        );
+        // data parallel alone computes each unit whole under "gradients": no logical slices
+        let e = with(
+            "strategy = \"data-parallel\"",
+            "sharding = \"gradients\"\ntensor_slices = 2",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("training.tensor_slices"), "{e}");
     }
 
     /// Live state moves' chunk: a size in KiB between 1 and 4 GiB, the key named otherwise.

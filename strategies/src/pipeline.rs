@@ -323,12 +323,12 @@ fn model_step(
 }
 
 /// Whether the job's pipeline or tensor layouts may shard their optimizer state over each
-/// stage's replicas: `"optimizer"` always, `"auto"` (with strategy pipeline or hybrid) where a
+/// stage's replicas: `"optimizer"` and `"gradients"` always, `"auto"` (with strategy pipeline or hybrid) where a
 /// layout's stages do not fit unsharded. (`"auto"` with strategy `"auto"` is made concrete at
 /// submit, before it is planned for a world.)
 fn over_replicas(t: &TrainingSpec) -> bool {
     match t.sharding {
-        Sharding::Optimizer => t.strategy.pipelined(),
+        Sharding::Optimizer | Sharding::Gradients => t.strategy.pipelined(),
         Sharding::Auto => matches!(t.strategy, Strategy::Pipeline | Strategy::Hybrid),
         _ => false,
     }

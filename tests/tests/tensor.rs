@@ -382,7 +382,8 @@ fn deterministic_tensor_parallelism_ends_bitwise_equal_to_data_parallel() {
 /// checkpoint restores into another layout and shard size (dp3(shard3)×pp1×tp2) with the same
 /// bits; stages alone end with them too, with `sharding = "auto"` sharded (dp2(shard2)×pp2×tp1)
 /// where the slots hold only the sharded state and whole (dp2×pp2×tp1) where they hold all of
-/// it. Every run clips its gradients
+/// it; `sharding = "gradients"` at dp2(shard2)×pp2×tp2 (each replica receives its rows of the
+/// summed gradient alone), through a scale to 4 and back, too. Every run clips its gradients
 /// by global norm (`max_grad_norm`, acting at the last step): the norm over stages, tensor
 /// slices and shards is the data-parallel run's, bit for bit.
 #[test]
@@ -509,6 +510,30 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
         final_hashes(&c, "z"),
         reference,
         "the sharded pipeline of tensor groups ends elsewhere than the data-parallel run"
+    );
+
+    // "gradients" over stages and tensor groups: each replica receives its rows of the
+    // summed gradient alone (the last replica of the chain counts the norm on the whole sum),
+    // through a resize to one replica per stage (nothing to shard) and back
+    c.submit(&job(
+        "zg",
+        8,
+        "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2\nsharding = \"gradients\"",
+    ));
+    let v = c.wait_world("zg", 8, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
+    c.wait_step("zg", 60, S(120));
+    c.dctl_ok(&["scale", "zg", "4"]);
+    let v = c.wait_world("zg", 4, S(90));
+    assert_eq!(v.layout.unwrap().to_string(), "dp1×pp2×tp2");
+    c.wait_step("zg", c.status("zg").step + 30, S(120));
+    c.dctl_ok(&["scale", "zg", "8"]);
+    c.wait_world("zg", 8, S(90));
+    assert_eq!(c.wait_done("zg", S(300)).grad_norm, dp_norm);
+    assert_eq!(
+        final_hashes(&c, "zg"),
+        reference,
+        "stages and tensor groups with sharded gradients end elsewhere than the data-parallel run"
     );
 
     // stages alone (tensor places of one): whole tensors' rows. With sharding = "auto" and

@@ -443,7 +443,7 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
         (
             "sharding = \"full\"\nstrategy = \"pipeline\"",
             false,
-            "pipeline and tensor layouts shard the optimizer state only",
+            "pipeline and tensor layouts shard the optimizer state and the summed gradients",
         ),
         (
             "sharding = \"optimizer\"\nstrategy = \"pipeline\"\nshard_group = \"node\"",

@@ -79,9 +79,13 @@ impl Trainer {
     }
 
     /// Whether this rank's step runs unit by unit and keeps its rows of the summed gradient
-    /// only (`sharding = "gradients"` or `"full"`, a shard group of more than one).
+    /// only (`sharding = "gradients"` or `"full"`, a shard group of more than one). A model in
+    /// logical tensor slices (a staged or tensor-parallel job's `tensor_slices`, at a layout
+    /// of data parallelism alone) steps as ZeRO-1 does there: the same bits.
     pub(crate) fn reduces_per_unit(&self) -> bool {
-        matches!(self.spec.sharding, Sharding::Gradients | Sharding::Full) && self.shard_held.0 > 1
+        matches!(self.spec.sharding, Sharding::Gradients | Sharding::Full)
+            && self.shard_held.0 > 1
+            && !self.model.sliced()
     }
 
     /// The shard group of this rank in `g` (consecutive data-parallel ranks of its stage and

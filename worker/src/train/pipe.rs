@@ -20,6 +20,7 @@ use std::ops::Range;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
+use ductile_cluster::modes::Sharding;
 use ductile_cluster::records::{Generation, Member};
 use ductile_comm::{CommError, Communicator};
 use ductile_strategies::mesh::{Coords, Mesh};
@@ -294,6 +295,27 @@ impl Trainer {
     /// [`Trainer::apply`] with the optimizer state sharded over the stage's replicas (ZeRO-1):
     /// this rank steps its rows of its stage's parameters and the shard group all-gathers
     /// them ([`Trainer::sharded_update`]).
+    /// Replica `q`'s rows (of its shard place, `q` modulo the shard group) of parameter `i`'s
+    /// local tensor (a tensor slice's under tensor groups): where they start and how many.
+    fn local_rows(&self, i: usize, q: u32) -> (i64, i64) {
+        let s = self.shard_held.0;
+        let r = split_range(self.params[i].size()[0] as u64, s, q % s);
+        (r.start as i64, (r.end - r.start) as i64)
+    }
+
+    /// The shape of replica `q`'s rows of parameter `i`.
+    fn row_shape(&self, i: usize, q: u32) -> Vec<i64> {
+        let mut shape = self.params[i].size();
+        shape[0] = self.local_rows(i, q).1;
+        shape
+    }
+
+    /// Replica `q`'s rows of `t`, parameter `i`'s whole (local) gradient.
+    fn rows_of(&self, i: usize, q: u32, t: &Tensor) -> Tensor {
+        let (at, n) = self.local_rows(i, q);
+        t.narrow(0, at, n)
+    }
+
     fn apply_sharded(
         &mut self,
         comm: &Arc<dyn Communicator>,
@@ -308,7 +330,9 @@ impl Trainer {
         for (j, i) in p.params.iter().enumerate() {
             grads[*i] = p.grads[j].shallow_clone();
         }
-        self.sharded_update(comm, g, &grads, lr, false)?;
+        // ("gradients": the pending step holds this rank's rows of the sum alone)
+        let rows = self.spec.sharding == Sharding::Gradients;
+        self.sharded_update(comm, g, &grads, lr, rows)?;
         ledger_line(
             &mut self.ledger,
             serde_json::json!({"g": p.generation, "s": p.step, "r": rank, "applied": true}),
@@ -509,32 +533,75 @@ impl Trainer {
                 t
             };
             let placed = comm.place(&acc_g);
-            if j + 1 < group.len() {
+            // `sharding = "gradients"`: the last replica sends each other one its rows of the
+            // summed gradient only (its shard place's, as its optimizer state holds them), and
+            // counts the norm on the whole; else every replica gets the whole sum and replica
+            // 0 counts the norm
+            let rows = self.spec.sharding == Sharding::Gradients && self.shard_held.0 > 1;
+            let l = group.len() - 1;
+            if j < l {
                 comm.send(&placed, group[j + 1])?;
-                comm.recv(&placed, *group.last().unwrap())?;
-            } else {
-                for peer in &group[..j] {
-                    comm.send(&placed, *peer)?;
+                if rows {
+                    let n: i64 = which
+                        .iter()
+                        .map(|i| self.row_shape(*i, j as u32).iter().product::<i64>())
+                        .sum();
+                    let got = comm.zeros(&[n], placed.tensor().kind());
+                    comm.recv(&got, group[l])?;
+                    acc_g = got.into_tensor();
+                } else {
+                    comm.recv(&placed, group[l])?;
+                    acc_g = placed.into_tensor();
                 }
+            } else {
+                if !rows {
+                    for peer in &group[..l] {
+                        comm.send(&placed, *peer)?;
+                    }
+                }
+                acc_g = placed.into_tensor();
             }
-            acc_g = placed.into_tensor();
+            let whole = j == l || !rows;
             let mut at = 0;
             for i in &which {
                 let p = &self.params[*i];
-                let k = p.numel() as i64;
-                reduced.push(acc_g.narrow(0, at, k).view(p.size().as_slice()));
+                let (k, shape) = if whole {
+                    (p.numel() as i64, p.size())
+                } else {
+                    (
+                        self.row_shape(*i, j as u32).iter().product::<i64>(),
+                        self.row_shape(*i, j as u32),
+                    )
+                };
+                reduced.push(acc_g.narrow(0, at, k).view(shape.as_slice()));
                 at += k;
             }
             if last && counts {
                 loss = f64::try_from(acc.to_device(Device::Cpu)).unwrap_or(f64::NAN);
             }
-            if self.spec.max_grad_norm.is_some() && me.dp_rank == 0 {
+            if self.spec.max_grad_norm.is_some() && j == if rows { l } else { 0 } {
                 // a replicated parameter is counted by tensor place 0, a tied one by the stage
                 // of its own unit
                 norm_row = self.norm_row(g, &which, &reduced, |i, replicated| {
                     (!replicated || me.tp_rank == 0)
                         && super::reshard::holds_unit(&mine, self.param_unit[i])
                 });
+            }
+            if rows && j == l {
+                for (q, peer) in group[..l].iter().enumerate() {
+                    let theirs: Vec<Tensor> = which
+                        .iter()
+                        .zip(&reduced)
+                        .map(|(i, t)| self.rows_of(*i, q as u32, t).reshape([-1]))
+                        .collect();
+                    comm.send(&comm.place(&Tensor::cat(&theirs, 0)), *peer)?;
+                }
+                // its own rows, copied: the whole sum goes
+                reduced = which
+                    .iter()
+                    .zip(&reduced)
+                    .map(|(i, t)| self.rows_of(*i, l as u32, t).copy())
+                    .collect();
             }
         }
         if let Some(max) = self.spec.max_grad_norm {
