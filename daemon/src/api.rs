@@ -700,16 +700,65 @@ async fn plan(
     })?;
     let mut v = serde_json::to_value(&plan)
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the plan: {e}")))?;
-    sharding_candidates(&spec_t, world, &mut v);
-    Ok(Json(v))
+    let staged = tokio::task::spawn_blocking(move || {
+        sharding_candidates(&spec_t, world, &mut v, &plan);
+        v
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("planning failed: {e}"),
+        )
+    })?;
+    Ok(Json(staged))
 }
 
-/// A data-parallel all-reduce job's plan shows each sharding level's state per rank at the
-/// world (`sharding`: level, bytes, whether it is the job's), and a sharded job's layout its
-/// shard groups.
-fn sharding_candidates(t: &TrainingSpec, world: u32, v: &mut serde_json::Value) {
+/// An all-reduce job's plan shows each sharding level at the world (`sharding`: level, bytes
+/// per rank, whether it is the job's), and a sharded data-parallel job's layout its shard
+/// groups. A job with stages or tensor groups shows, per level it can run (none, optimizer,
+/// gradients), the planner's layout with that level and its fullest rank's memory
+/// (`memory_bytes`; null and `refused` where no layout fits); under `"auto"` the level the
+/// planner chose is the job's.
+fn sharding_candidates(
+    t: &TrainingSpec,
+    world: u32,
+    v: &mut serde_json::Value,
+    plan: &ductile_strategies::pipeline::Plan,
+) {
     use ductile_cluster::modes::{Sharding, Strategy, SyncMode};
-    if t.strategy != Strategy::DataParallel || t.sync != SyncMode::Allreduce {
+    if t.sync != SyncMode::Allreduce {
+        return;
+    }
+    if t.strategy != Strategy::DataParallel {
+        let rows: Vec<serde_json::Value> =
+            [Sharding::None, Sharding::Optimizer, Sharding::Gradients]
+                .into_iter()
+                .map(|s| {
+                    let mut x = t.clone();
+                    x.sharding = s;
+                    let chosen = match t.sharding {
+                        Sharding::Auto if plan.layout.dp_shard > 1 => s == Sharding::Optimizer,
+                        Sharding::Auto => s == Sharding::None,
+                        own => own == s,
+                    };
+                    match ductile_strategies::pipeline::plan(&x, world) {
+                        Ok(p) => serde_json::json!({
+                            "sharding": s,
+                            "memory_bytes": p.max_memory_bytes,
+                            "layout": p.layout.to_string(),
+                            "chosen": chosen,
+                        }),
+                        Err(e) => serde_json::json!({
+                            "sharding": s,
+                            "memory_bytes": null,
+                            "refused": e,
+                            "chosen": chosen,
+                        }),
+                    }
+                })
+                .collect();
+        v["sharding"] = serde_json::Value::Array(rows);
         return;
     }
     let rows: Vec<serde_json::Value> = Sharding::LEVELS

@@ -475,18 +475,35 @@ fn print_plan(p: &serde_json::Value) {
         );
     }
     if let Some(levels) = p["sharding"].as_array() {
-        println!("\n{:<10} {:>14}", "SHARDING", "STATE_GIB/RANK");
-        for l in levels {
+        // (stages and tensor groups: each level's layout and fullest rank; data parallel:
+        // each level's state per rank)
+        let staged = levels
+            .iter()
+            .any(|l| l.get("layout").is_some() || l.get("refused").is_some());
+        if staged {
             println!(
-                "{:<10} {:>14.3}{}",
-                l["sharding"].as_str().unwrap_or(""),
-                gib(&l["memory_bytes"]),
-                if l["chosen"].as_bool() == Some(true) {
-                    "   (this job)"
-                } else {
-                    ""
-                }
+                "\n{:<10} {:<22} {:>14}",
+                "SHARDING", "LAYOUT", "MEMORY_GIB/RANK"
             );
+        } else {
+            println!("\n{:<10} {:>14}", "SHARDING", "STATE_GIB/RANK");
+        }
+        for l in levels {
+            let this = if l["chosen"].as_bool() == Some(true) {
+                "   (this job)"
+            } else {
+                ""
+            };
+            let level = l["sharding"].as_str().unwrap_or("");
+            match (staged, l["refused"].as_str()) {
+                (true, Some(why)) => println!("{level:<10} refused: {why}{this}"),
+                (true, None) => println!(
+                    "{level:<10} {:<22} {:>14.3}{this}",
+                    l["layout"].as_str().unwrap_or(""),
+                    gib(&l["memory_bytes"])
+                ),
+                (false, _) => println!("{level:<10} {:>14.3}{this}", gib(&l["memory_bytes"])),
+            }
         }
     }
     let others = p["runners_up"].as_array().cloned().unwrap_or_default();

@@ -557,6 +557,31 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
         4,
         &format!("{staged}\nsharding = \"auto\"\nmemory_per_slot_gib = {cap}"),
     ));
+    // dctl plan shows each level the job could run at 4: whole state refused (it does not
+    // fit the slot), the optimizer state or the summed gradients sharded over the replicas,
+    // and marks the planner's choice
+    let plan: serde_json::Value =
+        serde_json::from_str(&c.dctl_ok(&["plan", "pp", "--world", "4", "--json"])).unwrap();
+    let levels = plan["sharding"].as_array().unwrap();
+    let row = |k: usize| (levels[k]["sharding"].clone(), levels[k]["chosen"].clone());
+    assert_eq!(row(0), ("none".into(), false.into()), "{plan}");
+    assert!(
+        levels[0]["memory_bytes"].is_null()
+            && levels[0]["refused"]
+                .as_str()
+                .unwrap()
+                .contains("a slot has"),
+        "{plan}"
+    );
+    assert_eq!(row(1), ("optimizer".into(), true.into()), "{plan}");
+    assert_eq!(levels[1]["layout"], "dp2(shard2)×pp2×tp1", "{plan}");
+    assert_eq!(levels[1]["memory_bytes"], sharded, "{plan}");
+    assert_eq!(row(2), ("gradients".into(), false.into()), "{plan}");
+    let human = c.dctl_ok(&["plan", "pp", "--world", "4"]);
+    assert!(
+        human.contains("optimizer  dp2(shard2)×pp2×tp1") && human.contains("(this job)"),
+        "{human}"
+    );
     assert_eq!(c.wait_done("pp", S(300)).grad_norm, dp_norm);
     assert_eq!(c.history("pp")[0].layout.to_string(), "dp2(shard2)×pp2×tp1");
     assert_eq!(final_hashes(&c, "pp"), reference);
