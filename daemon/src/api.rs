@@ -682,27 +682,12 @@ async fn plan(
         ));
     }
     let (t, world) = (t.clone(), q.world);
-    let spec_t = t.clone();
-    let planned =
-        tokio::task::spawn_blocking(move || ductile_strategies::pipeline::plan(&t, world))
-            .await
-            .map_err(|e| {
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("planning failed: {e}"),
-                )
-            })?;
-    let plan = planned.map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!("job {job} at world {}: {e}", q.world),
-        )
-    })?;
-    let mut v = serde_json::to_value(&plan)
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the plan: {e}")))?;
-    let staged = tokio::task::spawn_blocking(move || {
-        sharding_candidates(&spec_t, world, &mut v, &plan);
-        v
+    // the plan and each sharding level's, off the async runtime
+    let planned = tokio::task::spawn_blocking(move || {
+        let plan = ductile_strategies::pipeline::plan(&t, world)?;
+        let mut v = serde_json::to_value(&plan).map_err(|e| format!("the plan: {e}"))?;
+        sharding_candidates(&t, world, &mut v, &plan);
+        Ok::<_, String>(v)
     })
     .await
     .map_err(|e| {
@@ -711,7 +696,13 @@ async fn plan(
             format!("planning failed: {e}"),
         )
     })?;
-    Ok(Json(staged))
+    let v = planned.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("job {job} at world {}: {e}", q.world),
+        )
+    })?;
+    Ok(Json(v))
 }
 
 /// An all-reduce job's plan shows each sharding level at the world (`sharding`: level, bytes
