@@ -292,9 +292,6 @@ impl Trainer {
         self.step = step + 1;
     }
 
-    /// [`Trainer::apply`] with the optimizer state sharded over the stage's replicas (ZeRO-1):
-    /// this rank steps its rows of its stage's parameters and the shard group all-gathers
-    /// them ([`Trainer::sharded_update`]).
     /// Replica `q`'s rows (of its shard place, `q` modulo the shard group) of parameter `i`'s
     /// local tensor (a tensor slice's under tensor groups): where they start and how many.
     fn local_rows(&self, i: usize, q: u32) -> (i64, i64) {
@@ -316,6 +313,9 @@ impl Trainer {
         t.narrow(0, at, n)
     }
 
+    /// [`Trainer::apply`] with the optimizer state sharded over the stage's replicas (ZeRO-1):
+    /// this rank steps its rows of its stage's parameters and the shard group all-gathers
+    /// them ([`Trainer::sharded_update`]).
     fn apply_sharded(
         &mut self,
         comm: &Arc<dyn Communicator>,
@@ -564,15 +564,12 @@ impl Trainer {
             let whole = j == l || !rows;
             let mut at = 0;
             for i in &which {
-                let p = &self.params[*i];
-                let (k, shape) = if whole {
-                    (p.numel() as i64, p.size())
+                let shape = if whole {
+                    self.params[*i].size()
                 } else {
-                    (
-                        self.row_shape(*i, j as u32).iter().product::<i64>(),
-                        self.row_shape(*i, j as u32),
-                    )
+                    self.row_shape(*i, j as u32)
                 };
+                let k = shape.iter().product::<i64>();
                 reduced.push(acc_g.narrow(0, at, k).view(shape.as_slice()));
                 at += k;
             }
