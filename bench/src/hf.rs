@@ -508,6 +508,14 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
         state.iter().cloned().max().unwrap_or(0) as f64 / 1e9,
         peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", ")
     );
+    // the steady step, for scale: the changes below each take at least one
+    let s = c.wait_step("bench", v.step + 2, long);
+    if let Some(sps) = s.samples_per_sec {
+        println!(
+            "fsdp-elastic: a step at world 4 takes {:.1} s (global batch 4 at {sps:.2} samples/s)",
+            4.0 / sps
+        );
+    }
     // a SIGKILL: the lost rows come from the last commit
     let g = c.history("bench").last().unwrap().number;
     let t0 = now_ms();
@@ -563,6 +571,18 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
             moved.join(", ")
         );
         c.wait_step("bench", c.status("bench").step + 1, long);
+    }
+    // what each change moved and how long the move itself took (the workers' own lines)
+    for l in c.agent_logs().lines().filter(|l| {
+        l.contains("job=bench")
+            && ((l.contains("tensor slices and shards in place") && !l.contains(" bytes=0 "))
+                || l.contains("restored checkpoint step"))
+    }) {
+        // (the agent's time of the line; the worker's own line after its last level)
+        let at = l.split_whitespace().next().unwrap_or("");
+        let what = l.rsplit_once(" INFO ").map(|(_, r)| r).unwrap_or(l);
+        let what = what.split(" job=bench").next().unwrap_or(what);
+        println!("fsdp-elastic: move at {at}: {what}");
     }
     let peaks = peaks_mib(&c);
     println!(
