@@ -330,6 +330,23 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// A fully sharded job's new process making its seed (SmolLM2-360M's architecture): whole
+    /// and then cut to its rows, as before, against made in its rows unit by unit, in the same
+    /// sitting: each one's peak resident growth and time.
+    SeedRows {
+        /// The shard group's size (the rows kept: the last place's).
+        #[arg(long, default_value_t = 4)]
+        world: u32,
+        /// Decoder layers (SmolLM2-360M has 32).
+        #[arg(long, default_value_t = 32)]
+        layers: i64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// One make in this process ("whole" or "rows"), printed as JSON (what the command
+        /// runs in a process of its own per make).
+        #[arg(long, hide = true)]
+        arm: Option<String>,
+    },
     /// Pipeline re-plan recovery: SIGKILL one of 4 workers of a pipeline job → first step in
     /// the new layout, with detection, planning, communicator formation and layer movement
     /// timed apart.
@@ -556,6 +573,12 @@ async fn main() -> anyhow::Result<()> {
             chunk_mib,
             runs,
         } => tensor::reshard_transfer(mib, chunk_mib, runs).await,
+        Cmd::SeedRows {
+            world,
+            layers,
+            runs,
+            arm,
+        } => tensor::seed_rows(world, layers, runs, arm),
         Cmd::TpStep {
             world,
             d_model,

@@ -259,6 +259,11 @@ fn rss() -> (u64, u64) {
     (kib("VmRSS:"), kib("VmHWM:"))
 }
 
+/// The median of `f` over paired figures (time, peak growth) of runs.
+fn median_of(v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64) -> f64 {
+    median(&mut v.iter().map(f).collect::<Vec<f64>>())
+}
+
 /// `reshard-transfer`: see the command's help.
 pub async fn reshard_transfer(mib: u64, chunk_mib: u64, runs: usize) -> anyhow::Result<()> {
     use ductile_strategies::split_range;
@@ -345,21 +350,115 @@ pub async fn reshard_transfer(mib: u64, chunk_mib: u64, runs: usize) -> anyhow::
         h.join().expect("the sender")
     })?;
     let quarter_secs = t0.elapsed().as_secs_f64();
-    let median = |v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| {
-        let mut x: Vec<f64> = v.iter().map(f).collect();
-        x.sort_by(|a, b| a.total_cmp(b));
-        x[x.len() / 2]
-    };
     let (one, chunked) = (&figures["one round"], &figures["rounds of chunk"]);
     println!(
         "medians: one round {:.3} s, peak +{:.0} MiB; rounds of {chunk_mib} MiB {:.3} s, peak +{:.0} MiB (the new state alone: +{mib} MiB); time ratio (rounds / one) {:.2}×, peak ratio {:.2}×; a quarter of the state ({} MiB) over loopback as one buffer: {quarter_secs:.3} s",
-        median(one, |x| x.0),
-        median(one, |x| x.1),
-        median(chunked, |x| x.0),
-        median(chunked, |x| x.1),
-        median(chunked, |x| x.0) / median(one, |x| x.0),
-        median(chunked, |x| x.1) / median(one, |x| x.1).max(1.0),
+        median_of(one, |x| x.0),
+        median_of(one, |x| x.1),
+        median_of(chunked, |x| x.0),
+        median_of(chunked, |x| x.1),
+        median_of(chunked, |x| x.0) / median_of(one, |x| x.0),
+        median_of(chunked, |x| x.1) / median_of(one, |x| x.1).max(1.0),
         mib / 4,
+    );
+    Ok(())
+}
+
+/// `seed-rows`: see the command's help. Each make runs in a process of its own (this binary
+/// again, with `--arm`), so one's freed memory does not hide the next one's peak.
+pub fn seed_rows(world: u32, layers: i64, runs: usize, arm: Option<String>) -> anyhow::Result<()> {
+    use ductile_worker::data::Dataset;
+    use ductile_worker::model::{shard_rows, Model};
+    let mib = |b: f64| b / (1 << 20) as f64;
+    if let Some(arm) = arm {
+        // SmolLM2-360M's architecture (tied embeddings, GQA), random init
+        let spec: ductile_cluster::records::TrainingSpec =
+            serde_json::from_value(serde_json::json!({
+                "model": "hf", "model_path": "file:///unused", "model_config": {"ctx": 64},
+                "hf_config": {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152,
+                    "hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": layers,
+                    "num_attention_heads": 15, "num_key_value_heads": 5,
+                    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+                    "tie_word_embeddings": true, "initializer_range": 0.02},
+                "dataset": "file:///unused", "global_batch": 4, "seed": 1,
+            }))?;
+        let data = Dataset::Tokens {
+            tokens: Vec::new(),
+            header: None,
+            ctx: 64,
+            vocab: 49152,
+        };
+        let place = (world, world - 1);
+        let before = rss().0;
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+        let t0 = std::time::Instant::now();
+        let held: Vec<tch::Tensor> = if arm == "whole" {
+            // made whole, then cut at the first agreement, as before
+            let m = Model::new(&spec, &data, tch::Device::Cpu)?;
+            m.params()
+                .into_iter()
+                .map(|(_, t)| shard_rows(&t, place))
+                .collect()
+        } else {
+            let m = Model::with_rows(&spec, &data, tch::Device::Cpu, place)?;
+            m.params().into_iter().map(|(_, t)| t).collect()
+        };
+        let secs = t0.elapsed().as_secs_f64();
+        let over = mib(rss().1.saturating_sub(before) as f64);
+        let bytes: i64 = held.iter().map(|t| t.numel() as i64 * 4).sum();
+        println!(
+            "{}",
+            serde_json::json!({"secs": secs, "peak_growth_mib": over, "held_mib": mib(bytes as f64)})
+        );
+        return Ok(());
+    }
+    println!(
+        "seed-rows: a new process's model (SmolLM2-360M's architecture with {layers} layers), made whole then cut (before) or made in its rows of a shard group of {world} unit by unit (now), each in a process of its own; peak growth over what was resident before"
+    );
+    println!(
+        "{:<8} {:>4} {:>9} {:>16} {:>10}",
+        "made", "run", "seconds", "peak growth MiB", "held MiB"
+    );
+    let mut figures: std::collections::BTreeMap<&str, Vec<(f64, f64)>> = Default::default();
+    for run in 0..runs {
+        for (label, arm) in [("whole", "whole"), ("in rows", "rows")] {
+            let out = std::process::Command::new(std::env::current_exe()?)
+                .args(["seed-rows", "--world", &world.to_string()])
+                .args(["--layers", &layers.to_string(), "--arm", arm])
+                .output()?;
+            anyhow::ensure!(
+                out.status.success(),
+                "seed-rows --arm {arm}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let line = String::from_utf8_lossy(&out.stdout);
+            let v: serde_json::Value = serde_json::from_str(
+                line.lines()
+                    .last()
+                    .ok_or_else(|| anyhow::anyhow!("seed-rows --arm {arm} printed nothing"))?,
+            )?;
+            let field = |k: &str| {
+                v[k].as_f64()
+                    .ok_or_else(|| anyhow::anyhow!("seed-rows --arm {arm} printed no {k}: {v}"))
+            };
+            let (secs, over, held) = (
+                field("secs")?,
+                field("peak_growth_mib")?,
+                field("held_mib")?,
+            );
+            println!("{label:<8} {run:>4} {secs:>9.3} {over:>16.0} {held:>10.0}");
+            figures.entry(label).or_default().push((secs, over));
+        }
+    }
+    let (whole, rows) = (&figures["whole"], &figures["in rows"]);
+    println!(
+        "medians: whole then cut {:.3} s, peak +{:.0} MiB; in rows {:.3} s, peak +{:.0} MiB; peak ratio (rows / whole) {:.2}x, time ratio {:.2}x",
+        median_of(whole, |x| x.0),
+        median_of(whole, |x| x.1),
+        median_of(rows, |x| x.0),
+        median_of(rows, |x| x.1),
+        median_of(rows, |x| x.1) / median_of(whole, |x| x.1).max(1.0),
+        median_of(rows, |x| x.0) / median_of(whole, |x| x.0),
     );
     Ok(())
 }

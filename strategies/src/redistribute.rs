@@ -367,35 +367,36 @@ pub fn split_region(r: &Region, max: u64) -> Vec<Region> {
 /// moves. The same moves give the same rounds on every rank.
 pub fn rounds(moves: &[Move], max: u64) -> Vec<Vec<Move>> {
     let max = max.max(1);
-    let mut pairs: Vec<((u32, u32), Vec<Vec<Move>>)> = Vec::new();
+    // each pair's chunks, and the elements in its open (last) chunk
+    let mut pairs: Vec<((u32, u32), Vec<Vec<Move>>, u64)> = Vec::new();
     for m in moves {
-        let at = match pairs.iter().position(|(p, _)| *p == (m.from, m.to)) {
+        let at = match pairs.iter().position(|(p, _, _)| *p == (m.from, m.to)) {
             Some(i) => i,
             None => {
-                pairs.push(((m.from, m.to), vec![Vec::new()]));
+                pairs.push(((m.from, m.to), vec![Vec::new()], 0));
                 pairs.len() - 1
             }
         };
-        let chunks = &mut pairs[at].1;
+        let (_, chunks, filled) = &mut pairs[at];
         for region in split_region(&m.region, max) {
             let n = elements(&region);
-            let last = chunks.last().expect("a pair has a chunk");
-            let filled: u64 = last.iter().map(|m| elements(&m.region)).sum();
-            if !last.is_empty() && filled + n > max {
+            if *filled > 0 && *filled + n > max {
                 chunks.push(Vec::new());
+                *filled = 0;
             }
+            *filled += n;
             chunks.last_mut().expect("a pair has a chunk").push(Move {
                 region,
                 ..m.clone()
             });
         }
     }
-    let count = pairs.iter().map(|(_, c)| c.len()).max().unwrap_or(0);
+    let count = pairs.iter().map(|(_, c, _)| c.len()).max().unwrap_or(0);
     (0..count)
         .map(|k| {
             pairs
                 .iter()
-                .filter_map(|(_, c)| c.get(k))
+                .filter_map(|(_, c, _)| c.get(k))
                 .flatten()
                 .cloned()
                 .collect()

@@ -539,6 +539,12 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
         held.iter().all(|b| *b * 100 < whole * 30),
         "{held:?} vs {whole}"
     );
+    // each new process made only its rows of the seed (never the whole model)
+    assert!(
+        c.logs()
+            .contains("made the seed's parameters in their rows, unit by unit shard=4"),
+        "the workers made their rows of the seed"
+    );
     c.wait_step("full", 60, S(60));
     let before = c.history("full").last().unwrap().number;
     unsafe { libc::kill(v.members[2].pid.unwrap() as i32, libc::SIGKILL) };
@@ -570,15 +576,28 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     assert_eq!(done.eval_loss, whole_done.eval_loss, "the final eval");
 
     // HSDP: shard groups within each node (2 slots on each of 2), replicated across the
-    // nodes; a kill loses no shard
-    c.submit(&train(
-        "hsdp",
-        4,
-        400,
-        "sharding = \"full\"\nshard_group = \"node\"",
-    ));
+    // nodes; a kill loses no shard. Every new process makes its seed's rows for another place
+    // than the one its first agreement gives it (as when the world changes between a start
+    // and that agreement): it makes them again for its own
+    c.submit(
+        &train(
+            "hsdp",
+            4,
+            400,
+            "sharding = \"full\"\nshard_group = \"node\"",
+        )
+        .replace(
+            "restart_budget = 50",
+            "restart_budget = 50\nallow_fault_injection = true\nenv = { DUCTILE_FAULT_STALE_SEED_PLACE = \"1\" }",
+        ),
+    );
     hsdp_kill_loses_no_shard(&c, 60, 30);
     assert_eq!(final_hashes(&c, "hsdp"), reference);
+    assert!(
+        c.logs()
+            .contains("the seed was cut to another shard place: making it again"),
+        "the stale seed rows were made again"
+    );
 
     // ZeRO-2: whole parameters, rows of the summed gradient and of the state, through a kill
     // (a lost shard: the checkpoint) and a resize

@@ -14,6 +14,9 @@
 //! one owner only and exits (once per crossing: the owner that got it carries the count on).
 //! `DUCTILE_FAULT_OLD_BUCKET_PLAN=NODE`: the workers on node NODE cut their gradient buckets in
 //! parameter order, as builds before the one-plan fix did: a fleet running two builds.
+//! `DUCTILE_FAULT_STALE_SEED_PLACE=1`: a new process of a fully sharded job makes its seed's
+//! rows for the shard place after its own, as a process whose world changed between its start
+//! and its first agreement does.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,6 +27,7 @@ static SLOWDOWN: OnceLock<Option<(u32, f64)>> = OnceLock::new();
 static EXIT_BETWEEN_EXCHANGES: OnceLock<Option<(u32, Every)>> = OnceLock::new();
 static EXIT_MID_DECIDE: OnceLock<Option<Every>> = OnceLock::new();
 static OLD_BUCKET_PLAN: OnceLock<Option<String>> = OnceLock::new();
+static STALE_SEED_PLACE: OnceLock<bool> = OnceLock::new();
 
 /// A point (a round, a count of positions) and, optionally, the period it repeats at.
 #[derive(Clone, Copy, Debug)]
@@ -107,6 +111,12 @@ pub fn init(allowed: bool) -> anyhow::Result<()> {
     };
     let _ = EXIT_MID_DECIDE.set(mid);
     let _ = OLD_BUCKET_PLAN.set(single("DUCTILE_FAULT_OLD_BUCKET_PLAN", allowed));
+    let stale = match single("DUCTILE_FAULT_STALE_SEED_PLACE", allowed).as_deref() {
+        None | Some("0") => false,
+        Some("1") => true,
+        Some(s) => anyhow::bail!("DUCTILE_FAULT_STALE_SEED_PLACE={s:?} is not 0 or 1"),
+    };
+    let _ = STALE_SEED_PLACE.set(stale);
     Ok(())
 }
 
@@ -123,6 +133,11 @@ fn single(name: &str, allowed: bool) -> Option<String> {
 /// Whether the workers on `node` cut their gradient buckets as an older build did.
 pub fn old_bucket_plan(node: &str) -> bool {
     matches!(OLD_BUCKET_PLAN.get(), Some(Some(n)) if n == node)
+}
+
+/// Whether a new process makes its seed's rows for the next shard place, not its own.
+pub fn stale_seed_place() -> bool {
+    STALE_SEED_PLACE.get().copied().unwrap_or(false)
 }
 
 /// How much longer rank `rank` waits after computing for `computed` (a straggler), if at all.

@@ -4,6 +4,9 @@
 //! or as a member of a tensor group on its slices of the split layers (`tp`): one forward
 //! serves both.
 
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
 use ductile_cluster::records::{ModelKind, TrainingSpec};
 use ductile_comm::CommError;
 use tch::nn;
@@ -56,8 +59,59 @@ trait Network: Send {
     }
 }
 
+/// A rank's rows of a parameter at place `place` of a shard group of `s` (full sharding: each
+/// rank holds [`ductile_strategies::split_range`] of dim 0; a place with no rows holds an empty
+/// tensor). A copy: the whole tensor's storage is freed with it.
+pub fn shard_rows(t: &Tensor, (s, place): (u32, u32)) -> Tensor {
+    let r = ductile_strategies::split_range(t.size()[0] as u64, s, place);
+    if r.is_empty() {
+        Tensor::empty([0], (t.kind(), t.device()))
+    } else {
+        t.narrow(0, r.start as i64, (r.end - r.start) as i64).copy()
+    }
+}
+
+/// While a model is built, every parameter made so far cut to a rank's rows ([`shard_rows`])
+/// at each [`Cut::unit`], which the networks call after each unit they make: so with full
+/// sharding a new process never holds more than one unit whole (the seed's draws are still
+/// the whole model's, in the same order, so the rows have the bits the whole model's have).
+pub(crate) struct Cut<'a> {
+    vs: &'a nn::VarStore,
+    rows: Option<(u32, u32)>,
+    /// Each cut parameter's whole shape.
+    whole: RefCell<BTreeMap<String, Vec<i64>>>,
+}
+
+impl Cut<'_> {
+    /// Cut the parameters made since the last call (nothing without rows to keep).
+    pub(crate) fn unit(&self) {
+        let Some(rows) = self.rows else { return };
+        let mut whole = self.whole.borrow_mut();
+        for (name, mut t) in self.vs.variables() {
+            if whole.contains_key(&name) {
+                continue;
+            }
+            whole.insert(name, t.size());
+            let mine = shard_rows(&t, rows);
+            tch::no_grad(|| t.set_data(&mine));
+        }
+        // the whole tensors just freed sit between rows in the allocator's heap (below its
+        // mmap threshold): hand their pages back, or the next units' would add to them
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: glibc's malloc_trim takes no pointer and only releases free pages
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
+}
+
 pub struct Model {
     pub vs: nn::VarStore,
+    /// The parameters' whole shapes, in name order.
+    shapes: Vec<Vec<i64>>,
+    /// The shard rows ([`shard_rows`]) the seed's parameters were cut to as they were made:
+    /// (1, 0) when they are whole.
+    seed_rows: (u32, u32),
     net: Box<dyn Network>,
     /// This model's tensor group and slices, once [`Model::shard`]ed.
     shard: Option<Shard>,
@@ -74,8 +128,25 @@ impl Model {
     /// Built on the CPU from the seed (so every device kind starts from the same bits), then
     /// moved to `device`.
     pub fn new(spec: &TrainingSpec, data: &Dataset, device: tch::Device) -> anyhow::Result<Model> {
+        Model::with_rows(spec, data, device, (1, 0))
+    }
+
+    /// [`Model::new`] holding only `rows` (shard group size, place) of every parameter
+    /// ([`shard_rows`]): each unit is cut as soon as it is made, so at most one unit is ever
+    /// whole; the rows have the whole model's bits. `(1, 0)`: the whole model.
+    pub fn with_rows(
+        spec: &TrainingSpec,
+        data: &Dataset,
+        device: tch::Device,
+        rows: (u32, u32),
+    ) -> anyhow::Result<Model> {
         tch::manual_seed(spec.seed as i64);
         let mut vs = nn::VarStore::new(tch::Device::Cpu);
+        let cut = Cut {
+            vs: &vs,
+            rows: (rows.0 > 1).then_some(rows),
+            whole: RefCell::new(BTreeMap::new()),
+        };
         let root = vs.root();
         let net: Box<dyn Network> = match (spec.model, data.token_shape(), data) {
             (ModelKind::Gpt, Some((vocab, ctx)), _) => {
@@ -83,6 +154,7 @@ impl Model {
                 let vocab = (vocab as i64).max(g.vocab);
                 Box::new(gpt::Gpt::new(
                     &root,
+                    &cut,
                     g.d_model,
                     g.n_layer,
                     g.n_head,
@@ -93,7 +165,7 @@ impl Model {
             (ModelKind::Mlp, _, Dataset::Regression { x, y }) => {
                 let (d_in, d_out) = (x.size()[1], y.size()[1]);
                 let m = spec.mlp_config()?;
-                Box::new(mlp::Mlp::new(&root, d_in, m.hidden, m.layers, d_out))
+                Box::new(mlp::Mlp::new(&root, &cut, d_in, m.hidden, m.layers, d_out))
             }
             (ModelKind::Hf, Some((_, ctx)), _) => {
                 let c = spec.hf_config()?;
@@ -101,10 +173,10 @@ impl Model {
                 // (a stream's tokens as they are read)
                 match c.family {
                     ductile_cluster::hf::Family::Llama => {
-                        Box::new(llama::Llama::new(&root, &c, ctx as i64))
+                        Box::new(llama::Llama::new(&root, &cut, &c, ctx as i64))
                     }
                     ductile_cluster::hf::Family::Gpt2 => {
-                        Box::new(gpt2::Gpt2::new(&root, &c, ctx as i64))
+                        Box::new(gpt2::Gpt2::new(&root, &cut, &c, ctx as i64))
                     }
                 }
             }
@@ -112,11 +184,23 @@ impl Model {
                 "model {m:?} does not fit its dataset (gpt and hf need tokens, mlp a regression set)"
             ),
         };
+        // (whatever a network made after its last unit)
+        cut.unit();
+        let whole = cut.whole.into_inner();
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let shapes = named
+            .iter()
+            .map(|(n, t)| whole.get(n).cloned().unwrap_or_else(|| t.size()))
+            .collect();
+        drop(root);
         if device != tch::Device::Cpu {
             vs.set_device(device);
         }
         Ok(Model {
             vs,
+            shapes,
+            seed_rows: if rows.0 > 1 { rows } else { (1, 0) },
             net,
             shard: None,
             slices: spec.tensor_slices.filter(|_| spec.deterministic),
@@ -130,6 +214,17 @@ impl Model {
     /// computes through a tensor group even when it has one member.
     pub fn sliced(&self) -> bool {
         self.slices.is_some()
+    }
+
+    /// The parameters' whole shapes, in name order (a model built [`Model::with_rows`] holds
+    /// rows of them).
+    pub fn shapes(&self) -> &[Vec<i64>] {
+        &self.shapes
+    }
+
+    /// The shard rows its seed's parameters were cut to ([`Model::with_rows`]; (1, 0): whole).
+    pub fn seed_rows(&self) -> (u32, u32) {
+        self.seed_rows
     }
 
     /// Parameters in name order (the order of state transfer and of the weights hash).

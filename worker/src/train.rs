@@ -166,6 +166,27 @@ pub(crate) fn gather_rows(
     comm.host().all_gather_f64(row)
 }
 
+/// Where a new process of a fully sharded job holds its rows: its place in the newest
+/// generation, which includes it (the agent started it for that one; the watcher has it, or
+/// will within the bound). Without one, or as a spare, it makes the seed whole, as every other
+/// job does, and the first agreement cuts it.
+fn seed_place(cell: &GenCell, env: &WorkerEnv) -> (u32, u32) {
+    match cell.wait_newer_for(0, Duration::from_secs(10)) {
+        Some(g) => match g
+            .member(&env.node, env.slot)
+            .map(|m| Trainer::shard_of(&g, m))
+        {
+            Some((s, p)) if s > 1 && crate::faults::stale_seed_place() => (s, (p + 1) % s),
+            Some(rows) => rows,
+            None => (1, 0),
+        },
+        None => {
+            tracing::info!("no generation yet after 10 s: making the seed whole, to cut it at the first agreement");
+            (1, 0)
+        }
+    }
+}
+
 impl Trainer {
     fn new(
         env: WorkerEnv,
@@ -188,7 +209,28 @@ impl Trainer {
         if spec.model == ModelKind::Hf {
             crate::hf::check_stream(&spec, &data, &rt)?;
         }
-        let model = Model::new(&spec, &data, dev)?;
+        // full sharding: a new process cuts the seed to its rows as it makes it, unit by unit,
+        // at its place in the generation that started it, so the whole model never exists on
+        // it (the first agreement re-cuts it if the world changed meanwhile)
+        let rows = if spec.sharding == Sharding::Full {
+            seed_place(&cell, &env)
+        } else {
+            (1, 0)
+        };
+        let model = Model::with_rows(&spec, &data, dev, rows)?;
+        if rows.0 > 1 {
+            let held: i64 = model
+                .params()
+                .iter()
+                .map(|(_, t)| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64)
+                .sum();
+            tracing::info!(
+                shard = rows.0,
+                place = rows.1,
+                bytes = held,
+                "made the seed's parameters in their rows, unit by unit"
+            );
+        }
         let params: Vec<Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
         // a sharded job's rank allocates its optimizer state's rows only, in its first
         // agreement: the whole state never exists on one rank
@@ -202,7 +244,7 @@ impl Trainer {
             &spec.optimizer,
             model.params().iter().map(|(n, _)| n.as_str()),
         );
-        let shapes = params.iter().map(|p| p.size()).collect();
+        let shapes = model.shapes().to_vec();
         let ledger = match std::env::var("DUCTILE_LEDGER_DIR") {
             Ok(dir) => {
                 std::fs::create_dir_all(&dir)?;
@@ -311,11 +353,11 @@ impl Trainer {
         let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
         let ck = match &outer {
             Some(o) => {
-                let mut ck = ckpt::Ckpt::new(c, &names, o, &self.params)?;
+                let mut ck = ckpt::Ckpt::new(c, &names, o, &self.shapes)?;
                 ck.state_prefix("outer_optimizer");
                 ck
             }
-            None => ckpt::Ckpt::new(c, &names, &self.opt, &self.params)?,
+            None => ckpt::Ckpt::new(c, &names, &self.opt, &self.shapes)?,
         };
         ductile_runtime::watch_checkpoint_requests(
             self.store.clone(),

@@ -86,18 +86,27 @@ impl Gpt {
     /// Its parameters under `root`, made in the order the seed's draws follow.
     pub(super) fn new(
         root: &nn::Path,
+        cut: &super::Cut,
         c: i64,
         layers: i64,
         heads: i64,
         vocab: i64,
         ctx: i64,
     ) -> Gpt {
+        let tok = nn::embedding(root / "tok", vocab, c, Default::default());
+        let pos = nn::embedding(root / "pos", ctx, c, Default::default());
+        cut.unit();
+        let blocks = (0..layers)
+            .map(|i| {
+                let b = Block::new(root / format!("h{i}"), c, heads);
+                cut.unit();
+                b
+            })
+            .collect();
         Gpt {
-            tok: nn::embedding(root / "tok", vocab, c, Default::default()),
-            pos: nn::embedding(root / "pos", ctx, c, Default::default()),
-            blocks: (0..layers)
-                .map(|i| Block::new(root / format!("h{i}"), c, heads))
-                .collect(),
+            tok,
+            pos,
+            blocks,
             ln_f: nn::layer_norm(root / "ln_f", vec![c], Default::default()),
             head: nn::linear(
                 root / "head",

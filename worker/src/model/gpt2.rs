@@ -105,7 +105,7 @@ impl Gpt2 {
     /// Its parameters under `root`, seeded as transformers initialises GPT-2: normal weights
     /// of `initializer_range` (the `c_proj` weights scaled by 1/√(2·n_layer)), zero biases,
     /// unit LayerNorms.
-    pub(super) fn new(root: &nn::Path, c: &HfConfig, ctx: i64) -> Gpt2 {
+    pub(super) fn new(root: &nn::Path, cut: &super::Cut, c: &HfConfig, ctx: i64) -> Gpt2 {
         let std = c.initializer_range;
         let proj_std = std / (2.0 * c.n_layer as f64).sqrt();
         let (d, f) = (c.d_model, c.intermediate);
@@ -124,17 +124,20 @@ impl Gpt2 {
             },
         );
         let wpe = (&tr / "wpe").var("weight", &[c.max_positions, d], w_init);
+        cut.unit();
         let h = (0..c.n_layer)
             .map(|i| {
                 let p = &tr / "h" / i;
-                Block {
+                let block = Block {
                     ln_1: Norm::new(&p / "ln_1", d),
                     c_attn: Conv1D::new(&p / "attn" / "c_attn", d, 3 * d, std),
                     attn_proj: Conv1D::new(&p / "attn" / "c_proj", d, d, proj_std),
                     ln_2: Norm::new(&p / "ln_2", d),
                     c_fc: Conv1D::new(&p / "mlp" / "c_fc", d, f, std),
                     mlp_proj: Conv1D::new(&p / "mlp" / "c_proj", f, d, proj_std),
-                }
+                };
+                cut.unit();
+                block
             })
             .collect();
         let ln_f = Norm::new(&tr / "ln_f", d);

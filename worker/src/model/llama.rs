@@ -87,7 +87,7 @@ pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, rep: i64, causal: bool)
 impl Llama {
     /// Its parameters under `root`, seeded as transformers initialises them (normal weights of
     /// `initializer_range`, zero biases, unit norms); a pretrained start overwrites them.
-    pub(super) fn new(root: &nn::Path, c: &HfConfig, ctx: i64) -> Llama {
+    pub(super) fn new(root: &nn::Path, cut: &super::Cut, c: &HfConfig, ctx: i64) -> Llama {
         let std = c.initializer_range;
         let w_init = Init::Randn {
             mean: 0.0,
@@ -116,12 +116,13 @@ impl Llama {
                 ..Default::default()
             },
         );
+        cut.unit();
         let layers = (0..c.n_layer)
             .map(|i| {
                 let p = &model / "layers" / i;
                 let att = &p / "self_attn";
                 let mlp = &p / "mlp";
-                Layer {
+                let layer = Layer {
                     input_layernorm: (&p / "input_layernorm").var("weight", &[d], Init::Const(1.0)),
                     q: lin(&att / "q_proj", d, c.n_head * hd, c.qkv_bias),
                     k: lin(&att / "k_proj", d, c.n_kv_head * hd, c.qkv_bias),
@@ -135,7 +136,9 @@ impl Llama {
                     gate: lin(&mlp / "gate_proj", d, c.intermediate, c.mlp_bias),
                     up: lin(&mlp / "up_proj", d, c.intermediate, c.mlp_bias),
                     down: lin(&mlp / "down_proj", c.intermediate, d, c.mlp_bias),
-                }
+                };
+                cut.unit();
+                layer
             })
             .collect();
         let norm = (&model / "norm").var("weight", &[d], Init::Const(1.0));

@@ -19,7 +19,14 @@ pub(super) struct Mlp {
 
 impl Mlp {
     /// Its parameters under `root`, made in the order the seed's draws follow.
-    pub(super) fn new(root: &nn::Path, d_in: i64, width: i64, layers: i64, d_out: i64) -> Mlp {
+    pub(super) fn new(
+        root: &nn::Path,
+        cut: &super::Cut,
+        d_in: i64,
+        width: i64,
+        layers: i64,
+        d_out: i64,
+    ) -> Mlp {
         let mut hidden = Vec::new();
         let mut d = d_in;
         for i in 0..layers {
@@ -29,6 +36,7 @@ impl Mlp {
                 width,
                 Default::default(),
             ));
+            cut.unit();
             d = width;
         }
         Mlp {

@@ -898,6 +898,44 @@ mod tests {
         }
     }
 
+    /// A model made holding a shard place's rows (a fully sharded job's new process) holds
+    /// exactly those rows of the whole model's parameters, bit for bit, at every place of an
+    /// uneven shard group (some places with no rows of a short parameter), and knows the
+    /// whole shapes. GPT-2 (tied), the Llama, the built-in GPT and the MLP.
+    #[test]
+    fn a_model_made_in_rows_holds_the_whole_models_rows_bit_for_bit() {
+        for make in [gpt2 as fn() -> _, qwen2_tied, llama, gpt, mlp] {
+            let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
+            let (s, d, _, _) = make();
+            let whole = Model::new(&s, &d, Device::Cpu).unwrap();
+            assert_eq!(whole.seed_rows(), (1, 0));
+            let shapes: Vec<Vec<i64>> = whole.params().iter().map(|(_, t)| t.size()).collect();
+            assert_eq!(whole.shapes(), shapes.as_slice());
+            let s_places = 5u32;
+            let mut empty = 0;
+            for place in 0..s_places {
+                let m = Model::with_rows(&s, &d, Device::Cpu, (s_places, place)).unwrap();
+                assert_eq!(m.seed_rows(), (s_places, place));
+                assert_eq!(
+                    m.shapes(),
+                    shapes.as_slice(),
+                    "whole shapes at place {place}"
+                );
+                for ((n, w), (n2, r)) in whole.params().iter().zip(m.params()) {
+                    assert_eq!(n, &n2);
+                    let want = super::super::shard_rows(w, (s_places, place));
+                    assert_eq!(r.size(), want.size(), "{n} at place {place}");
+                    assert!(r.equal(&want), "{n} at place {place}: other bits");
+                    empty += usize::from(r.numel() == 0);
+                }
+            }
+            // (the MLP's output layer, 2 rows, leaves places with none)
+            if s.model == ductile_cluster::records::ModelKind::Mlp {
+                assert!(empty > 0, "{:?}: some place holds no rows", s.model);
+            }
+        }
+    }
+
     /// Unit by unit (full sharding's step): each unit run again from its input, its gradients
     /// taken with `run_backward` from its output's gradient, give the whole backward's loss
     /// and gradients bit for bit (a tied parameter's two contributions summed, later unit

@@ -21,6 +21,7 @@ use tch::Tensor;
 
 use super::reshard::{holds_unit, region_of, state_view, transfer, Received, TRANSFER_CHUNK_BYTES};
 use super::Trainer;
+use crate::model::{shard_rows, Model};
 
 /// A reduced gradient waiting for its step's commit.
 pub struct Pending {
@@ -124,7 +125,10 @@ impl Trainer {
 
     /// A new process of a sharded job: the seed's optimizer state (zeros), allocated as its
     /// shard of `g` (the whole of it when `g` is not sharded), which it then reports holding.
-    fn allocate_shard(&mut self, g: &Generation, rank: u32) {
+    /// With full sharding the seed's parameters too: cut to the shard's rows, unless the
+    /// model was built cut to them ([`Trainer::new`]); built cut to other rows (the world
+    /// changed before this first agreement), the seed is made again, cut to these.
+    fn allocate_shard(&mut self, g: &Generation, rank: u32) -> anyhow::Result<()> {
         let shard = g
             .members
             .iter()
@@ -138,22 +142,33 @@ impl Trainer {
                 let shape = hs[n + j].local_shape();
                 t.set_data(&Tensor::zeros(shape.as_slice(), (t.kind(), t.device())));
             }
-            if self.fully_sharded() {
-                // full sharding: the seed's parameters too, cut to the shard's rows here (the
-                // seed is the same on every rank)
-                for (i, mut p) in self.params.iter().map(|t| t.shallow_clone()).enumerate() {
-                    let mine = match hs[i].boxes.first() {
-                        Some(b) => p
-                            .narrow(0, b[0].start as i64, (b[0].end - b[0].start) as i64)
-                            .copy(),
-                        None => Tensor::empty([0], (p.kind(), p.device())),
-                    };
-                    p.set_data(&mine);
-                }
-            }
         });
+        let seed = self.model.seed_rows();
+        if self.fully_sharded() && seed != shard {
+            // (the seed is the same on every rank)
+            let mine: Vec<Tensor> = if seed == (1, 0) {
+                self.params.iter().map(|p| shard_rows(p, shard)).collect()
+            } else {
+                tracing::info!(
+                    built = ?seed,
+                    shard = ?shard,
+                    "the seed was cut to another shard place: making it again"
+                );
+                Model::with_rows(&self.spec, &self.data, self.dev, shard)?
+                    .params()
+                    .into_iter()
+                    .map(|(_, t)| t)
+                    .collect()
+            };
+            tch::no_grad(|| {
+                for (mut p, t) in self.params.iter().map(|t| t.shallow_clone()).zip(&mine) {
+                    p.set_data(t);
+                }
+            });
+        }
         self.shard_held = shard;
         self.opt_unallocated = false;
+        Ok(())
     }
 
     /// Bytes of parameters and optimizer state this rank holds.
@@ -260,7 +275,7 @@ impl Trainer {
     ) -> anyhow::Result<Result<(), CommError>> {
         self.received = 0;
         if self.opt_unallocated {
-            self.allocate_shard(g, comm.rank());
+            self.allocate_shard(g, comm.rank())?;
         }
         let pend = pending.as_ref().map(|p| p.step as f64).unwrap_or(-1.0);
         // [step, pending step, tensor group size and place of what it holds, shard group size

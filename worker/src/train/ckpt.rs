@@ -86,21 +86,21 @@ impl Ckpt {
         spec: CheckpointSpec,
         names: &[String],
         opt: &crate::optim::Optimizer,
-        params: &[Tensor],
+        shapes: &[Vec<i64>],
     ) -> anyhow::Result<Ckpt> {
         let bucket = Bucket::open(&spec.url)?;
-        let meta = |name: String, t: &Tensor, kind| TensorMeta {
+        let meta = |name: String, shape: &[i64], kind| TensorMeta {
             name,
             dtype: Dtype::F32,
-            shape: t.size().iter().map(|d| *d as u64).collect(),
+            shape: shape.iter().map(|d| *d as u64).collect(),
             kind,
         };
         let mut metas: Vec<TensorMeta> = names
             .iter()
-            .zip(params)
-            .map(|(n, t)| meta(n.clone(), t, TensorKind::Parameter))
+            .zip(shapes)
+            .map(|(n, s)| meta(n.clone(), s, TensorKind::Parameter))
             .collect();
-        let per = opt.state.len() / params.len().max(1);
+        let per = opt.state.len() / shapes.len().max(1);
         let suffix: &[&str] = match opt.kind {
             crate::optim::Kind::Sgd(_) => &["momentum_buffer"],
             crate::optim::Kind::AdamW(_) => &["exp_avg", "exp_avg_sq"],
@@ -108,7 +108,7 @@ impl Ckpt {
         // (a state tensor has its parameter's shape; a sharded job's is not allocated yet)
         for i in 0..opt.state.len() {
             let name = format!("optimizer.{}.{}", names[i / per], suffix[i % per]);
-            metas.push(meta(name, &params[i / per], TensorKind::OptimizerState));
+            metas.push(meta(name, &shapes[i / per], TensorKind::OptimizerState));
         }
         Ok(Ckpt {
             spec,

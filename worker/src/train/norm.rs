@@ -14,7 +14,7 @@
 
 use ductile_cluster::records::Generation;
 use ductile_strategies::redistribute::Region;
-use ductile_strategies::tensor::{held_regions, split_of, Split};
+use ductile_strategies::tensor::{held_regions, split_of, Arch, Split};
 use tch::{Device, Kind, Tensor};
 
 use super::reshard::{region_of, Holding};
@@ -31,7 +31,7 @@ impl Trainer {
             .map(|(i, name)| {
                 let shape: Vec<u64> = self.shapes[i].iter().map(|d| *d as u64).collect();
                 let replicated = split_of(arch, name) == Split::Replicated;
-                let pieces = if k == 1 || replicated {
+                let pieces = if pieces_of(arch, name, k) == 1 {
                     vec![vec![shape.iter().map(|d| 0..*d).collect()]]
                 } else {
                     (0..k)
@@ -126,13 +126,10 @@ impl Trainer {
 
     /// The number of slots of [`Trainer::norm_row`].
     pub(super) fn norm_slots(&self, g: &Generation) -> usize {
-        let (arch, k) = (self.model.arch(), self.norm_slices(g) as usize);
+        let (arch, k) = (self.model.arch(), self.norm_slices(g));
         self.param_names()
             .iter()
-            .map(|name| match split_of(arch, name) {
-                Split::Replicated => 1,
-                _ => k,
-            })
+            .map(|name| pieces_of(arch, name, k))
             .sum()
     }
 
@@ -150,6 +147,16 @@ impl Trainer {
     /// The parameters' names, in parameter order.
     fn param_names(&self) -> Vec<String> {
         self.model.params().into_iter().map(|(n, _)| n).collect()
+    }
+}
+
+/// How many pieces the norm folds parameter `name` in, cut in `k` logical slices: its K
+/// slices where it is split, else itself whole.
+fn pieces_of(arch: Arch, name: &str, k: u32) -> usize {
+    if k == 1 || split_of(arch, name) == Split::Replicated {
+        1
+    } else {
+        k as usize
     }
 }
 
