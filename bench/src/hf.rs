@@ -492,6 +492,16 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
     c.submit(&hf_job(4, &model, &data, 4, ctx, &extra));
     let long = Duration::from_secs(1200);
     c.wait_world("bench", 4, long);
+    // the start and the first step alone, before the first checkpoint stages its copy
+    c.wait_step("bench", 1, long);
+    println!(
+        "fsdp-elastic: after the first step (before any checkpoint), peak resident memory {}",
+        peaks_mib(&c)
+            .iter()
+            .map(|p| format!("{p:.0} MiB"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     // past the first commit (step 3)
     let v = c.wait_step("bench", 4, long);
     let last = c.history("bench").last().map(|g| g.number).unwrap_or(1);
