@@ -59,14 +59,15 @@ def rank(r, d, world, batch, ctx, steps, warm, port, zero):
     torch.manual_seed(r)
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
     m.train()
-    if zero == 2:
-        # FSDP2: fully_shard per decoder layer, then the root (torchtitan's wrapping)
+    if zero >= 2:
+        # FSDP2: fully_shard per decoder layer, then the root (torchtitan's wrapping); 3:
+        # reshard_after_forward=False (the gathered layers kept for the backward)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (world,))
         for layer in m.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(m, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=(zero == 2))
+        fully_shard(m, mesh=mesh, reshard_after_forward=(zero == 2))
         ddp = m
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
     elif zero == 1:
@@ -103,8 +104,8 @@ if __name__ == "__main__":
 "#;
 
 /// PyTorch DDP at `world` (`zero` 1: its optimizer a `ZeroRedundancyOptimizer`; 2: FSDP2,
-/// `fully_shard` per decoder layer, instead of DDP): (tokens/s, each rank's peak resident
-/// memory in MiB).
+/// `fully_shard` per decoder layer, instead of DDP; 3: FSDP2 with `reshard_after_forward`
+/// false): (tokens/s, each rank's peak resident memory in MiB).
 fn ddp(
     model: &Path,
     world: u32,
@@ -288,7 +289,8 @@ pub async fn hf_step(
 /// rank's peak resident memory per round, then the medians and the pairwise ratios' medians.
 /// With `sharding = "optimizer"` ductile shards its optimizer state (ZeRO-1) and DDP's
 /// optimizer is a `ZeroRedundancyOptimizer`; with `"full"` ductile shards everything (ZeRO-3)
-/// and the peer is PyTorch FSDP2 (`fully_shard` per decoder layer).
+/// and the peer is PyTorch FSDP2 (`fully_shard` per decoder layer); `"full-kept"` both keep
+/// the gathered parameters for the backward (`reshard_after_forward = false` / `False`).
 #[allow(clippy::too_many_arguments)]
 pub async fn ddp_step(
     model: &Path,
@@ -301,8 +303,8 @@ pub async fn ddp_step(
     sharding: &str,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
-        ["none", "optimizer", "full"].contains(&sharding),
-        "--sharding is none, optimizer or full"
+        ["none", "optimizer", "full", "full-kept"].contains(&sharding),
+        "--sharding is none, optimizer, full or full-kept"
     );
     anyhow::ensure!(
         world >= 1 && batch >= world,
@@ -311,6 +313,10 @@ pub async fn ddp_step(
     let (zero, peer) = match sharding {
         "optimizer" => (1, "PyTorch DDP + ZeroRedundancyOptimizer"),
         "full" => (2, "PyTorch FSDP2 (fully_shard per decoder layer)"),
+        "full-kept" => (
+            3,
+            "PyTorch FSDP2 (fully_shard per decoder layer, reshard_after_forward=False)",
+        ),
         _ => (0, "PyTorch DDP"),
     };
     let dir = TempDir::new("ddpstep");
@@ -330,8 +336,13 @@ pub async fn ddp_step(
             let c = Cluster::start(Spec::default().agents(1, world));
             let extra = if zero > 0 {
                 // a sharded job keeps a checkpoint (never due here)
+                let level = match sharding {
+                    "full-kept" => "sharding = \"full\"\nreshard_after_forward = false",
+                    "full" => "sharding = \"full\"",
+                    _ => "sharding = \"optimizer\"",
+                };
                 format!(
-                    "sharding = \"{sharding}\"\n[checkpoint]\nurl = \"file://{}/ck-{round}-{i}\"\ninterval = 1000000",
+                    "{level}\n[checkpoint]\nurl = \"file://{}/ck-{round}-{i}\"\ninterval = 1000000",
                     dir.path().display()
                 )
             } else {

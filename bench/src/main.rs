@@ -218,7 +218,9 @@ enum Cmd {
         #[arg(long, default_value_t = 2)]
         world: u32,
         /// `none`; `optimizer`: ductile's ZeRO-1 against DDP with PyTorch's
-        /// ZeroRedundancyOptimizer; `full`: ductile's full sharding against FSDP2.
+        /// ZeroRedundancyOptimizer; `full`: ductile's full sharding against FSDP2;
+        /// `full-kept`: both with the gathered parameters kept for the backward
+        /// (`reshard_after_forward` false).
         #[arg(long, default_value = "none")]
         sharding: String,
         #[arg(long, default_value_t = 4)]

@@ -895,6 +895,13 @@ pub struct TrainingSpec {
     /// not divide, the group is the largest divisor of the world below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard_group: Option<ShardGroup>,
+    /// With `sharding = "full"`: whether a unit's gathered parameters are freed after its
+    /// forward (`true`, the default: gathered again in the backward, where the unit is run
+    /// again from its input) or kept whole until its backward is done (`false`: one gather
+    /// per unit and step, no forward run twice, every unit's activations kept; the
+    /// parameters whole during the step, as ZeRO-2). PyTorch FSDP2's `reshard_after_forward`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reshard_after_forward: Option<bool>,
     /// Communicator backend: `auto` (NCCL when every member has a GPU of its own, else TCP),
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
     #[serde(default)]
@@ -1341,11 +1348,15 @@ impl TrainingSpec {
         }
         if self.sharding == Sharding::Full && data_parallel {
             // rows of the parameters and their state; a unit's gathered parameters and
-            // gradients at a time (a block is at most the model's); the seed's whole weights
-            // while a new process starts
+            // gradients at a time (a block is at most the model's), or with
+            // reshard_after_forward = false every unit's parameters gathered through the step
+            // (a new process makes only its rows of the seed, unit by unit)
             let rows = (params * 4).div_ceil(shard) + opt;
             let units = self.approx_units().max(1);
-            return Some((rows + 4 * params * 4 / units).max(params * 4));
+            if self.reshard_after_forward == Some(false) {
+                return Some(rows + params * 4 + 2 * params * 4 / units);
+            }
+            return Some(rows + 4 * params * 4 / units);
         }
         Some((params * 4 * copies + opt) / split + bucket)
     }
@@ -2117,6 +2128,15 @@ impl TrainingSpec {
                     format!("{b} is not between 1 and 4096 (MiB)"),
                 ));
             }
+        }
+        if self.reshard_after_forward.is_some() && self.sharding != Sharding::Full {
+            return Err(ClusterError::invalid(
+                "training.reshard_after_forward",
+                format!(
+                    "applies to sharding = \"full\" (the parameters sharded), not \"{}\"",
+                    self.sharding
+                ),
+            ));
         }
         if let Some(k) = self.transfer_chunk_kib {
             if !(1..=(4 << 20)).contains(&k) {
@@ -3299,6 +3319,53 @@ keep = 3
         .unwrap_err()
         .to_string();
         assert!(e.contains("training.tensor_slices"), "{e}");
+    }
+
+    /// `reshard_after_forward` is full sharding's: accepted there (false: the memory model
+    /// counts the whole parameters through the step, where resharding holds less than them),
+    /// refused with any other level, naming the key.
+    #[test]
+    fn reshard_after_forward_is_full_sharding_s() {
+        let spec = |extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"a\"\nmin = 1\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nmodel_config = {{ d_model = 256, n_layer = 8, n_head = 4, vocab = 1000 }}\n{extra}\n[checkpoint]\nurl = \"file:///ck\"\n"
+            ))
+        };
+        let need = |extra: &str| {
+            spec(extra)
+                .unwrap()
+                .training
+                .unwrap()
+                .min_slot_bytes(4)
+                .unwrap()
+        };
+        let t = spec("sharding = \"full\"\nreshard_after_forward = false")
+            .unwrap()
+            .training
+            .unwrap();
+        assert_eq!(t.reshard_after_forward, Some(false));
+        let params = t.approx_params().unwrap() as u64;
+        let (resharded, kept) = (
+            need("sharding = \"full\""),
+            need("sharding = \"full\"\nreshard_after_forward = false"),
+        );
+        assert_eq!(
+            need("sharding = \"full\"\nreshard_after_forward = true"),
+            resharded
+        );
+        // (kept: the whole parameters through the step, on top of the rows)
+        assert!(kept > resharded && kept > params * 4, "{kept} {resharded}");
+        for level in ["none", "optimizer", "gradients", "auto"] {
+            let e = spec(&format!(
+                "sharding = \"{level}\"\nreshard_after_forward = false"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("training.reshard_after_forward") && e.contains(level),
+                "{e}"
+            );
+        }
     }
 
     /// Live state moves' chunk: a size in KiB between 1 and 4 GiB, the key named otherwise.

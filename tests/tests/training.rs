@@ -575,6 +575,33 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     );
     assert_eq!(done.eval_loss, whole_done.eval_loss, "the final eval");
 
+    // the gathered parameters kept for the backward (FSDP2's reshard_after_forward = False:
+    // one gather per unit, no unit run twice), through a resize; and with activation
+    // checkpointing (the blocks run again in their backward, their parameters still whole)
+    for (name, extra) in [
+        ("kept", ""),
+        ("kept-ac", "\nactivation_checkpointing = \"full\""),
+    ] {
+        c.submit(&train(
+            name,
+            4,
+            400,
+            &format!("sharding = \"full\"\nreshard_after_forward = false{extra}"),
+        ));
+        c.wait_world(name, 4, S(30));
+        if name == "kept" {
+            c.wait_step(name, 60, S(60));
+            c.dctl_ok(&["scale", name, "3"]);
+            c.wait_world(name, 3, S(60));
+        }
+        c.wait_done(name, S(180));
+        assert_eq!(
+            final_hashes(&c, name),
+            reference,
+            "{name}: the final weights or optimizer state differ from the unsharded run's"
+        );
+    }
+
     // HSDP: shard groups within each node (2 slots on each of 2), replicated across the
     // nodes; a kill loses no shard. Every new process makes its seed's rows for another place
     // than the one its first agreement gives it (as when the world changes between a start

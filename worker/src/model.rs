@@ -312,7 +312,7 @@ impl Model {
 
     /// Whether unit `u` is a block (not the embeddings, the first unit, nor the head, the
     /// last): the units activation checkpointing recomputes.
-    fn is_block(&self, u: usize) -> bool {
+    pub(crate) fn is_block(&self, u: usize) -> bool {
         u > 0 && u + 1 < self.units()
     }
 

@@ -20,11 +20,19 @@
 //! use in the backward is done, its contributions summed in the order the unsharded backward
 //! sums them.
 //!
+//! With `reshard_after_forward = false` (FSDP2's option) a unit's gathered parameters stay
+//! whole until its backward is done instead: each unit is gathered once per step, runs once
+//! with gradients (its output's graph and its input, a leaf, kept), and its backward starts
+//! from that graph; only the last unit is gathered in the backward, with its loss. The
+//! parameters are whole through the step (ZeRO-2's peak, plus every unit's activations) for
+//! one gather less per unit and no forward run twice; with activation checkpointing the
+//! blocks still run again in their backward, their parameters still whole.
+//!
 //! Gradients of a unit are taken with `torch.autograd.grad` (`run_backward`), so no `.grad`
 //! of the whole model is ever allocated; each is the same kernel's result as the unsharded
 //! backward's, and with the same folds the bits equal the unsharded data-parallel run's.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -286,8 +294,24 @@ impl Trainer {
         parts
     }
 
+    /// Whether a unit's gathered parameters stay whole until its backward is done
+    /// (`reshard_after_forward = false`): gathered once per step, each unit run once with
+    /// its activations kept.
+    fn keeps_gathered(&self) -> bool {
+        self.spec.reshard_after_forward == Some(false)
+    }
+
+    /// Parameters of unit `u` not already whole (`whole`: kept from an earlier unit's gather).
+    fn to_gather(&self, u: usize, whole: &BTreeSet<usize>) -> Vec<usize> {
+        self.unit_params(u)
+            .into_iter()
+            .filter(|i| !whole.contains(i))
+            .collect()
+    }
+
     /// The data-parallel step of a fully sharded rank (see the module's comment); returns the
-    /// step's mean loss.
+    /// step's mean loss. Parameters kept whole for their backward
+    /// ([`Trainer::keeps_gathered`]) get their rows back whatever happens.
     pub(super) fn full_step(
         &mut self,
         arc: &Arc<dyn Communicator>,
@@ -295,13 +319,34 @@ impl Trainer {
         rank: u32,
         t0: Instant,
     ) -> Result<f64, CommError> {
+        let mut kept = BTreeMap::new();
+        let r = self.full_step_keeping(arc, g, rank, t0, &mut kept);
+        if !kept.is_empty() {
+            // (a collective failed mid-step)
+            self.release(std::mem::take(&mut kept).into_iter().collect());
+        }
+        r
+    }
+
+    /// [`Trainer::full_step`]'s work; `kept`: the rows of the parameters kept whole.
+    fn full_step_keeping(
+        &mut self,
+        arc: &Arc<dyn Communicator>,
+        g: &Generation,
+        rank: u32,
+        t0: Instant,
+        kept: &mut BTreeMap<usize, Tensor>,
+    ) -> Result<f64, CommError> {
         let comm = arc.as_ref();
         let grp = self.shard_group(arc, g)?;
         let b = self.spec.global_batch as f64;
         let units = self.units();
+        let keep = self.keeps_gathered();
         let parts = self.step_parts(comm, g, rank);
         // forward: each unit's input, per part and micro-batch (the last unit runs in the
-        // backward, with its loss)
+        // backward, with its loss); keeping the gathered parameters, each unit's input as a
+        // leaf, its output, and whether that output holds its graph (a block activation
+        // checkpointing recomputes does not)
         let mut inputs: Vec<Vec<Vec<Tensor>>> = parts
             .iter()
             .map(|p| {
@@ -311,24 +356,59 @@ impl Trainer {
                     .collect()
             })
             .collect();
-        // the units in the order they are gathered: forward, then backward; each unit's
-        // gather starts while the one before computes
-        let order: Vec<usize> = (0..units.saturating_sub(1))
-            .chain((0..units).rev())
+        let mut graphs: Vec<Vec<Vec<(Tensor, Tensor, bool)>>> = parts
+            .iter()
+            .map(|p| p.micro.iter().map(|_| Vec::new()).collect())
             .collect();
+        // the units in the order they are gathered: forward, then backward (keeping them:
+        // forward only); each unit's gather starts while the one before computes
+        let order: Vec<usize> = if keep {
+            (0..units).collect()
+        } else {
+            (0..units.saturating_sub(1))
+                .chain((0..units).rev())
+                .collect()
+        };
+        // the parameters kept whole so far
+        let mut whole: BTreeSet<usize> = BTreeSet::new();
         // the step's collectives, in one order: gathers and reductions, each running while
         // the step computes
         // (a thread on the CPU whatever the cores: a unit's collectives wait on the peer more
         // than they compute, and the thread hides that; measured against the gathers alone
         // on a thread, 2 ranks on 2 cores: `ductile-bench ddp-step --sharding full`)
         let queue = CommQueue::for_step(self.dev == Device::Cpu)?;
-        let mut next = self.start_gather(&queue, arc, &grp, &self.unit_params(order[0]));
+        let first = self.to_gather(order[0], &whole);
+        let mut next = (first.clone(), self.start_gather(&queue, arc, &grp, &first));
         let mut at = 0;
         for u in 0..units.saturating_sub(1) {
-            let idx = self.unit_params(u);
-            let rests = self.finish_gather(&idx, next.take())?;
+            let (idx, pending) = std::mem::take(&mut next);
+            let mut rests = self.finish_gather(&idx, pending)?;
+            if keep {
+                whole.extend(idx.iter().copied());
+                kept.extend(std::mem::take(&mut rests));
+            }
             at += 1;
-            next = self.start_gather(&queue, arc, &grp, &self.unit_params(order[at]));
+            let v = self.to_gather(order[at], &whole);
+            next = (v.clone(), self.start_gather(&queue, arc, &grp, &v));
+            if keep {
+                let block = self.model.recomputes() && self.model.is_block(u);
+                for (p, part) in parts.iter().enumerate() {
+                    for (m, (x, _)) in part.micro.iter().enumerate() {
+                        let acts = &mut graphs[p][m];
+                        let xin = match acts.last() {
+                            Some((_, y, _)) => y.detach().set_requires_grad(true),
+                            None => x.shallow_clone(),
+                        };
+                        let y = if block {
+                            tch::no_grad(|| self.model.unit_forward(u, &xin))
+                        } else {
+                            self.model.unit_forward(u, &xin)
+                        };
+                        acts.push((xin, y, !block));
+                    }
+                }
+                continue;
+            }
             tch::no_grad(|| {
                 for per in inputs.iter_mut() {
                     for acts in per.iter_mut() {
@@ -355,10 +435,23 @@ impl Trainer {
         let mut reducing: Option<Reducing> = None;
         for u in (0..units).rev() {
             let idx = self.unit_params(u);
-            let rests = self.finish_gather(&idx, next.take())?;
-            at += 1;
-            if let Some(&v) = order.get(at) {
-                next = self.start_gather(&queue, arc, &grp, &self.unit_params(v));
+            // (kept: only the last unit is gathered here, its parameters not already whole)
+            let rests = if keep && u + 1 < units {
+                Vec::new()
+            } else {
+                let (gather, pending) = std::mem::take(&mut next);
+                let rests = self.finish_gather(&gather, pending)?;
+                at += 1;
+                if let Some(&v) = order.get(at) {
+                    let v = self.to_gather(v, &whole);
+                    next = (v.clone(), self.start_gather(&queue, arc, &grp, &v));
+                }
+                rests
+            };
+            let mut rests = rests;
+            if keep {
+                whole.extend(rests.iter().map(|(i, _)| *i));
+                kept.extend(std::mem::take(&mut rests));
             }
             // this unit's parameter gradients, per part
             let mut acc: Vec<Vec<Option<Tensor>>> = parts
@@ -366,14 +459,34 @@ impl Trainer {
                 .map(|_| idx.iter().map(|_| None).collect())
                 .collect();
             for (p, part) in parts.iter().enumerate() {
-                for (m, (_, y)) in part.micro.iter().enumerate() {
-                    let x = inputs[p][m].pop().expect("the unit's input");
-                    let x = if u > 0 {
-                        x.detach().set_requires_grad(true)
+                for (m, (tokens, y)) in part.micro.iter().enumerate() {
+                    let (x, out) = if !keep {
+                        let x = inputs[p][m].pop().expect("the unit's input");
+                        let x = if u > 0 {
+                            x.detach().set_requires_grad(true)
+                        } else {
+                            x
+                        };
+                        let out = self.model.unit_forward(u, &x);
+                        (x, out)
+                    } else if u + 1 == units {
+                        // the last unit runs here, from the kept output before it
+                        let x = match graphs[p][m].last() {
+                            Some((_, y, _)) => y.detach().set_requires_grad(true),
+                            None => tokens.shallow_clone(),
+                        };
+                        let out = self.model.unit_forward(u, &x);
+                        (x, out)
                     } else {
-                        x
+                        let (x, y, graph) = graphs[p][m].pop().expect("the unit's graph");
+                        // (a block activation checkpointing recomputes runs again, whole)
+                        let out = if graph {
+                            y
+                        } else {
+                            self.model.unit_forward(u, &x)
+                        };
+                        (x, out)
                     };
-                    let out = self.model.unit_forward(u, &x);
                     let root = if u + 1 == units {
                         let l = self.model.whole_loss(&out, y) / b;
                         losses[p] = &losses[p] + l.detach().to_kind(Kind::Double).reshape([1]);
@@ -421,7 +534,17 @@ impl Trainer {
                     }
                 }
             }
-            self.release(rests);
+            if keep {
+                // the parameters whose last use is this unit's backward get their rows back
+                let back: Vec<(usize, Tensor)> = idx
+                    .iter()
+                    .filter(|i| self.done_at(**i) == u)
+                    .filter_map(|i| kept.remove(i).map(|r| (*i, r)))
+                    .collect();
+                self.release(back);
+            } else {
+                self.release(rests);
+            }
             let done: Vec<usize> = (0..idx.len())
                 .filter(|j| self.done_at(idx[*j]) == u)
                 .collect();
