@@ -183,6 +183,15 @@ fn eager(
         .ok_or_else(|| anyhow::anyhow!("eager printed {s:?}"))
 }
 
+/// Peaks in MiB as a list: "2859 MiB, 2909 MiB".
+fn mib_list(peaks: &[f64]) -> String {
+    peaks
+        .iter()
+        .map(|p| format!("{p:.0} MiB"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The peak resident memory so far (Linux: VmHWM), in MiB, of each member of job `bench`.
 fn peaks_mib(c: &Cluster) -> Vec<f64> {
     c.status("bench")
@@ -249,7 +258,7 @@ pub async fn hf_step(
         let peaks = peaks_mib(&c);
         println!(
             "hf-step: world {world}, {precision}, activation checkpointing {recompute}: workers' peak resident memory {}",
-            peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", ")
+            mib_list(&peaks)
         );
         our_peaks = peaks;
     }
@@ -265,8 +274,8 @@ pub async fn hf_step(
             "hf-step, data-parallel 2 against PyTorch DDP (gloo, 1 thread per rank), batch {batch} x {ctx}: ductile {:.1} tokens/s, DDP {tps:.1} tokens/s, ratio {:.3}; peak resident memory per rank ductile {}, DDP {} (ratio {:.3})",
             ours[1],
             ours[1] / tps,
-            our_peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", "),
-            peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", "),
+            mib_list(&our_peaks),
+            mib_list(&peaks),
             our_peaks.iter().cloned().fold(0.0, f64::max) / peaks.iter().cloned().fold(0.0, f64::max).max(1.0)
         );
     }
@@ -310,14 +319,24 @@ pub async fn ddp_step(
         world >= 1 && batch >= world,
         "--world must be at least 1 and at most --batch"
     );
-    let (zero, peer) = match sharding {
-        "optimizer" => (1, "PyTorch DDP + ZeroRedundancyOptimizer"),
-        "full" => (2, "PyTorch FSDP2 (fully_shard per decoder layer)"),
+    // (the peer's mode, its name, and ductile's job keys)
+    let (zero, peer, level) = match sharding {
+        "optimizer" => (
+            1,
+            "PyTorch DDP + ZeroRedundancyOptimizer",
+            "sharding = \"optimizer\"",
+        ),
+        "full" => (
+            2,
+            "PyTorch FSDP2 (fully_shard per decoder layer)",
+            "sharding = \"full\"",
+        ),
         "full-kept" => (
             3,
             "PyTorch FSDP2 (fully_shard per decoder layer, reshard_after_forward=False)",
+            "sharding = \"full\"\nreshard_after_forward = false",
         ),
-        _ => (0, "PyTorch DDP"),
+        _ => (0, "PyTorch DDP", ""),
     };
     let dir = TempDir::new("ddpstep");
     let data = stream(dir.path(), model, 4000)?;
@@ -336,11 +355,6 @@ pub async fn ddp_step(
             let c = Cluster::start(Spec::default().agents(1, world));
             let extra = if zero > 0 {
                 // a sharded job keeps a checkpoint (never due here)
-                let level = match sharding {
-                    "full-kept" => "sharding = \"full\"\nreshard_after_forward = false",
-                    "full" => "sharding = \"full\"",
-                    _ => "sharding = \"optimizer\"",
-                };
                 format!(
                     "{level}\n[checkpoint]\nurl = \"file://{}/ck-{round}-{i}\"\ninterval = 1000000",
                     dir.path().display()
@@ -507,11 +521,7 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
     c.wait_step("bench", 1, long);
     println!(
         "fsdp-elastic: after the first step (before any checkpoint), peak resident memory {}",
-        peaks_mib(&c)
-            .iter()
-            .map(|p| format!("{p:.0} MiB"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        mib_list(&peaks_mib(&c))
     );
     // past the first commit (step 3)
     let v = c.wait_step("bench", 4, long);
@@ -527,7 +537,7 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
         "fsdp-elastic: SmolLM2-360M architecture, world 4, sharding full, batch 4 x {ctx}: {} per rank ({:.2} GB of parameters and AdamW state each; 5.8 GB per replica), peak resident memory {}",
         v.layout.map(|l| l.to_string()).unwrap_or_default(),
         state.iter().cloned().max().unwrap_or(0) as f64 / 1e9,
-        peaks.iter().map(|p| format!("{p:.0} MiB")).collect::<Vec<_>>().join(", ")
+        mib_list(&peaks)
     );
     // the steady step, for scale: the changes below each take at least one
     let s = c.wait_step("bench", v.step + 2, long);
@@ -608,11 +618,7 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
     let peaks = peaks_mib(&c);
     println!(
         "fsdp-elastic: peak resident memory per rank over the run {}",
-        peaks
-            .iter()
-            .map(|p| format!("{p:.0} MiB"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        mib_list(&peaks)
     );
     Ok(())
 }

@@ -436,7 +436,7 @@ impl Trainer {
         for u in (0..units).rev() {
             let idx = self.unit_params(u);
             // (kept: only the last unit is gathered here, its parameters not already whole)
-            let rests = if keep && u + 1 < units {
+            let mut rests = if keep && u + 1 < units {
                 Vec::new()
             } else {
                 let (gather, pending) = std::mem::take(&mut next);
@@ -448,7 +448,6 @@ impl Trainer {
                 }
                 rests
             };
-            let mut rests = rests;
             if keep {
                 whole.extend(rests.iter().map(|(i, _)| *i));
                 kept.extend(std::mem::take(&mut rests));
