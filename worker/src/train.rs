@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use ductile_cluster::records::*;
 use ductile_cluster::Store;
 use ductile_comm::{CommError, Communicator, Rendezvous, TcpComm, TcpConfig};
-use ductile_strategies::{micro_batches, split_batch, split_range, Share};
+use ductile_strategies::{split_batch, split_range, Share};
 use sha2::{Digest, Sha256};
 use tch::{Device, Kind, Tensor};
 
@@ -755,42 +755,26 @@ impl Trainer {
         Ok((grads, summed.expect("the last bucket carries the riders")))
     }
 
-    /// Forward and backward over `share` of step `self.step`; returns the summed loss / B as a
-    /// [1] f32 tensor on the device (summed in f64; read on the host only with the step's
-    /// all-reduced result, so a CUDA step synchronises once).
-    fn accumulate(&mut self, share: Share, g: &Generation, rank: u32) -> Tensor {
-        let b = self.spec.global_batch as u64;
-        let base = self.step * b;
-        let micro = self
-            .spec
-            .micro_batch
-            .map(|m| m as u64)
-            .unwrap_or(share.len.max(1));
+    /// Forward and backward over `micro` (micro-batches of this rank's part of step
+    /// `self.step`, from [`Trainer::step_parts`]); returns the summed loss / B as a [1] f32
+    /// tensor on the device (summed in f64; read on the host only with the step's all-reduced
+    /// result, so a CUDA step synchronises once).
+    fn accumulate(&mut self, micro: &[(Tensor, Tensor)]) -> Tensor {
+        let b = self.spec.global_batch as f64;
         let mut acc = Tensor::zeros([1], (Kind::Double, self.dev));
-        let mut used = Vec::with_capacity(share.len as usize);
-        for (start, len) in micro_batches(share, micro) {
-            let idx: Vec<u64> = (start..start + len)
-                .map(|p| self.order.sample(base + p))
-                .collect();
-            used.extend_from_slice(&idx);
-            let (x, y) = self.data.batch(&idx);
-            let (x, y) = (x.to_device(self.dev), y.to_device(self.dev));
+        for (x, y) in micro {
             // a model with logical slices (deterministic tensor_slices) runs them through a
             // group of one: the same ops, in the same order, as a tensor group of any size
             let solo = "a data-parallel step does not communicate inside its model";
             let mut tape = crate::model::Tape::default();
             let out = self
                 .model
-                .forward(0, self.units(), &x, &mut tape)
+                .forward(0, self.units(), x, &mut tape)
                 .expect(solo);
-            let loss = self.model.loss(&out, &y, &mut tape).expect(solo) / b as f64;
+            let loss = self.model.loss(&out, y, &mut tape).expect(solo) / b;
             self.model.backward(tape, &loss, None).expect(solo);
             acc = acc + loss.detach().to_kind(Kind::Double).reshape([1]);
         }
-        ledger_line(
-            &mut self.ledger,
-            serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used}),
-        );
         acc.to_kind(Kind::Float)
     }
 
@@ -810,7 +794,6 @@ impl Trainer {
         rank: u32,
     ) -> Result<f64, CommError> {
         let comm = arc.as_ref();
-        let world = comm.world();
         let t0 = Instant::now();
         if self.reduces_per_unit() {
             return self.full_step(arc, g, rank, t0);
@@ -819,17 +802,12 @@ impl Trainer {
             return self.bucketed_step(arc, g, rank, t0);
         }
         let flat = {
-            let shards = self.logical_shards();
-            let v = shards.len() as u64;
-            let ahead: Vec<(u64, u64)> = split_range(v, world, rank)
-                .map(|k| (shards[k as usize].start, shards[k as usize].len))
-                .collect();
-            self.read_ahead(&ahead);
+            let v = self.logical_shards().len() as u64;
             let mut mine = Vec::new();
-            for k in split_range(v, world, rank) {
+            for part in self.step_parts(comm, g, rank) {
                 self.zero_grads();
-                let l = self.accumulate(shards[k as usize], g, rank);
-                mine.push((k, self.flat_grads(l, g.number)));
+                let l = self.accumulate(&part.micro);
+                mine.push((part.k, self.flat_grads(l, g.number)));
             }
             self.computed_for(rank, t0);
             let mine: Vec<_> = mine.iter().map(|(k, t)| (*k, comm.place(t))).collect();
@@ -862,9 +840,8 @@ impl Trainer {
         t0: Instant,
     ) -> Result<f64, CommError> {
         let comm = arc.as_ref();
-        let (b, world) = (self.spec.global_batch as u64, comm.world());
+        let world = comm.world();
         self.zero_grads();
-        let share = split_batch(b, world)[rank as usize];
         if world > 1 && crate::faults::oversized_frame_now(rank, self.step) {
             tracing::warn!(
                 step = self.step,
@@ -875,8 +852,9 @@ impl Trainer {
         if self.overlaps(g, world) {
             return self.overlapped_step(arc, g, rank, t0);
         }
-        self.read_ahead(&[(share.start, share.len)]);
-        let l = self.accumulate(share, g, rank);
+        // (outside deterministic mode a rank's step is one part: its share of the batch)
+        let parts = self.step_parts(comm, g, rank);
+        let l = self.accumulate(&parts[0].micro);
         self.computed_for(rank, t0);
         let (grads, riders) = self.reduce_in_buckets(comm, l, g.number)?;
         // one device→host read of the three scalars that rode along

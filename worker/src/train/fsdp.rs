@@ -70,7 +70,7 @@ struct Reducing {
 /// each as micro-batches of sample indices.
 pub(super) struct Part {
     /// The logical shard's index (deterministic mode; 0 otherwise).
-    k: u64,
+    pub(super) k: u64,
     pub(super) micro: Vec<(Tensor, Tensor)>,
 }
 
