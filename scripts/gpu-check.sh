@@ -19,12 +19,17 @@
 #     6. Hugging Face Llama and GPT-2 fixtures on cuda:0 (NCCL; TP 2 and two pipeline stages
 #        over TCP), bitwise equal across layouts through kills, exported;
 #     7. figures: SmolLM2-135M's architecture training on cuda:0 in fp32 and bf16 (tokens/s,
-#        MFU), against PyTorch eager where the machine has transformers. GPU_CHECK_STEPS="6 7" runs only those.
+#        MFU), unsharded and fully sharded (sharding = "full" at world 1: every unit gathered and
+#        its gradients reduce-scattered over NCCL), against PyTorch eager where the machine has
+#        transformers. GPU_CHECK_STEPS="6 7" runs only those.
 #     8. a PyTorch DDP script as a runtime = "torchrun" job on cuda:0 with NCCL: the script
 #        SIGKILLed, the world restarts from its checkpoint, the job succeeds.
 #   9. a TorchFT script (examples/torchft/train_ddp.py --device cuda, torchft 0.2.0 carried as
 #      wheels) as a runtime = "torchft" job of two replica groups sharing cuda:0 (gloo between
 #      them): one group's program SIGKILLed is restarted alone, heals and rejoins; equal weights.
+#  10. full sharding on NCCL at world 1 (sharding = "full": each unit all-gathered before its
+#      forward and backward, its gradients folded in order): a deterministic GPT job, its worker
+#      SIGKILLed, ends bitwise equal to the unsharded run on the same GPU.
 #   It exits non-zero on any failure.
 #
 # Environment: TORCH_LIB (default: the torch/lib of `python3 -c 'import torch'`), DUCTILE_BIN_DIR
@@ -36,7 +41,7 @@ cd "$root"
 log() { printf '\n[gpu-check] %s\n' "$*"; }
 fail() { printf '\n[gpu-check] FAILED: %s\n' "$*" >&2; exit 1; }
 # GPU_CHECK_STEPS="2 6" runs only those steps (5 needs 3's checkpoint), to rerun what failed
-steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9} "
+steps=" ${GPU_CHECK_STEPS:-1 2 3 4 5 6 7 8 9 10} "
 want() { [[ "$steps" == *" $1 "* ]]; }
 
 if [ "${1:-}" = pack ]; then
@@ -252,7 +257,7 @@ done
 kill -TERM "${agent_pid[gpu-a]}"; sleep 3
 fi
 
-# a deterministic GPT job: NAME MIN MAX STEPS CHECKPOINT-DIR INTERVAL KEEP
+# a deterministic GPT job: NAME MIN MAX STEPS CHECKPOINT-DIR INTERVAL KEEP [EXTRA-TRAINING-LINES]
 det_job() {
   cat >"$work/$1.toml" <<JOB
 name = "$1"
@@ -270,6 +275,7 @@ lr = 1e-3
 seed = 11
 deterministic = true
 logical_shards = 6
+${8:-}
 [checkpoint]
 url = "file://$work/$5"
 interval = $6
@@ -470,8 +476,11 @@ print(v * d + l * (d * hd * (2 * h + 2 * kv) + 3 * d * f + 2 * d) + d)")
 echo "SmolLM2-135M: $params parameters, batch $batch x $ctx"
 start_agent gpu-h --gpus 0
 sleep 1
-for prec in fp32 bf16; do
-  job=smol$prec
+# (each precision unsharded, then fully sharded at world 1: the gathers and reduce-scatters on NCCL)
+for run in fp32 bf16 fp32:full bf16:full; do
+  prec=${run%%:*}
+  sharding=$([ "$run" = "$prec" ] && echo none || echo full)
+  job=smol$prec$([ "$sharding" = full ] && echo full || true)
   cat >"$work/$job.toml" <<JOB
 name = "$job"
 min = 1
@@ -488,6 +497,7 @@ seed = 1
 max_steps = 100000
 comm = "nccl"
 precision = "$prec"
+sharding = "$sharding"
 model_config = { ctx = $ctx }
 JOB
   dctl submit "$work/$job.toml"
@@ -498,7 +508,7 @@ JOB
   py "
 tok = ($s1 - $s0) * $batch * $ctx / ($t1 - $t0)
 peak = {'fp32': 67e12, 'bf16': 989e12}['$prec']
-print(f'ductile $prec: {tok:.0f} tokens/s ({$s1 - $s0} steps in {$t1 - $t0:.1f} s), MFU {6 * $params * tok / peak * 100:.1f}%')"
+print(f'ductile $prec, sharding $sharding: {tok:.0f} tokens/s ({$s1 - $s0} steps in {$t1 - $t0:.1f} s), MFU {6 * $params * tok / peak * 100:.1f}%')"
   dctl stop "$job" >/dev/null
   wait_for 60 "job $job stopped" "v['state'] in ('Stopped', 'Succeeded', 'Failed')"
 done
@@ -626,5 +636,32 @@ echo "torchft1: group 1's program (pid $victim) SIGKILLed on cuda:0: group 0 (pi
 dctl events "$job" | tail -4
 for a in gpu-f1 gpu-f2; do kill -TERM "${agent_pid[$a]}"; done; sleep 2
 fi
+fi
+if want 10; then
+log "10. full sharding on NCCL at world 1: a deterministic GPT, unsharded and fully sharded (its worker SIGKILLed), bitwise equal"
+start_agent gpu-s --gpus 0
+sleep 1
+job=unsharded1
+det_job "$job" 1 1 150 ckpt-$job 25 2 'comm = "nccl"'
+wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
+plain_sha=$(field "v.get('final_weights_sha256')")
+job=full1
+det_job "$job" 1 1 150 ckpt-$job 25 2 'comm = "nccl"
+sharding = "full"'
+wait_for 180 "job $job past step 40 on the GPU" "v['step'] >= 40 and v['state'] == 'Running'"
+victim=$(field "v['members'][0]['pid']")
+echo "SIGKILL worker $victim at step $(field "v['step']")"
+kill -9 "$victim"
+wait_for 300 "job $job succeeded" "v['state'] == 'Succeeded'"
+full_sha=$(field "v.get('final_weights_sha256')")
+backend=$(dctl events "$job" --json | tail -1 | py "import json,sys; print(json.loads(sys.stdin.read()).get('backend'))")
+told=$(grep -h "all-gathered over a shard group of 1 before its forward" "$work/agent-gpu-s.log" | tail -1)
+echo "the sharded step on the GPU: ${told:-not logged}"
+[ -n "$told" ] || fail "full1 did not run the gather/reduce-scatter path"
+[ "$backend" = nccl ] || fail "full1 ran on $backend"
+echo "unsharded1: sha256 $plain_sha; full1 (sharding = \"full\" at world 1 on NCCL, killed): sha256 $full_sha"
+[ -n "$plain_sha" ] && [ "$plain_sha" = "$full_sha" ] || fail "the fully sharded weights differ from the unsharded run's on the GPU"
+echo "full sharding at world 1 on NCCL: bitwise equal to the unsharded run: yes"
+kill -TERM "${agent_pid[gpu-s]}"; sleep 2
 fi
 log "all GPU checks passed"

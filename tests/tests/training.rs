@@ -567,6 +567,16 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
             .all(|g| g.state_source != StateSource::Checkpoint),
         "a resize re-cuts the shards in place: {h:#?}"
     );
+    // every world, one included (FSDP2 at a mesh of one), ran the gathers and the reductions
+    let logs = c.logs();
+    for s in [4, 3, 1, 2] {
+        assert!(
+            logs.contains(&format!(
+                "all-gathered over a shard group of {s} before its forward"
+            )),
+            "a sharded step at a shard group of {s}"
+        );
+    }
     let done = c.wait_done("full", S(180));
     assert_eq!(
         final_hashes(&c, "full"),

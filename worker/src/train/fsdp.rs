@@ -33,6 +33,7 @@
 //! backward's, and with the same folds the bits equal the unsharded data-parallel run's.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -44,6 +45,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::overlap::{CommQueue, Ticket};
 use super::{ledger_line, Trainer};
+
+/// The generation whose sharded step was last told in the log (once per generation).
+static TOLD: AtomicU64 = AtomicU64::new(u64::MAX);
 
 /// A unit's parameters being gathered on the step's [`CommQueue`] (the next unit's while this
 /// one computes): every place's rows, padded.
@@ -87,13 +91,19 @@ impl Trainer {
     }
 
     /// Whether this rank's step runs unit by unit and keeps its rows of the summed gradient
-    /// only (`sharding = "gradients"` or `"full"`, a shard group of more than one). A model in
-    /// logical tensor slices (a staged or tensor-parallel job's `tensor_slices`, at a layout
-    /// of data parallelism alone) steps as ZeRO-1 does there: the same bits.
+    /// only: `sharding = "full"` at any shard group, one member included (as FSDP2 at a mesh of
+    /// one: each unit is all-gathered and its gradients reduce-scattered over that one rank, so
+    /// a world of one, on NCCL too, runs the path every size runs), `"gradients"` at a shard
+    /// group of more than one. A model in logical tensor slices (a staged or tensor-parallel
+    /// job's `tensor_slices`, at a layout of data parallelism alone) steps as ZeRO-1 does
+    /// there: the same bits.
     pub(crate) fn reduces_per_unit(&self) -> bool {
-        matches!(self.spec.sharding, Sharding::Gradients | Sharding::Full)
-            && self.shard_held.0 > 1
-            && !self.model.sliced()
+        let by_unit = match self.spec.sharding {
+            Sharding::Full => true,
+            Sharding::Gradients => self.shard_held.0 > 1,
+            _ => false,
+        };
+        by_unit && !self.model.sliced()
     }
 
     /// The shard group of this rank in `g` (consecutive data-parallel ranks of its stage and
@@ -342,6 +352,25 @@ impl Trainer {
         let b = self.spec.global_batch as f64;
         let units = self.units();
         let keep = self.keeps_gathered();
+        if TOLD.swap(g.number, Ordering::SeqCst) != g.number {
+            let s = self.shard_held.0;
+            let params = match (self.fully_sharded(), keep) {
+                (true, true) => format!("parameters all-gathered over a shard group of {s} before its forward and kept for its backward"),
+                (true, false) => format!("parameters all-gathered over a shard group of {s} before its forward and again before its backward"),
+                (false, _) => "parameters whole (nothing gathered)".to_string(),
+            };
+            let reduced = match (self.spec.deterministic, grp.is_some()) {
+                (true, _) => "folded over the logical shards in order",
+                (false, true) => "all-reduced over the replicas",
+                (false, false) => "reduce-scattered",
+            };
+            tracing::info!(
+                generation = g.number,
+                shard = s,
+                units,
+                "sharded step: each of {units} units' {params}, its gradients {reduced} after its backward (this rank keeps its rows of the sum)"
+            );
+        }
         let parts = self.step_parts(comm, g, rank);
         // forward: each unit's input, per part and micro-batch (the last unit runs in the
         // backward, with its loss); keeping the gathered parameters, each unit's input as a
