@@ -477,9 +477,8 @@ echo "SmolLM2-135M: $params parameters, batch $batch x $ctx"
 start_agent gpu-h --gpus 0
 sleep 1
 # (each precision unsharded, then fully sharded at world 1: the gathers and reduce-scatters on NCCL)
-for run in fp32 bf16 fp32:full bf16:full; do
-  prec=${run%%:*}
-  sharding=$([ "$run" = "$prec" ] && echo none || echo full)
+for run in fp32:none bf16:none fp32:full bf16:full; do
+  prec=${run%:*} sharding=${run#*:}
   job=smol$prec$([ "$sharding" = full ] && echo full || true)
   cat >"$work/$job.toml" <<JOB
 name = "$job"

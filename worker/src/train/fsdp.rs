@@ -338,6 +338,31 @@ impl Trainer {
         r
     }
 
+    /// Say once per generation, in the log, how the sharded step gathers and reduces.
+    fn tell_step(&self, g: &Generation, units: usize, keep: bool, grouped: bool) {
+        if TOLD.swap(g.number, Ordering::SeqCst) == g.number {
+            return;
+        }
+        let s = self.shard_held.0;
+        let params = if self.fully_sharded() {
+            let then = if keep { "kept for" } else { "again before" };
+            format!("parameters all-gathered over a shard group of {s} before its forward and {then} its backward")
+        } else {
+            "parameters whole (nothing gathered)".to_string()
+        };
+        let reduced = match (self.spec.deterministic, grouped) {
+            (true, _) => "folded over the logical shards in order",
+            (false, true) => "all-reduced over the replicas",
+            (false, false) => "reduce-scattered",
+        };
+        tracing::info!(
+            generation = g.number,
+            shard = s,
+            units,
+            "sharded step: each of {units} units' {params}, its gradients {reduced} after its backward (this rank keeps its rows of the sum)"
+        );
+    }
+
     /// [`Trainer::full_step`]'s work; `kept`: the rows of the parameters kept whole.
     fn full_step_keeping(
         &mut self,
@@ -352,25 +377,7 @@ impl Trainer {
         let b = self.spec.global_batch as f64;
         let units = self.units();
         let keep = self.keeps_gathered();
-        if TOLD.swap(g.number, Ordering::SeqCst) != g.number {
-            let s = self.shard_held.0;
-            let params = match (self.fully_sharded(), keep) {
-                (true, true) => format!("parameters all-gathered over a shard group of {s} before its forward and kept for its backward"),
-                (true, false) => format!("parameters all-gathered over a shard group of {s} before its forward and again before its backward"),
-                (false, _) => "parameters whole (nothing gathered)".to_string(),
-            };
-            let reduced = match (self.spec.deterministic, grp.is_some()) {
-                (true, _) => "folded over the logical shards in order",
-                (false, true) => "all-reduced over the replicas",
-                (false, false) => "reduce-scattered",
-            };
-            tracing::info!(
-                generation = g.number,
-                shard = s,
-                units,
-                "sharded step: each of {units} units' {params}, its gradients {reduced} after its backward (this rank keeps its rows of the sum)"
-            );
-        }
+        self.tell_step(g, units, keep, grp.is_some());
         let parts = self.step_parts(comm, g, rank);
         // forward: each unit's input, per part and micro-batch (the last unit runs in the
         // backward, with its loss); keeping the gathered parameters, each unit's input as a
