@@ -193,7 +193,7 @@ fn mib_list(peaks: &[f64]) -> String {
 }
 
 /// The peak resident memory so far (Linux: VmHWM), in MiB, of each member of job `bench`.
-fn peaks_mib(c: &Cluster) -> Vec<f64> {
+pub(crate) fn peaks_mib(c: &Cluster) -> Vec<f64> {
     c.status("bench")
         .members
         .iter()

@@ -363,6 +363,21 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         tensor_parallel: u32,
     },
+    /// Full sharding under tensor groups (2D FSDP + TP): a GPT at world 4 as dp2 × tp2,
+    /// unsharded against fully sharded over each tensor place's 2 replicas, in alternating
+    /// rounds: state bytes and peak resident memory per rank, samples/s, medians and the
+    /// median of the paired ratios.
+    FsdpTp {
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long, default_value_t = 256)]
+        d_model: u32,
+        #[arg(long, default_value_t = 8)]
+        n_layer: u32,
+        /// Progress reports (steps) measured per round.
+        #[arg(long, default_value_t = 4)]
+        reports: usize,
+    },
     /// The pipeline schedules' measured idle fraction per stage against (p−1)/(m+p−1), with a
     /// calibrated sleep per layer over the TCP backend's point-to-point sends.
     Bubble {
@@ -630,6 +645,12 @@ async fn main() -> anyhow::Result<()> {
             d_model,
             tensor_parallel,
         } => pipeline::recovery(rounds, d_model, tensor_parallel).await,
+        Cmd::FsdpTp {
+            rounds,
+            d_model,
+            n_layer,
+            reports,
+        } => pipeline::fsdp_tp(rounds, d_model, n_layer, reports).await,
         Cmd::Bubble {
             stages,
             micro_batches,

@@ -39,6 +39,73 @@ fn pipeline_job(data: &str, pp: &str, d_model: u32) -> String {
     )
 }
 
+/// `ductile-bench fsdp-tp` (see its help): rows of (state bytes, peak MiB, samples/s) per
+/// rank's largest, for "none" and "full", one cluster per run.
+pub async fn fsdp_tp(
+    rounds: usize,
+    d_model: u32,
+    n_layer: u32,
+    reports: usize,
+) -> anyhow::Result<()> {
+    let levels = ["none", "full"];
+    let mut rows: Vec<Vec<[f64; 3]>> = vec![Vec::new(); levels.len()];
+    for round in 0..rounds {
+        for (i, level) in levels.iter().enumerate() {
+            let c = Cluster::start(Spec::default().agents(2, 2));
+            let data = synth(c.dir.path(), "tokens", 200_000);
+            c.submit(&format!(
+                "{}max_steps = 1000000\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\nsharding = \"{level}\"\n[training.model_config]\nn_layer = {n_layer}\nd_model = {d_model}\n[checkpoint]\nurl = \"file://{}/ck\"\ninterval = 1000000\n",
+                training_toml("bench", 2, 4, 4, "gpt", &data, "restart_budget = 10"),
+                c.dir.path().display()
+            ));
+            let v = c.wait_world("bench", 4, Duration::from_secs(120));
+            let mut sps = throughput(&c, 3, reports, Duration::from_secs(900)).await;
+            anyhow::ensure!(!sps.is_empty(), "no throughput reported:\n{}", c.logs());
+            let state = c
+                .joins("bench", v.generation, 4)
+                .await
+                .iter()
+                .map(|j| j.state_bytes as f64)
+                .fold(0.0, f64::max);
+            let peak = crate::hf::peaks_mib(&c).into_iter().fold(0.0, f64::max);
+            let row = [state, peak, median(&mut sps)];
+            println!(
+                "fsdp-tp round {round}: {} sharding {level}: state {:.1} MiB, peak {:.0} MiB per rank, {:.2} samples/s",
+                v.layout.map(|l| l.to_string()).unwrap_or_default(),
+                row[0] / (1 << 20) as f64,
+                row[1],
+                row[2]
+            );
+            rows[i].push(row);
+        }
+    }
+    let med = |r: &[[f64; 3]], k: usize| median(&mut r.iter().map(|x| x[k]).collect::<Vec<_>>());
+    for (level, r) in levels.iter().zip(&rows) {
+        println!(
+            "fsdp-tp, GPT d_model {d_model} n_layer {n_layer}, world 4 (dp2 × tp2), median of {rounds}: sharding {level}: state {:.1} MiB, peak {:.0} MiB per rank, {:.2} samples/s",
+            med(r, 0) / (1 << 20) as f64,
+            med(r, 1),
+            med(r, 2)
+        );
+    }
+    let ratio = |k: usize| {
+        median(
+            &mut rows[1]
+                .iter()
+                .zip(&rows[0])
+                .map(|(a, b)| a[k] / b[k])
+                .collect::<Vec<_>>(),
+        )
+    };
+    println!(
+        "fsdp-tp: full / none, median of paired ratios: state {:.3}, peak memory {:.3}, samples/s {:.3}",
+        ratio(0),
+        ratio(1),
+        ratio(2)
+    );
+    Ok(())
+}
+
 pub async fn recovery(rounds: usize, d_model: u32, tp: u32) -> anyhow::Result<()> {
     let c = Cluster::start(Spec {
         restart_backoff_ms: 3000,

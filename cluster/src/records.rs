@@ -2083,6 +2083,31 @@ impl TrainingSpec {
             self.sharding,
             Sharding::Optimizer | Sharding::Gradients | Sharding::Auto
         ) && self.strategy.pipelined();
+        // "full" under tensor groups (torchtitan's 2D FSDP + TP): each tensor place's
+        // replicas shard its slices' parameters too, one unit gathered at a time
+        let full_tp = self.sharding == Sharding::Full && self.strategy.pipelined();
+        if full_tp {
+            let why = if self.strategy != Strategy::Hybrid {
+                Some("needs strategy = \"hybrid\" with a fixed tensor_parallel (2D: full sharding over each tensor place's replicas)".to_string())
+            } else if !matches!(self.tensor_parallel, Degree::Fixed(n) if n > 1) {
+                Some("under tensor groups needs a fixed tensor_parallel of 2 or more".into())
+            } else if self.pipeline_parallel != Degree::Fixed(1) {
+                Some("composes with tensor groups (pipeline_parallel = 1): a stage runs every micro-batch of a step on its whole parameters, so with stages shard the optimizer state or the gradients (sharding = \"optimizer\" or \"gradients\")".into())
+            } else if self.deterministic {
+                Some("under tensor groups is not bitwise deterministic yet: use deterministic = false, or sharding = \"gradients\" (ZeRO-2), which is".into())
+            } else if self.reshard_after_forward == Some(false) {
+                Some("under tensor groups gathers each unit again for its backward: reshard_after_forward = false runs with strategy = \"data-parallel\"".into())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(ClusterError::invalid(
+                    "training.sharding",
+                    format!("\"full\" {why}"),
+                ));
+            }
+        }
+        let over_stages = over_stages || full_tp;
         if self.sharding.is_sharded() && self.sync != SyncMode::Allreduce {
             return Err(ClusterError::invalid(
                 "training.sharding",
@@ -3281,7 +3306,7 @@ keep = 3
     /// Stages and tensor groups shard the optimizer state ("optimizer") and the summed
     /// gradients ("gradients") over their replicas, with logical tensor slices too, and count
     /// their memory alike (a stage accumulates its micro-batches' gradients whole); "full" is
-    /// refused with the reason.
+    /// refused with stages, with the reason, and runs under tensor groups alone (2D).
     #[test]
     fn stages_shard_the_state_and_the_summed_gradients_not_the_parameters() {
         let with = |layout: &str, extra: &str| {
@@ -3308,9 +3333,39 @@ keep = 3
         assert_eq!(bytes("gradients"), bytes("optimizer"));
         let e = spec("sharding = \"full\"").unwrap_err().to_string();
         assert!(
-            e.contains("training.sharding") && e.contains("not the parameters"),
+            e.contains("training.sharding")
+                && e.contains("shard the optimizer state or the gradients"),
             "{e}"
         );
+        // "full" under tensor groups alone (2D FSDP + TP): accepted outside deterministic mode
+        let two_d = |extra: &str| {
+            with(
+                "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\nsharding = \"full\"",
+                extra,
+            )
+        };
+        assert!(two_d("").is_ok(), "{:?}", two_d("").err());
+        for (extra, says) in [
+            (
+                "deterministic = true\ntensor_slices = 2",
+                "not bitwise deterministic yet",
+            ),
+            (
+                "reshard_after_forward = false",
+                "reshard_after_forward = false runs",
+            ),
+            ("shard_group = \"node\"", "give a number of replicas"),
+        ] {
+            let e = two_d(extra).unwrap_err().to_string();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        let e = with(
+            "strategy = \"pipeline\"\npipeline_parallel = 1",
+            "sharding = \"full\"",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("needs strategy = \"hybrid\""), "{e}");
         // data parallel alone computes each unit whole under "gradients": no logical slices
         let e = with(
             "strategy = \"data-parallel\"",

@@ -273,6 +273,17 @@ fn model_step(
             // over the shard group of their replicas
             memory_bytes: match t.min_slot_bytes(world).filter(|_| t.sharding.is_sharded()) {
                 Some(b) if !over_replicas(t) => b,
+                _ if t.sharding == Sharding::Full => {
+                    // 2D: rows of the slices' parameters and of their state over the shard
+                    // group; one unit's slices gathered, with their gradients, at a time; each
+                    // unit's input kept per micro-batch (the units run again in the backward)
+                    let slice = params.div_ceil(tp as u64) * 4;
+                    let biggest = part.iter().map(|u| u.params).max().unwrap_or(0);
+                    let unit = biggest.div_ceil(tp as u64) * 4;
+                    (slice * (1 + opt_states)).div_ceil(shard as u64)
+                        + 4 * unit
+                        + stash.div_ceil(tp as u64) * micro * in_flight / v as u64
+                }
                 _ => {
                     let slice = params.div_ceil(tp as u64) * 4;
                     slice * 2
@@ -328,7 +339,8 @@ fn model_step(
 /// submit, before it is planned for a world.)
 fn over_replicas(t: &TrainingSpec) -> bool {
     match t.sharding {
-        Sharding::Optimizer | Sharding::Gradients => t.strategy.pipelined(),
+        // ("full" under stages is refused at submit: tensor groups alone, 2D)
+        Sharding::Optimizer | Sharding::Gradients | Sharding::Full => t.strategy.pipelined(),
         Sharding::Auto => matches!(t.strategy, Strategy::Pipeline | Strategy::Hybrid),
         _ => false,
     }
@@ -554,6 +566,40 @@ mod tests {
         // data parallel keeps its own shard groups (the daemon's), not the planner's
         t.strategy = Strategy::DataParallel;
         assert_eq!(dp_shard(&t, 8), 1);
+    }
+
+    /// `sharding = "full"` under tensor groups (2D FSDP + TP): each tensor place's replicas
+    /// shard its slices' parameters and state (the layout says the shard group), and the
+    /// planned memory per rank is below ZeRO-1's and ZeRO-2's at the same layout, above the
+    /// rows alone (a unit gathered at a time).
+    #[test]
+    fn tensor_groups_shard_their_parameters_over_their_replicas_under_full_sharding() {
+        let mut t = gpt("hybrid", Degree::Fixed(1), 4);
+        t.tensor_parallel = Degree::Fixed(2);
+        let at = |t: &TrainingSpec| {
+            let p = plan(t, 8).unwrap();
+            (
+                p.layout.to_string(),
+                p.stages[0].memory_bytes,
+                p.stages[0].params,
+            )
+        };
+        let (layout, whole, params) = at(&t);
+        assert_eq!(layout, "dp4×pp1×tp2");
+        t.sharding = Sharding::Optimizer;
+        let (layout, zero1, _) = at(&t);
+        assert_eq!(layout, "dp4(shard4)×pp1×tp2");
+        t.sharding = Sharding::Full;
+        let (layout, full, _) = at(&t);
+        assert_eq!(layout, "dp4(shard4)×pp1×tp2");
+        assert!(full < zero1 && zero1 < whole, "{full} {zero1} {whole}");
+        // a slice's parameters and AdamW's two states, a quarter of them on each rank
+        assert!(
+            full > (params / 2 * 4 * 3) / 4,
+            "{full} for {params} parameters"
+        );
+        t.shard_group = Some(ShardGroup::Ranks(2));
+        assert_eq!(at(&t).0, "dp4(shard2)×pp1×tp2");
     }
 
     /// `sharding = "auto"` with stages: a layout keeps its optimizer state whole where its

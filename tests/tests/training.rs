@@ -3,7 +3,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use ductile_cluster::records::{Reason, Sharding, StateSource};
+use ductile_cluster::api::JobView;
+use ductile_cluster::records::{Generation, Reason, Sharding, StateSource};
 use ductile_tests::*;
 
 const S: fn(u64) -> Duration = Duration::from_secs;
@@ -443,7 +444,7 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
         (
             "sharding = \"full\"\nstrategy = \"pipeline\"",
             false,
-            "pipeline and tensor layouts shard the optimizer state and the summed gradients",
+            "\"full\" needs strategy = \"hybrid\" with a fixed tensor_parallel",
         ),
         (
             "sharding = \"optimizer\"\nstrategy = \"pipeline\"\nshard_group = \"node\"",
@@ -466,6 +467,49 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
         let (ok, _, err) = c.dctl(&["submit", path.to_str().unwrap()]);
         assert!(!ok && err.contains(says), "{extra}: {err}");
     }
+}
+
+/// Each rank's state bytes in `job`'s first generation, from the ranks' join records.
+fn first_state_bytes(c: &Cluster, rt: &tokio::runtime::Runtime, job: &str) -> Vec<u64> {
+    let g = c.history(job)[0].clone();
+    rt.block_on(c.joins(job, g.number, g.world_size))
+        .iter()
+        .map(|j| j.state_bytes)
+        .collect()
+}
+
+/// SIGKILL member `k` of `v` (a generation of `job` at world 4, sharded without a replica)
+/// past step `at`: a generation restores the lost rows from the checkpoint, and the job is
+/// back at 4.
+fn kill_restores_from_checkpoint(c: &Cluster, job: &str, v: &JobView, k: usize, at: u64) {
+    c.wait_step(job, at, S(60));
+    let before = c.history(job).last().unwrap().number;
+    unsafe { libc::kill(v.members[k].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_for(S(60), "the lost rows restored from the checkpoint", || {
+        c.history(job)
+            .into_iter()
+            .find(|g| g.number > before && g.state_source == StateSource::Checkpoint)
+    });
+    c.wait_world(job, 4, S(60));
+}
+
+/// `dctl scale` `job` through `worlds`, 30 steps at each: no generation since restores from a
+/// checkpoint (the shards are re-cut in place). Returns the job's history.
+fn resize_in_place(c: &Cluster, job: &str, worlds: &[u32]) -> Vec<Generation> {
+    let before = c.history(job).last().unwrap().number;
+    for world in worlds {
+        c.dctl_ok(&["scale", job, &world.to_string()]);
+        c.wait_world(job, *world, S(60));
+        c.wait_step(job, c.status(job).step + 30, S(90));
+    }
+    let h = c.history(job);
+    assert!(
+        h.iter()
+            .filter(|g| g.number > before)
+            .all(|g| g.state_source != StateSource::Checkpoint),
+        "a resize re-cuts the shards in place: {h:#?}"
+    );
+    h
 }
 
 /// Job "hsdp" (4 ranks in shard groups of 2): a SIGKILL at step `at` loses no shard (the
@@ -528,12 +572,7 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
         norm.is_some_and(|n| n > 0.3),
         "clipping at 0.3 acts on the sharded gradients: {norm:?}"
     );
-    let g = c.history("full")[0].clone();
-    let held: Vec<u64> = rt
-        .block_on(c.joins("full", g.number, g.world_size))
-        .iter()
-        .map(|j| j.state_bytes)
-        .collect();
+    let held = first_state_bytes(&c, &rt, "full");
     // a quarter of the parameters and of their two moments (rows split unevenly: a little more)
     assert!(
         held.iter().all(|b| *b * 100 < whole * 30),
@@ -545,28 +584,8 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
             .contains("made the seed's parameters in their rows, unit by unit shard=4"),
         "the workers made their rows of the seed"
     );
-    c.wait_step("full", 60, S(60));
-    let before = c.history("full").last().unwrap().number;
-    unsafe { libc::kill(v.members[2].pid.unwrap() as i32, libc::SIGKILL) };
-    c.wait_for(S(60), "the lost shard restored from the checkpoint", || {
-        c.history("full")
-            .into_iter()
-            .find(|g| g.number > before && g.state_source == StateSource::Checkpoint)
-    });
-    c.wait_world("full", 4, S(60));
-    let before = c.history("full").last().unwrap().number;
-    for world in [3u32, 1, 2] {
-        c.dctl_ok(&["scale", "full", &world.to_string()]);
-        c.wait_world("full", world, S(60));
-        c.wait_step("full", c.status("full").step + 30, S(90));
-    }
-    let h = c.history("full");
-    assert!(
-        h.iter()
-            .filter(|g| g.number > before)
-            .all(|g| g.state_source != StateSource::Checkpoint),
-        "a resize re-cuts the shards in place: {h:#?}"
-    );
+    kill_restores_from_checkpoint(&c, "full", &v, 2, 60);
+    resize_in_place(&c, "full", &[3, 1, 2]);
     // every world, one included (FSDP2 at a mesh of one), ran the gathers and the reductions
     let logs = c.logs();
     for s in [4, 3, 1, 2] {
@@ -719,6 +738,116 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
     assert!(joins.iter().all(|j| j.step == 400), "{joins:?}");
     let done = c.wait_done("again", S(180));
     assert_eq!(done.step, 480);
+}
+
+/// Full sharding under tensor groups (issue 47: torchtitan's 2D FSDP + TP). A GPT job at
+/// `tensor_parallel = 2` over 4 ranks shards each tensor place's slices over its 2 replicas
+/// (`dp2(shard2)×pp1×tp2`): its ranks hold about half of what the unsharded tensor-parallel
+/// run's hold, the log says each unit is gathered and reduced, it goes on through a SIGKILL
+/// (the lost rows from the checkpoint, a spare meanwhile) and a resize 4 → 2 → 4 (re-cut in
+/// place), clipping by the global norm, and ends with the unsharded tensor-parallel run's eval
+/// loss (to rounding: a non-deterministic job, as deterministic 2D is refused at submit, with
+/// the reason).
+#[test]
+fn training_fully_sharded_under_tensor_groups_trains_as_the_unsharded_tensor_layout() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    let train = |name: &str, extra: &str| {
+        format!(
+            "{}max_steps = 400\neval_fraction = 0.05\neval_samples = 64\nmax_grad_norm = 1.0\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\n{RECIPE}{extra}\n[training.model_config]\nd_model = 48\nn_layer = 3\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 40\n",
+            training_toml(name, 2, 4, 4, "gpt", &data, "restart_budget = 50"),
+            c.dir.path().display()
+        )
+    };
+    c.submit(&train("tp", ""));
+    let v = c.wait_world("tp", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp1×tp2");
+    let tp_done = c.wait_done("tp", S(240));
+    let g1 = c.history("tp")[0].clone();
+    let whole = rt.block_on(c.joins("tp", g1.number, g1.world_size))[0].state_bytes;
+
+    c.submit(&train("full-tp", "sharding = \"full\""));
+    let v = c.wait_world("full-tp", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp1×tp2");
+    let norm = c.wait_step("full-tp", 5, S(60)).grad_norm;
+    assert!(norm.is_some_and(|n| n > 0.0), "the global norm: {norm:?}");
+    let held = first_state_bytes(&c, &rt, "full-tp");
+    // half of each slice's parameters and of their two moments (uneven rows: a little more)
+    assert!(
+        held.iter().all(|b| *b * 100 < whole * 60),
+        "{held:?} vs {whole}"
+    );
+    assert!(
+        c.logs()
+            .contains("all-gathered over a shard group of 2 before its forward"),
+        "the 2D step gathers each unit over the shard group"
+    );
+    kill_restores_from_checkpoint(&c, "full-tp", &v, 1, 60);
+    let h = resize_in_place(&c, "full-tp", &[2, 4]);
+    assert!(
+        h.iter().any(|g| g.layout.to_string() == "dp1×pp1×tp2"),
+        "{h:#?}"
+    );
+    let done = c.wait_done("full-tp", S(240));
+    let (a, b) = (done.eval_loss.unwrap(), tp_done.eval_loss.unwrap());
+    println!("final eval: fully sharded 2D {a:.5}, unsharded tensor-parallel {b:.5}");
+    assert!(
+        (a - b).abs() < 0.01 * b,
+        "the 2D run's final eval {a} against the unsharded tensor-parallel run's {b}"
+    );
+
+    // HSDP under tensor groups: shard groups of one replica, the rows summed across the two
+    let hsdp = train("hsdp-tp", "sharding = \"full\"\nshard_group = 1");
+    c.submit(&hsdp);
+    let v = c.wait_world("hsdp-tp", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp1×tp2");
+    let done = c.wait_done("hsdp-tp", S(240));
+    let a = done.eval_loss.unwrap();
+    assert!(
+        (a - b).abs() < 0.01 * b,
+        "HSDP 2D's final eval {a} against {b}"
+    );
+    assert!(c.logs().contains("all-reduced over the replicas"));
+
+    // a cold start of another layout (data parallel, fully sharded over 3) reads the rows the
+    // 2D run's checkpoint holds: its step 400, and on
+    c.submit(
+        &(train("again", "sharding = \"full\"")
+            .replace(
+                "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\n",
+                "",
+            )
+            .replace("max_steps = 400", "max_steps = 440")
+            .replace("desired = 4", "desired = 3")
+            .replace("ck-again", "ck-full-tp")
+            + "resume_from = [\"full-tp\"]\nallow_recipe_change = true\n"),
+    );
+    let v = c.wait_world("again", 3, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp3(shard3)×pp1×tp1");
+    let g = c.history("again")[0].clone();
+    let joins = rt.block_on(c.joins("again", g.number, g.world_size));
+    assert!(joins.iter().all(|j| j.step == 400), "{joins:?}");
+    assert_eq!(c.wait_done("again", S(180)).step, 440);
+
+    // deterministic 2D is refused, naming why
+    let path = c.dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        train(
+            "bad",
+            "sharding = \"full\"\ndeterministic = true\ntensor_slices = 2",
+        ),
+    )
+    .unwrap();
+    let (ok, _, err) = c.dctl(&["submit", path.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("under tensor groups is not bitwise deterministic yet"),
+        "{err}"
+    );
 }
 
 /// Outside deterministic mode the data-parallel step all-reduces its gradients in buckets as

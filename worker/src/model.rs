@@ -293,6 +293,18 @@ impl Model {
         Ok(h)
     }
 
+    /// Unit `u` alone on its tensor group's slices (the cuts on `tape`), never recomputed:
+    /// full sharding under tensor groups runs each unit again in its backward already.
+    pub fn forward_unit(
+        &self,
+        u: usize,
+        input: &Tensor,
+        tape: &mut Tape,
+    ) -> Result<Tensor, CommError> {
+        let _compute = tp::Compute::new(self.bf16);
+        self.net.forward(u, u + 1, input, &mut self.par(tape))
+    }
+
     /// Unit `u` alone, whole (full sharding runs a model unit by unit, each with its gathered
     /// parameters), in the job's precision.
     pub fn unit_forward(&self, u: usize, input: &Tensor) -> Tensor {

@@ -42,6 +42,7 @@ pub mod diloco;
 pub mod driver;
 mod eval;
 mod fsdp;
+mod fsdp_tp;
 mod norm;
 mod overlap;
 pub mod pipe;
@@ -90,8 +91,12 @@ pub struct Trainer {
     mesh_tls: Option<Arc<ductile_comm::mesh_tls::MeshTls>>,
     /// Time spent computing (forward and backward) since the last rank report.
     computed: Duration,
-    /// The tensor layout of what this rank holds: (group size, its place in the group).
+    /// The tensor layout of what this rank holds: (group size, its place in the group); set
+    /// with [`Trainer::set_tp_held`].
     tp_held: (u32, u32),
+    /// Each parameter's shape when whole on this rank: its tensor slice's under tensor groups,
+    /// else `shapes` (full sharding gathers a parameter's rows to it).
+    gathered: Vec<Vec<i64>>,
     /// The shard of the optimizer state this rank holds (`training.sharding`): (shard group
     /// size, its place in the group); (1, 0) whole.
     pub(crate) shard_held: (u32, u32),
@@ -330,6 +335,7 @@ impl Trainer {
             // a new process holds the seed's state, at step 0
             held: vec![0..units],
             received: 0,
+            gathered: shapes.clone(),
             shapes,
             tp_held: (1, 0),
             shard_held: (1, 0),

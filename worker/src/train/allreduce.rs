@@ -1,7 +1,8 @@
 //! Synchronous all-reduce training (`sync = "allreduce"`): every step is committed by the whole
 //! world. Data parallel generations take the data-parallel step ([`Trainer::train_step`]);
 //! pipeline and tensor parallel layouts (and generations with spares) the pipeline step
-//! ([`Trainer::pipe_step`], laid out by the generation's `Mesh`). The agreement is the
+//! ([`Trainer::pipe_step`], laid out by the generation's `Mesh`), except full sharding under
+//! tensor groups ([`Trainer::full_tp_step`]). The agreement is the
 //! holdings' ([`Trainer::agree`]).
 
 use std::sync::Arc;
@@ -59,7 +60,9 @@ impl Mode for Allreduce {
                 checkpoint: false,
             });
         }
-        let loss = if pipelined(g) {
+        let loss = if t.full_under_tp(g) {
+            t.full_tp_step(comm, g, me)?
+        } else if pipelined(g) {
             t.pipe_step(comm, g, me, &mut self.pending)?
         } else {
             t.train_step(comm, g, me.rank)?

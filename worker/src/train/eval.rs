@@ -125,7 +125,7 @@ impl Trainer {
                     (x.to_device(self.dev), y.to_device(self.dev))
                 })
                 .collect();
-            sum = self.full_eval_sum(comm, g, batches)?;
+            sum = self.full_eval_sum(comm, g, batches, me.tp_rank == 0)?;
         } else if !me.spare {
             let p = g.layout.pipeline_parallel.max(1);
             let dp = g.layout.data_parallel.max(1);

@@ -132,17 +132,17 @@ impl Trainer {
     }
 
     /// Rows of parameter `i` that place `k` of the shard group holds: (first, count).
-    fn rows(&self, i: usize, k: u32) -> (i64, i64) {
-        let r = split_range(self.shapes[i][0] as u64, self.shard_held.0, k);
+    pub(super) fn rows(&self, i: usize, k: u32) -> (i64, i64) {
+        let r = split_range(self.gathered[i][0] as u64, self.shard_held.0, k);
         (r.start as i64, (r.end - r.start) as i64)
     }
 
-    fn row_numel(&self, i: usize) -> i64 {
-        self.shapes[i][1..].iter().product()
+    pub(super) fn row_numel(&self, i: usize) -> i64 {
+        self.gathered[i][1..].iter().product()
     }
 
     /// The parameters unit `u` uses (its own, and a tied one it shares).
-    fn unit_params(&self, u: usize) -> Vec<usize> {
+    pub(super) fn unit_params(&self, u: usize) -> Vec<usize> {
         (0..self.params.len())
             .filter(|i| self.param_unit[*i] == u || self.param_also[*i] == Some(u))
             .collect()
@@ -156,7 +156,7 @@ impl Trainer {
     /// All-gather parameters `idx` whole over the shard group: each parameter's variable is
     /// set to the whole tensor; returns what each held before (its rows), for
     /// [`Trainer::release`].
-    fn gather_params(
+    pub(super) fn gather_params(
         &mut self,
         comm: &Arc<dyn Communicator>,
         grp: &Option<Group>,
@@ -229,7 +229,7 @@ impl Trainer {
         let mut off = vec![0i64; s as usize];
         let mut rests = Vec::with_capacity(idx.len());
         for &i in idx {
-            let whole = Tensor::empty(self.shapes[i].as_slice(), (kind, self.dev));
+            let whole = Tensor::empty(self.gathered[i].as_slice(), (kind, self.dev));
             for (k, flat) in all.iter().enumerate() {
                 let (at, n) = self.rows(i, k as u32);
                 if n == 0 {
@@ -237,7 +237,7 @@ impl Trainer {
                 }
                 let len = n * self.row_numel(i);
                 let shape: Vec<i64> = std::iter::once(n)
-                    .chain(self.shapes[i][1..].iter().copied())
+                    .chain(self.gathered[i][1..].iter().copied())
                     .collect();
                 let src = flat.narrow(0, off[k], len).view(shape.as_slice());
                 tch::no_grad(|| whole.narrow(0, at, n).copy_(&src));
@@ -251,7 +251,7 @@ impl Trainer {
     }
 
     /// Put back the rows [`Trainer::gather_params`] took out: the whole tensors are freed.
-    fn release(&mut self, rests: Vec<(usize, Tensor)>) {
+    pub(super) fn release(&mut self, rests: Vec<(usize, Tensor)>) {
         for (i, rest) in rests {
             self.params[i].set_data(&rest);
         }
@@ -265,15 +265,26 @@ impl Trainer {
         g: &Generation,
         rank: u32,
     ) -> Vec<Part> {
-        let world = comm.world();
+        self.step_parts_of(g, (comm.world(), rank), rank, true)
+    }
+
+    /// [`Trainer::step_parts`] of replica `d` of `n` (a tensor group's members compute the
+    /// same samples: `log` says whether this one writes the ledger's lines).
+    pub(super) fn step_parts_of(
+        &mut self,
+        g: &Generation,
+        (n, d): (u32, u32),
+        rank: u32,
+        log: bool,
+    ) -> Vec<Part> {
         let b = self.spec.global_batch as u64;
         let shares: Vec<(u64, ductile_strategies::Share)> = if self.spec.deterministic {
             let shards = self.logical_shards();
-            split_range(shards.len() as u64, world, rank)
+            split_range(shards.len() as u64, n, d)
                 .map(|k| (k, shards[k as usize]))
                 .collect()
         } else {
-            vec![(0, split_batch(b, world)[rank as usize])]
+            vec![(0, split_batch(b, n)[d as usize])]
         };
         let ahead: Vec<(u64, u64)> = shares.iter().map(|(_, s)| (s.start, s.len)).collect();
         self.read_ahead(&ahead);
@@ -295,10 +306,12 @@ impl Trainer {
                 let (x, y) = self.data.batch(&idx);
                 mbs.push((x.to_device(self.dev), y.to_device(self.dev)));
             }
-            ledger_line(
-                &mut self.ledger,
-                serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used}),
-            );
+            if log {
+                ledger_line(
+                    &mut self.ledger,
+                    serde_json::json!({"g": g.number, "s": self.step, "r": rank, "idx": used}),
+                );
+            }
             parts.push(Part { k, micro: mbs });
         }
         parts
@@ -339,7 +352,7 @@ impl Trainer {
     }
 
     /// Say once per generation, in the log, how the sharded step gathers and reduces.
-    fn tell_step(&self, g: &Generation, units: usize, keep: bool, grouped: bool) {
+    pub(super) fn tell_step(&self, g: &Generation, units: usize, keep: bool, grouped: bool) {
         if TOLD.swap(g.number, Ordering::SeqCst) == g.number {
             return;
         }
@@ -822,9 +835,23 @@ impl Trainer {
             // ZeRO-2: the rows stepped, then gathered, as ZeRO-1's update
             self.sharded_update(comm, g, &grads, lr, true)?;
         }
+        if self.fully_sharded() {
+            self.step_rows(&grads, lr);
+        }
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true, "lr": lr, "loss": loss}),
+        );
+        self.step += 1;
+        Ok(())
+    }
+
+    /// The optimizer's step on this rank's rows of every parameter (full sharding), with
+    /// `grads` its rows of the summed gradients.
+    pub(super) fn step_rows(&mut self, grads: &[Tensor], lr: f64) {
         let per = self.opt.per();
         let step = self.step;
-        for (i, gr) in grads.iter().enumerate().filter(|_| self.fully_sharded()) {
+        for (i, gr) in grads.iter().enumerate() {
             if self.params[i].numel() == 0 {
                 continue;
             }
@@ -842,12 +869,6 @@ impl Trainer {
                 step,
             );
         }
-        ledger_line(
-            &mut self.ledger,
-            serde_json::json!({"g": g.number, "s": self.step, "r": rank, "applied": true, "lr": lr, "loss": loss}),
-        );
-        self.step += 1;
-        Ok(())
     }
 
     /// The summed loss over `batches` (this rank's eval samples) of a fully sharded rank:
@@ -858,6 +879,7 @@ impl Trainer {
         comm: &Arc<dyn Communicator>,
         g: &Generation,
         mut batches: Vec<(Tensor, Tensor)>,
+        counts: bool,
     ) -> Result<f64, CommError> {
         let grp = self.shard_group(comm, g)?;
         let units = self.units();
@@ -865,18 +887,21 @@ impl Trainer {
         for u in 0..units {
             let ps = self.unit_params(u);
             let rests = self.gather_params(comm, &grp, &ps)?;
-            tch::no_grad(|| {
+            let r = tch::no_grad(|| -> Result<(), CommError> {
                 for (h, y) in batches.iter_mut() {
-                    let out = self.model.unit_forward(u, h);
+                    let out = self.run_unit(u, h)?;
                     if u + 1 == units {
-                        sum += self.model.whole_loss(&out, y).double_value(&[]);
+                        sum += self.unit_loss(&out, y)?.double_value(&[]);
                     } else {
                         *h = out;
                     }
                 }
+                Ok(())
             });
             self.release(rests);
+            r?;
         }
-        Ok(sum)
+        // (a tensor group's members compute the same loss: one counts it)
+        Ok(if counts { sum } else { 0.0 })
     }
 }

@@ -80,6 +80,26 @@ impl Trainer {
         out
     }
 
+    /// Hold the tensor layout `(tp, k)`: each parameter's shape when whole on this rank
+    /// follows (its slice's).
+    pub(super) fn set_tp_held(&mut self, (tp, k): (u32, u32)) {
+        self.tp_held = (tp, k);
+        let arch = self.model.arch();
+        self.gathered = self
+            .model
+            .params()
+            .iter()
+            .zip(&self.shapes)
+            .map(|((name, _), shape)| {
+                if tp == 1 {
+                    return shape.clone();
+                }
+                let whole: Vec<u64> = shape.iter().map(|d| *d as u64).collect();
+                Holding::of_tensor_place(arch, name, &whole, tp, k).local_shape()
+            })
+            .collect();
+    }
+
     /// A member's place in `g`'s shard groups: (group size, its place), (1, 0) unsharded.
     pub(super) fn shard_of(g: &Generation, m: &Member) -> (u32, u32) {
         let s = g.layout.dp_shard.max(1);
@@ -180,7 +200,7 @@ impl Trainer {
                 .collect();
             self.install(fresh);
             self.held = self.units_of(g, me);
-            self.tp_held = (tp, me.tp_rank);
+            self.set_tp_held((tp, me.tp_rank));
             self.shard_held = Self::shard_of(g, me);
             // (no pending step: the agreement took it before coming here)
             self.step = 0;
@@ -199,7 +219,7 @@ impl Trainer {
         let old: Vec<(Tensor, Holding)> = self
             .tensors()
             .into_iter()
-            .map(|t| t.shallow_clone())
+            .map(|t| t.detach())
             .zip(self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1, self.shard_held))
             .collect();
         let t0 = std::time::Instant::now();
@@ -218,7 +238,7 @@ impl Trainer {
         self.step = step;
         self.received = got.bytes as u64;
         self.held = self.units_of(g, me);
-        self.tp_held = (tp, me.tp_rank);
+        self.set_tp_held((tp, me.tp_rank));
         self.shard_held = Self::shard_of(g, me);
         tracing::info!(
             step,
@@ -271,7 +291,7 @@ impl Trainer {
         let old: Vec<(Tensor, Holding)> = self
             .tensors()
             .into_iter()
-            .map(|t| t.shallow_clone())
+            .map(|t| t.detach())
             .zip(self.holdings_of(&self.held, tp, k, self.shard_held))
             .collect();
         let (fresh, _) = move_state(
@@ -289,7 +309,7 @@ impl Trainer {
             self.install(fresh);
             self.model.set_tensor_group(None);
             self.held = vec![0..self.units()];
-            self.tp_held = (1, 0);
+            self.set_tp_held((1, 0));
             self.shard_held = (1, 0);
         }
         Ok(())
@@ -337,11 +357,15 @@ impl Trainer {
         let names: Vec<String> = self.model.params().into_iter().map(|(n, _)| n).collect();
         let n = self.params.len();
         let hs = self.holdings_of(&self.held, tp, k, self.shard_held);
-        let tensors: Vec<Tensor> = self.tensors().iter().map(|t| t.shallow_clone()).collect();
+        // (detached: a view of a parameter taken with gradients on would keep its gradient
+        // accumulator, and with it the parameter's shape now, alive while the save is in
+        // flight, and full sharding changes that shape when it gathers the parameter)
+        let tensors: Vec<Tensor> = self.tensors().iter().map(|t| t.detach()).collect();
         let mut out = Vec::new();
         for (t, h) in hs.iter().enumerate() {
-            // (replica 0 alone writes what is not sharded: the parameters under ZeRO-1)
-            if h.boxes.is_empty() || (t < n && me.dp_rank != 0) {
+            // (replica 0 alone writes what is not sharded: the parameters under ZeRO-1; under
+            // full sharding each member of shard group 0 writes its rows of them)
+            if h.boxes.is_empty() || (t < n && me.dp_rank != 0 && !self.fully_sharded()) {
                 continue;
             }
             let i = self.param_of(t);
@@ -425,7 +449,7 @@ impl Trainer {
         }
         let n = self.params.len();
         let mut out = Vec::new();
-        for (t, local) in self.tensors().into_iter().enumerate() {
+        for (t, local) in self.tensors().iter().map(|t| t.detach()).enumerate() {
             let i = self.param_of(t);
             let rows = ductile_strategies::split_range(self.shapes[i][0] as u64, s, place);
             if rows.is_empty() {
