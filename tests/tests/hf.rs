@@ -580,6 +580,51 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
 /// through a worker's kill; `dctl export` of its last checkpoint, cut into shards, is a
 /// directory transformers loads, whose loss on held-out text of the pattern is lower than the
 /// original model's.
+/// Full sharding under tensor groups on a Hugging Face directory (issue 47, 2D FSDP + TP):
+/// GPT-2, whose head is tied to the token embedding (the embedding's gradient sums the head's
+/// use and its own across the step's units, its rows gathered for each), at
+/// dp2(shard2)×pp1×tp2 trains as the unsharded tensor-parallel run does: its losses within
+/// rounding, and lower than where it started.
+#[test]
+fn gpt2_fully_sharded_under_tensor_groups_trains_as_the_tensor_layout() {
+    let model = hf_fixtures().join("gpt2");
+    let c = Cluster::start(Spec::default().agents(2, 2));
+    let (data, _) = corpus(c.dir.path(), &model, 300);
+    let job = |name: &str, steps: u64, extra: &str| {
+        format!(
+            "{}[checkpoint]\nurl = \"file://{}/{name}-ck\"\ninterval = 20\n",
+            hf_job(
+                name,
+                4,
+                &model,
+                &data,
+                steps,
+                &format!(
+                    "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\n{extra}"
+                ),
+            )
+            .replace("ctx = 16", "ctx = 16, dropout = \"off\""),
+            c.dir.path().display()
+        )
+    };
+    c.submit(&job("start", 1, "lr = 1e-30").replace("lr = 3e-3\n", ""));
+    let start = c.wait_done("start", S(120)).loss.unwrap();
+    c.submit(&job("tp", 40, ""));
+    let tp = c.wait_done("tp", S(300)).loss.unwrap();
+    c.submit(&job("full-tp", 40, "sharding = \"full\""));
+    let v = c.wait_world("full-tp", 4, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp1×tp2");
+    let full = c.wait_done("full-tp", S(300)).loss.unwrap();
+    println!(
+        "GPT-2's loss: {start:.5} at the start, {tp:.5} at tp2, {full:.5} fully sharded at tp2"
+    );
+    assert!(
+        (full - tp).abs() < 1e-3 * tp.abs(),
+        "fully sharded {full} against {tp}"
+    );
+    assert!(full < start - 0.1, "{full} from {start}");
+}
+
 #[test]
 fn smollm2_fine_tunes_at_tp3_through_a_kill_and_exports_what_transformers_loads() {
     let model = PathBuf::from(

@@ -758,7 +758,7 @@ fn training_fully_sharded_under_tensor_groups_trains_as_the_unsharded_tensor_lay
     let data = synth(c.dir.path(), "tokens", 60_000);
     let train = |name: &str, extra: &str| {
         format!(
-            "{}max_steps = 400\neval_fraction = 0.05\neval_samples = 64\nmax_grad_norm = 1.0\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\n{RECIPE}{extra}\n[training.model_config]\nd_model = 48\nn_layer = 3\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 40\n",
+            "{}max_steps = 200\neval_fraction = 0.05\neval_samples = 64\nmax_grad_norm = 1.0\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\n{extra}\n[training.model_config]\nd_model = 48\nn_layer = 3\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 40\n",
             training_toml(name, 2, 4, 4, "gpt", &data, "restart_budget = 50"),
             c.dir.path().display()
         )
@@ -814,14 +814,14 @@ fn training_fully_sharded_under_tensor_groups_trains_as_the_unsharded_tensor_lay
     assert!(c.logs().contains("all-reduced over the replicas"));
 
     // a cold start of another layout (data parallel, fully sharded over 3) reads the rows the
-    // 2D run's checkpoint holds: its step 400, and on
+    // 2D run's checkpoint holds: its step 200, and on
     c.submit(
         &(train("again", "sharding = \"full\"")
             .replace(
                 "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\n",
                 "",
             )
-            .replace("max_steps = 400", "max_steps = 440")
+            .replace("max_steps = 200", "max_steps = 240")
             .replace("desired = 4", "desired = 3")
             .replace("ck-again", "ck-full-tp")
             + "resume_from = [\"full-tp\"]\nallow_recipe_change = true\n"),
@@ -830,8 +830,8 @@ fn training_fully_sharded_under_tensor_groups_trains_as_the_unsharded_tensor_lay
     assert_eq!(v.layout.unwrap().to_string(), "dp3(shard3)×pp1×tp1");
     let g = c.history("again")[0].clone();
     let joins = rt.block_on(c.joins("again", g.number, g.world_size));
-    assert!(joins.iter().all(|j| j.step == 400), "{joins:?}");
-    assert_eq!(c.wait_done("again", S(180)).step, 440);
+    assert!(joins.iter().all(|j| j.step == 200), "{joins:?}");
+    assert_eq!(c.wait_done("again", S(180)).step, 240);
 
     // deterministic 2D is refused, naming why
     let path = c.dir.path().join("bad.toml");

@@ -131,7 +131,8 @@ impl Trainer {
         Group::new(comm.clone(), ranks).map(Some)
     }
 
-    /// Rows of parameter `i` that place `k` of the shard group holds: (first, count).
+    /// Rows of parameter `i` (of its shape when whole here: its tensor slice's under tensor
+    /// groups) that place `k` of the shard group holds: (first, count).
     pub(super) fn rows(&self, i: usize, k: u32) -> (i64, i64) {
         let r = split_range(self.gathered[i][0] as u64, self.shard_held.0, k);
         (r.start as i64, (r.end - r.start) as i64)

@@ -219,9 +219,13 @@ impl Trainer {
         let last = u + 1 == self.units();
         let b = self.spec.global_batch as f64;
         for i in self.unit_params(u) {
-            // a gradient taken last step is an empty tensor: accumulate from zeros
+            // the first backward to use a parameter (the head, for one tied to it) starts its
+            // gradient from zeros: one taken last step is an empty tensor, and a step that
+            // failed midway may have left a partial one
+            let first =
+                self.param_also[i].map_or(self.param_unit[i], |a| a.max(self.param_unit[i]));
             let mut gr = self.params[i].grad();
-            if gr.defined() && gr.size() != self.params[i].size() {
+            if gr.defined() && (first == u || gr.size() != self.params[i].size()) {
                 tch::no_grad(|| gr.set_data(&self.params[i].zeros_like()));
             }
         }
