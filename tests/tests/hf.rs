@@ -583,8 +583,9 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
 /// Full sharding under tensor groups on a Hugging Face directory (issue 47, 2D FSDP + TP):
 /// GPT-2, whose head is tied to the token embedding (the embedding's gradient sums the head's
 /// use and its own across the step's units, its rows gathered for each), at
-/// dp2(shard2)×pp1×tp2 trains as the unsharded tensor-parallel run does: its losses within
-/// rounding, and lower than where it started.
+/// dp2(shard2)×pp1×tp2 trains as the unsharded tensor-parallel run does: its eval loss
+/// within rounding, and lower than where it started (the layouts may change as the ranks
+/// come: the job's minimum is 1).
 #[test]
 fn gpt2_fully_sharded_under_tensor_groups_trains_as_the_tensor_layout() {
     let model = hf_fixtures().join("gpt2");
@@ -600,23 +601,31 @@ fn gpt2_fully_sharded_under_tensor_groups_trains_as_the_tensor_layout() {
                 &data,
                 steps,
                 &format!(
-                    "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\n{extra}"
+                    "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\neval_fraction = 0.1\neval_samples = 32\n{extra}"
                 ),
             )
             .replace("ctx = 16", "ctx = 16, dropout = \"off\""),
             c.dir.path().display()
         )
     };
+    // (the eval loss: the status's training loss is the last report's, whichever step it was)
     c.submit(&job("start", 1, "lr = 1e-30").replace("lr = 3e-3\n", ""));
-    let start = c.wait_done("start", S(120)).loss.unwrap();
+    let start = c.wait_done("start", S(120)).eval_loss.unwrap();
     c.submit(&job("tp", 40, ""));
-    let tp = c.wait_done("tp", S(300)).loss.unwrap();
+    let tp = c.wait_done("tp", S(300)).eval_loss.unwrap();
     c.submit(&job("full-tp", 40, "sharding = \"full\""));
-    let v = c.wait_world("full-tp", 4, S(60));
-    assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp1×tp2");
-    let full = c.wait_done("full-tp", S(300)).loss.unwrap();
+    let full = c.wait_done("full-tp", S(300)).eval_loss.unwrap();
+    let layouts: Vec<String> = c
+        .history("full-tp")
+        .iter()
+        .map(|g| g.layout.to_string())
+        .collect();
     println!(
-        "GPT-2's loss: {start:.5} at the start, {tp:.5} at tp2, {full:.5} fully sharded at tp2"
+        "GPT-2's eval loss: {start:.5} at the start, {tp:.5} at tp2, {full:.5} fully sharded at tp2 ({layouts:?})"
+    );
+    assert!(
+        layouts.iter().any(|l| l == "dp2(shard2)×pp1×tp2"),
+        "{layouts:?}"
     );
     assert!(
         (full - tp).abs() < 1e-3 * tp.abs(),
