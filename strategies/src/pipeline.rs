@@ -570,8 +570,8 @@ mod tests {
 
     /// `sharding = "full"` under tensor groups (2D FSDP + TP): each tensor place's replicas
     /// shard its slices' parameters and state (the layout says the shard group), and the
-    /// planned memory per rank is below ZeRO-1's and ZeRO-2's at the same layout, above the
-    /// rows alone (a unit gathered at a time).
+    /// planned memory per rank is below ZeRO-1's (and so below the unsharded layout's) at the
+    /// same layout, above the rows alone (a unit gathered at a time).
     #[test]
     fn tensor_groups_shard_their_parameters_over_their_replicas_under_full_sharding() {
         let mut t = gpt("hybrid", Degree::Fixed(1), 4);

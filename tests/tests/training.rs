@@ -747,7 +747,8 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
 /// (the lost rows from the checkpoint, a spare meanwhile) and a resize 4 → 2 → 4 (re-cut in
 /// place), clipping by the global norm, and ends with the unsharded tensor-parallel run's eval
 /// loss (to rounding: a non-deterministic job, as deterministic 2D is refused at submit, with
-/// the reason).
+/// the reason); so does HSDP under tensor groups (shard groups of one replica, the rows summed
+/// across them), and a cold start of another layout reads the 2D checkpoint's rows.
 #[test]
 fn training_fully_sharded_under_tensor_groups_trains_as_the_unsharded_tensor_layout() {
     let c = Cluster::start(Spec {
