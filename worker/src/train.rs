@@ -708,14 +708,19 @@ impl Trainer {
         Tensor::cat(&parts, 0).contiguous()
     }
 
+    /// This rank's checkpoint flags for `generation` (request pending, save in flight), 0 or 1
+    /// each; zeros for a job without checkpoints.
+    pub(crate) fn ckpt_flags(&self, generation: u64) -> (f32, f32) {
+        self.ckpt
+            .as_ref()
+            .map(|c| c.flags(generation))
+            .unwrap_or((0.0, 0.0))
+    }
+
     /// What rides along with a step's gradients, so every rank sees the same sums: the loss
     /// (a [1] f32 tensor) and the checkpoint flags.
     fn riders(&self, loss: Tensor, generation: u64) -> [Tensor; 2] {
-        let (pending, busy) = self
-            .ckpt
-            .as_ref()
-            .map(|c| c.flags(generation))
-            .unwrap_or((0.0, 0.0));
+        let (pending, busy) = self.ckpt_flags(generation);
         [
             loss.to_kind(Kind::Float),
             if self.dev == Device::Cpu {

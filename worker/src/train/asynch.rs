@@ -1488,11 +1488,7 @@ impl Async {
         rank: u32,
     ) -> Result<(bool, bool), CommError> {
         let (post, rx, slices) = (&e.post, &e.rx, &e.slices);
-        let (pending, busy) = t
-            .ckpt
-            .as_ref()
-            .map(|c| c.flags(g.number))
-            .unwrap_or((0.0, 0.0));
+        let (pending, busy) = t.ckpt_flags(g.number);
         let world = slices.len() as u32;
         for j in (0..world).filter(|j| *j != rank).chain([rank]) {
             let head = Head::Snap {

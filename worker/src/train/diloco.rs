@@ -715,11 +715,7 @@ impl Diloco {
             &mut t.ledger,
             serde_json::json!({"g": g.number, "round": round, "r": rank, "contrib": true}),
         );
-        let (pending, busy) = t
-            .ckpt
-            .as_ref()
-            .map(|c| c.flags(g.number))
-            .unwrap_or((0.0, 0.0));
+        let (pending, busy) = t.ckpt_flags(g.number);
         let row = [
             self.done as f64,
             self.loss_sum,

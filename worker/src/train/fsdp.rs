@@ -45,6 +45,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::overlap::{CommQueue, Ticket};
 use super::{ledger_line, Trainer};
+use crate::model::Tape;
 
 /// The generation whose sharded step was last told in the log (once per generation).
 static TOLD: AtomicU64 = AtomicU64::new(u64::MAX);
@@ -802,24 +803,12 @@ impl Trainer {
         sumsq: Vec<f64>,
         loss: f64,
     ) -> Result<(), CommError> {
-        let grads: Vec<Tensor> = rows_grad
-            .into_iter()
-            .enumerate()
-            .map(|(i, g)| g.unwrap_or_else(|| self.params[i].zeros_like()))
-            .collect();
+        let grads = self.rows_or_zeros(rows_grad);
         if let Some(max) = self.spec.max_grad_norm {
             let total = if self.spec.deterministic {
                 sumsq.iter().sum::<f64>()
             } else {
-                let squares: Vec<Tensor> = grads
-                    .iter()
-                    .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double))
-                    .collect();
-                let mine: f64 =
-                    Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
-                        .unwrap_or_default()
-                        .iter()
-                        .sum();
+                let mine = super::norm::sum_squares(&grads);
                 let all = comm.host().all_gather_f64(&[mine])?;
                 let members: Vec<u32> = match grp {
                     Some(grp) => grp.members().to_vec(),
@@ -845,6 +834,16 @@ impl Trainer {
         );
         self.step += 1;
         Ok(())
+    }
+
+    /// Each parameter's rows of the summed gradient, zeros (of its rows' shape) where it has
+    /// none.
+    pub(super) fn rows_or_zeros(&self, rows_grad: Vec<Option<Tensor>>) -> Vec<Tensor> {
+        rows_grad
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| g.unwrap_or_else(|| self.params[i].zeros_like()))
+            .collect()
     }
 
     /// The optimizer's step on this rank's rows of every parameter (full sharding), with
@@ -890,9 +889,13 @@ impl Trainer {
             let rests = self.gather_params(comm, &grp, &ps)?;
             let r = tch::no_grad(|| -> Result<(), CommError> {
                 for (h, y) in batches.iter_mut() {
-                    let out = self.run_unit(u, h)?;
+                    // (through the tensor group when the model is in one, else whole)
+                    let out = self.model.forward_unit(u, h, &mut Tape::default())?;
                     if u + 1 == units {
-                        sum += self.unit_loss(&out, y)?.double_value(&[]);
+                        sum += self
+                            .model
+                            .loss(&out, y, &mut Tape::default())?
+                            .double_value(&[]);
                     } else {
                         *h = out;
                     }

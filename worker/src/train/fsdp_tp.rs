@@ -41,25 +41,6 @@ impl Trainer {
         self.fully_sharded() && g.layout.tensor_parallel > 1 && g.layout.pipeline_parallel <= 1
     }
 
-    /// Unit `u` on `x`: through the tensor group when the model is in one (a throwaway tape:
-    /// no gradients are taken), else whole.
-    pub(super) fn run_unit(&self, u: usize, x: &Tensor) -> Result<Tensor, CommError> {
-        if self.model.tensor_shard().is_some() {
-            self.model.forward_unit(u, x, &mut Tape::default())
-        } else {
-            Ok(self.model.unit_forward(u, x))
-        }
-    }
-
-    /// The summed loss of the network's output `out` (see [`Trainer::run_unit`]).
-    pub(super) fn unit_loss(&self, out: &Tensor, y: &Tensor) -> Result<Tensor, CommError> {
-        if self.model.tensor_shard().is_some() {
-            self.model.loss(out, y, &mut Tape::default())
-        } else {
-            Ok(self.model.whole_loss(out, y))
-        }
-    }
-
     /// One step of a fully sharded generation with tensor groups (see the module's comment);
     /// spares only join the commit. Returns the step's mean loss.
     pub(super) fn full_tp_step(
@@ -78,11 +59,7 @@ impl Trainer {
             self.computed_for(me.rank, t0);
             grads
         };
-        let (pending, busy) = self
-            .ckpt
-            .as_ref()
-            .map(|c| c.flags(g.number))
-            .unwrap_or((0.0, 0.0));
+        let (pending, busy) = self.ckpt_flags(g.number);
         // control data: on the host face, over the whole world (spares too)
         let v = arc
             .host()
@@ -148,7 +125,8 @@ impl Trainer {
             let rests = self.gather_params(arc, &grp, &ps)?;
             let r = tch::no_grad(|| -> Result<(), CommError> {
                 for acts in inputs.iter_mut() {
-                    let y = self.run_unit(u, acts.last().expect("an input"))?;
+                    let x = acts.last().expect("an input");
+                    let y = self.model.forward_unit(u, x, &mut Tape::default())?;
                     acts.push(y);
                 }
                 Ok(())
@@ -181,26 +159,17 @@ impl Trainer {
         if counts {
             row[0] = f64::try_from(loss.to_device(Device::Cpu)).unwrap_or(f64::NAN);
         }
-        let grads: Vec<Tensor> = rows_grad
-            .into_iter()
-            .enumerate()
-            .map(|(i, g)| g.unwrap_or_else(|| self.params[i].zeros_like()))
-            .collect();
+        let grads = self.rows_or_zeros(rows_grad);
         if self.spec.max_grad_norm.is_some() && me.dp_rank / s == 0 {
             let arch = self.model.arch();
-            let names = self.model.params();
-            let squares: Vec<Tensor> = grads
-                .iter()
-                .zip(&names)
-                .filter(|(_, (n, _))| me.tp_rank == 0 || split_of(arch, n) != Split::Replicated)
-                .map(|(g, _)| g.to_kind(Kind::Double).square().sum(Kind::Double))
-                .collect();
-            if !squares.is_empty() {
-                row[1] = Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
-                    .unwrap_or_default()
+            let names = self.param_names();
+            row[1] = super::norm::sum_squares(
+                grads
                     .iter()
-                    .sum();
-            }
+                    .zip(&names)
+                    .filter(|(_, n)| me.tp_rank == 0 || split_of(arch, n) != Split::Replicated)
+                    .map(|(g, _)| g),
+            );
         }
         Ok(grads)
     }

@@ -145,7 +145,7 @@ impl Trainer {
     }
 
     /// The parameters' names, in parameter order.
-    fn param_names(&self) -> Vec<String> {
+    pub(super) fn param_names(&self) -> Vec<String> {
         self.model.params().into_iter().map(|(n, _)| n).collect()
     }
 }
@@ -162,6 +162,21 @@ fn pieces_of(arch: Arch, name: &str, k: u32) -> usize {
 
 /// The global norm of a complete row (every piece counted once): its slots folded in order,
 /// then the square root.
+/// The sum of the squares of every element of `grads`, in f64 (one copy to the host).
+pub(super) fn sum_squares<'a>(grads: impl IntoIterator<Item = &'a Tensor>) -> f64 {
+    let squares: Vec<Tensor> = grads
+        .into_iter()
+        .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double))
+        .collect();
+    if squares.is_empty() {
+        return 0.0;
+    }
+    Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
+        .unwrap_or_default()
+        .iter()
+        .sum()
+}
+
 pub(super) fn row_norm(row: &[f64]) -> f64 {
     row.iter().sum::<f64>().sqrt()
 }

@@ -628,11 +628,7 @@ impl Trainer {
             *pending = Some(p);
             None
         };
-        let (pending_ck, busy) = self
-            .ckpt
-            .as_ref()
-            .map(|c| c.flags(g.number))
-            .unwrap_or((0.0, 0.0));
+        let (pending_ck, busy) = self.ckpt_flags(g.number);
         // control data: on the host face, whatever the backend
         let v = comm
             .host()
