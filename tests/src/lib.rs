@@ -1840,12 +1840,23 @@ pub fn tokenize(model: &Path, jsonl: &Path, out: &str) -> u64 {
 }
 
 /// The final weights' and optimizer state's hashes rank 0 printed for `job`.
+/// The line goes out before the job is marked done, but the agent relays a rank's output to
+/// its log on its own: a few seconds are allowed for it to land there.
 pub fn final_hashes(c: &Cluster, job: &str) -> (String, String) {
-    let logs = c.logs();
-    let line = logs
-        .lines()
-        .find(|l| l.contains("finished at step") && l.contains(&format!("job={job} ")))
-        .unwrap_or_else(|| panic!("no final line of job {job}"));
+    let find = || {
+        c.logs()
+            .lines()
+            .find(|l| l.contains("finished at step") && l.contains(&format!("job={job} ")))
+            .map(str::to_string)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let line = loop {
+        match find() {
+            Some(l) => break l,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            None => panic!("no final line of job {job} within 10 s of its end"),
+        }
+    };
     let after = |key: &str| {
         line.split(key)
             .nth(1)

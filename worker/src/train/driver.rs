@@ -389,15 +389,17 @@ impl Driver {
             // the mode's own figures as of the run's end (DiLoCo's last round, async's
             // staleness), not those of the last report, which may be up to a second older
             self.mode.report(t, &mut p);
-            t.reports.final_progress(p)?;
             // rank 0 holds every tensor now (the final gather): the optimizer state's hash lets
-            // a restore elsewhere be checked against it
+            // a restore elsewhere be checked against it. The line goes out before the job is
+            // marked done: once it is, the agents stop the ranks, and a reader of the logs who
+            // waited for the job's end finds the line there
             println!(
                 "finished at step {}: final weights sha256 {sha}, optimizer state sha256 {}, eval loss {}",
                 t.step,
                 sha256_params(&t.opt.state),
                 eval.map(|l| format!("{l:.5}")).unwrap_or_else(|| "-".into())
             );
+            t.reports.final_progress(p)?;
         }
         Ok(Outcome::Done)
     }
