@@ -11,10 +11,10 @@ cargo build --workspace --bins --locked
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set -o pipefail
-cargo test --workspace --locked -- --test-threads="${DUCTILE_TEST_THREADS:-3}" --skip training_ --skip pipeline_ 2>&1 | tee "$log"
+cargo test --workspace --locked --no-fail-fast -- --test-threads="${DUCTILE_TEST_THREADS:-3}" --skip training_ --skip pipeline_ 2>&1 | tee "$log"
 # the training tests each run several tch workers: one at a time, so the 2-core machine is not
 # oversubscribed under the control-plane tests' liveness bounds
-cargo test -p ductile-tests --test training --test pipeline --test checkpoints --test chaos --test dashboard --test data --test torchrun --test torchft --test tf --test horovod --locked -- --test-threads=1 2>&1 | tee -a "$log"
+cargo test -p ductile-tests --test training --test pipeline --test checkpoints --test chaos --test dashboard --test data --test torchrun --test torchft --test tf --test horovod --locked --no-fail-fast -- --test-threads=1 2>&1 | tee -a "$log"
 # the GPU path (cargo feature cuda: NCCL loaded at run time, CUDA workers, GPU benchmarks) must
 # build here and fail clearly without a GPU; scripts/gpu-check.sh runs it on a GPU machine
 cargo test -p ductile-comm -p ductile-worker --features ductile-comm/cuda,ductile-worker/cuda --locked --lib 2>&1 | tee -a "$log"

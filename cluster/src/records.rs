@@ -2093,8 +2093,6 @@ impl TrainingSpec {
                 Some("under tensor groups needs a fixed tensor_parallel of 2 or more".into())
             } else if self.pipeline_parallel != Degree::Fixed(1) {
                 Some("composes with tensor groups (pipeline_parallel = 1): a stage runs every micro-batch of a step on its whole parameters, so with stages shard the optimizer state or the gradients (sharding = \"optimizer\" or \"gradients\")".into())
-            } else if self.deterministic {
-                Some("under tensor groups is not bitwise deterministic yet: use deterministic = false, or sharding = \"gradients\" (ZeRO-2), which is".into())
             } else if self.reshard_after_forward == Some(false) {
                 Some("under tensor groups gathers each unit again for its backward: reshard_after_forward = false runs with strategy = \"data-parallel\"".into())
             } else {
@@ -3337,7 +3335,7 @@ keep = 3
                 && e.contains("shard the optimizer state or the gradients"),
             "{e}"
         );
-        // "full" under tensor groups alone (2D FSDP + TP): accepted outside deterministic mode
+        // "full" under tensor groups alone (2D FSDP + TP), deterministic mode included
         let two_d = |extra: &str| {
             with(
                 "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\nsharding = \"full\"",
@@ -3345,11 +3343,9 @@ keep = 3
             )
         };
         assert!(two_d("").is_ok(), "{:?}", two_d("").err());
+        let det = two_d("deterministic = true\ntensor_slices = 2\nlogical_shards = 8");
+        assert!(det.is_ok(), "{:?}", det.err());
         for (extra, says) in [
-            (
-                "deterministic = true\ntensor_slices = 2",
-                "not bitwise deterministic yet",
-            ),
             (
                 "reshard_after_forward = false",
                 "reshard_after_forward = false runs",

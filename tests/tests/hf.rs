@@ -576,10 +576,6 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
     );
 }
 
-/// SmolLM2-135M-Instruct (9 query and 3 KV heads: tensor_parallel 3) fine-tunes on a pattern
-/// through a worker's kill; `dctl export` of its last checkpoint, cut into shards, is a
-/// directory transformers loads, whose loss on held-out text of the pattern is lower than the
-/// original model's.
 /// Full sharding under tensor groups on a Hugging Face directory (issue 47, 2D FSDP + TP):
 /// GPT-2, whose head is tied to the token embedding (the embedding's gradient sums the head's
 /// use and its own across the step's units, its rows gathered for each), at
@@ -632,8 +628,35 @@ fn gpt2_fully_sharded_under_tensor_groups_trains_as_the_tensor_layout() {
         "fully sharded {full} against {tp}"
     );
     assert!(full < start - 0.1, "{full} from {start}");
+
+    // deterministic mode: the same bits as the tensor layout's (the tied embedding's
+    // gradient sums, micro-batch by micro-batch, the head's and then its own, as the whole
+    // model's backward does)
+    let det = "deterministic = true\nlogical_shards = 4\ntensor_slices = 2\nmicro_batch = 4";
+    c.submit(&job("tp-det", 12, det));
+    c.wait_done("tp-det", S(300));
+    c.submit(&job("full-det", 12, &format!("sharding = \"full\"\n{det}")));
+    c.wait_done("full-det", S(300));
+    let layouts: Vec<String> = c
+        .history("full-det")
+        .iter()
+        .map(|g| g.layout.to_string())
+        .collect();
+    assert!(
+        layouts.iter().any(|l| l == "dp2(shard2)×pp1×tp2"),
+        "{layouts:?}"
+    );
+    assert_eq!(
+        final_hashes(&c, "full-det"),
+        final_hashes(&c, "tp-det"),
+        "the deterministic 2D run's final state differs from the tensor layout's"
+    );
 }
 
+/// SmolLM2-135M-Instruct (9 query and 3 KV heads: tensor_parallel 3) fine-tunes on a pattern
+/// through a worker's kill; `dctl export` of its last checkpoint, cut into shards, is a
+/// directory transformers loads, whose loss on held-out text of the pattern is lower than the
+/// original model's.
 #[test]
 fn smollm2_fine_tunes_at_tp3_through_a_kill_and_exports_what_transformers_loads() {
     let model = PathBuf::from(

@@ -17,8 +17,20 @@
 //! with HSDP all-reduced over the other shard groups' members at the same place. Only the
 //! unit being computed is whole. The gathers and the reductions run on the step's thread (the
 //! tensor group's collectives share the communicator with them); the optimizer steps the
-//! rank's rows alone. Not bitwise deterministic (refused at submit with `deterministic`).
+//! rank's rows alone.
+//!
+//! Deterministic mode ends with the unsharded tensor layout's bits (its step is
+//! [`super::pipe`]'s at one stage): each logical shard's gradient accumulates apart, from
+//! zeros, micro-batch by micro-batch on the parameter as that step's does (a tied embedding
+//! adds the head's gradient of each micro-batch before its own, as the whole model's backward
+//! does), and each unit's are folded along the tensor place's replicas in replica order, each
+//! adding its logical shards in order (the chain of that step, so the sum is the fold in
+//! global shard order); the last replica sends each one its rows and counts the clipping
+//! norm's squares from the whole sums, in that step's pieces. The chain waits on each replica
+//! in turn: deterministic mode buys its bits with that.
 
+use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -52,21 +64,31 @@ impl Trainer {
         let t0 = Instant::now();
         // this rank's (loss, sum of squares of the gradient rows it counts)
         let mut row = [0f64; 2];
+        // deterministic mode with clipping: the tensor layout's row of squares, taken from
+        // each parameter's whole sum (a spare's, zeros), so the norm has its bits
+        let ordered_norm = self.spec.deterministic && self.spec.max_grad_norm.is_some();
+        let mut norm_parts = match ordered_norm {
+            true => vec![0.0; self.norm_slots(g)],
+            false => Vec::new(),
+        };
         let grads = if me.spare {
             Vec::new()
         } else {
-            let grads = self.full_tp_grads(arc, g, me, &mut row)?;
+            let grads = self.full_tp_grads(arc, g, me, &mut row, &mut norm_parts)?;
             self.computed_for(me.rank, t0);
             grads
         };
         let (pending, busy) = self.ckpt_flags(g.number);
+        let mut control = vec![row[0], row[1], pending as f64, busy as f64];
+        control.extend(norm_parts);
         // control data: on the host face, over the whole world (spares too)
-        let v = arc
-            .host()
-            .sum_f64(&[row[0], row[1], pending as f64, busy as f64])?;
+        let v = arc.host().sum_f64(&control)?;
         self.flags = (v[2] > 0.0, v[3] > 0.0);
         if let Some(max) = self.spec.max_grad_norm {
-            let norm = v[1].sqrt();
+            let norm = match ordered_norm {
+                true => super::norm::row_norm(&v[4..]),
+                false => v[1].sqrt(),
+            };
             super::norm::clip_to(&grads, norm, max);
             self.grad_norm = Some(norm);
         }
@@ -83,13 +105,15 @@ impl Trainer {
     /// The forward and backward of a working rank: its rows of every parameter's summed
     /// gradient; `row` gets its loss (a tensor group's first member counts it) and, with
     /// `max_grad_norm`, the sum of squares of the rows it counts (shard group 0's members; a
-    /// parameter every tensor place holds whole, by place 0).
+    /// parameter every tensor place holds whole, by place 0), or in deterministic mode
+    /// `norm` gets the squares of the pieces the tensor layout counts, from the whole sums.
     fn full_tp_grads(
         &mut self,
         arc: &Arc<dyn Communicator>,
         g: &Generation,
         me: &Member,
         row: &mut [f64; 2],
+        norm: &mut [f64],
     ) -> Result<Vec<Tensor>, CommError> {
         let mesh = Mesh::new(&g.layout);
         let c = Coords {
@@ -112,11 +136,19 @@ impl Trainer {
         let units = self.units();
         self.tell_step(g, units, false, across.is_some());
         let counts = Mesh::counts_loss(c);
-        let micro: Vec<Micro> = self
-            .step_parts_of(g, (dp, me.dp_rank), me.rank, counts)
-            .into_iter()
-            .flat_map(|p| p.micro)
-            .collect();
+        // the micro-batches of every part (a logical shard in deterministic mode), in order,
+        // and each part's: its logical shard and its micro-batches' range
+        let mut spans: Vec<(u64, Range<usize>)> = Vec::new();
+        let mut micro: Vec<Micro> = Vec::new();
+        for p in self.step_parts_of(g, (dp, me.dp_rank), me.rank, counts) {
+            spans.push((p.k, micro.len()..micro.len() + p.micro.len()));
+            micro.extend(p.micro);
+        }
+        let ordered = self.spec.deterministic;
+        // (deterministic mode: the chain of this tensor place's replicas, in replica order)
+        let chain = mesh.replicas(c);
+        // a tied parameter's gradients from its later unit, per micro-batch
+        let mut later: BTreeMap<usize, Vec<Tensor>> = BTreeMap::new();
         // forward: each unit's input per micro-batch (the last unit runs in the backward)
         let mut inputs: Vec<Vec<Tensor>> =
             micro.iter().map(|(x, _)| vec![x.shallow_clone()]).collect();
@@ -141,13 +173,31 @@ impl Trainer {
         for u in (0..units).rev() {
             let ps = self.unit_params(u);
             let rests = self.gather_params(arc, &grp, &ps)?;
-            let r = self.unit_backward(u, &micro, &mut inputs, &mut go, &mut loss);
-            // the gradients whose last use was this unit's backward, taken off the parameters
+            // the gradients whose last use was this unit's backward
             let done: Vec<usize> = ps
                 .iter()
                 .copied()
                 .filter(|i| self.done_at(*i) == u)
                 .collect();
+            if ordered {
+                // each part's gradients of `done`, flat
+                let r = self.unit_backward_ordered(
+                    u,
+                    (&micro, &spans),
+                    (&mut inputs, &mut go),
+                    &mut loss,
+                    &mut later,
+                    &done,
+                );
+                self.release(rests);
+                let per_part = r?;
+                if !done.is_empty() {
+                    self.fold_rows(arc, g, (&chain, me), &done, per_part, &mut rows_grad, norm)?;
+                }
+                continue;
+            }
+            let r = self.unit_backward(u, &micro, &mut inputs, &mut go, &mut loss);
+            // taken off the parameters
             let gs: Vec<Tensor> = done.iter().map(|i| self.take_grad(*i)).collect();
             self.release(rests);
             r?;
@@ -160,7 +210,7 @@ impl Trainer {
             row[0] = f64::try_from(loss.to_device(Device::Cpu)).unwrap_or(f64::NAN);
         }
         let grads = self.rows_or_zeros(rows_grad);
-        if self.spec.max_grad_norm.is_some() && me.dp_rank / s == 0 {
+        if self.spec.max_grad_norm.is_some() && !ordered && me.dp_rank / s == 0 {
             let arch = self.model.arch();
             let names = self.param_names();
             row[1] = super::norm::sum_squares(
@@ -185,8 +235,6 @@ impl Trainer {
         go: &mut [Option<Tensor>],
         loss: &mut Tensor,
     ) -> Result<(), CommError> {
-        let last = u + 1 == self.units();
-        let b = self.spec.global_batch as f64;
         for i in self.unit_params(u) {
             // the first backward to use a parameter (the head, for one tied to it) starts its
             // gradient from zeros: one taken last step is an empty tensor, and a step that
@@ -198,27 +246,221 @@ impl Trainer {
                 tch::no_grad(|| gr.set_data(&self.params[i].zeros_like()));
             }
         }
-        for (m, (_, y)) in micro.iter().enumerate() {
-            let x = inputs[m].pop().expect("the unit's input");
-            let x = if u > 0 {
-                x.detach().set_requires_grad(true)
-            } else {
-                x
-            };
-            let mut tape = Tape::default();
-            let out = self.model.forward_unit(u, &x, &mut tape)?;
-            if last {
-                let l = self.model.loss(&out, y, &mut tape)? / b;
-                *loss += l.detach().to_kind(Kind::Double).reshape([1]);
-                self.model.backward(tape, &l, None)?;
-            } else {
-                let g = go[m].take().expect("the output's gradient");
-                self.model.backward(tape, &out, Some(&g))?;
+        for m in 0..micro.len() {
+            self.micro_backward(u, m, micro, (inputs, go), loss)?;
+        }
+        Ok(())
+    }
+
+    /// Unit `u`'s backward on micro-batch `m` (see [`Trainer::unit_backward`]): its parameters'
+    /// gradients accumulate.
+    fn micro_backward(
+        &self,
+        u: usize,
+        m: usize,
+        micro: &[Micro],
+        (inputs, go): (&mut [Vec<Tensor>], &mut [Option<Tensor>]),
+        loss: &mut Tensor,
+    ) -> Result<(), CommError> {
+        let last = u + 1 == self.units();
+        let x = inputs[m].pop().expect("the unit's input");
+        let x = if u > 0 {
+            x.detach().set_requires_grad(true)
+        } else {
+            x
+        };
+        let mut tape = Tape::default();
+        let out = self.model.forward_unit(u, &x, &mut tape)?;
+        if last {
+            let l = self.model.loss(&out, &micro[m].1, &mut tape)? / self.spec.global_batch as f64;
+            *loss += l.detach().to_kind(Kind::Double).reshape([1]);
+            self.model.backward(tape, &l, None)?;
+        } else {
+            let g = go[m].take().expect("the output's gradient");
+            self.model.backward(tape, &out, Some(&g))?;
+        }
+        if u > 0 {
+            let gi = x.grad();
+            go[m] = Some(if gi.defined() { gi } else { x.zeros_like() });
+        }
+        Ok(())
+    }
+
+    /// [`Trainer::unit_backward`] in deterministic mode, where each part (logical shard) has
+    /// a gradient of its own, accumulated as the tensor layout's step accumulates it: from
+    /// zeros, micro-batch by micro-batch on the parameter. A tied parameter's gradient from
+    /// its later unit is kept per micro-batch in `later`, and its earlier unit adds, for each
+    /// micro-batch, that one and then its own, as the whole model's backward does. Returns
+    /// each part's gradients of `done` (flat, in order); their whole tensors are freed.
+    fn unit_backward_ordered(
+        &self,
+        u: usize,
+        (micro, spans): (&[Micro], &[(u64, Range<usize>)]),
+        (inputs, go): (&mut [Vec<Tensor>], &mut [Option<Tensor>]),
+        loss: &mut Tensor,
+        later: &mut BTreeMap<usize, Vec<Tensor>>,
+        done: &[usize],
+    ) -> Result<Vec<(u64, Tensor)>, CommError> {
+        let ps = self.unit_params(u);
+        // a tied parameter an earlier unit uses too: its gradient of each micro-batch, kept
+        let keep: Vec<usize> = ps
+            .iter()
+            .copied()
+            .filter(|i| self.done_at(*i) < u)
+            .collect();
+        // a tied parameter whose later unit kept its gradients: summed here explicitly
+        let adds: Vec<usize> = done
+            .iter()
+            .copied()
+            .filter(|i| later.contains_key(i))
+            .collect();
+        let mut out = Vec::with_capacity(spans.len());
+        for (k, range) in spans {
+            for &i in &ps {
+                self.start_grad(i);
             }
-            if u > 0 {
-                let gi = x.grad();
-                go[m] = Some(if gi.defined() { gi } else { x.zeros_like() });
+            let mut sums: BTreeMap<usize, Tensor> = adds
+                .iter()
+                .map(|&i| (i, self.params[i].zeros_like()))
+                .collect();
+            for m in range.clone() {
+                for &i in keep.iter().chain(&adds) {
+                    self.start_grad(i);
+                }
+                self.micro_backward(u, m, micro, (inputs, go), loss)?;
+                for &i in &keep {
+                    later.entry(i).or_default().push(self.grad_copy(i));
+                }
+                for &i in &adds {
+                    let h = &later[&i][m];
+                    let sum = sums.get_mut(&i).expect("a sum");
+                    *sum = (&*sum + h) + self.grad_copy(i);
+                }
             }
+            let flat: Vec<Tensor> = done
+                .iter()
+                .map(|i| match sums.get(i) {
+                    Some(t) => t.reshape([-1]),
+                    None => self.grad_copy(*i).reshape([-1]),
+                })
+                .collect();
+            out.push((*k, Tensor::cat(&flat, 0)));
+        }
+        for &i in done {
+            later.remove(&i);
+            drop(self.take_grad(i));
+        }
+        Ok(out)
+    }
+
+    /// Start parameter `i`'s gradient from zeros (in place, as the tensor layout's step
+    /// zeroes it); one taken last step (an empty tensor) is replaced.
+    fn start_grad(&self, i: usize) {
+        let mut gr = self.params[i].grad();
+        if !gr.defined() {
+            return;
+        }
+        if gr.size() == self.params[i].size() {
+            let _ = gr.zero_();
+        } else {
+            tch::no_grad(|| gr.set_data(&self.params[i].zeros_like()));
+        }
+    }
+
+    /// A copy of parameter `i`'s gradient, zeros where it has none.
+    fn grad_copy(&self, i: usize) -> Tensor {
+        let gr = self.params[i].grad();
+        match gr.defined() && gr.size() == self.params[i].size() {
+            true => gr.copy(),
+            false => self.params[i].zeros_like(),
+        }
+    }
+
+    /// Deterministic mode: fold parameters `ids`' gradients (`per_part`: this replica's
+    /// logical shards', flat) over the replicas of its tensor place (`chain`, in replica
+    /// order) as the tensor layout's step folds them: along the chain, each adding its
+    /// logical shards in order, so the sum is the fold in global shard order; the last then
+    /// sends each replica its rows and counts the norm's squares in `norm` from the whole sum.
+    #[allow(clippy::too_many_arguments)]
+    fn fold_rows(
+        &self,
+        arc: &Arc<dyn Communicator>,
+        g: &Generation,
+        (chain, me): (&[u32], &Member),
+        ids: &[usize],
+        per_part: Vec<(u64, Tensor)>,
+        rows_grad: &mut [Option<Tensor>],
+        norm: &mut [f64],
+    ) -> Result<(), CommError> {
+        let comm = arc.as_ref();
+        let (j, l) = (me.dp_rank as usize, chain.len() - 1);
+        let s = self.shard_held.0;
+        let numel = |i: usize| -> i64 { self.gathered[i].iter().product() };
+        let kind = per_part.first().map_or(Kind::Float, |(_, t)| t.kind());
+        let mut parts = per_part.into_iter().map(|(_, t)| t);
+        let mut sum = if j > 0 {
+            let n: i64 = ids.iter().map(|i| numel(*i)).sum();
+            let got = comm.zeros(&[n], kind);
+            comm.recv(&got, chain[j - 1])?;
+            got.into_tensor()
+        } else {
+            parts.next().expect("a logical shard").copy()
+        };
+        for t in parts {
+            sum += t;
+        }
+        // parameter i's whole sum, and its rows at place `k`
+        let whole = |t: &Tensor, at: &mut i64, i: usize| -> Tensor {
+            let v = t.narrow(0, *at, numel(i)).view(self.gathered[i].as_slice());
+            *at += numel(i);
+            v
+        };
+        let rows_at = |t: &Tensor, k: u32| -> Tensor {
+            let mut at = 0;
+            let pieces: Vec<Tensor> = ids
+                .iter()
+                .map(|&i| {
+                    let (r0, rn) = self.rows(i, k);
+                    whole(t, &mut at, i).narrow(0, r0, rn).reshape([-1])
+                })
+                .collect();
+            Tensor::cat(&pieces, 0)
+        };
+        let mine = if j < l {
+            comm.send(&comm.place(&sum), chain[j + 1])?;
+            let n: i64 = ids
+                .iter()
+                .map(|i| self.rows(*i, me.dp_rank % s).1 * self.row_numel(*i))
+                .sum();
+            let got = comm.zeros(&[n], kind);
+            comm.recv(&got, chain[l])?;
+            got.into_tensor()
+        } else {
+            for (q, peer) in chain[..l].iter().enumerate() {
+                comm.send(&comm.place(&rows_at(&sum, q as u32 % s)), *peer)?;
+            }
+            if !norm.is_empty() {
+                let mut at = 0;
+                let views: Vec<Tensor> = ids.iter().map(|&i| whole(&sum, &mut at, i)).collect();
+                let r = self.norm_row(g, ids, &views, |_, replicated| {
+                    !replicated || me.tp_rank == 0
+                });
+                for (a, b) in norm.iter_mut().zip(r) {
+                    *a += b;
+                }
+            }
+            rows_at(&sum, me.dp_rank % s)
+        };
+        let mut at = 0;
+        for &i in ids {
+            let (_, rn) = self.rows(i, me.dp_rank % s);
+            let len = rn * self.row_numel(i);
+            if rn > 0 {
+                let mut shape = self.gathered[i].clone();
+                shape[0] = rn;
+                rows_grad[i] = Some(mine.narrow(0, at, len).view(shape.as_slice()).copy());
+            }
+            at += len;
         }
         Ok(())
     }
