@@ -611,11 +611,13 @@ fn gpt2_fully_sharded_under_tensor_groups_trains_as_the_tensor_layout() {
     let tp = c.wait_done("tp", S(300)).eval_loss.unwrap();
     c.submit(&job("full-tp", 40, "sharding = \"full\""));
     let full = c.wait_done("full-tp", S(300)).eval_loss.unwrap();
-    let layouts: Vec<String> = c
-        .history("full-tp")
-        .iter()
-        .map(|g| g.layout.to_string())
-        .collect();
+    let layouts_of = |name: &str| -> Vec<String> {
+        c.history(name)
+            .iter()
+            .map(|g| g.layout.to_string())
+            .collect()
+    };
+    let layouts = layouts_of("full-tp");
     println!(
         "GPT-2's eval loss: {start:.5} at the start, {tp:.5} at tp2, {full:.5} fully sharded at tp2 ({layouts:?})"
     );
@@ -637,11 +639,7 @@ fn gpt2_fully_sharded_under_tensor_groups_trains_as_the_tensor_layout() {
     c.wait_done("tp-det", S(300));
     c.submit(&job("full-det", 12, &format!("sharding = \"full\"\n{det}")));
     c.wait_done("full-det", S(300));
-    let layouts: Vec<String> = c
-        .history("full-det")
-        .iter()
-        .map(|g| g.layout.to_string())
-        .collect();
+    let layouts = layouts_of("full-det");
     assert!(
         layouts.iter().any(|l| l == "dp2(shard2)×pp1×tp2"),
         "{layouts:?}"

@@ -451,18 +451,24 @@ impl Trainer {
             }
             rows_at(&sum, me.dp_rank % s)
         };
+        self.keep_rows(ids, &mine, rows_grad);
+        Ok(())
+    }
+
+    /// Keep this rank's rows of parameters `ids`' summed gradients, laid one after the other
+    /// in `flat`, in `rows_grad`.
+    fn keep_rows(&self, ids: &[usize], flat: &Tensor, rows_grad: &mut [Option<Tensor>]) {
         let mut at = 0;
         for &i in ids {
-            let (_, rn) = self.rows(i, me.dp_rank % s);
+            let (_, rn) = self.rows(i, self.shard_held.1);
             let len = rn * self.row_numel(i);
             if rn > 0 {
                 let mut shape = self.gathered[i].clone();
                 shape[0] = rn;
-                rows_grad[i] = Some(mine.narrow(0, at, len).view(shape.as_slice()).copy());
+                rows_grad[i] = Some(flat.narrow(0, at, len).view(shape.as_slice()).copy());
             }
             at += len;
         }
-        Ok(())
     }
 
     /// Parameter `i`'s gradient, taken off it: the parameter keeps an empty one (the whole
@@ -516,17 +522,7 @@ impl Trainer {
         if let Some(a) = across {
             sum = a.all_reduce_sum(&sum)?;
         }
-        let mut at = 0;
-        for &i in ids {
-            let (_, rn) = self.rows(i, place);
-            let len = rn * self.row_numel(i);
-            if rn > 0 {
-                let mut shape = self.gathered[i].clone();
-                shape[0] = rn;
-                rows_grad[i] = Some(sum.narrow(0, at, len).view(shape.as_slice()).copy());
-            }
-            at += len;
-        }
+        self.keep_rows(ids, &sum, rows_grad);
         Ok(())
     }
 }
