@@ -2083,21 +2083,23 @@ impl TrainingSpec {
             self.sharding,
             Sharding::Optimizer | Sharding::Gradients | Sharding::Auto
         ) && self.strategy.pipelined();
-        // "full" under tensor groups (torchtitan's 2D FSDP + TP): each tensor place's
-        // replicas shard its slices' parameters too, one unit gathered at a time
+        // "full" under tensor groups or stages (torchtitan's 2D FSDP + TP and 3D): each
+        // (stage, tensor place)'s replicas shard its parameters too; under tensor groups
+        // alone one unit is gathered at a time, with stages a stage's parameters once a step
         let full_tp = self.sharding == Sharding::Full && self.strategy.pipelined();
         if full_tp {
-            let why = if self.strategy != Strategy::Hybrid {
-                Some("needs strategy = \"hybrid\" with a fixed tensor_parallel (2D: full sharding over each tensor place's replicas)".to_string())
-            } else if !matches!(self.tensor_parallel, Degree::Fixed(n) if n > 1) {
-                Some("under tensor groups needs a fixed tensor_parallel of 2 or more".into())
-            } else if self.pipeline_parallel != Degree::Fixed(1) {
-                Some("composes with tensor groups (pipeline_parallel = 1): a stage runs every micro-batch of a step on its whole parameters, so with stages shard the optimizer state or the gradients (sharding = \"optimizer\" or \"gradients\")".into())
-            } else if self.reshard_after_forward == Some(false) {
-                Some("under tensor groups gathers each unit again for its backward: reshard_after_forward = false runs with strategy = \"data-parallel\"".into())
-            } else {
-                None
+            let why = match self.strategy {
+                Strategy::Hybrid if !matches!(self.tensor_parallel, Degree::Fixed(n) if n > 1) => {
+                    Some("under tensor groups needs a fixed tensor_parallel of 2 or more (stages alone: strategy = \"pipeline\")".to_string())
+                }
+                Strategy::Hybrid | Strategy::Pipeline => None,
+                _ => Some("needs strategy = \"pipeline\", or \"hybrid\" with a fixed tensor_parallel (full sharding over each stage's and tensor place's replicas: 2D and 3D)".to_string()),
             };
+            let why = why.or_else(|| {
+                (self.reshard_after_forward == Some(false)).then(|| {
+                    "with tensor groups or stages gathers each unit again for its backward (tensor groups) or a stage once a step (stages): reshard_after_forward = false runs with strategy = \"data-parallel\"".to_string()
+                })
+            });
             if let Some(why) = why {
                 return Err(ClusterError::invalid(
                     "training.sharding",
@@ -3303,10 +3305,11 @@ keep = 3
 
     /// Stages and tensor groups shard the optimizer state ("optimizer") and the summed
     /// gradients ("gradients") over their replicas, with logical tensor slices too, and count
-    /// their memory alike (a stage accumulates its micro-batches' gradients whole); "full" is
-    /// refused with stages, with the reason, and runs under tensor groups alone (2D).
+    /// their memory alike (a stage accumulates its micro-batches' gradients whole); "full"
+    /// runs under tensor groups (2D) and with stages (3D), refused where its layouts could
+    /// not run it, with the reason.
     #[test]
-    fn stages_shard_the_state_and_the_summed_gradients_not_the_parameters() {
+    fn stages_and_tensor_groups_shard_the_state_the_gradients_and_the_parameters() {
         let with = |layout: &str, extra: &str| {
             JobSpec::from_toml(&format!(
                 "name = \"a\"\nmin = 1\nmax = 8\ndesired = 8\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\n{layout}\n{extra}\n[checkpoint]\nurl = \"file:///ck\"\n"
@@ -3329,12 +3332,8 @@ keep = 3
         };
         assert!(bytes("gradients").is_some());
         assert_eq!(bytes("gradients"), bytes("optimizer"));
-        let e = spec("sharding = \"full\"").unwrap_err().to_string();
-        assert!(
-            e.contains("training.sharding")
-                && e.contains("shard the optimizer state or the gradients"),
-            "{e}"
-        );
+        // "full" with stages and tensor groups (3D) too
+        assert!(spec("sharding = \"full\"").is_ok());
         // "full" under tensor groups alone (2D FSDP + TP), deterministic mode included
         let two_d = |extra: &str| {
             with(
@@ -3355,13 +3354,18 @@ keep = 3
             let e = two_d(extra).unwrap_err().to_string();
             assert!(e.contains(says), "{extra}: {e}");
         }
+        let staged = with(
+            "strategy = \"pipeline\"\npipeline_parallel = 2",
+            "sharding = \"full\"",
+        );
+        assert!(staged.is_ok(), "{:?}", staged.err());
         let e = with(
-            "strategy = \"pipeline\"\npipeline_parallel = 1",
+            "strategy = \"hybrid\"\npipeline_parallel = 2",
             "sharding = \"full\"",
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("needs strategy = \"hybrid\""), "{e}");
+        assert!(e.contains("(stages alone: strategy = \"pipeline\")"), "{e}");
         // data parallel alone computes each unit whole under "gradients": no logical slices
         let e = with(
             "strategy = \"data-parallel\"",

@@ -273,6 +273,15 @@ fn model_step(
             // over the shard group of their replicas
             memory_bytes: match t.min_slot_bytes(world).filter(|_| t.sharding.is_sharded()) {
                 Some(b) if !over_replicas(t) => b,
+                _ if t.sharding == Sharding::Full && pp > 1 => {
+                    // 3D: rows of the slices' parameters and of their state over the shard
+                    // group; during a step the stage's slices gathered whole, with their
+                    // gradients (each micro-batch runs on them), and the stash
+                    let slice = params.div_ceil(tp as u64) * 4;
+                    slice * 2
+                        + (slice * (1 + opt_states)).div_ceil(shard as u64)
+                        + stash.div_ceil(tp as u64) * micro * in_flight / v as u64
+                }
                 _ if t.sharding == Sharding::Full => {
                     // 2D: rows of the slices' parameters and of their state over the shard
                     // group; one unit's slices gathered, with their gradients, at a time; each
@@ -339,7 +348,6 @@ fn model_step(
 /// submit, before it is planned for a world.)
 fn over_replicas(t: &TrainingSpec) -> bool {
     match t.sharding {
-        // ("full" under stages is refused at submit: tensor groups alone, 2D)
         Sharding::Optimizer | Sharding::Gradients | Sharding::Full => t.strategy.pipelined(),
         Sharding::Auto => matches!(t.strategy, Strategy::Pipeline | Strategy::Hybrid),
         _ => false,

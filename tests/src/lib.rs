@@ -1839,6 +1839,15 @@ pub fn tokenize(model: &Path, jsonl: &Path, out: &str) -> u64 {
         .unwrap_or_else(|| panic!("tokenize said {said}"))
 }
 
+/// Each rank's state bytes in `job`'s first generation, from the ranks' join records.
+pub fn first_state_bytes(c: &Cluster, rt: &tokio::runtime::Runtime, job: &str) -> Vec<u64> {
+    let g = c.history(job)[0].clone();
+    rt.block_on(c.joins(job, g.number, g.world_size))
+        .iter()
+        .map(|j| j.state_bytes)
+        .collect()
+}
+
 /// The final weights' and optimizer state's hashes rank 0 printed for `job`.
 /// The line goes out before the job is marked done, but the agent relays a rank's output to
 /// its log on its own: a few seconds are allowed for it to land there.

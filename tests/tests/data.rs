@@ -337,6 +337,31 @@ print(float(loss))
     assert!(c.logs().contains("eval at step 9:"));
     assert_eq!(a.final_weights_sha256, b.final_weights_sha256);
     assert!(a.final_weights_sha256.is_some());
+    // so does one fully sharded over stages (each stage's parameters gathered for each eval
+    // and each step, its rows back after), at dp2(shard2)×pp2×tp1
+    c.submit(&format!(
+        "{}[checkpoint]\nurl = \"file://{}/ck-full\"\ninterval = 20\n",
+        det("det-full", "eval_every = 3\nsharding = \"full\"").replace(
+            "strategy = \"hybrid\"\ntensor_parallel = 2\n",
+            "strategy = \"pipeline\"\n"
+        ),
+        dir.display()
+    ));
+    let f = c.wait_done("det-full", S(300));
+    let layouts: Vec<String> = c
+        .history("det-full")
+        .iter()
+        .map(|g| g.layout.to_string())
+        .collect();
+    assert!(
+        layouts.iter().any(|l| l == "dp2(shard2)×pp2×tp1"),
+        "{layouts:?}"
+    );
+    assert!(c
+        .logs()
+        .lines()
+        .any(|l| l.contains("job=det-full") && l.contains("eval at step 9:")));
+    assert_eq!(f.final_weights_sha256, b.final_weights_sha256);
 }
 
 /// Peak resident memory (VmHWM) of a process, MiB.

@@ -383,7 +383,9 @@ fn deterministic_tensor_parallelism_ends_bitwise_equal_to_data_parallel() {
 /// bits; stages alone end with them too, with `sharding = "auto"` sharded (dp2(shard2)×pp2×tp1)
 /// where the slots hold only the sharded state and whole (dp2×pp2×tp1) where they hold all of
 /// it; `sharding = "gradients"` at dp2(shard2)×pp2×tp2 (each replica receives its rows of the
-/// summed gradient alone), through a scale to 4 and back, too. Every run clips its gradients
+/// summed gradient alone), through a scale to 4 and back, too; and so does `sharding = "full"`
+/// there (3D: the parameters' rows too, gathered once a step; three quarters of ZeRO-1's state
+/// per rank) through a SIGKILL and a scale to 4 and back. Every run clips its gradients
 /// by global norm (`max_grad_norm`, acting at the last step): the norm over stages, tensor
 /// slices and shards is the data-parallel run's, bit for bit.
 #[test]
@@ -426,12 +428,7 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
     c.submit(&job("z", 8, hybrid));
     let v = c.wait_world("z", 8, S(60));
     assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
-    let g = c.history("z")[0].clone();
-    let held: Vec<u64> = rt
-        .block_on(c.joins("z", g.number, g.world_size))
-        .iter()
-        .map(|j| j.state_bytes)
-        .collect();
+    let held = first_state_bytes(&c, &rt, "z");
     // a quarter of the parameters (a stage's tensor slice) and half of its two moments: an
     // eighth of the whole state and a bit (the replicated norms and biases)
     println!("state bytes per rank: unsharded data parallel {whole}, dp2(shard2)×pp2×tp2 {held:?}");
@@ -523,18 +520,53 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
     let v = c.wait_world("zg", 8, S(60));
     assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
     c.wait_step("zg", 60, S(120));
-    c.dctl_ok(&["scale", "zg", "4"]);
-    let v = c.wait_world("zg", 4, S(90));
-    assert_eq!(v.layout.unwrap().to_string(), "dp1×pp2×tp2");
-    c.wait_step("zg", c.status("zg").step + 30, S(120));
-    c.dctl_ok(&["scale", "zg", "8"]);
-    c.wait_world("zg", 8, S(90));
-    assert_eq!(c.wait_done("zg", S(300)).grad_norm, dp_norm);
-    assert_eq!(
-        final_hashes(&c, "zg"),
-        reference,
-        "stages and tensor groups with sharded gradients end elsewhere than the data-parallel run"
+    // a scale to one replica per stage (nothing to shard) and back, `steps` steps at 4; the
+    // job ends with the data-parallel run's norm and bits
+    let to_4_and_back = |job: &str, steps: u64| {
+        c.dctl_ok(&["scale", job, "4"]);
+        let v = c.wait_world(job, 4, S(90));
+        assert_eq!(v.layout.unwrap().to_string(), "dp1×pp2×tp2");
+        c.wait_step(job, c.status(job).step + steps, S(120));
+        c.dctl_ok(&["scale", job, "8"]);
+        c.wait_world(job, 8, S(90));
+        assert_eq!(c.wait_done(job, S(300)).grad_norm, dp_norm);
+        assert_eq!(
+            final_hashes(&c, job),
+            reference,
+            "job {job} ends elsewhere than the data-parallel run"
+        );
+    };
+    to_4_and_back("zg", 30);
+
+    // "full" over stages and tensor groups (3D): between steps each replica holds its rows of
+    // its stage's slices too (gathered once a step), through a kill (the lost rows from the
+    // checkpoint) and a resize to one replica per stage and back
+    c.submit(&job(
+        "zf",
+        8,
+        "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 2\nsharding = \"full\"",
+    ));
+    let v = c.wait_world("zf", 8, S(60));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2(shard2)×pp2×tp2");
+    let full = first_state_bytes(&c, &rt, "zf");
+    // half of a stage's slice and half of its two moments, where ZeRO-1 holds the whole
+    // slice: three quarters of ZeRO-1's state at each place
+    println!("state bytes per rank: 3D fully sharded {full:?}, ZeRO-1 {held:?}");
+    assert!(
+        full.iter().zip(&held).all(|(f, z)| *f * 100 <= z * 76),
+        "{full:?} vs {held:?}"
     );
+    c.wait_step("zf", 50, S(120));
+    let before = c.history("zf").last().unwrap().number;
+    unsafe { libc::kill(v.members[5].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_for(S(90), "the lost rows restored from the checkpoint", || {
+        c.history("zf")
+            .into_iter()
+            .find(|g| g.number > before && g.state_source == StateSource::Checkpoint)
+    });
+    c.wait_world("zf", 8, S(90));
+    c.wait_step("zf", c.status("zf").step + 20, S(120));
+    to_4_and_back("zf", 20);
 
     // stages alone (tensor places of one): whole tensors' rows. With sharding = "auto" and
     // slots that hold the stages' sharded state but not their whole state, the planner

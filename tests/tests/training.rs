@@ -442,9 +442,9 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
             "\"full\" sharding computes each unit whole",
         ),
         (
-            "sharding = \"full\"\nstrategy = \"pipeline\"",
+            "sharding = \"full\"\nstrategy = \"auto\"",
             false,
-            "\"full\" needs strategy = \"hybrid\" with a fixed tensor_parallel",
+            "\"full\" needs strategy = \"pipeline\", or \"hybrid\" with a fixed tensor_parallel",
         ),
         (
             "sharding = \"optimizer\"\nstrategy = \"pipeline\"\nshard_group = \"node\"",
@@ -467,15 +467,6 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
         let (ok, _, err) = c.dctl(&["submit", path.to_str().unwrap()]);
         assert!(!ok && err.contains(says), "{extra}: {err}");
     }
-}
-
-/// Each rank's state bytes in `job`'s first generation, from the ranks' join records.
-fn first_state_bytes(c: &Cluster, rt: &tokio::runtime::Runtime, job: &str) -> Vec<u64> {
-    let g = c.history(job)[0].clone();
-    rt.block_on(c.joins(job, g.number, g.world_size))
-        .iter()
-        .map(|j| j.state_bytes)
-        .collect()
 }
 
 /// SIGKILL member `k` of `v` (a generation of `job` at world 4, sharded without a replica)

@@ -104,6 +104,26 @@ impl Trainer {
         g: &Generation,
         me: &Member,
     ) -> Result<f64, CommError> {
+        // full sharding with stages: the stage's parameters gathered for the eval (and their
+        // rows back whatever happens)
+        if me.spare || !self.holds_param_rows() || g.layout.pipeline_parallel <= 1 {
+            return self.eval_on(comm, g, me);
+        }
+        let grp = self.shard_group(comm, g)?;
+        let which = self.params_in(&self.units_of(g, me));
+        let rests = self.gather_params(comm, &grp, &which)?;
+        let r = self.eval_on(comm, g, me);
+        self.release(rests);
+        r
+    }
+
+    /// [`Trainer::eval_on_layout`]'s work, the parameters of a stage whole.
+    fn eval_on(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        me: &Member,
+    ) -> Result<f64, CommError> {
         let Some(set) = self.eval.as_ref() else {
             return Err(CommError::Invalid {
                 op: "eval",
@@ -113,7 +133,8 @@ impl Trainer {
         let all = set.samples();
         let count = all.len() as u64;
         let mut sum = 0f64;
-        if !me.spare && self.holds_param_rows() {
+        let p = g.layout.pipeline_parallel.max(1);
+        if !me.spare && self.holds_param_rows() && p == 1 {
             let dp = g.layout.data_parallel.max(1);
             let share = split_range(count, dp, me.dp_rank);
             let idx: Vec<u64> = share.map(|i| all[i as usize]).collect();
@@ -127,7 +148,6 @@ impl Trainer {
                 .collect();
             sum = self.full_eval_sum(comm, g, batches, me.tp_rank == 0)?;
         } else if !me.spare {
-            let p = g.layout.pipeline_parallel.max(1);
             let dp = g.layout.data_parallel.max(1);
             let Place {
                 stage,

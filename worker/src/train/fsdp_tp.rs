@@ -355,7 +355,7 @@ impl Trainer {
 
     /// Start parameter `i`'s gradient from zeros (in place, as the tensor layout's step
     /// zeroes it); one taken last step (an empty tensor) is replaced.
-    fn start_grad(&self, i: usize) {
+    pub(super) fn start_grad(&self, i: usize) {
         let mut gr = self.params[i].grad();
         if !gr.defined() {
             return;
@@ -473,7 +473,7 @@ impl Trainer {
 
     /// Parameter `i`'s gradient, taken off it: the parameter keeps an empty one (the whole
     /// tensor is freed once the caller drops it).
-    fn take_grad(&self, i: usize) -> Tensor {
+    pub(super) fn take_grad(&self, i: usize) -> Tensor {
         let mut gr = self.params[i].grad();
         if !gr.defined() || gr.size() != self.params[i].size() {
             return self.params[i].zeros_like();

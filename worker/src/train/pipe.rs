@@ -341,13 +341,61 @@ impl Trainer {
         Ok(())
     }
 
-    /// One step of a pipeline generation (spares only join the commit).
+    /// One step of a pipeline generation (spares only join the commit). Under full sharding
+    /// (3D: `sharding = "full"` with stages) each rank holds its rows of its stage's
+    /// parameters between steps: the step gathers them whole over the shard group first (a
+    /// stage runs every micro-batch of the step on them: gathered once, as torchtitan's FSDP
+    /// under pipelines with `reshard_after_forward = False`), each replica receives its rows
+    /// of the summed gradient (as under "gradients"), and the rows go back before the
+    /// optimizer steps them; whatever happens, the rank ends the step holding its rows.
     pub(super) fn pipe_step(
         &mut self,
         comm: &Arc<dyn Communicator>,
         g: &Generation,
         me: &Member,
         pending: &mut Option<Pending>,
+    ) -> Result<f64, CommError> {
+        let mut rests = Vec::new();
+        let r = self.pipe_step_holding(comm, g, me, pending, &mut rests);
+        self.release_stage(std::mem::take(&mut rests));
+        r
+    }
+
+    /// Put back the rows of a stage's parameters [`Trainer::pipe_step`] gathered, freeing
+    /// the whole parameters and their gradients.
+    fn release_stage(&mut self, rests: Vec<(usize, Tensor)>) {
+        for (i, _) in &rests {
+            drop(self.take_grad(*i));
+        }
+        self.release(rests);
+    }
+
+    /// The optimizer's step on this rank's rows of its stage's parameters (full sharding
+    /// with stages), with `p` holding its rows of the summed gradients.
+    fn apply_rows(&mut self, p: &Pending, rank: u32) {
+        let lr = self.spec.lr_plan().at(p.step);
+        let mut grads: Vec<Tensor> = (0..self.params.len()).map(|_| Tensor::new()).collect();
+        for (j, i) in p.params.iter().enumerate() {
+            grads[*i] = p.grads[j].shallow_clone();
+        }
+        self.step = p.step;
+        // (another stage's parameters, and rows of none, are empty: not stepped)
+        self.step_rows(&grads, lr);
+        ledger_line(
+            &mut self.ledger,
+            serde_json::json!({"g": p.generation, "s": p.step, "r": rank, "applied": true}),
+        );
+        self.step = p.step + 1;
+    }
+
+    /// [`Trainer::pipe_step`]'s work; `rests`: the rows of the parameters gathered whole.
+    fn pipe_step_holding(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        me: &Member,
+        pending: &mut Option<Pending>,
+        rests: &mut Vec<(usize, Tensor)>,
     ) -> Result<f64, CommError> {
         let b = self.spec.global_batch as u64;
         let base = self.step * b;
@@ -384,6 +432,13 @@ impl Trainer {
                 })
                 .collect();
             which = which_of.concat();
+            if self.holds_param_rows() {
+                let grp = self.shard_group(comm, g)?;
+                *rests = self.gather_params(comm, &grp, &which)?;
+                for &i in &which {
+                    self.start_grad(i);
+                }
+            }
             let mbs = self.micro_plan(dp, me.dp_rank, p);
             if stage == 0 || mine.iter().any(|r| r.end == units) {
                 let ahead: Vec<(u64, u64)> = mbs.iter().map(|(s, l, _)| (*s, *l)).collect();
@@ -533,11 +588,13 @@ impl Trainer {
                 t
             };
             let placed = comm.place(&acc_g);
-            // `sharding = "gradients"`: the last replica sends each other one its rows of the
-            // summed gradient only (its shard place's, as its optimizer state holds them), and
+            // `sharding = "gradients"` (and "full"): the last replica sends each other one its
+            // rows of the summed gradient only (its shard place's, as its optimizer state holds
+            // them), and
             // counts the norm on the whole; else every replica gets the whole sum and replica
             // 0 counts the norm
-            let rows = self.spec.sharding == Sharding::Gradients && self.shard_held.0 > 1;
+            let rows = matches!(self.spec.sharding, Sharding::Gradients | Sharding::Full)
+                && self.shard_held.0 > 1;
             let l = group.len() - 1;
             if j < l {
                 comm.send(&placed, group[j + 1])?;
@@ -635,6 +692,10 @@ impl Trainer {
             .sum_f64(&[loss, pending_ck as f64, busy as f64])?;
         self.flags = (v[1] > 0.0, v[2] > 0.0);
         match kept {
+            Some(p) if self.holds_param_rows() => {
+                self.release_stage(std::mem::take(rests));
+                self.apply_rows(&p, rank);
+            }
             Some(p) => self.apply_sharded(comm, g, &p, rank)?,
             None => {
                 let p = pending.take().unwrap();
