@@ -378,7 +378,6 @@ impl Trainer {
         for (j, i) in p.params.iter().enumerate() {
             grads[*i] = p.grads[j].shallow_clone();
         }
-        self.step = p.step;
         // (another stage's parameters, and rows of none, are empty: not stepped)
         self.step_rows(&grads, lr);
         ledger_line(
@@ -590,9 +589,8 @@ impl Trainer {
             let placed = comm.place(&acc_g);
             // `sharding = "gradients"` (and "full"): the last replica sends each other one its
             // rows of the summed gradient only (its shard place's, as its optimizer state holds
-            // them), and
-            // counts the norm on the whole; else every replica gets the whole sum and replica
-            // 0 counts the norm
+            // them), and counts the norm on the whole; else every replica gets the whole sum
+            // and replica 0 counts the norm
             let rows = matches!(self.spec.sharding, Sharding::Gradients | Sharding::Full)
                 && self.shard_held.0 > 1;
             let l = group.len() - 1;
