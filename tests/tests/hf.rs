@@ -581,7 +581,10 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
 /// use and its own across the step's units, its rows gathered for each), at
 /// dp2(shard2)×pp1×tp2 trains as the unsharded tensor-parallel run does: its eval loss
 /// within rounding, and lower than where it started (the layouts may change as the ranks
-/// come: the job's minimum is 1).
+/// come: the job's minimum is 1). In deterministic mode it ends with the tensor layout's
+/// bits, and so does the pipeline (dp2×pp2: the tied embedding on two stages, several
+/// micro-batches to a logical shard), unsharded and fully sharded (each stage's copy in
+/// rows between steps).
 #[test]
 fn gpt2_fully_sharded_under_tensor_groups_trains_as_the_tensor_layout() {
     let model = hf_fixtures().join("gpt2");
@@ -649,6 +652,34 @@ fn gpt2_fully_sharded_under_tensor_groups_trains_as_the_tensor_layout() {
         final_hashes(&c, "tp-det"),
         "the deterministic 2D run's final state differs from the tensor layout's"
     );
+    // with stages: the tied embedding on the first and the last stage, each stage keeping
+    // its gradient of every micro-batch and both folding them in the whole model's order;
+    // unsharded, then fully sharded (3D's pipeline side: each copy held in rows between
+    // steps)
+    let stages = |name: &str, extra: &str| {
+        job(name, 12, &format!("{extra}{det}")).replace(
+            "strategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1",
+            "strategy = \"pipeline\"\npipeline_parallel = 2",
+        )
+    };
+    for (name, extra, layout) in [
+        ("pp-det", "", "dp2×pp2×tp1"),
+        (
+            "pp-full-det",
+            "sharding = \"full\"\n",
+            "dp2(shard2)×pp2×tp1",
+        ),
+    ] {
+        c.submit(&stages(name, extra));
+        c.wait_done(name, S(300));
+        let layouts = layouts_of(name);
+        assert!(layouts.iter().any(|l| l == layout), "{name}: {layouts:?}");
+        assert_eq!(
+            final_hashes(&c, name),
+            final_hashes(&c, "tp-det"),
+            "{name}: the deterministic pipeline run's final state differs from the tensor layout's"
+        );
+    }
 }
 
 /// SmolLM2-135M-Instruct (9 query and 3 KV heads: tensor_parallel 3) fine-tunes on a pattern

@@ -368,7 +368,7 @@ impl Trainer {
     }
 
     /// A copy of parameter `i`'s gradient, zeros where it has none.
-    fn grad_copy(&self, i: usize) -> Tensor {
+    pub(super) fn grad_copy(&self, i: usize) -> Tensor {
         let gr = self.params[i].grad();
         match gr.defined() && gr.size() == self.params[i].size() {
             true => gr.copy(),

@@ -271,6 +271,53 @@ impl Trainer {
         Tensor::cat(&self.grad_parts(which.iter().copied()), 0)
     }
 
+    /// Deterministic mode, a head tied to the embedding on another stage (`peer`): each
+    /// logical shard's gradient of the parameter (at `at`, `n` long in each of `shards`'
+    /// flats) summed over the shard's micro-batches in the whole model's order, (sum + the
+    /// head's) + the embedding's, as the data-parallel step accumulates it. Each stage sends
+    /// the other its gradient of every micro-batch (`parts`, taken) and both fold the same
+    /// tensors the same way: the same bits on both, and the data-parallel run's.
+    fn fold_tied(
+        &self,
+        comm: &Arc<dyn Communicator>,
+        peer: u32,
+        (mbs, parts): (&[Micro], &mut BTreeMap<u32, Tensor>),
+        own_is_earlier: bool,
+        (shards, at, n): (&mut [(u64, Tensor)], i64, i64),
+    ) -> Result<(), CommError> {
+        let mut of_shard: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+        let mut run = Vec::new();
+        for (q, (_, _, sh)) in mbs.iter().enumerate() {
+            run.push(q as u32);
+            if let Some(sh) = sh {
+                of_shard.insert(*sh, std::mem::take(&mut run));
+            }
+        }
+        for (sh, s) in shards.iter_mut() {
+            let own: Vec<Tensor> = of_shard[sh]
+                .iter()
+                .map(|m| {
+                    parts
+                        .remove(m)
+                        .expect("each micro-batch ran its backward")
+                        .reshape([-1])
+                })
+                .collect();
+            let sent = comm.place(&Tensor::cat(&own, 0));
+            let theirs = comm.zeros(&[n * own.len() as i64], own[0].kind());
+            comm.exchange(&[(peer, &sent)], &[(peer, &theirs)])?;
+            let theirs = theirs.into_tensor();
+            let mut sum = own[0].zeros_like();
+            for (q, o) in own.iter().enumerate() {
+                let t = theirs.narrow(0, q as i64 * n, n);
+                let (head, emb) = if own_is_earlier { (&t, o) } else { (o, &t) };
+                sum = (&sum + head) + emb;
+            }
+            s.narrow(0, at, n).copy_(&sum);
+        }
+        Ok(())
+    }
+
     /// Apply a reduced gradient to `which` and log it; `step` is the step it belongs to.
     pub(super) fn apply(
         &mut self,
@@ -464,6 +511,13 @@ impl Trainer {
             let mut outputs: Vec<Option<Tensor>> = (0..m * v).map(|_| None).collect();
             // deterministic mode: each logical shard's gradient, chunk by chunk
             let mut captured: BTreeMap<u64, Vec<Option<Tensor>>> = BTreeMap::new();
+            // and a head tied to the embedding on another stage: its gradient of each
+            // micro-batch, kept apart for the fold below
+            let tied = self
+                .shared_with(g, stage, &which)
+                .filter(|_| self.spec.deterministic)
+                .and_then(|(t, _)| Some((t, which_of.iter().position(|w| w.contains(&t))?)));
+            let mut tied_parts: BTreeMap<u32, Tensor> = BTreeMap::new();
             let mut used = Vec::new();
             let mut acc = Tensor::zeros([1], (Kind::Double, self.dev));
             for op in ops {
@@ -518,6 +572,10 @@ impl Trainer {
                             outbox.send(input.grad().contiguous(), prev);
                         }
                         self.computed += t0.elapsed();
+                        if let Some((t, _)) = tied.filter(|(_, at)| *at == j as usize) {
+                            tied_parts.insert(i, self.grad_copy(t));
+                            self.zero_grads_of([t]);
+                        }
                         if let Some(sh) = mbs[i as usize].2 {
                             let parts = captured
                                 .entry(sh)
@@ -553,12 +611,25 @@ impl Trainer {
                     .map(|j| self.params[*j].numel() as i64)
                     .sum();
                 let n = self.params[i].numel() as i64;
-                for (_, s) in shards.iter_mut() {
-                    let mut mine = s.narrow(0, at, n);
-                    let sent = comm.place(&mine.contiguous());
-                    let theirs = comm.zeros(&[n], mine.kind());
-                    comm.exchange(&[(peer, &sent)], &[(peer, &theirs)])?;
-                    mine += theirs.into_tensor();
+                if tied.is_some() {
+                    let earlier = self.param_unit[i].min(self.param_also[i].unwrap_or(usize::MAX));
+                    let units = self.units() as u32;
+                    let own_is_earlier = g.stage_of(earlier as u32, units) == stage;
+                    self.fold_tied(
+                        comm,
+                        peer,
+                        (&mbs, &mut tied_parts),
+                        own_is_earlier,
+                        (&mut shards, at, n),
+                    )?;
+                } else {
+                    for (_, s) in shards.iter_mut() {
+                        let mut mine = s.narrow(0, at, n);
+                        let sent = comm.place(&mine.contiguous());
+                        let theirs = comm.zeros(&[n], mine.kind());
+                        comm.exchange(&[(peer, &sent)], &[(peer, &theirs)])?;
+                        mine += theirs.into_tensor();
+                    }
                 }
             }
             if first && counts {
