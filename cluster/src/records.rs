@@ -2071,9 +2071,6 @@ impl TrainingSpec {
                 format!("\"{}\" sharding computes each unit whole: tensor_slices is for tensor-parallel layouts", self.sharding),
             ));
         }
-        // (sharding = "auto" with strategy = "auto" is resolved at submit: data parallel with
-        // the least sharding that fits, else the planner's layouts unsharded)
-        let auto_both = self.sharding == Sharding::Auto && self.strategy == Strategy::Auto;
         // stages and tensor groups shard the optimizer state over each (stage, tensor place)'s
         // replicas (ZeRO-1, torchtitan's 2D/3D with the state sharded), and with "gradients"
         // the summed gradient too (each replica receives its rows of it alone)
@@ -2112,16 +2109,6 @@ impl TrainingSpec {
             return Err(ClusterError::invalid(
                 "training.sharding",
                 "sharding runs with sync = \"allreduce\" only (DiLoCo and async: not yet)",
-            ));
-        }
-        if self.sharding.is_sharded()
-            && self.strategy != Strategy::DataParallel
-            && !auto_both
-            && !over_stages
-        {
-            return Err(ClusterError::invalid(
-                "training.sharding",
-                format!("pipeline and tensor layouts shard the optimizer state and the summed gradients over each stage's replicas (sharding = \"optimizer\" or \"gradients\"), not the parameters: a stage runs every micro-batch of a step on its whole parameters, so sharding them between steps would not lower its peak; \"{}\" runs with strategy = \"data-parallel\"", self.sharding),
             ));
         }
         if over_stages && self.shard_group == Some(ShardGroup::Node) {
