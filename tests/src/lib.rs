@@ -1858,14 +1858,11 @@ pub fn final_hashes(c: &Cluster, job: &str) -> (String, String) {
             .find(|l| l.contains("finished at step") && l.contains(&format!("job={job} ")))
             .map(str::to_string)
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let line = loop {
-        match find() {
-            Some(l) => break l,
-            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
-            None => panic!("no final line of job {job} within 10 s of its end"),
-        }
-    };
+    let line = c.wait_for(
+        Duration::from_secs(10),
+        &format!("the final line of job {job} after its end"),
+        find,
+    );
     let after = |key: &str| {
         line.split(key)
             .nth(1)

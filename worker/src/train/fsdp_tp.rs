@@ -334,7 +334,7 @@ impl Trainer {
                 for &i in &adds {
                     let h = &later[&i][m];
                     let sum = sums.get_mut(&i).expect("a sum");
-                    *sum = (&*sum + h) + self.grad_copy(i);
+                    *sum = tied_sum(sum, h, &self.grad_copy(i));
                 }
             }
             let flat: Vec<Tensor> = done
@@ -525,4 +525,11 @@ impl Trainer {
         self.keep_rows(ids, &sum, rows_grad);
         Ok(())
     }
+}
+
+/// One micro-batch added to a tied parameter's gradient in the whole model's order (the
+/// data-parallel step's: its head's use first, then its own), so that the ordered steps that
+/// hold the two uses apart (`unit_backward_ordered`, `pipe_step`'s `fold_tied`) give its bits.
+pub(super) fn tied_sum(sum: &Tensor, head: &Tensor, own: &Tensor) -> Tensor {
+    (sum + head) + own
 }

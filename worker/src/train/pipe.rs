@@ -311,7 +311,7 @@ impl Trainer {
             for (q, o) in own.iter().enumerate() {
                 let t = theirs.narrow(0, q as i64 * n, n);
                 let (head, emb) = if own_is_earlier { (&t, o) } else { (o, &t) };
-                sum = (&sum + head) + emb;
+                sum = super::fsdp_tp::tied_sum(&sum, head, emb);
             }
             s.narrow(0, at, n).copy_(&sum);
         }
