@@ -61,13 +61,47 @@ impl Drop for TempDir {
     }
 }
 
-/// A free TCP port on 127.0.0.1.
+/// A TCP port on 127.0.0.1 that nothing holds now, for a server a test starts next. It is
+/// taken outside the kernel's ephemeral range: a port `127.0.0.1:0` hands out can be taken,
+/// between this check and the server's bind, by an outgoing connection of the processes the
+/// tests run (a CI run's etcd failed so: "bind: address already in use"). Each call in this
+/// process tries the next port, from a place its pid picks, and skips ports held now.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let Some((lo, span)) = below_ephemeral_ports() else {
+        // no room below or above the ephemeral range: the kernel's choice
+        return TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+    };
+    let start = u64::from(std::process::id()) * 7919 % span;
+    for _ in 0..span {
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (lo + (start + k) % span) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no loopback port in {lo}..{} can be bound", lo + span);
+}
+
+/// Where [`free_port`] takes its ports: 10,000 ports just below the kernel's ephemeral range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`, 32768–60999 by default), or just above it where
+/// there is no room below; `None` where there is room on neither side.
+fn below_ephemeral_ports() -> Option<(u64, u64)> {
+    const SPAN: u64 = 10_000;
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut it = range.split_whitespace().map(|v| v.parse::<u64>().ok());
+    let (lo, hi) = (it.next()??, it.next()??);
+    if lo >= 1024 + SPAN {
+        Some((lo - SPAN, SPAN))
+    } else if hi + SPAN <= 65535 {
+        Some((hi + 1, SPAN))
+    } else {
+        None
+    }
 }
 
 /// Where the workspace's binaries are (`DUCTILE_BIN_DIR`, or next to the test executable).
@@ -1993,4 +2027,33 @@ pub fn torchft_group(
         ],
         dir.join(format!("{tag}.out")),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Servers' ports come from outside the ephemeral range, where no outgoing connection can
+    /// take one before its server binds it, and no two calls hand out the same port.
+    #[test]
+    fn free_ports_lie_outside_the_ephemeral_range_and_differ() {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+        let r: Vec<u16> = range
+            .split_whitespace()
+            .map(|v| v.parse().unwrap())
+            .collect();
+        let ports: Vec<u16> = (0..50).map(|_| free_port()).collect();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        assert!(
+            ports.iter().all(|p| *p < r[0] || *p > r[1]),
+            "{ports:?} vs ephemeral {r:?}"
+        );
+        // and each can be bound now
+        for p in ports {
+            TcpListener::bind(("127.0.0.1", p)).unwrap();
+        }
+    }
 }
