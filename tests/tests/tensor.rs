@@ -57,7 +57,8 @@ fn tensor_parallel_survives_a_kill_and_resizes_and_replicas_of_each_slice_agree(
     assert_refused(&c, &cases);
 
     let data = synth(c.dir.path(), "tokens", 50_000);
-    let steps = 700u64;
+    // (the kill and the resizes end by about step 300)
+    let steps = 400u64;
     c.submit(&format!(
         "{}max_steps = {steps}\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\nmax_grad_norm = 1.0\n",
         training_toml("tp", 1, 4, 4, "gpt", &data, "restart_budget = 20")
@@ -190,7 +191,7 @@ fn auto_layouts_walk_between_tensor_groups_and_stages_as_the_job_resizes() {
             training_toml(name, min, 4, 4, "gpt", &data, "restart_budget = 20")
         )
     };
-    let steps = 400u64;
+    let steps = 280u64;
     c.submit(&job("auto", 2, steps, 0.008));
     let layout_at = |world: u32| {
         let plan: serde_json::Value = serde_json::from_str(&c.dctl_ok(&[
@@ -318,7 +319,7 @@ fn deterministic_tensor_parallelism_ends_bitwise_equal_to_data_parallel() {
     let ledger = TempDir::new("tp-det-ledger");
     let c = ledger_cluster(&ledger);
     let data = synth(c.dir.path(), "tokens", 30_000);
-    let steps = 300u64;
+    let steps = 220u64;
     let job = |name: &str, desired: u32, extra: &str| {
         format!(
             "{}max_steps = {steps}\ndeterministic = true\nlogical_shards = 4\ntensor_slices = 2\n{extra}\nmodel_config = {{ d_model = 64, n_layer = 2, n_head = 4, ctx = 32 }}\n",
@@ -397,7 +398,8 @@ fn sharded_optimizer_state_under_stages_and_tensor_groups_gives_the_data_paralle
     });
     let rt = tokio::runtime::Runtime::new().unwrap();
     let data = synth(c.dir.path(), "tokens", 30_000);
-    let steps = 240u64;
+    // (each job's kill and resizes end by about step 120)
+    let steps = 160u64;
     let job = |name: &str, desired: u32, extra: &str| {
         // (the last job carries z's run on: it restores z's last commit at z's location)
         let (adopt, at) = match name {
