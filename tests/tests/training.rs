@@ -236,7 +236,7 @@ fn training_deterministic_mode_gives_bitwise_equal_weights_despite_kills_and_res
     let data = synth(c.dir.path(), "regression", 4_000);
     let train = |name: &str, desired: u32| {
         format!(
-            "{}max_steps = 1800\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\n",
+            "{}max_steps = 2500\ndeterministic = true\noptimizer = \"adamw\"\nlogical_shards = 4\n",
             training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50")
         )
     };
@@ -268,7 +268,7 @@ fn training_deterministic_mode_gives_bitwise_equal_weights_despite_kills_and_res
         reference,
         "final weights differ from the uninterrupted run"
     );
-    assert_eq!(done.step, 1800);
+    assert_eq!(done.step, 2500);
 }
 
 /// A recipe other than the default (issue 49): AdamW's settings, no decay on biases, a
@@ -365,7 +365,7 @@ fn training_sharded_optimizer_state_gives_the_unsharded_bits_through_kills_and_r
     let data = synth(c.dir.path(), "regression", 4_000);
     let train = |name: &str, desired: u32, extra: &str| {
         format!(
-            "{}max_steps = 1400\ndeterministic = true\nlogical_shards = 4\n{RECIPE}{extra}\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 200\n",
+            "{}max_steps = 4000\ndeterministic = true\nlogical_shards = 4\n{RECIPE}{extra}\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 200\n",
             training_toml(name, 1, 4, desired, "mlp", &data, "restart_budget = 50"),
             c.dir.path().display()
         )
