@@ -1587,19 +1587,24 @@ pub fn joined_weights(c: &Cluster, job: &str, from: u64) -> (u64, Vec<String>) {
         .enable_all()
         .build()
         .unwrap();
-    c.wait_for(Duration::from_secs(60), "the generation's weights", || {
+    // what the last poll saw, for the failure's message
+    let mut seen = String::from("no generation");
+    let found = poll(Duration::from_secs(60), Duration::from_millis(50), || {
         rt.block_on(async {
             let store = c.store().await;
             let (g, _) = store.generation(job).await.unwrap()?;
-            if g.number < from {
-                return None;
-            }
             let (kvs, _) = store
                 .backend
                 .list(&store.keys.weights(job, g.number))
                 .await
                 .unwrap();
-            (kvs.len() == g.world_size as usize).then(|| {
+            seen = format!(
+                "generation {} (world {}) with weights records {:?}",
+                g.number,
+                g.world_size,
+                kvs.iter().map(|kv| kv.key.clone()).collect::<Vec<_>>()
+            );
+            (g.number >= from && kvs.len() == g.world_size as usize).then(|| {
                 (
                     g.number,
                     kvs.into_iter()
@@ -1608,6 +1613,11 @@ pub fn joined_weights(c: &Cluster, job: &str, from: u64) -> (u64, Vec<String>) {
                 )
             })
         })
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "timed out after 60 s waiting for generation {from} or later of job {job} with every rank's weights record: the last poll saw {seen}"
+        )
     })
 }
 
