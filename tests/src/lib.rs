@@ -68,7 +68,8 @@ impl Drop for TempDir {
 /// process tries the next port, from a place its pid picks, and skips ports held now.
 pub fn free_port() -> u16 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let Some((lo, span)) = below_ephemeral_ports() else {
+    static RANGE: std::sync::OnceLock<Option<(u64, u64)>> = std::sync::OnceLock::new();
+    let Some((lo, span)) = *RANGE.get_or_init(server_ports) else {
         // no room below or above the ephemeral range: the kernel's choice
         return TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -87,14 +88,20 @@ pub fn free_port() -> u16 {
     panic!("no loopback port in {lo}..{} can be bound", lo + span);
 }
 
-/// Where [`free_port`] takes its ports: 10,000 ports just below the kernel's ephemeral range
-/// (`/proc/sys/net/ipv4/ip_local_port_range`, 32768–60999 by default), or just above it where
-/// there is no room below; `None` where there is room on neither side.
-fn below_ephemeral_ports() -> Option<(u64, u64)> {
-    const SPAN: u64 = 10_000;
+/// The kernel's ephemeral port range (`/proc/sys/net/ipv4/ip_local_port_range`, 32768–60999
+/// by default): first and last port.
+fn ephemeral_ports() -> Option<(u64, u64)> {
     let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
     let mut it = range.split_whitespace().map(|v| v.parse::<u64>().ok());
-    let (lo, hi) = (it.next()??, it.next()??);
+    Some((it.next()??, it.next()??))
+}
+
+/// Where [`free_port`] takes its ports (first port, count): the 10,000 just below the
+/// ephemeral range, or just above it where there is no room below; `None` where there is
+/// room on neither side.
+fn server_ports() -> Option<(u64, u64)> {
+    const SPAN: u64 = 10_000;
+    let (lo, hi) = ephemeral_ports()?;
     if lo >= 1024 + SPAN {
         Some((lo - SPAN, SPAN))
     } else if hi + SPAN <= 65535 {
@@ -1589,9 +1596,9 @@ pub fn joined_weights(c: &Cluster, job: &str, from: u64) -> (u64, Vec<String>) {
         .unwrap();
     // what the last poll saw, for the failure's message
     let mut seen = String::from("no generation");
+    let store = rt.block_on(c.store());
     let found = poll(Duration::from_secs(60), Duration::from_millis(50), || {
         rt.block_on(async {
-            let store = c.store().await;
             let (g, _) = store.generation(job).await.unwrap()?;
             let (kvs, _) = store
                 .backend
@@ -2052,11 +2059,7 @@ mod tests {
     /// take one before its server binds it, and no two calls hand out the same port.
     #[test]
     fn free_ports_lie_outside_the_ephemeral_range_and_differ() {
-        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
-        let r: Vec<u16> = range
-            .split_whitespace()
-            .map(|v| v.parse().unwrap())
-            .collect();
+        let (lo, hi) = ephemeral_ports().unwrap();
         let ports: Vec<u16> = (0..50).map(|_| free_port()).collect();
         let mut distinct = ports.clone();
         distinct.sort_unstable();
@@ -2064,8 +2067,11 @@ mod tests {
         assert_eq!(distinct.len(), ports.len(), "{ports:?}");
         // (where the range leaves no room on either side, the kernel's choice stands)
         assert!(
-            below_ephemeral_ports().is_none() || ports.iter().all(|p| *p < r[0] || *p > r[1]),
-            "{ports:?} vs ephemeral {r:?}"
+            server_ports().is_none()
+                || ports
+                    .iter()
+                    .all(|p| u64::from(*p) < lo || u64::from(*p) > hi),
+            "{ports:?} vs ephemeral {lo}-{hi}"
         );
         // and each can be bound now
         for p in ports {
