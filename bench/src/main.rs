@@ -377,6 +377,11 @@ enum Cmd {
         /// Progress reports (steps) measured per round.
         #[arg(long, default_value_t = 4)]
         reports: usize,
+        /// Agents (nodes) the 4 ranks are spread over: 1, 2 (two ranks a node) or 4 (one a
+        /// node: by the workers' rule each node then has a core to spare, so the fully
+        /// sharded step's gathers and reductions run on a communication thread).
+        #[arg(long, default_value_t = 2)]
+        nodes: u32,
     },
     /// The pipeline schedules' measured idle fraction per stage against (p−1)/(m+p−1), with a
     /// calibrated sleep per layer over the TCP backend's point-to-point sends.
@@ -650,7 +655,8 @@ async fn main() -> anyhow::Result<()> {
             d_model,
             n_layer,
             reports,
-        } => pipeline::fsdp_tp(rounds, d_model, n_layer, reports).await,
+            nodes,
+        } => pipeline::fsdp_tp(rounds, d_model, n_layer, reports, nodes).await,
         Cmd::Bubble {
             stages,
             micro_batches,

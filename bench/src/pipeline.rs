@@ -40,18 +40,23 @@ fn pipeline_job(data: &str, pp: &str, d_model: u32) -> String {
 }
 
 /// `ductile-bench fsdp-tp` (see its help): rows of (state bytes, peak MiB, samples/s) per
-/// rank's largest, for "none" and "full", one cluster per run.
+/// rank's largest, for "none" and "full", one cluster per run, its 4 slots on `nodes` agents.
 pub async fn fsdp_tp(
     rounds: usize,
     d_model: u32,
     n_layer: u32,
     reports: usize,
+    nodes: u32,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        matches!(nodes, 1 | 2 | 4),
+        "--nodes {nodes}: the 4 ranks spread evenly over 1, 2 or 4 agents"
+    );
     let levels = ["none", "full"];
     let mut rows: Vec<Vec<[f64; 3]>> = vec![Vec::new(); levels.len()];
     for round in 0..rounds {
         for (i, level) in levels.iter().enumerate() {
-            let c = Cluster::start(Spec::default().agents(2, 2));
+            let c = Cluster::start(Spec::default().agents(nodes as usize, 4 / nodes));
             let data = synth(c.dir.path(), "tokens", 200_000);
             c.submit(&format!(
                 "{}max_steps = 1000000\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\nsharding = \"{level}\"\n[training.model_config]\nn_layer = {n_layer}\nd_model = {d_model}\n[checkpoint]\nurl = \"file://{}/ck\"\ninterval = 1000000\n",
@@ -82,7 +87,7 @@ pub async fn fsdp_tp(
     let med = |r: &[[f64; 3]], k: usize| median(&mut r.iter().map(|x| x[k]).collect::<Vec<_>>());
     for (level, r) in levels.iter().zip(&rows) {
         println!(
-            "fsdp-tp, GPT d_model {d_model} n_layer {n_layer}, world 4 (dp2 × tp2), median of {rounds}: sharding {level}: state {:.1} MiB, peak {:.0} MiB per rank, {:.2} samples/s",
+            "fsdp-tp, GPT d_model {d_model} n_layer {n_layer}, world 4 (dp2 × tp2) on {nodes} nodes, median of {rounds}: sharding {level}: state {:.1} MiB, peak {:.0} MiB per rank, {:.2} samples/s",
             med(r, 0) / (1 << 20) as f64,
             med(r, 1),
             med(r, 2)

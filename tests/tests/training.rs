@@ -887,6 +887,93 @@ fn training_overlapped_reductions_end_with_the_ordered_fold_s_bits() {
     }
 }
 
+/// Full sharding under tensor groups (2D) overlaps too: each unit's gather and its
+/// reduction run on a communication thread while the units compute, beside the tensor
+/// group's cuts on the step's thread (the two groups share no peer). With two replicas a sum
+/// is one addition, and with one micro-batch a replica each replica's gradient is one
+/// backward's, so outside deterministic mode the 2D run and HSDP 2D end with the unsharded
+/// tensor layout's bits: the overlap changes when the sums run, never what they give; in
+/// deterministic mode too (the gathers overlap, the ordered folds wait for them). One
+/// rank on each of four nodes: each node has a spare core for the communication thread (with
+/// a rank per core the gathers and reductions run in turn with the units, as in every other
+/// 2D test here).
+#[test]
+fn training_overlapped_2d_full_sharding_ends_with_the_tensor_layout_s_bits() {
+    let c = Cluster::start(Spec::default().agents(4, 1));
+    let data = synth(c.dir.path(), "tokens", 60_000);
+    let train = |name: &str, extra: &str| {
+        format!(
+            "{}max_steps = 60\nstrategy = \"hybrid\"\ntensor_parallel = 2\npipeline_parallel = 1\npipeline_micro_batches = 1\n{extra}\n[training.model_config]\nd_model = 64\nn_layer = 3\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 50\n",
+            training_toml(name, 4, 4, 4, "gpt", &data, ""),
+            c.dir.path().display()
+        )
+    };
+    c.submit(&train("tp", ""));
+    let v = c.wait_world("tp", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp2×pp1×tp2");
+    let tp_done = c.wait_done("tp", S(180));
+    let reference = final_hashes(&c, "tp");
+    for (name, extra, layout) in [
+        ("full-2d", "sharding = \"full\"", "dp2(shard2)×pp1×tp2"),
+        (
+            "hsdp-2d",
+            "sharding = \"full\"\nshard_group = 1",
+            "dp2×pp1×tp2",
+        ),
+    ] {
+        c.submit(&train(name, extra));
+        let v = c.wait_world(name, 4, S(30));
+        assert_eq!(v.layout.unwrap().to_string(), layout, "job {name}");
+        let done = c.wait_done(name, S(180));
+        assert_eq!(done.step, tp_done.step);
+        assert_eq!(
+            final_hashes(&c, name),
+            reference,
+            "job {name}: the final weights or optimizer state differ from the tensor layout's"
+        );
+        one_generation(&c, name);
+    }
+    // deterministic mode: the folds run on the step's thread, after the gather in flight
+    let det = "deterministic = true\ntensor_slices = 2\nlogical_shards = 4";
+    c.submit(&train("tp-det", det));
+    c.wait_done("tp-det", S(180));
+    c.submit(&train(
+        "full-2d-det",
+        &format!("sharding = \"full\"\n{det}"),
+    ));
+    c.wait_done("full-2d-det", S(180));
+    assert_eq!(
+        final_hashes(&c, "full-2d-det"),
+        final_hashes(&c, "tp-det"),
+        "the deterministic 2D run's final state differs from the tensor layout's"
+    );
+    one_generation(&c, "full-2d-det");
+    // (a machine of one core has no core to spare: the collectives run in turn there)
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
+        assert!(
+            c.logs().lines().any(|l| l.contains("job=full-2d-det")
+                && l.contains("folded over the logical shards in order")
+                && l.contains("on a communication thread, overlapping")),
+            "the deterministic 2D job overlaps its gathers too"
+        );
+        assert!(
+            c.logs().lines().any(|l| l.contains("job=full-2d")
+                && l.contains("all-gathered over a shard group of 2")
+                && l.contains("reduce-scattered")
+                && l.contains("on a communication thread, overlapping")),
+            "the 2D job says its gathers and reductions overlap the units' computation"
+        );
+    }
+}
+
+/// The job ran in one generation: no step failed (two threads' calls to one peer out of
+/// order fail the communicator, and the job would re-form in another generation, restoring
+/// the same bits from its checkpoint).
+fn one_generation(c: &Cluster, job: &str) {
+    let h = c.history(job);
+    assert_eq!(h.len(), 1, "job {job} re-formed:\n{h:#?}\n{}", c.logs());
+}
+
 /// Each rank decides by its own node's cores whether its buckets overlap the backward: a
 /// generation with one rank on a node of its own (a spare core: the communication thread) and
 /// two on another (none: the buckets after the backward) pairs the same buckets in the same

@@ -52,7 +52,7 @@ static TOLD: AtomicU64 = AtomicU64::new(u64::MAX);
 
 /// A unit's parameters being gathered on the step's [`CommQueue`] (the next unit's while this
 /// one computes): every place's rows, padded.
-type Gathering = Option<Ticket<Vec<Tensor>>>;
+pub(super) type Gathering = Option<Ticket<Vec<Tensor>>>;
 
 /// How a unit's reduced gradients come back ([`Trainer::submit_reduce`]).
 enum How {
@@ -173,7 +173,7 @@ impl Trainer {
     /// while this one computes), in the order of everything the step submits, so the
     /// communicator's calls keep one order on every rank. Nothing for ZeRO-2 (whole
     /// parameters) or no parameters.
-    fn start_gather(
+    pub(super) fn start_gather(
         &self,
         queue: &CommQueue,
         comm: &Arc<dyn Communicator>,
@@ -217,7 +217,7 @@ impl Trainer {
 
     /// Wait for a gather [`Trainer::start_gather`] started and set parameters `idx` to the
     /// whole tensors; returns their rows, for [`Trainer::release`].
-    fn finish_gather(
+    pub(super) fn finish_gather(
         &mut self,
         idx: &[usize],
         pending: Gathering,
@@ -353,8 +353,14 @@ impl Trainer {
         r
     }
 
-    /// Say once per generation, in the log, how the sharded step gathers and reduces.
-    pub(super) fn tell_step(&self, g: &Generation, units: usize, keep: bool, grouped: bool) {
+    /// Say once per generation, in the log, how the sharded step gathers and reduces
+    /// (`threaded`: its collectives on a thread of their own, [`CommQueue::for_step`]).
+    pub(super) fn tell_step(
+        &self,
+        g: &Generation,
+        units: usize,
+        (keep, grouped, threaded): (bool, bool, bool),
+    ) {
         if TOLD.swap(g.number, Ordering::SeqCst) == g.number {
             return;
         }
@@ -370,11 +376,15 @@ impl Trainer {
             (false, true) => "all-reduced over the replicas",
             (false, false) => "reduce-scattered",
         };
+        let when = match threaded {
+            true => "on a communication thread, overlapping the units' computation",
+            false => "in turn with the computation",
+        };
         tracing::info!(
             generation = g.number,
             shard = s,
             units,
-            "sharded step: each of {units} units' {params}, its gradients {reduced} after its backward (this rank keeps its rows of the sum)"
+            "sharded step: each of {units} units' {params}, its gradients {reduced} after its backward (this rank keeps its rows of the sum), {when}"
         );
     }
 
@@ -392,7 +402,8 @@ impl Trainer {
         let b = self.spec.global_batch as f64;
         let units = self.units();
         let keep = self.keeps_gathered();
-        self.tell_step(g, units, keep, grp.is_some());
+        let threaded = self.dev == Device::Cpu;
+        self.tell_step(g, units, (keep, grp.is_some(), threaded));
         let parts = self.step_parts(comm, g, rank);
         // forward: each unit's input, per part and micro-batch (the last unit runs in the
         // backward, with its loss); keeping the gathered parameters, each unit's input as a
@@ -427,7 +438,7 @@ impl Trainer {
         // (a thread on the CPU whatever the cores: a unit's collectives wait on the peer more
         // than they compute, and the thread hides that; measured against the gathers alone
         // on a thread, 2 ranks on 2 cores: `ductile-bench ddp-step --sharding full`)
-        let queue = CommQueue::for_step(self.dev == Device::Cpu)?;
+        let queue = CommQueue::for_step(threaded)?;
         let first = self.to_gather(order[0], &whole);
         let mut next = (first.clone(), self.start_gather(&queue, arc, &grp, &first));
         let mut at = 0;

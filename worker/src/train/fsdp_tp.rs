@@ -14,10 +14,16 @@
 //! parameter's gradient on the gathered slice. Once a parameter's last use is done (a tied
 //! head's embedding: after the embedding's unit) its gradient is taken off the parameter and
 //! reduce-scattered over the shard group (an all-to-all of rows, folded in group order), then
-//! with HSDP all-reduced over the other shard groups' members at the same place. Only the
-//! unit being computed is whole. The gathers and the reductions run on the step's thread (the
-//! tensor group's collectives share the communicator with them); the optimizer steps the
-//! rank's rows alone.
+//! with HSDP all-reduced over the other shard groups' members at the same place. The
+//! gathers and the reductions run in one order on the step's [`super::overlap::CommQueue`]:
+//! where the node has a core to spare ([`Trainer::comm_thread`], the CPU), on a thread of
+//! their own, the next unit's gather while this one computes and a unit's reduction while
+//! the unit below it computes (the unit computed and the one gathered are whole); else each
+//! in turn with the units (one unit whole at a time). The
+//! tensor group's collectives (the cuts inside each unit) stay on the step's thread: the
+//! shard group (one tensor place's replicas) and the tensor group (one replica's places)
+//! share no peer, and the TCP communicator's point-to-point calls take only their peer's
+//! socket, so the two run at once. The optimizer steps the rank's rows alone.
 //!
 //! Deterministic mode ends with the unsharded tensor layout's bits (its step is
 //! [`super::pipe`]'s at one stage): each logical shard's gradient accumulates apart, from
@@ -27,7 +33,10 @@
 //! adding its logical shards in order (the chain of that step, so the sum is the fold in
 //! global shard order); the last replica sends each one its rows and counts the clipping
 //! norm's squares from the whole sums, in that step's pieces. The chain waits on each replica
-//! in turn: deterministic mode buys its bits with that.
+//! in turn: deterministic mode buys its bits with that. Its sends run on the step's thread,
+//! to the shard group's peers, so the gather in flight is waited for before each fold
+//! ([`super::overlap::Ticket::settle`]): the gathers still overlap the backward, the folds
+//! do not.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -41,6 +50,8 @@ use ductile_strategies::mesh::{Coords, Mesh};
 use ductile_strategies::tensor::{split_of, Split};
 use tch::{Device, Kind, Tensor};
 
+use super::fsdp::Gathering;
+use super::overlap::{CommQueue, Ticket};
 use super::{ledger_line, Trainer};
 use crate::model::Tape;
 
@@ -134,7 +145,11 @@ impl Trainer {
             false => None,
         };
         let units = self.units();
-        self.tell_step(g, units, false, across.is_some());
+        // (a thread where this node has a core to spare for it, [`Trainer::comm_thread`]: at
+        // dp2 × tp2 with a rank per core, threaded gathers ran at 0.98× the inline step's
+        // samples/s, `ductile-bench fsdp-tp`, and held one unit more)
+        let threaded = self.comm_thread(g);
+        self.tell_step(g, units, (false, across.is_some(), threaded));
         let counts = Mesh::counts_loss(c);
         // the micro-batches of every part (a logical shard in deterministic mode), in order,
         // and each part's: its logical shard and its micro-batches' range
@@ -149,31 +164,64 @@ impl Trainer {
         let chain = mesh.replicas(c);
         // a tied parameter's gradients from its later unit, per micro-batch
         let mut later: BTreeMap<usize, Vec<Tensor>> = BTreeMap::new();
-        // forward: each unit's input per micro-batch (the last unit runs in the backward)
+        // each unit's input per micro-batch (the last unit runs in the backward only)
         let mut inputs: Vec<Vec<Tensor>> =
             micro.iter().map(|(x, _)| vec![x.shallow_clone()]).collect();
-        for u in 0..units.saturating_sub(1) {
-            let ps = self.unit_params(u);
-            let rests = self.gather_params(arc, &grp, &ps)?;
-            let r = tch::no_grad(|| -> Result<(), CommError> {
-                for acts in inputs.iter_mut() {
-                    let x = acts.last().expect("an input");
-                    let y = self.model.forward_unit(u, x, &mut Tape::default())?;
-                    acts.push(y);
-                }
-                Ok(())
-            });
-            self.release(rests);
-            r?;
-        }
-        // backward, unit by unit in reverse
         let mut go: Vec<Option<Tensor>> = micro.iter().map(|_| None).collect();
         let mut loss = Tensor::zeros([1], (Kind::Double, self.dev));
         let mut rows_grad: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
-        for u in (0..units).rev() {
-            let ps = self.unit_params(u);
-            let rests = self.gather_params(arc, &grp, &ps)?;
-            // the gradients whose last use was this unit's backward
+        // the units in the order they are gathered: forward (but the last), then backward
+        let order: Vec<usize> = (0..units.saturating_sub(1))
+            .chain((0..units).rev())
+            .collect();
+        // the shard group's collectives, in one order, on a thread of their own: each unit's
+        // gather while the unit before it computes, each unit's reduction while the unit
+        // after it (in the backward) computes. The tensor group's collectives stay on this
+        // thread; the two groups share no peer, and point-to-point calls take only their
+        // peer's socket, so they run at once. Inline, each gather runs when its unit comes
+        // (one unit whole at a time).
+        let queue = CommQueue::for_step(threaded)?;
+        let mut next: (Vec<usize>, Gathering) = (Vec::new(), None);
+        if let Some(&u0) = order.first() {
+            let v = self.unit_params(u0);
+            next = (v.clone(), self.start_gather(&queue, arc, &grp, &v));
+        }
+        let mut reducing: Option<(Vec<usize>, Ticket<Tensor>)> = None;
+        for (at, &u) in order.iter().enumerate() {
+            let (ps, pending) = std::mem::take(&mut next);
+            let rests = self.finish_gather(&ps, pending)?;
+            // the next unit's gather starts now (threaded), or after this unit's release
+            // (inline, or where the two share a parameter, a tied head beside its
+            // embedding: its rows are read then)
+            let upcoming = order.get(at + 1).map(|&v| self.unit_params(v));
+            let late = !threaded
+                || upcoming
+                    .as_ref()
+                    .is_some_and(|v| v.iter().any(|i| ps.contains(i)));
+            if let (Some(v), false) = (&upcoming, late) {
+                next = (v.clone(), self.start_gather(&queue, arc, &grp, v));
+            }
+            let prefetch = |t: &mut Self, next: &mut (Vec<usize>, Gathering)| {
+                if let (Some(v), true) = (&upcoming, late) {
+                    *next = (v.clone(), t.start_gather(&queue, arc, &grp, v));
+                }
+            };
+            if at + 1 < units {
+                // forward, without gradients
+                let r = tch::no_grad(|| -> Result<(), CommError> {
+                    for acts in inputs.iter_mut() {
+                        let x = acts.last().expect("an input");
+                        let y = self.model.forward_unit(u, x, &mut Tape::default())?;
+                        acts.push(y);
+                    }
+                    Ok(())
+                });
+                self.release(rests);
+                prefetch(self, &mut next);
+                r?;
+                continue;
+            }
+            // backward: the gradients whose last use is this unit's backward
             let done: Vec<usize> = ps
                 .iter()
                 .copied()
@@ -192,8 +240,12 @@ impl Trainer {
                 self.release(rests);
                 let per_part = r?;
                 if !done.is_empty() {
+                    // the fold's sends run here, to the shard group's peers: the gather in
+                    // flight is waited for first, so that the two keep their order
+                    next.1 = next.1.take().map(Ticket::settle);
                     self.fold_rows(arc, g, (&chain, me), &done, per_part, &mut rows_grad, norm)?;
                 }
+                prefetch(self, &mut next);
                 continue;
             }
             let r = self.unit_backward(u, &micro, &mut inputs, &mut go, &mut loss);
@@ -202,10 +254,20 @@ impl Trainer {
             self.release(rests);
             r?;
             if !done.is_empty() {
-                let grp = grp.as_ref().expect("a shard group");
-                self.reduce_rows(grp, &across, &done, gs, &mut rows_grad)?;
+                // the unit after this one has been reduced meanwhile: keep its rows
+                if let Some((ids, t)) = reducing.take() {
+                    self.keep_rows(&ids, &t.wait()?, &mut rows_grad);
+                }
+                let shard = grp.as_ref().expect("a shard group");
+                let t = self.submit_rows(&queue, shard, &across, &done, gs);
+                reducing = Some((done, t));
             }
+            prefetch(self, &mut next);
         }
+        if let Some((ids, t)) = reducing.take() {
+            self.keep_rows(&ids, &t.wait()?, &mut rows_grad);
+        }
+        drop(queue);
         if counts {
             row[0] = f64::try_from(loss.to_device(Device::Cpu)).unwrap_or(f64::NAN);
         }
@@ -483,18 +545,21 @@ impl Trainer {
         taken
     }
 
-    /// Sum parameters `ids`' gradients `gs` (this rank's, of its gathered slices) over the
-    /// replicas of its tensor place and keep its rows in `rows_grad`: each member of the shard
-    /// group sends every other one their rows (an all-to-all) and folds what it receives in
-    /// group order; with HSDP the rows are then summed over the other shard groups.
-    fn reduce_rows(
+    /// Submit the sum of parameters `ids`' gradients `gs` (this rank's, of its gathered
+    /// slices) over the replicas of its tensor place to `queue`; the ticket answers this
+    /// rank's rows of the sums, laid one after the other (for [`Trainer::keep_rows`]). Each
+    /// member of the shard group sends every other one their rows (an all-to-all) and folds
+    /// what it receives in group order; with HSDP the rows are then summed over the other
+    /// shard groups. The packing is done here, so the whole gradients are free once this
+    /// returns.
+    fn submit_rows(
         &self,
+        queue: &CommQueue,
         grp: &Group,
         across: &Option<Group>,
         ids: &[usize],
         gs: Vec<Tensor>,
-        rows_grad: &mut [Option<Tensor>],
-    ) -> Result<(), CommError> {
+    ) -> Ticket<Tensor> {
         let (s, place) = self.shard_held;
         let flat_rows = |k: u32| -> Tensor {
             let pieces: Vec<Tensor> = ids
@@ -516,14 +581,16 @@ impl Trainer {
             .iter()
             .map(|i| self.rows(*i, place).1 * self.row_numel(*i))
             .sum();
-        let got = grp.all_to_all(&parts, &vec![vec![mine]; s as usize])?;
-        drop(parts);
-        let mut sum = fold(&got);
-        if let Some(a) = across {
-            sum = a.all_reduce_sum(&sum)?;
-        }
-        self.keep_rows(ids, &sum, rows_grad);
-        Ok(())
+        let (grp, across) = (grp.clone(), across.clone());
+        queue.submit("reduce_scatter", move || {
+            let got = grp.all_to_all(&parts, &vec![vec![mine]; s as usize])?;
+            drop(parts);
+            let sum = fold(&got);
+            match &across {
+                Some(a) => a.all_reduce_sum(&sum),
+                None => Ok(sum),
+            }
+        })
     }
 }
 

@@ -45,6 +45,14 @@ pub(crate) struct CommQueue {
 pub(crate) struct Ticket<T>(mpsc::Receiver<Result<T, CommError>>);
 
 impl<T> Ticket<T> {
+    /// Wait for the collective now and keep its result: a ticket already answered (the
+    /// queue's thread is then free for a call of the step's own to the same peers).
+    pub(crate) fn settle(self) -> Ticket<T> {
+        let (tx, rx) = mpsc::channel();
+        let _ = tx.send(self.wait());
+        Ticket(rx)
+    }
+
     /// Wait for the collective's result.
     pub(crate) fn wait(self) -> Result<T, CommError> {
         self.0.recv().unwrap_or_else(|_| {
