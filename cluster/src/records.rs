@@ -2108,7 +2108,7 @@ impl TrainingSpec {
         if self.sharding.is_sharded() && self.sync != SyncMode::Allreduce {
             return Err(ClusterError::invalid(
                 "training.sharding",
-                "sharding runs with sync = \"allreduce\" only (DiLoCo and async: not yet)",
+                "sharding cuts a data-parallel group's state, which sync = \"allreduce\" has: a DiLoCo replica is one rank that keeps its whole model and inner optimizer between exchanges (its outer state, the global weights and outer momentum, stays whole too), and sync = \"async\" already shards its parameters and optimizer state over the workers (each owns one slice, as a parameter server)",
             ));
         }
         if over_stages && self.shard_group == Some(ShardGroup::Node) {
@@ -3287,6 +3287,27 @@ keep = 3
                 e.contains("training.max_grad_norm") && e.contains("DiLoCo"),
                 "{e}"
             );
+        }
+    }
+
+    /// Sharding runs with the all-reduce step: DiLoCo and async are refused, saying what
+    /// holds their state instead.
+    #[test]
+    fn sharding_with_diloco_or_async_is_refused_with_what_holds_their_state() {
+        for sync in ["diloco", "async"] {
+            for level in ["optimizer", "gradients", "full", "auto"] {
+                let e = JobSpec::from_toml(&format!(
+                    "name = \"a\"\nmin = 1\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nsync = \"{sync}\"\nsharding = \"{level}\"\n[checkpoint]\nurl = \"file:///ck\"\n"
+                ))
+                .unwrap_err()
+                .to_string();
+                assert!(
+                    e.contains("training.sharding")
+                        && e.contains("DiLoCo replica is one rank")
+                        && e.contains("already shards its parameters and optimizer state"),
+                    "{sync} {level}: {e}"
+                );
+            }
         }
     }
 
