@@ -19,11 +19,11 @@
 //! where the node has a core to spare ([`Trainer::comm_thread`], the CPU), on a thread of
 //! their own, the next unit's gather while this one computes and a unit's reduction while
 //! the unit below it computes (the unit computed and the one gathered are whole); else each
-//! in turn with the units (one unit whole at a time). The
-//! tensor group's collectives (the cuts inside each unit) stay on the step's thread: the
-//! shard group (one tensor place's replicas) and the tensor group (one replica's places)
-//! share no peer, and the TCP communicator's point-to-point calls take only their peer's
-//! socket, so the two run at once. The optimizer steps the rank's rows alone.
+//! in turn with the units (one unit whole at a time). The tensor group's collectives (the
+//! cuts inside each unit) stay on the step's thread: the shard group (one tensor place's
+//! replicas) and the tensor group (one replica's places) share no peer, and the TCP
+//! communicator's point-to-point calls take only their peer's socket, so the two run at
+//! once. The optimizer steps the rank's rows alone.
 //!
 //! Deterministic mode ends with the unsharded tensor layout's bits (its step is
 //! [`super::pipe`]'s at one stage): each logical shard's gradient accumulates apart, from

@@ -14,7 +14,7 @@
 //! whole backward ([`Trainer::reduce_in_buckets`]): a bucket reduced between two units'
 //! backwards would make each rank wait for the slowest once per bucket instead of once per
 //! step. Full sharding's gathers and reduce-scatters use the same queue on a thread
-//! (`fsdp.rs`).
+//! (`fsdp.rs`; under tensor groups, `fsdp_tp.rs`, where a core is spare).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
