@@ -284,3 +284,52 @@ fn diloco_and_async_specs_that_cannot_run_are_refused_at_submit() {
         ],
     );
 }
+
+/// `max_grad_norm` with DiLoCo and async clips each rank's own gradient by its own norm (a
+/// rank is the whole replica there): a DiLoCo replica's inner step, an async worker's push.
+/// Plain SGD at a large rate trains the model; clipped to a tiny norm, each step moves it by
+/// at most rate × that norm, so its held-out loss stays the untrained model's, and the norm
+/// reported is the gradient's before clipping, far above the bound.
+#[test]
+fn diloco_and_async_clip_each_rank_s_gradient_by_its_own_norm() {
+    let c = Cluster::start(Spec::default().agents(2, 1));
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    let job = |name: &str, sync: &str, lr: &str, extra: &str| {
+        let mode = match sync {
+            "diloco" => "[training.diloco]\ninner_steps = 10\n",
+            _ => "[training.async]\nstaleness = 2\n",
+        };
+        format!(
+            "{}max_steps = 60\nsync = \"{sync}\"\neval_fraction = 0.1\neval_samples = 32\noptimizer = {{ name = \"sgd\", momentum = 0.0, weight_decay = 0.0 }}\nlr_schedule = {{ warmup_steps = 0, decay = \"constant\" }}\n{extra}\nmodel_config = {{ d_model = 32, n_layer = 1, n_head = 2 }}\n{mode}",
+            training_toml(name, 2, 2, 2, "gpt", &data, "restart_budget = 5")
+                .replace("lr = 3e-3", &format!("lr = {lr}"))
+        )
+    };
+    for sync in ["diloco", "async"] {
+        let run = |name: &str, lr: &str, extra: &str| {
+            c.submit(&job(name, sync, lr, extra));
+            c.wait_done(name, S(180))
+        };
+        // (the untrained model's held-out loss: a rate too small to move it)
+        let start = run(&format!("start-{sync}"), "1e-30", "").eval_loss;
+        let trained = run(&format!("free-{sync}"), "1.0", "").eval_loss;
+        let clipped = run(&format!("clipped-{sync}"), "1.0", "max_grad_norm = 1e-6");
+        let (start, trained, end) = (start.unwrap(), trained.unwrap(), clipped.eval_loss.unwrap());
+        let norm = clipped.grad_norm;
+        println!(
+            "{sync}: held-out loss {start:.5} untrained, {trained:.5} trained, {end:.5} clipped to 1e-6 (norm before clipping {norm:?})"
+        );
+        assert!(
+            norm.is_some_and(|n| n > 1e-3),
+            "{sync}: the norm before clipping: {norm:?}"
+        );
+        assert!(
+            trained < start - 0.3,
+            "{sync}: the unclipped run trains: {start} → {trained}"
+        );
+        assert!(
+            (end - start).abs() < 1e-3,
+            "{sync}: the clipped run's held-out loss moved from {start} to {end}"
+        );
+    }
+}

@@ -335,18 +335,6 @@ fn training_clipping_by_global_norm_gives_the_same_bits_through_kills_and_resize
         reference,
         "a clipped run's final weights differ from the uninterrupted run's"
     );
-    // and it is refused where it does not run yet (DiLoCo's rounds), naming the key
-    let bad = train("rounds", 2).replace(
-        "max_grad_norm = 0.05",
-        "max_grad_norm = 0.05\nsync = \"diloco\"",
-    );
-    let path = c.dir.path().join("rounds.toml");
-    std::fs::write(&path, bad).unwrap();
-    let (ok, _, err) = c.dctl(&["submit", path.to_str().unwrap()]);
-    assert!(
-        !ok && err.contains("training.max_grad_norm") && err.contains("DiLoCo"),
-        "{err}"
-    );
 }
 
 /// ZeRO-1 (`sharding = "optimizer"`), with a recipe of the job's own (issue 49): each rank holds

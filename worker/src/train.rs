@@ -881,6 +881,18 @@ impl Trainer {
         self.step.checked_sub(1).map(|s| self.spec.lr_plan().at(s))
     }
 
+    /// Clip this rank's own gradients `grads` to `max_grad_norm` by their own norm, when the
+    /// job sets one, and keep the norm for the reports: a DiLoCo replica's inner step and an
+    /// async worker's push, where one rank is the whole replica (no shard, stage or tensor
+    /// rank to count with).
+    pub(crate) fn clip_own(&mut self, grads: &[Tensor]) {
+        if let Some(max) = self.spec.max_grad_norm {
+            let norm = norm::sum_squares(grads).sqrt();
+            norm::clip_to(grads, norm, max);
+            self.grad_norm = Some(norm);
+        }
+    }
+
     /// The optimizer's step with the summed gradients, recorded in the ledger; clipped first
     /// to `max_grad_norm` when the job sets one. A sharded rank steps its rows and the shard
     /// group gathers them ([`Trainer::sharded_update`]).

@@ -1303,7 +1303,9 @@ impl Async {
         let (idx, l) = t.backward_on(&batch);
         e.loss_sum += l;
         e.loss_n += idx.len() as u64;
-        let grad = to_vec(&Tensor::cat(&t.grad_parts(0..t.params.len()), 0));
+        let flat = Tensor::cat(&t.grad_parts(0..t.params.len()), 0);
+        t.clip_own(std::slice::from_ref(&flat));
+        let grad = to_vec(&flat);
         t.computed_for(rank, t0);
         self.next_id += 1;
         let id = self.next_id;

@@ -519,6 +519,7 @@ impl Diloco {
         }
         let (idx, loss) = t.backward_on(&take);
         let grads = t.grads_or_zeros();
+        t.clip_own(&grads);
         let lr = t.spec.lr_plan().at(t.step);
         t.opt.step(&t.params, &grads, lr, t.step);
         t.step += 1;
