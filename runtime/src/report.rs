@@ -100,13 +100,21 @@ impl Reporter {
         }
     }
 
-    /// This rank joined generation `gnum`: its join record (retried, bounded, while the
-    /// generation is current: the leader records the re-formation once every rank joined),
-    /// then the weights it joined with (`step:sha256`, the tests' and benches' view), if it
-    /// holds any (a torchrun job's launcher does not).
+    /// This rank joined generation `gnum`: the weights it joined with (`step:sha256`, the
+    /// tests' and benches' view), if it holds any (a torchrun job's launcher does not), then
+    /// its join record (retried, bounded, while the generation is current: the leader records
+    /// the re-formation once every rank joined). In that order, so that a join record the
+    /// leader has read means the weights record was written too, even where the process ends
+    /// right after (a short job's last steps), before a later write could run.
     pub fn joined(&self, gnum: u64, rank: u32, join: JoinRecord, weights: Option<String>) {
         let (store, job, cell) = (self.store.clone(), self.job.clone(), self.cell.clone());
         self.rt.spawn(async move {
+            if let Some(w) = weights {
+                let _ = store
+                    .backend
+                    .put(&store.keys.weights_of(&job, gnum, rank), w.into_bytes(), None)
+                    .await;
+            }
             let key = store.keys.joined_rank(&job, gnum, rank);
             for i in 0..40u32 {
                 match store.put_json(&key, &join, None).await {
@@ -117,12 +125,6 @@ impl Reporter {
                     }
                     Err(_) => tokio::time::sleep(Duration::from_millis(250 * (i + 1).min(8) as u64)).await,
                 }
-            }
-            if let Some(w) = weights {
-                let _ = store
-                    .backend
-                    .put(&store.keys.weights_of(&job, gnum, rank), w.into_bytes(), None)
-                    .await;
             }
         });
     }

@@ -1588,43 +1588,76 @@ pub fn assert_refused<T: AsRef<str>>(c: &Cluster, cases: &[(T, &str)]) {
 }
 
 /// The newest generation of `job` from `from` on, once every member wrote its weights record
-/// (`step:sha256`): its number and the records.
+/// (`step:sha256`): its number and the records, in rank order. The records are watched, not
+/// polled: the leader deletes an ended job's rendezvous data, weights records included, and
+/// a short job (an MLP's last steps take milliseconds) can write them and end between two
+/// polls; a watch from the generation's first revision sees every put.
 pub fn joined_weights(c: &Cluster, job: &str, from: u64) -> (u64, Vec<String>) {
+    let limit = Duration::from_secs(60);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    // what the last poll saw, for the failure's message
-    let mut seen = String::from("no generation");
     let store = rt.block_on(c.store());
-    let found = poll(Duration::from_secs(60), Duration::from_millis(50), || {
+    // the revision generation `from` (or a later one) was first published at
+    let first = poll(limit, Duration::from_millis(50), || {
         rt.block_on(async {
-            let (g, _) = store.generation(job).await.unwrap()?;
-            let (kvs, _) = store
-                .backend
-                .list(&store.keys.weights(job, g.number))
+            let history: Vec<(ductile_cluster::records::Generation, _)> = store
+                .list_json(&store.keys.history(job), "generation")
                 .await
                 .unwrap();
-            seen = format!(
-                "generation {} (world {}) with weights records {:?}",
-                g.number,
-                g.world_size,
-                kvs.iter().map(|kv| kv.key.clone()).collect::<Vec<_>>()
-            );
-            (g.number >= from && kvs.len() == g.world_size as usize).then(|| {
-                (
-                    g.number,
-                    kvs.into_iter()
-                        .map(|kv| String::from_utf8(kv.value).unwrap())
-                        .collect(),
-                )
-            })
+            history
+                .into_iter()
+                .filter(|(g, _)| g.number >= from)
+                .map(|(_, kv)| kv.create_revision)
+                .min()
         })
     });
-    found.unwrap_or_else(|| {
-        panic!(
-            "timed out after 60 s waiting for generation {from} or later of job {job} with every rank's weights record: the last poll saw {seen}"
-        )
+    let Some(rev) = first else {
+        panic!("timed out after 60 s waiting for generation {from} or later of job {job}")
+    };
+    let prefix = store.keys.all_rendezvous(job);
+    rt.block_on(async {
+        let mut rx = store.backend.watch(&prefix, rev).await.unwrap();
+        let deadline = tokio::time::Instant::now() + limit;
+        // generation → rank → record, as put
+        let mut put: BTreeMap<u64, BTreeMap<u32, String>> = BTreeMap::new();
+        loop {
+            let (g, _) = store.generation(job).await.unwrap().expect("a generation");
+            let got = put.get(&g.number);
+            if g.number >= from && got.is_some_and(|r| r.len() == g.world_size as usize) {
+                let records = got.unwrap().values().cloned().collect();
+                return (g.number, records);
+            }
+            let seen = format!(
+                "generation {} (world {}) with weights records of ranks {:?}",
+                g.number,
+                g.world_size,
+                got.map(|r| r.keys().collect::<Vec<_>>()).unwrap_or_default()
+            );
+            let events = match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(Ok(events))) => events,
+                Ok(Some(Err(e))) => panic!("watching {prefix}: {e}"),
+                Ok(None) => panic!("the watch of {prefix} ended; the job had {seen}"),
+                Err(_) => panic!(
+                    "timed out after 60 s waiting for generation {from} or later of job {job} with every rank's weights record: the job had {seen}"
+                ),
+            };
+            for e in events {
+                let ductile_cluster::kv::WatchEvent::Put(kv) = e else {
+                    continue;
+                };
+                // {generation:020}/weights/{rank}
+                let rest = kv.key.strip_prefix(&prefix).unwrap_or_default();
+                let parts: Vec<&str> = rest.split('/').collect();
+                if let [gen, "weights", rank] = parts[..] {
+                    if let (Ok(gen), Ok(rank)) = (gen.parse::<u64>(), rank.parse::<u32>()) {
+                        let value = String::from_utf8(kv.value).unwrap();
+                        put.entry(gen).or_default().insert(rank, value);
+                    }
+                }
+            }
+        }
     })
 }
 
