@@ -79,6 +79,16 @@ pub(super) struct Part {
     pub(super) micro: Vec<(Tensor, Tensor)>,
 }
 
+/// How a sharded step runs, as [`Trainer::tell_step`] says it.
+pub(super) struct StepShape {
+    /// The gathered parameters kept from a unit's forward for its backward.
+    pub keep: bool,
+    /// The shard group is a part of the replicas (HSDP): gradients are all-reduced.
+    pub grouped: bool,
+    /// The step's collectives run on a thread of their own ([`CommQueue::for_step`]).
+    pub threaded: bool,
+}
+
 impl Trainer {
     /// Whether the job shards its parameters too (`sharding = "full"`).
     pub(crate) fn fully_sharded(&self) -> bool {
@@ -195,7 +205,7 @@ impl Trainer {
         let mut mine: Vec<Tensor> = idx
             .iter()
             .filter(|i| self.rows(**i, place).1 > 0)
-            .map(|i| self.params[*i].detach().reshape([-1]))
+            .map(|i| self.own_rows(*i).reshape([-1]))
             .collect();
         let pad = longest - size(place);
         if pad > 0 || mine.is_empty() {
@@ -213,6 +223,18 @@ impl Trainer {
             }
         };
         Some(queue.submit("all_gather", gather))
+    }
+
+    /// This rank's rows of parameter `i`, whether the parameter holds them alone or is
+    /// gathered whole at the moment (a unit's gather started before the unit before it,
+    /// which shares the parameter, is released: its rows are the same bits either way).
+    fn own_rows(&self, i: usize) -> Tensor {
+        let t = self.params[i].detach();
+        let (at, n) = self.rows(i, self.shard_held.1);
+        match t.size().first() {
+            Some(&len) if len != n => t.narrow(0, at, n),
+            _ => t,
+        }
     }
 
     /// Wait for a gather [`Trainer::start_gather`] started and set parameters `idx` to the
@@ -353,14 +375,13 @@ impl Trainer {
         r
     }
 
-    /// Say once per generation, in the log, how the sharded step gathers and reduces
-    /// (`threaded`: its collectives on a thread of their own, [`CommQueue::for_step`]).
-    pub(super) fn tell_step(
-        &self,
-        g: &Generation,
-        units: usize,
-        (keep, grouped, threaded): (bool, bool, bool),
-    ) {
+    /// Say once per generation, in the log, how the sharded step gathers and reduces.
+    pub(super) fn tell_step(&self, g: &Generation, units: usize, how: StepShape) {
+        let StepShape {
+            keep,
+            grouped,
+            threaded,
+        } = how;
         if TOLD.swap(g.number, Ordering::SeqCst) == g.number {
             return;
         }
@@ -403,7 +424,12 @@ impl Trainer {
         let units = self.units();
         let keep = self.keeps_gathered();
         let threaded = self.dev == Device::Cpu;
-        self.tell_step(g, units, (keep, grp.is_some(), threaded));
+        let how = StepShape {
+            keep,
+            grouped: grp.is_some(),
+            threaded,
+        };
+        self.tell_step(g, units, how);
         let parts = self.step_parts(comm, g, rank);
         // forward: each unit's input, per part and micro-batch (the last unit runs in the
         // backward, with its loss); keeping the gathered parameters, each unit's input as a

@@ -50,7 +50,7 @@ use ductile_strategies::mesh::{Coords, Mesh};
 use ductile_strategies::tensor::{split_of, Split};
 use tch::{Device, Kind, Tensor};
 
-use super::fsdp::Gathering;
+use super::fsdp::{Gathering, StepShape};
 use super::overlap::{CommQueue, Ticket};
 use super::{ledger_line, Trainer};
 use crate::model::Tape;
@@ -149,7 +149,12 @@ impl Trainer {
         // dp2 × tp2 with a rank per core, threaded gathers ran at 0.98× the inline step's
         // samples/s, `ductile-bench fsdp-tp`, and held one unit more)
         let threaded = self.comm_thread(g);
-        self.tell_step(g, units, (false, across.is_some(), threaded));
+        let how = StepShape {
+            keep: false,
+            grouped: across.is_some(),
+            threaded,
+        };
+        self.tell_step(g, units, how);
         let counts = Mesh::counts_loss(c);
         // the micro-batches of every part (a logical shard in deterministic mode), in order,
         // and each part's: its logical shard and its micro-batches' range
@@ -190,22 +195,12 @@ impl Trainer {
         for (at, &u) in order.iter().enumerate() {
             let (ps, pending) = std::mem::take(&mut next);
             let rests = self.finish_gather(&ps, pending)?;
-            // the next unit's gather starts now (threaded), or after this unit's release
-            // (inline, or where the two share a parameter, a tied head beside its
-            // embedding: its rows are read then)
             let upcoming = order.get(at + 1).map(|&v| self.unit_params(v));
-            let late = !threaded
-                || upcoming
-                    .as_ref()
-                    .is_some_and(|v| v.iter().any(|i| ps.contains(i)));
-            if let (Some(v), false) = (&upcoming, late) {
+            // threaded: the next unit's gather starts now, while this one computes (its rows
+            // read even where the two share a parameter, a tied head beside its embedding)
+            if let (Some(v), true) = (&upcoming, threaded) {
                 next = (v.clone(), self.start_gather(&queue, arc, &grp, v));
             }
-            let prefetch = |t: &mut Self, next: &mut (Vec<usize>, Gathering)| {
-                if let (Some(v), true) = (&upcoming, late) {
-                    *next = (v.clone(), t.start_gather(&queue, arc, &grp, v));
-                }
-            };
             if at + 1 < units {
                 // forward, without gradients
                 let r = tch::no_grad(|| -> Result<(), CommError> {
@@ -217,52 +212,55 @@ impl Trainer {
                     Ok(())
                 });
                 self.release(rests);
-                prefetch(self, &mut next);
                 r?;
-                continue;
-            }
-            // backward: the gradients whose last use is this unit's backward
-            let done: Vec<usize> = ps
-                .iter()
-                .copied()
-                .filter(|i| self.done_at(*i) == u)
-                .collect();
-            if ordered {
-                // each part's gradients of `done`, flat
-                let r = self.unit_backward_ordered(
-                    u,
-                    (&micro, &spans),
-                    (&mut inputs, &mut go),
-                    &mut loss,
-                    &mut later,
-                    &done,
-                );
-                self.release(rests);
-                let per_part = r?;
-                if !done.is_empty() {
-                    // the fold's sends run here, to the shard group's peers: the gather in
-                    // flight is waited for first, so that the two keep their order
-                    next.1 = next.1.take().map(Ticket::settle);
-                    self.fold_rows(arc, g, (&chain, me), &done, per_part, &mut rows_grad, norm)?;
+            } else {
+                // backward: the gradients whose last use is this unit's backward
+                let done: Vec<usize> = ps
+                    .iter()
+                    .copied()
+                    .filter(|i| self.done_at(*i) == u)
+                    .collect();
+                if ordered {
+                    // each part's gradients of `done`, flat
+                    let r = self.unit_backward_ordered(
+                        u,
+                        (&micro, &spans),
+                        (&mut inputs, &mut go),
+                        &mut loss,
+                        &mut later,
+                        &done,
+                    );
+                    self.release(rests);
+                    let per_part = r?;
+                    if !done.is_empty() {
+                        // the fold's sends run here, to the shard group's peers: the gather
+                        // in flight is waited for first, so that the two keep their order
+                        next.1 = next.1.take().map(Ticket::settle);
+                        let held = (chain.as_slice(), me);
+                        self.fold_rows(arc, g, held, &done, per_part, &mut rows_grad, norm)?;
+                    }
+                } else {
+                    let r = self.unit_backward(u, &micro, &mut inputs, &mut go, &mut loss);
+                    // taken off the parameters
+                    let gs: Vec<Tensor> = done.iter().map(|i| self.take_grad(*i)).collect();
+                    self.release(rests);
+                    r?;
+                    if !done.is_empty() {
+                        // the unit after this one has been reduced meanwhile: keep its rows
+                        if let Some((ids, t)) = reducing.take() {
+                            self.keep_rows(&ids, &t.wait()?, &mut rows_grad);
+                        }
+                        let shard = grp.as_ref().expect("a shard group");
+                        let t = self.submit_rows(&queue, shard, &across, &done, gs);
+                        reducing = Some((done, t));
+                    }
                 }
-                prefetch(self, &mut next);
-                continue;
             }
-            let r = self.unit_backward(u, &micro, &mut inputs, &mut go, &mut loss);
-            // taken off the parameters
-            let gs: Vec<Tensor> = done.iter().map(|i| self.take_grad(*i)).collect();
-            self.release(rests);
-            r?;
-            if !done.is_empty() {
-                // the unit after this one has been reduced meanwhile: keep its rows
-                if let Some((ids, t)) = reducing.take() {
-                    self.keep_rows(&ids, &t.wait()?, &mut rows_grad);
-                }
-                let shard = grp.as_ref().expect("a shard group");
-                let t = self.submit_rows(&queue, shard, &across, &done, gs);
-                reducing = Some((done, t));
+            // inline: the next unit's gather runs once this one is released (one unit whole
+            // at a time)
+            if let (Some(v), false) = (&upcoming, threaded) {
+                next = (v.clone(), self.start_gather(&queue, arc, &grp, v));
             }
-            prefetch(self, &mut next);
         }
         if let Some((ids, t)) = reducing.take() {
             self.keep_rows(&ids, &t.wait()?, &mut rows_grad);
