@@ -198,11 +198,11 @@ pub fn d2h_copies(bytes: i64, iters: usize) -> (f64, f64) {
     for _ in 0..iters {
         tch::Cuda::synchronize(0);
         let t0 = Instant::now();
-        let _ = p.copy_(&src);
+        p.copy_(&src);
         tch::Cuda::synchronize(0);
         tp.push(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
-        let _ = pageable.copy_(&src);
+        pageable.copy_(&src);
         tq.push(t0.elapsed().as_secs_f64());
     }
     (median(tp), median(tq))

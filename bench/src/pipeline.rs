@@ -344,10 +344,8 @@ pub async fn bubble(
         "{:<16} {:>3} {:>3} {:>9} {:>9} {:>8} {:>13} {:>10} {:>11}",
         "sched", "p", "m", "formula", "measured", "diff pp", "worst stage", "step ms", "fwd/bwd ms"
     );
-    let mut generation = 0;
     let mut worst: f64 = 0.0;
-    for &p in ps {
-        generation += 1;
+    for (generation, &p) in (1..).zip(ps) {
         let forming: Vec<_> = (0..p)
             .map(|r| {
                 let e = etcd.endpoint.clone();

@@ -321,7 +321,7 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
         .flatten()
         .map(|(s, _)| s);
     drop(c);
-    let state_bytes: i64;
+
     // the bare loop, in this process: the same model and data, NCCL world 1
     let spec: TrainingSpec = serde_json::from_value(serde_json::json!({
         "model": "gpt", "dataset": data, "global_batch": gb, "lr": 3e-4, "seed": 7,
@@ -358,7 +358,7 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
         Ok((times.iter().sum::<f64>() / times.len() as f64, bytes))
     })
     .await??;
-    state_bytes = bytes;
+    let state_bytes: i64 = bytes;
     println!("gpu-step, GPT (d_model 512, 6 layers, ctx 128), global batch {gb}, 1 worker on cuda:0 (NCCL): elastic loop {elastic_ms:.2} ms/step, bare tch CUDA loop {bare_ms:.2} ms/step, ratio {:.3} (goal <= 1.03)", elastic_ms / bare_ms);
     let (pinned_s, pageable_s) =
         tokio::task::spawn_blocking(move || crate::gpu::d2h_copies(state_bytes, 5)).await?;

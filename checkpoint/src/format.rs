@@ -309,7 +309,7 @@ pub fn safetensors_header(
     }
     head.insert("__metadata__".into(), serde_json::Value::Object(meta));
     let mut json = serde_json::to_vec(&head).expect("a JSON map");
-    while (json.len() + 8) % 8 != 0 {
+    while !(json.len() + 8).is_multiple_of(8) {
         json.push(b' ');
     }
     let base = 8 + json.len() as u64;

@@ -1076,7 +1076,7 @@ impl TrainingSpec {
         let range = |field: &str, v: i64, lo: i64, hi: i64| {
             if v < lo || v > hi {
                 Err(ClusterError::invalid(
-                    &format!("training.model_config.{field}"),
+                    format!("training.model_config.{field}"),
                     format!("{v} is outside {lo}..={hi}"),
                 ))
             } else {

@@ -85,7 +85,9 @@ pub fn add_into(dtype: DType, dst: &mut [u8], src: &[u8]) {
     match dtype {
         DType::F32 => {
             // aligned fast path (tensor data and our scratch are aligned)
-            if (dst.as_ptr() as usize) % 4 == 0 && (src.as_ptr() as usize) % 4 == 0 {
+            if (dst.as_ptr() as usize).is_multiple_of(4)
+                && (src.as_ptr() as usize).is_multiple_of(4)
+            {
                 let d = unsafe {
                     std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut f32, dst.len() / 4)
                 };
@@ -100,7 +102,9 @@ pub fn add_into(dtype: DType, dst: &mut [u8], src: &[u8]) {
             }
         }
         DType::F64 => {
-            if (dst.as_ptr() as usize) % 8 == 0 && (src.as_ptr() as usize) % 8 == 0 {
+            if (dst.as_ptr() as usize).is_multiple_of(8)
+                && (src.as_ptr() as usize).is_multiple_of(8)
+            {
                 let d = unsafe {
                     std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut f64, dst.len() / 8)
                 };

@@ -50,14 +50,14 @@ fn to_host(t: &Tensor, slot: u8) -> Tensor {
         b
     });
     let mut view = buf.view(t.size().as_slice());
-    let _ = view.copy_(t);
+    view.copy_(t);
     view
 }
 
 /// Copy a host result back into `t` (on its device).
 fn back(t: &Tensor, host: &Tensor) {
     let mut t = t.shallow_clone();
-    let _ = t.copy_(host);
+    t.copy_(host);
 }
 
 /// The TCP backend with every tensor staged through host buffers, whatever its device: what
@@ -114,7 +114,7 @@ impl Communicator for HostStaged<'_> {
         let stage = |t: &Tensor| {
             let h = pinned_empty(t.numel() as i64, t.kind(), t.device());
             let mut view = h.view(t.size().as_slice());
-            let _ = view.copy_(t);
+            view.copy_(t);
             DevTensor(view)
         };
         let hs: Vec<DevTensor> = sends.iter().map(|(_, t)| stage(&t.0)).collect();

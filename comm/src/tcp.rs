@@ -771,7 +771,7 @@ impl TcpComm {
     /// Sum over all ranks, in place; every rank ends with the same bits.
     pub fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType) -> Result<()> {
         let op = "all_reduce";
-        if buf.len() % dtype.size() != 0 {
+        if !buf.len().is_multiple_of(dtype.size()) {
             return Err(CommError::Invalid {
                 op,
                 reason: "buffer is not whole elements".into(),
@@ -924,7 +924,8 @@ impl TcpComm {
         dtype: DType,
     ) -> Result<()> {
         let op = "reduce_scatter";
-        if input.len() != out.len() * self.world as usize || out.len() % dtype.size() != 0 {
+        if input.len() != out.len() * self.world as usize || !out.len().is_multiple_of(dtype.size())
+        {
             return Err(CommError::Invalid {
                 op,
                 reason: format!(

@@ -1195,7 +1195,7 @@ pub async fn report(store: &Store, recent: usize) -> ductile_cluster::Result<ser
         let issued: Vec<serde_json::Value> = kvs
             .iter()
             .filter(|kv| kv.key.starts_with(&issued_prefix))
-            .filter_map(|kv| decode::<QuorumRecord>(kv))
+            .filter_map(decode::<QuorumRecord>)
             .rev()
             .take(recent)
             .map(|q| serde_json::json!({"quorum_id": q.quorum_id, "members": q.ids(), "created_ms": q.created_ms, "issued_by": q.issued_by}))

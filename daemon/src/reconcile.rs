@@ -577,8 +577,7 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
         .map(|g| g.members.iter().map(|m| (m.node.clone(), m.slot)).collect())
         .unwrap_or_default();
     let new: BTreeSet<(String, u32)> = chosen.iter().cloned().collect();
-    if cur.is_some() && old == new {
-        let g = cur.unwrap();
+    if let Some(g) = cur.filter(|_| old == new) {
         if let Some(d) = faults(spec, g, obs, fleet, now) {
             return d;
         }

@@ -1030,36 +1030,38 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let mut offset = v.offset;
             // the same file from there on, until the job has ended and nothing more came
-            while follow {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                let more: ductile_cluster::api::LogView = serde_json::from_value(
-                    c.call(
-                        Method::GET,
-                        &format!(
-                            "/v1/jobs/{job}/logs?node={}&slot={}&offset={offset}",
-                            v.node, v.slot
-                        ),
-                        None,
-                    )
-                    .await?,
-                )?;
-                if json {
-                    if !more.text.is_empty() {
-                        println!("{}", serde_json::to_string(&more)?);
-                    }
-                } else {
-                    print!("{}", clean(&more.text));
-                }
-                // piped (dctl logs -f | grep ...): each answer as it comes
-                let _ = std::io::Write::flush(&mut std::io::stdout());
-                offset = more.offset;
-                if more.text.is_empty() {
-                    let s: JobView = serde_json::from_value(
-                        c.call(Method::GET, &format!("/v1/jobs/{job}"), None)
-                            .await?,
+            if follow {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let more: ductile_cluster::api::LogView = serde_json::from_value(
+                        c.call(
+                            Method::GET,
+                            &format!(
+                                "/v1/jobs/{job}/logs?node={}&slot={}&offset={offset}",
+                                v.node, v.slot
+                            ),
+                            None,
+                        )
+                        .await?,
                     )?;
-                    if s.state.is_terminal() {
-                        break;
+                    if json {
+                        if !more.text.is_empty() {
+                            println!("{}", serde_json::to_string(&more)?);
+                        }
+                    } else {
+                        print!("{}", clean(&more.text));
+                    }
+                    // piped (dctl logs -f | grep ...): each answer as it comes
+                    let _ = std::io::Write::flush(&mut std::io::stdout());
+                    offset = more.offset;
+                    if more.text.is_empty() {
+                        let s: JobView = serde_json::from_value(
+                            c.call(Method::GET, &format!("/v1/jobs/{job}"), None)
+                                .await?,
+                        )?;
+                        if s.state.is_terminal() {
+                            break;
+                        }
                     }
                 }
             }

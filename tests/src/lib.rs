@@ -927,7 +927,7 @@ fn dechunk(s: &str) -> String {
             break;
         }
         out.push_str(&after[..n]);
-        rest = &after[n..].trim_start_matches("\r\n");
+        rest = after[n..].trim_start_matches("\r\n");
     }
     out
 }

@@ -784,7 +784,7 @@ impl Trainer {
                 .expect(solo);
             let loss = self.model.loss(&out, y, &mut tape).expect(solo) / b;
             self.model.backward(tape, &loss, None).expect(solo);
-            acc = acc + loss.detach().to_kind(Kind::Double).reshape([1]);
+            acc += loss.detach().to_kind(Kind::Double).reshape([1]);
         }
         acc.to_kind(Kind::Float)
     }

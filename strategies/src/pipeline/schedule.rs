@@ -34,7 +34,7 @@ pub enum Op {
 pub fn stage_ops(schedule: Schedule, p: u32, m: u32, stage: u32) -> Vec<Op> {
     let v = schedule.chunks_per_stage();
     let mut ops = Vec::with_capacity((2 * m * v) as usize);
-    if v > 1 && m % p != 0 {
+    if v > 1 && !m.is_multiple_of(p) {
         // groups of p micro-batches do not tile m (the planner avoids it): every forward,
         // chunk by chunk, then every backward, chunks in reverse
         for j in 0..v {

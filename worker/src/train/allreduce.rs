@@ -67,7 +67,7 @@ impl Mode for Allreduce {
         } else {
             t.train_step(comm, g, me.rank)?
         };
-        if t.spec.eval_every.is_some_and(|e| t.step % e == 0) && t.eval.is_some() {
+        if t.spec.eval_every.is_some_and(|e| t.step.is_multiple_of(e)) && t.eval.is_some() {
             let l = t.eval_on_layout(comm, g, me)?;
             t.last_eval = Some((t.step, l));
             if me.rank == 0 {
@@ -85,6 +85,6 @@ impl Mode for Allreduce {
     }
 
     fn save_due(&self, t: &Trainer, interval: u64) -> bool {
-        t.step % interval == 0
+        t.step.is_multiple_of(interval)
     }
 }

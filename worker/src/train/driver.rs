@@ -94,7 +94,7 @@ pub(super) trait Mode {
     /// Whether the run's last state is a checkpoint's (its save may have been skipped while
     /// the previous one uploaded): by default when its step is a multiple of the interval.
     fn final_due(&self, t: &Trainer, interval: u64) -> bool {
-        t.step % interval == 0
+        t.step.is_multiple_of(interval)
     }
 
     /// What a checkpoint's `extra` records of the mode's own state, under its key.

@@ -774,6 +774,6 @@ impl Trainer {
         // the other stages' copies are stale from this step on: release them
         let held = self.held.clone();
         self.hold_only(&held);
-        Ok(v[0] as f64)
+        Ok(v[0])
     }
 }
