@@ -321,7 +321,6 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
         .flatten()
         .map(|(s, _)| s);
     drop(c);
-
     // the bare loop, in this process: the same model and data, NCCL world 1
     let spec: TrainingSpec = serde_json::from_value(serde_json::json!({
         "model": "gpt", "dataset": data, "global_batch": gb, "lr": 3e-4, "seed": 7,
@@ -329,36 +328,36 @@ pub async fn gpu_step(steps: u64) -> anyhow::Result<()> {
     }))?;
     let rt = tokio::runtime::Handle::current();
     let comm = bare_nccl().await?;
-    let (bare_ms, bytes) = tokio::task::spawn_blocking(move || -> anyhow::Result<(f64, i64)> {
-        use ductile_worker::{data::*, model::*, optim::*};
-        let dev = tch::Device::Cuda(0);
-        let data = Dataset::open(&spec.dataset, spec.model, ctx(&spec), &rt)?;
-        let model = Model::new(&spec, &data, dev)?;
-        let params: Vec<tch::Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
-        let mut opt = Optimizer::new(&spec.optimizer, &params);
-        let bytes: i64 = params
-            .iter()
-            .chain(opt.state.iter())
-            .map(|t| t.numel() as i64 * 4)
-            .sum();
-        let mut order = Order::new(data.len(), 7);
-        let mut times = Vec::new();
-        for step in 0..steps {
-            let t0 = Instant::now();
-            let idx: Vec<u64> = (0..gb).map(|p| order.sample(step * gb + p)).collect();
-            bare_step(
-                &model, &params, &mut opt, &data, &idx, gb, &comm, 3e-4, step,
-            )?;
-            tch::Cuda::synchronize(0);
-            if step >= 20 {
-                times.push(t0.elapsed().as_secs_f64() * 1000.0);
+    let (bare_ms, state_bytes) =
+        tokio::task::spawn_blocking(move || -> anyhow::Result<(f64, i64)> {
+            use ductile_worker::{data::*, model::*, optim::*};
+            let dev = tch::Device::Cuda(0);
+            let data = Dataset::open(&spec.dataset, spec.model, ctx(&spec), &rt)?;
+            let model = Model::new(&spec, &data, dev)?;
+            let params: Vec<tch::Tensor> = model.params().into_iter().map(|(_, t)| t).collect();
+            let mut opt = Optimizer::new(&spec.optimizer, &params);
+            let bytes: i64 = params
+                .iter()
+                .chain(opt.state.iter())
+                .map(|t| t.numel() as i64 * 4)
+                .sum();
+            let mut order = Order::new(data.len(), 7);
+            let mut times = Vec::new();
+            for step in 0..steps {
+                let t0 = Instant::now();
+                let idx: Vec<u64> = (0..gb).map(|p| order.sample(step * gb + p)).collect();
+                bare_step(
+                    &model, &params, &mut opt, &data, &idx, gb, &comm, 3e-4, step,
+                )?;
+                tch::Cuda::synchronize(0);
+                if step >= 20 {
+                    times.push(t0.elapsed().as_secs_f64() * 1000.0);
+                }
             }
-        }
-        staging_breakdown(&params, &opt.state);
-        Ok((times.iter().sum::<f64>() / times.len() as f64, bytes))
-    })
-    .await??;
-    let state_bytes: i64 = bytes;
+            staging_breakdown(&params, &opt.state);
+            Ok((times.iter().sum::<f64>() / times.len() as f64, bytes))
+        })
+        .await??;
     println!("gpu-step, GPT (d_model 512, 6 layers, ctx 128), global batch {gb}, 1 worker on cuda:0 (NCCL): elastic loop {elastic_ms:.2} ms/step, bare tch CUDA loop {bare_ms:.2} ms/step, ratio {:.3} (goal <= 1.03)", elastic_ms / bare_ms);
     let (pinned_s, pageable_s) =
         tokio::task::spawn_blocking(move || crate::gpu::d2h_copies(state_bytes, 5)).await?;

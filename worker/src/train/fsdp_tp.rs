@@ -186,20 +186,24 @@ impl Trainer {
         // peer's socket, so they run at once. Inline, each gather runs when its unit comes
         // (one unit whole at a time).
         let queue = CommQueue::for_step(threaded)?;
-        let mut next: (Vec<usize>, Gathering) = (Vec::new(), None);
-        if let Some(&u0) = order.first() {
-            let v = self.unit_params(u0);
-            next = (v.clone(), self.start_gather(&queue, arc, &grp, &v));
+        // (threaded: the gather of the unit to come, started while this one computes)
+        let mut next: Gathering = None;
+        if let (Some(&u0), true) = (order.first(), threaded) {
+            next = self.start_gather(&queue, arc, &grp, &self.unit_params(u0));
         }
         let mut reducing: Option<(Vec<usize>, Ticket<Tensor>)> = None;
         for (at, &u) in order.iter().enumerate() {
-            let (ps, pending) = std::mem::take(&mut next);
+            let ps = self.unit_params(u);
+            // inline, this unit's gather runs now, the unit before released
+            let pending = match threaded {
+                true => next.take(),
+                false => self.start_gather(&queue, arc, &grp, &ps),
+            };
             let rests = self.finish_gather(&ps, pending)?;
-            let upcoming = order.get(at + 1).map(|&v| self.unit_params(v));
-            // threaded: the next unit's gather starts now, while this one computes (its rows
-            // read even where the two share a parameter, a tied head beside its embedding)
-            if let (Some(v), true) = (&upcoming, threaded) {
-                next = (v.clone(), self.start_gather(&queue, arc, &grp, v));
+            // threaded, the next unit's starts now (its rows read even where the two share a
+            // parameter, a tied head beside its embedding)
+            if let (Some(&v), true) = (order.get(at + 1), threaded) {
+                next = self.start_gather(&queue, arc, &grp, &self.unit_params(v));
             }
             if at + 1 < units {
                 // forward, without gradients
@@ -213,53 +217,47 @@ impl Trainer {
                 });
                 self.release(rests);
                 r?;
-            } else {
-                // backward: the gradients whose last use is this unit's backward
-                let done: Vec<usize> = ps
-                    .iter()
-                    .copied()
-                    .filter(|i| self.done_at(*i) == u)
-                    .collect();
-                if ordered {
-                    // each part's gradients of `done`, flat
-                    let r = self.unit_backward_ordered(
-                        u,
-                        (&micro, &spans),
-                        (&mut inputs, &mut go),
-                        &mut loss,
-                        &mut later,
-                        &done,
-                    );
-                    self.release(rests);
-                    let per_part = r?;
-                    if !done.is_empty() {
-                        // the fold's sends run here, to the shard group's peers: the gather
-                        // in flight is waited for first, so that the two keep their order
-                        next.1 = next.1.take().map(Ticket::settle);
-                        let held = (chain.as_slice(), me);
-                        self.fold_rows(arc, g, held, &done, per_part, &mut rows_grad, norm)?;
-                    }
-                } else {
-                    let r = self.unit_backward(u, &micro, &mut inputs, &mut go, &mut loss);
-                    // taken off the parameters
-                    let gs: Vec<Tensor> = done.iter().map(|i| self.take_grad(*i)).collect();
-                    self.release(rests);
-                    r?;
-                    if !done.is_empty() {
-                        // the unit after this one has been reduced meanwhile: keep its rows
-                        if let Some((ids, t)) = reducing.take() {
-                            self.keep_rows(&ids, &t.wait()?, &mut rows_grad);
-                        }
-                        let shard = grp.as_ref().expect("a shard group");
-                        let t = self.submit_rows(&queue, shard, &across, &done, gs);
-                        reducing = Some((done, t));
-                    }
-                }
+                continue;
             }
-            // inline: the next unit's gather runs once this one is released (one unit whole
-            // at a time)
-            if let (Some(v), false) = (&upcoming, threaded) {
-                next = (v.clone(), self.start_gather(&queue, arc, &grp, v));
+            // backward: the gradients whose last use is this unit's backward
+            let done: Vec<usize> = ps
+                .iter()
+                .copied()
+                .filter(|i| self.done_at(*i) == u)
+                .collect();
+            if ordered {
+                // each part's gradients of `done`, flat
+                let r = self.unit_backward_ordered(
+                    u,
+                    (&micro, &spans),
+                    (&mut inputs, &mut go),
+                    &mut loss,
+                    &mut later,
+                    &done,
+                );
+                self.release(rests);
+                let per_part = r?;
+                if !done.is_empty() {
+                    // the fold's sends run here, to the shard group's peers: the gather in
+                    // flight is waited for first, so that the two keep their order
+                    next = next.take().map(Ticket::settle);
+                    self.fold_rows(arc, g, (&chain, me), &done, per_part, &mut rows_grad, norm)?;
+                }
+                continue;
+            }
+            let r = self.unit_backward(u, &micro, &mut inputs, &mut go, &mut loss);
+            // taken off the parameters
+            let gs: Vec<Tensor> = done.iter().map(|i| self.take_grad(*i)).collect();
+            self.release(rests);
+            r?;
+            if !done.is_empty() {
+                // the unit after this one has been reduced meanwhile: keep its rows
+                if let Some((ids, t)) = reducing.take() {
+                    self.keep_rows(&ids, &t.wait()?, &mut rows_grad);
+                }
+                let shard = grp.as_ref().expect("a shard group");
+                let t = self.submit_rows(&queue, shard, &across, &done, gs);
+                reducing = Some((done, t));
             }
         }
         if let Some((ids, t)) = reducing.take() {
