@@ -10,8 +10,7 @@ use ductile_cluster::records::AgentPolicy;
 use ductile_cluster::service::LogFormat;
 use serde::Deserialize;
 
-/// The AWS path of the spot interruption notice (enable with `--spot-notice-url aws`).
-pub const AWS_SPOT_URL: &str = "http://169.254.169.254/latest/meta-data/spot/instance-action";
+use crate::preempt::{Source, SpotConfig};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -20,6 +19,11 @@ pub const AWS_SPOT_URL: &str = "http://169.254.169.254/latest/meta-data/spot/ins
     about = "ductile node agent: registers the node, runs and supervises workers"
 )]
 pub struct Cli {
+    /// Check this node instead of running: the config, the files it names, the workers'
+    /// libtorch, etcd, the clock and the cloud; prints what is wrong in plain words and exits 1
+    /// if anything is (run it as the service's user).
+    #[arg(long)]
+    pub check: bool,
     #[command(flatten)]
     pub etcd_access: EtcdArgs,
     /// Client certificate (PEM) this node's workers present to an etcd that asks for one; never
@@ -67,9 +71,33 @@ pub struct Cli {
     /// ranks on one GPU).
     #[arg(long, env = "DUCTILE_GPU_SLOTS_PER_DEVICE")]
     pub gpu_slots_per_device: Option<u32>,
-    /// URL polled for a spot interruption notice (`aws` for the AWS metadata path); off if unset.
+    /// The libtorch the workers load (ductile-worker links libtorch 2.11.0): a libtorch
+    /// directory (with lib/libtorch_cpu.so) or a torch/lib directory. The agent starts
+    /// ductile-worker with it first on LD_LIBRARY_PATH; users' programs do not inherit it.
+    #[arg(long, env = "DUCTILE_LIBTORCH")]
+    pub libtorch: Option<PathBuf>,
+    /// A Python interpreter whose `torch` package (2.11.0) the workers load, instead of
+    /// --libtorch: most GPU nodes have one.
+    #[arg(long, env = "DUCTILE_TORCH_PYTHON")]
+    pub torch_python: Option<PathBuf>,
+    /// Preemption notices of the node's cloud: auto (find the cloud once at start; nothing is
+    /// probed again off a cloud), aws (IMDSv2: spot instance-action and rebalance
+    /// recommendation), gcp (preempted, maintenance-event), azure (Scheduled Events), or off
+    /// (the default).
+    #[arg(long, env = "DUCTILE_SPOT_NOTICE")]
+    pub spot_notice: Option<String>,
+    /// A URL of your own polled for a notice (a 200 answer is one); `aws`, `gcp`, `azure` and
+    /// `auto` here mean what they mean for --spot-notice.
     #[arg(long, env = "DUCTILE_SPOT_NOTICE_URL")]
     pub spot_notice_url: Option<String>,
+    /// The cloud metadata service's base URL (default http://169.254.169.254).
+    #[arg(long, env = "DUCTILE_SPOT_METADATA_ENDPOINT")]
+    pub spot_metadata_endpoint: Option<String>,
+    /// What an advisory (EC2's rebalance recommendation, a GCP live migration, an Azure
+    /// freeze) does: notify (recorded on the node, shown by `dctl nodes` and the dashboard;
+    /// the default) or drain (the node drains as for an interruption).
+    #[arg(long, env = "DUCTILE_SPOT_REBALANCE")]
+    pub spot_rebalance: Option<String>,
     /// Poll interval of the spot notice, in milliseconds.
     #[arg(long, env = "DUCTILE_SPOT_POLL_MS")]
     pub spot_poll_ms: Option<u64>,
@@ -166,7 +194,12 @@ pub struct FileConfig {
     pub prefix: Option<String>,
     pub gpus: Option<String>,
     pub gpu_slots_per_device: Option<u32>,
+    pub libtorch: Option<PathBuf>,
+    pub torch_python: Option<PathBuf>,
+    pub spot_notice: Option<String>,
     pub spot_notice_url: Option<String>,
+    pub spot_metadata_endpoint: Option<String>,
+    pub spot_rebalance: Option<String>,
     pub spot_poll_ms: Option<u64>,
     pub drain_timeout: Option<u64>,
     pub restart_backoff_ms: Option<u64>,
@@ -241,8 +274,11 @@ pub struct Config {
     pub prefix: String,
     pub gpus: Gpus,
     pub gpu_slots_per_device: u32,
-    pub spot_notice_url: Option<String>,
-    pub spot_poll: Duration,
+    /// Where preemption notices come from, and what they do.
+    pub spot: SpotConfig,
+    /// The directory of libtorch's libraries the workers load (`libtorch`, `torch_python`),
+    /// where the configuration names one.
+    pub libtorch: Option<PathBuf>,
     pub drain_timeout: Duration,
     pub restart_backoff: Duration,
     pub stop_grace: Duration,
@@ -338,17 +374,54 @@ impl Config {
             .trim()
             .to_string();
         let gpus = cli.gpus.or(file.gpus).unwrap_or_else(|| "auto".into());
-        let spot = cli
-            .spot_notice_url
-            .or(file.spot_notice_url)
-            .filter(|s| !s.is_empty() && s != "off")
-            .map(|s| {
-                if s == "aws" {
-                    AWS_SPOT_URL.to_string()
-                } else {
-                    s
-                }
-            });
+        // flags over the file, as a pair: a flag of either kind replaces the file's choice
+        let (notice, notice_url) = if cli.spot_notice.is_some() || cli.spot_notice_url.is_some() {
+            (cli.spot_notice, cli.spot_notice_url)
+        } else {
+            (file.spot_notice, file.spot_notice_url)
+        };
+        let source = match (notice, notice_url) {
+            (Some(_), Some(_)) => {
+                anyhow::bail!("invalid spot_notice/spot_notice_url: give one of them, not both")
+            }
+            (Some(s), None) => Source::parse(&s)?,
+            (None, Some(u)) => match u.trim() {
+                "" | "off" | "auto" | "aws" | "gcp" | "azure" => Source::parse(&u)?,
+                url => Source::Url(url.to_string()),
+            },
+            (None, None) => Source::Off,
+        };
+        let spot = SpotConfig {
+            source,
+            endpoint: cli
+                .spot_metadata_endpoint
+                .or(file.spot_metadata_endpoint)
+                .unwrap_or_else(|| crate::preempt::DEFAULT_ENDPOINT.into()),
+            poll: Duration::from_millis(cli.spot_poll_ms.or(file.spot_poll_ms).unwrap_or(2000)),
+            advisories_drain: match cli
+                .spot_rebalance
+                .or(file.spot_rebalance)
+                .as_deref()
+                .unwrap_or("notify")
+            {
+                "notify" => false,
+                "drain" => true,
+                other => anyhow::bail!(
+                    "invalid spot_rebalance: {other:?} is not notify or drain"
+                ),
+            },
+        };
+        let libtorch = match (
+            cli.libtorch.or(file.libtorch),
+            cli.torch_python.or(file.torch_python),
+        ) {
+            (Some(_), Some(_)) => {
+                anyhow::bail!("invalid libtorch/torch_python: give one of them, not both")
+            }
+            (Some(d), None) => Some(crate::libtorch::from_dir(&d)?),
+            (None, Some(py)) => Some(crate::libtorch::from_python(&py)?),
+            (None, None) => None,
+        };
         let etcd =
             EtcdAccess::from_args(cli.etcd_access, etcd_file).map_err(|e| anyhow::anyhow!(e))?;
         let etcd_worker_client = match (
@@ -395,10 +468,8 @@ impl Config {
                 .gpu_slots_per_device
                 .or(file.gpu_slots_per_device)
                 .unwrap_or(1),
-            spot_notice_url: spot,
-            spot_poll: Duration::from_millis(
-                cli.spot_poll_ms.or(file.spot_poll_ms).unwrap_or(2000),
-            ),
+            spot,
+            libtorch,
             drain_timeout: Duration::from_secs(
                 cli.drain_timeout.or(file.drain_timeout).unwrap_or(30),
             ),
@@ -502,13 +573,17 @@ impl Config {
                 self.gpu_slots_per_device
             );
         }
-        if self.spot_poll < Duration::from_millis(50) {
+        if self.spot.poll < Duration::from_millis(50) {
             anyhow::bail!("invalid spot_poll_ms: must be at least 50");
         }
-        if let Some(u) = &self.spot_notice_url {
+        if let Source::Url(u) = &self.spot.source {
             if !u.starts_with("http://") && !u.starts_with("https://") {
-                anyhow::bail!("invalid spot_notice_url: {u:?} is not an http(s) URL");
+                anyhow::bail!("invalid spot_notice_url: {u:?} is not an http(s) URL, nor auto, aws, gcp, azure or off");
             }
+        }
+        let e = &self.spot.endpoint;
+        if !e.starts_with("http://") && !e.starts_with("https://") {
+            anyhow::bail!("invalid spot_metadata_endpoint: {e:?} is not an http(s) URL");
         }
         Ok(())
     }

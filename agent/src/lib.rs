@@ -7,9 +7,12 @@
 //! compare-and-swap runs in a task that reports back. Its systemd watchdog ping comes from
 //! that loop, so it vouches for the actor itself.
 
+pub mod check;
 pub mod config;
 pub mod devices;
 pub mod joblog;
+pub mod libtorch;
+pub mod preempt;
 pub mod secrets;
 pub mod writer;
 
@@ -93,6 +96,8 @@ pub struct Agent {
     log_requests_seen: std::collections::BTreeSet<String>,
     /// A number for each program's cgroup name.
     spawned: u64,
+    /// The cloud's events to acknowledge once drained (Azure's `StartRequests`).
+    preemption_ack: Option<preempt::Ack>,
 }
 
 fn describe_exit(code: Option<i32>, signal: Option<i32>, last_words: Option<&str>) -> String {
@@ -118,6 +123,18 @@ impl Agent {
         backend: Arc<dyn KvBackend>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
+        Self::run_with_reload(cfg, backend, shutdown, None).await
+    }
+
+    /// [`Agent::run`], taking each configuration `reload` yields (SIGHUP): see
+    /// [`Agent::on_reload`].
+    pub async fn run_with_reload(
+        cfg: Config,
+        backend: Arc<dyn KvBackend>,
+        shutdown: CancellationToken,
+        reload: Option<mpsc::Receiver<anyhow::Result<Config>>>,
+    ) -> anyhow::Result<()> {
+        let mut reload = reload;
         let store = Store::new(backend.clone(), Keys::new(&cfg.prefix));
         // what a launcher that died leaves of its program comes here (see sweep_orphans)
         if let Err(e) = ductile_runtime::reap::become_subreaper() {
@@ -176,6 +193,7 @@ impl Agent {
             logs_collected: None,
             log_requests_seen: Default::default(),
             spawned: 0,
+            preemption_ack: None,
         };
         claim_node(&store, &agent.node, keeper.current().id, cfg.lease_ttl).await?;
         agent.register();
@@ -201,15 +219,12 @@ impl Agent {
             watch_cancel.clone(),
         );
         let mut lease_rx = keeper.subscribe();
-        let (spot_tx, mut spot_rx) = mpsc::channel::<String>(1);
-        if let Some(url) = cfg.spot_notice_url.clone() {
-            tokio::spawn(poll_spot_notice(
-                url,
-                cfg.spot_poll,
-                spot_tx,
-                watch_cancel.clone(),
-            ));
-        }
+        let (spot_tx, mut spot_rx) = mpsc::channel::<preempt::Notice>(4);
+        tokio::spawn(preempt::watch(
+            cfg.spot.clone(),
+            spot_tx,
+            watch_cancel.clone(),
+        ));
         // act on the view as it stands: it changes only when something changes for this node
         // (an agent restarted in place must start its slots' workers without waiting for that)
         let first = synced(&mut jobs_rx).await;
@@ -246,10 +261,11 @@ impl Agent {
                     agent.on_restart_due(key);
                 }
                 Some((key, outcome)) = restarts_rx.recv() => agent.on_restart_outcome(key, outcome),
-                Some(notice) = spot_rx.recv() => {
-                    tracing::warn!(notice = %notice, "spot interruption notice: draining");
-                    agent.start_drain(format!("spot interruption notice: {notice}"));
-                }
+                Some(notice) = spot_rx.recv() => agent.on_preemption(notice),
+                Some(new) = async { match reload.as_mut() { Some(r) => r.recv().await, None => std::future::pending().await } } => match new {
+                    Ok(cfg) => agent.on_reload(cfg),
+                    Err(e) => tracing::error!(error = %format!("{e:#}"), "configuration reload refused: the policy in force stays"),
+                },
                 _ = shutdown.cancelled(), if !shutdown_seen => {
                     shutdown_seen = true;
                     ductile_cluster::service::sd_notify(&[ductile_cluster::service::NotifyState::Stopping]);
@@ -269,6 +285,13 @@ impl Agent {
             }
         }
         tracing::info!(node = %agent.node.name, "drained; leaving");
+        if let Some(ack) = agent.preemption_ack.take() {
+            // the cloud may start its events now rather than at their NotBefore
+            match ack.send().await {
+                Ok(()) => tracing::info!(events = ?ack.event_ids(), "acknowledged the cloud's scheduled events"),
+                Err(e) => tracing::warn!(events = ?ack.event_ids(), error = %e, "could not acknowledge the cloud's scheduled events: they start at their own time"),
+            }
+        }
         // the workers' exit records are written before the lease goes
         if !agent.writer.flush(Duration::from_secs(5)).await {
             tracing::warn!(
@@ -376,6 +399,16 @@ impl Agent {
             }
         }
         self.jobs = jobs;
+        if !self.node.refused_running.is_empty() {
+            let before = self.node.refused_running.len();
+            let jobs = &self.jobs;
+            self.node
+                .refused_running
+                .retain(|j, _| jobs.get(j).is_some_and(|a| !a.slots.is_empty()));
+            if self.node.refused_running.len() != before {
+                self.register();
+            }
+        }
         // The leader excluded a worker of ours that its peers could not reach (stopped,
         // wedged, cut off): the generation without it fences it (`reconcile` stops it, SIGKILL
         // after the grace reaches a stopped one too), and it is restarted like a failed one.
@@ -426,16 +459,112 @@ impl Agent {
         }
     }
 
+    /// A configuration read again (SIGHUP, `systemctl reload`): the policy (allowed commands,
+    /// paths, prefixes, modules, env, grace), the job credentials, the restart, stop and drain
+    /// timings take effect for what starts from now on, and the node's record shows the new
+    /// policy. Running jobs the new policy refuses keep running, named in the log and in the
+    /// node's record (`dctl nodes`). What a running agent cannot change (etcd, the node's name,
+    /// slots, cgroups, directories, the worker user, spot notices) waits for a restart, and the
+    /// log says so.
+    fn on_reload(&mut self, new: Config) {
+        let old = &self.cfg;
+        let mut waits = Vec::new();
+        macro_rules! fixed {
+            ($($f:ident),*) => {$(
+                if format!("{:?}", old.$f) != format!("{:?}", new.$f) {
+                    waits.push(stringify!($f));
+                }
+            )*};
+        }
+        fixed!(
+            node, prefix, cpu_slots, gpus, gpu_slots_per_device, lease_ttl, worker_user,
+            cgroup, work_root, log_dir, advertise_host, spot, etcd_worker_client
+        );
+        if old.etcd.endpoints != new.etcd.endpoints {
+            waits.push("etcd");
+        }
+        if !waits.is_empty() {
+            tracing::warn!(settings = ?waits, "these settings changed in the configuration but take effect only when the agent restarts (a restart drains the node)");
+        }
+        let mut cfg = self.cfg.clone();
+        cfg.policy = new.policy;
+        cfg.mesh_tls = new.mesh_tls;
+        cfg.policy.mesh_tls = cfg.mesh_tls.is_some();
+        cfg.job_credentials_dir = new.job_credentials_dir;
+        cfg.torchft_ca = new.torchft_ca;
+        cfg.restart_backoff = new.restart_backoff;
+        cfg.stop_grace = new.stop_grace;
+        cfg.drain_timeout = new.drain_timeout;
+        cfg.log_max_bytes = new.log_max_bytes;
+        cfg.log_keep = new.log_keep;
+        cfg.libtorch = new.libtorch;
+        self.cfg = cfg;
+        self.node.policy = Some(self.cfg.policy.clone());
+        self.node.refused_running = self.refused_running();
+        for (job, why) in &self.node.refused_running {
+            tracing::warn!(%job, %why, "the new policy refuses this running job: it keeps running, and no new worker of it starts here");
+        }
+        tracing::info!(policy = ?self.cfg.policy, refused_running = self.node.refused_running.len(), "configuration reloaded: the new policy applies to what starts from now on");
+        self.register();
+    }
+
+    /// The jobs with a slot on this node that the current policy refuses, and why.
+    fn refused_running(&self) -> BTreeMap<String, String> {
+        let p = &self.cfg.policy;
+        self.jobs
+            .iter()
+            .filter(|(_, a)| !a.slots.is_empty())
+            .filter_map(|(job, a)| {
+                p.check(&a.spec)
+                    .and_then(|_| p.check_real_paths(&a.spec))
+                    .err()
+                    .map(|(field, reason)| (job.clone(), format!("{field}: {reason}")))
+            })
+            .collect()
+    }
+
+    /// A cloud's notice: an interruption drains the node within the notice's deadline; an
+    /// advisory is recorded on the node (or drains it, with `spot_rebalance = "drain"`).
+    fn on_preemption(&mut self, notice: preempt::Notice) {
+        let rec = notice.record(self.cfg.spot.advisories_drain);
+        let line = rec.describe();
+        if let Some(ack) = notice.ack.clone() {
+            self.preemption_ack = Some(ack);
+        }
+        self.node.preemption = Some(rec.clone());
+        if rec.drains {
+            tracing::warn!(notice = %line, "draining");
+            // the cloud's deadline, where it is sooner than the drain timeout
+            let left = rec
+                .deadline_ms
+                .map(|d| Duration::from_millis(d.saturating_sub(now_ms())));
+            self.start_drain_within(line, left);
+        } else {
+            tracing::warn!(notice = %line, "recorded; not draining (spot_rebalance = \"drain\" would)");
+            self.register();
+        }
+    }
+
     fn start_drain(&mut self, reason: String) {
+        self.start_drain_within(reason, None);
+    }
+
+    /// Drain within the drain timeout, or within `left` where that is sooner (a cloud's
+    /// deadline; at least a second).
+    fn start_drain_within(&mut self, reason: String, left: Option<Duration>) {
         if self.draining.is_some() {
             return;
         }
-        self.draining = Some((reason.clone(), Instant::now() + self.cfg.drain_timeout));
+        let timeout = match left {
+            Some(l) => self.cfg.drain_timeout.min(l.max(Duration::from_secs(1))),
+            None => self.cfg.drain_timeout,
+        };
+        self.draining = Some((reason.clone(), Instant::now() + timeout));
         self.node.draining = true;
         self.node.drain_reason = Some(reason);
         // the daemon fits a drain-time checkpoint before this (see `drain_done`)
-        self.node.drain_deadline_ms = Some(now_ms() + self.cfg.drain_timeout.as_millis() as u64);
-        self.node.drain_timeout_ms = Some(self.cfg.drain_timeout.as_millis() as u64);
+        self.node.drain_deadline_ms = Some(now_ms() + timeout.as_millis() as u64);
+        self.node.drain_timeout_ms = Some(timeout.as_millis() as u64);
         self.register();
     }
 
@@ -716,6 +845,22 @@ impl Agent {
         if let Some(dir) = &own_dir {
             let path = std::env::var("PATH").unwrap_or_default();
             cmd.env("PATH", format!("{}:{path}", dir.display()));
+        }
+        // ductile-worker (a job's worker, or a program's launcher) loads the node's libtorch;
+        // the launcher takes it off its programs' LD_LIBRARY_PATH again (DUCTILE_LIBTORCH_LIB)
+        let runs_worker = torchrun
+            || std::path::Path::new(&spec.command[0])
+                .file_name()
+                .is_some_and(|n| n == "ductile-worker");
+        match self.cfg.libtorch.as_ref().filter(|_| runs_worker) {
+            Some(lib) => {
+                let current = std::env::var("LD_LIBRARY_PATH").ok();
+                cmd.env("LD_LIBRARY_PATH", libtorch::library_path(lib, current.as_deref()))
+                    .env("DUCTILE_LIBTORCH_LIB", lib);
+            }
+            None => {
+                cmd.env_remove("DUCTILE_LIBTORCH_LIB");
+            }
         }
         let device = match dev.kind {
             DeviceKind::Gpu => {
@@ -1322,34 +1467,3 @@ async fn take_restart(store: &Store, job: &str, slot_key: &str) -> RestartOutcom
     RestartOutcome::Retry("the restart count changed under us 10 times in a row".into())
 }
 
-/// Poll the spot-interruption URL: a 200 answer is a notice.
-async fn poll_spot_notice(
-    url: String,
-    every: Duration,
-    tx: mpsc::Sender<String>,
-    cancel: CancellationToken,
-) {
-    let client = match reqwest::Client::builder()
-        .timeout(Duration::from_secs(2))
-        .build()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot build the HTTP client for spot notices");
-            return;
-        }
-    };
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = cancel.cancelled() => return,
-        }
-        if let Ok(resp) = client.get(&url).send().await {
-            if resp.status().is_success() {
-                let body = resp.text().await.unwrap_or_default();
-                let _ = tx.send(body.trim().chars().take(200).collect()).await;
-                return;
-            }
-        }
-    }
-}

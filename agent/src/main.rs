@@ -5,15 +5,40 @@ use ductile_agent::config::{Cli, Config};
 async fn main() {
     // reqwest is built without a default TLS provider (ring builds fast): install ring's
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let cfg = match Config::load(Cli::parse()) {
+    let cli = Cli::parse();
+    let check = cli.check;
+    let cfg = match Config::load(cli) {
         Ok(c) => c,
+        Err(e) if check => {
+            print!("FAIL config: {e:#}\nductile-agent: the configuration does not load; nothing else was checked\n");
+            std::process::exit(1);
+        }
         Err(e) => {
             eprintln!("ductile-agent: {e:#}");
             std::process::exit(2);
         }
     };
+    if check {
+        let report = ductile_agent::check::run(&cfg).await;
+        print!("{}", report.render(&format!("node {}", cfg.node)));
+        std::process::exit(if report.passed() { 0 } else { 1 });
+    }
     ductile_cluster::service::init_logging(cfg.log_format);
     let shutdown = ductile_cluster::service::shutdown_on_signals();
+    // SIGHUP (systemctl reload): the configuration read again; its policy taken without a drain
+    let mut hup = ductile_cluster::service::reload_on_sighup();
+    let (reload_tx, reload_rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let new = tokio::task::spawn_blocking(|| Config::load(Cli::parse()))
+                .await
+                .map_err(anyhow::Error::from)
+                .and_then(|r| r);
+            if reload_tx.send(new).await.is_err() {
+                return;
+            }
+        }
+    });
     let backend = match ductile_cluster::connect_etcd_with(&cfg.etcd, cfg.etcd_wait).await {
         Ok(b) => b,
         Err(e) => {
@@ -25,7 +50,7 @@ async fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = ductile_agent::Agent::run(cfg, backend, shutdown).await {
+    if let Err(e) = ductile_agent::Agent::run_with_reload(cfg, backend, shutdown, Some(reload_rx)).await {
         eprintln!("ductile-agent: {e:#}");
         std::process::exit(1);
     }

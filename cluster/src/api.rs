@@ -186,6 +186,12 @@ pub struct NodeView {
     /// Slots no program may start on, and why (a previous program's processes did not die).
     #[serde(default)]
     pub busy_slots: std::collections::BTreeMap<u32, String>,
+    /// The last preemption notice of the node's cloud (`spot_notice`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preemption: Option<crate::records::PreemptionNotice>,
+    /// Running jobs the agent's current policy refuses (they keep running), and why.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub refused_running: std::collections::BTreeMap<String, String>,
 }
 
 /// Body of `POST /v1/jobs/{job}/scale`.

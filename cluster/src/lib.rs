@@ -4,6 +4,7 @@
 //! ([`etcd`]); everything above goes through [`store::Store`] and [`kv::KvBackend`].
 
 pub mod access;
+pub mod check;
 pub mod api;
 pub mod conformance;
 pub mod error;

@@ -105,6 +105,49 @@ pub struct NodeRecord {
     /// (stuck in the kernel). The planner leaves them out until the agent clears them.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub busy_slots: BTreeMap<u32, String>,
+    /// The last preemption notice the node's cloud sent (a spot interruption, a maintenance
+    /// event, a rebalance recommendation), with its deadline where the cloud gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preemption: Option<PreemptionNotice>,
+    /// Running jobs that the agent's current policy (re-read on SIGHUP) would refuse, and why:
+    /// they keep running (a policy change drains nothing); new spawns of them are refused.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub refused_running: BTreeMap<String, String>,
+}
+
+/// A notice from the node's cloud that the instance goes away or may soon (`spot_notice`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreemptionNotice {
+    /// `aws`, `gcp`, `azure`, or `url` (a plain URL that answers 200 with a notice).
+    pub cloud: String,
+    /// What the cloud said, in its own words (`spot instance-action terminate`,
+    /// `rebalance recommendation`, `preempted`, `maintenance-event TERMINATE_ON_HOST_MAINTENANCE`,
+    /// `Preempt`).
+    pub what: String,
+    /// When the instance goes (unix ms on the agent's clock), where the cloud said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
+    /// When the agent read the notice (unix ms).
+    pub received_ms: u64,
+    /// Whether the node drains for it (an interruption), or only records it (an advisory such
+    /// as EC2's rebalance recommendation or a live migration).
+    pub drains: bool,
+}
+
+impl PreemptionNotice {
+    /// One line for logs, `dctl nodes` and the dashboard.
+    pub fn describe(&self) -> String {
+        let deadline = match self.deadline_ms {
+            Some(d) => format!(", deadline {} UTC", utc(d)),
+            None => String::new(),
+        };
+        format!(
+            "{} notice from {}: {}{deadline}",
+            if self.drains { "preemption" } else { "advisory" },
+            self.cloud,
+            self.what
+        )
+    }
 }
 
 /// What an agent agrees to run: the worker programs (`allowed_commands`, matched against the
@@ -625,6 +668,8 @@ impl NodeRecord {
             policy: None,
             containment: None,
             busy_slots: BTreeMap::new(),
+            preemption: None,
+            refused_running: BTreeMap::new(),
         }
     }
     pub fn slots(&self) -> u32 {

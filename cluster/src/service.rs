@@ -66,6 +66,26 @@ pub fn watchdog_interval() -> Option<Duration> {
 
 /// A token cancelled on the first SIGTERM or SIGINT (drain); a second one exits at once with
 /// status 130.
+/// SIGHUP (`systemctl reload`): each one a message on the returned channel (a burst of them
+/// coalesces into one). Without this a SIGHUP would end the process.
+pub fn reload_on_sighup() -> tokio::sync::mpsc::Receiver<()> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hup) = signal(SignalKind::hangup()) else {
+            tracing::error!("cannot install the SIGHUP handler: reload by restarting");
+            return;
+        };
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP: reloading the configuration");
+            if let Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) = tx.try_send(()) {
+                return;
+            }
+        }
+    });
+    rx
+}
+
 pub fn shutdown_on_signals() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();

@@ -34,10 +34,9 @@ pub struct AppState {
     pub store: Store,
     /// The replica's cached view: reads are served from it (no etcd request per read).
     pub view: ClusterView,
-    /// The admin token: every call.
-    pub token: Secret,
-    /// The read-only token: GET calls only.
-    pub read_token: Option<Secret>,
+    /// The admin token (every call) and the read-only token (GET calls only), replaced whole
+    /// when the daemon reloads its configuration (SIGHUP: token rotation without a restart).
+    pub tokens: std::sync::Arc<std::sync::RwLock<Tokens>>,
     /// `/metrics` asks for either token.
     pub metrics_need_token: bool,
     /// GET calls need no token (plain HTTP on loopback only: the config checks).
@@ -137,6 +136,12 @@ async fn dashboard() -> Response {
 }
 
 /// What a bearer token may do.
+/// The API's tokens as the configuration names them now.
+pub struct Tokens {
+    pub admin: Secret,
+    pub read: Option<Secret>,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Scope {
     Read,
@@ -156,9 +161,16 @@ fn scope(st: &AppState, headers: &HeaderMap) -> Result<Scope, Response> {
             "missing bearer token (Authorization: Bearer ...)",
         )
         .into_response()),
-        Some(t) if st.token.matches(t) => Ok(Scope::Admin),
-        Some(t) if st.read_token.as_ref().is_some_and(|r| r.matches(t)) => Ok(Scope::Read),
-        Some(_) => Err(ApiError::new(StatusCode::UNAUTHORIZED, "invalid token").into_response()),
+        Some(t) => {
+            let tokens = st.tokens.read().unwrap_or_else(|p| p.into_inner());
+            if tokens.admin.matches(t) {
+                Ok(Scope::Admin)
+            } else if tokens.read.as_ref().is_some_and(|r| r.matches(t)) {
+                Ok(Scope::Read)
+            } else {
+                Err(ApiError::new(StatusCode::UNAUTHORIZED, "invalid token").into_response())
+            }
+        }
     }
 }
 
@@ -1154,6 +1166,8 @@ async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
                 reregistrations: n.reregistrations,
                 containment: n.containment,
                 busy_slots: n.busy_slots,
+                preemption: n.preemption,
+                refused_running: n.refused_running,
             })
             .collect(),
     ))

@@ -18,6 +18,15 @@ use ductile_cluster::access::{EtcdAccess, EtcdArgs};
     about = "ductile control-plane daemon: leader election, reconcile, API"
 )]
 pub struct Cli {
+    /// Check this replica instead of running: the config, the files it names, the API's
+    /// certificate against this host's names (or --check-host), etcd and the clock; prints what
+    /// is wrong in plain words and exits 1 if anything is (run it as the service's user).
+    #[arg(long)]
+    pub check: bool,
+    /// The names clients reach this API at, for --check (default: this host's name, and the
+    /// listen address where it names one).
+    #[arg(long, value_delimiter = ',')]
+    pub check_host: Vec<String>,
     #[command(flatten)]
     pub etcd_access: EtcdArgs,
     /// Address the API listens on.
@@ -338,4 +347,51 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// `ductiled --check`: this replica as it would run (see [`ductile_cluster::check`]).
+pub async fn check(cfg: &Config, hosts: &[String]) -> ductile_cluster::check::Report {
+    let mut r = ductile_cluster::check::Report::default();
+    r.ok(
+        "config",
+        format!(
+            "loads; API on {} ({}), read token {}, /metrics {}",
+            cfg.listen,
+            if cfg.tls.is_some() { "TLS" } else { "plain HTTP on loopback" },
+            if cfg.read_token.is_some() { "set" } else { "not set" },
+            if cfg.metrics_need_token { "behind a token" } else { "open" }
+        ),
+    );
+    for (what, p) in [
+        ("etcd_ca", cfg.etcd.ca.as_ref()),
+        ("etcd_cert", cfg.etcd.cert.as_ref()),
+        ("etcd_key", cfg.etcd.key.as_ref()),
+        ("tls_key", cfg.tls.as_ref().map(|(_, k)| k)),
+    ] {
+        if let Some(p) = p {
+            r.readable(what, p);
+        }
+    }
+    if let Some((cert, _)) = &cfg.tls {
+        let mut names: Vec<String> = hosts.to_vec();
+        if names.is_empty() {
+            if let Ok(h) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
+                names.push(h.trim().to_string());
+            }
+            if let Some((host, _)) = cfg.listen.rsplit_once(':') {
+                let host = host.trim_matches(['[', ']']);
+                if !host.is_empty() && host != "0.0.0.0" && host != "::" {
+                    names.push(host.to_string());
+                }
+            }
+        }
+        r.cert_names("tls_cert", cert, &names);
+    }
+    let beyond_loopback = !(cfg.listen.starts_with("127.") || cfg.listen.starts_with("[::1]") || cfg.listen.starts_with("localhost:"));
+    if beyond_loopback && !cfg.metrics_need_token {
+        r.fail("metrics_need_token", format!("the API listens beyond loopback ({}) and /metrics needs no token: set metrics_need_token = true", cfg.listen));
+    }
+    r.etcd(&cfg.etcd, &cfg.prefix).await;
+    r.clock(&cfg.etcd).await;
+    r
 }

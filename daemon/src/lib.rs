@@ -27,6 +27,16 @@ pub async fn run(
     backend: Arc<dyn KvBackend>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
+    run_with_reload(cfg, backend, cancel, None).await
+}
+
+/// [`run`], re-reading the tokens whenever `reload` yields a new configuration (SIGHUP).
+pub async fn run_with_reload(
+    cfg: config::Config,
+    backend: Arc<dyn KvBackend>,
+    cancel: CancellationToken,
+    reload: Option<tokio::sync::mpsc::Receiver<anyhow::Result<config::Config>>>,
+) -> anyhow::Result<()> {
     let store = Store::new(backend, Keys::new(&cfg.prefix));
     // this replica's leader key while it leads: the API's `/v1/leader`, the watchdog and the
     // lighthouse's decisions all read it
@@ -37,11 +47,37 @@ pub async fn run(
     tracing::info!(listen = %listener.local_addr()?, id = %cfg.id, tls = cfg.tls.is_some(), "API listening");
     // one set of watches per replica, for the leader loop and the API alike
     let view = view::ClusterView::start(&store, cancel.clone());
+    let tokens = Arc::new(std::sync::RwLock::new(api::Tokens {
+        admin: cfg.token.clone(),
+        read: cfg.read_token.clone(),
+    }));
+    if let Some(mut reload) = reload {
+        let tokens = tokens.clone();
+        let c = cancel.clone();
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    n = reload.recv() => n,
+                    _ = c.cancelled() => return,
+                };
+                match next {
+                    None => return,
+                    Some(Ok(new)) => {
+                        *tokens.write().unwrap_or_else(|p| p.into_inner()) = api::Tokens {
+                            admin: new.token,
+                            read: new.read_token,
+                        };
+                        tracing::info!("configuration reloaded: the API takes the tokens its files hold now (other settings take effect at the next restart)");
+                    }
+                    Some(Err(e)) => tracing::error!(error = %format!("{e:#}"), "configuration reload refused: the tokens in force stay"),
+                }
+            }
+        });
+    }
     let app = api::router(api::AppState {
         store: store.clone(),
         view: view.clone(),
-        token: cfg.token.clone(),
-        read_token: cfg.read_token.clone(),
+        tokens,
         metrics_need_token: cfg.metrics_need_token,
         reads_without_token: cfg.reads_without_token,
         leader: leader_key_rx.clone(),

@@ -4,15 +4,40 @@ use ductile_daemon::config::{Cli, Config};
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
+    let (check, check_host) = (cli.check, cli.check_host.clone());
     let cfg = match Config::load(cli) {
         Ok(c) => c,
+        Err(e) if check => {
+            print!("FAIL config: {e:#}\nductiled: the configuration does not load; nothing else was checked\n");
+            std::process::exit(1);
+        }
         Err(e) => {
             eprintln!("ductiled: {e:#}");
             std::process::exit(2);
         }
     };
+    if check {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let report = ductile_daemon::config::check(&cfg, &check_host).await;
+        print!("{}", report.render(&format!("ductiled {}", cfg.id)));
+        std::process::exit(if report.passed() { 0 } else { 1 });
+    }
     ductile_cluster::service::init_logging(cfg.log_format);
     let cancel = ductile_cluster::service::shutdown_on_signals();
+    // SIGHUP (systemctl reload): the configuration read again, its tokens taken at once
+    let mut hup = ductile_cluster::service::reload_on_sighup();
+    let (reload_tx, reload_rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let new = tokio::task::spawn_blocking(|| Config::load(Cli::parse()))
+                .await
+                .map_err(anyhow::Error::from)
+                .and_then(|r| r);
+            if reload_tx.send(new).await.is_err() {
+                return;
+            }
+        }
+    });
     let backend = match ductile_cluster::connect_etcd_with(&cfg.etcd, cfg.etcd_wait).await {
         Ok(b) => b,
         Err(e) => {
@@ -28,7 +53,7 @@ async fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = ductile_daemon::run(cfg, backend, cancel).await {
+    if let Err(e) = ductile_daemon::run_with_reload(cfg, backend, cancel, Some(reload_rx)).await {
         eprintln!("ductiled: {e:#}");
         std::process::exit(1);
     }

@@ -648,7 +648,14 @@ pub fn plan(obs: &JobObs, fleet: &Fleet, now: u64) -> Decision {
             )
         }
     } else if let Some((n, _)) = removed.iter().find(|(n, _)| fleet.is_draining(n)) {
-        (Reason::Drain, format!("node {n} is draining"))
+        // the node's own words (a cloud's notice and its deadline, an operator's reason)
+        let why = fleet
+            .nodes
+            .get(n)
+            .and_then(|x| x.drain_reason.clone())
+            .map(|r| format!(": {r}"))
+            .unwrap_or_default();
+        (Reason::Drain, format!("node {n} is draining{why}"))
     } else if !removed.is_empty()
         || cur.is_some_and(|g| g.desired != spec.desired)
         || obs

@@ -760,6 +760,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 out(&v);
             } else {
                 let nodes: Vec<NodeView> = serde_json::from_value(v)?;
+                let mut notes = Vec::new();
                 println!(
                     "{:<20} {:<6} {:<9} {:<10} {}",
                     "NODE", "SLOTS", "DEVICES", "STATE", "WORKERS"
@@ -784,6 +785,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         state,
                         w.join(" ")
                     );
+                    if let Some(p) = &n.preemption {
+                        notes.push(format!("{}: {}", n.name, p.describe()));
+                    }
+                    for (job, why) in &n.refused_running {
+                        notes.push(format!(
+                            "{}: running job {job} is refused by the agent's current policy (it keeps running; new starts are refused): {why}",
+                            n.name
+                        ));
+                    }
+                }
+                // what a column cannot hold, below the table
+                for line in notes {
+                    println!("{line}");
                 }
             }
         }

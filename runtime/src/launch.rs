@@ -380,6 +380,18 @@ fn base_env(
     let mut env: BTreeMap<String, String> = std::env::vars()
         .filter(|(k, _)| node_inherited(k))
         .collect();
+    // the libtorch the agent gave this launcher is not the program's: its own torch loads its own
+    if let (Ok(lib), Some(path)) = (
+        std::env::var("DUCTILE_LIBTORCH_LIB"),
+        env.get("LD_LIBRARY_PATH").cloned(),
+    ) {
+        let rest: Vec<&str> = path.split(':').filter(|p| !p.is_empty() && *p != lib).collect();
+        if rest.is_empty() {
+            env.remove("LD_LIBRARY_PATH");
+        } else {
+            env.insert("LD_LIBRARY_PATH".into(), rest.join(":"));
+        }
+    }
     env.insert("HOME".into(), dir.join("home").display().to_string());
     env.insert("TMPDIR".into(), dir.join("tmp").display().to_string());
     env.insert("PYTHONNOUSERSITE".into(), "1".into());

@@ -983,6 +983,310 @@ impl Drop for SpotServer {
     }
 }
 
+/// Which cloud a [`MetadataServer`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CloudKind {
+    /// AWS IMDSv2: a token by PUT, every read refused (401) without a valid one.
+    Aws,
+    /// GCP: `Metadata-Flavor: Google` required (403 without), `wait_for_change` with ETags.
+    Gcp,
+    /// Azure: `Metadata: true` required (400 without), Scheduled Events acknowledged by POST.
+    Azure,
+    /// No cloud: 404 to everything.
+    None,
+}
+
+/// What a [`MetadataServer`] serves and has seen.
+#[derive(Default)]
+pub struct MetadataState {
+    /// AWS: the spot instance-action document, the rebalance recommendation's.
+    pub instance_action: Option<String>,
+    pub rebalance: Option<String>,
+    /// AWS: tokens handed out (valid ones), and how many were ever.
+    pub tokens: Vec<String>,
+    pub tokens_issued: u32,
+    /// AWS: reads refused for a missing or expired token, and those of them without any token.
+    pub refused_unauthorized: u32,
+    pub tokenless: u32,
+    /// GCP: `instance/preempted` and `instance/maintenance-event`, each with a version (its ETag).
+    pub preempted: (String, u64),
+    pub maintenance: (String, u64),
+    /// GCP: reads that waited for a change (`wait_for_change=true` with the current ETag).
+    pub waited: u32,
+    /// Azure: the Scheduled Events (raw JSON objects) and the acknowledged event ids.
+    pub azure_events: Vec<serde_json::Value>,
+    pub azure_acked: Vec<String>,
+    pub azure_incarnation: u64,
+    /// Requests refused for a missing metadata header (GCP, Azure), as `METHOD path`.
+    pub refused_header: Vec<String>,
+    /// Every request, as `METHOD path`.
+    pub requests: Vec<String>,
+}
+
+/// A cloud instance metadata service on loopback that keeps its cloud's rules (the paths,
+/// headers, tokens and answers each cloud documents), for the agents' preemption notices
+/// (`--spot-notice ... --spot-metadata-endpoint URL`).
+pub struct MetadataServer {
+    pub url: String,
+    pub kind: CloudKind,
+    pub state: Arc<(Mutex<MetadataState>, std::sync::Condvar)>,
+    stop: Arc<AtomicBool>,
+}
+
+impl MetadataServer {
+    pub fn start(kind: CloudKind) -> MetadataServer {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let state: Arc<(Mutex<MetadataState>, std::sync::Condvar)> = Arc::default();
+        {
+            let mut st = state.0.lock().unwrap();
+            st.preempted = ("FALSE".into(), 1);
+            st.maintenance = ("NONE".into(), 1);
+            st.azure_incarnation = 1;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (stt, sp) = (state.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !sp.load(Ordering::SeqCst) {
+                match l.accept() {
+                    Ok((s, _)) => {
+                        let (stt, sp) = (stt.clone(), sp.clone());
+                        std::thread::spawn(move || Self::serve(kind, s, &stt, &sp));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        MetadataServer {
+            url,
+            kind,
+            state,
+            stop,
+        }
+    }
+
+    /// Change what it serves (waiting GCP reads see the change at once).
+    pub fn set(&self, f: impl FnOnce(&mut MetadataState)) {
+        let mut st = self.state.0.lock().unwrap();
+        f(&mut st);
+        self.state.1.notify_all();
+    }
+
+    pub fn with<T>(&self, f: impl FnOnce(&MetadataState) -> T) -> T {
+        f(&self.state.0.lock().unwrap())
+    }
+
+    fn serve(
+        kind: CloudKind,
+        mut s: TcpStream,
+        state: &(Mutex<MetadataState>, std::sync::Condvar),
+        stop: &AtomicBool,
+    ) {
+        let _ = s.set_nonblocking(false);
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let head_end = loop {
+            match s.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            if buf.len() > 65536 {
+                return;
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+        let mut lines = head.split("\r\n");
+        let mut first = lines.next().unwrap_or("").split(' ');
+        let method = first.next().unwrap_or("").to_string();
+        let target = first.next().unwrap_or("").to_string();
+        let headers: BTreeMap<String, String> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let len: usize = headers
+            .get("content-length")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        while buf.len() < head_end + len {
+            match s.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let body = String::from_utf8_lossy(&buf[head_end..(head_end + len).min(buf.len())]).to_string();
+        let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+        let q: BTreeMap<&str, &str> = query
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .collect();
+        let (status, extra, text) =
+            Self::answer(kind, &method, path, &q, &headers, &body, state, stop);
+        let reason = match status {
+            200 => "OK",
+            400 => "Bad Request",
+            401 => "Unauthorized",
+            403 => "Forbidden",
+            404 => "Not Found",
+            _ => "Error",
+        };
+        let mut resp = format!(
+            "HTTP/1.1 {status} {reason}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            text.len()
+        );
+        for (k, v) in extra {
+            resp.push_str(&format!("{k}: {v}\r\n"));
+        }
+        resp.push_str("\r\n");
+        resp.push_str(&text);
+        let _ = s.write_all(resp.as_bytes());
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn answer(
+        kind: CloudKind,
+        method: &str,
+        path: &str,
+        q: &BTreeMap<&str, &str>,
+        headers: &BTreeMap<String, String>,
+        body: &str,
+        state: &(Mutex<MetadataState>, std::sync::Condvar),
+        stop: &AtomicBool,
+    ) -> (u16, Vec<(String, String)>, String) {
+        let mut st = state.0.lock().unwrap();
+        st.requests.push(format!("{method} {path}"));
+        let none = (404, vec![], String::new());
+        match kind {
+            CloudKind::None => none,
+            CloudKind::Aws => {
+                if method == "PUT" && path == "/latest/api/token" {
+                    let ttl: u64 = headers
+                        .get("x-aws-ec2-metadata-token-ttl-seconds")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    if !(1..=21600).contains(&ttl) {
+                        return (400, vec![], String::new());
+                    }
+                    st.tokens_issued += 1;
+                    let t = format!("token-{}-{}", st.tokens_issued, ductile_cluster::records::random_hex(8));
+                    st.tokens.push(t.clone());
+                    return (200, vec![("X-aws-ec2-metadata-token-ttl-seconds".into(), ttl.to_string())], t);
+                }
+                if method != "GET" || !path.starts_with("/latest/") {
+                    return none;
+                }
+                let ok = headers
+                    .get("x-aws-ec2-metadata-token")
+                    .is_some_and(|t| st.tokens.contains(t));
+                if !ok {
+                    st.refused_unauthorized += 1;
+                    if !headers.contains_key("x-aws-ec2-metadata-token") {
+                        st.tokenless += 1;
+                    }
+                    return (401, vec![], String::new());
+                }
+                let doc = match path {
+                    "/latest/meta-data/spot/instance-action" => st.instance_action.clone(),
+                    "/latest/meta-data/events/recommendations/rebalance" => st.rebalance.clone(),
+                    _ => None,
+                };
+                match doc {
+                    Some(d) => (200, vec![("Content-Type".into(), "text/plain".into())], d),
+                    None => none,
+                }
+            }
+            CloudKind::Gcp => {
+                if headers.get("metadata-flavor").map(String::as_str) != Some("Google") {
+                    st.refused_header.push(format!("{method} {path}"));
+                    return (403, vec![], "Missing Metadata-Flavor:Google header.".into());
+                }
+                let flavor = ("Metadata-Flavor".to_string(), "Google".to_string());
+                let read = |st: &MetadataState| match path {
+                    "/computeMetadata/v1/instance/id" => Some(("4321".to_string(), 1)),
+                    "/computeMetadata/v1/instance/preempted" => Some(st.preempted.clone()),
+                    "/computeMetadata/v1/instance/maintenance-event" => Some(st.maintenance.clone()),
+                    _ => None,
+                };
+                let Some(mut cur) = read(&st) else {
+                    return (404, vec![flavor], String::new());
+                };
+                if q.get("wait_for_change") == Some(&"true") {
+                    let last = q.get("last_etag").copied().unwrap_or("");
+                    let wait_s: u64 = q.get("timeout_sec").and_then(|v| v.parse().ok()).unwrap_or(60);
+                    if last == format!("e{}", cur.1) {
+                        st.waited += 1;
+                        let until = Instant::now() + Duration::from_secs(wait_s.min(60));
+                        while Instant::now() < until && !stop.load(Ordering::SeqCst) {
+                            let (g, _) = state
+                                .1
+                                .wait_timeout(st, Duration::from_millis(200))
+                                .unwrap();
+                            st = g;
+                            cur = read(&st).unwrap();
+                            if last != format!("e{}", cur.1) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                (200, vec![flavor, ("ETag".into(), format!("e{}", cur.1))], cur.0)
+            }
+            CloudKind::Azure => {
+                if headers.get("metadata").map(String::as_str) != Some("true") {
+                    st.refused_header.push(format!("{method} {path}"));
+                    return (400, vec![], "{\"error\": \"Bad request. Required metadata header not specified\"}".into());
+                }
+                if !q.contains_key("api-version") {
+                    return (400, vec![], "{\"error\": \"Bad request. api-version was not specified\"}".into());
+                }
+                match (method, path) {
+                    ("GET", "/metadata/instance/compute/name") => (200, vec![], "vm1".into()),
+                    ("GET", "/metadata/scheduledevents") => (
+                        200,
+                        vec![("Content-Type".into(), "application/json".into())],
+                        serde_json::json!({
+                            "DocumentIncarnation": st.azure_incarnation,
+                            "Events": st.azure_events,
+                        })
+                        .to_string(),
+                    ),
+                    ("POST", "/metadata/scheduledevents") => {
+                        let Ok(v) = serde_json::from_str::<serde_json::Value>(body) else {
+                            return (400, vec![], String::new());
+                        };
+                        let ids: Vec<String> = v["StartRequests"]
+                            .as_array()
+                            .map(|a| {
+                                a.iter()
+                                    .filter_map(|r| r["EventId"].as_str().map(str::to_string))
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        // a started event leaves the document
+                        st.azure_events
+                            .retain(|e| !ids.iter().any(|i| e["EventId"].as_str() == Some(i)));
+                        st.azure_acked.extend(ids);
+                        st.azure_incarnation += 1;
+                        (200, vec![], String::new())
+                    }
+                    _ => none,
+                }
+            }
+        }
+    }
+}
+
+impl Drop for MetadataServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.state.1.notify_all();
+    }
+}
+
 /// How to build a test cluster.
 #[derive(Clone, Debug)]
 pub struct Spec {
@@ -1204,10 +1508,13 @@ impl Cluster {
         ]);
         // the tests' workers and stand-ins, and their temporary directories, unless the caller
         // sets a policy of its own
-        if !extra.contains(&"--allowed-commands") {
+        // an agent given a config file takes its policy from it (a reload re-reads the file;
+        // flags would win over it)
+        let policy_from_file = extra.contains(&"--config");
+        if !extra.contains(&"--allowed-commands") && !policy_from_file {
             args.extend(["--allowed-commands".into(), "ductile-worker,sleep".into()]);
         }
-        if !extra.contains(&"--allowed-paths") {
+        if !extra.contains(&"--allowed-paths") && !policy_from_file {
             // and the models set-up made, which jobs name as their model_path
             let models = ["DUCTILE_HF_FIXTURES", "DUCTILE_SMOLLM2"]
                 .iter()

@@ -427,6 +427,249 @@ fn a_stopped_agent_past_its_ttl_is_removed_fences_its_workers_and_rejoins() {
     assert_contiguous(&h);
 }
 
+/// The node's record as `dctl nodes --json` shows it.
+fn node_json(c: &Cluster, name: &str) -> Option<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(&c.dctl_ok(&["nodes", "--json"])).unwrap();
+    v.as_array()?.iter().find(|n| n["name"] == name).cloned()
+}
+
+/// A spot node (`spot1`, 2 slots) beside node1 (2 slots) running a job of 4, the agent reading
+/// its cloud's notices from `server`.
+fn spot_cluster(server: &MetadataServer, notice: &str, job: &str) -> Cluster {
+    let mut c = Cluster::start(Spec::default().agents(1, 2));
+    c.start_agent(
+        "spot1",
+        2,
+        &[
+            "--spot-notice",
+            notice,
+            "--spot-metadata-endpoint",
+            &server.url,
+            "--spot-poll-ms",
+            "100",
+        ],
+    );
+    c.submit(&job_toml(job, 1, 4, 4));
+    c.wait_world(job, 4, S(20));
+    c
+}
+
+/// The node drains for the notice: the agent exits 0, the job re-forms on node1 with a drain
+/// (no failure), and `dctl events` names the cloud and what it said.
+fn assert_drained_for(c: &mut Cluster, job: &str, says: &[&str]) {
+    let status = c
+        .agents
+        .get_mut("spot1")
+        .unwrap()
+        .wait_exit(S(20))
+        .expect("the agent drains and exits");
+    assert!(status.success(), "drained agent exit status {status:?}");
+    let v = c.wait_world(job, 2, S(10));
+    assert!(v.members.iter().all(|m| m.node == "node1"));
+    let h = c.history(job);
+    let last = h.last().unwrap();
+    assert_eq!(last.reason, Reason::Drain, "{h:?}");
+    for s in says {
+        assert!(last.detail.contains(s), "{s:?} not in the drain's event: {}", last.detail);
+    }
+    assert!(h.iter().all(|g| g.reason != Reason::Failure), "{h:?}");
+}
+
+/// AWS's IMDSv2, as current instances require it: the agent takes a token by PUT and reads
+/// with it (the server refuses every tokenless read: the old plain GET never saw a notice),
+/// takes a new token when one expires (401), records a rebalance recommendation on the node
+/// without draining, and drains for the interruption with its deadline.
+#[test]
+fn aws_imdsv2_notices_drain_with_a_token_and_a_rebalance_is_recorded() {
+    let aws = MetadataServer::start(CloudKind::Aws);
+    let mut c = spot_cluster(&aws, "aws", "jaws");
+    // the token expires (IMDSv2 answers 401): the agent takes a new one and goes on reading
+    c.wait_for(S(10), "a first IMDSv2 token", || {
+        aws.with(|s| s.tokens_issued >= 1).then_some(())
+    });
+    aws.set(|s| s.tokens.clear());
+    c.wait_for(S(10), "a second token after the first expired", || {
+        aws.with(|s| s.tokens_issued >= 2).then_some(())
+    });
+    aws.set(|s| s.rebalance = Some(r#"{"noticeTime": "2026-12-04T10:00:00Z"}"#.into()));
+    let n = c.wait_for(S(10), "the rebalance recommendation on spot1's record", || {
+        node_json(&c, "spot1").filter(|n| !n["preemption"].is_null())
+    });
+    assert_eq!(n["preemption"]["cloud"], "aws");
+    assert_eq!(n["preemption"]["drains"], false, "{n}");
+    assert!(n["preemption"]["what"].as_str().unwrap().contains("rebalance recommendation"), "{n}");
+    assert_eq!(n["draining"], false, "a rebalance recommendation does not drain by default");
+    assert!(c.dctl_ok(&["nodes"]).contains("advisory notice from aws: rebalance recommendation"));
+    assert_eq!(c.status("jaws").world_size, 4);
+    // the interruption, two minutes out as AWS gives it
+    let at = now_ms() + 120_000;
+    let secs = at / 1000;
+    let time = ductile_cluster::records::utc(secs * 1000).replace(' ', "T") + "Z";
+    aws.set(|s| s.instance_action = Some(format!(r#"{{"action": "terminate", "time": "{time}"}}"#)));
+    assert_drained_for(
+        &mut c,
+        "jaws",
+        &["spot1", "aws", "spot instance-action terminate", &format!("deadline {} UTC", ductile_cluster::records::utc(secs * 1000))],
+    );
+    assert_eq!(aws.with(|s| s.tokenless), 0, "every read carried an IMDSv2 token");
+    assert!(aws.with(|s| s.refused_unauthorized) >= 1, "the expired token was refused");
+}
+
+/// GCP, found by `auto`: the agent holds its reads open (`wait_for_change` with the ETag), sends
+/// `Metadata-Flavor: Google` on each, records a live migration, and drains when preempted.
+#[test]
+fn gcp_notices_found_by_auto_are_watched_for_changes_and_drain_when_preempted() {
+    let gcp = MetadataServer::start(CloudKind::Gcp);
+    let mut c = spot_cluster(&gcp, "auto", "jgcp");
+    c.wait_for(S(10), "the agent holding a read open for a change", || {
+        gcp.with(|s| s.waited >= 2).then_some(())
+    });
+    gcp.set(|s| s.maintenance = ("MIGRATE_ON_HOST_MAINTENANCE".into(), 2));
+    let n = c.wait_for(S(10), "the migration on spot1's record", || {
+        node_json(&c, "spot1").filter(|n| !n["preemption"].is_null())
+    });
+    assert_eq!(n["preemption"]["cloud"], "gcp");
+    assert_eq!(n["preemption"]["drains"], false);
+    assert_eq!(n["draining"], false);
+    gcp.set(|s| s.preempted = ("TRUE".into(), 2));
+    assert_drained_for(&mut c, "jgcp", &["spot1", "gcp", "preempted", "deadline"]);
+    // what lacked the header were auto's probes for the other clouds, once each
+    let refused = gcp.with(|s| s.refused_header.clone());
+    assert!(
+        refused.len() <= 2
+            && refused.iter().all(|r| r == "PUT /latest/api/token" || r == "GET /metadata/instance/compute/name"),
+        "every read of GCP's keys carried Metadata-Flavor: {refused:?}"
+    );
+}
+
+/// Azure's Scheduled Events, found by `auto`: another VM's event is ignored, this VM's Preempt
+/// drains it by its NotBefore, and once drained the agent acknowledges the event.
+#[test]
+fn azure_scheduled_events_drain_this_vm_and_are_acknowledged() {
+    let az = MetadataServer::start(CloudKind::Azure);
+    let mut c = spot_cluster(&az, "auto", "jaz");
+    let event = |id: &str, ty: &str, vm: &str| {
+        serde_json::json!({
+            "EventId": id, "EventType": ty, "ResourceType": "VirtualMachine",
+            "Resources": [vm], "EventStatus": "Scheduled",
+            "NotBefore": "Fri, 04 Dec 2026 18:00:00 GMT", "Description": "",
+            "EventSource": "Platform", "DurationInSeconds": -1
+        })
+    };
+    az.set(|s| s.azure_events.push(event("OTHER-VM", "Preempt", "vm7")));
+    std::thread::sleep(S(1));
+    assert_eq!(node_json(&c, "spot1").unwrap()["draining"], false, "another VM's event");
+    az.set(|s| s.azure_events.push(event("E-1", "Preempt", "vm1")));
+    assert_drained_for(&mut c, "jaz", &["spot1", "azure", "Preempt", "deadline 2026-12-04 18:00:00 UTC"]);
+    c.wait_for(S(5), "the event acknowledged", || {
+        az.with(|s| s.azure_acked == ["E-1"]).then_some(())
+    });
+    // what lacked the header were auto's probes for the other clouds, once each
+    let refused = az.with(|s| s.refused_header.clone());
+    assert!(
+        refused.len() <= 2
+            && refused.iter().all(|r| r == "PUT /latest/api/token" || r == "GET /computeMetadata/v1/instance/id"),
+        "every read of Azure's events carried Metadata: true: {refused:?}"
+    );
+}
+
+/// Off any cloud, `auto` asks once (one request per cloud) and never again.
+#[test]
+fn spot_notice_auto_off_any_cloud_probes_nothing_after_the_first_refusal() {
+    let none = MetadataServer::start(CloudKind::None);
+    let mut c = Cluster::start(Spec::default());
+    c.start_agent(
+        "node1",
+        1,
+        &["--spot-notice", "auto", "--spot-metadata-endpoint", &none.url, "--spot-poll-ms", "50"],
+    );
+    c.wait_for(S(10), "node1 registered", || node_json(&c, "node1"));
+    c.wait_for(S(5), "the three probes", || {
+        none.with(|s| s.requests.len() == 3).then_some(())
+    });
+    std::thread::sleep(S(2));
+    assert_eq!(none.with(|s| s.requests.len()), 3, "{:?}", none.with(|s| s.requests.clone()));
+    c.wait_for(S(5), "the agent saying so in its log", || {
+        c.agent_logs().contains("no cloud metadata service here").then_some(())
+    });
+}
+
+fn sighup(pid: u32) {
+    let st = std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+/// `systemctl reload ductile-agent` (SIGHUP): the agent reads its config again and publishes the
+/// new policy without a drain. A running job the new policy refuses keeps running (same
+/// generation, same workers), named in the agent's log and in `dctl nodes`; a new job it refuses
+/// is refused at submit; a config that does not load keeps the policy in force. The daemon's
+/// SIGHUP rotates its tokens: the old one is refused, the new one works, nothing restarts.
+#[test]
+fn sighup_reloads_the_agent_policy_and_the_daemon_tokens_without_a_drain() {
+    let mut c = Cluster::start(Spec::default());
+    let cfg = c.dir.path().join("agent.toml");
+    let tmp = std::env::temp_dir().display().to_string();
+    let policy = |commands: &str| {
+        format!("allowed_commands = [{commands}]\nallowed_paths = [\"{tmp}\"]\n")
+    };
+    std::fs::write(&cfg, policy("\"ductile-worker\", \"sleep\"")).unwrap();
+    c.start_agent("node1", 2, &["--config", cfg.to_str().unwrap()]);
+    c.submit(&job_toml("keep", 1, 2, 2));
+    let before = c.wait_world("keep", 2, S(20));
+    let pids: Vec<Option<u32>> = before.members.iter().map(|m| m.pid).collect();
+    let agent_pid = c.agents["node1"].pid();
+
+    // a config that does not load: logged, the policy in force stays
+    std::fs::write(&cfg, "allowed_commands = [\"sleep\"]\ncolour = 1\n").unwrap();
+    sighup(agent_pid);
+    c.wait_for(S(10), "the refused reload in the agent's log", || {
+        c.agent_logs().contains("configuration reload refused").then_some(())
+    });
+    assert!(node_json(&c, "node1").unwrap()["refused_running"].is_null());
+
+    // the new policy refuses ductile-worker: the running job stays, named
+    std::fs::write(&cfg, policy("\"sleep\"")).unwrap();
+    sighup(agent_pid);
+    let n = c.wait_for(S(10), "the refused running job on node1's record", || {
+        node_json(&c, "node1").filter(|n| !n["refused_running"].is_null())
+    });
+    let why = n["refused_running"]["keep"].as_str().unwrap().to_string();
+    assert!(why.contains("command"), "{why}");
+    assert!(
+        c.dctl_ok(&["nodes"]).contains("running job keep is refused by the agent's current policy"),
+        "{}",
+        c.dctl_ok(&["nodes"])
+    );
+    assert!(c.agent_logs().contains("the new policy refuses this running job"));
+    std::thread::sleep(S(2));
+    let after = c.status("keep");
+    assert_eq!(after.generation, before.generation, "no re-formation");
+    assert_eq!(after.members.iter().map(|m| m.pid).collect::<Vec<_>>(), pids, "the same workers");
+    assert!(c.agents.get_mut("node1").unwrap().wait_exit(S(0)).is_none(), "the agent runs on");
+    // what the node now publishes is what the daemon checks a new job against
+    let p = c.dir.path().join("refused.toml");
+    std::fs::write(&p, job_toml("fresh", 1, 1, 1)).unwrap();
+    let (ok, _, err) = c.dctl(&["submit", p.to_str().unwrap()]);
+    assert!(!ok && err.contains("no agent's policy allows it"), "{err}");
+
+    // the daemon's tokens, rotated
+    let new_token = "rotated-token-0123456789";
+    std::fs::write(c.dir.path().join("token"), new_token).unwrap();
+    sighup(c.daemons[0].pid());
+    c.wait_for(S(10), "the new token taken", || {
+        c.dctl_as(new_token, &["nodes"]).0.then_some(())
+    });
+    let (ok, _, err) = c.dctl_as(TOKEN, &["nodes"]);
+    assert!(!ok && err.contains("invalid token"), "the old token is refused: {err}");
+    let (ok, out, err) = c.dctl_as(new_token, &["status", "keep", "--json"]);
+    assert!(ok, "{err}");
+    let v: ductile_cluster::api::JobView = serde_json::from_str(&out).unwrap();
+    assert_eq!(v.generation, before.generation);
+}
+
 #[test]
 fn a_spot_notice_drains_the_node_without_a_failure() {
     let spot = SpotServer::start();

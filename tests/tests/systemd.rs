@@ -118,8 +118,18 @@ fn example_configs_are_accepted() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot reach etcd"), "{err}");
-    let agent_cfg = std::fs::read_to_string(root().join("systemd/agent.toml"))
-        .unwrap()
+    let shipped = std::fs::read_to_string(root().join("systemd/agent.toml")).unwrap();
+    // secure by default: jobs run as their own user, only ductile-worker runs, notices are read
+    for line in [
+        "worker_user = \"ductile-worker\"",
+        "allowed_commands = [\"ductile-worker\"]",
+        "spot_notice = \"auto\"",
+    ] {
+        assert!(shipped.lines().any(|l| l.starts_with(line)), "agent.toml lacks {line}");
+    }
+    // (this machine has no ductile-worker user: the package makes it)
+    let agent_cfg = shipped
+        .replace("worker_user = \"ductile-worker\"", "# worker_user")
         .replace("/etc/ductile/etcd", pki.to_str().unwrap());
     let a = dir.path().join("agent.toml");
     std::fs::write(&a, &agent_cfg).unwrap();
