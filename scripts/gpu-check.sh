@@ -49,6 +49,9 @@ if [ "${1:-}" = pack ]; then
   # shellcheck disable=SC1091
   source "${DUCTILE_CACHE:-$HOME/.cache/ductile}/env.sh"
   profile=${DUCTILE_PROFILE:-release}
+  # the release package's rpath (scripts/package.sh): the same build serves both, and the GPU
+  # machine's loader takes LD_LIBRARY_PATH anyway
+  export DUCTILE_RPATH='$ORIGIN/../lib/ductile/libtorch/lib'
   target=${CARGO_TARGET_DIR:-$root/target}
   cargo build --profile "$profile" --locked --bins -p ductile-daemon -p ductile-agent -p ductile-dctl \
     -p ductile-worker -p ductile-bench \
@@ -499,6 +502,11 @@ precision = "$prec"
 sharding = "$sharding"
 model_config = { ctx = $ctx }
 JOB
+  # a sharded job's state lives on its ranks: it needs a checkpoint location (none is taken
+  # during the 20 s measured: the interval is past the run)
+  if [ "$sharding" != none ]; then
+    printf '[checkpoint]\nurl = "file://%s/ckpt-%s"\ninterval = 1000000\n' "$work" "$job" >>"$work/$job.toml"
+  fi
   dctl submit "$work/$job.toml"
   wait_for 240 "job $job past step 10" "v['step'] >= 10"
   s0=$(field "v['step']"); t0=$(date +%s.%N)

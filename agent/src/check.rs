@@ -10,13 +10,25 @@ use crate::preempt::Source;
 
 pub async fn run(cfg: &Config) -> Report {
     let mut r = Report::default();
-    r.ok("config", format!("loads; node {:?}, {} slot(s) offered when there is no GPU", cfg.node, cfg.cpu_slots));
+    r.ok(
+        "config",
+        format!(
+            "loads; node {:?}, {} slot(s) offered when there is no GPU",
+            cfg.node, cfg.cpu_slots
+        ),
+    );
     for (what, p) in [
         ("etcd_ca", cfg.etcd.ca.as_ref()),
         ("etcd_cert", cfg.etcd.cert.as_ref()),
         ("etcd_key", cfg.etcd.key.as_ref()),
-        ("etcd_worker_cert", cfg.etcd_worker_client.as_ref().map(|(c, _)| c)),
-        ("etcd_worker_key", cfg.etcd_worker_client.as_ref().map(|(_, k)| k)),
+        (
+            "etcd_worker_cert",
+            cfg.etcd_worker_client.as_ref().map(|(c, _)| c),
+        ),
+        (
+            "etcd_worker_key",
+            cfg.etcd_worker_client.as_ref().map(|(_, k)| k),
+        ),
         ("mesh_tls_ca", cfg.mesh_tls.as_ref().map(|m| &m[0])),
         ("mesh_tls_cert", cfg.mesh_tls.as_ref().map(|m| &m[1])),
         ("mesh_tls_key", cfg.mesh_tls.as_ref().map(|m| &m[2])),
@@ -28,13 +40,32 @@ pub async fn run(cfg: &Config) -> Report {
     }
     match &cfg.worker_user {
         Some((name, uid, _)) => r.ok("worker_user", format!("jobs run as {name} (uid {uid})")),
-        None => r.ok("worker_user", "not set: jobs run as the agent's own user and can read its files (set worker_user)"),
+        None => r.ok(
+            "worker_user",
+            "not set: jobs run as the agent's own user and can read its files (set worker_user)",
+        ),
     }
     for (what, dir) in [("work_root", &cfg.work_root), ("log_dir", &cfg.log_dir)] {
         match std::fs::metadata(dir) {
             Ok(m) if m.is_dir() => r.ok(what, format!("{} exists", dir.display())),
             Ok(_) => r.fail(what, format!("{} is not a directory", dir.display())),
-            Err(e) => r.fail(what, format!("{}: {e} (the package makes /var/lib/ductile/work and logs)", dir.display())),
+            // the agent makes it where its parent is there
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    && dir.parent().is_some_and(|p| p.is_dir()) =>
+            {
+                r.ok(
+                    what,
+                    format!("{} is not there yet: the agent makes it", dir.display()),
+                )
+            }
+            Err(e) => r.fail(
+                what,
+                format!(
+                    "{}: {e} (the package makes /var/lib/ductile/work and logs)",
+                    dir.display()
+                ),
+            ),
         }
     }
     worker_starts(&mut r, cfg);
@@ -43,10 +74,19 @@ pub async fn run(cfg: &Config) -> Report {
     match &cfg.spot.source {
         Source::Off => r.ok("spot_notice", "off: preemption notices are not read"),
         Source::Url(u) => r.ok("spot_notice", format!("polling {u}")),
-        Source::Cloud(c) => r.ok("spot_notice", format!("reading {}'s notices at {}", c.name(), cfg.spot.endpoint)),
-        Source::Auto => match crate::preempt::detect(cfg.spot.endpoint.trim_end_matches('/')).await {
+        Source::Cloud(c) => r.ok(
+            "spot_notice",
+            format!("reading {}'s notices at {}", c.name(), cfg.spot.endpoint),
+        ),
+        Source::Auto => match crate::preempt::detect(cfg.spot.endpoint.trim_end_matches('/')).await
+        {
             Ok(c) => r.ok("spot_notice", format!("auto: this node is on {}", c.name())),
-            Err(why) => r.ok("spot_notice", format!("auto: no cloud metadata service answers ({why}): notices are off on this node")),
+            Err(why) => r.ok(
+                "spot_notice",
+                format!(
+                    "auto: no cloud metadata service answers ({why}): notices are off on this node"
+                ),
+            ),
         },
     }
     r
@@ -66,11 +106,16 @@ fn worker_starts(r: &mut Report, cfg: &Config) {
         .stderr(std::process::Stdio::piped());
     if let Some(lib) = &cfg.libtorch {
         let cur = std::env::var("LD_LIBRARY_PATH").ok();
-        cmd.env("LD_LIBRARY_PATH", crate::libtorch::library_path(lib, cur.as_deref()));
+        cmd.env(
+            "LD_LIBRARY_PATH",
+            crate::libtorch::library_path(lib, cur.as_deref()),
+        );
     }
     let from = match &cfg.libtorch {
         Some(l) => format!("libtorch from {}", l.display()),
-        None => "no libtorch configured (libtorch, torch_python): the binary's own search path".into(),
+        None => {
+            "no libtorch configured (libtorch, torch_python): the binary's own search path".into()
+        }
     };
     let mut child = match cmd.spawn() {
         Ok(c) => c,
@@ -86,12 +131,19 @@ fn worker_starts(r: &mut Report, cfg: &Config) {
     if matches!(child.try_wait(), Ok(None)) {
         let _ = child.kill();
         let _ = child.wait();
-        return r.fail("libtorch", format!("{} --version did not finish within 30 s", worker.display()));
+        return r.fail(
+            "libtorch",
+            format!("{} --version did not finish within 30 s", worker.display()),
+        );
     }
     match child.wait_with_output() {
         Ok(o) if o.status.success() => r.ok(
             "libtorch",
-            format!("{} starts ({}) with {from}", worker.display(), String::from_utf8_lossy(&o.stdout).trim()),
+            format!(
+                "{} starts ({}) with {from}",
+                worker.display(),
+                String::from_utf8_lossy(&o.stdout).trim()
+            ),
         ),
         Ok(o) => {
             let err = String::from_utf8_lossy(&o.stderr);

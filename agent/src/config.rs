@@ -406,9 +406,7 @@ impl Config {
             {
                 "notify" => false,
                 "drain" => true,
-                other => anyhow::bail!(
-                    "invalid spot_rebalance: {other:?} is not notify or drain"
-                ),
+                other => anyhow::bail!("invalid spot_rebalance: {other:?} is not notify or drain"),
             },
         };
         let libtorch = match (

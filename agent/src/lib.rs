@@ -288,8 +288,12 @@ impl Agent {
         if let Some(ack) = agent.preemption_ack.take() {
             // the cloud may start its events now rather than at their NotBefore
             match ack.send().await {
-                Ok(()) => tracing::info!(events = ?ack.event_ids(), "acknowledged the cloud's scheduled events"),
-                Err(e) => tracing::warn!(events = ?ack.event_ids(), error = %e, "could not acknowledge the cloud's scheduled events: they start at their own time"),
+                Ok(()) => {
+                    tracing::info!(events = ?ack.event_ids(), "acknowledged the cloud's scheduled events")
+                }
+                Err(e) => {
+                    tracing::warn!(events = ?ack.event_ids(), error = %e, "could not acknowledge the cloud's scheduled events: they start at their own time")
+                }
             }
         }
         // the workers' exit records are written before the lease goes
@@ -477,8 +481,19 @@ impl Agent {
             )*};
         }
         fixed!(
-            node, prefix, cpu_slots, gpus, gpu_slots_per_device, lease_ttl, worker_user,
-            cgroup, work_root, log_dir, advertise_host, spot, etcd_worker_client
+            node,
+            prefix,
+            cpu_slots,
+            gpus,
+            gpu_slots_per_device,
+            lease_ttl,
+            worker_user,
+            cgroup,
+            work_root,
+            log_dir,
+            advertise_host,
+            spot,
+            etcd_worker_client
         );
         if old.etcd.endpoints != new.etcd.endpoints {
             waits.push("etcd");
@@ -855,8 +870,11 @@ impl Agent {
         match self.cfg.libtorch.as_ref().filter(|_| runs_worker) {
             Some(lib) => {
                 let current = std::env::var("LD_LIBRARY_PATH").ok();
-                cmd.env("LD_LIBRARY_PATH", libtorch::library_path(lib, current.as_deref()))
-                    .env("DUCTILE_LIBTORCH_LIB", lib);
+                cmd.env(
+                    "LD_LIBRARY_PATH",
+                    libtorch::library_path(lib, current.as_deref()),
+                )
+                .env("DUCTILE_LIBTORCH_LIB", lib);
             }
             None => {
                 cmd.env_remove("DUCTILE_LIBTORCH_LIB");
@@ -1466,4 +1484,3 @@ async fn take_restart(store: &Store, job: &str, slot_key: &str) -> RestartOutcom
     }
     RestartOutcome::Retry("the restart count changed under us 10 times in a row".into())
 }
-

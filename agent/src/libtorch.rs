@@ -49,7 +49,10 @@ pub fn from_python(python: &Path) -> anyhow::Result<PathBuf> {
             None if t0.elapsed() > Duration::from_secs(20) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                anyhow::bail!("invalid torch_python {}: it did not answer within 20 s", python.display());
+                anyhow::bail!(
+                    "invalid torch_python {}: it did not answer within 20 s",
+                    python.display()
+                );
             }
             None => std::thread::sleep(Duration::from_millis(20)),
         }
@@ -61,7 +64,11 @@ pub fn from_python(python: &Path) -> anyhow::Result<PathBuf> {
             "invalid torch_python {}: it has no torch package ({}{})",
             python.display(),
             out.status,
-            String::from_utf8_lossy(&out.stderr).lines().last().map(|l| format!(": {l}")).unwrap_or_default()
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .map(|l| format!(": {l}"))
+                .unwrap_or_default()
         );
     }
     let torch = PathBuf::from(dir);
@@ -91,7 +98,8 @@ pub fn version_of(dir: &Path) -> Option<String> {
     if let Ok(t) = std::fs::read_to_string(dir.join("build-version")) {
         return Some(t.trim().to_string());
     }
-    let h = std::fs::read_to_string(dir.join("include/torch/csrc/api/include/torch/version.h")).ok()?;
+    let h =
+        std::fs::read_to_string(dir.join("include/torch/csrc/api/include/torch/version.h")).ok()?;
     h.lines().find_map(|l| {
         let v = l.trim().strip_prefix("#define TORCH_VERSION ")?;
         Some(v.trim().trim_matches('"').to_string())

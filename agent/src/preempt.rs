@@ -233,6 +233,23 @@ pub async fn detect(base: &str) -> Result<Cloud, String> {
     }
 }
 
+/// A metadata service's failures: the first is logged, the rest are quiet until it answers
+/// again (a node polls every few seconds).
+#[derive(Default)]
+struct Quiet(bool);
+
+impl Quiet {
+    fn warn(&mut self, log: impl FnOnce()) {
+        if !self.0 {
+            log();
+            self.0 = true;
+        }
+    }
+    fn answered(&mut self) {
+        self.0 = false;
+    }
+}
+
 /// Sleep `d`, or return false when cancelled.
 async fn pause(d: Duration, cancel: &CancellationToken) -> bool {
     tokio::select! {
@@ -287,10 +304,13 @@ async fn aws(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
     };
     let mut token: Option<(String, Instant)> = None;
     let mut rebalance_seen = false;
-    let mut complained = false;
+    let mut quiet = Quiet::default();
     loop {
         // a token refreshed well before its TTL; a 401 below drops it at once
-        if token.as_ref().is_none_or(|(_, t)| t.elapsed() > Duration::from_secs(TTL_S / 2)) {
+        if token
+            .as_ref()
+            .is_none_or(|(_, t)| t.elapsed() > Duration::from_secs(TTL_S / 2))
+        {
             token = match c
                 .put(format!("{base}/latest/api/token"))
                 .header("X-aws-ec2-metadata-token-ttl-seconds", TTL_S.to_string())
@@ -302,17 +322,11 @@ async fn aws(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
                     _ => None,
                 },
                 Ok(r) => {
-                    if !complained {
-                        tracing::warn!(status = %r.status(), "IMDSv2 refused a session token: spot notices are not read until it gives one");
-                        complained = true;
-                    }
+                    quiet.warn(|| tracing::warn!(status = %r.status(), "IMDSv2 refused a session token: spot notices are not read until it gives one"));
                     None
                 }
                 Err(e) => {
-                    if !complained {
-                        tracing::warn!(error = %e, "IMDSv2 unreachable: spot notices are not read until it answers");
-                        complained = true;
-                    }
+                    quiet.warn(|| tracing::warn!(error = %e, "IMDSv2 unreachable: spot notices are not read until it answers"));
                     None
                 }
             };
@@ -326,9 +340,14 @@ async fn aws(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
             };
             for path in paths {
                 let url = format!("{base}/latest/meta-data/{path}");
-                match c.get(&url).header("X-aws-ec2-metadata-token", &t).send().await {
+                match c
+                    .get(&url)
+                    .header("X-aws-ec2-metadata-token", &t)
+                    .send()
+                    .await
+                {
                     Ok(r) if r.status().is_success() => {
-                        complained = false;
+                        quiet.answered();
                         let body = r.text().await.unwrap_or_default();
                         let notice = if *path == "spot/instance-action" {
                             match aws_instance_action(&body) {
@@ -338,7 +357,10 @@ async fn aws(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
                                     tracing::warn!(%why, %body, "draining on an unreadable spot notice");
                                     Notice {
                                         cloud: "aws",
-                                        what: format!("spot instance-action {}", body.trim().chars().take(120).collect::<String>()),
+                                        what: format!(
+                                            "spot instance-action {}",
+                                            body.trim().chars().take(120).collect::<String>()
+                                        ),
                                         deadline_ms: None,
                                         interruption: true,
                                         ack: None,
@@ -359,8 +381,11 @@ async fn aws(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
                                 cloud: "aws",
                                 what: format!(
                                     "rebalance recommendation{}",
-                                    at.map(|a| format!(" (sent {} UTC)", ductile_cluster::records::utc(a)))
-                                        .unwrap_or_default()
+                                    at.map(|a| format!(
+                                        " (sent {} UTC)",
+                                        ductile_cluster::records::utc(a)
+                                    ))
+                                    .unwrap_or_default()
                                 ),
                                 deadline_ms: None,
                                 interruption: false,
@@ -375,16 +400,10 @@ async fn aws(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
                     Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {}
                     Ok(r) if r.status() == reqwest::StatusCode::UNAUTHORIZED => expired = true,
                     Ok(r) => {
-                        if !complained {
-                            tracing::warn!(%url, status = %r.status(), "IMDSv2 answered an error");
-                            complained = true;
-                        }
+                        quiet.warn(|| tracing::warn!(%url, status = %r.status(), "IMDSv2 answered an error"));
                     }
                     Err(e) => {
-                        if !complained {
-                            tracing::warn!(%url, error = %e, "IMDSv2 unreachable");
-                            complained = true;
-                        }
+                        quiet.warn(|| tracing::warn!(%url, error = %e, "IMDSv2 unreachable"));
                     }
                 }
                 if expired {
@@ -418,13 +437,15 @@ async fn gcp(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
         let url = format!("{base}/computeMetadata/v1/instance/{key}");
         async move {
             let mut etag: Option<String> = None;
-            let mut complained = false;
+            let mut quiet = Quiet::default();
             loop {
                 let target = match &etag {
                     // (GCP's ETags are hex; anything else in one is dropped, not sent raw)
                     Some(e) => format!(
                         "{url}?wait_for_change=true&last_etag={}&timeout_sec={GCP_WAIT_S}",
-                        e.chars().filter(char::is_ascii_alphanumeric).collect::<String>()
+                        e.chars()
+                            .filter(char::is_ascii_alphanumeric)
+                            .collect::<String>()
                     ),
                     None => url.clone(),
                 };
@@ -435,7 +456,7 @@ async fn gcp(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
                 };
                 match r {
                     Ok(r) if r.status().is_success() => {
-                        complained = false;
+                        quiet.answered();
                         etag = r
                             .headers()
                             .get("ETag")
@@ -454,20 +475,14 @@ async fn gcp(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Cance
                         }
                     }
                     Ok(r) => {
-                        if !complained {
-                            tracing::warn!(%url, status = %r.status(), "GCP's metadata server answered an error");
-                            complained = true;
-                        }
+                        quiet.warn(|| tracing::warn!(%url, status = %r.status(), "GCP's metadata server answered an error"));
                         etag = None;
                         if !pause(poll, &stop).await {
                             return;
                         }
                     }
                     Err(e) => {
-                        if !complained {
-                            tracing::warn!(%url, error = %e, "GCP's metadata server unreachable");
-                            complained = true;
-                        }
+                        quiet.warn(|| tracing::warn!(%url, error = %e, "GCP's metadata server unreachable"));
                         etag = None;
                         if !pause(poll, &stop).await {
                             return;
@@ -585,11 +600,11 @@ async fn azure(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Can
         tracing::warn!("Azure's instance metadata did not give this VM's name: every scheduled event in the document is taken as this VM's");
     }
     let mut seen = std::collections::BTreeSet::new();
-    let mut complained = false;
+    let mut quiet = Quiet::default();
     loop {
         match c.get(&url).header("Metadata", "true").send().await {
             Ok(r) if r.status().is_success() => {
-                complained = false;
+                quiet.answered();
                 let body = r.text().await.unwrap_or_default();
                 match azure_events(&body, vm.as_deref()) {
                     Ok(events) => {
@@ -614,24 +629,17 @@ async fn azure(base: &str, poll: Duration, tx: mpsc::Sender<Notice>, cancel: Can
                         }
                     }
                     Err(why) => {
-                        if !complained {
-                            tracing::warn!(%why, "Azure's Scheduled Events answered a document we cannot read");
-                            complained = true;
-                        }
+                        quiet.warn(|| tracing::warn!(%why, "Azure's Scheduled Events answered a document we cannot read"));
                     }
                 }
             }
             Ok(r) => {
-                if !complained {
-                    tracing::warn!(%url, status = %r.status(), "Azure's Scheduled Events answered an error");
-                    complained = true;
-                }
+                quiet.warn(|| tracing::warn!(%url, status = %r.status(), "Azure's Scheduled Events answered an error"));
             }
             Err(e) => {
-                if !complained {
-                    tracing::warn!(%url, error = %e, "Azure's Scheduled Events unreachable");
-                    complained = true;
-                }
+                quiet.warn(
+                    || tracing::warn!(%url, error = %e, "Azure's Scheduled Events unreachable"),
+                );
             }
         }
         if !pause(poll, &cancel).await {
@@ -704,9 +712,11 @@ mod tests {
         assert_eq!(ev[0].0.deadline_ms, Some(1_474_309_787_000));
         assert!(!ev[1].0.interruption);
         assert_eq!(azure_events(doc, None).unwrap().len(), 3);
-        assert!(azure_events(r#"{"DocumentIncarnation": 0, "Events": []}"#, None)
-            .unwrap()
-            .is_empty());
+        assert!(
+            azure_events(r#"{"DocumentIncarnation": 0, "Events": []}"#, None)
+                .unwrap()
+                .is_empty()
+        );
         assert!(azure_events("nope", None).is_err());
     }
 

@@ -96,7 +96,12 @@ impl Report {
                     crate::service::error_chain(&e)
                 ),
             ),
-            Ok(Ok(b)) => match tokio::time::timeout(Duration::from_secs(5), b.list(&format!("{prefix}/nodes/"))).await {
+            Ok(Ok(b)) => match tokio::time::timeout(
+                Duration::from_secs(5),
+                b.list(&format!("{prefix}/nodes/")),
+            )
+            .await
+            {
                 Ok(Ok((kvs, rev))) => self.ok(
                     "etcd",
                     format!(
@@ -129,9 +134,7 @@ impl Report {
             Ok(Err(e)) => self.fail("clock", format!("etcd's time could not be read: {e}")),
             Ok(Ok((theirs, before, after))) => {
                 // the Date header has whole seconds: the answer was made within [before - 1 s, after]
-                let lo = before
-                    .checked_sub(Duration::from_secs(1))
-                    .unwrap_or(before);
+                let lo = before.checked_sub(Duration::from_secs(1)).unwrap_or(before);
                 let skew = if theirs < lo {
                     lo.duration_since(theirs).unwrap_or_default()
                 } else if theirs > after {
@@ -149,7 +152,10 @@ impl Report {
                         ),
                     );
                 } else {
-                    self.ok("clock", format!("within {} s of etcd's", MAX_SKEW.as_secs()));
+                    self.ok(
+                        "clock",
+                        format!("within {} s of etcd's", MAX_SKEW.as_secs()),
+                    );
                 }
             }
         }
@@ -172,13 +178,24 @@ impl Report {
         };
         let ee = match webpki::EndEntityCert::try_from(&der) {
             Ok(c) => c,
-            Err(e) => return self.fail(what, format!("{} is not a certificate webpki can read: {e:?}", cert.display())),
+            Err(e) => {
+                return self.fail(
+                    what,
+                    format!(
+                        "{} is not a certificate webpki can read: {e:?}",
+                        cert.display()
+                    ),
+                )
+            }
         };
         for n in names {
             let name = match ServerName::try_from(n.as_str()) {
                 Ok(s) => s,
                 Err(_) => {
-                    self.fail(what, format!("{n:?} is neither a DNS name nor an IP address"));
+                    self.fail(
+                        what,
+                        format!("{n:?} is neither a DNS name nor an IP address"),
+                    );
                     continue;
                 }
             };
@@ -229,11 +246,15 @@ async fn etcd_date(access: &EtcdAccess) -> Result<(SystemTime, SystemTime, Syste
             .connect(name, tcp)
             .await
             .map_err(|e| format!("TLS to {hostport}: {e}"))?;
-        s.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
+        s.write_all(req.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
         let _ = s.read_to_end(&mut buf).await;
     } else {
         let mut s = tcp;
-        s.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
+        s.write_all(req.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
         let _ = s.read_to_end(&mut buf).await;
     }
     let after = SystemTime::now();
@@ -243,7 +264,9 @@ async fn etcd_date(access: &EtcdAccess) -> Result<(SystemTime, SystemTime, Syste
         .take_while(|l| !l.is_empty())
         .find_map(|l| {
             let (k, v) = l.split_once(':')?;
-            k.trim().eq_ignore_ascii_case("date").then(|| v.trim().to_string())
+            k.trim()
+                .eq_ignore_ascii_case("date")
+                .then(|| v.trim().to_string())
         })
         .ok_or_else(|| format!("{hostport} answered without a Date header"))?;
     let theirs = httpdate::parse_http_date(&date).map_err(|e| format!("Date {date:?}: {e}"))?;
@@ -256,9 +279,13 @@ fn client_tls(access: &EtcdAccess) -> Result<rustls::ClientConfig, String> {
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let mut roots = rustls::RootCertStore::empty();
     if let Some(ca) = &access.ca {
-        for c in CertificateDer::pem_file_iter(ca).map_err(|e| format!("etcd_ca {}: {e}", ca.display()))? {
+        for c in CertificateDer::pem_file_iter(ca)
+            .map_err(|e| format!("etcd_ca {}: {e}", ca.display()))?
+        {
             let c = c.map_err(|e| format!("etcd_ca {}: {e}", ca.display()))?;
-            roots.add(c).map_err(|e| format!("etcd_ca {}: {e}", ca.display()))?;
+            roots
+                .add(c)
+                .map_err(|e| format!("etcd_ca {}: {e}", ca.display()))?;
         }
     }
     let b = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
@@ -273,8 +300,10 @@ fn client_tls(access: &EtcdAccess) -> Result<rustls::ClientConfig, String> {
                 .map_err(|e| format!("etcd_cert {}: {e}", c.display()))?
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("etcd_cert {}: {e}", c.display()))?;
-            let key = PrivateKeyDer::from_pem_file(k).map_err(|e| format!("etcd_key {}: {e}", k.display()))?;
-            b.with_client_auth_cert(chain, key).map_err(|e| format!("etcd client certificate: {e}"))
+            let key = PrivateKeyDer::from_pem_file(k)
+                .map_err(|e| format!("etcd_key {}: {e}", k.display()))?;
+            b.with_client_auth_cert(chain, key)
+                .map_err(|e| format!("etcd client certificate: {e}"))
         }
         _ => Ok(b.with_no_client_auth()),
     }
@@ -292,7 +321,10 @@ mod tests {
         r.readable("key", Path::new("/nonexistent/ductile-key.pem"));
         assert!(!r.passed());
         let text = r.render("node n1");
-        assert!(text.contains("FAIL key: cannot read /nonexistent/ductile-key.pem"), "{text}");
+        assert!(
+            text.contains("FAIL key: cannot read /nonexistent/ductile-key.pem"),
+            "{text}"
+        );
         assert!(text.ends_with("node n1: 1 check(s) failed\n"), "{text}");
     }
 }

@@ -4,8 +4,8 @@
 //! ([`etcd`]); everything above goes through [`store::Store`] and [`kv::KvBackend`].
 
 pub mod access;
-pub mod check;
 pub mod api;
+pub mod check;
 pub mod conformance;
 pub mod error;
 pub mod etcd;

@@ -143,7 +143,11 @@ impl PreemptionNotice {
         };
         format!(
             "{} notice from {}: {}{deadline}",
-            if self.drains { "preemption" } else { "advisory" },
+            if self.drains {
+                "preemption"
+            } else {
+                "advisory"
+            },
             self.cloud,
             self.what
         )

@@ -64,11 +64,12 @@ pub fn watchdog_interval() -> Option<Duration> {
     Some(Duration::from_micros(usec / 2))
 }
 
-/// A token cancelled on the first SIGTERM or SIGINT (drain); a second one exits at once with
-/// status 130.
-/// SIGHUP (`systemctl reload`): each one a message on the returned channel (a burst of them
-/// coalesces into one). Without this a SIGHUP would end the process.
-pub fn reload_on_sighup() -> tokio::sync::mpsc::Receiver<()> {
+/// SIGHUP (`systemctl reload`): each one calls `load` (a service's configuration read again, on
+/// the blocking pool) and sends what it gave on the returned channel, an error included (the
+/// service keeps what is in force then). Without this a SIGHUP would end the process.
+pub fn reload_on_sighup<T: Send + 'static>(
+    load: fn() -> anyhow::Result<T>,
+) -> tokio::sync::mpsc::Receiver<anyhow::Result<T>> {
     let (tx, rx) = tokio::sync::mpsc::channel(1);
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
@@ -77,8 +78,12 @@ pub fn reload_on_sighup() -> tokio::sync::mpsc::Receiver<()> {
             return;
         };
         while hup.recv().await.is_some() {
-            tracing::info!("SIGHUP: reloading the configuration");
-            if let Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) = tx.try_send(()) {
+            tracing::info!("SIGHUP: reading the configuration again");
+            let new = tokio::task::spawn_blocking(load)
+                .await
+                .map_err(anyhow::Error::from)
+                .and_then(|r| r);
+            if tx.send(new).await.is_err() {
                 return;
             }
         }
@@ -86,6 +91,8 @@ pub fn reload_on_sighup() -> tokio::sync::mpsc::Receiver<()> {
     rx
 }
 
+/// A token cancelled on the first SIGTERM or SIGINT (drain); a second one exits at once with
+/// status 130.
 pub fn shutdown_on_signals() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();

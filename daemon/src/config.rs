@@ -357,9 +357,21 @@ pub async fn check(cfg: &Config, hosts: &[String]) -> ductile_cluster::check::Re
         format!(
             "loads; API on {} ({}), read token {}, /metrics {}",
             cfg.listen,
-            if cfg.tls.is_some() { "TLS" } else { "plain HTTP on loopback" },
-            if cfg.read_token.is_some() { "set" } else { "not set" },
-            if cfg.metrics_need_token { "behind a token" } else { "open" }
+            if cfg.tls.is_some() {
+                "TLS"
+            } else {
+                "plain HTTP on loopback"
+            },
+            if cfg.read_token.is_some() {
+                "set"
+            } else {
+                "not set"
+            },
+            if cfg.metrics_need_token {
+                "behind a token"
+            } else {
+                "open"
+            }
         ),
     );
     for (what, p) in [
@@ -387,7 +399,9 @@ pub async fn check(cfg: &Config, hosts: &[String]) -> ductile_cluster::check::Re
         }
         r.cert_names("tls_cert", cert, &names);
     }
-    let beyond_loopback = !(cfg.listen.starts_with("127.") || cfg.listen.starts_with("[::1]") || cfg.listen.starts_with("localhost:"));
+    let beyond_loopback = !(cfg.listen.starts_with("127.")
+        || cfg.listen.starts_with("[::1]")
+        || cfg.listen.starts_with("localhost:"));
     if beyond_loopback && !cfg.metrics_need_token {
         r.fail("metrics_need_token", format!("the API listens beyond loopback ({}) and /metrics needs no token: set metrics_need_token = true", cfg.listen));
     }

@@ -69,7 +69,9 @@ pub async fn run_with_reload(
                         };
                         tracing::info!("configuration reloaded: the API takes the tokens its files hold now (other settings take effect at the next restart)");
                     }
-                    Some(Err(e)) => tracing::error!(error = %format!("{e:#}"), "configuration reload refused: the tokens in force stay"),
+                    Some(Err(e)) => {
+                        tracing::error!(error = %format!("{e:#}"), "configuration reload refused: the tokens in force stay")
+                    }
                 }
             }
         });

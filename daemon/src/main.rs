@@ -25,19 +25,7 @@ async fn main() {
     ductile_cluster::service::init_logging(cfg.log_format);
     let cancel = ductile_cluster::service::shutdown_on_signals();
     // SIGHUP (systemctl reload): the configuration read again, its tokens taken at once
-    let mut hup = ductile_cluster::service::reload_on_sighup();
-    let (reload_tx, reload_rx) = tokio::sync::mpsc::channel(1);
-    tokio::spawn(async move {
-        while hup.recv().await.is_some() {
-            let new = tokio::task::spawn_blocking(|| Config::load(Cli::parse()))
-                .await
-                .map_err(anyhow::Error::from)
-                .and_then(|r| r);
-            if reload_tx.send(new).await.is_err() {
-                return;
-            }
-        }
-    });
+    let reload_rx = ductile_cluster::service::reload_on_sighup(|| Config::load(Cli::parse()));
     let backend = match ductile_cluster::connect_etcd_with(&cfg.etcd, cfg.etcd_wait).await {
         Ok(b) => b,
         Err(e) => {

@@ -385,7 +385,10 @@ fn base_env(
         std::env::var("DUCTILE_LIBTORCH_LIB"),
         env.get("LD_LIBRARY_PATH").cloned(),
     ) {
-        let rest: Vec<&str> = path.split(':').filter(|p| !p.is_empty() && *p != lib).collect();
+        let rest: Vec<&str> = path
+            .split(':')
+            .filter(|p| !p.is_empty() && *p != lib)
+            .collect();
         if rest.is_empty() {
             env.remove("LD_LIBRARY_PATH");
         } else {

@@ -1118,7 +1118,8 @@ impl MetadataServer {
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
-        let body = String::from_utf8_lossy(&buf[head_end..(head_end + len).min(buf.len())]).to_string();
+        let body =
+            String::from_utf8_lossy(&buf[head_end..(head_end + len).min(buf.len())]).to_string();
         let (path, query) = target.split_once('?').unwrap_or((&target, ""));
         let q: BTreeMap<&str, &str> = query
             .split('&')
@@ -1172,9 +1173,20 @@ impl MetadataServer {
                         return (400, vec![], String::new());
                     }
                     st.tokens_issued += 1;
-                    let t = format!("token-{}-{}", st.tokens_issued, ductile_cluster::records::random_hex(8));
+                    let t = format!(
+                        "token-{}-{}",
+                        st.tokens_issued,
+                        ductile_cluster::records::random_hex(8)
+                    );
                     st.tokens.push(t.clone());
-                    return (200, vec![("X-aws-ec2-metadata-token-ttl-seconds".into(), ttl.to_string())], t);
+                    return (
+                        200,
+                        vec![(
+                            "X-aws-ec2-metadata-token-ttl-seconds".into(),
+                            ttl.to_string(),
+                        )],
+                        t,
+                    );
                 }
                 if method != "GET" || !path.starts_with("/latest/") {
                     return none;
@@ -1208,7 +1220,9 @@ impl MetadataServer {
                 let read = |st: &MetadataState| match path {
                     "/computeMetadata/v1/instance/id" => Some(("4321".to_string(), 1)),
                     "/computeMetadata/v1/instance/preempted" => Some(st.preempted.clone()),
-                    "/computeMetadata/v1/instance/maintenance-event" => Some(st.maintenance.clone()),
+                    "/computeMetadata/v1/instance/maintenance-event" => {
+                        Some(st.maintenance.clone())
+                    }
                     _ => None,
                 };
                 let Some(mut cur) = read(&st) else {
@@ -1216,7 +1230,10 @@ impl MetadataServer {
                 };
                 if q.get("wait_for_change") == Some(&"true") {
                     let last = q.get("last_etag").copied().unwrap_or("");
-                    let wait_s: u64 = q.get("timeout_sec").and_then(|v| v.parse().ok()).unwrap_or(60);
+                    let wait_s: u64 = q
+                        .get("timeout_sec")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(60);
                     if last == format!("e{}", cur.1) {
                         st.waited += 1;
                         let until = Instant::now() + Duration::from_secs(wait_s.min(60));
@@ -1233,15 +1250,28 @@ impl MetadataServer {
                         }
                     }
                 }
-                (200, vec![flavor, ("ETag".into(), format!("e{}", cur.1))], cur.0)
+                (
+                    200,
+                    vec![flavor, ("ETag".into(), format!("e{}", cur.1))],
+                    cur.0,
+                )
             }
             CloudKind::Azure => {
                 if headers.get("metadata").map(String::as_str) != Some("true") {
                     st.refused_header.push(format!("{method} {path}"));
-                    return (400, vec![], "{\"error\": \"Bad request. Required metadata header not specified\"}".into());
+                    return (
+                        400,
+                        vec![],
+                        "{\"error\": \"Bad request. Required metadata header not specified\"}"
+                            .into(),
+                    );
                 }
                 if !q.contains_key("api-version") {
-                    return (400, vec![], "{\"error\": \"Bad request. api-version was not specified\"}".into());
+                    return (
+                        400,
+                        vec![],
+                        "{\"error\": \"Bad request. api-version was not specified\"}".into(),
+                    );
                 }
                 match (method, path) {
                     ("GET", "/metadata/instance/compute/name") => (200, vec![], "vm1".into()),

@@ -454,6 +454,17 @@ fn spot_cluster(server: &MetadataServer, notice: &str, job: &str) -> Cluster {
     c
 }
 
+/// Every read of the cloud's own paths carried its metadata header: what lacked it were `auto`'s
+/// probes for the other two clouds, once each.
+fn assert_only_probes_lacked_the_header(server: &MetadataServer, probes: [&str; 2]) {
+    let refused = server.with(|s| s.refused_header.clone());
+    assert!(
+        refused.len() <= 2 && refused.iter().all(|r| probes.contains(&r.as_str())),
+        "a read of {:?}'s paths without its header: {refused:?}",
+        server.kind
+    );
+}
+
 /// The node drains for the notice: the agent exits 0, the job re-forms on node1 with a drain
 /// (no failure), and `dctl events` names the cloud and what it said.
 fn assert_drained_for(c: &mut Cluster, job: &str, says: &[&str]) {
@@ -470,7 +481,11 @@ fn assert_drained_for(c: &mut Cluster, job: &str, says: &[&str]) {
     let last = h.last().unwrap();
     assert_eq!(last.reason, Reason::Drain, "{h:?}");
     for s in says {
-        assert!(last.detail.contains(s), "{s:?} not in the drain's event: {}", last.detail);
+        assert!(
+            last.detail.contains(s),
+            "{s:?} not in the drain's event: {}",
+            last.detail
+        );
     }
     assert!(h.iter().all(|g| g.reason != Reason::Failure), "{h:?}");
 }
@@ -492,27 +507,57 @@ fn aws_imdsv2_notices_drain_with_a_token_and_a_rebalance_is_recorded() {
         aws.with(|s| s.tokens_issued >= 2).then_some(())
     });
     aws.set(|s| s.rebalance = Some(r#"{"noticeTime": "2026-12-04T10:00:00Z"}"#.into()));
-    let n = c.wait_for(S(10), "the rebalance recommendation on spot1's record", || {
-        node_json(&c, "spot1").filter(|n| !n["preemption"].is_null())
-    });
+    let n = c.wait_for(
+        S(10),
+        "the rebalance recommendation on spot1's record",
+        || node_json(&c, "spot1").filter(|n| !n["preemption"].is_null()),
+    );
     assert_eq!(n["preemption"]["cloud"], "aws");
     assert_eq!(n["preemption"]["drains"], false, "{n}");
-    assert!(n["preemption"]["what"].as_str().unwrap().contains("rebalance recommendation"), "{n}");
-    assert_eq!(n["draining"], false, "a rebalance recommendation does not drain by default");
-    assert!(c.dctl_ok(&["nodes"]).contains("advisory notice from aws: rebalance recommendation"));
+    assert!(
+        n["preemption"]["what"]
+            .as_str()
+            .unwrap()
+            .contains("rebalance recommendation"),
+        "{n}"
+    );
+    assert_eq!(
+        n["draining"], false,
+        "a rebalance recommendation does not drain by default"
+    );
+    assert!(c
+        .dctl_ok(&["nodes"])
+        .contains("advisory notice from aws: rebalance recommendation"));
     assert_eq!(c.status("jaws").world_size, 4);
     // the interruption, two minutes out as AWS gives it
     let at = now_ms() + 120_000;
     let secs = at / 1000;
     let time = ductile_cluster::records::utc(secs * 1000).replace(' ', "T") + "Z";
-    aws.set(|s| s.instance_action = Some(format!(r#"{{"action": "terminate", "time": "{time}"}}"#)));
+    aws.set(|s| {
+        s.instance_action = Some(format!(r#"{{"action": "terminate", "time": "{time}"}}"#))
+    });
     assert_drained_for(
         &mut c,
         "jaws",
-        &["spot1", "aws", "spot instance-action terminate", &format!("deadline {} UTC", ductile_cluster::records::utc(secs * 1000))],
+        &[
+            "spot1",
+            "aws",
+            "spot instance-action terminate",
+            &format!(
+                "deadline {} UTC",
+                ductile_cluster::records::utc(secs * 1000)
+            ),
+        ],
     );
-    assert_eq!(aws.with(|s| s.tokenless), 0, "every read carried an IMDSv2 token");
-    assert!(aws.with(|s| s.refused_unauthorized) >= 1, "the expired token was refused");
+    assert_eq!(
+        aws.with(|s| s.tokenless),
+        0,
+        "every read carried an IMDSv2 token"
+    );
+    assert!(
+        aws.with(|s| s.refused_unauthorized) >= 1,
+        "the expired token was refused"
+    );
 }
 
 /// GCP, found by `auto`: the agent holds its reads open (`wait_for_change` with the ETag), sends
@@ -533,12 +578,12 @@ fn gcp_notices_found_by_auto_are_watched_for_changes_and_drain_when_preempted() 
     assert_eq!(n["draining"], false);
     gcp.set(|s| s.preempted = ("TRUE".into(), 2));
     assert_drained_for(&mut c, "jgcp", &["spot1", "gcp", "preempted", "deadline"]);
-    // what lacked the header were auto's probes for the other clouds, once each
-    let refused = gcp.with(|s| s.refused_header.clone());
-    assert!(
-        refused.len() <= 2
-            && refused.iter().all(|r| r == "PUT /latest/api/token" || r == "GET /metadata/instance/compute/name"),
-        "every read of GCP's keys carried Metadata-Flavor: {refused:?}"
+    assert_only_probes_lacked_the_header(
+        &gcp,
+        [
+            "PUT /latest/api/token",
+            "GET /metadata/instance/compute/name",
+        ],
     );
 }
 
@@ -558,18 +603,31 @@ fn azure_scheduled_events_drain_this_vm_and_are_acknowledged() {
     };
     az.set(|s| s.azure_events.push(event("OTHER-VM", "Preempt", "vm7")));
     std::thread::sleep(S(1));
-    assert_eq!(node_json(&c, "spot1").unwrap()["draining"], false, "another VM's event");
+    assert_eq!(
+        node_json(&c, "spot1").unwrap()["draining"],
+        false,
+        "another VM's event"
+    );
     az.set(|s| s.azure_events.push(event("E-1", "Preempt", "vm1")));
-    assert_drained_for(&mut c, "jaz", &["spot1", "azure", "Preempt", "deadline 2026-12-04 18:00:00 UTC"]);
+    assert_drained_for(
+        &mut c,
+        "jaz",
+        &[
+            "spot1",
+            "azure",
+            "Preempt",
+            "deadline 2026-12-04 18:00:00 UTC",
+        ],
+    );
     c.wait_for(S(5), "the event acknowledged", || {
         az.with(|s| s.azure_acked == ["E-1"]).then_some(())
     });
-    // what lacked the header were auto's probes for the other clouds, once each
-    let refused = az.with(|s| s.refused_header.clone());
-    assert!(
-        refused.len() <= 2
-            && refused.iter().all(|r| r == "PUT /latest/api/token" || r == "GET /computeMetadata/v1/instance/id"),
-        "every read of Azure's events carried Metadata: true: {refused:?}"
+    assert_only_probes_lacked_the_header(
+        &az,
+        [
+            "PUT /latest/api/token",
+            "GET /computeMetadata/v1/instance/id",
+        ],
     );
 }
 
@@ -581,16 +639,30 @@ fn spot_notice_auto_off_any_cloud_probes_nothing_after_the_first_refusal() {
     c.start_agent(
         "node1",
         1,
-        &["--spot-notice", "auto", "--spot-metadata-endpoint", &none.url, "--spot-poll-ms", "50"],
+        &[
+            "--spot-notice",
+            "auto",
+            "--spot-metadata-endpoint",
+            &none.url,
+            "--spot-poll-ms",
+            "50",
+        ],
     );
     c.wait_for(S(10), "node1 registered", || node_json(&c, "node1"));
     c.wait_for(S(5), "the three probes", || {
         none.with(|s| s.requests.len() == 3).then_some(())
     });
     std::thread::sleep(S(2));
-    assert_eq!(none.with(|s| s.requests.len()), 3, "{:?}", none.with(|s| s.requests.clone()));
+    assert_eq!(
+        none.with(|s| s.requests.len()),
+        3,
+        "{:?}",
+        none.with(|s| s.requests.clone())
+    );
     c.wait_for(S(5), "the agent saying so in its log", || {
-        c.agent_logs().contains("no cloud metadata service here").then_some(())
+        c.agent_logs()
+            .contains("no cloud metadata service here")
+            .then_some(())
     });
 }
 
@@ -612,9 +684,8 @@ fn sighup_reloads_the_agent_policy_and_the_daemon_tokens_without_a_drain() {
     let mut c = Cluster::start(Spec::default());
     let cfg = c.dir.path().join("agent.toml");
     let tmp = std::env::temp_dir().display().to_string();
-    let policy = |commands: &str| {
-        format!("allowed_commands = [{commands}]\nallowed_paths = [\"{tmp}\"]\n")
-    };
+    let policy =
+        |commands: &str| format!("allowed_commands = [{commands}]\nallowed_paths = [\"{tmp}\"]\n");
     std::fs::write(&cfg, policy("\"ductile-worker\", \"sleep\"")).unwrap();
     c.start_agent("node1", 2, &["--config", cfg.to_str().unwrap()]);
     c.submit(&job_toml("keep", 1, 2, 2));
@@ -626,7 +697,9 @@ fn sighup_reloads_the_agent_policy_and_the_daemon_tokens_without_a_drain() {
     std::fs::write(&cfg, "allowed_commands = [\"sleep\"]\ncolour = 1\n").unwrap();
     sighup(agent_pid);
     c.wait_for(S(10), "the refused reload in the agent's log", || {
-        c.agent_logs().contains("configuration reload refused").then_some(())
+        c.agent_logs()
+            .contains("configuration reload refused")
+            .then_some(())
     });
     assert!(node_json(&c, "node1").unwrap()["refused_running"].is_null());
 
@@ -639,16 +712,26 @@ fn sighup_reloads_the_agent_policy_and_the_daemon_tokens_without_a_drain() {
     let why = n["refused_running"]["keep"].as_str().unwrap().to_string();
     assert!(why.contains("command"), "{why}");
     assert!(
-        c.dctl_ok(&["nodes"]).contains("running job keep is refused by the agent's current policy"),
+        c.dctl_ok(&["nodes"])
+            .contains("running job keep is refused by the agent's current policy"),
         "{}",
         c.dctl_ok(&["nodes"])
     );
-    assert!(c.agent_logs().contains("the new policy refuses this running job"));
+    assert!(c
+        .agent_logs()
+        .contains("the new policy refuses this running job"));
     std::thread::sleep(S(2));
     let after = c.status("keep");
     assert_eq!(after.generation, before.generation, "no re-formation");
-    assert_eq!(after.members.iter().map(|m| m.pid).collect::<Vec<_>>(), pids, "the same workers");
-    assert!(c.agents.get_mut("node1").unwrap().wait_exit(S(0)).is_none(), "the agent runs on");
+    assert_eq!(
+        after.members.iter().map(|m| m.pid).collect::<Vec<_>>(),
+        pids,
+        "the same workers"
+    );
+    assert!(
+        c.agents.get_mut("node1").unwrap().wait_exit(S(0)).is_none(),
+        "the agent runs on"
+    );
     // what the node now publishes is what the daemon checks a new job against
     let p = c.dir.path().join("refused.toml");
     std::fs::write(&p, job_toml("fresh", 1, 1, 1)).unwrap();
@@ -663,7 +746,10 @@ fn sighup_reloads_the_agent_policy_and_the_daemon_tokens_without_a_drain() {
         c.dctl_as(new_token, &["nodes"]).0.then_some(())
     });
     let (ok, _, err) = c.dctl_as(TOKEN, &["nodes"]);
-    assert!(!ok && err.contains("invalid token"), "the old token is refused: {err}");
+    assert!(
+        !ok && err.contains("invalid token"),
+        "the old token is refused: {err}"
+    );
     let (ok, out, err) = c.dctl_as(new_token, &["status", "keep", "--json"]);
     assert!(ok, "{err}");
     let v: ductile_cluster::api::JobView = serde_json::from_str(&out).unwrap();

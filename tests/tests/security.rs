@@ -747,3 +747,25 @@ fn workers_run_as_the_worker_user_not_as_the_agent() {
     let out = agent_as("root");
     assert!(String::from_utf8_lossy(&out.stderr).contains("it is root"));
 }
+
+/// With etcd's TLS and auth (each daemon its own etcd user), the standby still takes over when
+/// the leader is SIGKILLed, and the new leader re-forms a job that lost a node.
+#[test]
+fn with_etcd_auth_the_standby_leads_after_the_leader_is_killed() {
+    let mut c = Cluster::start(Spec {
+        secure_etcd: true,
+        daemons: 2,
+        // the shipped default: campaign calls time out and are made again meanwhile
+        election_ttl: 5,
+        ..Spec::default().agents(2, 1)
+    });
+    c.submit(&job_toml("fo", 1, 2, 2));
+    c.wait_world("fo", 2, S::from_secs(30));
+    // a standby that campaigned for a while (its campaign calls run out of request time and
+    // are made again) before the leader goes
+    std::thread::sleep(S::from_secs(12));
+    let (_, second, took) = c.kill_leader();
+    assert!(took <= S::from_secs(10), "{second} led after {took:?}");
+    c.agents.get_mut("node2").unwrap().kill();
+    c.wait_world("fo", 1, S::from_secs(20));
+}
