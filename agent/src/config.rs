@@ -74,11 +74,12 @@ pub struct Cli {
     /// The libtorch the workers load (ductile-worker links libtorch 2.11.0): a libtorch
     /// directory (with lib/libtorch_cpu.so) or a torch/lib directory. The agent starts
     /// ductile-worker with it first on LD_LIBRARY_PATH; users' programs do not inherit it.
-    #[arg(long, env = "DUCTILE_LIBTORCH")]
+    /// (Its variable is DUCTILE_AGENT_*: DUCTILE_TORCH_PYTHON is the tests' own interpreter.)
+    #[arg(long, env = "DUCTILE_AGENT_LIBTORCH")]
     pub libtorch: Option<PathBuf>,
     /// A Python interpreter whose `torch` package (2.11.0) the workers load, instead of
     /// --libtorch: most GPU nodes have one.
-    #[arg(long, env = "DUCTILE_TORCH_PYTHON")]
+    #[arg(long, env = "DUCTILE_AGENT_TORCH_PYTHON")]
     pub torch_python: Option<PathBuf>,
     /// Preemption notices of the node's cloud: auto (find the cloud once at start; nothing is
     /// probed again off a cloud), aws (IMDSv2: spot instance-action and rebalance
