@@ -549,10 +549,21 @@ impl Agent {
         self.node.preemption = Some(rec.clone());
         if rec.drains {
             tracing::warn!(notice = %line, "draining");
-            // the cloud's deadline, where it is sooner than the drain timeout
-            let left = rec
-                .deadline_ms
-                .map(|d| Duration::from_millis(d.saturating_sub(now_ms())));
+            // the cloud's deadline, where it is sooner than the drain timeout; one already past
+            // by this host's clock (a clock off the cloud's, or a stale notice) cannot be met:
+            // drain_timeout holds then, and the log says so
+            let now = now_ms();
+            let left = match rec.deadline_ms {
+                Some(d) if d > now => Some(Duration::from_millis(d - now)),
+                Some(d) => {
+                    tracing::warn!(
+                        deadline = %ductile_cluster::records::utc(d),
+                        "the notice's deadline has passed by this host's clock: draining within drain_timeout"
+                    );
+                    None
+                }
+                None => None,
+            };
             self.start_drain_within(line, left);
         } else {
             tracing::warn!(notice = %line, "recorded; not draining (spot_rebalance = \"drain\" would)");
