@@ -39,7 +39,27 @@ pub async fn run(cfg: &Config) -> Report {
         }
     }
     match &cfg.worker_user {
-        Some((name, uid, _)) => r.ok("worker_user", format!("jobs run as {name} (uid {uid})")),
+        Some((name, uid, _)) => {
+            // CapEff bits 6 (CAP_SETGID) and 7 (CAP_SETUID): the unit's AmbientCapabilities
+            let eff = std::fs::read_to_string("/proc/self/status")
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("CapEff:"))
+                        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+                })
+                .unwrap_or(0);
+            if eff & (1 << 6 | 1 << 7) == (1 << 6 | 1 << 7) {
+                r.ok("worker_user", format!("jobs run as {name} (uid {uid})"))
+            } else {
+                r.ok(
+                    "worker_user",
+                    format!(
+                        "jobs run as {name} (uid {uid}); this check ran without CAP_SETUID and CAP_SETGID, which the agent's unit gives it (AmbientCapabilities)"
+                    ),
+                )
+            }
+        }
         None => r.ok(
             "worker_user",
             "not set: jobs run as the agent's own user and can read its files (set worker_user)",

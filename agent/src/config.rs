@@ -304,7 +304,9 @@ pub struct Config {
 
 /// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
 /// CAP_SETGID in its effective set).
-fn resolve_worker_user(name: &str) -> anyhow::Result<(String, u32, u32)> {
+/// With `need_caps` false (`--check`, run by hand without the unit's capabilities) the switch
+/// is not required: the check says what it found instead.
+fn resolve_worker_user(name: &str, need_caps: bool) -> anyhow::Result<(String, u32, u32)> {
     let u = nix::unistd::User::from_name(name)
         .map_err(|e| anyhow::anyhow!("invalid worker_user {name:?}: cannot look it up: {e}"))?
         .ok_or_else(|| anyhow::anyhow!("invalid worker_user {name:?}: no such user"))?;
@@ -322,7 +324,7 @@ fn resolve_worker_user(name: &str) -> anyhow::Result<(String, u32, u32)> {
         })
         .unwrap_or(0);
     let current = nix::unistd::geteuid().as_raw();
-    if current != uid && eff & (1 << 6 | 1 << 7) != (1 << 6 | 1 << 7) {
+    if need_caps && current != uid && eff & (1 << 6 | 1 << 7) != (1 << 6 | 1 << 7) {
         anyhow::bail!(
             "invalid worker_user {name:?}: this agent (uid {current}) cannot switch to it: run it as root, or with CAP_SETUID and CAP_SETGID"
         );
@@ -367,6 +369,7 @@ fn default_advertise_host(hostname: &str) -> String {
 
 impl Config {
     pub fn load(cli: Cli) -> anyhow::Result<Config> {
+        let checking = cli.check;
         let (file, etcd_file): (FileConfig, _) =
             ductile_cluster::service::read_service_config(cli.config.as_deref())
                 .map_err(|e| anyhow::anyhow!(e))?;
@@ -447,7 +450,7 @@ impl Config {
             ),
         };
         let worker_user = match cli.worker_user.or(file.worker_user) {
-            Some(name) => Some(resolve_worker_user(&name)?),
+            Some(name) => Some(resolve_worker_user(&name, !checking)?),
             None => None,
         };
         let cfg = Config {
