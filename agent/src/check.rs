@@ -40,16 +40,7 @@ pub async fn run(cfg: &Config) -> Report {
     }
     match &cfg.worker_user {
         Some((name, uid, _)) => {
-            // CapEff bits 6 (CAP_SETGID) and 7 (CAP_SETUID): the unit's AmbientCapabilities
-            let eff = std::fs::read_to_string("/proc/self/status")
-                .ok()
-                .and_then(|s| {
-                    s.lines()
-                        .find_map(|l| l.strip_prefix("CapEff:"))
-                        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-                })
-                .unwrap_or(0);
-            if eff & (1 << 6 | 1 << 7) == (1 << 6 | 1 << 7) {
+            if crate::config::can_switch_users() {
                 r.ok("worker_user", format!("jobs run as {name} (uid {uid})"))
             } else {
                 r.ok(

@@ -304,6 +304,20 @@ pub struct Config {
 
 /// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
 /// CAP_SETGID in its effective set).
+/// Whether this process holds CAP_SETUID and CAP_SETGID in its effective set (CapEff bits 7
+/// and 6): what the agent's unit gives it to run jobs as worker_user.
+pub fn can_switch_users() -> bool {
+    let eff = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .unwrap_or(0);
+    eff & (1 << 6 | 1 << 7) == (1 << 6 | 1 << 7)
+}
+
 /// With `need_caps` false (`--check`, run by hand without the unit's capabilities) the switch
 /// is not required: the check says what it found instead.
 fn resolve_worker_user(name: &str, need_caps: bool) -> anyhow::Result<(String, u32, u32)> {
@@ -314,17 +328,8 @@ fn resolve_worker_user(name: &str, need_caps: bool) -> anyhow::Result<(String, u
     if uid == 0 {
         anyhow::bail!("invalid worker_user {name:?}: it is root; name an unprivileged user");
     }
-    // CapEff bits 6 (CAP_SETGID) and 7 (CAP_SETUID)
-    let eff = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        .unwrap_or(0);
     let current = nix::unistd::geteuid().as_raw();
-    if need_caps && current != uid && eff & (1 << 6 | 1 << 7) != (1 << 6 | 1 << 7) {
+    if need_caps && current != uid && !can_switch_users() {
         anyhow::bail!(
             "invalid worker_user {name:?}: this agent (uid {current}) cannot switch to it: run it as root, or with CAP_SETUID and CAP_SETGID"
         );
