@@ -39,7 +39,8 @@ export DCTL_ENDPOINT="http://127.0.0.1:$api_port" DCTL_TOKEN="$(cat "$work/token
 say "starting ductiled on $DCTL_ENDPOINT"
 "$bin/ductiled" --etcd "$etcd_url" --listen "127.0.0.1:$api_port" --token-file "$work/token" --read-token-file "$work/read-token" --insecure-http --election-ttl 3 >"$work/daemon.log" 2>&1 &
 pids+=($!)
-until curl -sf "$DCTL_ENDPOINT/healthz" >/dev/null; do sleep 0.1; done
+for i in $(seq 1 300); do curl -sf "$DCTL_ENDPOINT/readyz" >/dev/null && break; sleep 0.1; done
+curl -sf "$DCTL_ENDPOINT/readyz" >/dev/null || { echo "quickstart: ductiled did not become ready within 30 s; its log ($work/daemon.log):" >&2; tail -20 "$work/daemon.log" >&2; exit 1; }
 dashboard="$DCTL_ENDPOINT/#token=$(cat "$work/read-token")"
 say "the dashboard (live curves, generations, members, nodes; read-only token): $dashboard"
 

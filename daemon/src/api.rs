@@ -116,6 +116,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/", get(dashboard))
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .merge(authed)
         .with_state(state)
@@ -557,6 +558,13 @@ async fn check_restore_step(url: &str, n: u64, job: &str) -> ApiResult<()> {
             "invalid checkpoint.restore_step: {url} holds no committed checkpoint at step {n} (committed steps: {committed:?}); nothing was submitted"
         ),
     ))
+}
+
+/// Readiness, for a load balancer in front of the replicas and for scripts that start one:
+/// 200 once this replica has read the cluster's state from etcd and etcd answers it, else 503
+/// saying why. `/healthz` says only that the process serves.
+async fn readyz(State(st): State<AppState>) -> ApiResult<&'static str> {
+    current(&st).map(|_| "ready\n")
 }
 
 /// The replica's view if it is current, else a 503 that says why.

@@ -1499,11 +1499,11 @@ impl Cluster {
             (Some(pki), true) => Command::new("curl")
                 .args(["-sf", "-o", "/dev/null", "--max-time", "5", "--cacert"])
                 .arg(pki.join("ca.pem"))
-                .arg(format!("https://127.0.0.1:{port}/healthz"))
+                .arg(format!("https://127.0.0.1:{port}/readyz"))
                 .status()
                 .is_ok_and(|s| s.success()),
             _ => {
-                http("GET", &format!("http://127.0.0.1:{port}/healthz"), &[], b"")
+                http("GET", &format!("http://127.0.0.1:{port}/readyz"), &[], b"")
                     .map(|r| r.0)
                     .ok()
                     == Some(200)
@@ -1512,7 +1512,7 @@ impl Cluster {
         while !healthy() {
             assert!(
                 t0.elapsed() < Duration::from_secs(20),
-                "daemon{i} did not serve:\n{}",
+                "daemon{i} did not become ready (/readyz) within 20 s:\n{}",
                 self.daemons[i].log_tail(30)
             );
             std::thread::sleep(Duration::from_millis(25));

@@ -291,7 +291,19 @@ fn an_agent_keeps_pinging_its_watchdog_while_etcd_hangs_and_its_writes_wait() {
         }
     }
     worst = worst.max(last.elapsed());
+    // the daemon still serves (/healthz) but says it is not ready, and why (/readyz): a load
+    // balancer sends no one to it
+    let api = c.endpoint();
+    let (code, _) = http("GET", &format!("{api}/healthz"), &[], b"").unwrap();
+    assert_eq!(code, 200);
+    let (code, body) = http("GET", &format!("{api}/readyz"), &[], b"").unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("etcd has not answered"), "{body}");
     c.etcd.proc.cont();
+    c.wait_for(S(10), "/readyz 200 once etcd answers again", || {
+        let r = http("GET", &format!("{api}/readyz"), &[], b"").ok()?;
+        (r.0 == 200).then_some(())
+    });
     assert!(pings >= 8, "{pings} pings in 12 s");
     assert!(
         worst < Duration::from_millis(2500),
