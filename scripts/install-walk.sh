@@ -50,7 +50,7 @@ exec_of() { grep '^ExecStart=' "/lib/systemd/system/$1.service" | cut -d= -f2-; 
 # (arrays, not functions: a background function is a subshell, and $! would name the subshell,
 # not the service that a kill must reach)
 as_daemon=(setpriv --reuid ductile --regid ductile --init-groups --)
-as_agent=(setpriv --reuid ductile --regid ductile --init-groups --inh-caps +setuid,+setgid,+kill --ambient-caps +setuid,+setgid,+kill --)
+as_agent=(setpriv --reuid ductile --regid ductile --init-groups --inh-caps +setuid,+setgid,+kill,+chown --ambient-caps +setuid,+setgid,+kill,+chown --)
 read -r -a daemon_cmd <<<"$(exec_of ductile-daemon)"
 read -r -a agent_cmd <<<"$(exec_of ductile-agent)"
 
@@ -80,7 +80,7 @@ dctl nodes || fail "dctl over TLS"
 
 say "6. a job: a GPT on 4 workers, checkpointed"
 LD_LIBRARY_PATH=/opt/libtorch/lib setpriv --reuid ductile-worker --regid ductile-worker --init-groups \
-  /usr/bin/ductile-worker synth-data --kind tokens --out file:///var/lib/ductile/work/tokens.bin --seed 7 --size 100000
+  /usr/bin/ductile-worker synth-data --kind tokens --out file:///var/lib/ductile/jobs/tokens.bin --seed 7 --size 100000
 cat >/root/walk.toml <<'JOB'
 name = "walk"
 min = 1
@@ -90,14 +90,14 @@ desired = 4
 strategy = "data-parallel"
 model = "gpt"
 model_config = { d_model = 32, n_layer = 2, n_head = 4, ctx = 16 }
-dataset = "file:///var/lib/ductile/work/tokens.bin"
+dataset = "file:///var/lib/ductile/jobs/tokens.bin"
 global_batch = 16
 max_steps = 6000
 optimizer = "adamw"
 lr = 3e-3
 seed = 7
 [checkpoint]
-url = "file:///var/lib/ductile/work/walk-ckpt"
+url = "file:///var/lib/ductile/jobs/walk-ckpt"
 interval = 200
 JOB
 dctl submit /root/walk.toml
@@ -121,5 +121,7 @@ wait_until 120 "the job re-formed at world 2 without n2" '"world_size":2'
 dctl events walk | tail -5
 wait_until 600 "the job succeeded" '"state":"Succeeded"'
 dctl status walk
-dctl checkpoints walk | tail -3
+# (the job's files are its own user's, mode 600: a daemon on this host reads its file://
+# checkpoints only where the operator lets its user; with S3 it reads them with its credentials)
+dctl checkpoints walk | tail -3 || echo "(dctl checkpoints: the daemon's user cannot read this job's file:// checkpoints)"
 say "the walk passed: installed, bootstrapped, checked, ran over TLS, survived the leader's and a node's loss"

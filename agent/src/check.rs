@@ -38,8 +38,24 @@ pub async fn run(cfg: &Config) -> Report {
             r.readable(what, p);
         }
     }
-    match &cfg.worker_user {
-        Some((name, uid, _)) => {
+    match (&cfg.job_users, &cfg.worker_user) {
+        (Some(range), _) => {
+            let caps = nix::unistd::geteuid().is_root() || crate::config::has_caps(1 | 1 << 6 | 1 << 7);
+            r.ok(
+                "job_users",
+                format!(
+                    "each job runs as a user of its own, uids {}-{}{}",
+                    range.first,
+                    range.first + range.count - 1,
+                    if caps {
+                        ""
+                    } else {
+                        "; this check ran without CAP_SETUID, CAP_SETGID and CAP_CHOWN, which the agent's unit gives it (AmbientCapabilities)"
+                    }
+                ),
+            )
+        }
+        (None, Some((name, uid, _))) => {
             if crate::config::can_switch_users() {
                 r.ok("worker_user", format!("jobs run as {name} (uid {uid})"))
             } else {
@@ -51,9 +67,9 @@ pub async fn run(cfg: &Config) -> Report {
                 )
             }
         }
-        None => r.ok(
-            "worker_user",
-            "not set: jobs run as the agent's own user and can read its files (set worker_user)",
+        (None, None) => r.ok(
+            "job_users",
+            "not set: jobs run as the agent's own user and can read its files and each other's (set job_users)",
         ),
     }
     for (what, dir) in [("work_root", &cfg.work_root), ("log_dir", &cfg.log_dir)] {

@@ -152,6 +152,26 @@ pub struct Cli {
     /// AWS_* names) is given to that job's programs; the agent's own are never given.
     #[arg(long, env = "DUCTILE_JOB_CREDENTIALS_DIR")]
     pub job_credentials_dir: Option<PathBuf>,
+    /// Programs besides ductile-worker that a default-runtime job may start directly,
+    /// comma-separated (they must also be in allowed_commands); default none.
+    #[arg(long, env = "DUCTILE_DIRECT_COMMANDS", value_delimiter = ',')]
+    pub direct_commands: Option<Vec<String>>,
+    /// Whose S3 credentials ductile-worker (the default runtime) gets: "job" (default: only the
+    /// job's own `job_credentials_dir/JOB.env`) or "node" (this agent's AWS_* variables: a
+    /// fleet whose jobs all may read and write what the node may).
+    #[arg(long, env = "DUCTILE_WORKER_CREDENTIALS")]
+    pub worker_credentials: Option<String>,
+    /// Run each job's processes as a Unix user of its own, from this uid range (FIRST-LAST,
+    /// e.g. 70000-79999: uids no account in /etc/passwd has); needs root or CAP_SETUID,
+    /// CAP_SETGID and CAP_CHOWN. Not with worker_user.
+    #[arg(long, env = "DUCTILE_JOB_USERS")]
+    pub job_users: Option<String>,
+    /// With job_users: the group every job's processes run in (e.g. ductile-worker, which may
+    /// read the node's worker and mesh keys); default each job's own (its uid's number). Jobs
+    /// still cannot reach each other: their files are made mode 600/700 (umask 077) and
+    /// /proc/PID/environ needs the same uid.
+    #[arg(long, env = "DUCTILE_JOB_GROUP")]
+    pub job_group: Option<String>,
     /// The CA (PEM) of the lighthouse replicas' TLS certificates (ductiled
     /// --torchft-tls-cert): torchft jobs' launchers then speak TLS to them.
     #[arg(long, env = "DUCTILE_TORCHFT_CA")]
@@ -216,6 +236,10 @@ pub struct FileConfig {
     pub max_grace_s: Option<u64>,
     pub allowed_env: Option<Vec<String>>,
     pub job_credentials_dir: Option<PathBuf>,
+    pub direct_commands: Option<Vec<String>>,
+    pub worker_credentials: Option<String>,
+    pub job_users: Option<String>,
+    pub job_group: Option<String>,
     pub torchft_ca: Option<PathBuf>,
     pub cgroup: Option<String>,
     pub work_root: Option<PathBuf>,
@@ -269,6 +293,12 @@ pub struct Config {
     pub mesh_tls: Option<[PathBuf; 3]>,
     /// The user workers run as (name, uid, gid), when not the agent's.
     pub worker_user: Option<(String, u32, u32)>,
+    /// The uid range of per-job users (`job_users`), when each job runs as its own.
+    pub job_users: Option<JobUsers>,
+    /// The gid of every job's processes with job_users (`job_group`); None: the uid's number.
+    pub job_group: Option<u32>,
+    /// Whose S3 credentials ductile-worker gets.
+    pub worker_credentials: WorkerCredentials,
     pub node: String,
     pub cpu_slots: u32,
     pub lease_ttl: i64,
@@ -302,11 +332,73 @@ pub struct Config {
     pub log_keep: Duration,
 }
 
-/// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
-/// CAP_SETGID in its effective set).
-/// Whether this process holds CAP_SETUID and CAP_SETGID in its effective set (CapEff bits 7
-/// and 6): what the agent's unit gives it to run jobs as worker_user.
-pub fn can_switch_users() -> bool {
+/// Whose S3 credentials ductile-worker (the default runtime's process) gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerCredentials {
+    /// The job's own (`job_credentials_dir/JOB.env`), none without it.
+    Job,
+    /// The agent's `AWS_*` variables.
+    Node,
+}
+
+impl WorkerCredentials {
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        match s {
+            "job" => Ok(WorkerCredentials::Job),
+            "node" => Ok(WorkerCredentials::Node),
+            _ => anyhow::bail!("invalid worker_credentials {s:?}: \"job\" or \"node\""),
+        }
+    }
+}
+
+/// A range of uids for per-job users: job `n` (its cluster-wide number) runs as
+/// `first + n mod count` where no other job on the node holds that uid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobUsers {
+    pub first: u32,
+    pub count: u32,
+}
+
+impl JobUsers {
+    /// `FIRST-LAST`, refused where it includes root, a system uid (under 1000), `nobody`
+    /// (65534), or a uid that an account in `passwd` (the text of /etc/passwd) has.
+    pub fn parse(s: &str, passwd: &str) -> anyhow::Result<Self> {
+        let bad = |why: String| anyhow::anyhow!("invalid job_users {s:?}: {why}");
+        let (a, b) = s
+            .split_once('-')
+            .ok_or_else(|| bad("give a range FIRST-LAST, e.g. 70000-79999".into()))?;
+        let first: u32 = a.trim().parse().map_err(|e| bad(format!("{a:?}: {e}")))?;
+        let last: u32 = b.trim().parse().map_err(|e| bad(format!("{b:?}: {e}")))?;
+        if first < 1000 || last < first {
+            return Err(bad("FIRST must be at least 1000 and LAST at least FIRST".into()));
+        }
+        if last >= u32::MAX - 1 || (first..=last).contains(&65534) {
+            return Err(bad("it includes nobody (65534) or the invalid uid".into()));
+        }
+        for line in passwd.lines() {
+            let f: Vec<&str> = line.split(':').collect();
+            if let (Some(name), Some(Ok(uid))) = (f.first(), f.get(2).map(|u| u.parse::<u32>())) {
+                if (first..=last).contains(&uid) {
+                    return Err(bad(format!(
+                        "uid {uid} is the account {name:?}'s (/etc/passwd): pick uids no account has"
+                    )));
+                }
+            }
+        }
+        Ok(JobUsers {
+            first,
+            count: last - first + 1,
+        })
+    }
+
+    /// The uid job number `n` prefers.
+    pub fn preferred(&self, n: u64) -> u32 {
+        self.first + (n % self.count as u64) as u32
+    }
+}
+
+/// Whether this process holds every capability of `bits` (CapEff) in its effective set.
+pub fn has_caps(bits: u64) -> bool {
     let eff = std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -315,7 +407,15 @@ pub fn can_switch_users() -> bool {
                 .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
         })
         .unwrap_or(0);
-    eff & (1 << 6 | 1 << 7) == (1 << 6 | 1 << 7)
+    eff & bits == bits
+}
+
+/// `name`'s uid and gid, once this agent is able to switch to them (root, or CAP_SETUID and
+/// CAP_SETGID in its effective set).
+/// Whether this process holds CAP_SETUID and CAP_SETGID in its effective set (CapEff bits 7
+/// and 6): what the agent's unit gives it to run jobs as worker_user.
+pub fn can_switch_users() -> bool {
+    has_caps(1 << 6 | 1 << 7)
 }
 
 /// With `need_caps` false (`--check`, run by hand without the unit's capabilities) the switch
@@ -458,11 +558,53 @@ impl Config {
             Some(name) => Some(resolve_worker_user(&name, !checking)?),
             None => None,
         };
+        let job_users = match cli.job_users.or(file.job_users) {
+            Some(range) => {
+                if worker_user.is_some() {
+                    anyhow::bail!("invalid job_users: give job_users (a user per job) or worker_user (one user for every job), not both");
+                }
+                let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+                let r = JobUsers::parse(&range, &passwd)?;
+                // CAP_CHOWN (bit 0): each job's working directory is made its user's
+                if !checking && !nix::unistd::geteuid().is_root() && !has_caps(1 | 1 << 6 | 1 << 7) {
+                    anyhow::bail!(
+                        "invalid job_users {range:?}: this agent (uid {}) cannot run jobs as users of their own: run it as root, or with CAP_SETUID, CAP_SETGID and CAP_CHOWN (the shipped unit gives them)",
+                        nix::unistd::geteuid()
+                    );
+                }
+                Some(r)
+            }
+            None => None,
+        };
+        let job_group = match cli.job_group.or(file.job_group) {
+            Some(name) => {
+                if job_users.is_none() {
+                    anyhow::bail!("invalid job_group {name:?}: it applies with job_users only");
+                }
+                let g = nix::unistd::Group::from_name(&name)
+                    .map_err(|e| anyhow::anyhow!("invalid job_group {name:?}: cannot look it up: {e}"))?
+                    .ok_or_else(|| anyhow::anyhow!("invalid job_group {name:?}: no such group"))?;
+                if g.gid.as_raw() == 0 {
+                    anyhow::bail!("invalid job_group {name:?}: it is root's group");
+                }
+                Some(g.gid.as_raw())
+            }
+            None => None,
+        };
+        let worker_credentials = WorkerCredentials::parse(
+            cli.worker_credentials
+                .or(file.worker_credentials)
+                .as_deref()
+                .unwrap_or("job"),
+        )?;
         let cfg = Config {
             etcd,
             etcd_worker_client,
             mesh_tls: mesh_tls.clone(),
             worker_user,
+            job_users,
+            job_group,
+            worker_credentials,
             node: cli.node.or(file.node).unwrap_or_else(|| hostname.clone()),
             cpu_slots: cli.cpu_slots.or(file.cpu_slots).unwrap_or(1),
             lease_ttl: cli.lease_ttl.or(file.lease_ttl).unwrap_or(5),
@@ -529,6 +671,10 @@ impl Config {
                         .allowed_env
                         .or(file.allowed_env)
                         .unwrap_or(d.allowed_env),
+                    direct_commands: cli
+                        .direct_commands
+                        .or(file.direct_commands)
+                        .unwrap_or(d.direct_commands),
                 }
             },
             job_credentials_dir: cli.job_credentials_dir.or(file.job_credentials_dir),

@@ -14,6 +14,7 @@ pub mod joblog;
 pub mod libtorch;
 pub mod preempt;
 pub mod secrets;
+pub mod workdir;
 pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
@@ -98,6 +99,35 @@ pub struct Agent {
     spawned: u64,
     /// The cloud's events to acknowledge once drained (Azure's `StartRequests`).
     preemption_ack: Option<preempt::Ack>,
+    /// Each job's uid on this node (`job_users`), held while its directory is here.
+    job_uids: BTreeMap<String, u32>,
+    /// The jobs whose private directory (`work_root/JOB`) this agent made.
+    work_dirs: std::collections::BTreeSet<String>,
+    /// Whether the assignments have been read once, and `work_root` swept of what no job here
+    /// owns (an earlier agent's leftovers).
+    jobs_seen: bool,
+    work_swept: bool,
+    /// A number for each directory moved aside for removal.
+    removed: u64,
+}
+
+/// What of the agent's environment ductile-worker (the default runtime's process) is given,
+/// beside what every job's process inherits ([`secrets::inherited`]): the node's settings for
+/// ductile's own code, which load nothing of a job's choosing.
+fn worker_node_setting(k: &str) -> bool {
+    [
+        "DUCTILE_HF_FIXTURES",
+        "DUCTILE_SMOLLM2",
+        "DUCTILE_TORCH_PYTHON",
+        "DUCTILE_NCCL_LIB",
+        "DUCTILE_LEDGER_DIR",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+    ]
+    .contains(&k)
+        || ["DUCTILE_COMM_", "DUCTILE_DATA_"]
+            .iter()
+            .any(|p| k.starts_with(p))
 }
 
 fn describe_exit(code: Option<i32>, signal: Option<i32>, last_words: Option<&str>) -> String {
@@ -194,7 +224,18 @@ impl Agent {
             log_requests_seen: Default::default(),
             spawned: 0,
             preemption_ack: None,
+            job_uids: BTreeMap::new(),
+            work_dirs: Default::default(),
+            jobs_seen: false,
+            work_swept: false,
+            removed: 0,
         };
+        match workdir::prepare_root(&cfg.work_root) {
+            // a fresh work root has nothing of an earlier agent's to sweep
+            Ok(false) => agent.work_swept = true,
+            Ok(true) => {}
+            Err(why) => anyhow::bail!("invalid work_root: {why}"),
+        }
         claim_node(&store, &agent.node, keeper.current().id, cfg.lease_ttl).await?;
         agent.register();
         tracing::info!(node = %agent.node.name, slots = agent.node.slots(), lease = format!("{:x}", agent.lease.id), "node registered");
@@ -403,6 +444,7 @@ impl Agent {
             }
         }
         self.jobs = jobs;
+        self.jobs_seen = true;
         if !self.node.refused_running.is_empty() {
             let before = self.node.refused_running.len();
             let jobs = &self.jobs;
@@ -488,6 +530,7 @@ impl Agent {
             gpu_slots_per_device,
             lease_ttl,
             worker_user,
+            job_users,
             cgroup,
             work_root,
             log_dir,
@@ -506,6 +549,7 @@ impl Agent {
         cfg.mesh_tls = new.mesh_tls;
         cfg.policy.mesh_tls = cfg.mesh_tls.is_some();
         cfg.job_credentials_dir = new.job_credentials_dir;
+        cfg.worker_credentials = new.worker_credentials;
         cfg.torchft_ca = new.torchft_ca;
         cfg.restart_backoff = new.restart_backoff;
         cfg.stop_grace = new.stop_grace;
@@ -690,6 +734,101 @@ impl Agent {
                 self.spawn(key, &j, rank);
             }
         }
+        self.tidy_work_dirs();
+    }
+
+    /// The identity job `job` (cluster-wide number `number`) runs as on this node: its own
+    /// uid from `job_users` (the one its number prefers unless another job here holds it),
+    /// or `worker_user`, or None (the agent's own). (uid, gid, name)
+    fn job_identity(&mut self, job: &str, number: u64) -> Option<(u32, u32, String)> {
+        if let Some(r) = self.cfg.job_users {
+            let uid = match self.job_uids.get(job) {
+                Some(u) => *u,
+                None => {
+                    let n = if number > 0 {
+                        number
+                    } else {
+                        // an older leader's view: a stable number from the name
+                        job.bytes()
+                            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+                            })
+                    };
+                    let held: std::collections::BTreeSet<u32> =
+                        self.job_uids.values().copied().collect();
+                    let start = r.preferred(n) - r.first;
+                    let free = (0..r.count)
+                        .map(|i| r.first + (start + i) % r.count)
+                        .find(|u| !held.contains(u))?;
+                    if free != r.first + start {
+                        tracing::info!(%job, uid = free, preferred = r.first + start, "the job's preferred uid is another job's here: it runs as the next free one");
+                    }
+                    self.job_uids.insert(job.to_string(), free);
+                    free
+                }
+            };
+            let gid = self.cfg.job_group.unwrap_or(uid);
+            return Some((uid, gid, format!("ductile-job-{uid}")));
+        }
+        self.cfg
+            .worker_user
+            .as_ref()
+            .map(|(name, uid, gid)| (*uid, *gid, name.clone()))
+    }
+
+    /// Removes the private directories of jobs with no slot and no process here any more
+    /// (moved aside at once, deleted off the event loop); the first time, also what an earlier
+    /// agent left under `work_root`.
+    fn tidy_work_dirs(&mut self) {
+        if !self.jobs_seen {
+            return;
+        }
+        let active = |me: &Self, job: &str| {
+            me.jobs.contains_key(job) || me.children.keys().any(|(j, _)| j == job)
+        };
+        let mut gone: Vec<String> = self
+            .work_dirs
+            .iter()
+            .filter(|j| !active(self, j))
+            .cloned()
+            .collect();
+        if !self.work_swept {
+            self.work_swept = true;
+            if let Ok(rd) = std::fs::read_dir(&self.cfg.work_root) {
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().to_string();
+                    // an earlier agent's job directories (only directories: the marker and
+                    // anything else stay)
+                    let dir = e.file_type().is_ok_and(|t| t.is_dir());
+                    if dir && (name.starts_with(".gone-") || !active(self, &name)) {
+                        gone.push(name);
+                    }
+                }
+            }
+        }
+        for job in gone {
+            self.work_dirs.remove(&job);
+            self.job_uids.remove(&job);
+            let root = self.cfg.work_root.clone();
+            let aside = if job.starts_with(".gone-") {
+                job.clone()
+            } else {
+                self.removed += 1;
+                let aside = format!(".gone-{job}-{}-{}", std::process::id(), self.removed);
+                if let Err(e) = std::fs::rename(root.join(&job), root.join(&aside)) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!(%job, error = %e, "cannot move the job's directory aside for removal");
+                    }
+                    continue;
+                }
+                aside
+            };
+            tokio::task::spawn_blocking(move || {
+                if let Err(why) = workdir::remove(&root, &aside) {
+                    tracing::warn!(dir = %aside, %why, "cannot remove an ended job's directory");
+                }
+            });
+        }
     }
 
     /// Kills what a launcher that died left of its program's processes (re-parented here:
@@ -839,7 +978,7 @@ impl Agent {
             self.fail_for_good(key, j.generation, exit);
             return;
         }
-        let dev = &self.node.devices[key.1 as usize];
+        let dev = self.node.devices[key.1 as usize].clone();
         let own_dir = std::env::current_exe()
             .ok()
             .and_then(|p| p.parent().map(|d| d.to_path_buf()));
@@ -860,11 +999,63 @@ impl Agent {
             c.args(&spec.command[1..]);
             c
         };
-        if torchrun {
-            // a user's program runs under the launcher: it inherits nothing of the agent's
-            // but locale, paths and the node's NCCL/CUDA settings (no credentials)
-            cmd.env_clear()
-                .envs(std::env::vars().filter(|(k, _)| secrets::inherited(k)));
+        // every process of a job starts from a built environment, never the agent's: locale,
+        // paths and the node's NCCL/CUDA settings (no credentials); ductile-worker as the
+        // job's worker also the node's settings for ductile's own code, and S3 credentials
+        // as `worker_credentials` says
+        let worker_itself = !torchrun
+            && std::path::Path::new(&spec.command[0])
+                .file_name()
+                .is_some_and(|n| n == "ductile-worker");
+        cmd.env_clear()
+            .envs(std::env::vars().filter(|(k, _)| secrets::inherited(k)));
+        if worker_itself {
+            cmd.envs(std::env::vars().filter(|(k, _)| worker_node_setting(k)));
+            match self.cfg.worker_credentials {
+                config::WorkerCredentials::Node => {
+                    cmd.envs(std::env::vars().filter(|(k, _)| k.starts_with("AWS_")));
+                }
+                config::WorkerCredentials::Job => {
+                    if let Some(dir) = &self.cfg.job_credentials_dir {
+                        match secrets::job_credentials(dir, &key.0) {
+                            Ok(c) => {
+                                cmd.envs(c);
+                            }
+                            Err(why) => {
+                                tracing::error!(job = %key.0, slot = key.1, %why, "the job's credentials file is unusable");
+                                let exit =
+                                    format!("agent {}: job credentials: {why}", self.node.name);
+                                self.fail_for_good(key, j.generation, exit);
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // the job's identity on this node, and its private directory (HOME, and the working
+        // directory of a process the job runs directly)
+        let identity = self.job_identity(&key.0, j.job_number);
+        let home = match workdir::make(
+            &self.cfg.work_root,
+            &key.0,
+            identity.as_ref().map(|(u, g, _)| (*u, *g)),
+        ) {
+            Ok(d) => d,
+            Err(why) => {
+                tracing::error!(job = %key.0, slot = key.1, %why, "cannot make the job's directory");
+                let exit = format!("agent {}: the job's directory: {why}", self.node.name);
+                self.fail_for_good(key, j.generation, exit);
+                return;
+            }
+        };
+        self.work_dirs.insert(key.0.clone());
+        cmd.env("HOME", &home);
+        if let Some((_, _, name)) = &identity {
+            cmd.env("USER", name).env("LOGNAME", name);
+        }
+        if !torchrun {
+            cmd.current_dir(&home).env("TMPDIR", &home);
         }
         cmd.envs(&spec.env);
         // `ductile-worker` resolves next to the agent first.
@@ -1008,7 +1199,8 @@ impl Agent {
                 None => cmd.env_remove(name),
             };
         }
-        if let Some((_, uid, gid)) = &self.cfg.worker_user {
+        let private = self.cfg.job_users.is_some();
+        if let Some((uid, gid, _)) = &identity {
             // std drops the supplementary groups when it switches from root
             cmd.uid(*uid).gid(*gid);
         }
@@ -1047,6 +1239,10 @@ impl Agent {
         // process group of its own, so stopping it reaches its children too.
         unsafe {
             cmd.pre_exec(move || {
+                // a job with a user of its own makes files only it can read, by default
+                if private {
+                    nix::libc::umask(0o077);
+                }
                 // capabilities the agent holds in its ambient set (to switch users) do not
                 // pass to a job's code
                 nix::libc::prctl(

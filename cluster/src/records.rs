@@ -190,6 +190,12 @@ pub struct AgentPolicy {
     /// `allowed_env`); `DUCTILE_*` stays reserved whatever it says.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_env: Vec<String>,
+    /// Programs besides `ductile-worker` that a job of the default runtime may start directly
+    /// (with the built environment of every job's process, no launcher), for an operator's
+    /// smoke tests (`sleep`, `nvidia-smi`); empty (the default): `ductile-worker` only. They
+    /// must also be in `allowed_commands`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub direct_commands: Vec<String>,
 }
 
 impl Default for AgentPolicy {
@@ -203,6 +209,7 @@ impl Default for AgentPolicy {
             allowed_code_paths: Vec::new(),
             max_grace_s: AgentPolicy::default_max_grace_s(),
             allowed_env: Vec::new(),
+            direct_commands: Vec::new(),
         }
     }
 }
@@ -317,6 +324,53 @@ fn env_listed(list: &[String], name: &str) -> bool {
         Some(prefix) => name.starts_with(prefix),
         None => p == name,
     })
+}
+
+/// Environment names that make a process load code or libraries of the setter's choosing:
+/// never settable by a job, whatever the agent's `allowed_env` says (exact names).
+pub const JOB_ENV_NEVER: &[&str] = &[
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONUSERBASE",
+    "PYTHONBREAKPOINT",
+    "PYTHONWARNINGS",
+    "PYTHONPLATLIBDIR",
+    "PYTHONEXECUTABLE",
+    "PYTHONSAFEPATH",
+    "PYTHONNOUSERSITE",
+    "PYTHONINSPECT",
+    "BASH_ENV",
+    "ENV",
+    "PERL5LIB",
+    "PERL5OPT",
+    "RUBYLIB",
+    "RUBYOPT",
+    "NODE_OPTIONS",
+    "NODE_PATH",
+    "GCONV_PATH",
+    "OPENSSL_CONF",
+    "OPENSSL_ENGINES",
+    "OPENSSL_MODULES",
+    "CUDA_INJECTION64_PATH",
+    "NCCL_NET",
+    "TRITON_LIBCUDA_PATH",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "PATH",
+    "HOME",
+];
+
+/// Whether a job may never set `name` (see [`JOB_ENV_NEVER`]): also the dynamic loader's
+/// `LD_*` (and macOS's `DYLD_*`), any `*PLUGIN*` (NCCL's net, tuner and profiler plugins load
+/// a library), and any `*_LIBRARY_PATH`.
+pub fn env_never_allowed(name: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    JOB_ENV_NEVER.contains(&upper.as_str())
+        || upper.starts_with("LD_")
+        || upper.starts_with("DYLD_")
+        || upper.contains("PLUGIN")
+        || upper.ends_with("_LIBRARY_PATH")
 }
 
 /// Whether `program` (a job's command[0]) is ductile's worker.
@@ -564,6 +618,21 @@ impl AgentPolicy {
                 ),
             ));
         }
+        if !any_command && spec.runtime.is_ductile() && !is_worker(program) {
+            // a program of the job's own runs under a launcher (torchrun, torchft, tf,
+            // horovod), which gives it a private HOME and its credentials by pipe; directly,
+            // only what the operator listed for that
+            let direct = |c: &String| c == program;
+            if !self.direct_commands.iter().any(direct) {
+                return Err((
+                    "command".into(),
+                    format!(
+                        "the default runtime runs ductile-worker; {program:?} is not in the agent's direct_commands {:?} (a program of the job's own runs with runtime = \"torchrun\", \"torchft\", \"tf\" or \"horovod\")",
+                        self.direct_commands
+                    ),
+                ));
+            }
+        }
         if !any_command {
             // the worker runs as a job's worker only: its other subcommands (synth-data) write
             // where they are told, past every allow-list
@@ -581,6 +650,12 @@ impl AgentPolicy {
                     && (k == "DUCTILE_SLOWDOWN" || k.starts_with("DUCTILE_FAULT_"))
             };
             for (k, v) in &spec.env {
+                if env_never_allowed(k) && !injection(k) {
+                    return Err((
+                        format!("env.{k}"),
+                        format!("{k} makes a process load code or a library of the setter's choosing: no job may set it, whatever the agent's allowed_env says"),
+                    ));
+                }
                 if JOB_ENV_PATHS.contains(&k.as_str()) {
                     self.check_location(&format!("env.{k}"), v)?;
                     continue;
@@ -591,12 +666,7 @@ impl AgentPolicy {
                 {
                     continue;
                 }
-                let why = if k.starts_with("LD_") {
-                    "the dynamic loader's variables would run other code inside an allowed command"
-                        .to_string()
-                } else {
-                    format!("{k} is not among the names a job may set while allowed_commands is restricted (README: \"A job's environment\"; the operator may add names with the agent's allowed_env)")
-                };
+                let why = format!("{k} is not among the names a job may set while allowed_commands is restricted (README: \"A job's environment\"; the operator may add names with the agent's allowed_env)");
                 return Err((format!("env.{k}"), why));
             }
             for (i, arg) in args.iter().enumerate() {
@@ -2855,6 +2925,11 @@ pub struct NodeAssignment {
     /// The etcd user the job's workers connect as (absent while etcd has no auth).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub access: Option<JobAccess>,
+    /// A number unique to this job in the cluster for its life (the etcd revision that
+    /// created its spec): agents with `job_users` derive the job's Unix identity from it, so
+    /// that a job has the same uid on every node and across restarts. 0 from an older leader.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub job_number: u64,
 }
 
 /// The etcd user a job's workers connect as, made by the leader when etcd has auth on: its
@@ -4294,6 +4369,7 @@ mod policy_tests {
         );
         let sleeper = AgentPolicy {
             allowed_commands: vec!["sleep".into()],
+            direct_commands: vec!["sleep".into()],
             allowed_s3_prefixes: vec!["s3://ok/jobs".into()],
             ..AgentPolicy::default()
         };
@@ -4336,5 +4412,55 @@ mod policy_tests {
             Ok(())
         );
         assert_eq!(open.check(&train("file:///etc/x")), Ok(()));
+    }
+
+    /// Issue 66's tenant: an agent that allows a Python for torchrun jobs does not run it as a
+    /// default-runtime job (no launcher: no private HOME, no credentials by pipe), and no
+    /// operator's allowed_env lets a job set what loads code.
+    #[test]
+    fn the_default_runtime_runs_the_worker_and_code_loading_names_are_never_allowed() {
+        let p = AgentPolicy {
+            allowed_commands: vec!["/usr/bin/python3".into(), "ductile-worker".into()],
+            allowed_env: vec!["*".into(), "LD_*".into(), "NCCL_NET_PLUGIN".into()],
+            ..AgentPolicy::default()
+        };
+        let (field, why) = p
+            .check(&spec("command = [\"/usr/bin/python3\", \"-c\", \"import os\"]\n"))
+            .unwrap_err();
+        assert_eq!(field, "command");
+        assert!(why.contains("direct_commands") && why.contains("torchrun"), "{why}");
+        // the same interpreter under a launcher is the torchrun checks' business
+        let (field, why) = p
+            .check(&spec(
+                "runtime = \"torchrun\"\ncommand = [\"/usr/bin/python3\", \"-c\", \"import os\"]\n",
+            ))
+            .unwrap_err();
+        assert_eq!(field, "command[1]", "{why}");
+        assert!(why.contains("inline Python"), "{why}");
+        assert_eq!(p.check(&spec("command = [\"ductile-worker\"]\n")), Ok(()));
+        for k in [
+            "LD_PRELOAD",
+            "LD_AUDIT",
+            "NCCL_NET_PLUGIN",
+            "NCCL_TUNER_PLUGIN",
+            "NCCL_PROFILER_PLUGIN",
+            "PYTHONPATH",
+            "PYTHONSTARTUP",
+            "BASH_ENV",
+            "CUDA_INJECTION64_PATH",
+            "CUDA_LIBRARY_PATH",
+            "PATH",
+        ] {
+            let (field, why) = p
+                .check(&spec(&format!("command = [\"ductile-worker\"]\nenv = {{ {k} = \"/tmp/x.so\" }}\n")))
+                .unwrap_err();
+            assert_eq!(field, format!("env.{k}"));
+            assert!(why.contains("no job may set it"), "{k}: {why}");
+        }
+        // what allowed_env adds that loads nothing still passes
+        assert_eq!(
+            p.check(&spec("command = [\"ductile-worker\"]\nenv = { ACME_LEVEL = \"3\" }\n")),
+            Ok(())
+        );
     }
 }

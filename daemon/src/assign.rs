@@ -61,6 +61,7 @@ pub fn node_assignments(
                 excluded,
                 restarts_used: obs.restarts_used,
                 access: obs.access.clone(),
+                job_number: obs.spec_created.max(0) as u64,
             };
             out.insert((node.to_string(), name.clone()), view);
         }

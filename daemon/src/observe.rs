@@ -80,6 +80,7 @@ pub fn control_from_kvs<'a>(
                 let o = jobs.entry(job).or_default();
                 o.spec = decoded(kv, "job spec");
                 o.spec_revision = kv.mod_revision;
+                o.spec_created = kv.create_revision;
             }
             KeyKind::JobStatus { job } => {
                 let o = jobs.entry(job).or_default();

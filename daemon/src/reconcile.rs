@@ -13,6 +13,10 @@ use ductile_cluster::records::*;
 pub struct JobObs {
     pub spec: Option<JobSpec>,
     pub spec_revision: Revision,
+    /// The etcd revision that created the job's spec: unique to this job in the cluster for
+    /// its life (a job submitted again under the name is a new one), the number agents derive
+    /// its Unix identity from (`job_users`).
+    pub spec_created: Revision,
     pub status: Option<JobStatus>,
     pub status_revision: Revision,
     /// The highest generation number ever published for this job name.

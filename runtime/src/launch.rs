@@ -100,21 +100,33 @@ macro_rules! run_main {
     () => {
         r#"if _argv[0] == "-m":
     sys.argv = [_argv[1]] + _argv[2:]
-    sys.path[0] = os.getcwd()
+    sys.path.insert(0, os.getcwd())
     runpy.run_module(_argv[1], run_name="__main__", alter_sys=True)
 else:
     sys.argv = _argv
-    sys.path[0] = os.path.dirname(os.path.abspath(_argv[0]))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(_argv[0])))
     runpy.run_path(_argv[0], run_name="__main__")
 "#
+    };
+}
+
+/// The first lines of [`STANDBY`] and [`BOOT`], before anything is imported: `python -c`
+/// puts the working directory (`''`) first on `sys.path`, so a `json.py` or `runpy.py` left
+/// there would be imported in place of the standard library's. Taken off (what CPython 3.11's
+/// `-P` does; `sys` is built in and searched for nowhere); [`run_main`] then puts the script's
+/// directory first, as `python3 script.py` does.
+macro_rules! safe_path {
+    () => {
+        "import sys\nif sys.path and sys.path[0] in ('', '.'):\n    del sys.path[0]\n"
     };
 }
 
 /// What the standby interpreter runs: import what a PyTorch program imports, then wait on stdin
 /// for the generation's environment and arguments, and run the program as `python3` would.
 const STANDBY: &str = concat!(
+    safe_path!(),
     r#"
-import importlib, json, os, runpy, sys
+import importlib, json, os, runpy
 for _m in os.environ.pop("DUCTILE_PRELOAD", "").split(","):
     if _m:
         try:
@@ -164,8 +176,9 @@ fn job_workdir(settings: &TorchrunSpec, job: &str) -> anyhow::Result<PathBuf> {
 /// What a program with `[torchrun] integrations` runs when it starts afresh: the integrations
 /// installed (`ductile.integrations`), then the script or module, as `python3` would run it.
 const BOOT: &str = concat!(
+    safe_path!(),
     r#"
-import os, runpy, sys
+import os, runpy
 import ductile.integrations
 ductile.integrations.install()
 _argv = sys.argv[1:]
@@ -1888,6 +1901,55 @@ mod tests {
         );
         assert_eq!(error_file_message("not json"), None);
         assert_eq!(error_file_message(r#"{"message": ""}"#), None);
+    }
+
+    #[test]
+    fn the_standby_imports_nothing_from_the_working_directory_and_runs_as_python_does() {
+        // the tenant's plant (issue 66): modules named as the standard library's, in the
+        // directory the standby interpreter starts in
+        let dir = std::env::temp_dir().join(format!("ductile-safe-path-{}", std::process::id()));
+        let code = dir.join("code");
+        std::fs::create_dir_all(&code).unwrap();
+        for m in ["json", "runpy", "importlib"] {
+            std::fs::write(
+                dir.join(format!("{m}.py")),
+                "import sys\nsys.stderr.write('PLANTED\\n')\nsys.exit(3)\n",
+            )
+            .unwrap();
+        }
+        std::fs::write(code.join("helper.py"), "OK = 'helper ok'\n").unwrap();
+        std::fs::write(
+            code.join("prog.py"),
+            "import sys, helper\nprint(sys.path[0])\nprint(helper.OK)\n",
+        )
+        .unwrap();
+        let mut child = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(STANDBY)
+            .current_dir(&dir)
+            .env_remove("PYTHONPATH")
+            .env("DUCTILE_PRELOAD", "")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        let req = serde_json::json!({"env": {}, "argv": [code.join("prog.py")]});
+        writeln!(child.stdin.take().unwrap(), "{req}").unwrap();
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{stdout}{stderr}");
+        assert!(!stderr.contains("PLANTED"), "{stderr}");
+        // the script's directory first, as `python3 prog.py` puts it
+        let mut lines = stdout.lines();
+        assert_eq!(lines.next(), Some(code.to_str().unwrap()));
+        assert_eq!(lines.next(), Some("helper ok"));
+        assert!(BOOT.starts_with(safe_path!()));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -1601,6 +1601,15 @@ impl Cluster {
         let policy_from_file = extra.contains(&"--config");
         if !extra.contains(&"--allowed-commands") && !policy_from_file {
             args.extend(["--allowed-commands".into(), "ductile-worker,sleep".into()]);
+            // the control-plane tests' stand-in worker runs directly, as a default-runtime job
+            if !extra.contains(&"--direct-commands") {
+                args.extend(["--direct-commands".into(), "sleep".into()]);
+            }
+        }
+        // the lab's workers read and write the tests' S3 server with the node's credentials
+        // (set in this process's environment or the spec's); tenancy tests give each job its own
+        if !extra.contains(&"--worker-credentials") && !policy_from_file {
+            args.extend(["--worker-credentials".into(), "node".into()]);
         }
         if !extra.contains(&"--allowed-paths") && !policy_from_file {
             // and the models set-up made, which jobs name as their model_path

@@ -121,7 +121,8 @@ fn example_configs_are_accepted() {
     let shipped = std::fs::read_to_string(root().join("systemd/agent.toml")).unwrap();
     // secure by default: jobs run as their own user, only ductile-worker runs, notices are read
     for line in [
-        "worker_user = \"ductile-worker\"",
+        "job_users = \"70000-79999\"",
+        "job_group = \"ductile-worker\"",
         "allowed_commands = [\"ductile-worker\"]",
         "spot_notice = \"auto\"",
     ] {
@@ -130,9 +131,9 @@ fn example_configs_are_accepted() {
             "agent.toml lacks {line}"
         );
     }
-    // (this machine has no ductile-worker user: the package makes it)
+    // (this machine has no ductile-worker group: the package makes it)
     let agent_cfg = shipped
-        .replace("worker_user = \"ductile-worker\"", "# worker_user")
+        .replace("job_group = \"ductile-worker\"", "# job_group")
         .replace("/etc/ductile/etcd", pki.to_str().unwrap());
     let a = dir.path().join("agent.toml");
     std::fs::write(&a, &agent_cfg).unwrap();
@@ -360,9 +361,12 @@ fn ductile_admin_init_makes_a_cluster_that_runs_a_job_over_tls() {
         moved("n1", "etc/ductile/agent.toml")
             // this machine has no ductile-worker user (the package makes it), and its tests'
             // agents never probe a cloud
-            .replace("worker_user = \"ductile-worker\"", "# worker_user")
+            // this build's binaries and libtorch lie under root's home (mode 700), where a
+            // job's own user could not run them: the test's jobs run as the agent's user
+            .replace("job_users = \"70000-79999\"", "# job_users")
+            .replace("job_group = \"ductile-worker\"", "# job_group")
             .replace(
-                "allowed_paths = [\"/var/lib/ductile\"]",
+                "allowed_paths = [\"/var/lib/ductile/jobs\"]",
                 &format!("allowed_paths = [\"{tmp}\"]"),
             )
             .replace("spot_notice = \"auto\"", "spot_notice = \"off\""),
@@ -376,7 +380,7 @@ fn ductile_admin_init_makes_a_cluster_that_runs_a_job_over_tls() {
         "--cpu-slots",
         "2",
         "--work-root",
-        &format!("{tmp}"),
+        dir.path().join("work").to_str().unwrap(),
         "--log-dir",
         dir.path().join("logs").to_str().unwrap(),
     ]

@@ -381,3 +381,234 @@ fn a_hostile_tenant_is_refused_or_contained() {
     );
     assert!(!d.join("l.json").exists(), "nothing of it ran");
 }
+
+/// What a tenant's program on a shared node tries (issue 66): whose environment it can read,
+/// whether it can list the work root or open another job's directory, and who it runs as.
+const PEEK: &str = r#"
+import json, os, sys, time
+out, other = sys.argv[1], sys.argv[2]
+me = os.getuid()
+readable, secret = [], False
+for p in os.listdir("/proc"):
+    if not p.isdigit():
+        continue
+    try:
+        with open(f"/proc/{p}/environ", "rb") as f:
+            data = f.read().decode(errors="replace")
+        with open(f"/proc/{p}/status") as f:
+            uid = int(next(l for l in f if l.startswith("Uid:")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        continue
+    readable.append(uid)
+    secret = secret or "node-secret" in data
+work = os.path.dirname(os.getcwd())
+# the other job's directory: reachable by name (the work root is 711), once it is there
+for _ in range(600):
+    if os.path.exists(os.path.join(work, other)):
+        break
+    time.sleep(0.1)
+def tried(f):
+    try:
+        f()
+        return "ok"
+    except OSError as e:
+        return type(e).__name__
+with open("mine.txt", "w") as f:
+    f.write("the job's own file")
+seen = {
+    "uid": me,
+    "cwd": os.getcwd(),
+    "readable_uids": sorted(set(readable)),
+    "secret_seen": secret or "node-secret" in json.dumps(dict(os.environ)),
+    "list_work_root": tried(lambda: os.listdir(work)),
+    "list_other": tried(lambda: os.listdir(os.path.join(work, other))),
+    "plant_other": tried(lambda: open(os.path.join(work, other, "json.py"), "w").close()),
+    "plant_root": tried(lambda: os.symlink("/etc", os.path.join(work, other + "-x"))),
+}
+with open(out + ".tmp", "w") as f:
+    json.dump(seen, f)
+os.rename(out + ".tmp", out)
+time.sleep(600)
+"#;
+
+/// A directory every uid may traverse and read (mode 755) holding hard links to this build's
+/// agent, worker and daemon and to libtorch's libraries: the build's own directory is under
+/// root's home (mode 700), where a job's user cannot run the launcher from.
+fn reachable_build(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let bins = dir.join("bin");
+    let libs = dir.join("lib");
+    for d in [dir, bins.as_path(), libs.as_path()] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let link = |from: &Path, to: &Path| {
+        if std::fs::hard_link(from, to).is_err() {
+            std::fs::copy(from, to).unwrap();
+        }
+    };
+    for b in ["ductile-agent", "ductile-worker", "ductiled"] {
+        link(&bin(b), &bins.join(b));
+    }
+    let libtorch = std::env::var("LIBTORCH").map(std::path::PathBuf::from).ok();
+    if let Some(lib) = libtorch.map(|l| l.join("lib")).filter(|l| l.is_dir()) {
+        for e in std::fs::read_dir(&lib).unwrap().flatten() {
+            if e.path().is_file() {
+                link(&e.path(), &libs.join(e.file_name()));
+            }
+        }
+    }
+    (bins, libs)
+}
+
+#[test]
+fn jobs_on_one_node_run_as_users_of_their_own_and_see_nothing_of_each_other_or_the_node() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "this test starts an agent that runs jobs as users of their own: it needs root (CI runs as root)"
+    );
+    let python = "/usr/bin/python3".to_string();
+    let dir = TempDir::new_in(Path::new("/var/tmp"), "tenancy-users");
+    let d = dir.path().canonicalize().unwrap();
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (bins, libs) = reachable_build(&d.join("build"));
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        bin_dir: Some(bins.clone()),
+        agent_env: vec![
+            ("AWS_SECRET_ACCESS_KEY".into(), "node-secret".into()),
+            ("AWS_ACCESS_KEY_ID".into(), "node-key".into()),
+            ("LD_LIBRARY_PATH".into(), libs.display().to_string()),
+        ],
+        ..Spec::default()
+    });
+    let code = d.join("code");
+    let outs = d.join("outs");
+    for x in [&code, &outs] {
+        std::fs::create_dir_all(x).unwrap();
+    }
+    // where the programs report: any job's user may write there (the sticky /tmp's mode)
+    std::fs::set_permissions(&code, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&outs, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let peek = code.join("peek.py");
+    std::fs::write(&peek, PEEK).unwrap();
+    std::fs::set_permissions(&peek, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let work = d.join("work");
+    c.start_agent(
+        "node1",
+        3,
+        &[
+            "--job-users",
+            "70000-70099",
+            "--allowed-commands",
+            &format!("{python},ductile-worker"),
+            "--allowed-paths",
+            &d.display().to_string(),
+            "--worker-credentials",
+            "job",
+            "--work-root",
+            &work.display().to_string(),
+            "--libtorch",
+            &libs.display().to_string(),
+        ],
+    );
+    c.wait_for(S(30), "node1 registered", || {
+        c.dctl_ok(&["nodes"]).contains("node1").then_some(())
+    });
+    // the issue's first try: the node's Python as a default-runtime job, refused at submit
+    let inline = d.join("inline.toml");
+    std::fs::write(
+        &inline,
+        format!("name = \"inline\"\nmin = 1\nmax = 1\ndesired = 1\ncommand = [\"{python}\", \"-c\", \"import os; print(os.environ)\"]\n"),
+    )
+    .unwrap();
+    let (ok, _, err) = c.dctl(&["submit", inline.to_str().unwrap()]);
+    assert!(!ok && err.contains("direct_commands"), "{err}");
+
+    // two tenants' programs on the node
+    let report = |j: &str| outs.join(format!("{j}.json"));
+    for (j, other) in [("ta", "tb"), ("tb", "ta")] {
+        c.submit(&job(
+            j,
+            &[
+                python.clone(),
+                peek.display().to_string(),
+                report(j).display().to_string(),
+                other.into(),
+            ],
+            "",
+        ));
+    }
+    let a = seen(&report("ta"), &c);
+    let b = seen(&report("tb"), &c);
+    let (ua, ub) = (a["uid"].as_u64().unwrap(), b["uid"].as_u64().unwrap());
+    assert_ne!(ua, ub, "two jobs share a uid");
+    for (s, uid, name) in [(&a, ua, "ta"), (&b, ub, "tb")] {
+        assert!((70000..=70099).contains(&uid), "{name} runs as {uid}");
+        // the environments it can read are its own user's processes' only, and none holds
+        // the node's secret
+        assert_eq!(s["readable_uids"], serde_json::json!([uid]), "{name}: {s}");
+        assert_eq!(s["secret_seen"], false, "{name}: {s}");
+        // it cannot list the work root, open or write the other job's directory, or put
+        // anything where another job's directory will be
+        for k in ["list_work_root", "list_other", "plant_other", "plant_root"] {
+            assert_eq!(s[k], "PermissionError", "{name} {k}: {s}");
+        }
+        // its own directory: its user's, mode 700, its working directory
+        let own = work.join(name);
+        assert_eq!(s["cwd"], own.display().to_string());
+        let md = std::fs::symlink_metadata(&own).unwrap();
+        assert_eq!((md.uid() as u64, md.mode() & 0o7777), (uid, 0o700), "{name}");
+        assert!(own.join("mine.txt").exists());
+    }
+    assert_eq!(
+        std::fs::metadata(&work).unwrap().mode() & 0o7777,
+        0o711,
+        "the work root lets a job reach its own directory only"
+    );
+
+    // ductile-worker itself (the default runtime): its own user, its directory for HOME and
+    // working directory, and nothing of the agent's environment but what it needs
+    let data = synth(&d, "tokens", 20_000);
+    c.submit(&format!(
+        "{}max_steps = 100000\nmodel_config = {{ d_model = 16, n_layer = 1, n_head = 2 }}\n",
+        training_toml("tw", 1, 1, 1, "gpt", &data, "")
+    ));
+    c.wait_step("tw", 2, S(90));
+    let pid = c.status("tw").members[0].pid.unwrap();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let environ = String::from_utf8_lossy(&environ);
+    let vars: Vec<&str> = environ.split('\0').collect();
+    assert!(!environ.contains("node-secret"), "{vars:?}");
+    assert!(
+        vars.contains(&format!("HOME={}", work.join("tw").display()).as_str()),
+        "{vars:?}"
+    );
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((70000..=70099).contains(&uid) && uid != ua && uid != ub, "{uid}");
+
+    // a job that ends takes its directory with it
+    c.dctl_ok(&["stop", "ta"]);
+    c.wait_for(S(30), "job ta's directory removed", || {
+        (!work.join("ta").exists()).then_some(())
+    });
+    assert!(work.join("tb").exists());
+    for j in ["tb", "tw"] {
+        c.dctl_ok(&["stop", j]);
+    }
+    c.wait_for(S(30), "every job's directory removed", || {
+        std::fs::read_dir(&work)
+            .unwrap()
+            .flatten()
+            .all(|e| e.file_name() == ".ductile-work-root")
+            .then_some(())
+    });
+}
