@@ -156,6 +156,11 @@ pub struct Cli {
     /// comma-separated (they must also be in allowed_commands); default none.
     #[arg(long, env = "DUCTILE_DIRECT_COMMANDS", value_delimiter = ',')]
     pub direct_commands: Option<Vec<String>>,
+    /// The runtimes this agent runs, comma-separated (ductile, torchrun, torchft, tf,
+    /// horovod); default every one. Leave out tf where TensorFlow's unauthenticated gRPC
+    /// servers (every interface) are not acceptable.
+    #[arg(long, env = "DUCTILE_ALLOWED_RUNTIMES", value_delimiter = ',')]
+    pub allowed_runtimes: Option<Vec<String>>,
     /// Whose S3 credentials ductile-worker (the default runtime) gets: "job" (default: only the
     /// job's own `job_credentials_dir/JOB.env`) or "node" (this agent's AWS_* variables: a
     /// fleet whose jobs all may read and write what the node may).
@@ -237,6 +242,7 @@ pub struct FileConfig {
     pub allowed_env: Option<Vec<String>>,
     pub job_credentials_dir: Option<PathBuf>,
     pub direct_commands: Option<Vec<String>>,
+    pub allowed_runtimes: Option<Vec<String>>,
     pub worker_credentials: Option<String>,
     pub job_users: Option<String>,
     pub job_group: Option<String>,
@@ -675,6 +681,18 @@ impl Config {
                         .direct_commands
                         .or(file.direct_commands)
                         .unwrap_or(d.direct_commands),
+                    allowed_runtimes: {
+                        let r = cli
+                            .allowed_runtimes
+                            .or(file.allowed_runtimes)
+                            .unwrap_or(d.allowed_runtimes);
+                        for x in &r {
+                            x.parse::<ductile_cluster::modes::Runtime>().map_err(|_| {
+                                anyhow::anyhow!("invalid allowed_runtimes: {x:?} is not ductile, torchrun, torchft, tf or horovod")
+                            })?;
+                        }
+                        r
+                    },
                 }
             },
             job_credentials_dir: cli.job_credentials_dir.or(file.job_credentials_dir),

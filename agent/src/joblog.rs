@@ -28,11 +28,28 @@ pub struct SlotLog {
 
 pub type Shared = Arc<Mutex<SlotLog>>;
 
+/// `O_NOFOLLOW`: a log file that is a symlink is not opened through.
+fn nofollow(o: &mut OpenOptions) -> &mut OpenOptions {
+    use std::os::unix::fs::OpenOptionsExt;
+    o.custom_flags(nix::libc::O_NOFOLLOW)
+}
+
 impl SlotLog {
     /// The log of `slot` of `job` under `root`, appended to (a restarted process goes on in
     /// the same file).
     pub fn open(root: &Path, job: &str, slot: u32, max_bytes: u64) -> std::io::Result<Shared> {
         let dir = root.join(job);
+        // nothing on the way is followed: a log_dir, a job's directory or a log file that is a
+        // symlink (put there by whoever could write its parent) would have this agent, root
+        // perhaps, write and chmod wherever it points
+        for p in [root, dir.as_path()] {
+            if fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink()) {
+                return Err(std::io::Error::other(format!(
+                    "{} is a symlink: the agent writes programs' logs only into directories of its own",
+                    p.display()
+                )));
+            }
+        }
         fs::create_dir_all(&dir)?;
         #[cfg(unix)]
         {
@@ -41,7 +58,7 @@ impl SlotLog {
             fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))?;
         }
         let path = dir.join(format!("slot-{slot}.log"));
-        let file = OpenOptions::new().create(true).append(true).open(&path)?;
+        let file = nofollow(OpenOptions::new().create(true).append(true)).open(&path)?;
         let written = file.metadata().map(|m| m.len()).unwrap_or(0);
         Ok(Arc::new(Mutex::new(SlotLog {
             path,
@@ -92,11 +109,7 @@ impl SlotLog {
         self.file = None;
         let old = self.path.with_extension("log.1");
         let _ = fs::rename(&self.path, &old);
-        match OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .open(&self.path)
+        match nofollow(OpenOptions::new().create(true).write(true).truncate(true)).open(&self.path)
         {
             Ok(f) => {
                 self.file = Some(f);
@@ -235,6 +248,35 @@ pub fn answer(root: &Path, req: &LogRequest) -> LogAnswer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 66's review: a root agent follows no symlink in log_dir, a job's directory or a
+    /// slot's file.
+    #[test]
+    fn no_symlink_on_the_way_to_a_log_is_followed() {
+        let base = std::env::temp_dir().join(format!("ductile-joblog-links-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        let target = base.join("target");
+        fs::create_dir_all(&target).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&target, fs::Permissions::from_mode(0o755)).unwrap();
+        let linked_root = base.join("logs-link");
+        std::os::unix::fs::symlink(&target, &linked_root).unwrap();
+        assert!(SlotLog::open(&linked_root, "j", 0, 4096).is_err());
+        let root = base.join("logs");
+        fs::create_dir_all(&root).unwrap();
+        std::os::unix::fs::symlink(&target, root.join("j")).unwrap();
+        assert!(SlotLog::open(&root, "j", 0, 4096).is_err());
+        fs::create_dir_all(root.join("k")).unwrap();
+        std::os::unix::fs::symlink(target.join("f"), root.join("k").join("slot-0.log")).unwrap();
+        assert!(SlotLog::open(&root, "k", 0, 4096).is_err());
+        assert!(!target.join("f").exists());
+        assert_eq!(
+            fs::metadata(&target).unwrap().permissions().mode() & 0o777,
+            0o755,
+            "the link's target was not chmod'ed"
+        );
+        let _ = fs::remove_dir_all(&base);
+    }
 
     #[test]
     fn lines_and_marks_are_kept_and_a_full_file_rotates() {

@@ -196,6 +196,12 @@ pub struct AgentPolicy {
     /// must also be in `allowed_commands`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub direct_commands: Vec<String>,
+    /// The runtimes this agent runs (`ductile`, `torchrun`, `torchft`, `tf`, `horovod`); empty
+    /// (the default, and an older agent's record): every one. An operator leaves out `tf`
+    /// where TensorFlow's unauthenticated gRPC servers, which listen on every interface, are
+    /// not acceptable.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_runtimes: Vec<String>,
 }
 
 impl Default for AgentPolicy {
@@ -210,6 +216,7 @@ impl Default for AgentPolicy {
             max_grace_s: AgentPolicy::default_max_grace_s(),
             allowed_env: Vec::new(),
             direct_commands: Vec::new(),
+            allowed_runtimes: Vec::new(),
         }
     }
 }
@@ -607,6 +614,17 @@ impl AgentPolicy {
 
     /// Whether a job may run under this policy; the error names the spec's field and why.
     pub fn check(&self, spec: &JobSpec) -> Result<(), (String, String)> {
+        let runtime = spec.runtime.as_str();
+        if !self.allowed_runtimes.is_empty() && !self.allowed_runtimes.iter().any(|r| r == runtime)
+        {
+            return Err((
+                "runtime".into(),
+                format!(
+                    "{runtime:?} is not in the agent's allowed_runtimes {:?}",
+                    self.allowed_runtimes
+                ),
+            ));
+        }
         let any_command = self.allowed_commands.iter().any(|c| c == "*");
         let program = spec.command.first().map(String::as_str).unwrap_or("");
         if !any_command && !self.allowed_commands.iter().any(|c| c == program) {
@@ -4457,6 +4475,16 @@ mod policy_tests {
             assert_eq!(field, format!("env.{k}"));
             assert!(why.contains("no job may set it"), "{k}: {why}");
         }
+        let no_tf = AgentPolicy {
+            allowed_runtimes: vec!["ductile".into(), "torchrun".into()],
+            ..p.clone()
+        };
+        let (field, why) = no_tf
+            .check(&spec("runtime = \"tf\"\ncommand = [\"/usr/bin/python3\", \"/srv/t.py\"]\n"))
+            .unwrap_err();
+        assert_eq!(field, "runtime");
+        assert!(why.contains("allowed_runtimes"), "{why}");
+        assert_eq!(no_tf.check(&spec("command = [\"ductile-worker\"]\n")), Ok(()));
         // what allowed_env adds that loads nothing still passes
         assert_eq!(
             p.check(&spec("command = [\"ductile-worker\"]\nenv = { ACME_LEVEL = \"3\" }\n")),

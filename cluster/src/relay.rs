@@ -205,10 +205,26 @@ pub async fn serve(
     upstreams: Upstreams,
     room: Option<RoomKey>,
     tls: Option<Arc<rustls::ClientConfig>>,
+    only_uid: Option<u32>,
 ) -> anyhow::Result<()> {
     let last = Arc::new(AtomicUsize::new(0));
+    let here = listener.local_addr()?;
     loop {
         let (mut client, peer) = listener.accept().await?;
+        // the room is the job's alone: a connection from a process of another user (another
+        // job's, on a node whose jobs have users of their own) is closed unread
+        if let Some(uid) = only_uid {
+            match socket_uid(peer, here) {
+                Some(u) if u == uid => {}
+                found => {
+                    eprintln!(
+                        "torchft-relay: PERMISSION_DENIED: {peer} is {} (this relay serves uid {uid}, its job's, only); closed",
+                        found.map_or("a socket whose owner could not be read".to_string(), |u| format!("uid {u}'s"))
+                    );
+                    continue;
+                }
+            }
+        }
         let _ = client.set_nodelay(true);
         let (upstreams, last, room, tls) =
             (upstreams.clone(), last.clone(), room.clone(), tls.clone());
@@ -270,5 +286,98 @@ pub async fn run(
             .map(|j| format!(" (job {j}'s room)"))
             .unwrap_or_default()
     );
-    serve(listener, fixed(upstreams), room, tls).await
+    serve(listener, fixed(upstreams), room, tls, None).await
+}
+
+/// The uid that owns the loopback TCP socket `local` → `remote` (a client's end, as the
+/// kernel lists it in /proc/net/tcp or tcp6), if listed.
+pub fn socket_uid(local: std::net::SocketAddr, remote: std::net::SocketAddr) -> Option<u32> {
+    fn hex(a: std::net::SocketAddr) -> String {
+        match a {
+            std::net::SocketAddr::V4(v) => {
+                let o = v.ip().octets();
+                format!(
+                    "{:02X}{:02X}{:02X}{:02X}:{:04X}",
+                    o[3],
+                    o[2],
+                    o[1],
+                    o[0],
+                    v.port()
+                )
+            }
+            std::net::SocketAddr::V6(v) => {
+                let mut s = String::new();
+                for w in v.ip().octets().chunks(4) {
+                    s.push_str(&format!("{:02X}{:02X}{:02X}{:02X}", w[3], w[2], w[1], w[0]));
+                }
+                format!("{s}:{:04X}", v.port())
+            }
+        }
+    }
+    let (l, r) = (hex(local), hex(remote));
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 7 && f[1] == l && f[2] == r {
+                return f[7].parse().ok();
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// Issue 66: a torchft job's relay serves its own user only. A process of another user
+    /// that finds the port is closed on, unread; the job's own is relayed.
+    #[tokio::test]
+    async fn the_relay_serves_its_own_user_only() {
+        let me = std::fs::metadata("/proc/self").unwrap().uid();
+        // a stand-in lighthouse that greets whoever is relayed to it
+        let up = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let up_addr = up.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = up.accept().await else { return };
+                use tokio::io::AsyncWriteExt;
+                let _ = s.write_all(b"UP").await;
+            }
+        });
+        let relay = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = relay.local_addr().unwrap().port();
+        tokio::spawn(serve(relay, fixed(vec![up_addr]), None, None, Some(me)));
+        // this process's own user is relayed, and its socket's owner reads as this uid
+        let mut own = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let (l, r) = (own.local_addr().unwrap(), own.peer_addr().unwrap());
+        assert_eq!(socket_uid(l, r), Some(me));
+        let mut buf = [0u8; 2];
+        use tokio::io::AsyncReadExt;
+        tokio::time::timeout(Duration::from_secs(5), own.read_exact(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&buf, b"UP");
+        assert!(
+            me == 0,
+            "the rest connects as another user through setpriv: it needs root (CI runs as root)"
+        );
+        let other = tokio::process::Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-c"])
+            .arg(format!(
+                "import socket; s = socket.create_connection(('127.0.0.1', {port})); s.settimeout(5); print(repr(s.recv(2)))"
+            ))
+            .output()
+            .await
+            .unwrap();
+        let out = String::from_utf8_lossy(&other.stdout);
+        assert!(other.status.success(), "{out}{}", String::from_utf8_lossy(&other.stderr));
+        // closed unread: the other user reads end-of-stream, never the lighthouse
+        assert_eq!(out.trim(), "b''");
+    }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Path, Query, Request, State};
@@ -141,12 +142,57 @@ async fn dashboard() -> Response {
 pub struct Tokens {
     pub admin: Secret,
     pub read: Option<Secret>,
+    /// Tenants' tokens (`tenants_file`), each for its own jobs.
+    pub tenants: Vec<crate::tenants::Tenant>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum Scope {
     Read,
     Admin,
+    Tenant(Arc<crate::tenants::Tenant>),
+}
+
+impl Scope {
+    /// Whether this token may see job `job` at all (the admin and read tokens: every job).
+    fn sees(&self, job: &str) -> bool {
+        match self {
+            Scope::Tenant(t) => t.owns(job),
+            _ => true,
+        }
+    }
+}
+
+/// What a tenant's token may call: its own jobs (reads; with `submit`, changes too), the job
+/// list and nodes (filtered by the handlers), the leader; nothing of the cluster's own. The
+/// refusal names the scope the call needs.
+fn tenant_allows(t: &crate::tenants::Tenant, method: &Method, path: &str) -> Result<(), String> {
+    let read = matches!(*method, Method::GET | Method::HEAD);
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let who = t.describe();
+    match parts.as_slice() {
+        ["v1", "jobs"] if read => Ok(()),
+        ["v1", "jobs"] if t.submit => Ok(()),
+        ["v1", "jobs", job, ..] => {
+            if !t.owns(job) {
+                return Err(format!(
+                    "{who} may act on its own jobs only ({}*): {job:?} is not one of them; that needs the admin token",
+                    t.jobs
+                ));
+            }
+            if !read && !t.submit {
+                return Err(format!(
+                    "{who} cannot {method} {path}: that needs the submit scope"
+                ));
+            }
+            Ok(())
+        }
+        ["v1", "nodes"] | ["v1", "leader"] if read => Ok(()),
+        _ => Err(format!(
+            "{who} cannot {method} {path}: that needs the admin token{}",
+            if read { " or the read-only one" } else { "" }
+        )),
+    }
 }
 
 /// The scope of the request's bearer token (compared in constant time), or the 401 to answer.
@@ -168,6 +214,8 @@ fn scope(st: &AppState, headers: &HeaderMap) -> Result<Scope, Response> {
                 Ok(Scope::Admin)
             } else if tokens.read.as_ref().is_some_and(|r| r.matches(t)) {
                 Ok(Scope::Read)
+            } else if let Some(tenant) = tokens.tenants.iter().find(|x| x.matches(t)) {
+                Ok(Scope::Tenant(Arc::new(tenant.clone())))
             } else {
                 Err(ApiError::new(StatusCode::UNAUTHORIZED, "invalid token").into_response())
             }
@@ -194,6 +242,10 @@ async fn auth(
             ),
         )
         .into_response(),
+        Ok(Scope::Tenant(t)) if tenant_allows(&t, req.method(), req.uri().path()).is_err() => {
+            let why = tenant_allows(&t, req.method(), req.uri().path()).unwrap_err();
+            ApiError::new(StatusCode::FORBIDDEN, why).into_response()
+        }
         Ok(scope) => {
             let mut req = req;
             req.extensions_mut().insert(scope);
@@ -204,6 +256,7 @@ async fn auth(
 
 async fn submit(
     State(st): State<AppState>,
+    axum::Extension(scope): axum::Extension<Scope>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> ApiResult<(StatusCode, Json<JobView>)> {
@@ -218,6 +271,9 @@ async fn submit(
     } else {
         JobSpec::from_json(&body)?
     };
+    if let Scope::Tenant(t) = &scope {
+        tenant_may_submit(&st, t, &spec)?;
+    }
     // what the spec alone shows first (a Hugging Face model's layout needs its config.json:
     // checked once that is read), then the allow-lists: the daemon reads only where the job may
     // read (its model directory, its datasets, its checkpoints), and nothing before that
@@ -567,6 +623,50 @@ async fn readyz(State(st): State<AppState>) -> ApiResult<&'static str> {
     current(&st).map(|_| "ready\n")
 }
 
+/// A tenant submits only under its own prefix, and within its `max_slots`: the sum of `max`
+/// over its unfinished jobs, this one included (one of the same name that has finished is
+/// replaced, so it does not count).
+fn tenant_may_submit(
+    st: &AppState,
+    t: &crate::tenants::Tenant,
+    spec: &JobSpec,
+) -> ApiResult<()> {
+    if !t.owns(&spec.name) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!(
+                "{} submits jobs named {}* only: {:?} is not one; that needs the admin token",
+                t.describe(),
+                t.jobs,
+                spec.name
+            ),
+        ));
+    }
+    if let Some(cap) = t.max_slots {
+        let snaps = current(st)?;
+        let held: u64 = jobs_from(&st.store, &[&snaps.jobs])
+            .iter()
+            .filter(|(name, o)| {
+                t.owns(name)
+                    && *name != &spec.name
+                    && !o.status.as_ref().is_some_and(|s| s.state.is_terminal())
+            })
+            .filter_map(|(_, o)| o.spec.as_ref().map(|s| s.max as u64))
+            .sum();
+        if held + spec.max as u64 > cap as u64 {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{}: its unfinished jobs may ask for {cap} slots (max_slots), and {held} are asked for already: this job's max = {} does not fit; stop one, or ask the operator",
+                    t.describe(),
+                    spec.max
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The replica's view if it is current, else a 503 that says why.
 fn current(st: &AppState) -> ApiResult<Snapshots> {
     st.view
@@ -586,11 +686,15 @@ fn cached_obs(st: &AppState, snaps: &Snapshots, job: &str) -> Option<JobObs> {
     jobs.remove(job).filter(|o| o.spec.is_some())
 }
 
-async fn list_jobs(State(st): State<AppState>) -> ApiResult<Json<Vec<JobView>>> {
+async fn list_jobs(
+    State(st): State<AppState>,
+    axum::Extension(scope): axum::Extension<Scope>,
+) -> ApiResult<Json<Vec<JobView>>> {
     let snaps = current(&st)?;
     let jobs = jobs_from(&st.store, &[&snaps.jobs, &snaps.live]);
     Ok(Json(
         jobs.iter()
+            .filter(|(name, _)| scope.sees(name))
             .filter_map(|(name, obs)| job_view(name, obs))
             .collect(),
     ))
@@ -623,7 +727,8 @@ async fn job_spec(
 ) -> ApiResult<Json<JobSpec>> {
     match st.store.spec(&job).await? {
         Some((mut s, _)) => {
-            if scope != Scope::Admin {
+            // a tenant sees its own job's values: it set them
+            if scope == Scope::Read {
                 for v in s.env.values_mut() {
                     *v = "(hidden from the read-only token)".into();
                 }
@@ -869,11 +974,22 @@ async fn logs(
     Path(job): Path<String>,
     Query(q): Query<LogQuery>,
 ) -> ApiResult<Json<ductile_cluster::api::LogView>> {
-    if scope != Scope::Admin {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "programs' output may hold what they print: logs are read with the admin token, not the read-only one",
-        ));
+    match &scope {
+        Scope::Admin => {}
+        // its own job's (the middleware checked the name)
+        Scope::Tenant(t) if t.submit => {}
+        Scope::Tenant(t) => {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!("{}: programs' output may hold what they print: logs need the submit scope", t.describe()),
+            ))
+        }
+        Scope::Read => {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "programs' output may hold what they print: logs are read with the admin token, not the read-only one",
+            ))
+        }
     }
     if st.store.spec(&job).await?.is_none() {
         return Err(ApiError::not_found(&job));
@@ -1115,7 +1231,10 @@ async fn events(
     ))
 }
 
-async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
+async fn nodes(
+    State(st): State<AppState>,
+    axum::Extension(scope): axum::Extension<Scope>,
+) -> ApiResult<Json<Vec<NodeView>>> {
     let snaps = current(&st)?;
     let k = &st.store.keys;
     let mut nodes = Vec::new();
@@ -1141,6 +1260,10 @@ async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
     let mut placed: BTreeMap<String, Vec<NodeWorkerView>> = BTreeMap::new();
     for (name, obs) in jobs_from(&st.store, &[&snaps.jobs]) {
         if obs.spec.is_none() || obs.status.as_ref().is_some_and(|s| s.state.is_terminal()) {
+            continue;
+        }
+        // a tenant sees its own jobs' workers only
+        if !scope.sees(&name) {
             continue;
         }
         if let Some((g, _)) = obs.generation {
@@ -1173,9 +1296,21 @@ async fn nodes(State(st): State<AppState>) -> ApiResult<Json<Vec<NodeView>>> {
                 agent_pid: n.agent_pid,
                 reregistrations: n.reregistrations,
                 containment: n.containment,
-                busy_slots: n.busy_slots,
+                // (why a slot is busy names the job that left processes behind)
+                busy_slots: match &scope {
+                    Scope::Tenant(_) => n
+                        .busy_slots
+                        .into_keys()
+                        .map(|k| (k, "busy".to_string()))
+                        .collect(),
+                    _ => n.busy_slots,
+                },
                 preemption: n.preemption,
-                refused_running: n.refused_running,
+                refused_running: n
+                    .refused_running
+                    .into_iter()
+                    .filter(|(j, _)| scope.sees(j))
+                    .collect(),
             })
             .collect(),
     ))
@@ -1412,8 +1547,19 @@ impl prometheus_client::encoding::EncodeMetric for StatusHistogram {
 /// how current the view is.
 async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> ApiResult<Response> {
     if st.metrics_need_token {
-        if let Err(r) = scope(&st, &headers) {
-            return Ok(r);
+        match scope(&st, &headers) {
+            Err(r) => return Ok(r),
+            // every job's name and figures: the cluster's, not a tenant's
+            Ok(Scope::Tenant(t)) => {
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    format!(
+                        "{} cannot read /metrics (every job's figures): that needs the read-only or the admin token",
+                        t.describe()
+                    ),
+                ))
+            }
+            Ok(_) => {}
         }
     }
     let snaps = st.view.snapshots();

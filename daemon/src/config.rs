@@ -39,7 +39,12 @@ pub struct Cli {
     /// watch, checkpoints, plans and metrics, never submit, scale, drain or stop.
     #[arg(long, env = "DUCTILE_READ_TOKEN_FILE")]
     pub read_token_file: Option<PathBuf>,
-    /// `/metrics` asks for a token (the read-only or the admin one).
+    /// Tenants' tokens, each for the jobs under its own name prefix (TOML: see
+    /// daemon/src/tenants.rs and the README's "Tenants"); re-read on SIGHUP.
+    #[arg(long, env = "DUCTILE_TENANTS_FILE")]
+    pub tenants_file: Option<PathBuf>,
+    /// `/metrics` asks for a token (the read-only or the admin one); default: true unless the
+    /// API listens on loopback only.
     #[arg(long, env = "DUCTILE_METRICS_NEED_TOKEN")]
     pub metrics_need_token: Option<bool>,
     /// Reads (GET: the dashboard, status, series, metrics) need no token. Only with plain HTTP
@@ -128,6 +133,7 @@ pub struct FileConfig {
     pub insecure_http: Option<bool>,
     pub token_file: Option<PathBuf>,
     pub read_token_file: Option<PathBuf>,
+    pub tenants_file: Option<PathBuf>,
     pub metrics_need_token: Option<bool>,
     pub reads_without_token: Option<bool>,
     pub prefix: Option<String>,
@@ -158,6 +164,8 @@ pub struct Config {
     pub token: Secret,
     /// The read-only token, if the cluster has one.
     pub read_token: Option<Secret>,
+    /// Tenants' tokens (`tenants_file`).
+    pub tenants: Vec<crate::tenants::Tenant>,
     pub metrics_need_token: bool,
     /// GET calls need no token (plain HTTP on loopback only).
     pub reads_without_token: bool,
@@ -195,6 +203,15 @@ impl Config {
             "read-only token",
             "DUCTILE_READ_TOKEN",
         )?;
+        let tenants = match cli.tenants_file.or(file.tenants_file) {
+            Some(p) => {
+                let text = std::fs::read_to_string(&p)
+                    .map_err(|e| anyhow::anyhow!("invalid tenants_file {}: {e}", p.display()))?;
+                crate::tenants::parse(&text)
+                    .map_err(|e| anyhow::anyhow!("invalid tenants_file {}: {e}", p.display()))?
+            }
+            None => Vec::new(),
+        };
         let id = cli.id.or(file.id).unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .unwrap_or_else(|_| "host".into());
@@ -222,6 +239,12 @@ impl Config {
             .listen
             .or(file.listen)
             .unwrap_or_else(|| "127.0.0.1:7420".into());
+        // /metrics behind a token wherever the API is reachable from another host, unless
+        // the operator turns that off
+        let metrics_need_token = cli
+            .metrics_need_token
+            .or(file.metrics_need_token)
+            .unwrap_or(!on_loopback(&listen));
         match (&tls, insecure_http) {
             (Some(_), true) => anyhow::bail!(
                 "invalid insecure_http: tls_cert and tls_key are given too; choose TLS or plain HTTP"
@@ -260,10 +283,8 @@ impl Config {
             listen,
             token: Secret::new(token),
             read_token: read_token.map(Secret::new),
-            metrics_need_token: cli
-                .metrics_need_token
-                .or(file.metrics_need_token)
-                .unwrap_or(false),
+            tenants,
+            metrics_need_token,
             prefix: cli
                 .prefix
                 .or(file.prefix)
@@ -320,6 +341,16 @@ impl Config {
             if r == &self.token {
                 anyhow::bail!(
                     "invalid read_token: it is the admin token; give it a token of its own"
+                );
+            }
+        }
+        for t in &self.tenants {
+            if t.matches(self.token.expose())
+                || self.read_token.as_ref().is_some_and(|r| t.matches(r.expose()))
+            {
+                anyhow::bail!(
+                    "invalid tenants_file: tenant {:?}'s token is the admin or the read-only token; give it a token of its own",
+                    t.name
                 );
             }
         }
@@ -399,13 +430,62 @@ pub async fn check(cfg: &Config, hosts: &[String]) -> ductile_cluster::check::Re
         }
         r.cert_names("tls_cert", cert, &names);
     }
-    let beyond_loopback = !(cfg.listen.starts_with("127.")
-        || cfg.listen.starts_with("[::1]")
-        || cfg.listen.starts_with("localhost:"));
-    if beyond_loopback && !cfg.metrics_need_token {
-        r.fail("metrics_need_token", format!("the API listens beyond loopback ({}) and /metrics needs no token: set metrics_need_token = true", cfg.listen));
+    if !on_loopback(&cfg.listen) && !cfg.metrics_need_token {
+        r.fail("metrics_need_token", format!("the API listens beyond loopback ({}) and /metrics was turned off its token (metrics_need_token = false): anyone who reaches it reads every job's name and figures", cfg.listen));
     }
     r.etcd(&cfg.etcd, &cfg.prefix).await;
     r.clock(&cfg.etcd).await;
     r
+}
+
+/// Whether an API listen address is on loopback only.
+fn on_loopback(listen: &str) -> bool {
+    listen.starts_with("127.") || listen.starts_with("[::1]") || listen.starts_with("localhost:")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// `/metrics` needs a token wherever the API is reachable from another host, unless the
+    /// operator says otherwise; on loopback (the quickstart's) it does not by default.
+    #[test]
+    fn metrics_need_a_token_beyond_loopback_unless_turned_off() {
+        let dir = std::env::temp_dir().join(format!("ductiled-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "0123456789abcdef0123").unwrap();
+        let load = |extra: &[&str]| {
+            let mut args = vec![
+                "ductiled",
+                "--etcd",
+                "http://127.0.0.1:2379",
+                "--token-file",
+                token.to_str().unwrap(),
+            ];
+            args.extend_from_slice(extra);
+            Config::load(Cli::parse_from(args)).unwrap()
+        };
+        // a certificate the loader can read (openssl: set-up installs it)
+        let (cert, key) = (dir.join("api.pem"), dir.join("api-key.pem"));
+        let made = std::process::Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=api"])
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .output()
+            .unwrap();
+        assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+        let tls = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+        let far: Vec<&str> = ["--listen", "0.0.0.0:7420"].iter().chain(&tls).copied().collect();
+        assert!(load(&far).metrics_need_token);
+        let mut off = far.clone();
+        off.extend(["--metrics-need-token", "false"]);
+        assert!(!load(&off).metrics_need_token);
+        assert!(!load(&["--listen", "127.0.0.1:7420", "--insecure-http"]).metrics_need_token);
+        assert!(on_loopback("[::1]:7420") && !on_loopback("10.0.0.1:7420"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -11,6 +11,7 @@ pub mod lighthouse;
 pub mod observe;
 pub mod reconcile;
 pub mod series;
+pub mod tenants;
 pub mod tls;
 pub mod view;
 
@@ -50,6 +51,7 @@ pub async fn run_with_reload(
     let tokens = Arc::new(std::sync::RwLock::new(api::Tokens {
         admin: cfg.token.clone(),
         read: cfg.read_token.clone(),
+        tenants: cfg.tenants.clone(),
     }));
     if let Some(mut reload) = reload {
         let tokens = tokens.clone();
@@ -66,6 +68,7 @@ pub async fn run_with_reload(
                         *tokens.write().unwrap_or_else(|p| p.into_inner()) = api::Tokens {
                             admin: new.token,
                             read: new.read_token,
+                            tenants: new.tenants,
                         };
                         tracing::info!("configuration reloaded: the API takes the tokens its files hold now (other settings take effect at the next restart)");
                     }

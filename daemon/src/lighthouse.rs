@@ -237,15 +237,29 @@ async fn read_preamble(
             }
             let proof = String::from_utf8_lossy(&proof).into_owned();
             let room = job_room(&job);
+            // one answer for every refusal a stranger could cause (no such job, not a torchft
+            // job, ended, a wrong proof): the preamble must not tell whether a job exists; the
+            // precise reason goes to this replica's log
+            let refused = || {
+                format!("lighthouse room {room:?}: this connection may not enter it (no running torchft job of that name holds the key it proved)")
+            };
             let (limit, denied) = match room_key(&store, &job).await {
                 Ok((key, groups)) => {
                     if ductile_cluster::relay::room_proof_ok(&key, &job, &n, &proof) {
                         (Some(groups), None)
                     } else {
-                        (None, Some(format!("lighthouse room {room:?}: the proof of job {job:?}'s lighthouse key did not match")))
+                        tracing::info!(%job, "a lighthouse room refused: the proof of the job's key did not match");
+                        (None, Some(refused()))
                     }
                 }
-                Err(why) => (None, Some(format!("lighthouse room {room:?}: {why}"))),
+                // etcd's trouble is not the job's: said as it is
+                Err(why) if why.starts_with("cannot read") || why.starts_with("etcd did not") => {
+                    (None, Some(format!("lighthouse room {room:?}: {why}")))
+                }
+                Err(why) => {
+                    tracing::info!(%job, %why, "a lighthouse room refused");
+                    (None, Some(refused()))
+                }
             };
             return Ok(RoomConn {
                 stream,
@@ -292,6 +306,27 @@ pub const MAX_ISSUED_KEPT: usize = 256;
 pub const MAX_REPLICAS: usize = 1024;
 /// The most `Quorum` calls one replica keeps waiting at once.
 pub const MAX_WAITING: usize = 4096;
+/// The most `Quorum` calls one room (one job) keeps waiting at once on a replica: four per
+/// replica group it may have, at least 8, at most this (the default room's bound).
+pub const MAX_WAITING_PER_ROOM: usize = 256;
+
+/// A room's share of the waiting calls, given back when the call ends.
+struct RoomPermit {
+    map: Arc<Mutex<HashMap<String, usize>>>,
+    room: String,
+}
+
+impl Drop for RoomPermit {
+    fn drop(&mut self) {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.room) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.room);
+            }
+        }
+    }
+}
 /// The longest a `Quorum` call waits here (TorchFT's clients give up sooner, with their own
 /// timeout).
 pub const MAX_WAIT: Duration = Duration::from_secs(3600);
@@ -717,6 +752,8 @@ pub struct Lighthouse {
     /// (room, replica id) → when this replica last wrote its heartbeat
     written: Arc<Mutex<HashMap<(String, String), Instant>>>,
     waiting: Arc<Semaphore>,
+    /// Quorum calls waiting, per room: one room (one job) cannot take the replica's pool.
+    room_waiting: Arc<Mutex<HashMap<String, usize>>>,
     /// The rooms as the newest snapshot decoded: the leader's ticks, the admission of new ids
     /// and the clean-up share it, and a newer snapshot decodes again only the rooms whose keys
     /// changed since.
@@ -746,6 +783,7 @@ impl Lighthouse {
             prefix,
             written: Arc::new(Mutex::new(HashMap::new())),
             waiting: Arc::new(Semaphore::new(MAX_WAITING)),
+            room_waiting: Arc::new(Mutex::new(HashMap::new())),
             decoded: Arc::new(Mutex::new(Decoded::default())),
         }
     }
@@ -933,6 +971,23 @@ impl Lighthouse {
             ))
         })?;
         let (room, keys) = self.room(room);
+        let _room_permit = {
+            let cap = limit
+                .map(|l| l.saturating_mul(4).clamp(8, MAX_WAITING_PER_ROOM))
+                .unwrap_or(MAX_WAITING_PER_ROOM);
+            let mut m = self.room_waiting.lock().unwrap_or_else(|p| p.into_inner());
+            let n = m.entry(room.clone()).or_insert(0);
+            if *n >= cap {
+                return Err(Status::resource_exhausted(format!(
+                    "room {room:?} already has {cap} quorum calls waiting on this lighthouse replica (its bound: 4 per replica group it may have)"
+                )));
+            }
+            *n += 1;
+            RoomPermit {
+                map: self.room_waiting.clone(),
+                room: room.clone(),
+            }
+        };
         let snap = self.synced().await?;
         self.admit(&snap, &room, &member.replica_id, limit)?;
         let mut rx = self.snap.clone();
@@ -1866,6 +1921,55 @@ mod tests {
                 &body[..body.len().min(12)]
             );
         }
+        cancel.cancel();
+    }
+
+    /// Issue 66: one room (one job) cannot take a replica's pool of waiting quorum calls:
+    /// past its own bound its calls are refused at once, while another room's still wait.
+    #[tokio::test]
+    async fn a_room_s_waiting_quorum_calls_are_bounded_and_leave_the_others_room() {
+        let store = Store::new(
+            Arc::new(ductile_cluster::memory::MemoryBackend::new()),
+            ductile_cluster::Keys::new("/t"),
+        );
+        let cancel = CancellationToken::new();
+        let lh = Arc::new(Lighthouse::new(store, LighthouseOpt::default(), cancel.clone()));
+        // a room of one replica group: 8 calls may wait (no leader decides here: they wait)
+        let mut held = Vec::new();
+        for _ in 0..8 {
+            let lh = lh.clone();
+            held.push(tokio::spawn(async move {
+                lh.quorum_limited("job-a", member("r0", 1), Some(1)).await
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(held.iter().all(|h| !h.is_finished()), "the 8 wait");
+        let ninth = tokio::time::timeout(
+            Duration::from_secs(2),
+            lh.quorum_limited("job-a", member("r0", 1), Some(1)),
+        )
+        .await
+        .expect("refused at once");
+        let e = ninth.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(e.message().contains("job-a"), "{}", e.message());
+        let other = tokio::time::timeout(
+            Duration::from_millis(500),
+            lh.quorum_limited("job-b", member("s0", 1), Some(1)),
+        )
+        .await;
+        assert!(other.is_err(), "another room's call waits, not refused: {other:?}");
+        // the calls that end give their share back
+        for h in &held {
+            h.abort();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(lh
+            .room_waiting
+            .lock()
+            .unwrap()
+            .get("job-a")
+            .is_none_or(|n| *n == 0));
         cancel.cancel();
     }
 

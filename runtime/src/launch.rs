@@ -715,7 +715,12 @@ async fn start_relay(store: &Store, job: &str) -> anyhow::Result<String> {
         None => None,
     };
     tokio::spawn(async move {
-        if let Err(e) = ductile_cluster::relay::serve(listener, upstreams, room, tls).await {
+        // only this launcher's own user (its job's, where the node gives jobs users of their
+        // own) reaches the job's room through it
+        let me = nix::unistd::geteuid().as_raw();
+        if let Err(e) =
+            ductile_cluster::relay::serve(listener, upstreams, room, tls, Some(me)).await
+        {
             eprintln!("torchft-relay: stopped: {e:#}");
         }
     });

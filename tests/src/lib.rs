@@ -1361,6 +1361,8 @@ pub struct Spec {
     /// Where the daemons' and agents' binaries come from (an older release's, for an upgrade
     /// test); else this build's ([`bin`]).
     pub bin_dir: Option<PathBuf>,
+    /// Extra flags of every daemon (`--tenants-file FILE`, ...).
+    pub daemon_args: Vec<String>,
 }
 
 impl Default for Spec {
@@ -1380,6 +1382,7 @@ impl Default for Spec {
             mesh_tls: false,
             torchft: None,
             bin_dir: None,
+            daemon_args: vec![],
         }
     }
 }
@@ -1470,6 +1473,7 @@ impl Cluster {
             "--id".into(),
             format!("daemon{i}"),
         ]);
+        args.extend(self.spec.daemon_args.iter().cloned());
         if let Some(flags) = &self.spec.torchft {
             let tf = free_port();
             args.extend(["--torchft-listen".into(), format!("127.0.0.1:{tf}")]);

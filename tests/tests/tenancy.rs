@@ -612,3 +612,98 @@ fn jobs_on_one_node_run_as_users_of_their_own_and_see_nothing_of_each_other_or_t
             .then_some(())
     });
 }
+
+/// Issue 66, item 6: tenants hold tokens of their own, for jobs under their prefix; they see
+/// and act on their own jobs only, within their slots, and every refusal names the scope.
+#[test]
+fn tenants_see_and_act_on_their_own_jobs_only_within_their_slots() {
+    let dir = TempDir::new("tenants");
+    let sha = |t: &str| ductile_daemon::tenants::digest_hex(t);
+    let (vision, audio) = ("vision-token-0123456789", "audio-token-0123456789");
+    let file = dir.path().join("tenants.toml");
+    let write = |with_vision: bool| {
+        let mut text = format!(
+            "[[tenant]]\nname = \"audio\"\nscope = \"read\"\ntoken_sha256 = \"{}\"\n",
+            sha(audio)
+        );
+        if with_vision {
+            text.push_str(&format!(
+                "[[tenant]]\nname = \"vision\"\nscope = \"submit\"\nmax_slots = 3\ntoken_sha256 = \"{}\"\n",
+                sha(vision)
+            ));
+        }
+        std::fs::write(&file, text).unwrap();
+    };
+    write(true);
+    let c = Cluster::start(Spec {
+        daemon_args: vec!["--tenants-file".into(), file.display().to_string()],
+        ..Spec::default().agents(2, 2)
+    });
+    let sleeper = |name: &str, max: u32| {
+        format!("{}command = [\"sleep\", \"600\"]\n", job_toml(name, 1, max, 1))
+    };
+    let submit_as = |token: &str, toml: &str| {
+        let p = c.dir.path().join("t.toml");
+        std::fs::write(&p, toml).unwrap();
+        c.dctl_as(token, &["submit", p.to_str().unwrap()])
+    };
+    c.submit(&sleeper("other-1", 1));
+    let (ok, _, err) = submit_as(vision, &sleeper("vision-a", 2));
+    assert!(ok, "{err}");
+    c.wait_world("vision-a", 1, S(30));
+    c.wait_world("other-1", 1, S(30));
+    // not under its prefix; past its slots (2 asked + 2 > 3)
+    let (ok, _, err) = submit_as(vision, &sleeper("other-2", 1));
+    assert!(!ok && err.contains("tenant \"vision\"") && err.contains("vision-*"), "{err}");
+    let (ok, _, err) = submit_as(vision, &sleeper("vision-b", 2));
+    assert!(!ok && err.contains("max_slots"), "{err}");
+    let (ok, _, err) = submit_as(vision, &sleeper("vision-b", 1));
+    assert!(ok, "{err}");
+    // what it sees: its jobs, its workers; another's job is refused whether it exists or not
+    let (ok, out, err) = c.dctl_as(vision, &["status", "--json"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("vision-a") && !out.contains("other-1"), "{out}");
+    for args in [
+        &["status", "other-1"][..],
+        &["status", "no-such-job"],
+        &["stop", "other-1"],
+        &["scale", "other-1", "1"],
+        &["logs", "other-1"],
+    ] {
+        let (ok, _, err) = c.dctl_as(vision, args);
+        assert!(!ok && err.contains("its own jobs only") && err.contains("admin token"), "{args:?}: {err}");
+    }
+    let (ok, out, _) = c.dctl_as(vision, &["nodes", "--json"]);
+    assert!(ok && out.contains("vision-a") && !out.contains("other-1"), "{out}");
+    let (ok, _, err) = c.dctl_as(vision, &["drain", "node1"]);
+    assert!(!ok && err.contains("needs the admin token"), "{err}");
+    let (code, body) = http(
+        "GET",
+        &format!("{}/metrics", c.endpoint()),
+        &[("Authorization", &format!("Bearer {vision}"))],
+        b"",
+    )
+    .unwrap();
+    // (a loopback daemon's /metrics needs no token; with one, a tenant's is refused)
+    assert!(code == 200 || (code == 403 && body.contains("tenant")), "{code} {body}");
+    // its own: scale, logs, stop
+    c.dctl_ok(&["status", "vision-a"]);
+    let (ok, _, err) = c.dctl_as(vision, &["scale", "vision-a", "2"]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = c.dctl_as(vision, &["stop", "vision-b"]);
+    assert!(ok, "{err}");
+    // a read tenant: reads its own (none yet), changes nothing
+    let (ok, out, _) = c.dctl_as(audio, &["status", "--json"]);
+    assert!(ok && !out.contains("vision-a") && !out.contains("other-1"), "{out}");
+    let (ok, _, err) = submit_as(audio, &sleeper("audio-x", 1));
+    assert!(!ok && err.contains("tenant \"audio\""), "{err}");
+    // the operator takes vision's token away: after a reload it is refused
+    write(false);
+    unsafe { libc::kill(c.daemons[0].pid() as i32, libc::SIGHUP) };
+    c.wait_for(S(10), "vision's token refused after the reload", || {
+        let (ok, _, err) = c.dctl_as(vision, &["status", "vision-a"]);
+        (!ok && err.contains("invalid token")).then_some(())
+    });
+    // and nothing of its jobs changed
+    assert_eq!(c.status("vision-a").world_size, 2);
+}

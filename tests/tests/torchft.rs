@@ -410,9 +410,38 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
     std::thread::sleep(Duration::from_millis(500));
     let said = hostile(&format!("http://127.0.0.1:{relay_port}"));
     assert!(
-        said.contains("refused") && said.contains("did not match"),
+        said.contains("refused") && said.contains("may not enter it"),
         "{said}"
     );
+    // a room of no job gets the same answer: the preamble does not tell whether a job exists
+    let ghost_port = free_port();
+    let _ghost = Proc::start(
+        "ghost-relay",
+        &bin("dctl"),
+        &[
+            "torchft-relay".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{ghost_port}"),
+            "--to".into(),
+            format!("127.0.0.1:{}", c.torchft_ports[0]),
+            "--job".into(),
+            "no-such-job".into(),
+            "--key-file".into(),
+            wrong_key.display().to_string(),
+        ],
+        &[],
+        d.join("ghost-relay.log"),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let ghost = hostile(&format!("http://127.0.0.1:{ghost_port}"));
+    let answer = |s: &str| {
+        s.lines()
+            .find(|l| l.contains("may not enter it"))
+            .and_then(|l| l.split("message:").nth(1)?.split(", details").next())
+            .map(|m| m.replace("job-no-such-job", "ROOM").replace("job-ft", "ROOM"))
+    };
+    assert!(answer(&ghost).is_some(), "{ghost}");
+    assert_eq!(answer(&ghost), answer(&said), "{ghost}\n{said}");
     // chaos: for 4 s a hostile client naming the job's room floods it (200 fat joins with
     // step 2^40 and shrink_only, heartbeats as fast as it can); nothing of it is accepted and
     // the job's three groups keep committing together
