@@ -30,8 +30,13 @@ const VERSION: u32 = 1;
 const HELLO: usize = 44;
 const NONCE: usize = 16;
 const MAC: usize = 32;
-/// Handshakes an acceptor runs at once; connections beyond are closed unread.
-pub const MAX_HANDSHAKES: usize = 32;
+/// Handshakes an acceptor runs at once; connections beyond are closed unread (a dialler
+/// retries until its deadline).
+pub const MAX_HANDSHAKES: usize = 128;
+/// Handshakes an acceptor runs at once for one source address: a stranger holding
+/// connections open takes that many threads, never the acceptor's, so peers elsewhere still
+/// get through.
+pub const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
 /// Longest a single handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -128,6 +133,16 @@ pub fn dial(
     dial_over(s, key, &[], magic, ranks)?;
     s.set_read_timeout(None).ok();
     Ok(())
+}
+
+/// Whether a [`dial`] error means the acceptor closed the connection before answering (it was
+/// at its bound of handshakes), which a dialler may try again.
+pub fn closed_unread(e: &str) -> bool {
+    e.starts_with("hello: ")
+        || (e.starts_with("no answer to the hello: ")
+            && (e.contains("failed to fill whole buffer")
+                || e.contains("reset by peer")
+                || e.contains("Broken pipe")))
 }
 
 /// [`dial`] over any stream (a TLS session: `binding` is its exporter value); the caller
@@ -232,13 +247,20 @@ pub fn accept_peers(
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::Unavailable(e.to_string()))?;
-    type Handshake = (std::result::Result<(u32, Link), String>, String);
+    type Handshake = (std::result::Result<(u32, Link), String>, std::net::SocketAddr);
     let (tx, rx) = mpsc::channel::<Handshake>();
     let mut running = 0usize;
+    let mut per_source: std::collections::HashMap<std::net::IpAddr, usize> = Default::default();
     let mut got: Vec<(u32, Link)> = Vec::new();
     while got.len() < want {
         while let Ok((r, from)) = rx.try_recv() {
             running -= 1;
+            if let Some(n) = per_source.get_mut(&from.ip()) {
+                *n -= 1;
+                if *n == 0 {
+                    per_source.remove(&from.ip());
+                }
+            }
             match r {
                 Ok((peer, s)) if !got.iter().any(|(p, _)| *p == peer) => got.push((peer, s)),
                 Ok((peer, _)) => {
@@ -258,6 +280,12 @@ pub fn accept_peers(
                     tracing::warn!(%from, generation, "too many handshakes at once: connection closed unread");
                     continue;
                 }
+                let from_here = per_source.entry(from.ip()).or_insert(0);
+                if *from_here >= MAX_HANDSHAKES_PER_SOURCE {
+                    tracing::warn!(%from, generation, "too many handshakes at once from this address: connection closed unread");
+                    continue;
+                }
+                *from_here += 1;
                 s.set_nonblocking(false).ok();
                 running += 1;
                 let (tx, key, expect, tls) = (tx.clone(), key.clone(), expect.clone(), tls.clone());
@@ -265,7 +293,7 @@ pub fn accept_peers(
                     .name("mesh-handshake".into())
                     .spawn(move || {
                         let r = accept_link(s, &key, magic, (me, world), expect, tls.as_deref());
-                        let _ = tx.send((r, from.to_string()));
+                        let _ = tx.send((r, from));
                     })
                     .map_err(|e| CommError::Unavailable(format!("handshake thread: {e}")))?;
             }

@@ -319,13 +319,13 @@ pub(crate) fn dial_link(
         .map_err(fail)?
         .next()
         .ok_or_else(|| fail(std::io::Error::other("no address")))?;
-    let mut s = loop {
+    let connect = || loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match TcpStream::connect_timeout(
             &to,
             left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
         ) {
-            Ok(s) => break s,
+            Ok(s) => break Ok(s),
             Err(e) if Instant::now() >= deadline => return Err(fail(e)),
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
@@ -336,10 +336,21 @@ pub(crate) fn dial_link(
         ))
     };
     let Some(tls) = tls else {
-        let left = deadline.saturating_duration_since(Instant::now());
-        auth::dial(&mut s, key, magic, (me, peer, world), left).map_err(refused)?;
-        return Ok(Link::Plain(s));
+        // an acceptor at its bound of handshakes (strangers holding connections open) closes
+        // a connection unread: dial again until the deadline
+        loop {
+            let mut s = connect()?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            match auth::dial(&mut s, key, magic, (me, peer, world), left) {
+                Ok(()) => return Ok(Link::Plain(s)),
+                Err(e) if auth::closed_unread(&e) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(refused(e)),
+            }
+        }
     };
+    let s = connect()?;
     let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     // the handshake and the hello, bounded by the formation's deadline like a plain hello

@@ -94,6 +94,42 @@ fn strangers_at_a_mesh_port_are_refused_and_the_mesh_forms_and_works() {
         std::thread::sleep(Duration::from_millis(20));
     };
     let _silent = TcpStream::connect(&addr).unwrap();
+    // and a flood from another address: up to 200 silent connections held open and opened
+    // again as fast as they are closed, for the whole formation (more than the acceptor's
+    // bound of handshakes, from one stranger)
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let (addr, stop) = (addr.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+            let mut held: Vec<TcpStream> = Vec::new();
+            let mut opened = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // what the acceptor closed (end of stream, a reset) goes; the rest stays open
+                held.retain(|s| {
+                    use std::io::Read;
+                    let mut b = [0u8; 1];
+                    s.set_nonblocking(true).ok();
+                    matches!((&*s).read(&mut b), Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                });
+                // (at most 20 new ones each 50 ms: a flood, not a load that starves the
+                // machine's two cores)
+                let mut fresh = 0;
+                while held.len() < 200 && fresh < 20 {
+                    fresh += 1;
+                    match connect_from("127.0.0.2", port) {
+                        Some(s) => {
+                            held.push(s);
+                            opened += 1;
+                        }
+                        None => break,
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            opened
+        })
+    };
     let mut noise = TcpStream::connect(&addr).unwrap();
     noise.write_all(&[0xFF; 64]).unwrap();
     let forged = std::thread::spawn(move || {
@@ -113,6 +149,41 @@ fn strangers_at_a_mesh_port_are_refused_and_the_mesh_forms_and_works() {
     }
     let e = forged.join().unwrap().unwrap_err();
     assert!(e.contains("mesh key"), "{e}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let opened = flood.join().unwrap();
+    // more than the acceptor's whole bound of handshakes before (32), which such a flood kept
+    // full: rank 1 then never got through
+    assert!(
+        opened > 2 * ductile_comm::auth::MAX_HANDSHAKES_PER_SOURCE as u64,
+        "the flood opened {opened} connections"
+    );
+}
+
+/// A TCP connection to 127.0.0.1:`port` from the loopback address `from` (another source
+/// than the ranks', which are all 127.0.0.1 here).
+fn connect_from(from: &str, port: u16) -> Option<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    let ip = |a: &str| u32::from(a.parse::<std::net::Ipv4Addr>().unwrap()).to_be();
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let mut local: libc::sockaddr_in = std::mem::zeroed();
+        local.sin_family = libc::AF_INET as libc::sa_family_t;
+        local.sin_addr.s_addr = ip(from);
+        let mut remote = local;
+        remote.sin_addr.s_addr = ip("127.0.0.1");
+        remote.sin_port = port.to_be();
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        if libc::bind(fd, &local as *const _ as *const libc::sockaddr, len) != 0
+            || libc::connect(fd, &remote as *const _ as *const libc::sockaddr, len) != 0
+        {
+            libc::close(fd);
+            return None;
+        }
+        Some(std::net::TcpStream::from_raw_fd(fd))
+    }
 }
 
 #[test]
