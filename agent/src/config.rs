@@ -376,7 +376,9 @@ impl JobUsers {
         let first: u32 = a.trim().parse().map_err(|e| bad(format!("{a:?}: {e}")))?;
         let last: u32 = b.trim().parse().map_err(|e| bad(format!("{b:?}: {e}")))?;
         if first < 1000 || last < first {
-            return Err(bad("FIRST must be at least 1000 and LAST at least FIRST".into()));
+            return Err(bad(
+                "FIRST must be at least 1000 and LAST at least FIRST".into()
+            ));
         }
         if last >= u32::MAX - 1 || (first..=last).contains(&65534) {
             return Err(bad("it includes nobody (65534) or the invalid uid".into()));
@@ -572,7 +574,8 @@ impl Config {
                 let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
                 let r = JobUsers::parse(&range, &passwd)?;
                 // CAP_CHOWN (bit 0): each job's working directory is made its user's
-                if !checking && !nix::unistd::geteuid().is_root() && !has_caps(1 | 1 << 6 | 1 << 7) {
+                if !checking && !nix::unistd::geteuid().is_root() && !has_caps(1 | 1 << 6 | 1 << 7)
+                {
                     anyhow::bail!(
                         "invalid job_users {range:?}: this agent (uid {}) cannot run jobs as users of their own: run it as root, or with CAP_SETUID, CAP_SETGID and CAP_CHOWN (the shipped unit gives them)",
                         nix::unistd::geteuid()
@@ -588,7 +591,9 @@ impl Config {
                     anyhow::bail!("invalid job_group {name:?}: it applies with job_users only");
                 }
                 let g = nix::unistd::Group::from_name(&name)
-                    .map_err(|e| anyhow::anyhow!("invalid job_group {name:?}: cannot look it up: {e}"))?
+                    .map_err(|e| {
+                        anyhow::anyhow!("invalid job_group {name:?}: cannot look it up: {e}")
+                    })?
                     .ok_or_else(|| anyhow::anyhow!("invalid job_group {name:?}: no such group"))?;
                 if g.gid.as_raw() == 0 {
                     anyhow::bail!("invalid job_group {name:?}: it is root's group");

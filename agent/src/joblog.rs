@@ -253,7 +253,8 @@ mod tests {
     /// slot's file.
     #[test]
     fn no_symlink_on_the_way_to_a_log_is_followed() {
-        let base = std::env::temp_dir().join(format!("ductile-joblog-links-{}", std::process::id()));
+        let base =
+            std::env::temp_dir().join(format!("ductile-joblog-links-{}", std::process::id()));
         let _ = fs::remove_dir_all(&base);
         let target = base.join("target");
         fs::create_dir_all(&target).unwrap();

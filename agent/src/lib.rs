@@ -749,10 +749,9 @@ impl Agent {
                         number
                     } else {
                         // an older leader's view: a stable number from the name
-                        job.bytes()
-                            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-                            })
+                        job.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+                        })
                     };
                     let held: std::collections::BTreeSet<u32> =
                         self.job_uids.values().copied().collect();

@@ -41,8 +41,11 @@ pub fn prepare_root(root: &Path) -> Result<bool, String> {
                 root.display()
             ));
         }
-        std::fs::write(&marker, "ductile-agent's work root: each job's private directory\n")
-            .map_err(|e| format!("{}: {e}", marker.display()))?;
+        std::fs::write(
+            &marker,
+            "ductile-agent's work root: each job's private directory\n",
+        )
+        .map_err(|e| format!("{}: {e}", marker.display()))?;
     }
     if md.uid() == nix::unistd::geteuid().as_raw() && md.mode() & 0o7777 != 0o711 {
         std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711))
@@ -72,9 +75,7 @@ pub fn make(root: &Path, job: &str, owner: Option<(u32, u32)>) -> Result<PathBuf
         )
     });
     match std::fs::symlink_metadata(&dir) {
-        Ok(md) if md.is_dir() && md.uid() == uid && md.mode() & 0o7777 == 0o700 => {
-            return Ok(dir)
-        }
+        Ok(md) if md.is_dir() && md.uid() == uid && md.mode() & 0o7777 == 0o700 => return Ok(dir),
         Ok(md) if md.is_dir() => remove(root, job)?,
         Ok(_) => std::fs::remove_file(&dir).map_err(|e| format!("{}: {e}", dir.display()))?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -86,8 +87,7 @@ pub fn make(root: &Path, job: &str, owner: Option<(u32, u32)>) -> Result<PathBuf
         .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
     if owner.is_some() {
         // lchown: the name was just made by this agent in its own directory
-        std::os::unix::fs::lchown(&dir, Some(uid), Some(gid))
-        .map_err(|e| {
+        std::os::unix::fs::lchown(&dir, Some(uid), Some(gid)).map_err(|e| {
             format!(
                 "cannot give {} to uid {uid}: {e} (the agent needs root or CAP_CHOWN)",
                 dir.display()
@@ -175,16 +175,25 @@ mod tests {
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::fs::write(d.join("json.py"), "raise SystemExit('planted')").unwrap();
         let d = make(&root, "j", None).unwrap();
-        assert!(!d.join("json.py").exists(), "a directory of the wrong mode is made afresh");
+        assert!(
+            !d.join("json.py").exists(),
+            "a directory of the wrong mode is made afresh"
+        );
         assert_eq!(std::fs::metadata(&d).unwrap().mode() & 0o777, 0o700);
         std::fs::write(d.join("out.txt"), "kept while the job runs").unwrap();
         let d = make(&root, "j", None).unwrap();
-        assert!(d.join("out.txt").exists(), "the job's own directory is kept");
+        assert!(
+            d.join("out.txt").exists(),
+            "the job's own directory is kept"
+        );
         std::os::unix::fs::symlink(&elsewhere, d.join("link")).unwrap();
         std::fs::write(elsewhere.join("precious"), "x").unwrap();
         remove(&root, "j").unwrap();
         assert!(!d.exists());
-        assert!(elsewhere.join("precious").exists(), "removal follows no link");
+        assert!(
+            elsewhere.join("precious").exists(),
+            "removal follows no link"
+        );
         assert!(make(&root, "../x", None).is_err());
         let _ = std::fs::remove_dir_all(&t);
     }

@@ -4443,10 +4443,15 @@ mod policy_tests {
             ..AgentPolicy::default()
         };
         let (field, why) = p
-            .check(&spec("command = [\"/usr/bin/python3\", \"-c\", \"import os\"]\n"))
+            .check(&spec(
+                "command = [\"/usr/bin/python3\", \"-c\", \"import os\"]\n",
+            ))
             .unwrap_err();
         assert_eq!(field, "command");
-        assert!(why.contains("direct_commands") && why.contains("torchrun"), "{why}");
+        assert!(
+            why.contains("direct_commands") && why.contains("torchrun"),
+            "{why}"
+        );
         // the same interpreter under a launcher is the torchrun checks' business
         let (field, why) = p
             .check(&spec(
@@ -4470,7 +4475,9 @@ mod policy_tests {
             "PATH",
         ] {
             let (field, why) = p
-                .check(&spec(&format!("command = [\"ductile-worker\"]\nenv = {{ {k} = \"/tmp/x.so\" }}\n")))
+                .check(&spec(&format!(
+                    "command = [\"ductile-worker\"]\nenv = {{ {k} = \"/tmp/x.so\" }}\n"
+                )))
                 .unwrap_err();
             assert_eq!(field, format!("env.{k}"));
             assert!(why.contains("no job may set it"), "{k}: {why}");
@@ -4480,14 +4487,21 @@ mod policy_tests {
             ..p.clone()
         };
         let (field, why) = no_tf
-            .check(&spec("runtime = \"tf\"\ncommand = [\"/usr/bin/python3\", \"/srv/t.py\"]\n"))
+            .check(&spec(
+                "runtime = \"tf\"\ncommand = [\"/usr/bin/python3\", \"/srv/t.py\"]\n",
+            ))
             .unwrap_err();
         assert_eq!(field, "runtime");
         assert!(why.contains("allowed_runtimes"), "{why}");
-        assert_eq!(no_tf.check(&spec("command = [\"ductile-worker\"]\n")), Ok(()));
+        assert_eq!(
+            no_tf.check(&spec("command = [\"ductile-worker\"]\n")),
+            Ok(())
+        );
         // what allowed_env adds that loads nothing still passes
         assert_eq!(
-            p.check(&spec("command = [\"ductile-worker\"]\nenv = { ACME_LEVEL = \"3\" }\n")),
+            p.check(&spec(
+                "command = [\"ductile-worker\"]\nenv = { ACME_LEVEL = \"3\" }\n"
+            )),
             Ok(())
         );
     }

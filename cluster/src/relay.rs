@@ -344,7 +344,9 @@ mod tests {
         let up_addr = up.local_addr().unwrap().to_string();
         tokio::spawn(async move {
             loop {
-                let Ok((mut s, _)) = up.accept().await else { return };
+                let Ok((mut s, _)) = up.accept().await else {
+                    return;
+                };
                 use tokio::io::AsyncWriteExt;
                 let _ = s.write_all(b"UP").await;
             }
@@ -353,7 +355,9 @@ mod tests {
         let port = relay.local_addr().unwrap().port();
         tokio::spawn(serve(relay, fixed(vec![up_addr]), None, None, Some(me)));
         // this process's own user is relayed, and its socket's owner reads as this uid
-        let mut own = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let mut own = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
         let (l, r) = (own.local_addr().unwrap(), own.peer_addr().unwrap());
         assert_eq!(socket_uid(l, r), Some(me));
         let mut buf = [0u8; 2];
@@ -376,7 +380,11 @@ mod tests {
             .await
             .unwrap();
         let out = String::from_utf8_lossy(&other.stdout);
-        assert!(other.status.success(), "{out}{}", String::from_utf8_lossy(&other.stderr));
+        assert!(
+            other.status.success(),
+            "{out}{}",
+            String::from_utf8_lossy(&other.stderr)
+        );
         // closed unread: the other user reads end-of-stream, never the lighthouse
         assert_eq!(out.trim(), "b''");
     }

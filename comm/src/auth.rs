@@ -247,7 +247,10 @@ pub fn accept_peers(
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::Unavailable(e.to_string()))?;
-    type Handshake = (std::result::Result<(u32, Link), String>, std::net::SocketAddr);
+    type Handshake = (
+        std::result::Result<(u32, Link), String>,
+        std::net::SocketAddr,
+    );
     let (tx, rx) = mpsc::channel::<Handshake>();
     let mut running = 0usize;
     let mut per_source: std::collections::HashMap<std::net::IpAddr, usize> = Default::default();

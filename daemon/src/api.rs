@@ -626,11 +626,7 @@ async fn readyz(State(st): State<AppState>) -> ApiResult<&'static str> {
 /// A tenant submits only under its own prefix, and within its `max_slots`: the sum of `max`
 /// over its unfinished jobs, this one included (one of the same name that has finished is
 /// replaced, so it does not count).
-fn tenant_may_submit(
-    st: &AppState,
-    t: &crate::tenants::Tenant,
-    spec: &JobSpec,
-) -> ApiResult<()> {
+fn tenant_may_submit(st: &AppState, t: &crate::tenants::Tenant, spec: &JobSpec) -> ApiResult<()> {
     if !t.owns(&spec.name) {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,

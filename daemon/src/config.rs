@@ -346,7 +346,10 @@ impl Config {
         }
         for t in &self.tenants {
             if t.matches(self.token.expose())
-                || self.read_token.as_ref().is_some_and(|r| t.matches(r.expose()))
+                || self
+                    .read_token
+                    .as_ref()
+                    .is_some_and(|r| t.matches(r.expose()))
             {
                 anyhow::bail!(
                     "invalid tenants_file: tenant {:?}'s token is the admin or the read-only token; give it a token of its own",
@@ -470,16 +473,41 @@ mod tests {
         // a certificate the loader can read (openssl: set-up installs it)
         let (cert, key) = (dir.join("api.pem"), dir.join("api-key.pem"));
         let made = std::process::Command::new("openssl")
-            .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=api"])
+            .args([
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=api",
+            ])
             .arg("-keyout")
             .arg(&key)
             .arg("-out")
             .arg(&cert)
             .output()
             .unwrap();
-        assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
-        let tls = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
-        let far: Vec<&str> = ["--listen", "0.0.0.0:7420"].iter().chain(&tls).copied().collect();
+        assert!(
+            made.status.success(),
+            "{}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+        let tls = [
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ];
+        let far: Vec<&str> = ["--listen", "0.0.0.0:7420"]
+            .iter()
+            .chain(&tls)
+            .copied()
+            .collect();
         assert!(load(&far).metrics_need_token);
         let mut off = far.clone();
         off.extend(["--metrics-need-token", "false"]);

@@ -1933,7 +1933,11 @@ mod tests {
             ductile_cluster::Keys::new("/t"),
         );
         let cancel = CancellationToken::new();
-        let lh = Arc::new(Lighthouse::new(store, LighthouseOpt::default(), cancel.clone()));
+        let lh = Arc::new(Lighthouse::new(
+            store,
+            LighthouseOpt::default(),
+            cancel.clone(),
+        ));
         // a room of one replica group: 8 calls may wait (no leader decides here: they wait)
         let mut held = Vec::new();
         for _ in 0..8 {
@@ -1958,7 +1962,10 @@ mod tests {
             lh.quorum_limited("job-b", member("s0", 1), Some(1)),
         )
         .await;
-        assert!(other.is_err(), "another room's call waits, not refused: {other:?}");
+        assert!(
+            other.is_err(),
+            "another room's call waits, not refused: {other:?}"
+        );
         // the calls that end give their share back
         for h in &held {
             h.abort();

@@ -77,25 +77,40 @@ pub fn parse(text: &str) -> Result<Vec<Tenant>, String> {
     let mut out: Vec<Tenant> = Vec::new();
     for (i, e) in f.tenant.into_iter().enumerate() {
         let at = format!("tenant {} ({:?})", i + 1, e.name);
-        if e.name.is_empty() || !e.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        if e.name.is_empty()
+            || !e
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
             return Err(format!("{at}: name must be letters, digits, - or _"));
         }
-        let submit = match e.scope.as_str() {
-            "submit" => true,
-            "read" => false,
-            s => return Err(format!("{at}: scope {s:?} is not \"submit\" or \"read\" (admin is the admin token's)")),
-        };
+        let submit =
+            match e.scope.as_str() {
+                "submit" => true,
+                "read" => false,
+                s => return Err(format!(
+                    "{at}: scope {s:?} is not \"submit\" or \"read\" (admin is the admin token's)"
+                )),
+            };
         let jobs = e.jobs.unwrap_or_else(|| format!("{}-", e.name));
         if jobs.is_empty() {
-            return Err(format!("{at}: jobs (the job-name prefix) must not be empty: that would be every job"));
+            return Err(format!(
+                "{at}: jobs (the job-name prefix) must not be empty: that would be every job"
+            ));
         }
         let raw = e.token_sha256.trim().to_ascii_lowercase();
         let bytes: Vec<u8> = (0..raw.len())
             .step_by(2)
-            .map(|j| raw.get(j..j + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+            .map(|j| {
+                raw.get(j..j + 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+            })
             .collect::<Option<_>>()
             .filter(|b: &Vec<u8>| b.len() == 32 && raw.len() == 64)
-            .ok_or_else(|| format!("{at}: token_sha256 must be 64 hex digits (printf %s TOKEN | sha256sum)"))?;
+            .ok_or_else(|| {
+                format!("{at}: token_sha256 must be 64 hex digits (printf %s TOKEN | sha256sum)")
+            })?;
         if let Some(o) = out
             .iter()
             .find(|o| o.jobs.starts_with(&jobs) || jobs.starts_with(&o.jobs))

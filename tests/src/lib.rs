@@ -292,7 +292,11 @@ impl Proc {
     /// What an operator's `systemctl restart` does across an upgrade: SIGTERM, wait up to
     /// `limit` for the process to exit (SIGKILL after), then start `program` (the new release's
     /// binary) with the same arguments. Returns how the old process ended.
-    pub fn replace_with(&mut self, program: &Path, limit: Duration) -> Option<std::process::ExitStatus> {
+    pub fn replace_with(
+        &mut self,
+        program: &Path,
+        limit: Duration,
+    ) -> Option<std::process::ExitStatus> {
         self.terminate();
         let ended = self.wait_exit(limit);
         self.kill();

@@ -559,7 +559,11 @@ fn jobs_on_one_node_run_as_users_of_their_own_and_see_nothing_of_each_other_or_t
         let own = work.join(name);
         assert_eq!(s["cwd"], own.display().to_string());
         let md = std::fs::symlink_metadata(&own).unwrap();
-        assert_eq!((md.uid() as u64, md.mode() & 0o7777), (uid, 0o700), "{name}");
+        assert_eq!(
+            (md.uid() as u64, md.mode() & 0o7777),
+            (uid, 0o700),
+            "{name}"
+        );
         assert!(own.join("mine.txt").exists());
     }
     assert_eq!(
@@ -593,7 +597,10 @@ fn jobs_on_one_node_run_as_users_of_their_own_and_see_nothing_of_each_other_or_t
         .unwrap()
         .parse()
         .unwrap();
-    assert!((70000..=70099).contains(&uid) && uid != ua && uid != ub, "{uid}");
+    assert!(
+        (70000..=70099).contains(&uid) && uid != ua && uid != ub,
+        "{uid}"
+    );
 
     // a job that ends takes its directory with it
     c.dctl_ok(&["stop", "ta"]);
@@ -640,7 +647,10 @@ fn tenants_see_and_act_on_their_own_jobs_only_within_their_slots() {
         ..Spec::default().agents(2, 2)
     });
     let sleeper = |name: &str, max: u32| {
-        format!("{}command = [\"sleep\", \"600\"]\n", job_toml(name, 1, max, 1))
+        format!(
+            "{}command = [\"sleep\", \"600\"]\n",
+            job_toml(name, 1, max, 1)
+        )
     };
     let submit_as = |token: &str, toml: &str| {
         let p = c.dir.path().join("t.toml");
@@ -654,7 +664,10 @@ fn tenants_see_and_act_on_their_own_jobs_only_within_their_slots() {
     c.wait_world("other-1", 1, S(30));
     // not under its prefix; past its slots (2 asked + 2 > 3)
     let (ok, _, err) = submit_as(vision, &sleeper("other-2", 1));
-    assert!(!ok && err.contains("tenant \"vision\"") && err.contains("vision-*"), "{err}");
+    assert!(
+        !ok && err.contains("tenant \"vision\"") && err.contains("vision-*"),
+        "{err}"
+    );
     let (ok, _, err) = submit_as(vision, &sleeper("vision-b", 2));
     assert!(!ok && err.contains("max_slots"), "{err}");
     let (ok, _, err) = submit_as(vision, &sleeper("vision-b", 1));
@@ -662,7 +675,10 @@ fn tenants_see_and_act_on_their_own_jobs_only_within_their_slots() {
     // what it sees: its jobs, its workers; another's job is refused whether it exists or not
     let (ok, out, err) = c.dctl_as(vision, &["status", "--json"]);
     assert!(ok, "{err}");
-    assert!(out.contains("vision-a") && !out.contains("other-1"), "{out}");
+    assert!(
+        out.contains("vision-a") && !out.contains("other-1"),
+        "{out}"
+    );
     for args in [
         &["status", "other-1"][..],
         &["status", "no-such-job"],
@@ -671,10 +687,16 @@ fn tenants_see_and_act_on_their_own_jobs_only_within_their_slots() {
         &["logs", "other-1"],
     ] {
         let (ok, _, err) = c.dctl_as(vision, args);
-        assert!(!ok && err.contains("its own jobs only") && err.contains("admin token"), "{args:?}: {err}");
+        assert!(
+            !ok && err.contains("its own jobs only") && err.contains("admin token"),
+            "{args:?}: {err}"
+        );
     }
     let (ok, out, _) = c.dctl_as(vision, &["nodes", "--json"]);
-    assert!(ok && out.contains("vision-a") && !out.contains("other-1"), "{out}");
+    assert!(
+        ok && out.contains("vision-a") && !out.contains("other-1"),
+        "{out}"
+    );
     let (ok, _, err) = c.dctl_as(vision, &["drain", "node1"]);
     assert!(!ok && err.contains("needs the admin token"), "{err}");
     let (code, body) = http(
@@ -685,7 +707,10 @@ fn tenants_see_and_act_on_their_own_jobs_only_within_their_slots() {
     )
     .unwrap();
     // (a loopback daemon's /metrics needs no token; with one, a tenant's is refused)
-    assert!(code == 200 || (code == 403 && body.contains("tenant")), "{code} {body}");
+    assert!(
+        code == 200 || (code == 403 && body.contains("tenant")),
+        "{code} {body}"
+    );
     // its own: scale, logs, stop
     c.dctl_ok(&["status", "vision-a"]);
     let (ok, _, err) = c.dctl_as(vision, &["scale", "vision-a", "2"]);
@@ -694,7 +719,10 @@ fn tenants_see_and_act_on_their_own_jobs_only_within_their_slots() {
     assert!(ok, "{err}");
     // a read tenant: reads its own (none yet), changes nothing
     let (ok, out, _) = c.dctl_as(audio, &["status", "--json"]);
-    assert!(ok && !out.contains("vision-a") && !out.contains("other-1"), "{out}");
+    assert!(
+        ok && !out.contains("vision-a") && !out.contains("other-1"),
+        "{out}"
+    );
     let (ok, _, err) = submit_as(audio, &sleeper("audio-x", 1));
     assert!(!ok && err.contains("tenant \"audio\""), "{err}");
     // the operator takes vision's token away: after a reload it is refused

@@ -438,7 +438,10 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
         s.lines()
             .find(|l| l.contains("may not enter it"))
             .and_then(|l| l.split("message:").nth(1)?.split(", details").next())
-            .map(|m| m.replace("job-no-such-job", "ROOM").replace("job-ft", "ROOM"))
+            .map(|m| {
+                m.replace("job-no-such-job", "ROOM")
+                    .replace("job-ft", "ROOM")
+            })
     };
     assert!(answer(&ghost).is_some(), "{ghost}");
     assert_eq!(answer(&ghost), answer(&said), "{ghost}\n{said}");

@@ -184,7 +184,10 @@ fn records_the_previous_release_wrote_decode_into_this_release_s_types_with_noth
         "Checkpoint",
         "Assignment",
     ] {
-        assert!(kinds.contains(want), "the fixture has no {want} record: {kinds:?}");
+        assert!(
+            kinds.contains(want),
+            "the fixture has no {want} record: {kinds:?}"
+        );
     }
 }
 
@@ -202,10 +205,18 @@ fn this_release_s_daemon_serves_the_cluster_state_the_previous_release_left() {
         let store = c.store().await;
         let lease = store.backend.grant(60).await.unwrap();
         // not the old replicas' election keys: those replicas are gone, and this one leads
-        for r in f.records.iter().filter(|r| !r.key.starts_with("/ductile/v1/election")) {
+        for r in f
+            .records
+            .iter()
+            .filter(|r| !r.key.starts_with("/ductile/v1/election"))
+        {
             store
                 .backend
-                .put(&r.key, r.value.clone().into_bytes(), r.leased.then_some(lease))
+                .put(
+                    &r.key,
+                    r.value.clone().into_bytes(),
+                    r.leased.then_some(lease),
+                )
                 .await
                 .unwrap();
         }
@@ -253,9 +264,16 @@ fn this_release_s_daemon_serves_the_cluster_state_the_previous_release_left() {
         c.leader().filter(|l| l == "daemon0")
     });
     let nodes = c.dctl_ok(&["nodes", "--json"]);
-    for r in f.records.iter().filter(|r| r.key.starts_with("/ductile/v1/nodes/")) {
+    for r in f
+        .records
+        .iter()
+        .filter(|r| r.key.starts_with("/ductile/v1/nodes/"))
+    {
         let name = r.key.rsplit('/').next().unwrap();
-        assert!(nodes.contains(&format!("\"{name}\"")), "{name} missing: {nodes}");
+        assert!(
+            nodes.contains(&format!("\"{name}\"")),
+            "{name} missing: {nodes}"
+        );
     }
     let logs = c.logs();
     assert!(
@@ -266,10 +284,9 @@ fn this_release_s_daemon_serves_the_cluster_state_the_previous_release_left() {
 
 /// The previous release's binaries (`DUCTILE_PREV_BIN_DIR`).
 fn prev_bin_dir() -> PathBuf {
-    let d = PathBuf::from(
-        std::env::var_os("DUCTILE_PREV_BIN_DIR")
-            .expect("DUCTILE_PREV_BIN_DIR: the previous release's binaries (scripts/upgrade-check.sh)"),
-    );
+    let d = PathBuf::from(std::env::var_os("DUCTILE_PREV_BIN_DIR").expect(
+        "DUCTILE_PREV_BIN_DIR: the previous release's binaries (scripts/upgrade-check.sh)",
+    ));
     for b in ["ductiled", "ductile-agent", "ductile-worker"] {
         assert!(d.join(b).is_file(), "{} has no {b}", d.display());
     }
@@ -307,7 +324,10 @@ fn a_rolling_upgrade_from_the_previous_release_keeps_a_job_training() {
     // the old release runs everything
     for m in &v.members {
         let exe = exe_of(m.pid.unwrap());
-        assert!(exe.starts_with(&prev), "{exe:?} is not the previous release's");
+        assert!(
+            exe.starts_with(&prev),
+            "{exe:?} is not the previous release's"
+        );
     }
     c.wait_step("up", 250, S(120));
     // what the old release keeps in etcd: this release reads it all, nothing lost
@@ -342,10 +362,14 @@ fn a_rolling_upgrade_from_the_previous_release_keeps_a_job_training() {
     for node in ["node1", "node2"] {
         let s = c.status("up").step;
         c.upgrade_agent(node, S(60));
-        c.wait_for(S(60), &format!("the job back at 4 workers after {node}'s upgrade"), || {
-            let v = c.status("up");
-            (v.members.len() == 4 && v.world_size == 4).then_some(())
-        });
+        c.wait_for(
+            S(60),
+            &format!("the job back at 4 workers after {node}'s upgrade"),
+            || {
+                let v = c.status("up");
+                (v.members.len() == 4 && v.world_size == 4).then_some(())
+            },
+        );
         c.wait_step("up", s + 50, S(120));
     }
     // everything runs this release now
