@@ -737,6 +737,28 @@ impl Agent {
         self.tidy_work_dirs();
     }
 
+    /// The job's own S3 credentials (`job_credentials_dir/JOB.env`; none without the setting
+    /// or the file); None when the file is unusable: the slot has then failed for good, saying
+    /// why.
+    fn job_credentials(
+        &mut self,
+        key: &SlotKey,
+        generation: u64,
+    ) -> Option<std::collections::BTreeMap<String, String>> {
+        let Some(dir) = &self.cfg.job_credentials_dir else {
+            return Some(Default::default());
+        };
+        match secrets::job_credentials(dir, &key.0) {
+            Ok(c) => Some(c),
+            Err(why) => {
+                tracing::error!(job = %key.0, slot = key.1, %why, "the job's credentials file is unusable");
+                let exit = format!("agent {}: job credentials: {why}", self.node.name);
+                self.fail_for_good(key.clone(), generation, exit);
+                None
+            }
+        }
+    }
+
     /// The identity job `job` (cluster-wide number `number`) runs as on this node: its own
     /// uid from `job_users` (the one its number prefers unless another job here holds it),
     /// or `worker_user`, or None (the agent's own). (uid, gid, name)
@@ -1014,22 +1036,12 @@ impl Agent {
                 config::WorkerCredentials::Node => {
                     cmd.envs(std::env::vars().filter(|(k, _)| k.starts_with("AWS_")));
                 }
-                config::WorkerCredentials::Job => {
-                    if let Some(dir) = &self.cfg.job_credentials_dir {
-                        match secrets::job_credentials(dir, &key.0) {
-                            Ok(c) => {
-                                cmd.envs(c);
-                            }
-                            Err(why) => {
-                                tracing::error!(job = %key.0, slot = key.1, %why, "the job's credentials file is unusable");
-                                let exit =
-                                    format!("agent {}: job credentials: {why}", self.node.name);
-                                self.fail_for_good(key, j.generation, exit);
-                                return;
-                            }
-                        }
+                config::WorkerCredentials::Job => match self.job_credentials(&key, j.generation) {
+                    Some(c) => {
+                        cmd.envs(c);
                     }
-                }
+                    None => return,
+                },
             }
         }
         // the job's identity on this node, and its private directory (HOME, and the working
@@ -1145,17 +1157,8 @@ impl Agent {
         // programs) come on an inherited pipe, not in an environment its program can read
         let mut secrets_fd = None;
         if torchrun {
-            let program_env = match &self.cfg.job_credentials_dir {
-                Some(dir) => match secrets::job_credentials(dir, &key.0) {
-                    Ok(c) => c,
-                    Err(why) => {
-                        tracing::error!(job = %key.0, slot = key.1, %why, "the job's credentials file is unusable");
-                        let exit = format!("agent {}: job credentials: {why}", self.node.name);
-                        self.fail_for_good(key, j.generation, exit);
-                        return;
-                    }
-                },
-                None => Default::default(),
+            let Some(program_env) = self.job_credentials(&key, j.generation) else {
+                return;
             };
             let payload = serde_json::json!({
                 "etcd_password": job_user.as_ref().map(|(_, p)| p.expose().to_string()),

@@ -217,10 +217,12 @@ pub async fn serve(
             match socket_uid(peer, here) {
                 Some(u) if u == uid => {}
                 found => {
-                    eprintln!(
-                        "torchft-relay: PERMISSION_DENIED: {peer} is {} (this relay serves uid {uid}, its job's, only); closed",
+                    let why = format!(
+                        "this lighthouse relay serves its job's own processes (uid {uid}) only; {peer} is {}",
                         found.map_or("a socket whose owner could not be read".to_string(), |u| format!("uid {u}'s"))
                     );
+                    eprintln!("torchft-relay: PERMISSION_DENIED: {why}");
+                    tokio::spawn(deny_grpc(client, why));
                     continue;
                 }
             }
@@ -289,6 +291,43 @@ pub async fn run(
     serve(listener, fixed(upstreams), room, tls, None).await
 }
 
+/// Answers every gRPC call on `io` with `PERMISSION_DENIED` and `why` (a trailers-only
+/// response), then closes, all within 10 s: what a process that may not reach the room sees,
+/// in its own client's words.
+pub async fn deny_grpc<T: AsyncRead + AsyncWrite + Unpin>(io: T, why: String) {
+    // grpc-message is percent-encoded: printable ASCII but '%' as is
+    let message: String = why
+        .bytes()
+        .map(|b| match b {
+            0x20..=0x7e if b != b'%' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let Ok(Ok(mut conn)) = tokio::time::timeout_at(deadline, h2::server::handshake(io)).await
+    else {
+        return;
+    };
+    while let Ok(Some(Ok((_req, mut respond)))) =
+        tokio::time::timeout_at(deadline, conn.accept()).await
+    {
+        let resp = http::Response::builder()
+            .status(200)
+            .header("content-type", "application/grpc")
+            .header("grpc-status", "7")
+            .header("grpc-message", message.as_str())
+            .body(())
+            .expect("a well-formed response");
+        let _ = respond.send_response(resp, true);
+    }
+    conn.graceful_shutdown();
+    let _ = tokio::time::timeout_at(
+        deadline,
+        futures_util::future::poll_fn(|cx| conn.poll_closed(cx)),
+    )
+    .await;
+}
+
 /// The uid that owns the loopback TCP socket `local` → `remote` (a client's end, as the
 /// kernel lists it in /proc/net/tcp or tcp6), if listed.
 pub fn socket_uid(local: std::net::SocketAddr, remote: std::net::SocketAddr) -> Option<u32> {
@@ -334,8 +373,45 @@ mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt;
 
+    /// A refused client hears `PERMISSION_DENIED` from its gRPC client, saying why (here the
+    /// relay serves another uid than this test's, so this test's own connection is refused).
+    #[tokio::test]
+    async fn a_refused_grpc_call_gets_permission_denied() {
+        let me = std::fs::metadata("/proc/self").unwrap().uid();
+        let relay = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = relay.local_addr().unwrap();
+        tokio::spawn(serve(
+            relay,
+            fixed(vec!["127.0.0.1:9".into()]),
+            None,
+            None,
+            Some(me.wrapping_add(1)),
+        ));
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let (mut client, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        let req = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://{addr}/torchft.LighthouseService/Quorum"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let (resp, _) = client.send_request(req, true).unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+            .await
+            .expect("answered at once")
+            .unwrap();
+        assert_eq!(resp.headers()["grpc-status"], "7");
+        let msg = resp.headers()["grpc-message"].to_str().unwrap().to_string();
+        assert!(
+            msg.contains("its job's own processes") && msg.contains(&format!("uid {me}")),
+            "{msg}"
+        );
+    }
+
     /// Issue 66: a torchft job's relay serves its own user only. A process of another user
-    /// that finds the port is closed on, unread; the job's own is relayed.
+    /// that finds the port is refused (PERMISSION_DENIED); the job's own is relayed.
     #[tokio::test]
     async fn the_relay_serves_its_own_user_only() {
         let me = std::fs::metadata("/proc/self").unwrap().uid();
@@ -385,7 +461,8 @@ mod tests {
             "{out}{}",
             String::from_utf8_lossy(&other.stderr)
         );
-        // closed unread: the other user reads end-of-stream, never the lighthouse
-        assert_eq!(out.trim(), "b''");
+        // refused: the other user reads the relay's own HTTP/2 (a SETTINGS frame, type 4, to
+        // answer its calls with PERMISSION_DENIED), never the lighthouse's greeting
+        assert!(!out.contains("UP") && out.trim() != "b''", "{out}");
     }
 }

@@ -85,14 +85,15 @@ pub fn parse(text: &str) -> Result<Vec<Tenant>, String> {
         {
             return Err(format!("{at}: name must be letters, digits, - or _"));
         }
-        let submit =
-            match e.scope.as_str() {
-                "submit" => true,
-                "read" => false,
-                s => return Err(format!(
+        let submit = match e.scope.as_str() {
+            "submit" => true,
+            "read" => false,
+            s => {
+                return Err(format!(
                     "{at}: scope {s:?} is not \"submit\" or \"read\" (admin is the admin token's)"
-                )),
-            };
+                ))
+            }
+        };
         let jobs = e.jobs.unwrap_or_else(|| format!("{}-", e.name));
         if jobs.is_empty() {
             return Err(format!(

@@ -389,50 +389,37 @@ fn training_torchft_job_groups_restart_alone_heal_rejoin_and_scale() {
     );
     let wrong_key = d.join("wrong.key");
     std::fs::write(&wrong_key, "00112233").unwrap();
-    let relay_port = free_port();
-    let _relay = Proc::start(
-        "hostile-relay",
-        &bin("dctl"),
-        &[
-            "torchft-relay".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{relay_port}"),
-            "--to".into(),
-            format!("127.0.0.1:{}", c.torchft_ports[0]),
-            "--job".into(),
-            "ft".into(),
-            "--key-file".into(),
-            wrong_key.display().to_string(),
-        ],
-        &[],
-        d.join("hostile-relay.log"),
-    );
-    std::thread::sleep(Duration::from_millis(500));
+    // a relay of `dctl torchft-relay` into `job`'s room with the wrong key: its port
+    let wrong_relay = |name: &str, job: &str| -> (Proc, u16) {
+        let port = free_port();
+        let p = Proc::start(
+            name,
+            &bin("dctl"),
+            &[
+                "torchft-relay".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}"),
+                "--to".into(),
+                format!("127.0.0.1:{}", c.torchft_ports[0]),
+                "--job".into(),
+                job.into(),
+                "--key-file".into(),
+                wrong_key.display().to_string(),
+            ],
+            &[],
+            d.join(format!("{name}.log")),
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        (p, port)
+    };
+    let (_relay, relay_port) = wrong_relay("hostile-relay", "ft");
     let said = hostile(&format!("http://127.0.0.1:{relay_port}"));
     assert!(
         said.contains("refused") && said.contains("may not enter it"),
         "{said}"
     );
     // a room of no job gets the same answer: the preamble does not tell whether a job exists
-    let ghost_port = free_port();
-    let _ghost = Proc::start(
-        "ghost-relay",
-        &bin("dctl"),
-        &[
-            "torchft-relay".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{ghost_port}"),
-            "--to".into(),
-            format!("127.0.0.1:{}", c.torchft_ports[0]),
-            "--job".into(),
-            "no-such-job".into(),
-            "--key-file".into(),
-            wrong_key.display().to_string(),
-        ],
-        &[],
-        d.join("ghost-relay.log"),
-    );
-    std::thread::sleep(Duration::from_millis(500));
+    let (_ghost, ghost_port) = wrong_relay("ghost-relay", "no-such-job");
     let ghost = hostile(&format!("http://127.0.0.1:{ghost_port}"));
     let answer = |s: &str| {
         s.lines()
