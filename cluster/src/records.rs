@@ -2263,6 +2263,16 @@ impl TrainingSpec {
                         format!("{n} is not between 1 and the job's max size {max}"),
                     ));
                 }
+                // (under stages the groups are of a stage's replicas, which the plan chooses)
+                if !over_stages && !max.is_multiple_of(n) {
+                    return Err(ClusterError::invalid(
+                        "training.shard_group",
+                        format!(
+                            "{n} does not divide the job's max size {max}: at a world of {max} the shards would be cut in groups of {} (the largest that divides it); give a divisor of max",
+                            Layout::sharded(max, n).dp_shard
+                        ),
+                    ));
+                }
             }
         }
         if let Some(b) = self.bucket_mb {
@@ -3775,6 +3785,24 @@ keep = 3
         assert_eq!(ShardGroup::Node.size([4, 2]), 2);
         assert_eq!(ShardGroup::Node.size([3, 2]), 1);
         assert_eq!(ShardGroup::Ranks(2).size([3, 2]), 2);
+    }
+
+    #[test]
+    fn a_shard_group_that_does_not_divide_max_is_refused_naming_it() {
+        let t = |max: u32, g: u32| {
+            let spec: TrainingSpec = serde_json::from_str(&format!(
+                r#"{{"model":"mlp","dataset":"file:///d","global_batch":8,"sharding":"optimizer","shard_group":{g}}}"#
+            ))
+            .unwrap();
+            spec.validate(max)
+        };
+        let err = t(4, 3).unwrap_err().to_string();
+        assert!(
+            err.contains("training.shard_group")
+                && err.contains("3 does not divide the job's max size 4"),
+            "{err}"
+        );
+        assert!(t(4, 2).is_ok() && t(6, 3).is_ok() && t(4, 4).is_ok());
     }
 
     #[test]

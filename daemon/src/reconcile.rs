@@ -890,9 +890,32 @@ fn build(
         } else {
             detail
         };
+    if let Some(ShardGroup::Ranks(n)) = spec
+        .training
+        .as_ref()
+        .filter(|t| {
+            t.sharding.is_sharded() && layout.pipeline_parallel * layout.tensor_parallel == 1
+        })
+        .and_then(|t| t.shard_group)
+    {
+        if layout.dp_shard != n.min(layout.data_parallel) {
+            detail = format!(
+                "{detail}; shard_group {n} does not divide world {}: shard groups of {}",
+                layout.data_parallel, layout.dp_shard
+            );
+        }
+    }
     if let Some(lost) = from_checkpoint {
-        detail =
-            format!("{detail}; {lost} lost their only holders: read from the latest checkpoint");
+        // (the workers read the URL itself: the record is what the leader knows of it)
+        detail = match obs.checkpoint.as_ref() {
+            Some(c) => format!(
+                "{detail}; {lost} lost their only holders: read from the latest checkpoint (step {})",
+                c.step
+            ),
+            None => format!(
+                "{detail}; {lost} lost their only holders and the job has no committed checkpoint yet: it starts over from the seed at step 0"
+            ),
+        };
     }
     if !leavers.is_empty() {
         let names: Vec<String> = leavers.iter().map(|(n, s)| format!("{n}/{s}")).collect();

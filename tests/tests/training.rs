@@ -510,6 +510,15 @@ fn hsdp_kill_loses_no_shard(c: &Cluster, at: u64, then: u64) {
             .all(|g| g.state_source != StateSource::Checkpoint),
         "the replica held the killed rank's shard: {h:#?}"
     );
+    // the world of 3 between the kill and the restart: the groups it took are said
+    for g in h.iter().filter(|g| g.world_size == 3) {
+        assert!(
+            g.detail
+                .contains("shard_group 2 does not divide world 3: shard groups of 1"),
+            "{}",
+            g.detail
+        );
+    }
 }
 
 /// Full sharding (issue 47: ZeRO-3 / FSDP): each rank holds its rows of every parameter, of
@@ -732,6 +741,75 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
 /// folded over the logical shards in order, as the tensor layout's step folds them); so does
 /// HSDP under tensor groups (shard groups of one replica), and a cold start of another layout
 /// reads the 2D checkpoint's rows.
+/// A fully sharded job that loses a rank before its first checkpoint commit: the rows only
+/// that rank held are gone and no commit holds them, so the job says once, plainly, that it
+/// starts over from the seed at step 0, and does so in the next generation (no cascade of
+/// generations, no worker saying it stops); it then ends with the uninterrupted run's bits.
+#[test]
+fn training_a_sharded_job_without_a_commit_yet_starts_over_from_the_seed_once_and_says_so() {
+    let c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default().agents(2, 2)
+    });
+    let data = synth(c.dir.path(), "tokens", 20_000);
+    const STEPS: u64 = 80;
+    let recipe = RECIPE
+        .replace("warmup_steps = 100", "warmup_steps = 10")
+        .replace("decay_steps = 300", "decay_steps = 40");
+    let train = |name: &str, extra: &str| {
+        format!(
+            "{}max_steps = {STEPS}\ndeterministic = true\nlogical_shards = 4\n{recipe}{extra}\n[training.model_config]\nd_model = 32\nn_layer = 2\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 100000\n",
+            training_toml(name, 1, 4, 4, "gpt", &data, "restart_budget = 50"),
+            c.dir.path().display()
+        )
+    };
+    c.submit(&train("once", "sharding = \"full\""));
+    c.wait_done("once", S(180));
+    let reference = final_hashes(&c, "once");
+
+    c.submit(&train("over", "sharding = \"full\""));
+    let v = c.wait_world("over", 4, S(30));
+    c.wait_step("over", 8, S(60));
+    let before = c.history("over").last().unwrap().number;
+    unsafe { libc::kill(v.members[1].pid.unwrap() as i32, libc::SIGKILL) };
+    c.wait_done("over", S(180));
+    let after: Vec<Generation> = c
+        .history("over")
+        .into_iter()
+        .filter(|g| g.number > before)
+        .collect();
+    let failures: Vec<&Generation> = after
+        .iter()
+        .filter(|g| g.reason == Reason::Failure)
+        .collect();
+    assert_eq!(failures.len(), 1, "one generation for the loss: {after:#?}");
+    assert!(
+        failures[0]
+            .detail
+            .contains("no committed checkpoint yet: it starts over from the seed at step 0"),
+        "{}",
+        failures[0].detail
+    );
+    let logs = c.logs();
+    let over: Vec<&str> = logs.lines().filter(|l| l.contains("job=over")).collect();
+    assert_eq!(
+        over.iter()
+            .filter(|l| l.contains("the job starts over from the seed at step 0"))
+            .count(),
+        1,
+        "said once: {over:#?}"
+    );
+    assert!(
+        !over.iter().any(|l| l.contains("stopping rather than")),
+        "no worker says it stops: {over:#?}"
+    );
+    assert_eq!(
+        final_hashes(&c, "over"),
+        reference,
+        "the run started over from the seed ends with the uninterrupted run's bits"
+    );
+}
+
 #[test]
 fn training_fully_sharded_under_tensor_groups_trains_as_the_unsharded_tensor_layout() {
     let c = Cluster::start(Spec {

@@ -599,6 +599,13 @@ impl Trainer {
         self.params.iter().map(|p| p.numel()).sum()
     }
 
+    /// The seed's parameters, whole, as a first start makes them (in the optimizer's order):
+    /// what a job starts over from when no rank and no checkpoint holds its state.
+    fn seed_params(&self) -> anyhow::Result<Vec<Tensor>> {
+        let seed = Model::new(&self.spec, &self.data, self.dev)?;
+        Ok(seed.params().into_iter().map(|(_, t)| t.detach()).collect())
+    }
+
     fn tensors(&self) -> Vec<&Tensor> {
         self.params.iter().chain(self.opt.state.iter()).collect()
     }

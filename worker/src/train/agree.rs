@@ -93,6 +93,42 @@ impl Trainer {
         self.resize_params(&release, false);
     }
 
+    /// Start the job over from step 0 with the state a first start makes, for the units
+    /// `mine` (allocated): the seed's parameters (or the model directory's) and zero optimizer
+    /// state. Every rank makes the same seed, so no rank sends any of it.
+    fn start_over_whole(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        need: &[Part],
+        mine: &[Range<usize>],
+    ) -> anyhow::Result<Result<(), CommError>> {
+        self.step = 0;
+        let seed = if self.pretrained() {
+            None
+        } else {
+            Some(self.seed_params()?)
+        };
+        tch::no_grad(|| {
+            for i in (0..self.params.len()).filter(|i| self.holds_param(mine, *i)) {
+                if let Some(seed) = &seed {
+                    let mut p = self.params[i].shallow_clone();
+                    p.set_data(&seed[i].to_device(p.device()));
+                }
+                let mut g = self.params[i].grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+                for mut t in self.opt.state_of(i).into_iter().map(|t| t.shallow_clone()) {
+                    let _ = t.zero_();
+                }
+            }
+        });
+        match seed {
+            Some(_) => Ok(Ok(())),
+            None => self.load_pretrained(comm, need),
+        }
+    }
+
     /// Give the units `want` their storage back (zeros) where it was released, before they
     /// are received or restored.
     pub(super) fn allocate(&mut self, want: &[Range<usize>]) {
@@ -395,12 +431,13 @@ impl Trainer {
             self.step = 0;
             *pending = None;
             self.allocate(&mine);
-            let r = self.restore(comm, &need)?;
+            let mut r = self.restore(comm, &need)?;
             if r.is_ok() && self.step == 0 {
-                anyhow::bail!(
-                    "layers {} have no holder and the checkpoint URL holds no commit: stopping rather than starting them from the seed",
-                    names.join(", ")
-                );
+                // no commit yet: the state a first start makes, in this generation
+                if comm.rank() == 0 {
+                    println!("the checkpoint URL holds no commit yet: the job starts over from the seed at step 0 (the {step} steps it had taken are lost)");
+                }
+                r = self.start_over_whole(comm, &need, &mine)?;
             }
             self.hold_only(&mine);
             self.held = mine;

@@ -161,6 +161,16 @@ impl Holding {
         self.local(r).map(|l| region_of(local, &l))
     }
 
+    /// The local tensor this holding makes of the whole (logical) tensor `whole`: its boxes
+    /// laid along the split's dimension, a copy.
+    pub fn cut(&self, whole: &Tensor) -> Tensor {
+        if self.boxes.is_empty() {
+            return Tensor::zeros([0], (whole.kind(), whole.device()));
+        }
+        let parts: Vec<Tensor> = self.boxes.iter().map(|b| region_of(whole, b)).collect();
+        Tensor::cat(&parts, self.dim as i64).contiguous()
+    }
+
     /// This holding's boxes as parts of tensor `tensor` held by `rank`.
     pub fn parts(&self, rank: u32, tensor: usize) -> Vec<Part> {
         self.boxes
@@ -418,6 +428,29 @@ mod tests {
         ductile_comm::tcp::loopback_mesh(n, "rs", generation)
             .await
             .unwrap()
+    }
+
+    /// `cut` lays a holding's boxes of the whole tensor as the local tensor `view` reads:
+    /// every box read back through the holding is that region of the whole tensor.
+    #[test]
+    fn a_holding_cut_from_the_whole_tensor_reads_back_each_of_its_boxes() {
+        let whole = Tensor::arange(6 * 8, (tch::Kind::Float, Device::Cpu)).view([6, 8]);
+        let h = Holding {
+            boxes: vec![vec![0..6, 1..3], vec![0..6, 5..8]],
+            dim: 1,
+        };
+        let local = h.cut(&whole);
+        assert_eq!(local.size(), h.local_shape());
+        assert_eq!(local.size(), vec![6, 5]);
+        for b in &h.boxes {
+            let got = h.view(&local, b).unwrap();
+            assert!(got.equal(&region_of(&whole, b)), "{b:?}");
+        }
+        let nothing = Holding {
+            boxes: vec![],
+            dim: 0,
+        };
+        assert_eq!(nothing.cut(&whole).numel(), 0);
     }
 
     /// Rank `rank`'s holding of each tensor at `dp × tp` (ranks past dp·tp are spares).

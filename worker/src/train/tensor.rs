@@ -143,6 +143,36 @@ impl Trainer {
         });
     }
 
+    /// Start the job over from step 0 with the state a first start makes, cut to `mine`: the
+    /// seed's parameters (or the model directory's, `init = "pretrained"`) and zero optimizer
+    /// state. Every rank makes the same seed, so no rank sends any of it.
+    fn start_over(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        need: &[Part],
+        mine: &[Holding],
+    ) -> anyhow::Result<Result<(), CommError>> {
+        self.step = 0;
+        if self.pretrained() {
+            // (the optimizer state is the zeros installed before the restore)
+            return self.load_pretrained(comm, need);
+        }
+        let seed = self.seed_params()?;
+        let n = self.params.len();
+        let fresh = self
+            .tensors()
+            .iter()
+            .zip(mine)
+            .enumerate()
+            .map(|(i, (t, h))| match seed.get(i).filter(|_| i < n) {
+                Some(whole) => h.cut(whole).to_device(t.device()),
+                None => Tensor::zeros(h.local_shape().as_slice(), (t.kind(), t.device())),
+            })
+            .collect();
+        self.install(fresh);
+        Ok(Ok(()))
+    }
+
     /// The agreement of a generation where tensor slices move (see [`super::pipe`]'s
     /// `agree`): `rows` are the members' [step, pending, tp, tp_rank, shard group,
     /// place, chunks...], `at` says
@@ -183,14 +213,14 @@ impl Trainer {
         let elem = self.elem_sizes();
         let mine = new_of(me);
         if let Err(e) = redistribute::plan(&elem, &held, &[], &need) {
+            // no live rank holds some of the state: the latest checkpoint's, or the seed's
+            // where the checkpoint URL holds no commit yet (said once, by rank 0, and done in
+            // this generation); a job without a checkpoint stops (the leader fails it first)
             if self.ckpt.is_none() {
                 anyhow::bail!(
                     "generation {}: state at step {step} has no holder ({e}) and the job has no checkpoint: stopping rather than starting it from the seed",
                     g.number
                 );
-            }
-            if comm.rank() == 0 {
-                println!("state at step {step} has no holder ({e}): every rank restores its slices from the latest checkpoint");
             }
             let fresh = self
                 .tensors()
@@ -208,13 +238,17 @@ impl Trainer {
                 Ok(grp) => self.model.set_tensor_group(grp),
                 Err(e) => return Ok(Err(e)),
             }
-            let r = self.restore(comm, &need)?;
-            if r.is_ok() && self.step == 0 {
-                anyhow::bail!(
-                    "state at step {step} has no holder and the checkpoint URL holds no commit: stopping rather than starting it from the seed"
-                );
+            if comm.rank() == 0 {
+                println!("state at step {step} has no holder ({e}): every rank restores its slices from the latest checkpoint");
             }
-            return Ok(r);
+            let r = self.restore(comm, &need)?;
+            if r.is_err() || self.step > 0 {
+                return Ok(r);
+            }
+            if comm.rank() == 0 {
+                println!("the checkpoint URL holds no commit yet: the job starts over from the seed at step 0 (the {step} steps it had taken are lost)");
+            }
+            return self.start_over(comm, &need, &mine);
         }
         let old: Vec<(Tensor, Holding)> = self
             .tensors()
