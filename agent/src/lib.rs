@@ -445,6 +445,13 @@ impl Agent {
         }
         self.jobs = jobs;
         self.jobs_seen = true;
+        // a job no longer assigned here (it ended; a resubmission of its name is a new run):
+        // its slots' failures and finishes were that run's. The leader goes by the records in
+        // etcd, which a resubmission clears; kept here, they left a resubmitted job's slot
+        // unstarted for good.
+        let jobs = &self.jobs;
+        self.failed.retain(|k, _| jobs.contains_key(&k.0));
+        self.finished.retain(|k, _| jobs.contains_key(&k.0));
         if !self.node.refused_running.is_empty() {
             let before = self.node.refused_running.len();
             let jobs = &self.jobs;
