@@ -321,6 +321,29 @@ def _patch_fit(keras, cls):
 _INTEGRATIONS = {"transformers": install_transformers, "keras": install_keras}
 
 
+def missing(names=None):
+    """The Python packages the integrations ``names`` (default: ``DUCTILE_INTEGRATIONS``) need
+    that this interpreter cannot import, found without importing them (``find_spec``): what the
+    launcher checks once before a program starts, so that a job whose interpreter lacks one is
+    refused naming it rather than restarted. An alternative (Keras 2 or 3) reads ``a or b``."""
+    import importlib.util
+
+    if names is None:
+        names = [n for n in os.environ.get("DUCTILE_INTEGRATIONS", "").split(",") if n]
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes")
+    needs = {
+        # Trainer imports accelerate and torch when it is made
+        "transformers": [("transformers",), ("accelerate",), ("torch",)],
+        "keras": [("tensorflow",), ("tf_keras",) if legacy else ("tf_keras", "keras")],
+    }
+    out = []
+    for n in names:
+        for alternatives in needs.get(n, []):
+            if not any(importlib.util.find_spec(a) is not None for a in alternatives):
+                out.append(" or ".join(alternatives))
+    return out
+
+
 def install(names=None):
     """Install the integrations ``names`` (default: ``DUCTILE_INTEGRATIONS``, comma-separated).
     An unknown name, or a framework that is not installed, raises: a job that asked for an

@@ -141,6 +141,8 @@ sys.stdin.close()
 sys.stdin = open(os.devnull)
 os.environ.update(_req["env"])
 if os.environ.get("DUCTILE_INTEGRATIONS"):
+    if os.environ.get("DUCTILE_PYTHON_DIR", "") not in sys.path:
+        sys.path.append(os.environ.get("DUCTILE_PYTHON_DIR", ""))
     import ductile.integrations
     ductile.integrations.install()
 _argv = _req["argv"]
@@ -179,12 +181,104 @@ const BOOT: &str = concat!(
     safe_path!(),
     r#"
 import os, runpy
+if os.environ.get("DUCTILE_PYTHON_DIR", "") not in sys.path:
+    sys.path.append(os.environ.get("DUCTILE_PYTHON_DIR", ""))
 import ductile.integrations
 ductile.integrations.install()
 _argv = sys.argv[1:]
 "#,
     run_main!()
 );
+
+/// What the launcher runs once, with the program's interpreter and environment, before a job
+/// with `integrations` starts: the packages they need that it cannot import (JSON), found
+/// without importing them.
+const PREFLIGHT: &str = concat!(
+    safe_path!(),
+    r#"
+import json, os
+if os.environ.get("DUCTILE_PYTHON_DIR", "") not in sys.path:
+    sys.path.append(os.environ.get("DUCTILE_PYTHON_DIR", ""))
+import ductile.integrations
+print(json.dumps(ductile.integrations.missing()))
+"#
+);
+
+/// ductile's own Python module (`python/ductile`, standard library only), as this launcher was
+/// built with it: written into the launcher's directory and put on the program's `PYTHONPATH`
+/// (after the node's), so `import ductile` and the integrations need no install step and
+/// always speak this launcher's protocol.
+const PY_MODULE: [(&str, &str); 2] = [
+    (
+        "__init__.py",
+        include_str!("../../python/ductile/__init__.py"),
+    ),
+    (
+        "integrations.py",
+        include_str!("../../python/ductile/integrations.py"),
+    ),
+];
+
+/// Writes [`PY_MODULE`] under `dir/python/ductile`; `dir/python`, the directory to put on
+/// the program's path.
+fn write_py_module(dir: &Path) -> anyhow::Result<PathBuf> {
+    let root = dir.join("python");
+    let pkg = root.join("ductile");
+    std::fs::create_dir_all(&pkg)
+        .map_err(|e| anyhow::anyhow!("cannot make {}: {e}", pkg.display()))?;
+    for (name, text) in PY_MODULE {
+        std::fs::write(pkg.join(name), text)
+            .map_err(|e| anyhow::anyhow!("cannot write {}/{name}: {e}", pkg.display()))?;
+    }
+    Ok(root)
+}
+
+/// The packages the job's `integrations` need that its interpreter (`command[0]`) cannot
+/// import: one bounded run of [`PREFLIGHT`] in the program's environment. An interpreter that
+/// cannot run the check is an error (the program would fail the same way), not an absence.
+async fn integrations_missing(
+    command: &[String],
+    base: &BTreeMap<String, String>,
+    workdir: &Path,
+) -> anyhow::Result<Vec<String>> {
+    let mut cmd = Command::new(&command[0]);
+    cmd.arg("-c")
+        .arg(PREFLIGHT)
+        .env_clear()
+        .envs(base)
+        .current_dir(workdir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let out = match tokio::time::timeout(Duration::from_secs(60), cmd.output()).await {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => anyhow::bail!(
+            "cannot run {:?} to check what the job's integrations need: {e}",
+            command[0]
+        ),
+        Err(_) => anyhow::bail!(
+            "{:?} did not say within 60 s which packages the job's integrations lack",
+            command[0]
+        ),
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match (
+        out.status.success(),
+        serde_json::from_str::<Vec<String>>(stdout.trim()),
+    ) {
+        (true, Ok(m)) => Ok(m),
+        _ => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            anyhow::bail!(
+                "{:?} could not check what the job's integrations need ({}): {}",
+                command[0],
+                out.status,
+                err.trim().lines().last().unwrap_or("no output")
+            )
+        }
+    }
+}
 
 /// `command` (a Python interpreter running a script or a module) with [`BOOT`] in front of
 /// its script: `python3 [options] -c BOOT script.py args...` (or `... -c BOOT -m module
@@ -413,6 +507,14 @@ fn base_env(
     env.insert("PYTHONNOUSERSITE".into(), "1".into());
     env.extend(spec.env.clone());
     env.extend(secrets.clone());
+    // ductile's own module, after the node's own path (a job's env cannot set PYTHONPATH)
+    let ours = dir.join("python").display().to_string();
+    let path = match env.get("PYTHONPATH").filter(|p| !p.is_empty()) {
+        Some(p) => format!("{p}:{ours}"),
+        None => ours.clone(),
+    };
+    env.insert("PYTHONPATH".into(), path);
+    env.insert("DUCTILE_PYTHON_DIR".into(), ours);
     // torchrun's default with more than one process per node, unless the job says otherwise
     env.entry("OMP_NUM_THREADS".into())
         .or_insert_with(|| "1".into());
@@ -865,7 +967,10 @@ pub async fn run(env: WorkerEnv, backend: Arc<dyn KvBackend>, cancel: Cancellati
         }
         Err(e) => {
             eprintln!("ductile-worker: {e:#}");
-            1
+            match e.downcast_ref::<crate::Unusable>() {
+                Some(_) => crate::EXIT_UNUSABLE,
+                None => 1,
+            }
         }
     }
 }
@@ -922,8 +1027,23 @@ impl Launcher {
             slot: env.slot,
             cell: cell.clone(),
         };
+        write_py_module(&dir)?;
         let workdir = job_workdir(&settings, &env.job)?;
         let base = base_env(&spec, &dir, &settings, &env.program_secrets);
+        // a job whose interpreter lacks what its integrations need is refused here, once,
+        // naming what is missing: restarting would fail the same way
+        if !settings.integrations.is_empty() {
+            let missing = integrations_missing(&spec.command, &base, &workdir).await?;
+            if !missing.is_empty() {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(anyhow::Error::new(crate::Unusable(format!(
+                    "the job's integrations = {:?} need the Python package(s) {}, which {} cannot import: install them in the job's interpreter (not restarted)",
+                    settings.integrations,
+                    missing.join(", "),
+                    spec.command[0]
+                ))));
+            }
+        }
         if settings
             .checkpoint_url
             .as_deref()

@@ -684,3 +684,154 @@ fn training_torchrun_an_unmodified_hf_trainer_script_reports_resumes_and_ends_li
         "the last checkpoint's weights are the run's: {same}"
     );
 }
+
+/// No install step (issue 68): a plain interpreter with nothing of ductile installed
+/// (Debian's `/usr/bin/python3`) imports `ductile` under a launcher, which puts the module it
+/// was built with on the program's path, and its reports reach `dctl status`. A job naming
+/// `integrations = ["transformers"]` whose interpreter lacks Transformers is refused at start
+/// on each slot, once, naming the missing packages in `dctl status`: not restarted.
+#[test]
+fn training_torchrun_ductile_s_module_needs_no_install_and_a_missing_integration_package_is_named_once(
+) {
+    let bare = "/usr/bin/python3";
+    let have = std::process::Command::new(bare)
+        .args(["-c", "import importlib.util as u; print(u.find_spec('ductile') is None and u.find_spec('transformers') is None)"])
+        .output()
+        .expect("Debian's python3 (scripts/setup.sh installs it)");
+    assert_eq!(
+        String::from_utf8_lossy(&have.stdout).trim(),
+        "True",
+        "{bare} must have neither ductile nor transformers installed for this test"
+    );
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default()
+    });
+    let mut flags = torchrun_agent_flags();
+    flags[1] = format!("{},{bare}", flags[1]);
+    let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+    c.start_agent("node1", 2, &extra);
+    let dir = TempDir::new("no-install");
+    let script = dir.path().join("report.py");
+    std::fs::write(
+        &script,
+        "import ductile, time\nprint('ductile from', ductile.__file__, flush=True)\nfor s in range(1, 8):\n    ductile.report(step=s, loss=1.0 / s, samples=4)\n    time.sleep(0.2)\ntime.sleep(1)\n",
+    )
+    .unwrap();
+    let job = |name: &str, desired: u32, extra: &str| {
+        format!(
+            "name = \"{name}\"\nruntime = \"torchrun\"\ncommand = [{bare:?}, {:?}]\nmin = 1\nmax = 2\ndesired = {desired}\nrestart_budget = 20\n{extra}",
+            script.display().to_string()
+        )
+    };
+    c.submit(&job("bare", 1, ""));
+    let v = c.wait_for(S(60), "the job to end", || {
+        Some(c.status("bare")).filter(|v| v.state.is_terminal())
+    });
+    assert_eq!(v.state, JobState::Succeeded, "{}", v.message);
+    // (reports are datagrams, lost rather than ever blocking the script: some may be)
+    assert!(
+        (1..=7).contains(&v.step) && v.loss.is_some(),
+        "the script's reports reached dctl status: step {} loss {:?}",
+        v.step,
+        v.loss
+    );
+    let logs = c.logs();
+    let from = logs
+        .lines()
+        .find_map(|l| l.split("ductile from ").nth(1))
+        .expect("the script printed where ductile came from");
+    assert!(
+        from.contains("ductile-launch-") && from.contains("/python/ductile/__init__.py"),
+        "the launcher's own copy: {from}"
+    );
+
+    c.submit(&job(
+        "lacks",
+        2,
+        "[torchrun]\nintegrations = [\"transformers\"]\n",
+    ));
+    let want = format!(
+        "need the Python package(s) transformers, accelerate, torch, which {bare} cannot import"
+    );
+    let v = c.wait_for(S(60), "the job to say what its interpreter lacks", || {
+        Some(c.status("lacks")).filter(|v| v.message.contains(&want))
+    });
+    assert_ne!(v.state, JobState::Running, "{}", v.message);
+    // no restart comes: each slot's launcher said it once
+    std::thread::sleep(S(3));
+    let logs = c.logs();
+    let said = logs
+        .lines()
+        .filter(|l| l.contains(&want) && l.contains("stream=\"stderr\""))
+        .count();
+    assert_eq!(said, 2, "said once by each slot's launcher\n{logs}");
+    let kept_out = logs
+        .lines()
+        .filter(|l| l.contains(&want) && l.contains("will_restart=false"))
+        .count();
+    assert_eq!(kept_out, 2, "neither slot restarted\n{logs}");
+    let started = logs
+        .lines()
+        .filter(|l| l.contains("worker started") && l.contains("job=lacks"))
+        .count();
+    assert_eq!(started, 2, "one start per slot, no restart");
+    let v = c.status("lacks");
+    assert!(v.message.contains(&want), "{}", v.message);
+    assert!(
+        !logs.contains("No module named 'ductile'"),
+        "the launcher found its own module"
+    );
+}
+
+/// A job name used again: a run whose slots failed with no restart left ends `Failed`; the
+/// same name submitted again is a new run, and every slot starts (an agent once kept the old
+/// run's failures and never started them: the new run waited forever).
+#[test]
+fn training_torchrun_a_resubmitted_job_starts_every_slot_its_failed_run_left_out() {
+    let bare = "/usr/bin/python3";
+    let mut c = Cluster::start(Spec {
+        restart_backoff_ms: 300,
+        ..Spec::default()
+    });
+    let mut flags = torchrun_agent_flags();
+    flags[1] = format!("{},{bare}", flags[1]);
+    let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+    c.start_agent("node1", 2, &extra);
+    let dir = TempDir::new("resubmit");
+    let fail = dir.path().join("fail.py");
+    std::fs::write(&fail, "import sys\nsys.exit('not today')\n").unwrap();
+    let ok = dir.path().join("ok.py");
+    std::fs::write(
+        &ok,
+        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'ran', flush=True)\n",
+    )
+    .unwrap();
+    let job = |script: &Path| {
+        format!(
+            "name = \"again\"\nruntime = \"torchrun\"\ncommand = [{bare:?}, {:?}]\nmin = 1\nmax = 2\ndesired = 2\nrestart_budget = 0\n",
+            script.display().to_string()
+        )
+    };
+    c.submit(&job(&fail));
+    let v = c.wait_for(S(60), "the failing run to end", || {
+        Some(c.status("again")).filter(|v| v.state.is_terminal())
+    });
+    assert_eq!(v.state, JobState::Failed, "{}", v.message);
+    let before = c.history("again").last().unwrap().number;
+    c.submit(&job(&ok));
+    let v = c.wait_for(S(60), "the new run to end", || {
+        Some(c.status("again")).filter(|v| v.state.is_terminal())
+    });
+    assert_eq!(v.state, JobState::Succeeded, "{}", v.message);
+    let h = c.history("again");
+    let first = h
+        .iter()
+        .find(|g| g.number > before)
+        .expect("a new generation");
+    assert_eq!(first.world_size, 2, "{h:#?}");
+    let logs = c.logs();
+    for r in ["rank 0 of 2 ran", "rank 1 of 2 ran"] {
+        assert!(logs.contains(r), "{r}: every slot started\n{logs}");
+    }
+}
