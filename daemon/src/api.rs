@@ -112,6 +112,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/nodes", get(nodes))
         .route("/v1/nodes/{node}/drain", post(drain).delete(undrain))
         .route("/v1/leader", get(leader))
+        .route(
+            "/v1/version",
+            get(|| async { Json(serde_json::json!({"version": env!("CARGO_PKG_VERSION")})) }),
+        )
         .route("/v1/torchft", get(torchft))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -187,7 +191,7 @@ fn tenant_allows(t: &crate::tenants::Tenant, method: &Method, path: &str) -> Res
             }
             Ok(())
         }
-        ["v1", "nodes"] | ["v1", "leader"] if read => Ok(()),
+        ["v1", "nodes"] | ["v1", "leader"] | ["v1", "version"] if read => Ok(()),
         _ => Err(format!(
             "{who} cannot {method} {path}: that needs the admin token{}",
             if read { " or the read-only one" } else { "" }

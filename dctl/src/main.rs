@@ -81,7 +81,23 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Submit a job spec (TOML).
-    Submit { file: PathBuf },
+    Submit {
+        file: PathBuf,
+        /// Check the spec here and print what would run (runtime, sizes, and for a built-in
+        /// training job the plan at its desired size: layout and memory per rank); submits
+        /// nothing and needs no daemon or token.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// This dctl's version and the daemon's (`--json`: {"client", "server"}); the server's is
+    /// "unreachable: why" when the daemon cannot be asked.
+    Version,
+    /// Print a completion script for a shell: `source <(dctl completion bash)`, or into
+    /// `/etc/bash_completion.d/dctl`, zsh's `$fpath`, fish's `completions/dctl.fish`.
+    Completion {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Set a job's desired size; `--wait` returns once every member of a generation at that
     /// size joined (progress on the terminal).
     Scale {
@@ -466,10 +482,10 @@ fn print_plan(p: &serde_json::Value) {
     for s in p["stages"].as_array().into_iter().flatten() {
         println!(
             "{:<6} {:<12} {:<16} {:>12} {:>12.4} {:>12.4}",
-            s["stage"],
+            s["stage"].to_string(),
             format!("{}..{}", s["first"], s["end"]),
             s["units"].as_str().unwrap_or(""),
-            s["params"],
+            s["params"].to_string(),
             gib(&s["memory_bytes"]),
             s["compute_s"].as_f64().unwrap_or(0.0)
         );
@@ -594,6 +610,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         };
         return ductile_cluster::relay::run(listen, to.clone(), room, ca.as_deref()).await;
     }
+    // what needs no daemon and no token
+    match &cli.cmd {
+        Cmd::Completion { shell } => {
+            use clap::CommandFactory;
+            let mut cmd = Cli::command();
+            let mut buf = Vec::new();
+            clap_complete::generate(*shell, &mut cmd, "dctl", &mut buf);
+            out(&String::from_utf8_lossy(&buf));
+            return Ok(());
+        }
+        Cmd::Submit {
+            file,
+            dry_run: true,
+        } => return dry_run(file, cli.json).await,
+        _ => {}
+    }
     let file: FileConfig = match std::env::var_os("HOME")
         .map(|h| PathBuf::from(h).join(".config/ductile/dctl.toml"))
     {
@@ -650,7 +682,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let json = cli.json;
     let out = |v: &serde_json::Value| println!("{}", serde_json::to_string_pretty(v).unwrap());
     match cli.cmd {
-        Cmd::Submit { file } => {
+        Cmd::Submit { file, .. } => {
             let text = std::fs::read_to_string(&file)
                 .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
             // Validate here first, so errors name the line; the daemon validates again.
@@ -891,6 +923,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 out(&v);
             } else {
                 println!("job {job}: stop requested");
+            }
+        }
+        Cmd::Completion { .. } => unreachable!("answered before any token is read"),
+        Cmd::Version => {
+            let client = env!("CARGO_PKG_VERSION");
+            let server = match c.call(Method::GET, "/v1/version", None).await {
+                Ok(v) => v["version"].as_str().unwrap_or("?").to_string(),
+                Err(e) => format!("unreachable: {e:#}"),
+            };
+            if json {
+                out(&serde_json::json!({"client": client, "server": server}));
+            } else {
+                println!("client  dctl {client}");
+                println!("server  ductiled {server}");
             }
         }
         Cmd::Plan { job, world } => {
@@ -1155,6 +1201,94 @@ async fn wait_until<T: serde::de::DeserializeOwned>(
     }
 }
 
+/// `dctl submit --dry-run FILE`: the spec checked here as the daemon checks it at submit, and
+/// what would run: the runtime and sizes, and for a built-in training job the plan at its
+/// desired size (layout, stages, memory per rank), as `dctl plan` shows a submitted job's.
+async fn dry_run(file: &std::path::Path, json: bool) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
+    let mut spec =
+        JobSpec::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    // a Hugging Face directory's config.json, read as the daemon reads it at submit (the plan
+    // and the checks that need the model's shape use it)
+    if let Some(t) = spec
+        .training
+        .as_mut()
+        .filter(|t| t.model == ductile_cluster::modes::ModelKind::Hf)
+    {
+        let url = t.model_path.clone().unwrap_or_default();
+        let bucket = ductile_checkpoint::Bucket::open(url.trim_end_matches('/'))
+            .map_err(|e| anyhow::anyhow!("{}: training.model_path: {e}", file.display()))?;
+        use ductile_checkpoint::bucket::Capped;
+        let body = match bucket.get_capped("config.json", 1 << 20).await {
+            Ok(Capped::Bytes(b)) => b,
+            Ok(Capped::Absent) => anyhow::bail!(
+                "{}: training.model_path: {url} has no config.json (not a Hugging Face model directory)",
+                file.display()
+            ),
+            Ok(Capped::TooLarge(n)) => anyhow::bail!(
+                "{}: training.model_path: {url}/config.json is {n} bytes (the daemon reads at most 1 MiB)",
+                file.display()
+            ),
+            Err(e) => anyhow::bail!(
+                "{}: training.model_path: cannot read {url}/config.json from here: {e}",
+                file.display()
+            ),
+        };
+        t.hf_config = Some(serde_json::from_slice(&body).map_err(|e| {
+            anyhow::anyhow!("{}: {url}/config.json is not JSON: {e}", file.display())
+        })?);
+        spec.validate()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    }
+    let plan = match &spec.training {
+        Some(t) if spec.runtime == ductile_cluster::records::Runtime::Ductile => Some(
+            ductile_strategies::pipeline::plan(t, spec.desired).map_err(|e| {
+                anyhow::anyhow!(
+                    "{}: no plan at the desired size {}: {e}",
+                    file.display(),
+                    spec.desired
+                )
+            })?,
+        ),
+        _ => None,
+    };
+    let runtime = serde_json::to_value(spec.runtime)?;
+    if json {
+        out(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "job": spec.name,
+                "valid": true,
+                "runtime": runtime,
+                "min": spec.min,
+                "max": spec.max,
+                "desired": spec.desired,
+                "command": spec.command,
+                "plan": plan,
+            }))?
+        ));
+        return Ok(());
+    }
+    println!(
+        "{}: job {} is valid (not submitted): runtime {}, min {}, max {}, desired {}",
+        file.display(),
+        spec.name,
+        runtime.as_str().unwrap_or("?"),
+        spec.min,
+        spec.max,
+        spec.desired
+    );
+    if !spec.command.is_empty() {
+        println!("command     {:?}", spec.command);
+    }
+    if let Some(p) = plan {
+        println!("the plan at the desired size:");
+        print_plan(&serde_json::to_value(&p)?);
+    }
+    Ok(())
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     // a closed pipe (`dctl status | head`) ends dctl quietly, as it does cat or ls: Rust
@@ -1194,12 +1328,13 @@ fn print_checkpoints(v: &serde_json::Value) {
         };
         println!(
             "{:>10}  {:>6}  {:<10}  {:<24}  {:>12}  {:>5}  {layout}",
-            c["step"],
-            c["generation"],
+            // (a JSON value's Display ignores the width: its text is padded)
+            c["step"].to_string(),
+            c["generation"].to_string(),
             c["state"].as_str().unwrap_or("?"),
             utc(c["time_ms"].as_u64().unwrap_or(0)),
             human_bytes(c["bytes"].as_u64().unwrap_or(0)),
-            c["world_size"],
+            c["world_size"].to_string(),
         );
     }
 }
@@ -1266,8 +1401,8 @@ fn print_torchft(v: &serde_json::Value) {
                     println!(
                         "  {:<48} {:>8} {:>6}  {}",
                         m["replica_id"].as_str().unwrap_or("?"),
-                        m["step"],
-                        m["world_size"],
+                        m["step"].to_string(),
+                        m["world_size"].to_string(),
                         m["address"].as_str().unwrap_or("")
                     );
                 }

@@ -1438,3 +1438,42 @@ fn agents_run_only_what_their_policy_allows_and_the_daemon_refuses_the_rest_at_s
     assert!(c.logs().contains("refused by this agent's policy"));
     assert!(!std::path::Path::new("/var/tmp/ductile-hostile").exists());
 }
+
+/// `dctl version` names the client's and the daemon's versions (and says when the daemon
+/// cannot be asked); `dctl submit --dry-run` checks a spec and shows the plan without submitting
+/// it, and refuses a bad one naming the key; `dctl completion bash` knows the verbs.
+#[test]
+fn dctl_version_dry_run_and_completion() {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let v: serde_json::Value = serde_json::from_str(&c.dctl_ok(&["version", "--json"])).unwrap();
+    let want = env!("CARGO_PKG_VERSION");
+    assert_eq!(v["client"], want, "{v}");
+    assert_eq!(v["server"], want, "{v}");
+    let (ok, out, _) = c.dctl(&["version", "--endpoint", "http://127.0.0.1:9"]);
+    assert!(ok && out.contains("unreachable"), "{out}");
+
+    let dir = TempDir::new("dry-run");
+    let f = dir.path().join("j.toml");
+    let spec = format!(
+        "{}[training]\nmodel = \"gpt\"\ndataset = \"file:///srv/tokens.bin\"\nglobal_batch = 8\nmax_steps = 10\n",
+        job_toml("dry", 1, 2, 2)
+    );
+    std::fs::write(&f, &spec).unwrap();
+    let out = c.dctl_ok(&["submit", "--dry-run", f.to_str().unwrap()]);
+    assert!(
+        out.contains("job dry is valid (not submitted)") && out.contains("layout      dp2×pp1×tp1"),
+        "{out}"
+    );
+    // nothing was submitted
+    let (ok, _, err) = c.dctl(&["status", "dry"]);
+    assert!(!ok && err.contains("dry"), "{err}");
+    std::fs::write(&f, spec.replace("global_batch", "global_bach")).unwrap();
+    let (ok, _, err) = c.dctl(&["submit", "--dry-run", f.to_str().unwrap()]);
+    assert!(!ok && err.contains("unknown field `global_bach`"), "{err}");
+
+    let (ok, out, _) = c.dctl(&["completion", "bash"]);
+    assert!(
+        ok && out.contains("_dctl") && out.contains("checkpoints"),
+        "{out}"
+    );
+}
