@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The operator's install, walked in a fresh Debian 12 root as the README's "Deploying" section
+# The operator's install, walked in a fresh Debian 12 root as docs/deploying.md
 # writes it: install the package, bootstrap the cluster with ductile-admin, start etcd, two
 # ductiled replicas and two agents from the shipped units' ExecStart lines (systemd is not PID 1
 # in a chroot: the lines run under the units' users and capabilities), check both, submit a job

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The operator's walk that scripts/install-check.sh runs inside a fresh Debian 12 root (as root,
 # one host standing for the fleet: etcd member e1, daemons d1 and d2, nodes n1 and n2). Each step
-# is what the README's "Deploying" section says; processes start from the installed units'
+# is what docs/deploying.md says; processes start from the installed units'
 # ExecStart lines under the units' users and capabilities (systemd is not PID 1 here).
 #   bash install-walk.sh PACKAGE.deb
 set -euo pipefail
@@ -35,7 +35,7 @@ for h in e1 d1 n1; do
   ductile-admin apply "/root/cluster/hosts/$h"
 done
 stat -c '%a %U:%G %n' /etc/ductile/etcd/agent-key.pem /etc/ductile/etcd/worker-key.pem /etc/ductile/token /etc/ductile/etcd-server/etcd-key.pem
-# this node's libtorch (the operator's own; README: Deploying, "what each node needs")
+# this node's libtorch (the operator's own; docs/deploying.md, "what each node needs")
 sed -i 's|^# libtorch = .*|libtorch = "/opt/libtorch"|; s|^cpu_slots = .*|cpu_slots = 2|; s|^gpus = .*|gpus = "off"|' /etc/ductile/agent.toml
 # this walk runs on a build machine, not a cloud instance: its agents ask no metadata service
 sed -i 's|^spot_notice = .*|spot_notice = "off"|' /etc/ductile/agent.toml

@@ -80,6 +80,8 @@ libtorch directory or a torch package's directory here:
 EOF
   install -m 0644 LICENSE "$stage/usr/share/doc/$name/copyright"
   install -m 0644 README.md "$stage/usr/share/doc/$name/README.md"
+  install -d "$stage/usr/share/doc/$name/docs"
+  install -m 0644 docs/*.md "$stage/usr/share/doc/$name/docs/"
   install -m 0755 scripts/package/postinst "$stage/usr/lib/ductile/postinst"
   # the Debian package
   install -d "$stage/DEBIAN"
@@ -145,7 +147,7 @@ for f in agent.toml daemon.toml; do
   [ -e "$dest/etc/ductile/$f" ] || cp "$here/etc/ductile/$f" "$dest/etc/ductile/$f"
 done
 [ -n "$dest" ] || /usr/lib/ductile/postinst
-echo "ductile installed; next: ductile-admin init (see README, Deploying)"
+echo "ductile installed; next: ductile-admin init (see /usr/share/doc/ductile-*/docs/deploying.md)"
 EOF
   chmod 0755 "$stage/install.sh"
   tgz="$dist/$name-$version-linux-x86_64.tar.gz"

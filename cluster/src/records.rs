@@ -684,7 +684,7 @@ impl AgentPolicy {
                 {
                     continue;
                 }
-                let why = format!("{k} is not among the names a job may set while allowed_commands is restricted (README: \"A job's environment\"; the operator may add names with the agent's allowed_env)");
+                let why = format!("{k} is not among the names a job may set while allowed_commands is restricted (docs/security.md: \"A job's environment\"; the operator may add names with the agent's allowed_env)");
                 return Err((format!("env.{k}"), why));
             }
             for (i, arg) in args.iter().enumerate() {
@@ -2897,7 +2897,7 @@ impl SecondsHistogram {
     }
 }
 
-/// Exit statuses of `ductile-worker`, each with one meaning (the README lists them): its
+/// Exit statuses of `ductile-worker`, each with one meaning (docs/failures.md lists them): its
 /// agent and the daemon read them.
 ///
 /// The job's training finished (`max_steps`): the job succeeds when every member did.

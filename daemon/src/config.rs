@@ -40,7 +40,7 @@ pub struct Cli {
     #[arg(long, env = "DUCTILE_READ_TOKEN_FILE")]
     pub read_token_file: Option<PathBuf>,
     /// Tenants' tokens, each for the jobs under its own name prefix (TOML: see
-    /// daemon/src/tenants.rs and the README's "Tenants"); re-read on SIGHUP.
+    /// daemon/src/tenants.rs and docs/security.md, "Tenants"); re-read on SIGHUP.
     #[arg(long, env = "DUCTILE_TENANTS_FILE")]
     pub tenants_file: Option<PathBuf>,
     /// `/metrics` asks for a token (the read-only or the admin one); default: true unless the

@@ -315,7 +315,7 @@ fn pipeline_checkpoints_restore_as_data_parallel_at_another_size_and_back() {
 
 /// A pipeline job without `[checkpoint]` whose every worker dies at once cannot resume: its
 /// layers went with them. It stops, saying why, rather than start again from the seed (the
-/// README's "never from the seed"), and fails once its restart budget is spent.
+/// docs/checkpoints.md: "never silently from the seed"), and fails once its restart budget is spent.
 #[test]
 fn pipeline_a_full_loss_without_a_checkpoint_stops_rather_than_restart_from_the_seed() {
     let c = Cluster::start(Spec::default().agents(1, 2));
