@@ -158,7 +158,8 @@ enum Cmd {
         #[arg(long, short = 'f')]
         follow: bool,
     },
-    /// Follow a job's step, loss (with a sparkline of the recent loss), throughput and
+    /// Follow a job's step (a built-in job's of max_steps, with the time left), loss (with a
+    /// sparkline of the recent loss), throughput and
     /// generation until it ends (Ctrl-C to leave).
     Watch { job: String },
     /// Draw a job's loss, throughput or per-rank step time over its steps, every generation a
@@ -1129,6 +1130,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Watch { job } => {
             let mut last_gen = 0;
             let mut losses: std::collections::VecDeque<f64> = Default::default();
+            // a built-in job's end and global batch: step of max_steps and the time left
+            let spec: Option<JobSpec> = c
+                .call(Method::GET, &format!("/v1/jobs/{job}/spec"), None)
+                .await
+                .ok()
+                .and_then(|v| serde_json::from_value(v).ok());
+            let goal = spec
+                .as_ref()
+                .and_then(|s| s.training.as_ref())
+                .and_then(|t| Some((t.max_steps?, t.global_batch)));
             loop {
                 let v: JobView = serde_json::from_value(
                     c.call(Method::GET, &format!("/v1/jobs/{job}"), None)
@@ -1153,7 +1164,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     println!(
                         "{:?} step {} loss {} samples/s {}  {}",
                         v.state,
-                        v.step,
+                        progress(v.step, v.samples_per_sec, goal),
                         v.loss
                             .map(|l| format!("{l:.4}"))
                             .unwrap_or_else(|| "-".into()),
@@ -1171,6 +1182,27 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `step`, and where the job's end is known (a built-in job's `max_steps`, its global batch):
+/// `step/max (pct%, ETA 1h02m)`, the time left at the current samples/s.
+fn progress(step: u64, samples_per_sec: Option<f64>, goal: Option<(u64, u32)>) -> String {
+    let Some((max, batch)) = goal.filter(|(m, _)| *m > 0) else {
+        return step.to_string();
+    };
+    let pct = (step as f64 / max as f64 * 100.0).min(100.0);
+    let eta = match samples_per_sec.filter(|s| *s > 0.0) {
+        Some(sps) if step < max => {
+            let secs = ((max - step) as f64 * batch as f64 / sps).round() as u64;
+            match secs {
+                s if s >= 3600 => format!(", ETA {}h{:02}m", s / 3600, s % 3600 / 60),
+                s if s >= 60 => format!(", ETA {}m{:02}s", s / 60, s % 60),
+                s => format!(", ETA {s}s"),
+            }
+        }
+        _ => String::new(),
+    };
+    format!("{step}/{max} ({pct:.0}%{eta})")
 }
 
 /// Poll `path` every half second until `done` says so (its message on a spinner while the
@@ -1357,6 +1389,25 @@ fn human_bytes(b: u64) -> String {
 /// `YYYY-MM-DD HH:MM:SS` (UTC) of milliseconds since the epoch.
 fn utc(ms: u64) -> String {
     ductile_cluster::records::utc(ms)
+}
+
+#[cfg(test)]
+mod progress_tests {
+    #[test]
+    fn progress_says_step_of_max_and_the_time_left_at_the_current_rate() {
+        // 40 steps left of 8 samples at 4 samples/s: 80 s
+        assert_eq!(
+            super::progress(60, Some(4.0), Some((100, 8))),
+            "60/100 (60%, ETA 1m20s)"
+        );
+        assert_eq!(
+            super::progress(100, Some(4.0), Some((100, 8))),
+            "100/100 (100%)"
+        );
+        assert_eq!(super::progress(5, None, Some((100, 8))), "5/100 (5%)");
+        // a program job: its end is its own
+        assert_eq!(super::progress(5, Some(4.0), None), "5");
+    }
 }
 
 #[cfg(test)]

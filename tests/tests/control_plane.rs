@@ -1441,7 +1441,8 @@ fn agents_run_only_what_their_policy_allows_and_the_daemon_refuses_the_rest_at_s
 
 /// `dctl version` names the client's and the daemon's versions (and says when the daemon
 /// cannot be asked); `dctl submit --dry-run` checks a spec and shows the plan without submitting
-/// it, and refuses a bad one naming the key; `dctl completion bash` knows the verbs.
+/// it, and refuses a bad one naming the key; `dctl completion bash` knows the verbs; `dctl
+/// watch` follows a built-in job as step of max_steps to its end.
 #[test]
 fn dctl_version_dry_run_and_completion() {
     let c = Cluster::start(Spec::default().agents(1, 2));
@@ -1474,6 +1475,21 @@ fn dctl_version_dry_run_and_completion() {
     let (ok, out, _) = c.dctl(&["completion", "bash"]);
     assert!(
         ok && out.contains("_dctl") && out.contains("checkpoints"),
+        "{out}"
+    );
+
+    // `dctl watch` shows a built-in job's step of max_steps, to its end
+    let data = synth(dir.path(), "tokens", 20_000);
+    c.submit(&format!(
+        "{}[training]\nmodel = \"gpt\"\nmodel_config = {{ d_model = 16, n_layer = 1, n_head = 2, ctx = 8 }}\ndataset = \"{data}\"\nglobal_batch = 8\nmax_steps = 2000\n",
+        job_toml("watched", 1, 2, 2)
+    ));
+    let out = c.dctl_ok(&["watch", "watched"]);
+    let last = out.lines().last().unwrap_or("");
+    assert!(last.starts_with("Succeeded step 2000/2000 (100%)"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("Running step ") && l.contains("/2000 (")),
         "{out}"
     );
 }
