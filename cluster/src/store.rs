@@ -175,6 +175,62 @@ impl Store {
         Ok(())
     }
 
+    /// Forget a finished job (stopped, succeeded, failed): its spec, status, generations and
+    /// history, its workers' records and what its workers wrote, its lighthouse room, in one
+    /// transaction fenced on the spec and the status it read. Refused while it has not finished
+    /// (stop it first). Its checkpoints at their URL are not touched. Returns the state it had.
+    pub async fn delete_job(&self, job: &str) -> Result<crate::records::JobState> {
+        let Some((_, kv)) = self.spec(job).await? else {
+            return Err(ClusterError::invalid(
+                "job",
+                format!("no job named {job:?}"),
+            ));
+        };
+        let (st, skv) = match self.status(job).await? {
+            Some((st, skv)) if st.state.is_terminal() => (st, skv),
+            other => {
+                let state = other
+                    .map(|(st, _)| format!("{:?}", st.state))
+                    .unwrap_or_else(|| "Pending".into());
+                return Err(ClusterError::Conflict {
+                    key: kv.key.clone(),
+                    reason: format!(
+                        "job {job:?} is {state}: only a finished job is deleted (dctl stop {job} first)"
+                    ),
+                });
+            }
+        };
+        let rooms = self.keys.torchft_rooms();
+        let out = self
+            .backend
+            .txn(Txn {
+                compares: vec![
+                    Compare::ModRevision(kv.key.clone(), kv.mod_revision),
+                    Compare::ModRevision(skv.key.clone(), skv.mod_revision),
+                ],
+                ops: vec![
+                    Op::DeletePrefix {
+                        prefix: self.keys.job(job),
+                    },
+                    Op::DeletePrefix {
+                        prefix: self.keys.live_job(job),
+                    },
+                    // (the room's name: the lighthouse's `job_room`)
+                    Op::DeletePrefix {
+                        prefix: format!("{rooms}job-{job}/"),
+                    },
+                ],
+            })
+            .await?;
+        if !out.succeeded {
+            return Err(ClusterError::Conflict {
+                key: kv.key,
+                reason: "the job changed while it was being deleted; try again".into(),
+            });
+        }
+        Ok(st.state)
+    }
+
     /// Change a job's desired size; checked against [min, max] and compare-and-swapped.
     pub async fn scale(&self, job: &str, desired: u32) -> Result<JobSpec> {
         loop {

@@ -99,7 +99,7 @@ type ApiResult<T> = Result<T, ApiError>;
 pub fn router(state: AppState) -> Router {
     let authed = Router::new()
         .route("/v1/jobs", get(list_jobs).post(submit))
-        .route("/v1/jobs/{job}", get(job_status))
+        .route("/v1/jobs/{job}", get(job_status).delete(delete_job))
         .route("/v1/jobs/{job}/scale", post(scale))
         .route("/v1/jobs/{job}/stop", post(stop))
         .route("/v1/jobs/{job}/events", get(events))
@@ -773,6 +773,21 @@ async fn stop(State(st): State<AppState>, Path(job): Path<String>) -> ApiResult<
         .await?;
     tracing::info!(job = %job, "stop requested");
     Ok(Json(view(&st.store, &job).await?))
+}
+
+/// `dctl delete JOB`: forget a finished job's records (its checkpoints stay at their URL).
+async fn delete_job(
+    State(st): State<AppState>,
+    Path(job): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    if st.store.spec(&job).await?.is_none() {
+        return Err(ApiError::not_found(&job));
+    }
+    let state = st.store.delete_job(&job).await?;
+    tracing::info!(job = %job, ?state, "job deleted");
+    Ok(Json(
+        serde_json::json!({"job": job, "deleted": true, "state": state}),
+    ))
 }
 
 #[derive(serde::Deserialize)]

@@ -89,6 +89,68 @@ enum Cmd {
         #[arg(long)]
         dry_run: bool,
     },
+    /// List jobs or nodes, as kubectl does: `dctl get jobs [NAME|PREFIX*] [--state S]
+    /// [-o wide|json|yaml] [--watch]`.
+    Get {
+        #[arg(value_enum)]
+        what: Kind,
+        /// One name, or a prefix ending in `*`.
+        name: Option<String>,
+        /// wide: more columns; json, yaml: every field.
+        #[arg(short = 'o', long = "output", value_enum)]
+        output: Option<Output>,
+        /// Jobs in this state only (running, waiting, succeeded, failed, stopped, ...).
+        #[arg(long)]
+        state: Option<String>,
+        /// Print again every 2 s (Ctrl-C to leave).
+        #[arg(short = 'w', long)]
+        watch: bool,
+    },
+    /// Everything about one job (its status and members, its spec, its latest generations) or
+    /// one node (its devices, workers, drain, preemption notice).
+    Describe {
+        #[arg(value_enum)]
+        what: Kind,
+        name: String,
+    },
+    /// Forget a finished job's records (status, generations, history: `dctl get jobs` no longer
+    /// lists it); refused while it runs (`dctl stop` first). Its checkpoints stay at their URL.
+    Delete { job: String },
+    /// Run a program as a job without writing a TOML file: `dctl run [--nproc N] [--min M
+    /// --max X] -- python3 train.py ARGS...` (a `runtime = "torchrun"` job; a script path that
+    /// exists here is made absolute).
+    Run {
+        /// The job's name (default: the script's name and a few random hex digits).
+        #[arg(long)]
+        name: Option<String>,
+        /// Workers to start (the desired size).
+        #[arg(long, default_value_t = 1)]
+        nproc: u32,
+        /// Fewest workers it runs with (default: --nproc).
+        #[arg(long)]
+        min: Option<u32>,
+        /// Most workers it grows to (default: --nproc).
+        #[arg(long)]
+        max: Option<u32>,
+        /// torchrun, torchft, tf or horovod.
+        #[arg(long, default_value = "torchrun")]
+        runtime: String,
+        /// ductile's integrations to load before the script (transformers, keras).
+        #[arg(long, value_delimiter = ',')]
+        integrations: Vec<String>,
+        /// Worker restarts the whole job may use.
+        #[arg(long)]
+        restart_budget: Option<u32>,
+        /// An environment variable for the program, NAME=VALUE (again for more).
+        #[arg(long = "env")]
+        env: Vec<String>,
+        /// Print the spec it would submit and check it (`submit --dry-run`); submit nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// The program and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
     /// This dctl's version and the daemon's (`--json`: {"client", "server"}); the server's is
     /// "unreachable: why" when the daemon cannot be asked.
     Version,
@@ -227,6 +289,21 @@ enum Cmd {
         #[arg(long)]
         world: u32,
     },
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    #[value(alias = "job")]
+    Jobs,
+    #[value(alias = "node")]
+    Nodes,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Output {
+    Wide,
+    Json,
+    Yaml,
 }
 
 #[derive(Deserialize, Default)]
@@ -624,7 +701,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Submit {
             file,
             dry_run: true,
-        } => return dry_run(file, cli.json).await,
+        } => {
+            let text = std::fs::read_to_string(file)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
+            return dry_run(&text, &file.display().to_string(), cli.json).await;
+        }
+        Cmd::Run { dry_run: true, .. } => {
+            let text = run_spec(&cli.cmd)?;
+            if !cli.json {
+                out(&text);
+            }
+            return dry_run(&text, "the job dctl run makes", cli.json).await;
+        }
         _ => {}
     }
     let file: FileConfig = match std::env::var_os("HOME")
@@ -927,6 +1015,141 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Completion { .. } => unreachable!("answered before any token is read"),
+        Cmd::Get {
+            what,
+            name,
+            output,
+            state,
+            watch,
+        } => loop {
+            let path = match what {
+                Kind::Jobs => "/v1/jobs",
+                Kind::Nodes => "/v1/nodes",
+            };
+            let v = c.call(Method::GET, path, None).await?;
+            let key = if what == Kind::Jobs { "job" } else { "name" };
+            let rows: Vec<serde_json::Value> = v
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|r| {
+                    let n = r[key].as_str().unwrap_or("");
+                    name.as_deref()
+                        .is_none_or(|want| match want.strip_suffix('*') {
+                            Some(prefix) => n.starts_with(prefix),
+                            None => n == want,
+                        })
+                })
+                .filter(|r| {
+                    state.as_deref().is_none_or(|want| {
+                        r["state"]
+                            .as_str()
+                            .is_some_and(|s| s.eq_ignore_ascii_case(want))
+                    })
+                })
+                .collect();
+            let output = if json { Some(Output::Json) } else { output };
+            match output {
+                Some(Output::Json) => out(&serde_json::Value::Array(rows)),
+                Some(Output::Yaml) => crate::out(&serde_norway::to_string(&rows)?),
+                wide => print_get(what, &rows, wide == Some(Output::Wide))?,
+            }
+            if !watch {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            println!();
+        },
+        Cmd::Describe { what, name } => match what {
+            Kind::Jobs => {
+                let v: JobView = serde_json::from_value(
+                    c.call(Method::GET, &format!("/v1/jobs/{name}"), None)
+                        .await?,
+                )?;
+                let spec = c
+                    .call(Method::GET, &format!("/v1/jobs/{name}/spec"), None)
+                    .await?;
+                let events = c
+                    .call(Method::GET, &format!("/v1/jobs/{name}/events"), None)
+                    .await?;
+                if json {
+                    out(&serde_json::json!({"status": v, "spec": spec, "events": events}));
+                } else {
+                    print_job(&v);
+                    println!("\nspec:");
+                    let spec: JobSpec = serde_json::from_value(spec)?;
+                    match toml::to_string(&spec) {
+                        Ok(t) => {
+                            for l in t.lines() {
+                                println!("  {l}");
+                            }
+                        }
+                        Err(_) => println!("{}", serde_json::to_string_pretty(&spec)?),
+                    }
+                    let gens: Vec<Generation> = serde_json::from_value(events)?;
+                    let shown = gens.len().saturating_sub(10);
+                    println!(
+                        "\ngenerations{}:",
+                        if shown > 0 {
+                            format!(
+                                " (the last 10 of {}; dctl events {name} for all)",
+                                gens.len()
+                            )
+                        } else {
+                            String::new()
+                        }
+                    );
+                    for g in &gens[shown..] {
+                        print_generation(g);
+                    }
+                }
+            }
+            Kind::Nodes => {
+                let v = c.call(Method::GET, "/v1/nodes", None).await?;
+                let node = v
+                    .as_array()
+                    .and_then(|a| a.iter().find(|n| n["name"] == name.as_str()))
+                    .cloned()
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("no live node named {name:?} (dctl get nodes lists them)")
+                    })?;
+                if json {
+                    out(&node);
+                } else {
+                    crate::out(&serde_norway::to_string(&node)?);
+                }
+            }
+        },
+        Cmd::Delete { job } => {
+            let v = c
+                .call(Method::DELETE, &format!("/v1/jobs/{job}"), None)
+                .await?;
+            if json {
+                out(&v);
+            } else {
+                println!(
+                    "job {job} deleted (it was {}); its checkpoints, if any, stay at their URL",
+                    v["state"].as_str().unwrap_or("finished")
+                );
+            }
+        }
+        Cmd::Run { .. } => {
+            let text = run_spec(&cli.cmd)?;
+            let spec = JobSpec::from_toml(&text)
+                .map_err(|e| anyhow::anyhow!("the job dctl run makes: {e}\n{text}"))?;
+            let v = c
+                .call(Method::POST, "/v1/jobs", Some(serde_json::to_value(&spec)?))
+                .await?;
+            if json {
+                out(&v);
+            } else {
+                println!(
+                    "submitted job {} (min {}, max {}, desired {}): dctl watch {}, dctl logs {}",
+                    spec.name, spec.min, spec.max, spec.desired, spec.name, spec.name
+                );
+            }
+        }
         Cmd::Version => {
             let client = env!("CARGO_PKG_VERSION");
             let server = match c.call(Method::GET, "/v1/version", None).await {
@@ -1233,14 +1456,231 @@ async fn wait_until<T: serde::de::DeserializeOwned>(
     }
 }
 
+/// `dctl get`'s table: jobs (name, state, generation, world, step, loss; wide: desired, min,
+/// max, layout, samples/s, message) or nodes (name, slots, devices, state, workers; wide:
+/// hostname, agent pid, busy slots, preemption notice).
+fn print_get(what: Kind, rows: &[serde_json::Value], wide: bool) -> anyhow::Result<()> {
+    let s = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => "-".into(),
+        v => v.to_string(),
+    };
+    match what {
+        Kind::Jobs => {
+            let mut head = format!(
+                "{:<24} {:<10} {:>5} {:>5} {:>8} {:>8}",
+                "NAME", "STATE", "GEN", "WORLD", "STEP", "LOSS"
+            );
+            if wide {
+                head.push_str(&format!(
+                    " {:>7} {:>4} {:>4} {:<16} {:>10}  MESSAGE",
+                    "DESIRED", "MIN", "MAX", "LAYOUT", "SAMPLES/S"
+                ));
+            }
+            println!("{head}");
+            for r in rows {
+                let v: JobView = serde_json::from_value(r.clone())?;
+                let mut line = format!(
+                    "{:<24} {:<10} {:>5} {:>5} {:>8} {:>8}",
+                    v.job,
+                    format!("{:?}", v.state),
+                    v.generation,
+                    v.world_size,
+                    v.step,
+                    v.loss
+                        .map(|l| format!("{l:.4}"))
+                        .unwrap_or_else(|| "-".into())
+                );
+                if wide {
+                    line.push_str(&format!(
+                        " {:>7} {:>4} {:>4} {:<16} {:>10}  {}",
+                        v.desired,
+                        v.min,
+                        v.max,
+                        v.layout
+                            .map(|l| l.to_string())
+                            .unwrap_or_else(|| "-".into()),
+                        v.samples_per_sec
+                            .map(|x| format!("{x:.1}"))
+                            .unwrap_or_else(|| "-".into()),
+                        v.message
+                    ));
+                }
+                println!("{line}");
+            }
+        }
+        Kind::Nodes => {
+            let mut head = format!(
+                "{:<20} {:>5} {:<8} {:<9} {}",
+                "NAME", "SLOTS", "DEVICES", "STATE", "WORKERS"
+            );
+            if wide {
+                head = format!(
+                    "{head:<64} {:<20} {:>9} {:<12} PREEMPTION",
+                    "HOSTNAME", "AGENT_PID", "BUSY_SLOTS"
+                );
+            }
+            println!("{head}");
+            for r in rows {
+                let workers: Vec<String> = r["workers"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|w| format!("{}#{}", s(&w["job"]), s(&w["rank"])))
+                    .collect();
+                let devices = r["devices"]
+                    .as_array()
+                    .and_then(|d| d.first())
+                    .map(|d| s(&d["kind"]).to_lowercase())
+                    .unwrap_or_default();
+                let state = if r["draining"].as_bool() == Some(true) {
+                    "draining"
+                } else {
+                    "ready"
+                };
+                let mut line = format!(
+                    "{:<20} {:>5} {:<8} {:<9} {}",
+                    s(&r["name"]),
+                    s(&r["slots"]),
+                    devices,
+                    state,
+                    workers.join(" ")
+                );
+                if wide {
+                    let busy: Vec<String> = r["busy_slots"]
+                        .as_object()
+                        .into_iter()
+                        .flatten()
+                        .map(|(k, _)| k.clone())
+                        .collect();
+                    line = format!(
+                        "{line:<64} {:<20} {:>9} {:<12} {}",
+                        s(&r["hostname"]),
+                        s(&r["agent_pid"]),
+                        if busy.is_empty() {
+                            "-".into()
+                        } else {
+                            busy.join(",")
+                        },
+                        s(&r["preemption"])
+                    );
+                }
+                println!("{line}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The job spec (TOML) `dctl run` submits: a program job of `runtime` running `command`, its
+/// name the script's and a few random hex digits unless `--name` gives one; a script (or any
+/// argument) that names a file here is made absolute.
+fn run_spec(cmd: &Cmd) -> anyhow::Result<String> {
+    let Cmd::Run {
+        name,
+        nproc,
+        min,
+        max,
+        runtime,
+        integrations,
+        restart_budget,
+        env,
+        command,
+        ..
+    } = cmd
+    else {
+        unreachable!("run_spec of a dctl run only")
+    };
+    let command: Vec<String> = command
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let p = std::path::Path::new(a);
+            if i > 0 && p.is_relative() && !a.starts_with('-') && p.is_file() {
+                std::path::absolute(p)
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|_| a.clone())
+            } else {
+                a.clone()
+            }
+        })
+        .collect();
+    let name = match name {
+        Some(n) => n.clone(),
+        None => {
+            let script = command
+                .iter()
+                .skip(1)
+                .find(|a| a.ends_with(".py"))
+                .and_then(|a| std::path::Path::new(a).file_stem())
+                .map(|s| s.to_string_lossy().to_lowercase())
+                .or_else(|| {
+                    let i = command.iter().position(|a| a == "-m")?;
+                    command.get(i + 1).map(|m| m.replace('.', "-"))
+                })
+                .unwrap_or_else(|| "run".into());
+            let script: String = script
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' {
+                        c
+                    } else {
+                        '-'
+                    }
+                })
+                .collect();
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos() ^ std::process::id())
+                .unwrap_or(0);
+            format!("{script}-{:04x}", nanos & 0xffff)
+        }
+    };
+    let mut t = toml::Table::new();
+    t.insert("name".into(), name.into());
+    t.insert("runtime".into(), runtime.clone().into());
+    t.insert(
+        "command".into(),
+        toml::Value::Array(command.into_iter().map(toml::Value::from).collect()),
+    );
+    t.insert("min".into(), i64::from(min.unwrap_or(*nproc)).into());
+    t.insert("max".into(), i64::from(max.unwrap_or(*nproc)).into());
+    t.insert("desired".into(), i64::from(*nproc).into());
+    if let Some(b) = restart_budget {
+        t.insert("restart_budget".into(), i64::from(*b).into());
+    }
+    if !env.is_empty() {
+        let mut e = toml::Table::new();
+        for kv in env {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("--env {kv:?}: NAME=VALUE"))?;
+            e.insert(k.into(), v.into());
+        }
+        t.insert("env".into(), toml::Value::Table(e));
+    }
+    if !integrations.is_empty() {
+        let mut p = toml::Table::new();
+        p.insert(
+            "integrations".into(),
+            toml::Value::Array(
+                integrations
+                    .iter()
+                    .cloned()
+                    .map(toml::Value::from)
+                    .collect(),
+            ),
+        );
+        t.insert("torchrun".into(), toml::Value::Table(p));
+    }
+    Ok(toml::to_string(&t)?)
+}
+
 /// `dctl submit --dry-run FILE`: the spec checked here as the daemon checks it at submit, and
 /// what would run: the runtime and sizes, and for a built-in training job the plan at its
 /// desired size (layout, stages, memory per rank), as `dctl plan` shows a submitted job's.
-async fn dry_run(file: &std::path::Path, json: bool) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(file)
-        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
-    let mut spec =
-        JobSpec::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+async fn dry_run(text: &str, file: &str, json: bool) -> anyhow::Result<()> {
+    let mut spec = JobSpec::from_toml(text).map_err(|e| anyhow::anyhow!("{}: {e}", file))?;
     // a Hugging Face directory's config.json, read as the daemon reads it at submit (the plan
     // and the checks that need the model's shape use it)
     if let Some(t) = spec
@@ -1250,35 +1690,36 @@ async fn dry_run(file: &std::path::Path, json: bool) -> anyhow::Result<()> {
     {
         let url = t.model_path.clone().unwrap_or_default();
         let bucket = ductile_checkpoint::Bucket::open(url.trim_end_matches('/'))
-            .map_err(|e| anyhow::anyhow!("{}: training.model_path: {e}", file.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: training.model_path: {e}", file))?;
         use ductile_checkpoint::bucket::Capped;
         let body = match bucket.get_capped("config.json", 1 << 20).await {
             Ok(Capped::Bytes(b)) => b,
             Ok(Capped::Absent) => anyhow::bail!(
                 "{}: training.model_path: {url} has no config.json (not a Hugging Face model directory)",
-                file.display()
+                file
             ),
             Ok(Capped::TooLarge(n)) => anyhow::bail!(
                 "{}: training.model_path: {url}/config.json is {n} bytes (the daemon reads at most 1 MiB)",
-                file.display()
+                file
             ),
             Err(e) => anyhow::bail!(
                 "{}: training.model_path: cannot read {url}/config.json from here: {e}",
-                file.display()
+                file
             ),
         };
-        t.hf_config = Some(serde_json::from_slice(&body).map_err(|e| {
-            anyhow::anyhow!("{}: {url}/config.json is not JSON: {e}", file.display())
-        })?);
+        t.hf_config = Some(
+            serde_json::from_slice(&body)
+                .map_err(|e| anyhow::anyhow!("{}: {url}/config.json is not JSON: {e}", file))?,
+        );
         spec.validate()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file))?;
     }
     let plan = match &spec.training {
         Some(t) if spec.runtime == ductile_cluster::records::Runtime::Ductile => Some(
             ductile_strategies::pipeline::plan(t, spec.desired).map_err(|e| {
                 anyhow::anyhow!(
                     "{}: no plan at the desired size {}: {e}",
-                    file.display(),
+                    file,
                     spec.desired
                 )
             })?,
@@ -1304,7 +1745,7 @@ async fn dry_run(file: &std::path::Path, json: bool) -> anyhow::Result<()> {
     }
     println!(
         "{}: job {} is valid (not submitted): runtime {}, min {}, max {}, desired {}",
-        file.display(),
+        file,
         spec.name,
         runtime.as_str().unwrap_or("?"),
         spec.min,

@@ -1493,3 +1493,113 @@ fn dctl_version_dry_run_and_completion() {
         "{out}"
     );
 }
+
+/// kubectl's verbs: `dctl get jobs` lists with a state filter and `-o wide|json|yaml`, `dctl
+/// get nodes` the live nodes, `dctl describe` one job (status, spec, generations) or node;
+/// `dctl delete` refuses a running job and forgets a finished one (its name free again);
+/// `dctl run -- PROGRAM` submits a program job without a TOML file.
+#[test]
+fn dctl_get_describe_delete_and_run() {
+    let bare = "/usr/bin/python3";
+    let mut c = Cluster::start(Spec::default());
+    let mut flags = torchrun_agent_flags();
+    flags[1] = format!("ductile-worker,{},{bare}", flags[1]);
+    let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+    c.start_agent("node1", 4, &extra);
+    c.submit(&job_toml("keep", 1, 2, 2));
+    c.wait_world("keep", 2, S(20));
+    let out = c.dctl_ok(&["get", "jobs"]);
+    assert!(
+        out.starts_with("NAME") && out.contains("keep") && out.contains("Running"),
+        "{out}"
+    );
+    let out = c.dctl_ok(&["get", "jobs", "--state", "succeeded"]);
+    assert!(!out.contains("keep"), "{out}");
+    let out = c.dctl_ok(&["get", "jobs", "kee*", "-o", "wide"]);
+    assert!(out.contains("DESIRED") && out.contains("keep"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&c.dctl_ok(&["get", "jobs", "keep", "-o", "json"])).unwrap();
+    assert_eq!(v[0]["job"], "keep", "{v}");
+    let out = c.dctl_ok(&["get", "jobs", "-o", "yaml"]);
+    assert!(out.contains("job: keep"), "{out}");
+    let out = c.dctl_ok(&["get", "nodes", "-o", "wide"]);
+    assert!(out.contains("node1") && out.contains("HOSTNAME"), "{out}");
+    let out = c.dctl_ok(&["describe", "job", "keep"]);
+    assert!(
+        out.contains("job         keep")
+            && out.contains("spec:")
+            && out.contains("name = \"keep\"")
+            && out.contains("gen 1"),
+        "{out}"
+    );
+    let out = c.dctl_ok(&["describe", "node", "node1"]);
+    assert!(out.contains("name: node1"), "{out}");
+
+    // a running job is not deleted; a stopped one is, and its name is free again
+    let (ok, _, err) = c.dctl(&["delete", "keep"]);
+    assert!(!ok && err.contains("dctl stop keep first"), "{err}");
+    c.dctl_ok(&["stop", "keep"]);
+    c.wait_for(S(20), "the job to stop", || {
+        Some(c.status("keep")).filter(|v| v.state.is_terminal())
+    });
+    let out = c.dctl_ok(&["delete", "keep"]);
+    assert!(out.contains("job keep deleted"), "{out}");
+    assert!(!c.dctl_ok(&["get", "jobs"]).contains("keep"));
+    let (ok, _, err) = c.dctl(&["status", "keep"]);
+    assert!(!ok && err.contains("keep"), "{err}");
+    c.submit(&job_toml("keep", 1, 2, 2));
+    let v = c.wait_world("keep", 2, S(20));
+    assert_eq!(
+        v.generation, 1,
+        "a deleted name starts again from generation 1"
+    );
+
+    // dctl run: a program job from the command line (--dry-run prints the spec it makes)
+    let dir = TempDir::new("run");
+    let script = dir.path().join("hello.py");
+    std::fs::write(&script, "print('hello from dctl run')\n").unwrap();
+    let out = c.dctl_ok(&[
+        "run",
+        "--name",
+        "hello",
+        "--nproc",
+        "2",
+        "--max",
+        "4",
+        "--env",
+        "A=b",
+        "--dry-run",
+        "--",
+        bare,
+        script.to_str().unwrap(),
+    ]);
+    assert!(
+        out.contains("name = \"hello\"")
+            && out.contains("runtime = \"torchrun\"")
+            && out.contains("max = 4")
+            && out.contains("is valid (not submitted)"),
+        "{out}"
+    );
+    let (ok, _, err) = c.dctl(&["status", "hello"]);
+    assert!(!ok, "a dry run submits nothing: {err}");
+    let out = c.dctl_ok(&["run", "--nproc", "2", "--", bare, script.to_str().unwrap()]);
+    let name = out
+        .split_whitespace()
+        .nth(2)
+        .expect("submitted job NAME")
+        .to_string();
+    assert!(name.starts_with("hello-"), "{out}");
+    let spec: serde_json::Value =
+        serde_json::from_str(&c.dctl_ok(&["describe", "job", &name, "--json"])).unwrap();
+    assert_eq!(
+        spec["spec"]["command"][1],
+        script.to_str().unwrap(),
+        "{spec}"
+    );
+    assert_eq!(spec["spec"]["desired"], 2, "{spec}");
+    let v = c.wait_for(S(60), "the run to end", || {
+        Some(c.status(&name)).filter(|v| v.state.is_terminal())
+    });
+    assert_eq!(v.state, JobState::Succeeded, "{}", v.message);
+    assert!(c.logs().contains("hello from dctl run"));
+}
