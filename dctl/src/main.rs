@@ -229,8 +229,12 @@ enum Cmd {
     Plot {
         job: String,
         /// The file to write: `.svg` or `.png`.
-        #[arg(long)]
-        out: PathBuf,
+        #[arg(long, required_unless_present = "term")]
+        out: Option<PathBuf>,
+        /// Draw the chart in the terminal instead (for a shell over SSH), as wide as the
+        /// terminal (COLUMNS, else 80).
+        #[arg(long, conflicts_with = "out")]
+        term: bool,
         #[arg(long, value_enum, default_value = "loss")]
         metric: plot::Metric,
         /// From this step on.
@@ -974,10 +978,35 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Plot {
             job,
-            out: file,
+            out: None,
             metric,
             from,
             every,
+            ..
+        } => {
+            let v = c
+                .call(
+                    Method::GET,
+                    &format!("/v1/jobs/{job}/series?from={from}&every={every}"),
+                    None,
+                )
+                .await?;
+            let s: SeriesView = serde_json::from_value(v)?;
+            let width = std::env::var("COLUMNS")
+                .ok()
+                .and_then(|c| c.parse::<usize>().ok())
+                .unwrap_or(80)
+                .saturating_sub(14)
+                .clamp(20, 400);
+            crate::out(&plot::term(&s, metric, width, 16)?);
+        }
+        Cmd::Plot {
+            job,
+            out: Some(file),
+            metric,
+            from,
+            every,
+            ..
         } => {
             // a file name that cannot be written fails before anything is fetched
             let format = plot::Format::of(&file)?;

@@ -257,6 +257,92 @@ pub fn plot(s: &SeriesView, metric: Metric, out: &Path, format: Format) -> anyho
     Ok(n)
 }
 
+/// `dctl plot --term`: the chart as text, `width` × `height` cells of plot area (each curve
+/// in its own character, every generation a `│` at its step where no point is), the value
+/// range on the left, the step range below, then a legend and the generations. What an
+/// operator reads over SSH, where no file can be opened.
+pub fn term(s: &SeriesView, metric: Metric, width: usize, height: usize) -> anyhow::Result<String> {
+    const MARKS: [char; 6] = ['*', '+', 'o', 'x', '#', '%'];
+    let curves = curves(s, metric);
+    let pts = curves.iter().flat_map(|(_, c)| c.iter());
+    let (x0, x1, y0, y1) = pts.fold(
+        (f64::MAX, f64::MIN, f64::MAX, f64::MIN),
+        |(a, b, c, d), (x, y)| (a.min(*x), b.max(*x), c.min(*y), d.max(*y)),
+    );
+    if x0 > x1 {
+        bail!("no {} points to draw yet", metric.label());
+    }
+    let (w, h) = (width.max(10), height.max(3));
+    let col = |x: f64| {
+        if x1 > x0 {
+            (((x - x0) / (x1 - x0)) * (w - 1) as f64).round() as usize
+        } else {
+            0
+        }
+    };
+    let row = |y: f64| {
+        if y1 > y0 {
+            (h - 1) - (((y - y0) / (y1 - y0)) * (h - 1) as f64).round() as usize
+        } else {
+            h / 2
+        }
+    };
+    let mut grid = vec![vec![' '; w]; h];
+    for (i, (_, c)) in curves.iter().enumerate() {
+        for (x, y) in c {
+            grid[row(*y)][col(*x)] = MARKS[i % MARKS.len()];
+        }
+    }
+    let marks: Vec<_> = s
+        .marks
+        .iter()
+        .filter(|m| (m.step as f64) >= x0 && (m.step as f64) <= x1 && m.generation > 1)
+        .collect();
+    for m in &marks {
+        let c = col(m.step as f64);
+        for r in grid.iter_mut() {
+            if r[c] == ' ' {
+                r[c] = '│';
+            }
+        }
+    }
+    let label = |y: f64| format!("{y:>10.4}");
+    let mut out = format!("{} over steps\n", metric.label());
+    for (i, r) in grid.iter().enumerate() {
+        let axis = match i {
+            0 => label(y1),
+            i if i == h - 1 => label(y0),
+            i if i == h / 2 => label((y0 + y1) / 2.0),
+            _ => " ".repeat(10),
+        };
+        out.push_str(&format!("{axis} ┤{}\n", r.iter().collect::<String>()));
+    }
+    out.push_str(&format!("{} └{}\n", " ".repeat(10), "─".repeat(w)));
+    let (from, to) = (format!("step {x0}"), format!("{x1}"));
+    out.push_str(&format!(
+        "{}  {from}{}{to}\n",
+        " ".repeat(10),
+        " ".repeat(w.saturating_sub(from.len() + to.len()))
+    ));
+    let legend: Vec<String> = curves
+        .iter()
+        .enumerate()
+        .map(|(i, (name, _))| format!("{} {name}", MARKS[i % MARKS.len()]))
+        .collect();
+    out.push_str(&format!("{}  {}\n", " ".repeat(10), legend.join("   ")));
+    for m in marks {
+        out.push_str(&format!(
+            "{}  │ step {}: generation {} ({}), world {}\n",
+            " ".repeat(10),
+            m.step,
+            m.generation,
+            m.reason,
+            m.world_size
+        ));
+    }
+    Ok(out)
+}
+
 /// A sparkline of `xs` (at most its last `width` values), lowest ▁ to highest █.
 pub fn sparkline(xs: &[f64], width: usize) -> String {
     const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
@@ -321,6 +407,40 @@ mod tests {
                 healing: 1,
             }],
         }
+    }
+
+    #[test]
+    fn the_terminal_chart_puts_each_point_in_its_cell_with_axes_legend_and_generations() {
+        let t = term(&series(), Metric::Loss, 31, 5).unwrap();
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "loss over steps");
+        // loss 5/(1+step): the highest value at step 0 (top left), the lowest at 30 (bottom right)
+        assert!(lines[1].starts_with("    5.0000 ┤*"), "{t}");
+        assert!(
+            lines[5].starts_with("    0.1613 ┤") && lines[5].ends_with('*'),
+            "{t}"
+        );
+        // generation 2 at step 15: a bar in the middle column where no point is
+        assert_eq!(lines[3].chars().nth(12 + 15), Some('│'), "{t}");
+        assert!(
+            lines[7].contains("step 0") && lines[7].ends_with("30"),
+            "{t}"
+        );
+        assert!(lines[8].contains("* loss"), "{t}");
+        assert!(
+            lines[9].contains("step 15: generation 2 (failure), world 2"),
+            "{t}"
+        );
+        // one character per curve: the step time's ranks
+        let t = term(&series(), Metric::StepTime, 31, 5).unwrap();
+        assert!(
+            t.contains("* rank 0") && t.contains("+ rank 1") && t.contains("o rank 2"),
+            "{t}"
+        );
+        // nothing to draw is said
+        let mut empty = series();
+        empty.points.clear();
+        assert!(term(&empty, Metric::Loss, 31, 5).is_err());
     }
 
     #[test]

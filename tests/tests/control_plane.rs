@@ -1492,6 +1492,17 @@ fn dctl_version_dry_run_and_completion() {
             .any(|l| l.starts_with("Running step ") && l.contains("/2000 (")),
         "{out}"
     );
+    // and `dctl plot --term` draws its loss in the terminal
+    let (ok, out, err) = c.dctl(&["plot", "watched", "--term"]);
+    assert!(ok, "{err}");
+    println!("{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "loss over steps", "{out}");
+    assert!(
+        lines[1..17].iter().all(|l| l.contains(" ┤")) && out.matches('*').count() >= 10,
+        "{out}"
+    );
+    assert!(out.contains("* loss") && out.contains("2000"), "{out}");
 }
 
 /// kubectl's verbs: `dctl get jobs` lists with a state filter and `-o wide|json|yaml`, `dctl
