@@ -47,7 +47,7 @@ say "the dashboard (live curves, generations, members, nodes; read-only token): 
 declare -A agent_pid
 start_agent() {
   "$bin/ductile-agent" --etcd "$etcd_url" --node "$1" --cpu-slots 2 --lease-ttl 2 --gpus off --advertise-host 127.0.0.1 --restart-backoff-ms 1000 \
-    --allowed-paths "$work" --log-dir "$work/logs-$1" >>"$work/$1.log" 2>&1 &
+    --allowed-paths "$work" --log-dir "$work/logs-$1" --work-root "$work/work-$1" >>"$work/$1.log" 2>&1 &
   pids+=($!)
   agent_pid["$1"]=$!
 }
@@ -139,9 +139,10 @@ echo
 "$bin/dctl" events demo
 echo
 "$bin/dctl" status demo --json | python3 -c "import json,sys; v=json.load(sys.stdin); r=v['last_reformation']; print(f\"last re-formation: generation {r['generation']} ({r['reason']}) took {r['seconds']:.3f} s from trigger to every worker joined\"); print(f\"final: step {v['step']}, loss {v['loss']:.3f}, weights sha256 {v.get('final_weights_sha256')}\")"
-say "the chart: dctl plot demo --out $work/loss.svg (and samples/s as PNG)"
+say "the chart: dctl plot demo --out $work/loss.svg (and samples/s as PNG), and here: dctl plot demo --term"
 "$bin/dctl" plot demo --out "$work/loss.svg"
 "$bin/dctl" plot demo --out "$work/throughput.png" --metric throughput
+"$bin/dctl" plot demo --term
 say "done; logs and charts in $work"
 echo "dashboard: $dashboard"
 if [ -t 0 ]; then

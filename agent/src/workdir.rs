@@ -81,10 +81,24 @@ pub fn make(root: &Path, job: &str, owner: Option<(u32, u32)>) -> Result<PathBuf
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(format!("{}: {e}", dir.display())),
     }
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        // made meanwhile (another slot's start): taken if it is what this call makes
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            match std::fs::symlink_metadata(&dir) {
+                Ok(md) if md.is_dir() && md.uid() == uid && md.mode() & 0o7777 == 0o700 => {
+                    return Ok(dir)
+                }
+                _ => {
+                    return Err(format!(
+                        "cannot make {}: {e}, and what is there is not this job's directory",
+                        dir.display()
+                    ))
+                }
+            }
+        }
+        Err(e) => return Err(format!("cannot make {}: {e}", dir.display())),
+    }
     if owner.is_some() {
         // lchown: the name was just made by this agent in its own directory
         std::os::unix::fs::lchown(&dir, Some(uid), Some(gid)).map_err(|e| {
