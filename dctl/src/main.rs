@@ -978,38 +978,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Plot {
             job,
-            out: None,
-            metric,
-            from,
-            every,
-            ..
-        } => {
-            let v = c
-                .call(
-                    Method::GET,
-                    &format!("/v1/jobs/{job}/series?from={from}&every={every}"),
-                    None,
-                )
-                .await?;
-            let s: SeriesView = serde_json::from_value(v)?;
-            let width = std::env::var("COLUMNS")
-                .ok()
-                .and_then(|c| c.parse::<usize>().ok())
-                .unwrap_or(80)
-                .saturating_sub(14)
-                .clamp(20, 400);
-            crate::out(&plot::term(&s, metric, width, 16)?);
-        }
-        Cmd::Plot {
-            job,
-            out: Some(file),
+            out: file,
             metric,
             from,
             every,
             ..
         } => {
             // a file name that cannot be written fails before anything is fetched
-            let format = plot::Format::of(&file)?;
+            let format = file.as_deref().map(plot::Format::of).transpose()?;
             let v = c
                 .call(
                     Method::GET,
@@ -1018,6 +994,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 )
                 .await?;
             let s: SeriesView = serde_json::from_value(v)?;
+            let (Some(file), Some(format)) = (file, format) else {
+                // --term
+                let width = std::env::var("COLUMNS")
+                    .ok()
+                    .and_then(|c| c.parse::<usize>().ok())
+                    .unwrap_or(80)
+                    .saturating_sub(14)
+                    .clamp(20, 400);
+                crate::out(&plot::term(&s, metric, width, 16)?);
+                return Ok(());
+            };
             let n = plot::plot(&s, metric, &file, format)?;
             if json {
                 out(&serde_json::json!({

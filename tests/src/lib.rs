@@ -2278,6 +2278,17 @@ pub fn torchrun_agent_flags() -> Vec<String> {
     ]
 }
 
+/// [`torchrun_agent_flags`] with `commands` allowed too (`ductile-worker` for built-in jobs,
+/// Debian's `/usr/bin/python3` for a program without the test venv).
+pub fn torchrun_agent_flags_with(commands: &[&str]) -> Vec<String> {
+    let mut flags = torchrun_agent_flags();
+    flags[1] = std::iter::once(flags[1].as_str())
+        .chain(commands.iter().copied())
+        .collect::<Vec<_>>()
+        .join(",");
+    flags
+}
+
 /// One line of `ddp_train.py --step-log`: (unix time, pid, world size, step).
 pub fn step_log_line(line: &str) -> Option<(f64, u32, u32, u64)> {
     let mut f = line.split_whitespace();

@@ -1513,8 +1513,7 @@ fn dctl_version_dry_run_and_completion() {
 fn dctl_get_describe_delete_and_run() {
     let bare = "/usr/bin/python3";
     let mut c = Cluster::start(Spec::default());
-    let mut flags = torchrun_agent_flags();
-    flags[1] = format!("ductile-worker,{},{bare}", flags[1]);
+    let flags = torchrun_agent_flags_with(&["ductile-worker", bare]);
     let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
     c.start_agent("node1", 4, &extra);
     c.submit(&job_toml("keep", 1, 2, 2));

@@ -707,8 +707,7 @@ fn training_torchrun_ductile_s_module_needs_no_install_and_a_missing_integration
         restart_backoff_ms: 300,
         ..Spec::default()
     });
-    let mut flags = torchrun_agent_flags();
-    flags[1] = format!("{},{bare}", flags[1]);
+    let flags = torchrun_agent_flags_with(&[bare]);
     let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
     c.start_agent("node1", 2, &extra);
     let dir = TempDir::new("no-install");
@@ -794,8 +793,7 @@ fn training_torchrun_a_resubmitted_job_starts_every_slot_its_failed_run_left_out
         restart_backoff_ms: 300,
         ..Spec::default()
     });
-    let mut flags = torchrun_agent_flags();
-    flags[1] = format!("{},{bare}", flags[1]);
+    let flags = torchrun_agent_flags_with(&[bare]);
     let extra: Vec<&str> = flags.iter().map(String::as_str).collect();
     c.start_agent("node1", 2, &extra);
     let dir = TempDir::new("resubmit");
