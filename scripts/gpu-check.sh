@@ -571,7 +571,7 @@ min = 1
 max = 1
 desired = 1
 restart_budget = 2
-[torchrun]
+[program]
 grace_s = 5
 JOB
 dctl submit "$work/$job.toml"
@@ -614,7 +614,7 @@ min = 1
 max = 2
 desired = 2
 restart_budget = 2
-[torchrun]
+[program]
 grace_s = 5
 JOB
 dctl submit "$work/$job.toml"

@@ -141,7 +141,7 @@ pub struct Cli {
     /// where jobs write; default: allowed_paths.
     #[arg(long, env = "DUCTILE_ALLOWED_CODE_PATHS", value_delimiter = ',')]
     pub allowed_code_paths: Option<Vec<String>>,
-    /// The longest torchrun.grace_s a job may ask for, in seconds (default 120).
+    /// The longest program.grace_s a job may ask for, in seconds (default 120).
     #[arg(long, env = "DUCTILE_MAX_GRACE_S")]
     pub max_grace_s: Option<u64>,
     /// More environment names a job may set while commands are restricted, beyond the built-in
@@ -187,7 +187,7 @@ pub struct Cli {
     #[arg(long, env = "DUCTILE_CGROUP")]
     pub cgroup: Option<String>,
     /// Where a torchrun or torchft job's programs run when the job names no
-    /// `torchrun.workdir`: WORK_ROOT/JOB, one per job on this node, kept across its generations
+    /// `program.workdir`: WORK_ROOT/JOB, one per job on this node, kept across its generations
     /// (a relative output path stays there). Keep it under allowed_paths. Default
     /// /var/lib/ductile/work.
     #[arg(long, env = "DUCTILE_WORK_ROOT")]

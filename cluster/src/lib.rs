@@ -21,9 +21,11 @@ pub mod pycmd;
 pub mod recipe;
 pub mod records;
 pub mod relay;
+pub mod schema;
 pub mod series;
 pub mod service;
 pub mod store;
+pub mod units;
 pub mod watch;
 
 pub use error::{ClusterError, Result};

@@ -20,12 +20,12 @@ fn unknown(field: &str, value: &str, known: &[&str]) -> ClusterError {
 
 macro_rules! named {
     (
-        $(#[$m:meta])*
+        $(#[doc = $doc:literal])*
         $name:ident in $field:literal, default $d:ident {
             $($(#[$vm:meta])* $v:ident = $s:literal,)+
         }
     ) => {
-        $(#[$m])*
+        $(#[doc = $doc])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
         #[serde(try_from = "String", into = "String")]
         pub enum $name {
@@ -38,6 +38,21 @@ macro_rules! named {
                 match self {
                     $($name::$v => $s,)+
                 }
+            }
+        }
+
+        impl schemars::JsonSchema for $name {
+            fn schema_name() -> std::borrow::Cow<'static, str> {
+                stringify!($name).into()
+            }
+            fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+                let doc: &[&str] = &[$($doc),*];
+                let description = doc.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ");
+                schemars::json_schema!({
+                    "type": "string",
+                    "enum": [$($s),+],
+                    "description": description,
+                })
             }
         }
 

@@ -41,21 +41,29 @@ pub struct OptimizerSpec {
 }
 
 /// The table form, as written.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct OptimizerTable {
+    /// `"adamw"` (default) or `"sgd"`.
     #[serde(default)]
     name: OptimizerKind,
+    /// AdamW: the moments' decay rates (default `[0.9, 0.95]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     betas: Option<[f64; 2]>,
+    /// AdamW: added to the second moment's root (default 1e-8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     eps: Option<f64>,
+    /// AdamW: decoupled (`p *= 1 - lr * wd`); SGD: added to the gradient (`g += wd * p`), as
+    /// PyTorch's optimizers do. Default: AdamW 0.01, SGD 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     weight_decay: Option<f64>,
+    /// SGD's momentum (default 0.9).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     momentum: Option<f64>,
+    /// SGD: Nesterov's momentum (PyTorch's form; default false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     nesterov: Option<bool>,
+    /// Parameters whose name contains one of these take no weight decay (`["norm", "bias"]`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     no_decay: Vec<String>,
 }
@@ -232,6 +240,17 @@ impl Serialize for OptimizerSpec {
     }
 }
 
+impl schemars::JsonSchema for OptimizerSpec {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "OptimizerSpec".into()
+    }
+    fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [g.subschema_for::<OptimizerKind>(), g.subschema_for::<OptimizerTable>()]
+        })
+    }
+}
+
 impl<'de> Deserialize<'de> for OptimizerSpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
@@ -261,7 +280,7 @@ impl<'de> Deserialize<'de> for OptimizerSpec {
 }
 
 /// `[training.lr_schedule]`: a key left out takes today's default.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LrSchedule {
     /// Steps of linear warm-up: step s < warmup_steps runs at lr · (s + 1) / warmup_steps

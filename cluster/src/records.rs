@@ -175,13 +175,13 @@ pub struct AgentPolicy {
     /// empty (the default): none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_modules: Vec<String>,
-    /// Roots a job's script and `torchrun.workdir` must really lie under (after symlinks are
+    /// Roots a job's script and `program.workdir` must really lie under (after symlinks are
     /// resolved, at spawn) while commands are restricted; empty (the default): `allowed_paths`.
     /// Set it where jobs may write under `allowed_paths`, so that what a job wrote never runs
     /// as another job's code.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_code_paths: Vec<String>,
-    /// The longest `torchrun.grace_s` this agent gives a fenced program (it keeps its slot, and
+    /// The longest `program.grace_s` this agent gives a fenced program (it keeps its slot, and
     /// its GPU, that long).
     #[serde(default = "AgentPolicy::default_max_grace_s")]
     pub max_grace_s: u64,
@@ -416,7 +416,7 @@ impl AgentPolicy {
     }
 
     /// At spawn, on this node: the real paths (symlinks resolved) of a program job's
-    /// `torchrun.workdir` and script lie under the code roots (`allowed_code_paths`, else
+    /// `program.workdir` and script lie under the code roots (`allowed_code_paths`, else
     /// `allowed_paths`); a check of the text alone lets a symlink under an allowed root point
     /// anywhere. Nothing is checked while commands are unrestricted.
     pub fn check_real_paths(&self, spec: &JobSpec) -> Result<(), (String, String)> {
@@ -457,7 +457,7 @@ impl AgentPolicy {
         let workdir = spec.torchrun.as_ref().and_then(|t| t.workdir.clone());
         let wd = match &workdir {
             Some(w) => Some(under(
-                "torchrun.workdir",
+                "program.workdir",
                 std::path::Path::new(w.trim_start_matches("file://")),
             )?),
             None => None,
@@ -531,13 +531,13 @@ impl AgentPolicy {
     }
 
     /// A torchrun job's program under restricted commands: a Python interpreter runs a script
-    /// file under `allowed_paths` (absolute, or relative to a checked `torchrun.workdir`), or an
+    /// file under `allowed_paths` (absolute, or relative to a checked `program.workdir`), or an
     /// installed module (`-m`); inline code (`-c`) would run anything. The working directory is
     /// checked too.
     fn check_program(&self, spec: &JobSpec) -> Result<(), (String, String)> {
         let workdir = spec.torchrun.as_ref().and_then(|t| t.workdir.clone());
         if let Some(w) = &workdir {
-            self.check_location("torchrun.workdir", w)?;
+            self.check_location("program.workdir", w)?;
         }
         if !is_python(&spec.command[0]) {
             return Ok(());
@@ -598,13 +598,13 @@ impl AgentPolicy {
                     if p.components().any(|c| {
                         matches!(c, std::path::Component::ParentDir | std::path::Component::RootDir)
                     }) {
-                        return Err((field, format!("{script:?} must stay inside torchrun.workdir")));
+                        return Err((field, format!("{script:?} must stay inside program.workdir")));
                     }
                 }
                 None => {
                     return Err((
                         field,
-                        format!("{script:?} is a relative path: set torchrun.workdir (checked against allowed_paths) or name the script by its absolute path"),
+                        format!("{script:?} is a relative path: set program.workdir (checked against allowed_paths) or name the script by its absolute path"),
                     ))
                 }
             }
@@ -700,7 +700,7 @@ impl AgentPolicy {
             let grace = spec.torchrun_settings().grace_s;
             if grace > self.max_grace_s {
                 return Err((
-                    "torchrun.grace_s".into(),
+                    "program.grace_s".into(),
                     format!(
                         "{grace} s is past the agent's max_grace_s ({} s): a fenced program keeps its slot that long",
                         self.max_grace_s
@@ -731,7 +731,7 @@ impl AgentPolicy {
         }
         if let Some(t) = &spec.torchrun {
             if let Some(u) = &t.checkpoint_url {
-                urls.push(("torchrun.checkpoint_url", u.as_str()));
+                urls.push(("program.checkpoint_url", u.as_str()));
             }
         }
         for (field, url) in urls {
@@ -791,21 +791,26 @@ fn default_stall_timeout_s() -> u64 {
 }
 
 /// A job as submitted (TOML file, or JSON over the API). Unknown fields are refused.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JobSpec {
+    /// The job's name: letters, digits, `-`, `_` and `.`; what every `dctl` verb names it by.
     pub name: String,
     /// The worker program and its arguments; `ductile-worker` when omitted. With
     /// `runtime = "torchrun"`, the job's own program (`["python3", "train.py", ...]`).
     #[serde(default = "default_command")]
     pub command: Vec<String>,
-    /// `ductile` (the built-in trainer, `[training]`) or `torchrun` (the job's own program
-    /// under torchrun's worker contract: every generation stops the old world and starts the
-    /// new one; `[torchrun]`).
+    /// `ductile` (the built-in trainer, `[training]`) or a job's own program (`[program]`):
+    /// `torchrun` (torchrun's worker contract: every generation stops the old world and
+    /// starts the new one), `torchft` (replica groups that live through the others'
+    /// failures), `tf` (TensorFlow's MultiWorkerMirroredStrategy) or `horovod`.
     #[serde(default, skip_serializing_if = "Runtime::is_ductile")]
     pub runtime: Runtime,
+    /// The fewest slots the job runs on: below it, it waits (its state kept).
     pub min: u32,
+    /// The most slots it grows to when agents have them free.
     pub max: u32,
+    /// The size it is asked to run at (`dctl scale` changes it), between `min` and `max`.
     pub desired: u32,
     /// How many worker restarts the whole job may use before failed slots stay out.
     #[serde(default = "default_restart_budget")]
@@ -816,7 +821,11 @@ pub struct JobSpec {
     pub fault_retries: u32,
     /// A running job that completes no step for this long is re-formed (then failed, after
     /// `fault_retries`); 0 turns the check off. Only jobs that report progress (`[training]`).
-    #[serde(default = "default_stall_timeout_s")]
+    #[serde(
+        default = "default_stall_timeout_s",
+        deserialize_with = "crate::units::secs"
+    )]
+    #[schemars(schema_with = "crate::units::secs_schema")]
     pub stall_timeout_s: u64,
     /// Extra environment for the workers.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -825,12 +834,21 @@ pub struct JobSpec {
     /// benches: `DUCTILE_FAULT_OVERSIZED_FRAME=RANK:STEP`); off, they ignore them and say so.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_fault_injection: bool,
+    /// `[training]`: what the built-in trainer trains (`runtime = "ductile"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub training: Option<TrainingSpec>,
+    /// `[checkpoint]`: where and how often the job's state is committed; a program job's
+    /// `url` is handed to its program.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<CheckpointSpec>,
-    /// `runtime = "torchrun"` or `"torchft"`: how its program is run.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// `[program]`: how the job's own program is run (`runtime = "torchrun"`, `"torchft"`,
+    /// `"tf"` or `"horovod"`). The older name `[torchrun]` is still read.
+    #[serde(
+        default,
+        rename = "program",
+        alias = "torchrun",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub torchrun: Option<TorchrunSpec>,
     /// `runtime = "torchft"`: how its slots form TorchFT replica groups.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -838,7 +856,7 @@ pub struct JobSpec {
 }
 
 /// The `[torchft]` section of a `runtime = "torchft"` job.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TorchftSpec {
     /// Slots per replica group, cut from one node's slots in slot order (a group never spans
@@ -848,16 +866,21 @@ pub struct TorchftSpec {
     pub group_size: u32,
 }
 
-/// The `[torchrun]` section of a job that runs its own program (`runtime = "torchrun"`,
-/// `"torchft"`, `"tf"` or `"horovod"`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The `[program]` section of a job that runs its own program (`runtime = "torchrun"`,
+/// `"torchft"`, `"tf"` or `"horovod"`); `[torchrun]` is its older name, still read.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TorchrunSpec {
     /// When a generation replaces the workers: SIGTERM, this long, then SIGKILL.
-    #[serde(default = "TorchrunSpec::default_grace_s")]
+    #[serde(
+        default = "TorchrunSpec::default_grace_s",
+        deserialize_with = "crate::units::secs"
+    )]
+    #[schemars(schema_with = "crate::units::secs_schema")]
     pub grace_s: u64,
     /// Handed to the program as `DUCTILE_CHECKPOINT_URL` (file:// or s3://; checked against
-    /// the agents' allow-lists like any location a job names).
+    /// the agents' allow-lists like any location a job names). Write it as `[checkpoint] url`,
+    /// the one checkpoint key of every runtime; this older key is still read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_url: Option<String>,
     /// The program's working directory (absolute); the agent's own when left out. Where the
@@ -874,10 +897,14 @@ pub struct TorchrunSpec {
     /// A planned drain (`dctl drain`, an agent's SIGTERM, a spot notice) of a node the job runs
     /// on: `ductile.preempted()` turns true on every rank this long before the generation
     /// without the node replaces the workers (bounded by the node's drain timeout); 0: off.
-    #[serde(default = "TorchrunSpec::default_drain_notice_s")]
+    #[serde(
+        default = "TorchrunSpec::default_drain_notice_s",
+        deserialize_with = "crate::units::secs"
+    )]
+    #[schemars(schema_with = "crate::units::secs_schema")]
     pub drain_notice_s: u64,
     /// Integrations the launcher loads into the Python program before its script runs
-    /// (`ductile.integrations`, [`INTEGRATIONS`]): `transformers` adds ductile's callback to
+    /// (`ductile.integrations`): `transformers` adds ductile's callback to
     /// every `Trainer` (progress reports, a save on notice of a change of the world) and
     /// resumes `trainer.train()` from the newest complete checkpoint of its `output_dir`;
     /// `keras` adds ductile's callback to every Keras `model.fit` (progress reports).
@@ -940,12 +967,18 @@ pub fn is_python(program: &str) -> bool {
 }
 
 /// The `[training]` section: what the worker trains. Validated here; used by the worker.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TrainingSpec {
+    /// The parallel layout: `data-parallel`, `pipeline`, `hybrid` (stages and tensor
+    /// groups) or `auto` (the planner's choice at every world size).
     #[serde(default)]
     pub strategy: Strategy,
+    /// `gpt` or `mlp` (built in, `model_config`), or `hf`: a Hugging Face directory
+    /// (`model_path`; Llama, Qwen2, Mistral, GPT-2).
     pub model: ModelKind,
+    /// The built-in model's shape: GPT `d_model`, `n_layer`, `n_head`, `ctx`, `vocab`; MLP
+    /// `hidden`, `layers`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_config: Option<serde_json::Value>,
     /// `model = "hf"`: the Hugging Face-format directory (file:// or s3://) holding
@@ -960,6 +993,7 @@ pub struct TrainingSpec {
     /// `model = "hf"`: the directory's `config.json`, as the daemon read it at submit (the
     /// workers build exactly the model the submit checked). Written by the daemon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(skip)]
     pub hf_config: Option<serde_json::Value>,
     /// file:// or s3://: one token stream, a prefix ending in `/` holding `index.json` and
     /// its shards, a bare u16 stream (read whole), or a safetensors regression set (`mlp`).
@@ -977,7 +1011,9 @@ pub struct TrainingSpec {
     /// The eval loss is the mean over the eval split's first M samples (default 256).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_samples: Option<u64>,
+    /// Samples per optimizer step, whatever the world size (the ranks split it).
     pub global_batch: u32,
+    /// The job finishes after this many steps; left out, it trains until stopped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_steps: Option<u64>,
     /// The optimizer: a name (`"adamw"`, `"sgd"`) or a table with its name and settings
@@ -992,8 +1028,11 @@ pub struct TrainingSpec {
     /// 10 steps, then a cosine to a tenth of `lr` at `max_steps`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr_schedule: Option<LrSchedule>,
+    /// Seeds the weights' initialisation and the data order.
     #[serde(default)]
     pub seed: u64,
+    /// The same bits at every world size and layout: reductions in a fixed order over
+    /// `logical_shards`.
     #[serde(default)]
     pub deterministic: bool,
     /// Samples per micro-batch (gradient accumulation); default: a rank's whole share.
@@ -1006,12 +1045,22 @@ pub struct TrainingSpec {
     /// Data parallel: gradients are all-reduced in buckets of about this many MiB (whole
     /// parameters, in order), each copied into one reused buffer and back: no whole-model
     /// flat copy. Default 25 (PyTorch DDP's `bucket_cap_mb`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::units::opt_mib_u32"
+    )]
+    #[schemars(schema_with = "crate::units::size_schema")]
     pub bucket_mb: Option<u32>,
     /// Live state moves (a resize's re-cut, a joiner's share, a restore's point-to-point part)
     /// go in rounds of at most this many KiB per pair of ranks, so their buffers stay bounded
     /// however much state moves. Default 65536 (64 MiB).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::units::opt_kib_u32"
+    )]
+    #[schemars(schema_with = "crate::units::size_schema")]
     pub transfer_chunk_kib: Option<u32>,
     /// Clip the summed gradients to this global L2 norm before the optimizer step (PyTorch's
     /// `clip_grad_norm_`: scaled by max / (norm + 1e-6) when the norm is larger). The norm is
@@ -1046,7 +1095,12 @@ pub struct TrainingSpec {
     /// The longest one communicator call waits for a peer that is alive but sends nothing (a
     /// slow step, rank 0 listing checkpoints), in seconds, on every backend (TCP and NCCL);
     /// default 300. A stopped or dead peer is found sooner, by the heartbeats.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::units::opt_secs"
+    )]
+    #[schemars(schema_with = "crate::units::secs_schema")]
     pub comm_timeout_s: Option<u64>,
     /// The workers' TCP mesh runs over TLS (certificates from the agents' `mesh_tls_*`),
     /// for fleets across networks that are not trusted; `comm` must then not be `nccl`.
@@ -1082,7 +1136,12 @@ pub struct TrainingSpec {
     #[serde(default)]
     pub precision: Precision,
     /// Plan as if each slot had this much memory (GiB); default: no memory bound.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::units::opt_gib_f64"
+    )]
+    #[schemars(schema_with = "crate::units::size_schema")]
     pub memory_per_slot_gib: Option<f64>,
     /// How the replicas combine their work: `"allreduce"` (default: a synchronous all-reduce
     /// of the gradient every step), `"diloco"` (local steps, then an outer step on the averaged
@@ -1096,7 +1155,7 @@ pub struct TrainingSpec {
 }
 
 /// `[training.diloco]`: DiLoCo's rounds.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct DilocoSpec {
     /// H: local optimizer steps per round (a replica with a full share takes H steps of its
@@ -1126,7 +1185,7 @@ impl Default for DilocoSpec {
 }
 
 /// `[training.async]`: bounded-staleness asynchronous training.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct AsyncSpec {
     /// A worker never computes on parameters more than this many updates old.
@@ -1538,27 +1597,45 @@ impl TrainingSpec {
     }
 }
 
-/// The `[checkpoint]` section.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// The `[checkpoint]` section: sharded safetensors and a JSON manifest per commit, committed
+/// atomically. A job that runs its own program takes only `url` (handed to it as
+/// `DUCTILE_CHECKPOINT_URL`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointSpec {
+    /// Where the commits go: `s3://bucket/prefix` or `file:///dir` (checked against the
+    /// agents' allow-lists).
     pub url: String,
+    /// Commit every this many steps.
     #[serde(default = "CheckpointSpec::default_interval")]
     pub interval: u64,
+    /// Commits kept (older ones deleted once a newer one is committed).
     #[serde(default = "CheckpointSpec::default_keep")]
     pub keep: u32,
     /// Multipart part size, MiB.
-    #[serde(default = "CheckpointSpec::default_part_mib")]
+    #[serde(
+        default = "CheckpointSpec::default_part_mib",
+        deserialize_with = "crate::units::mib"
+    )]
+    #[schemars(schema_with = "crate::units::size_schema")]
     pub part_size_mib: u64,
     /// Parts in flight per writer.
     #[serde(default = "CheckpointSpec::default_concurrency")]
     pub upload_concurrency: u32,
     /// Uncommitted attempts older than this are deleted by retention, seconds.
-    #[serde(default = "CheckpointSpec::default_attempt_ttl")]
+    #[serde(
+        default = "CheckpointSpec::default_attempt_ttl",
+        deserialize_with = "crate::units::secs"
+    )]
+    #[schemars(schema_with = "crate::units::secs_schema")]
     pub attempt_ttl_s: u64,
     /// On a planned drain, the daemon asks for a checkpoint and holds the re-formation up to
     /// this long (and never past the leaving node's deadline) for it to commit; 0: do not ask.
-    #[serde(default = "CheckpointSpec::default_drain_wait")]
+    #[serde(
+        default = "CheckpointSpec::default_drain_wait",
+        deserialize_with = "crate::units::secs"
+    )]
+    #[schemars(schema_with = "crate::units::secs_schema")]
     pub drain_wait_s: u64,
     /// Resume from the commit at this step rather than the latest: the first cold start after
     /// the job is submitted with it reads exactly that step (no fallback to another), and the
@@ -1582,6 +1659,22 @@ pub struct CheckpointSpec {
 }
 
 impl CheckpointSpec {
+    /// A checkpoint at `url` with every other key at its default.
+    pub fn at(url: &str) -> CheckpointSpec {
+        CheckpointSpec {
+            url: url.to_string(),
+            interval: Self::default_interval(),
+            keep: Self::default_keep(),
+            part_size_mib: Self::default_part_mib(),
+            upload_concurrency: Self::default_concurrency(),
+            attempt_ttl_s: Self::default_attempt_ttl(),
+            drain_wait_s: Self::default_drain_wait(),
+            restore_step: None,
+            resume_from: Vec::new(),
+            allow_recipe_change: false,
+        }
+    }
+
     fn default_interval() -> u64 {
         100
     }
@@ -1605,7 +1698,31 @@ impl CheckpointSpec {
 impl JobSpec {
     /// Parse a TOML job spec; the error names the field (and line) at fault.
     pub fn from_toml(text: &str) -> Result<JobSpec> {
-        let spec: JobSpec = toml::from_str(text).map_err(|e| {
+        Self::from_toml_noting(text).map(|(spec, _)| spec)
+    }
+
+    /// [`JobSpec::from_toml`], with a sentence for each older key the text uses (still read)
+    /// naming the key to write instead.
+    pub fn from_toml_noting(text: &str) -> Result<(JobSpec, Vec<String>)> {
+        let mut notes = Vec::new();
+        if let Ok(raw) = toml::from_str::<toml::Table>(text) {
+            if raw.contains_key("torchrun") {
+                notes.push(
+                    "[torchrun] is now [program] (the table of every job that runs its own program): it is still read; write [program]"
+                        .to_string(),
+                );
+            }
+            for table in ["torchrun", "program"] {
+                if let Some(t) = raw.get(table).and_then(|t| t.as_table()) {
+                    if t.contains_key("checkpoint_url") {
+                        notes.push(format!(
+                            "{table}.checkpoint_url is now [checkpoint] url (one key for every runtime): it is still read; write [checkpoint] url"
+                        ));
+                    }
+                }
+            }
+        }
+        let mut spec: JobSpec = toml::from_str(text).map_err(|e| {
             let msg = e.message().to_string();
             let field = e
                 .span()
@@ -1616,16 +1733,51 @@ impl JobSpec {
                 .unwrap_or_else(|| "job spec".to_string());
             ClusterError::invalid(field, msg)
         })?;
+        spec.normalize()?;
         spec.validate()?;
-        Ok(spec)
+        Ok((spec, notes))
     }
 
     /// Parse a JSON job spec (the API's form).
     pub fn from_json(text: &[u8]) -> Result<JobSpec> {
-        let spec: JobSpec = serde_json::from_slice(text)
+        let mut spec: JobSpec = serde_json::from_slice(text)
             .map_err(|e| ClusterError::invalid("job spec", e.to_string()))?;
+        spec.normalize()?;
         spec.validate()?;
         Ok(spec)
+    }
+
+    /// One form for what may be written two ways: a program job's `[checkpoint] url` is the
+    /// location handed to its program (kept as `program.checkpoint_url`). A `[checkpoint]`
+    /// table of a program job holds only `url`: its other keys are the built-in trainer's.
+    pub fn normalize(&mut self) -> Result<()> {
+        if !self.runtime.runs_program() {
+            return Ok(());
+        }
+        let Some(c) = self.checkpoint.take() else {
+            return Ok(());
+        };
+        let bare = CheckpointSpec::at(&c.url);
+        if c != bare {
+            return Err(ClusterError::invalid(
+                "checkpoint",
+                format!("a runtime = \"{}\" job's [checkpoint] holds only url (handed to its program as DUCTILE_CHECKPOINT_URL; the program saves its own): interval, keep and the rest are the built-in trainer's", self.runtime),
+            ));
+        }
+        let p = self.torchrun.get_or_insert_with(TorchrunSpec::default);
+        match &p.checkpoint_url {
+            Some(old) if *old != c.url => Err(ClusterError::invalid(
+                "checkpoint.url",
+                format!(
+                    "{:?} and program.checkpoint_url {old:?} differ: write one ([checkpoint] url)",
+                    c.url
+                ),
+            )),
+            _ => {
+                p.checkpoint_url = Some(c.url);
+                Ok(())
+            }
+        }
     }
 
     /// Checks every value; the error names the field and the reason.
@@ -1783,19 +1935,19 @@ impl JobSpec {
                 if self.checkpoint.is_some() {
                     return Err(ClusterError::invalid(
                         "checkpoint",
-                        format!("is the built-in trainer's; a {} job's program saves its own (torchrun.checkpoint_url is handed to it as DUCTILE_CHECKPOINT_URL)", self.runtime),
+                        format!("is the built-in trainer's; a {} job's program saves its own (program.checkpoint_url is handed to it as DUCTILE_CHECKPOINT_URL)", self.runtime),
                     ));
                 }
                 let t = self.torchrun.clone().unwrap_or_default();
                 if t.drain_notice_s > 3600 {
                     return Err(ClusterError::invalid(
-                        "torchrun.drain_notice_s",
+                        "program.drain_notice_s",
                         "must be at most 3600 seconds (0 turns the notice off)",
                     ));
                 }
                 if t.grace_s > 3600 {
                     return Err(ClusterError::invalid(
-                        "torchrun.grace_s",
+                        "program.grace_s",
                         "must be at most 3600 seconds",
                     ));
                 }
@@ -1805,14 +1957,14 @@ impl JobSpec {
                     .find(|n| !INTEGRATIONS.contains(&n.as_str()))
                 {
                     return Err(ClusterError::invalid(
-                        "torchrun.integrations",
+                        "program.integrations",
                         format!("{n:?} is unknown (known: {})", INTEGRATIONS.join(", ")),
                     ));
                 }
                 if self.runtime == Runtime::Tf && t.integrations.iter().any(|n| n == "transformers")
                 {
                     return Err(ClusterError::invalid(
-                        "torchrun.integrations",
+                        "program.integrations",
                         "\"transformers\" is for the PyTorch Trainer (runtime = \"torchrun\"); a tf job's Keras model.fit takes \"keras\"",
                     ));
                 }
@@ -1831,7 +1983,7 @@ impl JobSpec {
                         )
                     {
                         return Err(ClusterError::invalid(
-                            "torchrun.integrations",
+                            "program.integrations",
                             "load into a Python program: the command must run a script or a module with a Python interpreter (python3 train.py ..., python3 -m pkg.train ...)",
                         ));
                     }
@@ -1839,7 +1991,7 @@ impl JobSpec {
                 if let Some(u) = &t.checkpoint_url {
                     if !(u.starts_with("s3://") || u.starts_with("file://")) {
                         return Err(ClusterError::invalid(
-                            "torchrun.checkpoint_url",
+                            "program.checkpoint_url",
                             format!("{u:?} must be s3://... or file://..."),
                         ));
                     }
@@ -1855,7 +2007,7 @@ impl JobSpec {
                         })
                     {
                         return Err(ClusterError::invalid(
-                            "torchrun.workdir",
+                            "program.workdir",
                             format!("{w:?} must be an absolute path without . or .."),
                         ));
                     }
@@ -2475,6 +2627,20 @@ impl Serialize for Degree {
     }
 }
 
+impl schemars::JsonSchema for Degree {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Degree".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [
+                { "type": "integer", "minimum": 1, "maximum": 65536 },
+                { "const": "auto" }
+            ]
+        })
+    }
+}
+
 impl<'de> Deserialize<'de> for Degree {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         #[derive(Deserialize)]
@@ -2572,6 +2738,20 @@ pub enum ShardGroup {
 enum ShardGroupRepr {
     Ranks(u32),
     Word(String),
+}
+
+impl schemars::JsonSchema for ShardGroup {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ShardGroup".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [
+                { "type": "integer", "minimum": 1 },
+                { "const": "node" }
+            ]
+        })
+    }
 }
 
 impl TryFrom<ShardGroupRepr> for ShardGroup {
@@ -4045,7 +4225,7 @@ mod policy_tests {
         refused(
             r#"["/v/bin/python3", "/srv/jobs/t.py"]"#,
             "grace_s = 3000",
-            "torchrun.grace_s",
+            "program.grace_s",
             "max_grace_s",
         );
         refused(
@@ -4070,24 +4250,24 @@ mod policy_tests {
             r#"["/v/bin/python3", "t.py"]"#,
             "",
             "command[1]",
-            "torchrun.workdir",
+            "program.workdir",
         );
         refused(
             r#"["/v/bin/python3", "../t.py"]"#,
             "workdir = \"/srv/jobs\"",
             "command[1]",
-            "inside torchrun.workdir",
+            "inside program.workdir",
         );
         refused(
             r#"["/v/bin/python3", "t.py"]"#,
             "workdir = \"/home/u\"",
-            "torchrun.workdir",
+            "program.workdir",
             "outside",
         );
         refused(
             r#"["/v/bin/python3", "/srv/jobs/t.py"]"#,
             "checkpoint_url = \"file:///tmp/c\"",
-            "torchrun.checkpoint_url",
+            "program.checkpoint_url",
             "outside",
         );
     }
@@ -4163,7 +4343,7 @@ mod policy_tests {
         );
         let wd = job("evil.py".into(), Some(&jobs.join("wd")));
         assert_eq!(p.check(&wd), Ok(()));
-        assert_eq!(p.check_real_paths(&wd).unwrap_err().0, "torchrun.workdir");
+        assert_eq!(p.check_real_paths(&wd).unwrap_err().0, "program.workdir");
         // code roots apart from data roots
         let split = AgentPolicy {
             allowed_paths: vec![jobs.display().to_string(), code.display().to_string()],
@@ -4257,7 +4437,44 @@ mod policy_tests {
             "{tr}[training]\nmodel = \"mlp\"\ndataset = \"file:///d\"\nglobal_batch = 8\n"
         ))
         .contains("trains itself"));
-        assert!(err(&format!("{tr}[checkpoint]\nurl = \"file:///c\"\n")).contains("checkpoint_url"));
+        // one checkpoint key: a program job's [checkpoint] url is handed to its program
+        let one = spec(&format!("{tr}[checkpoint]\nurl = \"file:///c\"\n"));
+        assert_eq!(
+            (
+                one.checkpoint.as_ref(),
+                one.torchrun_settings().checkpoint_url.as_deref()
+            ),
+            (None, Some("file:///c"))
+        );
+        assert!(err(&format!(
+            "{tr}[checkpoint]\nurl = \"file:///c\"\ninterval = 5\n"
+        ))
+        .contains("holds only url"));
+        assert!(err(&format!(
+            "{tr}[checkpoint]\nurl = \"file:///c\"\n[program]\ncheckpoint_url = \"file:///d\"\n"
+        ))
+        .contains("differ"));
+        // [torchrun] is [program]'s older name: still read, and said
+        let (old, notes) = JobSpec::from_toml_noting(&format!(
+            "name = \"j\"\nmin = 1\nmax = 1\ndesired = 1\n{tr}[torchrun]\ngrace_s = \"1m\"\ncheckpoint_url = \"file:///c\"\n"
+        ))
+        .unwrap();
+        assert_eq!(old.torchrun_settings().grace_s, 60);
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains("[torchrun] is now [program]")),
+            "{notes:?}"
+        );
+        assert!(
+            notes.iter().any(|n| n.contains("write [checkpoint] url")),
+            "{notes:?}"
+        );
+        assert!(serde_json::to_value(&old).unwrap().get("program").is_some());
+        assert!(err(&format!(
+            "{tr}[program]\ngrace_s = 1\n[torchrun]\ngrace_s = 2\n"
+        ))
+        .contains("duplicate"));
         assert!(err(&format!("{tr}[torchrun]\nworkdir = \"rel\"\n")).contains("absolute"));
         assert!(err(&format!("{tr}[torchrun]\ncheckpoint_url = \"/c\"\n")).contains("s3://"));
         assert!(err(&format!("{tr}[torchrun]\ngrace = 3\n")).contains("unknown field"));

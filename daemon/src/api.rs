@@ -99,6 +99,7 @@ type ApiResult<T> = Result<T, ApiError>;
 pub fn router(state: AppState) -> Router {
     let authed = Router::new()
         .route("/v1/jobs", get(list_jobs).post(submit))
+        .route("/v1/dry-run", post(submit_dry))
         .route("/v1/jobs/{job}", get(job_status).delete(delete_job))
         .route("/v1/jobs/{job}/scale", post(scale))
         .route("/v1/jobs/{job}/stop", post(stop))
@@ -176,7 +177,7 @@ fn tenant_allows(t: &crate::tenants::Tenant, method: &Method, path: &str) -> Res
     let who = t.describe();
     match parts.as_slice() {
         ["v1", "jobs"] if read => Ok(()),
-        ["v1", "jobs"] if t.submit => Ok(()),
+        ["v1", "jobs"] | ["v1", "dry-run"] if t.submit => Ok(()),
         ["v1", "jobs", job, ..] => {
             if !t.owns(job) {
                 return Err(format!(
@@ -263,7 +264,29 @@ async fn submit(
     axum::Extension(scope): axum::Extension<Scope>,
     headers: HeaderMap,
     body: axum::body::Bytes,
-) -> ApiResult<(StatusCode, Json<JobView>)> {
+) -> ApiResult<Response> {
+    submit_checked(st, scope, headers, body, false).await
+}
+
+/// `POST /v1/dry-run` (`dctl submit --dry-run`): every check a submit makes, as the token
+/// that asks would be checked, and nothing stored. A path of its own, not a query on
+/// `/v1/jobs`, so that a daemon from before it answers 404 rather than submitting the job.
+async fn submit_dry(
+    State(st): State<AppState>,
+    axum::Extension(scope): axum::Extension<Scope>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> ApiResult<Response> {
+    submit_checked(st, scope, headers, body, true).await
+}
+
+async fn submit_checked(
+    st: AppState,
+    scope: Scope,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+    dry_run: bool,
+) -> ApiResult<Response> {
     let is_toml = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -310,12 +333,46 @@ async fn submit(
             check_restore_step(&ck.url, n, &spec.name).await?;
         }
     }
+    if dry_run {
+        return Ok(Json(dry_run_view(&spec, &nodes)).into_response());
+    }
     st.store.submit(&spec).await?;
     tracing::info!(job = %spec.name, min = spec.min, max = spec.max, desired = spec.desired, "job submitted");
     Ok((
         StatusCode::CREATED,
         Json(view(&st.store, &spec.name).await?),
-    ))
+    )
+        .into_response())
+}
+
+/// What a dry run answers: the spec as it would be stored (the sharding chosen, a model's
+/// config read), and which live agents' policies take it (a refusal names the field and why).
+fn dry_run_view(
+    spec: &JobSpec,
+    nodes: &BTreeMap<String, ductile_cluster::records::NodeRecord>,
+) -> serde_json::Value {
+    let mut allowed = Vec::new();
+    let mut refused = serde_json::Map::new();
+    let mut slots = 0u32;
+    for (name, node) in nodes {
+        match node.policy.as_ref().map(|p| p.check(spec)) {
+            None | Some(Ok(())) => {
+                allowed.push(name.clone());
+                if !node.draining {
+                    slots += node.slots();
+                }
+            }
+            Some(Err((field, why))) => {
+                refused.insert(name.clone(), format!("{field}: {why}").into());
+            }
+        }
+    }
+    serde_json::json!({
+        "valid": true,
+        "job": spec.name,
+        "spec": spec,
+        "agents": { "allowed": allowed, "refused": refused, "slots": slots },
+    })
 }
 
 /// A job no live agent's policy allows is refused, naming the field and an agent's reason
@@ -471,7 +528,7 @@ fn checkpoint_urls(spec: &JobSpec) -> Vec<(&'static str, &str)> {
         spec.torchrun
             .as_ref()
             .and_then(|t| t.checkpoint_url.as_deref())
-            .map(|u| ("torchrun.checkpoint_url", u)),
+            .map(|u| ("program.checkpoint_url", u)),
     ]
     .into_iter()
     .flatten()

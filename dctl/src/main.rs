@@ -154,6 +154,13 @@ enum Cmd {
     /// This dctl's version and the daemon's (`--json`: {"client", "server"}); the server's is
     /// "unreachable: why" when the daemon cannot be asked.
     Version,
+    /// The job spec's JSON Schema, generated from ductile's own types (editors read it: put
+    /// `#:schema PATH` on a spec's first line for taplo or VS Code's Even Better TOML);
+    /// `--markdown`: the reference page made from the same doc comments.
+    Schema {
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Print a completion script for a shell: `source <(dctl completion bash)`, or into
     /// `/etc/bash_completion.d/dctl`, zsh's `$fpath`, fish's `completions/dctl.fish`.
     Completion {
@@ -363,9 +370,20 @@ impl Client {
         match status.as_u16() {
             401 => anyhow::bail!("the daemon refused the token: {msg}"),
             403 => anyhow::bail!("not allowed with this token: {msg}"),
+            _ if msg.trim().is_empty() => anyhow::bail!("HTTP {status}"),
             _ => anyhow::bail!("{msg}"),
         }
     }
+}
+
+/// Whether a call's error says the daemon could not be asked (not reached, the token
+/// refused, a daemon too old for the path), rather than that it answered no.
+fn is_unreachable(e: &anyhow::Error) -> bool {
+    let m = format!("{e:#}");
+    m.starts_with("cannot reach ductiled")
+        || m.starts_with("the daemon refused the token")
+        || m.starts_with("not allowed with this token")
+        || m.starts_with("HTTP 404")
 }
 
 fn print_job(v: &JobView) {
@@ -692,8 +710,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         };
         return ductile_cluster::relay::run(listen, to.clone(), room, ca.as_deref()).await;
     }
-    // what needs no daemon and no token
+    // what needs no daemon and no token (a dry run asks the daemon too where it can)
+    let mut dry: Option<((JobSpec, serde_json::Value), String)> = None;
     match &cli.cmd {
+        Cmd::Schema { markdown } => {
+            if *markdown {
+                print!("{}", ductile_cluster::schema::reference_markdown());
+            } else {
+                print!("{}", ductile_cluster::schema::job_spec_schema_text());
+            }
+            return Ok(());
+        }
         Cmd::Completion { shell } => {
             use clap::CommandFactory;
             let mut cmd = Cli::command();
@@ -708,14 +735,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let text = std::fs::read_to_string(file)
                 .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
-            return dry_run(&text, &file.display().to_string(), cli.json).await;
+            let label = file.display().to_string();
+            dry = Some((dry_run(&text, &label, cli.json).await?, label));
         }
         Cmd::Run { dry_run: true, .. } => {
             let text = run_spec(&cli.cmd)?;
             if !cli.json {
                 out(&text);
             }
-            return dry_run(&text, "the job dctl run makes", cli.json).await;
+            let label = "the job dctl run makes".to_string();
+            dry = Some((dry_run(&text, &label, cli.json).await?, label));
         }
         _ => {}
     }
@@ -742,11 +771,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Ok(t.trim().to_string())
     };
     let token = match (cli.token, cli.token_file, file.token, file.token_file) {
-        (Some(t), _, _, _) => t,
-        (None, Some(p), _, _) => read_token(&p)?,
-        (None, None, Some(t), _) => t,
-        (None, None, None, Some(p)) => read_token(&p)?,
-        _ => anyhow::bail!("no token: set DCTL_TOKEN, pass --token-file FILE, or put token_file = \"...\" in ~/.config/ductile/dctl.toml"),
+        (Some(t), _, _, _) => Ok(t),
+        (None, Some(p), _, _) => read_token(&p),
+        (None, None, Some(t), _) => Ok(t),
+        (None, None, None, Some(p)) => read_token(&p),
+        _ => Err(anyhow::anyhow!("no token: set DCTL_TOKEN, pass --token-file FILE, or put token_file = \"...\" in ~/.config/ductile/dctl.toml")),
+    };
+    let token = match (token, &dry) {
+        (Ok(t), _) => t,
+        (Err(e), None) => return Err(e),
+        (Err(e), Some(((_, local), _))) => {
+            return dry_run_done(local.clone(), None, Some(format!("{e:#}")), cli.json);
+        }
     };
     let mut http = reqwest::Client::builder().timeout(Duration::from_secs(15));
     if let Some(ca) = cli.ca.or(file.ca) {
@@ -773,14 +809,33 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     use reqwest::Method;
     let json = cli.json;
+    if let Some(((spec, local), label)) = dry {
+        // the daemon's own checks, nothing stored: the agents that allow it, the sharding it
+        // chooses; a daemon that cannot be reached leaves the local checks' answer
+        let asked = c
+            .call(
+                Method::POST,
+                "/v1/dry-run",
+                Some(serde_json::to_value(&spec)?),
+            )
+            .await;
+        return match asked {
+            Ok(v) => dry_run_done(local, Some(v), None, json),
+            Err(e) if is_unreachable(&e) => dry_run_done(local, None, Some(format!("{e:#}")), json),
+            Err(e) => Err(anyhow::anyhow!("{label}: the daemon refuses it: {e:#}")),
+        };
+    }
     let out = |v: &serde_json::Value| println!("{}", serde_json::to_string_pretty(v).unwrap());
     match cli.cmd {
         Cmd::Submit { file, .. } => {
             let text = std::fs::read_to_string(&file)
                 .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))?;
             // Validate here first, so errors name the line; the daemon validates again.
-            let spec = JobSpec::from_toml(&text)
+            let (spec, notes) = JobSpec::from_toml_noting(&text)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            for n in notes {
+                eprintln!("warning: {}: {n}", file.display());
+            }
             let v = c
                 .call(Method::POST, "/v1/jobs", Some(serde_json::to_value(&spec)?))
                 .await?;
@@ -1030,7 +1085,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("job {job}: stop requested");
             }
         }
-        Cmd::Completion { .. } => unreachable!("answered before any token is read"),
+        Cmd::Completion { .. } | Cmd::Schema { .. } => {
+            unreachable!("answered before any token is read")
+        }
         Cmd::Get {
             what,
             name,
@@ -1687,7 +1744,7 @@ fn run_spec(cmd: &Cmd) -> anyhow::Result<String> {
                     .collect(),
             ),
         );
-        t.insert("torchrun".into(), toml::Value::Table(p));
+        t.insert("program".into(), toml::Value::Table(p));
     }
     Ok(toml::to_string(&t)?)
 }
@@ -1695,8 +1752,16 @@ fn run_spec(cmd: &Cmd) -> anyhow::Result<String> {
 /// `dctl submit --dry-run FILE`: the spec checked here as the daemon checks it at submit, and
 /// what would run: the runtime and sizes, and for a built-in training job the plan at its
 /// desired size (layout, stages, memory per rank), as `dctl plan` shows a submitted job's.
-async fn dry_run(text: &str, file: &str, json: bool) -> anyhow::Result<()> {
-    let mut spec = JobSpec::from_toml(text).map_err(|e| anyhow::anyhow!("{}: {e}", file))?;
+async fn dry_run(
+    text: &str,
+    file: &str,
+    json: bool,
+) -> anyhow::Result<(JobSpec, serde_json::Value)> {
+    let (mut spec, notes) =
+        JobSpec::from_toml_noting(text).map_err(|e| anyhow::anyhow!("{}: {e}", file))?;
+    for n in notes {
+        eprintln!("warning: {file}: {n}");
+    }
     // a Hugging Face directory's config.json, read as the daemon reads it at submit (the plan
     // and the checks that need the model's shape use it)
     if let Some(t) = spec
@@ -1743,21 +1808,18 @@ async fn dry_run(text: &str, file: &str, json: bool) -> anyhow::Result<()> {
         _ => None,
     };
     let runtime = serde_json::to_value(spec.runtime)?;
+    let report = serde_json::json!({
+        "job": spec.name,
+        "valid": true,
+        "runtime": runtime,
+        "min": spec.min,
+        "max": spec.max,
+        "desired": spec.desired,
+        "command": spec.command,
+        "plan": plan,
+    });
     if json {
-        out(&format!(
-            "{}\n",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "job": spec.name,
-                "valid": true,
-                "runtime": runtime,
-                "min": spec.min,
-                "max": spec.max,
-                "desired": spec.desired,
-                "command": spec.command,
-                "plan": plan,
-            }))?
-        ));
-        return Ok(());
+        return Ok((spec, report));
     }
     println!(
         "{}: job {} is valid (not submitted): runtime {}, min {}, max {}, desired {}",
@@ -1774,6 +1836,65 @@ async fn dry_run(text: &str, file: &str, json: bool) -> anyhow::Result<()> {
     if let Some(p) = plan {
         println!("the plan at the desired size:");
         print_plan(&serde_json::to_value(&p)?);
+    }
+    Ok((spec, report))
+}
+
+/// The end of a dry run: the daemon's answer (`server`: the agents that allow the job) or why
+/// it was not asked (`server_not_asked`), after the local checks' report.
+fn dry_run_done(
+    mut local: serde_json::Value,
+    server: Option<serde_json::Value>,
+    not_asked: Option<String>,
+    json: bool,
+) -> anyhow::Result<()> {
+    if json {
+        local["server"] = server.unwrap_or(serde_json::Value::Null);
+        if let Some(w) = not_asked {
+            local["server_not_asked"] = w.into();
+        }
+        println!("{}", serde_json::to_string_pretty(&local)?);
+        return Ok(());
+    }
+    match (server, not_asked) {
+        (Some(v), _) => {
+            let a = &v["agents"];
+            let names = |k: &str| -> Vec<String> {
+                a[k].as_array()
+                    .map(|l| {
+                        l.iter()
+                            .filter_map(|n| n.as_str().map(String::from))
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            };
+            let allowed = names("allowed");
+            println!(
+                "agents      {} allow it ({} slots not draining){}",
+                allowed.len(),
+                a["slots"].as_u64().unwrap_or(0),
+                if allowed.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", allowed.join(", "))
+                }
+            );
+            if let Some(r) = a["refused"].as_object() {
+                for (node, why) in r {
+                    println!(
+                        "            {node} refuses it: {}",
+                        why.as_str().unwrap_or("?")
+                    );
+                }
+            }
+            if let Some(s) = v["spec"]["training"]["sharding"].as_str() {
+                println!("sharding    {s} (as the daemon would store it)");
+            }
+        }
+        (None, Some(why)) => {
+            println!("agents      not asked (the daemon: {why}); the checks above are dctl's own")
+        }
+        (None, None) => {}
     }
     Ok(())
 }

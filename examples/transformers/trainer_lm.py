@@ -1,6 +1,6 @@
 """A causal language model trained with Hugging Face's `Trainer`, written as a user would write
 one: no line of it knows ductile. Run it under `torchrun` or as a ductile
-`runtime = "torchrun"` job with `[torchrun] integrations = ["transformers"]`: ductile then adds
+`runtime = "torchrun"` job with `[program] integrations = ["transformers"]`: ductile then adds
 its callback (progress in `dctl status`, a save on notice of a drain or resize) and resumes
 `trainer.train()` from the newest complete checkpoint in `--output_dir` after a restart.
 

@@ -66,5 +66,5 @@ def preempted():
 
 
 def checkpoint_url():
-    """The job's ``[torchrun] checkpoint_url``, or None."""
+    """The job's ``[checkpoint] url``, or None."""
     return os.environ.get("DUCTILE_CHECKPOINT_URL") or None

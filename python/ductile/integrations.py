@@ -1,6 +1,6 @@
 """ductile's integrations with the training frameworks users bring.
 
-A ``runtime = "torchrun"`` job with ``[torchrun] integrations = ["transformers"]`` has its
+A ``runtime = "torchrun"`` job with ``[program] integrations = ["transformers"]`` has its
 launcher call :func:`install` before the script runs (``DUCTILE_INTEGRATIONS`` names them), so an
 unmodified Hugging Face ``Trainer`` script:
 

@@ -151,7 +151,7 @@ del _line, _req, _m
     run_main!()
 );
 
-/// Where job `job`'s program runs: its `torchrun.workdir`, else `DUCTILE_WORK_ROOT/JOB` (made
+/// Where job `job`'s program runs: its `program.workdir`, else `DUCTILE_WORK_ROOT/JOB` (made
 /// here if need be: the job's slots on this node share it, across generations, so a relative
 /// output path lands in it and not in the agent's own directory).
 fn job_workdir(settings: &TorchrunSpec, job: &str) -> anyhow::Result<PathBuf> {
@@ -162,13 +162,13 @@ fn job_workdir(settings: &TorchrunSpec, job: &str) -> anyhow::Result<PathBuf> {
         .map(PathBuf::from)
         .ok_or_else(|| {
             anyhow::anyhow!(
-                "the agent gave no DUCTILE_WORK_ROOT and the job names no torchrun.workdir"
+                "the agent gave no DUCTILE_WORK_ROOT and the job names no program.workdir"
             )
         })?;
     let dir = root.join(job);
     std::fs::create_dir_all(&dir).map_err(|e| {
         anyhow::anyhow!(
-            "cannot make the job's working directory {}: {e} (the agent's work_root; or name torchrun.workdir)",
+            "cannot make the job's working directory {}: {e} (the agent's work_root; or name program.workdir)",
             dir.display()
         )
     })?;
@@ -932,7 +932,7 @@ struct Launcher {
     cell: Arc<GenCell>,
     reporter: Reporter,
     dir: PathBuf,
-    /// Where the program runs: `torchrun.workdir`, else WORK_ROOT/JOB (the agent's
+    /// Where the program runs: `program.workdir`, else WORK_ROOT/JOB (the agent's
     /// `work_root`), made at start and kept across generations.
     workdir: PathBuf,
     base: BTreeMap<String, String>,
@@ -1190,7 +1190,7 @@ impl Launcher {
             true => self.spec.command.clone(),
             false => boot_command(&self.spec.command).ok_or_else(|| {
                 anyhow::anyhow!(
-                    "torchrun.integrations need a Python command running a script or a module"
+                    "program.integrations need a Python command running a script or a module"
                 )
             })?,
         };

@@ -1568,6 +1568,25 @@ fn dctl_get_describe_delete_and_run() {
     let dir = TempDir::new("run");
     let script = dir.path().join("hello.py");
     std::fs::write(&script, "print('hello from dctl run')\n").unwrap();
+    let (ok, out, err) = c.dctl(&[
+        "run",
+        "--name",
+        "hello",
+        "--nproc",
+        "2",
+        "--env",
+        "A=b",
+        "--dry-run",
+        "--",
+        bare,
+        script.to_str().unwrap(),
+    ]);
+    // the spec is printed, and the daemon's own checks say what the agent would refuse
+    assert!(out.contains("A = \"b\""), "{out}");
+    assert!(
+        !ok && err.contains("the daemon refuses it") && err.contains("env.A"),
+        "{err}"
+    );
     let out = c.dctl_ok(&[
         "run",
         "--name",
@@ -1576,8 +1595,6 @@ fn dctl_get_describe_delete_and_run() {
         "2",
         "--max",
         "4",
-        "--env",
-        "A=b",
         "--dry-run",
         "--",
         bare,
@@ -1589,6 +1606,32 @@ fn dctl_get_describe_delete_and_run() {
             && out.contains("max = 4")
             && out.contains("is valid (not submitted)"),
         "{out}"
+    );
+    // the daemon was asked too: the agents whose policy takes the job, nothing stored
+    assert!(
+        out.contains("agents      1 allow it (4 slots not draining): node1"),
+        "{out}"
+    );
+    // a spec no agent's policy takes is refused by the dry run, naming why; the older table
+    // name is still read, with a warning naming the new one
+    let refused = dir.path().join("perl.toml");
+    std::fs::write(
+        &refused,
+        "name = \"perl\"\nruntime = \"torchrun\"\ncommand = [\"/usr/bin/perl\", \"/srv/x.pl\"]\nmin = 1\nmax = 1\ndesired = 1\n[torchrun]\ngrace_s = \"20s\"\n",
+    )
+    .unwrap();
+    let (ok, out, err) = c.dctl(&["submit", "--dry-run", refused.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("the daemon refuses it") && err.contains("no agent's policy allows it"),
+        "{out}\n{err}"
+    );
+    assert!(
+        err.contains("warning:") && err.contains("write [program]"),
+        "{err}"
+    );
+    assert!(
+        !c.dctl_ok(&["get", "jobs"]).contains("perl"),
+        "a dry run stores nothing"
     );
     let (ok, _, err) = c.dctl(&["status", "hello"]);
     assert!(!ok, "a dry run submits nothing: {err}");

@@ -209,6 +209,7 @@ fn specs(text: &str) -> Vec<String> {
 fn docs_every_job_spec_shown_passes_dctl_submit_dry_run() {
     let dir = TempDir::new("docs-specs");
     let mut checked = 0;
+    let mut shown: Vec<(PathBuf, PathBuf, String)> = Vec::new();
     for page in pages() {
         let text = std::fs::read_to_string(&page).unwrap();
         for (i, spec) in specs(&text).into_iter().enumerate() {
@@ -217,6 +218,35 @@ fn docs_every_job_spec_shown_passes_dctl_submit_dry_run() {
                 page.file_stem().unwrap().to_string_lossy()
             ));
             std::fs::write(&f, expand(&spec, dir.path())).unwrap();
+            shown.push((page.clone(), f, spec));
+        }
+    }
+    // the example spec files, each pointing editors at the committed schema
+    let root = repo_root();
+    let mut examples = 0;
+    for e in std::fs::read_dir(root.join("examples/jobs")).unwrap() {
+        let f = e.unwrap().path();
+        if f.extension().is_some_and(|x| x == "toml") {
+            let spec = std::fs::read_to_string(&f).unwrap();
+            let first = spec.lines().next().unwrap_or("");
+            let target = first.strip_prefix("#:schema ").unwrap_or_else(|| {
+                panic!("{}: its first line is not `#:schema PATH`", f.display())
+            });
+            assert!(
+                f.parent().unwrap().join(target).is_file(),
+                "{}: #:schema {target} names no file",
+                f.display()
+            );
+            shown.push((f.clone(), f.clone(), spec));
+            examples += 1;
+        }
+    }
+    assert!(
+        examples >= 3,
+        "only {examples} example specs in examples/jobs"
+    );
+    for (page, f, spec) in shown {
+        {
             let out = std::process::Command::new(bin("dctl"))
                 .args(["submit", "--dry-run"])
                 .arg(&f)
@@ -228,6 +258,13 @@ fn docs_every_job_spec_shown_passes_dctl_submit_dry_run() {
             assert!(
                 out.status.success(),
                 "{}: a job spec it shows fails `dctl submit --dry-run`:\n{}\n{spec}",
+                page.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            // shown with today's names: an older key's warning is not what a newcomer copies
+            assert!(
+                !String::from_utf8_lossy(&out.stderr).contains("warning:"),
+                "{}: a job spec it shows uses an older key:\n{}\n{spec}",
                 page.display(),
                 String::from_utf8_lossy(&out.stderr)
             );

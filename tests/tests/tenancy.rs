@@ -270,7 +270,7 @@ fn a_hostile_tenant_is_refused_or_contained() {
     let t = d.join("thief.toml");
     std::fs::write(&t, &stolen).unwrap();
     let (ok, _, err) = c.dctl(&["submit", t.to_str().unwrap()]);
-    assert!(!ok && err.contains("torchrun.checkpoint_url"), "{err}");
+    assert!(!ok && err.contains("program.checkpoint_url"), "{err}");
     assert!(err.contains("job \"b\"'s checkpoint location"), "{err}");
     // b gets no S3 credentials (none configured for it), never the node's
     assert!(b_seen["env"].get("AWS_SECRET_ACCESS_KEY").is_none());

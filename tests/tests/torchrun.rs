@@ -326,7 +326,7 @@ fn training_torchrun_same_weights_as_torchrun_and_the_error_file_shown() {
         &[
             (outside.as_str(), "outside the agent's allowed_paths"),
             (inline.as_str(), "inline Python (-c)"),
-            (relative.as_str(), "set torchrun.workdir"),
+            (relative.as_str(), "set program.workdir"),
         ],
     );
     let dir = TempDir::new("torchrun-same");
