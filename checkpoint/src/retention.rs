@@ -392,6 +392,60 @@ pub async fn retain(
     Ok(r)
 }
 
+/// What `dctl delete JOB --purge` removed from a checkpoint URL, and what it left.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Purged {
+    /// The job's own directories, deleted: (step, generation).
+    pub deleted: Vec<(u64, u64)>,
+    /// Directories another job's record or manifest names: left alone.
+    pub foreign: Vec<(u64, u64)>,
+    /// Directories naming no job (an attempt that never wrote its manifest, a record from
+    /// before jobs were named): left, for the operator to judge.
+    pub unowned: Vec<(u64, u64)>,
+}
+
+/// Delete every checkpoint directory of `job` at this location (commits, superseded commits,
+/// attempts), each commit record first so that no half-deleted commit is ever read as whole;
+/// other jobs' directories, and those naming no job, are left. An error stops the purge with
+/// what was deleted so far still deleted; a second purge finishes it.
+pub async fn purge(bucket: &Bucket, job: &str) -> Result<Purged, BucketError> {
+    let (infos, all) = list_dirs(bucket, None).await?;
+    let mut p = Purged::default();
+    for info in infos {
+        let at = (info.step, info.generation);
+        match info.job.as_deref() {
+            Some(owner) if owner == job => {}
+            Some(_) => {
+                p.foreign.push(at);
+                continue;
+            }
+            None => {
+                p.unowned.push(at);
+                continue;
+            }
+        }
+        let dir = attempt_dir(info.step, info.generation);
+        let objects = &all[&at].objects;
+        for (key, _) in objects.iter().filter(|(k, _)| k.contains("/uploads/")) {
+            bucket.abort_recorded(key).await?;
+        }
+        for record in [COMMIT, SUPERSEDED] {
+            let key = format!("{dir}/{record}");
+            if objects.iter().any(|(k, _)| *k == key) {
+                bucket.delete(&key).await?;
+            }
+        }
+        for (key, _) in objects.iter().filter(|(k, _)| {
+            !k.ends_with(&format!("/{COMMIT}")) && !k.ends_with(&format!("/{SUPERSEDED}"))
+        }) {
+            bucket.delete(key).await?;
+        }
+        bucket.remove_local_dir(&dir);
+        p.deleted.push(at);
+    }
+    Ok(p)
+}
+
 /// Supersede `records` (commits after the step a job resumed from with `restore_step`: they
 /// belong to the history it left). Their data stays: a `SUPERSEDED` record (the commit record,
 /// `reason`, the time) is written, then the `COMMIT` deleted, so no restore picks them and

@@ -349,6 +349,35 @@ async fn another_job_s_commits_in_the_location_are_left_alone() {
     );
     // a caller that names no job (an operator's listing) still sees every commit
     assert_eq!(committed(&bucket, None).await.unwrap()[0].step, 40);
+    // an attempt naming no job (no manifest yet) at the same location
+    let bare = attempt_dir(60, 8);
+    bucket
+        .put(
+            &format!("{bare}/{}", shard_name(0, 1)),
+            Bytes::from_static(b"x"),
+        )
+        .await
+        .unwrap();
+    // dctl delete j --purge: j's own directories go, other's and the unowned one stay
+    let p = crate::retention::purge(&bucket, "j").await.unwrap();
+    assert_eq!(p.deleted, vec![(20, 2)]);
+    assert_eq!(p.foreign, vec![(50, 7), (40, 7), (30, 7)]);
+    assert_eq!(p.unowned, vec![(60, 8)]);
+    let listed = crate::retention::list(&bucket, None).await.unwrap();
+    assert_eq!(
+        listed.iter().map(|i| i.step).collect::<Vec<_>>(),
+        vec![60, 50, 40, 30]
+    );
+    assert!(crate::restore::committed_for(&bucket, None, Some("j"))
+        .await
+        .unwrap()
+        .is_empty());
+    // and a second purge finds nothing more of j's
+    assert!(crate::retention::purge(&bucket, "j")
+        .await
+        .unwrap()
+        .deleted
+        .is_empty());
 }
 
 /// A commit whose `COMMIT` record reads but does not parse is still a commit: retention does

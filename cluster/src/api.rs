@@ -131,6 +131,26 @@ pub struct JobView {
     /// `runtime = "torchft"`: the last quorum the lighthouse issued in the job's room.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torchft: Option<TorchftQuorumView>,
+    /// The last checkpoint: the latest commit of ductile's trainer, or a program's last
+    /// `ductile.saved(step)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_checkpoint: Option<LastCheckpointView>,
+}
+
+/// `dctl status`/`watch`: the last checkpoint of a job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastCheckpointView {
+    pub step: u64,
+    /// When it was committed (or the program said it saved), unix ms.
+    pub at_ms: u64,
+    /// `commit` (ductile's trainer: committed in etcd, restorable at any layout) or `program`
+    /// (the program's own save, as it reported it).
+    pub kind: String,
+    /// A commit's bytes (every shard) and the world size that wrote it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u32>,
 }
 
 /// A torchft job's last quorum (`dctl status`): who is in it, at what step, who heals from whom.

@@ -833,17 +833,86 @@ async fn stop(State(st): State<AppState>, Path(job): Path<String>) -> ApiResult<
 }
 
 /// `dctl delete JOB`: forget a finished job's records (its checkpoints stay at their URL).
+#[derive(Deserialize, Default)]
+struct DeleteQuery {
+    /// Also delete the job's checkpoints at its `[checkpoint] url` (ductile's own trainer).
+    #[serde(default)]
+    purge: bool,
+}
+
 async fn delete_job(
     State(st): State<AppState>,
     Path(job): Path<String>,
+    Query(q): Query<DeleteQuery>,
 ) -> ApiResult<Json<serde_json::Value>> {
-    if st.store.spec(&job).await?.is_none() {
+    let Some((spec, _)) = st.store.spec(&job).await? else {
         return Err(ApiError::not_found(&job));
+    };
+    let mut purged = serde_json::Value::Null;
+    if q.purge {
+        // the checkpoints go first, once the job is known to be finished: a purge that fails
+        // leaves the records, and the same delete --purge finishes it
+        match st.store.status(&job).await? {
+            Some((s, _)) if s.state.is_terminal() => {}
+            other => {
+                let state = other
+                    .map(|(s, _)| format!("{:?}", s.state))
+                    .unwrap_or_else(|| "Pending".into());
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    format!("job {job:?} is {state}: only a finished job is deleted (dctl stop {job} first)"),
+                ));
+            }
+        }
+        match (&spec.checkpoint, spec.runtime.is_ductile()) {
+            (Some(ck), true) => {
+                let bucket = ductile_checkpoint::Bucket::open(&ck.url)
+                    .map_err(|e| store_unavailable(&ck.url, e))?;
+                let p = ductile_checkpoint::retention::purge(&bucket, &job)
+                    .await
+                    .map_err(|e| {
+                        ApiError::new(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("purging job {job:?}'s checkpoints at {} failed: {e}; the job's records are kept, and what was deleted stays deleted: delete --purge again to finish", ck.url),
+                        )
+                    })?;
+                tracing::info!(job = %job, url = %ck.url, deleted = p.deleted.len(), "checkpoints purged");
+                purged = serde_json::json!({
+                    "url": ck.url,
+                    "deleted": p.deleted,
+                    "foreign": p.foreign,
+                    "unowned": p.unowned,
+                });
+            }
+            (Some(_), false) => {
+                let url = spec
+                    .torchrun
+                    .as_ref()
+                    .and_then(|t| t.checkpoint_url.clone())
+                    .unwrap_or_default();
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("job {job:?} runs its own program, whose checkpoints at {url} are in its own format: ductile does not delete them (delete them there, then dctl delete {job} without --purge)"),
+                ));
+            }
+            (None, _)
+                if spec
+                    .torchrun
+                    .as_ref()
+                    .is_some_and(|t| t.checkpoint_url.is_some()) =>
+            {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("job {job:?} runs its own program, whose checkpoints are in its own format: ductile does not delete them (delete them there, then dctl delete {job} without --purge)"),
+                ));
+            }
+            (None, _) => {}
+        }
     }
     let state = st.store.delete_job(&job).await?;
     tracing::info!(job = %job, ?state, "job deleted");
     Ok(Json(
-        serde_json::json!({"job": job, "deleted": true, "state": state}),
+        serde_json::json!({"job": job, "deleted": true, "state": state, "purged": purged}),
     ))
 }
 
@@ -1531,6 +1600,23 @@ pub fn job_view(job: &str, obs: &JobObs) -> Option<JobView> {
         staleness_max: progress.and_then(|p| p.staleness_max),
         dropped_updates: progress.and_then(|p| p.dropped_updates),
         torchft: None,
+        last_checkpoint: match (&obs.checkpoint, progress) {
+            (Some(c), _) => Some(LastCheckpointView {
+                step: c.step,
+                at_ms: c.committed_at_ms,
+                kind: "commit".into(),
+                bytes: Some(c.bytes),
+                world_size: Some(c.world_size),
+            }),
+            (None, Some(p)) => p.saved_step.map(|step| LastCheckpointView {
+                step,
+                at_ms: p.saved_at_ms.unwrap_or(0),
+                kind: "program".into(),
+                bytes: None,
+                world_size: None,
+            }),
+            (None, None) => None,
+        },
         last_reformation: status.and_then(|s| s.last_reformation.as_ref()).map(|r| {
             ReformationView {
                 generation: r.generation,

@@ -114,8 +114,15 @@ enum Cmd {
         name: String,
     },
     /// Forget a finished job's records (status, generations, history: `dctl get jobs` no longer
-    /// lists it); refused while it runs (`dctl stop` first). Its checkpoints stay at their URL.
-    Delete { job: String },
+    /// lists it); refused while it runs (`dctl stop` first). Its checkpoints stay at their URL
+    /// unless `--purge`.
+    Delete {
+        job: String,
+        /// Also delete the job's checkpoints at its `[checkpoint] url` (its own directories
+        /// only: other jobs' are left, and so are a program's own files).
+        #[arg(long)]
+        purge: bool,
+    },
     /// Run a program as a job without writing a TOML file: `dctl run [--nproc N] [--min M
     /// --max X] -- python3 train.py ARGS...` (a `runtime = "torchrun"` job; a script path that
     /// exists here is made absolute).
@@ -483,6 +490,9 @@ fn print_job(v: &JobView) {
         .collect();
     if !groups.is_empty() {
         println!("groups      {}", groups.join("; "));
+    }
+    if let Some(c) = &v.last_checkpoint {
+        println!("checkpoint  {}", checkpoint_line(c));
     }
     if let Some(l) = v.eval_loss {
         match v.eval_step {
@@ -1194,15 +1204,37 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         },
-        Cmd::Delete { job } => {
-            let v = c
-                .call(Method::DELETE, &format!("/v1/jobs/{job}"), None)
-                .await?;
+        Cmd::Delete { job, purge } => {
+            let path = if purge {
+                format!("/v1/jobs/{job}?purge=true")
+            } else {
+                format!("/v1/jobs/{job}")
+            };
+            let v = c.call(Method::DELETE, &path, None).await?;
             if json {
                 out(&v);
+            } else if let Some(p) = v["purged"].as_object() {
+                let n = |k: &str| p.get(k).and_then(|x| x.as_array()).map_or(0, |a| a.len());
+                let left = n("foreign") + n("unowned");
+                println!(
+                    "job {job} deleted (it was {}); its checkpoints at {} purged: {} directories deleted{}",
+                    v["state"].as_str().unwrap_or("finished"),
+                    p.get("url").and_then(|u| u.as_str()).unwrap_or("?"),
+                    n("deleted"),
+                    if left > 0 {
+                        format!(", {left} left (another job's, or naming no job)")
+                    } else {
+                        String::new()
+                    }
+                );
+            } else if purge {
+                println!(
+                    "job {job} deleted (it was {}); it had no checkpoints to purge",
+                    v["state"].as_str().unwrap_or("finished")
+                );
             } else {
                 println!(
-                    "job {job} deleted (it was {}); its checkpoints, if any, stay at their URL",
+                    "job {job} deleted (it was {}); its checkpoints, if any, stay at their URL (--purge deletes them)",
                     v["state"].as_str().unwrap_or("finished")
                 );
             }
@@ -1458,7 +1490,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         losses.push_back(l);
                     }
                     println!(
-                        "{:?} step {} loss {} samples/s {}  {}",
+                        "{:?} step {} loss {} samples/s {} ckpt {}  {}",
                         v.state,
                         progress(v.step, v.samples_per_sec, goal),
                         v.loss
@@ -1466,6 +1498,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             .unwrap_or_else(|| "-".into()),
                         v.samples_per_sec
                             .map(|s| format!("{s:.1}"))
+                            .unwrap_or_else(|| "-".into()),
+                        v.last_checkpoint
+                            .as_ref()
+                            .map(|c| c.step.to_string())
                             .unwrap_or_else(|| "-".into()),
                         plot::sparkline(losses.make_contiguous(), 32)
                     );
@@ -1478,6 +1514,34 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The last checkpoint in a line: `step 200, committed 1m20s ago (12.3 MiB at world 4)`.
+fn checkpoint_line(c: &ductile_cluster::api::LastCheckpointView) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let ago = if c.at_ms == 0 {
+        String::new()
+    } else {
+        let s = now.saturating_sub(c.at_ms) / 1000;
+        match s {
+            s if s >= 3600 => format!(" {}h{:02}m ago", s / 3600, s % 3600 / 60),
+            s if s >= 60 => format!(" {}m{:02}s ago", s / 60, s % 60),
+            s => format!(" {s}s ago"),
+        }
+    };
+    let what = if c.kind == "commit" {
+        "committed"
+    } else {
+        "saved by the program"
+    };
+    let size = match (c.bytes, c.world_size) {
+        (Some(b), Some(w)) => format!(" ({:.1} MiB at world {w})", b as f64 / (1u64 << 20) as f64),
+        _ => String::new(),
+    };
+    format!("step {}, {what}{ago}{size}", c.step)
 }
 
 /// `step`, and where the job's end is known (a built-in job's `max_steps`, its global batch):

@@ -1460,9 +1460,24 @@ fn dctl_version_dry_run_and_completion() {
         job_toml("dry", 1, 2, 2)
     );
     std::fs::write(&f, &spec).unwrap();
-    let out = c.dctl_ok(&["submit", "--dry-run", f.to_str().unwrap()]);
+    // the daemon's checks are asked too: its agent does not allow /srv
+    let (ok, out, err) = c.dctl(&["submit", "--dry-run", f.to_str().unwrap()]);
     assert!(
-        out.contains("job dry is valid (not submitted)") && out.contains("layout      dp2×pp1×tp1"),
+        !ok && err.contains("the daemon refuses it") && err.contains("allowed_paths"),
+        "{out}\n{err}"
+    );
+    // with no daemon to ask, dctl's own checks answer, and say the agents were not asked
+    let out = c.dctl_ok(&[
+        "submit",
+        "--dry-run",
+        f.to_str().unwrap(),
+        "--endpoint",
+        "http://127.0.0.1:9",
+    ]);
+    assert!(
+        out.contains("job dry is valid (not submitted)")
+            && out.contains("layout      dp2×pp1×tp1")
+            && out.contains("agents      not asked (the daemon: cannot reach ductiled"),
         "{out}"
     );
     // nothing was submitted
@@ -1478,15 +1493,37 @@ fn dctl_version_dry_run_and_completion() {
         "{out}"
     );
 
-    // `dctl watch` shows a built-in job's step of max_steps, to its end
+    // `dctl watch` shows a built-in job's step of max_steps, to its end, and its last commit
     let data = synth(dir.path(), "tokens", 20_000);
     c.submit(&format!(
-        "{}[training]\nmodel = \"gpt\"\nmodel_config = {{ d_model = 16, n_layer = 1, n_head = 2, ctx = 8 }}\ndataset = \"{data}\"\nglobal_batch = 8\nmax_steps = 2000\n",
-        job_toml("watched", 1, 2, 2)
+        "{}[training]\nmodel = \"gpt\"\nmodel_config = {{ d_model = 16, n_layer = 1, n_head = 2, ctx = 8 }}\ndataset = \"{data}\"\nglobal_batch = 8\nmax_steps = 2000\n[checkpoint]\nurl = \"file://{}/ck-watched\"\ninterval = 500\npart_size_mib = \"8MiB\"\n",
+        job_toml("watched", 1, 2, 2),
+        dir.path().display()
     ));
     let out = c.dctl_ok(&["watch", "watched"]);
     let last = out.lines().last().unwrap_or("");
     assert!(last.starts_with("Succeeded step 2000/2000 (100%)"), "{out}");
+    let ckpt: u64 = last
+        .split(" ckpt ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no checkpoint step in {last:?}"));
+    assert!(ckpt >= 1500 && ckpt % 500 == 0, "{out}");
+    let status = c.dctl_ok(&["status", "watched"]);
+    assert!(
+        status.contains(&format!("checkpoint  step {ckpt}, committed "))
+            && status.contains("at world 2)"),
+        "{status}"
+    );
+    let v = c.status("watched");
+    let lc = v
+        .last_checkpoint
+        .expect("status --json has last_checkpoint");
+    assert_eq!(
+        (lc.step, lc.kind.as_str(), lc.world_size),
+        (ckpt, "commit", Some(2))
+    );
     assert!(
         out.lines()
             .any(|l| l.starts_with("Running step ") && l.contains("/2000 (")),
@@ -1503,6 +1540,38 @@ fn dctl_version_dry_run_and_completion() {
         "{out}"
     );
     assert!(out.contains("* loss") && out.contains("2000"), "{out}");
+    // dctl delete --purge: the records forgotten and the job's checkpoint directories gone
+    let ck = dir.path().join("ck-watched");
+    let steps = |d: &std::path::Path| {
+        std::fs::read_dir(d)
+            .map(|r| {
+                r.filter_map(|e| e.ok())
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("step-"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert!(steps(&ck) >= 1, "commits at {}", ck.display());
+    let out = c.dctl_ok(&["delete", "watched", "--purge"]);
+    assert!(
+        out.contains("job watched deleted")
+            && out.contains("purged:")
+            && !out.contains(" 0 directories deleted"),
+        "{out}"
+    );
+    let left: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .filter(|n| {
+            std::fs::read_dir(ck.join(n))
+                .map(|mut r| r.next().is_some())
+                .unwrap_or(false)
+        })
+        .collect();
+    assert!(left.is_empty(), "left after --purge: {left:?}");
+    assert!(!c.dctl_ok(&["get", "jobs"]).contains("watched"));
 }
 
 /// kubectl's verbs: `dctl get jobs` lists with a state filter and `-o wide|json|yaml`, `dctl
