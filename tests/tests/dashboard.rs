@@ -59,8 +59,9 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     });
     let data = synth(c.dir.path(), "tokens", 60_000);
     c.submit(&format!(
-        "{}max_steps = 100000\neval_fraction = 0.05\neval_every = 20\neval_samples = 32\n",
-        training_toml("d1", 1, 4, 4, "gpt", &data, "restart_budget = 0")
+        "{}max_steps = 100000\neval_fraction = 0.05\neval_every = 20\neval_samples = 32\n[checkpoint]\nurl = \"file://{}/ck-d1\"\ninterval = 25\nkeep = 100\n",
+        training_toml("d1", 1, 4, 4, "gpt", &data, "restart_budget = 0"),
+        c.dir.path().display()
     ));
     let v = c.wait_world("d1", 4, S(30));
     c.wait_step("d1", 20, S(60));
@@ -190,6 +191,60 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         .parse()
         .unwrap();
     assert!(evals >= 2, "{evals} eval points drawn");
+    // each rank's step time, a curve per rank (4 at the start); the commits on the step axis
+    let ranks: usize = attr(&dom, "ranks-chart", "data-curves").parse().unwrap();
+    let held = after.points.iter().map(|p| p.rank_ms.len()).max().unwrap_or(0);
+    assert!(
+        held >= 1 && ranks >= held,
+        "{ranks} rank curves drawn for a series holding {held} ranks' times"
+    );
+    let commits: usize = attr(&dom, "loss-chart", "data-checkpoints").parse().unwrap();
+    assert!(commits >= 2, "{commits} checkpoints drawn");
+    assert!(dom.contains("class=\"ckpt-marker\""), "checkpoint markers");
+    assert!(dom.contains(", checkpoint at step "), "the title shows the last commit");
+    // hover and zoom: a step range and a step in the address do what a drag across a chart
+    // and the pointer do (the same functions): every chart shows that range, with only the
+    // generations in it, and the values at that step
+    let g2 = history[1].resume_step;
+    let (from, to) = (g2.saturating_sub(5), g2 + 15);
+    let at = g2 + 5;
+    let zoomed = load(
+        profile.path(),
+        &format!("{url}&zoom={from}-{to}&hover={at}"),
+        "--dump-dom",
+    );
+    assert_eq!(body_attr(&zoomed, "data-zoom"), format!("{from}-{to}"));
+    for chart in ["loss-chart", "sps-chart", "lr-chart", "ranks-chart"] {
+        assert_eq!(attr(&zoomed, chart, "data-range"), format!("{from}-{to}"), "{chart}");
+    }
+    for chart in ["loss-chart", "sps-chart", "lr-chart"] {
+        let hover = attr(&zoomed, chart, "data-hover");
+        assert!(hover.starts_with(&format!("step {at}; ")), "{chart}: {hover}");
+    }
+    assert!(
+        attr(&zoomed, "loss-chart", "data-hover").contains("training "),
+        "the loss at the hovered step"
+    );
+    assert!(
+        zoomed.contains("class=\"hover-text\""),
+        "the hover box is drawn"
+    );
+    assert_eq!(
+        generation_numbers(&attr(&zoomed, "loss-chart", "data-markers")),
+        [2],
+        "only the generation inside the range"
+    );
+    let zpoints: usize = attr(&zoomed, "loss-chart", "data-points").parse().unwrap();
+    assert!(zpoints >= 1 && zpoints < points, "{zpoints} of {points} points in the range");
+    assert!(zoomed.contains("show the whole run"), "a way back");
+    let zshot = out.join("dashboard-zoomed.png");
+    let _ = std::fs::remove_file(&zshot);
+    load(
+        profile.path(),
+        &format!("{url}&zoom={from}-{to}&hover={at}"),
+        &format!("--screenshot={}", zshot.display()),
+    );
+    assert!(std::fs::read(&zshot).is_ok_and(|b| b.starts_with(b"\x89PNG")));
     // at 1400 × 1000 the page fits the window, and every generation's label is drawn where
     // no other covers it (the browser's own boxes)
     let fit = chromium(
