@@ -13,6 +13,47 @@ use std::collections::BTreeMap;
 use crate::bucket::Bucket;
 use crate::format::{ChunkEntry, Dtype, Manifest, ObjectEntry, TensorEntry, TensorKind};
 
+/// The most of a model directory's `config.json` anyone reads on a job's word (the daemon at
+/// submit, `dctl submit --dry-run`): a real one is a few KiB.
+pub const MAX_CONFIG_JSON: u64 = 1 << 20;
+
+/// Why a model directory's `config.json` could not be had.
+#[derive(Debug)]
+pub enum ConfigJsonError {
+    /// The directory answered, and it is not a model directory (no config.json, one too large
+    /// or not JSON, a URL that names no store): the job's fault.
+    NotAModel(String),
+    /// The store did not answer: nothing is known of the directory.
+    Store(String),
+}
+
+/// A model directory's `config.json` (file:// or s3://), read at most [`MAX_CONFIG_JSON`]
+/// bytes; `reader` names who reads it in the too-large sentence.
+pub async fn read_config_json(
+    url: &str,
+    reader: &str,
+) -> Result<serde_json::Value, ConfigJsonError> {
+    use crate::bucket::Capped;
+    let bucket = Bucket::open(url.trim_end_matches('/'))
+        .map_err(|e| ConfigJsonError::NotAModel(e.to_string()))?;
+    let body = match bucket.get_capped("config.json", MAX_CONFIG_JSON).await {
+        Ok(Capped::Bytes(b)) => b,
+        Ok(Capped::Absent) => {
+            return Err(ConfigJsonError::NotAModel(format!(
+                "{url} has no config.json (not a Hugging Face model directory)"
+            )))
+        }
+        Ok(Capped::TooLarge(n)) => {
+            return Err(ConfigJsonError::NotAModel(format!(
+                "{url}/config.json is {n} bytes: a model's config.json is at most {MAX_CONFIG_JSON} ({reader} reads no more)"
+            )))
+        }
+        Err(e) => return Err(ConfigJsonError::Store(format!("reading config.json: {e}"))),
+    };
+    serde_json::from_slice(&body)
+        .map_err(|e| ConfigJsonError::NotAModel(format!("{url}/config.json is not JSON: {e}")))
+}
+
 /// The first bytes of a weight file read at once: its length prefix and, mostly, its header.
 const HEAD_GUESS: u64 = 256 << 10;
 

@@ -479,8 +479,6 @@ fn check_memory<'a>(
     }
 }
 
-/// The most the daemon reads of a model's `config.json` at submit (a few KiB in practice).
-const MAX_CONFIG_JSON: u64 = 1 << 20;
 /// The most it reads of a model's `tokenizer.json` (Llama 3's is 9 MB).
 const MAX_TOKENIZER_JSON: u64 = 64 << 20;
 
@@ -557,28 +555,14 @@ async fn read_hf_config(spec: &mut JobSpec) -> ApiResult<()> {
         return Ok(());
     }
     let url = t.model_path.clone().unwrap_or_default();
-    let refuse = |why: String| ClusterError::invalid("training.model_path", why);
-    let bucket = ductile_checkpoint::Bucket::open(url.trim_end_matches('/'))
-        .map_err(|e| refuse(e.to_string()))?;
-    use ductile_checkpoint::bucket::Capped;
-    let body = match bucket.get_capped("config.json", MAX_CONFIG_JSON).await {
-        Ok(Capped::Bytes(b)) => b,
-        Ok(Capped::Absent) => {
-            return Err(refuse(format!(
-                "{url} has no config.json (not a Hugging Face model directory)"
-            ))
-            .into())
+    use ductile_checkpoint::hf::{read_config_json, ConfigJsonError};
+    let v = match read_config_json(&url, "the daemon at submit").await {
+        Ok(v) => v,
+        Err(ConfigJsonError::NotAModel(why)) => {
+            return Err(ClusterError::invalid("training.model_path", why).into())
         }
-        Ok(Capped::TooLarge(n)) => {
-            return Err(refuse(format!(
-                "{url}/config.json is {n} bytes: a model's config.json is at most {MAX_CONFIG_JSON} (the daemon reads no more at submit)"
-            ))
-            .into())
-        }
-        Err(e) => return Err(store_unavailable(&url, format!("reading config.json: {e}"))),
+        Err(ConfigJsonError::Store(why)) => return Err(store_unavailable(&url, why)),
     };
-    let v: serde_json::Value = serde_json::from_slice(&body)
-        .map_err(|e| refuse(format!("{url}/config.json is not JSON: {e}")))?;
     t.hf_config = Some(v);
     spec.validate()?;
     Ok(())

@@ -1834,27 +1834,18 @@ async fn dry_run(
         .filter(|t| t.model == ductile_cluster::modes::ModelKind::Hf)
     {
         let url = t.model_path.clone().unwrap_or_default();
-        let bucket = ductile_checkpoint::Bucket::open(url.trim_end_matches('/'))
-            .map_err(|e| anyhow::anyhow!("{}: training.model_path: {e}", file))?;
-        use ductile_checkpoint::bucket::Capped;
-        let body = match bucket.get_capped("config.json", 1 << 20).await {
-            Ok(Capped::Bytes(b)) => b,
-            Ok(Capped::Absent) => anyhow::bail!(
-                "{}: training.model_path: {url} has no config.json (not a Hugging Face model directory)",
-                file
-            ),
-            Ok(Capped::TooLarge(n)) => anyhow::bail!(
-                "{}: training.model_path: {url}/config.json is {n} bytes (the daemon reads at most 1 MiB)",
-                file
-            ),
-            Err(e) => anyhow::bail!(
-                "{}: training.model_path: cannot read {url}/config.json from here: {e}",
-                file
-            ),
-        };
+        use ductile_checkpoint::hf::{read_config_json, ConfigJsonError};
         t.hf_config = Some(
-            serde_json::from_slice(&body)
-                .map_err(|e| anyhow::anyhow!("{}: {url}/config.json is not JSON: {e}", file))?,
+            read_config_json(&url, "the daemon at submit")
+                .await
+                .map_err(|e| match e {
+                    ConfigJsonError::NotAModel(why) => {
+                        anyhow::anyhow!("{file}: training.model_path: {why}")
+                    }
+                    ConfigJsonError::Store(why) => anyhow::anyhow!(
+                        "{file}: training.model_path: cannot read {url} from here: {why}"
+                    ),
+                })?,
         );
         spec.validate()
             .map_err(|e| anyhow::anyhow!("{}: {e}", file))?;

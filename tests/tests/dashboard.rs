@@ -193,15 +193,25 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     assert!(evals >= 2, "{evals} eval points drawn");
     // each rank's step time, a curve per rank (4 at the start); the commits on the step axis
     let ranks: usize = attr(&dom, "ranks-chart", "data-curves").parse().unwrap();
-    let held = after.points.iter().map(|p| p.rank_ms.len()).max().unwrap_or(0);
+    let held = after
+        .points
+        .iter()
+        .map(|p| p.rank_ms.len())
+        .max()
+        .unwrap_or(0);
     assert!(
         held >= 1 && ranks >= held,
         "{ranks} rank curves drawn for a series holding {held} ranks' times"
     );
-    let commits: usize = attr(&dom, "loss-chart", "data-checkpoints").parse().unwrap();
+    let commits: usize = attr(&dom, "loss-chart", "data-checkpoints")
+        .parse()
+        .unwrap();
     assert!(commits >= 2, "{commits} checkpoints drawn");
     assert!(dom.contains("class=\"ckpt-marker\""), "checkpoint markers");
-    assert!(dom.contains(", checkpoint at step "), "the title shows the last commit");
+    assert!(
+        dom.contains(", checkpoint at step "),
+        "the title shows the last commit"
+    );
     // hover and zoom: a step range and a step in the address do what a drag across a chart
     // and the pointer do (the same functions): every chart shows that range, with only the
     // generations in it, and the values at that step
@@ -215,11 +225,18 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
     );
     assert_eq!(body_attr(&zoomed, "data-zoom"), format!("{from}-{to}"));
     for chart in ["loss-chart", "sps-chart", "lr-chart", "ranks-chart"] {
-        assert_eq!(attr(&zoomed, chart, "data-range"), format!("{from}-{to}"), "{chart}");
+        assert_eq!(
+            attr(&zoomed, chart, "data-range"),
+            format!("{from}-{to}"),
+            "{chart}"
+        );
     }
     for chart in ["loss-chart", "sps-chart", "lr-chart"] {
         let hover = attr(&zoomed, chart, "data-hover");
-        assert!(hover.starts_with(&format!("step {at}; ")), "{chart}: {hover}");
+        assert!(
+            hover.starts_with(&format!("step {at}; ")),
+            "{chart}: {hover}"
+        );
     }
     assert!(
         attr(&zoomed, "loss-chart", "data-hover").contains("training "),
@@ -235,7 +252,10 @@ fn training_the_dashboard_draws_curves_with_every_generation_through_a_kill_a_re
         "only the generation inside the range"
     );
     let zpoints: usize = attr(&zoomed, "loss-chart", "data-points").parse().unwrap();
-    assert!(zpoints >= 1 && zpoints < points, "{zpoints} of {points} points in the range");
+    assert!(
+        zpoints >= 1 && zpoints < points,
+        "{zpoints} of {points} points in the range"
+    );
     assert!(zoomed.contains("show the whole run"), "a way back");
     let zshot = out.join("dashboard-zoomed.png");
     let _ = std::fs::remove_file(&zshot);
