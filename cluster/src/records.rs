@@ -843,12 +843,15 @@ pub struct JobSpec {
     pub checkpoint: Option<CheckpointSpec>,
     /// `[program]`: how the job's own program is run (`runtime = "torchrun"`, `"torchft"`,
     /// `"tf"` or `"horovod"`). The older name `[torchrun]` is still read.
+    // On the wire and in etcd it keeps its older name, which every release reads: a dctl or
+    // daemon of this release talks to one of the previous release through a rolling upgrade.
     #[serde(
         default,
-        rename = "program",
-        alias = "torchrun",
+        rename = "torchrun",
+        alias = "program",
         skip_serializing_if = "Option::is_none"
     )]
+    #[schemars(rename = "program")]
     pub torchrun: Option<TorchrunSpec>,
     /// `runtime = "torchft"`: how its slots form TorchFT replica groups.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1736,6 +1739,26 @@ impl JobSpec {
         spec.normalize()?;
         spec.validate()?;
         Ok((spec, notes))
+    }
+
+    /// The spec as a user writes it (`[program]`; a program's location as `[checkpoint] url`),
+    /// what `dctl describe` shows; [`JobSpec::from_toml`] reads it back to the same spec.
+    pub fn to_toml(&self) -> std::result::Result<String, toml::ser::Error> {
+        let mut t = match toml::Value::try_from(self)? {
+            toml::Value::Table(t) => t,
+            _ => return toml::to_string(self),
+        };
+        if let Some(mut p) = t.remove("torchrun") {
+            if let Some(url) = p.as_table_mut().and_then(|p| p.remove("checkpoint_url")) {
+                let mut c = toml::Table::new();
+                c.insert("url".into(), url);
+                t.insert("checkpoint".into(), toml::Value::Table(c));
+            }
+            if p.as_table().is_some_and(|p| !p.is_empty()) {
+                t.insert("program".into(), p);
+            }
+        }
+        toml::to_string(&t)
     }
 
     /// Parse a JSON job spec (the API's form).
@@ -4470,7 +4493,25 @@ mod policy_tests {
             notes.iter().any(|n| n.contains("write [checkpoint] url")),
             "{notes:?}"
         );
-        assert!(serde_json::to_value(&old).unwrap().get("program").is_some());
+        // on the wire, the name every release reads
+        let wire = serde_json::to_value(&old).unwrap();
+        assert!(
+            wire.get("torchrun").is_some() && wire.get("program").is_none(),
+            "{wire}"
+        );
+        assert_eq!(
+            JobSpec::from_json(wire.to_string().as_bytes()).unwrap(),
+            old
+        );
+        // shown as written today, and read back to the same spec
+        let shown = old.to_toml().unwrap();
+        assert!(
+            shown.contains("[program]")
+                && shown.contains("[checkpoint]")
+                && !shown.contains("torchrun]"),
+            "{shown}"
+        );
+        assert_eq!(JobSpec::from_toml(&shown).unwrap(), old);
         assert!(err(&format!(
             "{tr}[program]\ngrace_s = 1\n[torchrun]\ngrace_s = 2\n"
         ))

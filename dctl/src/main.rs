@@ -1162,7 +1162,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     print_job(&v);
                     println!("\nspec:");
                     let spec: JobSpec = serde_json::from_value(spec)?;
-                    match toml::to_string(&spec) {
+                    match spec.to_toml() {
                         Ok(t) => {
                             for l in t.lines() {
                                 println!("  {l}");
@@ -1226,6 +1226,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     } else {
                         String::new()
                     }
+                );
+            } else if purge && v.get("purged").is_none() {
+                // a daemon from before --purge ignores it
+                println!(
+                    "job {job} deleted (it was {}); the daemon is older than --purge: its checkpoints were NOT deleted",
+                    v["state"].as_str().unwrap_or("finished")
                 );
             } else if purge {
                 println!(
