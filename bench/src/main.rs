@@ -20,6 +20,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The time every rank takes to plan a fully sharded job's re-cut at a resize by one
+    /// (`dctl scale`), for a model of many tensors, and the share of the state that moves.
+    ReshardPlan {
+        #[arg(long, value_delimiter = ',', default_value = "8,64,256")]
+        worlds: Vec<u32>,
+        /// Tensors of the model (SmolLM2-135M's layers' shapes, repeated): 272 is its count.
+        #[arg(long, default_value_t = 272)]
+        tensors: usize,
+        /// Timed plans per cell (the median is printed).
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// The dashboard against a job with a long history: the stored series' size, the page's
     /// weight, and headless Chromium's time to the first render.
     Dashboard {
@@ -486,6 +500,7 @@ mod gpu;
 mod hf;
 mod pipeline;
 mod programs;
+mod reshard;
 mod tensor;
 mod torchft;
 mod torchrun;
@@ -532,6 +547,12 @@ async fn main() -> anyhow::Result<()> {
             stop_rounds,
         } => training::recovery(rounds, node_rounds, stop_rounds).await,
         Cmd::DpStep { steps } => training::dp_step(steps).await,
+        Cmd::ReshardPlan {
+            worlds,
+            tensors,
+            iters,
+            json,
+        } => reshard::run(&worlds, tensors, iters, json),
         Cmd::TorchrunRecovery {
             rounds,
             skip_torchrun,

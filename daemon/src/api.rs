@@ -334,6 +334,18 @@ async fn submit_checked(
         }
     }
     if dry_run {
+        // what the store's submit would refuse: a job of that name that has not finished
+        if st.store.spec(&spec.name).await?.is_some() {
+            match st.store.status(&spec.name).await? {
+                Some((s, _)) if s.state.is_terminal() => {}
+                _ => {
+                    return Err(ApiError::new(
+                        StatusCode::CONFLICT,
+                        format!("job {:?} already exists and has not finished", spec.name),
+                    ))
+                }
+            }
+        }
         return Ok(Json(dry_run_view(&spec, &nodes)).into_response());
     }
     st.store.submit(&spec).await?;

@@ -220,6 +220,10 @@ impl fmt::Display for Uncovered {
 impl std::error::Error for Uncovered {}
 
 /// The plan (see the module's comment). `elem[t]` is tensor t's element size in bytes.
+///
+/// Each need looks at its own tensor's holders and chunks only (indexed once, in input order,
+/// so the plan is the one a scan of every part would make): the work grows with the ranks
+/// holding each tensor, not with ranks × tensors for every need.
 pub fn plan(
     elem: &[u64],
     held: &[Part],
@@ -227,24 +231,38 @@ pub fn plan(
     need: &[Part],
 ) -> Result<Plan, Uncovered> {
     let bytes = |t: usize, r: &Region| elements(r) * elem[t];
+    let mut held_of: BTreeMap<usize, Vec<&Part>> = BTreeMap::new();
+    for h in held {
+        held_of.entry(h.tensor).or_default().push(h);
+    }
+    let mut chunks_of: BTreeMap<usize, Vec<(usize, &Chunk)>> = BTreeMap::new();
+    for (ci, c) in chunks.iter().enumerate() {
+        chunks_of.entry(c.tensor).or_default().push((ci, c));
+    }
+    let mut needs_of: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (ni, n) in need.iter().enumerate() {
+        needs_of.entry(n.tensor).or_default().push(ni);
+    }
     let mut sent: BTreeMap<u32, u64> = BTreeMap::new();
     let mut out = Plan::default();
     // what is left for the checkpoint, per need
     let mut rest: Vec<Vec<Region>> = Vec::with_capacity(need.len());
     for n in need {
+        let holders_of_tensor = held_of.get(&n.tensor).map(Vec::as_slice).unwrap_or(&[]);
         let mut todo = vec![n.region.clone()];
-        for h in held
-            .iter()
-            .filter(|h| h.tensor == n.tensor && h.rank == n.rank)
-        {
+        for h in holders_of_tensor.iter().filter(|h| h.rank == n.rank) {
             todo = todo.iter().flat_map(|r| subtract(r, &h.region)).collect();
         }
-        let mut holders: Vec<&Part> = held
+        let mut holders: Vec<&Part> = holders_of_tensor
             .iter()
-            .filter(|h| h.tensor == n.tensor && h.rank != n.rank)
+            .copied()
+            .filter(|h| h.rank != n.rank)
             .collect();
         holders.sort_by_key(|h| (sent.get(&h.rank).copied().unwrap_or(0), h.rank));
         for h in holders {
+            if todo.is_empty() {
+                break;
+            }
             let mut next = Vec::new();
             for r in &todo {
                 if let Some(x) = intersect(r, &h.region) {
@@ -269,13 +287,13 @@ pub fn plan(
     let mut read: BTreeMap<u32, u64> = BTreeMap::new();
     let mut reader: Vec<Option<u32>> = vec![None; chunks.len()];
     for (ci, c) in chunks.iter().enumerate() {
-        let mut wants: Vec<u32> = need
+        let mut wants: Vec<u32> = needs_of
+            .get(&c.tensor)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
             .iter()
-            .zip(&rest)
-            .filter(|(n, todo)| {
-                n.tensor == c.tensor && todo.iter().any(|r| intersect(r, &c.region).is_some())
-            })
-            .map(|(n, _)| n.rank)
+            .filter(|&&ni| rest[ni].iter().any(|r| intersect(r, &c.region).is_some()))
+            .map(|&ni| need[ni].rank)
             .collect();
         wants.sort_unstable();
         wants.dedup();
@@ -288,13 +306,12 @@ pub fn plan(
             out.reads.push((r, ci));
         }
     }
-    for (n, todo) in need.iter().zip(rest) {
-        let mut todo = todo;
-        for (ci, c) in chunks
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.tensor == n.tensor)
-        {
+    for (ni, n) in need.iter().enumerate() {
+        let mut todo = std::mem::take(&mut rest[ni]);
+        for &(ci, c) in chunks_of.get(&n.tensor).map(Vec::as_slice).unwrap_or(&[]) {
+            if todo.is_empty() {
+                break;
+            }
             let mut next = Vec::new();
             for r in &todo {
                 match intersect(r, &c.region) {
@@ -686,6 +703,184 @@ mod tests {
             }
         }
         have
+    }
+
+    /// The planner as it was before its parts were indexed by tensor (every need scanned
+    /// every part): the indexed one must make exactly its plan.
+    fn plan_scanning(
+        elem: &[u64],
+        held: &[Part],
+        chunks: &[Chunk],
+        need: &[Part],
+    ) -> Result<Plan, Uncovered> {
+        let bytes = |t: usize, r: &Region| elements(r) * elem[t];
+        let mut sent: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut out = Plan::default();
+        // what is left for the checkpoint, per need
+        let mut rest: Vec<Vec<Region>> = Vec::with_capacity(need.len());
+        for n in need {
+            let mut todo = vec![n.region.clone()];
+            for h in held
+                .iter()
+                .filter(|h| h.tensor == n.tensor && h.rank == n.rank)
+            {
+                todo = todo.iter().flat_map(|r| subtract(r, &h.region)).collect();
+            }
+            let mut holders: Vec<&Part> = held
+                .iter()
+                .filter(|h| h.tensor == n.tensor && h.rank != n.rank)
+                .collect();
+            holders.sort_by_key(|h| (sent.get(&h.rank).copied().unwrap_or(0), h.rank));
+            for h in holders {
+                let mut next = Vec::new();
+                for r in &todo {
+                    if let Some(x) = intersect(r, &h.region) {
+                        *sent.entry(h.rank).or_default() += bytes(n.tensor, &x);
+                        out.moves.push(Move {
+                            tensor: n.tensor,
+                            region: x,
+                            from: h.rank,
+                            to: n.rank,
+                            via: None,
+                        });
+                        next.extend(subtract(r, &h.region));
+                    } else {
+                        next.push(r.clone());
+                    }
+                }
+                todo = next;
+            }
+            rest.push(todo);
+        }
+        // each chunk someone still needs is read, whole, by the needer that has read least
+        let mut read: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut reader: Vec<Option<u32>> = vec![None; chunks.len()];
+        for (ci, c) in chunks.iter().enumerate() {
+            let mut wants: Vec<u32> = need
+                .iter()
+                .zip(&rest)
+                .filter(|(n, todo)| {
+                    n.tensor == c.tensor && todo.iter().any(|r| intersect(r, &c.region).is_some())
+                })
+                .map(|(n, _)| n.rank)
+                .collect();
+            wants.sort_unstable();
+            wants.dedup();
+            if let Some(r) = wants
+                .into_iter()
+                .min_by_key(|r| (read.get(r).copied().unwrap_or(0), *r))
+            {
+                *read.entry(r).or_default() += bytes(c.tensor, &c.region);
+                reader[ci] = Some(r);
+                out.reads.push((r, ci));
+            }
+        }
+        for (n, todo) in need.iter().zip(rest) {
+            let mut todo = todo;
+            for (ci, c) in chunks
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.tensor == n.tensor)
+            {
+                let mut next = Vec::new();
+                for r in &todo {
+                    match intersect(r, &c.region) {
+                        Some(x) => {
+                            let from = reader[ci].expect("a chunk someone needs has a reader");
+                            if from != n.rank {
+                                out.moves.push(Move {
+                                    tensor: n.tensor,
+                                    region: x,
+                                    from,
+                                    to: n.rank,
+                                    via: Some(ci),
+                                });
+                            }
+                            next.extend(subtract(r, &c.region));
+                        }
+                        None => next.push(r.clone()),
+                    }
+                }
+                todo = next;
+            }
+            if let Some(r) = todo.into_iter().next() {
+                return Err(Uncovered {
+                    rank: n.rank,
+                    tensor: n.tensor,
+                    region: r,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The indexed planner makes exactly the scanning one's plan (the same moves in the same
+    /// order, the same reads, the same refusal): ranks of two releases in one job plan alike.
+    /// Every pair of layouts of up to four ranks, live, from chunks, and from both (the
+    /// survivors of the old world and a checkpoint), the parts given in layout order and
+    /// interleaved; and rows of 40 tensors sharded over 6 ranks re-cut to 5 and 7.
+    #[test]
+    fn the_indexed_planner_makes_the_scanning_planner_s_plan() {
+        let (shapes, elem) = model();
+        let chunks: Vec<Chunk> = (0..shapes.len())
+            .flat_map(|t| (0..2).map(move |k| (t, k)))
+            .map(|(t, k)| Chunk {
+                tensor: t,
+                region: split(&shapes[t], 2, k, 0),
+            })
+            .collect();
+        let mut compared = 0;
+        for wa in 1..=4 {
+            for wb in 1..=4 {
+                for a in layouts(wa) {
+                    for b in layouts(wb) {
+                        let mut held: Vec<Part> = parts(&shapes, &a)
+                            .into_iter()
+                            .filter(|h| h.rank < wb)
+                            .collect();
+                        let need = parts(&shapes, &b);
+                        for _ in 0..2 {
+                            for ch in [&[][..], &chunks[..]] {
+                                assert_eq!(
+                                    plan(&elem, &held, ch, &need),
+                                    plan_scanning(&elem, &held, ch, &need),
+                                    "{a:?} -> {b:?}"
+                                );
+                                compared += 1;
+                            }
+                            // the same parts, another order
+                            held.sort_by_key(|h| (h.tensor % 3, std::cmp::Reverse(h.rank)));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(compared > 1000, "{compared}");
+        let rows: Vec<Vec<u64>> = (0..40).map(|t| vec![60 + t, 8]).collect();
+        let elem = vec![4; rows.len()];
+        let sharded = |world: u64| -> Vec<Part> {
+            (0..world)
+                .flat_map(|r| {
+                    rows.iter().enumerate().map(move |(t, sh)| Part {
+                        rank: r as u32,
+                        tensor: t,
+                        region: split(sh, world, r, 0),
+                    })
+                })
+                .collect()
+        };
+        for to in [5, 7] {
+            let held: Vec<Part> = sharded(6)
+                .into_iter()
+                .filter(|h| h.rank < to as u32)
+                .collect();
+            let need = sharded(to);
+            let p = plan(&elem, &held, &[], &need);
+            assert_eq!(p, plan_scanning(&elem, &held, &[], &need), "6 -> {to}");
+            // 6 -> 5: rank 5's rows have no survivor, refused naming them; 6 -> 7: every row
+            // has its holder
+            assert_eq!(p.is_err(), to == 5, "6 -> {to}");
+        }
     }
 
     /// Every pair of layouts of up to four ranks, live: every needed element arrives, once,

@@ -1708,6 +1708,22 @@ fn dctl_get_describe_delete_and_run() {
         !c.dctl_ok(&["get", "jobs"]).contains("perl"),
         "a dry run stores nothing"
     );
+    // a running job's name is taken: the dry run says so, as the submit would
+    let (ok, _, err) = c.dctl(&[
+        "run",
+        "--name",
+        "keep",
+        "--nproc",
+        "1",
+        "--dry-run",
+        "--",
+        bare,
+        script.to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && err.contains("already exists and has not finished"),
+        "{err}"
+    );
     let (ok, _, err) = c.dctl(&["status", "hello"]);
     assert!(!ok, "a dry run submits nothing: {err}");
     let out = c.dctl_ok(&["run", "--nproc", "2", "--", bare, script.to_str().unwrap()]);
