@@ -253,10 +253,12 @@ pub fn plan(
         for h in holders_of_tensor.iter().filter(|h| h.rank == n.rank) {
             todo = todo.iter().flat_map(|r| subtract(r, &h.region)).collect();
         }
+        // (a holder whose part misses the need moves nothing: left out before the sort, which
+        // keeps the others' order)
         let mut holders: Vec<&Part> = holders_of_tensor
             .iter()
             .copied()
-            .filter(|h| h.rank != n.rank)
+            .filter(|h| h.rank != n.rank && intersect(&n.region, &h.region).is_some())
             .collect();
         holders.sort_by_key(|h| (sent.get(&h.rank).copied().unwrap_or(0), h.rank));
         for h in holders {
