@@ -434,19 +434,20 @@ impl HfConfig {
         Ok(())
     }
 
-    /// Parameters, exactly.
-    pub fn params(&self) -> i64 {
+    /// Parameters of its units, exactly: (embeddings, one layer, head). A tied head's matrix
+    /// is the embedding's, counted there.
+    pub fn unit_params(&self) -> (i64, i64, i64) {
+        let (d, tied_head) = (self.d_model, if self.tied { 0 } else { self.vocab * self.d_model });
         if self.family == Family::Gpt2 {
-            let (d, f) = (self.d_model, self.intermediate);
+            let f = self.intermediate;
             let layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d;
-            let embed = self.vocab * d;
-            return self.n_layer * layer
-                + embed
-                + self.max_positions * d
-                + 2 * d
-                + if self.tied { 0 } else { embed };
+            return (
+                self.vocab * d + self.max_positions * d,
+                layer,
+                2 * d + tied_head,
+            );
         }
-        let (d, hd) = (self.d_model, self.head_dim);
+        let hd = self.head_dim;
         let q = d * self.n_head * hd;
         let kv = 2 * d * self.n_kv_head * hd;
         let o = self.n_head * hd * d;
@@ -462,8 +463,19 @@ impl HfConfig {
                 0
             };
         let layer = q + kv + o + mlp + bias + 2 * d;
-        let embed = self.vocab * d;
-        self.n_layer * layer + embed + d + if self.tied { 0 } else { embed }
+        (self.vocab * d, layer, d + tied_head)
+    }
+
+    /// Parameters, exactly.
+    pub fn params(&self) -> i64 {
+        let (embed, layer, head) = self.unit_params();
+        self.n_layer * layer + embed + head
+    }
+
+    /// Parameters of its largest unit (the embeddings, a layer or the head).
+    pub fn largest_unit_params(&self) -> i64 {
+        let (embed, layer, head) = self.unit_params();
+        embed.max(head).max(if self.n_layer > 0 { layer } else { 0 })
     }
 }
 
@@ -528,6 +540,30 @@ mod tests {
         assert!(e.contains("n_positions = 1152921504606846976"), "{e}");
     }
 
+    /// SmolLM2-135M's shape (its config.json's sizes): 134.5 M parameters, of which the tied
+    /// embedding is 28.3 M, its largest unit by far (a layer is 3.5 M): what a fully sharded
+    /// rank gathers at once is the embedding, not the average unit (4.2 M).
+    #[test]
+    fn a_language_model_s_largest_unit_is_its_embedding() {
+        let c = HfConfig::parse(&json!({
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "intermediate_size": 1536, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": true, "hidden_act": "silu", "rope_theta": 100000.0,
+        }))
+        .unwrap();
+        assert_eq!(c.params(), 134_515_008);
+        let (embed, layer, head) = c.unit_params();
+        assert_eq!((embed, layer, head), (49152 * 576, 3_540_096, 576));
+        assert_eq!(c.largest_unit_params(), 49152 * 576);
+        assert!(c.largest_unit_params() > 6 * c.params() / (c.n_layer + 2));
+        // untied: the head holds a matrix of its own, as large as the embedding
+        let mut u = c.clone();
+        u.tied = false;
+        assert_eq!(u.params(), c.params() + 49152 * 576);
+        assert_eq!(u.unit_params().2, 576 + 49152 * 576);
+    }
+
     #[test]
     fn what_ductile_would_not_honour_is_refused_naming_key_and_value() {
         let cases: Vec<(&str, Value, &str)> = vec![
@@ -574,6 +610,8 @@ mod tests {
             c.params(),
             100 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32
         );
+        // its largest unit is a layer here (12·32² and biases against (100 + 64)·32)
+        assert_eq!(c.largest_unit_params(), 12 * 32 * 32 + 13 * 32);
         for (k, v, want) in [
             (
                 "activation_function",

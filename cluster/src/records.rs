@@ -1220,6 +1220,14 @@ impl GptConfig {
         12 * self.n_layer * self.d_model * self.d_model
             + (self.vocab.max(1) * 2 + self.ctx) * self.d_model
     }
+
+    /// About how many parameters its largest unit has: a block (12·d²), the embeddings
+    /// ((vocab + ctx)·d) or the head (vocab·d).
+    pub fn approx_largest_unit(&self) -> i64 {
+        let d = self.d_model;
+        let block = if self.n_layer > 0 { 12 * d * d } else { 0 };
+        block.max((self.vocab.max(1) + self.ctx) * d)
+    }
 }
 
 impl Default for GptConfig {
@@ -1381,10 +1389,17 @@ impl TrainingSpec {
     }
 
     /// `sharding = "auto"` made concrete: the least sharding (none, then optimizer, gradients,
-    /// full) whose state fits `cap` bytes a slot at `ranks` ranks (the daemon gives the job's
-    /// max, as its memory check does); full when none fits (the memory check then says what
-    /// is missing); none when no slot's memory is known. Returns what was chosen and why.
-    pub fn resolve_auto_sharding(&mut self, ranks: u32, cap: Option<u64>) -> Option<String> {
+    /// full) whose state fits `cap` bytes a slot at every world size in `min..=max` (a rank
+    /// needs the most at the fewest ranks); where none fits at `min`, the least that fits at
+    /// `max` (the layout that splits the state most: the daemon's memory check then says from
+    /// which world it fits); full when none fits even there; none when no slot's memory is
+    /// known. Returns what was chosen and why.
+    pub fn resolve_auto_sharding(
+        &mut self,
+        min: u32,
+        max: u32,
+        cap: Option<u64>,
+    ) -> Option<String> {
         if self.sharding != Sharding::Auto {
             return None;
         }
@@ -1412,7 +1427,7 @@ impl TrainingSpec {
         // or tensor layouts only where no sharding level fits (torchtitan's guidance: FSDP
         // first)
         let planned = self.strategy == Strategy::Auto;
-        let need = |s: Sharding| {
+        let need_at = |s: Sharding, ranks: u32| {
             let mut t = self.clone();
             t.sharding = s;
             if planned {
@@ -1420,11 +1435,31 @@ impl TrainingSpec {
             }
             t.min_slot_bytes(ranks)
         };
+        let (min, ranks) = (min.clamp(1, max.max(1)), max.max(1));
+        let need = |s: Sharding| need_at(s, ranks);
+        let fits = |s: Sharding, at: u32| cap.is_some_and(|c| need_at(s, at).is_none_or(|n| n <= c));
+        let everywhere = Sharding::LEVELS.iter().find(|s| fits(**s, min));
         let (chosen, why) = match cap {
             None => (
                 Sharding::None,
                 "no slot's memory is known (training.memory_per_slot_gib sets it)".to_string(),
             ),
+            Some(cap) if everywhere.is_some() => {
+                let s = *everywhere.unwrap();
+                let at = if min < ranks {
+                    format!("from {min} rank(s) (the job's min) up")
+                } else {
+                    format!("at {ranks} rank(s)")
+                };
+                (
+                    s,
+                    format!(
+                        "about {:.2} GiB per slot {at}, a slot has {:.2} GiB",
+                        gib(need_at(s, min).unwrap_or(0)),
+                        gib(cap)
+                    ),
+                )
+            }
             Some(cap) => match Sharding::LEVELS
                 .iter()
                 .find(|s| need(**s).is_none_or(|n| n <= cap))
@@ -1432,7 +1467,7 @@ impl TrainingSpec {
                 Some(s) => (
                     *s,
                     format!(
-                        "about {:.2} GiB per slot at {ranks} rank(s), a slot has {:.2} GiB",
+                        "about {:.2} GiB per slot at {ranks} rank(s), a slot has {:.2} GiB (no level fits at the job's min of {min} rank(s))",
                         gib(need(*s).unwrap_or(0)),
                         gib(cap)
                     ),
@@ -1470,14 +1505,20 @@ impl TrainingSpec {
         ))
     }
 
-    /// The model's units (the pipeline's blocks): its layers and the two ends.
-    pub fn approx_units(&self) -> u64 {
-        let layers = match self.model {
-            ModelKind::Hf => self.hf_config().ok().map(|c| c.n_layer),
-            ModelKind::Gpt => self.gpt_config().ok().map(|c| c.n_layer),
-            ModelKind::Mlp => self.mlp_config().ok().map(|c| c.layers - 1),
-        };
-        layers.map_or(1, |l| l.max(0) as u64 + 2)
+    /// About how many parameters the model's largest unit (the pipeline's blocks, what full
+    /// sharding gathers at a time) has: a layer, or an end (a language model's embeddings or
+    /// head, often the largest by far: SmolLM2-135M's embedding is 28 M of its 135 M).
+    pub fn approx_largest_unit(&self) -> Option<u64> {
+        let n = match self.model {
+            ModelKind::Hf => self.hf_config().ok().map(|c| c.largest_unit_params()),
+            ModelKind::Gpt => self.gpt_config().ok().map(|c| c.approx_largest_unit()),
+            ModelKind::Mlp => self
+                .mlp_config()
+                .ok()
+                .map(|c| (c.hidden * c.hidden).max(c.hidden * 64)),
+        }?;
+        // (never more than the whole model)
+        Some((n.max(0) as u64).min(self.approx_params()?.max(0) as u64))
     }
 
     /// The fewest bytes one slot must hold for this job at `max` ranks: f32 parameters,
@@ -1540,22 +1581,23 @@ impl TrainingSpec {
             1
         };
         let opt = (params * 4 * self.optimizer.states() as u64).div_ceil(shard);
+        // the largest unit, not the average one: a unit is gathered and reduced whole, and a
+        // language model's embeddings or head are several blocks' worth
+        let unit = self.approx_largest_unit().unwrap_or(params) * 4;
         if self.sharding == Sharding::Gradients && data_parallel {
             // whole parameters; rows of the state; a unit's gradients at a time
-            let units = self.approx_units().max(1);
-            return Some(params * 4 + opt + 2 * params * 4 / units);
+            return Some(params * 4 + opt + 2 * unit);
         }
         if self.sharding == Sharding::Full && data_parallel {
             // rows of the parameters and their state; a unit's gathered parameters and
-            // gradients at a time (a block is at most the model's), or with
+            // gradients at a time, the next unit's gather in flight, or with
             // reshard_after_forward = false every unit's parameters gathered through the step
             // (a new process makes only its rows of the seed, unit by unit)
             let rows = (params * 4).div_ceil(shard) + opt;
-            let units = self.approx_units().max(1);
             if self.reshard_after_forward == Some(false) {
-                return Some(rows + params * 4 + 2 * params * 4 / units);
+                return Some(rows + params * 4 + 2 * unit);
             }
-            return Some(rows + 4 * params * 4 / units);
+            return Some(rows + 4 * unit);
         }
         Some((params * 4 * copies + opt) / split + bucket)
     }
@@ -3857,6 +3899,40 @@ keep = 3
             spec(&format!("sharding = \"optimizer\"\nshard_group = 1{ck}")).min_slot_bytes(2),
             Some(p * 4 * 4 + (25 << 20))
         );
+        // ZeRO-2 and full sharding hold a unit whole at a time: the largest (a hidden layer,
+        // 256 × 256), not the average of the model's
+        let unit = 256 * 256 * 4;
+        assert_eq!(
+            spec(&format!("sharding = \"gradients\"{ck}")).min_slot_bytes(2),
+            Some(p * 4 + p * 4 * 2 / 2 + 2 * unit)
+        );
+        assert_eq!(
+            spec(&format!("sharding = \"full\"{ck}")).min_slot_bytes(2),
+            Some(p * 4 / 2 + p * 4 * 2 / 2 + 4 * unit)
+        );
+    }
+
+    /// A GPT whose vocabulary makes its embeddings the largest unit: full sharding's figure
+    /// counts them, where the average unit would count a sixth of them.
+    #[test]
+    fn the_memory_model_gathers_the_largest_unit() {
+        let t = JobSpec::from_toml(
+            "name = \"a\"\nmin = 4\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\nsharding = \"full\"\nmodel_config = { d_model = 256, n_layer = 4, n_head = 4, ctx = 64, vocab = 50000 }\n[checkpoint]\nurl = \"file:///ck\"\n",
+        )
+        .unwrap()
+        .training
+        .unwrap();
+        let p = t.approx_params().unwrap() as u64;
+        let embed = (50000 + 64) * 256;
+        assert_eq!(t.approx_largest_unit(), Some(embed));
+        // (the average unit, what the figure used to count, is under half of it)
+        let units = t.gpt_config().unwrap().n_layer as u64 + 2;
+        assert!(embed > 2 * p / units);
+        // rows of parameters and AdamW's two states over 4 ranks, four units' worth whole
+        assert_eq!(
+            t.min_slot_bytes(4),
+            Some((p * 4).div_ceil(4) + (p * 4 * 2).div_ceil(4) + 4 * embed * 4)
+        );
     }
 
     /// `sharding = "auto"`: the least sharding whose state fits the slot at the job's fewest
@@ -3894,18 +3970,41 @@ keep = 3
             (None, Sharding::None),
         ] {
             let mut t = spec();
-            let said = t.resolve_auto_sharding(4, cap).unwrap();
+            let said = t.resolve_auto_sharding(4, 4, cap).unwrap();
             assert_eq!(t.sharding, want, "{cap:?}: {said}");
             assert!(said.contains(&format!("chose \"{want}\"")), "{said}");
         }
         let mut t = spec();
-        let said = t.resolve_auto_sharding(4, Some(full - 1)).unwrap();
+        let said = t.resolve_auto_sharding(4, 4, Some(full - 1)).unwrap();
         assert_eq!(t.sharding, Sharding::Full);
         assert!(said.contains("even fully sharded"), "{said}");
+        // an elastic job: the least level that fits at its min too (a rank holds the most at
+        // the fewest ranks), so a shrink does not outgrow the slot
+        let at = |s: Sharding, w: u32| {
+            let mut t = spec();
+            t.sharding = s;
+            t.min_slot_bytes(w).unwrap()
+        };
+        assert!(at(Sharding::Full, 2) > at(Sharding::Full, 4));
+        let cap = at(Sharding::Full, 2);
+        assert!(cap >= at(Sharding::Gradients, 4) && cap < at(Sharding::Gradients, 2));
+        let mut t = spec();
+        let said = t.resolve_auto_sharding(2, 4, Some(cap)).unwrap();
+        assert_eq!(t.sharding, Sharding::Full, "{said}");
+        assert!(said.contains("from 2 rank(s) (the job's min) up"), "{said}");
+        // at 4 alone ZeRO-2 would have fitted
+        let mut t = spec();
+        t.resolve_auto_sharding(4, 4, Some(cap)).unwrap();
+        assert_eq!(t.sharding, Sharding::Gradients);
+        // where no level fits at the min, the least that fits at the max, saying so
+        let mut t = spec();
+        let said = t.resolve_auto_sharding(1, 4, Some(at(Sharding::Gradients, 4))).unwrap();
+        assert_eq!(t.sharding, Sharding::Gradients, "{said}");
+        assert!(said.contains("no level fits at the job's min of 1"), "{said}");
         // a concrete choice is left as it is
         let mut t = spec();
         t.sharding = Sharding::Optimizer;
-        assert_eq!(t.resolve_auto_sharding(4, Some(1)), None);
+        assert_eq!(t.resolve_auto_sharding(4, 4, Some(1)), None);
         // strategy = "auto": sharded data parallelism where a level fits, before the
         // planner's pipeline and tensor layouts; unsharded and planned where none does
         let planned = || {
@@ -3923,12 +4022,12 @@ keep = 3
             (full - 1, Sharding::None, Strategy::Auto),
         ] {
             let mut t = planned();
-            let said = t.resolve_auto_sharding(4, Some(cap)).unwrap();
+            let said = t.resolve_auto_sharding(4, 4, Some(cap)).unwrap();
             assert_eq!((t.sharding, t.strategy), (want, strategy), "{cap}: {said}");
             t.validate(4).unwrap();
         }
         let mut t = planned();
-        let said = t.resolve_auto_sharding(4, Some(full - 1)).unwrap();
+        let said = t.resolve_auto_sharding(4, 4, Some(full - 1)).unwrap();
         assert!(
             said.contains("pipeline or tensor layouts instead"),
             "{said}"
@@ -3941,7 +4040,7 @@ keep = 3
             ))
         };
         let mut t = staged("").unwrap().training.unwrap();
-        let said = t.resolve_auto_sharding(4, Some(3 << 30)).unwrap();
+        let said = t.resolve_auto_sharding(4, 4, Some(3 << 30)).unwrap();
         assert_eq!(
             (t.sharding, t.memory_per_slot_gib),
             (Sharding::Auto, Some(3.0))
@@ -3955,10 +4054,10 @@ keep = 3
             .unwrap()
             .training
             .unwrap();
-        t.resolve_auto_sharding(4, Some(3 << 30)).unwrap();
+        t.resolve_auto_sharding(4, 4, Some(3 << 30)).unwrap();
         assert_eq!(t.memory_per_slot_gib, Some(1.5));
         let mut t = staged("").unwrap().training.unwrap();
-        let said = t.resolve_auto_sharding(4, None).unwrap();
+        let said = t.resolve_auto_sharding(4, 4, None).unwrap();
         assert!(said.contains("no slot's memory is known"), "{said}");
         // (a node's ranks are not a stage's replicas)
         let err = staged("shard_group = \"node\"").unwrap_err().to_string();

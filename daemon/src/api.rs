@@ -419,8 +419,8 @@ fn resolve_sharding<'a>(
     spec: &mut JobSpec,
     nodes: impl Iterator<Item = &'a ductile_cluster::records::NodeRecord>,
 ) {
-    // (at the job's most ranks, as the memory check: the layout that splits the state most)
-    let ranks = spec.max;
+    // (at every world the job may take, as the memory check)
+    let (min, max) = (spec.min, spec.max);
     let name = spec.name.clone();
     let Some(t) = spec.training.as_mut() else {
         return;
@@ -435,7 +435,7 @@ fn resolve_sharding<'a>(
                 .min()
                 .map(|mb| mb.saturating_mul(1 << 20))
         });
-    if let Some(said) = t.resolve_auto_sharding(ranks, cap) {
+    if let Some(said) = t.resolve_auto_sharding(min, max, cap) {
         tracing::info!(job = %name, "{said}");
     }
 }
@@ -443,52 +443,74 @@ fn resolve_sharding<'a>(
 /// A job whose state cannot fit any live slot (its parameters, gradients and optimizer state
 /// at the layout that splits them most, against the slot's memory: a GPU's, or a CPU slot's
 /// share of its node's) is refused at submit, naming the figures: its workers would die at start
-/// and spend the restart budget. Slots of unknown memory (agents from before it was reported)
-/// refuse nothing.
+/// and spend the restart budget. The check holds at every world size the job may take: a rank
+/// needs the most at the fewest ranks, so a job that fits at its max but not at its min (its
+/// workers would die when it shrinks there) is refused too, naming the smallest world that
+/// fits. Slots of unknown memory (agents from before it was reported) refuse nothing.
 fn check_memory<'a>(
     spec: &JobSpec,
     nodes: impl Iterator<Item = &'a ductile_cluster::records::NodeRecord>,
 ) -> ApiResult<()> {
-    let Some(need) = spec
-        .training
-        .as_ref()
-        .and_then(|t| t.min_slot_bytes(spec.max))
-    else {
+    let Some(t) = spec.training.as_ref() else {
         return Ok(());
     };
-    // the job needs `min` slots that fit, not one
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    // every live slot's memory, the largest named
+    let mut slots: Vec<u64> = Vec::new();
     let mut largest: Option<(u64, String)> = None;
-    let (mut fit, mut any) = (0u64, false);
     for n in nodes {
         for d in &n.devices {
-            any = true;
             let Some(mb) = d.memory_mb else {
                 return Ok(());
             };
-            if mb.saturating_mul(1 << 20) >= need {
-                fit += 1;
-            }
+            slots.push(mb.saturating_mul(1 << 20));
             if largest.as_ref().is_none_or(|(l, _)| mb > *l) {
                 largest = Some((mb, format!("{} of node {}", d.name, n.name)));
             }
         }
     }
-    if !any || fit >= u64::from(spec.min) {
+    let Some((largest_mb, which)) = largest else {
+        return Ok(());
+    };
+    let fitting = |need: u64| slots.iter().filter(|b| **b >= need).count() as u64;
+    // a world of w ranks needs w slots that each hold a rank's share at w
+    let runs_at = |w: u32| t.min_slot_bytes(w).map(|need| (need, fitting(need)));
+    let Some((need_min, fit_min)) = runs_at(spec.min.max(1)) else {
+        return Ok(());
+    };
+    if fit_min >= u64::from(spec.min) {
         return Ok(());
     }
-    match largest {
-        None => Ok(()),
-        Some((mb, which)) => Err(ClusterError::invalid(
-            "training.model_config",
+    // (bounded: a world beyond the live slots cannot run anyway)
+    let top = spec.max.min(spec.min.saturating_add(slots.len() as u32));
+    let from = (spec.min + 1..=top)
+        .find(|w| runs_at(*w).is_some_and(|(_, fit)| fit >= u64::from(*w)));
+    let largest_gib = largest_mb as f64 / 1024.0;
+    if let Some(k) = from {
+        return Err(ClusterError::invalid(
+            "min",
             format!(
-                "the job needs about {:.1} GiB per slot (parameters, gradients and optimizer state at the layout that splits them most) on at least min = {} slots, and {fit} live slot(s) have that much: the largest is {which}, {:.1} GiB",
-                need as f64 / (1u64 << 30) as f64,
+                "at its min of {} rank(s) the job needs about {:.1} GiB per slot (parameters, gradients and optimizer state; a rank holds the most at the fewest ranks) on {} slot(s), and {fit_min} live slot(s) have that much (the largest is {which}, {largest_gib:.1} GiB): its workers would fail at start if it shrank there; it fits from {k} ranks up: set min = {k}",
                 spec.min,
-                mb as f64 / 1024.0
+                gib(need_min),
+                spec.min,
             ),
         )
-        .into()),
+        .into());
     }
+    let need_max = t.min_slot_bytes(spec.max.max(1)).unwrap_or(need_min);
+    Err(ClusterError::invalid(
+        "training.model_config",
+        format!(
+            "the job needs about {:.1} GiB per slot (parameters, gradients and optimizer state at the layout that splits them most, at its max of {} ranks; {:.1} GiB at its min of {}) on at least min = {} slots, and {fit_min} live slot(s) have that much: the largest is {which}, {largest_gib:.1} GiB",
+            gib(need_max),
+            spec.max,
+            gib(need_min),
+            spec.min,
+            spec.min,
+        ),
+    )
+    .into())
 }
 
 /// The most it reads of a model's `tokenizer.json` (Llama 3's is 9 MB).
@@ -2045,4 +2067,68 @@ fn chunks_of(g: &Generation, m: &ductile_cluster::records::Member) -> Vec<[u32; 
         .into_iter()
         .map(|r| [r.start, r.end])
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductile_cluster::records::NodeRecord;
+
+    fn node(name: &str, slots: &[u64]) -> NodeRecord {
+        let devices: Vec<serde_json::Value> = slots
+            .iter()
+            .enumerate()
+            .map(|(i, mb)| serde_json::json!({"kind": "gpu", "index": i, "name": format!("gpu{i}"), "memory_mb": mb}))
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "name": name, "hostname": name, "devices": devices, "agent_pid": 1,
+            "registered_at_ms": 0,
+        }))
+        .unwrap()
+    }
+
+    fn job(min: u32, max: u32) -> JobSpec {
+        JobSpec::from_toml(&format!(
+            "name = \"big\"\nmin = {min}\nmax = {max}\ndesired = {max}\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 64\nsharding = \"full\"\nmodel_config = {{ d_model = 2048, n_layer = 24, n_head = 16, ctx = 1024, vocab = 32000 }}\n[checkpoint]\nurl = \"file:///ck\"\n"
+        ))
+        .unwrap()
+    }
+
+    fn refusal(spec: &JobSpec, nodes: &[NodeRecord]) -> Option<(Option<String>, String)> {
+        check_memory(spec, nodes.iter())
+            .err()
+            .map(|ApiError(_, b)| (b.field, b.error))
+    }
+
+    /// The memory check holds at every world the job may take: a fully sharded job that fits
+    /// its slots at 8 ranks but not at its min of 1 (it would fail at start when it shrank
+    /// there) is refused naming the world it fits from; at min = that world it is accepted;
+    /// a slot of unknown memory refuses nothing.
+    #[test]
+    fn the_memory_check_holds_at_every_world_the_job_may_take() {
+        let t = job(1, 8).training.unwrap();
+        let gib = |w: u32| t.min_slot_bytes(w).unwrap() as f64 / (1u64 << 30) as f64;
+        // about 15 GiB a rank at 1, 3 at 8: slots of 8 GiB hold it from 2 or 3 ranks up
+        assert!(gib(1) > 8.0 && gib(8) < 8.0, "{} {}", gib(1), gib(8));
+        let from = (1..=8).find(|w| gib(*w) <= 8.0).unwrap();
+        let fleet: Vec<NodeRecord> = (0..2).map(|i| node(&format!("n{i}"), &[8192; 4])).collect();
+        let (field, why) = refusal(&job(1, 8), &fleet).expect("refused at min = 1");
+        assert_eq!(field.as_deref(), Some("min"), "{why}");
+        assert!(
+            why.contains("at its min of 1 rank(s)")
+                && why.contains(&format!("set min = {from}"))
+                && why.contains("8.0 GiB"),
+            "{why}"
+        );
+        assert_eq!(refusal(&job(from, 8), &fleet), None);
+        // one slot too few at every world: the figures at max and min, not a min to set
+        let small: Vec<NodeRecord> = vec![node("n0", &[2048; 4])];
+        let (field, why) = refusal(&job(from, 8), &small).expect("refused");
+        assert_eq!(field.as_deref(), Some("training.model_config"), "{why}");
+        assert!(why.contains("GiB per slot") && why.contains("at its max of 8"), "{why}");
+        // an agent that did not report its memory: nothing is refused
+        let mut unknown = fleet.clone();
+        unknown[1].devices[0].memory_mb = None;
+        assert_eq!(refusal(&job(1, 8), &unknown), None);
+    }
 }
