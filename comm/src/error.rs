@@ -74,6 +74,14 @@ pub enum CommError {
     },
     #[error("{op}: {reason}")]
     Invalid { op: &'static str, reason: String },
+    /// A call that NCCL would hang on or refuse, found by the TCP backend's strict mode
+    /// ([`crate::strict`]): a bug in the caller, on any backend.
+    #[error("generation {generation}: {op} breaks NCCL's rules (strict mode): {reason}")]
+    Rule {
+        generation: u64,
+        op: &'static str,
+        reason: String,
+    },
     #[error("{0}")]
     Unavailable(String),
 }
@@ -96,7 +104,7 @@ impl CommError {
             RendezvousTimeout { missing, .. } => (FaultKind::Rendezvous, missing.clone()),
             Connect { peer, .. } => (FaultKind::Connect, vec![*peer]),
             Aborted { .. } => (FaultKind::Aborted, vec![]),
-            BadRank { .. } | Invalid { .. } => (FaultKind::Invalid, vec![]),
+            BadRank { .. } | Invalid { .. } | Rule { .. } => (FaultKind::Invalid, vec![]),
             Store { .. } => (FaultKind::Store, vec![]),
             Unavailable(_) => (FaultKind::Unavailable, vec![]),
         }

@@ -29,6 +29,7 @@ pub mod quant;
 pub mod rendezvous;
 pub mod selftest;
 pub mod staging;
+pub mod strict;
 pub mod tcp;
 
 pub use error::{CommError, Result};
@@ -316,6 +317,7 @@ impl Communicator for TcpComm {
     }
 
     fn all_reduce(&self, t: &mut DevTensor, op: ReduceOp) -> Result<()> {
+        let _call = self.device_call("all_reduce")?;
         if off_host(&t.0) {
             return HostStaged(self).all_reduce(t, op);
         }
@@ -326,6 +328,7 @@ impl Communicator for TcpComm {
     }
 
     fn broadcast(&self, t: &mut DevTensor, root: u32) -> Result<()> {
+        let _call = self.device_call("broadcast")?;
         if off_host(&t.0) {
             return HostStaged(self).broadcast(t, root);
         }
@@ -334,6 +337,7 @@ impl Communicator for TcpComm {
     }
 
     fn all_gather(&self, t: &DevTensor) -> Result<DevTensor> {
+        let _call = self.device_call("all_gather")?;
         if off_host(&t.0) {
             return HostStaged(self).all_gather(t);
         }
@@ -347,6 +351,7 @@ impl Communicator for TcpComm {
     }
 
     fn reduce_scatter(&self, t: &DevTensor) -> Result<DevTensor> {
+        let _call = self.device_call("reduce_scatter")?;
         if off_host(&t.0) {
             return HostStaged(self).reduce_scatter(t);
         }
@@ -365,6 +370,7 @@ impl Communicator for TcpComm {
 
     fn exchange(&self, sends: &[(u32, &DevTensor)], recvs: &[(u32, &DevTensor)]) -> Result<()> {
         let op = "exchange";
+        let _call = self.device_call(op)?;
         if sends.iter().chain(recvs).any(|(_, t)| off_host(&t.0)) {
             return HostStaged(self).exchange(sends, recvs);
         }
@@ -384,9 +390,11 @@ impl Communicator for TcpComm {
             .iter()
             .map(|(p, t)| (*p, t.0.shallow_clone()))
             .collect();
+        // (an exchange of sends only: strict mode flags its frames, `strict`)
+        let lone = recvs.is_empty();
         let send_all = move || -> Result<()> {
             for (peer, t) in &out {
-                self.send_bytes(unsafe { bytes_mut(t) }, *peer)?;
+                self.send_bytes_from(unsafe { bytes_mut(t) }, *peer, lone)?;
             }
             Ok(())
         };
@@ -413,6 +421,7 @@ impl Communicator for TcpComm {
 
     fn ordered_all_reduce(&self, shards: &[(u64, DevTensor)], total: u64) -> Result<DevTensor> {
         let op = "ordered_all_reduce";
+        let _call = self.device_call(op)?;
         let first = first_shard(shards)?;
         if shards.iter().any(|(_, s)| off_host(&s.0)) {
             return HostStaged(self).ordered_all_reduce(shards, total);

@@ -22,6 +22,7 @@ use crate::buffer::{add_into, DType, Scratch};
 use crate::error::{CommError, Result};
 use crate::mesh_tls::{Link, MeshTls, TlsReader, TlsWriter};
 use crate::rendezvous::Rendezvous;
+use crate::strict::{self, DeviceCall, Strict};
 
 /// The TCP backend's protocol tag (its hello and frames).
 pub const MAGIC: u32 = 0x4443_544C; // "DCTL"
@@ -54,6 +55,9 @@ pub struct TcpConfig {
     /// The device of the worker's tensors (the device face's `place`); CUDA tensors are staged
     /// through host memory.
     pub device: tch::Device,
+    /// Check NCCL's rules on the device face ([`crate::strict`]): a call that breaks one fails.
+    /// Every rank of a generation must agree (the point-to-point frames' header differs).
+    pub strict: bool,
 }
 
 impl Default for TcpConfig {
@@ -69,6 +73,7 @@ impl Default for TcpConfig {
             max_frame_bytes: 1 << 30,
             tls: None,
             device: tch::Device::Cpu,
+            strict: false,
         }
     }
 }
@@ -77,9 +82,16 @@ impl TcpConfig {
     /// The defaults, with `DUCTILE_COMM_CHUNK_BYTES`, `DUCTILE_COMM_SMALL_BYTES`,
     /// `DUCTILE_COMM_TIMEOUT_SECS`, `DUCTILE_COMM_LIVENESS_MS`, `DUCTILE_COMM_HOST` (the
     /// address peers reach this rank at, and listens on) and `DUCTILE_COMM_BIND` (listen
-    /// elsewhere, say `0.0.0.0` behind NAT) applied when set.
+    /// elsewhere, say `0.0.0.0` behind NAT) applied when set; `DUCTILE_COMM_STRICT=1` checks
+    /// NCCL's rules ([`crate::strict`]).
     pub fn from_env() -> TcpConfig {
-        let mut c = TcpConfig::default();
+        let mut c = TcpConfig {
+            strict: matches!(
+                std::env::var("DUCTILE_COMM_STRICT").as_deref(),
+                Ok("1") | Ok("true")
+            ),
+            ..TcpConfig::default()
+        };
         let num = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
         if let Some(v) = num("DUCTILE_COMM_CHUNK_BYTES") {
             c.chunk_bytes = (v as usize).max(4096);
@@ -195,6 +207,8 @@ pub struct TcpComm {
     heartbeat: Heartbeat,
     /// Bytes of frames (headers and payloads) this rank wrote to its peers.
     sent: AtomicU64,
+    /// NCCL's rules checked (`TcpConfig::strict`).
+    strict: Option<Strict>,
 }
 
 /// The heartbeat thread of a communicator; stopped when the communicator is dropped.
@@ -483,6 +497,7 @@ impl TcpComm {
             generation,
             (cfg.liveness_timeout / 4).max(Duration::from_millis(50)),
         );
+        let cfg_strict = cfg.strict;
         Ok(TcpComm {
             generation,
             rank,
@@ -499,6 +514,7 @@ impl TcpComm {
             epoch: Instant::now(),
             heartbeat,
             sent: AtomicU64::new(0),
+            strict: cfg_strict.then(|| Strict::new(generation, rank, world)),
         })
     }
 
@@ -622,6 +638,20 @@ impl TcpComm {
         seq: u64,
         from: u32,
     ) -> Result<u64> {
+        self.read_header_seq(r, op, kind, Some(seq), from)
+            .map(|(len, _)| len)
+    }
+
+    /// [`TcpComm::read_header`] returning the frame's length and sequence field; `seq` None
+    /// takes any sequence field (strict mode's point-to-point frames carry their own).
+    fn read_header_seq(
+        &self,
+        r: &mut impl Read,
+        op: &'static str,
+        kind: Kind,
+        seq: Option<u64>,
+        from: u32,
+    ) -> Result<(u64, u64)> {
         let mut h = [0u8; HEADER];
         loop {
             r.read_exact(&mut h)
@@ -660,18 +690,58 @@ impl TcpComm {
                 got: g,
             });
         }
-        if k != kind as u32 || s != seq {
+        if k != kind as u32 || seq.is_some_and(|q| q != s) {
             return Err(CommError::Protocol {
                 generation: self.generation,
                 op,
                 peer: from,
                 reason: format!(
-                    "frame of op {k} #{s}, expected op {} #{seq} (calls out of step)",
-                    kind as u32
+                    "frame of op {k} #{s}, expected op {} #{} (calls out of step)",
+                    kind as u32,
+                    seq.map_or("any".to_string(), |q| q.to_string())
                 ),
             });
         }
-        Ok(u64::from_le_bytes(h[24..32].try_into().unwrap()))
+        Ok((u64::from_le_bytes(h[24..32].try_into().unwrap()), s))
+    }
+
+    /// Enter a device-face call (strict mode: one thread at a time, [`crate::strict`]).
+    pub(crate) fn device_call(&self, op: &'static str) -> Result<DeviceCall<'_>> {
+        match &self.strict {
+            Some(s) => s.enter(op),
+            None => Ok(strict::off()),
+        }
+    }
+
+    /// Whether NCCL's rules are checked ([`TcpConfig::strict`]).
+    pub fn is_strict(&self) -> bool {
+        self.strict.is_some()
+    }
+
+    /// Write one point-to-point frame to `to`; `lone`: from an exchange of sends only
+    /// (strict mode numbers the frame and flags it, [`crate::strict`]).
+    fn send_p2p(&self, op: &'static str, to: u32, data: &[u8], lone: bool) -> Result<()> {
+        let mut w = self.peer(to).write.lock().unwrap();
+        let seq = self.strict.as_ref().map_or(0, |s| s.on_send(to, lone));
+        let h = header(Kind::P2P, self.generation, seq, data.len() as u64);
+        self.sent
+            .fetch_add((HEADER + data.len()) as u64, Ordering::Relaxed);
+        w.write_all(&h)
+            .and_then(|_| w.write_all(data))
+            .map_err(|e| self.io_err(op, to, e))
+    }
+
+    /// Read one point-to-point frame's header from `from` (under its read lock), checked as
+    /// strict mode asks; returns the payload's length.
+    fn recv_p2p_header(&self, op: &'static str, from: u32, r: &mut Reader) -> Result<u64> {
+        match &self.strict {
+            None => self.read_header(r, op, Kind::P2P, 0, from),
+            Some(s) => {
+                let (len, seq) = self.read_header_seq(r, op, Kind::P2P, None, from)?;
+                s.on_recv(op, from, seq)?;
+                Ok(len)
+            }
+        }
     }
 
     /// Start an op: fail fast if aborted; on failure, abort the whole communicator so that every
@@ -1132,20 +1202,47 @@ impl TcpComm {
     /// one thread may send while another receives (a pipeline stage sends activations on a
     /// sender thread while it waits for gradients); frames between two ranks stay in order.
     pub fn send_bytes(&self, data: &[u8], peer: u32) -> Result<()> {
+        self.send_bytes_from(data, peer, false)
+    }
+
+    /// [`TcpComm::send_bytes`] from an exchange of sends only (`lone`) or not.
+    pub(crate) fn send_bytes_from(&self, data: &[u8], peer: u32, lone: bool) -> Result<()> {
         self.check_peer("send", peer)?;
-        self.run_p2p("send", || self.send("send", Kind::P2P, 0, peer, data))
+        self.run_p2p("send", || self.send_p2p("send", peer, data, lone))
     }
 
     /// Receive into `dst` exactly what `peer` sent.
     pub fn recv_bytes(&self, dst: &mut [u8], peer: u32) -> Result<()> {
-        self.check_peer("recv", peer)?;
-        self.run_p2p("recv", || self.recv_into("recv", Kind::P2P, 0, peer, dst))
+        let op = "recv";
+        self.check_peer(op, peer)?;
+        self.run_p2p(op, || {
+            let mut r = self.peer(peer).read.lock().unwrap();
+            let len = self.recv_p2p_header(op, peer, &mut r)?;
+            if len != dst.len() as u64 {
+                return Err(CommError::Protocol {
+                    generation: self.generation,
+                    op,
+                    peer,
+                    reason: format!("frame of {len} bytes, expected {}", dst.len()),
+                });
+            }
+            r.read_exact(dst).map_err(|e| self.read_err(op, peer, e))
+        })
     }
 
     /// Receive a message of any length from `peer`.
     pub fn recv_vec(&self, peer: u32) -> Result<Vec<u8>> {
-        self.check_peer("recv", peer)?;
-        self.run_p2p("recv", || self.recv_frame("recv", Kind::P2P, 0, peer))
+        let op = "recv";
+        self.check_peer(op, peer)?;
+        self.run_p2p(op, || {
+            let mut r = self.peer(peer).read.lock().unwrap();
+            let len = self.recv_p2p_header(op, peer, &mut r)?;
+            self.check_len(op, peer, len)?;
+            let mut v = vec![0u8; len as usize];
+            r.read_exact(&mut v)
+                .map_err(|e| self.read_err(op, peer, e))?;
+            Ok(v)
+        })
     }
 
     fn check_peer(&self, op: &'static str, peer: u32) -> Result<()> {
@@ -1315,7 +1412,7 @@ impl Drop for TcpComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Communicator;
+    use crate::{Communicator, HostChannel, ReduceOp};
     use ductile_cluster::{Keys, Store};
     use std::sync::Arc;
 
@@ -1638,6 +1735,109 @@ mod tests {
             );
         }
         assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+    }
+
+    /// Strict mode ([`crate::strict`]): two ranks that each send before receiving, in
+    /// exchanges of sends only, pass on TCP (the socket buffers take a small tensor) but would
+    /// hang on NCCL: strict mode fails them on receipt, naming the rule; the same tensors in
+    /// one exchange, or a send met by a receive, pass; small tensors, so only the rule can fail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn strict_mode_fails_two_lone_sends_that_cross_and_passes_legal_exchanges() {
+        let s = store();
+        let lenient = TcpConfig {
+            op_timeout: Duration::from_secs(5),
+            ..TcpConfig::default()
+        };
+        let strict = TcpConfig {
+            strict: true,
+            ..lenient.clone()
+        };
+        let cross = |c: &TcpComm| {
+            let peer = 1 - c.rank();
+            let out = c.place(&tch::Tensor::ones([16], (tch::Kind::Float, tch::Device::Cpu)));
+            let inn = c.zeros(&[16], tch::Kind::Float);
+            Communicator::send(c, &out, peer).and_then(|_| Communicator::recv(c, &inn, peer))
+        };
+        // lenient: TCP buffers the small sends, both complete
+        let comms = world(&s, 201, 2, lenient).await;
+        assert!(on_threads(&comms, cross).iter().all(|r| r.is_ok()));
+        // strict: both fail, naming the rule
+        let comms = world(&s, 202, 2, strict.clone()).await;
+        assert!(comms[0].is_strict());
+        for r in on_threads(&comms, cross) {
+            let e = r.expect_err("two lone sends that cross");
+            assert!(
+                matches!(e, CommError::Rule { .. })
+                    && e.to_string().contains("breaks NCCL's rules")
+                    && e.to_string().contains("outside one exchange"),
+                "{e}"
+            );
+        }
+        // strict, legal: one exchange both ways; then rank 0 sends first and rank 1 receives
+        // first, twice (earlier frames counted on both sides); host messages between
+        let comms = world(&s, 203, 2, strict).await;
+        let got = on_threads(&comms, |c| -> Result<f64> {
+            let peer = 1 - c.rank();
+            let out = c.place(&(tch::Tensor::ones([16], (tch::Kind::Float, tch::Device::Cpu)) * (c.rank() + 1) as f64));
+            let inn = c.zeros(&[16], tch::Kind::Float);
+            c.exchange(&[(peer, &out)], &[(peer, &inn)])?;
+            let mut sum = inn.tensor().sum(tch::Kind::Double).double_value(&[]);
+            for _ in 0..2 {
+                if c.rank() == 0 {
+                    Communicator::send(c, &out, peer)?;
+                    Communicator::recv(c, &inn, peer)?;
+                } else {
+                    Communicator::recv(c, &inn, peer)?;
+                    Communicator::send(c, &out, peer)?;
+                }
+                sum += inn.tensor().sum(tch::Kind::Double).double_value(&[]);
+                HostChannel::send_msg(c, b"x", peer)?;
+                HostChannel::recv_msg(c, peer)?;
+            }
+            Ok(sum)
+        });
+        assert_eq!(got[0].as_ref().unwrap(), &(3.0 * 32.0));
+        assert_eq!(got[1].as_ref().unwrap(), &(3.0 * 16.0));
+    }
+
+    /// Strict mode: a device call that starts while another thread's is in flight on the same
+    /// communicator fails at once, naming both (NCCL takes one thread's calls at a time); the
+    /// first call completes; afterwards, calls from another thread are fine.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn strict_mode_fails_a_second_thread_s_call_while_one_is_in_flight() {
+        let s = store();
+        let cfg = TcpConfig {
+            op_timeout: Duration::from_secs(10),
+            strict: true,
+            ..TcpConfig::default()
+        };
+        let comms = world(&s, 204, 2, cfg).await;
+        let (a, b) = (&comms[0], &comms[1]);
+        std::thread::scope(|sc| {
+            // rank 0's all-reduce waits for rank 1's
+            let first = sc.spawn(|| {
+                let mut t = a.place(&tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu)));
+                a.all_reduce(&mut t, ReduceOp::Sum).map(|_| t.tensor().double_value(&[0]))
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            let mut u = a.place(&tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu)));
+            let e = a.broadcast(&mut u, 0).expect_err("a second thread's call");
+            assert!(
+                matches!(e, CommError::Rule { .. })
+                    && e.to_string().contains("broadcast")
+                    && e.to_string().contains("all_reduce was in flight"),
+                "{e}"
+            );
+            let mut t = b.place(&tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu)));
+            b.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+            assert_eq!(first.join().unwrap().unwrap(), 2.0);
+        });
+        // one thread at a time, whichever: fine
+        let got = on_threads(&comms, |c| {
+            let mut t = c.place(&tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu)));
+            c.all_reduce(&mut t, ReduceOp::Sum).map(|_| t.tensor().double_value(&[0]))
+        });
+        assert!(got.iter().all(|g| g.as_ref().ok() == Some(&2.0)), "{got:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1667,11 +1667,17 @@ impl Cluster {
             args.extend(["--gpus".to_string(), "off".to_string()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
+        // workers check NCCL's rules on the TCP backend (`ductile_comm::strict`) wherever their
+        // generation would run on NCCL on GPUs; a test's own setting comes after and wins
+        let env: Vec<(String, String)> = [("DUCTILE_COMM_STRICT".to_string(), "1".to_string())]
+            .into_iter()
+            .chain(self.spec.agent_env.iter().cloned())
+            .collect();
         let p = Proc::start(
             name,
             &self.spec_bin("ductile-agent"),
             &args,
-            &self.spec.agent_env,
+            &env,
             self.dir.path().join(format!("{name}.log")),
         );
         self.agents.insert(name.into(), p);

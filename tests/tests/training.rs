@@ -938,6 +938,12 @@ fn training_overlapped_reductions_end_with_the_ordered_fold_s_bits() {
             "job {name}: the final weights or optimizer state differ from the ordered fold's"
         );
     }
+    // the harness's workers check NCCL's rules (`ductile_comm::strict`): every call above,
+    // the communication thread's too, was legal on NCCL
+    assert!(
+        c.logs().contains("NCCL's rules checked on TCP (strict mode)"),
+        "strict mode was on"
+    );
     // (a machine of one core has no core to spare: the buckets follow the backward there)
     if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
         let logs = c.logs();

@@ -378,6 +378,10 @@ impl Trainer {
     /// The communicator of `g` failed: report it and wait for the next generation
     /// ([`Reporter::failed_generation`]).
     fn failed_generation(&self, g: &Generation, rank: u32, e: &CommError) -> anyhow::Result<()> {
+        if let CommError::Rule { .. } = e {
+            // a bug in this worker's own calls, which the next generation would repeat
+            anyhow::bail!("{e}");
+        }
         let (kind, suspects) = e.blame();
         self.reports
             .failed_generation(g, rank, kind, suspects, e.to_string())
@@ -434,8 +438,13 @@ impl Trainer {
             max_frame_bytes: (full + (1 << 20)).max(64 << 20),
             tls: self.mesh_tls.clone(),
             device: self.dev,
+            // NCCL's rules checked where this generation would run on NCCL on GPUs
+            strict: env.strict && self.on_nccl_on_gpus(g),
             ..env
         };
+        if cfg.strict && g.backend == Backend::Tcp {
+            tracing::info!(generation = n, rank, "NCCL's rules checked on TCP (strict mode)");
+        }
         if g.backend == Backend::Nccl {
             let Device::Cuda(index) = self.dev else {
                 return Err(ductile_runtime::Unusable(format!(
@@ -1065,6 +1074,22 @@ pub(crate) fn buckets(sizes: impl Iterator<Item = i64>, cap: i64) -> Vec<std::op
     }
     out.push(start..n);
     out
+}
+
+impl Trainer {
+    /// Whether `g` runs on NCCL on GPUs (the daemon's choice of `backend`, less the job's
+    /// `comm` setting): no stages or tensor groups (their sender threads), no handover, not
+    /// async (host messages), no mesh TLS. The TCP backend's strict mode checks NCCL's rules
+    /// for these generations on CPU (the CPU's own paths too: the communication thread of
+    /// [`Trainer::comm_thread`] is a second thread on the communicator, legal while the two
+    /// never call at once).
+    pub(crate) fn on_nccl_on_gpus(&self, g: &Generation) -> bool {
+        g.layout.pipeline_parallel <= 1
+            && g.layout.tensor_parallel <= 1
+            && !g.handover
+            && self.spec.sync != SyncMode::Async
+            && self.mesh_tls.is_none()
+    }
 }
 
 #[cfg(test)]
