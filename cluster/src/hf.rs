@@ -437,7 +437,14 @@ impl HfConfig {
     /// Parameters of its units, exactly: (embeddings, one layer, head). A tied head's matrix
     /// is the embedding's, counted there.
     pub fn unit_params(&self) -> (i64, i64, i64) {
-        let (d, tied_head) = (self.d_model, if self.tied { 0 } else { self.vocab * self.d_model });
+        let (d, tied_head) = (
+            self.d_model,
+            if self.tied {
+                0
+            } else {
+                self.vocab * self.d_model
+            },
+        );
         if self.family == Family::Gpt2 {
             let f = self.intermediate;
             let layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d;
@@ -475,7 +482,9 @@ impl HfConfig {
     /// Parameters of its largest unit (the embeddings, a layer or the head).
     pub fn largest_unit_params(&self) -> i64 {
         let (embed, layer, head) = self.unit_params();
-        embed.max(head).max(if self.n_layer > 0 { layer } else { 0 })
+        embed
+            .max(head)
+            .max(if self.n_layer > 0 { layer } else { 0 })
     }
 }
 

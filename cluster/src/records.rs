@@ -1437,7 +1437,8 @@ impl TrainingSpec {
         };
         let (min, ranks) = (min.clamp(1, max.max(1)), max.max(1));
         let need = |s: Sharding| need_at(s, ranks);
-        let fits = |s: Sharding, at: u32| cap.is_some_and(|c| need_at(s, at).is_none_or(|n| n <= c));
+        let fits =
+            |s: Sharding, at: u32| cap.is_some_and(|c| need_at(s, at).is_none_or(|n| n <= c));
         let everywhere = Sharding::LEVELS.iter().find(|s| fits(**s, min));
         let (chosen, why) = match cap {
             None => (
@@ -3998,9 +3999,14 @@ keep = 3
         assert_eq!(t.sharding, Sharding::Gradients);
         // where no level fits at the min, the least that fits at the max, saying so
         let mut t = spec();
-        let said = t.resolve_auto_sharding(1, 4, Some(at(Sharding::Gradients, 4))).unwrap();
+        let said = t
+            .resolve_auto_sharding(1, 4, Some(at(Sharding::Gradients, 4)))
+            .unwrap();
         assert_eq!(t.sharding, Sharding::Gradients, "{said}");
-        assert!(said.contains("no level fits at the job's min of 1"), "{said}");
+        assert!(
+            said.contains("no level fits at the job's min of 1"),
+            "{said}"
+        );
         // a concrete choice is left as it is
         let mut t = spec();
         t.sharding = Sharding::Optimizer;

@@ -80,7 +80,11 @@ impl Strict {
     }
 
     fn rule(&self, op: &'static str, reason: String) -> CommError {
-        tracing::error!(generation = self.generation, rank = self.rank, "{op} breaks NCCL's rules: {reason}");
+        tracing::error!(
+            generation = self.generation,
+            rank = self.rank,
+            "{op} breaks NCCL's rules: {reason}"
+        );
         CommError::Rule {
             generation: self.generation,
             op,

@@ -483,8 +483,8 @@ fn check_memory<'a>(
     }
     // (bounded: a world beyond the live slots cannot run anyway)
     let top = spec.max.min(spec.min.saturating_add(slots.len() as u32));
-    let from = (spec.min + 1..=top)
-        .find(|w| runs_at(*w).is_some_and(|(_, fit)| fit >= u64::from(*w)));
+    let from =
+        (spec.min + 1..=top).find(|w| runs_at(*w).is_some_and(|(_, fit)| fit >= u64::from(*w)));
     let largest_gib = largest_mb as f64 / 1024.0;
     if let Some(k) = from {
         return Err(ClusterError::invalid(
@@ -2125,7 +2125,10 @@ mod tests {
         let small: Vec<NodeRecord> = vec![node("n0", &[2048; 4])];
         let (field, why) = refusal(&job(from, 8), &small).expect("refused");
         assert_eq!(field.as_deref(), Some("training.model_config"), "{why}");
-        assert!(why.contains("GiB per slot") && why.contains("at its max of 8"), "{why}");
+        assert!(
+            why.contains("GiB per slot") && why.contains("at its max of 8"),
+            "{why}"
+        );
         // an agent that did not report its memory: nothing is refused
         let mut unknown = fleet.clone();
         unknown[1].devices[0].memory_mb = None;

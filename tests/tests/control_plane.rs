@@ -1462,7 +1462,9 @@ fn dctl_version_dry_run_and_completion() {
     std::fs::write(&f, &spec).unwrap();
     // the daemon asks its agents' policies: wait for node1's to be registered (a dry run
     // before it answers "0 allow it", which is true but not what this checks)
-    c.wait_for(S(15), "node1 registered", || node_json(&c, "node1").map(|_| ()));
+    c.wait_for(S(15), "node1 registered", || {
+        node_json(&c, "node1").map(|_| ())
+    });
     // the daemon's checks are asked too: its agent does not allow /srv
     let (ok, out, err) = c.dctl(&["submit", "--dry-run", f.to_str().unwrap()]);
     assert!(

@@ -443,7 +443,11 @@ impl Trainer {
             ..env
         };
         if cfg.strict && g.backend == Backend::Tcp {
-            tracing::info!(generation = n, rank, "NCCL's rules checked on TCP (strict mode)");
+            tracing::info!(
+                generation = n,
+                rank,
+                "NCCL's rules checked on TCP (strict mode)"
+            );
         }
         if g.backend == Backend::Nccl {
             let Device::Cuda(index) = self.dev else {
