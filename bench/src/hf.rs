@@ -52,7 +52,7 @@ const DDP: &str = r#"
 import json, os, resource, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-def rank(r, d, world, batch, ctx, steps, warm, port, zero):
+def rank(r, d, world, batch, ctx, steps, warm, port, zero, every, ckdir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=r, world_size=world)
@@ -80,12 +80,21 @@ def rank(r, d, world, batch, ctx, steps, warm, port, zero):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
     v = m.config.vocab_size
     x = torch.randint(0, v, (batch // world, ctx + 1))
+    n = [0]
     def step():
         logits = ddp(input_ids=x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, v), x[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        n[0] += 1
+        if every and n[0] % every == 0:
+            # torch.distributed.checkpoint: each rank writes its own shard of the model and
+            # the optimizer state (FSDP2: its DTensor shards), in this step
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+            msd, osd = get_state_dict(m, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ckdir, str(n[0])))
     for _ in range(warm):
         step()
     dist.barrier()
@@ -99,13 +108,15 @@ def rank(r, d, world, batch, ctx, steps, warm, port, zero):
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    d, world, batch, ctx, steps, warm, port, zero = sys.argv[1], *map(int, sys.argv[2:9])
-    mp.spawn(rank, args=(d, world, batch, ctx, steps, warm, port, zero), nprocs=world)
+    d, world, batch, ctx, steps, warm, port, zero, every = sys.argv[1], *map(int, sys.argv[2:10])
+    ckdir = sys.argv[10]
+    mp.spawn(rank, args=(d, world, batch, ctx, steps, warm, port, zero, every, ckdir), nprocs=world)
 "#;
 
 /// PyTorch DDP at `world` (`zero` 1: its optimizer a `ZeroRedundancyOptimizer`; 2: FSDP2,
 /// `fully_shard` per decoder layer, instead of DDP; 3: FSDP2 with `reshard_after_forward`
-/// false): (tokens/s, each rank's peak resident memory in MiB).
+/// false); a checkpoint every `every` steps with torch.distributed.checkpoint (0: none):
+/// (tokens/s, each rank's peak resident memory in MiB).
 fn ddp(
     model: &Path,
     world: u32,
@@ -113,6 +124,7 @@ fn ddp(
     ctx: u32,
     steps: u32,
     zero: u32,
+    every: u32,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
     let dir = TempDir::new("ddp");
     let script = dir.path().join("ddp_step.py");
@@ -123,7 +135,8 @@ fn ddp(
     let o = Command::new(python()?)
         .arg(&script)
         .arg(model)
-        .args([world, batch, ctx, steps, 2, port as u32, zero].map(|n| n.to_string()))
+        .args([world, batch, ctx, steps, 2, port as u32, zero, every].map(|n| n.to_string()))
+        .arg(dir.path().join("dcp"))
         .env("HF_HUB_OFFLINE", "1")
         .output()?;
     anyhow::ensure!(
@@ -269,7 +282,7 @@ pub async fn hf_step(
     ];
     // data parallel 2 against PyTorch DDP (fp32, no recompute: DDP's own configuration)
     if precision == "fp32" && recompute == "none" {
-        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32, 0)?;
+        let (tps, peaks) = ddp(model, 2, batch, ctx, reports as u32, 0, 0)?;
         println!(
             "hf-step, data-parallel 2 against PyTorch DDP (gloo, 1 thread per rank), batch {batch} x {ctx}: ductile {:.1} tokens/s, DDP {tps:.1} tokens/s, ratio {:.3}; peak resident memory per rank ductile {}, DDP {} (ratio {:.3})",
             ours[1],
@@ -300,6 +313,8 @@ pub async fn hf_step(
 /// optimizer is a `ZeroRedundancyOptimizer`; with `"full"` ductile shards everything (ZeRO-3)
 /// and the peer is PyTorch FSDP2 (`fully_shard` per decoder layer); `"full-kept"` both keep
 /// the gathered parameters for the backward (`reshard_after_forward = false` / `False`).
+/// `every` > 0: both sides checkpoint every `every` steps (ductile to a `file://` URL,
+/// PyTorch with torch.distributed.checkpoint to a directory), so the peaks hold a save.
 #[allow(clippy::too_many_arguments)]
 pub async fn ddp_step(
     model: &Path,
@@ -310,6 +325,7 @@ pub async fn ddp_step(
     rounds: usize,
     baseline: Option<&Path>,
     sharding: &str,
+    every: u32,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
         ["none", "optimizer", "full", "full-kept"].contains(&sharding),
@@ -353,11 +369,12 @@ pub async fn ddp_step(
                 None => std::env::remove_var("DUCTILE_BIN_DIR"),
             }
             let c = Cluster::start(Spec::default().agents(1, world));
-            let extra = if zero > 0 {
-                // a sharded job keeps a checkpoint (never due here)
+            let extra = if zero > 0 || every > 0 {
+                // a sharded job keeps a checkpoint (never due here without --checkpoint-every)
                 format!(
-                    "{level}\n[checkpoint]\nurl = \"file://{}/ck-{round}-{i}\"\ninterval = 1000000",
-                    dir.path().display()
+                    "{level}\n[checkpoint]\nurl = \"file://{}/ck-{round}-{i}\"\ninterval = {}",
+                    dir.path().display(),
+                    if every > 0 { every } else { 1_000_000 }
                 )
             } else {
                 String::new()
@@ -373,7 +390,7 @@ pub async fn ddp_step(
             );
             rows[i].push((tps, peak));
         }
-        let (tps, peaks) = ddp(model, world, batch, ctx, reports as u32, zero)?;
+        let (tps, peaks) = ddp(model, world, batch, ctx, reports as u32, zero, every)?;
         let peak = peaks.iter().cloned().fold(0.0, f64::max);
         println!("ddp-step round {round}: {peer} {tps:.1} tokens/s, peak {peak:.0} MiB per rank");
         rows[runs.len()].push((tps, peak));
@@ -395,9 +412,13 @@ pub async fn ddp_step(
         )
     };
     let names: Vec<&str> = runs.iter().map(|r| r.0).chain([peer]).collect();
+    let saves = match every {
+        0 => String::new(),
+        n => format!(", a checkpoint every {n} steps"),
+    };
     for (n, r) in names.iter().zip(&rows) {
         println!(
-            "ddp-step, {} (batch {batch} x {ctx}, fp32, world {world}, sharding {sharding}), median of {rounds}: {n} {:.1} tokens/s, peak {:.0} MiB per rank",
+            "ddp-step, {} (batch {batch} x {ctx}, fp32, world {world}, sharding {sharding}{saves}), median of {rounds}: {n} {:.1} tokens/s, peak {:.0} MiB per rank",
             model.display(),
             med(r, |x| x.0),
             med(r, |x| x.1)

@@ -248,6 +248,10 @@ enum Cmd {
         rounds: usize,
         #[arg(long)]
         baseline_bin_dir: Option<std::path::PathBuf>,
+        /// Both sides checkpoint every N steps (ductile to a file:// URL, PyTorch with
+        /// torch.distributed.checkpoint), so the peak memory holds a save; 0: none.
+        #[arg(long, default_value_t = 0)]
+        checkpoint_every: u32,
     },
     /// Bytes each rank reads loading a Hugging Face model directory by plan at tensor_parallel 2
     /// and pipeline_parallel 2, against the bytes it holds.
@@ -597,6 +601,7 @@ async fn main() -> anyhow::Result<()> {
             reports,
             rounds,
             baseline_bin_dir,
+            checkpoint_every,
         } => {
             hf::ddp_step(
                 &smollm2_or(model)?,
@@ -607,6 +612,7 @@ async fn main() -> anyhow::Result<()> {
                 rounds,
                 baseline_bin_dir.as_deref(),
                 &sharding,
+                checkpoint_every,
             )
             .await
         }

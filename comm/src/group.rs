@@ -167,6 +167,56 @@ impl Group {
         Ok(fold(&parts))
     }
 
+    /// Sum of the members' `t` by a ring (reduce-scatter, then all-gather, one point-to-point
+    /// exchange per round with the next and the previous member): each member sends
+    /// 2 (n − 1) / n of `t`'s bytes where [`Group::all_reduce_sum`] sends (n − 1) times them,
+    /// so groups of more than two (HSDP's replicas of a shard) take this one. Every member
+    /// ends with the same bits (each chunk is summed once, around the ring, then copied); the
+    /// order of a chunk's sum depends on the chunk, so deterministic mode keeps the member-order
+    /// fold. `t` keeps its value, the sum is returned.
+    pub fn ring_all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let n = self.members.len();
+        let flat = t.reshape([-1]);
+        let len = flat.numel() as i64;
+        if n == 1 || len == 0 {
+            return Ok(t.copy());
+        }
+        let acc = self.comm.place(&flat.copy()).into_tensor();
+        // chunk c: [c·len/n, (c+1)·len/n)
+        let bound = |c: usize| (c as i64 * len) / n as i64;
+        let chunk = |acc: &Tensor, c: usize| acc.narrow(0, bound(c), bound(c + 1) - bound(c));
+        let (next, prev) = (
+            self.members[(self.me + 1) % n],
+            self.members[(self.me + n - 1) % n],
+        );
+        let me = self.me;
+        // reduce-scatter: in round k this member sends its partial sum of chunk (me − k) and
+        // adds the previous member's of chunk (me − k − 1); after n − 1 rounds it holds the
+        // whole sum of chunk (me + 1)
+        for k in 0..n - 1 {
+            let (out_c, in_c) = ((me + n - k) % n, (me + 2 * n - k - 1) % n);
+            let send = self.comm.place(&chunk(&acc, out_c).contiguous());
+            let got = self
+                .comm
+                .zeros(&[bound(in_c + 1) - bound(in_c)], acc.kind());
+            self.comm.exchange(&[(next, &send)], &[(prev, &got)])?;
+            let mut into = chunk(&acc, in_c);
+            into += got.into_tensor();
+        }
+        // all-gather: pass the whole sums on around the ring
+        for k in 0..n - 1 {
+            let (out_c, in_c) = ((me + 1 + n - k) % n, (me + n - k) % n);
+            let send = self.comm.place(&chunk(&acc, out_c).contiguous());
+            let got = self
+                .comm
+                .zeros(&[bound(in_c + 1) - bound(in_c)], acc.kind());
+            self.comm.exchange(&[(next, &send)], &[(prev, &got)])?;
+            let mut into = chunk(&acc, in_c);
+            into.copy_(&got.into_tensor());
+        }
+        Ok(acc.view(t.size().as_slice()))
+    }
+
     /// Element-wise maximum over the members.
     pub fn all_reduce_max(&self, t: &Tensor) -> Result<Tensor> {
         let parts = self.all_gather(t)?;

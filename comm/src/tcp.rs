@@ -1554,6 +1554,52 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(60), "bounded: {e}");
     }
 
+    /// A group's ring all-reduce sums every member's tensor (integers, exact in f32) and
+    /// leaves the same bits on every member, members in any rank order, chunks uneven and
+    /// larger than a socket buffer, and a tensor shorter than the group (empty chunks).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_group_s_ring_all_reduce_sums_every_member_s_tensor() {
+        use crate::group::Group;
+        let comms: Vec<Arc<dyn Communicator>> = world(&store(), 81, 4, TcpConfig::default())
+            .await
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect();
+        let order = vec![2u32, 0, 3, 1];
+        for len in [1_000_003i64, 3, 0] {
+            let value = move |r: u32| {
+                tch::Tensor::arange(len, (tch::Kind::Float, tch::Device::Cpu)).fmod(97)
+                    * (r + 1) as f64
+            };
+            let out = std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .iter()
+                    .map(|c| {
+                        let order = order.clone();
+                        s.spawn(move || {
+                            let g = Group::new(c.clone(), order).unwrap();
+                            let mine = value(c.rank());
+                            let sum = g.ring_all_reduce_sum(&mine).unwrap();
+                            assert!(mine.equal(&value(c.rank())), "the input keeps its value");
+                            sum
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            });
+            let want = value(0) * 10.0;
+            for (r, sum) in out.iter().enumerate() {
+                assert_eq!(sum.size(), vec![len], "rank {r}");
+                assert!(
+                    sum.equal(&want),
+                    "rank {r}, length {len}: the sum of 1..=4 times the base"
+                );
+            }
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_collective_works_over_tls_and_its_heartbeats_keep_it_alive() {
         let dir = pki("ok");
@@ -1754,7 +1800,10 @@ mod tests {
         };
         let cross = |c: &TcpComm| {
             let peer = 1 - c.rank();
-            let out = c.place(&tch::Tensor::ones([16], (tch::Kind::Float, tch::Device::Cpu)));
+            let out = c.place(&tch::Tensor::ones(
+                [16],
+                (tch::Kind::Float, tch::Device::Cpu),
+            ));
             let inn = c.zeros(&[16], tch::Kind::Float);
             Communicator::send(c, &out, peer).and_then(|_| Communicator::recv(c, &inn, peer))
         };
@@ -1778,7 +1827,10 @@ mod tests {
         let comms = world(&s, 203, 2, strict).await;
         let got = on_threads(&comms, |c| -> Result<f64> {
             let peer = 1 - c.rank();
-            let out = c.place(&(tch::Tensor::ones([16], (tch::Kind::Float, tch::Device::Cpu)) * (c.rank() + 1) as f64));
+            let out = c.place(
+                &(tch::Tensor::ones([16], (tch::Kind::Float, tch::Device::Cpu))
+                    * (c.rank() + 1) as f64),
+            );
             let inn = c.zeros(&[16], tch::Kind::Float);
             c.exchange(&[(peer, &out)], &[(peer, &inn)])?;
             let mut sum = inn.tensor().sum(tch::Kind::Double).double_value(&[]);
@@ -1816,11 +1868,18 @@ mod tests {
         std::thread::scope(|sc| {
             // rank 0's all-reduce waits for rank 1's
             let first = sc.spawn(|| {
-                let mut t = a.place(&tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu)));
-                a.all_reduce(&mut t, ReduceOp::Sum).map(|_| t.tensor().double_value(&[0]))
+                let mut t = a.place(&tch::Tensor::ones(
+                    [8],
+                    (tch::Kind::Float, tch::Device::Cpu),
+                ));
+                a.all_reduce(&mut t, ReduceOp::Sum)
+                    .map(|_| t.tensor().double_value(&[0]))
             });
             std::thread::sleep(Duration::from_millis(300));
-            let mut u = a.place(&tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu)));
+            let mut u = a.place(&tch::Tensor::ones(
+                [8],
+                (tch::Kind::Float, tch::Device::Cpu),
+            ));
             let e = a.broadcast(&mut u, 0).expect_err("a second thread's call");
             assert!(
                 matches!(e, CommError::Rule { .. })
@@ -1828,14 +1887,21 @@ mod tests {
                     && e.to_string().contains("all_reduce was in flight"),
                 "{e}"
             );
-            let mut t = b.place(&tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu)));
+            let mut t = b.place(&tch::Tensor::ones(
+                [8],
+                (tch::Kind::Float, tch::Device::Cpu),
+            ));
             b.all_reduce(&mut t, ReduceOp::Sum).unwrap();
             assert_eq!(first.join().unwrap().unwrap(), 2.0);
         });
         // one thread at a time, whichever: fine
         let got = on_threads(&comms, |c| {
-            let mut t = c.place(&tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu)));
-            c.all_reduce(&mut t, ReduceOp::Sum).map(|_| t.tensor().double_value(&[0]))
+            let mut t = c.place(&tch::Tensor::ones(
+                [8],
+                (tch::Kind::Float, tch::Device::Cpu),
+            ));
+            c.all_reduce(&mut t, ReduceOp::Sum)
+                .map(|_| t.tensor().double_value(&[0]))
         });
         assert!(got.iter().all(|g| g.as_ref().ok() == Some(&2.0)), "{got:?}");
     }

@@ -651,6 +651,63 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
         "the stale seed rows were made again"
     );
 
+    // HSDP without deterministic mode (FSDP2's reduction): each unit's gradients
+    // reduce-scattered in the shard group, its rows then all-reduced over the replicas; the
+    // run follows the unsharded one to rounding (a missing sum across the replicas would halve
+    // the gradient's norm; rows summed into the wrong place would change the final weights)
+    // (60 steps: a schedule that fits them)
+    let short = |name: &str, desired: u32, extra: &str| {
+        train(name, desired, 60, extra)
+            .replace("warmup_steps = 100", "warmup_steps = 20")
+            .replace("decay_steps = 160", "decay_steps = 30")
+    };
+    c.submit(&short("whole-short", 2, ""));
+    let want = c.wait_done("whole-short", S(120));
+    c.submit(
+        &short("hsdp-nd", 4, "sharding = \"full\"\nshard_group = 2")
+            .replace("deterministic = true\n", ""),
+    );
+    let v = c.wait_world("hsdp-nd", 4, S(30));
+    assert_eq!(v.layout.unwrap().to_string(), "dp4(shard2)×pp1×tp1");
+    let got = c.wait_done("hsdp-nd", S(120));
+    let close = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => (a - b).abs() <= 1e-3 * b.abs(),
+        _ => false,
+    };
+    // (the final weights' eval loss and the last step's norm: a done job's loss is its last
+    // report's, of whichever step that was)
+    assert!(
+        close(got.eval_loss, want.eval_loss) && close(got.grad_norm, want.grad_norm),
+        "HSDP's final eval loss {:?} and last gradient norm {:?} against the unsharded run's {:?} and {:?}",
+        got.eval_loss,
+        got.grad_norm,
+        want.eval_loss,
+        want.grad_norm
+    );
+    assert!(
+        c.logs().lines().any(|l| l.contains("job=hsdp-nd")
+            && l.contains(
+                "reduce-scattered in the shard group, then all-reduced over the replicas"
+            )),
+        "the HSDP step says how it reduces"
+    );
+    // and it sends less than sharding over all 4 does (gathers over 2 of half the parameters,
+    // a reduce-scatter over 2 and a sum of the rows across 2: 2 parameter sizes a step per
+    // rank against 2.25; all-reducing the whole gradients over the world sent 2.5)
+    c.submit(&short("full-nd", 4, "sharding = \"full\"").replace("deterministic = true\n", ""));
+    let full = c.wait_done("full-nd", S(120));
+    let (hsdp_b, full_b) = (
+        got.bytes_per_sample.unwrap(),
+        full.bytes_per_sample.unwrap(),
+    );
+    println!(
+        "bytes per sample: HSDP (shard groups of 2) {hsdp_b:.0}, full sharding over 4 {full_b:.0}"
+    );
+    assert!(
+        hsdp_b < full_b,
+        "HSDP {hsdp_b} bytes a sample, full sharding {full_b}"
+    );
+
     // ZeRO-2: whole parameters, rows of the summed gradient and of the state, through a kill
     // (a lost shard: the checkpoint) and a resize
     c.submit(&train("zero2", 4, STEPS, "sharding = \"gradients\""));
@@ -941,7 +998,8 @@ fn training_overlapped_reductions_end_with_the_ordered_fold_s_bits() {
     // the harness's workers check NCCL's rules (`ductile_comm::strict`): every call above,
     // the communication thread's too, was legal on NCCL
     assert!(
-        c.logs().contains("NCCL's rules checked on TCP (strict mode)"),
+        c.logs()
+            .contains("NCCL's rules checked on TCP (strict mode)"),
         "strict mode was on"
     );
     // (a machine of one core has no core to spare: the buckets follow the backward there)

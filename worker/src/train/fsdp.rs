@@ -58,10 +58,9 @@ pub(super) type Gathering = Option<Ticket<Vec<Tensor>>>;
 enum How {
     /// Folded over the logical shards in order (deterministic mode): whole.
     Ordered,
-    /// Reduce-scattered over the shard group (the world): this place's rows, packed.
+    /// Reduce-scattered over the shard group (HSDP: then all-reduced over the members at the
+    /// same place of the other shard groups): this place's rows, packed.
     Scattered,
-    /// All-reduced over the world (HSDP: shard groups smaller than the world): whole.
-    Replicated,
 }
 
 /// A unit's gradients being reduced on the step's [`CommQueue`] while the unit before computes.
@@ -83,7 +82,8 @@ pub(super) struct Part {
 pub(super) struct StepShape {
     /// The gathered parameters kept from a unit's forward for its backward.
     pub keep: bool,
-    /// The shard group is a part of the replicas (HSDP): gradients are all-reduced.
+    /// The shard group is a part of the replicas (HSDP): the shard group's rows of the
+    /// gradients are then all-reduced over the replicas.
     pub grouped: bool,
     /// The step's collectives run on a thread of their own ([`CommQueue::for_step`]).
     pub threaded: bool,
@@ -140,6 +140,35 @@ impl Trainer {
             }
         };
         Group::new(comm.clone(), ranks).map(Some)
+    }
+
+    /// HSDP's other axis: the members of the other shard groups at this rank's place (of its
+    /// stage and tensor place, in replica order), which hold the same rows: `None` when the
+    /// shard group is the world (nothing to sum across).
+    pub(super) fn replica_group(
+        &self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+    ) -> Result<Option<Group>, CommError> {
+        let (s, place) = self.shard_held;
+        if s == comm.world() {
+            return Ok(None);
+        }
+        let mesh = Mesh::new(&g.layout);
+        let Some(c) = mesh.coords(comm.rank()) else {
+            return Err(CommError::Invalid {
+                op: "replica group",
+                reason: format!("rank {} is a spare of generation {}", comm.rank(), g.number),
+            });
+        };
+        let peers: Vec<u32> = (0..g.layout.data_parallel.max(1))
+            .filter(|d| d % s.max(1) == place)
+            .map(|d| mesh.rank(ductile_strategies::mesh::Coords { dp: d, ..c }))
+            .collect();
+        match peers.len() > 1 {
+            true => Group::new(comm.clone(), peers).map(Some),
+            false => Ok(None),
+        }
     }
 
     /// Rows of parameter `i` (of its shape when whole here: its tensor slice's under tensor
@@ -394,7 +423,9 @@ impl Trainer {
         };
         let reduced = match (self.spec.deterministic, grouped) {
             (true, _) => "folded over the logical shards in order",
-            (false, true) => "all-reduced over the replicas",
+            (false, true) => {
+                "reduce-scattered in the shard group, then all-reduced over the replicas"
+            }
             (false, false) => "reduce-scattered",
         };
         let when = match threaded {
@@ -420,13 +451,14 @@ impl Trainer {
     ) -> Result<f64, CommError> {
         let comm = arc.as_ref();
         let grp = self.shard_group(arc, g)?;
+        let across = self.replica_group(arc, g)?;
         let b = self.spec.global_batch as f64;
         let units = self.units();
         let keep = self.keeps_gathered();
         let threaded = self.dev == Device::Cpu;
         let how = StepShape {
             keep,
-            grouped: grp.is_some(),
+            grouped: across.is_some(),
             threaded,
         };
         self.tell_step(g, units, how);
@@ -652,7 +684,8 @@ impl Trainer {
             if let Some(r) = reducing.take() {
                 self.finish_reduce(r, &mut rows_grad, &mut sumsq)?;
             }
-            reducing = Some(self.submit_reduce(&queue, arc, &grp, &parts, ids, per_part));
+            let groups = (&grp, &across);
+            reducing = Some(self.submit_reduce(&queue, arc, groups, &parts, ids, per_part));
         }
         if let Some(r) = reducing.take() {
             self.finish_reduce(r, &mut rows_grad, &mut sumsq)?;
@@ -689,14 +722,17 @@ impl Trainer {
     /// Submit the sum of parameters `ids`' gradients (`per_part[p][j]`: part p's gradient of
     /// `ids[j]`, whole) over the world to `queue`. Deterministic mode folds the logical shards
     /// in order (the unsharded step's fold, on these parameters); otherwise a shard group that
-    /// is the world reduce-scatters, a smaller one (HSDP) all-reduces. The packing is done
-    /// here, so the gradients are free once this returns; [`Trainer::finish_reduce`] keeps
-    /// this rank's rows.
+    /// is the world reduce-scatters, and a smaller one (HSDP, as FSDP2's) reduce-scatters in
+    /// the shard group (each member sends every other one its rows and folds what it gets in
+    /// group order) and then all-reduces its rows of the sum over the replicas (`across`, a
+    /// ring where there are more than two): about half the bytes of all-reducing the whole
+    /// gradients over the world. The packing is done here, so the gradients are free once
+    /// this returns; [`Trainer::finish_reduce`] keeps this rank's rows.
     fn submit_reduce(
         &self,
         queue: &CommQueue,
         comm: &Arc<dyn Communicator>,
-        grp: &Option<Group>,
+        (grp, across): (&Option<Group>, &Option<Group>),
         parts: &[Part],
         ids: Vec<usize>,
         per_part: Vec<Vec<Tensor>>,
@@ -724,17 +760,44 @@ impl Trainer {
             };
         }
         let gs = per_part.into_iter().next().expect("one part");
-        if grp.is_some() {
-            let flat: Vec<Tensor> = gs.iter().map(|g| g.reshape([-1])).collect();
-            let whole = Tensor::cat(&flat, 0);
-            let ticket = queue.submit("all_reduce", move || {
-                let mut t = comm.place(&whole);
-                comm.all_reduce(&mut t, ReduceOp::Sum)?;
-                Ok(t.into_tensor())
+        if let Some(grp) = grp {
+            // place k's rows of every parameter, unpadded (the all-to-all is shaped)
+            let rows_of = |k: u32| -> Tensor {
+                let pieces: Vec<Tensor> = ids
+                    .iter()
+                    .zip(&gs)
+                    .filter_map(|(i, gr)| {
+                        let (r0, rn) = self.rows(*i, k);
+                        (rn > 0).then(|| gr.narrow(0, r0, rn).reshape([-1]))
+                    })
+                    .collect();
+                match pieces.is_empty() {
+                    true => Tensor::zeros([0], (Kind::Float, self.dev)),
+                    false => Tensor::cat(&pieces, 0).to_kind(Kind::Float),
+                }
+            };
+            let send: Vec<Tensor> = (0..s).map(rows_of).collect();
+            drop(gs);
+            let place = self.shard_held.1;
+            let mine: i64 = ids
+                .iter()
+                .map(|i| self.rows(*i, place).1 * self.row_numel(*i))
+                .sum();
+            let (grp, across) = (grp.clone(), across.clone());
+            let ticket = queue.submit("reduce_scatter", move || {
+                let got = grp.all_to_all(&send, &vec![vec![mine]; s as usize])?;
+                drop(send);
+                let sum = ductile_comm::group::fold(&got);
+                drop(got);
+                match &across {
+                    Some(a) if a.size() > 2 => a.ring_all_reduce_sum(&sum),
+                    Some(a) => a.all_reduce_sum(&sum),
+                    None => Ok(sum),
+                }
             });
             return Reducing {
                 ids,
-                how: How::Replicated,
+                how: How::Scattered,
                 ticket,
             };
         }
@@ -813,7 +876,7 @@ impl Trainer {
                     sumsq[i] = q;
                 }
             }
-            How::Ordered | How::Replicated => {}
+            How::Ordered => {}
         }
         let mut at = 0;
         for &i in ids {
