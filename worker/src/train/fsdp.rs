@@ -761,40 +761,7 @@ impl Trainer {
         }
         let gs = per_part.into_iter().next().expect("one part");
         if let Some(grp) = grp {
-            // place k's rows of every parameter, unpadded (the all-to-all is shaped)
-            let rows_of = |k: u32| -> Tensor {
-                let pieces: Vec<Tensor> = ids
-                    .iter()
-                    .zip(&gs)
-                    .filter_map(|(i, gr)| {
-                        let (r0, rn) = self.rows(*i, k);
-                        (rn > 0).then(|| gr.narrow(0, r0, rn).reshape([-1]))
-                    })
-                    .collect();
-                match pieces.is_empty() {
-                    true => Tensor::zeros([0], (Kind::Float, self.dev)),
-                    false => Tensor::cat(&pieces, 0).to_kind(Kind::Float),
-                }
-            };
-            let send: Vec<Tensor> = (0..s).map(rows_of).collect();
-            drop(gs);
-            let place = self.shard_held.1;
-            let mine: i64 = ids
-                .iter()
-                .map(|i| self.rows(*i, place).1 * self.row_numel(*i))
-                .sum();
-            let (grp, across) = (grp.clone(), across.clone());
-            let ticket = queue.submit("reduce_scatter", move || {
-                let got = grp.all_to_all(&send, &vec![vec![mine]; s as usize])?;
-                drop(send);
-                let sum = ductile_comm::group::fold(&got);
-                drop(got);
-                match &across {
-                    Some(a) if a.size() > 2 => a.ring_all_reduce_sum(&sum),
-                    Some(a) => a.all_reduce_sum(&sum),
-                    None => Ok(sum),
-                }
-            });
+            let ticket = self.submit_rows(queue, grp, across, &ids, gs);
             return Reducing {
                 ids,
                 how: How::Scattered,

@@ -546,9 +546,10 @@ impl Trainer {
     /// rank's rows of the sums, laid one after the other (for [`Trainer::keep_rows`]). Each
     /// member of the shard group sends every other one their rows (an all-to-all) and folds
     /// what it receives in group order; with HSDP the rows are then summed over the other
-    /// shard groups. The packing is done here, so the whole gradients are free once this
-    /// returns.
-    fn submit_rows(
+    /// shard groups (a ring past two of them). The packing is done here, so the whole
+    /// gradients are free once this returns. (Not in deterministic mode, whose folds keep
+    /// their order: the data-parallel step's HSDP calls it too.)
+    pub(super) fn submit_rows(
         &self,
         queue: &CommQueue,
         grp: &Group,
@@ -583,6 +584,7 @@ impl Trainer {
             drop(parts);
             let sum = fold(&got);
             match &across {
+                Some(a) if a.size() > 2 => a.ring_all_reduce_sum(&sum),
                 Some(a) => a.all_reduce_sum(&sum),
                 None => Ok(sum),
             }
