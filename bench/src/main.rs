@@ -349,6 +349,9 @@ enum Cmd {
         chunk_mib: u64,
         #[arg(long, default_value_t = 3)]
         runs: usize,
+        /// Also print the bytes moved against the minimum as JSON lines.
+        #[arg(long)]
+        json: bool,
     },
     /// A fully sharded job's new process making its seed (SmolLM2-360M's architecture): whole
     /// and then cut to its rows, as before, against made in its rows unit by unit, in the same
@@ -621,7 +624,8 @@ async fn main() -> anyhow::Result<()> {
             mib,
             chunk_mib,
             runs,
-        } => tensor::reshard_transfer(mib, chunk_mib, runs).await,
+            json,
+        } => tensor::reshard_transfer(mib, chunk_mib, runs, json).await,
         Cmd::SeedRows {
             world,
             layers,

@@ -265,7 +265,12 @@ fn median_of(v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64) -> f64 {
 }
 
 /// `reshard-transfer`: see the command's help.
-pub async fn reshard_transfer(mib: u64, chunk_mib: u64, runs: usize) -> anyhow::Result<()> {
+pub async fn reshard_transfer(
+    mib: u64,
+    chunk_mib: u64,
+    runs: usize,
+    json: bool,
+) -> anyhow::Result<()> {
     use ductile_strategies::split_range;
     use ductile_worker::train::reshard::{move_state_in_process, Holding};
     use std::collections::BTreeMap;
@@ -295,20 +300,95 @@ pub async fn reshard_transfer(mib: u64, chunk_mib: u64, runs: usize) -> anyhow::
         (0..4).map(|r| (r, holding(world, r))).collect()
     };
     let (old_h, new_h) = (all(4), all(3));
+    // sticky row ownership (`ductile_strategies::rows`): rank 3's chunks go to the others,
+    // which keep theirs
+    let owners = ductile_strategies::rows::RowOwners::even(
+        ductile_strategies::rows::RowOwners::chunks_for(4),
+        4,
+    );
+    let kept = owners
+        .resized(&[Some(0), Some(1), Some(2), None], 3)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let sticky = |o: &ductile_strategies::rows::RowOwners| -> BTreeMap<u32, Vec<Holding>> {
+        (0..4u32)
+            .map(|r| {
+                let hs = (0..tensors)
+                    .map(|_| Holding {
+                        boxes: if r < o.places() {
+                            o.runs(rows, r)
+                                .into_iter()
+                                .map(|x| vec![x, 0..cols])
+                                .collect()
+                        } else {
+                            Vec::new()
+                        },
+                        dim: 0,
+                    })
+                    .collect();
+                (r, hs)
+            })
+            .collect()
+    };
+    let (sticky_old, sticky_new) = (sticky(&owners), sticky(&kept));
     let elem = vec![4u64; tensors as usize];
+    // the bytes each re-cut moves against the least any can: rank 3's rows, which must go
+    let moved_of = |old: &BTreeMap<u32, Vec<Holding>>,
+                    new: &BTreeMap<u32, Vec<Holding>>|
+     -> anyhow::Result<(u64, u64)> {
+        use ductile_strategies::redistribute::{elements, plan};
+        use ductile_worker::train::reshard::all_parts;
+        let p = plan(&elem, &all_parts(old), &[], &all_parts(new))?;
+        let moved = p.moves.iter().map(|m| elements(&m.region) * 4).sum();
+        let least = all_parts(
+            &old.iter()
+                .filter(|(r, _)| **r == 3)
+                .map(|(r, h)| (*r, h.clone()))
+                .collect(),
+        )
+        .iter()
+        .map(|x| elements(&x.region) * 4)
+        .sum();
+        Ok((moved, least))
+    };
     println!(
         "reshard-transfer: {mib} MiB of f32 state ({tensors} tensors of {rows}×{cols}) row-sharded over 4 ranks in one process, re-cut to 3 over loopback TCP"
     );
+    for (label, old, new) in [
+        ("today's cut", &old_h, &new_h),
+        ("sticky ownership", &sticky_old, &sticky_new),
+    ] {
+        let (moved, least) = moved_of(old, new)?;
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        println!(
+            "bytes moved, {label}: {:.1} MiB against the minimum {:.1} MiB (rank 3's rows): {:.3}× the minimum",
+            mib(moved),
+            mib(least),
+            moved as f64 / least as f64
+        );
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({"layout": label, "moved_bytes": moved, "minimum_bytes": least,
+                    "ratio": moved as f64 / least as f64})
+            );
+        }
+    }
     println!(
-        "{:<22} {:>4} {:>9} {:>16} {:>8}",
+        "{:<24} {:>4} {:>9} {:>16} {:>8}",
         "moves", "run", "seconds", "peak growth MiB", "rounds"
     );
     let mut figures: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
     let mut generation = 1;
     for run in 0..runs {
-        for (label, chunk) in [
-            ("one round", u64::MAX / 8),
-            ("rounds of chunk", (chunk_mib << 20) / 4),
+        for (label, chunk, old_h, new_h) in [
+            ("one round", u64::MAX / 8, &old_h, &new_h),
+            ("rounds of chunk", (chunk_mib << 20) / 4, &old_h, &new_h),
+            (
+                "sticky, rounds of chunk",
+                (chunk_mib << 20) / 4,
+                &sticky_old,
+                &sticky_new,
+            ),
         ] {
             let comms = ductile_comm::tcp::loopback_mesh(4, "rt", generation).await?;
             generation += 1;
@@ -327,13 +407,13 @@ pub async fn reshard_transfer(mib: u64, chunk_mib: u64, runs: usize) -> anyhow::
             let before = rss().0;
             let _ = std::fs::write("/proc/self/clear_refs", "5");
             let t0 = std::time::Instant::now();
-            let out = move_state_in_process(&comms, 1, chunk, &elem, &local, &old_h, &new_h)?;
+            let out = move_state_in_process(&comms, 1, chunk, &elem, &local, old_h, new_h)?;
             let secs = t0.elapsed().as_secs_f64();
             let over = rss().1.saturating_sub(before) as f64 / (1 << 20) as f64;
             let rounds = out[0].1.rounds;
             drop(out);
             drop(local);
-            println!("{label:<22} {run:>4} {secs:>9.3} {over:>16.0} {rounds:>8}");
+            println!("{label:<24} {run:>4} {secs:>9.3} {over:>16.0} {rounds:>8}");
             figures.entry(label).or_default().push((secs, over));
         }
     }
@@ -350,7 +430,17 @@ pub async fn reshard_transfer(mib: u64, chunk_mib: u64, runs: usize) -> anyhow::
         h.join().expect("the sender")
     })?;
     let quarter_secs = t0.elapsed().as_secs_f64();
-    let (one, chunked) = (&figures["one round"], &figures["rounds of chunk"]);
+    let (one, chunked, kept) = (
+        &figures["one round"],
+        &figures["rounds of chunk"],
+        &figures["sticky, rounds of chunk"],
+    );
+    println!(
+        "sticky ownership, rounds of {chunk_mib} MiB: {:.3} s (today's cut {:.3} s: {:.2}×)",
+        median_of(kept, |x| x.0),
+        median_of(chunked, |x| x.0),
+        median_of(kept, |x| x.0) / median_of(chunked, |x| x.0)
+    );
     println!(
         "medians: one round {:.3} s, peak +{:.0} MiB; rounds of {chunk_mib} MiB {:.3} s, peak +{:.0} MiB (the new state alone: +{mib} MiB); time ratio (rounds / one) {:.2}×, peak ratio {:.2}×; a quarter of the state ({} MiB) over loopback as one buffer: {quarter_secs:.3} s",
         median_of(one, |x| x.0),

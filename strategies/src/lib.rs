@@ -6,6 +6,7 @@ pub mod diloco;
 pub mod mesh;
 pub mod pipeline;
 pub mod redistribute;
+pub mod rows;
 pub mod tensor;
 
 use ductile_cluster::records::Layout;

@@ -19,7 +19,8 @@
 //! checkpoint covers is an error naming it: the caller decides (stop, or restore everything).
 //! The plan depends only on its inputs, so every rank computes the same one.
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::fmt;
 use std::ops::Range;
 
@@ -219,11 +220,89 @@ impl fmt::Display for Uncovered {
 
 impl std::error::Error for Uncovered {}
 
+/// The span of dimension 0 a region covers (`0..1` for a scalar's empty region): what the
+/// planner's indexes sort and search by.
+fn span0(r: &Region) -> (u64, u64) {
+    r.first().map_or((0, 1), |x| (x.start, x.end))
+}
+
+/// Items of one tensor sorted by where their dimension-0 span starts, with the furthest end of
+/// every prefix: the items whose span meets a query's are found without looking at the others
+/// (for disjoint spans, as sharded rows are, only the ones that meet it and one more).
+struct SpanIndex {
+    /// (start, end, item), sorted by start
+    spans: Vec<(u64, u64, usize)>,
+    /// the furthest end among `spans[..=i]`
+    reach: Vec<u64>,
+}
+
+impl SpanIndex {
+    fn new(mut spans: Vec<(u64, u64, usize)>) -> SpanIndex {
+        spans.sort_by_key(|s| (s.0, s.2));
+        let mut reach = Vec::with_capacity(spans.len());
+        let mut far = 0;
+        for s in &spans {
+            far = far.max(s.1);
+            reach.push(far);
+        }
+        SpanIndex { spans, reach }
+    }
+
+    /// The items whose span meets `lo..hi`, in no particular order.
+    fn meeting(&self, (lo, hi): (u64, u64), out: &mut Vec<usize>) {
+        // the spans that start before `hi`, from the last back while one of them still reaches
+        // past `lo`
+        let mut i = self.spans.partition_point(|s| s.0 < hi);
+        while i > 0 && self.reach[i - 1] > lo {
+            i -= 1;
+            let (s, e, item) = self.spans[i];
+            if s < hi && e > lo {
+                out.push(item);
+            }
+        }
+    }
+}
+
+/// The holders of one tensor's identical region: the one that serves a need is the least
+/// loaded ((bytes sent, rank, input order)), found in a heap whose keys are brought up to date
+/// as they come to its top (what a rank has sent only grows).
+struct Holders {
+    region: Region,
+    heap: BinaryHeap<Reverse<(u64, u32, usize)>>,
+}
+
+impl Holders {
+    /// The least loaded holder other than `not`: (sent, rank, input index).
+    fn least(&mut self, sent: &BTreeMap<u32, u64>, not: u32) -> Option<(u64, u32, usize)> {
+        let now = |r: u32| sent.get(&r).copied().unwrap_or(0);
+        let mut aside = Vec::new();
+        let found = loop {
+            let Some(Reverse(top)) = self.heap.peek().copied() else {
+                break None;
+            };
+            if top.0 != now(top.1) {
+                self.heap.pop();
+                self.heap.push(Reverse((now(top.1), top.1, top.2)));
+            } else if top.1 == not {
+                aside.push(self.heap.pop().expect("peeked"));
+            } else {
+                break Some(top);
+            }
+        };
+        self.heap.extend(aside);
+        found
+    }
+}
+
 /// The plan (see the module's comment). `elem[t]` is tensor t's element size in bytes.
 ///
-/// Each need looks at its own tensor's holders and chunks only (indexed once, in input order,
-/// so the plan is the one a scan of every part would make): the work grows with the ranks
-/// holding each tensor, not with ranks × tensors for every need.
+/// The plan is the one a scan of every part for every need would make (each need served by
+/// the intersecting holders in order of (bytes sent so far, rank, input order), then by the
+/// checkpoint's chunks in their order). Its work is linear in the parts, not quadratic in
+/// world × tensors: each tensor's holders are grouped by region (of replicas holding the same
+/// region only the least loaded can serve a need: the rest find nothing left), and holders,
+/// chunks and needs are found through an index of their rows ([`SpanIndex`]), so a need looks
+/// at the few parts that meet it.
 pub fn plan(
     elem: &[u64],
     held: &[Part],
@@ -231,52 +310,92 @@ pub fn plan(
     need: &[Part],
 ) -> Result<Plan, Uncovered> {
     let bytes = |t: usize, r: &Region| elements(r) * elem[t];
-    let mut held_of: BTreeMap<usize, Vec<&Part>> = BTreeMap::new();
-    for h in held {
-        held_of.entry(h.tensor).or_default().push(h);
+    // per tensor: its holders grouped by region, and an index of the groups' rows
+    let mut groups_of: BTreeMap<usize, (Vec<Holders>, HashMap<&Region, usize>)> = BTreeMap::new();
+    // what each rank holds of each tensor, in input order
+    let mut own: BTreeMap<(usize, u32), Vec<&Region>> = BTreeMap::new();
+    for (i, h) in held.iter().enumerate() {
+        own.entry((h.tensor, h.rank)).or_default().push(&h.region);
+        let (groups, by_region) = groups_of.entry(h.tensor).or_default();
+        let g = *by_region.entry(&h.region).or_insert_with(|| {
+            groups.push(Holders {
+                region: h.region.clone(),
+                heap: BinaryHeap::new(),
+            });
+            groups.len() - 1
+        });
+        groups[g].heap.push(Reverse((0, h.rank, i)));
     }
-    let mut chunks_of: BTreeMap<usize, Vec<(usize, &Chunk)>> = BTreeMap::new();
+    let mut holders_of: BTreeMap<usize, (Vec<Holders>, SpanIndex)> = groups_of
+        .into_iter()
+        .map(|(t, (groups, _))| {
+            let spans = groups
+                .iter()
+                .enumerate()
+                .map(|(g, h)| {
+                    let (lo, hi) = span0(&h.region);
+                    (lo, hi, g)
+                })
+                .collect();
+            (t, (groups, SpanIndex::new(spans)))
+        })
+        .collect();
+    let mut chunks_of: BTreeMap<usize, Vec<(u64, u64, usize)>> = BTreeMap::new();
     for (ci, c) in chunks.iter().enumerate() {
-        chunks_of.entry(c.tensor).or_default().push((ci, c));
+        let (lo, hi) = span0(&c.region);
+        chunks_of.entry(c.tensor).or_default().push((lo, hi, ci));
     }
-    let mut needs_of: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    for (ni, n) in need.iter().enumerate() {
-        needs_of.entry(n.tensor).or_default().push(ni);
-    }
+    let chunks_of: BTreeMap<usize, SpanIndex> = chunks_of
+        .into_iter()
+        .map(|(t, s)| (t, SpanIndex::new(s)))
+        .collect();
     let mut sent: BTreeMap<u32, u64> = BTreeMap::new();
     let mut out = Plan::default();
+    let mut found = Vec::new();
     // what is left for the checkpoint, per need
     let mut rest: Vec<Vec<Region>> = Vec::with_capacity(need.len());
     for n in need {
-        let holders_of_tensor = held_of.get(&n.tensor).map(Vec::as_slice).unwrap_or(&[]);
         let mut todo = vec![n.region.clone()];
-        for h in holders_of_tensor.iter().filter(|h| h.rank == n.rank) {
-            todo = todo.iter().flat_map(|r| subtract(r, &h.region)).collect();
+        for h in own
+            .get(&(n.tensor, n.rank))
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+        {
+            todo = todo.iter().flat_map(|r| subtract(r, h)).collect();
         }
-        // (a holder whose part misses the need moves nothing: left out before the sort, which
-        // keeps the others' order)
-        let mut holders: Vec<&Part> = holders_of_tensor
-            .iter()
-            .copied()
-            .filter(|h| h.rank != n.rank && intersect(&n.region, &h.region).is_some())
-            .collect();
-        holders.sort_by_key(|h| (sent.get(&h.rank).copied().unwrap_or(0), h.rank));
-        for h in holders {
+        let Some((groups, index)) = holders_of.get_mut(&n.tensor) else {
+            rest.push(todo);
+            continue;
+        };
+        found.clear();
+        index.meeting(span0(&n.region), &mut found);
+        // each group's least loaded holder, then in order of (sent, rank, input order)
+        let mut serving: Vec<((u64, u32, usize), usize)> = Vec::with_capacity(found.len());
+        for &g in &found {
+            if intersect(&n.region, &groups[g].region).is_some() {
+                if let Some(k) = groups[g].least(&sent, n.rank) {
+                    serving.push((k, g));
+                }
+            }
+        }
+        serving.sort_unstable();
+        for ((_, from, _), g) in serving {
             if todo.is_empty() {
                 break;
             }
+            let region = &groups[g].region;
             let mut next = Vec::new();
             for r in &todo {
-                if let Some(x) = intersect(r, &h.region) {
-                    *sent.entry(h.rank).or_default() += bytes(n.tensor, &x);
+                if let Some(x) = intersect(r, region) {
+                    *sent.entry(from).or_default() += bytes(n.tensor, &x);
                     out.moves.push(Move {
                         tensor: n.tensor,
                         region: x,
-                        from: h.rank,
+                        from,
                         to: n.rank,
                         via: None,
                     });
-                    next.extend(subtract(r, &h.region));
+                    next.extend(subtract(r, region));
                 } else {
                     next.push(r.clone());
                 }
@@ -285,14 +404,27 @@ pub fn plan(
         }
         rest.push(todo);
     }
+    // the needs the live holders left something of, per tensor, indexed by their rows
+    let mut open_of: BTreeMap<usize, Vec<(u64, u64, usize)>> = BTreeMap::new();
+    for (ni, n) in need.iter().enumerate() {
+        if !rest[ni].is_empty() {
+            let (lo, hi) = span0(&n.region);
+            open_of.entry(n.tensor).or_default().push((lo, hi, ni));
+        }
+    }
+    let open_of: BTreeMap<usize, SpanIndex> = open_of
+        .into_iter()
+        .map(|(t, s)| (t, SpanIndex::new(s)))
+        .collect();
     // each chunk someone still needs is read, whole, by the needer that has read least
     let mut read: BTreeMap<u32, u64> = BTreeMap::new();
     let mut reader: Vec<Option<u32>> = vec![None; chunks.len()];
     for (ci, c) in chunks.iter().enumerate() {
-        let mut wants: Vec<u32> = needs_of
-            .get(&c.tensor)
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
+        found.clear();
+        if let Some(index) = open_of.get(&c.tensor) {
+            index.meeting(span0(&c.region), &mut found);
+        }
+        let mut wants: Vec<u32> = found
             .iter()
             .filter(|&&ni| rest[ni].iter().any(|r| intersect(r, &c.region).is_some()))
             .map(|&ni| need[ni].rank)
@@ -310,10 +442,20 @@ pub fn plan(
     }
     for (ni, n) in need.iter().enumerate() {
         let mut todo = std::mem::take(&mut rest[ni]);
-        for &(ci, c) in chunks_of.get(&n.tensor).map(Vec::as_slice).unwrap_or(&[]) {
+        if todo.is_empty() {
+            continue;
+        }
+        found.clear();
+        if let Some(index) = chunks_of.get(&n.tensor) {
+            index.meeting(span0(&n.region), &mut found);
+        }
+        // in the chunks' order
+        found.sort_unstable();
+        for &ci in &found {
             if todo.is_empty() {
                 break;
             }
+            let c = &chunks[ci];
             let mut next = Vec::new();
             for r in &todo {
                 match intersect(r, &c.region) {
@@ -388,14 +530,12 @@ pub fn rounds(moves: &[Move], max: u64) -> Vec<Vec<Move>> {
     let max = max.max(1);
     // each pair's chunks, and the elements in its open (last) chunk
     let mut pairs: Vec<((u32, u32), Vec<Vec<Move>>, u64)> = Vec::new();
+    let mut pair_at: HashMap<(u32, u32), usize> = HashMap::new();
     for m in moves {
-        let at = match pairs.iter().position(|(p, _, _)| *p == (m.from, m.to)) {
-            Some(i) => i,
-            None => {
-                pairs.push(((m.from, m.to), vec![Vec::new()], 0));
-                pairs.len() - 1
-            }
-        };
+        let at = *pair_at.entry((m.from, m.to)).or_insert_with(|| {
+            pairs.push(((m.from, m.to), vec![Vec::new()], 0));
+            pairs.len() - 1
+        });
         let (_, chunks, filled) = &mut pairs[at];
         for region in split_region(&m.region, max) {
             let n = elements(&region);
@@ -883,6 +1023,80 @@ mod tests {
             // has its holder
             assert_eq!(p.is_err(), to == 5, "6 -> {to}");
         }
+        // sticky ownership (several runs of rows per rank, after a walk of resizes), live and
+        // with a lost place's rows read from chunks, and whole replicas of every tensor at
+        // 9 ranks: the same plan
+        let owners = |o: &crate::rows::RowOwners| -> Vec<Part> {
+            (0..o.places())
+                .flat_map(|p| {
+                    rows.iter().enumerate().flat_map(move |(t, sh)| {
+                        o.runs(sh[0], p).into_iter().map(move |r| Part {
+                            rank: p,
+                            tensor: t,
+                            region: vec![r, 0..sh[1]],
+                        })
+                    })
+                })
+                .collect()
+        };
+        let mut o = crate::rows::RowOwners::even(crate::rows::RowOwners::chunks_for(8), 6);
+        for (stay, to) in [
+            (
+                vec![Some(0), Some(1), None, Some(2), Some(3), Some(4)],
+                5u32,
+            ),
+            ((0..5).map(Some).collect(), 7),
+            (
+                vec![Some(0), None, Some(1), Some(2), Some(3), Some(4), Some(5)],
+                6,
+            ),
+        ] {
+            let next = o.resized(&stay, to).unwrap();
+            let held: Vec<Part> = owners(&o)
+                .into_iter()
+                .filter_map(|h| stay[h.rank as usize].map(|rank| Part { rank, ..h }))
+                .collect();
+            let need = owners(&next);
+            let chunks: Vec<Chunk> = (0..rows.len())
+                .flat_map(|t| (0..3).map(move |k| (t, k)))
+                .map(|(t, k)| Chunk {
+                    tensor: t,
+                    region: split(&rows[t], 3, k, 0),
+                })
+                .collect();
+            for ch in [&[][..], &chunks[..]] {
+                let p = plan(&elem, &held, ch, &need);
+                assert_eq!(
+                    p,
+                    plan_scanning(&elem, &held, ch, &need),
+                    "{stay:?} -> {to}"
+                );
+                assert_eq!(
+                    p.is_err(),
+                    ch.is_empty() && stay.contains(&None),
+                    "{stay:?}"
+                );
+            }
+            o = next;
+        }
+        let replicas: Vec<Part> = (0..9u32)
+            .flat_map(|r| {
+                rows.iter().enumerate().map(move |(t, sh)| Part {
+                    rank: r,
+                    tensor: t,
+                    region: whole(sh),
+                })
+            })
+            .collect();
+        let held: Vec<Part> = replicas
+            .iter()
+            .filter(|h| h.rank % 3 != 1)
+            .cloned()
+            .collect();
+        assert_eq!(
+            plan(&elem, &held, &[], &replicas),
+            plan_scanning(&elem, &held, &[], &replicas)
+        );
     }
 
     /// Every pair of layouts of up to four ranks, live: every needed element arrives, once,
