@@ -311,6 +311,11 @@ enum Cmd {
         /// --faults, at least 3; 0 skips them).
         #[arg(long)]
         side_faults: Option<usize>,
+        /// Run only the uninterrupted reference, this many times (the soak's default 20,000
+        /// steps unless --steps), each on a fresh quiet cluster, and compare their final
+        /// weights: the determinism check of the soak's reference pair.
+        #[arg(long)]
+        reference_runs: Option<usize>,
     },
     /// DiLoCo and async against allreduce (3 CPU workers, a GPT): bytes sent per trained sample, the
     /// final weights' loss on a fixed set of 256 samples at equal samples, and samples per
@@ -655,10 +660,47 @@ async fn main() -> anyhow::Result<()> {
             .await
         }
         Cmd::Chaos {
+            steps,
+            reference_runs: Some(runs),
+            ..
+        } => {
+            let steps = steps.unwrap_or(20_000);
+            let out = std::thread::spawn(move || {
+                let mut hashes = Vec::new();
+                for run in 0..runs {
+                    let t0 = std::time::Instant::now();
+                    let (sha, generations) = ductile_tests::chaos::reference(steps);
+                    let sha = sha.unwrap_or_else(|| "(no hash)".into());
+                    println!(
+                        "reference run {run}: {} in {:.0} s; generations: {}",
+                        &sha[..sha.len().min(16)],
+                        t0.elapsed().as_secs_f64(),
+                        generations.join(", ")
+                    );
+                    hashes.push(sha);
+                }
+                hashes
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("a reference run panicked"))?;
+            let mut distinct = out.clone();
+            distinct.sort();
+            distinct.dedup();
+            println!(
+                "{runs} reference runs of {steps} steps: {} distinct final weights",
+                distinct.len()
+            );
+            if distinct.len() > 1 {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Cmd::Chaos {
             faults,
             seed,
             steps,
             side_faults,
+            reference_runs: None,
         } => {
             let cfg = ductile_tests::chaos::Config {
                 seed: seed.unwrap_or_else(now_ms),

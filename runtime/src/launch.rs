@@ -14,6 +14,10 @@
 //! exits 0 ends this worker with `EXIT_DONE`; the job succeeds when a generation's members all
 //! did.
 //!
+//! Rank 0's launcher hosts the generation's c10d store (`TORCHELASTIC_USE_AGENT_STORE=True`,
+//! as torchrun's agent does) where the command runs a Python interpreter; otherwise rank 0's
+//! program hosts it, as plain `env://` does.
+//!
 //! The program gets an allow-listed environment: torchrun's variables, the job's `env`, the
 //! node's locale, paths and NCCL/CUDA settings, never the launcher's etcd credentials. The
 //! `ductile` Python module (python/ in the repository) talks to its launcher through
@@ -332,13 +336,18 @@ pub fn node_inherited(k: &str) -> bool {
     INHERITED.contains(&k) || INHERITED_PREFIXES.iter().any(|p| k.starts_with(p))
 }
 
-/// What hosts a torchft group's c10d store: `torch.distributed.TCPStore` as the master, as
-/// torchrun's agent hosts it for its workers; it lives until its launcher stops it.
+/// What hosts a program's c10d store (a torchft group's, or a torchrun world's when its
+/// command runs a Python interpreter): `torch.distributed.TCPStore` as the master, as
+/// torchrun's agent hosts it for its workers (argv: host, port, whose store); it lives until
+/// its launcher stops it. A store hosted inside rank 0's program, as `env://` does without an
+/// agent store, can abort that program at its exit while another rank is still connected
+/// ("terminate called without an active exception", SIGABRT): torch 2.11 on this machine, in
+/// about a third of tries where rank 0 exits first; never with the store outside.
 const STORE_HOST: &str = r#"
 import sys, threading
 from torch.distributed import TCPStore
 _s = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False)
-print(f"c10d store for the replica group listening on {sys.argv[1]}:{sys.argv[2]}", flush=True)
+print(f"c10d store for {sys.argv[3]} listening on {sys.argv[1]}:{sys.argv[2]}", flush=True)
 threading.Event().wait()
 "#;
 
@@ -1222,39 +1231,45 @@ impl Launcher {
         }
     }
 
-    /// Where the program's c10d store listens: the host (rank 0; a torchft group's first slot)
-    /// picks a free port on its host and publishes it at `key` (a torchft group's host also
-    /// starts the store); the others wait for it (None: a newer generation superseded `me`, or
-    /// this launcher is stopping).
+    /// Where the program's c10d store listens, and whether the launcher hosts it (torchrun's
+    /// `TORCHELASTIC_USE_AGENT_STORE`): the host (rank 0; a torchft group's first slot) picks a
+    /// free port on its host and publishes it at `key`; a torchft group's host, and a torchrun
+    /// world's where the command runs a Python interpreter, also starts the store
+    /// ([`STORE_HOST`], with that interpreter), as torchrun's agent does; the others wait for
+    /// it (None: a newer generation superseded `me`, or this launcher is stopping).
     async fn master(
         &mut self,
         g: &Generation,
         me: &Member,
         key: String,
         host: bool,
-    ) -> anyhow::Result<Option<(String, u16)>> {
+    ) -> anyhow::Result<Option<(String, u16, bool)>> {
         if host {
             let port = std::net::TcpListener::bind(("0.0.0.0", 0))
                 .and_then(|l| l.local_addr())
                 .map_err(|e| anyhow::anyhow!("cannot find a free port for the program: {e}"))?
                 .port();
-            if self.spec.runtime == Runtime::Torchft {
+            let python = is_python(&self.spec.command[0]);
+            let agent_store = self.spec.runtime == Runtime::Torchft
+                || (self.spec.runtime == Runtime::Torchrun && python);
+            if agent_store {
                 self.stop_store_host().await;
-                let python = if is_python(&self.spec.command[0]) {
-                    self.spec.command[0].clone()
-                } else {
-                    "python3".to_string()
+                let (interpreter, whose) = match self.spec.runtime {
+                    Runtime::Torchft if !python => ("python3".to_string(), "the replica group"),
+                    Runtime::Torchft => (self.spec.command[0].clone(), "the replica group"),
+                    _ => (self.spec.command[0].clone(), "the generation's world"),
                 };
-                let mut cmd = Command::new(python);
+                let mut cmd = Command::new(interpreter);
                 cmd.arg("-c")
                     .arg(STORE_HOST)
                     .arg(&self.host)
                     .arg(port.to_string())
+                    .arg(whose)
                     .env_clear()
                     .envs(&self.base)
                     .current_dir(self.workdir())
                     .stdin(Stdio::null());
-                self.store_host = Some(Program::spawn(cmd, "the replica group's c10d store")?);
+                self.store_host = Some(Program::spawn(cmd, &format!("{whose}'s c10d store"))?);
             }
             if self.spec.runtime == Runtime::Horovod {
                 self.stop_store_host().await;
@@ -1273,7 +1288,8 @@ impl Launcher {
                 self.store_host = Some(host);
                 self.wait_listening(port).await?;
             }
-            let v = serde_json::json!({ "addr": self.host, "port": port });
+            let v =
+                serde_json::json!({ "addr": self.host, "port": port, "agent_store": agent_store });
             let mut delay = Duration::from_millis(50);
             for i in 0.. {
                 match self.reporter.store.put_json(&key, &v, None).await {
@@ -1287,7 +1303,7 @@ impl Launcher {
                     }
                 }
             }
-            return Ok(Some((self.host.clone(), port)));
+            return Ok(Some((self.host.clone(), port, agent_store)));
         }
         self.read_address(g, me, &key, "the c10d store's host")
             .await
@@ -1322,15 +1338,17 @@ impl Launcher {
         }
     }
 
-    /// The address `whose` launcher published at `key` in generation `g`, waited for (at most
-    /// [`MASTER_WAIT`]; None: a newer generation superseded `me`, or this launcher is stopping).
+    /// The address `whose` launcher published at `key` in generation `g`, and whether that
+    /// launcher hosts the store there (false where it did not say: a launcher of an earlier
+    /// release), waited for (at most [`MASTER_WAIT`]; None: a newer generation superseded
+    /// `me`, or this launcher is stopping).
     async fn read_address(
         &self,
         g: &Generation,
         me: &Member,
         key: &str,
         whose: &str,
-    ) -> anyhow::Result<Option<(String, u16)>> {
+    ) -> anyhow::Result<Option<(String, u16, bool)>> {
         let t0 = Instant::now();
         loop {
             if self.superseded(g, me).is_some() || self.cancel.is_cancelled() {
@@ -1345,7 +1363,8 @@ impl Launcher {
                     if addr.is_empty() || port == 0 {
                         anyhow::bail!("{whose}'s address is malformed: {v}");
                     }
-                    return Ok(Some((addr, port)));
+                    let agent_store = v["agent_store"].as_bool().unwrap_or(false);
+                    return Ok(Some((addr, port, agent_store)));
                 }
                 Ok(None) => {}
                 Err(e) => tracing::warn!(error = %e, "cannot read {whose}'s address; retrying"),
@@ -1380,7 +1399,7 @@ impl Launcher {
                 .read_address(g, me, &key, &format!("rank {rank}'s TensorFlow server"))
                 .await?
             {
-                Some(a) => cluster.push(a),
+                Some((addr, port, _)) => cluster.push((addr, port)),
                 None => return Ok(None),
             }
         }
@@ -1478,7 +1497,7 @@ impl Launcher {
                 _ => None,
             };
             let master = match &tf {
-                Some(c) => Ok(c.first().cloned()),
+                Some(c) => Ok(c.first().map(|(a, p)| (a.clone(), *p, false))),
                 None => self.master(&g, &me, key, host).await,
             };
             let master = match master {
@@ -1516,6 +1535,11 @@ impl Launcher {
                         &error_file,
                         &self.node_gpus,
                     );
+                    if master.2 && self.spec.runtime == Runtime::Torchrun {
+                        // the launcher hosts the store: every rank (0 too) is its client,
+                        // under a prefix of the restart count, as torchrun's workers are
+                        e.insert("TORCHELASTIC_USE_AGENT_STORE".into(), "True".into());
+                    }
                     if let Some(c) = &tf {
                         tf_env(&mut e, c, me.rank);
                     }

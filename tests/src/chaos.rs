@@ -210,6 +210,30 @@ fn run_bound(steps: u64) -> Duration {
     Duration::from_secs((steps / 10).max(900))
 }
 
+/// The soak's uninterrupted run of `steps` on a quiet cluster of its own (one agent of two
+/// slots): its final weights' SHA-256 and its generations (a diagnosis, should the reference
+/// itself be the odd one out: CI once saw its bits differ from both the faulted run's and its
+/// rollback's, which agreed).
+pub fn reference(steps: u64) -> (Option<String>, Vec<String>) {
+    let c = Cluster::start(Spec::default().agents(1, 2));
+    let data = synth(c.dir.path(), "regression", SAMPLES);
+    c.submit(&job("reference", &data, steps, 2, None));
+    let done = c.wait_for(run_bound(steps), "the reference run", || {
+        try_status(&c, "reference").filter(|v| v.state == JobState::Succeeded)
+    });
+    let generations = c
+        .history("reference")
+        .iter()
+        .map(|g| {
+            format!(
+                "g{} {:?} world {} [{:?}]",
+                g.number, g.reason, g.world_size, g.state_source
+            )
+        })
+        .collect();
+    (done.final_weights_sha256, generations)
+}
+
 /// Run the soak. Panics only on harness failures (a process that cannot start); what the
 /// system under test gets wrong is reported as violations.
 pub fn run(cfg: &Config) -> Report {
@@ -224,27 +248,9 @@ pub fn run(cfg: &Config) -> Report {
     );
 
     // the uninterrupted run, on a quiet cluster of its own
-    {
-        let c = Cluster::start(Spec::default().agents(1, 2));
-        let data = synth(c.dir.path(), "regression", SAMPLES);
-        c.submit(&job("reference", &data, cfg.steps, 2, None));
-        let done = c.wait_for(run_bound(cfg.steps), "the reference run", || {
-            try_status(&c, "reference").filter(|v| v.state == JobState::Succeeded)
-        });
-        report.reference_sha256 = done.final_weights_sha256;
-        // (a diagnosis, should the reference itself be the odd one out: CI once saw its bits
-        // differ from both the faulted run's and its rollback's, which agreed)
-        report.reference_generations = c
-            .history("reference")
-            .iter()
-            .map(|g| {
-                format!(
-                    "g{} {:?} world {} [{:?}]",
-                    g.number, g.reason, g.world_size, g.state_source
-                )
-            })
-            .collect();
-    }
+    let (sha, generations) = reference(cfg.steps);
+    report.reference_sha256 = sha;
+    report.reference_generations = generations;
 
     let ledger = TempDir::new("chaos-ledger");
     let mut c = Cluster::start(Spec {

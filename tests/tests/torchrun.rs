@@ -536,6 +536,70 @@ fn training_torchrun_a_crash_loop_fails_fast_with_its_error_and_python_s_env_nam
     assert!(!err.contains("panicked"), "dctl on a closed pipe: {err}");
 }
 
+/// A world whose rank 0 leaves first while rank 1 is still connected (what a Trainer's last
+/// save can make happen) ends with every rank exiting 0: the launcher hosts the c10d store
+/// (`TORCHELASTIC_USE_AGENT_STORE=True`, as torchrun's agent does), so no program holds the
+/// store's server at its exit. With the store inside rank 0's program (torch 2.11 here), rank
+/// 0 died of SIGABRT ("terminate called without an active exception") in about a third of
+/// such exits: four jobs at once, none may restart. Each job runs once, with no restart left.
+#[test]
+fn training_torchrun_rank_0_leaving_first_ends_every_rank_cleanly_with_the_store_on_the_launcher() {
+    let mut c = Cluster::start(Spec::default());
+    start_agent(&mut c, "node1", 8);
+    let dir = TempDir::new("store-exit");
+    let script = dir.path().join("leave_first.py");
+    std::fs::write(
+        &script,
+        "import os, sys, time, torch, torch.distributed as dist\n\
+         dist.init_process_group('gloo')\n\
+         rank = dist.get_rank()\n\
+         t = torch.ones(1000)\n\
+         for _ in range(5):\n    dist.all_reduce(t)\n\
+         print(f\"rank {rank} agent store {os.environ.get('TORCHELASTIC_USE_AGENT_STORE')} sum {t[0].item():.0f}\", flush=True)\n\
+         if rank == 0:\n    sys.exit(0)\n\
+         time.sleep(1.5)\n",
+    )
+    .unwrap();
+    let names = ["leave-a", "leave-b", "leave-c", "leave-d"];
+    for name in names {
+        c.submit(&format!(
+            "name = \"{name}\"\nruntime = \"torchrun\"\ncommand = [{:?}, {:?}]\nmin = 2\nmax = 2\ndesired = 2\nrestart_budget = 0\n",
+            torch_python_bin(),
+            script.display().to_string()
+        ));
+    }
+    for name in names {
+        let v = c.wait_for(S(180), "the job to end", || {
+            Some(c.status(name)).filter(|v| v.state.is_terminal())
+        });
+        assert_eq!(
+            v.state,
+            JobState::Succeeded,
+            "{name}: {}\n{}",
+            v.message,
+            events(&c, name)
+        );
+        let h = c.history(name);
+        assert!(
+            h.iter().all(|g| g.reason != Reason::Failure),
+            "{name} restarted: {h:#?}"
+        );
+    }
+    let logs = c.logs();
+    assert!(
+        !logs.contains("terminate called"),
+        "a program aborted at its exit"
+    );
+    for rank in 0..2 {
+        assert_eq!(
+            logs.matches(&format!("rank {rank} agent store True sum 32"))
+                .count(),
+            names.len(),
+            "every rank {rank} a client of the launcher's store, after 5 all-reduces of 2"
+        );
+    }
+}
+
 /// Hugging Face's `Trainer`, unmodified (`examples/transformers/trainer_lm.py`: nothing in it
 /// knows ductile), as a job with `[torchrun] integrations = ["transformers"]`: its steps and
 /// losses show in `dctl status`; a SIGKILL restarts the world, which resumes from the newest
