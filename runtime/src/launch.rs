@@ -336,19 +336,35 @@ pub fn node_inherited(k: &str) -> bool {
     INHERITED.contains(&k) || INHERITED_PREFIXES.iter().any(|p| k.starts_with(p))
 }
 
-/// What hosts a program's c10d store (a torchft group's, or a torchrun world's when its
-/// command runs a Python interpreter): `torch.distributed.TCPStore` as the master, as
+/// What hosts a torchft group's c10d store: `torch.distributed.TCPStore` as the master, as
 /// torchrun's agent hosts it for its workers (argv: host, port, whose store); it lives until
-/// its launcher stops it. A store hosted inside rank 0's program, as `env://` does without an
-/// agent store, can abort that program at its exit while another rank is still connected
-/// ("terminate called without an active exception", SIGABRT): torch 2.11 on this machine, in
-/// about a third of tries where rank 0 exits first; never with the store outside.
+/// its launcher stops it. (A torchrun world's: [`STORE_SERVER`]. A store hosted inside rank
+/// 0's program, as `env://` does without an agent store, can abort that program at its exit
+/// while another rank is still connected, "terminate called without an active exception",
+/// SIGABRT: torch 2.11 on this machine, in about a third of tries where rank 0 exits first;
+/// never with the store outside.)
 const STORE_HOST: &str = r#"
 import sys, threading
 from torch.distributed import TCPStore
 _s = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False)
 print(f"c10d store for {sys.argv[3]} listening on {sys.argv[1]}:{sys.argv[2]}", flush=True)
 threading.Event().wait()
+"#;
+
+/// What hosts a torchrun world's c10d store (the command's Python interpreter): torch
+/// imported once, then for each line `HOST PORT WHOSE` on stdin a fresh
+/// `torch.distributed.TCPStore` master on that port, the previous generation's closed, so a
+/// generation's store listens at once where rank 0's launcher stays rank 0 (a restart, a
+/// resize), as torchrun's agent keeps its store; it lives until its launcher stops it.
+const STORE_SERVER: &str = r#"
+import sys
+from torch.distributed import TCPStore
+_stores = []
+for line in sys.stdin:
+    host, port, whose = line.rstrip("\n").split(" ", 2)
+    _stores.clear()
+    _stores.append(TCPStore(host, int(port), is_master=True, wait_for_workers=False))
+    print(f"c10d store for {whose} listening on {host}:{port}", flush=True)
 "#;
 
 /// What hosts a horovod generation's rendezvous: Horovod's own HTTP rendezvous server (what
@@ -953,7 +969,9 @@ struct Launcher {
     cancel: CancellationToken,
     /// `runtime = "torchft"`: `TORCHFT_LIGHTHOUSE` (this launcher's relay, in the job's room).
     lighthouse: Option<String>,
-    /// `runtime = "torchft"`, the group's first slot: the process hosting its c10d store.
+    /// The process hosting the program's c10d store: a torchft group's first slot's
+    /// ([`STORE_HOST`]), a torchrun world's rank 0's ([`STORE_SERVER`]), a horovod
+    /// generation's rank 0's rendezvous server.
     store_host: Option<Program>,
 }
 
@@ -1249,27 +1267,29 @@ impl Launcher {
                 .and_then(|l| l.local_addr())
                 .map_err(|e| anyhow::anyhow!("cannot find a free port for the program: {e}"))?
                 .port();
-            let python = is_python(&self.spec.command[0]);
-            let agent_store = self.spec.runtime == Runtime::Torchft
-                || (self.spec.runtime == Runtime::Torchrun && python);
-            if agent_store {
+            let mut agent_store = false;
+            if self.spec.runtime == Runtime::Torchft {
                 self.stop_store_host().await;
-                let (interpreter, whose) = match self.spec.runtime {
-                    Runtime::Torchft if !python => ("python3".to_string(), "the replica group"),
-                    Runtime::Torchft => (self.spec.command[0].clone(), "the replica group"),
-                    _ => (self.spec.command[0].clone(), "the generation's world"),
+                let python = if is_python(&self.spec.command[0]) {
+                    self.spec.command[0].clone()
+                } else {
+                    "python3".to_string()
                 };
-                let mut cmd = Command::new(interpreter);
+                let mut cmd = Command::new(python);
                 cmd.arg("-c")
                     .arg(STORE_HOST)
                     .arg(&self.host)
                     .arg(port.to_string())
-                    .arg(whose)
+                    .arg("the replica group")
                     .env_clear()
                     .envs(&self.base)
                     .current_dir(self.workdir())
                     .stdin(Stdio::null());
-                self.store_host = Some(Program::spawn(cmd, &format!("{whose}'s c10d store"))?);
+                self.store_host = Some(Program::spawn(cmd, "the replica group's c10d store")?);
+                agent_store = true;
+            }
+            if self.spec.runtime == Runtime::Torchrun && is_python(&self.spec.command[0]) {
+                agent_store = self.serve_store(port).await;
             }
             if self.spec.runtime == Runtime::Horovod {
                 self.stop_store_host().await;
@@ -1305,8 +1325,50 @@ impl Launcher {
             }
             return Ok(Some((self.host.clone(), port, agent_store)));
         }
+        if self.spec.runtime == Runtime::Torchrun {
+            // (another launcher hosts this generation's store)
+            self.stop_store_host().await;
+        }
         self.read_address(g, me, &key, "the c10d store's host")
             .await
+    }
+
+    /// Have this launcher's [`STORE_SERVER`] (started now if there is none, kept from the last
+    /// generation if there is) open the generation's store on `port`; false where it cannot
+    /// (said in the log): rank 0's program then hosts the store itself.
+    async fn serve_store(&mut self, port: u16) -> bool {
+        let line = format!("{} {port} the generation's world\n", self.host);
+        for _ in 0..2 {
+            if self.store_host.is_none() {
+                let mut cmd = Command::new(&self.spec.command[0]);
+                cmd.arg("-c")
+                    .arg(STORE_SERVER)
+                    .env_clear()
+                    .envs(&self.base)
+                    .current_dir(self.workdir())
+                    .stdin(Stdio::piped());
+                match Program::spawn(cmd, "the world's c10d store") {
+                    Ok(p) => self.store_host = Some(p),
+                    Err(e) => {
+                        eprintln!("ductile-worker: {e:#}: rank 0's program hosts the c10d store");
+                        return false;
+                    }
+                }
+            }
+            let server = self.store_host.as_mut().expect("started above");
+            let alive = server.child.try_wait().ok().flatten().is_none();
+            if let (true, Some(stdin)) = (alive, server.child.stdin.as_mut()) {
+                if stdin.write_all(line.as_bytes()).await.is_ok() && stdin.flush().await.is_ok() {
+                    return true;
+                }
+            }
+            // it exited (a crash, or an interpreter without torch): once more, afresh
+            let said = server.last_line.lock().unwrap().clone().unwrap_or_default();
+            tracing::warn!(last_line = %said, "the c10d store's server is gone: starting it again");
+            self.stop_store_host().await;
+        }
+        eprintln!("ductile-worker: the c10d store's server does not start: rank 0's program hosts the c10d store");
+        false
     }
 
     /// Until the server this launcher hosts (`store_host`) accepts connections on `port` (at
@@ -1594,7 +1656,8 @@ impl Launcher {
             if !self.sweep(true).await {
                 return 1;
             }
-            if !matches!(outcome, Outcome::Done) {
+            // (a torchrun world's store server stays for the next generation's store)
+            if !matches!(outcome, Outcome::Done) && self.spec.runtime != Runtime::Torchrun {
                 self.stop_store_host().await;
             }
             match outcome {
