@@ -14,10 +14,6 @@
 //! exits 0 ends this worker with `EXIT_DONE`; the job succeeds when a generation's members all
 //! did.
 //!
-//! Rank 0's launcher hosts the generation's c10d store (`TORCHELASTIC_USE_AGENT_STORE=True`,
-//! as torchrun's agent does) where the command runs a Python interpreter; otherwise rank 0's
-//! program hosts it, as plain `env://` does.
-//!
 //! The program gets an allow-listed environment: torchrun's variables, the job's `env`, the
 //! node's locale, paths and NCCL/CUDA settings, never the launcher's etcd credentials. The
 //! `ductile` Python module (python/ in the repository) talks to its launcher through
@@ -125,10 +121,42 @@ macro_rules! safe_path {
     };
 }
 
+/// The lines of [`STANDBY`] and [`BOOT`] that close the program's default process group at its
+/// exit, where the program made one on gloo and left it open, as most scripts do: gloo's
+/// threads, torn down in the interpreter's last destructors while a peer is still connected,
+/// abort the process ("terminate called without an active exception", SIGABRT, exit 134): in
+/// 4 of 12 tries here (torch 2.11, two ranks, rank 0 leaving 1 s before rank 1, without
+/// ductile) where `destroy_process_group()` first gave 0 of 12. Registered before the
+/// program runs, so it runs after the program's own exit handlers; bounded (10 s, on a thread
+/// of its own) so a close that hangs cannot keep the process from exiting. NCCL's process
+/// groups are left alone (their destroy can wait on work in flight).
+macro_rules! exit_hook {
+    () => {
+        r#"
+import atexit as _ductile_atexit
+def _ductile_close_pg():
+    _d = sys.modules.get("torch.distributed")
+    try:
+        if _d is None or not (_d.is_available() and _d.is_initialized()):
+            return
+        if _d.get_backend() != "gloo":
+            return
+        import threading
+        _t = threading.Thread(target=_d.destroy_process_group, daemon=True)
+        _t.start()
+        _t.join(10)
+    except Exception:
+        pass
+_ductile_atexit.register(_ductile_close_pg)
+"#
+    };
+}
+
 /// What the standby interpreter runs: import what a PyTorch program imports, then wait on stdin
 /// for the generation's environment and arguments, and run the program as `python3` would.
 const STANDBY: &str = concat!(
     safe_path!(),
+    exit_hook!(),
     r#"
 import importlib, json, os, runpy
 for _m in os.environ.pop("DUCTILE_PRELOAD", "").split(","):
@@ -179,16 +207,19 @@ fn job_workdir(settings: &TorchrunSpec, job: &str) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// What a program with `[torchrun] integrations` runs when it starts afresh: the integrations
-/// installed (`ductile.integrations`), then the script or module, as `python3` would run it.
+/// What a Python program runs when it starts afresh: [`exit_hook`], the integrations installed
+/// where the job names some (`[torchrun] integrations`: `ductile.integrations`), then the
+/// script or module, as `python3` would run it.
 const BOOT: &str = concat!(
     safe_path!(),
+    exit_hook!(),
     r#"
 import os, runpy
-if os.environ.get("DUCTILE_PYTHON_DIR", "") not in sys.path:
-    sys.path.append(os.environ.get("DUCTILE_PYTHON_DIR", ""))
-import ductile.integrations
-ductile.integrations.install()
+if os.environ.get("DUCTILE_INTEGRATIONS"):
+    if os.environ.get("DUCTILE_PYTHON_DIR", "") not in sys.path:
+        sys.path.append(os.environ.get("DUCTILE_PYTHON_DIR", ""))
+    import ductile.integrations
+    ductile.integrations.install()
 _argv = sys.argv[1:]
 "#,
     run_main!()
@@ -337,34 +368,13 @@ pub fn node_inherited(k: &str) -> bool {
 }
 
 /// What hosts a torchft group's c10d store: `torch.distributed.TCPStore` as the master, as
-/// torchrun's agent hosts it for its workers (argv: host, port, whose store); it lives until
-/// its launcher stops it. (A torchrun world's: [`STORE_SERVER`]. A store hosted inside rank
-/// 0's program, as `env://` does without an agent store, can abort that program at its exit
-/// while another rank is still connected, "terminate called without an active exception",
-/// SIGABRT: torch 2.11 on this machine, in about a third of tries where rank 0 exits first;
-/// never with the store outside.)
+/// torchrun's agent hosts it for its workers; it lives until its launcher stops it.
 const STORE_HOST: &str = r#"
 import sys, threading
 from torch.distributed import TCPStore
 _s = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False)
-print(f"c10d store for {sys.argv[3]} listening on {sys.argv[1]}:{sys.argv[2]}", flush=True)
+print(f"c10d store for the replica group listening on {sys.argv[1]}:{sys.argv[2]}", flush=True)
 threading.Event().wait()
-"#;
-
-/// What hosts a torchrun world's c10d store (the command's Python interpreter): torch
-/// imported once, then for each line `HOST PORT WHOSE` on stdin a fresh
-/// `torch.distributed.TCPStore` master on that port, the previous generation's closed, so a
-/// generation's store listens at once where rank 0's launcher stays rank 0 (a restart, a
-/// resize), as torchrun's agent keeps its store; it lives until its launcher stops it.
-const STORE_SERVER: &str = r#"
-import sys
-from torch.distributed import TCPStore
-_stores = []
-for line in sys.stdin:
-    host, port, whose = line.rstrip("\n").split(" ", 2)
-    _stores.clear()
-    _stores.append(TCPStore(host, int(port), is_master=True, wait_for_workers=False))
-    print(f"c10d store for {whose} listening on {host}:{port}", flush=True)
 "#;
 
 /// What hosts a horovod generation's rendezvous: Horovod's own HTTP rendezvous server (what
@@ -969,9 +979,7 @@ struct Launcher {
     cancel: CancellationToken,
     /// `runtime = "torchft"`: `TORCHFT_LIGHTHOUSE` (this launcher's relay, in the job's room).
     lighthouse: Option<String>,
-    /// The process hosting the program's c10d store: a torchft group's first slot's
-    /// ([`STORE_HOST`]), a torchrun world's rank 0's ([`STORE_SERVER`]), a horovod
-    /// generation's rank 0's rendezvous server.
+    /// `runtime = "torchft"`, the group's first slot: the process hosting its c10d store.
     store_host: Option<Program>,
 }
 
@@ -1213,13 +1221,19 @@ impl Launcher {
             s.stop(Duration::from_millis(100)).await;
         }
         // with integrations, they are installed before the script runs
-        let command = match self.settings.integrations.is_empty() {
-            true => self.spec.command.clone(),
-            false => boot_command(&self.spec.command).ok_or_else(|| {
-                anyhow::anyhow!(
-                    "program.integrations need a Python command running a script or a module"
-                )
-            })?,
+        // a Python script or module runs through BOOT (its exit hook; the integrations), as
+        // in the standby interpreter; another command (`python -c`, a shell) as it is
+        let command = match (
+            self.settings.integrations.is_empty(),
+            Some(&self.spec.command)
+                .filter(|c| is_python(&c[0]))
+                .and_then(|c| boot_command(c)),
+        ) {
+            (_, Some(boot)) => boot,
+            (true, None) => self.spec.command.clone(),
+            (false, None) => anyhow::bail!(
+                "program.integrations need a Python command running a script or a module"
+            ),
         };
         let mut cmd = Command::new(&command[0]);
         cmd.args(&command[1..])
@@ -1249,25 +1263,22 @@ impl Launcher {
         }
     }
 
-    /// Where the program's c10d store listens, and whether the launcher hosts it (torchrun's
-    /// `TORCHELASTIC_USE_AGENT_STORE`): the host (rank 0; a torchft group's first slot) picks a
-    /// free port on its host and publishes it at `key`; a torchft group's host, and a torchrun
-    /// world's where the command runs a Python interpreter, also starts the store
-    /// ([`STORE_HOST`], with that interpreter), as torchrun's agent does; the others wait for
-    /// it (None: a newer generation superseded `me`, or this launcher is stopping).
+    /// Where the program's c10d store listens: the host (rank 0; a torchft group's first slot)
+    /// picks a free port on its host and publishes it at `key` (a torchft group's host also
+    /// starts the store); the others wait for it (None: a newer generation superseded `me`, or
+    /// this launcher is stopping).
     async fn master(
         &mut self,
         g: &Generation,
         me: &Member,
         key: String,
         host: bool,
-    ) -> anyhow::Result<Option<(String, u16, bool)>> {
+    ) -> anyhow::Result<Option<(String, u16)>> {
         if host {
             let port = std::net::TcpListener::bind(("0.0.0.0", 0))
                 .and_then(|l| l.local_addr())
                 .map_err(|e| anyhow::anyhow!("cannot find a free port for the program: {e}"))?
                 .port();
-            let mut agent_store = false;
             if self.spec.runtime == Runtime::Torchft {
                 self.stop_store_host().await;
                 let python = if is_python(&self.spec.command[0]) {
@@ -1280,16 +1291,11 @@ impl Launcher {
                     .arg(STORE_HOST)
                     .arg(&self.host)
                     .arg(port.to_string())
-                    .arg("the replica group")
                     .env_clear()
                     .envs(&self.base)
                     .current_dir(self.workdir())
                     .stdin(Stdio::null());
                 self.store_host = Some(Program::spawn(cmd, "the replica group's c10d store")?);
-                agent_store = true;
-            }
-            if self.spec.runtime == Runtime::Torchrun && is_python(&self.spec.command[0]) {
-                agent_store = self.serve_store(port).await;
             }
             if self.spec.runtime == Runtime::Horovod {
                 self.stop_store_host().await;
@@ -1308,8 +1314,7 @@ impl Launcher {
                 self.store_host = Some(host);
                 self.wait_listening(port).await?;
             }
-            let v =
-                serde_json::json!({ "addr": self.host, "port": port, "agent_store": agent_store });
+            let v = serde_json::json!({ "addr": self.host, "port": port });
             let mut delay = Duration::from_millis(50);
             for i in 0.. {
                 match self.reporter.store.put_json(&key, &v, None).await {
@@ -1323,52 +1328,10 @@ impl Launcher {
                     }
                 }
             }
-            return Ok(Some((self.host.clone(), port, agent_store)));
-        }
-        if self.spec.runtime == Runtime::Torchrun {
-            // (another launcher hosts this generation's store)
-            self.stop_store_host().await;
+            return Ok(Some((self.host.clone(), port)));
         }
         self.read_address(g, me, &key, "the c10d store's host")
             .await
-    }
-
-    /// Have this launcher's [`STORE_SERVER`] (started now if there is none, kept from the last
-    /// generation if there is) open the generation's store on `port`; false where it cannot
-    /// (said in the log): rank 0's program then hosts the store itself.
-    async fn serve_store(&mut self, port: u16) -> bool {
-        let line = format!("{} {port} the generation's world\n", self.host);
-        for _ in 0..2 {
-            if self.store_host.is_none() {
-                let mut cmd = Command::new(&self.spec.command[0]);
-                cmd.arg("-c")
-                    .arg(STORE_SERVER)
-                    .env_clear()
-                    .envs(&self.base)
-                    .current_dir(self.workdir())
-                    .stdin(Stdio::piped());
-                match Program::spawn(cmd, "the world's c10d store") {
-                    Ok(p) => self.store_host = Some(p),
-                    Err(e) => {
-                        eprintln!("ductile-worker: {e:#}: rank 0's program hosts the c10d store");
-                        return false;
-                    }
-                }
-            }
-            let server = self.store_host.as_mut().expect("started above");
-            let alive = server.child.try_wait().ok().flatten().is_none();
-            if let (true, Some(stdin)) = (alive, server.child.stdin.as_mut()) {
-                if stdin.write_all(line.as_bytes()).await.is_ok() && stdin.flush().await.is_ok() {
-                    return true;
-                }
-            }
-            // it exited (a crash, or an interpreter without torch): once more, afresh
-            let said = server.last_line.lock().unwrap().clone().unwrap_or_default();
-            tracing::warn!(last_line = %said, "the c10d store's server is gone: starting it again");
-            self.stop_store_host().await;
-        }
-        eprintln!("ductile-worker: the c10d store's server does not start: rank 0's program hosts the c10d store");
-        false
     }
 
     /// Until the server this launcher hosts (`store_host`) accepts connections on `port` (at
@@ -1400,17 +1363,15 @@ impl Launcher {
         }
     }
 
-    /// The address `whose` launcher published at `key` in generation `g`, and whether that
-    /// launcher hosts the store there (false where it did not say: a launcher of an earlier
-    /// release), waited for (at most [`MASTER_WAIT`]; None: a newer generation superseded
-    /// `me`, or this launcher is stopping).
+    /// The address `whose` launcher published at `key` in generation `g`, waited for (at most
+    /// [`MASTER_WAIT`]; None: a newer generation superseded `me`, or this launcher is stopping).
     async fn read_address(
         &self,
         g: &Generation,
         me: &Member,
         key: &str,
         whose: &str,
-    ) -> anyhow::Result<Option<(String, u16, bool)>> {
+    ) -> anyhow::Result<Option<(String, u16)>> {
         let t0 = Instant::now();
         loop {
             if self.superseded(g, me).is_some() || self.cancel.is_cancelled() {
@@ -1425,8 +1386,7 @@ impl Launcher {
                     if addr.is_empty() || port == 0 {
                         anyhow::bail!("{whose}'s address is malformed: {v}");
                     }
-                    let agent_store = v["agent_store"].as_bool().unwrap_or(false);
-                    return Ok(Some((addr, port, agent_store)));
+                    return Ok(Some((addr, port)));
                 }
                 Ok(None) => {}
                 Err(e) => tracing::warn!(error = %e, "cannot read {whose}'s address; retrying"),
@@ -1461,7 +1421,7 @@ impl Launcher {
                 .read_address(g, me, &key, &format!("rank {rank}'s TensorFlow server"))
                 .await?
             {
-                Some((addr, port, _)) => cluster.push((addr, port)),
+                Some(a) => cluster.push(a),
                 None => return Ok(None),
             }
         }
@@ -1559,7 +1519,7 @@ impl Launcher {
                 _ => None,
             };
             let master = match &tf {
-                Some(c) => Ok(c.first().map(|(a, p)| (a.clone(), *p, false))),
+                Some(c) => Ok(c.first().cloned()),
                 None => self.master(&g, &me, key, host).await,
             };
             let master = match master {
@@ -1597,11 +1557,6 @@ impl Launcher {
                         &error_file,
                         &self.node_gpus,
                     );
-                    if master.2 && self.spec.runtime == Runtime::Torchrun {
-                        // the launcher hosts the store: every rank (0 too) is its client,
-                        // under a prefix of the restart count, as torchrun's workers are
-                        e.insert("TORCHELASTIC_USE_AGENT_STORE".into(), "True".into());
-                    }
                     if let Some(c) = &tf {
                         tf_env(&mut e, c, me.rank);
                     }
@@ -1656,8 +1611,7 @@ impl Launcher {
             if !self.sweep(true).await {
                 return 1;
             }
-            // (a torchrun world's store server stays for the next generation's store)
-            if !matches!(outcome, Outcome::Done) && self.spec.runtime != Runtime::Torchrun {
+            if !matches!(outcome, Outcome::Done) {
                 self.stop_store_host().await;
             }
             match outcome {
