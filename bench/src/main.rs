@@ -316,6 +316,10 @@ enum Cmd {
         /// weights: the determinism check of the soak's reference pair.
         #[arg(long)]
         reference_runs: Option<usize>,
+        /// With --reference-runs: SIGKILL a worker of each run once it passes this step (rank
+        /// 0 in even runs, rank 1 in odd ones), to compare a re-formed run's bits.
+        #[arg(long)]
+        kill_at: Option<u64>,
     },
     /// DiLoCo and async against allreduce (3 CPU workers, a GPT): bytes sent per trained sample, the
     /// final weights' loss on a fixed set of 256 samples at equal samples, and samples per
@@ -662,6 +666,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Chaos {
             steps,
             reference_runs: Some(runs),
+            kill_at,
             ..
         } => {
             let steps = steps.unwrap_or(20_000);
@@ -669,7 +674,8 @@ async fn main() -> anyhow::Result<()> {
                 let mut hashes = Vec::new();
                 for run in 0..runs {
                     let t0 = std::time::Instant::now();
-                    let (sha, generations) = ductile_tests::chaos::reference(steps);
+                    let kill = kill_at.map(|s| (s, run as u32 % 2));
+                    let (sha, generations) = ductile_tests::chaos::reference_killed(steps, kill);
                     let sha = sha.unwrap_or_else(|| "(no hash)".into());
                     println!(
                         "reference run {run}: {} in {:.0} s; generations: {}",
@@ -701,7 +707,9 @@ async fn main() -> anyhow::Result<()> {
             steps,
             side_faults,
             reference_runs: None,
+            kill_at,
         } => {
+            anyhow::ensure!(kill_at.is_none(), "--kill-at goes with --reference-runs");
             let cfg = ductile_tests::chaos::Config {
                 seed: seed.unwrap_or_else(now_ms),
                 faults,

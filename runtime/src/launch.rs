@@ -1220,7 +1220,6 @@ impl Launcher {
             tracing::warn!("the standby interpreter is gone: starting the program afresh");
             s.stop(Duration::from_millis(100)).await;
         }
-        // with integrations, they are installed before the script runs
         // a Python script or module runs through BOOT (its exit hook; the integrations), as
         // in the standby interpreter; another command (`python -c`, a shell) as it is
         let command = match (

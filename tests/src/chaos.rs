@@ -215,9 +215,24 @@ fn run_bound(steps: u64) -> Duration {
 /// itself be the odd one out: CI once saw its bits differ from both the faulted run's and its
 /// rollback's, which agreed).
 pub fn reference(steps: u64) -> (Option<String>, Vec<String>) {
+    reference_killed(steps, None)
+}
+
+/// [`reference`], with the worker of rank `rank` SIGKILLed once the job has passed step
+/// `step` where `kill` is given (its agent restarts it; the world re-forms on the one node
+/// from the survivor's state): the same bits are due.
+pub fn reference_killed(steps: u64, kill: Option<(u64, u32)>) -> (Option<String>, Vec<String>) {
     let c = Cluster::start(Spec::default().agents(1, 2));
     let data = synth(c.dir.path(), "regression", SAMPLES);
     c.submit(&job("reference", &data, steps, 2, None));
+    if let Some((step, rank)) = kill {
+        let pid = c.wait_for(run_bound(steps), "the step to kill at", || {
+            try_status(&c, "reference")
+                .filter(|v| v.step >= step)
+                .and_then(|v| v.members.iter().find(|m| m.rank == rank)?.pid)
+        });
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
     let done = c.wait_for(run_bound(steps), "the reference run", || {
         try_status(&c, "reference").filter(|v| v.state == JobState::Succeeded)
     });
