@@ -336,18 +336,13 @@ pub async fn reshard_transfer(
                     new: &BTreeMap<u32, Vec<Holding>>|
      -> anyhow::Result<(u64, u64)> {
         use ductile_strategies::redistribute::{elements, plan};
-        use ductile_worker::train::reshard::all_parts;
+        use ductile_worker::train::reshard::{all_parts, holding_parts};
         let p = plan(&elem, &all_parts(old), &[], &all_parts(new))?;
         let moved = p.moves.iter().map(|m| elements(&m.region) * 4).sum();
-        let least = all_parts(
-            &old.iter()
-                .filter(|(r, _)| **r == 3)
-                .map(|(r, h)| (*r, h.clone()))
-                .collect(),
-        )
-        .iter()
-        .map(|x| elements(&x.region) * 4)
-        .sum();
+        let least = holding_parts(3, &old[&3])
+            .iter()
+            .map(|x| elements(&x.region) * 4)
+            .sum();
         Ok((moved, least))
     };
     println!(

@@ -190,29 +190,30 @@ impl Group {
             self.members[(self.me + n - 1) % n],
         );
         let me = self.me;
+        // one round: send chunk `out_c` to the next member, take the previous one's chunk
+        // `in_c` and add it to this member's (`add`) or put it in place
+        let round = |out_c: usize, in_c: usize, add: bool| -> Result<()> {
+            let send = self.comm.place(&chunk(&acc, out_c).contiguous());
+            let got = self
+                .comm
+                .zeros(&[bound(in_c + 1) - bound(in_c)], acc.kind());
+            self.comm.exchange(&[(next, &send)], &[(prev, &got)])?;
+            let mut into = chunk(&acc, in_c);
+            match add {
+                true => into += got.into_tensor(),
+                false => into.copy_(&got.into_tensor()),
+            }
+            Ok(())
+        };
         // reduce-scatter: in round k this member sends its partial sum of chunk (me − k) and
         // adds the previous member's of chunk (me − k − 1); after n − 1 rounds it holds the
         // whole sum of chunk (me + 1)
         for k in 0..n - 1 {
-            let (out_c, in_c) = ((me + n - k) % n, (me + 2 * n - k - 1) % n);
-            let send = self.comm.place(&chunk(&acc, out_c).contiguous());
-            let got = self
-                .comm
-                .zeros(&[bound(in_c + 1) - bound(in_c)], acc.kind());
-            self.comm.exchange(&[(next, &send)], &[(prev, &got)])?;
-            let mut into = chunk(&acc, in_c);
-            into += got.into_tensor();
+            round((me + n - k) % n, (me + 2 * n - k - 1) % n, true)?;
         }
         // all-gather: pass the whole sums on around the ring
         for k in 0..n - 1 {
-            let (out_c, in_c) = ((me + 1 + n - k) % n, (me + n - k) % n);
-            let send = self.comm.place(&chunk(&acc, out_c).contiguous());
-            let got = self
-                .comm
-                .zeros(&[bound(in_c + 1) - bound(in_c)], acc.kind());
-            self.comm.exchange(&[(next, &send)], &[(prev, &got)])?;
-            let mut into = chunk(&acc, in_c);
-            into.copy_(&got.into_tensor());
+            round((me + 1 + n - k) % n, (me + n - k) % n, false)?;
         }
         Ok(acc.view(t.size().as_slice()))
     }

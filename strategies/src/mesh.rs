@@ -81,6 +81,17 @@ impl Mesh {
             .collect()
     }
 
+    /// HSDP's other axis: the ranks at `c`'s place (`dp mod shard`) in every shard group of
+    /// its stage and tensor place ([`Mesh::shard_group`]'s groups), in replica order: they
+    /// hold the same rows.
+    pub fn shard_peers(&self, c: Coords, shard: u32) -> Vec<u32> {
+        let shard = shard.clamp(1, self.dp.max(1));
+        (0..self.dp)
+            .filter(|dp| dp % shard == c.dp % shard)
+            .map(|dp| self.rank(Coords { dp, ..c }))
+            .collect()
+    }
+
     /// Whether the rank at `c` counts its tensor group's loss and samples (the group's members
     /// compute the same loss over the same samples: one of them counts them).
     pub fn counts_loss(c: Coords) -> bool {
@@ -114,6 +125,22 @@ mod tests {
         let c = m.coords(7).unwrap();
         assert_eq!(m.shard_group(c, 2), vec![1, 7]);
         assert_eq!(m.shard_group(c, 1), vec![7]);
+        // HSDP's other axis: with one shard group of both replicas, nobody else; with groups
+        // of 1, the other replica
+        assert_eq!(m.shard_peers(c, 2), vec![7]);
+        assert_eq!(m.shard_peers(c, 1), vec![1, 7]);
+        let four = Mesh {
+            dp: 4,
+            pp: 1,
+            tp: 2,
+        };
+        let c = four.coords(3).unwrap();
+        assert_eq!(four.shard_group(c, 2), vec![1, 3]);
+        assert_eq!(
+            four.shard_peers(c, 2),
+            vec![3, 7],
+            "place 1 of groups {{0, 1}} and {{2, 3}}"
+        );
         assert_eq!(
             m.coords(7),
             Some(Coords {

@@ -263,6 +263,20 @@ impl SpanIndex {
     }
 }
 
+/// Items (tensor, region, item) indexed per tensor by their regions' dimension-0 spans.
+fn index_by_tensor<'a>(
+    items: impl Iterator<Item = (usize, &'a Region, usize)>,
+) -> BTreeMap<usize, SpanIndex> {
+    let mut of: BTreeMap<usize, Vec<(u64, u64, usize)>> = BTreeMap::new();
+    for (t, r, i) in items {
+        let (lo, hi) = span0(r);
+        of.entry(t).or_default().push((lo, hi, i));
+    }
+    of.into_iter()
+        .map(|(t, s)| (t, SpanIndex::new(s)))
+        .collect()
+}
+
 /// The holders of one tensor's identical region: the one that serves a need is the least
 /// loaded ((bytes sent, rank, input order)), found in a heap whose keys are brought up to date
 /// as they come to its top (what a rank has sent only grows).
@@ -326,29 +340,22 @@ pub fn plan(
         });
         groups[g].heap.push(Reverse((0, h.rank, i)));
     }
-    let mut holders_of: BTreeMap<usize, (Vec<Holders>, SpanIndex)> = groups_of
+    let mut holders_of: BTreeMap<usize, Vec<Holders>> = groups_of
         .into_iter()
-        .map(|(t, (groups, _))| {
-            let spans = groups
-                .iter()
-                .enumerate()
-                .map(|(g, h)| {
-                    let (lo, hi) = span0(&h.region);
-                    (lo, hi, g)
-                })
-                .collect();
-            (t, (groups, SpanIndex::new(spans)))
-        })
+        .map(|(t, (groups, _))| (t, groups))
         .collect();
-    let mut chunks_of: BTreeMap<usize, Vec<(u64, u64, usize)>> = BTreeMap::new();
-    for (ci, c) in chunks.iter().enumerate() {
-        let (lo, hi) = span0(&c.region);
-        chunks_of.entry(c.tensor).or_default().push((lo, hi, ci));
-    }
-    let chunks_of: BTreeMap<usize, SpanIndex> = chunks_of
-        .into_iter()
-        .map(|(t, s)| (t, SpanIndex::new(s)))
-        .collect();
+    let holders_index = index_by_tensor(holders_of.iter().flat_map(|(t, groups)| {
+        groups
+            .iter()
+            .enumerate()
+            .map(move |(g, h)| (*t, &h.region, g))
+    }));
+    let chunks_of = index_by_tensor(
+        chunks
+            .iter()
+            .enumerate()
+            .map(|(ci, c)| (c.tensor, &c.region, ci)),
+    );
     let mut sent: BTreeMap<u32, u64> = BTreeMap::new();
     let mut out = Plan::default();
     let mut found = Vec::new();
@@ -363,7 +370,9 @@ pub fn plan(
         {
             todo = todo.iter().flat_map(|r| subtract(r, h)).collect();
         }
-        let Some((groups, index)) = holders_of.get_mut(&n.tensor) else {
+        let (Some(groups), Some(index)) =
+            (holders_of.get_mut(&n.tensor), holders_index.get(&n.tensor))
+        else {
             rest.push(todo);
             continue;
         };
@@ -405,17 +414,12 @@ pub fn plan(
         rest.push(todo);
     }
     // the needs the live holders left something of, per tensor, indexed by their rows
-    let mut open_of: BTreeMap<usize, Vec<(u64, u64, usize)>> = BTreeMap::new();
-    for (ni, n) in need.iter().enumerate() {
-        if !rest[ni].is_empty() {
-            let (lo, hi) = span0(&n.region);
-            open_of.entry(n.tensor).or_default().push((lo, hi, ni));
-        }
-    }
-    let open_of: BTreeMap<usize, SpanIndex> = open_of
-        .into_iter()
-        .map(|(t, s)| (t, SpanIndex::new(s)))
-        .collect();
+    let open_of = index_by_tensor(
+        need.iter()
+            .enumerate()
+            .filter(|(ni, _)| !rest[*ni].is_empty())
+            .map(|(ni, n)| (n.tensor, &n.region, ni)),
+    );
     // each chunk someone still needs is read, whole, by the needer that has read least
     let mut read: BTreeMap<u32, u64> = BTreeMap::new();
     let mut reader: Vec<Option<u32>> = vec![None; chunks.len()];

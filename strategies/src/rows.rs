@@ -161,27 +161,24 @@ impl RowOwners {
         }
         out
     }
-
-    /// The rows of a tensor of `rows` rows whose owner differs between `self` and `next`
-    /// (`stay` mapping this assignment's places to `next`'s, as given to
-    /// [`RowOwners::resized`]): what a re-cut must move.
-    pub fn rows_moved(&self, next: &RowOwners, stay: &[Option<u32>], rows: u64) -> u64 {
-        self.owner
-            .iter()
-            .zip(&next.owner)
-            .enumerate()
-            .filter(|(_, (&a, &b))| stay[a as usize] != Some(b))
-            .map(|(c, _)| {
-                let r = split_range(rows, self.chunks(), c as u32);
-                r.end - r.start
-            })
-            .sum()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rows of a tensor of `rows` rows whose owner differs between `o` and `next` (`stay`
+    /// mapping `o`'s places to `next`'s, as given to [`RowOwners::resized`]): what a re-cut
+    /// must move.
+    fn rows_moved(o: &RowOwners, next: &RowOwners, stay: &[Option<u32>], rows: u64) -> u64 {
+        (0..o.chunks())
+            .filter(|&c| stay[o.owner(c) as usize] != Some(next.owner(c)))
+            .map(|c| {
+                let r = split_range(rows, o.chunks(), c);
+                r.end - r.start
+            })
+            .sum()
+    }
 
     /// The places after a grow by `k` (every old place stays where it was) or a shrink that
     /// loses old place `gone` (the later places close up).
@@ -279,7 +276,7 @@ mod tests {
                 assert_eq!(held, total, "{n} -> {to}");
                 let moved: u64 = shapes
                     .iter()
-                    .map(|&(rows, cols)| o.rows_moved(&r, &stay, rows) * cols)
+                    .map(|&(rows, cols)| rows_moved(&o, &r, &stay, rows) * cols)
                     .sum();
                 let minimum = if to > n {
                     (total * (to - n) as u64) as f64 / to as f64

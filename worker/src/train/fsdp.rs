@@ -150,10 +150,6 @@ impl Trainer {
         comm: &Arc<dyn Communicator>,
         g: &Generation,
     ) -> Result<Option<Group>, CommError> {
-        let (s, place) = self.shard_held;
-        if s == comm.world() {
-            return Ok(None);
-        }
         let mesh = Mesh::new(&g.layout);
         let Some(c) = mesh.coords(comm.rank()) else {
             return Err(CommError::Invalid {
@@ -161,10 +157,7 @@ impl Trainer {
                 reason: format!("rank {} is a spare of generation {}", comm.rank(), g.number),
             });
         };
-        let peers: Vec<u32> = (0..g.layout.data_parallel.max(1))
-            .filter(|d| d % s.max(1) == place)
-            .map(|d| mesh.rank(ductile_strategies::mesh::Coords { dp: d, ..c }))
-            .collect();
+        let peers = mesh.shard_peers(c, self.shard_held.0);
         match peers.len() > 1 {
             true => Group::new(comm.clone(), peers).map(Some),
             false => Ok(None),

@@ -132,18 +132,11 @@ impl Trainer {
             stage: me.pp_stage,
             tp: me.tp_rank,
         };
-        let (s, place) = self.shard_held;
+        let s = self.shard_held.0;
         let dp = g.layout.data_parallel.max(1);
         let grp = Some(Group::new(arc.clone(), mesh.shard_group(c, s))?);
         // HSDP: the members of the other shard groups at this place hold the same rows
-        let peers: Vec<u32> = (0..dp)
-            .filter(|d| d % s == place)
-            .map(|d| mesh.rank(Coords { dp: d, ..c }))
-            .collect();
-        let across = match peers.len() > 1 {
-            true => Some(Group::new(arc.clone(), peers)?),
-            false => None,
-        };
+        let across = self.replica_group(arc, g)?;
         let units = self.units();
         // (a thread where this node has a core to spare for it, [`Trainer::comm_thread`]: at
         // dp2 × tp2 with a rank per core, threaded gathers ran at 0.98× the inline step's
