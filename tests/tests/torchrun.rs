@@ -825,8 +825,11 @@ fn training_torchrun_ductile_s_module_needs_no_install_and_a_missing_integration
     let want = format!(
         "need the Python package(s) transformers, accelerate, torch, which {bare} cannot import"
     );
+    // (the worker's message shows while the leader may not yet have ended the job: wait for
+    // both, bounded)
     let v = c.wait_for(S(60), "the job to say what its interpreter lacks", || {
-        Some(c.status("lacks")).filter(|v| v.message.contains(&want))
+        Some(c.status("lacks"))
+            .filter(|v| v.message.contains(&want) && v.state != JobState::Running)
     });
     assert_ne!(v.state, JobState::Running, "{}", v.message);
     // no restart comes: each slot's launcher said it once
