@@ -313,6 +313,8 @@ pub async fn hf_step(
 /// optimizer is a `ZeroRedundancyOptimizer`; with `"full"` ductile shards everything (ZeRO-3)
 /// and the peer is PyTorch FSDP2 (`fully_shard` per decoder layer); `"full-kept"` both keep
 /// the gathered parameters for the backward (`reshard_after_forward = false` / `False`).
+/// ductile's `full` and `full-kept` keep no buddy copies, as FSDP2 keeps none; `full-buddy`
+/// keeps them (ductile's default), to measure what they cost against the same peer.
 /// `every` > 0: both sides checkpoint every `every` steps (ductile to a `file://` URL,
 /// PyTorch with torch.distributed.checkpoint to a directory), so the peaks hold a save.
 #[allow(clippy::too_many_arguments)]
@@ -328,8 +330,8 @@ pub async fn ddp_step(
     every: u32,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
-        ["none", "optimizer", "full", "full-kept"].contains(&sharding),
-        "--sharding is none, optimizer, full or full-kept"
+        ["none", "optimizer", "full", "full-kept", "full-buddy"].contains(&sharding),
+        "--sharding is none, optimizer, full, full-kept or full-buddy"
     );
     anyhow::ensure!(
         world >= 1 && batch >= world,
@@ -345,12 +347,17 @@ pub async fn ddp_step(
         "full" => (
             2,
             "PyTorch FSDP2 (fully_shard per decoder layer)",
-            "sharding = \"full\"",
+            "sharding = \"full\"\nbuddy_copies = false",
         ),
         "full-kept" => (
             3,
             "PyTorch FSDP2 (fully_shard per decoder layer, reshard_after_forward=False)",
-            "sharding = \"full\"\nreshard_after_forward = false",
+            "sharding = \"full\"\nreshard_after_forward = false\nbuddy_copies = false",
+        ),
+        "full-buddy" => (
+            2,
+            "PyTorch FSDP2 (fully_shard per decoder layer)",
+            "sharding = \"full\"\nbuddy_copies = true",
         ),
         _ => (0, "PyTorch DDP", ""),
     };
@@ -568,18 +575,29 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
             4.0 / sps
         );
     }
-    // a SIGKILL: the lost rows come from the last commit
+    // a SIGKILL: the lost rows come from rank 3's buddy copy (rank 1's host memory, on the
+    // other node), or with buddy_copies = false from the last commit
     let g = c.history("bench").last().unwrap().number;
+    let reached = c.status("bench").step;
     let t0 = now_ms();
     unsafe { libc::kill(v.members[3].pid.unwrap() as i32, libc::SIGKILL) };
     let next = crate::training::generation(&c, g + 1).await?;
     let t1 = first_step_within(&c, g + 1, long).await?;
+    let resumed = c
+        .joins("bench", g + 1, next.world_size)
+        .await
+        .iter()
+        .map(|j| j.step)
+        .min()
+        .unwrap_or(0);
     println!(
-        "fsdp-elastic: SIGKILL of rank 3 → first step of generation {} (world {}, state from {:?}) after {:.1} s",
+        "fsdp-elastic: SIGKILL of rank 3 at step {reached} or later → first step of generation {} (world {}, state from {:?}, resumed at step {resumed}: {} steps lost) after {:.1} s; {}",
         g + 1,
         next.world_size,
         next.state_source,
-        (t1 - t0) as f64 / 1000.0
+        reached.saturating_sub(resumed),
+        (t1 - t0) as f64 / 1000.0,
+        next.detail
     );
     // the slot's worker comes back: a join, its rows from the peers
     let v = c.wait_world("bench", 4, long);

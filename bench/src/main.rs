@@ -234,7 +234,8 @@ enum Cmd {
         /// `none`; `optimizer`: ductile's ZeRO-1 against DDP with PyTorch's
         /// ZeroRedundancyOptimizer; `full`: ductile's full sharding against FSDP2;
         /// `full-kept`: both with the gathered parameters kept for the backward
-        /// (`reshard_after_forward` false).
+        /// (`reshard_after_forward` false); `full` and `full-kept` without ductile's buddy
+        /// copies (FSDP2 keeps none), `full-buddy` with them (ductile's default).
         #[arg(long, default_value = "none")]
         sharding: String,
         #[arg(long, default_value_t = 4)]

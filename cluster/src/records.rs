@@ -1091,6 +1091,16 @@ pub struct TrainingSpec {
     /// parameters whole during the step, as ZeRO-2). PyTorch FSDP2's `reshard_after_forward`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reshard_after_forward: Option<bool>,
+    /// With `sharding = "full"`: every rank also keeps a copy of another rank's shard (its
+    /// rows of the parameters and of their optimizer state) in host memory, on another node
+    /// where the job has one, refreshed every step (its reduced gradient rows sent to the copy's
+    /// keeper before the step is applied). The loss of any one rank, or node, then re-shards
+    /// from the survivors at the step reached, without the checkpoint (which stays for losing
+    /// a rank and its copy's keeper together). Costs a shard's worth of host memory per rank and
+    /// a send of the gradient rows per step. Applies where each shard has one holder (every
+    /// data-parallel rank in one shard group, no stages or tensor groups). Default `true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buddy_copies: Option<bool>,
     /// Communicator backend: `auto` (NCCL when every member has a GPU of its own, else TCP),
     /// `nccl` or `tcp` (TCP stages CUDA tensors through pinned host memory).
     #[serde(default)]
@@ -1504,6 +1514,12 @@ impl TrainingSpec {
         Some(format!(
             "sharding \"auto\" chose \"{chosen}\"{strategy}: {why}"
         ))
+    }
+
+    /// Whether the job keeps buddy copies of its shards (`buddy_copies`, on by default with
+    /// full sharding).
+    pub fn keeps_buddy_copies(&self) -> bool {
+        self.sharding == Sharding::Full && self.buddy_copies != Some(false)
     }
 
     /// About how many parameters the model's largest unit (the pipeline's blocks, what full
@@ -2500,6 +2516,15 @@ impl TrainingSpec {
                     format!("{b} is not between 1 and 4096 (MiB)"),
                 ));
             }
+        }
+        if self.buddy_copies.is_some() && self.sharding != Sharding::Full {
+            return Err(ClusterError::invalid(
+                "training.buddy_copies",
+                format!(
+                    "applies to sharding = \"full\" (the parameters sharded), not \"{}\"",
+                    self.sharding
+                ),
+            ));
         }
         if self.reshard_after_forward.is_some() && self.sharding != Sharding::Full {
             return Err(ClusterError::invalid(
@@ -3816,6 +3841,35 @@ keep = 3
             .to_string();
             assert!(
                 e.contains("training.reshard_after_forward") && e.contains(level),
+                "{e}"
+            );
+        }
+    }
+
+    /// `buddy_copies` is full sharding's and on by default there: `false` turns it off,
+    /// another level with the key is refused, naming it.
+    #[test]
+    fn buddy_copies_are_full_sharding_s_and_on_by_default() {
+        let spec = |extra: &str| {
+            JobSpec::from_toml(&format!(
+                "name = \"a\"\nmin = 1\nmax = 4\ndesired = 4\n[training]\nmodel = \"gpt\"\ndataset = \"file:///d.bin\"\nglobal_batch = 8\n{extra}\n[checkpoint]\nurl = \"file:///ck\"\n"
+            ))
+            .map(|s| s.training.unwrap())
+        };
+        assert!(spec("sharding = \"full\"").unwrap().keeps_buddy_copies());
+        assert!(!spec("sharding = \"full\"\nbuddy_copies = false")
+            .unwrap()
+            .keeps_buddy_copies());
+        assert!(!spec("sharding = \"optimizer\"")
+            .unwrap()
+            .keeps_buddy_copies());
+        assert!(!spec("").unwrap().keeps_buddy_copies());
+        for level in ["none", "optimizer", "gradients"] {
+            let e = spec(&format!("sharding = \"{level}\"\nbuddy_copies = true"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("training.buddy_copies") && e.contains(level),
                 "{e}"
             );
         }

@@ -905,6 +905,22 @@ fn build(
             );
         }
     }
+    if let (Some(g), Some(t), true) = (cur, spec.training.as_ref(), leavers.is_empty()) {
+        let saved = from_buddies(g, t, chosen);
+        if !saved.is_empty() {
+            let (shards, keepers): (Vec<String>, Vec<String>) = saved
+                .iter()
+                .map(|(s, k)| (s.to_string(), k.to_string()))
+                .unzip();
+            detail = format!(
+                "{detail}; shards {} of {} come from their buddy copies (generation {}'s ranks {}) at the step reached, or from the checkpoint where a copy is not current",
+                shards.join(", "),
+                g.layout.dp_shard,
+                g.number,
+                keepers.join(", ")
+            );
+        }
+    }
     if let Some(lost) = from_checkpoint {
         // (the workers read the URL itself: the record is what the leader knows of it)
         detail = match obs.checkpoint.as_ref() {
@@ -1102,9 +1118,11 @@ fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Opt
     let shard = g.layout.dp_shard.max(1);
     let pp = g.layout.pipeline_parallel.max(1);
     let mut out = Vec::new();
+    let saved = from_buddies(g, t, chosen);
     if shard > 1 {
         // a shard of the optimizer state is lost when none of its replicas stays (under
-        // stages and tensor groups, each stage's and tensor place's shards)
+        // stages and tensor groups, each stage's and tensor place's shards) and no buddy copy
+        // of it does
         let lost: Vec<String> = (0..pp)
             .flat_map(|s| (0..tp).map(move |k| (s, k)))
             .flat_map(|(s, k)| (0..shard).map(move |d| (s, k, d)))
@@ -1117,6 +1135,7 @@ fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Opt
                         && m.dp_rank % shard == *d
                 })
             })
+            .filter(|(_, _, d)| !saved.iter().any(|(s, _)| s == d))
             .map(|(s, k, d)| match (pp, tp) {
                 (1, 1) => d.to_string(),
                 (_, 1) => format!("{d} (stage {s})"),
@@ -1160,6 +1179,28 @@ fn lost_units(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Opt
         out.push(format!("layers {}", lost.join(", ")));
     }
     (!out.is_empty()).then(|| out.join("; "))
+}
+
+/// The shards of `g` whose one holder leaves while the keeper of its buddy copy stays
+/// (`training.buddy_copies`): (shard, the keeper's rank in `g`).
+fn from_buddies(g: &Generation, t: &TrainingSpec, chosen: &[(String, u32)]) -> Vec<(u32, u32)> {
+    if !t.keeps_buddy_copies() {
+        return Vec::new();
+    }
+    let Some(keepers) = ductile_strategies::buddy::of_generation(g) else {
+        return Vec::new();
+    };
+    let stays = |r: u32| {
+        g.members
+            .iter()
+            .find(|m| m.rank == r)
+            .is_some_and(|m| chosen.iter().any(|(n, s)| *n == m.node && *s == m.slot))
+    };
+    g.members
+        .iter()
+        .filter(|m| !stays(m.rank) && stays(keepers[m.rank as usize]))
+        .map(|m| (m.dp_rank, keepers[m.rank as usize]))
+        .collect()
 }
 
 /// Slot records that exclude `ranks` of `g`, saying who could not reach each.

@@ -2,6 +2,7 @@
 //! rank's share of a fixed global batch, and pipeline plans ([`pipeline`]). No I/O, no tch.
 
 pub mod arch;
+pub mod buddy;
 pub mod diloco;
 pub mod mesh;
 pub mod pipeline;

@@ -477,6 +477,33 @@ fn kill_restores_from_checkpoint(c: &Cluster, job: &str, v: &JobView, k: usize, 
     c.wait_world(job, 4, S(60));
 }
 
+/// SIGKILL rank `k` of `job` (at world 4, 2 nodes of 2) past step `at`: a fully sharded job's
+/// buddy copies give its shard (on rank (k + 2) mod 4, the other node): the next generation
+/// says so, no generation restores from the checkpoint, and the slot's restarted worker joins.
+fn kill_loses_no_step(c: &Cluster, job: &str, v: &JobView, k: usize, at: u64) {
+    c.wait_step(job, at, S(60));
+    let before = c.history(job).last().unwrap().number;
+    unsafe { libc::kill(v.members[k].pid.unwrap() as i32, libc::SIGKILL) };
+    let says = format!(
+        "shards {k} of 4 come from their buddy copies (generation {before}'s ranks {})",
+        (k + 2) % 4
+    );
+    let g = c.wait_for(S(60), "the generation after the kill", || {
+        c.history(job)
+            .into_iter()
+            .find(|g| g.number > before && g.reason == Reason::Failure)
+    });
+    assert!(g.detail.contains(&says), "{says}: {}", g.detail);
+    c.wait_world(job, 4, S(60));
+    let h = c.history(job);
+    assert!(
+        h.iter()
+            .filter(|g| g.number > before)
+            .all(|g| g.state_source != StateSource::Checkpoint),
+        "{h:#?}"
+    );
+}
+
 /// `dctl scale` `job` through `worlds`, 30 steps at each: no generation since restores from a
 /// checkpoint (the shards are re-cut in place). Returns the job's history.
 fn resize_in_place(c: &Cluster, job: &str, worlds: &[u32]) -> Vec<Generation> {
@@ -530,7 +557,7 @@ fn hsdp_kill_loses_no_shard(c: &Cluster, at: u64, then: u64, said: Option<&str>)
 /// the optimizer state and of the summed gradient, gathering one unit at a time (ZeRO-2, the
 /// same with whole parameters, too). A
 /// deterministic GPT job with an eval split at world 4 holds about a quarter of an unsharded
-/// rank's state, loses a shard to a SIGKILL (restored from the checkpoint), is re-cut live
+/// rank's state, loses a rank to a SIGKILL (its shard from its buddy copy), is re-cut live
 /// 4 → 3 → 1 → 2, and ends with the unsharded run's weights and optimizer state, bit for bit,
 /// its evals equal too, gradients clipped by global norm (`max_grad_norm`, acting: the norm
 /// is past it) in every run; HSDP (shard groups of 2) survives a kill from the replica; a cold
@@ -580,7 +607,7 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
             .contains("made the seed's parameters in their rows, unit by unit shard=4"),
         "the workers made their rows of the seed"
     );
-    kill_restores_from_checkpoint(&c, "full", &v, 2, 60);
+    kill_loses_no_step(&c, "full", &v, 2, 60);
     resize_in_place(&c, "full", &[3, 1, 2]);
     // every world, one included (FSDP2 at a mesh of one), ran the gathers and the reductions
     let logs = c.logs();
@@ -803,12 +830,23 @@ fn training_fully_sharded_parameters_give_the_unsharded_bits_through_kills_and_r
 /// folded over the logical shards in order, as the tensor layout's step folds them); so does
 /// HSDP under tensor groups (shard groups of one replica), and a cold start of another layout
 /// reads the 2D checkpoint's rows.
-/// A fully sharded job that loses a rank before its first checkpoint commit: the rows only
-/// that rank held are gone and no commit holds them, so the job says once, plainly, that it
-/// starts over from the seed at step 0, and does so in the next generation (no cascade of
-/// generations, no worker saying it stops); it then ends with the uninterrupted run's bits.
-#[test]
-fn training_a_sharded_job_without_a_commit_yet_starts_over_from_the_seed_once_and_says_so() {
+/// A fully sharded GPT job of world 4 on 2 nodes (ranks 0 and 1 on the first, 2 and 3 on the
+/// second), deterministic, with a checkpoint URL that no commit reaches: its ranks `kill`
+/// SIGKILLed at once past step 8. Returns the job's run, and the uninterrupted run's final
+/// hashes.
+struct ShardedLoss {
+    c: Cluster,
+    /// The uninterrupted run's final hashes (weights, optimizer state).
+    reference: (String, String),
+    /// The job's status step read just before the kill (a floor of the step reached).
+    killed_at: u64,
+    /// The generations published after the kill.
+    after: Vec<Generation>,
+    /// The job's log lines.
+    lines: Vec<String>,
+}
+
+fn sharded_job_losing(kill: &[usize], extra: &str) -> ShardedLoss {
     let c = Cluster::start(Spec {
         restart_backoff_ms: 300,
         ..Spec::default().agents(2, 2)
@@ -820,31 +858,63 @@ fn training_a_sharded_job_without_a_commit_yet_starts_over_from_the_seed_once_an
         .replace("decay_steps = 300", "decay_steps = 40");
     let train = |name: &str, extra: &str| {
         format!(
-            "{}max_steps = {STEPS}\ndeterministic = true\nlogical_shards = 4\n{recipe}{extra}\n[training.model_config]\nd_model = 32\nn_layer = 2\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 100000\n",
+            "{}max_steps = {STEPS}\ndeterministic = true\nlogical_shards = 4\nmax_grad_norm = 1.0\n{recipe}{extra}\n[training.model_config]\nd_model = 32\nn_layer = 2\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 100000\n",
             training_toml(name, 1, 4, 4, "gpt", &data, "restart_budget = 50"),
             c.dir.path().display()
         )
     };
-    c.submit(&train("once", "sharding = \"full\""));
+    c.submit(&train("once", "sharding = \"full\"\nbuddy_copies = false"));
     c.wait_done("once", S(180));
     let reference = final_hashes(&c, "once");
 
-    c.submit(&train("over", "sharding = \"full\""));
-    let v = c.wait_world("over", 4, S(30));
-    c.wait_step("over", 8, S(60));
-    let before = c.history("over").last().unwrap().number;
-    unsafe { libc::kill(v.members[1].pid.unwrap() as i32, libc::SIGKILL) };
-    c.wait_done("over", S(180));
+    c.submit(&train("lose", &format!("sharding = \"full\"\n{extra}")));
+    let v = c.wait_world("lose", 4, S(30));
+    c.wait_step("lose", 8, S(60));
+    let before = c.history("lose").last().unwrap().number;
+    let killed_at = c.status("lose").step;
+    for r in kill {
+        unsafe { libc::kill(v.members[*r].pid.unwrap() as i32, libc::SIGKILL) };
+    }
+    c.wait_done("lose", S(180));
     let after: Vec<Generation> = c
-        .history("over")
+        .history("lose")
         .into_iter()
         .filter(|g| g.number > before)
         .collect();
-    let failures: Vec<&Generation> = after
+    let lines = c
+        .logs()
+        .lines()
+        .filter(|l| l.contains("job=lose"))
+        .map(str::to_string)
+        .collect();
+    ShardedLoss {
+        c,
+        reference,
+        killed_at,
+        after,
+        lines,
+    }
+}
+
+/// A fully sharded job without buddy copies that loses a rank before its first checkpoint
+/// commit: the rows only that rank held are gone and no commit holds them, so the job says
+/// once, plainly, that it starts over from the seed at step 0, and does so in the next
+/// generation (no cascade of generations, no worker saying it stops); it then ends with the
+/// uninterrupted run's bits.
+#[test]
+fn training_a_sharded_job_without_a_commit_yet_starts_over_from_the_seed_once_and_says_so() {
+    let run = sharded_job_losing(&[1], "buddy_copies = false");
+    let failures: Vec<&Generation> = run
+        .after
         .iter()
         .filter(|g| g.reason == Reason::Failure)
         .collect();
-    assert_eq!(failures.len(), 1, "one generation for the loss: {after:#?}");
+    assert_eq!(
+        failures.len(),
+        1,
+        "one generation for the loss: {:#?}",
+        run.after
+    );
     assert!(
         failures[0]
             .detail
@@ -852,24 +922,104 @@ fn training_a_sharded_job_without_a_commit_yet_starts_over_from_the_seed_once_an
         "{}",
         failures[0].detail
     );
-    let logs = c.logs();
-    let over: Vec<&str> = logs.lines().filter(|l| l.contains("job=over")).collect();
     assert_eq!(
-        over.iter()
+        run.lines
+            .iter()
             .filter(|l| l.contains("the job starts over from the seed at step 0"))
             .count(),
         1,
-        "said once: {over:#?}"
+        "said once: {:#?}",
+        run.lines
     );
     assert!(
-        !over.iter().any(|l| l.contains("stopping rather than")),
-        "no worker says it stops: {over:#?}"
+        !run.lines.iter().any(|l| l.contains("stopping rather than")),
+        "no worker says it stops: {:#?}",
+        run.lines
     );
     assert_eq!(
-        final_hashes(&c, "over"),
-        reference,
+        final_hashes(&run.c, "lose"),
+        run.reference,
         "the run started over from the seed ends with the uninterrupted run's bits"
     );
+}
+
+/// Buddy copies (issue 67, item 6): the same loss costs no step, and so does the loss of a
+/// node's two ranks at once. Every rank keeps its ward's shard in host memory on the other
+/// node, so the generation after the kill re-shards from the survivors at the step reached: no
+/// rank restores anything or starts over, every member joins that generation past the step the
+/// job had shown before the kill, the leader's detail says where the lost shards come from, and
+/// the run ends with the uninterrupted run's bits (the copies were kept current by the same
+/// optimizer update, clipped gradients included).
+#[test]
+fn training_a_sharded_job_loses_no_step_when_a_rank_or_a_node_dies_its_shards_from_buddy_copies() {
+    // (the two SIGKILLs of a node's ranks may reach the leader apart: a generation each)
+    for (kill, says) in [
+        (
+            &[1usize][..],
+            "shards 1 of 4 come from their buddy copies (generation 1's ranks 3)",
+        ),
+        (&[0, 1][..], "come from their buddy copies (generation "),
+    ] {
+        let run = sharded_job_losing(kill, "");
+        let failures: Vec<&Generation> = run
+            .after
+            .iter()
+            .filter(|g| g.reason == Reason::Failure)
+            .collect();
+        assert!(
+            (1..=kill.len()).contains(&failures.len()),
+            "{kill:?}: a generation for each loss at most: {:#?}",
+            run.after
+        );
+        for g in &failures {
+            assert!(g.detail.contains(says), "{kill:?}: {}", g.detail);
+        }
+        let g = failures.last().unwrap();
+        // (each member's own line: the job's records of its joins go when it ends)
+        let joined = format!("joined generation {} as rank ", g.number);
+        let steps: Vec<u64> = run
+            .lines
+            .iter()
+            .filter_map(|l| l.split_once(&joined))
+            .filter_map(|(_, rest)| {
+                rest.split_once(" at step ")?
+                    .1
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        assert!(
+            steps.len() == g.world_size as usize
+                && steps.iter().all(|s| *s >= run.killed_at && *s > 0),
+            "{kill:?}: every member of generation {} joins at the step reached (at least {}): {steps:?}",
+            g.number,
+            run.killed_at
+        );
+        for said in [
+            "restores",
+            "starts over",
+            "stopping rather than",
+            "no holder",
+        ] {
+            assert!(
+                !run.lines.iter().any(|l| l.contains(said)),
+                "{kill:?}: no rank says \"{said}\": {:#?}",
+                run.lines
+            );
+        }
+        assert!(
+            run.lines.iter().any(|l| l.contains("buddy copy made")),
+            "the ranks say they keep copies: {:#?}",
+            run.lines
+        );
+        assert_eq!(
+            final_hashes(&run.c, "lose"),
+            run.reference,
+            "{kill:?}: the run that lost ranks ends with the uninterrupted run's bits"
+        );
+    }
 }
 
 #[test]

@@ -37,6 +37,7 @@ use ductile_runtime::{GenCell, WorkerEnv};
 mod agree;
 pub mod allreduce;
 pub mod asynch;
+mod buddy;
 pub mod ckpt;
 pub mod diloco;
 pub mod driver;
@@ -114,6 +115,8 @@ pub struct Trainer {
     bucket: Option<Tensor>,
     /// The last step's global gradient norm before clipping (jobs with `max_grad_norm`).
     pub(crate) grad_norm: Option<f64>,
+    /// The copy of another rank's shard this rank keeps (`training.buddy_copies`).
+    buddy: Option<buddy::Buddy>,
 }
 
 /// Samples of the final evaluation loss.
@@ -340,6 +343,7 @@ impl Trainer {
             tp_held: (1, 0),
             shard_held: (1, 0),
             opt_unallocated: sharded,
+            buddy: None,
             restored_extra: None,
             last_eval: None,
             ahead: (Vec::new(), 0, 0),

@@ -34,7 +34,7 @@ pub struct Pending {
 }
 
 /// Chunks of units a rank may hold: one per stage, two with `interleaved-1f1b`.
-const HELD_SLOTS: usize = 2;
+pub(super) const HELD_SLOTS: usize = 2;
 
 /// The ranks whose plan digest (at `at` in each agreement row) differs from rank `me`'s, in
 /// words, if any: their collectives would sum other tensors than this rank's.
@@ -301,9 +301,24 @@ impl Trainer {
         )
     }
 
-    /// Agree on the state at the start of a generation (see the module's comment). The outer
+    /// Agree on the state at the start of a generation (see the module's comment), then make
+    /// the generation's buddy copies where the job keeps them ([`super::buddy`]). The outer
     /// error stops the worker (no holder and no checkpoint); the inner one re-forms.
     pub(super) fn agree(
+        &mut self,
+        comm: &Arc<dyn Communicator>,
+        g: &Generation,
+        pending: &mut Option<Pending>,
+    ) -> anyhow::Result<Result<(), CommError>> {
+        let r = self.agree_state(comm, g, pending)?;
+        if r.is_err() {
+            return Ok(r);
+        }
+        Ok(self.keep_buddy(comm, g))
+    }
+
+    /// [`Trainer::agree`]'s agreement on the state.
+    fn agree_state(
         &mut self,
         comm: &Arc<dyn Communicator>,
         g: &Generation,

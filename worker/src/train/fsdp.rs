@@ -886,6 +886,8 @@ impl Trainer {
             self.sharded_update(comm, g, &grads, lr, true)?;
         }
         if self.fully_sharded() {
+            // the rows to this rank's keeper, and the world's commit, before the step applies
+            self.refresh_buddy(comm, &grads)?;
             self.step_rows(&grads, lr);
         }
         ledger_line(

@@ -200,6 +200,26 @@ pub fn move_state(
     held: &[Part],
     need: &[Part],
 ) -> Result<(Vec<Tensor>, Received), CommError> {
+    move_state_also(comm, step, chunk, elem, old, &[], new, held, need)
+}
+
+/// [`move_state`] where this rank also holds `also` (one per logical tensor, or none): a copy
+/// of another rank's state (a buddy copy, which may live in host memory), listed in `held` as
+/// this rank's parts. It serves moves the rank's own tensors do not cover, and what the rank
+/// keeps of it is copied after what it keeps of its own (a copy is offered only where it is up
+/// to date; the rank's own state may not be).
+#[allow(clippy::too_many_arguments)]
+pub fn move_state_also(
+    comm: &Arc<dyn Communicator>,
+    step: u64,
+    chunk: u64,
+    elem: &[u64],
+    old: &[(Tensor, Holding)],
+    also: &[(Tensor, Holding)],
+    new: &[Holding],
+    held: &[Part],
+    need: &[Part],
+) -> Result<(Vec<Tensor>, Received), CommError> {
     let me = comm.rank();
     let plan = redistribute::plan(elem, held, &[], need).map_err(|e| CommError::Invalid {
         op: "state transfer",
@@ -214,10 +234,12 @@ pub fn move_state(
     tch::no_grad(|| {
         for (i, h) in new.iter().enumerate() {
             for nb in &h.boxes {
-                for ob in &old[i].1.boxes {
-                    if let Some(r) = intersect(nb, ob) {
-                        let src = old[i].1.view(&old[i].0, &r).expect("inside an old box");
-                        h.view(&fresh[i], &r).expect("inside a new box").copy_(&src);
+                for (t, held) in std::iter::once(&old[i]).chain(also.get(i)) {
+                    for ob in &held.boxes {
+                        if let Some(r) = intersect(nb, ob) {
+                            let src = held.view(t, &r).expect("inside an old box");
+                            h.view(&fresh[i], &r).expect("inside a new box").copy_(&src);
+                        }
                     }
                 }
             }
@@ -230,13 +252,21 @@ pub fn move_state(
         chunk,
         |m| {
             let (t, h) = &old[m.tensor];
-            h.view(t, &m.region).ok_or_else(|| CommError::Invalid {
-                op: "state transfer",
-                reason: format!(
-                    "the plan has rank {me} send {:?} of tensor {}, which it does not hold",
-                    m.region, m.tensor
-                ),
-            })
+            let copy = || {
+                also.get(m.tensor)
+                    .and_then(|(c, ch)| ch.view(c, &m.region))
+                    .map(|v| v.to_device(t.device()))
+            };
+            // (the copy first: it is offered only up to date, the rank's own state may not be)
+            copy()
+                .or_else(|| h.view(t, &m.region))
+                .ok_or_else(|| CommError::Invalid {
+                    op: "state transfer",
+                    reason: format!(
+                        "the plan has rank {me} send {:?} of tensor {}, which it does not hold",
+                        m.region, m.tensor
+                    ),
+                })
         },
         |m| {
             new[m.tensor]
@@ -577,6 +607,57 @@ mod tests {
             local = out.into_iter().map(|(t, _)| t).collect();
             layout = next;
         }
+    }
+
+    /// A copy of another rank's state (a buddy copy) serves and keeps before the rank's own,
+    /// which may be stale: rank 0's own rows 0..3 are a step behind (-1s) and not offered, its
+    /// copy of rows 0..6 is current; rank 1's own rows 3..6 are current. After the move to rows
+    /// 0..2 and 2..6 both hold the current bits: rank 0 kept its copy's rows over its own, and
+    /// rank 1's row 2 came from rank 0's copy, not its stale own rows.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_copy_serves_and_keeps_before_the_rank_s_own_stale_state() {
+        let whole = Tensor::arange(6 * 3, (Kind::Float, Device::Cpu)).view([6, 3]);
+        let rows = |r: std::ops::Range<u64>| Holding {
+            boxes: vec![vec![r, 0..3]],
+            dim: 0,
+        };
+        let comms = mesh(2, 1).await;
+        let old = [
+            (
+                Tensor::full([3, 3], -1.0, (Kind::Float, Device::Cpu)),
+                rows(0..3),
+            ),
+            (whole.narrow(0, 3, 3).copy(), rows(3..6)),
+        ];
+        let copy = (whole.copy(), rows(0..6));
+        let new = [rows(0..2), rows(2..6)];
+        let held = [copy.1.parts(0, 0), old[1].1.parts(1, 0)].concat();
+        let need = [new[0].parts(0, 0), new[1].parts(1, 0)].concat();
+        let out: Vec<Tensor> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(r, c)| {
+                    let mine = [(old[r].0.shallow_clone(), old[r].1.clone())];
+                    let also: Vec<(Tensor, Holding)> = if r == 0 {
+                        vec![(copy.0.shallow_clone(), copy.1.clone())]
+                    } else {
+                        Vec::new()
+                    };
+                    let (new, held, need) = (&new[r], &held, &need);
+                    s.spawn(move || {
+                        let new = std::slice::from_ref(new);
+                        move_state_also(c, 5, 1 << 20, &[4], &mine, &also, new, held, need)
+                            .unwrap()
+                            .0
+                            .remove(0)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(out[0].equal(&whole.narrow(0, 0, 2)), "{out:?}");
+        assert!(out[1].equal(&whole.narrow(0, 2, 4)), "{out:?}");
     }
 
     #[test]

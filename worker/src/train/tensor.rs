@@ -16,7 +16,7 @@ use ductile_strategies::redistribute::{self, Part};
 use ductile_strategies::tensor::{held_ranges, split_of, Split};
 use tch::Tensor;
 
-use super::reshard::{holding_parts, move_state, Holding};
+use super::reshard::{holding_parts, move_state, move_state_also, Holding};
 use super::Trainer;
 
 impl Trainer {
@@ -200,7 +200,7 @@ impl Trainer {
             .iter()
             .flat_map(|m| holding_parts(m.rank, &new_of(m)))
             .collect();
-        let held: Vec<Part> = rows
+        let mut held: Vec<Part> = rows
             .iter()
             .enumerate()
             .filter(|(_, r)| at(r))
@@ -210,9 +210,18 @@ impl Trainer {
                 holding_parts(rank as u32, &hs)
             })
             .collect();
+        // the buddy copies that reach the step hold their wards' shards too
+        // (the spec is every rank's, so every rank gathers or none does)
+        if self.spec.keeps_buddy_copies() {
+            match super::gather_rows(comm.as_ref(), &self.buddy_row()) {
+                Ok(copies) => held.extend(self.buddy_parts(&copies, step)),
+                Err(e) => return Ok(Err(e)),
+            }
+        }
         let elem = self.elem_sizes();
         let mine = new_of(me);
         if let Err(e) = redistribute::plan(&elem, &held, &[], &need) {
+            self.drop_buddy();
             // no live rank holds some of the state: the latest checkpoint's, or the seed's
             // where the checkpoint URL holds no commit yet (said once, by rank 0, and done in
             // this generation); a job without a checkpoint stops (the leader fails it first)
@@ -256,13 +265,18 @@ impl Trainer {
             .map(|t| t.detach())
             .zip(self.holdings_of(&self.held, self.tp_held.0, self.tp_held.1, self.shard_held))
             .collect();
+        let also = self.buddy_at(step);
         let t0 = std::time::Instant::now();
         let chunk = self.transfer_chunk();
-        let (fresh, got) = match move_state(comm, step, chunk, &elem, &old, &mine, &held, &need) {
+        let moved = move_state_also(comm, step, chunk, &elem, &old, &also, &mine, &held, &need);
+        let (fresh, got) = match moved {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
         drop(old);
+        drop(also);
+        // (the generation makes its copies anew once the agreement is done)
+        self.drop_buddy();
         self.install(fresh);
         let group = match Self::tensor_group(comm, g, me) {
             Ok(grp) => grp,
