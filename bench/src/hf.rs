@@ -512,20 +512,36 @@ pub async fn hf_load(model: &Path) -> anyhow::Result<()> {
 /// SIGKILL of one rank (its shard has no replica: every rank reads its rows of the last commit)
 /// → the first step after, a `dctl scale 3` (the rows re-cut live: the leaver hands its rows
 /// over) → the first step at 3, and a `dctl scale 4` → the first step at 4.
-pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()> {
+///
+/// `architecture = "135m"` keeps the set-up model's own architecture (a quarter of the
+/// memory); `buddy_copies = false` turns the job's buddy copies off, so the SIGKILL's shard
+/// comes from the last commit as it did before them.
+pub async fn fsdp_elastic(
+    tokenizer_from: &Path,
+    ctx: u32,
+    architecture: &str,
+    buddy_copies: bool,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        ["360m", "135m"].contains(&architecture),
+        "--architecture is 360m or 135m"
+    );
     let dir = TempDir::new("fsdp360");
-    let model = dir.path().join("smollm2-360m-architecture");
+    let model = dir
+        .path()
+        .join(format!("smollm2-{architecture}-architecture"));
     std::fs::create_dir_all(&model)?;
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
         tokenizer_from.join("config.json"),
     )?)?;
-    for (k, v) in [
+    let wider = [
         ("hidden_size", 960),
         ("intermediate_size", 2560),
         ("num_hidden_layers", 32),
         ("num_attention_heads", 15),
         ("num_key_value_heads", 5),
-    ] {
+    ];
+    for (k, v) in wider.into_iter().filter(|_| architecture == "360m") {
         cfg[k] = v.into();
     }
     std::fs::write(model.join("config.json"), cfg.to_string())?;
@@ -539,7 +555,7 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
         ..Spec::default().agents(2, 2)
     });
     let extra = format!(
-        "init = \"random\"\nsharding = \"full\"\n[checkpoint]\nurl = \"file://{}/ck\"\ninterval = 3\nkeep = 1",
+        "init = \"random\"\nsharding = \"full\"\nbuddy_copies = {buddy_copies}\n[checkpoint]\nurl = \"file://{}/ck\"\ninterval = 3\nkeep = 1",
         dir.path().display()
     );
     c.submit(&hf_job(4, &model, &data, 4, ctx, &extra));
@@ -562,7 +578,7 @@ pub async fn fsdp_elastic(tokenizer_from: &Path, ctx: u32) -> anyhow::Result<()>
         .collect();
     let peaks = peaks_mib(&c);
     println!(
-        "fsdp-elastic: SmolLM2-360M architecture, world 4, sharding full, batch 4 x {ctx}: {} per rank ({:.2} GB of parameters and AdamW state each; 5.8 GB per replica), peak resident memory {}",
+        "fsdp-elastic: SmolLM2-{architecture} architecture, world 4, sharding full, buddy copies {buddy_copies}, batch 4 x {ctx}: {} per rank ({:.2} GB of parameters and AdamW state each), peak resident memory {}",
         v.layout.map(|l| l.to_string()).unwrap_or_default(),
         state.iter().cloned().max().unwrap_or(0) as f64 / 1e9,
         mib_list(&peaks)

@@ -225,6 +225,14 @@ enum Cmd {
         model: Option<std::path::PathBuf>,
         #[arg(long, default_value_t = 64)]
         ctx: u32,
+        /// `360m` (SmolLM2-360M's architecture, the default) or `135m` (the set-up's model's
+        /// own architecture: a quarter of the memory, for runs beside others).
+        #[arg(long, default_value = "360m")]
+        architecture: String,
+        /// Whether the job keeps buddy copies (`training.buddy_copies`, ductile's default): the
+        /// SIGKILL's shard from its copy, or with `false` from the last commit.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        buddy_copies: bool,
     },
     DdpStep {
         #[arg(long)]
@@ -604,7 +612,12 @@ async fn main() -> anyhow::Result<()> {
             .await
         }
         Cmd::HfLoad { model } => hf::hf_load(&smollm2_or(model)?).await,
-        Cmd::FsdpElastic { model, ctx } => hf::fsdp_elastic(&smollm2_or(model)?, ctx).await,
+        Cmd::FsdpElastic {
+            model,
+            ctx,
+            architecture,
+            buddy_copies,
+        } => hf::fsdp_elastic(&smollm2_or(model)?, ctx, &architecture, buddy_copies).await,
         Cmd::DdpStep {
             model,
             world,

@@ -469,7 +469,7 @@ fn gpt2_loads_by_plan_trains_tensor_and_pipeline_parallel_through_kills_bitwise_
     let v = c.wait_world("fsdp", 4, S(60));
     assert_eq!(v.layout.unwrap().to_string(), "dp4(shard4)×pp1×tp1");
     c.wait_step("fsdp", 10, S(120));
-    // (a lost shard: every rank restores its rows from the last commit)
+    // (a lost rank: its shard from its buddy copy, at the step reached)
     let last = c.history("fsdp").last().unwrap().number;
     unsafe { libc::kill(v.members[3].pid.unwrap() as i32, libc::SIGKILL) };
     c.wait_for(S(60), "the generation after the kill", || {

@@ -846,7 +846,7 @@ struct ShardedLoss {
     lines: Vec<String>,
 }
 
-fn sharded_job_losing(kill: &[usize], extra: &str) -> ShardedLoss {
+fn sharded_job_losing(kill: &[usize], extra: &str, job_extra: &str) -> ShardedLoss {
     let c = Cluster::start(Spec {
         restart_backoff_ms: 300,
         ..Spec::default().agents(2, 2)
@@ -856,18 +856,34 @@ fn sharded_job_losing(kill: &[usize], extra: &str) -> ShardedLoss {
     let recipe = RECIPE
         .replace("warmup_steps = 100", "warmup_steps = 10")
         .replace("decay_steps = 300", "decay_steps = 40");
-    let train = |name: &str, extra: &str| {
+    let train = |name: &str, extra: &str, job_extra: &str| {
         format!(
             "{}max_steps = {STEPS}\ndeterministic = true\nlogical_shards = 4\nmax_grad_norm = 1.0\n{recipe}{extra}\n[training.model_config]\nd_model = 32\nn_layer = 2\nn_head = 4\n[checkpoint]\nurl = \"file://{}/ck-{name}\"\ninterval = 100000\n",
-            training_toml(name, 1, 4, 4, "gpt", &data, "restart_budget = 50"),
+            training_toml(
+                name,
+                1,
+                4,
+                4,
+                "gpt",
+                &data,
+                &format!("restart_budget = 50\n{job_extra}"),
+            ),
             c.dir.path().display()
         )
     };
-    c.submit(&train("once", "sharding = \"full\"\nbuddy_copies = false"));
+    c.submit(&train(
+        "once",
+        "sharding = \"full\"\nbuddy_copies = false",
+        "",
+    ));
     c.wait_done("once", S(180));
     let reference = final_hashes(&c, "once");
 
-    c.submit(&train("lose", &format!("sharding = \"full\"\n{extra}")));
+    c.submit(&train(
+        "lose",
+        &format!("sharding = \"full\"\n{extra}"),
+        job_extra,
+    ));
     let v = c.wait_world("lose", 4, S(30));
     c.wait_step("lose", 8, S(60));
     let before = c.history("lose").last().unwrap().number;
@@ -903,7 +919,7 @@ fn sharded_job_losing(kill: &[usize], extra: &str) -> ShardedLoss {
 /// uninterrupted run's bits.
 #[test]
 fn training_a_sharded_job_without_a_commit_yet_starts_over_from_the_seed_once_and_says_so() {
-    let run = sharded_job_losing(&[1], "buddy_copies = false");
+    let run = sharded_job_losing(&[1], "buddy_copies = false", "");
     let failures: Vec<&Generation> = run
         .after
         .iter()
@@ -952,27 +968,53 @@ fn training_a_sharded_job_without_a_commit_yet_starts_over_from_the_seed_once_an
 /// optimizer update, clipped gradients included).
 #[test]
 fn training_a_sharded_job_loses_no_step_when_a_rank_or_a_node_dies_its_shards_from_buddy_copies() {
-    // (the two SIGKILLs of a node's ranks may reach the leader apart: a generation each)
-    for (kill, says) in [
+    // (the two SIGKILLs of a node's ranks may reach the leader apart: a generation each; the
+    // injected exits land on either side of step 20's commit, rank 1's rows sent to its keeper:
+    // then no rank applies the step, or every other rank does)
+    let exit = |side: &str| {
+        format!("allow_fault_injection = true\nenv = {{ DUCTILE_FAULT_EXIT_AT_COMMIT = \"1:20:{side}\" }}")
+    };
+    let runs = [
         (
-            &[1usize][..],
+            vec![1],
             "shards 1 of 4 come from their buddy copies (generation 1's ranks 3)",
+            String::new(),
+            0,
         ),
-        (&[0, 1][..], "come from their buddy copies (generation "),
-    ] {
-        let run = sharded_job_losing(kill, "");
+        (
+            vec![0, 1],
+            "come from their buddy copies (generation ",
+            String::new(),
+            0,
+        ),
+        (
+            vec![],
+            "shards 1 of 4 come from their buddy copies",
+            exit("before"),
+            20,
+        ),
+        (
+            vec![],
+            "shards 1 of 4 come from their buddy copies",
+            exit("after"),
+            21,
+        ),
+    ];
+    for (kill, says, job_extra, from) in runs {
+        let run = sharded_job_losing(&kill, "", &job_extra);
+        let tag = format!("{kill:?} {job_extra}");
         let failures: Vec<&Generation> = run
             .after
             .iter()
             .filter(|g| g.reason == Reason::Failure)
             .collect();
         assert!(
-            (1..=kill.len()).contains(&failures.len()),
-            "{kill:?}: a generation for each loss at most: {:#?}",
+            (1..=kill.len().max(1)).contains(&failures.len()),
+            "{tag}: a generation for each loss at most: {:#?}",
             run.after
         );
         for g in &failures {
-            assert!(g.detail.contains(says), "{kill:?}: {}", g.detail);
+            assert!(g.detail.contains(says), "{tag}: {}", g.detail);
         }
         let g = failures.last().unwrap();
         // (each member's own line: the job's records of its joins go when it ends)
@@ -990,12 +1032,11 @@ fn training_a_sharded_job_loses_no_step_when_a_rank_or_a_node_dies_its_shards_fr
                     .ok()
             })
             .collect();
+        let least = run.killed_at.max(from).max(1);
         assert!(
-            steps.len() == g.world_size as usize
-                && steps.iter().all(|s| *s >= run.killed_at && *s > 0),
-            "{kill:?}: every member of generation {} joins at the step reached (at least {}): {steps:?}",
+            steps.len() == g.world_size as usize && steps.iter().all(|s| *s >= least),
+            "{tag}: every member of generation {} joins at the step reached (at least {least}): {steps:?}",
             g.number,
-            run.killed_at
         );
         for said in [
             "restores",
@@ -1005,7 +1046,7 @@ fn training_a_sharded_job_loses_no_step_when_a_rank_or_a_node_dies_its_shards_fr
         ] {
             assert!(
                 !run.lines.iter().any(|l| l.contains(said)),
-                "{kill:?}: no rank says \"{said}\": {:#?}",
+                "{tag}: no rank says \"{said}\": {:#?}",
                 run.lines
             );
         }
@@ -1017,7 +1058,7 @@ fn training_a_sharded_job_loses_no_step_when_a_rank_or_a_node_dies_its_shards_fr
         assert_eq!(
             final_hashes(&run.c, "lose"),
             run.reference,
-            "{kill:?}: the run that lost ranks ends with the uninterrupted run's bits"
+            "{tag}: the run that lost ranks ends with the uninterrupted run's bits"
         );
     }
 }

@@ -17,6 +17,11 @@
 //! `DUCTILE_FAULT_STALE_SEED_PLACE=1`: a new process of a fully sharded job makes its seed's
 //! rows for the shard place after its own, as a process whose world changed between its start
 //! and its first agreement does.
+//! `DUCTILE_FAULT_EXIT_AT_COMMIT=RANK:STEP:before|after`: a fully sharded job with buddy
+//! copies: at step STEP of the job's first generation the worker of rank RANK, having sent its
+//! gradient rows to its copy's keeper, exits before the step's commit (`before`: no rank applies
+//! the step) or after it (`after`: every other rank applies it, this one does not). Only in
+//! the first generation, so the re-formed world goes on past the step.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,6 +33,30 @@ static EXIT_BETWEEN_EXCHANGES: OnceLock<Option<(u32, Every)>> = OnceLock::new();
 static EXIT_MID_DECIDE: OnceLock<Option<Every>> = OnceLock::new();
 static OLD_BUCKET_PLAN: OnceLock<Option<String>> = OnceLock::new();
 static STALE_SEED_PLACE: OnceLock<bool> = OnceLock::new();
+static EXIT_AT_COMMIT: OnceLock<Option<(u32, CommitPoint)>> = OnceLock::new();
+
+/// A step and a side of its commit (`STEP:before` or `STEP:after`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CommitPoint {
+    step: u64,
+    after: bool,
+}
+
+impl FromStr for CommitPoint {
+    type Err = ();
+    fn from_str(s: &str) -> Result<CommitPoint, ()> {
+        let (step, side) = s.split_once(':').ok_or(())?;
+        let after = match side {
+            "before" => false,
+            "after" => true,
+            _ => return Err(()),
+        };
+        Ok(CommitPoint {
+            step: step.parse().map_err(|_| ())?,
+            after,
+        })
+    }
+}
 
 /// A point (a round, a count of positions) and, optionally, the period it repeats at.
 #[derive(Clone, Copy, Debug)]
@@ -117,6 +146,11 @@ pub fn init(allowed: bool) -> anyhow::Result<()> {
         Some(s) => anyhow::bail!("DUCTILE_FAULT_STALE_SEED_PLACE={s:?} is not 0 or 1"),
     };
     let _ = STALE_SEED_PLACE.set(stale);
+    let _ = EXIT_AT_COMMIT.set(pair(
+        "DUCTILE_FAULT_EXIT_AT_COMMIT",
+        "RANK:STEP:before|after",
+        allowed,
+    )?);
     Ok(())
 }
 
@@ -169,6 +203,15 @@ pub fn exit_mid_decide(before: u64, after: u64) -> bool {
     matches!(EXIT_MID_DECIDE.get(), Some(Some(n)) if n.index(after).is_some() && n.index(before) != n.index(after))
 }
 
+/// Exit now if rank `rank` of generation `generation` is told to leave step `step` at this
+/// side of its commit (`after`).
+pub fn exit_at_commit(generation: u64, rank: u32, step: u64, after: bool) {
+    if generation == 1 && EXIT_AT_COMMIT.get() == Some(&Some((rank, CommitPoint { step, after }))) {
+        let side = if after { "after" } else { "before" };
+        exit_now(&format!("exiting {side} the commit of step {step}"));
+    }
+}
+
 /// Exit as a killed process would (status 137), a second after saying why: what it sent
 /// last reaches its peers first.
 pub fn exit_now(why: &str) -> ! {
@@ -193,5 +236,11 @@ mod tests {
         assert!(every.hits(3) && every.hits(8) && !every.hits(5) && !every.hits(2));
         assert_eq!((every.index(7), every.index(8)), (Some(0), Some(1)));
         assert!("3:0".parse::<Every>().is_err() && "x".parse::<Every>().is_err());
+        let p: CommitPoint = "20:after".parse().unwrap();
+        assert_eq!((p.step, p.after), (20, true));
+        assert!("20:before".parse::<CommitPoint>().is_ok_and(|p| !p.after));
+        assert!(
+            "20".parse::<CommitPoint>().is_err() && "20:during".parse::<CommitPoint>().is_err()
+        );
     }
 }

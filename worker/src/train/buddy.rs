@@ -5,9 +5,10 @@
 //! the ring ([`ductile_strategies::buddy::keepers`]) puts the copy on another node where the job
 //! has one. The copy is made whole once per generation, when the agreement is done, and kept
 //! current every step by the ward's reduced (clipped) gradient rows, which the ward sends its
-//! keeper before anyone applies the step: the keeper folds them in with the same optimizer
-//! update the ward runs (elementwise, so the copy has the ward's bits), lazily, at the next
-//! step's refresh or when the copy is needed.
+//! keeper before anyone applies the step: once the step commits, the keeper folds them in with
+//! the same optimizer update the ward runs (elementwise, so the copy has the ward's bits), on a
+//! thread of its own while the next step computes; where the commit did not pass on the keeper,
+//! the rows wait, and are folded in if the agreement needs the copy at the step after.
 //!
 //! The step's commit: every rank sends its rows to its keeper, then the world passes a host
 //! barrier, then each applies its step. A rank that passes the barrier knows that every keeper
@@ -41,10 +42,36 @@ pub(crate) struct Buddy {
     holdings: Vec<Holding>,
     /// Host copies, one per state tensor (empty where the ward holds nothing of it).
     tensors: Vec<Tensor>,
-    /// The step the copy's tensors are at.
+    /// The step the copy's tensors are at (once `folding` is done).
     step: u64,
-    /// The ward's gradient rows of step `step`, not yet folded in.
+    /// The ward's gradient rows of step `step`, not yet folded in (the step's commit did not
+    /// pass here).
     pending: Option<Vec<Tensor>>,
+    /// The fold of the last committed step's rows, on a thread of its own.
+    folding: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Buddy {
+    /// Wait for the fold in flight, if any: the tensors are then at `step`.
+    fn settle(&mut self) {
+        if let Some(h) = self.folding.take() {
+            if h.join().is_err() {
+                // (a panic in the fold: the copy's bits are unknown, so it offers nothing)
+                tracing::error!(
+                    ward = self.ward,
+                    "the buddy copy's fold panicked: dropping the copy"
+                );
+                self.holdings.iter_mut().for_each(|h| h.boxes.clear());
+                self.chunks.clear();
+            }
+        }
+    }
+}
+
+impl Drop for Buddy {
+    fn drop(&mut self) {
+        self.settle();
+    }
 }
 
 /// Length of a buddy row in the agreement: [copy step, pending (0/1), shard group size,
@@ -131,44 +158,46 @@ impl Trainer {
             tensors,
             step: self.step,
             pending: None,
+            folding: None,
         });
         Ok(())
     }
 
-    /// Fold the copy's pending gradient rows in: the ward's step `step` as the ward ran it.
+    /// Fold the copy's pending gradient rows in: the ward's step `step` as the ward ran it
+    /// (the same elementwise update on the same bits), on a thread of its own, so the step
+    /// goes on meanwhile; [`Buddy::settle`] waits for it before the copy is read or folded again.
     fn fold_buddy(&mut self) {
+        let (n, per) = (self.params.len(), self.opt.per());
+        let kind = self.opt.kind;
+        let decays: Vec<bool> = (0..n).map(|i| self.opt.decays(i)).collect();
         let Some(b) = self.buddy.as_mut() else {
             return;
         };
+        b.settle();
         let Some(grads) = b.pending.take() else {
             return;
         };
-        let (n, per) = (self.params.len(), self.opt.per());
         let lr = self.spec.lr_plan().at(b.step);
-        for (i, gr) in grads.iter().enumerate() {
-            if b.tensors[i].numel() == 0 {
-                continue;
-            }
-            let mut st: Vec<Tensor> = (0..per)
-                .map(|j| b.tensors[n + per * i + j].shallow_clone())
-                .collect();
-            crate::optim::apply(
-                &self.opt.kind,
-                self.opt.decays(i),
-                &mut st,
-                &b.tensors[i],
-                gr,
-                lr,
-                b.step,
-            );
-        }
+        let step = b.step;
+        let tensors: Vec<Tensor> = b.tensors.iter().map(|t| t.shallow_clone()).collect();
         b.step += 1;
+        b.folding = Some(std::thread::spawn(move || {
+            for (i, gr) in grads.iter().enumerate() {
+                if tensors[i].numel() == 0 {
+                    continue;
+                }
+                let mut st: Vec<Tensor> = (0..per)
+                    .map(|j| tensors[n + per * i + j].shallow_clone())
+                    .collect();
+                crate::optim::apply(&kind, decays[i], &mut st, &tensors[i], gr, lr, step);
+            }
+        }));
     }
 
     /// A step's refresh, before the step is applied: this rank's gradient rows `grads` (reduced
-    /// and clipped: what its optimizer steps with) to its keeper, its ward's into the copy
-    /// (the previous step's folded in first), then a barrier of the world: past it, every
-    /// keeper holds its ward's rows of this step.
+    /// and clipped: what its optimizer steps with) to its keeper, its ward's kept as pending,
+    /// then a barrier of the world (the step's commit: past it, every keeper holds its ward's
+    /// rows of this step), then the fold of those rows into the copy starts.
     pub(super) fn refresh_buddy(
         &mut self,
         comm: &Arc<dyn Communicator>,
@@ -197,10 +226,11 @@ impl Trainer {
         let send = comm.place(&super::flat(grads));
         let recv = comm.zeros(&[counts], Kind::Float);
         comm.exchange(&[(keeper, &send)], &[(ward, &recv)])?;
-        self.fold_buddy();
         let host = recv.tensor().to_device(Device::Cpu);
         let b = self.buddy.as_mut().expect("checked above");
+        b.settle();
         b.pending = Some(split(&host, &b.holdings[..n]));
+        crate::faults::exit_at_commit(comm.generation(), comm.rank(), self.step, false);
         // the step's commit: every rank's rows are with their keepers
         let steps = comm.host().all_gather_f64(&[self.step as f64])?;
         if let Some((r, s)) = steps
@@ -215,6 +245,9 @@ impl Trainer {
                 reason: format!("at step {:?}, this rank at {}", s.first(), self.step),
             });
         }
+        crate::faults::exit_at_commit(comm.generation(), comm.rank(), self.step, true);
+        // committed: the copy goes on to the next step beside this rank's own
+        self.fold_buddy();
         Ok(())
     }
 
@@ -238,9 +271,18 @@ impl Trainer {
     /// each keeper's parts (as its own rank's), for the redistribution plan; a copy one step
     /// behind with that step's rows pending serves it too (its keeper folds them in first).
     pub(super) fn buddy_parts(&self, rows: &[Vec<f64>], step: u64) -> Vec<Part> {
+        let units = self.units() as f64;
+        // (a peer's row is checked before it is read: a shard place inside its group, chunks
+        // inside the model; a row that is not offers nothing)
+        let sound = |r: &[f64]| {
+            r.len() == row_len()
+                && r[2] >= 1.0
+                && (0.0..r[2]).contains(&r[3])
+                && r[4..].iter().all(|c| (-1.0..=units).contains(c))
+        };
         rows.iter()
             .enumerate()
-            .filter(|(_, r)| r.len() == row_len() && Self::copy_reaches(r, step))
+            .filter(|(_, r)| sound(r) && Self::copy_reaches(r, step))
             .flat_map(|(rank, r)| {
                 let chunks: Vec<Range<usize>> = r[4..]
                     .chunks(2)
@@ -272,7 +314,8 @@ impl Trainer {
         if self.buddy.as_ref().is_some_and(|b| b.step < step) {
             self.fold_buddy();
         }
-        let b = self.buddy.as_ref().expect("checked");
+        let b = self.buddy.as_mut().expect("checked");
+        b.settle();
         b.tensors
             .iter()
             .map(|t| t.shallow_clone())
