@@ -117,6 +117,9 @@ pub struct Trainer {
     pub(crate) grad_norm: Option<f64>,
     /// The copy of another rank's shard this rank keeps (`training.buddy_copies`).
     buddy: Option<buddy::Buddy>,
+    /// Whether every member of the current generation's build keeps buddy copies (its
+    /// agreement row says so).
+    buddy_peers: bool,
 }
 
 /// Samples of the final evaluation loss.
@@ -344,6 +347,7 @@ impl Trainer {
             shard_held: (1, 0),
             opt_unallocated: sharded,
             buddy: None,
+            buddy_peers: false,
             restored_extra: None,
             last_eval: None,
             ahead: (Vec::new(), 0, 0),

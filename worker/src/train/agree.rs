@@ -36,6 +36,15 @@ pub struct Pending {
 /// Chunks of units a rank may hold: one per stage, two with `interleaved-1f1b`.
 pub(super) const HELD_SLOTS: usize = 2;
 
+/// The marker a build that gathers buddy rows ([`super::buddy`]) puts in its first free chunk
+/// slot of the agreement row: an empty chunk to any reader (negative bounds saturate to 0).
+const BUDDY_ROWS: f64 = -2.0;
+
+/// Whether a row's chunk slots carry the [`BUDDY_ROWS`] marker.
+fn speaks_buddy_rows(slots: &[f64]) -> bool {
+    slots.chunks(2).any(|c| c == [BUDDY_ROWS; 2])
+}
+
 /// The ranks whose plan digest (at `at` in each agreement row) differs from rank `me`'s, in
 /// words, if any: their collectives would sum other tensors than this rank's.
 fn plan_mismatch(rows: &[Vec<f64>], at: usize, me: u32) -> Option<String> {
@@ -341,8 +350,13 @@ impl Trainer {
             self.shard_held.1 as f64,
         ];
         for k in 0..HELD_SLOTS {
-            let r = self.held.get(k).cloned().unwrap_or(0..0);
-            row.extend([r.start as f64, r.end as f64]);
+            match self.held.get(k) {
+                Some(r) => row.extend([r.start as f64, r.end as f64]),
+                // the first free slot says this build gathers buddy rows (an older build reads
+                // it as an empty chunk, as it reads a free slot)
+                None if k == self.held.len() => row.extend([BUDDY_ROWS; 2]),
+                None => row.extend([0.0; 2]),
+            }
         }
         assert!(
             self.held.len() <= HELD_SLOTS,
@@ -357,6 +371,9 @@ impl Trainer {
         if let Some(e) = plan_mismatch(&rows, digest_at, comm.rank()) {
             anyhow::bail!("generation {}: {e}", g.number);
         }
+        // buddy copies only where every member's build keeps them (a rolling upgrade mixes
+        // builds: the world then moves state as before and makes no copies)
+        self.buddy_peers = rows.iter().all(|r| speaks_buddy_rows(&r[6..digest_at]));
         let held_by = |r: &[f64]| -> Vec<Range<usize>> {
             r[6..digest_at]
                 .chunks(2)
@@ -523,7 +540,18 @@ impl Trainer {
 
 #[cfg(test)]
 mod tests {
-    use super::plan_mismatch;
+    use super::{plan_mismatch, speaks_buddy_rows, BUDDY_ROWS};
+
+    /// The marker rides in a free chunk slot, which every build reads as an empty chunk.
+    #[test]
+    fn the_buddy_marker_is_an_empty_chunk_to_every_reader() {
+        let new = [0.0, 5.0, BUDDY_ROWS, BUDDY_ROWS];
+        let old = [0.0, 5.0, 0.0, 0.0];
+        assert!(speaks_buddy_rows(&new) && !speaks_buddy_rows(&old));
+        // (an older build's reading: `c[0] as usize..c[1] as usize`)
+        let chunk = BUDDY_ROWS as usize..BUDDY_ROWS as usize;
+        assert!(chunk.is_empty() && chunk == (0..0));
+    }
 
     #[test]
     fn a_rank_whose_plan_digest_differs_is_named() {

@@ -100,7 +100,7 @@ impl Trainer {
     /// This rank's (keeper, ward) in `g`, where the job keeps buddy copies and `g`'s layout
     /// gives each shard one holder.
     fn buddies_of(&self, g: &Generation, rank: u32) -> Option<(u32, u32)> {
-        if !self.spec.keeps_buddy_copies() {
+        if !self.spec.keeps_buddy_copies() || !self.buddy_peers {
             return None;
         }
         let keepers = ductile_strategies::buddy::of_generation(g)?;

@@ -211,8 +211,8 @@ impl Trainer {
             })
             .collect();
         // the buddy copies that reach the step hold their wards' shards too
-        // (the spec is every rank's, so every rank gathers or none does)
-        if self.spec.keeps_buddy_copies() {
+        // (the spec and the agreement's rows are every rank's, so every rank gathers or none)
+        if self.spec.keeps_buddy_copies() && self.buddy_peers {
             match super::gather_rows(comm.as_ref(), &self.buddy_row()) {
                 Ok(copies) => held.extend(self.buddy_parts(&copies, step)),
                 Err(e) => return Ok(Err(e)),
