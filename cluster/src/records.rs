@@ -2517,23 +2517,23 @@ impl TrainingSpec {
                 ));
             }
         }
-        if self.buddy_copies.is_some() && self.sharding != Sharding::Full {
-            return Err(ClusterError::invalid(
-                "training.buddy_copies",
-                format!(
-                    "applies to sharding = \"full\" (the parameters sharded), not \"{}\"",
-                    self.sharding
-                ),
-            ));
-        }
-        if self.reshard_after_forward.is_some() && self.sharding != Sharding::Full {
-            return Err(ClusterError::invalid(
+        // the keys of full sharding alone
+        for (key, set) in [
+            ("training.buddy_copies", self.buddy_copies.is_some()),
+            (
                 "training.reshard_after_forward",
-                format!(
-                    "applies to sharding = \"full\" (the parameters sharded), not \"{}\"",
-                    self.sharding
-                ),
-            ));
+                self.reshard_after_forward.is_some(),
+            ),
+        ] {
+            if set && self.sharding != Sharding::Full {
+                return Err(ClusterError::invalid(
+                    key,
+                    format!(
+                        "applies to sharding = \"full\" (the parameters sharded), not \"{}\"",
+                        self.sharding
+                    ),
+                ));
+            }
         }
         if let Some(k) = self.transfer_chunk_kib {
             if !(1..=(4 << 20)).contains(&k) {

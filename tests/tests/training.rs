@@ -496,12 +496,14 @@ fn kill_loses_no_step(c: &Cluster, job: &str, v: &JobView, k: usize, at: u64) {
     assert!(g.detail.contains(&says), "{says}: {}", g.detail);
     c.wait_world(job, 4, S(60));
     let h = c.history(job);
-    assert!(
-        h.iter()
-            .filter(|g| g.number > before)
-            .all(|g| g.state_source != StateSource::Checkpoint),
-        "{h:#?}"
-    );
+    assert!(no_restore_since(&h, before), "{h:#?}");
+}
+
+/// Whether no generation of `h` after generation `before` restores from a checkpoint.
+fn no_restore_since(h: &[Generation], before: u64) -> bool {
+    h.iter()
+        .filter(|g| g.number > before)
+        .all(|g| g.state_source != StateSource::Checkpoint)
 }
 
 /// `dctl scale` `job` through `worlds`, 30 steps at each: no generation since restores from a
@@ -515,9 +517,7 @@ fn resize_in_place(c: &Cluster, job: &str, worlds: &[u32]) -> Vec<Generation> {
     }
     let h = c.history(job);
     assert!(
-        h.iter()
-            .filter(|g| g.number > before)
-            .all(|g| g.state_source != StateSource::Checkpoint),
+        no_restore_since(&h, before),
         "a resize re-cuts the shards in place: {h:#?}"
     );
     h

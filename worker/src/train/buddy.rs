@@ -301,14 +301,10 @@ impl Trainer {
     }
 
     /// This rank's copy as (tensor, holding) per state tensor, brought to `step` (its pending
-    /// rows folded in where that reaches it), for [`super::reshard::move_state_also`]; none
+    /// rows folded in where that reaches it), for [`super::reshard::move_state`]; none
     /// where the copy cannot reach `step`.
     pub(super) fn buddy_at(&mut self, step: u64) -> Vec<(Tensor, Holding)> {
-        let reaches = self
-            .buddy
-            .as_ref()
-            .is_some_and(|b| Self::copy_reaches(&self.buddy_row(), step) && b.step <= step);
-        if !reaches {
+        if self.buddy.is_none() || !Self::copy_reaches(&self.buddy_row(), step) {
             return Vec::new();
         }
         if self.buddy.as_ref().is_some_and(|b| b.step < step) {
@@ -321,10 +317,5 @@ impl Trainer {
             .map(|t| t.shallow_clone())
             .zip(b.holdings.iter().cloned())
             .collect()
-    }
-
-    /// Drop the copy (its memory) where the agreement no longer needs it.
-    pub(super) fn drop_buddy(&mut self) {
-        self.buddy = None;
     }
 }

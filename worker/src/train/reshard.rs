@@ -189,27 +189,14 @@ impl Holding {
 /// same lists on every rank); `elem` the element size of each logical tensor; `chunk` the most
 /// elements a pair moves in one round ([`transfer`]). Returns the new tensors and what was
 /// received.
+///
+/// `also` (one per logical tensor, or none) is a copy of another rank's state this rank holds
+/// too (a buddy copy, which may live in host memory), listed in `held` as this rank's parts.
+/// It serves moves the rank's own tensors do not cover, and what the rank keeps of it is copied
+/// after what it keeps of its own (a copy is offered only where it is up to date; the rank's
+/// own state may not be).
 #[allow(clippy::too_many_arguments)]
 pub fn move_state(
-    comm: &Arc<dyn Communicator>,
-    step: u64,
-    chunk: u64,
-    elem: &[u64],
-    old: &[(Tensor, Holding)],
-    new: &[Holding],
-    held: &[Part],
-    need: &[Part],
-) -> Result<(Vec<Tensor>, Received), CommError> {
-    move_state_also(comm, step, chunk, elem, old, &[], new, held, need)
-}
-
-/// [`move_state`] where this rank also holds `also` (one per logical tensor, or none): a copy
-/// of another rank's state (a buddy copy, which may live in host memory), listed in `held` as
-/// this rank's parts. It serves moves the rank's own tensors do not cover, and what the rank
-/// keeps of it is copied after what it keeps of its own (a copy is offered only where it is up
-/// to date; the rank's own state may not be).
-#[allow(clippy::too_many_arguments)]
-pub fn move_state_also(
     comm: &Arc<dyn Communicator>,
     step: u64,
     chunk: u64,
@@ -422,7 +409,7 @@ pub fn move_state_in_process(
                     .zip(old[&r].clone())
                     .collect();
                 let (new, held, need) = (&new[&r], &held, &need);
-                s.spawn(move || move_state(c, step, chunk, elem, &mine, new, held, need))
+                s.spawn(move || move_state(c, step, chunk, elem, &mine, &[], new, held, need))
             })
             .collect();
         hs.into_iter()
@@ -647,7 +634,7 @@ mod tests {
                     let (new, held, need) = (&new[r], &held, &need);
                     s.spawn(move || {
                         let new = std::slice::from_ref(new);
-                        move_state_also(c, 5, 1 << 20, &[4], &mine, &also, new, held, need)
+                        move_state(c, 5, 1 << 20, &[4], &mine, &also, new, held, need)
                             .unwrap()
                             .0
                             .remove(0)

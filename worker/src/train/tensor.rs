@@ -16,7 +16,7 @@ use ductile_strategies::redistribute::{self, Part};
 use ductile_strategies::tensor::{held_ranges, split_of, Split};
 use tch::Tensor;
 
-use super::reshard::{holding_parts, move_state, move_state_also, Holding};
+use super::reshard::{holding_parts, move_state, Holding};
 use super::Trainer;
 
 impl Trainer {
@@ -221,7 +221,7 @@ impl Trainer {
         let elem = self.elem_sizes();
         let mine = new_of(me);
         if let Err(e) = redistribute::plan(&elem, &held, &[], &need) {
-            self.drop_buddy();
+            self.buddy = None;
             // no live rank holds some of the state: the latest checkpoint's, or the seed's
             // where the checkpoint URL holds no commit yet (said once, by rank 0, and done in
             // this generation); a job without a checkpoint stops (the leader fails it first)
@@ -268,7 +268,7 @@ impl Trainer {
         let also = self.buddy_at(step);
         let t0 = std::time::Instant::now();
         let chunk = self.transfer_chunk();
-        let moved = move_state_also(comm, step, chunk, &elem, &old, &also, &mine, &held, &need);
+        let moved = move_state(comm, step, chunk, &elem, &old, &also, &mine, &held, &need);
         let (fresh, got) = match moved {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
@@ -276,7 +276,7 @@ impl Trainer {
         drop(old);
         drop(also);
         // (the generation makes its copies anew once the agreement is done)
-        self.drop_buddy();
+        self.buddy = None;
         self.install(fresh);
         let group = match Self::tensor_group(comm, g, me) {
             Ok(grp) => grp,
@@ -348,6 +348,7 @@ impl Trainer {
             self.transfer_chunk(),
             &self.elem_sizes(),
             &old,
+            &[],
             &mine,
             &held,
             &need,
